@@ -1,0 +1,194 @@
+//! What a backend implements so that a driver — the blocking loop here, or the async reactor of
+//! `epflow-async` — can run its operations.
+//!
+//! Every operation is a [`PendingOp`]: a small state machine whose steps never block. A driver
+//! runs it as: take the slot (if [`PendingOp::needs_slot`]) → wait for
+//! [`PendingOp::poll_send_ready`] → [`PendingOp::send`] → [`PendingOp::start_complete`] → wait for
+//! [`PendingOp::poll_complete`] → [`PendingOp::finish`]. Every wait is bounded by the group's
+//! timeout; on expiry the driver poisons the group.
+//!
+//! If the caller abandons an operation before its send, the driver calls [`PendingOp::cancel`] and
+//! still runs it to the end: the peers receive a cancellation marker instead of data (their
+//! operation fails with [`Error::PeerCancelled`]) and this rank still consumes what the peers
+//! sent, so every rank's next operation finds clean buffers.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::config::GroupConfig;
+use crate::error::{Error, Result};
+use crate::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, TensorView};
+use crate::protocol::{Channel, Poison, SlotGuard, SlotPool, op_label, wait_until};
+
+/// One operation of one rank, from creation to result. No method blocks.
+pub trait PendingOp: Send + 'static {
+    /// What the operation produces.
+    type Output: Send + 'static;
+
+    /// The rank running it.
+    fn rank(&self) -> usize;
+    /// Its channel.
+    fn channel(&self) -> Channel;
+    /// Its sequence number on the channel.
+    fn seq(&self) -> u64;
+    /// Whether its outputs live in a buffer set of the channel's [`SlotPool`].
+    fn needs_slot(&self) -> bool;
+    /// Whether the send half may be issued now (the receivers' credits). GPU backends check
+    /// credits on the device and return `true`.
+    fn poll_send_ready(&mut self) -> Result<bool>;
+    /// Issues the send half. `slot` is the held buffer set when [`PendingOp::needs_slot`].
+    fn send(&mut self, slot: Option<SlotGuard>) -> Result<()>;
+    /// Whether [`PendingOp::send`] has run.
+    fn is_sent(&self) -> bool;
+    /// Turns a not-yet-sent operation into a cancellation: its inputs are no longer read and
+    /// [`PendingOp::send`] sends a cancellation marker instead of data.
+    fn cancel(&mut self);
+    /// Starts the complete half (a GPU backend launches its receive kernel here). Calling it
+    /// again does nothing.
+    fn start_complete(&mut self) -> Result<()>;
+    /// Whether the complete half has finished (data arrived, device work done).
+    fn poll_complete(&mut self) -> Result<bool>;
+    /// Produces the outputs. Call once [`PendingOp::poll_complete`] returned `true`.
+    fn finish(self) -> Result<Self::Output>;
+    /// What the operation is waiting for, for timeout errors (e.g. `"data from ranks [3]"`).
+    fn waiting_for(&self) -> String;
+    /// A label like `"dispatch #3"`.
+    fn label(&self) -> String {
+        op_label(self.channel(), self.seq())
+    }
+}
+
+/// The result of an operation: a handle, dispatch outputs or combine outputs.
+#[derive(Debug)]
+pub enum OpOutput<H, D, C> {
+    /// From handle creation.
+    Handle(H),
+    /// From dispatch.
+    Dispatch(D),
+    /// From combine.
+    Combine(C),
+    /// From an operation that was cancelled before its send.
+    Cancelled,
+}
+
+/// How a handle comes to be.
+#[derive(Debug)]
+pub enum HandleCreation<H, O> {
+    /// Built locally, no communication (low-latency).
+    Ready(H),
+    /// A collective operation that exchanges counts (high-throughput).
+    Collective(O),
+}
+
+/// One rank of a group on some backend.
+pub trait Backend: Send + Sync + 'static {
+    /// The tensor type of inputs.
+    type Tensor: TensorView;
+    /// A routing handle (cheap to clone).
+    type Handle: Clone + Send + Sync + 'static;
+    /// Dispatch outputs (hold their buffer set until dropped).
+    type DispatchOutput: Send + 'static;
+    /// Combine outputs (hold their buffer set until dropped).
+    type CombineOutput: Send + 'static;
+    /// An operation in flight.
+    type Op: PendingOp<Output = OpOutput<Self::Handle, Self::DispatchOutput, Self::CombineOutput>>;
+
+    /// This rank.
+    fn rank(&self) -> usize;
+    /// Ranks in the group.
+    fn num_ranks(&self) -> usize;
+    /// The group config.
+    fn config(&self) -> &GroupConfig;
+    /// The group's poison flag.
+    fn poison(&self) -> &Poison;
+    /// The slots of a channel.
+    fn slot_pool(&self, channel: Channel) -> &Arc<SlotPool>;
+    /// Validates `topk_idx` and creates a handle (collective for high-throughput).
+    fn start_handle(&self, topk_idx: &Self::Tensor) -> Result<HandleCreation<Self::Handle, Self::Op>>;
+    /// Validates and creates a dispatch (collective). Takes its sequence number now.
+    fn start_dispatch(
+        &self,
+        handle: &Self::Handle,
+        inputs: DispatchInputs<'_, Self::Tensor>,
+        opts: &DispatchOptions,
+    ) -> Result<Self::Op>;
+    /// Validates and creates a combine (collective). Takes its sequence number now.
+    fn start_combine(
+        &self,
+        handle: &Self::Handle,
+        inputs: CombineInputs<'_, Self::Tensor>,
+        opts: &CombineOptions,
+    ) -> Result<Self::Op>;
+}
+
+fn timeout_error<O: PendingOp>(op: &O, after: Duration) -> Error {
+    Error::Timeout { op: op.label(), rank: op.rank(), waiting_for: op.waiting_for(), after }
+}
+
+/// Blocking send half: takes the slot, waits for credits (bounded by `timeout`), sends, and
+/// returns the operation ready for [`complete_blocking`].
+///
+/// When every buffer set is still held by earlier outputs it fails fast with
+/// [`Error::SlotsBusy`]; the operation is then cancelled and run to its end on a background
+/// thread, so the peers see a cancellation instead of waiting for data that never comes.
+pub fn send_blocking<O: PendingOp>(mut op: O, slots: &Arc<SlotPool>, poison: &Poison, timeout: Duration) -> Result<O> {
+    poison.check()?;
+    let slot = if op.needs_slot() {
+        match slots.try_acquire(op.seq()) {
+            Some(slot) => Some(slot),
+            None => {
+                op.cancel();
+                detach(op, timeout);
+                return Err(Error::SlotsBusy { channel: slots.channel().name(), buffer_sets: slots.sets() });
+            }
+        }
+    } else {
+        None
+    };
+    let deadline = Instant::now() + timeout;
+    let ready = poison.track(wait_until(deadline, || op.poll_send_ready()))?;
+    if !ready {
+        return poison.track(Err(timeout_error(&op, timeout)));
+    }
+    poison.track(op.send(slot))?;
+    Ok(op)
+}
+
+/// Blocking complete half: starts it, waits (bounded by `timeout`), finishes.
+pub fn complete_blocking<O: PendingOp>(mut op: O, poison: &Poison, timeout: Duration) -> Result<O::Output> {
+    poison.track(op.start_complete())?;
+    let deadline = Instant::now() + timeout;
+    let done = poison.track(wait_until(deadline, || op.poll_complete()))?;
+    if !done {
+        return poison.track(Err(timeout_error(&op, timeout)));
+    }
+    poison.track(op.finish())
+}
+
+/// Runs an operation to its result, blocking.
+pub fn run_blocking<O: PendingOp>(
+    op: O,
+    slots: &Arc<SlotPool>,
+    poison: &Poison,
+    timeout: Duration,
+) -> Result<O::Output> {
+    let op = send_blocking(op, slots, poison, timeout)?;
+    complete_blocking(op, poison, timeout)
+}
+
+/// Runs the rest of an abandoned operation on a background thread, dropping its outputs: the
+/// send half if it has not been sent (as a cancellation, so call [`PendingOp::cancel`] first),
+/// then the complete half. Each wait is bounded by `timeout`; the operation's own rank still
+/// sees failures through its poison flag when the backend shares one.
+pub fn detach<O: PendingOp>(mut op: O, timeout: Duration) {
+    std::thread::spawn(move || {
+        let deadline = Instant::now() + timeout;
+        if !op.is_sent() {
+            let sent = matches!(wait_until(deadline, || op.poll_send_ready()), Ok(true)) && op.send(None).is_ok();
+            if !sent {
+                return;
+            }
+        }
+        let _ = complete_blocking(op, &Poison::default(), timeout);
+    });
+}

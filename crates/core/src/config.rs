@@ -1,0 +1,217 @@
+//! Group configuration: what every rank of an EP group agrees on at creation.
+
+use std::time::Duration;
+
+use crate::error::ConfigError;
+
+/// Which EP algorithm a group runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// Low-latency (decode): fixed-size expert-major receive buffers, staged send/complete.
+    LowLatency,
+    /// High-throughput (prefill, training): exact-size outputs, forward and backward passes,
+    /// synchronous only.
+    HighThroughput,
+}
+
+impl Algorithm {
+    /// `"ll"` or `"ht"`.
+    pub const fn short_name(self) -> &'static str {
+        match self {
+            Algorithm::LowLatency => "ll",
+            Algorithm::HighThroughput => "ht",
+        }
+    }
+}
+
+/// The largest number of tokens any rank dispatches in one operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MaxTokens {
+    /// A fixed bound, the same on every rank. Required by [`Algorithm::LowLatency`].
+    Fixed(usize),
+    /// No bound (high-throughput only): creating a handle exchanges the token counts and the
+    /// buffers are sized from them (NCCL EP's `NCCL_EP_AUTO`).
+    Auto,
+}
+
+/// The element type tokens travel in during dispatch. Combine always travels in BF16.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DispatchDtype {
+    /// BF16 in, BF16 out.
+    Bf16,
+    /// FP8 e4m3 with one fp32 scale per 128 channels (`scale = amax / 448`).
+    ///
+    /// Low-latency dispatch takes BF16 tokens and quantizes them on the fly; high-throughput
+    /// dispatch takes tokens that are already FP8 together with their scales
+    /// (see [`crate::fp8::quantize_bf16`]).
+    Fp8 {
+        /// Round every scale up to a power of two (exact rescaling, as DeepEP's `round_scale`).
+        round_scales: bool,
+    },
+}
+
+impl DispatchDtype {
+    /// Whether tokens travel as FP8.
+    pub const fn is_fp8(self) -> bool {
+        matches!(self, DispatchDtype::Fp8 { .. })
+    }
+}
+
+/// Channels per FP8 scale: one fp32 scale covers this many consecutive hidden channels.
+pub const FP8_BLOCK: usize = 128;
+/// The hidden size must be a multiple of this (16-byte vector accesses of BF16 rows).
+pub const HIDDEN_ALIGN: usize = 8;
+/// Largest number of ranks a group may have.
+pub const MAX_RANKS: usize = 1024;
+/// Largest number of buffer sets a group may have.
+pub const MAX_BUFFER_SETS: usize = 16;
+/// The default operation timeout.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Configuration of an EP group. Every rank must create its group with an identical config.
+///
+/// Build one with [`GroupConfig::low_latency`] or [`GroupConfig::high_throughput`] and the
+/// `with_*` methods; [`GroupConfig::validate`] checks it against a rank count.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct GroupConfig {
+    /// Low-latency or high-throughput.
+    pub algorithm: Algorithm,
+    /// Total number of experts `E` over all ranks; rank `r` hosts experts `r*L .. (r+1)*L`.
+    pub num_experts: usize,
+    /// Largest number of tokens `M` any rank dispatches in one operation.
+    pub max_tokens_per_rank: MaxTokens,
+    /// Hidden size `H` (channels per token).
+    pub hidden: usize,
+    /// The element type of dispatched tokens.
+    pub dispatch_dtype: DispatchDtype,
+    /// Buffer sets per operation kind (default 2): how many dispatch results (and, separately,
+    /// how many combine results) may be outstanding at once on a rank.
+    pub buffer_sets: usize,
+    /// Longest time any wait of an operation may take before it fails with
+    /// [`crate::Error::Timeout`] and poisons the group (default 10 s).
+    pub timeout: Duration,
+}
+
+impl GroupConfig {
+    /// A low-latency config: BF16, 2 buffer sets, 10 s timeout.
+    pub fn low_latency(num_experts: usize, max_tokens_per_rank: usize, hidden: usize) -> Self {
+        GroupConfig {
+            algorithm: Algorithm::LowLatency,
+            num_experts,
+            max_tokens_per_rank: MaxTokens::Fixed(max_tokens_per_rank),
+            hidden,
+            dispatch_dtype: DispatchDtype::Bf16,
+            buffer_sets: 2,
+            timeout: DEFAULT_TIMEOUT,
+        }
+    }
+
+    /// A high-throughput config with automatic max tokens: BF16, 2 buffer sets, 10 s timeout.
+    pub fn high_throughput(num_experts: usize, hidden: usize) -> Self {
+        GroupConfig {
+            algorithm: Algorithm::HighThroughput,
+            max_tokens_per_rank: MaxTokens::Auto,
+            ..GroupConfig::low_latency(num_experts, 0, hidden)
+        }
+    }
+
+    /// Replaces the max-tokens bound.
+    pub fn with_max_tokens(mut self, max_tokens: MaxTokens) -> Self {
+        self.max_tokens_per_rank = max_tokens;
+        self
+    }
+
+    /// Replaces the dispatch element type.
+    pub fn with_dispatch_dtype(mut self, dtype: DispatchDtype) -> Self {
+        self.dispatch_dtype = dtype;
+        self
+    }
+
+    /// Replaces the number of buffer sets.
+    pub fn with_buffer_sets(mut self, buffer_sets: usize) -> Self {
+        self.buffer_sets = buffer_sets;
+        self
+    }
+
+    /// Replaces the operation timeout.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Local experts per rank, `L = E / R` (call after [`GroupConfig::validate`]).
+    pub fn local_experts(&self, num_ranks: usize) -> usize {
+        self.num_experts / num_ranks.max(1)
+    }
+
+    /// The fixed max-tokens bound, if any.
+    pub fn fixed_max_tokens(&self) -> Option<usize> {
+        match self.max_tokens_per_rank {
+            MaxTokens::Fixed(m) => Some(m),
+            MaxTokens::Auto => None,
+        }
+    }
+
+    /// Number of FP8 scales per token row, `H / 128`.
+    pub fn scale_cols(&self) -> usize {
+        self.hidden / FP8_BLOCK
+    }
+
+    /// Checks the config for a group of `num_ranks` ranks.
+    ///
+    /// Every rule has its own [`ConfigError`] variant naming the field and the reason.
+    pub fn validate(&self, num_ranks: usize) -> Result<(), ConfigError> {
+        if num_ranks == 0 {
+            return Err(ConfigError::ZeroRanks);
+        }
+        if num_ranks > MAX_RANKS {
+            return Err(ConfigError::TooManyRanks { num_ranks, max: MAX_RANKS });
+        }
+        if self.num_experts == 0 {
+            return Err(ConfigError::ZeroExperts);
+        }
+        if self.num_experts % num_ranks != 0 {
+            return Err(ConfigError::ExpertsNotDivisible { num_experts: self.num_experts, num_ranks });
+        }
+        if self.hidden == 0 {
+            return Err(ConfigError::ZeroHidden);
+        }
+        if self.hidden % HIDDEN_ALIGN != 0 {
+            return Err(ConfigError::HiddenNotAligned { hidden: self.hidden, align: HIDDEN_ALIGN });
+        }
+        if self.dispatch_dtype.is_fp8() && self.hidden % FP8_BLOCK != 0 {
+            return Err(ConfigError::HiddenNotMultipleOfFp8Block { hidden: self.hidden, block: FP8_BLOCK });
+        }
+        match (self.algorithm, self.max_tokens_per_rank) {
+            (_, MaxTokens::Fixed(0)) => return Err(ConfigError::ZeroMaxTokens),
+            (Algorithm::LowLatency, MaxTokens::Auto) => return Err(ConfigError::LowLatencyNeedsFixedMaxTokens),
+            _ => {}
+        }
+        if self.buffer_sets == 0 {
+            return Err(ConfigError::ZeroBufferSets);
+        }
+        if self.buffer_sets > MAX_BUFFER_SETS {
+            return Err(ConfigError::TooManyBufferSets { buffer_sets: self.buffer_sets, max: MAX_BUFFER_SETS });
+        }
+        if self.timeout.is_zero() {
+            return Err(ConfigError::ZeroTimeout);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reference_configs_are_valid() {
+        assert_eq!(GroupConfig::low_latency(256, 128, 7168).validate(4), Ok(()));
+        assert_eq!(GroupConfig::high_throughput(256, 7168).validate(8), Ok(()));
+        let fp8 =
+            GroupConfig::low_latency(256, 128, 7168).with_dispatch_dtype(DispatchDtype::Fp8 { round_scales: true });
+        assert_eq!(fp8.validate(2), Ok(()));
+        assert_eq!(GroupConfig::low_latency(256, 128, 7168).local_experts(4), 64);
+    }
+}

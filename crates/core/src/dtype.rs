@@ -1,0 +1,47 @@
+//! Element types of the tensors epflow reads and writes.
+
+use std::fmt;
+
+/// The element type of a tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// bfloat16: token activations and expert outputs.
+    Bf16,
+    /// IEEE binary32: top-k weights and FP8 scales.
+    F32,
+    /// 32-bit signed integer: per-expert receive counters.
+    I32,
+    /// 64-bit signed integer: top-k expert indices (`-1` = masked).
+    I64,
+    /// FP8 e4m3 (OCP "E4M3FN": bias 7, no infinities, max 448), one byte per element.
+    Fp8E4m3,
+}
+
+impl DType {
+    /// Size of one element in bytes.
+    pub const fn size_bytes(self) -> usize {
+        match self {
+            DType::Fp8E4m3 => 1,
+            DType::Bf16 => 2,
+            DType::F32 | DType::I32 => 4,
+            DType::I64 => 8,
+        }
+    }
+
+    /// Short lower-case name (`bf16`, `f32`, `i32`, `i64`, `fp8_e4m3`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::Bf16 => "bf16",
+            DType::F32 => "f32",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::Fp8E4m3 => "fp8_e4m3",
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}

@@ -1,0 +1,321 @@
+//! Every error epflow returns. Anything a caller can pass in is answered with one of these,
+//! never a panic.
+
+use std::time::Duration;
+
+use thiserror::Error;
+
+use crate::dtype::DType;
+use crate::tensor::TensorTag;
+
+/// A [`crate::GroupConfig`] that cannot be used; each variant names the field and the reason.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The group has no ranks.
+    #[error("num_ranks is 0: a group needs at least one rank")]
+    ZeroRanks,
+    /// More ranks than supported.
+    #[error("num_ranks is {num_ranks}, more than the supported {max}")]
+    TooManyRanks {
+        /// Ranks asked for.
+        num_ranks: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// `num_experts` is 0.
+    #[error("num_experts is 0: a group needs at least one expert per rank")]
+    ZeroExperts,
+    /// `num_experts` does not split evenly over the ranks.
+    #[error(
+        "num_experts ({num_experts}) is not divisible by the number of ranks ({num_ranks}): every rank must host the same number of experts"
+    )]
+    ExpertsNotDivisible {
+        /// Experts asked for.
+        num_experts: usize,
+        /// Ranks in the group.
+        num_ranks: usize,
+    },
+    /// `hidden` is 0.
+    #[error("hidden is 0: tokens need at least one channel")]
+    ZeroHidden,
+    /// `hidden` is not a multiple of the vector width.
+    #[error("hidden ({hidden}) is not a multiple of {align}: rows are moved in 16-byte vectors")]
+    HiddenNotAligned {
+        /// Hidden size asked for.
+        hidden: usize,
+        /// Required multiple.
+        align: usize,
+    },
+    /// FP8 dispatch needs whole 128-channel scale blocks.
+    #[error(
+        "hidden ({hidden}) is not a multiple of {block}, which FP8 dispatch needs (one scale per {block} channels)"
+    )]
+    HiddenNotMultipleOfFp8Block {
+        /// Hidden size asked for.
+        hidden: usize,
+        /// Channels per scale.
+        block: usize,
+    },
+    /// `max_tokens_per_rank` is `Fixed(0)`.
+    #[error("max_tokens_per_rank is 0: use a positive bound (or MaxTokens::Auto for high-throughput)")]
+    ZeroMaxTokens,
+    /// Low-latency needs a fixed bound to size its receive buffers.
+    #[error("max_tokens_per_rank is Auto, but the low-latency algorithm needs a fixed bound to size its buffers")]
+    LowLatencyNeedsFixedMaxTokens,
+    /// `buffer_sets` is 0.
+    #[error("buffer_sets is 0: at least one buffer set is needed")]
+    ZeroBufferSets,
+    /// Too many buffer sets.
+    #[error("buffer_sets is {buffer_sets}, more than the supported {max}")]
+    TooManyBufferSets {
+        /// Buffer sets asked for.
+        buffer_sets: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A zero timeout would fail every operation.
+    #[error("timeout is 0: every wait would fail at once")]
+    ZeroTimeout,
+}
+
+/// An operation's inputs or outputs do not match what the operation tables require.
+/// `tensor` names the argument, e.g. `"dispatch input tokens"`.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ValidationError {
+    /// Wrong number of dimensions.
+    #[error("{tensor}: expected {expected} dimensions, got {got} (shape {shape:?})")]
+    WrongNdim {
+        /// Which argument.
+        tensor: &'static str,
+        /// Dimensions required.
+        expected: usize,
+        /// Dimensions passed.
+        got: usize,
+        /// The shape passed.
+        shape: Vec<usize>,
+    },
+    /// Wrong element type.
+    #[error("{tensor}: expected dtype {expected}, got {got}")]
+    WrongDtype {
+        /// Which argument.
+        tensor: &'static str,
+        /// Type required.
+        expected: DType,
+        /// Type passed.
+        got: DType,
+    },
+    /// Wrong tensor tag.
+    #[error("{tensor}: expected tag {expected:?}, got {got:?}")]
+    WrongTag {
+        /// Which argument.
+        tensor: &'static str,
+        /// Tag required.
+        expected: TensorTag,
+        /// Tag passed.
+        got: TensorTag,
+    },
+    /// A dimension has the wrong size.
+    #[error("{tensor}: dimension {dim} ({what}) must be {expected}, got {got}")]
+    WrongDimSize {
+        /// Which argument.
+        tensor: &'static str,
+        /// Index of the dimension.
+        dim: usize,
+        /// What the dimension means (`"hidden"`, `"top_k"`, ...).
+        what: &'static str,
+        /// Size required.
+        expected: usize,
+        /// Size passed.
+        got: usize,
+    },
+    /// Two tensors disagree on the number of tokens.
+    #[error("{tensor} has {got} token rows but {reference} has {expected}: they must describe the same tokens")]
+    TokenCountMismatch {
+        /// Which argument.
+        tensor: &'static str,
+        /// The argument it must agree with.
+        reference: &'static str,
+        /// Rows of the reference.
+        expected: usize,
+        /// Rows passed.
+        got: usize,
+    },
+    /// A top-k index is outside `[-1, E)`.
+    #[error("topk_idx[{token}][{k}] = {index} is outside [-1, {num_experts}): use -1 for \"no expert\"")]
+    ExpertIndexOutOfRange {
+        /// Token row.
+        token: usize,
+        /// Top-k slot.
+        k: usize,
+        /// The bad index.
+        index: i64,
+        /// Experts in the group.
+        num_experts: usize,
+    },
+    /// One token names the same expert twice.
+    #[error(
+        "topk_idx[{token}] names expert {expert} twice (slots {first_k} and {second_k}): a token's experts must be distinct"
+    )]
+    DuplicateExpert {
+        /// Token row.
+        token: usize,
+        /// The repeated expert.
+        expert: usize,
+        /// First slot naming it.
+        first_k: usize,
+        /// Second slot naming it.
+        second_k: usize,
+    },
+    /// More tokens than the group's `max_tokens_per_rank`.
+    #[error(
+        "{tokens} tokens exceed max_tokens_per_rank ({max_tokens}) of this group: split the batch or raise the bound"
+    )]
+    TooManyTokens {
+        /// Tokens passed.
+        tokens: usize,
+        /// The group's bound.
+        max_tokens: usize,
+    },
+    /// `top_k` is 0.
+    #[error("topk_idx has top_k = 0: every token needs at least one top-k slot")]
+    ZeroTopK,
+    /// `top_k` exceeds the number of experts.
+    #[error("top_k ({top_k}) exceeds num_experts ({num_experts}): a token's experts must be distinct")]
+    TopKExceedsExperts {
+        /// Top-k passed.
+        top_k: usize,
+        /// Experts in the group.
+        num_experts: usize,
+    },
+    /// Strides that are not row-major contiguous.
+    #[error("{tensor}: strides {strides:?} are not row-major contiguous for shape {shape:?}")]
+    NotContiguous {
+        /// Which argument.
+        tensor: &'static str,
+        /// The shape.
+        shape: Vec<usize>,
+        /// The strides passed.
+        strides: Vec<usize>,
+    },
+    /// The data does not hold as many elements as the descriptor says.
+    #[error("{tensor}: holds {got} elements but its shape {shape:?} needs {expected}")]
+    StorageSizeMismatch {
+        /// Which argument.
+        tensor: &'static str,
+        /// The shape.
+        shape: Vec<usize>,
+        /// Elements the shape needs.
+        expected: usize,
+        /// Elements present.
+        got: usize,
+    },
+    /// An argument the operation needs was not given.
+    #[error("{tensor} is required here: {why}")]
+    MissingTensor {
+        /// Which argument.
+        tensor: &'static str,
+        /// Why it is needed.
+        why: &'static str,
+    },
+    /// An argument was given that the operation does not take.
+    #[error("{tensor} must not be given here: {why}")]
+    UnexpectedTensor {
+        /// Which argument.
+        tensor: &'static str,
+        /// Why it is not taken.
+        why: &'static str,
+    },
+    /// An operation or option the group's algorithm does not support.
+    #[error("{what} is not supported by the {algorithm} algorithm")]
+    UnsupportedForAlgorithm {
+        /// The operation or option.
+        what: &'static str,
+        /// `"low-latency"` or `"high-throughput"`.
+        algorithm: &'static str,
+    },
+    /// The handle belongs to another group.
+    #[error("the handle was created by group {handle_group} and cannot be used with group {group}")]
+    ForeignHandle {
+        /// Group id of the handle.
+        handle_group: u64,
+        /// Group id used.
+        group: u64,
+    },
+    /// Combine was called on a handle whose dispatch has not completed.
+    #[error("combine needs the layout of a completed dispatch on the same handle; call dispatch first")]
+    CombineBeforeDispatch,
+}
+
+/// The runtime error of every epflow operation.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Error {
+    /// The group config is invalid.
+    #[error("invalid group config: {0}")]
+    Config(#[from] ConfigError),
+    /// The operation's arguments are invalid (nothing was sent).
+    #[error("invalid arguments: {0}")]
+    Validation(#[from] ValidationError),
+    /// A wait ran past the group's timeout; the group is now poisoned.
+    #[error("{op} on rank {rank} timed out after {after:?} waiting for {waiting_for}; the group is poisoned")]
+    Timeout {
+        /// The operation, e.g. `"dispatch #3"`.
+        op: String,
+        /// This rank.
+        rank: usize,
+        /// What it waited for, e.g. `"data from ranks [3]"`.
+        waiting_for: String,
+        /// How long it waited.
+        after: Duration,
+    },
+    /// The group failed earlier; every later operation fails fast with the first reason.
+    #[error("group poisoned: {reason}")]
+    Poisoned {
+        /// The first failure.
+        reason: String,
+    },
+    /// A peer dropped its side of this collective before sending; the operation has no result.
+    #[error("{op}: rank {peer} cancelled its side of this collective before sending, so there is no result")]
+    PeerCancelled {
+        /// The operation.
+        op: String,
+        /// The rank that cancelled.
+        peer: usize,
+    },
+    /// Ranks called collectives in different orders.
+    #[error("{op}: rank {peer} sent a {got} message; all ranks must call collectives in the same order")]
+    OrderMismatch {
+        /// This rank's operation.
+        op: String,
+        /// The peer.
+        peer: usize,
+        /// The kind of operation the peer ran.
+        got: String,
+    },
+    /// The synchronous API found every buffer set of this kind still held by earlier outputs.
+    #[error("all {buffer_sets} {channel} buffer sets hold results that are still alive: drop an earlier result first")]
+    SlotsBusy {
+        /// `"dispatch"` or `"combine"`.
+        channel: &'static str,
+        /// Buffer sets of the group.
+        buffer_sets: usize,
+    },
+    /// This backend cannot do what was asked.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// A failure inside the backend (driver, device, library).
+    #[error("backend error: {0}")]
+    Backend(String),
+}
+
+impl Error {
+    /// Whether this error poisons the group (after it, every operation fails fast).
+    pub fn poisons(&self) -> bool {
+        matches!(self, Error::Timeout { .. } | Error::Backend(_) | Error::OrderMismatch { .. })
+    }
+}
+
+/// `Result` with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

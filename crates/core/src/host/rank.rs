@@ -1,0 +1,427 @@
+//! [`HostWorld`] creates the ranks; [`HostRank`] is one rank's API, blocking and staged, and its
+//! [`Backend`] implementation for the async runtime.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use half::bf16;
+
+use super::HostWorldShared;
+use super::handle::{HandleInner, HostHandle};
+use super::mailbox::Mailboxes;
+use super::messages::Message;
+use super::op::{HostOp, HostOpOutput, Work};
+use super::outputs::{BufferCache, HostCombineOutput, HostDispatchOutput};
+use crate::backend::{
+    Backend, HandleCreation, OpOutput, PendingOp, complete_blocking, detach, run_blocking, send_blocking,
+};
+use crate::config::{Algorithm, DispatchDtype, GroupConfig};
+use crate::error::{ConfigError, Error, Result, ValidationError};
+use crate::fp8;
+use crate::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, Pass};
+use crate::protocol::{Channel, Poison, SlotPool};
+use crate::reference::Rows;
+use crate::routing::{ExpertPlacement, SendPlan, TokenCopy};
+use crate::tensor::{HostData, HostTensor};
+use crate::validate::{
+    OpContext, routing_from_tensor, validate_combine_inputs, validate_dispatch_inputs, validate_staged,
+};
+
+static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Creates host worlds.
+#[derive(Debug)]
+pub struct HostWorld;
+
+impl HostWorld {
+    /// Creates the `num_ranks` ranks of a new world; give one to each thread (or task).
+    pub fn create(num_ranks: usize, config: GroupConfig) -> Result<Vec<HostRank>, ConfigError> {
+        config.validate(num_ranks)?;
+        let world = Arc::new(HostWorldShared {
+            mailboxes: Mailboxes::new(&config, num_ranks),
+            group_id: NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed),
+            num_ranks,
+            config,
+        });
+        Ok((0..num_ranks)
+            .map(|rank| HostRank {
+                world: Arc::clone(&world),
+                rank,
+                seqs: Default::default(),
+                slots: Channel::ALL.map(|c| SlotPool::new(c, world.config.buffer_sets)),
+                poison: Arc::new(Poison::default()),
+                cache: BufferCache::new(world.config.buffer_sets),
+            })
+            .collect())
+    }
+
+    /// Creates a world and runs `f` on every rank, one thread each; returns the results in rank
+    /// order.
+    pub fn run<R: Send>(
+        num_ranks: usize,
+        config: GroupConfig,
+        f: impl Fn(&HostRank) -> R + Sync,
+    ) -> Result<Vec<R>, ConfigError> {
+        let ranks = Self::create(num_ranks, config)?;
+        Ok(std::thread::scope(|s| {
+            let handles: Vec<_> = ranks.iter().map(|r| s.spawn(|| f(r))).collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+        }))
+    }
+}
+
+/// One rank of a host world. Every operation is collective: all ranks must call it, in the same
+/// order. Blocking calls return when this rank's part is done; staged calls
+/// ([`HostRank::dispatch_send`], [`HostRank::combine_send`]) return after the send half.
+#[derive(Debug)]
+pub struct HostRank {
+    world: Arc<HostWorldShared>,
+    rank: usize,
+    seqs: [AtomicU64; 3],
+    slots: [Arc<SlotPool>; 3],
+    poison: Arc<Poison>,
+    cache: Arc<BufferCache>,
+}
+
+/// A staged host operation: its send half is done; [`HostStaged::complete`] runs the complete
+/// half. Dropping it without completing finishes the operation on a background thread (its
+/// result is discarded), so peers never wait for it.
+#[derive(Debug)]
+pub struct HostStaged<T> {
+    op: Option<HostOp>,
+    poison: Arc<Poison>,
+    timeout: Duration,
+    extract: fn(HostOpOutput) -> Result<T>,
+}
+
+impl<T> HostStaged<T> {
+    /// Whether the complete half can run without waiting (all data has arrived).
+    pub fn is_ready(&mut self) -> Result<bool> {
+        match self.op.as_mut() {
+            Some(op) => op.poll_complete(),
+            None => Ok(true),
+        }
+    }
+
+    /// Runs the complete half, waiting up to the group's timeout for the peers' data.
+    pub fn complete(mut self) -> Result<T> {
+        let op = self.op.take().ok_or_else(|| Error::Backend("staged operation already completed".into()))?;
+        (self.extract)(complete_blocking(op, &self.poison, self.timeout)?)
+    }
+}
+
+impl<T> Drop for HostStaged<T> {
+    fn drop(&mut self) {
+        if let Some(op) = self.op.take() {
+            detach(op, self.timeout);
+        }
+    }
+}
+
+fn cancelled_error(what: &str) -> Error {
+    Error::Backend(format!("{what} was cancelled and has no result"))
+}
+
+fn into_dispatch(o: HostOpOutput) -> Result<HostDispatchOutput> {
+    match o {
+        OpOutput::Dispatch(d) => Ok(d),
+        _ => Err(cancelled_error("dispatch")),
+    }
+}
+
+fn into_combine(o: HostOpOutput) -> Result<HostCombineOutput> {
+    match o {
+        OpOutput::Combine(c) => Ok(c),
+        _ => Err(cancelled_error("combine")),
+    }
+}
+
+/// Gathers the rows of `copies` from `x` (`[B x width]`).
+fn gather<T: Copy>(x: &[T], width: usize, copies: &[TokenCopy]) -> Vec<T> {
+    let mut out = Vec::with_capacity(copies.len() * width);
+    for c in copies {
+        let t = c.token as usize;
+        out.extend_from_slice(&x[t * width..(t + 1) * width]);
+    }
+    out
+}
+
+impl HostRank {
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks in the world.
+    pub fn num_ranks(&self) -> usize {
+        self.world.num_ranks
+    }
+
+    /// The group config.
+    pub fn config(&self) -> &GroupConfig {
+        &self.world.config
+    }
+
+    /// Whether an earlier failure poisoned this rank's group.
+    pub fn is_poisoned(&self) -> bool {
+        self.poison.is_poisoned()
+    }
+
+    fn new_op(&self, channel: Channel, work: Work, outgoing: Vec<Option<Message>>) -> HostOp {
+        HostOp {
+            world: Arc::clone(&self.world),
+            rank: self.rank,
+            channel,
+            seq: self.seqs[channel.index()].fetch_add(1, Ordering::Relaxed),
+            work: Some(work),
+            outgoing,
+            cache: Arc::clone(&self.cache),
+            sent: false,
+            cancelled: false,
+            arrived: vec![false; self.world.num_ranks],
+            slot: None,
+        }
+    }
+
+    fn check_handle(&self, handle: &HostHandle) -> Result<()> {
+        self.poison.check()?;
+        if handle.0.group_id != self.world.group_id {
+            return Err(
+                ValidationError::ForeignHandle { handle_group: handle.0.group_id, group: self.world.group_id }.into()
+            );
+        }
+        Ok(())
+    }
+
+    fn ctx<'a>(&'a self, handle: &HostHandle) -> OpContext<'a> {
+        OpContext {
+            config: &self.world.config,
+            num_ranks: self.world.num_ranks,
+            num_tokens: handle.num_tokens(),
+            top_k: handle.top_k(),
+            num_recv: handle.num_recv_tokens().unwrap_or(0),
+        }
+    }
+
+    /// Creates a routing handle from `topk_idx` `[B x K]` int64 (collective for high-throughput:
+    /// it exchanges what each rank will send; local for low-latency).
+    pub fn create_handle(&self, topk_idx: &HostTensor) -> Result<HostHandle> {
+        match self.start_handle(topk_idx)? {
+            HandleCreation::Ready(h) => Ok(h),
+            HandleCreation::Collective(op) => {
+                match run_blocking(op, &self.slots[Channel::Handle.index()], &self.poison, self.world.config.timeout)? {
+                    OpOutput::Handle(h) => Ok(h),
+                    _ => Err(cancelled_error("handle creation")),
+                }
+            }
+        }
+    }
+
+    /// Dispatch, blocking until this rank's outputs are ready (collective).
+    pub fn dispatch(
+        &self,
+        handle: &HostHandle,
+        inputs: DispatchInputs<'_>,
+        opts: &DispatchOptions,
+    ) -> Result<HostDispatchOutput> {
+        let op = self.start_dispatch(handle, inputs, opts)?;
+        into_dispatch(run_blocking(
+            op,
+            &self.slots[Channel::Dispatch.index()],
+            &self.poison,
+            self.world.config.timeout,
+        )?)
+    }
+
+    /// Low-latency staged dispatch: returns after the send half (collective).
+    pub fn dispatch_send(
+        &self,
+        handle: &HostHandle,
+        inputs: DispatchInputs<'_>,
+        opts: &DispatchOptions,
+    ) -> Result<HostStaged<HostDispatchOutput>> {
+        validate_staged(&self.world.config)?;
+        let op = self.start_dispatch(handle, inputs, opts)?;
+        self.staged(Channel::Dispatch, op, into_dispatch)
+    }
+
+    /// Combine, blocking until this rank's outputs are ready (collective).
+    pub fn combine(
+        &self,
+        handle: &HostHandle,
+        inputs: CombineInputs<'_>,
+        opts: &CombineOptions,
+    ) -> Result<HostCombineOutput> {
+        let op = self.start_combine(handle, inputs, opts)?;
+        into_combine(run_blocking(op, &self.slots[Channel::Combine.index()], &self.poison, self.world.config.timeout)?)
+    }
+
+    /// Low-latency staged combine: returns after the send half (collective).
+    pub fn combine_send(
+        &self,
+        handle: &HostHandle,
+        inputs: CombineInputs<'_>,
+        opts: &CombineOptions,
+    ) -> Result<HostStaged<HostCombineOutput>> {
+        validate_staged(&self.world.config)?;
+        let op = self.start_combine(handle, inputs, opts)?;
+        self.staged(Channel::Combine, op, into_combine)
+    }
+
+    fn staged<T>(&self, channel: Channel, op: HostOp, extract: fn(HostOpOutput) -> Result<T>) -> Result<HostStaged<T>> {
+        let timeout = self.world.config.timeout;
+        let op = send_blocking(op, &self.slots[channel.index()], &self.poison, timeout)?;
+        Ok(HostStaged { op: Some(op), poison: Arc::clone(&self.poison), timeout, extract })
+    }
+
+    fn dispatch_messages(&self, handle: &HostHandle, inputs: &DispatchInputs<'_>, pass: Pass) -> Vec<Option<Message>> {
+        let cfg = &self.world.config;
+        let (h, k_n) = (cfg.hidden, handle.top_k());
+        let cols = cfg.scale_cols();
+        let plan = &handle.0.plan;
+        (0..self.world.num_ranks)
+            .map(|d| {
+                let copies = plan.copies_to(d);
+                let rows = match (inputs.tokens.data(), cfg.algorithm, cfg.dispatch_dtype, pass) {
+                    (HostData::Bf16(x), Algorithm::LowLatency, DispatchDtype::Fp8 { round_scales }, _) => {
+                        let (q, scales) = fp8::quantize_bf16(&gather(x, h, copies), copies.len(), h, round_scales);
+                        Rows::Fp8 { q, scales }
+                    }
+                    (HostData::Fp8(q), _, _, _) => {
+                        let s = inputs.scales.and_then(HostTensor::as_f32).unwrap_or_default();
+                        Rows::Fp8 { q: gather(q, h, copies), scales: gather(s, cols, copies) }
+                    }
+                    (HostData::Bf16(x), _, _, _) => Rows::Bf16(gather(x, h, copies)),
+                    _ => unreachable!("dtype validated"),
+                };
+                let weights = match (cfg.algorithm, pass, inputs.topk_weights.and_then(HostTensor::as_f32)) {
+                    (Algorithm::HighThroughput, Pass::Forward, Some(w)) => gather(w, k_n, copies),
+                    _ => Vec::new(),
+                };
+                Some(Message::Dispatch { pass, copies: copies.to_vec(), rows, weights })
+            })
+            .collect()
+    }
+
+    fn combine_messages(
+        &self,
+        handle: &HostHandle,
+        inputs: &CombineInputs<'_>,
+        pass: Pass,
+    ) -> Result<Vec<Option<Message>>> {
+        let cfg = &self.world.config;
+        let (h, r) = (cfg.hidden, self.world.num_ranks);
+        let x: &[bf16] = inputs.tokens.as_bf16().unwrap_or_default();
+        match cfg.algorithm {
+            Algorithm::LowLatency => {
+                let layout = handle.ll_layout().ok_or(ValidationError::CombineBeforeDispatch)?;
+                let rows_per_expert = r * cfg.fixed_max_tokens().unwrap_or(0);
+                let mut entries: Vec<Vec<(u32, u16)>> = vec![Vec::new(); r];
+                let mut rows: Vec<Vec<bf16>> = vec![Vec::new(); r];
+                for le in 0..layout.local_experts() {
+                    for (i, src) in layout.rows(le).iter().enumerate() {
+                        let s = src.src_rank as usize;
+                        entries[s].push((src.token, src.k));
+                        let off = (le * rows_per_expert + i) * h;
+                        rows[s].extend_from_slice(&x[off..off + h]);
+                    }
+                }
+                Ok(entries
+                    .into_iter()
+                    .zip(rows)
+                    .map(|(entries, rows)| Some(Message::LlCombine { entries, rows }))
+                    .collect())
+            }
+            Algorithm::HighThroughput => {
+                let layout = handle.ht_layout().ok_or(ValidationError::CombineBeforeDispatch)?;
+                let k_n = handle.top_k();
+                let w: &[f32] = inputs.topk_weights.and_then(HostTensor::as_f32).unwrap_or_default();
+                let mut msgs: Vec<Option<Message>> =
+                    (0..r).map(|_| Some(Message::HtCombine { pass, rows: Vec::new(), weights: Vec::new() })).collect();
+                for (i, src) in layout.rows().iter().enumerate() {
+                    if let Some(Message::HtCombine { rows, weights, .. }) = msgs[src.src_rank as usize].as_mut() {
+                        rows.extend_from_slice(&x[i * h..(i + 1) * h]);
+                        if pass == Pass::Backward {
+                            weights.extend_from_slice(&w[i * k_n..(i + 1) * k_n]);
+                        }
+                    }
+                }
+                Ok(msgs)
+            }
+        }
+    }
+}
+
+impl Backend for HostRank {
+    type Tensor = HostTensor;
+    type Handle = HostHandle;
+    type DispatchOutput = HostDispatchOutput;
+    type CombineOutput = HostCombineOutput;
+    type Op = HostOp;
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn num_ranks(&self) -> usize {
+        self.world.num_ranks
+    }
+
+    fn config(&self) -> &GroupConfig {
+        &self.world.config
+    }
+
+    fn poison(&self) -> &Poison {
+        &self.poison
+    }
+
+    fn slot_pool(&self, channel: Channel) -> &Arc<SlotPool> {
+        &self.slots[channel.index()]
+    }
+
+    fn start_handle(&self, topk_idx: &HostTensor) -> Result<HandleCreation<HostHandle, HostOp>> {
+        self.poison.check()?;
+        let cfg = &self.world.config;
+        let routing = routing_from_tensor(cfg, topk_idx, topk_idx.as_i64().unwrap_or_default())?;
+        let plan = SendPlan::new(&routing, ExpertPlacement::new(cfg.num_experts, self.world.num_ranks));
+        match cfg.algorithm {
+            Algorithm::LowLatency => Ok(HandleCreation::Ready(HostHandle(Arc::new(HandleInner {
+                group_id: self.world.group_id,
+                routing,
+                plan,
+                ht: None,
+                ll: OnceLock::new(),
+            })))),
+            Algorithm::HighThroughput => {
+                let outgoing = (0..self.world.num_ranks)
+                    .map(|d| Some(Message::HandlePlan { copies: plan.copies_to(d).to_vec() }))
+                    .collect();
+                Ok(HandleCreation::Collective(self.new_op(Channel::Handle, Work::Handle { routing, plan }, outgoing)))
+            }
+        }
+    }
+
+    fn start_dispatch(
+        &self,
+        handle: &HostHandle,
+        inputs: DispatchInputs<'_>,
+        opts: &DispatchOptions,
+    ) -> Result<HostOp> {
+        self.check_handle(handle)?;
+        validate_dispatch_inputs(&self.ctx(handle), opts, &inputs)?;
+        let outgoing = self.dispatch_messages(handle, &inputs, opts.pass);
+        Ok(self.new_op(Channel::Dispatch, Work::Dispatch { handle: handle.clone(), opts: *opts }, outgoing))
+    }
+
+    fn start_combine(&self, handle: &HostHandle, inputs: CombineInputs<'_>, opts: &CombineOptions) -> Result<HostOp> {
+        self.check_handle(handle)?;
+        validate_combine_inputs(&self.ctx(handle), opts, &inputs)?;
+        let outgoing = self.combine_messages(handle, &inputs, opts.pass)?;
+        let weights = match self.world.config.algorithm {
+            Algorithm::LowLatency => inputs.topk_weights.and_then(HostTensor::as_f32).unwrap_or_default().to_vec(),
+            Algorithm::HighThroughput => Vec::new(),
+        };
+        Ok(self.new_op(Channel::Combine, Work::Combine { handle: handle.clone(), opts: *opts, weights }, outgoing))
+    }
+}

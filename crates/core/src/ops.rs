@@ -1,0 +1,169 @@
+//! The arguments of each operation, generic over the tensor type of a backend
+//! ([`HostTensor`] on the host backend, device tensors on the GPU).
+//!
+//! | algorithm | op | inputs | outputs |
+//! |---|---|---|---|
+//! | LL | dispatch | tokens `[B x H]` BF16 | tokens `[L x R*M x H]` (BF16, or FP8 + scales `[L x R*M x H/128]`), counts `[L]` |
+//! | LL | combine | expert outputs `[L x R*M x H]` BF16, weights `[B x K]` | tokens `[B x H]` BF16 |
+//! | HT | dispatch (fwd) | tokens `[B x H]` (BF16, or FP8 + scales `[B x H/128]`), weights `[B x K]` | tokens `[N x H]` (+ scales `[N x H/128]`), weights `[N x K]`, idx `[N x K]`, counts `[L]` |
+//! | HT | dispatch (bwd) | gradients `[B x H]` BF16 | `[N x H]` BF16 |
+//! | HT | combine (fwd) | expert outputs `[N x H]` BF16 | `[B x H]` BF16 |
+//! | HT | combine (bwd) | gradients `[N x H]` BF16, weight gradients `[N x K]` | `[B x H]` BF16, `[B x K]` |
+//!
+//! `topk_idx` is not an argument of dispatch: the handle holds it.
+
+use crate::tensor::{HostTensor, TensorDesc};
+
+/// Forward or backward pass (high-throughput only; low-latency is forward only).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Pass {
+    /// The forward pass.
+    #[default]
+    Forward,
+    /// The backward pass: dispatch moves output gradients to the experts, combine brings input
+    /// gradients (and top-k weight gradients) back.
+    Backward,
+}
+
+/// Where the per-expert receive counters are written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum CountsLocation {
+    /// Device memory ([`crate::TensorTag::RecvExpertCountsDevice`]).
+    #[default]
+    Device,
+    /// Host memory, pinned on GPU backends ([`crate::TensorTag::RecvExpertCountsHost`]).
+    Host,
+}
+
+/// Anything with a tensor descriptor; `storage_len` is the number of elements actually
+/// present when known (host tensors), so a short buffer is caught before use.
+pub trait TensorView {
+    /// The descriptor.
+    fn desc(&self) -> &TensorDesc;
+    /// Elements present, if known.
+    fn storage_len(&self) -> Option<usize>;
+}
+
+impl TensorView for TensorDesc {
+    fn desc(&self) -> &TensorDesc {
+        self
+    }
+    fn storage_len(&self) -> Option<usize> {
+        None
+    }
+}
+
+impl TensorView for HostTensor {
+    fn desc(&self) -> &TensorDesc {
+        HostTensor::desc(self)
+    }
+    fn storage_len(&self) -> Option<usize> {
+        Some(self.data().len())
+    }
+}
+
+/// Inputs of dispatch.
+#[derive(Debug)]
+pub struct DispatchInputs<'a, T: ?Sized = HostTensor> {
+    /// Tokens `[B x H]`.
+    pub tokens: &'a T,
+    /// Top-k weights `[B x K]` (high-throughput forward only).
+    pub topk_weights: Option<&'a T>,
+    /// FP8 scales `[B x H/128]` (high-throughput FP8 forward only).
+    pub scales: Option<&'a T>,
+}
+
+impl<T: ?Sized> Clone for DispatchInputs<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T: ?Sized> Copy for DispatchInputs<'_, T> {}
+
+impl<'a, T: ?Sized> DispatchInputs<'a, T> {
+    /// Tokens only (low-latency, high-throughput backward).
+    pub fn new(tokens: &'a T) -> Self {
+        DispatchInputs { tokens, topk_weights: None, scales: None }
+    }
+
+    /// Adds top-k weights.
+    pub fn with_weights(mut self, topk_weights: &'a T) -> Self {
+        self.topk_weights = Some(topk_weights);
+        self
+    }
+
+    /// Adds FP8 scales.
+    pub fn with_scales(mut self, scales: &'a T) -> Self {
+        self.scales = Some(scales);
+        self
+    }
+}
+
+/// Options of dispatch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DispatchOptions {
+    /// Forward or backward.
+    pub pass: Pass,
+    /// Where the counters go.
+    pub counts_location: CountsLocation,
+}
+
+/// Inputs of combine.
+#[derive(Debug)]
+pub struct CombineInputs<'a, T: ?Sized = HostTensor> {
+    /// Expert outputs (`[L x R*M x H]` LL, `[N x H]` HT).
+    pub tokens: &'a T,
+    /// LL: the top-k weights `[B x K]` to apply; HT backward: weight gradients `[N x K]`.
+    pub topk_weights: Option<&'a T>,
+}
+
+impl<T: ?Sized> Clone for CombineInputs<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T: ?Sized> Copy for CombineInputs<'_, T> {}
+
+impl<'a, T: ?Sized> CombineInputs<'a, T> {
+    /// Expert outputs only (high-throughput forward).
+    pub fn new(tokens: &'a T) -> Self {
+        CombineInputs { tokens, topk_weights: None }
+    }
+
+    /// Adds top-k weights.
+    pub fn with_weights(mut self, topk_weights: &'a T) -> Self {
+        self.topk_weights = Some(topk_weights);
+        self
+    }
+}
+
+/// Options of combine.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CombineOptions {
+    /// Forward or backward.
+    pub pass: Pass,
+}
+
+/// The outputs of dispatch, as descriptors or tensors.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DispatchOutputs<T> {
+    /// Received tokens.
+    pub tokens: T,
+    /// FP8 scales (FP8 dispatch only).
+    pub scales: Option<T>,
+    /// Received top-k weights (HT forward).
+    pub topk_weights: Option<T>,
+    /// Received top-k indices as local expert indices, `-1` where not local (HT forward).
+    pub topk_idx: Option<T>,
+    /// Per-local-expert receive counters `[L]` (LL; HT forward).
+    pub counts: Option<T>,
+}
+
+/// The outputs of combine, as descriptors or tensors.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CombineOutputs<T> {
+    /// Tokens `[B x H]` in the original order.
+    pub tokens: T,
+    /// Top-k weight gradients `[B x K]` (HT backward).
+    pub topk_weights: Option<T>,
+}

@@ -1,0 +1,209 @@
+//! A whole world's inputs for one operation round, generated from a seed, with the reference
+//! results they should produce. Used by `epflow bench --validate`, the tests and the examples.
+
+use half::bf16;
+
+use crate::config::{DispatchDtype, GroupConfig};
+use crate::error::ValidationError;
+use crate::fp8;
+use crate::reference::{self, HtDispatchResult, LlDispatchResult, Rows, TokensRef};
+use crate::routing::Routing;
+use crate::tensor::HostTensor;
+use crate::workload::{RoutingKind, RoutingSpec, random_tokens, random_topk_idx, random_weights};
+
+/// One rank's inputs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RankInputs {
+    /// `B`.
+    pub num_tokens: usize,
+    /// `[B x K]`.
+    pub topk_idx: Vec<i64>,
+    /// `[B x H]` BF16.
+    pub tokens: Vec<bf16>,
+    /// `[B x K]`.
+    pub weights: Vec<f32>,
+    /// `tokens` quantized (`[B x H]` e4m3, `[B x H/128]` scales) when the config dispatches FP8.
+    pub fp8: Option<(Vec<u8>, Vec<f32>)>,
+}
+
+/// Every rank's inputs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Scenario {
+    /// The group config.
+    pub config: GroupConfig,
+    /// `R`.
+    pub num_ranks: usize,
+    /// `K`.
+    pub top_k: usize,
+    /// Per rank.
+    pub ranks: Vec<RankInputs>,
+}
+
+impl Scenario {
+    /// Generates inputs: rank `r` routes `tokens_per_rank[r]` tokens (the last entry repeats if
+    /// there are fewer entries than ranks).
+    pub fn generate(
+        config: GroupConfig,
+        num_ranks: usize,
+        tokens_per_rank: &[usize],
+        top_k: usize,
+        kind: RoutingKind,
+        masked: usize,
+        seed: u64,
+    ) -> Self {
+        let ranks = (0..num_ranks)
+            .map(|r| {
+                let b = tokens_per_rank.get(r).or(tokens_per_rank.last()).copied().unwrap_or(0);
+                let spec =
+                    RoutingSpec { num_tokens: b, top_k, num_experts: config.num_experts, num_ranks, masked, kind };
+                let tokens = random_tokens(b, config.hidden, seed, r);
+                let fp8 = match config.dispatch_dtype {
+                    DispatchDtype::Fp8 { round_scales } => {
+                        Some(fp8::quantize_bf16(&tokens, b, config.hidden, round_scales))
+                    }
+                    DispatchDtype::Bf16 => None,
+                };
+                RankInputs {
+                    num_tokens: b,
+                    topk_idx: random_topk_idx(&spec, seed, r),
+                    weights: random_weights(b, top_k, seed, r),
+                    tokens,
+                    fp8,
+                }
+            })
+            .collect();
+        Scenario { config, num_ranks, top_k, ranks }
+    }
+
+    /// The validated routings.
+    pub fn routings(&self) -> Result<Vec<Routing>, ValidationError> {
+        self.ranks
+            .iter()
+            .map(|r| Routing::new(r.topk_idx.clone(), r.num_tokens, self.top_k, self.config.num_experts))
+            .collect()
+    }
+
+    /// Rank `r`'s `topk_idx` tensor.
+    pub fn topk_idx(&self, r: usize) -> HostTensor {
+        HostTensor::topk_idx(self.ranks[r].num_tokens, self.top_k, self.ranks[r].topk_idx.clone())
+    }
+
+    /// Rank `r`'s BF16 tokens.
+    pub fn tokens(&self, r: usize) -> HostTensor {
+        HostTensor::tokens(self.ranks[r].num_tokens, self.config.hidden, self.ranks[r].tokens.clone())
+    }
+
+    /// Rank `r`'s FP8 tokens and scales (FP8 configs).
+    pub fn tokens_fp8(&self, r: usize) -> Option<(HostTensor, HostTensor)> {
+        let b = self.ranks[r].num_tokens;
+        let h = self.config.hidden;
+        self.ranks[r]
+            .fp8
+            .as_ref()
+            .map(|(q, s)| (HostTensor::tokens_fp8(b, h, q.clone()), HostTensor::scales(b, h / 128, s.clone())))
+    }
+
+    /// Rank `r`'s top-k weights.
+    pub fn weights(&self, r: usize) -> HostTensor {
+        HostTensor::topk_weights(self.ranks[r].num_tokens, self.top_k, self.ranks[r].weights.clone())
+    }
+
+    /// Valid `(token, k)` selections of rank `r` (ep_bench's low-latency byte count is this
+    /// times `H * 2`).
+    pub fn valid_selections(&self, r: usize) -> usize {
+        self.ranks[r].topk_idx.iter().filter(|&&e| e >= 0).count()
+    }
+
+    /// Reference low-latency dispatch.
+    pub fn ll_dispatch_reference(&self) -> Result<Vec<LlDispatchResult>, ValidationError> {
+        let tokens: Vec<&[bf16]> = self.ranks.iter().map(|r| r.tokens.as_slice()).collect();
+        Ok(reference::ll_dispatch(&self.config, &self.routings()?, &tokens))
+    }
+
+    /// Reference low-latency combine of identity experts (each expert returns its input; FP8
+    /// inputs dequantized and rounded to BF16), weighted with each rank's weights.
+    pub fn ll_combine_identity_reference(
+        &self,
+        dispatch: &[LlDispatchResult],
+    ) -> Result<Vec<Vec<bf16>>, ValidationError> {
+        let routings = self.routings()?;
+        let layouts: Vec<_> = dispatch.iter().map(|d| d.layout.clone()).collect();
+        let h = self.config.hidden;
+        let weights: Vec<&[f32]> = self.ranks.iter().map(|r| r.weights.as_slice()).collect();
+        let row = |d: usize, le: usize, i: usize, out: &mut [f32]| dispatch[d].experts[le].row_as_bf16_f32(i, h, out);
+        Ok(reference::ll_combine(&self.config, &routings, &layouts, &row, &weights))
+    }
+
+    fn tokens_refs(&self) -> Vec<TokensRef<'_>> {
+        self.ranks
+            .iter()
+            .map(|r| match &r.fp8 {
+                Some((q, s)) => TokensRef::Fp8 { q, scales: s },
+                None => TokensRef::Bf16(&r.tokens),
+            })
+            .collect()
+    }
+
+    /// Reference high-throughput forward dispatch.
+    pub fn ht_dispatch_reference(&self) -> Result<Vec<HtDispatchResult>, ValidationError> {
+        let weights: Vec<&[f32]> = self.ranks.iter().map(|r| r.weights.as_slice()).collect();
+        Ok(reference::ht_dispatch(&self.config, &self.routings()?, &self.tokens_refs(), &weights))
+    }
+
+    /// Reference high-throughput forward combine of identity experts: each received row is
+    /// returned as BF16 (FP8 rows dequantized and rounded).
+    pub fn ht_combine_identity_reference(
+        &self,
+        dispatch: &[HtDispatchResult],
+    ) -> Result<Vec<Vec<bf16>>, ValidationError> {
+        let h = self.config.hidden;
+        let outs: Vec<Vec<bf16>> = dispatch.iter().map(|d| identity_rows(&d.tokens, h)).collect();
+        let refs: Vec<&[bf16]> = outs.iter().map(Vec::as_slice).collect();
+        Ok(reference::ht_combine(&self.config, &self.routings()?, &refs, None).into_iter().map(|(t, _)| t).collect())
+    }
+}
+
+/// Rows as BF16: BF16 rows unchanged, FP8 rows dequantized and rounded.
+pub fn identity_rows(rows: &reference::Rows, hidden: usize) -> Vec<bf16> {
+    let n = rows.num_rows(hidden);
+    let mut out = Vec::with_capacity(n * hidden);
+    let mut buf = vec![0f32; hidden];
+    for i in 0..n {
+        rows.row_as_bf16_f32(i, hidden, &mut buf);
+        out.extend(buf.iter().map(|&v| bf16::from_f32(v)));
+    }
+    out
+}
+
+/// Identity experts for low-latency combine: a dense `[L x rows_per_expert x H]` BF16 tensor
+/// holding, in each expert's first `counts[l]` rows, that expert's dispatched rows (FP8 rows
+/// dequantized and rounded to BF16). Other rows are zero.
+pub fn ll_identity_expert_outputs(
+    tokens: &crate::tensor::HostData,
+    scales: Option<&[f32]>,
+    counts: &[i32],
+    rows_per_expert: usize,
+    hidden: usize,
+) -> HostTensor {
+    use crate::tensor::HostData;
+    let l = counts.len();
+    let shape = [l, rows_per_expert, hidden];
+    match tokens {
+        HostData::Bf16(v) => HostTensor::new(crate::TensorTag::Tokens, &shape, HostData::Bf16(v.clone())),
+        HostData::Fp8(q) => {
+            let mut out = vec![bf16::ZERO; l * rows_per_expert * hidden];
+            let cols = hidden / crate::config::FP8_BLOCK;
+            let s = scales.unwrap_or_default();
+            for (le, &n) in counts.iter().enumerate() {
+                let base = le * rows_per_expert;
+                let rows = Rows::Fp8 {
+                    q: q[base * hidden..(base + n as usize) * hidden].to_vec(),
+                    scales: s[base * cols..(base + n as usize) * cols].to_vec(),
+                };
+                out[base * hidden..(base + n as usize) * hidden].copy_from_slice(&identity_rows(&rows, hidden));
+            }
+            HostTensor::new(crate::TensorTag::Tokens, &shape, HostData::Bf16(out))
+        }
+        other => HostTensor::new(crate::TensorTag::Tokens, &shape, other.clone()),
+    }
+}

@@ -1,0 +1,444 @@
+//! Checks of every operation's inputs and outputs against the operation tables in [`crate::ops`].
+//!
+//! Checks run in a fixed order per tensor (tag, dtype, number of dimensions, contiguity, each
+//! dimension, storage size), so one bad argument always yields the same error variant.
+
+use crate::config::{Algorithm, GroupConfig, MaxTokens};
+use crate::dtype::DType;
+use crate::error::ValidationError;
+use crate::ops::{
+    CombineInputs, CombineOptions, CombineOutputs, CountsLocation, DispatchInputs, DispatchOptions, DispatchOutputs,
+    Pass, TensorView,
+};
+use crate::routing::Routing;
+use crate::tensor::{TensorDesc, TensorTag};
+
+/// The sizes an operation is checked against.
+#[derive(Clone, Copy, Debug)]
+pub struct OpContext<'a> {
+    /// The group config.
+    pub config: &'a GroupConfig,
+    /// `R`.
+    pub num_ranks: usize,
+    /// `B`, tokens this rank routed (rows of the handle's `topk_idx`).
+    pub num_tokens: usize,
+    /// `K`.
+    pub top_k: usize,
+    /// `N`, rows this rank receives (high-throughput; from the handle).
+    pub num_recv: usize,
+}
+
+impl OpContext<'_> {
+    fn local_experts(&self) -> usize {
+        self.config.local_experts(self.num_ranks)
+    }
+
+    /// `R * M` (low-latency rows per expert).
+    fn ll_rows(&self) -> usize {
+        self.num_ranks * self.config.fixed_max_tokens().unwrap_or(0)
+    }
+
+    fn algorithm_name(&self) -> &'static str {
+        algorithm_name(self.config.algorithm)
+    }
+}
+
+fn algorithm_name(a: Algorithm) -> &'static str {
+    match a {
+        Algorithm::LowLatency => "low-latency",
+        Algorithm::HighThroughput => "high-throughput",
+    }
+}
+
+/// Checks one tensor: tag, dtype, dimensions (`(size, meaning)` each), contiguity, storage.
+pub fn check_tensor(
+    name: &'static str,
+    t: &(impl TensorView + ?Sized),
+    tag: TensorTag,
+    dtype: DType,
+    dims: &[(usize, &'static str)],
+) -> Result<(), ValidationError> {
+    let d = t.desc();
+    if d.tag != tag {
+        return Err(ValidationError::WrongTag { tensor: name, expected: tag, got: d.tag });
+    }
+    if d.dtype != dtype {
+        return Err(ValidationError::WrongDtype { tensor: name, expected: dtype, got: d.dtype });
+    }
+    if d.shape.len() != dims.len() {
+        return Err(ValidationError::WrongNdim {
+            tensor: name,
+            expected: dims.len(),
+            got: d.shape.len(),
+            shape: d.shape.clone(),
+        });
+    }
+    if !d.is_contiguous() {
+        return Err(ValidationError::NotContiguous {
+            tensor: name,
+            shape: d.shape.clone(),
+            strides: d.strides.clone(),
+        });
+    }
+    for (dim, (&got, &(expected, what))) in d.shape.iter().zip(dims).enumerate() {
+        if got != expected {
+            return Err(ValidationError::WrongDimSize { tensor: name, dim, what, expected, got });
+        }
+    }
+    check_storage(name, t)
+}
+
+fn check_storage(name: &'static str, t: &(impl TensorView + ?Sized)) -> Result<(), ValidationError> {
+    let d = t.desc();
+    match t.storage_len() {
+        Some(got) if got != d.numel() => {
+            Err(ValidationError::StorageSizeMismatch { tensor: name, shape: d.shape.clone(), expected: d.numel(), got })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Checks a token-row tensor whose row count must agree with `reference`: rows first (as a
+/// [`ValidationError::TokenCountMismatch`]), then the rest.
+fn check_rows(
+    name: &'static str,
+    t: &(impl TensorView + ?Sized),
+    tag: TensorTag,
+    dtype: DType,
+    rows: (usize, &'static str),
+    cols: (usize, &'static str),
+) -> Result<(), ValidationError> {
+    let d = t.desc();
+    if d.tag == tag && d.dtype == dtype && d.shape.len() == 2 && d.shape[0] != rows.0 {
+        return Err(ValidationError::TokenCountMismatch {
+            tensor: name,
+            reference: rows.1,
+            expected: rows.0,
+            got: d.shape[0],
+        });
+    }
+    check_tensor(name, t, tag, dtype, &[(rows.0, "tokens"), cols])
+}
+
+/// Checks a `topk_idx` tensor and its values; returns the validated routing.
+///
+/// Errors: tag/dtype/shape/contiguity/storage errors, [`ValidationError::TooManyTokens`] when
+/// `B` exceeds a fixed `max_tokens_per_rank`, and the value errors of [`Routing::new`].
+pub fn routing_from_tensor(
+    config: &GroupConfig,
+    t: &(impl TensorView + ?Sized),
+    values: &[i64],
+) -> Result<Routing, ValidationError> {
+    const NAME: &str = "topk_idx";
+    let d = t.desc();
+    if d.tag != TensorTag::TopkIdx {
+        return Err(ValidationError::WrongTag { tensor: NAME, expected: TensorTag::TopkIdx, got: d.tag });
+    }
+    if d.dtype != DType::I64 {
+        return Err(ValidationError::WrongDtype { tensor: NAME, expected: DType::I64, got: d.dtype });
+    }
+    if d.shape.len() != 2 {
+        return Err(ValidationError::WrongNdim {
+            tensor: NAME,
+            expected: 2,
+            got: d.shape.len(),
+            shape: d.shape.clone(),
+        });
+    }
+    if !d.is_contiguous() {
+        return Err(ValidationError::NotContiguous {
+            tensor: NAME,
+            shape: d.shape.clone(),
+            strides: d.strides.clone(),
+        });
+    }
+    check_storage(NAME, t)?;
+    let (num_tokens, top_k) = (d.shape[0], d.shape[1]);
+    if let MaxTokens::Fixed(max_tokens) = config.max_tokens_per_rank {
+        if num_tokens > max_tokens {
+            return Err(ValidationError::TooManyTokens { tokens: num_tokens, max_tokens });
+        }
+    }
+    if values.len() != num_tokens * top_k {
+        return Err(ValidationError::StorageSizeMismatch {
+            tensor: NAME,
+            shape: d.shape.clone(),
+            expected: num_tokens * top_k,
+            got: values.len(),
+        });
+    }
+    Routing::new(values.to_vec(), num_tokens, top_k, config.num_experts)
+}
+
+/// Checks the inputs of dispatch.
+pub fn validate_dispatch_inputs<T: TensorView + ?Sized>(
+    ctx: &OpContext<'_>,
+    opts: &DispatchOptions,
+    inputs: &DispatchInputs<'_, T>,
+) -> Result<(), ValidationError> {
+    let h = ctx.config.hidden;
+    let b = ctx.num_tokens;
+    const TOKENS: &str = "dispatch input tokens";
+    const WEIGHTS: &str = "dispatch input topk_weights";
+    const SCALES: &str = "dispatch input scales";
+    match (ctx.config.algorithm, opts.pass) {
+        (Algorithm::LowLatency, Pass::Backward) => {
+            Err(ValidationError::UnsupportedForAlgorithm { what: "the backward pass", algorithm: ctx.algorithm_name() })
+        }
+        (Algorithm::LowLatency, Pass::Forward) => {
+            if inputs.topk_weights.is_some() {
+                return Err(ValidationError::UnexpectedTensor {
+                    tensor: WEIGHTS,
+                    why: "low-latency dispatch takes the weights at combine",
+                });
+            }
+            if inputs.scales.is_some() {
+                return Err(ValidationError::UnexpectedTensor {
+                    tensor: SCALES,
+                    why: "low-latency dispatch takes BF16 tokens and quantizes them itself",
+                });
+            }
+            check_rows(TOKENS, inputs.tokens, TensorTag::Tokens, DType::Bf16, (b, "topk_idx"), (h, "hidden"))
+        }
+        (Algorithm::HighThroughput, Pass::Forward) => {
+            let fp8 = ctx.config.dispatch_dtype.is_fp8();
+            let dtype = if fp8 { DType::Fp8E4m3 } else { DType::Bf16 };
+            check_rows(TOKENS, inputs.tokens, TensorTag::Tokens, dtype, (b, "topk_idx"), (h, "hidden"))?;
+            let weights = inputs.topk_weights.ok_or(ValidationError::MissingTensor {
+                tensor: WEIGHTS,
+                why: "high-throughput forward dispatch sends each token's weights with it",
+            })?;
+            check_rows(WEIGHTS, weights, TensorTag::TopkWeights, DType::F32, (b, "topk_idx"), (ctx.top_k, "top_k"))?;
+            match (fp8, inputs.scales) {
+                (true, None) => Err(ValidationError::MissingTensor {
+                    tensor: SCALES,
+                    why: "FP8 high-throughput dispatch takes quantized tokens with their per-128 scales",
+                }),
+                (true, Some(s)) => {
+                    check_rows(SCALES, s, TensorTag::Scales, DType::F32, (b, "topk_idx"), (h / 128, "hidden/128"))
+                }
+                (false, Some(_)) => Err(ValidationError::UnexpectedTensor {
+                    tensor: SCALES,
+                    why: "the group dispatches BF16; scales belong to FP8 groups",
+                }),
+                (false, None) => Ok(()),
+            }
+        }
+        (Algorithm::HighThroughput, Pass::Backward) => {
+            if inputs.topk_weights.is_some() {
+                return Err(ValidationError::UnexpectedTensor {
+                    tensor: WEIGHTS,
+                    why: "backward dispatch moves gradients only; weight gradients come back through backward combine",
+                });
+            }
+            if inputs.scales.is_some() {
+                return Err(ValidationError::UnexpectedTensor { tensor: SCALES, why: "backward dispatch is BF16" });
+            }
+            check_rows(TOKENS, inputs.tokens, TensorTag::Tokens, DType::Bf16, (b, "topk_idx"), (h, "hidden"))
+        }
+    }
+}
+
+/// The descriptors dispatch produces.
+pub fn dispatch_output_descs(ctx: &OpContext<'_>, opts: &DispatchOptions) -> DispatchOutputs<TensorDesc> {
+    let c = ctx.config;
+    let (h, l, k) = (c.hidden, ctx.local_experts(), ctx.top_k);
+    let counts_tag = match opts.counts_location {
+        CountsLocation::Device => TensorTag::RecvExpertCountsDevice,
+        CountsLocation::Host => TensorTag::RecvExpertCountsHost,
+    };
+    let counts = Some(TensorDesc::contiguous(counts_tag, DType::I32, &[l]));
+    let fp8 = c.dispatch_dtype.is_fp8() && opts.pass == Pass::Forward;
+    let token_dtype = if fp8 { DType::Fp8E4m3 } else { DType::Bf16 };
+    match (c.algorithm, opts.pass) {
+        (Algorithm::LowLatency, _) => {
+            let rows = ctx.ll_rows();
+            DispatchOutputs {
+                tokens: TensorDesc::contiguous(TensorTag::Tokens, token_dtype, &[l, rows, h]),
+                scales: fp8.then(|| TensorDesc::contiguous(TensorTag::Scales, DType::F32, &[l, rows, h / 128])),
+                topk_weights: None,
+                topk_idx: None,
+                counts,
+            }
+        }
+        (Algorithm::HighThroughput, Pass::Forward) => {
+            let n = ctx.num_recv;
+            DispatchOutputs {
+                tokens: TensorDesc::contiguous(TensorTag::Tokens, token_dtype, &[n, h]),
+                scales: fp8.then(|| TensorDesc::contiguous(TensorTag::Scales, DType::F32, &[n, h / 128])),
+                topk_weights: Some(TensorDesc::contiguous(TensorTag::TopkWeights, DType::F32, &[n, k])),
+                topk_idx: Some(TensorDesc::contiguous(TensorTag::TopkIdx, DType::I64, &[n, k])),
+                counts,
+            }
+        }
+        (Algorithm::HighThroughput, Pass::Backward) => DispatchOutputs {
+            tokens: TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[ctx.num_recv, h]),
+            scales: None,
+            topk_weights: None,
+            topk_idx: None,
+            counts: None,
+        },
+    }
+}
+
+fn check_against(
+    name: &'static str,
+    t: Option<&(impl TensorView + ?Sized)>,
+    want: Option<&TensorDesc>,
+    why_missing: &'static str,
+    why_unexpected: &'static str,
+) -> Result<(), ValidationError> {
+    match (t, want) {
+        (None, None) => Ok(()),
+        (Some(_), None) => Err(ValidationError::UnexpectedTensor { tensor: name, why: why_unexpected }),
+        (None, Some(_)) => Err(ValidationError::MissingTensor { tensor: name, why: why_missing }),
+        (Some(t), Some(w)) => {
+            let what: Vec<(usize, &'static str)> = w.shape.iter().map(|&n| (n, "size")).collect();
+            check_tensor(name, t, w.tag, w.dtype, &what)
+        }
+    }
+}
+
+/// Checks caller-provided dispatch outputs against [`dispatch_output_descs`].
+pub fn validate_dispatch_outputs<T: TensorView>(
+    ctx: &OpContext<'_>,
+    opts: &DispatchOptions,
+    outputs: &DispatchOutputs<T>,
+) -> Result<(), ValidationError> {
+    let want = dispatch_output_descs(ctx, opts);
+    check_against("dispatch output tokens", Some(&outputs.tokens), Some(&want.tokens), "", "")?;
+    check_against(
+        "dispatch output scales",
+        outputs.scales.as_ref(),
+        want.scales.as_ref(),
+        "FP8 dispatch writes per-128 scales",
+        "only FP8 dispatch writes scales",
+    )?;
+    check_against(
+        "dispatch output topk_weights",
+        outputs.topk_weights.as_ref(),
+        want.topk_weights.as_ref(),
+        "high-throughput forward dispatch writes the received weights",
+        "only high-throughput forward dispatch writes weights",
+    )?;
+    check_against(
+        "dispatch output topk_idx",
+        outputs.topk_idx.as_ref(),
+        want.topk_idx.as_ref(),
+        "high-throughput forward dispatch writes the received local expert indices",
+        "only high-throughput forward dispatch writes indices",
+    )?;
+    check_against(
+        "dispatch output counts",
+        outputs.counts.as_ref(),
+        want.counts.as_ref(),
+        "this dispatch writes per-expert receive counters",
+        "backward dispatch writes no counters",
+    )
+}
+
+/// Checks the inputs of combine.
+pub fn validate_combine_inputs<T: TensorView + ?Sized>(
+    ctx: &OpContext<'_>,
+    opts: &CombineOptions,
+    inputs: &CombineInputs<'_, T>,
+) -> Result<(), ValidationError> {
+    let h = ctx.config.hidden;
+    const TOKENS: &str = "combine input tokens";
+    const WEIGHTS: &str = "combine input topk_weights";
+    match (ctx.config.algorithm, opts.pass) {
+        (Algorithm::LowLatency, Pass::Backward) => {
+            Err(ValidationError::UnsupportedForAlgorithm { what: "the backward pass", algorithm: ctx.algorithm_name() })
+        }
+        (Algorithm::LowLatency, Pass::Forward) => {
+            let (l, rows) = (ctx.local_experts(), ctx.ll_rows());
+            check_tensor(
+                TOKENS,
+                inputs.tokens,
+                TensorTag::Tokens,
+                DType::Bf16,
+                &[(l, "local experts"), (rows, "ranks * max_tokens"), (h, "hidden")],
+            )?;
+            let w = inputs.topk_weights.ok_or(ValidationError::MissingTensor {
+                tensor: WEIGHTS,
+                why: "low-latency combine weights each expert output with its token's top-k weight",
+            })?;
+            check_rows(
+                WEIGHTS,
+                w,
+                TensorTag::TopkWeights,
+                DType::F32,
+                (ctx.num_tokens, "topk_idx"),
+                (ctx.top_k, "top_k"),
+            )
+        }
+        (Algorithm::HighThroughput, pass) => {
+            let n = ctx.num_recv;
+            check_rows(
+                TOKENS,
+                inputs.tokens,
+                TensorTag::Tokens,
+                DType::Bf16,
+                (n, "the handle's receive count"),
+                (h, "hidden"),
+            )?;
+            match (pass, inputs.topk_weights) {
+                (Pass::Forward, Some(_)) => Err(ValidationError::UnexpectedTensor {
+                    tensor: WEIGHTS,
+                    why: "forward high-throughput combine sums pre-weighted expert outputs",
+                }),
+                (Pass::Forward, None) => Ok(()),
+                (Pass::Backward, None) => Err(ValidationError::MissingTensor {
+                    tensor: WEIGHTS,
+                    why: "backward combine also brings the top-k weight gradients back",
+                }),
+                (Pass::Backward, Some(w)) => check_rows(
+                    WEIGHTS,
+                    w,
+                    TensorTag::TopkWeights,
+                    DType::F32,
+                    (n, "the handle's receive count"),
+                    (ctx.top_k, "top_k"),
+                ),
+            }
+        }
+    }
+}
+
+/// The descriptors combine produces.
+pub fn combine_output_descs(ctx: &OpContext<'_>, opts: &CombineOptions) -> CombineOutputs<TensorDesc> {
+    let b = ctx.num_tokens;
+    CombineOutputs {
+        tokens: TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[b, ctx.config.hidden]),
+        topk_weights: (ctx.config.algorithm == Algorithm::HighThroughput && opts.pass == Pass::Backward)
+            .then(|| TensorDesc::contiguous(TensorTag::TopkWeights, DType::F32, &[b, ctx.top_k])),
+    }
+}
+
+/// Checks caller-provided combine outputs against [`combine_output_descs`].
+pub fn validate_combine_outputs<T: TensorView>(
+    ctx: &OpContext<'_>,
+    opts: &CombineOptions,
+    outputs: &CombineOutputs<T>,
+) -> Result<(), ValidationError> {
+    let want = combine_output_descs(ctx, opts);
+    check_against("combine output tokens", Some(&outputs.tokens), Some(&want.tokens), "", "")?;
+    check_against(
+        "combine output topk_weights",
+        outputs.topk_weights.as_ref(),
+        want.topk_weights.as_ref(),
+        "backward combine writes the top-k weight gradients",
+        "only high-throughput backward combine writes weights",
+    )
+}
+
+/// Checks that staged (send-only) execution is allowed for the group's algorithm.
+pub fn validate_staged(config: &GroupConfig) -> Result<(), ValidationError> {
+    match config.algorithm {
+        Algorithm::LowLatency => Ok(()),
+        Algorithm::HighThroughput => Err(ValidationError::UnsupportedForAlgorithm {
+            what: "staged (send-only) execution",
+            algorithm: algorithm_name(config.algorithm),
+        }),
+    }
+}

@@ -1,0 +1,172 @@
+//! Comparison of a backend's outputs with the reference, as a [`Report`].
+
+use half::bf16;
+
+use crate::reference::{HtDispatchResult, LlDispatchResult, Rows, within_one_ulp};
+use crate::tensor::HostData;
+
+/// The outcome of a comparison.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Report {
+    /// Elements compared.
+    pub checked: u64,
+    /// Elements that differ beyond the tolerance.
+    pub mismatched: u64,
+    /// The first mismatch, described.
+    pub first: Option<String>,
+    /// Largest absolute difference seen (float comparisons).
+    pub max_abs_diff: f64,
+}
+
+impl Report {
+    /// Whether nothing mismatched.
+    pub fn ok(&self) -> bool {
+        self.mismatched == 0
+    }
+
+    fn record(&mut self, ok: bool, describe: impl FnOnce() -> String) {
+        self.checked += 1;
+        if !ok {
+            self.mismatched += 1;
+            if self.first.is_none() {
+                self.first = Some(describe());
+            }
+        }
+    }
+
+    /// Adds `other`'s counts to this report.
+    pub fn merge(&mut self, other: Report) {
+        self.checked += other.checked;
+        self.mismatched += other.mismatched;
+        self.max_abs_diff = self.max_abs_diff.max(other.max_abs_diff);
+        if self.first.is_none() {
+            self.first = other.first;
+        }
+    }
+
+    /// Prefixes the first mismatch with `context` (e.g. `"rank 2"`).
+    pub fn context(mut self, context: &str) -> Self {
+        self.first = self.first.map(|f| format!("{context}: {f}"));
+        self
+    }
+}
+
+/// How close BF16 results must be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tolerance {
+    /// Identical bits.
+    Exact,
+    /// At most one BF16 ulp apart.
+    OneUlp,
+}
+
+/// Compares BF16 values.
+pub fn check_bf16(what: &str, expected: &[bf16], got: &[bf16], tol: Tolerance) -> Report {
+    let mut r = Report::default();
+    if expected.len() != got.len() {
+        r.record(false, || format!("{what}: {} values, expected {}", got.len(), expected.len()));
+        return r;
+    }
+    for (i, (e, g)) in expected.iter().zip(got).enumerate() {
+        let ok = match tol {
+            Tolerance::Exact => e.to_bits() == g.to_bits(),
+            Tolerance::OneUlp => within_one_ulp(*e, *g),
+        };
+        r.max_abs_diff = r.max_abs_diff.max(f64::from((e.to_f32() - g.to_f32()).abs()));
+        r.record(ok, || format!("{what}[{i}] = {g} (bits {:#06x}), expected {e} ({:#06x})", g.to_bits(), e.to_bits()));
+    }
+    r
+}
+
+/// Compares values bit for bit.
+pub fn check_exact<T: PartialEq + std::fmt::Debug + Copy>(
+    what: &str,
+    expected: &[T],
+    got: &[T],
+    eq: fn(T, T) -> bool,
+) -> Report {
+    let mut r = Report::default();
+    if expected.len() != got.len() {
+        r.record(false, || format!("{what}: {} values, expected {}", got.len(), expected.len()));
+        return r;
+    }
+    for (i, (&e, &g)) in expected.iter().zip(got).enumerate() {
+        r.record(eq(e, g), || format!("{what}[{i}] = {g:?}, expected {e:?}"));
+    }
+    r
+}
+
+fn f32_bits_eq(a: f32, b: f32) -> bool {
+    a.to_bits() == b.to_bits()
+}
+
+/// Compares one rank's low-latency dispatch outputs with the reference: the counters, and bit
+/// for bit every valid row (payload and FP8 scales) of the dense `[L x R*M x H]` tokens.
+pub fn check_ll_dispatch(
+    expected: &LlDispatchResult,
+    hidden: usize,
+    rows_per_expert: usize,
+    tokens: &HostData,
+    scales: Option<&[f32]>,
+    counts: &[i32],
+) -> Report {
+    let mut r = check_exact("counts", &expected.counts(), counts, |a, b| a == b);
+    if !r.ok() {
+        return r;
+    }
+    let cols = hidden / 128;
+    for (le, rows) in expected.experts.iter().enumerate() {
+        let n = expected.layout.rows(le).len();
+        let base = le * rows_per_expert;
+        match (rows, tokens) {
+            (Rows::Bf16(want), HostData::Bf16(got)) => r.merge(check_bf16(
+                &format!("expert {le}"),
+                want,
+                &got[base * hidden..(base + n) * hidden],
+                Tolerance::Exact,
+            )),
+            (Rows::Fp8 { q, scales: ws }, HostData::Fp8(got)) => {
+                r.merge(check_exact(
+                    &format!("expert {le} fp8"),
+                    q,
+                    &got[base * hidden..(base + n) * hidden],
+                    |a, b| a == b,
+                ));
+                match scales {
+                    Some(s) => r.merge(check_exact(
+                        &format!("expert {le} scales"),
+                        ws,
+                        &s[base * cols..(base + n) * cols],
+                        f32_bits_eq,
+                    )),
+                    None => r.record(false, || "FP8 dispatch returned no scales".into()),
+                }
+            }
+            _ => r.record(false, || format!("expert {le}: output dtype {:?} does not match", tokens.dtype())),
+        }
+    }
+    r
+}
+
+/// Compares one rank's high-throughput forward dispatch outputs with the reference.
+pub fn check_ht_dispatch(
+    expected: &HtDispatchResult,
+    tokens: &HostData,
+    scales: Option<&[f32]>,
+    topk_weights: &[f32],
+    topk_idx: &[i64],
+    counts: &[i32],
+) -> Report {
+    let mut r = check_exact("counts", expected.layout.expert_counts(), counts, |a, b| a == b);
+    r.merge(check_exact("topk_idx", &expected.topk_idx, topk_idx, |a, b| a == b));
+    r.merge(check_exact("topk_weights", &expected.topk_weights, topk_weights, f32_bits_eq));
+    match (&expected.tokens, tokens) {
+        (Rows::Bf16(want), HostData::Bf16(got)) => r.merge(check_bf16("tokens", want, got, Tolerance::Exact)),
+        (Rows::Fp8 { q, scales: ws }, HostData::Fp8(got)) => {
+            r.merge(check_exact("tokens fp8", q, got, |a, b| a == b));
+            r.merge(check_exact("scales", ws, scales.unwrap_or_default(), f32_bits_eq));
+        }
+        _ => r.record(false, || format!("tokens dtype {:?} does not match", tokens.dtype())),
+    }
+    r
+}

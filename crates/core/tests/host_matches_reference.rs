@@ -1,0 +1,225 @@
+//! The host backend against the CPU reference: R in {1, 2, 4, 8}, low-latency and
+//! high-throughput, BF16 and FP8, synchronous and staged. Dispatch must match bit for bit,
+//! combine within one BF16 ulp.
+
+use epflow_core::host::{HostRank, HostWorld};
+use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, Pass};
+use epflow_core::reference;
+use epflow_core::scenario::{Scenario, identity_rows, ll_identity_expert_outputs};
+use epflow_core::verify::{Report, Tolerance, check_bf16, check_ht_dispatch, check_ll_dispatch};
+use epflow_core::workload::{RoutingKind, random_tokens};
+use epflow_core::{DispatchDtype, GroupConfig, HostTensor, MaxTokens, bf16};
+
+const HIDDEN: usize = 256;
+const EXPERTS: usize = 32;
+const TOP_K: usize = 4;
+const MAX_TOKENS: usize = 24;
+
+fn dtypes() -> [DispatchDtype; 3] {
+    [DispatchDtype::Bf16, DispatchDtype::Fp8 { round_scales: false }, DispatchDtype::Fp8 { round_scales: true }]
+}
+
+/// Uneven token counts, including a rank with none.
+fn tokens_per_rank(r: usize) -> Vec<usize> {
+    [MAX_TOKENS, 17, 0, 5, 24, 1, 9, 13].into_iter().take(r).collect()
+}
+
+fn assert_ok(report: Report, what: &str) {
+    assert!(report.ok(), "{what}: {} of {} mismatched; first: {:?}", report.mismatched, report.checked, report.first);
+    assert!(report.checked > 0 || what.contains("empty"), "{what}: nothing was compared");
+}
+
+fn ll_round(rank: &HostRank, sc: &Scenario, staged: bool) -> (Report, Report) {
+    let r = rank.rank();
+    let refs = sc.ll_dispatch_reference().unwrap();
+    let combine_ref = sc.ll_combine_identity_reference(&refs).unwrap();
+    let handle = rank.create_handle(&sc.topk_idx(r)).unwrap();
+    let x = sc.tokens(r);
+    let inputs = DispatchInputs::new(&x);
+    let opts = DispatchOptions::default();
+    let out = if staged {
+        rank.dispatch_send(&handle, inputs, &opts).unwrap().complete().unwrap()
+    } else {
+        rank.dispatch(&handle, inputs, &opts).unwrap()
+    };
+    let rows = sc.num_ranks * MAX_TOKENS;
+    let scales = out.scales().and_then(HostTensor::as_f32);
+    let counts = out.counts().unwrap().to_vec();
+    let d =
+        check_ll_dispatch(&refs[r], HIDDEN, rows, out.tokens().data(), scales, &counts).context(&format!("rank {r}"));
+    let experts = ll_identity_expert_outputs(out.tokens().data(), scales, &counts, rows, HIDDEN);
+    drop(out);
+    let w = sc.weights(r);
+    let cin = CombineInputs::new(&experts).with_weights(&w);
+    let copts = CombineOptions::default();
+    let y = if staged {
+        rank.combine_send(&handle, cin, &copts).unwrap().complete().unwrap()
+    } else {
+        rank.combine(&handle, cin, &copts).unwrap()
+    };
+    let c = check_bf16("combine", &combine_ref[r], y.tokens().as_bf16().unwrap(), Tolerance::OneUlp);
+    (d, c.context(&format!("rank {r}")))
+}
+
+#[test]
+fn low_latency_matches_reference() {
+    for num_ranks in [1, 2, 4, 8] {
+        for dtype in dtypes() {
+            for staged in [false, true] {
+                let config = GroupConfig::low_latency(EXPERTS, MAX_TOKENS, HIDDEN).with_dispatch_dtype(dtype);
+                let sc = Scenario::generate(
+                    config.clone(),
+                    num_ranks,
+                    &tokens_per_rank(num_ranks),
+                    TOP_K,
+                    RoutingKind::Uniform,
+                    6,
+                    42 + num_ranks as u64,
+                );
+                let reports = HostWorld::run(num_ranks, config, |rank| ll_round(rank, &sc, staged)).unwrap();
+                for (d, c) in reports {
+                    let what = format!("LL R={num_ranks} {dtype:?} staged={staged}");
+                    assert_ok(d, &format!("{what} dispatch"));
+                    if sc.ranks.iter().any(|r| r.num_tokens > 0) {
+                        assert!(c.ok(), "{what} combine: {c:?}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn low_latency_routing_to_one_rank_and_skew() {
+    for kind in [RoutingKind::SingleRank(1), RoutingKind::Skewed] {
+        let config = GroupConfig::low_latency(EXPERTS, MAX_TOKENS, HIDDEN);
+        let sc = Scenario::generate(config.clone(), 4, &[MAX_TOKENS], TOP_K, kind, 3, 9);
+        for (d, c) in HostWorld::run(4, config, |rank| ll_round(rank, &sc, true)).unwrap() {
+            assert_ok(d, &format!("{kind:?} dispatch"));
+            assert_ok(c, &format!("{kind:?} combine"));
+        }
+    }
+}
+
+fn ht_round(rank: &HostRank, sc: &Scenario) -> Vec<(String, Report)> {
+    let r = rank.rank();
+    let h = HIDDEN;
+    let refs = sc.ht_dispatch_reference().unwrap();
+    let routings = sc.routings().unwrap();
+    let handle = rank.create_handle(&sc.topk_idx(r)).unwrap();
+    let n = handle.num_recv_tokens().unwrap();
+    assert_eq!(n, refs[r].layout.num_rows(), "rank {r}: receive count from the handle");
+    assert_eq!(handle.recv_expert_counts().unwrap(), refs[r].layout.expert_counts());
+    let mut reports = Vec::new();
+
+    // Forward dispatch.
+    let w = sc.weights(r);
+    let bf = sc.tokens(r);
+    let fp8 = sc.tokens_fp8(r);
+    let inputs = match &fp8 {
+        Some((q, s)) => DispatchInputs::new(q).with_weights(&w).with_scales(s),
+        None => DispatchInputs::new(&bf).with_weights(&w),
+    };
+    let out = rank.dispatch(&handle, inputs, &DispatchOptions::default()).unwrap();
+    reports.push((
+        "forward dispatch".into(),
+        check_ht_dispatch(
+            &refs[r],
+            out.tokens().data(),
+            out.scales().and_then(HostTensor::as_f32),
+            out.topk_weights().unwrap().as_f32().unwrap(),
+            out.topk_idx().unwrap().as_i64().unwrap(),
+            out.counts().unwrap(),
+        ),
+    ));
+
+    // Forward combine of identity experts.
+    let experts = HostTensor::tokens(n, h, identity_rows(&refs[r].tokens, h));
+    let y = rank.combine(&handle, CombineInputs::new(&experts), &CombineOptions::default()).unwrap();
+    let want = sc.ht_combine_identity_reference(&refs).unwrap();
+    reports.push((
+        "forward combine".into(),
+        check_bf16("combine", &want[r], y.tokens().as_bf16().unwrap(), Tolerance::OneUlp),
+    ));
+
+    // Backward: output gradients go out, input and weight gradients come back.
+    let grads: Vec<Vec<bf16>> =
+        sc.ranks.iter().enumerate().map(|(i, ri)| random_tokens(ri.num_tokens, h, 777, i)).collect();
+    let g = HostTensor::tokens(sc.ranks[r].num_tokens, h, grads[r].clone());
+    let bopts = DispatchOptions { pass: Pass::Backward, ..Default::default() };
+    let gout = rank.dispatch(&handle, DispatchInputs::new(&g), &bopts).unwrap();
+    let grefs: Vec<&[bf16]> = grads.iter().map(Vec::as_slice).collect();
+    let want_bwd = reference::ht_dispatch_backward(&sc.config, &routings, &grefs);
+    reports.push((
+        "backward dispatch".into(),
+        check_bf16("grads", &want_bwd[r], gout.tokens().as_bf16().unwrap(), Tolerance::Exact),
+    ));
+
+    // Weight gradients: twice the received weights (any values work; these are deterministic).
+    let wg: Vec<Vec<f32>> = refs.iter().map(|d| d.topk_weights.iter().map(|v| v * 2.0 + 0.25).collect()).collect();
+    let wg_t = HostTensor::topk_weights(n, TOP_K, wg[r].clone());
+    let copts = CombineOptions { pass: Pass::Backward };
+    let gy = rank.combine(&handle, CombineInputs::new(gout.tokens()).with_weights(&wg_t), &copts).unwrap();
+    let wrefs: Vec<&[f32]> = wg.iter().map(Vec::as_slice).collect();
+    let want_c = reference::ht_combine(&sc.config, &routings, &grefs_rows(&want_bwd), Some(&wrefs));
+    reports.push((
+        "backward combine".into(),
+        check_bf16("grads", &want_c[r].0, gy.tokens().as_bf16().unwrap(), Tolerance::OneUlp),
+    ));
+    let got_w = gy.topk_weights().unwrap().as_f32().unwrap();
+    let want_w = want_c[r].1.as_ref().unwrap();
+    let mut wr = Report::default();
+    wr.merge(epflow_core::verify::check_exact("weight grads", want_w, got_w, |a, b| a.to_bits() == b.to_bits()));
+    reports.push(("backward combine weights".into(), wr));
+    reports.into_iter().map(|(w, rep)| (w, rep.context(&format!("rank {r}")))).collect()
+}
+
+fn grefs_rows(v: &[Vec<bf16>]) -> Vec<&[bf16]> {
+    v.iter().map(Vec::as_slice).collect()
+}
+
+#[test]
+fn high_throughput_matches_reference() {
+    for num_ranks in [1, 2, 4, 8] {
+        for dtype in dtypes() {
+            for max_tokens in [MaxTokens::Auto, MaxTokens::Fixed(MAX_TOKENS)] {
+                let config = GroupConfig::high_throughput(EXPERTS, HIDDEN)
+                    .with_dispatch_dtype(dtype)
+                    .with_max_tokens(max_tokens);
+                let kind = if num_ranks == 4 { RoutingKind::Skewed } else { RoutingKind::Uniform };
+                let sc = Scenario::generate(
+                    config.clone(),
+                    num_ranks,
+                    &tokens_per_rank(num_ranks),
+                    TOP_K,
+                    kind,
+                    6,
+                    7 * num_ranks as u64,
+                );
+                for reports in HostWorld::run(num_ranks, config, |rank| ht_round(rank, &sc)).unwrap() {
+                    for (what, rep) in reports {
+                        assert!(rep.ok(), "HT R={num_ranks} {dtype:?} {max_tokens:?} {what}: {rep:?}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn many_staged_rounds_with_fresh_routing_stay_correct() {
+    let config = GroupConfig::low_latency(EXPERTS, MAX_TOKENS, HIDDEN);
+    let scenarios: Vec<Scenario> = (0..40)
+        .map(|i| {
+            Scenario::generate(config.clone(), 4, &[MAX_TOKENS, 3, 11, 24], TOP_K, RoutingKind::Uniform, 4, 1000 + i)
+        })
+        .collect();
+    HostWorld::run(4, config, |rank| {
+        for sc in &scenarios {
+            let (d, c) = ll_round(rank, sc, true);
+            assert_ok(d, "dispatch");
+            assert_ok(c, "combine");
+        }
+    })
+    .unwrap();
+}
