@@ -1,1 +1,15 @@
-fn main() {}
+//! The `epflow` command-line tool.
+
+mod bench;
+mod cli;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let cli = cli::Cli::parse();
+    match cli.command {
+        cli::Command::Bench(args) => bench::main(&args),
+    }
+}

@@ -1,0 +1,163 @@
+//! Property tests over random configs, run through the host backend.
+
+use epflow_core::fp8;
+use epflow_core::host::HostWorld;
+use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, Pass};
+use epflow_core::reference::within_bf16_rounding;
+use epflow_core::scenario::{Scenario, ll_identity_expert_outputs};
+use epflow_core::workload::RoutingKind;
+use epflow_core::{GroupConfig, HostTensor, bf16};
+use proptest::prelude::*;
+
+#[derive(Debug, Clone)]
+struct Case {
+    ranks: usize,
+    local_experts: usize,
+    top_k: usize,
+    hidden: usize,
+    max_tokens: usize,
+    tokens: Vec<usize>,
+    masked: usize,
+    seed: u64,
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    (1usize..=8, 1usize..=4, prop::sample::select(vec![8usize, 16, 128, 256]), 1usize..=12, 0usize..=6, any::<u64>())
+        .prop_flat_map(|(ranks, local_experts, hidden, max_tokens, masked, seed)| {
+            let e = ranks * local_experts;
+            (1..=e.min(8), prop::collection::vec(0..=max_tokens, ranks)).prop_map(move |(top_k, tokens)| Case {
+                ranks,
+                local_experts,
+                top_k,
+                hidden,
+                max_tokens,
+                tokens,
+                masked,
+                seed,
+            })
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Dispatch, identity experts, combine: every token comes back as sum(w) * x (within BF16
+    /// rounding); the per-expert counts add up to the valid selections.
+    #[test]
+    fn ll_identity_round_trip(c in case()) {
+        let config = GroupConfig::low_latency(c.ranks * c.local_experts, c.max_tokens, c.hidden);
+        let sc = Scenario::generate(config.clone(), c.ranks, &c.tokens, c.top_k, RoutingKind::Uniform, c.masked, c.seed);
+        let rows = c.ranks * c.max_tokens;
+        let results = HostWorld::run(c.ranks, config, |rank| {
+            let r = rank.rank();
+            let handle = rank.create_handle(&sc.topk_idx(r)).unwrap();
+            let x = sc.tokens(r);
+            let out = rank.dispatch(&handle, DispatchInputs::new(&x), &DispatchOptions::default()).unwrap();
+            let counts: i32 = out.counts().unwrap().iter().sum();
+            let experts = ll_identity_expert_outputs(out.tokens().data(), None, out.counts().unwrap(), rows, c.hidden);
+            let w = sc.weights(r);
+            let y = rank.combine(&handle, CombineInputs::new(&experts).with_weights(&w), &CombineOptions::default()).unwrap();
+            (counts, y.tokens().as_bf16().unwrap().to_vec())
+        }).unwrap();
+        let total_counts: i32 = results.iter().map(|(n, _)| n).sum();
+        let valid: usize = (0..c.ranks).map(|r| sc.valid_selections(r)).sum();
+        prop_assert_eq!(total_counts as usize, valid);
+        for (r, (_, y)) in results.iter().enumerate() {
+            let inp = &sc.ranks[r];
+            for t in 0..inp.num_tokens {
+                let sum_w: f64 = (0..c.top_k)
+                    .filter(|&k| inp.topk_idx[t * c.top_k + k] >= 0)
+                    .map(|k| f64::from(inp.weights[t * c.top_k + k]))
+                    .sum();
+                for ch in 0..c.hidden {
+                    let x = f64::from(inp.tokens[t * c.hidden + ch].to_f32());
+                    let exact = (sum_w * x) as f32;
+                    let got = y[t * c.hidden + ch];
+                    prop_assert!(within_bf16_rounding(got, exact, (sum_w * x.abs()) as f32),
+                        "rank {} token {} ch {}: got {} want {}", r, t, ch, got, exact);
+                }
+            }
+        }
+    }
+
+    /// High-throughput forward then backward: backward dispatch of x lands where forward
+    /// dispatch put x; backward combine of those rows with the received weights returns
+    /// n_dest(t) * x and the original weights (0 where masked).
+    #[test]
+    fn ht_forward_backward_round_trip(c in case()) {
+        let config = GroupConfig::high_throughput(c.ranks * c.local_experts, c.hidden);
+        let sc = Scenario::generate(config.clone(), c.ranks, &c.tokens, c.top_k, RoutingKind::Uniform, c.masked, c.seed);
+        let results = HostWorld::run(c.ranks, config, |rank| {
+            let r = rank.rank();
+            let handle = rank.create_handle(&sc.topk_idx(r)).unwrap();
+            let (x, w) = (sc.tokens(r), sc.weights(r));
+            let fwd = rank.dispatch(&handle, DispatchInputs::new(&x).with_weights(&w), &DispatchOptions::default()).unwrap();
+            let bwd = rank.dispatch(&handle, DispatchInputs::new(&x), &DispatchOptions { pass: Pass::Backward, ..Default::default() }).unwrap();
+            let same_rows = fwd.tokens() == bwd.tokens();
+            let back = rank.combine(
+                &handle,
+                CombineInputs::new(bwd.tokens()).with_weights(fwd.topk_weights().unwrap()),
+                &CombineOptions { pass: Pass::Backward },
+            ).unwrap();
+            (same_rows, back.tokens().as_bf16().unwrap().to_vec(), back.topk_weights().unwrap().as_f32().unwrap().to_vec())
+        }).unwrap();
+        let l = c.local_experts;
+        for (r, (same_rows, y, w)) in results.iter().enumerate() {
+            prop_assert!(same_rows);
+            let inp = &sc.ranks[r];
+            for t in 0..inp.num_tokens {
+                let row = &inp.topk_idx[t * c.top_k..(t + 1) * c.top_k];
+                let mut dests: Vec<i64> = row.iter().filter(|&&e| e >= 0).map(|&e| e / l as i64).collect();
+                dests.sort_unstable();
+                dests.dedup();
+                for ch in 0..c.hidden {
+                    let x = inp.tokens[t * c.hidden + ch].to_f32();
+                    prop_assert_eq!(y[t * c.hidden + ch], bf16::from_f32(dests.len() as f32 * x));
+                }
+                for k in 0..c.top_k {
+                    let want = if row[k] >= 0 { inp.weights[t * c.top_k + k] } else { 0.0 };
+                    prop_assert_eq!(w[t * c.top_k + k].to_bits(), want.to_bits());
+                }
+            }
+        }
+    }
+
+    /// FP8 quantize then dequantize: each value is within half an e4m3 step (at its scale) of
+    /// the original, plus fp32 rounding of the two multiplications.
+    #[test]
+    fn fp8_error_is_bounded_by_the_e4m3_step(
+        vals in prop::collection::vec(-1.0f32..1.0, 256),
+        exp in -20i32..20,
+        round_scales in any::<bool>(),
+    ) {
+        let x: Vec<bf16> = vals.iter().map(|v| bf16::from_f32(v * 2f32.powi(exp))).collect();
+        let (q, s) = fp8::quantize_bf16(&x, 2, 128, round_scales);
+        let back = fp8::dequantize(&q, &s, 2, 128);
+        for (i, (orig, got)) in x.iter().zip(&back).enumerate() {
+            let scale = s[i / 128];
+            let v = orig.to_f32();
+            let bound = scale * fp8::e4m3_half_step(v / scale) * (1.0 + 2f32.powi(-20)) + v.abs() * 2f32.powi(-22);
+            prop_assert!((got - v).abs() <= bound, "x={} got={} scale={} bound={}", v, got, scale, bound);
+        }
+    }
+}
+
+#[test]
+fn fp8_host_tensors_survive_a_round_trip() {
+    // A quick non-random check that FP8 dispatch output dequantizes close to its input.
+    let config = GroupConfig::low_latency(4, 2, 128)
+        .with_dispatch_dtype(epflow_core::DispatchDtype::Fp8 { round_scales: false });
+    let out = HostWorld::run(1, config, |rank| {
+        let h = rank.create_handle(&HostTensor::topk_idx(2, 1, vec![0, 0])).unwrap();
+        let x = HostTensor::tokens(2, 128, (0..256).map(|i| bf16::from_f32(i as f32 / 100.0 - 1.0)).collect());
+        let o = rank.dispatch(&h, DispatchInputs::new(&x), &DispatchOptions::default()).unwrap();
+        let deq =
+            fp8::dequantize(&o.tokens().as_fp8().unwrap()[..256], &o.scales().unwrap().as_f32().unwrap()[..2], 2, 128);
+        (x.as_bf16().unwrap().to_vec(), deq)
+    })
+    .unwrap();
+    let (x, deq) = &out[0];
+    for (a, b) in x.iter().zip(deq) {
+        assert!((a.to_f32() - b).abs() <= a.to_f32().abs() / 16.0 + 2f32.powi(-10) * 0.01);
+    }
+}

@@ -1,0 +1,190 @@
+//! `epflow bench`: dispatch and combine timings with ep_bench's flags, byte accounting and
+//! output, plus a validation verdict against the CPU reference.
+
+mod host;
+mod runner;
+mod stats;
+
+use std::process::ExitCode;
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use epflow_core::host::HostWorld;
+use epflow_core::scenario::Scenario;
+use epflow_core::verify::Report;
+use epflow_core::workload::RoutingKind;
+use epflow_core::{DispatchDtype, GroupConfig};
+
+use crate::cli::{AlgorithmArg, BackendArg, BenchArgs, DtypeArg};
+use runner::{LoopPlan, RankResult, References, run_rank};
+use stats::{BenchReport, OpSummary, Validation};
+
+/// Why the benchmark stopped.
+#[derive(Debug)]
+enum BenchError {
+    /// Bad flags or an invalid configuration: exit code 2.
+    Usage(String),
+    /// A failure while running: exit code 1.
+    Run(String),
+}
+
+/// Runs `epflow bench`; exit code 0 on success, 1 on a failure or a failed validation, 2 on bad
+/// flags.
+pub fn main(args: &BenchArgs) -> ExitCode {
+    match run(args) {
+        Ok(report) => {
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
+            } else {
+                report.print_text();
+            }
+            match &report.validation {
+                Some(v) if !v.passed => ExitCode::from(1),
+                _ => ExitCode::SUCCESS,
+            }
+        }
+        Err(BenchError::Usage(msg)) => {
+            eprintln!("error: {msg}");
+            ExitCode::from(2)
+        }
+        Err(BenchError::Run(msg)) => {
+            eprintln!("error: {msg}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// The group config the flags describe, checked for `ranks` ranks.
+fn config_from_args(args: &BenchArgs, ranks: usize) -> Result<(GroupConfig, usize), BenchError> {
+    let tokens = args.tokens.unwrap_or(match args.algorithm {
+        AlgorithmArg::Ll => 128,
+        AlgorithmArg::Ht => 4096,
+    });
+    if tokens == 0 {
+        return Err(BenchError::Usage("--tokens must be at least 1".into()));
+    }
+    if args.iters == 0 {
+        return Err(BenchError::Usage("--iters must be at least 1".into()));
+    }
+    if args.top_k == 0 || args.top_k > args.experts {
+        return Err(BenchError::Usage(format!(
+            "--top-k ({}) must be between 1 and --experts ({})",
+            args.top_k, args.experts
+        )));
+    }
+    if args.round_scales && args.dtype != DtypeArg::Fp8 {
+        return Err(BenchError::Usage("--round-scales needs --dtype fp8".into()));
+    }
+    if args.staged && args.algorithm == AlgorithmArg::Ht {
+        return Err(BenchError::Usage("--staged is for --algorithm ll: high-throughput runs synchronously".into()));
+    }
+    let dtype = match args.dtype {
+        DtypeArg::Bf16 => DispatchDtype::Bf16,
+        DtypeArg::Fp8 => DispatchDtype::Fp8 { round_scales: args.round_scales },
+    };
+    let config = match args.algorithm {
+        AlgorithmArg::Ll => GroupConfig::low_latency(args.experts, tokens, args.hidden),
+        AlgorithmArg::Ht => GroupConfig::high_throughput(args.experts, args.hidden),
+    }
+    .with_dispatch_dtype(dtype)
+    .with_timeout(Duration::from_millis(args.timeout_ms));
+    config.validate(ranks).map_err(|e| BenchError::Usage(format!("invalid configuration: {e}")))?;
+    Ok((config, tokens))
+}
+
+fn run(args: &BenchArgs) -> Result<BenchReport, BenchError> {
+    let backend = match args.backend {
+        BackendArg::Auto | BackendArg::Host => "host",
+    };
+    let ranks = args.ranks.unwrap_or(4);
+    let (config, tokens) = config_from_args(args, ranks)?;
+    let sc =
+        Scenario::generate(config.clone(), ranks, &[tokens], args.top_k, RoutingKind::Uniform, args.masked, args.seed);
+    let refs = if args.validate { Some(references(&sc)?) } else { None };
+    let plan = LoopPlan { warmup: args.warmup, iters: args.iters, staged: args.staged };
+
+    let world = HostWorld::create(ranks, config.clone()).map_err(|e| BenchError::Usage(e.to_string()))?;
+    let barrier = Arc::new(Barrier::new(ranks));
+    let results: Vec<Result<RankResult, epflow_core::Error>> = std::thread::scope(|s| {
+        let handles: Vec<_> = world
+            .into_iter()
+            .map(|rank| {
+                let bench = host::HostBench { rank, barrier: Arc::clone(&barrier) };
+                let (sc, refs, plan) = (&sc, refs.as_ref(), &plan);
+                s.spawn(move || run_rank(&bench, sc, refs, plan))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+    });
+    let results: Vec<RankResult> =
+        results.into_iter().collect::<Result<_, _>>().map_err(|e| BenchError::Run(e.to_string()))?;
+    Ok(summarise(args, &config, backend, "cpu (host backend)", ranks, tokens, results))
+}
+
+fn references(sc: &Scenario) -> Result<References, BenchError> {
+    let err = |e: epflow_core::ValidationError| BenchError::Run(format!("reference: {e}"));
+    Ok(match sc.config.algorithm {
+        epflow_core::Algorithm::LowLatency => {
+            let dispatch = sc.ll_dispatch_reference().map_err(err)?;
+            let combine = sc.ll_combine_identity_reference(&dispatch).map_err(err)?;
+            References::Ll { dispatch, combine }
+        }
+        epflow_core::Algorithm::HighThroughput => {
+            let dispatch = sc.ht_dispatch_reference().map_err(err)?;
+            let combine = sc.ht_combine_identity_reference(&dispatch).map_err(err)?;
+            References::Ht { dispatch, combine }
+        }
+    })
+}
+
+fn summarise(
+    args: &BenchArgs,
+    config: &GroupConfig,
+    backend: &str,
+    device: &str,
+    ranks: usize,
+    tokens: usize,
+    results: Vec<RankResult>,
+) -> BenchReport {
+    let validation = args.validate.then(|| {
+        let (mut d, mut c) = (Report::default(), Report::default());
+        for r in &results {
+            d.merge(r.dispatch_check.clone().unwrap_or_default());
+            c.merge(r.combine_check.clone().unwrap_or_default());
+        }
+        Validation {
+            passed: d.ok() && c.ok() && d.checked > 0,
+            dispatch_checked: d.checked,
+            dispatch_mismatched: d.mismatched,
+            combine_checked: c.checked,
+            combine_mismatched: c.mismatched,
+            combine_max_abs_diff: c.max_abs_diff,
+            first_mismatch: d.first.or(c.first),
+        }
+    });
+    let collect = |f: fn(&RankResult) -> &stats::RankTimes| -> Vec<stats::RankTimes> {
+        results.iter().map(|r| f(r).clone()).collect()
+    };
+    BenchReport {
+        algorithm: match args.algorithm {
+            AlgorithmArg::Ll => "ll",
+            AlgorithmArg::Ht => "ht",
+        },
+        backend: backend.into(),
+        device: device.into(),
+        ranks,
+        tokens,
+        hidden: config.hidden,
+        top_k: args.top_k,
+        experts: config.num_experts,
+        dtype: if config.dispatch_dtype.is_fp8() { "fp8" } else { "bf16" },
+        staged: args.staged,
+        warmup: args.warmup,
+        iters: args.iters,
+        seed: args.seed,
+        dispatch: OpSummary::from_ranks(&collect(|r| &r.dispatch)),
+        combine: OpSummary::from_ranks(&collect(|r| &r.combine)),
+        total: OpSummary::from_ranks(&collect(|r| &r.total)),
+        validation,
+    }
+}

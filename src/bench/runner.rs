@@ -1,0 +1,221 @@
+//! The per-rank benchmark loop, generic over the backend.
+
+use std::borrow::Cow;
+use std::time::Duration;
+
+use epflow_core::backend::{
+    Backend, HandleCreation, OpOutput, PendingOp, complete_blocking, run_blocking, send_blocking,
+};
+use epflow_core::ops::{
+    CombineInputs, CombineOptions, CombineOutputs, DispatchInputs, DispatchOptions, DispatchOutputs,
+};
+use epflow_core::protocol::Channel;
+use epflow_core::reference::{HtDispatchResult, LlDispatchResult};
+use epflow_core::scenario::Scenario;
+use epflow_core::verify::{Report, Tolerance, check_bf16, check_ht_dispatch, check_ll_dispatch};
+use epflow_core::{Algorithm, Error, HostTensor};
+
+use super::stats::RankTimes;
+
+/// What a backend adds to [`Backend`] so the benchmark can drive it.
+pub trait BenchRank: Sync {
+    /// The backend.
+    type B: Backend;
+    /// The backend of this rank.
+    fn backend(&self) -> &Self::B;
+    /// Puts a host tensor where the backend reads its inputs.
+    fn upload(&self, t: &HostTensor) -> Result<<Self::B as Backend>::Tensor, Error>;
+    /// Dispatch outputs as host tensors (for validation).
+    fn dispatch_to_host<'a>(
+        &self,
+        out: &'a <Self::B as Backend>::DispatchOutput,
+    ) -> Result<Cow<'a, DispatchOutputs<HostTensor>>, Error>;
+    /// Combine outputs as host tensors (for validation).
+    fn combine_to_host<'a>(
+        &self,
+        out: &'a <Self::B as Backend>::CombineOutput,
+    ) -> Result<Cow<'a, CombineOutputs<HostTensor>>, Error>;
+    /// The combine input of identity experts: each expert returns its dispatched rows (FP8
+    /// rows dequantized to BF16).
+    fn identity_experts<'a>(
+        &self,
+        out: &'a <Self::B as Backend>::DispatchOutput,
+    ) -> Result<Cow<'a, <Self::B as Backend>::Tensor>, Error>
+    where
+        <Self::B as Backend>::Tensor: Clone;
+    /// Waits until every rank reaches this point.
+    fn barrier(&self);
+    /// Runs `f` and measures it the way the backend measures (host clock, or CUDA events
+    /// around the operation on its stream).
+    fn timed<T>(&self, f: impl FnOnce() -> Result<T, Error>) -> Result<(T, Duration), Error>;
+}
+
+/// The reference results of the benchmark's scenario.
+pub enum References {
+    Ll { dispatch: Vec<LlDispatchResult>, combine: Vec<Vec<epflow_core::bf16>> },
+    Ht { dispatch: Vec<HtDispatchResult>, combine: Vec<Vec<epflow_core::bf16>> },
+}
+
+/// What one rank measured.
+pub struct RankResult {
+    pub dispatch: RankTimes,
+    pub combine: RankTimes,
+    pub total: RankTimes,
+    pub dispatch_check: Option<Report>,
+    pub combine_check: Option<Report>,
+}
+
+/// Settings of the loop.
+pub struct LoopPlan {
+    pub warmup: usize,
+    pub iters: usize,
+    pub staged: bool,
+}
+
+fn run_op<B: Backend>(b: &B, op: B::Op, channel: Channel, staged: bool) -> Result<<B::Op as PendingOp>::Output, Error> {
+    let timeout = b.config().timeout;
+    if staged {
+        let op = send_blocking(op, b.slot_pool(channel), b.poison(), timeout)?;
+        complete_blocking(op, b.poison(), timeout)
+    } else {
+        run_blocking(op, b.slot_pool(channel), b.poison(), timeout)
+    }
+}
+
+fn unexpected() -> Error {
+    Error::Backend("operation produced no result".into())
+}
+
+/// Runs this rank's part: handle, optional validation round, warm-up, timed iterations.
+pub fn run_rank<R: BenchRank>(
+    r: &R,
+    sc: &Scenario,
+    refs: Option<&References>,
+    plan: &LoopPlan,
+) -> Result<RankResult, Error>
+where
+    <R::B as Backend>::Tensor: Clone,
+{
+    let b = r.backend();
+    let rank = b.rank();
+    let cfg = b.config().clone();
+    let idx = r.upload(&sc.topk_idx(rank))?;
+    let handle = match b.start_handle(&idx)? {
+        HandleCreation::Ready(h) => h,
+        HandleCreation::Collective(op) => match run_op(b, op, Channel::Handle, false)? {
+            OpOutput::Handle(h) => h,
+            _ => return Err(unexpected()),
+        },
+    };
+    let ht = cfg.algorithm == Algorithm::HighThroughput;
+    let weights = r.upload(&sc.weights(rank))?;
+    let (tokens, scales) = match (ht, sc.tokens_fp8(rank)) {
+        (true, Some((q, s))) => (r.upload(&q)?, Some(r.upload(&s)?)),
+        _ => (r.upload(&sc.tokens(rank))?, None),
+    };
+    let mut inputs = DispatchInputs::new(&tokens);
+    if ht {
+        inputs = inputs.with_weights(&weights);
+    }
+    if let Some(s) = &scales {
+        inputs = inputs.with_scales(s);
+    }
+    let dopts = DispatchOptions::default();
+    let copts = CombineOptions::default();
+    let staged = plan.staged && !ht;
+    let rows_per_expert = sc.num_ranks * cfg.fixed_max_tokens().unwrap_or(0);
+
+    let dispatch = || -> Result<_, Error> {
+        match run_op(b, b.start_dispatch(&handle, inputs, &dopts)?, Channel::Dispatch, staged)? {
+            OpOutput::Dispatch(d) => Ok(d),
+            _ => Err(unexpected()),
+        }
+    };
+    let combine = |experts: &<R::B as Backend>::Tensor| -> Result<_, Error> {
+        let mut cin = CombineInputs::new(experts);
+        if !ht {
+            cin = cin.with_weights(&weights);
+        }
+        match run_op(b, b.start_combine(&handle, cin, &copts)?, Channel::Combine, staged)? {
+            OpOutput::Combine(c) => Ok(c),
+            _ => Err(unexpected()),
+        }
+    };
+
+    let (mut dispatch_check, mut combine_check) = (None, None);
+    if let Some(refs) = refs {
+        r.barrier();
+        let d = dispatch()?;
+        let host = r.dispatch_to_host(&d)?;
+        let scales_f32 = host.scales.as_ref().and_then(HostTensor::as_f32);
+        let counts = host.counts.as_ref().and_then(HostTensor::as_i32).unwrap_or_default();
+        let (drep, want) = match refs {
+            References::Ll { dispatch, combine } => (
+                check_ll_dispatch(&dispatch[rank], cfg.hidden, rows_per_expert, host.tokens.data(), scales_f32, counts),
+                &combine[rank],
+            ),
+            References::Ht { dispatch, combine } => (
+                check_ht_dispatch(
+                    &dispatch[rank],
+                    host.tokens.data(),
+                    scales_f32,
+                    host.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap_or_default(),
+                    host.topk_idx.as_ref().and_then(HostTensor::as_i64).unwrap_or_default(),
+                    counts,
+                ),
+                &combine[rank],
+            ),
+        };
+        let experts = r.identity_experts(&d)?;
+        let c = combine(&experts)?;
+        let chost = r.combine_to_host(&c)?;
+        let crep = check_bf16("combine", want, chost.tokens.as_bf16().unwrap_or_default(), Tolerance::OneUlp);
+        dispatch_check = Some(drep.context(&format!("rank {rank} dispatch")));
+        combine_check = Some(crep.context(&format!("rank {rank} combine")));
+    }
+
+    let mut times = [RankTimes::default(), RankTimes::default(), RankTimes::default()];
+    for i in 0..plan.warmup + plan.iters {
+        r.barrier();
+        let (d, td) = r.timed(dispatch)?;
+        let experts = r.identity_experts(&d)?;
+        r.barrier();
+        let (c, tc) = r.timed(|| combine(&experts))?;
+        drop(c);
+        drop(experts);
+        drop(d);
+        if i >= plan.warmup {
+            for (t, v) in times.iter_mut().zip([td, tc, td + tc]) {
+                t.samples_us.push(v.as_secs_f64() * 1e6);
+            }
+        }
+    }
+    let bytes = bench_bytes(sc, &cfg, rank, b.num_ranks()).unwrap_or(0);
+    let [mut d, mut c, mut t] = times;
+    d.bytes = bytes;
+    c.bytes = bytes;
+    t.bytes = 2 * bytes;
+    Ok(RankResult { dispatch: d, combine: c, total: t, dispatch_check, combine_check })
+}
+
+/// ep_bench's byte count for a rank: low-latency, valid selections x H x 2; high-throughput,
+/// tokens received x H x 2.
+fn bench_bytes(sc: &Scenario, cfg: &epflow_core::GroupConfig, rank: usize, num_ranks: usize) -> Option<u64> {
+    let h = cfg.hidden as u64;
+    match cfg.algorithm {
+        Algorithm::LowLatency => Some(sc.valid_selections(rank) as u64 * h * 2),
+        Algorithm::HighThroughput => {
+            let routings = sc.routings().ok()?;
+            let l = cfg.local_experts(num_ranks);
+            let received: usize = routings
+                .iter()
+                .map(|ro| {
+                    (0..ro.num_tokens())
+                        .filter(|&t| (0..ro.top_k()).any(|k| ro.expert(t, k).is_some_and(|e| e / l == rank)))
+                        .count()
+                })
+                .sum();
+            Some(received as u64 * h * 2)
+        }
+    }
+}

@@ -1,0 +1,165 @@
+//! Timing statistics and the report, printed like NCCL EP's ep_bench or as JSON.
+
+use serde::Serialize;
+
+/// Timings of one operation on one rank, in microseconds, and the bytes it moved.
+#[derive(Clone, Debug, Default)]
+pub struct RankTimes {
+    pub samples_us: Vec<f64>,
+    pub bytes: u64,
+}
+
+/// One operation summarised over ranks and iterations.
+#[derive(Clone, Debug, Serialize)]
+pub struct OpSummary {
+    pub avg_us: f64,
+    pub min_us: f64,
+    pub max_us: f64,
+    pub median_us: f64,
+    /// Mean over ranks of (rank bytes / rank average time).
+    pub gbps_avg: f64,
+    pub gbps_min: f64,
+    pub gbps_min_rank: usize,
+    pub gbps_max: f64,
+    pub gbps_max_rank: usize,
+}
+
+impl OpSummary {
+    pub fn from_ranks(ranks: &[RankTimes]) -> Self {
+        let all: Vec<f64> = ranks.iter().flat_map(|r| r.samples_us.iter().copied()).collect();
+        let n = all.len().max(1) as f64;
+        let avg = all.iter().sum::<f64>() / n;
+        let mut sorted = all.clone();
+        sorted.sort_by(f64::total_cmp);
+        let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
+        let per_rank: Vec<f64> = ranks
+            .iter()
+            .map(|r| {
+                let a = r.samples_us.iter().sum::<f64>() / r.samples_us.len().max(1) as f64;
+                if a > 0.0 { r.bytes as f64 / 1e3 / a } else { 0.0 }
+            })
+            .collect();
+        let (min_rank, gbps_min) =
+            per_rank.iter().copied().enumerate().min_by(|a, b| a.1.total_cmp(&b.1)).unwrap_or((0, 0.0));
+        let (max_rank, gbps_max) =
+            per_rank.iter().copied().enumerate().max_by(|a, b| a.1.total_cmp(&b.1)).unwrap_or((0, 0.0));
+        OpSummary {
+            avg_us: avg,
+            min_us: sorted.first().copied().unwrap_or(0.0),
+            max_us: sorted.last().copied().unwrap_or(0.0),
+            median_us: median,
+            gbps_avg: per_rank.iter().sum::<f64>() / per_rank.len().max(1) as f64,
+            gbps_min,
+            gbps_min_rank: min_rank,
+            gbps_max,
+            gbps_max_rank: max_rank,
+        }
+    }
+}
+
+/// The validation verdict.
+#[derive(Clone, Debug, Serialize)]
+pub struct Validation {
+    pub passed: bool,
+    pub dispatch_checked: u64,
+    pub dispatch_mismatched: u64,
+    pub combine_checked: u64,
+    pub combine_mismatched: u64,
+    pub combine_max_abs_diff: f64,
+    pub first_mismatch: Option<String>,
+}
+
+/// Everything `epflow bench` reports.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchReport {
+    pub algorithm: &'static str,
+    pub backend: String,
+    pub device: String,
+    pub ranks: usize,
+    pub tokens: usize,
+    pub hidden: usize,
+    pub top_k: usize,
+    pub experts: usize,
+    pub dtype: &'static str,
+    pub staged: bool,
+    pub warmup: usize,
+    pub iters: usize,
+    pub seed: u64,
+    pub dispatch: OpSummary,
+    pub combine: OpSummary,
+    pub total: OpSummary,
+    pub validation: Option<Validation>,
+}
+
+impl BenchReport {
+    pub fn print_text(&self) {
+        let algo = if self.algorithm == "ll" { "Low Latency" } else { "High Throughput" };
+        let dt = self.dtype.to_uppercase();
+        println!(
+            "epflow bench: algorithm={} backend={} device={} ranks={} tokens={} hidden={} top_k={} experts={} dtype={} staged={} warmup={} iters={} seed={}",
+            self.algorithm,
+            self.backend,
+            self.device,
+            self.ranks,
+            self.tokens,
+            self.hidden,
+            self.top_k,
+            self.experts,
+            self.dtype,
+            self.staged,
+            self.warmup,
+            self.iters,
+            self.seed
+        );
+        println!("\n=== Summary ({algo}, across {} ranks) ===\n", self.ranks);
+        println!("--- Host-observed performance ---");
+        print_op(&format!("Dispatch ({dt}):"), &self.dispatch);
+        print_op("Combine (BF16):", &self.combine);
+        print_op("Total (D+C):", &self.total);
+        match &self.validation {
+            None => println!("\nValidation: skipped (pass --validate)"),
+            Some(v) => {
+                println!(
+                    "\nValidation: {} (dispatch: {} values, {} mismatched; combine: {} values, {} mismatched, max |diff| {:.3e})",
+                    if v.passed { "PASSED" } else { "FAILED" },
+                    v.dispatch_checked,
+                    v.dispatch_mismatched,
+                    v.combine_checked,
+                    v.combine_mismatched,
+                    v.combine_max_abs_diff
+                );
+                if let Some(f) = &v.first_mismatch {
+                    println!("  first mismatch: {f}");
+                }
+            }
+        }
+    }
+}
+
+fn print_op(label: &str, s: &OpSummary) {
+    println!(
+        "{label:<18}avg={:.2} us, min={:.2} us, max={:.2} us, median={:.2} us",
+        s.avg_us, s.min_us, s.max_us, s.median_us
+    );
+    println!(
+        "{:<18}throughput: avg={:.2} GB/s, min={:.2} GB/s (rank {}), max={:.2} GB/s (rank {})",
+        "", s.gbps_avg, s.gbps_min, s.gbps_min_rank, s.gbps_max, s.gbps_max_rank
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn summary_of_two_ranks() {
+        let r0 = RankTimes { samples_us: vec![10.0, 30.0], bytes: 20_000 };
+        let r1 = RankTimes { samples_us: vec![20.0], bytes: 40_000 };
+        let s = OpSummary::from_ranks(&[r0, r1]);
+        assert_eq!(s.avg_us, 20.0);
+        assert_eq!((s.min_us, s.max_us, s.median_us), (10.0, 30.0, 20.0));
+        // rank 0: 20 kB / 20 us = 1 GB/s; rank 1: 40 kB / 20 us = 2 GB/s.
+        assert_eq!((s.gbps_min, s.gbps_min_rank, s.gbps_max, s.gbps_max_rank), (1.0, 0, 2.0, 1));
+        assert_eq!(s.gbps_avg, 1.5);
+    }
+}

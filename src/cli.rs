@@ -1,0 +1,102 @@
+//! Command-line arguments of the `epflow` binary.
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+/// epflow: async expert-parallel dispatch/combine for MoE models.
+#[derive(Debug, Parser)]
+#[command(name = "epflow", version, about)]
+pub struct Cli {
+    /// What to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Benchmark dispatch and combine (flags and output modelled on NCCL EP's ep_bench).
+    Bench(BenchArgs),
+}
+
+/// Which algorithm to benchmark.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum AlgorithmArg {
+    /// Low-latency.
+    Ll,
+    /// High-throughput.
+    Ht,
+}
+
+/// Dispatch element type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DtypeArg {
+    /// BF16.
+    Bf16,
+    /// FP8 e4m3 with per-128-channel scales.
+    Fp8,
+}
+
+/// Which backend runs the benchmark.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BackendArg {
+    /// The GPU backend when GPUs are present, else the host backend.
+    Auto,
+    /// The host backend: every rank a thread of this process, on host memory.
+    Host,
+}
+
+/// `epflow bench` flags.
+#[derive(Clone, Debug, clap::Args)]
+pub struct BenchArgs {
+    /// Algorithm.
+    #[arg(long, value_enum, default_value = "ll")]
+    pub algorithm: AlgorithmArg,
+    /// Tokens per rank [default: 128 for ll, 4096 for ht].
+    #[arg(long)]
+    pub tokens: Option<usize>,
+    /// Hidden size.
+    #[arg(long, default_value_t = 7168)]
+    pub hidden: usize,
+    /// Experts per token.
+    #[arg(long = "top-k", default_value_t = 8)]
+    pub top_k: usize,
+    /// Total experts.
+    #[arg(long, default_value_t = 256)]
+    pub experts: usize,
+    /// Ranks [default: the GPUs present, else 4].
+    #[arg(long)]
+    pub ranks: Option<usize>,
+    /// Warm-up iterations.
+    #[arg(long, default_value_t = 10)]
+    pub warmup: usize,
+    /// Timed iterations.
+    #[arg(long, default_value_t = 50)]
+    pub iters: usize,
+    /// Check the outputs against the CPU reference.
+    #[arg(long)]
+    pub validate: bool,
+    /// Dispatch element type.
+    #[arg(long, value_enum, default_value = "bf16")]
+    pub dtype: DtypeArg,
+    /// With --dtype fp8: round scales up to powers of two.
+    #[arg(long)]
+    pub round_scales: bool,
+    /// Low-latency: time the staged form (send half, then complete half).
+    #[arg(long)]
+    pub staged: bool,
+    /// Backend.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub backend: BackendArg,
+    /// Seed of the random routing and tokens.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Random (token, k) entries masked with -1 per rank, as ep_bench does.
+    #[arg(long, default_value_t = 10)]
+    pub masked: usize,
+    /// Operation timeout in milliseconds.
+    #[arg(long, default_value_t = 10_000)]
+    pub timeout_ms: u64,
+    /// Print one JSON object instead of the text report.
+    #[arg(long)]
+    pub json: bool,
+}
