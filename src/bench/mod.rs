@@ -66,12 +66,6 @@ fn config_from_args(args: &BenchArgs, ranks: usize) -> Result<(GroupConfig, usiz
     if args.iters == 0 {
         return Err(BenchError::Usage("--iters must be at least 1".into()));
     }
-    if args.top_k == 0 || args.top_k > args.experts {
-        return Err(BenchError::Usage(format!(
-            "--top-k ({}) must be between 1 and --experts ({})",
-            args.top_k, args.experts
-        )));
-    }
     if args.round_scales && args.dtype != DtypeArg::Fp8 {
         return Err(BenchError::Usage("--round-scales needs --dtype fp8".into()));
     }
@@ -89,6 +83,12 @@ fn config_from_args(args: &BenchArgs, ranks: usize) -> Result<(GroupConfig, usiz
     .with_dispatch_dtype(dtype)
     .with_timeout(Duration::from_millis(args.timeout_ms));
     config.validate(ranks).map_err(|e| BenchError::Usage(format!("invalid configuration: {e}")))?;
+    if args.top_k == 0 || args.top_k > args.experts {
+        return Err(BenchError::Usage(format!(
+            "--top-k ({}) must be between 1 and --experts ({})",
+            args.top_k, args.experts
+        )));
+    }
     Ok((config, tokens))
 }
 

@@ -1,9 +1,6 @@
-//! What host ranks send each other.
-
-use half::bf16;
+//! The headers host ranks send each other; payload rows stay in the sender's staging buffer.
 
 use crate::ops::Pass;
-use crate::reference::Rows;
 use crate::routing::TokenCopy;
 
 /// One message from one rank to another for one operation.
@@ -13,13 +10,13 @@ pub(crate) enum Message {
     Cancelled,
     /// High-throughput handle creation: the copies the sender will send to the receiver.
     HandlePlan { copies: Vec<TokenCopy> },
-    /// Dispatch: one row per copy (in copy order); in HT forward also each copy's `K` weights.
-    Dispatch { pass: Pass, copies: Vec<TokenCopy>, rows: Rows, weights: Vec<f32> },
-    /// Low-latency combine: one expert-output row per `(token, k)` entry.
-    LlCombine { entries: Vec<(u32, u16)>, rows: Vec<bf16> },
-    /// High-throughput combine: one row per copy the receiver sent here (in its copy order), and
-    /// in the backward pass `K` weight gradients per row.
-    HtCombine { pass: Pass, rows: Vec<bf16>, weights: Vec<f32> },
+    /// Dispatch: the copies; row `token` of the sender's staged tokens (and weights) for each.
+    Dispatch { pass: Pass, copies: Vec<TokenCopy> },
+    /// Low-latency combine: per `(token, k)` entry, the row of the sender's staged expert outputs.
+    LlCombine { entries: Vec<(u32, u16, u32)> },
+    /// High-throughput combine: the receiver's copies (in its copy order) are the sender's staged
+    /// rows `first_row ..`, as are their `K` weight gradients in the backward pass.
+    HtCombine { pass: Pass, first_row: usize },
 }
 
 impl Message {

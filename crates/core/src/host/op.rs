@@ -1,22 +1,23 @@
 //! [`HostOp`]: one host operation as a [`PendingOp`] state machine.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, RwLockReadGuard};
 
 use half::bf16;
 
 use super::HostWorldShared;
 use super::handle::{HandleInner, HostHandle};
+use super::mailbox::Staging;
 use super::messages::Message;
-use super::outputs::{BufferCache, HostCombineOutput, HostDispatchOutput, Recycle, zeroed};
+use super::outputs::{Buffers, HostCombineOutput, HostDispatchOutput, Recycle};
 use crate::backend::{OpOutput, PendingOp};
+use crate::config::{Algorithm, DispatchDtype};
 use crate::error::{Error, Result};
+use crate::fp8;
 use crate::ops::{CombineOptions, CombineOutputs, DispatchOptions, DispatchOutputs, Pass};
 use crate::protocol::{Channel, SlotGuard, op_label};
-use crate::reference::Rows;
 use crate::routing::{HtRecvLayout, LlRecvLayout, Routing, SendPlan};
-use crate::tensor::{HostData, HostTensor};
+use crate::tensor::{HostData, HostTensor, TensorTag};
 use crate::validate::{OpContext, combine_output_descs, dispatch_output_descs};
-use crate::{Algorithm, TensorTag};
 
 /// What the operation produces once its messages are in.
 #[derive(Debug)]
@@ -45,9 +46,11 @@ pub struct HostOp {
     pub(crate) channel: Channel,
     pub(crate) seq: u64,
     pub(crate) work: Option<Work>,
-    /// Per destination, the message to send (taken by `send`).
+    /// Per destination, the header to send (taken by `send`).
     pub(crate) outgoing: Vec<Option<Message>>,
-    pub(crate) cache: Arc<BufferCache>,
+    /// The payload, moved into this rank's staging buffer by `send`.
+    pub(crate) staged: Option<Staging>,
+    pub(crate) buffers: Arc<Buffers>,
     pub(crate) sent: bool,
     pub(crate) cancelled: bool,
     pub(crate) arrived: Vec<bool>,
@@ -76,24 +79,28 @@ impl HostOp {
         Error::OrderMismatch { op: op_label(self.channel, self.seq), peer, got: msg.kind() }
     }
 
-    /// Takes every source's message (returning the credits), then checks for cancellations.
-    fn take_messages(&mut self) -> Result<Vec<Message>> {
-        let msgs: Vec<Message> = (0..self.world.num_ranks)
-            .map(|src| {
-                self.world
-                    .mailboxes
-                    .cell(self.rank, self.channel, self.seq, src)
-                    .consume(self.seq)
-                    .unwrap_or(Message::Cancelled)
-            })
-            .collect();
-        if let Some(peer) = msgs.iter().position(|m| matches!(m, Message::Cancelled)) {
-            return Err(Error::PeerCancelled { op: op_label(self.channel, self.seq), peer });
-        }
-        Ok(msgs)
+    fn internal(&self, what: String) -> Error {
+        Error::Backend(format!("{}: {what}", self.label()))
     }
 
-    fn finish_handle(&self, routing: Routing, plan: SendPlan, msgs: Vec<Message>) -> Result<HostHandle> {
+    /// Every source's staged payload for this operation.
+    fn staged_payloads(&self) -> Vec<RwLockReadGuard<'_, Staging>> {
+        (0..self.world.num_ranks).map(|s| self.world.mailboxes.staging(s, self.channel, self.seq)).collect()
+    }
+
+    fn recycle(&self) -> Recycle {
+        Recycle {
+            buffers: Arc::clone(&self.buffers),
+            channel: self.channel,
+            set: self.slot.as_ref().map_or(0, SlotGuard::set),
+        }
+    }
+
+    fn output(&self, desc: &crate::TensorDesc) -> HostData {
+        self.buffers.take_output(self.channel, self.slot.as_ref().map_or(0, SlotGuard::set), desc)
+    }
+
+    fn finish_handle(&self, routing: Routing, plan: SendPlan, msgs: &[Message]) -> Result<HostHandle> {
         let l = self.world.config.local_experts(self.world.num_ranks);
         let mut plans = Vec::with_capacity(msgs.len());
         for (src, m) in msgs.iter().enumerate() {
@@ -116,116 +123,102 @@ impl HostOp {
         &mut self,
         handle: &HostHandle,
         opts: DispatchOptions,
-        msgs: Vec<Message>,
+        msgs: &[Message],
     ) -> Result<HostDispatchOutput> {
         let cfg = &self.world.config;
-        let h = cfg.hidden;
-        let cols = cfg.scale_cols();
-        let k_n = handle.top_k();
+        let (h, cols, k_n) = (cfg.hidden, cfg.scale_cols(), handle.top_k());
+        let l = cfg.local_experts(self.world.num_ranks);
         let descs = dispatch_output_descs(&self.ctx(handle), &opts);
         let mut received = Vec::with_capacity(msgs.len());
         for (src, m) in msgs.iter().enumerate() {
             match m {
-                Message::Dispatch { pass, copies, rows, weights } if *pass == opts.pass => {
-                    received.push((src, copies.as_slice(), rows, weights.as_slice()))
-                }
+                Message::Dispatch { pass, copies } if *pass == opts.pass => received.push((src, copies.as_slice())),
                 other => return Err(self.mismatch(src, other)),
             }
         }
-        let set = self.slot.as_ref().map_or(0, SlotGuard::set);
-        let mut tokens = match cfg.algorithm {
-            Algorithm::LowLatency => self.cache.take(set, &descs.tokens, false),
-            Algorithm::HighThroughput => zeroed(&descs.tokens),
-        };
-        let mut scales = descs.scales.as_ref().map(|d| match cfg.algorithm {
-            Algorithm::LowLatency => self.cache.take(set, d, true),
-            Algorithm::HighThroughput => zeroed(d),
-        });
-        let mut put_row =
-            |dst_row: usize, rows: &Rows, src_row: usize, scales: &mut Option<HostData>| match (rows, &mut tokens) {
-                (Rows::Bf16(r), HostData::Bf16(t)) => {
-                    t[dst_row * h..(dst_row + 1) * h].copy_from_slice(&r[src_row * h..(src_row + 1) * h])
-                }
-                (Rows::Fp8 { q, scales: s }, HostData::Fp8(t)) => {
-                    t[dst_row * h..(dst_row + 1) * h].copy_from_slice(&q[src_row * h..(src_row + 1) * h]);
-                    if let Some(HostData::F32(out)) = scales {
-                        out[dst_row * cols..(dst_row + 1) * cols]
-                            .copy_from_slice(&s[src_row * cols..(src_row + 1) * cols]);
+        let mut tokens = self.output(&descs.tokens);
+        let mut scales = descs.scales.as_ref().map(|d| self.output(d));
+        let payloads = self.staged_payloads();
+        // Copies row `t` of source `s` into output row `dst`, quantizing BF16 rows when the
+        // output is FP8 (low-latency FP8 dispatch quantizes in flight).
+        let round_scales = matches!(cfg.dispatch_dtype, DispatchDtype::Fp8 { round_scales: true });
+        let mut put = |dst: usize, s: usize, t: usize| {
+            let p = &payloads[s];
+            match (&mut tokens, scales.as_mut()) {
+                (HostData::Bf16(out), _) => out[dst * h..(dst + 1) * h].copy_from_slice(&p.bf16[t * h..(t + 1) * h]),
+                (HostData::Fp8(out), Some(HostData::F32(so))) => {
+                    let (qo, sc) = (&mut out[dst * h..(dst + 1) * h], &mut so[dst * cols..(dst + 1) * cols]);
+                    if p.fp8.is_empty() {
+                        fp8::quantize_row(&p.bf16[t * h..(t + 1) * h], round_scales, qo, sc);
+                    } else {
+                        qo.copy_from_slice(&p.fp8[t * h..(t + 1) * h]);
+                        sc.copy_from_slice(&p.scales[t * cols..(t + 1) * cols]);
                     }
                 }
-                _ => unreachable!("rows are built in the group's dispatch dtype"),
-            };
-        let l = cfg.local_experts(self.world.num_ranks);
-        let (mut topk_w, mut topk_i, counts) = (None, None, descs.counts.as_ref().map(|_| vec![0i32; l]));
-        match cfg.algorithm {
+                _ => unreachable!("output buffers follow the descriptors"),
+            }
+        };
+        let (mut topk_w, mut topk_i) = (None, None);
+        let counts = match cfg.algorithm {
             Algorithm::LowLatency => {
                 let rows_per_expert = descs.tokens.shape[1];
-                let mut counts = vec![0usize; l];
-                for (_, copies, rows, _) in &received {
-                    for (ci, copy) in copies.iter().enumerate() {
+                let mut filled = vec![0usize; l];
+                for &(s, copies) in &received {
+                    for copy in copies {
                         for sel in &copy.selections {
                             let le = sel.local_expert as usize;
-                            put_row(le * rows_per_expert + counts[le], rows, ci, &mut scales);
-                            counts[le] += 1;
+                            put(le * rows_per_expert + filled[le], s, copy.token as usize);
+                            filled[le] += 1;
                         }
                     }
                 }
-                let layout = LlRecvLayout::from_received(l, received.iter().map(|(s, c, _, _)| (*s, *c)));
+                let layout = LlRecvLayout::from_received(l, received.iter().copied());
+                let counts = layout.counts();
+                // A dispatch repeated on the same handle yields the same layout.
                 let _ = handle.0.ll.set(layout);
+                counts
             }
             Algorithm::HighThroughput => {
                 let n = descs.tokens.shape[0];
                 let forward = opts.pass == Pass::Forward;
                 let (mut w, mut i) = (vec![0f32; n * k_n], vec![-1i64; n * k_n]);
                 let mut row = 0;
-                for (_, copies, rows, weights) in &received {
-                    for (ci, copy) in copies.iter().enumerate() {
+                for &(s, copies) in &received {
+                    for copy in copies {
                         if row >= n {
-                            return Err(Error::Backend(format!(
-                                "{}: more rows arrived than the handle's {n}",
-                                self.label()
-                            )));
+                            return Err(self.internal(format!("more rows arrived than the handle's {n}")));
                         }
-                        put_row(row, rows, ci, &mut scales);
+                        let t = copy.token as usize;
+                        put(row, s, t);
                         if forward {
                             for sel in &copy.selections {
                                 let k = sel.k as usize;
                                 i[row * k_n + k] = i64::from(sel.local_expert);
-                                w[row * k_n + k] = weights[ci * k_n + k];
+                                w[row * k_n + k] = payloads[s].weights[t * k_n + k];
                             }
                         }
                         row += 1;
                     }
                 }
                 if row != n {
-                    return Err(Error::Backend(format!(
-                        "{}: {row} rows arrived, the handle expects {n}",
-                        self.label()
-                    )));
+                    return Err(self.internal(format!("{row} rows arrived, the handle expects {n}")));
                 }
                 if forward {
                     topk_w = Some(HostTensor::topk_weights(n, k_n, w));
                     topk_i = Some(HostTensor::topk_idx(n, k_n, i));
                 }
+                handle.recv_expert_counts().map(<[i32]>::to_vec).unwrap_or_default()
             }
-        }
-        let counts = counts.map(|_| {
-            let c = match cfg.algorithm {
-                Algorithm::LowLatency => handle.ll_layout().map(LlRecvLayout::counts).unwrap_or_default(),
-                Algorithm::HighThroughput => handle.recv_expert_counts().map(<[i32]>::to_vec).unwrap_or_default(),
-            };
-            let tag = descs.counts.as_ref().map_or(TensorTag::RecvExpertCountsDevice, |d| d.tag);
-            HostTensor::new(tag, &[l], HostData::I32(c))
-        });
+        };
+        drop(payloads);
         let outputs = DispatchOutputs {
             tokens: HostTensor::new(TensorTag::Tokens, &descs.tokens.shape, tokens),
             scales: scales.zip(descs.scales.as_ref()).map(|(s, d)| HostTensor::new(TensorTag::Scales, &d.shape, s)),
             topk_weights: topk_w,
             topk_idx: topk_i,
-            counts,
+            counts: descs.counts.as_ref().map(|d| HostTensor::new(d.tag, &[l], HostData::I32(counts))),
         };
-        let recycle = (cfg.algorithm == Algorithm::LowLatency).then(|| Recycle { cache: Arc::clone(&self.cache), set });
-        Ok(HostDispatchOutput { outputs, recycle, _slot: self.slot.take() })
+        Ok(HostDispatchOutput { outputs, recycle: self.recycle(), _slot: self.slot.take() })
     }
 
     fn finish_combine(
@@ -233,21 +226,22 @@ impl HostOp {
         handle: &HostHandle,
         opts: CombineOptions,
         weights: &[f32],
-        msgs: Vec<Message>,
+        msgs: &[Message],
     ) -> Result<HostCombineOutput> {
         let h = self.world.config.hidden;
         let (b, k_n) = (handle.num_tokens(), handle.top_k());
         let descs = combine_output_descs(&self.ctx(handle), &opts);
-        let mut out = vec![bf16::ZERO; b * h];
+        let HostData::Bf16(mut out) = self.output(&descs.tokens) else { unreachable!("combine outputs are BF16") };
         let mut out_w = descs.topk_weights.as_ref().map(|_| vec![0f32; b * k_n]);
+        let payloads = self.staged_payloads();
         match self.world.config.algorithm {
             Algorithm::LowLatency => {
-                // where_[t * K + k] = (message, entry) holding that selection's expert output.
+                // where_[t * K + k] = (source, staged row) of that selection's expert output.
                 let mut where_: Vec<Option<(usize, usize)>> = vec![None; b * k_n];
                 for (src, m) in msgs.iter().enumerate() {
-                    let Message::LlCombine { entries, .. } = m else { return Err(self.mismatch(src, m)) };
-                    for (ei, &(t, k)) in entries.iter().enumerate() {
-                        where_[t as usize * k_n + k as usize] = Some((src, ei));
+                    let Message::LlCombine { entries } = m else { return Err(self.mismatch(src, m)) };
+                    for &(t, k, row) in entries {
+                        where_[t as usize * k_n + k as usize] = Some((src, row as usize));
                     }
                 }
                 let mut acc = vec![0f32; h];
@@ -257,15 +251,11 @@ impl HostOp {
                         if handle.routing().expert(t, k).is_none() {
                             continue;
                         }
-                        let Some((mi, ei)) = where_[t * k_n + k] else {
-                            return Err(Error::Backend(format!(
-                                "{}: no expert output for token {t}, slot {k}",
-                                self.label()
-                            )));
+                        let Some((s, row)) = where_[t * k_n + k] else {
+                            return Err(self.internal(format!("no expert output for token {t}, slot {k}")));
                         };
-                        let Message::LlCombine { rows, .. } = &msgs[mi] else { unreachable!() };
                         let w = weights[t * k_n + k];
-                        for (a, x) in acc.iter_mut().zip(&rows[ei * h..(ei + 1) * h]) {
+                        for (a, x) in acc.iter_mut().zip(&payloads[s].bf16[row * h..(row + 1) * h]) {
                             *a = w.mul_add(x.to_f32(), *a);
                         }
                     }
@@ -275,30 +265,26 @@ impl HostOp {
                 }
             }
             Algorithm::HighThroughput => {
-                let mut acc = vec![0f32; b * h];
+                let mut acc = self.buffers.take_scratch(b * h);
                 for (d, m) in msgs.iter().enumerate() {
-                    let copies = handle.0.plan.copies_to(d);
-                    let (rows, wg) = match m {
-                        Message::HtCombine { pass, rows, weights } if *pass == opts.pass => (rows, weights),
+                    let first_row = match m {
+                        Message::HtCombine { pass, first_row } if *pass == opts.pass => *first_row,
                         other => return Err(self.mismatch(d, other)),
                     };
-                    if rows.len() != copies.len() * h {
-                        return Err(Error::Backend(format!(
-                            "{}: rank {d} sent {} rows, expected {}",
-                            self.label(),
-                            rows.len() / h,
-                            copies.len()
-                        )));
+                    let copies = handle.0.plan.copies_to(d);
+                    let p = &payloads[d];
+                    if p.bf16.len() < (first_row + copies.len()) * h {
+                        return Err(self.internal(format!("rank {d} staged too few rows")));
                     }
                     for (ci, copy) in copies.iter().enumerate() {
-                        let t = copy.token as usize;
-                        for (a, x) in acc[t * h..(t + 1) * h].iter_mut().zip(&rows[ci * h..(ci + 1) * h]) {
+                        let (t, row) = (copy.token as usize, first_row + ci);
+                        for (a, x) in acc[t * h..(t + 1) * h].iter_mut().zip(&p.bf16[row * h..(row + 1) * h]) {
                             *a += x.to_f32();
                         }
                         if let Some(ow) = out_w.as_mut() {
                             for sel in &copy.selections {
                                 let k = sel.k as usize;
-                                ow[t * k_n + k] = wg[ci * k_n + k];
+                                ow[t * k_n + k] = p.weights[row * k_n + k];
                             }
                         }
                     }
@@ -306,15 +292,31 @@ impl HostOp {
                 for (o, a) in out.iter_mut().zip(&acc) {
                     *o = bf16::from_f32(*a);
                 }
+                self.buffers.give_scratch(acc);
             }
         }
+        drop(payloads);
         Ok(HostCombineOutput {
             outputs: CombineOutputs {
                 tokens: HostTensor::tokens(b, h, out),
                 topk_weights: out_w.map(|w| HostTensor::topk_weights(b, k_n, w)),
             },
+            recycle: self.recycle(),
             _slot: self.slot.take(),
         })
+    }
+
+    fn produce(&mut self, msgs: &[Message]) -> Result<HostOpOutput> {
+        if let Some(peer) = msgs.iter().position(|m| matches!(m, Message::Cancelled)) {
+            return Err(Error::PeerCancelled { op: op_label(self.channel, self.seq), peer });
+        }
+        match self.work.take().ok_or_else(|| self.internal("finished twice".into()))? {
+            Work::Handle { routing, plan } => Ok(OpOutput::Handle(self.finish_handle(routing, plan, msgs)?)),
+            Work::Dispatch { handle, opts } => Ok(OpOutput::Dispatch(self.finish_dispatch(&handle, opts, msgs)?)),
+            Work::Combine { handle, opts, weights } => {
+                Ok(OpOutput::Combine(self.finish_combine(&handle, opts, &weights, msgs)?))
+            }
+        }
     }
 }
 
@@ -348,10 +350,18 @@ impl PendingOp for HostOp {
         if self.sent {
             return Ok(());
         }
+        let mb = &self.world.mailboxes;
+        if !self.cancelled {
+            if let Some(payload) = self.staged.take() {
+                // Every receiver has released operation `seq - sets`, the last user of this buffer.
+                let old = std::mem::replace(&mut *mb.staging_mut(self.rank, self.channel, self.seq), payload);
+                self.buffers.give_staging(old);
+            }
+        }
         for d in 0..self.world.num_ranks {
             let msg =
                 if self.cancelled { Message::Cancelled } else { self.outgoing[d].take().unwrap_or(Message::Cancelled) };
-            self.world.mailboxes.cell(d, self.channel, self.seq, self.rank).deliver(self.seq, msg);
+            mb.cell(d, self.channel, self.seq, self.rank).deliver(self.seq, msg);
         }
         self.slot = slot;
         self.sent = true;
@@ -366,6 +376,9 @@ impl PendingOp for HostOp {
         if !self.sent {
             self.cancelled = true;
             self.outgoing.iter_mut().for_each(|m| *m = None);
+            if let Some(s) = self.staged.take() {
+                self.buffers.give_staging(s);
+            }
         }
     }
 
@@ -386,19 +399,16 @@ impl PendingOp for HostOp {
     }
 
     fn finish(mut self) -> Result<Self::Output> {
-        let msgs = self.take_messages();
-        if self.cancelled {
-            return Ok(OpOutput::Cancelled);
+        let (mb, r) = (&self.world.mailboxes, self.world.num_ranks);
+        let msgs: Vec<Message> = (0..r)
+            .map(|s| mb.cell(self.rank, self.channel, self.seq, s).take().unwrap_or(Message::Cancelled))
+            .collect();
+        let result = if self.cancelled { Ok(OpOutput::Cancelled) } else { self.produce(&msgs) };
+        // Done reading the senders' staging buffers: return every credit, also after an error.
+        for s in 0..r {
+            self.world.mailboxes.cell(self.rank, self.channel, self.seq, s).release(self.seq);
         }
-        let msgs = msgs?;
-        let work = self.work.take().ok_or_else(|| Error::Backend(format!("{} finished twice", self.label())))?;
-        match work {
-            Work::Handle { routing, plan } => Ok(OpOutput::Handle(self.finish_handle(routing, plan, msgs)?)),
-            Work::Dispatch { handle, opts } => Ok(OpOutput::Dispatch(self.finish_dispatch(&handle, opts, msgs)?)),
-            Work::Combine { handle, opts, weights } => {
-                Ok(OpOutput::Combine(self.finish_combine(&handle, opts, &weights, msgs)?))
-            }
-        }
+        result
     }
 
     fn waiting_for(&self) -> String {

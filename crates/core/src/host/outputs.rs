@@ -1,43 +1,94 @@
-//! Host operation outputs. They hold their buffer set until dropped; the large low-latency
-//! token buffers are recycled into the set for the next operation that uses it.
+//! Host operation outputs, and the recycled buffers behind them. Outputs hold their buffer set
+//! until dropped; then their buffers go back to the set for the next operation that uses it, so
+//! steady-state operations allocate nothing large.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use half::bf16;
 use half::vec::HalfBitsVecExt;
 
+use super::mailbox::Staging;
 use crate::ops::{CombineOutputs, DispatchOutputs};
-use crate::protocol::SlotGuard;
+use crate::protocol::{Channel, SlotGuard};
 use crate::tensor::{HostData, HostTensor, TensorDesc};
 
-/// Per buffer set, the recycled low-latency token (and scale) buffers of one rank.
+/// Recycled buffers of one rank.
 #[derive(Debug)]
-pub(crate) struct BufferCache {
-    sets: Vec<Mutex<(Option<HostData>, Option<HostData>)>>,
+pub(crate) struct Buffers {
+    sets: usize,
+    /// Per (channel, set): output buffers given back by dropped outputs.
+    outputs: Vec<Mutex<Vec<HostData>>>,
+    /// Spare staging buffers.
+    staging: Mutex<Vec<Staging>>,
+    /// Spare fp32 accumulators.
+    scratch: Mutex<Vec<Vec<f32>>>,
 }
 
-impl BufferCache {
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// At most this many spare buffers are kept per list.
+const KEEP: usize = 8;
+
+impl Buffers {
     pub(crate) fn new(sets: usize) -> Arc<Self> {
-        Arc::new(BufferCache { sets: (0..sets).map(|_| Mutex::new((None, None))).collect() })
+        Arc::new(Buffers {
+            sets,
+            outputs: (0..Channel::ALL.len() * sets).map(|_| Mutex::default()).collect(),
+            staging: Mutex::default(),
+            scratch: Mutex::default(),
+        })
     }
 
-    /// A buffer for `desc` from set `set`: the recycled one if it fits, else a new zeroed one
-    /// (zeroed pages are mapped lazily, so untouched rows cost no memory).
-    pub(crate) fn take(&self, set: usize, desc: &TensorDesc, scales: bool) -> HostData {
-        let mut slot = self.sets[set].lock().unwrap_or_else(|e| e.into_inner());
-        let cached = if scales { slot.1.take() } else { slot.0.take() };
-        match cached {
-            Some(d) if d.dtype() == desc.dtype && d.len() == desc.numel() => d,
-            _ => zeroed(desc),
+    fn list(&self, channel: Channel, set: usize) -> &Mutex<Vec<HostData>> {
+        &self.outputs[channel.index() * self.sets + set]
+    }
+
+    /// A buffer for `desc`: a recycled one of the same type and size if the set has one, else a
+    /// new zero-filled one (zeroed pages are mapped lazily, so untouched rows cost no memory).
+    /// Recycled buffers keep their old contents.
+    pub(crate) fn take_output(&self, channel: Channel, set: usize, desc: &TensorDesc) -> HostData {
+        let mut list = lock(self.list(channel, set));
+        match list.iter().position(|d| d.dtype() == desc.dtype && d.len() == desc.numel()) {
+            Some(i) => list.swap_remove(i),
+            None => zeroed(desc),
         }
     }
 
-    fn give_back(&self, set: usize, data: HostData, scales: bool) {
-        let mut slot = self.sets[set].lock().unwrap_or_else(|e| e.into_inner());
-        if scales {
-            slot.1 = Some(data);
-        } else {
-            slot.0 = Some(data);
+    pub(crate) fn give_output(&self, channel: Channel, set: usize, data: HostData) {
+        let mut list = lock(self.list(channel, set));
+        if list.len() < KEEP && !data.is_empty() {
+            list.push(data);
+        }
+    }
+
+    /// An empty staging buffer (with the capacity of an earlier one).
+    pub(crate) fn take_staging(&self) -> Staging {
+        let mut s = lock(&self.staging).pop().unwrap_or_default();
+        s.clear();
+        s
+    }
+
+    pub(crate) fn give_staging(&self, s: Staging) {
+        let mut list = lock(&self.staging);
+        if list.len() < KEEP {
+            list.push(s);
+        }
+    }
+
+    /// `n` zeros.
+    pub(crate) fn take_scratch(&self, n: usize) -> Vec<f32> {
+        let mut v = lock(&self.scratch).pop().unwrap_or_default();
+        v.clear();
+        v.resize(n, 0.0);
+        v
+    }
+
+    pub(crate) fn give_scratch(&self, v: Vec<f32>) {
+        let mut list = lock(&self.scratch);
+        if list.len() < KEEP {
+            list.push(v);
         }
     }
 }
@@ -54,18 +105,25 @@ pub(crate) fn zeroed(desc: &TensorDesc) -> HostData {
     }
 }
 
-/// Where a set's recycled buffers go back to.
+/// Where an output's buffers go back to.
 #[derive(Debug)]
 pub(crate) struct Recycle {
-    pub(crate) cache: Arc<BufferCache>,
+    pub(crate) buffers: Arc<Buffers>,
+    pub(crate) channel: Channel,
     pub(crate) set: usize,
+}
+
+impl Recycle {
+    fn give(&self, t: &mut HostTensor) {
+        self.buffers.give_output(self.channel, self.set, t.take_data());
+    }
 }
 
 /// The outputs of a host dispatch; they hold the dispatch buffer set until dropped.
 #[derive(Debug)]
 pub struct HostDispatchOutput {
     pub(crate) outputs: DispatchOutputs<HostTensor>,
-    pub(crate) recycle: Option<Recycle>,
+    pub(crate) recycle: Recycle,
     pub(crate) _slot: Option<SlotGuard>,
 }
 
@@ -103,11 +161,10 @@ impl HostDispatchOutput {
 
 impl Drop for HostDispatchOutput {
     fn drop(&mut self) {
-        if let Some(r) = &self.recycle {
-            r.cache.give_back(r.set, self.outputs.tokens.take_data(), false);
-            if let Some(s) = self.outputs.scales.as_mut() {
-                r.cache.give_back(r.set, s.take_data(), true);
-            }
+        let o = &mut self.outputs;
+        self.recycle.give(&mut o.tokens);
+        for t in [&mut o.scales, &mut o.topk_weights, &mut o.topk_idx].into_iter().flatten() {
+            self.recycle.give(t);
         }
     }
 }
@@ -116,6 +173,7 @@ impl Drop for HostDispatchOutput {
 #[derive(Debug)]
 pub struct HostCombineOutput {
     pub(crate) outputs: CombineOutputs<HostTensor>,
+    pub(crate) recycle: Recycle,
     pub(crate) _slot: Option<SlotGuard>,
 }
 
@@ -133,5 +191,14 @@ impl HostCombineOutput {
     /// All outputs as tensors.
     pub fn outputs(&self) -> &CombineOutputs<HostTensor> {
         &self.outputs
+    }
+}
+
+impl Drop for HostCombineOutput {
+    fn drop(&mut self) {
+        self.recycle.give(&mut self.outputs.tokens);
+        if let Some(w) = self.outputs.topk_weights.as_mut() {
+            self.recycle.give(w);
+        }
     }
 }

@@ -10,19 +10,18 @@ use half::bf16;
 use super::HostWorldShared;
 use super::handle::{HandleInner, HostHandle};
 use super::mailbox::Mailboxes;
+use super::mailbox::Staging;
 use super::messages::Message;
 use super::op::{HostOp, HostOpOutput, Work};
-use super::outputs::{BufferCache, HostCombineOutput, HostDispatchOutput};
+use super::outputs::{Buffers, HostCombineOutput, HostDispatchOutput};
 use crate::backend::{
     Backend, HandleCreation, OpOutput, PendingOp, complete_blocking, detach, run_blocking, send_blocking,
 };
-use crate::config::{Algorithm, DispatchDtype, GroupConfig};
+use crate::config::{Algorithm, GroupConfig};
 use crate::error::{ConfigError, Error, Result, ValidationError};
-use crate::fp8;
 use crate::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, Pass};
 use crate::protocol::{Channel, Poison, SlotPool};
-use crate::reference::Rows;
-use crate::routing::{ExpertPlacement, SendPlan, TokenCopy};
+use crate::routing::{ExpertPlacement, SendPlan};
 use crate::tensor::{HostData, HostTensor};
 use crate::validate::{
     OpContext, routing_from_tensor, validate_combine_inputs, validate_dispatch_inputs, validate_staged,
@@ -51,7 +50,7 @@ impl HostWorld {
                 seqs: Default::default(),
                 slots: Channel::ALL.map(|c| SlotPool::new(c, world.config.buffer_sets)),
                 poison: Arc::new(Poison::default()),
-                cache: BufferCache::new(world.config.buffer_sets),
+                buffers: Buffers::new(world.config.buffer_sets),
             })
             .collect())
     }
@@ -81,7 +80,7 @@ pub struct HostRank {
     seqs: [AtomicU64; 3],
     slots: [Arc<SlotPool>; 3],
     poison: Arc<Poison>,
-    cache: Arc<BufferCache>,
+    buffers: Arc<Buffers>,
 }
 
 /// A staged host operation: its send half is done; [`HostStaged::complete`] runs the complete
@@ -137,16 +136,6 @@ fn into_combine(o: HostOpOutput) -> Result<HostCombineOutput> {
     }
 }
 
-/// Gathers the rows of `copies` from `x` (`[B x width]`).
-fn gather<T: Copy>(x: &[T], width: usize, copies: &[TokenCopy]) -> Vec<T> {
-    let mut out = Vec::with_capacity(copies.len() * width);
-    for c in copies {
-        let t = c.token as usize;
-        out.extend_from_slice(&x[t * width..(t + 1) * width]);
-    }
-    out
-}
-
 impl HostRank {
     /// This rank.
     pub fn rank(&self) -> usize {
@@ -168,7 +157,7 @@ impl HostRank {
         self.poison.is_poisoned()
     }
 
-    fn new_op(&self, channel: Channel, work: Work, outgoing: Vec<Option<Message>>) -> HostOp {
+    fn new_op(&self, channel: Channel, work: Work, outgoing: Vec<Option<Message>>, staged: Option<Staging>) -> HostOp {
         HostOp {
             world: Arc::clone(&self.world),
             rank: self.rank,
@@ -176,7 +165,8 @@ impl HostRank {
             seq: self.seqs[channel.index()].fetch_add(1, Ordering::Relaxed),
             work: Some(work),
             outgoing,
-            cache: Arc::clone(&self.cache),
+            staged,
+            buffers: Arc::clone(&self.buffers),
             sent: false,
             cancelled: false,
             arrived: vec![false; self.world.num_ranks],
@@ -275,79 +265,76 @@ impl HostRank {
         Ok(HostStaged { op: Some(op), poison: Arc::clone(&self.poison), timeout, extract })
     }
 
-    fn dispatch_messages(&self, handle: &HostHandle, inputs: &DispatchInputs<'_>, pass: Pass) -> Vec<Option<Message>> {
-        let cfg = &self.world.config;
-        let (h, k_n) = (cfg.hidden, handle.top_k());
-        let cols = cfg.scale_cols();
+    /// Stages the dispatch payload (this rank's whole input; receivers gather their rows) and
+    /// builds the headers.
+    fn dispatch_messages(
+        &self,
+        handle: &HostHandle,
+        inputs: &DispatchInputs<'_>,
+        pass: Pass,
+    ) -> (Vec<Option<Message>>, Staging) {
+        let mut staged = self.buffers.take_staging();
+        match inputs.tokens.data() {
+            HostData::Bf16(x) => staged.bf16.extend_from_slice(x),
+            HostData::Fp8(q) => {
+                staged.fp8.extend_from_slice(q);
+                staged.scales.extend_from_slice(inputs.scales.and_then(HostTensor::as_f32).unwrap_or_default());
+            }
+            _ => unreachable!("dtype validated"),
+        }
+        if self.world.config.algorithm == Algorithm::HighThroughput && pass == Pass::Forward {
+            staged.weights.extend_from_slice(inputs.topk_weights.and_then(HostTensor::as_f32).unwrap_or_default());
+        }
         let plan = &handle.0.plan;
-        (0..self.world.num_ranks)
-            .map(|d| {
-                let copies = plan.copies_to(d);
-                let rows = match (inputs.tokens.data(), cfg.algorithm, cfg.dispatch_dtype, pass) {
-                    (HostData::Bf16(x), Algorithm::LowLatency, DispatchDtype::Fp8 { round_scales }, _) => {
-                        let (q, scales) = fp8::quantize_bf16(&gather(x, h, copies), copies.len(), h, round_scales);
-                        Rows::Fp8 { q, scales }
-                    }
-                    (HostData::Fp8(q), _, _, _) => {
-                        let s = inputs.scales.and_then(HostTensor::as_f32).unwrap_or_default();
-                        Rows::Fp8 { q: gather(q, h, copies), scales: gather(s, cols, copies) }
-                    }
-                    (HostData::Bf16(x), _, _, _) => Rows::Bf16(gather(x, h, copies)),
-                    _ => unreachable!("dtype validated"),
-                };
-                let weights = match (cfg.algorithm, pass, inputs.topk_weights.and_then(HostTensor::as_f32)) {
-                    (Algorithm::HighThroughput, Pass::Forward, Some(w)) => gather(w, k_n, copies),
-                    _ => Vec::new(),
-                };
-                Some(Message::Dispatch { pass, copies: copies.to_vec(), rows, weights })
-            })
-            .collect()
+        let msgs = (0..self.world.num_ranks)
+            .map(|d| Some(Message::Dispatch { pass, copies: plan.copies_to(d).to_vec() }))
+            .collect();
+        (msgs, staged)
     }
 
+    /// Stages the expert outputs the peers need and builds the headers.
     fn combine_messages(
         &self,
         handle: &HostHandle,
         inputs: &CombineInputs<'_>,
         pass: Pass,
-    ) -> Result<Vec<Option<Message>>> {
+    ) -> Result<(Vec<Option<Message>>, Staging)> {
         let cfg = &self.world.config;
         let (h, r) = (cfg.hidden, self.world.num_ranks);
         let x: &[bf16] = inputs.tokens.as_bf16().unwrap_or_default();
+        let mut staged = self.buffers.take_staging();
         match cfg.algorithm {
             Algorithm::LowLatency => {
                 let layout = handle.ll_layout().ok_or(ValidationError::CombineBeforeDispatch)?;
                 let rows_per_expert = r * cfg.fixed_max_tokens().unwrap_or(0);
-                let mut entries: Vec<Vec<(u32, u16)>> = vec![Vec::new(); r];
-                let mut rows: Vec<Vec<bf16>> = vec![Vec::new(); r];
+                let mut entries: Vec<Vec<(u32, u16, u32)>> = vec![Vec::new(); r];
                 for le in 0..layout.local_experts() {
                     for (i, src) in layout.rows(le).iter().enumerate() {
-                        let s = src.src_rank as usize;
-                        entries[s].push((src.token, src.k));
+                        let row = (staged.bf16.len() / h.max(1)) as u32;
+                        entries[src.src_rank as usize].push((src.token, src.k, row));
                         let off = (le * rows_per_expert + i) * h;
-                        rows[s].extend_from_slice(&x[off..off + h]);
+                        staged.bf16.extend_from_slice(&x[off..off + h]);
                     }
                 }
-                Ok(entries
-                    .into_iter()
-                    .zip(rows)
-                    .map(|(entries, rows)| Some(Message::LlCombine { entries, rows }))
-                    .collect())
+                Ok((entries.into_iter().map(|entries| Some(Message::LlCombine { entries })).collect(), staged))
             }
             Algorithm::HighThroughput => {
                 let layout = handle.ht_layout().ok_or(ValidationError::CombineBeforeDispatch)?;
-                let k_n = handle.top_k();
-                let w: &[f32] = inputs.topk_weights.and_then(HostTensor::as_f32).unwrap_or_default();
-                let mut msgs: Vec<Option<Message>> =
-                    (0..r).map(|_| Some(Message::HtCombine { pass, rows: Vec::new(), weights: Vec::new() })).collect();
-                for (i, src) in layout.rows().iter().enumerate() {
-                    if let Some(Message::HtCombine { rows, weights, .. }) = msgs[src.src_rank as usize].as_mut() {
-                        rows.extend_from_slice(&x[i * h..(i + 1) * h]);
-                        if pass == Pass::Backward {
-                            weights.extend_from_slice(&w[i * k_n..(i + 1) * k_n]);
-                        }
-                    }
+                staged.bf16.extend_from_slice(x);
+                if pass == Pass::Backward {
+                    staged
+                        .weights
+                        .extend_from_slice(inputs.topk_weights.and_then(HostTensor::as_f32).unwrap_or_default());
                 }
-                Ok(msgs)
+                // Rows are sorted by source rank: each source's rows start where the previous end.
+                let mut first = vec![0usize; r + 1];
+                for src in layout.rows() {
+                    first[src.src_rank as usize + 1] += 1;
+                }
+                for s in 0..r {
+                    first[s + 1] += first[s];
+                }
+                Ok(((0..r).map(|s| Some(Message::HtCombine { pass, first_row: first[s] })).collect(), staged))
             }
         }
     }
@@ -397,7 +384,12 @@ impl Backend for HostRank {
                 let outgoing = (0..self.world.num_ranks)
                     .map(|d| Some(Message::HandlePlan { copies: plan.copies_to(d).to_vec() }))
                     .collect();
-                Ok(HandleCreation::Collective(self.new_op(Channel::Handle, Work::Handle { routing, plan }, outgoing)))
+                Ok(HandleCreation::Collective(self.new_op(
+                    Channel::Handle,
+                    Work::Handle { routing, plan },
+                    outgoing,
+                    None,
+                )))
             }
         }
     }
@@ -410,18 +402,28 @@ impl Backend for HostRank {
     ) -> Result<HostOp> {
         self.check_handle(handle)?;
         validate_dispatch_inputs(&self.ctx(handle), opts, &inputs)?;
-        let outgoing = self.dispatch_messages(handle, &inputs, opts.pass);
-        Ok(self.new_op(Channel::Dispatch, Work::Dispatch { handle: handle.clone(), opts: *opts }, outgoing))
+        let (outgoing, staged) = self.dispatch_messages(handle, &inputs, opts.pass);
+        Ok(self.new_op(
+            Channel::Dispatch,
+            Work::Dispatch { handle: handle.clone(), opts: *opts },
+            outgoing,
+            Some(staged),
+        ))
     }
 
     fn start_combine(&self, handle: &HostHandle, inputs: CombineInputs<'_>, opts: &CombineOptions) -> Result<HostOp> {
         self.check_handle(handle)?;
         validate_combine_inputs(&self.ctx(handle), opts, &inputs)?;
-        let outgoing = self.combine_messages(handle, &inputs, opts.pass)?;
+        let (outgoing, staged) = self.combine_messages(handle, &inputs, opts.pass)?;
         let weights = match self.world.config.algorithm {
             Algorithm::LowLatency => inputs.topk_weights.and_then(HostTensor::as_f32).unwrap_or_default().to_vec(),
             Algorithm::HighThroughput => Vec::new(),
         };
-        Ok(self.new_op(Channel::Combine, Work::Combine { handle: handle.clone(), opts: *opts, weights }, outgoing))
+        Ok(self.new_op(
+            Channel::Combine,
+            Work::Combine { handle: handle.clone(), opts: *opts, weights },
+            outgoing,
+            Some(staged),
+        ))
     }
 }

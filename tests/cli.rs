@@ -1,0 +1,93 @@
+//! The `epflow` binary: bad flags exit with code 2 and a clear message; small benchmarks run
+//! on the host backend and validate.
+
+use std::process::Command;
+
+fn epflow(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_epflow")).args(args).output().expect("run epflow");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+#[test]
+fn bad_flags_exit_2_with_a_clear_error() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["bench", "--tokens", "0"], "--tokens must be at least 1"),
+        (&["bench", "--experts", "7", "--ranks", "4"], "not divisible by the number of ranks"),
+        (&["bench", "--algorithm", "xx"], "invalid value 'xx'"),
+        (&["bench", "--hidden", "100"], "not a multiple of 8"),
+        (&["bench", "--dtype", "fp8", "--hidden", "136"], "multiple of 128"),
+        (&["bench", "--top-k", "0"], "--top-k"),
+        (&["bench", "--ranks", "0"], "num_ranks is 0"),
+        (&["bench", "--iters", "0"], "--iters"),
+        (&["bench", "--algorithm", "ht", "--staged"], "--staged"),
+        (&["bench", "--round-scales"], "--round-scales needs --dtype fp8"),
+        (&["bench", "--tokens", "-3"], "unexpected argument"),
+        (&["bench", "--no-such-flag"], "unexpected argument"),
+    ];
+    for (args, want) in cases {
+        let (code, _, err) = epflow(args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: stderr {err:?} should contain {want:?}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn small_ll_bench_validates() {
+    let (code, out, err) = epflow(&[
+        "bench",
+        "--backend",
+        "host",
+        "--ranks",
+        "4",
+        "--tokens",
+        "16",
+        "--hidden",
+        "256",
+        "--experts",
+        "32",
+        "--warmup",
+        "1",
+        "--iters",
+        "3",
+        "--validate",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("Validation: PASSED"), "{out}");
+    assert!(out.contains("Dispatch (BF16):") && out.contains("GB/s"), "{out}");
+}
+
+#[test]
+fn small_ht_fp8_bench_validates_as_json() {
+    let (code, out, err) = epflow(&[
+        "bench",
+        "--algorithm",
+        "ht",
+        "--ranks",
+        "2",
+        "--tokens",
+        "64",
+        "--hidden",
+        "256",
+        "--experts",
+        "16",
+        "--dtype",
+        "fp8",
+        "--warmup",
+        "0",
+        "--iters",
+        "2",
+        "--validate",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("one JSON object");
+    assert_eq!(v["validation"]["passed"], true, "{out}");
+    assert_eq!(v["algorithm"], "ht");
+    assert_eq!(v["dtype"], "fp8");
+    assert!(v["dispatch"]["avg_us"].as_f64().unwrap() > 0.0);
+}
