@@ -1,6 +1,36 @@
 //! # epflow
 //!
-//! Async expert-parallel (MoE) communication for GPUs: the facade crate.
+//! Async expert-parallel (MoE) dispatch and combine for GPUs, in Rust. This facade re-exports
+//! the workspace:
+//!
+//! - [`core`] (`epflow-core`): config, tensors, validation, routing, the CPU reference, the host
+//!   backend.
+//! - [`runtime`] (`epflow-async`): the futures, the completion reactor, pipelines. Its main types
+//!   are re-exported here: [`Group`], [`Staged`].
+//!
+//! ```
+//! use epflow::core::host::HostWorld;
+//! use epflow::core::ops::{CombineInputs, DispatchInputs};
+//! use epflow::core::{GroupConfig, HostTensor, bf16};
+//! use epflow::Group;
+//!
+//! // Two ranks of a host world, each driven by its own task on one executor.
+//! let groups: Vec<Group<_>> = HostWorld::create(2, GroupConfig::low_latency(4, 2, 128)).unwrap().into_iter().map(Group::new).collect();
+//! futures::executor::block_on(futures::future::join_all(groups.iter().map(|g| async move {
+//!     let idx = HostTensor::topk_idx(2, 2, vec![0, 2, 1, 3]); // each token to one expert per rank
+//!     let x = HostTensor::tokens(2, 128, vec![bf16::ONE; 256]);
+//!     let w = HostTensor::topk_weights(2, 2, vec![0.25, 0.75, 0.5, 0.5]);
+//!     let handle = g.create_handle(&idx).await?;
+//!     let staged = g.dispatch(&handle, DispatchInputs::new(&x)).send_only().await?; // send half
+//!     let received = staged.await?;                                                 // complete half
+//!     let y = g.combine(&handle, CombineInputs::new(received.tokens()).with_weights(&w)).await?;
+//!     assert!(y.tokens().as_bf16().unwrap().iter().all(|v| v.to_f32() == 1.0));
+//!     Ok::<_, epflow::core::Error>(())
+//! }))).into_iter().collect::<Result<Vec<_>, _>>().unwrap();
+//! ```
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
+pub use epflow_async as runtime;
+pub use epflow_async::{Group, Staged};
 pub use epflow_core as core;

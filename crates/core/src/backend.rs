@@ -20,6 +20,20 @@ use crate::error::{Error, Result};
 use crate::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, TensorView};
 use crate::protocol::{Channel, Poison, SlotGuard, SlotPool, op_label, wait_until};
 
+/// A cheap, thread-safe readiness check that a reactor thread can poll without owning the
+/// operation. `true` means "worth polling the operation again": the condition holds, or the
+/// operation has an error to report.
+pub trait Probe: Send + Sync + 'static {
+    /// Non-blocking readiness check.
+    fn ready(&self) -> bool;
+}
+
+impl<F: Fn() -> bool + Send + Sync + 'static> Probe for F {
+    fn ready(&self) -> bool {
+        self()
+    }
+}
+
 /// One operation of one rank, from creation to result. No method blocks.
 pub trait PendingOp: Send + 'static {
     /// What the operation produces.
@@ -50,6 +64,15 @@ pub trait PendingOp: Send + 'static {
     fn poll_complete(&mut self) -> Result<bool>;
     /// Produces the outputs. Call once [`PendingOp::poll_complete`] returned `true`.
     fn finish(self) -> Result<Self::Output>;
+    /// A probe that turns true when [`PendingOp::poll_send_ready`] may return `true`.
+    fn send_probe(&self) -> Box<dyn Probe>;
+    /// A probe that turns true when [`PendingOp::poll_complete`] may return `true` (valid after
+    /// [`PendingOp::start_complete`]).
+    fn complete_probe(&self) -> Box<dyn Probe>;
+    /// Bytes this rank's send half moves (for traces), and the tokens it carries.
+    fn traffic(&self) -> (u64, u64) {
+        (0, 0)
+    }
     /// What the operation is waiting for, for timeout errors (e.g. `"data from ranks [3]"`).
     fn waiting_for(&self) -> String;
     /// A label like `"dispatch #3"`.

@@ -45,6 +45,6 @@ pub mod workload;
 
 pub use config::{Algorithm, DispatchDtype, GroupConfig, MaxTokens};
 pub use dtype::DType;
-pub use error::{ConfigError, Error, ValidationError};
+pub use error::{ConfigError, Error, Result, ValidationError};
 pub use half::bf16;
 pub use tensor::{HostData, HostTensor, TensorDesc, TensorTag};

@@ -107,6 +107,12 @@ impl SlotPool {
         !self.in_use[self.set_of(seq)].load(Ordering::Acquire)
     }
 
+    /// A probe that turns true when operation `seq`'s set is free.
+    pub fn free_probe(self: &Arc<Self>, seq: u64) -> impl Fn() -> bool + Send + Sync + 'static {
+        let pool = Arc::clone(self);
+        move || pool.is_free(seq)
+    }
+
     /// Takes operation `seq`'s set if it is free.
     pub fn try_acquire(self: &Arc<Self>, seq: u64) -> Option<SlotGuard> {
         let set = self.set_of(seq);

@@ -411,6 +411,37 @@ impl PendingOp for HostOp {
         result
     }
 
+    fn send_probe(&self) -> Box<dyn crate::backend::Probe> {
+        let (world, channel, seq, rank) = (Arc::clone(&self.world), self.channel, self.seq, self.rank);
+        Box::new(move || {
+            let sets = world.mailboxes.sets();
+            (0..world.num_ranks).all(|d| world.mailboxes.cell(d, channel, seq, rank).has_credit(seq, sets))
+        })
+    }
+
+    fn complete_probe(&self) -> Box<dyn crate::backend::Probe> {
+        let (world, channel, seq, rank) = (Arc::clone(&self.world), self.channel, self.seq, self.rank);
+        Box::new(move || (0..world.num_ranks).all(|s| world.mailboxes.cell(rank, channel, seq, s).has_arrived(seq)))
+    }
+
+    fn traffic(&self) -> (u64, u64) {
+        let h = self.world.config.hidden as u64;
+        let copies: usize = self
+            .outgoing
+            .iter()
+            .map(|m| match m {
+                Some(Message::Dispatch { copies, .. }) => copies.len(),
+                Some(Message::LlCombine { entries }) => entries.len(),
+                _ => 0,
+            })
+            .sum();
+        let tokens = match &self.work {
+            Some(Work::Dispatch { handle, .. } | Work::Combine { handle, .. }) => handle.num_tokens() as u64,
+            _ => 0,
+        };
+        (copies as u64 * h * 2, tokens)
+    }
+
     fn waiting_for(&self) -> String {
         if !self.sent {
             let sets = self.world.mailboxes.sets();

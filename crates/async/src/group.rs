@@ -1,0 +1,264 @@
+//! [`Group`] and the futures of its operations.
+
+use std::future::Future;
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+
+use epflow_core::backend::{Backend, HandleCreation, OpOutput};
+use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions};
+use epflow_core::validate::validate_staged;
+use epflow_core::{Error, GroupConfig, Result};
+
+use crate::driver::OpDriver;
+
+type Output<B> = OpOutput<<B as Backend>::Handle, <B as Backend>::DispatchOutput, <B as Backend>::CombineOutput>;
+
+/// One rank's EP group on backend `B`, with async operations.
+///
+/// Every operation is collective: all ranks of the group must start it, in the same order.
+/// The order is fixed when the operation is *created* (when `dispatch`, `combine` or
+/// `create_handle` is called), not when its future is first polled, so operations created
+/// from several tasks keep this rank's call order.
+#[derive(Debug)]
+pub struct Group<B: Backend> {
+    backend: Arc<B>,
+}
+
+impl<B: Backend> Clone for Group<B> {
+    fn clone(&self) -> Self {
+        Group { backend: Arc::clone(&self.backend) }
+    }
+}
+
+impl<B: Backend> Group<B> {
+    /// Wraps one rank of a backend group.
+    pub fn new(backend: B) -> Self {
+        Group { backend: Arc::new(backend) }
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.backend.rank()
+    }
+
+    /// Ranks in the group.
+    pub fn num_ranks(&self) -> usize {
+        self.backend.num_ranks()
+    }
+
+    /// The group config.
+    pub fn config(&self) -> &GroupConfig {
+        self.backend.config()
+    }
+
+    /// Whether an earlier failure poisoned the group.
+    pub fn is_poisoned(&self) -> bool {
+        self.backend.poison().is_poisoned()
+    }
+
+    /// Creates a routing handle from `topk_idx` `[B x K]` (collective for high-throughput, which
+    /// exchanges counts; immediate for low-latency).
+    pub fn create_handle(&self, topk_idx: &B::Tensor) -> HandleFuture<B> {
+        let state = match self.backend.start_handle(topk_idx) {
+            Ok(HandleCreation::Ready(h)) => HandleState::Ready(Some(h)),
+            Ok(HandleCreation::Collective(op)) => HandleState::Op(OpDriver::new(Arc::clone(&self.backend), op)),
+            Err(e) => HandleState::Failed(Some(e)),
+        };
+        HandleFuture { state }
+    }
+
+    /// Dispatch with default options (forward, counters on the device).
+    pub fn dispatch(
+        &self,
+        handle: &B::Handle,
+        inputs: DispatchInputs<'_, B::Tensor>,
+    ) -> OpFuture<B, B::DispatchOutput> {
+        self.dispatch_with(handle, inputs, &DispatchOptions::default())
+    }
+
+    /// Dispatch. The future resolves to the outputs; [`OpFuture::send_only`] stops after the
+    /// send half and returns a [`Staged`] whose `.await` is the complete half.
+    pub fn dispatch_with(
+        &self,
+        handle: &B::Handle,
+        inputs: DispatchInputs<'_, B::Tensor>,
+        opts: &DispatchOptions,
+    ) -> OpFuture<B, B::DispatchOutput> {
+        let op = self.backend.start_dispatch(handle, inputs, opts);
+        OpFuture::new(&self.backend, op, extract_dispatch::<B>)
+    }
+
+    /// Combine with default options (forward).
+    pub fn combine(&self, handle: &B::Handle, inputs: CombineInputs<'_, B::Tensor>) -> OpFuture<B, B::CombineOutput> {
+        self.combine_with(handle, inputs, &CombineOptions::default())
+    }
+
+    /// Combine; see [`Group::dispatch_with`].
+    pub fn combine_with(
+        &self,
+        handle: &B::Handle,
+        inputs: CombineInputs<'_, B::Tensor>,
+        opts: &CombineOptions,
+    ) -> OpFuture<B, B::CombineOutput> {
+        let op = self.backend.start_combine(handle, inputs, opts);
+        OpFuture::new(&self.backend, op, extract_combine::<B>)
+    }
+}
+
+fn cancelled() -> Error {
+    Error::Backend("the operation was cancelled and has no result".into())
+}
+
+fn extract_dispatch<B: Backend>(o: Output<B>) -> Result<B::DispatchOutput> {
+    match o {
+        OpOutput::Dispatch(d) => Ok(d),
+        _ => Err(cancelled()),
+    }
+}
+
+fn extract_combine<B: Backend>(o: Output<B>) -> Result<B::CombineOutput> {
+    match o {
+        OpOutput::Combine(c) => Ok(c),
+        _ => Err(cancelled()),
+    }
+}
+
+enum HandleState<B: Backend> {
+    Ready(Option<B::Handle>),
+    Op(OpDriver<B>),
+    Failed(Option<Error>),
+}
+
+/// The future of [`Group::create_handle`].
+pub struct HandleFuture<B: Backend> {
+    state: HandleState<B>,
+}
+
+impl<B: Backend> Unpin for HandleFuture<B> {}
+
+impl<B: Backend> Future for HandleFuture<B> {
+    type Output = Result<B::Handle>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<B::Handle>> {
+        let this = self.get_mut();
+        match &mut this.state {
+            HandleState::Ready(h) => Poll::Ready(h.take().ok_or_else(|| Error::Backend("handle already taken".into()))),
+            HandleState::Failed(e) => {
+                Poll::Ready(Err(e.take().unwrap_or_else(|| Error::Backend("polled again".into()))))
+            }
+            HandleState::Op(d) => Poll::Ready(match ready!(d.poll_done(cx))? {
+                OpOutput::Handle(h) => Ok(h),
+                _ => Err(cancelled()),
+            }),
+        }
+    }
+}
+
+/// A dispatch or combine that has not been awaited yet. Awaiting it runs the whole operation
+/// (the synchronous form); [`OpFuture::send_only`] runs only the send half.
+///
+/// Dropping it at any point is safe: an operation not sent yet becomes a cancellation (the peers'
+/// operation fails with [`Error::PeerCancelled`]) and the reactor still finishes this rank's
+/// side, so every rank's next operation sees clean buffers.
+pub struct OpFuture<B: Backend, T> {
+    driver: std::result::Result<OpDriver<B>, Option<Error>>,
+    extract: fn(Output<B>) -> Result<T>,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<B: Backend, T> OpFuture<B, T> {
+    fn new(backend: &Arc<B>, op: Result<B::Op>, extract: fn(Output<B>) -> Result<T>) -> Self {
+        OpFuture { driver: op.map(|op| OpDriver::new(Arc::clone(backend), op)).map_err(Some), extract, _t: PhantomData }
+    }
+
+    /// Tags the operation's trace spans with a micro-batch index.
+    pub fn micro_batch(mut self, micro_batch: u64) -> Self {
+        if let Ok(d) = &mut self.driver {
+            d.set_micro_batch(micro_batch);
+        }
+        self
+    }
+
+    /// Issues only the send half: resolves to a [`Staged`] once the transfers are issued
+    /// (after waiting for a free buffer set if all are held); awaiting the `Staged` runs the
+    /// complete half. Low-latency only.
+    pub fn send_only(self) -> SendOnly<B, T> {
+        let OpFuture { driver, extract, .. } = self;
+        let driver = driver.and_then(|d| match validate_staged(d.backend_config()) {
+            Ok(()) => Ok(d),
+            Err(e) => Err(Some(e.into())),
+        });
+        SendOnly { driver: driver.map(Some), extract }
+    }
+}
+
+impl<B: Backend> OpDriver<B> {
+    pub(crate) fn backend_config(&self) -> &GroupConfig {
+        self.backend_ref().config()
+    }
+}
+
+impl<B: Backend, T> Unpin for OpFuture<B, T> {}
+
+impl<B: Backend, T> Future for OpFuture<B, T> {
+    type Output = Result<T>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<T>> {
+        let this = self.get_mut();
+        match &mut this.driver {
+            Ok(d) => Poll::Ready(ready!(d.poll_done(cx)).and_then(this.extract)),
+            Err(e) => Poll::Ready(Err(e.take().unwrap_or_else(|| Error::Backend("polled again".into())))),
+        }
+    }
+}
+
+/// The future of [`OpFuture::send_only`].
+pub struct SendOnly<B: Backend, T> {
+    driver: std::result::Result<Option<OpDriver<B>>, Option<Error>>,
+    extract: fn(Output<B>) -> Result<T>,
+}
+
+impl<B: Backend, T> Unpin for SendOnly<B, T> {}
+
+impl<B: Backend, T> Future for SendOnly<B, T> {
+    type Output = Result<Staged<B, T>>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<Staged<B, T>>> {
+        let this = self.get_mut();
+        match &mut this.driver {
+            Ok(slot) => {
+                let Some(d) = slot.as_mut() else { return Poll::Ready(Err(Error::Backend("polled again".into()))) };
+                ready!(d.poll_sent(cx))?;
+                let driver = slot.take().ok_or_else(|| Error::Backend("polled again".into()))?;
+                Poll::Ready(Ok(Staged { driver, extract: this.extract }))
+            }
+            Err(e) => Poll::Ready(Err(e.take().unwrap_or_else(|| Error::Backend("polled again".into())))),
+        }
+    }
+}
+
+/// An operation whose send half is issued. Awaiting it runs the complete half (NCCL EP's
+/// `ncclEpComplete`) and yields the outputs. Dropping it lets the reactor complete it in the
+/// background and discard the outputs.
+pub struct Staged<B: Backend, T> {
+    driver: OpDriver<B>,
+    extract: fn(Output<B>) -> Result<T>,
+}
+
+impl<B: Backend, T> Unpin for Staged<B, T> {}
+
+impl<B: Backend, T> Future for Staged<B, T> {
+    type Output = Result<T>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<T>> {
+        let this = self.get_mut();
+        Poll::Ready(ready!(this.driver.poll_done(cx)).and_then(this.extract))
+    }
+}

@@ -1,0 +1,71 @@
+//! Helpers shared by the async tests: one low-latency round through the async API, checked
+//! against the CPU reference.
+#![allow(dead_code)]
+
+use epflow_async::Group;
+use epflow_core::host::{HostRank, HostWorld};
+use epflow_core::ops::{CombineInputs, DispatchInputs};
+use epflow_core::reference::LlDispatchResult;
+use epflow_core::scenario::{Scenario, ll_identity_expert_outputs};
+use epflow_core::verify::{Tolerance, check_bf16, check_ll_dispatch};
+use epflow_core::workload::RoutingKind;
+use epflow_core::{GroupConfig, HostTensor, Result, bf16};
+
+pub const H: usize = 128;
+pub const E: usize = 16;
+pub const K: usize = 4;
+pub const M: usize = 8;
+
+pub fn config() -> GroupConfig {
+    GroupConfig::low_latency(E, M, H)
+}
+
+pub fn groups(num_ranks: usize, config: GroupConfig) -> Vec<Group<HostRank>> {
+    HostWorld::create(num_ranks, config).unwrap().into_iter().map(Group::new).collect()
+}
+
+/// A scenario with its references.
+pub struct Checked {
+    pub sc: Scenario,
+    pub dispatch: Vec<LlDispatchResult>,
+    pub combine: Vec<Vec<bf16>>,
+}
+
+pub fn checked(num_ranks: usize, seed: u64) -> Checked {
+    let sc = Scenario::generate(config(), num_ranks, &[M, 5, 0, 7], K, RoutingKind::Uniform, 3, seed);
+    let dispatch = sc.ll_dispatch_reference().unwrap();
+    let combine = sc.ll_combine_identity_reference(&dispatch).unwrap();
+    Checked { sc, dispatch, combine }
+}
+
+/// One dispatch + identity experts + combine, staged or not; asserts both against the reference.
+pub async fn ll_round(g: &Group<HostRank>, c: &Checked, staged: bool) -> Result<()> {
+    let r = g.rank();
+    let handle = g.create_handle(&c.sc.topk_idx(r)).await?;
+    let x = c.sc.tokens(r);
+    let out = if staged {
+        g.dispatch(&handle, DispatchInputs::new(&x)).send_only().await?.await?
+    } else {
+        g.dispatch(&handle, DispatchInputs::new(&x)).await?
+    };
+    let rows = g.num_ranks() * M;
+    let counts = out.counts().unwrap().to_vec();
+    let rep = check_ll_dispatch(&c.dispatch[r], H, rows, out.tokens().data(), None, &counts);
+    assert!(rep.ok(), "rank {r} dispatch: {rep:?}");
+    let experts = ll_identity_expert_outputs(out.tokens().data(), None, &counts, rows, H);
+    drop(out);
+    let w = c.sc.weights(r);
+    let y = if staged {
+        g.combine(&handle, CombineInputs::new(&experts).with_weights(&w)).send_only().await?.await?
+    } else {
+        g.combine(&handle, CombineInputs::new(&experts).with_weights(&w)).await?
+    };
+    let rep = check_bf16("combine", &c.combine[r], y.tokens().as_bf16().unwrap(), Tolerance::OneUlp);
+    assert!(rep.ok(), "rank {r} combine: {rep:?}");
+    Ok(())
+}
+
+/// `tokens` as a tensor of `rows` tokens.
+pub fn tokens(rows: usize, fill: f32) -> HostTensor {
+    HostTensor::tokens(rows, H, vec![bf16::from_f32(fill); rows * H])
+}

@@ -1,0 +1,29 @@
+//! With nothing pending the reactor parks: its polling loop stops turning. (Its own test binary,
+//! so no other test's operations are pending in the process.)
+
+mod common;
+
+use std::time::Duration;
+
+use common::{checked, groups, ll_round};
+
+#[test]
+fn reactor_parks_after_work_is_done() {
+    let c = checked(2, 5);
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        let gs = groups(2, common::config());
+        futures::future::join_all(gs.iter().map(|g| ll_round(g, &c, true)))
+            .await
+            .into_iter()
+            .collect::<Result<Vec<_>, _>>()
+            .unwrap();
+    });
+    let done = epflow_async::reactor::reactor_stats();
+    assert!(done.completed > 0, "the reactor decided no waits: {done:?}");
+    std::thread::sleep(Duration::from_millis(50));
+    let a = epflow_async::reactor::reactor_stats();
+    std::thread::sleep(Duration::from_millis(200));
+    let b = epflow_async::reactor::reactor_stats();
+    assert!(b.loops - a.loops <= 1, "the reactor kept polling with nothing pending: {a:?} -> {b:?}");
+}
