@@ -16,6 +16,16 @@ pub struct Cli {
 pub enum Command {
     /// Benchmark dispatch and combine (flags and output modelled on NCCL EP's ep_bench).
     Bench(BenchArgs),
+    /// Compile every CUDA kernel with NVRTC (no GPU needed) and report the result.
+    Kernels(KernelsArgs),
+}
+
+/// `epflow kernels` flags.
+#[derive(Clone, Debug, clap::Args)]
+pub struct KernelsArgs {
+    /// Target architecture [default: the first GPU's, else sm_90].
+    #[arg(long)]
+    pub arch: Option<String>,
 }
 
 /// Which algorithm to benchmark.
@@ -43,6 +53,8 @@ pub enum BackendArg {
     Auto,
     /// The host backend: every rank a thread of this process, on host memory.
     Host,
+    /// The GPU backend: NVLink kernels, one process driving every GPU.
+    Gpu,
 }
 
 /// `epflow bench` flags.
@@ -63,7 +75,7 @@ pub struct BenchArgs {
     /// Total experts.
     #[arg(long, default_value_t = 256)]
     pub experts: usize,
-    /// Ranks [default: the GPUs present, else 4].
+    /// Ranks [default: the GPUs present (gpu backend), else 4].
     #[arg(long)]
     pub ranks: Option<usize>,
     /// Warm-up iterations.

@@ -2,6 +2,7 @@
 
 mod bench;
 mod cli;
+mod kernels;
 
 use std::process::ExitCode;
 
@@ -11,5 +12,6 @@ fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     match cli.command {
         cli::Command::Bench(args) => bench::main(&args),
+        cli::Command::Kernels(args) => kernels::main(&args),
     }
 }

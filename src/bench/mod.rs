@@ -1,6 +1,7 @@
 //! `epflow bench`: dispatch and combine timings with ep_bench's flags, byte accounting and
 //! output, plus a validation verdict against the CPU reference.
 
+mod gpu;
 mod host;
 mod runner;
 mod stats;
@@ -93,32 +94,74 @@ fn config_from_args(args: &BenchArgs, ranks: usize) -> Result<(GroupConfig, usiz
 }
 
 fn run(args: &BenchArgs) -> Result<BenchReport, BenchError> {
-    let backend = match args.backend {
-        BackendArg::Auto | BackendArg::Host => "host",
+    let gpus = epflow_kernels::driver::device_count();
+    let use_gpu = match args.backend {
+        BackendArg::Host => false,
+        BackendArg::Gpu if gpus == 0 => {
+            return Err(BenchError::Usage("--backend gpu: no CUDA device found on this machine".into()));
+        }
+        BackendArg::Gpu => true,
+        BackendArg::Auto if gpus > 0 && args.algorithm == AlgorithmArg::Ht => {
+            eprintln!("note: high-throughput on GPUs is not built yet; running on the host backend");
+            false
+        }
+        BackendArg::Auto => gpus > 0,
     };
-    let ranks = args.ranks.unwrap_or(4);
+    if use_gpu && args.algorithm == AlgorithmArg::Ht {
+        return Err(BenchError::Usage(
+            "--backend gpu runs --algorithm ll (high-throughput on GPUs is not built yet)".into(),
+        ));
+    }
+    let ranks = args.ranks.unwrap_or(if use_gpu { gpus } else { 4 });
+    if use_gpu && ranks > gpus {
+        return Err(BenchError::Usage(format!("--ranks {ranks}: this machine has {gpus} GPUs")));
+    }
     let (config, tokens) = config_from_args(args, ranks)?;
     let sc =
         Scenario::generate(config.clone(), ranks, &[tokens], args.top_k, RoutingKind::Uniform, args.masked, args.seed);
     let refs = if args.validate { Some(references(&sc)?) } else { None };
     let plan = LoopPlan { warmup: args.warmup, iters: args.iters, staged: args.staged };
-
-    let world = HostWorld::create(ranks, config.clone()).map_err(|e| BenchError::Usage(e.to_string()))?;
     let barrier = Arc::new(Barrier::new(ranks));
-    let results: Vec<Result<RankResult, epflow_core::Error>> = std::thread::scope(|s| {
-        let handles: Vec<_> = world
+    let (backend, device, memory, results) = if use_gpu {
+        let devices: Vec<usize> = (0..ranks).collect();
+        let world =
+            epflow_kernels::GpuWorld::create(&devices, config.clone()).map_err(|e| BenchError::Run(e.to_string()))?;
+        let memory = world.first().map(|r| r.device_memory_bytes() as u64);
+        let name = world.first().and_then(|r| r.context().name().ok()).unwrap_or_default();
+        let benches: Vec<gpu::GpuBench> = world
             .into_iter()
             .map(|rank| {
-                let bench = host::HostBench { rank, barrier: Arc::clone(&barrier) };
-                let (sc, refs, plan) = (&sc, refs.as_ref(), &plan);
-                s.spawn(move || run_rank(&bench, sc, refs, plan))
+                rank.set_timing(true);
+                gpu::GpuBench { rank, barrier: Arc::clone(&barrier) }
             })
             .collect();
+        ("gpu", format!("{ranks} x {name}, one process"), memory, run_ranks(benches, &sc, refs.as_ref(), &plan)?)
+    } else {
+        let world = HostWorld::create(ranks, config.clone()).map_err(|e| BenchError::Usage(e.to_string()))?;
+        let benches: Vec<host::HostBench> =
+            world.into_iter().map(|rank| host::HostBench { rank, barrier: Arc::clone(&barrier) }).collect();
+        ("host", "cpu (host backend)".to_string(), None, run_ranks(benches, &sc, refs.as_ref(), &plan)?)
+    };
+    let mut report = summarise(args, &config, backend, &device, ranks, tokens, results);
+    report.device_memory_bytes_per_rank = memory;
+    Ok(report)
+}
+
+/// Runs every rank on its own thread.
+fn run_ranks<R: runner::BenchRank + Send>(
+    benches: Vec<R>,
+    sc: &Scenario,
+    refs: Option<&References>,
+    plan: &LoopPlan,
+) -> Result<Vec<RankResult>, BenchError>
+where
+    <R::B as epflow_core::backend::Backend>::Tensor: Clone,
+{
+    let results: Vec<Result<RankResult, epflow_core::Error>> = std::thread::scope(|s| {
+        let handles: Vec<_> = benches.iter().map(|b| s.spawn(move || run_rank(b, sc, refs, plan))).collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
     });
-    let results: Vec<RankResult> =
-        results.into_iter().collect::<Result<_, _>>().map_err(|e| BenchError::Run(e.to_string()))?;
-    Ok(summarise(args, &config, backend, "cpu (host backend)", ranks, tokens, results))
+    results.into_iter().collect::<Result<_, _>>().map_err(|e| BenchError::Run(e.to_string()))
 }
 
 fn references(sc: &Scenario) -> Result<References, BenchError> {
@@ -186,5 +229,6 @@ fn summarise(
         combine: OpSummary::from_ranks(&collect(|r| &r.combine)),
         total: OpSummary::from_ranks(&collect(|r| &r.total)),
         validation,
+        device_memory_bytes_per_rank: None,
     }
 }

@@ -45,9 +45,17 @@ pub trait BenchRank: Sync {
         <Self::B as Backend>::Tensor: Clone;
     /// Waits until every rank reaches this point.
     fn barrier(&self);
-    /// Runs `f` and measures it the way the backend measures (host clock, or CUDA events
-    /// around the operation on its stream).
+    /// Runs `f` and measures it on the host clock.
     fn timed<T>(&self, f: impl FnOnce() -> Result<T, Error>) -> Result<(T, Duration), Error>;
+    /// The device's own measurement of a dispatch (CUDA events before the send half and after
+    /// the complete half), when the backend has one; it replaces the host clock's.
+    fn dispatch_time(&self, _out: &<Self::B as Backend>::DispatchOutput) -> Option<Duration> {
+        None
+    }
+    /// The device's own measurement of a combine; see [`BenchRank::dispatch_time`].
+    fn combine_time(&self, _out: &<Self::B as Backend>::CombineOutput) -> Option<Duration> {
+        None
+    }
 }
 
 /// The reference results of the benchmark's scenario.
@@ -178,9 +186,11 @@ where
     for i in 0..plan.warmup + plan.iters {
         r.barrier();
         let (d, td) = r.timed(dispatch)?;
+        let td = r.dispatch_time(&d).unwrap_or(td);
         let experts = r.identity_experts(&d)?;
         r.barrier();
         let (c, tc) = r.timed(|| combine(&experts))?;
+        let tc = r.combine_time(&c).unwrap_or(tc);
         drop(c);
         drop(experts);
         drop(d);

@@ -89,6 +89,7 @@ pub struct BenchReport {
     pub combine: OpSummary,
     pub total: OpSummary,
     pub validation: Option<Validation>,
+    pub device_memory_bytes_per_rank: Option<u64>,
 }
 
 impl BenchReport {
@@ -116,6 +117,9 @@ impl BenchReport {
         print_op(&format!("Dispatch ({dt}):"), &self.dispatch);
         print_op("Combine (BF16):", &self.combine);
         print_op("Total (D+C):", &self.total);
+        if let Some(m) = self.device_memory_bytes_per_rank {
+            println!("\nDevice memory of the group: {:.3} GB per rank", m as f64 / 1e9);
+        }
         match &self.validation {
             None => println!("\nValidation: skipped (pass --validate)"),
             Some(v) => {

@@ -215,3 +215,64 @@ pub fn detach<O: PendingOp>(mut op: O, timeout: Duration) {
         let _ = complete_blocking(op, &Poison::default(), timeout);
     });
 }
+
+fn no_result(what: &str) -> Error {
+    Error::Backend(format!("{what} was cancelled and has no result"))
+}
+
+/// Creates a handle on any backend, blocking (collective for high-throughput).
+pub fn blocking_handle<B: Backend>(b: &B, topk_idx: &B::Tensor) -> Result<B::Handle> {
+    match b.start_handle(topk_idx)? {
+        HandleCreation::Ready(h) => Ok(h),
+        HandleCreation::Collective(op) => {
+            match run_blocking(op, b.slot_pool(Channel::Handle), b.poison(), b.config().timeout)? {
+                OpOutput::Handle(h) => Ok(h),
+                _ => Err(no_result("handle creation")),
+            }
+        }
+    }
+}
+
+fn run_maybe_staged<B: Backend>(
+    b: &B,
+    op: B::Op,
+    channel: Channel,
+    staged: bool,
+) -> Result<<B::Op as PendingOp>::Output> {
+    let timeout = b.config().timeout;
+    if staged {
+        let op = send_blocking(op, b.slot_pool(channel), b.poison(), timeout)?;
+        complete_blocking(op, b.poison(), timeout)
+    } else {
+        run_blocking(op, b.slot_pool(channel), b.poison(), timeout)
+    }
+}
+
+/// Dispatch on any backend, blocking; `staged` runs the send half and the complete half as two
+/// steps (as `send_only` then complete would).
+pub fn blocking_dispatch<B: Backend>(
+    b: &B,
+    handle: &B::Handle,
+    inputs: DispatchInputs<'_, B::Tensor>,
+    opts: &DispatchOptions,
+    staged: bool,
+) -> Result<B::DispatchOutput> {
+    match run_maybe_staged(b, b.start_dispatch(handle, inputs, opts)?, Channel::Dispatch, staged)? {
+        OpOutput::Dispatch(d) => Ok(d),
+        _ => Err(no_result("dispatch")),
+    }
+}
+
+/// Combine on any backend, blocking; see [`blocking_dispatch`].
+pub fn blocking_combine<B: Backend>(
+    b: &B,
+    handle: &B::Handle,
+    inputs: CombineInputs<'_, B::Tensor>,
+    opts: &CombineOptions,
+    staged: bool,
+) -> Result<B::CombineOutput> {
+    match run_maybe_staged(b, b.start_combine(handle, inputs, opts)?, Channel::Combine, staged)? {
+        OpOutput::Combine(c) => Ok(c),
+        _ => Err(no_result("combine")),
+    }
+}

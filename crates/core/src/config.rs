@@ -65,6 +65,8 @@ pub const HIDDEN_ALIGN: usize = 8;
 pub const MAX_RANKS: usize = 1024;
 /// Largest number of buffer sets a group may have.
 pub const MAX_BUFFER_SETS: usize = 16;
+/// Largest `max_top_k` a group may have.
+pub const MAX_TOP_K: usize = 16;
 /// The default operation timeout.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -88,6 +90,9 @@ pub struct GroupConfig {
     /// Buffer sets per operation kind (default 2): how many dispatch results (and, separately,
     /// how many combine results) may be outstanding at once on a rank.
     pub buffer_sets: usize,
+    /// The largest top-k any handle of the group will use (default 8, at most 16): it sizes the
+    /// low-latency combine buffers (`max_tokens x max_top_k` rows per buffer set).
+    pub max_top_k: usize,
     /// Longest time any wait of an operation may take before it fails with
     /// [`crate::Error::Timeout`] and poisons the group (default 10 s).
     pub timeout: Duration,
@@ -103,6 +108,7 @@ impl GroupConfig {
             hidden,
             dispatch_dtype: DispatchDtype::Bf16,
             buffer_sets: 2,
+            max_top_k: 8,
             timeout: DEFAULT_TIMEOUT,
         }
     }
@@ -131,6 +137,12 @@ impl GroupConfig {
     /// Replaces the number of buffer sets.
     pub fn with_buffer_sets(mut self, buffer_sets: usize) -> Self {
         self.buffer_sets = buffer_sets;
+        self
+    }
+
+    /// Replaces the largest top-k.
+    pub fn with_max_top_k(mut self, max_top_k: usize) -> Self {
+        self.max_top_k = max_top_k;
         self
     }
 
@@ -193,6 +205,9 @@ impl GroupConfig {
         }
         if self.buffer_sets > MAX_BUFFER_SETS {
             return Err(ConfigError::TooManyBufferSets { buffer_sets: self.buffer_sets, max: MAX_BUFFER_SETS });
+        }
+        if self.max_top_k == 0 || self.max_top_k > MAX_TOP_K {
+            return Err(ConfigError::BadMaxTopK { max_top_k: self.max_top_k, limit: MAX_TOP_K });
         }
         if self.timeout.is_zero() {
             return Err(ConfigError::ZeroTimeout);

@@ -74,6 +74,14 @@ pub enum ConfigError {
         /// The limit.
         max: usize,
     },
+    /// `max_top_k` outside `1..=limit`.
+    #[error("max_top_k is {max_top_k}: it must be between 1 and {limit}")]
+    BadMaxTopK {
+        /// Asked for.
+        max_top_k: usize,
+        /// The limit.
+        limit: usize,
+    },
     /// A zero timeout would fail every operation.
     #[error("timeout is 0: every wait would fail at once")]
     ZeroTimeout,
@@ -181,6 +189,14 @@ pub enum ValidationError {
     /// `top_k` is 0.
     #[error("topk_idx has top_k = 0: every token needs at least one top-k slot")]
     ZeroTopK,
+    /// `top_k` exceeds the group's `max_top_k`.
+    #[error("top_k ({top_k}) exceeds the group's max_top_k ({max_top_k}): create the group with a larger max_top_k")]
+    TopKExceedsGroupMax {
+        /// Top-k passed.
+        top_k: usize,
+        /// The group's bound.
+        max_top_k: usize,
+    },
     /// `top_k` exceeds the number of experts.
     #[error("top_k ({top_k}) exceeds num_experts ({num_experts}): a token's experts must be distinct")]
     TopKExceedsExperts {

@@ -120,15 +120,9 @@ fn check_rows(
     check_tensor(name, t, tag, dtype, &[(rows.0, "tokens"), cols])
 }
 
-/// Checks a `topk_idx` tensor and its values; returns the validated routing.
-///
-/// Errors: tag/dtype/shape/contiguity/storage errors, [`ValidationError::TooManyTokens`] when
-/// `B` exceeds a fixed `max_tokens_per_rank`, and the value errors of [`Routing::new`].
-pub fn routing_from_tensor(
-    config: &GroupConfig,
-    t: &(impl TensorView + ?Sized),
-    values: &[i64],
-) -> Result<Routing, ValidationError> {
+/// Checks a `topk_idx` tensor's descriptor (tag, dtype, shape, contiguity, storage, the group's
+/// token and top-k bounds) without reading its values; returns `(B, K)`.
+pub fn check_topk_idx(config: &GroupConfig, t: &(impl TensorView + ?Sized)) -> Result<(usize, usize), ValidationError> {
     const NAME: &str = "topk_idx";
     let d = t.desc();
     if d.tag != TensorTag::TopkIdx {
@@ -159,10 +153,25 @@ pub fn routing_from_tensor(
             return Err(ValidationError::TooManyTokens { tokens: num_tokens, max_tokens });
         }
     }
+    if top_k > config.max_top_k && top_k <= config.num_experts {
+        return Err(ValidationError::TopKExceedsGroupMax { top_k, max_top_k: config.max_top_k });
+    }
+    Ok((num_tokens, top_k))
+}
+
+/// Checks a `topk_idx` tensor and its values; returns the validated routing.
+///
+/// Errors: those of [`check_topk_idx`], then the value errors of [`Routing::new`].
+pub fn routing_from_tensor(
+    config: &GroupConfig,
+    t: &(impl TensorView + ?Sized),
+    values: &[i64],
+) -> Result<Routing, ValidationError> {
+    let (num_tokens, top_k) = check_topk_idx(config, t)?;
     if values.len() != num_tokens * top_k {
         return Err(ValidationError::StorageSizeMismatch {
-            tensor: NAME,
-            shape: d.shape.clone(),
+            tensor: "topk_idx",
+            shape: t.desc().shape.clone(),
             expected: num_tokens * top_k,
             got: values.len(),
         });

@@ -152,6 +152,18 @@ fn cases() -> Vec<Case> {
             "buffer_sets",
         ),
         (
+            "max_top_k of zero",
+            Box::new(|| cfg(ll().with_max_top_k(0), 1)),
+            |e| matches!(e, C(ConfigError::BadMaxTopK { max_top_k: 0, .. })),
+            "max_top_k",
+        ),
+        (
+            "top_k above the group's max_top_k",
+            Box::new(|| handle_err(ll().with_max_top_k(1), idx(2))),
+            |e| matches!(e, V(VE::TopKExceedsGroupMax { top_k: 2, max_top_k: 1 })),
+            "max_top_k",
+        ),
+        (
             "zero timeout",
             Box::new(|| cfg(ll().with_timeout(Duration::ZERO), 1)),
             |e| matches!(e, C(ConfigError::ZeroTimeout)),
@@ -219,7 +231,7 @@ fn cases() -> Vec<Case> {
         ),
         (
             "top_k above E",
-            Box::new(|| handle_err(ll(), HostTensor::topk_idx(1, E + 1, vec![-1; E + 1]))),
+            Box::new(|| handle_err(ll().with_max_top_k(16), HostTensor::topk_idx(1, E + 1, vec![-1; E + 1]))),
             |e| matches!(e, V(VE::TopKExceedsExperts { .. })),
             "top_k",
         ),

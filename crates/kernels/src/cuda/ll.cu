@@ -1,0 +1,330 @@
+// epflow low-latency dispatch and combine: send and complete halves as separate kernels.
+//
+// Dispatch message (one per token and destination rank), in the receiver's region for this
+// sender, slot = token index:  [u64 seq+1][i32 token][i32 pad][i16 local expert per k, -1 if the
+// k-th expert is elsewhere][pad to 128 B][payload: BF16 row, or FP8 row + fp32 scales].
+// Combine message (one per token and expert): the BF16 expert output row, in the source rank's
+// region at [token][k].
+
+struct LlParams {
+    // Pointers (device addresses; host_counts and status are mapped host memory).
+    u64 x;            // dispatch: tokens [B x H] BF16
+    u64 topk_idx;     // [B x K] int64 (the handle's copy)
+    u64 weights;      // combine: [B x K] fp32
+    u64 row_of;       // [R x M x K] int32: expert-output row of each received (source, token, k)
+    u64 out;          // dispatch: [L x R*M x H]; combine: [B x H] BF16
+    u64 out_scales;   // dispatch FP8: [L x R*M x H/128] fp32
+    u64 out_counts;   // dispatch: [L] int32 (device)
+    u64 host_counts;  // dispatch: [L] int32 (mapped host) or 0
+    u64 expert_out;   // combine: [L x R*M x H] BF16
+    u64 signals;      // this rank's signal page
+    u64 status;       // this rank's status page (mapped host)
+    u64 own_recv;     // this rank's receive region of this channel
+    u64 peer_recv[EP_MAX_RANKS];     // every rank's receive region of this channel
+    u64 peer_signals[EP_MAX_RANKS];  // every rank's signal page
+    u64 seq;          // operation number on this channel
+    u64 timeout_ns;
+    u64 recv_set_bytes;  // bytes of one buffer set of the receive region
+    u64 msg_bytes;       // dispatch message bytes
+    int rank, num_ranks, max_tokens, hidden;
+    int top_k, num_local, num_tokens, set;
+    int num_sets, fp8, round_scales, cancelled;
+    int splits, pad0, pad1, pad2;
+};
+// The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
+static_assert(sizeof(LlParams) == 320, "LlParams layout");
+
+// Each destination rank is served by `warps / R` warps; warp j of destination d handles tokens
+// j, j + wpd, ... . When all of them are done, the last one signals d.
+extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(LlParams p) {
+    const int lane = threadIdx.x & 31;
+    const int warps = gridDim.x * (blockDim.x >> 5);
+    const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int R = p.num_ranks, K = p.top_k, H = p.hidden, L = p.num_local;
+    const int wpd = warps / R;
+    const int dest = gw / wpd;
+    if (dest >= R) return;
+    const int j = gw % wpd;
+    u64* sig = reinterpret_cast<u64*>(p.signals);
+    const u64 deadline = globaltimer_ns() + p.timeout_ns;
+
+    // Credit: the destination must have consumed operation seq - S from this buffer set.
+    if (p.seq >= (u64)p.num_sets && lane == 0) {
+        if (!wait_at_least(sig_at(sig, EP_SIG_CONSUMED(0), p.set, dest), p.seq + 1 - p.num_sets, deadline)) {
+            report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_CREDIT, dest, p.seq);
+        }
+    }
+    __syncwarp();
+
+    if (!p.cancelled) {
+        const long long* idx = reinterpret_cast<const long long*>(p.topk_idx);
+        const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(p.x);
+        char* region = reinterpret_cast<char*>(p.peer_recv[dest]) + (size_t)p.set * p.recv_set_bytes +
+                       (size_t)p.rank * p.max_tokens * p.msg_bytes;
+        for (int t = j; t < p.num_tokens; t += wpd) {
+            int le = -1;
+            if (lane < K) {
+                long long e = idx[(size_t)t * K + lane];
+                if (e >= 0 && (int)(e / L) == dest) le = (int)(e % L);
+            }
+            if (__ballot_sync(EP_FULL_MASK, le >= 0) == 0u) continue;
+            char* msg = region + (size_t)t * p.msg_bytes;
+            if (lane < K) reinterpret_cast<short*>(msg + 16)[lane] = (short)le;
+            if (lane == 0) {
+                *reinterpret_cast<u64*>(msg) = p.seq + 1;
+                *reinterpret_cast<int*>(msg + 8) = t;
+            }
+            char* payload = msg + EP_HDR_BYTES;
+            const __nv_bfloat16* row = x + (size_t)t * H;
+            if (!p.fp8) {
+                warp_copy(payload, row, (size_t)H * 2, lane);
+            } else {
+                float* scales = reinterpret_cast<float*>(payload + H);
+                for (int c0 = 0; c0 < H; c0 += 256) {
+                    const int c = c0 + lane * 8;
+                    const bool active = c < H;
+                    float v[8];
+                    float amax = 0.f;
+                    if (active) {
+                        int4 raw = ld_cg_int4(row + c);
+                        const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw);
+#pragma unroll
+                        for (int i = 0; i < 8; i++) {
+                            v[i] = __bfloat162float(b[i]);
+                            amax = fmaxf(amax, fabsf(v[i]));
+                        }
+                    }
+#pragma unroll
+                    for (int m = 8; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(EP_FULL_MASK, amax, m));
+                    if (active) {
+                        float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
+                        if (p.round_scales) scale = pow2_ceil(scale);
+                        const float inv = __fdiv_rn(1.0f, scale);
+                        unsigned char q[8];
+#pragma unroll
+                        for (int i = 0; i < 8; i++) {
+                            q[i] = (unsigned char)__nv_cvt_float_to_fp8(__fmul_rn(v[i], inv), __NV_SATFINITE, __NV_E4M3);
+                        }
+                        *reinterpret_cast<uint2*>(payload + c) = *reinterpret_cast<uint2*>(q);
+                        if ((lane & 15) == 0) scales[c / 128] = scale;
+                    }
+                }
+            }
+        }
+    }
+    __syncwarp();
+    if (lane == 0) {
+        __threadfence_system();
+        u64* sent = sig_at(sig, EP_SIG_SENT(0), p.set, dest);
+        if (atom_add_acq_rel_gpu(sent, 1) == (u64)(wpd - 1)) {
+            *sent = 0;
+            u64* peer = reinterpret_cast<u64*>(p.peer_signals[dest]);
+            st_release_sys(sig_at(peer, EP_SIG_ARRIVED(0), p.set, p.rank), ((p.seq + 1) << 1) | (u64)(p.cancelled != 0));
+        }
+    }
+}
+
+// Waits for every source's signal of this operation; returns false on timeout. `cancelled`
+// gets the mask of sources that sent a cancellation marker. Threads < R wait; then a barrier.
+__device__ bool wait_all_sources(const LlParams& p, int chan, u32* cancelled_shared, int* timeout_shared) {
+    if (threadIdx.x == 0) {
+        *cancelled_shared = 0u;
+        *timeout_shared = 0;
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < p.num_ranks) {
+        const u64 deadline = globaltimer_ns() + p.timeout_ns;
+        u64* sig = reinterpret_cast<u64*>(p.signals);
+        u64 seen = 0;
+        if (!wait_signal(sig_at(sig, EP_SIG_ARRIVED(chan), p.set, threadIdx.x), p.seq + 1, deadline, &seen)) {
+            report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, threadIdx.x, p.seq);
+            atomicExch(timeout_shared, 1);
+        } else if (seen & 1ull) {
+            atomicOr(cancelled_shared, 1u << threadIdx.x);
+        }
+    }
+    __syncthreads();
+    return *timeout_shared == 0;
+}
+
+// The last block to finish returns the credits of this buffer set to every source and publishes
+// the cancellation mask.
+__device__ void finish_receive(const LlParams& p, int chan, u32 cancelled) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u64* sig = reinterpret_cast<u64*>(p.signals);
+        u64* done = sig_at(sig, EP_SIG_DONE, chan * EP_MAX_SETS + p.set, 0);
+        __threadfence();
+        if (atom_add_acq_rel_gpu(done, 1) == (u64)(gridDim.x - 1)) {
+            *done = 0;
+            u64* status = reinterpret_cast<u64*>(p.status);
+            st_relaxed_sys(status + 1 + chan * EP_MAX_SETS + p.set, ((p.seq + 1) << 32) | cancelled);
+            __threadfence_system();
+            for (int s = 0; s < p.num_ranks; s++) {
+                u64* peer = reinterpret_cast<u64*>(p.peer_signals[s]);
+                st_release_sys(sig_at(peer, EP_SIG_CONSUMED(chan), p.set, p.rank), (p.seq + 1) << 1);
+            }
+        }
+    }
+}
+
+// Block (expert l, split g) of L * splits: finds, in (source, token) order, the received slots
+// that chose local expert l, packs them into rows 0.. of expert l (rows with row % splits == g
+// are copied by this block), writes the counters and the row map for combine.
+extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p) {
+    __shared__ u32 cancelled;
+    __shared__ int timed_out;
+    __shared__ int warp_sums[16];
+    __shared__ int chunk_total;
+    __shared__ int entry_slot[512];
+    if (!wait_all_sources(p, 0, &cancelled, &timed_out)) return;
+    const int G = p.splits;
+    const int le = blockIdx.x / G, g = blockIdx.x % G;
+    const int R = p.num_ranks, M = p.max_tokens, K = p.top_k, H = p.hidden;
+    const int RM = R * M;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const char* recv = reinterpret_cast<const char*>(p.own_recv) + (size_t)p.set * p.recv_set_bytes;
+    int* row_of = reinterpret_cast<int*>(p.row_of);
+    const size_t payload_bytes = p.fp8 ? (size_t)H : (size_t)H * 2;
+    int base = 0;
+    for (int chunk = 0; chunk < RM; chunk += blockDim.x) {
+        const int slot = chunk + threadIdx.x;
+        int k_sel = -1;
+        if (slot < RM) {
+            const int s = slot / M;
+            const char* msg = recv + (size_t)slot * p.msg_bytes;
+            if (!((cancelled >> s) & 1u) && __ldcg(reinterpret_cast<const u64*>(msg)) == p.seq + 1) {
+                const short* les = reinterpret_cast<const short*>(msg + 16);
+                for (int k = 0; k < K; k++) {
+                    if (__ldcg(les + k) == le) k_sel = k;
+                }
+            }
+        }
+        const unsigned ballot = __ballot_sync(EP_FULL_MASK, k_sel >= 0);
+        if (lane == 0) warp_sums[warp] = __popc(ballot);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int acc = 0;
+            for (int w = 0; w < nwarps; w++) {
+                int c = warp_sums[w];
+                warp_sums[w] = acc;
+                acc += c;
+            }
+            chunk_total = acc;
+        }
+        __syncthreads();
+        if (k_sel >= 0) {
+            const int pos = warp_sums[warp] + __popc(ballot & ((1u << lane) - 1u));
+            entry_slot[pos] = slot;
+            if (g == 0) row_of[(size_t)slot * K + k_sel] = le * RM + base + pos;
+        }
+        __syncthreads();
+        for (int e = warp; e < chunk_total; e += nwarps) {
+            const int row = base + e;
+            if (row % G != g) continue;
+            const char* payload = recv + (size_t)entry_slot[e] * p.msg_bytes + EP_HDR_BYTES;
+            const size_t out_row = (size_t)le * RM + row;
+            warp_copy(reinterpret_cast<char*>(p.out) + out_row * payload_bytes, payload, payload_bytes, lane);
+            if (p.fp8) {
+                const int cols = H / 128;
+                const float* src = reinterpret_cast<const float*>(payload + H);
+                float* dst = reinterpret_cast<float*>(p.out_scales) + out_row * cols;
+                for (int c = lane; c < cols; c += 32) dst[c] = __ldcg(src + c);
+            }
+        }
+        base += chunk_total;
+        __syncthreads();
+    }
+    if (g == 0 && threadIdx.x == 0) {
+        reinterpret_cast<int*>(p.out_counts)[le] = base;
+        if (p.host_counts) reinterpret_cast<volatile int*>(p.host_counts)[le] = base;
+    }
+    // Block 0 marks every (source, token, k) that names no local expert of this operation.
+    if (blockIdx.x == 0) {
+        for (int i = threadIdx.x; i < RM * K; i += blockDim.x) {
+            const int slot = i / K, k = i % K;
+            const char* msg = recv + (size_t)slot * p.msg_bytes;
+            const bool valid =
+                !((cancelled >> (slot / M)) & 1u) && __ldcg(reinterpret_cast<const u64*>(msg)) == p.seq + 1;
+            if (!valid || __ldcg(reinterpret_cast<const short*>(msg + 16) + k) < 0) row_of[i] = -1;
+        }
+    }
+    finish_receive(p, 0, cancelled);
+}
+
+// Combine send, on the expert side: every received (source s, token t, k) row of the expert
+// output goes back to s, at [t][k] of its receive region. Warps are split over sources as in
+// dispatch.
+extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_send(LlParams p) {
+    const int lane = threadIdx.x & 31;
+    const int warps = gridDim.x * (blockDim.x >> 5);
+    const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int R = p.num_ranks, K = p.top_k, H = p.hidden, M = p.max_tokens;
+    const int wpd = warps / R;
+    const int dest = gw / wpd;
+    if (dest >= R) return;
+    const int j = gw % wpd;
+    u64* sig = reinterpret_cast<u64*>(p.signals);
+    const u64 deadline = globaltimer_ns() + p.timeout_ns;
+    if (p.seq >= (u64)p.num_sets && lane == 0) {
+        if (!wait_at_least(sig_at(sig, EP_SIG_CONSUMED(1), p.set, dest), p.seq + 1 - p.num_sets, deadline)) {
+            report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_CREDIT, dest, p.seq);
+        }
+    }
+    __syncwarp();
+    if (!p.cancelled) {
+        const int* row_of = reinterpret_cast<const int*>(p.row_of) + (size_t)dest * M * K;
+        const __nv_bfloat16* ex = reinterpret_cast<const __nv_bfloat16*>(p.expert_out);
+        char* region = reinterpret_cast<char*>(p.peer_recv[dest]) + (size_t)p.set * p.recv_set_bytes;
+        for (int i = j; i < M * K; i += wpd) {
+            const int row = __ldcg(row_of + i);
+            if (row < 0) continue;
+            warp_copy(region + (size_t)i * H * 2, ex + (size_t)row * H, (size_t)H * 2, lane);
+        }
+    }
+    __syncwarp();
+    if (lane == 0) {
+        __threadfence_system();
+        u64* sent = sig_at(sig, EP_SIG_SENT(1), p.set, dest);
+        if (atom_add_acq_rel_gpu(sent, 1) == (u64)(wpd - 1)) {
+            *sent = 0;
+            u64* peer = reinterpret_cast<u64*>(p.peer_signals[dest]);
+            st_release_sys(sig_at(peer, EP_SIG_ARRIVED(1), p.set, p.rank), ((p.seq + 1) << 1) | (u64)(p.cancelled != 0));
+        }
+    }
+}
+
+// Combine complete, on the source side: out[t] = bf16(sum over valid k, ascending, of
+// fma(w[t][k], x[t][k], acc)) in fp32, exactly as the CPU reference.
+extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv(LlParams p) {
+    __shared__ u32 cancelled;
+    __shared__ int timed_out;
+    if (!wait_all_sources(p, 1, &cancelled, &timed_out)) return;
+    const int K = p.top_k, H = p.hidden;
+    const long long* idx = reinterpret_cast<const long long*>(p.topk_idx);
+    const float* w = reinterpret_cast<const float*>(p.weights);
+    const char* recv = reinterpret_cast<const char*>(p.own_recv) + (size_t)p.set * p.recv_set_bytes;
+    __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(p.out);
+    if (cancelled == 0u) {
+        for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+            for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
+                float acc[8];
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[i] = 0.f;
+                for (int k = 0; k < K; k++) {
+                    if (idx[(size_t)t * K + k] < 0) continue;
+                    const float wk = w[(size_t)t * K + k];
+                    int4 raw = ld_cg_int4(recv + (((size_t)t * K + k) * H + c) * 2);
+                    const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw);
+#pragma unroll
+                    for (int i = 0; i < 8; i++) acc[i] = fmaf(wk, __bfloat162float(b[i]), acc[i]);
+                }
+                __nv_bfloat16 o[8];
+#pragma unroll
+                for (int i = 0; i < 8; i++) o[i] = __float2bfloat16_rn(acc[i]);
+                *reinterpret_cast<int4*>(out + (size_t)t * H + c) = *reinterpret_cast<int4*>(o);
+            }
+        }
+    }
+    finish_receive(p, 1, cancelled);
+}

@@ -1,0 +1,18 @@
+// epflow utilities.
+
+// Dequantizes `rows` FP8 rows (`hidden` e4m3 values, `hidden / 128` fp32 scales each) into BF16:
+// out = bf16(e4m3_to_f32(q) * scale), as the CPU reference's identity experts do.
+extern "C" __global__ void ep_dequant_fp8_rows(u64 q_ptr, u64 scales_ptr, u64 out_ptr, u64 rows, int hidden) {
+    const unsigned char* q = reinterpret_cast<const unsigned char*>(q_ptr);
+    const float* scales = reinterpret_cast<const float*>(scales_ptr);
+    __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(out_ptr);
+    const u64 total = rows * (u64)hidden;
+    const int cols = hidden / 128;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / hidden;
+        const int c = (int)(i % hidden);
+        __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)q[i], __NV_E4M3);
+        const float v = __half2float(*reinterpret_cast<__half*>(&h));
+        out[i] = __float2bfloat16_rn(__fmul_rn(v, scales[r * cols + c / 128]));
+    }
+}

@@ -1,0 +1,38 @@
+//! The CUDA driver, loaded at run time: availability checks and error conversion.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, DriverError};
+use epflow_core::Error;
+
+/// Whether the CUDA driver library can be loaded on this machine.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to open the shared library (and closes it); no CUDA call is made.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Number of CUDA devices, 0 when the driver is absent or reports none (never panics).
+pub fn device_count() -> usize {
+    if !driver_present() {
+        return 0;
+    }
+    CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+}
+
+/// A [`epflow_core::Error::Backend`] for a failed driver call.
+pub(crate) fn cuda(what: &str, e: DriverError) -> Error {
+    Error::Backend(format!("CUDA: {what}: {e:?}"))
+}
+
+/// The primary context of device `ordinal`, bound to the calling thread.
+pub(crate) fn context(ordinal: usize) -> Result<Arc<CudaContext>, Error> {
+    if !driver_present() {
+        return Err(Error::Unsupported("the CUDA driver (libcuda) is not installed on this machine".into()));
+    }
+    CudaContext::new(ordinal).map_err(|e| cuda(&format!("open device {ordinal}"), e))
+}
+
+/// Binds `ctx` to the calling thread.
+pub(crate) fn bind(ctx: &CudaContext) -> Result<(), Error> {
+    ctx.bind_to_thread().map_err(|e| cuda("bind context", e))
+}

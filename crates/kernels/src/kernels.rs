@@ -1,0 +1,50 @@
+//! The loaded kernels of one device.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction};
+use cudarc::nvrtc::Ptx;
+use epflow_core::Error;
+
+use crate::driver::cuda;
+use crate::nvrtc::compile;
+use crate::sources::{LL, UTIL};
+
+/// Every kernel epflow launches, loaded into one context.
+#[derive(Debug, Clone)]
+pub(crate) struct Kernels {
+    pub dispatch_send: CudaFunction,
+    pub dispatch_recv: CudaFunction,
+    pub combine_send: CudaFunction,
+    pub combine_recv: CudaFunction,
+    pub dequant_fp8: CudaFunction,
+}
+
+/// `"sm_90"` for a 9.0 device.
+pub fn device_arch(ctx: &CudaContext) -> Result<String, Error> {
+    let (major, minor) = ctx.compute_capability().map_err(|e| cuda("query compute capability", e))?;
+    if major < 7 {
+        return Err(Error::Unsupported(format!("compute capability {major}.{minor}: the kernels need 7.0 or newer")));
+    }
+    Ok(format!("sm_{major}{minor}"))
+}
+
+impl Kernels {
+    /// Compiles (or takes from the cache) and loads every module for this device.
+    pub fn load(ctx: &Arc<CudaContext>) -> Result<Self, Error> {
+        let arch = device_arch(ctx)?;
+        let ll = ctx.load_module(Ptx::from_binary(compile(&LL, &arch)?)).map_err(|e| cuda("load ll module", e))?;
+        let util =
+            ctx.load_module(Ptx::from_binary(compile(&UTIL, &arch)?)).map_err(|e| cuda("load util module", e))?;
+        let f = |m: &Arc<cudarc::driver::CudaModule>, name: &str| {
+            m.load_function(name).map_err(|e| cuda(&format!("find kernel {name}"), e))
+        };
+        Ok(Kernels {
+            dispatch_send: f(&ll, "ep_ll_dispatch_send")?,
+            dispatch_recv: f(&ll, "ep_ll_dispatch_recv")?,
+            combine_send: f(&ll, "ep_ll_combine_send")?,
+            combine_recv: f(&ll, "ep_ll_combine_recv")?,
+            dequant_fp8: f(&util, "ep_dequant_fp8_rows")?,
+        })
+    }
+}

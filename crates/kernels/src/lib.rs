@@ -1,0 +1,43 @@
+//! # epflow-kernels
+//!
+//! The GPU backend of epflow: CUDA C kernels (kept as `.cu` files in this crate) compiled at run
+//! time with NVRTC and cached on disk, device memory from `cuMemAlloc` mapped into peers, and
+//! low-latency dispatch/combine over NVLink with separate send and complete launches. Everything
+//! CUDA is loaded at run time (cudarc, dynamic loading): building needs no CUDA, and a machine
+//! without a GPU gets [`epflow_core::Error::Unsupported`], never a panic.
+//!
+//! ## Table of contents
+//!
+//! - [`GpuWorld`]: creates a group of one process driving several GPUs.
+//! - [`GpuRank`]: one rank; implements [`epflow_core::backend::Backend`], so the async runtime
+//!   drives it; [`GpuHandle`], [`GpuDispatchOutput`], [`GpuCombineOutput`].
+//! - [`DeviceTensor`]: tensors in device memory.
+//! - [`layout`]: buffer sizes; [`sources`]: the CUDA sources; [`nvrtc`]: compilation and cache;
+//!   [`driver`]: availability checks; [`memory`]: device and pinned buffers.
+//!
+//! ## The protocol on the device
+//!
+//! It is [`epflow_core::protocol`]'s: per (buffer set, source) arrival signals carrying
+//! `(seq + 1) << 1 | cancelled`, written with `st.release.sys` after the payload; receivers poll
+//! with `ld.acquire.sys` and a `%globaltimer` deadline; the last receiving block returns the
+//! credits. Timeouts are reported in host-mapped memory, never by `trap`.
+
+pub mod driver;
+mod kernels;
+pub mod layout;
+pub mod memory;
+pub mod nvrtc;
+mod op;
+mod outputs;
+mod params;
+mod rank;
+pub mod sources;
+mod tensor;
+mod world;
+
+pub use kernels::device_arch;
+pub use op::{GpuOp, GpuOpOutput};
+pub use outputs::{GpuCombineOutput, GpuDispatchOutput};
+pub use rank::{GpuHandle, GpuRank};
+pub use tensor::DeviceTensor;
+pub use world::GpuWorld;

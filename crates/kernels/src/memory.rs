@@ -1,0 +1,148 @@
+//! Device and pinned host memory with RAII. Device buffers come from `cuMemAlloc` (not the
+//! stream-ordered pool) so that peers (peer access, CUDA IPC) can map them.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, sys};
+use epflow_core::Error;
+
+use crate::driver::{bind, cuda};
+
+/// Zero-filled device memory of one context, freed on drop.
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    ptr: u64,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl DeviceBuffer {
+    /// Allocates `bytes` (at least 1) with `cuMemAlloc` and zeroes them.
+    pub fn zeroed(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self, Error> {
+        bind(ctx)?;
+        let bytes = bytes.max(1);
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` is a valid out pointer; the context is bound to this thread.
+        unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }.result().map_err(|e| cuda(&format!("allocate {bytes} B"), e))?;
+        let buf = DeviceBuffer { ptr, bytes, ctx: Arc::clone(ctx) };
+        // SAFETY: `ptr` points to `bytes` bytes just allocated in this context.
+        unsafe { sys::cuMemsetD8_v2(ptr, 0, bytes) }.result().map_err(|e| cuda("zero memory", e))?;
+        Ok(buf)
+    }
+
+    /// The device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// The size in bytes.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The context that owns it.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Copies `src` into the buffer at byte `offset` (synchronous).
+    pub fn write<T: Copy>(&self, offset: usize, src: &[T]) -> Result<(), Error> {
+        let n = std::mem::size_of_val(src);
+        if offset + n > self.bytes {
+            return Err(Error::Backend(format!("write of {n} B at {offset} past a {} B buffer", self.bytes)));
+        }
+        bind(&self.ctx)?;
+        // SAFETY: the range [offset, offset + n) lies inside the allocation; `src` is valid for n bytes.
+        unsafe { sys::cuMemcpyHtoD_v2(self.ptr + offset as u64, src.as_ptr() as *const c_void, n) }
+            .result()
+            .map_err(|e| cuda("copy to device", e))
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if bind(&self.ctx).is_ok() {
+            // SAFETY: frees the allocation made in `zeroed`, once; the owners synchronize the
+            // device before dropping buffers kernels may still use.
+            let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+        }
+    }
+}
+
+/// Copies `n` bytes from device address `src` to `dst` (synchronous).
+pub fn copy_to_host<T: Copy>(ctx: &CudaContext, src: u64, dst: &mut [T]) -> Result<(), Error> {
+    bind(ctx)?;
+    let n = std::mem::size_of_val(dst);
+    // SAFETY: `dst` is valid for n bytes; the caller passes a device range of at least n bytes.
+    unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr() as *mut c_void, src, n) }
+        .result()
+        .map_err(|e| cuda("copy to host", e))
+}
+
+/// Pinned host memory mapped into the device's address space (the GPU writes it directly; the
+/// host reads it without a copy). Zeroed at allocation.
+#[derive(Debug)]
+pub struct PinnedBuffer {
+    host: *mut c_void,
+    device: u64,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the buffer is plain pinned memory; all access goes through volatile reads/writes of
+// whole words, and the pointer itself is not tied to a thread.
+unsafe impl Send for PinnedBuffer {}
+// SAFETY: as above; concurrent readers only perform volatile loads.
+unsafe impl Sync for PinnedBuffer {}
+
+impl PinnedBuffer {
+    /// Allocates `bytes` of portable, device-mapped pinned memory.
+    pub fn zeroed(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self, Error> {
+        bind(ctx)?;
+        let bytes = bytes.max(8).next_multiple_of(8);
+        let mut host: *mut c_void = std::ptr::null_mut();
+        let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+        // SAFETY: `host` is a valid out pointer; the context is bound.
+        unsafe { sys::cuMemHostAlloc(&mut host, bytes, flags) }
+            .result()
+            .map_err(|e| cuda("allocate pinned memory", e))?;
+        let mut device: sys::CUdeviceptr = 0;
+        // SAFETY: `host` was just allocated with DEVICEMAP; `device` is a valid out pointer.
+        let mapped = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0) }.result();
+        let buf = PinnedBuffer { host, device, bytes, ctx: Arc::clone(ctx) };
+        mapped.map_err(|e| cuda("map pinned memory", e))?;
+        // SAFETY: `host` points to `bytes` writable bytes.
+        unsafe { std::ptr::write_bytes(host as *mut u8, 0, bytes) };
+        Ok(buf)
+    }
+
+    /// The device address of the mapping.
+    pub fn device_ptr(&self) -> u64 {
+        self.device
+    }
+
+    /// Reads word `i` (a `u64`), as the device last wrote it.
+    pub fn read_u64(&self, i: usize) -> u64 {
+        assert!(i < self.bytes / 8, "pinned read out of range");
+        // SAFETY: index checked; the memory is mapped and aligned to 8; volatile because the
+        // device writes it concurrently.
+        unsafe { std::ptr::read_volatile((self.host as *const u64).add(i)) }
+    }
+
+    /// Reads `n` consecutive `i32`s from the start.
+    pub fn read_i32s(&self, n: usize) -> Vec<i32> {
+        assert!(n * 4 <= self.bytes, "pinned read out of range");
+        // SAFETY: range checked; volatile element reads of device-written memory.
+        (0..n).map(|i| unsafe { std::ptr::read_volatile((self.host as *const i32).add(i)) }).collect()
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        if bind(&self.ctx).is_ok() {
+            // SAFETY: frees the allocation made in `zeroed`, once.
+            let _ = unsafe { sys::cuMemFreeHost(self.host) };
+        }
+    }
+}

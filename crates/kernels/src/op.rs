@@ -1,0 +1,345 @@
+//! [`GpuOp`]: one GPU operation as a [`PendingOp`]: the send half is one kernel launch, the
+//! complete half another, and a CUDA event after it is the completion signal.
+
+use std::any::Any;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use cudarc::driver::{CudaEvent, LaunchConfig, PushKernelArg, sys};
+use epflow_core::backend::{OpOutput, PendingOp, Probe};
+use epflow_core::ops::{CombineOutputs, CountsLocation, DispatchOptions, DispatchOutputs};
+use epflow_core::protocol::{Channel, SlotGuard, op_label};
+use epflow_core::{DType, Error, TensorDesc, TensorTag};
+
+use crate::driver::{bind, cuda};
+use crate::outputs::{GpuCombineOutput, GpuDispatchOutput};
+use crate::params::{LlParams, MAX_SETS};
+use crate::rank::{GpuHandle, RankShared};
+use crate::tensor::DeviceTensor;
+
+/// What the operation is.
+#[derive(Debug)]
+pub(crate) enum Work {
+    Dispatch { handle: GpuHandle, opts: DispatchOptions },
+    Combine { handle: GpuHandle },
+}
+
+/// The output of a GPU operation.
+pub type GpuOpOutput = OpOutput<GpuHandle, GpuDispatchOutput, GpuCombineOutput>;
+
+/// One operation of one GPU rank.
+pub struct GpuOp {
+    shared: Arc<RankShared>,
+    channel: Channel,
+    seq: u64,
+    params: LlParams,
+    work: Option<Work>,
+    waits: Vec<Arc<CudaEvent>>,
+    _keep: Vec<Arc<dyn Any + Send + Sync>>,
+    sent: bool,
+    cancelled: bool,
+    completing: bool,
+    slot: Option<SlotGuard>,
+    done: Option<Arc<CudaEvent>>,
+    timing: Option<(CudaEvent, CudaEvent)>,
+}
+
+impl std::fmt::Debug for GpuOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuOp")
+            .field("op", &self.label())
+            .field("sent", &self.sent)
+            .field("completing", &self.completing)
+            .finish()
+    }
+}
+
+const CONFIGS: u32 = 512;
+
+impl GpuOp {
+    pub(crate) fn new(
+        shared: Arc<RankShared>,
+        channel: Channel,
+        seq: u64,
+        params: LlParams,
+        work: Work,
+        inputs: &[&DeviceTensor],
+    ) -> Self {
+        GpuOp {
+            shared,
+            channel,
+            seq,
+            params,
+            work: Some(work),
+            waits: inputs.iter().filter_map(|t| t.ready_event().cloned()).collect(),
+            _keep: inputs.iter().filter_map(|t| t.keep_alive()).collect(),
+            sent: false,
+            cancelled: false,
+            completing: false,
+            slot: None,
+            done: None,
+            timing: None,
+        }
+    }
+
+    fn chan(&self) -> usize {
+        if self.channel == Channel::Combine { 1 } else { 0 }
+    }
+
+    fn launch(&self, which: Kernel) -> Result<(), Error> {
+        let s = &self.shared;
+        let p = &self.params;
+        let sms = s.num_sms.max(1);
+        let (f, grid, block) = match which {
+            Kernel::DispatchSend => {
+                let warps = (p.num_tokens.max(1) as u32) * p.num_ranks as u32;
+                (&s.kernels.dispatch_send, warps.div_ceil(16).clamp(1, sms), CONFIGS)
+            }
+            Kernel::DispatchRecv => (&s.kernels.dispatch_recv, (p.num_local * p.splits) as u32, CONFIGS),
+            Kernel::CombineSend => {
+                let items = (p.num_ranks * p.max_tokens * p.top_k) as u32;
+                (&s.kernels.combine_send, items.div_ceil(4 * 16).clamp(1, sms), CONFIGS)
+            }
+            Kernel::CombineRecv => (&s.kernels.combine_recv, (p.num_tokens.max(1) as u32).clamp(1, sms), 256),
+        };
+        let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 };
+        let stream = &s.streams[self.chan()];
+        // SAFETY: every kernel takes one `LlParams` by value, mirrored byte for byte in params.rs;
+        // its pointers address memory this operation keeps alive (the group's buffers, the
+        // handle, and the inputs in `_keep`).
+        unsafe { stream.launch_builder(f).arg(p).launch(cfg) }.map_err(|e| cuda(&format!("launch {which:?}"), e))?;
+        Ok(())
+    }
+
+    /// The first error the device reported on this rank, as an [`Error`].
+    fn device_error(&self) -> Option<Error> {
+        let w = self.shared.mem.status.read_u64(0);
+        if w == 0 {
+            return None;
+        }
+        let (code, peer, seq) = (w & 0xff, (w >> 8) & 0xff, w >> 16);
+        let waiting_for = match code {
+            1 => format!("data from rank {peer} (operation #{seq} of the channel)"),
+            2 => format!(
+                "buffer credits from rank {peer} (it has not consumed operation #{} of the channel)",
+                seq.saturating_sub(self.shared.layout.sets as u64)
+            ),
+            _ => format!("device error code {code}"),
+        };
+        Some(Error::Timeout {
+            op: self.label(),
+            rank: self.shared.rank,
+            waiting_for,
+            after: self.shared.config.timeout,
+        })
+    }
+
+    fn elapsed(&self) -> Option<Duration> {
+        let (a, b) = self.timing.as_ref()?;
+        a.elapsed_ms(b).ok().map(|ms| Duration::from_secs_f64(f64::from(ms) / 1e3))
+    }
+
+    fn view(&self, ptr: u64, desc: TensorDesc) -> DeviceTensor {
+        DeviceTensor::view(ptr, self.shared.device, desc, self.shared.clone() as Arc<dyn Any + Send + Sync>)
+    }
+
+    fn finish_dispatch(&mut self, handle: &GpuHandle, opts: DispatchOptions) -> Result<GpuDispatchOutput, Error> {
+        let s = &self.shared;
+        let l = &s.layout;
+        let set = self.params.set as usize;
+        let rows = l.rows_per_expert();
+        let dtype = if l.fp8 { DType::Fp8E4m3 } else { DType::Bf16 };
+        let tokens = self.view(
+            s.mem.disp_out[set].ptr(),
+            TensorDesc::contiguous(TensorTag::Tokens, dtype, &[l.local_experts, rows, l.hidden]),
+        );
+        let scales = l.fp8.then(|| {
+            self.view(
+                s.mem.disp_scales[set].ptr(),
+                TensorDesc::contiguous(TensorTag::Scales, DType::F32, &[l.local_experts, rows, l.hidden / 128]),
+            )
+        });
+        let counts = self.view(
+            s.mem.disp_counts[set].ptr(),
+            TensorDesc::contiguous(TensorTag::RecvExpertCountsDevice, DType::I32, &[l.local_experts]),
+        );
+        let host_counts =
+            (opts.counts_location == CountsLocation::Host).then(|| s.mem.host_counts[set].read_i32s(l.local_experts));
+        handle.0.dispatched.store(true, Ordering::Release);
+        Ok(GpuDispatchOutput {
+            outputs: DispatchOutputs { tokens, scales, topk_weights: None, topk_idx: None, counts: Some(counts) },
+            host_counts,
+            elapsed: self.elapsed(),
+            ctx: Arc::clone(&s.ctx),
+            _slot: self.slot.take(),
+        })
+    }
+
+    fn finish_combine(&mut self, handle: &GpuHandle) -> Result<GpuCombineOutput, Error> {
+        let s = &self.shared;
+        let set = self.params.set as usize;
+        let tokens = self.view(
+            s.mem.comb_out[set].ptr(),
+            TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[handle.num_tokens(), s.layout.hidden]),
+        );
+        Ok(GpuCombineOutput {
+            outputs: CombineOutputs { tokens, topk_weights: None },
+            elapsed: self.elapsed(),
+            ctx: Arc::clone(&s.ctx),
+            _slot: self.slot.take(),
+        })
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Kernel {
+    DispatchSend,
+    DispatchRecv,
+    CombineSend,
+    CombineRecv,
+}
+
+impl PendingOp for GpuOp {
+    type Output = GpuOpOutput;
+
+    fn rank(&self) -> usize {
+        self.shared.rank
+    }
+
+    fn channel(&self) -> Channel {
+        self.channel
+    }
+
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    fn needs_slot(&self) -> bool {
+        true
+    }
+
+    fn poll_send_ready(&mut self) -> Result<bool, Error> {
+        Ok(self.sent || self.shared.turns[self.chan()].load(Ordering::Acquire) == self.seq)
+    }
+
+    fn send(&mut self, slot: Option<SlotGuard>) -> Result<(), Error> {
+        if self.sent {
+            return Ok(());
+        }
+        let s = Arc::clone(&self.shared);
+        bind(&s.ctx)?;
+        let stream = &s.streams[self.chan()];
+        for e in &self.waits {
+            stream.wait(e).map_err(|e| cuda("wait for an input", e))?;
+        }
+        if s.timing.load(Ordering::Relaxed) && !self.cancelled {
+            let a = s.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| cuda("create event", e))?;
+            let b = s.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| cuda("create event", e))?;
+            a.record(stream).map_err(|e| cuda("record event", e))?;
+            self.timing = Some((a, b));
+        }
+        self.params.cancelled = i32::from(self.cancelled);
+        let result = self.launch(if self.chan() == 0 { Kernel::DispatchSend } else { Kernel::CombineSend });
+        // The turn passes on even if the launch failed, so later operations are not stuck
+        // behind this one (the group is poisoned by the error anyway).
+        s.turns[self.chan()].store(self.seq + 1, Ordering::Release);
+        result?;
+        self.slot = slot;
+        self.sent = true;
+        Ok(())
+    }
+
+    fn is_sent(&self) -> bool {
+        self.sent
+    }
+
+    fn cancel(&mut self) {
+        if !self.sent {
+            self.cancelled = true;
+            self._keep.clear();
+        }
+    }
+
+    fn start_complete(&mut self) -> Result<(), Error> {
+        if self.completing {
+            return Ok(());
+        }
+        let s = Arc::clone(&self.shared);
+        bind(&s.ctx)?;
+        self.launch(if self.chan() == 0 { Kernel::DispatchRecv } else { Kernel::CombineRecv })?;
+        let stream = &s.streams[self.chan()];
+        if let Some((_, b)) = &self.timing {
+            b.record(stream).map_err(|e| cuda("record event", e))?;
+        }
+        let done = s.ctx.new_event(None).map_err(|e| cuda("create event", e))?;
+        done.record(stream).map_err(|e| cuda("record event", e))?;
+        self.done = Some(Arc::new(done));
+        self.completing = true;
+        Ok(())
+    }
+
+    fn poll_complete(&mut self) -> Result<bool, Error> {
+        if let Some(e) = self.device_error() {
+            return Err(e);
+        }
+        let Some(done) = &self.done else { return Ok(false) };
+        bind(&self.shared.ctx)?;
+        done.try_is_complete().map_err(|e| cuda("query completion", e))
+    }
+
+    fn finish(mut self) -> Result<GpuOpOutput, Error> {
+        if let Some(e) = self.device_error() {
+            return Err(e);
+        }
+        let word = self.shared.mem.status.read_u64(1 + self.chan() * MAX_SETS + self.params.set as usize);
+        let mask = if word >> 32 == self.seq + 1 { (word & 0xffff_ffff) as u32 } else { 0 };
+        if self.cancelled {
+            return Ok(OpOutput::Cancelled);
+        }
+        if mask != 0 {
+            return Err(Error::PeerCancelled { op: self.label(), peer: mask.trailing_zeros() as usize });
+        }
+        match self.work.take() {
+            Some(Work::Dispatch { handle, opts }) => Ok(OpOutput::Dispatch(self.finish_dispatch(&handle, opts)?)),
+            Some(Work::Combine { handle }) => Ok(OpOutput::Combine(self.finish_combine(&handle)?)),
+            None => Err(Error::Backend(format!("{} finished twice", op_label(self.channel, self.seq)))),
+        }
+    }
+
+    fn send_probe(&self) -> Box<dyn Probe> {
+        let (shared, chan, seq) = (Arc::clone(&self.shared), self.chan(), self.seq);
+        Box::new(move || shared.turns[chan].load(Ordering::Acquire) == seq)
+    }
+
+    fn complete_probe(&self) -> Box<dyn Probe> {
+        let shared = Arc::clone(&self.shared);
+        let done = self.done.clone();
+        Box::new(move || {
+            if shared.mem.status.read_u64(0) != 0 {
+                return true;
+            }
+            match &done {
+                Some(e) => bind(&shared.ctx).is_err() || e.try_is_complete().unwrap_or(true),
+                None => true,
+            }
+        })
+    }
+
+    fn traffic(&self) -> (u64, u64) {
+        let p = &self.params;
+        ((p.num_tokens as u64) * (p.hidden as u64) * 2, p.num_tokens as u64)
+    }
+
+    fn waiting_for(&self) -> String {
+        if !self.sent {
+            format!(
+                "its turn to send ({} #{} has not been sent yet)",
+                self.channel,
+                self.shared.turns[self.chan()].load(Ordering::Acquire)
+            )
+        } else {
+            "the device to finish (the peers' data or credits)".into()
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! Outputs of GPU operations: views into the group's buffer set, holding it until dropped.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::CudaContext;
+use epflow_core::ops::{CombineOutputs, DispatchOutputs};
+use epflow_core::protocol::SlotGuard;
+use epflow_core::{Error, HostData, HostTensor};
+
+use crate::memory::copy_to_host;
+
+use crate::tensor::DeviceTensor;
+
+/// Copies the first `counts[l]` rows of each expert `l` of an `[L x rows x width]` tensor.
+fn rows_to_host(ctx: &CudaContext, t: &DeviceTensor, counts: &[i32]) -> Result<HostTensor, Error> {
+    let d = t.desc();
+    let (rows, width) = (d.shape[1], d.shape[2]);
+    let esize = d.dtype.size_bytes();
+    let mut bytes = vec![0u8; d.size_bytes()];
+    for (l, &n) in counts.iter().enumerate() {
+        let n = (n.max(0) as usize).min(rows);
+        let off = l * rows * width * esize;
+        copy_to_host(ctx, t.ptr() + off as u64, &mut bytes[off..off + n * width * esize])?;
+    }
+    let data = match d.dtype {
+        epflow_core::DType::Fp8E4m3 => HostData::Fp8(bytes),
+        epflow_core::DType::Bf16 => HostData::Bf16(
+            bytes.chunks_exact(2).map(|c| epflow_core::bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect(),
+        ),
+        epflow_core::DType::F32 => {
+            HostData::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        }
+        other => return Err(Error::Backend(format!("unexpected dtype {other} in dispatch output"))),
+    };
+    Ok(HostTensor::new(d.tag, &d.shape, data))
+}
+
+/// The outputs of a GPU dispatch (views into the dispatch buffer set they hold).
+#[derive(Debug)]
+pub struct GpuDispatchOutput {
+    pub(crate) outputs: DispatchOutputs<DeviceTensor>,
+    pub(crate) host_counts: Option<Vec<i32>>,
+    pub(crate) elapsed: Option<Duration>,
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) _slot: Option<SlotGuard>,
+}
+
+impl GpuDispatchOutput {
+    /// Received tokens `[L x R*M x H]` (BF16 or FP8).
+    pub fn tokens(&self) -> &DeviceTensor {
+        &self.outputs.tokens
+    }
+
+    /// FP8 scales `[L x R*M x H/128]`.
+    pub fn scales(&self) -> Option<&DeviceTensor> {
+        self.outputs.scales.as_ref()
+    }
+
+    /// Per-local-expert counters `[L]` in device memory.
+    pub fn counts(&self) -> Option<&DeviceTensor> {
+        self.outputs.counts.as_ref()
+    }
+
+    /// The counters the device wrote to pinned host memory (with `CountsLocation::Host`).
+    pub fn host_counts(&self) -> Option<&[i32]> {
+        self.host_counts.as_deref()
+    }
+
+    /// Device time from before the send half to after the complete half (with timing on).
+    pub fn elapsed(&self) -> Option<Duration> {
+        self.elapsed
+    }
+
+    /// All outputs as tensors.
+    pub fn outputs(&self) -> &DispatchOutputs<DeviceTensor> {
+        &self.outputs
+    }
+
+    /// Copies the outputs to the host (synchronous). Of the `[L x R*M x H]` tokens (and scales)
+    /// only each expert's first `counts[l]` rows are copied — the others are unspecified — into
+    /// a zero-filled host tensor of the full shape.
+    pub fn to_host(&self) -> Result<DispatchOutputs<HostTensor>, Error> {
+        let o = &self.outputs;
+        let counts_t = o
+            .counts
+            .as_ref()
+            .ok_or_else(|| Error::Backend("dispatch output has no counters".into()))?
+            .download(&self.ctx)?;
+        let counts = counts_t.as_i32().unwrap_or_default().to_vec();
+        let tokens = rows_to_host(&self.ctx, &o.tokens, &counts)?;
+        let scales = o.scales.as_ref().map(|s| rows_to_host(&self.ctx, s, &counts)).transpose()?;
+        Ok(DispatchOutputs { tokens, scales, topk_weights: None, topk_idx: None, counts: Some(counts_t) })
+    }
+}
+
+/// The outputs of a GPU combine (views into the combine buffer set they hold).
+#[derive(Debug)]
+pub struct GpuCombineOutput {
+    pub(crate) outputs: CombineOutputs<DeviceTensor>,
+    pub(crate) elapsed: Option<Duration>,
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) _slot: Option<SlotGuard>,
+}
+
+impl GpuCombineOutput {
+    /// Tokens `[B x H]` BF16 in the original order.
+    pub fn tokens(&self) -> &DeviceTensor {
+        &self.outputs.tokens
+    }
+
+    /// Device time from before the send half to after the complete half (with timing on).
+    pub fn elapsed(&self) -> Option<Duration> {
+        self.elapsed
+    }
+
+    /// Copies the outputs to the host (synchronous).
+    pub fn to_host(&self) -> Result<CombineOutputs<HostTensor>, Error> {
+        Ok(CombineOutputs {
+            tokens: self.outputs.tokens.download(&self.ctx)?,
+            topk_weights: self.outputs.topk_weights.as_ref().map(|t| t.download(&self.ctx)).transpose()?,
+        })
+    }
+}

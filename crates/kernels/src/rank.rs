@@ -1,0 +1,400 @@
+//! [`GpuRank`]: one rank of a GPU group and its [`Backend`] implementation.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaStream};
+use epflow_core::backend::{Backend, HandleCreation};
+use epflow_core::ops::{CombineInputs, CombineOptions, CountsLocation, DispatchInputs, DispatchOptions};
+use epflow_core::protocol::{Channel, Poison, SlotPool};
+use epflow_core::routing::Routing;
+use epflow_core::validate::{
+    OpContext, check_topk_idx, routing_from_tensor, validate_combine_inputs, validate_dispatch_inputs,
+};
+use epflow_core::{DispatchDtype, Error, GroupConfig, ValidationError};
+
+use crate::driver::{bind, cuda};
+use crate::kernels::Kernels;
+use crate::layout::LlLayout;
+use crate::memory::{DeviceBuffer, PinnedBuffer, copy_to_host};
+use crate::op::{GpuOp, Work};
+use crate::outputs::{GpuCombineOutput, GpuDispatchOutput};
+use crate::params::{LlParams, MAX_RANKS};
+use crate::tensor::DeviceTensor;
+
+/// The memory of one rank; peers map it. Dropped only after every kernel of the device is done.
+#[derive(Debug)]
+pub(crate) struct RankMemory {
+    pub ctx: Arc<CudaContext>,
+    pub disp_recv: DeviceBuffer,
+    pub comb_recv: DeviceBuffer,
+    pub signals: DeviceBuffer,
+    pub status: PinnedBuffer,
+    pub disp_out: Vec<DeviceBuffer>,
+    pub disp_scales: Vec<DeviceBuffer>,
+    pub disp_counts: Vec<DeviceBuffer>,
+    pub host_counts: Vec<PinnedBuffer>,
+    pub comb_out: Vec<DeviceBuffer>,
+}
+
+impl Drop for RankMemory {
+    fn drop(&mut self) {
+        if bind(&self.ctx).is_ok() {
+            let _ = self.ctx.synchronize();
+        }
+    }
+}
+
+/// What every operation of a rank shares.
+#[derive(Debug)]
+pub(crate) struct RankShared {
+    pub rank: usize,
+    pub num_ranks: usize,
+    pub device: usize,
+    pub config: GroupConfig,
+    pub layout: LlLayout,
+    pub group_id: u64,
+    pub ctx: Arc<CudaContext>,
+    /// One stream per channel (dispatch, combine), so the channels never block each other.
+    pub streams: [Arc<CudaStream>; 2],
+    pub kernels: Kernels,
+    pub mem: Arc<RankMemory>,
+    /// Every rank's memory (index = rank), this one included.
+    pub peers: Vec<Arc<RankMemory>>,
+    pub num_sms: u32,
+    pub handle_pool: Arc<Mutex<Vec<DeviceBuffer>>>,
+    pub timing: AtomicBool,
+    /// Per channel, the next operation allowed to send (sends go out in operation order).
+    pub turns: [AtomicU64; 2],
+}
+
+impl Drop for RankShared {
+    fn drop(&mut self) {
+        if bind(&self.ctx).is_ok() {
+            for s in &self.streams {
+                let _ = s.synchronize();
+            }
+        }
+    }
+}
+
+/// One rank of a GPU group. Every operation is collective: all ranks call it, in the same
+/// order. Operations of one channel are sent in call order; dispatch and combine run on two
+/// streams of their own ([`GpuRank::stream`]).
+#[derive(Debug)]
+pub struct GpuRank {
+    pub(crate) shared: Arc<RankShared>,
+    pub(crate) seqs: [AtomicU64; 3],
+    pub(crate) slots: [Arc<SlotPool>; 3],
+    pub(crate) poison: Poison,
+}
+
+/// A routing handle on the GPU backend: the validated routing and its device memory (a copy
+/// of `topk_idx` and the row map dispatch writes for combine).
+#[derive(Clone, Debug)]
+pub struct GpuHandle(pub(crate) Arc<HandleInner>);
+
+#[derive(Debug)]
+pub(crate) struct HandleInner {
+    pub group_id: u64,
+    pub routing: Routing,
+    pub mem: Option<DeviceBuffer>,
+    pub pool: Arc<Mutex<Vec<DeviceBuffer>>>,
+    pub dispatched: AtomicBool,
+}
+
+impl Drop for HandleInner {
+    fn drop(&mut self) {
+        if let Some(m) = self.mem.take() {
+            self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(m);
+        }
+    }
+}
+
+impl GpuHandle {
+    /// `B`.
+    pub fn num_tokens(&self) -> usize {
+        self.0.routing.num_tokens()
+    }
+
+    /// `K`.
+    pub fn top_k(&self) -> usize {
+        self.0.routing.top_k()
+    }
+
+    /// The validated routing.
+    pub fn routing(&self) -> &Routing {
+        &self.0.routing
+    }
+
+    fn ptr(&self) -> u64 {
+        self.0.mem.as_ref().map_or(0, DeviceBuffer::ptr)
+    }
+}
+
+impl GpuRank {
+    /// The device this rank runs on.
+    pub fn device(&self) -> usize {
+        self.shared.device
+    }
+
+    /// The CUDA context of the device.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.shared.ctx
+    }
+
+    /// The stream operations of `channel` run on: order your producers and consumers against it
+    /// (or pass inputs with [`DeviceTensor::ready_after`]).
+    pub fn stream(&self, channel: Channel) -> &Arc<CudaStream> {
+        &self.shared.streams[if channel == Channel::Combine { 1 } else { 0 }]
+    }
+
+    /// Device bytes the group holds on this rank.
+    pub fn device_memory_bytes(&self) -> usize {
+        self.shared.layout.total_bytes()
+    }
+
+    /// Records CUDA events around every operation, for [`GpuDispatchOutput::elapsed`] (host-observed
+    /// device time from before the send half to after the complete half).
+    pub fn set_timing(&self, on: bool) {
+        self.shared.timing.store(on, Ordering::Relaxed);
+    }
+
+    /// Overwrites every output buffer of every set with `byte` (a debugging aid: poisoned outputs
+    /// show rows an operation failed to write). Waits for this rank's streams first.
+    pub fn fill_output_buffers(&self, byte: u8) -> Result<(), Error> {
+        let s = &self.shared;
+        bind(&s.ctx)?;
+        for st in &s.streams {
+            st.synchronize().map_err(|e| cuda("synchronize", e))?;
+        }
+        let m = &s.mem;
+        for b in m.disp_out.iter().chain(&m.disp_scales).chain(&m.disp_counts).chain(&m.comb_out) {
+            // SAFETY: fills the whole allocation of a live buffer of this context; no kernel uses
+            // it (the streams are idle).
+            unsafe { cudarc::driver::sys::cuMemsetD8_v2(b.ptr(), byte, b.bytes()) }
+                .result()
+                .map_err(|e| cuda("fill", e))?;
+        }
+        Ok(())
+    }
+
+    /// Copies a host tensor to this rank's device.
+    pub fn upload(&self, t: &epflow_core::HostTensor) -> Result<DeviceTensor, Error> {
+        DeviceTensor::upload(&self.shared.ctx, self.shared.device, t)
+    }
+
+    /// Dequantizes FP8 rows (`[rows x H]` + scales `[rows x H/128]`) into a new BF16 tensor.
+    pub fn dequantize_fp8(&self, q: &DeviceTensor, scales: &DeviceTensor) -> Result<DeviceTensor, Error> {
+        let rows: usize = q.desc().shape[..q.desc().shape.len() - 1].iter().product();
+        let h = self.shared.config.hidden;
+        let mut desc = q.desc().clone();
+        desc.dtype = epflow_core::DType::Bf16;
+        let out = DeviceTensor::zeros(&self.shared.ctx, self.shared.device, desc)?;
+        let stream = &self.shared.streams[0];
+        let (qp, sp, op, r, hh) = (q.ptr(), scales.ptr(), out.ptr(), rows as u64, h as i32);
+        let blocks = (self.shared.num_sms * 4).max(1);
+        let cfg =
+            cudarc::driver::LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        use cudarc::driver::PushKernelArg;
+        // SAFETY: the arguments match `ep_dequant_fp8_rows(u64, u64, u64, u64, int)`; the three
+        // buffers hold rows x H bytes, rows x H/128 floats and rows x H BF16 values.
+        unsafe {
+            stream
+                .launch_builder(&self.shared.kernels.dequant_fp8)
+                .arg(&qp)
+                .arg(&sp)
+                .arg(&op)
+                .arg(&r)
+                .arg(&hh)
+                .launch(cfg)
+        }
+        .map_err(|e| cuda("launch dequantize", e))?;
+        stream.synchronize().map_err(|e| cuda("dequantize", e))?;
+        Ok(out)
+    }
+
+    fn check_handle(&self, h: &GpuHandle) -> Result<(), Error> {
+        self.poison.check()?;
+        if h.0.group_id != self.shared.group_id {
+            return Err(
+                ValidationError::ForeignHandle { handle_group: h.0.group_id, group: self.shared.group_id }.into()
+            );
+        }
+        Ok(())
+    }
+
+    fn ctx_for(&self, h: &GpuHandle) -> OpContext<'_> {
+        OpContext {
+            config: &self.shared.config,
+            num_ranks: self.shared.num_ranks,
+            num_tokens: h.num_tokens(),
+            top_k: h.top_k(),
+            num_recv: 0,
+        }
+    }
+
+    fn check_device(&self, t: &DeviceTensor, what: &str) -> Result<(), Error> {
+        if t.device() != self.shared.device {
+            return Err(Error::Unsupported(format!(
+                "{what} is on device {}, this rank runs on device {}",
+                t.device(),
+                self.shared.device
+            )));
+        }
+        Ok(())
+    }
+
+    /// The parameters every kernel of `channel` shares.
+    fn base_params(&self, channel: usize, h: &GpuHandle) -> LlParams {
+        let s = &self.shared;
+        let l = &s.layout;
+        let mut p = LlParams {
+            topk_idx: h.ptr(),
+            row_of: h.ptr() + l.topk_copy_bytes() as u64,
+            signals: s.mem.signals.ptr(),
+            status: s.mem.status.device_ptr(),
+            timeout_ns: (s.config.timeout.as_nanos() as u64).saturating_mul(9) / 10,
+            rank: s.rank as i32,
+            num_ranks: s.num_ranks as i32,
+            max_tokens: l.max_tokens as i32,
+            hidden: l.hidden as i32,
+            top_k: h.top_k() as i32,
+            num_local: l.local_experts as i32,
+            num_tokens: h.num_tokens() as i32,
+            num_sets: l.sets as i32,
+            fp8: i32::from(l.fp8 && channel == 0),
+            round_scales: i32::from(matches!(s.config.dispatch_dtype, DispatchDtype::Fp8 { round_scales: true })),
+            splits: (s.num_sms as usize / l.local_experts).clamp(1, 4) as i32,
+            ..LlParams::default()
+        };
+        for (r, m) in s.peers.iter().enumerate().take(MAX_RANKS) {
+            p.peer_recv[r] = if channel == 0 { m.disp_recv.ptr() } else { m.comb_recv.ptr() };
+            p.peer_signals[r] = m.signals.ptr();
+        }
+        p.own_recv = if channel == 0 { s.mem.disp_recv.ptr() } else { s.mem.comb_recv.ptr() };
+        p.recv_set_bytes = if channel == 0 { l.dispatch_recv_set_bytes() } else { l.combine_recv_set_bytes() } as u64;
+        p.msg_bytes = l.msg_bytes as u64;
+        p
+    }
+}
+
+impl Backend for GpuRank {
+    type Tensor = DeviceTensor;
+    type Handle = GpuHandle;
+    type DispatchOutput = GpuDispatchOutput;
+    type CombineOutput = GpuCombineOutput;
+    type Op = GpuOp;
+
+    fn rank(&self) -> usize {
+        self.shared.rank
+    }
+
+    fn num_ranks(&self) -> usize {
+        self.shared.num_ranks
+    }
+
+    fn config(&self) -> &GroupConfig {
+        &self.shared.config
+    }
+
+    fn poison(&self) -> &Poison {
+        &self.poison
+    }
+
+    fn slot_pool(&self, channel: Channel) -> &Arc<SlotPool> {
+        &self.slots[channel.index()]
+    }
+
+    fn start_handle(&self, topk_idx: &DeviceTensor) -> Result<HandleCreation<GpuHandle, GpuOp>, Error> {
+        self.poison.check()?;
+        self.check_device(topk_idx, "topk_idx")?;
+        let s = &self.shared;
+        let d = topk_idx.desc();
+        // The descriptor first (nothing is read from a tensor that fails it), then the values.
+        check_topk_idx(&s.config, d)?;
+        if let Some(e) = topk_idx.ready_event() {
+            e.synchronize().map_err(|e| cuda("wait for topk_idx", e))?;
+        }
+        let mut values = vec![0i64; d.numel()];
+        copy_to_host(&s.ctx, topk_idx.ptr(), &mut values)?;
+        let routing = routing_from_tensor(&s.config, d, &values)?;
+        let mem = match s.handle_pool.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+            Some(m) => m,
+            None => DeviceBuffer::zeroed(&s.ctx, s.layout.handle_bytes())?,
+        };
+        mem.write(0, &values)?;
+        Ok(HandleCreation::Ready(GpuHandle(Arc::new(HandleInner {
+            group_id: s.group_id,
+            routing,
+            mem: Some(mem),
+            pool: Arc::clone(&s.handle_pool),
+            dispatched: AtomicBool::new(false),
+        }))))
+    }
+
+    fn start_dispatch(
+        &self,
+        h: &GpuHandle,
+        inputs: DispatchInputs<'_, DeviceTensor>,
+        opts: &DispatchOptions,
+    ) -> Result<GpuOp, Error> {
+        self.check_handle(h)?;
+        validate_dispatch_inputs(&self.ctx_for(h), opts, &inputs)?;
+        self.check_device(inputs.tokens, "dispatch input tokens")?;
+        let s = &self.shared;
+        let mut p = self.base_params(0, h);
+        p.x = inputs.tokens.ptr();
+        let seq = self.seqs[Channel::Dispatch.index()].fetch_add(1, Ordering::Relaxed);
+        let set = (seq % s.layout.sets as u64) as usize;
+        p.seq = seq;
+        p.set = set as i32;
+        p.out = s.mem.disp_out[set].ptr();
+        p.out_scales = s.mem.disp_scales[set].ptr();
+        p.out_counts = s.mem.disp_counts[set].ptr();
+        if opts.counts_location == CountsLocation::Host {
+            p.host_counts = s.mem.host_counts[set].device_ptr();
+        }
+        Ok(GpuOp::new(
+            Arc::clone(&self.shared),
+            Channel::Dispatch,
+            seq,
+            p,
+            Work::Dispatch { handle: h.clone(), opts: *opts },
+            &[inputs.tokens],
+        ))
+    }
+
+    fn start_combine(
+        &self,
+        h: &GpuHandle,
+        inputs: CombineInputs<'_, DeviceTensor>,
+        opts: &CombineOptions,
+    ) -> Result<GpuOp, Error> {
+        self.check_handle(h)?;
+        validate_combine_inputs(&self.ctx_for(h), opts, &inputs)?;
+        if !h.0.dispatched.load(Ordering::Acquire) {
+            return Err(ValidationError::CombineBeforeDispatch.into());
+        }
+        let weights = inputs.topk_weights.ok_or(ValidationError::CombineBeforeDispatch)?;
+        self.check_device(inputs.tokens, "combine input tokens")?;
+        self.check_device(weights, "combine input topk_weights")?;
+        let s = &self.shared;
+        let mut p = self.base_params(1, h);
+        p.expert_out = inputs.tokens.ptr();
+        p.weights = weights.ptr();
+        let seq = self.seqs[Channel::Combine.index()].fetch_add(1, Ordering::Relaxed);
+        let set = (seq % s.layout.sets as u64) as usize;
+        p.seq = seq;
+        p.set = set as i32;
+        p.out = s.mem.comb_out[set].ptr();
+        Ok(GpuOp::new(
+            Arc::clone(&self.shared),
+            Channel::Combine,
+            seq,
+            p,
+            Work::Combine { handle: h.clone() },
+            &[inputs.tokens, weights],
+        ))
+    }
+}

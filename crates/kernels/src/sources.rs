@@ -1,0 +1,36 @@
+//! The CUDA C sources, kept as `.cu` files in this crate and compiled at run time.
+
+/// One NVRTC compilation unit and the kernels it defines.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelModule {
+    /// Short name (also the cache file prefix).
+    pub name: &'static str,
+    /// The `.cu` file.
+    pub body: &'static str,
+    /// The `extern "C"` kernels it defines.
+    pub kernels: &'static [&'static str],
+}
+
+/// Device helpers shared by every module (prepended to each).
+pub const COMMON: &str = include_str!("cuda/common.cuh");
+
+/// Low-latency dispatch and combine.
+pub const LL: KernelModule = KernelModule {
+    name: "ll",
+    body: include_str!("cuda/ll.cu"),
+    kernels: &["ep_ll_dispatch_send", "ep_ll_dispatch_recv", "ep_ll_combine_send", "ep_ll_combine_recv"],
+};
+
+/// Small utilities (FP8 dequantization).
+pub const UTIL: KernelModule =
+    KernelModule { name: "util", body: include_str!("cuda/util.cu"), kernels: &["ep_dequant_fp8_rows"] };
+
+/// Every module.
+pub const ALL: &[KernelModule] = &[LL, UTIL];
+
+impl KernelModule {
+    /// The full source NVRTC compiles: the common helpers, then the module.
+    pub fn source(&self) -> String {
+        format!("{COMMON}\n{}", self.body)
+    }
+}

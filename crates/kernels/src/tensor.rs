@@ -1,0 +1,145 @@
+//! [`DeviceTensor`]: a tensor in device memory, as the GPU backend reads and writes them.
+
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+
+use cudarc::driver::CudaEvent;
+use epflow_core::ops::TensorView;
+use epflow_core::{Error, HostData, HostTensor, TensorDesc};
+
+use crate::memory::{DeviceBuffer, copy_to_host};
+
+/// A tensor in the memory of one device: a descriptor, an address, what keeps the memory alive,
+/// and optionally an event after which the data is ready (the GPU backend makes its stream wait
+/// on it before reading).
+#[derive(Clone)]
+pub struct DeviceTensor {
+    desc: TensorDesc,
+    ptr: u64,
+    device: usize,
+    keep: Option<Arc<dyn Any + Send + Sync>>,
+    ready: Option<Arc<CudaEvent>>,
+}
+
+impl fmt::Debug for DeviceTensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceTensor")
+            .field("desc", &self.desc)
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("device", &self.device)
+            .finish()
+    }
+}
+
+impl TensorView for DeviceTensor {
+    fn desc(&self) -> &TensorDesc {
+        &self.desc
+    }
+    fn storage_len(&self) -> Option<usize> {
+        None
+    }
+}
+
+impl DeviceTensor {
+    /// Copies a host tensor to device `device` (synchronous), in memory this tensor owns.
+    pub fn upload(ctx: &Arc<cudarc::driver::CudaContext>, device: usize, host: &HostTensor) -> Result<Self, Error> {
+        let d = host.desc().clone();
+        let buf = DeviceBuffer::zeroed(ctx, d.size_bytes())?;
+        match host.data() {
+            HostData::Bf16(v) => buf.write(0, v)?,
+            HostData::F32(v) => buf.write(0, v)?,
+            HostData::I32(v) => buf.write(0, v)?,
+            HostData::I64(v) => buf.write(0, v)?,
+            HostData::Fp8(v) => buf.write(0, v)?,
+        }
+        Ok(DeviceTensor { desc: d, ptr: buf.ptr(), device, keep: Some(Arc::new(buf)), ready: None })
+    }
+
+    /// A zero-filled tensor of `desc` on `device`.
+    pub fn zeros(ctx: &Arc<cudarc::driver::CudaContext>, device: usize, desc: TensorDesc) -> Result<Self, Error> {
+        let buf = DeviceBuffer::zeroed(ctx, desc.size_bytes())?;
+        Ok(DeviceTensor { desc, ptr: buf.ptr(), device, keep: Some(Arc::new(buf)), ready: None })
+    }
+
+    /// A view of memory someone else owns (a framework's tensor, say).
+    ///
+    /// # Safety
+    ///
+    /// `ptr` must address at least `desc.size_bytes()` bytes of device memory of device
+    /// `device`, laid out as `desc` says, valid until every operation that reads or writes this
+    /// tensor has completed.
+    pub unsafe fn from_raw(ptr: u64, device: usize, desc: TensorDesc) -> Self {
+        DeviceTensor { desc, ptr, device, keep: None, ready: None }
+    }
+
+    /// A view into memory kept alive by `keep`.
+    pub(crate) fn view(ptr: u64, device: usize, desc: TensorDesc, keep: Arc<dyn Any + Send + Sync>) -> Self {
+        DeviceTensor { desc, ptr, device, keep: Some(keep), ready: None }
+    }
+
+    /// The same tensor, ready only after `event` (recorded on the producer's stream).
+    pub fn ready_after(mut self, event: Arc<CudaEvent>) -> Self {
+        self.ready = Some(event);
+        self
+    }
+
+    /// The descriptor.
+    pub fn desc(&self) -> &TensorDesc {
+        &self.desc
+    }
+
+    /// The device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// The device ordinal.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    pub(crate) fn ready_event(&self) -> Option<&Arc<CudaEvent>> {
+        self.ready.as_ref()
+    }
+
+    pub(crate) fn keep_alive(&self) -> Option<Arc<dyn Any + Send + Sync>> {
+        self.keep.clone()
+    }
+
+    /// Copies the tensor to the host (synchronous; waits for the ready event first).
+    pub fn download(&self, ctx: &cudarc::driver::CudaContext) -> Result<HostTensor, Error> {
+        if let Some(e) = &self.ready {
+            e.synchronize().map_err(|e| crate::driver::cuda("wait for tensor", e))?;
+        }
+        let n = self.desc.numel();
+        let data = match self.desc.dtype {
+            epflow_core::DType::Bf16 => {
+                let mut v = vec![epflow_core::bf16::ZERO; n];
+                copy_to_host(ctx, self.ptr, &mut v)?;
+                HostData::Bf16(v)
+            }
+            epflow_core::DType::F32 => {
+                let mut v = vec![0f32; n];
+                copy_to_host(ctx, self.ptr, &mut v)?;
+                HostData::F32(v)
+            }
+            epflow_core::DType::I32 => {
+                let mut v = vec![0i32; n];
+                copy_to_host(ctx, self.ptr, &mut v)?;
+                HostData::I32(v)
+            }
+            epflow_core::DType::I64 => {
+                let mut v = vec![0i64; n];
+                copy_to_host(ctx, self.ptr, &mut v)?;
+                HostData::I64(v)
+            }
+            epflow_core::DType::Fp8E4m3 => {
+                let mut v = vec![0u8; n];
+                copy_to_host(ctx, self.ptr, &mut v)?;
+                HostData::Fp8(v)
+            }
+        };
+        Ok(HostTensor::new(self.desc.tag, &self.desc.shape, data))
+    }
+}

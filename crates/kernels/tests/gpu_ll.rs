@@ -1,0 +1,274 @@
+//! Low-latency dispatch/combine on GPUs against the CPU reference (one process driving 2 or 4
+//! GPUs). Without enough GPUs every test prints SKIPPED and passes: CI has no GPU; these run on
+//! the device machines (`scripts/device-pack.sh`).
+//!
+//! Inputs are fresh random data for every round (seed printed; `EPFLOW_TEST_SEED` replays),
+//! outputs are poisoned before every operation, and both dispatch (payload, scales, counters) and
+//! combine must match the reference bit for bit.
+
+use std::time::{Duration, Instant, SystemTime};
+
+use epflow_core::backend::{blocking_combine, blocking_dispatch, blocking_handle};
+use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions};
+use epflow_core::scenario::Scenario;
+use epflow_core::verify::{Report, Tolerance, check_bf16, check_ll_dispatch};
+use epflow_core::workload::RoutingKind;
+use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, bf16};
+use epflow_kernels::{GpuRank, GpuWorld, driver};
+
+fn gpus(need: usize, test: &str) -> Option<Vec<usize>> {
+    let n = driver::device_count();
+    if n < need {
+        eprintln!("SKIPPED {test}: needs {need} GPUs, this machine has {n}");
+        return None;
+    }
+    Some((0..need).collect())
+}
+
+fn seed() -> u64 {
+    std::env::var("EPFLOW_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64))
+}
+
+fn on_ranks<R: Send>(ranks: &[GpuRank], f: impl Fn(&GpuRank) -> R + Sync) -> Vec<R> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = ranks.iter().map(|r| s.spawn(|| f(r))).collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+    })
+}
+
+/// One dispatch + identity experts + combine on every rank; returns (dispatch, combine) reports.
+fn round(
+    rank: &GpuRank,
+    sc: &Scenario,
+    refs: &[epflow_core::reference::LlDispatchResult],
+    want: &[Vec<bf16>],
+    staged: bool,
+) -> Result<(Report, Report), Error> {
+    let r = epflow_core::backend::Backend::rank(rank);
+    rank.fill_output_buffers(0xA5)?;
+    let idx = rank.upload(&sc.topk_idx(r))?;
+    let h = blocking_handle(rank, &idx)?;
+    let x = rank.upload(&sc.tokens(r))?;
+    let out = blocking_dispatch(rank, &h, DispatchInputs::new(&x), &DispatchOptions::default(), staged)?;
+    let host = out.to_host()?;
+    let rows = sc.num_ranks * sc.config.fixed_max_tokens().unwrap_or(0);
+    let counts = host.counts.as_ref().and_then(HostTensor::as_i32).unwrap_or_default().to_vec();
+    let d = check_ll_dispatch(
+        &refs[r],
+        sc.config.hidden,
+        rows,
+        host.tokens.data(),
+        host.scales.as_ref().and_then(HostTensor::as_f32),
+        &counts,
+    );
+    let experts = match out.scales() {
+        Some(s) => rank.dequantize_fp8(out.tokens(), s)?,
+        None => out.tokens().clone(),
+    };
+    let w = rank.upload(&sc.weights(r))?;
+    let y =
+        blocking_combine(rank, &h, CombineInputs::new(&experts).with_weights(&w), &CombineOptions::default(), staged)?;
+    let yh = y.to_host()?;
+    let c = check_bf16("combine", &want[r], yh.tokens.as_bf16().unwrap_or_default(), Tolerance::Exact);
+    Ok((d.context(&format!("rank {r} dispatch")), c.context(&format!("rank {r} combine"))))
+}
+
+fn check_world(devices: &[usize], hidden: usize, experts: usize, dtype: DispatchDtype, base_seed: u64) {
+    let max_tokens = 256;
+    let config = GroupConfig::low_latency(experts, max_tokens, hidden).with_dispatch_dtype(dtype);
+    let ranks = GpuWorld::create(devices, config.clone()).expect("create GPU group");
+    let mut round_no = 0u64;
+    for tokens in [1usize, 7, 128, 256] {
+        for top_k in [1usize, 4, 8] {
+            let kinds: &[RoutingKind] = if tokens == 128 && top_k == 4 {
+                &[RoutingKind::Uniform, RoutingKind::SingleRank(1)]
+            } else {
+                &[RoutingKind::Uniform]
+            };
+            for &kind in kinds {
+                round_no += 1;
+                let s = base_seed.wrapping_add(round_no * 7919);
+                // Uneven token counts: the last rank routes fewer tokens.
+                let per_rank: Vec<usize> =
+                    (0..devices.len()).map(|r| if r + 1 == devices.len() { tokens / 2 + 1 } else { tokens }).collect();
+                let sc = Scenario::generate(config.clone(), devices.len(), &per_rank, top_k, kind, 10.min(tokens), s);
+                let refs = sc.ll_dispatch_reference().unwrap();
+                let want = sc.ll_combine_identity_reference(&refs).unwrap();
+                let staged = round_no % 2 == 0;
+                for (d, c) in on_ranks(&ranks, |rank| round(rank, &sc, &refs, &want, staged).expect("round")) {
+                    let what = format!(
+                        "R={} H={hidden} E={experts} {dtype:?} tokens={tokens} top_k={top_k} {kind:?} staged={staged} seed={s}",
+                        devices.len()
+                    );
+                    assert!(d.ok(), "{what}: {d:?}");
+                    assert!(c.ok(), "{what}: {c:?}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn ll_matches_reference_on_2_and_4_gpus() {
+    let base = seed();
+    eprintln!("seed {base}");
+    let worlds: &[(usize, usize, DispatchDtype)] = &[
+        (2048, 8, DispatchDtype::Bf16),
+        (4096, 64, DispatchDtype::Fp8 { round_scales: false }),
+        (7168, 256, DispatchDtype::Bf16),
+        (7168, 256, DispatchDtype::Fp8 { round_scales: true }),
+        (2048, 64, DispatchDtype::Bf16),
+        (4096, 256, DispatchDtype::Fp8 { round_scales: false }),
+    ];
+    for n in [2usize, 4] {
+        let Some(devices) = gpus(n, &format!("ll_matches_reference ({n} GPUs)")) else { continue };
+        for &(h, e, dt) in worlds {
+            let t = Instant::now();
+            check_world(&devices, h, e, dt, base);
+            eprintln!("ok: {n} GPUs H={h} E={e} {dt:?} ({:.1} s)", t.elapsed().as_secs_f64());
+        }
+    }
+}
+
+/// The combine of identity experts, computed directly: out[t] = bf16(fma chain over valid k of
+/// w[t][k] * x[t]).
+fn identity_combine(tokens: &[bf16], idx: &[i64], w: &[f32], hidden: usize, top_k: usize) -> Vec<bf16> {
+    let b = tokens.len() / hidden;
+    let mut out = Vec::with_capacity(tokens.len());
+    for t in 0..b {
+        for c in 0..hidden {
+            let x = tokens[t * hidden + c].to_f32();
+            let mut acc = 0f32;
+            for k in 0..top_k {
+                if idx[t * top_k + k] >= 0 {
+                    acc = w[t * top_k + k].mul_add(x, acc);
+                }
+            }
+            out.push(bf16::from_f32(acc));
+        }
+    }
+    out
+}
+
+#[test]
+fn ll_many_staged_iterations_with_fresh_routing() {
+    let n = driver::device_count().min(4);
+    let Some(devices) = gpus(n.max(2), "ll_many_staged_iterations") else { return };
+    let iters: u64 = std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(10_000);
+    let (hidden, experts, max_tokens, top_k) = (2048, 64, 128, 8);
+    let config = GroupConfig::low_latency(experts, max_tokens, hidden);
+    let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+    let base = seed();
+    eprintln!("seed {base}, {iters} iterations on {} GPUs", devices.len());
+    let start = Instant::now();
+    let mismatches: Vec<u64> = on_ranks(&ranks, |rank| {
+        let r = epflow_core::backend::Backend::rank(rank);
+        let mut bad = 0u64;
+        for it in 0..iters {
+            let sc = Scenario::generate(
+                config.clone(),
+                devices.len(),
+                &[max_tokens, 97, 128, 33],
+                top_k,
+                RoutingKind::Uniform,
+                10,
+                base ^ (it * 0x9e37_79b9),
+            );
+            let idx = rank.upload(&sc.topk_idx(r)).unwrap();
+            let h = blocking_handle(rank, &idx).unwrap();
+            let x = rank.upload(&sc.tokens(r)).unwrap();
+            let out = blocking_dispatch(rank, &h, DispatchInputs::new(&x), &DispatchOptions::default(), true).unwrap();
+            if it % 1000 == 0 {
+                let refs = sc.ll_dispatch_reference().unwrap();
+                let host = out.to_host().unwrap();
+                let rep = check_ll_dispatch(
+                    &refs[r],
+                    hidden,
+                    devices.len() * max_tokens,
+                    host.tokens.data(),
+                    None,
+                    host.counts.as_ref().unwrap().as_i32().unwrap(),
+                );
+                bad += rep.mismatched;
+            }
+            let w = rank.upload(&sc.weights(r)).unwrap();
+            let y = blocking_combine(
+                rank,
+                &h,
+                CombineInputs::new(out.tokens()).with_weights(&w),
+                &CombineOptions::default(),
+                true,
+            )
+            .unwrap();
+            let got = y.to_host().unwrap();
+            let want =
+                identity_combine(&sc.ranks[r].tokens, &sc.ranks[r].topk_idx, &sc.ranks[r].weights, hidden, top_k);
+            let rep = check_bf16("combine", &want, got.tokens.as_bf16().unwrap(), Tolerance::Exact);
+            if !rep.ok() {
+                eprintln!("iteration {it} rank {r}: {rep:?}");
+            }
+            bad += rep.mismatched;
+        }
+        bad
+    });
+    eprintln!(
+        "{iters} staged iterations in {:.1} s, mismatches per rank {mismatches:?}",
+        start.elapsed().as_secs_f64()
+    );
+    assert!(mismatches.iter().all(|&m| m == 0), "{mismatches:?}");
+}
+
+#[test]
+fn ll_absent_rank_times_out_without_hanging() {
+    let Some(devices) = gpus(2, "ll_absent_rank_times_out") else { return };
+    let timeout = Duration::from_secs(2);
+    let config = GroupConfig::low_latency(16, 32, 2048).with_timeout(timeout);
+    let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+    let sc = Scenario::generate(config, devices.len(), &[32], 4, RoutingKind::Uniform, 0, seed());
+    let last = devices.len() - 1;
+    let results = on_ranks(&ranks, |rank| {
+        let r = epflow_core::backend::Backend::rank(rank);
+        if r == last {
+            return None;
+        }
+        let idx = rank.upload(&sc.topk_idx(r)).unwrap();
+        let h = blocking_handle(rank, &idx).unwrap();
+        let x = rank.upload(&sc.tokens(r)).unwrap();
+        let t = Instant::now();
+        let err = blocking_dispatch(rank, &h, DispatchInputs::new(&x), &DispatchOptions::default(), true).unwrap_err();
+        let again =
+            blocking_dispatch(rank, &h, DispatchInputs::new(&x), &DispatchOptions::default(), false).unwrap_err();
+        Some((err, t.elapsed(), again))
+    });
+    for (r, res) in results.into_iter().enumerate().take(last) {
+        let (err, took, again) = res.unwrap();
+        eprintln!("rank {r}: {err} after {took:?}; then: {again}");
+        assert!(
+            matches!(err, Error::Timeout { ref waiting_for, .. } if waiting_for.contains(&format!("rank {last}"))),
+            "{err}"
+        );
+        assert!(took < timeout + Duration::from_secs(2), "{took:?}");
+        assert!(matches!(again, Error::Poisoned { .. }), "{again}");
+    }
+}
+
+/// A small 2-GPU run for compute-sanitizer (memcheck, racecheck).
+#[test]
+fn ll_sanitizer_config() {
+    let Some(devices) = gpus(2, "ll_sanitizer_config") else { return };
+    for dtype in [DispatchDtype::Bf16, DispatchDtype::Fp8 { round_scales: false }] {
+        let config = GroupConfig::low_latency(16, 16, 1024).with_dispatch_dtype(dtype);
+        let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+        for i in 0..3 {
+            let sc = Scenario::generate(config.clone(), 2, &[16, 9], 4, RoutingKind::Uniform, 3, seed() + i);
+            let refs = sc.ll_dispatch_reference().unwrap();
+            let want = sc.ll_combine_identity_reference(&refs).unwrap();
+            for (d, c) in on_ranks(&ranks, |rank| round(rank, &sc, &refs, &want, i % 2 == 1).expect("round")) {
+                assert!(d.ok() && c.ok(), "{d:?} {c:?}");
+            }
+        }
+    }
+}

@@ -1,0 +1,52 @@
+//! `epflow kernels`: compile every CUDA kernel with NVRTC (CI runs this without a GPU).
+
+use std::process::ExitCode;
+
+use epflow_kernels::{driver, nvrtc, sources};
+
+use crate::cli::KernelsArgs;
+
+pub fn main(args: &KernelsArgs) -> ExitCode {
+    let arch = match &args.arch {
+        Some(a) => a.clone(),
+        None if driver::device_count() > 0 => {
+            match cudarc::driver::CudaContext::new(0)
+                .map_err(|e| format!("{e:?}"))
+                .and_then(|c| epflow_kernels::device_arch(&c).map_err(|e| e.to_string()))
+            {
+                Ok(a) => a,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(1);
+                }
+            }
+        }
+        None => "sm_90".into(),
+    };
+    if !nvrtc::nvrtc_present() {
+        eprintln!("error: NVRTC (libnvrtc.so.13) not found: add its directory to LD_LIBRARY_PATH");
+        return ExitCode::from(2);
+    }
+    let Some(include) = nvrtc::cuda_include_dir() else {
+        eprintln!("error: CUDA headers not found: set EPFLOW_CUDA_INCLUDE or CUDA_HOME");
+        return ExitCode::from(2);
+    };
+    let mut failed = false;
+    for m in sources::ALL {
+        let t = std::time::Instant::now();
+        match nvrtc::compile_uncached(m.name, &m.source(), &nvrtc::options(&arch, &include)) {
+            Ok(cubin) => println!(
+                "compiled {}.cu for {arch}: {} B CUBIN, kernels {:?} ({} ms)",
+                m.name,
+                cubin.len(),
+                m.kernels,
+                t.elapsed().as_millis()
+            ),
+            Err(e) => {
+                eprintln!("FAILED {}.cu for {arch}: {e}", m.name);
+                failed = true;
+            }
+        }
+    }
+    if failed { ExitCode::from(1) } else { ExitCode::SUCCESS }
+}

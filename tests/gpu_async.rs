@@ -1,0 +1,65 @@
+//! The async runtime driving the GPU backend: staged dispatch/combine futures on a tokio
+//! runtime, two GPUs, results equal to the CPU reference. Skipped (loudly) without 2 GPUs.
+
+use epflow::Group;
+use epflow::core::ops::{CombineInputs, DispatchInputs};
+use epflow::core::scenario::Scenario;
+use epflow::core::verify::{Tolerance, check_bf16, check_ll_dispatch};
+use epflow::core::workload::RoutingKind;
+use epflow::core::{GroupConfig, HostTensor};
+use epflow_kernels::{GpuWorld, driver};
+
+#[test]
+fn staged_futures_on_gpus_match_the_reference() {
+    let n = driver::device_count();
+    if n < 2 {
+        eprintln!("SKIPPED staged_futures_on_gpus: needs 2 GPUs, this machine has {n}");
+        return;
+    }
+    let config = GroupConfig::low_latency(32, 64, 2048);
+    let groups: Vec<_> =
+        GpuWorld::create(&[0, 1], config.clone()).expect("GPU group").into_iter().map(Group::new).collect();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        for round in 0..20u64 {
+            let sc = Scenario::generate(config.clone(), 2, &[64, 41], 8, RoutingKind::Uniform, 5, 77 + round);
+            let refs = sc.ll_dispatch_reference().unwrap();
+            let want = sc.ll_combine_identity_reference(&refs).unwrap();
+            let work = groups.iter().map(|g| {
+                let (sc, refs, want) = (&sc, &refs, &want);
+                async move {
+                    let r = g.rank();
+                    let b = g.backend();
+                    let idx = b.upload(&sc.topk_idx(r)).unwrap();
+                    let h = g.create_handle(&idx).await.unwrap();
+                    let x = b.upload(&sc.tokens(r)).unwrap();
+                    let staged = g.dispatch(&h, DispatchInputs::new(&x)).send_only().await.unwrap();
+                    let out = staged.await.unwrap();
+                    let host = out.to_host().unwrap();
+                    let rep = check_ll_dispatch(
+                        &refs[r],
+                        2048,
+                        2 * 64,
+                        host.tokens.data(),
+                        None,
+                        host.counts.as_ref().unwrap().as_i32().unwrap(),
+                    );
+                    assert!(rep.ok(), "round {round} rank {r}: {rep:?}");
+                    let w = b.upload(&sc.weights(r)).unwrap();
+                    let y = g
+                        .combine(&h, CombineInputs::new(out.tokens()).with_weights(&w))
+                        .send_only()
+                        .await
+                        .unwrap()
+                        .await
+                        .unwrap();
+                    let got = y.to_host().unwrap();
+                    let rep = check_bf16("combine", &want[r], got.tokens.as_bf16().unwrap(), Tolerance::Exact);
+                    assert!(rep.ok(), "round {round} rank {r}: {rep:?}");
+                    let _ = HostTensor::topk_idx(0, 1, vec![]);
+                }
+            });
+            futures::future::join_all(work).await;
+        }
+    });
+}
