@@ -1,7 +1,7 @@
 //! The benchmark on the GPU backend: one process, one thread per GPU.
 
 use std::borrow::Cow;
-use std::sync::{Arc, Barrier};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use epflow_core::ops::{CombineOutputs, DispatchOutputs};
@@ -13,7 +13,7 @@ use super::runner::BenchRank;
 /// A GPU rank with the world's barrier.
 pub struct GpuBench {
     pub rank: GpuRank,
-    pub barrier: Arc<Barrier>,
+    pub barrier: Arc<super::SpinBarrier>,
 }
 
 impl BenchRank for GpuBench {
@@ -52,11 +52,11 @@ impl BenchRank for GpuBench {
         Ok((v, start.elapsed()))
     }
 
-    fn dispatch_time(&self, out: &GpuDispatchOutput) -> Option<Duration> {
-        out.elapsed()
+    fn dispatch_time(&self, out: &GpuDispatchOutput) -> Option<(Duration, Duration)> {
+        out.elapsed_halves()
     }
 
-    fn combine_time(&self, out: &GpuCombineOutput) -> Option<Duration> {
-        out.elapsed()
+    fn combine_time(&self, out: &GpuCombineOutput) -> Option<(Duration, Duration)> {
+        out.elapsed_halves()
     }
 }

@@ -1,7 +1,7 @@
 //! The benchmark on the host backend: one thread per rank.
 
 use std::borrow::Cow;
-use std::sync::{Arc, Barrier};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use epflow_core::host::{HostCombineOutput, HostDispatchOutput, HostRank};
@@ -14,7 +14,7 @@ use super::runner::BenchRank;
 /// A host rank with the world's barrier.
 pub struct HostBench {
     pub rank: HostRank,
-    pub barrier: Arc<Barrier>,
+    pub barrier: Arc<super::SpinBarrier>,
 }
 
 impl BenchRank for HostBench {

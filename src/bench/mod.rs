@@ -7,7 +7,8 @@ mod runner;
 mod stats;
 
 use std::process::ExitCode;
-use std::sync::{Arc, Barrier};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use epflow_core::host::HostWorld;
@@ -19,6 +20,39 @@ use epflow_core::{DispatchDtype, GroupConfig};
 use crate::cli::{AlgorithmArg, BackendArg, BenchArgs, DtypeArg};
 use runner::{LoopPlan, RankResult, References, run_rank};
 use stats::{BenchReport, OpSummary, Validation};
+
+/// A barrier whose waiters spin (yielding now and then): ranks leave it within a microsecond of
+/// each other, as ep_bench's MPI barrier lets them, so launch skew does not inflate the times.
+pub struct SpinBarrier {
+    n: usize,
+    arrived: AtomicUsize,
+    generation: AtomicUsize,
+}
+
+impl SpinBarrier {
+    fn new(n: usize) -> Self {
+        SpinBarrier { n, arrived: AtomicUsize::new(0), generation: AtomicUsize::new(0) }
+    }
+
+    /// Waits until all `n` threads have called `wait`.
+    pub fn wait(&self) {
+        let generation = self.generation.load(Ordering::Acquire);
+        if self.arrived.fetch_add(1, Ordering::AcqRel) + 1 == self.n {
+            self.arrived.store(0, Ordering::Relaxed);
+            self.generation.fetch_add(1, Ordering::Release);
+            return;
+        }
+        let mut spins = 0u32;
+        while self.generation.load(Ordering::Acquire) == generation {
+            spins = spins.wrapping_add(1);
+            if spins % 256 == 0 {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+}
 
 /// Why the benchmark stopped.
 #[derive(Debug)]
@@ -121,7 +155,7 @@ fn run(args: &BenchArgs) -> Result<BenchReport, BenchError> {
         Scenario::generate(config.clone(), ranks, &[tokens], args.top_k, RoutingKind::Uniform, args.masked, args.seed);
     let refs = if args.validate { Some(references(&sc)?) } else { None };
     let plan = LoopPlan { warmup: args.warmup, iters: args.iters, staged: args.staged };
-    let barrier = Arc::new(Barrier::new(ranks));
+    let barrier = Arc::new(SpinBarrier::new(ranks));
     let (backend, device, memory, results) = if use_gpu {
         let devices: Vec<usize> = (0..ranks).collect();
         let world =
@@ -205,6 +239,12 @@ fn summarise(
             first_mismatch: d.first.or(c.first),
         }
     });
+    let halves: Vec<f64> = (0..4)
+        .map(|i| {
+            let all: Vec<f64> = results.iter().flat_map(|r| r.halves[i].iter().copied()).collect();
+            if all.is_empty() { 0.0 } else { all.iter().sum::<f64>() / all.len() as f64 }
+        })
+        .collect();
     let collect = |f: fn(&RankResult) -> &stats::RankTimes| -> Vec<stats::RankTimes> {
         results.iter().map(|r| f(r).clone()).collect()
     };
@@ -230,5 +270,6 @@ fn summarise(
         total: OpSummary::from_ranks(&collect(|r| &r.total)),
         validation,
         device_memory_bytes_per_rank: None,
+        halves_us: (halves.iter().any(|&h| h > 0.0)).then(|| [halves[0], halves[1], halves[2], halves[3]]),
     }
 }

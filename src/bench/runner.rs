@@ -47,13 +47,14 @@ pub trait BenchRank: Sync {
     fn barrier(&self);
     /// Runs `f` and measures it on the host clock.
     fn timed<T>(&self, f: impl FnOnce() -> Result<T, Error>) -> Result<(T, Duration), Error>;
-    /// The device's own measurement of a dispatch (CUDA events before the send half and after
-    /// the complete half), when the backend has one; it replaces the host clock's.
-    fn dispatch_time(&self, _out: &<Self::B as Backend>::DispatchOutput) -> Option<Duration> {
+    /// The device's own measurement of a dispatch as (send half, complete half): CUDA events
+    /// before the send half, between the halves and after the complete half. When the backend
+    /// has one, their sum replaces the host clock's time.
+    fn dispatch_time(&self, _out: &<Self::B as Backend>::DispatchOutput) -> Option<(Duration, Duration)> {
         None
     }
     /// The device's own measurement of a combine; see [`BenchRank::dispatch_time`].
-    fn combine_time(&self, _out: &<Self::B as Backend>::CombineOutput) -> Option<Duration> {
+    fn combine_time(&self, _out: &<Self::B as Backend>::CombineOutput) -> Option<(Duration, Duration)> {
         None
     }
 }
@@ -69,6 +70,9 @@ pub struct RankResult {
     pub dispatch: RankTimes,
     pub combine: RankTimes,
     pub total: RankTimes,
+    /// Device times (us) of the dispatch send half, dispatch complete half, combine send half,
+    /// combine complete half, when the backend measures them.
+    pub halves: [Vec<f64>; 4],
     pub dispatch_check: Option<Report>,
     pub combine_check: Option<Report>,
 }
@@ -183,20 +187,28 @@ where
     }
 
     let mut times = [RankTimes::default(), RankTimes::default(), RankTimes::default()];
+    let mut halves: [Vec<f64>; 4] = Default::default();
     for i in 0..plan.warmup + plan.iters {
         r.barrier();
         let (d, td) = r.timed(dispatch)?;
-        let td = r.dispatch_time(&d).unwrap_or(td);
+        let dh = r.dispatch_time(&d);
+        let td = dh.map_or(td, |(a, b)| a + b);
         let experts = r.identity_experts(&d)?;
         r.barrier();
         let (c, tc) = r.timed(|| combine(&experts))?;
-        let tc = r.combine_time(&c).unwrap_or(tc);
+        let ch = r.combine_time(&c);
+        let tc = ch.map_or(tc, |(a, b)| a + b);
         drop(c);
         drop(experts);
         drop(d);
         if i >= plan.warmup {
             for (t, v) in times.iter_mut().zip([td, tc, td + tc]) {
                 t.samples_us.push(v.as_secs_f64() * 1e6);
+            }
+            for (h, v) in halves.iter_mut().zip([dh.map(|x| x.0), dh.map(|x| x.1), ch.map(|x| x.0), ch.map(|x| x.1)]) {
+                if let Some(v) = v {
+                    h.push(v.as_secs_f64() * 1e6);
+                }
             }
         }
     }
@@ -205,7 +217,7 @@ where
     d.bytes = bytes;
     c.bytes = bytes;
     t.bytes = 2 * bytes;
-    Ok(RankResult { dispatch: d, combine: c, total: t, dispatch_check, combine_check })
+    Ok(RankResult { dispatch: d, combine: c, total: t, halves, dispatch_check, combine_check })
 }
 
 /// ep_bench's byte count for a rank: low-latency, valid selections x H x 2; high-throughput,

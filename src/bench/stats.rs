@@ -90,6 +90,9 @@ pub struct BenchReport {
     pub total: OpSummary,
     pub validation: Option<Validation>,
     pub device_memory_bytes_per_rank: Option<u64>,
+    /// Average device time (us) of dispatch send, dispatch complete, combine send, combine
+    /// complete halves, when measured.
+    pub halves_us: Option<[f64; 4]>,
 }
 
 impl BenchReport {
@@ -117,6 +120,11 @@ impl BenchReport {
         print_op(&format!("Dispatch ({dt}):"), &self.dispatch);
         print_op("Combine (BF16):", &self.combine);
         print_op("Total (D+C):", &self.total);
+        if let Some(h) = self.halves_us {
+            println!("\n--- Device time per half (CUDA events before send, between halves, after complete) ---");
+            println!("Dispatch:          send half avg={:.2} us, complete half avg={:.2} us", h[0], h[1]);
+            println!("Combine:           send half avg={:.2} us, complete half avg={:.2} us", h[2], h[3]);
+        }
         if let Some(m) = self.device_memory_bytes_per_rank {
             println!("\nDevice memory of the group: {:.3} GB per rank", m as f64 / 1e9);
         }

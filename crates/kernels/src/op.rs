@@ -42,7 +42,7 @@ pub struct GpuOp {
     completing: bool,
     slot: Option<SlotGuard>,
     done: Option<Arc<CudaEvent>>,
-    timing: Option<(CudaEvent, CudaEvent)>,
+    timing: Option<(CudaEvent, CudaEvent, CudaEvent)>,
 }
 
 impl std::fmt::Debug for GpuOp {
@@ -135,9 +135,11 @@ impl GpuOp {
         })
     }
 
-    fn elapsed(&self) -> Option<Duration> {
-        let (a, b) = self.timing.as_ref()?;
-        a.elapsed_ms(b).ok().map(|ms| Duration::from_secs_f64(f64::from(ms) / 1e3))
+    /// (send half, complete half) device times.
+    fn elapsed(&self) -> Option<(Duration, Duration)> {
+        let (a, m, b) = self.timing.as_ref()?;
+        let d = |x: &CudaEvent, y: &CudaEvent| x.elapsed_ms(y).ok().map(|ms| Duration::from_secs_f64(f64::from(ms) / 1e3));
+        Some((d(a, m)?, d(m, b)?))
     }
 
     fn view(&self, ptr: u64, desc: TensorDesc) -> DeviceTensor {
@@ -235,12 +237,16 @@ impl PendingOp for GpuOp {
         }
         if s.timing.load(Ordering::Relaxed) && !self.cancelled {
             let a = s.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| cuda("create event", e))?;
+            let m = s.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| cuda("create event", e))?;
             let b = s.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| cuda("create event", e))?;
             a.record(stream).map_err(|e| cuda("record event", e))?;
-            self.timing = Some((a, b));
+            self.timing = Some((a, m, b));
         }
         self.params.cancelled = i32::from(self.cancelled);
         let result = self.launch(if self.chan() == 0 { Kernel::DispatchSend } else { Kernel::CombineSend });
+        if let (Ok(()), Some((_, m, _))) = (&result, &self.timing) {
+            m.record(stream).map_err(|e| cuda("record event", e))?;
+        }
         // The turn passes on even if the launch failed, so later operations are not stuck
         // behind this one (the group is poisoned by the error anyway).
         s.turns[self.chan()].store(self.seq + 1, Ordering::Release);
@@ -269,7 +275,7 @@ impl PendingOp for GpuOp {
         bind(&s.ctx)?;
         self.launch(if self.chan() == 0 { Kernel::DispatchRecv } else { Kernel::CombineRecv })?;
         let stream = &s.streams[self.chan()];
-        if let Some((_, b)) = &self.timing {
+        if let Some((_, _, b)) = &self.timing {
             b.record(stream).map_err(|e| cuda("record event", e))?;
         }
         let done = s.ctx.new_event(None).map_err(|e| cuda("create event", e))?;

@@ -41,7 +41,7 @@ fn rows_to_host(ctx: &CudaContext, t: &DeviceTensor, counts: &[i32]) -> Result<H
 pub struct GpuDispatchOutput {
     pub(crate) outputs: DispatchOutputs<DeviceTensor>,
     pub(crate) host_counts: Option<Vec<i32>>,
-    pub(crate) elapsed: Option<Duration>,
+    pub(crate) elapsed: Option<(Duration, Duration)>,
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) _slot: Option<SlotGuard>,
 }
@@ -69,6 +69,11 @@ impl GpuDispatchOutput {
 
     /// Device time from before the send half to after the complete half (with timing on).
     pub fn elapsed(&self) -> Option<Duration> {
+        self.elapsed.map(|(a, b)| a + b)
+    }
+
+    /// Device times of the send half and of the complete half (with timing on).
+    pub fn elapsed_halves(&self) -> Option<(Duration, Duration)> {
         self.elapsed
     }
 
@@ -98,7 +103,7 @@ impl GpuDispatchOutput {
 #[derive(Debug)]
 pub struct GpuCombineOutput {
     pub(crate) outputs: CombineOutputs<DeviceTensor>,
-    pub(crate) elapsed: Option<Duration>,
+    pub(crate) elapsed: Option<(Duration, Duration)>,
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) _slot: Option<SlotGuard>,
 }
@@ -111,6 +116,11 @@ impl GpuCombineOutput {
 
     /// Device time from before the send half to after the complete half (with timing on).
     pub fn elapsed(&self) -> Option<Duration> {
+        self.elapsed.map(|(a, b)| a + b)
+    }
+
+    /// Device times of the send half and of the complete half (with timing on).
+    pub fn elapsed_halves(&self) -> Option<(Duration, Duration)> {
         self.elapsed
     }
 

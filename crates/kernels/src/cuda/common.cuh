@@ -20,7 +20,7 @@ typedef unsigned int u32;
 #define EP_SIG_ARRIVED(chan) (chan)        // written by senders: ((seq + 1) << 1) | cancelled
 #define EP_SIG_CONSUMED(chan) (2 + (chan)) // written by receivers: (seq + 1) << 1 (the sender's credit)
 #define EP_SIG_SENT(chan) (4 + (chan))     // local: warps done sending, per destination
-#define EP_SIG_DONE 6                      // local: blocks done receiving, [chan * EP_MAX_SETS + set]
+#define EP_SIG_DONE 6                      // local: blocks done receiving, [set][chan]
 #define EP_SIG_ARRAYS 7
 
 __device__ __forceinline__ u64* sig_at(u64* page, int array, int set, int rank) {

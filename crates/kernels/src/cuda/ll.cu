@@ -153,7 +153,7 @@ __device__ void finish_receive(const LlParams& p, int chan, u32 cancelled) {
     __syncthreads();
     if (threadIdx.x == 0) {
         u64* sig = reinterpret_cast<u64*>(p.signals);
-        u64* done = sig_at(sig, EP_SIG_DONE, chan * EP_MAX_SETS + p.set, 0);
+        u64* done = sig_at(sig, EP_SIG_DONE, p.set, chan);
         __threadfence();
         if (atom_add_acq_rel_gpu(done, 1) == (u64)(gridDim.x - 1)) {
             *done = 0;
