@@ -89,26 +89,38 @@ impl GpuOp {
 
     fn launch(&self, which: Kernel) -> Result<(), Error> {
         let s = &self.shared;
-        let p = &self.params;
+        let mut p = self.params;
         let sms = s.num_sms.max(1);
+        let (b, r, k, m, h) = (p.num_tokens.max(1) as u32, p.num_ranks as u32, p.top_k as u32, p.max_tokens as u32, p.hidden as usize);
+        // About 16 warps per SM when the work allows: enough bytes in flight for NVLink.
+        let target_warps = sms * 16;
         let (f, grid, block) = match which {
             Kernel::DispatchSend => {
-                let warps = (p.num_tokens.max(1) as u32) * p.num_ranks as u32;
-                (&s.kernels.dispatch_send, warps.div_ceil(16).clamp(1, sms), CONFIGS)
+                p.chunks = row_chunks(h, target_warps / (b * r).max(1)) as i32;
+                (&s.kernels.dispatch_send, (b * r * p.chunks as u32).div_ceil(16).clamp(1, sms), CONFIGS)
             }
-            Kernel::DispatchRecv => (&s.kernels.dispatch_recv, (p.num_local * p.splits) as u32, CONFIGS),
+            Kernel::DispatchRecv => {
+                let payload = if p.fp8 != 0 { h } else { 2 * h };
+                p.chunks = if payload % 64 == 0 { 4 } else { 1 };
+                (&s.kernels.dispatch_recv, (p.num_local * p.splits) as u32, CONFIGS)
+            }
             Kernel::CombineSend => {
-                let items = (p.num_ranks * p.max_tokens * p.top_k) as u32;
+                p.chunks = row_chunks(h, target_warps / (b * k).max(1)) as i32;
+                let items = r * m * k * p.chunks as u32;
                 (&s.kernels.combine_send, items.div_ceil(4 * 16).clamp(1, sms), CONFIGS)
             }
-            Kernel::CombineRecv => (&s.kernels.combine_recv, (p.num_tokens.max(1) as u32).clamp(1, sms), 256),
+            Kernel::CombineRecv => {
+                p.chunks = if h % 32 == 0 { 4 } else { 1 };
+                let c = p.chunks as u32;
+                (&s.kernels.combine_recv, b.min((2 * sms / c).max(1)) * c, 256)
+            }
         };
         let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 };
         let stream = &s.streams[self.chan()];
         // SAFETY: every kernel takes one `LlParams` by value, mirrored byte for byte in params.rs;
         // its pointers address memory this operation keeps alive (the group's buffers, the
         // handle, and the inputs in `_keep`).
-        unsafe { stream.launch_builder(f).arg(p).launch(cfg) }.map_err(|e| cuda(&format!("launch {which:?}"), e))?;
+        unsafe { stream.launch_builder(f).arg(&p).launch(cfg) }.map_err(|e| cuda(&format!("launch {which:?}"), e))?;
         Ok(())
     }
 
@@ -192,6 +204,17 @@ impl GpuOp {
             _slot: self.slot.take(),
         })
     }
+}
+
+/// Into how many pieces to split a row of `hidden` channels so that about `want` warps share it:
+/// the largest divisor of `hidden / 256` not above `want` (pieces stay multiples of 256 channels,
+/// whole FP8 scale blocks and 16-byte vectors). 1 when `hidden` is not a multiple of 256.
+pub(crate) fn row_chunks(hidden: usize, want: u32) -> u32 {
+    if hidden % 256 != 0 {
+        return 1;
+    }
+    let units = (hidden / 256) as u32;
+    (1..=units.min(want.max(1))).rev().find(|c| units % c == 0).unwrap_or(1)
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -347,5 +370,21 @@ impl PendingOp for GpuOp {
         } else {
             "the device to finish (the peers' data or credits)".into()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::row_chunks;
+
+    #[test]
+    fn rows_split_in_whole_256_channel_pieces() {
+        assert_eq!(row_chunks(7168, 4), 4); // 28 units
+        assert_eq!(row_chunks(7168, 5), 4);
+        assert_eq!(row_chunks(7168, 1000), 28);
+        assert_eq!(row_chunks(2048, 3), 2);
+        assert_eq!(row_chunks(4096, 0), 1);
+        assert_eq!(row_chunks(1000, 8), 1);
+        assert_eq!(row_chunks(128, 8), 1);
     }
 }

@@ -50,7 +50,8 @@ pub(crate) struct LlParams {
     pub round_scales: i32,
     pub cancelled: i32,
     pub splits: i32,
-    pub pad: [i32; 3],
+    pub chunks: i32,
+    pub pad: [i32; 2],
 }
 
 // SAFETY: `LlParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
@@ -71,5 +72,6 @@ mod tests {
         assert_eq!(offset_of!(LlParams, msg_bytes), 248);
         assert_eq!(offset_of!(LlParams, rank), 256);
         assert_eq!(offset_of!(LlParams, splits), 304);
+        assert_eq!(offset_of!(LlParams, chunks), 308);
     }
 }

@@ -29,18 +29,37 @@ struct LlParams {
     int rank, num_ranks, max_tokens, hidden;
     int top_k, num_local, num_tokens, set;
     int num_sets, fp8, round_scales, cancelled;
-    int splits, pad0, pad1, pad2;
+    int splits, chunks, pad1, pad2;
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
 static_assert(sizeof(LlParams) == 320, "LlParams layout");
 
-// Each destination rank is served by `warps / R` warps; warp j of destination d handles tokens
-// j, j + wpd, ... . When all of them are done, the last one signals d.
+// Reports this warp done with destination `dest`; the last of the `wpd` warps signals it.
+// Every lane fences its own (possibly remote) stores first.
+__device__ __forceinline__ void signal_sent(const LlParams& p, int chan, int dest, int wpd, int lane) {
+    __threadfence_system();
+    __syncwarp();
+    if (lane == 0) {
+        u64* sig = reinterpret_cast<u64*>(p.signals);
+        u64* sent = sig_at(sig, EP_SIG_SENT(chan), p.set, dest);
+        if (atom_add_acq_rel_gpu(sent, 1) == (u64)(wpd - 1)) {
+            *sent = 0;
+            u64* peer = reinterpret_cast<u64*>(p.peer_signals[dest]);
+            st_release_sys(sig_at(peer, EP_SIG_ARRIVED(chan), p.set, p.rank), ((p.seq + 1) << 1) | (u64)(p.cancelled != 0));
+        }
+    }
+}
+
+// Each destination rank is served by `warps / R` warps; warp j of destination d handles the
+// (token, chunk) items j, j + wpd, ... of d (a row is split into `chunks` equal pieces, a multiple
+// of 256 channels each, so many warps move one row). When all of them are done, the last one
+// signals d. Every lane fences its own stores before the warp reports, so the signal is ordered
+// after every payload store of every lane.
 extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(LlParams p) {
     const int lane = threadIdx.x & 31;
     const int warps = gridDim.x * (blockDim.x >> 5);
     const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int R = p.num_ranks, K = p.top_k, H = p.hidden, L = p.num_local;
+    const int R = p.num_ranks, K = p.top_k, H = p.hidden, L = p.num_local, C = p.chunks;
     const int wpd = warps / R;
     const int dest = gw / wpd;
     if (dest >= R) return;
@@ -61,7 +80,9 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(LlParams p
         const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(p.x);
         char* region = reinterpret_cast<char*>(p.peer_recv[dest]) + (size_t)p.set * p.recv_set_bytes +
                        (size_t)p.rank * p.max_tokens * p.msg_bytes;
-        for (int t = j; t < p.num_tokens; t += wpd) {
+        const int width = H / C;  // channels per chunk
+        for (int item = j; item < p.num_tokens * C; item += wpd) {
+            const int t = item / C, chunk = item % C;
             int le = -1;
             if (lane < K) {
                 long long e = idx[(size_t)t * K + lane];
@@ -69,20 +90,23 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(LlParams p
             }
             if (__ballot_sync(EP_FULL_MASK, le >= 0) == 0u) continue;
             char* msg = region + (size_t)t * p.msg_bytes;
-            if (lane < K) reinterpret_cast<short*>(msg + 16)[lane] = (short)le;
-            if (lane == 0) {
-                *reinterpret_cast<u64*>(msg) = p.seq + 1;
-                *reinterpret_cast<int*>(msg + 8) = t;
+            if (chunk == 0) {
+                if (lane < K) reinterpret_cast<short*>(msg + 16)[lane] = (short)le;
+                if (lane == 0) {
+                    *reinterpret_cast<u64*>(msg) = p.seq + 1;
+                    *reinterpret_cast<int*>(msg + 8) = t;
+                }
             }
             char* payload = msg + EP_HDR_BYTES;
             const __nv_bfloat16* row = x + (size_t)t * H;
+            const int c_begin = chunk * width, c_end = c_begin + width;
             if (!p.fp8) {
-                warp_copy(payload, row, (size_t)H * 2, lane);
+                warp_copy(payload + (size_t)c_begin * 2, row + c_begin, (size_t)width * 2, lane);
             } else {
                 float* scales = reinterpret_cast<float*>(payload + H);
-                for (int c0 = 0; c0 < H; c0 += 256) {
+                for (int c0 = c_begin; c0 < c_end; c0 += 256) {
                     const int c = c0 + lane * 8;
-                    const bool active = c < H;
+                    const bool active = c < c_end;
                     float v[8];
                     float amax = 0.f;
                     if (active) {
@@ -112,16 +136,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(LlParams p
             }
         }
     }
-    __syncwarp();
-    if (lane == 0) {
-        __threadfence_system();
-        u64* sent = sig_at(sig, EP_SIG_SENT(0), p.set, dest);
-        if (atom_add_acq_rel_gpu(sent, 1) == (u64)(wpd - 1)) {
-            *sent = 0;
-            u64* peer = reinterpret_cast<u64*>(p.peer_signals[dest]);
-            st_release_sys(sig_at(peer, EP_SIG_ARRIVED(0), p.set, p.rank), ((p.seq + 1) << 1) | (u64)(p.cancelled != 0));
-        }
-    }
+    signal_sent(p, 0, dest, wpd, lane);
 }
 
 // Waits for every source's signal of this operation; returns false on timeout. `cancelled`
@@ -219,13 +234,17 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p
             if (g == 0) row_of[(size_t)slot * K + k_sel] = le * RM + base + pos;
         }
         __syncthreads();
-        for (int e = warp; e < chunk_total; e += nwarps) {
+        // Rows with row % G == g are this block's; each is copied in `chunks` pieces by as many warps.
+        const int C = p.chunks;
+        const size_t piece = payload_bytes / C;
+        for (int item = warp; item < chunk_total * C; item += nwarps) {
+            const int e = item / C, part = item % C;
             const int row = base + e;
             if (row % G != g) continue;
             const char* payload = recv + (size_t)entry_slot[e] * p.msg_bytes + EP_HDR_BYTES;
             const size_t out_row = (size_t)le * RM + row;
-            warp_copy(reinterpret_cast<char*>(p.out) + out_row * payload_bytes, payload, payload_bytes, lane);
-            if (p.fp8) {
+            warp_copy(reinterpret_cast<char*>(p.out) + out_row * payload_bytes + part * piece, payload + part * piece, piece, lane);
+            if (p.fp8 && part == 0) {
                 const int cols = H / 128;
                 const float* src = reinterpret_cast<const float*>(payload + H);
                 float* dst = reinterpret_cast<float*>(p.out_scales) + out_row * cols;
@@ -253,13 +272,13 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p
 }
 
 // Combine send, on the expert side: every received (source s, token t, k) row of the expert
-// output goes back to s, at [t][k] of its receive region. Warps are split over sources as in
-// dispatch.
+// output goes back to s, at [t][k] of its receive region, split in `chunks` pieces. Warps are
+// split over sources as in dispatch.
 extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_send(LlParams p) {
     const int lane = threadIdx.x & 31;
     const int warps = gridDim.x * (blockDim.x >> 5);
     const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int R = p.num_ranks, K = p.top_k, H = p.hidden, M = p.max_tokens;
+    const int R = p.num_ranks, K = p.top_k, H = p.hidden, M = p.max_tokens, C = p.chunks;
     const int wpd = warps / R;
     const int dest = gw / wpd;
     if (dest >= R) return;
@@ -276,22 +295,16 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_send(LlParams p)
         const int* row_of = reinterpret_cast<const int*>(p.row_of) + (size_t)dest * M * K;
         const __nv_bfloat16* ex = reinterpret_cast<const __nv_bfloat16*>(p.expert_out);
         char* region = reinterpret_cast<char*>(p.peer_recv[dest]) + (size_t)p.set * p.recv_set_bytes;
-        for (int i = j; i < M * K; i += wpd) {
+        const int width = H / C;
+        for (int item = j; item < M * K * C; item += wpd) {
+            const int i = item / C, chunk = item % C;
             const int row = __ldcg(row_of + i);
             if (row < 0) continue;
-            warp_copy(region + (size_t)i * H * 2, ex + (size_t)row * H, (size_t)H * 2, lane);
+            const int c = chunk * width;
+            warp_copy(region + ((size_t)i * H + c) * 2, ex + (size_t)row * H + c, (size_t)width * 2, lane);
         }
     }
-    __syncwarp();
-    if (lane == 0) {
-        __threadfence_system();
-        u64* sent = sig_at(sig, EP_SIG_SENT(1), p.set, dest);
-        if (atom_add_acq_rel_gpu(sent, 1) == (u64)(wpd - 1)) {
-            *sent = 0;
-            u64* peer = reinterpret_cast<u64*>(p.peer_signals[dest]);
-            st_release_sys(sig_at(peer, EP_SIG_ARRIVED(1), p.set, p.rank), ((p.seq + 1) << 1) | (u64)(p.cancelled != 0));
-        }
-    }
+    signal_sent(p, 1, dest, wpd, lane);
 }
 
 // Combine complete, on the source side: out[t] = bf16(sum over valid k, ascending, of
@@ -306,8 +319,12 @@ extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv(LlParams p)
     const char* recv = reinterpret_cast<const char*>(p.own_recv) + (size_t)p.set * p.recv_set_bytes;
     __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(p.out);
     if (cancelled == 0u) {
-        for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
-            for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
+        // Block b handles piece b % chunks of tokens b / chunks, b / chunks + gridDim.x / chunks, ...
+        const int C = p.chunks;
+        const int width = H / C;
+        const int part = blockIdx.x % C;
+        for (int t = blockIdx.x / C; t < p.num_tokens; t += gridDim.x / C) {
+            for (int c = part * width + threadIdx.x * 8; c < (part + 1) * width; c += blockDim.x * 8) {
                 float acc[8];
 #pragma unroll
                 for (int i = 0; i < 8; i++) acc[i] = 0.f;
