@@ -9,6 +9,15 @@ use epflow_core::Error;
 
 use crate::driver::{bind, cuda};
 
+/// Waits for the context's legacy (NULL) stream: `cuMemsetD8` and pageable `cuMemcpyHtoD` may
+/// return before the device has finished them, and epflow's own streams are non-blocking (they do
+/// not wait for the legacy stream), so every such call is followed by this.
+pub(crate) fn finish_legacy_stream(ctx: &CudaContext) -> Result<(), Error> {
+    bind(ctx)?;
+    // SAFETY: synchronizes the legacy stream of the bound context; no pointer is passed.
+    unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }.result().map_err(|e| cuda("synchronize", e))
+}
+
 /// Zero-filled device memory of one context, freed on drop.
 #[derive(Debug)]
 pub struct DeviceBuffer {
@@ -28,6 +37,7 @@ impl DeviceBuffer {
         let buf = DeviceBuffer { ptr, bytes, ctx: Arc::clone(ctx) };
         // SAFETY: `ptr` points to `bytes` bytes just allocated in this context.
         unsafe { sys::cuMemsetD8_v2(ptr, 0, bytes) }.result().map_err(|e| cuda("zero memory", e))?;
+        finish_legacy_stream(ctx)?;
         Ok(buf)
     }
 
@@ -46,7 +56,7 @@ impl DeviceBuffer {
         &self.ctx
     }
 
-    /// Copies `src` into the buffer at byte `offset` (synchronous).
+    /// Copies `src` into the buffer at byte `offset`; the data is on the device when this returns.
     pub fn write<T: Copy>(&self, offset: usize, src: &[T]) -> Result<(), Error> {
         let n = std::mem::size_of_val(src);
         if offset + n > self.bytes {
@@ -56,7 +66,8 @@ impl DeviceBuffer {
         // SAFETY: the range [offset, offset + n) lies inside the allocation; `src` is valid for n bytes.
         unsafe { sys::cuMemcpyHtoD_v2(self.ptr + offset as u64, src.as_ptr() as *const c_void, n) }
             .result()
-            .map_err(|e| cuda("copy to device", e))
+            .map_err(|e| cuda("copy to device", e))?;
+        finish_legacy_stream(&self.ctx)
     }
 }
 
