@@ -91,7 +91,8 @@ impl GpuOp {
         let s = &self.shared;
         let mut p = self.params;
         let sms = s.num_sms.max(1);
-        let (b, r, k, m, h) = (p.num_tokens.max(1) as u32, p.num_ranks as u32, p.top_k as u32, p.max_tokens as u32, p.hidden as usize);
+        let (b, r, k, m, h) =
+            (p.num_tokens.max(1) as u32, p.num_ranks as u32, p.top_k as u32, p.max_tokens as u32, p.hidden as usize);
         // About 16 warps per SM when the work allows: enough bytes in flight for NVLink.
         let target_warps = sms * 16;
         let (f, grid, block) = match which {
@@ -150,7 +151,8 @@ impl GpuOp {
     /// (send half, complete half) device times.
     fn elapsed(&self) -> Option<(Duration, Duration)> {
         let (a, m, b) = self.timing.as_ref()?;
-        let d = |x: &CudaEvent, y: &CudaEvent| x.elapsed_ms(y).ok().map(|ms| Duration::from_secs_f64(f64::from(ms) / 1e3));
+        let d =
+            |x: &CudaEvent, y: &CudaEvent| x.elapsed_ms(y).ok().map(|ms| Duration::from_secs_f64(f64::from(ms) / 1e3));
         Some((d(a, m)?, d(m, b)?))
     }
 
