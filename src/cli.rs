@@ -18,6 +18,20 @@ pub enum Command {
     Bench(BenchArgs),
     /// Compile every CUDA kernel with NVRTC (no GPU needed) and report the result.
     Kernels(KernelsArgs),
+    /// Start N processes on this host, one per GPU, with RANK, WORLD_SIZE, LOCAL_RANK and the
+    /// NCCL unique id (EPFLOW_NCCL_ID) in their environment.
+    Launch(LaunchArgs),
+}
+
+/// `epflow launch` flags.
+#[derive(Clone, Debug, clap::Args)]
+pub struct LaunchArgs {
+    /// Number of processes (one per GPU).
+    #[arg(short = 'n', long = "nprocs")]
+    pub nprocs: usize,
+    /// The command each process runs, after `--`.
+    #[arg(trailing_var_arg = true, required = true, allow_hyphen_values = true)]
+    pub command: Vec<String>,
 }
 
 /// `epflow kernels` flags.

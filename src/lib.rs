@@ -7,6 +7,8 @@
 //!   backend.
 //! - [`runtime`] (`epflow-async`): the futures, the completion reactor, pipelines. Its main types
 //!   are re-exported here: [`Group`], [`Staged`].
+//! - [`kernels`] (`epflow-kernels`): the GPU backend (CUDA kernels compiled with NVRTC at run
+//!   time, NVLink peer memory, one process for all GPUs or one process per GPU).
 //!
 //! ```
 //! use epflow::core::host::HostWorld;
@@ -34,3 +36,4 @@
 pub use epflow_async as runtime;
 pub use epflow_async::{Group, Staged};
 pub use epflow_core as core;
+pub use epflow_kernels as kernels;

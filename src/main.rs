@@ -3,6 +3,7 @@
 mod bench;
 mod cli;
 mod kernels;
+mod launch;
 
 use std::process::ExitCode;
 
@@ -13,5 +14,6 @@ fn main() -> ExitCode {
     match cli.command {
         cli::Command::Bench(args) => bench::main(&args),
         cli::Command::Kernels(args) => kernels::main(&args),
+        cli::Command::Launch(args) => launch::main(&args),
     }
 }

@@ -1,7 +1,6 @@
 //! The benchmark on the GPU backend: one process, one thread per GPU.
 
 use std::borrow::Cow;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use epflow_core::ops::{CombineOutputs, DispatchOutputs};
@@ -10,13 +9,14 @@ use epflow_kernels::{DeviceTensor, GpuCombineOutput, GpuDispatchOutput, GpuRank}
 
 use super::runner::BenchRank;
 
-/// A GPU rank with the world's barrier.
-pub struct GpuBench {
+/// A GPU rank with the world's barrier (`wait`: a spin barrier between threads, or an NCCL
+/// barrier between processes).
+pub struct GpuBench<W: Fn()> {
     pub rank: GpuRank,
-    pub barrier: Arc<super::SpinBarrier>,
+    pub wait: W,
 }
 
-impl BenchRank for GpuBench {
+impl<W: Fn()> BenchRank for GpuBench<W> {
     type B = GpuRank;
 
     fn backend(&self) -> &GpuRank {
@@ -43,7 +43,7 @@ impl BenchRank for GpuBench {
     }
 
     fn barrier(&self) {
-        self.barrier.wait();
+        (self.wait)();
     }
 
     fn timed<T>(&self, f: impl FnOnce() -> Result<T, Error>) -> Result<(T, Duration), Error> {

@@ -3,8 +3,9 @@
 
 mod gpu;
 mod host;
-mod runner;
-mod stats;
+mod multi;
+pub(crate) mod runner;
+pub(crate) mod stats;
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -56,7 +57,7 @@ impl SpinBarrier {
 
 /// Why the benchmark stopped.
 #[derive(Debug)]
-enum BenchError {
+pub(crate) enum BenchError {
     /// Bad flags or an invalid configuration: exit code 2.
     Usage(String),
     /// A failure while running: exit code 1.
@@ -67,7 +68,8 @@ enum BenchError {
 /// flags.
 pub fn main(args: &BenchArgs) -> ExitCode {
     match run(args) {
-        Ok(report) => {
+        Ok(None) => ExitCode::SUCCESS,
+        Ok(Some(report)) => {
             if args.json {
                 println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
             } else {
@@ -90,7 +92,7 @@ pub fn main(args: &BenchArgs) -> ExitCode {
 }
 
 /// The group config the flags describe, checked for `ranks` ranks.
-fn config_from_args(args: &BenchArgs, ranks: usize) -> Result<(GroupConfig, usize), BenchError> {
+pub(crate) fn config_from_args(args: &BenchArgs, ranks: usize) -> Result<(GroupConfig, usize), BenchError> {
     let tokens = args.tokens.unwrap_or(match args.algorithm {
         AlgorithmArg::Ll => 128,
         AlgorithmArg::Ht => 4096,
@@ -127,7 +129,14 @@ fn config_from_args(args: &BenchArgs, ranks: usize) -> Result<(GroupConfig, usiz
     Ok((config, tokens))
 }
 
-fn run(args: &BenchArgs) -> Result<BenchReport, BenchError> {
+fn run(args: &BenchArgs) -> Result<Option<BenchReport>, BenchError> {
+    if let Some(env) = epflow_kernels::bootstrap::LaunchEnv::from_env().map_err(|e| BenchError::Usage(e.to_string()))? {
+        return multi::run(args, &env);
+    }
+    run_single_process(args).map(Some)
+}
+
+fn run_single_process(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     let gpus = epflow_kernels::driver::device_count();
     let use_gpu = match args.backend {
         BackendArg::Host => false,
@@ -162,11 +171,12 @@ fn run(args: &BenchArgs) -> Result<BenchReport, BenchError> {
             epflow_kernels::GpuWorld::create(&devices, config.clone()).map_err(|e| BenchError::Run(e.to_string()))?;
         let memory = world.first().map(|r| r.device_memory_bytes() as u64);
         let name = world.first().and_then(|r| r.context().name().ok()).unwrap_or_default();
-        let benches: Vec<gpu::GpuBench> = world
+        let benches: Vec<_> = world
             .into_iter()
             .map(|rank| {
                 rank.set_timing(true);
-                gpu::GpuBench { rank, barrier: Arc::clone(&barrier) }
+                let b = Arc::clone(&barrier);
+                gpu::GpuBench { rank, wait: move || b.wait() }
             })
             .collect();
         ("gpu", format!("{ranks} x {name}, one process"), memory, run_ranks(benches, &sc, refs.as_ref(), &plan)?)
@@ -182,7 +192,7 @@ fn run(args: &BenchArgs) -> Result<BenchReport, BenchError> {
 }
 
 /// Runs every rank on its own thread.
-fn run_ranks<R: runner::BenchRank + Send>(
+fn run_ranks<R: runner::BenchRank + Send + Sync>(
     benches: Vec<R>,
     sc: &Scenario,
     refs: Option<&References>,
@@ -198,7 +208,7 @@ where
     results.into_iter().collect::<Result<_, _>>().map_err(|e| BenchError::Run(e.to_string()))
 }
 
-fn references(sc: &Scenario) -> Result<References, BenchError> {
+pub(crate) fn references(sc: &Scenario) -> Result<References, BenchError> {
     let err = |e: epflow_core::ValidationError| BenchError::Run(format!("reference: {e}"));
     Ok(match sc.config.algorithm {
         epflow_core::Algorithm::LowLatency => {
@@ -214,7 +224,7 @@ fn references(sc: &Scenario) -> Result<References, BenchError> {
     })
 }
 
-fn summarise(
+pub(crate) fn summarise(
     args: &BenchArgs,
     config: &GroupConfig,
     backend: &str,

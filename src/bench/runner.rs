@@ -18,7 +18,7 @@ use epflow_core::{Algorithm, Error, HostTensor};
 use super::stats::RankTimes;
 
 /// What a backend adds to [`Backend`] so the benchmark can drive it.
-pub trait BenchRank: Sync {
+pub trait BenchRank {
     /// The backend.
     type B: Backend;
     /// The backend of this rank.

@@ -8,10 +8,12 @@
 //!
 //! ## Table of contents
 //!
-//! - [`GpuWorld`]: creates a group of one process driving several GPUs.
+//! - [`GpuWorld`]: creates a group — one process driving several GPUs, or one process per GPU
+//!   ([`GpuWorld::join`], with [`bootstrap`]: the `epflow launch` environment and NCCL).
 //! - [`GpuRank`]: one rank; implements [`epflow_core::backend::Backend`], so the async runtime
 //!   drives it; [`GpuHandle`], [`GpuDispatchOutput`], [`GpuCombineOutput`].
-//! - [`DeviceTensor`]: tensors in device memory.
+//! - [`DeviceTensor`]: tensors in device memory; [`compute`]: per-expert GEMMs (cuBLAS) for
+//!   examples and benchmarks.
 //! - [`layout`]: buffer sizes; [`sources`]: the CUDA sources; [`nvrtc`]: compilation and cache;
 //!   [`driver`]: availability checks; [`memory`]: device and pinned buffers.
 //!
@@ -22,6 +24,8 @@
 //! with `ld.acquire.sys` and a `%globaltimer` deadline; the last receiving block returns the
 //! credits. Timeouts are reported in host-mapped memory, never by `trap`.
 
+pub mod bootstrap;
+pub mod compute;
 pub mod driver;
 mod kernels;
 pub mod layout;

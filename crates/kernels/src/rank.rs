@@ -45,6 +45,21 @@ impl Drop for RankMemory {
     }
 }
 
+/// The device addresses of every rank's receive regions and signal page, and what keeps them
+/// mapped (the peers' memory in one process; CUDA IPC mappings across processes).
+pub(crate) struct Peers {
+    pub disp_recv: Vec<u64>,
+    pub comb_recv: Vec<u64>,
+    pub signals: Vec<u64>,
+    pub _keep: Vec<Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+impl std::fmt::Debug for Peers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Peers").field("ranks", &self.signals.len()).finish()
+    }
+}
+
 /// What every operation of a rank shares.
 #[derive(Debug)]
 pub(crate) struct RankShared {
@@ -59,8 +74,8 @@ pub(crate) struct RankShared {
     pub streams: [Arc<CudaStream>; 2],
     pub kernels: Kernels,
     pub mem: Arc<RankMemory>,
-    /// Every rank's memory (index = rank), this one included.
-    pub peers: Vec<Arc<RankMemory>>,
+    /// Every rank's buffers as this process addresses them (index = rank), this one included.
+    pub peers: Peers,
     pub num_sms: u32,
     pub handle_pool: Arc<Mutex<Vec<DeviceBuffer>>>,
     pub timing: AtomicBool,
@@ -268,9 +283,9 @@ impl GpuRank {
             splits: (s.num_sms as usize / l.local_experts).clamp(1, 4) as i32,
             ..LlParams::default()
         };
-        for (r, m) in s.peers.iter().enumerate().take(MAX_RANKS) {
-            p.peer_recv[r] = if channel == 0 { m.disp_recv.ptr() } else { m.comb_recv.ptr() };
-            p.peer_signals[r] = m.signals.ptr();
+        for r in 0..s.num_ranks.min(MAX_RANKS) {
+            p.peer_recv[r] = if channel == 0 { s.peers.disp_recv[r] } else { s.peers.comb_recv[r] };
+            p.peer_signals[r] = s.peers.signals[r];
         }
         p.own_recv = if channel == 0 { s.mem.disp_recv.ptr() } else { s.mem.comb_recv.ptr() };
         p.recv_set_bytes = if channel == 0 { l.dispatch_recv_set_bytes() } else { l.combine_recv_set_bytes() } as u64;

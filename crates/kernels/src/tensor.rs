@@ -78,6 +78,21 @@ impl DeviceTensor {
         DeviceTensor { desc, ptr, device, keep: Some(keep), ready: None }
     }
 
+    /// A copy of this tensor in new memory of the same device (synchronous).
+    pub fn duplicate(&self, ctx: &Arc<cudarc::driver::CudaContext>) -> Result<Self, Error> {
+        if let Some(e) = &self.ready {
+            e.synchronize().map_err(|e| crate::driver::cuda("wait for tensor", e))?;
+        }
+        let out = DeviceTensor::zeros(ctx, self.device, self.desc.clone())?;
+        crate::driver::bind(ctx)?;
+        // SAFETY: both ranges are `size_bytes` long device allocations of this context.
+        unsafe { cudarc::driver::sys::cuMemcpyDtoD_v2(out.ptr, self.ptr, self.desc.size_bytes()) }
+            .result()
+            .map_err(|e| crate::driver::cuda("copy tensor", e))?;
+        crate::memory::finish_legacy_stream(ctx)?;
+        Ok(out)
+    }
+
     /// The same tensor, ready only after `event` (recorded on the producer's stream).
     pub fn ready_after(mut self, event: Arc<CudaEvent>) -> Self {
         self.ready = Some(event);

@@ -12,7 +12,7 @@ use crate::kernels::Kernels;
 use crate::layout::LlLayout;
 use crate::memory::{DeviceBuffer, PinnedBuffer};
 use crate::params::{SIGNAL_PAGE_BYTES, STATUS_WORDS};
-use crate::rank::{GpuRank, RankMemory, RankShared};
+use crate::rank::{GpuRank, Peers, RankMemory, RankShared};
 
 static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1 << 32);
 
@@ -58,7 +58,12 @@ impl GpuWorld {
                 streams,
                 kernels,
                 mem: Arc::clone(&mems[rank]),
-                peers: mems.clone(),
+                peers: Peers {
+                    disp_recv: mems.iter().map(|m| m.disp_recv.ptr()).collect(),
+                    comb_recv: mems.iter().map(|m| m.comb_recv.ptr()).collect(),
+                    signals: mems.iter().map(|m| m.signals.ptr()).collect(),
+                    _keep: mems.iter().map(|m| Arc::clone(m) as Arc<dyn std::any::Any + Send + Sync>).collect(),
+                },
                 num_sms,
                 handle_pool: Arc::new(Mutex::new(Vec::new())),
                 timing: Default::default(),
@@ -72,6 +77,127 @@ impl GpuWorld {
             });
         }
         Ok(ranks)
+    }
+}
+
+impl GpuWorld {
+    /// One process per GPU: joins this process's rank (`comm.rank()`) of a group over `comm`, an
+    /// NCCL communicator of every rank on this host (see [`crate::bootstrap`]). Collective: every
+    /// rank calls it with the same config. The receive regions and signal pages are shared with
+    /// CUDA IPC handles exchanged over `comm`. Call [`crate::bootstrap::barrier`] before dropping
+    /// the rank, so no peer still uses this process's memory.
+    pub fn join(comm: &cudarc::nccl::Comm, config: GroupConfig) -> Result<GpuRank, Error> {
+        let (rank, num_ranks) = (comm.rank(), comm.world_size());
+        config.validate(num_ranks)?;
+        if config.algorithm != Algorithm::LowLatency {
+            return Err(Error::Unsupported(
+                "the GPU backend runs the low-latency algorithm; high-throughput on GPUs is not built yet".into(),
+            ));
+        }
+        let layout = LlLayout::new(&config, num_ranks)?;
+        let ctx = Arc::clone(comm.context());
+        bind(&ctx)?;
+        let mem = Arc::new(allocate(&ctx, &layout)?);
+        let mut mine = Vec::with_capacity(3 * 64);
+        for ptr in [mem.disp_recv.ptr(), mem.comb_recv.ptr(), mem.signals.ptr()] {
+            mine.extend_from_slice(&ipc_export(ptr)?);
+        }
+        let all = crate::bootstrap::all_gather(comm, &mine)?;
+        let mut peers = Peers { disp_recv: Vec::new(), comb_recv: Vec::new(), signals: Vec::new(), _keep: Vec::new() };
+        for r in 0..num_ranks {
+            let ptrs: [u64; 3] = if r == rank {
+                [mem.disp_recv.ptr(), mem.comb_recv.ptr(), mem.signals.ptr()]
+            } else {
+                let mut out = [0u64; 3];
+                for (i, o) in out.iter_mut().enumerate() {
+                    let off = (r * 3 + i) * 64;
+                    let mapping = IpcMapping::open(&ctx, &all[off..off + 64])?;
+                    *o = mapping.ptr;
+                    peers._keep.push(Arc::new(mapping));
+                }
+                out
+            };
+            peers.disp_recv.push(ptrs[0]);
+            peers.comb_recv.push(ptrs[1]);
+            peers.signals.push(ptrs[2]);
+        }
+        peers._keep.push(Arc::clone(&mem) as Arc<dyn std::any::Any + Send + Sync>);
+        let kernels = Kernels::load(&ctx)?;
+        let streams = [
+            ctx.new_stream().map_err(|e| cuda("create stream", e))?,
+            ctx.new_stream().map_err(|e| cuda("create stream", e))?,
+        ];
+        let num_sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| cuda("query SMs", e))? as u32;
+        let shared = Arc::new(RankShared {
+            rank,
+            num_ranks,
+            device: ctx.ordinal(),
+            config: config.clone(),
+            layout,
+            group_id: NEXT_GROUP_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            ctx,
+            streams,
+            kernels,
+            mem,
+            peers,
+            num_sms,
+            handle_pool: Arc::new(Mutex::new(Vec::new())),
+            timing: Default::default(),
+            turns: Default::default(),
+        });
+        Ok(GpuRank {
+            shared,
+            seqs: Default::default(),
+            slots: Channel::ALL.map(|c| SlotPool::new(c, config.buffer_sets)),
+            poison: Poison::default(),
+        })
+    }
+}
+
+/// The CUDA IPC handle of the allocation at `ptr` (a `cuMemAlloc` base).
+fn ipc_export(ptr: u64) -> Result<[u8; 64], Error> {
+    let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::uninit();
+    // SAFETY: valid out pointer; `ptr` is the base of a live cuMemAlloc allocation.
+    unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), ptr) }.result().map_err(|e| cuda("export IPC handle", e))?;
+    // SAFETY: initialized by the successful call above.
+    let h = unsafe { h.assume_init() };
+    Ok(h.reserved.map(|c| c as u8))
+}
+
+/// A peer process's allocation mapped into this one; unmapped on drop.
+#[derive(Debug)]
+struct IpcMapping {
+    ptr: u64,
+    ctx: Arc<cudarc::driver::CudaContext>,
+}
+
+impl IpcMapping {
+    fn open(ctx: &Arc<cudarc::driver::CudaContext>, handle: &[u8]) -> Result<Self, Error> {
+        bind(ctx)?;
+        let mut reserved = [0 as std::ffi::c_char; 64];
+        for (r, &b) in reserved.iter_mut().zip(handle) {
+            *r = b as std::ffi::c_char;
+        }
+        let h = sys::CUipcMemHandle { reserved };
+        let mut ptr: sys::CUdeviceptr = 0;
+        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+        // SAFETY: valid out pointer; the handle bytes came from cuIpcGetMemHandle in a peer process.
+        unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, flags) }
+            .result()
+            .map_err(|e| cuda("open a peer's IPC handle", e))?;
+        Ok(IpcMapping { ptr, ctx: Arc::clone(ctx) })
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        if bind(&self.ctx).is_ok() {
+            // SAFETY: closes the mapping opened in `open`, once; the device is idle (the rank's
+            // streams were synchronized when it was dropped).
+            let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+        }
     }
 }
 

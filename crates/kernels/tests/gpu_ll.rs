@@ -272,3 +272,55 @@ fn ll_sanitizer_config() {
         }
     }
 }
+
+/// One process per GPU: run under `epflow launch -n N -- gpu_ll ll_one_process_per_gpu` with the
+/// same `EPFLOW_TEST_SEED` in every process. Each process checks its own rank.
+#[test]
+fn ll_one_process_per_gpu() {
+    let env = match epflow_kernels::bootstrap::LaunchEnv::from_env() {
+        Ok(Some(env)) => env,
+        Ok(None) => {
+            eprintln!("SKIPPED ll_one_process_per_gpu: not started by `epflow launch`");
+            return;
+        }
+        Err(e) => panic!("bad launch environment: {e}"),
+    };
+    let comm = env.communicator().expect("NCCL communicator");
+    let base: u64 = std::env::var("EPFLOW_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .expect("set EPFLOW_TEST_SEED in every process");
+    let worlds: &[(usize, usize, DispatchDtype)] = &[
+        (2048, 8, DispatchDtype::Bf16),
+        (7168, 256, DispatchDtype::Bf16),
+        (7168, 256, DispatchDtype::Fp8 { round_scales: true }),
+        (4096, 64, DispatchDtype::Fp8 { round_scales: false }),
+    ];
+    let n = env.world_size;
+    for &(hidden, experts, dtype) in worlds {
+        let config = GroupConfig::low_latency(experts, 256, hidden).with_dispatch_dtype(dtype);
+        let rank = GpuWorld::join(&comm, config.clone()).expect("join the GPU group");
+        let mut round_no = 0u64;
+        for tokens in [1usize, 7, 128, 256] {
+            for top_k in [1usize, 4, 8] {
+                round_no += 1;
+                let s = base.wrapping_add(round_no * 7919);
+                let per_rank: Vec<usize> = (0..n).map(|r| if r + 1 == n { tokens / 2 + 1 } else { tokens }).collect();
+                let kind = if round_no % 5 == 0 { RoutingKind::SingleRank(0) } else { RoutingKind::Uniform };
+                let sc = Scenario::generate(config.clone(), n, &per_rank, top_k, kind, 10.min(tokens), s);
+                let refs = sc.ll_dispatch_reference().unwrap();
+                let want = sc.ll_combine_identity_reference(&refs).unwrap();
+                let (d, c) = round(&rank, &sc, &refs, &want, round_no % 2 == 0).expect("round");
+                let what = format!(
+                    "rank {} of {n}: H={hidden} E={experts} {dtype:?} tokens={tokens} top_k={top_k} {kind:?} seed={s}",
+                    env.rank
+                );
+                assert!(d.ok(), "{what}: {d:?}");
+                assert!(c.ok(), "{what}: {c:?}");
+            }
+        }
+        epflow_kernels::bootstrap::barrier(&comm).expect("barrier");
+        drop(rank);
+        eprintln!("ok: rank {} of {n}, one process per GPU, H={hidden} E={experts} {dtype:?}", env.rank);
+    }
+}

@@ -1,0 +1,131 @@
+//! One process per GPU: the launch environment (`epflow launch` sets it) and the NCCL
+//! communicator every process joins.
+//!
+//! Variables: `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (the device of this process), and
+//! `EPFLOW_NCCL_ID` (the NCCL unique id, 256 hex digits, created by the launcher).
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaContext;
+use cudarc::nccl::{Comm, Id};
+use epflow_core::Error;
+
+use crate::driver::{context, cuda};
+
+/// What `epflow launch` tells each process.
+#[derive(Clone, Debug)]
+pub struct LaunchEnv {
+    /// This process's rank.
+    pub rank: usize,
+    /// Number of processes.
+    pub world_size: usize,
+    /// The device this process drives.
+    pub local_rank: usize,
+    /// The NCCL unique id, hex.
+    pub nccl_id: String,
+}
+
+fn var(name: &str) -> Result<Option<String>, Error> {
+    match std::env::var(name) {
+        Ok(v) => Ok(Some(v)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(e) => Err(Error::Unsupported(format!("environment variable {name}: {e}"))),
+    }
+}
+
+fn number(name: &str) -> Result<usize, Error> {
+    let v = var(name)?
+        .ok_or_else(|| Error::Unsupported(format!("{name} is not set (start the processes with `epflow launch`)")))?;
+    v.trim().parse().map_err(|_| Error::Unsupported(format!("{name}={v:?} is not a non-negative integer")))
+}
+
+impl LaunchEnv {
+    /// The environment of this process, `None` when it was not started by a launcher (no
+    /// `EPFLOW_NCCL_ID`). Bad or missing values are errors that name the variable.
+    pub fn from_env() -> Result<Option<Self>, Error> {
+        let Some(nccl_id) = var("EPFLOW_NCCL_ID")? else { return Ok(None) };
+        let (rank, world_size) = (number("RANK")?, number("WORLD_SIZE")?);
+        let local_rank = match var("LOCAL_RANK")? {
+            Some(_) => number("LOCAL_RANK")?,
+            None => rank,
+        };
+        if world_size == 0 || rank >= world_size {
+            return Err(Error::Unsupported(format!("RANK={rank} must be below WORLD_SIZE={world_size}")));
+        }
+        decode_id(&nccl_id)?;
+        Ok(Some(LaunchEnv { rank, world_size, local_rank, nccl_id }))
+    }
+
+    /// Joins the NCCL communicator of the launch on device `LOCAL_RANK` (collective).
+    pub fn communicator(&self) -> Result<Comm, Error> {
+        nccl_present()?;
+        let ctx: Arc<CudaContext> = context(self.local_rank)?;
+        let stream = ctx.new_stream().map_err(|e| cuda("create stream", e))?;
+        Comm::from_rank(stream, self.rank, self.world_size, decode_id(&self.nccl_id)?)
+            .map_err(|e| Error::Backend(format!("NCCL: init rank {} of {}: {:?}", self.rank, self.world_size, e.0)))
+    }
+}
+
+/// `Err` unless libnccl can be loaded.
+pub fn nccl_present() -> Result<(), Error> {
+    // SAFETY: only tries to open the shared library; no NCCL call is made.
+    if unsafe { cudarc::nccl::sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(Error::Unsupported("NCCL (libnccl.so) not found: add its directory to LD_LIBRARY_PATH".into()))
+    }
+}
+
+/// A new NCCL unique id, hex-encoded (for `EPFLOW_NCCL_ID`).
+pub fn new_unique_id() -> Result<String, Error> {
+    nccl_present()?;
+    let id = Id::new().map_err(|e| Error::Backend(format!("NCCL: unique id: {:?}", e.0)))?;
+    Ok(id.internal().iter().map(|&c| format!("{:02x}", c as u8)).collect())
+}
+
+fn decode_id(hex: &str) -> Result<Id, Error> {
+    let bad = || Error::Unsupported(format!("EPFLOW_NCCL_ID must be 256 hex digits (got {} characters)", hex.len()));
+    if hex.len() != 256 {
+        return Err(bad());
+    }
+    let mut raw = [0 as std::ffi::c_char; 128];
+    for (i, b) in raw.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad())? as std::ffi::c_char;
+    }
+    Ok(Id::uninit(raw))
+}
+
+/// Waits until every rank of `comm` reaches this point (an NCCL all-reduce of one value).
+pub fn barrier(comm: &Comm) -> Result<(), Error> {
+    let stream = comm.stream();
+    let mut v = stream.clone_htod(&[1.0f32]).map_err(|e| cuda("barrier buffer", e))?;
+    comm.all_reduce_in_place(&mut v, &cudarc::nccl::ReduceOp::Sum)
+        .map_err(|e| Error::Backend(format!("NCCL barrier: {:?}", e.0)))?;
+    stream.synchronize().map_err(|e| cuda("barrier", e))
+}
+
+/// Gathers `mine` (the same length on every rank) from every rank, in rank order.
+pub fn all_gather<
+    T: cudarc::nccl::NcclType + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Default + Clone,
+>(
+    comm: &Comm,
+    mine: &[T],
+) -> Result<Vec<T>, Error> {
+    let stream = comm.stream();
+    let send = stream.clone_htod(mine).map_err(|e| cuda("gather buffer", e))?;
+    let mut recv = stream.alloc_zeros::<T>(mine.len() * comm.world_size()).map_err(|e| cuda("gather buffer", e))?;
+    comm.all_gather(&send, &mut recv).map_err(|e| Error::Backend(format!("NCCL all-gather: {:?}", e.0)))?;
+    stream.clone_dtoh(&recv).map_err(|e| cuda("gather", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_ids_are_refused() {
+        assert!(decode_id("abc").is_err());
+        assert!(decode_id(&"zz".repeat(128)).is_err());
+        assert!(decode_id(&"0f".repeat(128)).is_ok());
+    }
+}

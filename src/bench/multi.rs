@@ -1,0 +1,106 @@
+//! The benchmark with one process per GPU (started by `epflow launch`): each process runs its
+//! rank; an NCCL barrier separates iterations; rank 0 gathers every rank's timings and prints.
+
+use epflow_core::scenario::Scenario;
+use epflow_core::verify::Report;
+use epflow_core::workload::RoutingKind;
+use epflow_kernels::GpuWorld;
+use epflow_kernels::bootstrap::{LaunchEnv, all_gather, barrier};
+
+use super::runner::{LoopPlan, RankResult, run_rank};
+use super::stats::{BenchReport, RankTimes};
+use super::{BenchError, config_from_args, references, summarise};
+use crate::cli::{AlgorithmArg, BackendArg, BenchArgs};
+
+fn encode(r: &RankResult, iters: usize) -> Vec<f64> {
+    let mut v = Vec::new();
+    for t in [&r.dispatch, &r.combine, &r.total] {
+        v.extend(t.samples_us.iter().copied().chain(std::iter::repeat(0.0)).take(iters));
+        v.push(t.bytes as f64);
+    }
+    for h in &r.halves {
+        v.push(if h.is_empty() { 0.0 } else { h.iter().sum::<f64>() / h.len() as f64 });
+    }
+    for c in [&r.dispatch_check, &r.combine_check] {
+        match c {
+            Some(rep) => v.extend([1.0, rep.checked as f64, rep.mismatched as f64, rep.max_abs_diff]),
+            None => v.extend([0.0; 4]),
+        }
+    }
+    v
+}
+
+fn decode(v: &[f64], iters: usize) -> RankResult {
+    let mut i = 0;
+    let mut times = |v: &[f64]| {
+        let t = RankTimes { samples_us: v[i..i + iters].to_vec(), bytes: v[i + iters] as u64 };
+        i += iters + 1;
+        t
+    };
+    let (d, c, t) = (times(v), times(v), times(v));
+    let mut halves: [Vec<f64>; 4] = Default::default();
+    for (k, h) in halves.iter_mut().enumerate() {
+        if v[i + k] > 0.0 {
+            h.push(v[i + k]);
+        }
+    }
+    i += 4;
+    let check = |j: usize| {
+        (v[j] > 0.0).then(|| Report {
+            checked: v[j + 1] as u64,
+            mismatched: v[j + 2] as u64,
+            first: None,
+            max_abs_diff: v[j + 3],
+        })
+    };
+    RankResult { dispatch: d, combine: c, total: t, halves, dispatch_check: check(i), combine_check: check(i + 4) }
+}
+
+/// Runs this process's rank; returns the report on rank 0 (`None` elsewhere).
+pub fn run(args: &BenchArgs, env: &LaunchEnv) -> Result<Option<BenchReport>, BenchError> {
+    if args.backend == BackendArg::Host {
+        return Err(BenchError::Usage(
+            "processes started by `epflow launch` run the GPU backend; drop --backend host".into(),
+        ));
+    }
+    if args.algorithm == AlgorithmArg::Ht {
+        return Err(BenchError::Usage("--algorithm ht on GPUs is not built yet".into()));
+    }
+    let ranks = env.world_size;
+    if args.ranks.is_some_and(|r| r != ranks) {
+        return Err(BenchError::Usage(format!("--ranks must equal the launch's WORLD_SIZE ({ranks})")));
+    }
+    let run_err = |e: epflow_core::Error| BenchError::Run(format!("rank {}: {e}", env.rank));
+    let (config, tokens) = config_from_args(args, ranks)?;
+    let sc =
+        Scenario::generate(config.clone(), ranks, &[tokens], args.top_k, RoutingKind::Uniform, args.masked, args.seed);
+    let refs = if args.validate { Some(references(&sc)?) } else { None };
+    let plan = LoopPlan { warmup: args.warmup, iters: args.iters, staged: args.staged };
+    let comm = env.communicator().map_err(run_err)?;
+    let rank = GpuWorld::join(&comm, config.clone()).map_err(run_err)?;
+    rank.set_timing(true);
+    let memory = rank.device_memory_bytes() as u64;
+    let name = rank.context().name().unwrap_or_default();
+    let bench = super::gpu::GpuBench { rank, wait: || barrier(&comm).expect("NCCL barrier") };
+    let result = run_rank(&bench, &sc, refs.as_ref(), &plan).map_err(run_err)?;
+    for c in [&result.dispatch_check, &result.combine_check].into_iter().flatten() {
+        if let Some(f) = &c.first {
+            eprintln!("rank {}: first mismatch: {f}", env.rank);
+        }
+    }
+    let mine = encode(&result, plan.iters);
+    let all = all_gather(&comm, &mine).map_err(run_err)?;
+    barrier(&comm).map_err(run_err)?;
+    drop(bench);
+    let results: Vec<RankResult> = all.chunks_exact(mine.len()).map(|c| decode(c, plan.iters)).collect();
+    let mut report =
+        summarise(args, &config, "gpu", &format!("{ranks} x {name}, one process per GPU"), ranks, tokens, results);
+    report.device_memory_bytes_per_rank = Some(memory);
+    if env.rank != 0 {
+        return match &report.validation {
+            Some(v) if !v.passed => Err(BenchError::Run(format!("rank {}: validation failed", env.rank))),
+            _ => Ok(None),
+        };
+    }
+    Ok(Some(report))
+}
