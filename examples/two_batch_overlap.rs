@@ -60,7 +60,12 @@ fn step_input(g: &Group<HostRank>, i: usize, prev: Option<HostCombineOutput>) ->
     };
     // Weights summing to ~1 per token keep activations bounded across layers.
     let w: Vec<f32> = random_weights(TOKENS, TOP_K, 3 + i as u64, r).iter().map(|v| v / TOP_K as f32).collect();
-    Ok(StepInput { handle, tokens, weights: HostTensor::topk_weights(TOKENS, TOP_K, w) })
+    Ok(StepInput {
+        handle,
+        tokens,
+        weights: HostTensor::topk_weights(TOKENS, TOP_K, w),
+        dispatch_options: Default::default(),
+    })
 }
 
 /// The synthetic expert: identity outputs, after `cost` of (timer) compute.
@@ -163,10 +168,12 @@ mod gpu {
     use std::time::Duration;
 
     use epflow::Group;
+    use epflow::core::ops::{CountsLocation, DispatchOptions};
+    use epflow::core::protocol::Channel;
     use epflow::core::workload::{RoutingKind, RoutingSpec, random_tokens, random_topk_idx, random_weights};
     use epflow::core::{DType, GroupConfig, HostTensor, Result, TensorDesc, TensorTag, bf16};
     use epflow::kernels::compute::ExpertGemm;
-    use epflow::kernels::{DeviceTensor, GpuCombineOutput, GpuDispatchOutput, GpuRank, GpuWorld};
+    use epflow::kernels::{DeviceTensor, GpuCombineOutput, GpuDispatchOutput, GpuHandle, GpuRank, GpuWorld};
     use epflow::runtime::pipeline::{self, PipelineStats, StepInput};
     use epflow::runtime::reactor::{WaitOutcome, wait_for};
 
@@ -177,20 +184,32 @@ mod gpu {
     const HIDDEN: usize = 2048;
     const TOP_K: usize = 8;
 
-    /// One rank with its expert weights, GEMM stream and two expert-output buffers (steps
-    /// alternate between them).
+    /// The communication kernels may use this many SMs; the GEMMs get the rest.
+    const COMM_SMS: usize = 48;
+
+    /// One step's inputs, prepared before the timed runs (routing, weights, and the buffer the
+    /// previous layer's output is copied into).
+    struct Prepared {
+        handle: GpuHandle,
+        tokens: DeviceTensor,
+        weights: DeviceTensor,
+    }
+
+    /// One rank with its expert weights, GEMM stream, two expert-output buffers (steps
+    /// alternate between them) and every step's prepared inputs.
     struct Rank {
         g: Group<GpuRank>,
         gemm: ExpertGemm,
         w: DeviceTensor,
         out: [DeviceTensor; 2],
+        steps: Vec<Prepared>,
     }
 
     fn err(e: impl std::fmt::Debug) -> epflow::core::Error {
         epflow::core::Error::Backend(format!("{e:?}"))
     }
 
-    fn setup(g: Group<GpuRank>) -> Result<Rank> {
+    fn setup(g: Group<GpuRank>, steps: usize) -> Result<Rank> {
         let rank = g.backend();
         let ctx = Arc::clone(rank.context());
         let r = g.rank();
@@ -204,11 +223,6 @@ mod gpu {
         let out =
             [DeviceTensor::zeros(&ctx, rank.device(), desc.clone())?, DeviceTensor::zeros(&ctx, rank.device(), desc)?];
         let gemm = ExpertGemm::new(ctx.new_stream().map_err(err)?)?;
-        Ok(Rank { g, gemm, w, out })
-    }
-
-    fn step_input(g: &Group<GpuRank>, i: usize, prev: Option<GpuCombineOutput>) -> Result<StepInput<GpuRank>> {
-        let (rank, r) = (g.backend(), g.rank());
         let spec = RoutingSpec {
             num_tokens: TOKENS,
             top_k: TOP_K,
@@ -217,16 +231,36 @@ mod gpu {
             masked: 2,
             kind: RoutingKind::Uniform,
         };
-        let idx = rank.upload(&HostTensor::topk_idx(TOKENS, TOP_K, random_topk_idx(&spec, 1000 + i as u64, r)))?;
-        let handle = futures::executor::block_on(g.create_handle(&idx))?;
+        let steps = (0..steps)
+            .map(|i| {
+                let idx =
+                    rank.upload(&HostTensor::topk_idx(TOKENS, TOP_K, random_topk_idx(&spec, 1000 + i as u64, r)))?;
+                let handle = futures::executor::block_on(g.create_handle(&idx))?;
+                let tokens =
+                    rank.upload(&HostTensor::tokens(TOKENS, HIDDEN, random_tokens(TOKENS, HIDDEN, 7 + i as u64, r)))?;
+                let wk: Vec<f32> =
+                    random_weights(TOKENS, TOP_K, 3 + i as u64, r).iter().map(|v| v / TOP_K as f32).collect();
+                let weights = rank.upload(&HostTensor::topk_weights(TOKENS, TOP_K, wk))?;
+                Ok(Prepared { handle, tokens, weights })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Rank { g, gemm, w, out, steps })
+    }
+
+    /// Step `i`'s inputs; a later layer's tokens are the previous layer's output, copied on the
+    /// combine stream (so the next combine cannot overwrite its buffer set first) and awaited by
+    /// the dispatch on the device, not on the host.
+    fn step_input(rk: &Rank, i: usize, prev: Option<GpuCombineOutput>) -> Result<StepInput<GpuRank>> {
+        let p = &rk.steps[i];
         let tokens = match prev {
-            // The previous layer's output lives in a combine buffer set: copy it out before the
-            // set is reused.
-            Some(out) => out.tokens().duplicate(rank.context())?,
-            None => rank.upload(&HostTensor::tokens(TOKENS, HIDDEN, random_tokens(TOKENS, HIDDEN, 7 + i as u64, r)))?,
+            Some(out) => {
+                let ev = rk.g.backend().copy_on_stream(Channel::Combine, out.tokens(), &p.tokens)?;
+                p.tokens.clone().ready_after(ev)
+            }
+            None => p.tokens.clone(),
         };
-        let w: Vec<f32> = random_weights(TOKENS, TOP_K, 3 + i as u64, r).iter().map(|v| v / TOP_K as f32).collect();
-        Ok(StepInput { handle, tokens, weights: rank.upload(&HostTensor::topk_weights(TOKENS, TOP_K, w))? })
+        let dispatch_options = DispatchOptions { counts_location: CountsLocation::Host, ..Default::default() };
+        Ok(StepInput { handle: p.handle.clone(), tokens, weights: p.weights.clone(), dispatch_options })
     }
 
     /// The expert: `reps` rounds of per-expert GEMMs into the step's output buffer (0: a copy
@@ -236,8 +270,7 @@ mod gpu {
         if reps == 0 {
             return d.tokens().duplicate(rank.context());
         }
-        let counts = d.counts().ok_or_else(|| err("no counters"))?.download(rank.context())?;
-        let counts = counts.as_i32().unwrap_or_default().to_vec();
+        let counts = d.host_counts().ok_or_else(|| err("no host counters"))?.to_vec();
         let y = &rk.out[i % 2];
         let mut last = None;
         for _ in 0..reps {
@@ -257,7 +290,7 @@ mod gpu {
     async fn run_rank(rk: &Rank, steps: usize, reps: usize, pipelined: bool) -> Result<(PipelineStats, Vec<bf16>)> {
         let g = &rk.g;
         let mut last = Vec::new();
-        let input = |i, prev| step_input(g, i, prev);
+        let input = |i, prev| step_input(rk, i, prev);
         let exp = async |i, d: &GpuDispatchOutput| expert(rk, i, reps, d).await;
         let sink = |_, out: GpuCombineOutput| {
             if let Ok(t) = out.to_host() {
@@ -306,13 +339,15 @@ mod gpu {
             )));
         }
         let steps = layers * DEPTH;
-        let config = GroupConfig::low_latency(EXPERTS, TOKENS, HIDDEN);
+        let config = GroupConfig::low_latency(EXPERTS, TOKENS, HIDDEN).with_max_sms(Some(COMM_SMS));
         let devices: Vec<usize> = (0..gpus).collect();
-        let ranks: Vec<Rank> =
-            GpuWorld::create(&devices, config)?.into_iter().map(|r| setup(Group::new(r))).collect::<Result<_>>()?;
+        let ranks: Vec<Rank> = GpuWorld::create(&devices, config)?
+            .into_iter()
+            .map(|r| setup(Group::new(r), steps))
+            .collect::<Result<_>>()?;
         // Warm up (kernel compile, cuBLAS heuristics), then calibrate: communication per step
         // with copy experts, compute per step of one GEMM round.
-        run_all(&ranks, 4, 1, false)?;
+        run_all(&ranks, steps.min(4), 1, false)?;
         let (comm, _) = run_all(&ranks, steps, 0, false)?;
         let (one, _) = run_all(&ranks, steps, 1, false)?;
         let comm_step = comm.comm.as_secs_f64() / steps as f64;
@@ -321,7 +356,9 @@ mod gpu {
         println!(
             "two-batch overlap, GPU backend: {gpus} GPUs, {layers} layers x {DEPTH} micro-batches = {steps} steps"
         );
-        println!("  {TOKENS} tokens/micro-batch, hidden {HIDDEN}, top-k {TOP_K}, {EXPERTS} experts, BF16");
+        println!(
+            "  {TOKENS} tokens/micro-batch, hidden {HIDDEN}, top-k {TOP_K}, {EXPERTS} experts, BF16; communication on at most {COMM_SMS} SMs"
+        );
         println!(
             "  communication per step {:.1} us; one round of per-expert GEMMs {:.1} us; expert = {reps} rounds",
             comm_step * 1e6,

@@ -119,6 +119,9 @@ pub struct BenchArgs {
     /// Random (token, k) entries masked with -1 per rank, as ep_bench does.
     #[arg(long, default_value_t = 10)]
     pub masked: usize,
+    /// GPU backend: the most SMs a communication kernel may use [default: all that help].
+    #[arg(long)]
+    pub max_sms: Option<usize>,
     /// Operation timeout in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     pub timeout_ms: u64,

@@ -27,6 +27,8 @@ fn bad_flags_exit_2_with_a_clear_error() {
         (&["bench", "--round-scales"], "--round-scales needs --dtype fp8"),
         (&["bench", "--tokens", "-3"], "unexpected argument"),
         (&["bench", "--no-such-flag"], "unexpected argument"),
+        (&["bench", "--max-sms", "0"], "max_sms is 0"),
+        (&["launch", "-n", "0", "--", "true"], "-n must be at least 1"),
     ];
     for (args, want) in cases {
         let (code, _, err) = epflow(args);

@@ -118,6 +118,7 @@ pub(crate) fn config_from_args(args: &BenchArgs, ranks: usize) -> Result<(GroupC
         AlgorithmArg::Ht => GroupConfig::high_throughput(args.experts, args.hidden),
     }
     .with_dispatch_dtype(dtype)
+    .with_max_sms(args.max_sms)
     .with_timeout(Duration::from_millis(args.timeout_ms));
     config.validate(ranks).map_err(|e| BenchError::Usage(format!("invalid configuration: {e}")))?;
     if args.top_k == 0 || args.top_k > args.experts {

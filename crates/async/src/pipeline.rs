@@ -17,7 +17,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use epflow_core::backend::Backend;
-use epflow_core::ops::{CombineInputs, DispatchInputs};
+use epflow_core::ops::{CombineInputs, DispatchInputs, DispatchOptions};
 use epflow_core::{Algorithm, Error, Result};
 use futures::join;
 
@@ -32,6 +32,8 @@ pub struct StepInput<B: Backend> {
     pub tokens: B::Tensor,
     /// Top-k weights `[B x K]`: applied by low-latency combine, sent by high-throughput dispatch.
     pub weights: B::Tensor,
+    /// Options of the step's dispatch (e.g. counters in host memory for the expert function).
+    pub dispatch_options: DispatchOptions,
 }
 
 /// Timings of a pipeline run.
@@ -70,7 +72,11 @@ async fn send_dispatch<B: Backend>(
     if algorithm == Algorithm::HighThroughput {
         return Err(Error::Unsupported("pipelines stage their operations; use a low-latency group".into()));
     }
-    group.dispatch(&s.handle, dispatch_inputs(s, algorithm)).micro_batch(i as u64).send_only().await
+    group
+        .dispatch_with(&s.handle, dispatch_inputs(s, algorithm), &s.dispatch_options)
+        .micro_batch(i as u64)
+        .send_only()
+        .await
 }
 
 /// Runs `steps` steps with up to `depth` in flight (see the module docs).
@@ -213,7 +219,10 @@ where
         let prev = if i >= depth { outputs.pop_front().map(|(_, o)| o) } else { None };
         let s = input(i, prev)?;
         let t = Instant::now();
-        let d = group.dispatch(&s.handle, dispatch_inputs(&s, algorithm)).micro_batch(i as u64).await?;
+        let d = group
+            .dispatch_with(&s.handle, dispatch_inputs(&s, algorithm), &s.dispatch_options)
+            .micro_batch(i as u64)
+            .await?;
         stats.comm += t.elapsed();
         let t = Instant::now();
         let y = expert(i, &d).await?;

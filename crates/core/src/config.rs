@@ -93,6 +93,9 @@ pub struct GroupConfig {
     /// The largest top-k any handle of the group will use (default 8, at most 16): it sizes the
     /// low-latency combine buffers (`max_tokens x max_top_k` rows per buffer set).
     pub max_top_k: usize,
+    /// GPU backends: the most streaming multiprocessors a communication kernel may occupy
+    /// (`None`: as many as help). Bounding it leaves the rest of the GPU to overlapped compute.
+    pub max_sms: Option<usize>,
     /// Longest time any wait of an operation may take before it fails with
     /// [`crate::Error::Timeout`] and poisons the group (default 10 s).
     pub timeout: Duration,
@@ -109,6 +112,7 @@ impl GroupConfig {
             dispatch_dtype: DispatchDtype::Bf16,
             buffer_sets: 2,
             max_top_k: 8,
+            max_sms: None,
             timeout: DEFAULT_TIMEOUT,
         }
     }
@@ -143,6 +147,12 @@ impl GroupConfig {
     /// Replaces the largest top-k.
     pub fn with_max_top_k(mut self, max_top_k: usize) -> Self {
         self.max_top_k = max_top_k;
+        self
+    }
+
+    /// Bounds the SMs a communication kernel may occupy (GPU backends).
+    pub fn with_max_sms(mut self, max_sms: Option<usize>) -> Self {
+        self.max_sms = max_sms;
         self
     }
 
@@ -208,6 +218,9 @@ impl GroupConfig {
         }
         if self.max_top_k == 0 || self.max_top_k > MAX_TOP_K {
             return Err(ConfigError::BadMaxTopK { max_top_k: self.max_top_k, limit: MAX_TOP_K });
+        }
+        if self.max_sms == Some(0) {
+            return Err(ConfigError::ZeroMaxSms);
         }
         if self.timeout.is_zero() {
             return Err(ConfigError::ZeroTimeout);

@@ -82,6 +82,9 @@ pub enum ConfigError {
         /// The limit.
         limit: usize,
     },
+    /// `max_sms` is `Some(0)`.
+    #[error("max_sms is 0: communication kernels need at least one SM (None lets them use all)")]
+    ZeroMaxSms,
     /// A zero timeout would fail every operation.
     #[error("timeout is 0: every wait would fail at once")]
     ZeroTimeout,

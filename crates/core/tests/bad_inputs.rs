@@ -164,6 +164,12 @@ fn cases() -> Vec<Case> {
             "max_top_k",
         ),
         (
+            "max_sms of zero",
+            Box::new(|| cfg(ll().with_max_sms(Some(0)), 1)),
+            |e| matches!(e, C(ConfigError::ZeroMaxSms)),
+            "max_sms",
+        ),
+        (
             "zero timeout",
             Box::new(|| cfg(ll().with_timeout(Duration::ZERO), 1)),
             |e| matches!(e, C(ConfigError::ZeroTimeout)),

@@ -90,7 +90,7 @@ impl GpuOp {
     fn launch(&self, which: Kernel) -> Result<(), Error> {
         let s = &self.shared;
         let mut p = self.params;
-        let sms = s.num_sms.max(1);
+        let sms = s.config.max_sms.map_or(s.num_sms, |m| (m as u32).min(s.num_sms)).max(1);
         let (b, r, k, m, h) =
             (p.num_tokens.max(1) as u32, p.num_ranks as u32, p.top_k as u32, p.max_tokens as u32, p.hidden as usize);
         // About 16 warps per SM when the work allows: enough bytes in flight for NVLink.
@@ -103,7 +103,8 @@ impl GpuOp {
             Kernel::DispatchRecv => {
                 let payload = if p.fp8 != 0 { h } else { 2 * h };
                 p.chunks = if payload % 64 == 0 { 4 } else { 1 };
-                (&s.kernels.dispatch_recv, (p.num_local * p.splits) as u32, CONFIGS)
+                p.splits = (sms as i32 / p.num_local).clamp(1, 4);
+                (&s.kernels.dispatch_recv, ((p.num_local * p.splits) as u32).min(sms), CONFIGS)
             }
             Kernel::CombineSend => {
                 p.chunks = row_chunks(h, target_warps / (b * k).max(1)) as i32;
@@ -113,7 +114,7 @@ impl GpuOp {
             Kernel::CombineRecv => {
                 p.chunks = if h % 32 == 0 { 4 } else { 1 };
                 let c = p.chunks as u32;
-                (&s.kernels.combine_recv, b.min((2 * sms / c).max(1)) * c, 256)
+                (&s.kernels.combine_recv, (b.min((2 * sms / c).max(1)) * c).min((sms / c).max(1) * c), 256)
             }
         };
         let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 };

@@ -194,6 +194,40 @@ impl GpuRank {
         Ok(())
     }
 
+    /// Copies `src` into `dst` (same size) on the stream of `channel`, without a host wait;
+    /// returns an event after the copy. Use `dst.ready_after(event)` as the input of a later
+    /// operation: its send half waits for the copy on the device.
+    pub fn copy_on_stream(
+        &self,
+        channel: Channel,
+        src: &DeviceTensor,
+        dst: &DeviceTensor,
+    ) -> Result<Arc<cudarc::driver::CudaEvent>, Error> {
+        if src.desc().size_bytes() != dst.desc().size_bytes() {
+            return Err(Error::Unsupported(format!(
+                "copy of {} B into {} B",
+                src.desc().size_bytes(),
+                dst.desc().size_bytes()
+            )));
+        }
+        let s = &self.shared;
+        bind(&s.ctx)?;
+        let stream = self.stream(channel);
+        for e in [src.ready_event(), dst.ready_event()].into_iter().flatten() {
+            stream.wait(e).map_err(|e| cuda("wait for tensor", e))?;
+        }
+        // SAFETY: both are device ranges of `size_bytes` in this context (checked sizes); the
+        // copy is ordered on `stream`.
+        unsafe {
+            cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst.ptr(), src.ptr(), src.desc().size_bytes(), stream.cu_stream())
+        }
+        .result()
+        .map_err(|e| cuda("copy", e))?;
+        let ev = s.ctx.new_event(None).map_err(|e| cuda("create event", e))?;
+        ev.record(stream).map_err(|e| cuda("record event", e))?;
+        Ok(Arc::new(ev))
+    }
+
     /// Copies a host tensor to this rank's device.
     pub fn upload(&self, t: &epflow_core::HostTensor) -> Result<DeviceTensor, Error> {
         DeviceTensor::upload(&self.shared.ctx, self.shared.device, t)

@@ -183,7 +183,8 @@ __device__ void finish_receive(const LlParams& p, int chan, u32 cancelled) {
     }
 }
 
-// Block (expert l, split g) of L * splits: finds, in (source, token) order, the received slots
+// Task (expert l, split g) of L * splits (each block takes tasks blockIdx, blockIdx + gridDim, ...):
+// finds, in (source, token) order, the received slots
 // that chose local expert l, packs them into rows 0.. of expert l (rows with row % splits == g
 // are copied by this block), writes the counters and the row map for combine.
 extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p) {
@@ -194,13 +195,15 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p
     __shared__ int entry_slot[512];
     if (!wait_all_sources(p, 0, &cancelled, &timed_out)) return;
     const int G = p.splits;
-    const int le = blockIdx.x / G, g = blockIdx.x % G;
     const int R = p.num_ranks, M = p.max_tokens, K = p.top_k, H = p.hidden;
     const int RM = R * M;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     const char* recv = reinterpret_cast<const char*>(p.own_recv) + (size_t)p.set * p.recv_set_bytes;
     int* row_of = reinterpret_cast<int*>(p.row_of);
     const size_t payload_bytes = p.fp8 ? (size_t)H : (size_t)H * 2;
+    // Task (expert l, split g) of L * G; a grid smaller than that loops (max_sms).
+    for (int task = blockIdx.x; task < p.num_local * G; task += gridDim.x) {
+    const int le = task / G, g = task % G;
     int base = 0;
     for (int chunk = 0; chunk < RM; chunk += blockDim.x) {
         const int slot = chunk + threadIdx.x;
@@ -257,6 +260,8 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p
     if (g == 0 && threadIdx.x == 0) {
         reinterpret_cast<int*>(p.out_counts)[le] = base;
         if (p.host_counts) reinterpret_cast<volatile int*>(p.host_counts)[le] = base;
+    }
+    __syncthreads();
     }
     // Block 0 marks every (source, token, k) that names no local expert of this operation.
     if (blockIdx.x == 0) {
