@@ -40,10 +40,7 @@ impl GpuWorld {
         for (rank, (ctx, &device)) in ctxs.iter().zip(devices).enumerate() {
             bind(ctx)?;
             let kernels = Kernels::load(ctx)?;
-            let streams = [
-                ctx.new_stream().map_err(|e| cuda("create stream", e))?,
-                ctx.new_stream().map_err(|e| cuda("create stream", e))?,
-            ];
+            let streams = comm_streams(&ctx)?;
             let num_sms = ctx
                 .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
                 .map_err(|e| cuda("query SMs", e))? as u32;
@@ -123,10 +120,7 @@ impl GpuWorld {
         }
         peers._keep.push(Arc::clone(&mem) as Arc<dyn std::any::Any + Send + Sync>);
         let kernels = Kernels::load(&ctx)?;
-        let streams = [
-            ctx.new_stream().map_err(|e| cuda("create stream", e))?,
-            ctx.new_stream().map_err(|e| cuda("create stream", e))?,
-        ];
+        let streams = comm_streams(&ctx)?;
         let num_sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| cuda("query SMs", e))? as u32;
@@ -154,6 +148,15 @@ impl GpuWorld {
             poison: Poison::default(),
         })
     }
+}
+
+/// The dispatch and combine streams, at the device's highest priority: when compute and
+/// communication kernels wait for SMs, communication blocks are scheduled first.
+fn comm_streams(ctx: &Arc<cudarc::driver::CudaContext>) -> Result<[Arc<cudarc::driver::CudaStream>; 2], Error> {
+    bind(ctx)?;
+    let (_, greatest) = cudarc::driver::result::stream::get_priority_range().map_err(|e| cuda("stream priorities", e))?;
+    let one = || ctx.new_stream_with_priority(greatest).map_err(|e| cuda("create stream", e));
+    Ok([one()?, one()?])
 }
 
 /// The CUDA IPC handle of the allocation at `ptr` (a `cuMemAlloc` base).
