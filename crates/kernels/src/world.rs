@@ -40,7 +40,7 @@ impl GpuWorld {
         for (rank, (ctx, &device)) in ctxs.iter().zip(devices).enumerate() {
             bind(ctx)?;
             let kernels = Kernels::load(ctx)?;
-            let streams = comm_streams(&ctx)?;
+            let streams = comm_streams(ctx)?;
             let num_sms = ctx
                 .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
                 .map_err(|e| cuda("query SMs", e))? as u32;
