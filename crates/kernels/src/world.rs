@@ -154,7 +154,8 @@ impl GpuWorld {
 /// communication kernels wait for SMs, communication blocks are scheduled first.
 fn comm_streams(ctx: &Arc<cudarc::driver::CudaContext>) -> Result<[Arc<cudarc::driver::CudaStream>; 2], Error> {
     bind(ctx)?;
-    let (_, greatest) = cudarc::driver::result::stream::get_priority_range().map_err(|e| cuda("stream priorities", e))?;
+    let (_, greatest) =
+        cudarc::driver::result::stream::get_priority_range().map_err(|e| cuda("stream priorities", e))?;
     let one = || ctx.new_stream_with_priority(greatest).map_err(|e| cuda("create stream", e));
     Ok([one()?, one()?])
 }
