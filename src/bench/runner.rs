@@ -3,13 +3,10 @@
 use std::borrow::Cow;
 use std::time::Duration;
 
-use epflow_core::backend::{
-    Backend, HandleCreation, OpOutput, PendingOp, complete_blocking, run_blocking, send_blocking,
-};
+use epflow_core::backend::{Backend, blocking_combine, blocking_dispatch, blocking_handle};
 use epflow_core::ops::{
     CombineInputs, CombineOptions, CombineOutputs, DispatchInputs, DispatchOptions, DispatchOutputs,
 };
-use epflow_core::protocol::Channel;
 use epflow_core::reference::{HtDispatchResult, LlDispatchResult};
 use epflow_core::scenario::Scenario;
 use epflow_core::verify::{Report, Tolerance, check_bf16, check_ht_dispatch, check_ll_dispatch};
@@ -84,20 +81,6 @@ pub struct LoopPlan {
     pub staged: bool,
 }
 
-fn run_op<B: Backend>(b: &B, op: B::Op, channel: Channel, staged: bool) -> Result<<B::Op as PendingOp>::Output, Error> {
-    let timeout = b.config().timeout;
-    if staged {
-        let op = send_blocking(op, b.slot_pool(channel), b.poison(), timeout)?;
-        complete_blocking(op, b.poison(), timeout)
-    } else {
-        run_blocking(op, b.slot_pool(channel), b.poison(), timeout)
-    }
-}
-
-fn unexpected() -> Error {
-    Error::Backend("operation produced no result".into())
-}
-
 /// Runs this rank's part: handle, optional validation round, warm-up, timed iterations.
 pub fn run_rank<R: BenchRank>(
     r: &R,
@@ -112,13 +95,7 @@ where
     let rank = b.rank();
     let cfg = b.config().clone();
     let idx = r.upload(&sc.topk_idx(rank))?;
-    let handle = match b.start_handle(&idx)? {
-        HandleCreation::Ready(h) => h,
-        HandleCreation::Collective(op) => match run_op(b, op, Channel::Handle, false)? {
-            OpOutput::Handle(h) => h,
-            _ => return Err(unexpected()),
-        },
-    };
+    let handle = blocking_handle(b, &idx)?;
     let ht = cfg.algorithm == Algorithm::HighThroughput;
     let weights = r.upload(&sc.weights(rank))?;
     let (tokens, scales) = match (ht, sc.tokens_fp8(rank)) {
@@ -137,21 +114,13 @@ where
     let staged = plan.staged && !ht;
     let rows_per_expert = sc.num_ranks * cfg.fixed_max_tokens().unwrap_or(0);
 
-    let dispatch = || -> Result<_, Error> {
-        match run_op(b, b.start_dispatch(&handle, inputs, &dopts)?, Channel::Dispatch, staged)? {
-            OpOutput::Dispatch(d) => Ok(d),
-            _ => Err(unexpected()),
-        }
-    };
+    let dispatch = || blocking_dispatch(b, &handle, inputs, &dopts, staged);
     let combine = |experts: &<R::B as Backend>::Tensor| -> Result<_, Error> {
         let mut cin = CombineInputs::new(experts);
         if !ht {
             cin = cin.with_weights(&weights);
         }
-        match run_op(b, b.start_combine(&handle, cin, &copts)?, Channel::Combine, staged)? {
-            OpOutput::Combine(c) => Ok(c),
-            _ => Err(unexpected()),
-        }
+        blocking_combine(b, &handle, cin, &copts, staged)
     };
 
     let (mut dispatch_check, mut combine_check) = (None, None);

@@ -36,43 +36,21 @@ impl GpuWorld {
         enable_peer_access(devices, &ctxs)?;
         let group_id = NEXT_GROUP_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mems = ctxs.iter().map(|ctx| allocate(ctx, &layout).map(Arc::new)).collect::<Result<Vec<_>, _>>()?;
-        let mut ranks = Vec::with_capacity(num_ranks);
-        for (rank, (ctx, &device)) in ctxs.iter().zip(devices).enumerate() {
-            bind(ctx)?;
-            let kernels = Kernels::load(ctx)?;
-            let streams = comm_streams(ctx)?;
-            let num_sms = ctx
-                .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-                .map_err(|e| cuda("query SMs", e))? as u32;
-            let shared = Arc::new(RankShared {
-                rank,
-                num_ranks,
-                device,
-                config: config.clone(),
-                layout,
-                group_id,
-                ctx: Arc::clone(ctx),
-                streams,
-                kernels,
-                mem: Arc::clone(&mems[rank]),
-                peers: Peers {
-                    disp_recv: mems.iter().map(|m| m.disp_recv.ptr()).collect(),
-                    comb_recv: mems.iter().map(|m| m.comb_recv.ptr()).collect(),
-                    signals: mems.iter().map(|m| m.signals.ptr()).collect(),
-                    _keep: mems.iter().map(|m| Arc::clone(m) as Arc<dyn std::any::Any + Send + Sync>).collect(),
-                },
-                num_sms,
-                handle_pool: Arc::new(Mutex::new(Vec::new())),
-                timing: Default::default(),
-                turns: Default::default(),
-            });
-            ranks.push(GpuRank {
-                shared,
-                seqs: Default::default(),
-                slots: Channel::ALL.map(|c| SlotPool::new(c, config.buffer_sets)),
-                poison: Poison::default(),
-            });
-        }
+        let peers = || Peers {
+            disp_recv: mems.iter().map(|m| m.disp_recv.ptr()).collect(),
+            comb_recv: mems.iter().map(|m| m.comb_recv.ptr()).collect(),
+            signals: mems.iter().map(|m| m.signals.ptr()).collect(),
+            _keep: mems.iter().map(|m| Arc::clone(m) as Arc<dyn std::any::Any + Send + Sync>).collect(),
+        };
+        let ranks = ctxs
+            .iter()
+            .zip(devices)
+            .enumerate()
+            .map(|(rank, (ctx, &device))| {
+                let place = Placement { rank, num_ranks, device, group_id };
+                build_rank(place, &config, layout, ctx, Arc::clone(&mems[rank]), peers())
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(ranks)
     }
 }
@@ -119,35 +97,63 @@ impl GpuWorld {
             peers.signals.push(ptrs[2]);
         }
         peers._keep.push(Arc::clone(&mem) as Arc<dyn std::any::Any + Send + Sync>);
-        let kernels = Kernels::load(&ctx)?;
-        let streams = comm_streams(&ctx)?;
-        let num_sms = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| cuda("query SMs", e))? as u32;
-        let shared = Arc::new(RankShared {
+        let place = Placement {
             rank,
             num_ranks,
             device: ctx.ordinal(),
-            config: config.clone(),
-            layout,
             group_id: NEXT_GROUP_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-            ctx,
-            streams,
-            kernels,
-            mem,
-            peers,
-            num_sms,
-            handle_pool: Arc::new(Mutex::new(Vec::new())),
-            timing: Default::default(),
-            turns: Default::default(),
-        });
-        Ok(GpuRank {
-            shared,
-            seqs: Default::default(),
-            slots: Channel::ALL.map(|c| SlotPool::new(c, config.buffer_sets)),
-            poison: Poison::default(),
-        })
+        };
+        build_rank(place, &config, layout, &ctx, mem, peers)
     }
+}
+
+/// Where a rank sits in its group.
+struct Placement {
+    rank: usize,
+    num_ranks: usize,
+    device: usize,
+    group_id: u64,
+}
+
+/// Loads the kernels, creates the streams and assembles a rank around its memory and its view
+/// of the peers'.
+fn build_rank(
+    place: Placement,
+    config: &GroupConfig,
+    layout: LlLayout,
+    ctx: &Arc<cudarc::driver::CudaContext>,
+    mem: Arc<RankMemory>,
+    peers: Peers,
+) -> Result<GpuRank, Error> {
+    bind(ctx)?;
+    let kernels = Kernels::load(ctx)?;
+    let streams = comm_streams(ctx)?;
+    let num_sms = ctx
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(|e| cuda("query SMs", e))? as u32;
+    let shared = Arc::new(RankShared {
+        rank: place.rank,
+        num_ranks: place.num_ranks,
+        device: place.device,
+        config: config.clone(),
+        layout,
+        group_id: place.group_id,
+        ctx: Arc::clone(ctx),
+        streams,
+        kernels,
+        mem,
+        peers,
+        num_sms,
+        handle_pool: Arc::new(Mutex::new(Vec::new())),
+        timing: Default::default(),
+        turns: Default::default(),
+    });
+    Ok(GpuRank {
+        shared,
+        seqs: Default::default(),
+        slots: Channel::ALL.map(|c| SlotPool::new(c, config.buffer_sets)),
+        poison: Poison::default(),
+    })
 }
 
 /// The dispatch and combine streams, at the device's highest priority: when compute and

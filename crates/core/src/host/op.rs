@@ -65,14 +65,8 @@ impl HostOp {
         (0..self.world.num_ranks).filter(|&r| pred(r)).collect()
     }
 
-    fn ctx<'a>(&'a self, handle: &HostHandle) -> OpContext<'a> {
-        OpContext {
-            config: &self.world.config,
-            num_ranks: self.world.num_ranks,
-            num_tokens: handle.num_tokens(),
-            top_k: handle.top_k(),
-            num_recv: handle.num_recv_tokens().unwrap_or(0),
-        }
+    fn ctx(&self, handle: &HostHandle) -> OpContext<'_> {
+        self.world.op_context(handle)
     }
 
     fn mismatch(&self, peer: usize, msg: &Message) -> Error {

@@ -184,14 +184,8 @@ impl HostRank {
         Ok(())
     }
 
-    fn ctx<'a>(&'a self, handle: &HostHandle) -> OpContext<'a> {
-        OpContext {
-            config: &self.world.config,
-            num_ranks: self.world.num_ranks,
-            num_tokens: handle.num_tokens(),
-            top_k: handle.top_k(),
-            num_recv: handle.num_recv_tokens().unwrap_or(0),
-        }
+    fn ctx(&self, handle: &HostHandle) -> OpContext<'_> {
+        self.world.op_context(handle)
     }
 
     /// Creates a routing handle from `topk_idx` `[B x K]` int64 (collective for high-throughput:

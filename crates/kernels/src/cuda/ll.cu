@@ -34,6 +34,32 @@ struct LlParams {
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
 static_assert(sizeof(LlParams) == 320, "LlParams layout");
 
+// The role of one warp in a send kernel: destination `dest` is served by `wpd` warps, this one is
+// number `j` of them. Returns false for spare warps (they must not report). Lane 0 waits for the
+// destination's credit for this buffer set first (operation seq - S consumed).
+struct SendRole {
+    int dest, j, wpd, lane;
+};
+
+__device__ __forceinline__ bool send_role(const LlParams& p, int chan, SendRole* r) {
+    r->lane = threadIdx.x & 31;
+    const int warps = gridDim.x * (blockDim.x >> 5);
+    const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    r->wpd = warps / p.num_ranks;
+    r->dest = gw / r->wpd;
+    r->j = gw % r->wpd;
+    if (r->dest >= p.num_ranks) return false;
+    if (p.seq >= (u64)p.num_sets && r->lane == 0) {
+        u64* sig = reinterpret_cast<u64*>(p.signals);
+        const u64 deadline = globaltimer_ns() + p.timeout_ns;
+        if (!wait_at_least(sig_at(sig, EP_SIG_CONSUMED(chan), p.set, r->dest), p.seq + 1 - p.num_sets, deadline)) {
+            report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_CREDIT, r->dest, p.seq);
+        }
+    }
+    __syncwarp();
+    return true;
+}
+
 // Reports this warp done with destination `dest`; the last of the `wpd` warps signals it.
 // Every lane fences its own (possibly remote) stores first.
 __device__ __forceinline__ void signal_sent(const LlParams& p, int chan, int dest, int wpd, int lane) {
@@ -56,24 +82,10 @@ __device__ __forceinline__ void signal_sent(const LlParams& p, int chan, int des
 // signals d. Every lane fences its own stores before the warp reports, so the signal is ordered
 // after every payload store of every lane.
 extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(LlParams p) {
-    const int lane = threadIdx.x & 31;
-    const int warps = gridDim.x * (blockDim.x >> 5);
-    const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int R = p.num_ranks, K = p.top_k, H = p.hidden, L = p.num_local, C = p.chunks;
-    const int wpd = warps / R;
-    const int dest = gw / wpd;
-    if (dest >= R) return;
-    const int j = gw % wpd;
-    u64* sig = reinterpret_cast<u64*>(p.signals);
-    const u64 deadline = globaltimer_ns() + p.timeout_ns;
-
-    // Credit: the destination must have consumed operation seq - S from this buffer set.
-    if (p.seq >= (u64)p.num_sets && lane == 0) {
-        if (!wait_at_least(sig_at(sig, EP_SIG_CONSUMED(0), p.set, dest), p.seq + 1 - p.num_sets, deadline)) {
-            report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_CREDIT, dest, p.seq);
-        }
-    }
-    __syncwarp();
+    SendRole role;
+    if (!send_role(p, 0, &role)) return;
+    const int lane = role.lane, dest = role.dest, j = role.j, wpd = role.wpd;
+    const int K = p.top_k, H = p.hidden, L = p.num_local, C = p.chunks;
 
     if (!p.cancelled) {
         const long long* idx = reinterpret_cast<const long long*>(p.topk_idx);
@@ -280,22 +292,10 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p
 // output goes back to s, at [t][k] of its receive region, split in `chunks` pieces. Warps are
 // split over sources as in dispatch.
 extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_send(LlParams p) {
-    const int lane = threadIdx.x & 31;
-    const int warps = gridDim.x * (blockDim.x >> 5);
-    const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int R = p.num_ranks, K = p.top_k, H = p.hidden, M = p.max_tokens, C = p.chunks;
-    const int wpd = warps / R;
-    const int dest = gw / wpd;
-    if (dest >= R) return;
-    const int j = gw % wpd;
-    u64* sig = reinterpret_cast<u64*>(p.signals);
-    const u64 deadline = globaltimer_ns() + p.timeout_ns;
-    if (p.seq >= (u64)p.num_sets && lane == 0) {
-        if (!wait_at_least(sig_at(sig, EP_SIG_CONSUMED(1), p.set, dest), p.seq + 1 - p.num_sets, deadline)) {
-            report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_CREDIT, dest, p.seq);
-        }
-    }
-    __syncwarp();
+    SendRole role;
+    if (!send_role(p, 1, &role)) return;
+    const int lane = role.lane, dest = role.dest, j = role.j, wpd = role.wpd;
+    const int K = p.top_k, H = p.hidden, M = p.max_tokens, C = p.chunks;
     if (!p.cancelled) {
         const int* row_of = reinterpret_cast<const int*>(p.row_of) + (size_t)dest * M * K;
         const __nv_bfloat16* ex = reinterpret_cast<const __nv_bfloat16*>(p.expert_out);
