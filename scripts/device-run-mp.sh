@@ -7,7 +7,7 @@ P=.device-pack
 OUT=${OUT:-/tmp/epflow-out}
 mkdir -p "$OUT"
 # cudarc loads NCCL as `libnccl.so`; the NCCL wheel of the image ships only libnccl.so.2.
-nccl=$(python3 -c "import nvidia.nccl, os; print(os.path.join(os.path.dirname(nvidia.nccl.__file__), 'lib'))" 2>/dev/null || true)
+nccl=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null || true)
 mkdir -p /tmp/epflow-nccl
 if ! ldconfig -p | grep -q "libnccl.so "; then ln -sf "$nccl/libnccl.so.2" /tmp/epflow-nccl/libnccl.so; fi
 export LD_LIBRARY_PATH=/tmp/epflow-nccl:/usr/local/cuda/lib64:$nccl:${LD_LIBRARY_PATH:-} NCCL_NVLS_ENABLE=0 EPFLOW_KERNEL_CACHE=/tmp/epflow-kernels
