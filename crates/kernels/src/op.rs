@@ -55,7 +55,8 @@ impl std::fmt::Debug for GpuOp {
     }
 }
 
-const CONFIGS: u32 = 512;
+/// Threads per block of the send kernels and the dispatch receive kernel.
+const BLOCK_THREADS: u32 = 512;
 
 impl GpuOp {
     pub(crate) fn new(
@@ -98,18 +99,18 @@ impl GpuOp {
         let (f, grid, block) = match which {
             Kernel::DispatchSend => {
                 p.chunks = row_chunks(h, target_warps / (b * r).max(1)) as i32;
-                (&s.kernels.dispatch_send, (b * r * p.chunks as u32).div_ceil(16).clamp(1, sms), CONFIGS)
+                (&s.kernels.dispatch_send, (b * r * p.chunks as u32).div_ceil(16).clamp(1, sms), BLOCK_THREADS)
             }
             Kernel::DispatchRecv => {
                 let payload = if p.fp8 != 0 { h } else { 2 * h };
                 p.chunks = if payload % 64 == 0 { 4 } else { 1 };
                 p.splits = (sms as i32 / p.num_local).clamp(1, 4);
-                (&s.kernels.dispatch_recv, ((p.num_local * p.splits) as u32).min(sms), CONFIGS)
+                (&s.kernels.dispatch_recv, ((p.num_local * p.splits) as u32).min(sms), BLOCK_THREADS)
             }
             Kernel::CombineSend => {
                 p.chunks = row_chunks(h, target_warps / (b * k).max(1)) as i32;
                 let items = r * m * k * p.chunks as u32;
-                (&s.kernels.combine_send, items.div_ceil(4 * 16).clamp(1, sms), CONFIGS)
+                (&s.kernels.combine_send, items.div_ceil(4 * 16).clamp(1, sms), BLOCK_THREADS)
             }
             Kernel::CombineRecv => {
                 p.chunks = if h % 32 == 0 { 4 } else { 1 };
@@ -218,6 +219,21 @@ pub(crate) fn row_chunks(hidden: usize, want: u32) -> u32 {
     }
     let units = (hidden / 256) as u32;
     (1..=units.min(want.max(1))).rev().find(|c| units % c == 0).unwrap_or(1)
+}
+
+impl Drop for GpuOp {
+    /// An operation dropped before its completion was observed (an error path; the async runtime
+    /// finishes abandoned operations instead) waits for its own device work, bounded by the
+    /// device-side timeout, so the inputs it keeps alive are never freed while a kernel reads them.
+    fn drop(&mut self) {
+        if !self.sent || bind(&self.shared.ctx).is_err() {
+            return;
+        }
+        let _ = match &self.done {
+            Some(done) => done.synchronize(),
+            None => self.shared.streams[self.chan()].synchronize(),
+        };
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
