@@ -6,13 +6,13 @@ mod common;
 use std::sync::Arc;
 use std::task::Context;
 
-use common::{Checked, H, M, checked, groups, ll_round};
+use common::{Checked, H, M, checked, ll_round};
 use epflow_async::Group;
 use epflow_core::Error;
 use epflow_core::host::HostRank;
 use epflow_core::ops::{CombineInputs, DispatchInputs};
 use epflow_core::scenario::ll_identity_expert_outputs;
-use epflow_core::verify::{Tolerance, check_bf16, check_ll_dispatch};
+use epflow_core::verify::{Tolerance, check_bf16};
 use futures::FutureExt;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -97,9 +97,7 @@ async fn rank_loop(g: Group<HostRank>, cs: Arc<Vec<Checked>>) {
         if let Some(res) = act(g.dispatch(&handle, DispatchInputs::new(&x)), action).await {
             match ok_or_peer_cancelled(res) {
                 Some(out) => {
-                    let rep =
-                        check_ll_dispatch(&c.dispatch[r], H, rows, out.tokens().data(), None, out.counts().unwrap());
-                    assert!(rep.ok(), "iteration {it} rank {r}: {rep:?}");
+                    common::assert_dispatch(c, r, g.num_ranks(), &out);
                     outcomes[0] += 1;
                 }
                 None => outcomes[1] += 1,
@@ -129,12 +127,5 @@ async fn rank_loop(g: Group<HostRank>, cs: Arc<Vec<Checked>>) {
 #[test]
 fn random_drops_at_every_await_point_keep_later_ops_correct() {
     let cs: Arc<Vec<Checked>> = Arc::new((0..8).map(|i| checked(4, 900 + i)).collect());
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().unwrap();
-    rt.block_on(async {
-        let tasks: Vec<_> =
-            groups(4, common::config()).into_iter().map(|g| tokio::spawn(rank_loop(g, Arc::clone(&cs)))).collect();
-        for t in tasks {
-            t.await.unwrap();
-        }
-    });
+    common::on_tokio_ranks(4, common::config(), cs, rank_loop);
 }

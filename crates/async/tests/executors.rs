@@ -22,22 +22,10 @@ fn tokio_current_thread_all_ranks_on_one_thread() {
 
 #[test]
 fn tokio_multi_thread_ranks_as_tasks() {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().unwrap();
     let c = std::sync::Arc::new(checked(4, 12));
-    rt.block_on(async {
-        let tasks: Vec<_> = groups(4, common::config())
-            .into_iter()
-            .map(|g| {
-                let c = std::sync::Arc::clone(&c);
-                tokio::spawn(async move {
-                    for staged in [true, false, true] {
-                        ll_round(&g, &c, staged).await.unwrap();
-                    }
-                })
-            })
-            .collect();
-        for t in tasks {
-            t.await.unwrap();
+    common::on_tokio_ranks(4, common::config(), c, |g, c| async move {
+        for staged in [true, false, true] {
+            ll_round(&g, &c, staged).await.unwrap();
         }
     });
 }

@@ -6,11 +6,10 @@ use std::sync::Arc;
 use std::task::Context;
 use std::time::{Duration, Instant};
 
-use common::{H, M, checked, groups};
+use common::{H, assert_dispatch, checked, groups, on_tokio_ranks};
 use epflow_async::Group;
 use epflow_core::host::HostRank;
 use epflow_core::ops::DispatchInputs;
-use epflow_core::verify::check_ll_dispatch;
 use epflow_core::{Error, GroupConfig};
 use futures::FutureExt;
 
@@ -23,45 +22,23 @@ fn rt() -> tokio::runtime::Runtime {
 #[test]
 fn ops_created_in_order_complete_correctly_from_other_tasks() {
     let cs: Arc<Vec<_>> = Arc::new((0..6).map(|i| checked(4, 100 + i)).collect());
-    rt().block_on(async {
-        let tasks: Vec<_> = groups(4, common::config())
-            .into_iter()
-            .map(|g| {
-                let cs = Arc::clone(&cs);
-                tokio::spawn(async move {
-                    let r = g.rank();
-                    for pair in cs.chunks(2) {
-                        let (a, b) = (&pair[0], &pair[1]);
-                        let (ha, hb) = (
-                            g.create_handle(&a.sc.topk_idx(r)).await.unwrap(),
-                            g.create_handle(&b.sc.topk_idx(r)).await.unwrap(),
-                        );
-                        let (xa, xb) = (a.sc.tokens(r), b.sc.tokens(r));
-                        // Created A then B: A is dispatch #n, B #n+1 on every rank.
-                        let fa = g.dispatch(&ha, DispatchInputs::new(&xa));
-                        let fb = g.dispatch(&hb, DispatchInputs::new(&xb));
-                        // Await B first, on another task, and A afterwards here.
-                        let tb = tokio::spawn(fb);
-                        tokio::time::sleep(Duration::from_millis(1)).await;
-                        let oa = fa.await.unwrap();
-                        let ob = tb.await.unwrap().unwrap();
-                        for (o, c) in [(&oa, a), (&ob, b)] {
-                            let rep = check_ll_dispatch(
-                                &c.dispatch[r],
-                                H,
-                                4 * M,
-                                o.tokens().data(),
-                                None,
-                                o.counts().unwrap(),
-                            );
-                            assert!(rep.ok(), "rank {r}: {rep:?}");
-                        }
-                    }
-                })
-            })
-            .collect();
-        for t in tasks {
-            t.await.unwrap();
+    on_tokio_ranks(4, common::config(), cs, |g, cs| async move {
+        let r = g.rank();
+        for pair in cs.chunks(2) {
+            let (a, b) = (&pair[0], &pair[1]);
+            let (ha, hb) =
+                (g.create_handle(&a.sc.topk_idx(r)).await.unwrap(), g.create_handle(&b.sc.topk_idx(r)).await.unwrap());
+            let (xa, xb) = (a.sc.tokens(r), b.sc.tokens(r));
+            // Created A then B: A is dispatch #n, B #n+1 on every rank.
+            let fa = g.dispatch(&ha, DispatchInputs::new(&xa));
+            let fb = g.dispatch(&hb, DispatchInputs::new(&xb));
+            // Await B first, on another task, and A afterwards here.
+            let tb = tokio::spawn(fb);
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            let oa = fa.await.unwrap();
+            let ob = tb.await.unwrap().unwrap();
+            assert_dispatch(a, r, 4, &oa);
+            assert_dispatch(b, r, 4, &ob);
         }
     });
 }
@@ -71,47 +48,28 @@ fn ops_created_in_order_complete_correctly_from_other_tasks() {
 #[test]
 fn extra_op_waits_for_a_free_buffer_set() {
     let cs: Arc<Vec<_>> = Arc::new((0..3).map(|i| checked(4, 200 + i)).collect());
-    rt().block_on(async {
-        let tasks: Vec<_> = groups(4, common::config())
-            .into_iter()
-            .map(|g| {
-                let cs = Arc::clone(&cs);
-                tokio::spawn(async move {
-                    let r = g.rank();
-                    let mut hs = Vec::new();
-                    for c in cs.iter() {
-                        hs.push(g.create_handle(&c.sc.topk_idx(r)).await.unwrap());
-                    }
-                    let xs: Vec<_> = cs.iter().map(|c| c.sc.tokens(r)).collect();
-                    let s0 = g.dispatch(&hs[0], DispatchInputs::new(&xs[0])).send_only().await.unwrap();
-                    let s1 = g.dispatch(&hs[1], DispatchInputs::new(&xs[1])).send_only().await.unwrap();
-                    let o0 = s0.await.unwrap();
-                    let o1 = s1.await.unwrap();
-                    let mut third = g.dispatch(&hs[2], DispatchInputs::new(&xs[2])).send_only();
-                    let waker = futures::task::noop_waker();
-                    for _ in 0..3 {
-                        assert!(
-                            third.poll_unpin(&mut Context::from_waker(&waker)).is_pending(),
-                            "set 0 is still held by o0"
-                        );
-                        tokio::time::sleep(Duration::from_millis(5)).await;
-                    }
-                    let rep =
-                        check_ll_dispatch(&cs[0].dispatch[r], H, 4 * M, o0.tokens().data(), None, o0.counts().unwrap());
-                    assert!(rep.ok());
-                    drop(o0);
-                    let o2 = third.await.unwrap().await.unwrap();
-                    for (o, c) in [(&o1, &cs[1]), (&o2, &cs[2])] {
-                        let rep =
-                            check_ll_dispatch(&c.dispatch[r], H, 4 * M, o.tokens().data(), None, o.counts().unwrap());
-                        assert!(rep.ok(), "rank {r}: {rep:?}");
-                    }
-                })
-            })
-            .collect();
-        for t in tasks {
-            t.await.unwrap();
+    on_tokio_ranks(4, common::config(), cs, |g, cs| async move {
+        let r = g.rank();
+        let mut hs = Vec::new();
+        for c in cs.iter() {
+            hs.push(g.create_handle(&c.sc.topk_idx(r)).await.unwrap());
         }
+        let xs: Vec<_> = cs.iter().map(|c| c.sc.tokens(r)).collect();
+        let s0 = g.dispatch(&hs[0], DispatchInputs::new(&xs[0])).send_only().await.unwrap();
+        let s1 = g.dispatch(&hs[1], DispatchInputs::new(&xs[1])).send_only().await.unwrap();
+        let o0 = s0.await.unwrap();
+        let o1 = s1.await.unwrap();
+        let mut third = g.dispatch(&hs[2], DispatchInputs::new(&xs[2])).send_only();
+        let waker = futures::task::noop_waker();
+        for _ in 0..3 {
+            assert!(third.poll_unpin(&mut Context::from_waker(&waker)).is_pending(), "set 0 is still held by o0");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_dispatch(&cs[0], r, 4, &o0);
+        drop(o0);
+        let o2 = third.await.unwrap().await.unwrap();
+        assert_dispatch(&cs[1], r, 4, &o1);
+        assert_dispatch(&cs[2], r, 4, &o2);
     });
 }
 

@@ -3,7 +3,10 @@
 #![allow(dead_code)]
 
 use epflow_async::Group;
-use epflow_core::host::{HostRank, HostWorld};
+use std::future::Future;
+use std::sync::Arc;
+
+use epflow_core::host::{HostDispatchOutput, HostRank, HostWorld};
 use epflow_core::ops::{CombineInputs, DispatchInputs};
 use epflow_core::reference::LlDispatchResult;
 use epflow_core::scenario::{Scenario, ll_identity_expert_outputs};
@@ -49,9 +52,8 @@ pub async fn ll_round(g: &Group<HostRank>, c: &Checked, staged: bool) -> Result<
         g.dispatch(&handle, DispatchInputs::new(&x)).await?
     };
     let rows = g.num_ranks() * M;
+    assert_dispatch(c, r, g.num_ranks(), &out);
     let counts = out.counts().unwrap().to_vec();
-    let rep = check_ll_dispatch(&c.dispatch[r], H, rows, out.tokens().data(), None, &counts);
-    assert!(rep.ok(), "rank {r} dispatch: {rep:?}");
     let experts = ll_identity_expert_outputs(out.tokens().data(), None, &counts, rows, H);
     drop(out);
     let w = c.sc.weights(r);
@@ -68,4 +70,28 @@ pub async fn ll_round(g: &Group<HostRank>, c: &Checked, staged: bool) -> Result<
 /// `tokens` as a tensor of `rows` tokens.
 pub fn tokens(rows: usize, fill: f32) -> HostTensor {
     HostTensor::tokens(rows, H, vec![bf16::from_f32(fill); rows * H])
+}
+
+/// Runs `f` for every rank of a fresh world of `num_ranks` ranks, each as a task of a
+/// multi-thread tokio runtime, and waits for all of them (a panic in any fails the test).
+pub fn on_tokio_ranks<D, F, Fut>(num_ranks: usize, config: GroupConfig, data: Arc<D>, f: F)
+where
+    D: Send + Sync + 'static,
+    F: Fn(Group<HostRank>, Arc<D>) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().unwrap();
+    rt.block_on(async {
+        let tasks: Vec<_> =
+            groups(num_ranks, config).into_iter().map(|g| tokio::spawn(f(g, Arc::clone(&data)))).collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+    });
+}
+
+/// Asserts that rank `r`'s dispatch outputs equal the reference of `c` bit for bit.
+pub fn assert_dispatch(c: &Checked, r: usize, num_ranks: usize, out: &HostDispatchOutput) {
+    let rep = check_ll_dispatch(&c.dispatch[r], H, num_ranks * M, out.tokens().data(), None, out.counts().unwrap());
+    assert!(rep.ok(), "rank {r}: {rep:?}");
 }
