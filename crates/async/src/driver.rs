@@ -30,8 +30,9 @@ enum Stage {
     Done,
 }
 
-/// What one wait is for, in timeout errors.
-#[derive(Clone, Copy)]
+/// What one wait is for: names the condition in timeout errors, and keys the registration so
+/// a wait is only resumed for the condition it was made for.
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum WaitKind {
     Slot,
     Credits,
@@ -44,7 +45,9 @@ pub(crate) struct OpDriver<B: Backend> {
     op: Option<B::Op>,
     stage: Stage,
     slot: Option<SlotGuard>,
-    wait: Option<Registration>,
+    /// The reactor registration of the wait in progress, with the condition it watches. A fast
+    /// path can move the operation on while one is outstanding; it is then stale and replaced.
+    wait: Option<(WaitKind, Registration)>,
     phase_start: Instant,
     send_span: Span,
     complete_span: Option<Span>,
@@ -116,11 +119,14 @@ impl<B: Backend> OpDriver<B> {
         kind: WaitKind,
         probe: impl FnOnce() -> Box<dyn Probe>,
     ) -> Poll<Result<()>> {
-        if self.wait.is_none() {
-            let deadline = self.phase_start + self.backend.config().timeout;
-            self.wait = Some(Registration::new(probe(), deadline));
-        }
-        let outcome = ready!(self.wait.as_ref().map_or(Poll::Ready(WaitOutcome::Ready), |w| w.poll(cx)));
+        let reg = match &mut self.wait {
+            Some((k, reg)) if *k == kind => reg,
+            wait => {
+                let deadline = self.phase_start + self.backend.config().timeout;
+                &mut wait.insert((kind, Registration::new(probe(), deadline))).1
+            }
+        };
+        let outcome = ready!(reg.poll(cx));
         self.wait = None;
         match outcome {
             WaitOutcome::Ready => Poll::Ready(Ok(())),

@@ -67,7 +67,12 @@ fn extra_op_waits_for_a_free_buffer_set() {
         }
         assert_dispatch(&cs[0], r, 4, &o0);
         drop(o0);
+        let freed = Instant::now();
         let o2 = third.await.unwrap().await.unwrap();
+        // Liveness, not speed: the freed set and the peers' data must wake the op, long
+        // before its deadline (a stale wait used to sleep until it).
+        let took = freed.elapsed();
+        assert!(took < common::config().timeout / 2, "rank {r}: third op took {took:?} after its set was freed");
         assert_dispatch(&cs[1], r, 4, &o1);
         assert_dispatch(&cs[2], r, 4, &o2);
     });
