@@ -6,16 +6,12 @@ use std::sync::Arc;
 use std::task::Context;
 use std::time::{Duration, Instant};
 
-use common::{H, assert_dispatch, checked, groups, on_tokio_ranks};
+use common::{H, assert_dispatch, checked, groups, on_tokio_ranks, tokio_rt};
 use epflow_async::Group;
 use epflow_core::host::HostRank;
 use epflow_core::ops::DispatchInputs;
 use epflow_core::{Error, GroupConfig};
 use futures::FutureExt;
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().unwrap()
-}
 
 /// Operations created in one order and awaited from different tasks in another keep the
 /// creation order: each result matches its own scenario.
@@ -85,7 +81,7 @@ fn absent_rank_times_out_then_poisoned() {
     let timeout = Duration::from_millis(250);
     let c = checked(4, 300);
     let gs: Vec<Group<HostRank>> = groups(4, common::config().with_timeout(timeout));
-    rt().block_on(async {
+    tokio_rt().block_on(async {
         let waits = gs.iter().take(3).map(|g| async {
             let r = g.rank();
             let h = g.create_handle(&c.sc.topk_idx(r)).await.unwrap();

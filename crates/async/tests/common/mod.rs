@@ -72,6 +72,11 @@ pub fn tokens(rows: usize, fill: f32) -> HostTensor {
     HostTensor::tokens(rows, H, vec![bf16::from_f32(fill); rows * H])
 }
 
+/// A multi-thread tokio runtime with 4 workers, timers and I/O on.
+pub fn tokio_rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().unwrap()
+}
+
 /// Runs `f` for every rank of a fresh world of `num_ranks` ranks, each as a task of a
 /// multi-thread tokio runtime, and waits for all of them (a panic in any fails the test).
 pub fn on_tokio_ranks<D, F, Fut>(num_ranks: usize, config: GroupConfig, data: Arc<D>, f: F)
@@ -80,8 +85,7 @@ where
     F: Fn(Group<HostRank>, Arc<D>) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().unwrap();
-    rt.block_on(async {
+    tokio_rt().block_on(async {
         let tasks: Vec<_> =
             groups(num_ranks, config).into_iter().map(|g| tokio::spawn(f(g, Arc::clone(&data)))).collect();
         for t in tasks {
