@@ -2,10 +2,7 @@
 # Runs on a GPU machine from the repository root (after scripts/device-pack.sh here): the GPU
 # correctness tests, compute-sanitizer, and the low-latency benchmark table. Logs go to $OUT.
 set -u
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} NCCL_NVLS_ENABLE=0 EPFLOW_KERNEL_CACHE=/tmp/epflow-kernels
-P=.device-pack
-OUT=${OUT:-/tmp/epflow-out}
-mkdir -p "$OUT"
+source "$(dirname "$0")/device-env.sh"
 n=$(nvidia-smi -L | wc -l)
 echo "== $n GPUs"
 $P/epflow kernels | tail -2
@@ -14,10 +11,7 @@ timeout 400 $P/gpu_ll --test-threads=1 --nocapture >"$OUT/gpu_ll.log" 2>&1; echo
 grep -E "^(test |ok: |seed|[0-9]+ staged|rank [0-9]+:)|FAILED|panicked" "$OUT/gpu_ll.log" | tail -25
 timeout 120 $P/gpu_async --nocapture >"$OUT/gpu_async.log" 2>&1; echo "gpu_async rc=$?"; grep -E "^test " "$OUT/gpu_async.log"
 echo "== compute-sanitizer (2 GPUs)"
-for tool in memcheck racecheck; do
-  timeout 240 compute-sanitizer --tool $tool --print-limit 5 $P/gpu_ll ll_sanitizer_config --test-threads=1 >"$OUT/sanitizer-$tool.log" 2>&1
-  echo "$tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|test result' "$OUT/sanitizer-$tool.log" | tr '\n' ' ')"
-done
+sanitize
 echo "== benchmarks"
 bench() { echo "-- epflow bench $*"; timeout 90 $P/epflow bench --validate "$@" 2>&1 | grep -E "^(Dispatch|Combine|Total|Device memory|Validation|  *throughput)|send half" ; }
 bench --ranks 4

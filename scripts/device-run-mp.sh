@@ -3,24 +3,14 @@
 # compute-sanitizer on the final kernels, the GPU two-batch-overlap example and the reactor
 # benchmark. Logs go to $OUT.
 set -u
-P=.device-pack
-OUT=${OUT:-/tmp/epflow-out}
-mkdir -p "$OUT"
-# cudarc loads NCCL as `libnccl.so`; the NCCL wheel of the image ships only libnccl.so.2.
-nccl=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null || true)
-mkdir -p /tmp/epflow-nccl
-if ! ldconfig -p | grep -q "libnccl.so "; then ln -sf "$nccl/libnccl.so.2" /tmp/epflow-nccl/libnccl.so; fi
-export LD_LIBRARY_PATH=/tmp/epflow-nccl:/usr/local/cuda/lib64:$nccl:${LD_LIBRARY_PATH:-} NCCL_NVLS_ENABLE=0 EPFLOW_KERNEL_CACHE=/tmp/epflow-kernels
+source "$(dirname "$0")/device-env.sh"
 seed=$(date +%s%N)
 for n in 4 2; do
   EPFLOW_TEST_SEED=$seed timeout 240 $P/epflow launch -n $n -- $P/gpu_ll ll_one_process_per_gpu --nocapture --test-threads=1 >"$OUT/mp$n.log" 2>&1
   echo "one process per GPU, $n GPUs: rc=$? ($(grep -c '^ok: ' "$OUT/mp$n.log") ok lines)"; grep -E "panicked|FAILED|error" "$OUT/mp$n.log" | head -3
 done
 echo "== compute-sanitizer (2 GPUs, final kernels)"
-for tool in memcheck racecheck; do
-  timeout 240 compute-sanitizer --tool $tool --print-limit 5 $P/gpu_ll ll_sanitizer_config --test-threads=1 >"$OUT/sanitizer-$tool.log" 2>&1
-  echo "$tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|test result' "$OUT/sanitizer-$tool.log" | tr '\n' ' ')"
-done
+sanitize
 echo "== benchmarks, one process per GPU"
 bench() { echo "-- epflow launch -n $1 -- epflow bench ${*:2}"; timeout 120 $P/epflow launch -n "$1" -- $P/epflow bench --validate "${@:2}" 2>&1 | grep -E "^(epflow bench|Dispatch|Combine|Device memory|Validation)|send half|error" ; }
 bench 4

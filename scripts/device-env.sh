@@ -1,0 +1,19 @@
+# Sourced by the scripts/device-run-*.sh scripts on a GPU machine: the library paths (CUDA and
+# the NCCL wheel), NVLink multicast off, the packed binaries in $P, the log folder $OUT, and
+# `sanitize`, which runs the GPU tests' sanitizer configuration under compute-sanitizer.
+P=.device-pack
+OUT=${OUT:-/tmp/epflow-out}
+mkdir -p "$OUT"
+# cudarc loads NCCL as `libnccl.so`; the NCCL wheel of the image ships only libnccl.so.2.
+nccl=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null || true)
+mkdir -p /tmp/epflow-nccl
+if ! ldconfig -p | grep -q "libnccl.so " && [ -n "$nccl" ]; then ln -sf "$nccl/libnccl.so.2" /tmp/epflow-nccl/libnccl.so; fi
+export LD_LIBRARY_PATH=/tmp/epflow-nccl:/usr/local/cuda/lib64:$nccl:${LD_LIBRARY_PATH:-} NCCL_NVLS_ENABLE=0 EPFLOW_KERNEL_CACHE=/tmp/epflow-kernels
+
+# memcheck and racecheck over the 2-GPU sanitizer test; one summary line per tool.
+sanitize() {
+  for tool in memcheck racecheck; do
+    timeout 240 compute-sanitizer --tool $tool --print-limit 5 $P/gpu_ll ll_sanitizer_config --test-threads=1 >"$OUT/sanitizer-$tool.log" 2>&1
+    echo "$tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|test result' "$OUT/sanitizer-$tool.log" | tr '\n' ' ')"
+  done
+}
