@@ -128,32 +128,17 @@ impl DeviceTensor {
             e.synchronize().map_err(|e| crate::driver::cuda("wait for tensor", e))?;
         }
         let n = self.desc.numel();
+        fn read<T: Copy>(ctx: &cudarc::driver::CudaContext, ptr: u64, n: usize, zero: T) -> Result<Vec<T>, Error> {
+            let mut v = vec![zero; n];
+            copy_to_host(ctx, ptr, &mut v)?;
+            Ok(v)
+        }
         let data = match self.desc.dtype {
-            epflow_core::DType::Bf16 => {
-                let mut v = vec![epflow_core::bf16::ZERO; n];
-                copy_to_host(ctx, self.ptr, &mut v)?;
-                HostData::Bf16(v)
-            }
-            epflow_core::DType::F32 => {
-                let mut v = vec![0f32; n];
-                copy_to_host(ctx, self.ptr, &mut v)?;
-                HostData::F32(v)
-            }
-            epflow_core::DType::I32 => {
-                let mut v = vec![0i32; n];
-                copy_to_host(ctx, self.ptr, &mut v)?;
-                HostData::I32(v)
-            }
-            epflow_core::DType::I64 => {
-                let mut v = vec![0i64; n];
-                copy_to_host(ctx, self.ptr, &mut v)?;
-                HostData::I64(v)
-            }
-            epflow_core::DType::Fp8E4m3 => {
-                let mut v = vec![0u8; n];
-                copy_to_host(ctx, self.ptr, &mut v)?;
-                HostData::Fp8(v)
-            }
+            epflow_core::DType::Bf16 => HostData::Bf16(read(ctx, self.ptr, n, epflow_core::bf16::ZERO)?),
+            epflow_core::DType::F32 => HostData::F32(read(ctx, self.ptr, n, 0f32)?),
+            epflow_core::DType::I32 => HostData::I32(read(ctx, self.ptr, n, 0i32)?),
+            epflow_core::DType::I64 => HostData::I64(read(ctx, self.ptr, n, 0i64)?),
+            epflow_core::DType::Fp8E4m3 => HostData::Fp8(read(ctx, self.ptr, n, 0u8)?),
         };
         Ok(HostTensor::new(self.desc.tag, &self.desc.shape, data))
     }
