@@ -25,7 +25,7 @@ for line in sys.stdin:
         continue
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] != ["bin"]:
         print(m["target"]["name"], m["executable"])'; }
-{ list test --release -p epflow-kernels --test gpu_ll; list test --release -p epflow --test gpu_async; list bench -p epflow --bench reactor; } |
+{ list test --release -p epflow-kernels --test gpu_ll; list test --release -p epflow-kernels --test gpu_ht; list test --release -p epflow --test gpu_async; list bench -p epflow --bench reactor; } |
     while read -r name exe; do cp "$exe" "$out/$name"; done
 strip "$out"/* 2>/dev/null || true
 du -sh "$out"

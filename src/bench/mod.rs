@@ -67,6 +67,7 @@ pub(crate) enum BenchError {
 /// Runs `epflow bench`; exit code 0 on success, 1 on a failure or a failed validation, 2 on bad
 /// flags.
 pub fn main(args: &BenchArgs) -> ExitCode {
+    let args = &resolve_algorithm(args);
     match run(args) {
         Ok(None) => ExitCode::SUCCESS,
         Ok(Some(report)) => {
@@ -91,10 +92,26 @@ pub fn main(args: &BenchArgs) -> ExitCode {
     }
 }
 
+/// `--algorithm auto` made concrete: low-latency up to [`epflow_core::config::HT_MIN_TOKENS`]
+/// tokens per rank, high-throughput from there (see [`epflow_core::Algorithm::for_tokens`]).
+pub(crate) fn resolve_algorithm(args: &BenchArgs) -> BenchArgs {
+    let mut out = args.clone();
+    if args.algorithm == AlgorithmArg::Auto {
+        let tokens = args.tokens.unwrap_or(128);
+        out.tokens = Some(tokens);
+        out.algorithm = match epflow_core::Algorithm::for_tokens(tokens) {
+            epflow_core::Algorithm::LowLatency => AlgorithmArg::Ll,
+            epflow_core::Algorithm::HighThroughput => AlgorithmArg::Ht,
+        };
+        eprintln!("note: --algorithm auto: {tokens} tokens per rank -> {}", out.algorithm.name());
+    }
+    out
+}
+
 /// The group config the flags describe, checked for `ranks` ranks.
 pub(crate) fn config_from_args(args: &BenchArgs, ranks: usize) -> Result<(GroupConfig, usize), BenchError> {
     let tokens = args.tokens.unwrap_or(match args.algorithm {
-        AlgorithmArg::Ll => 128,
+        AlgorithmArg::Ll | AlgorithmArg::Auto => 128,
         AlgorithmArg::Ht => 4096,
     });
     if tokens == 0 {
@@ -114,7 +131,7 @@ pub(crate) fn config_from_args(args: &BenchArgs, ranks: usize) -> Result<(GroupC
         DtypeArg::Fp8 => DispatchDtype::Fp8 { round_scales: args.round_scales },
     };
     let config = match args.algorithm {
-        AlgorithmArg::Ll => GroupConfig::low_latency(args.experts, tokens, args.hidden),
+        AlgorithmArg::Ll | AlgorithmArg::Auto => GroupConfig::low_latency(args.experts, tokens, args.hidden),
         AlgorithmArg::Ht => GroupConfig::high_throughput(args.experts, args.hidden),
     }
     .with_dispatch_dtype(dtype)
@@ -145,17 +162,8 @@ fn run_single_process(args: &BenchArgs) -> Result<BenchReport, BenchError> {
             return Err(BenchError::Usage("--backend gpu: no CUDA device found on this machine".into()));
         }
         BackendArg::Gpu => true,
-        BackendArg::Auto if gpus > 0 && args.algorithm == AlgorithmArg::Ht => {
-            eprintln!("note: high-throughput on GPUs is not built yet; running on the host backend");
-            false
-        }
         BackendArg::Auto => gpus > 0,
     };
-    if use_gpu && args.algorithm == AlgorithmArg::Ht {
-        return Err(BenchError::Usage(
-            "--backend gpu runs --algorithm ll (high-throughput on GPUs is not built yet)".into(),
-        ));
-    }
     let ranks = args.ranks.unwrap_or(if use_gpu { gpus } else { 4 });
     if use_gpu && ranks > gpus {
         return Err(BenchError::Usage(format!("--ranks {ranks}: this machine has {gpus} GPUs")));
@@ -260,10 +268,7 @@ pub(crate) fn summarise(
         results.iter().map(|r| f(r).clone()).collect()
     };
     BenchReport {
-        algorithm: match args.algorithm {
-            AlgorithmArg::Ll => "ll",
-            AlgorithmArg::Ht => "ht",
-        },
+        algorithm: args.algorithm.name(),
         backend: backend.into(),
         device: device.into(),
         ranks,

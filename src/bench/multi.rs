@@ -10,7 +10,7 @@ use epflow_kernels::bootstrap::{LaunchEnv, all_gather, barrier};
 use super::runner::{LoopPlan, RankResult, run_rank};
 use super::stats::{BenchReport, RankTimes};
 use super::{BenchError, config_from_args, references, summarise};
-use crate::cli::{AlgorithmArg, BackendArg, BenchArgs};
+use crate::cli::{BackendArg, BenchArgs};
 
 fn encode(r: &RankResult, iters: usize) -> Vec<f64> {
     let mut v = Vec::new();
@@ -62,9 +62,6 @@ pub fn run(args: &BenchArgs, env: &LaunchEnv) -> Result<Option<BenchReport>, Ben
         return Err(BenchError::Usage(
             "processes started by `epflow launch` run the GPU backend; drop --backend host".into(),
         ));
-    }
-    if args.algorithm == AlgorithmArg::Ht {
-        return Err(BenchError::Usage("--algorithm ht on GPUs is not built yet".into()));
     }
     let ranks = env.world_size;
     if args.ranks.is_some_and(|r| r != ranks) {

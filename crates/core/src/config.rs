@@ -14,7 +14,19 @@ pub enum Algorithm {
     HighThroughput,
 }
 
+/// [`Algorithm::for_tokens`] picks high-throughput from this many tokens per rank.
+///
+/// Measured on 4 x H200 (H = 7168, K = 8, E = 256, BF16; `benches/NOTES.md`): low-latency is
+/// faster up to 256 tokens per rank, high-throughput from 512.
+pub const HT_MIN_TOKENS: usize = 257;
+
 impl Algorithm {
+    /// The algorithm that moves `tokens_per_rank` tokens fastest: low-latency for decode-sized
+    /// batches (below [`HT_MIN_TOKENS`]), high-throughput for prefill and training.
+    pub const fn for_tokens(tokens_per_rank: usize) -> Self {
+        if tokens_per_rank < HT_MIN_TOKENS { Algorithm::LowLatency } else { Algorithm::HighThroughput }
+    }
+
     /// `"ll"` or `"ht"`.
     pub const fn short_name(self) -> &'static str {
         match self {

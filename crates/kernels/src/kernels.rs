@@ -8,7 +8,7 @@ use epflow_core::Error;
 
 use crate::driver::cuda;
 use crate::nvrtc::compile;
-use crate::sources::{LL, UTIL};
+use crate::sources::{HT, LL, UTIL};
 
 /// Every kernel epflow launches, loaded into one context.
 #[derive(Debug, Clone)]
@@ -17,6 +17,9 @@ pub(crate) struct Kernels {
     pub dispatch_recv: CudaFunction,
     pub combine_send: CudaFunction,
     pub combine_recv: CudaFunction,
+    pub ht_dispatch: CudaFunction,
+    pub ht_combine: CudaFunction,
+    pub ht_exchange: CudaFunction,
     pub dequant_fp8: CudaFunction,
 }
 
@@ -34,6 +37,7 @@ impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Self, Error> {
         let arch = device_arch(ctx)?;
         let ll = ctx.load_module(Ptx::from_binary(compile(&LL, &arch)?)).map_err(|e| cuda("load ll module", e))?;
+        let ht = ctx.load_module(Ptx::from_binary(compile(&HT, &arch)?)).map_err(|e| cuda("load ht module", e))?;
         let util =
             ctx.load_module(Ptx::from_binary(compile(&UTIL, &arch)?)).map_err(|e| cuda("load util module", e))?;
         let f = |m: &Arc<cudarc::driver::CudaModule>, name: &str| {
@@ -44,6 +48,9 @@ impl Kernels {
             dispatch_recv: f(&ll, "ep_ll_dispatch_recv")?,
             combine_send: f(&ll, "ep_ll_combine_send")?,
             combine_recv: f(&ll, "ep_ll_combine_recv")?,
+            ht_dispatch: f(&ht, "ep_ht_dispatch")?,
+            ht_combine: f(&ht, "ep_ht_combine")?,
+            ht_exchange: f(&ht, "ep_ht_exchange")?,
             dequant_fp8: f(&util, "ep_dequant_fp8_rows")?,
         })
     }

@@ -1,9 +1,169 @@
-//! How big every buffer of a low-latency group is (pure arithmetic, checked on CI).
+//! How big every buffer of a group is (pure arithmetic, checked on CI): [`LlLayout`] for
+//! low-latency groups, [`HtLayout`] for high-throughput ones.
 
 use epflow_core::config::FP8_BLOCK;
-use epflow_core::{Error, GroupConfig};
+use epflow_core::{Algorithm, Error, GroupConfig};
 
-use crate::params::{HDR_BYTES, MAX_RANKS};
+use crate::params::{HDR_BYTES, HT_MAX_CHANNELS, HT_MAX_WARPS, MAX_RANKS, SIGNAL_PAGE_BYTES};
+
+/// The buffers of a group, by algorithm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Low-latency.
+    Ll(LlLayout),
+    /// High-throughput.
+    Ht(HtLayout),
+}
+
+impl Layout {
+    /// The layout of `config` on `num_ranks` ranks (the config must be valid).
+    pub fn new(config: &GroupConfig, num_ranks: usize) -> Result<Self, Error> {
+        if num_ranks > MAX_RANKS {
+            return Err(Error::Unsupported(format!(
+                "the NVLink kernels support up to {MAX_RANKS} ranks, not {num_ranks}"
+            )));
+        }
+        Ok(match config.algorithm {
+            Algorithm::LowLatency => Layout::Ll(LlLayout::new(config, num_ranks)?),
+            Algorithm::HighThroughput => Layout::Ht(HtLayout::new(config, num_ranks)),
+        })
+    }
+
+    /// Device bytes of the whole group on one rank, excluding handles and (high-throughput)
+    /// outputs.
+    pub fn total_bytes(&self) -> usize {
+        match self {
+            Layout::Ll(l) => l.total_bytes(),
+            Layout::Ht(h) => h.total_bytes(),
+        }
+    }
+
+    /// The low-latency layout, or an error naming `what` for a high-throughput group.
+    pub fn ll(&self, what: &str) -> Result<&LlLayout, Error> {
+        match self {
+            Layout::Ll(l) => Ok(l),
+            Layout::Ht(_) => Err(Error::Backend(format!("{what} is low-latency only"))),
+        }
+    }
+
+    /// Dispatch receive region bytes (LL: every buffer set; HT: every ring).
+    pub fn dispatch_recv_bytes(&self) -> usize {
+        match self {
+            Layout::Ll(l) => l.dispatch_recv_set_bytes() * l.sets,
+            Layout::Ht(h) => h.ring_region_bytes(),
+        }
+    }
+
+    /// Combine receive region bytes (LL: every buffer set; HT: every ring).
+    pub fn combine_recv_bytes(&self) -> usize {
+        match self {
+            Layout::Ll(l) => l.combine_recv_set_bytes() * l.sets,
+            Layout::Ht(h) => h.ring_region_bytes(),
+        }
+    }
+
+    /// Bytes of the handle count-exchange region (high-throughput; 0 for low-latency).
+    pub fn exchange_bytes(&self) -> usize {
+        match self {
+            Layout::Ll(_) => 0,
+            Layout::Ht(h) => h.exchange_region_bytes(),
+        }
+    }
+}
+
+/// SMs a high-throughput kernel occupies when the config does not bound them
+/// ([`GroupConfig::max_sms`]): 24 channels of a sending and a receiving block each, leaving the
+/// rest of a 132-SM H100/H200 to compute.
+pub const DEFAULT_HT_SMS: usize = 48;
+/// Ring slots per (channel, source, destination).
+pub const HT_RING_DEPTH: usize = 32;
+/// Items a receiving block takes from one ring per round (dispatch), and tokens it combines per
+/// round (combine); at most the ring depth.
+pub const HT_BATCH: usize = 16;
+
+/// Buffer sizes of one rank of a high-throughput group. Every buffer is bounded by the config
+/// alone — none grows with the number of tokens — because data moves through rings of fixed
+/// depth; only the outputs of each operation are sized by its token counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HtLayout {
+    /// `R`.
+    pub num_ranks: usize,
+    /// `H`.
+    pub hidden: usize,
+    /// `L`.
+    pub local_experts: usize,
+    /// Largest top-k.
+    pub max_top_k: usize,
+    /// Whether forward dispatch carries FP8.
+    pub fp8: bool,
+    /// Channels `C`: a kernel runs `2 * C` blocks (one sending, one receiving per channel).
+    pub channels: usize,
+    /// Slots per ring.
+    pub depth: usize,
+    /// Sending warps per destination (16 warps per block shared by the ranks).
+    pub warps_per_dest: usize,
+    /// Byte offset of the FP8 scales in a slot.
+    pub off_scales: usize,
+    /// Byte offset of the top-k weights in a slot.
+    pub off_weights: usize,
+    /// Byte offset of the local expert indices in a slot.
+    pub off_idx: usize,
+    /// Bytes of a slot (a multiple of 16).
+    pub slot_bytes: usize,
+}
+
+impl HtLayout {
+    /// The layout of `config` on `num_ranks` ranks (at most [`MAX_RANKS`]).
+    pub fn new(config: &GroupConfig, num_ranks: usize) -> Self {
+        let h = config.hidden;
+        let k = config.max_top_k;
+        let fp8 = config.dispatch_dtype.is_fp8();
+        let off_scales = 2 * h;
+        let off_weights = (off_scales + if fp8 { 4 * (h / FP8_BLOCK) } else { 0 }).next_multiple_of(16);
+        let off_idx = (off_weights + 4 * k).next_multiple_of(16);
+        let sms = config.max_sms.unwrap_or(DEFAULT_HT_SMS);
+        HtLayout {
+            num_ranks,
+            hidden: h,
+            local_experts: config.local_experts(num_ranks),
+            max_top_k: k,
+            fp8,
+            channels: (sms / 2).clamp(1, HT_MAX_CHANNELS),
+            depth: HT_RING_DEPTH,
+            warps_per_dest: (HT_MAX_WARPS / num_ranks.max(1)).max(1),
+            off_scales,
+            off_weights,
+            off_idx,
+            slot_bytes: (off_idx + 4 * k).next_multiple_of(16),
+        }
+    }
+
+    /// Bytes of one ring.
+    pub fn ring_bytes(&self) -> usize {
+        self.depth * self.slot_bytes
+    }
+
+    /// Bytes of one channel kind's receive rings: one per (channel, source).
+    pub fn ring_region_bytes(&self) -> usize {
+        self.channels * self.num_ranks * self.ring_bytes()
+    }
+
+    /// `i32` words of one rank's count-exchange message to another: rows per channel, then
+    /// selections per local expert of the receiver.
+    pub fn exchange_words(&self) -> usize {
+        self.channels + self.local_experts
+    }
+
+    /// Bytes of the count-exchange region: two sets of a message per source.
+    pub fn exchange_region_bytes(&self) -> usize {
+        2 * self.num_ranks * self.exchange_words() * 4
+    }
+
+    /// Device bytes of the group on one rank, excluding handles and outputs.
+    pub fn total_bytes(&self) -> usize {
+        2 * self.ring_region_bytes() + self.exchange_region_bytes() + SIGNAL_PAGE_BYTES
+    }
+}
 
 /// Buffer sizes of one rank of a low-latency group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -101,7 +261,7 @@ impl LlLayout {
             + self.dispatch_scales_bytes()
             + self.local_experts * 4
             + self.combine_out_bytes();
-        per_set * self.sets + crate::params::SIGNAL_PAGE_BYTES
+        per_set * self.sets + SIGNAL_PAGE_BYTES
     }
 }
 
@@ -131,5 +291,25 @@ mod tests {
     #[test]
     fn too_many_ranks_is_an_error() {
         assert!(LlLayout::new(&GroupConfig::low_latency(256, 128, 7168), 16).is_err());
+        assert!(Layout::new(&GroupConfig::high_throughput(256, 7168), 16).is_err());
+    }
+
+    #[test]
+    fn ht_buffers_do_not_depend_on_tokens() {
+        let cfg = GroupConfig::high_throughput(256, 7168);
+        let l = HtLayout::new(&cfg, 4);
+        assert_eq!(l.channels, DEFAULT_HT_SMS / 2);
+        assert_eq!(l.warps_per_dest, 4);
+        assert_eq!(l.slot_bytes, 14336 + 32 + 32);
+        assert_eq!(l.exchange_words(), 24 + 64);
+        // Rings for both channels, ~88 MB: a 4096- or 16384-token dispatch uses the same.
+        assert!(l.total_bytes() < 100_000_000, "{} B", l.total_bytes());
+        let l8 = HtLayout::new(&cfg, 8);
+        assert_eq!(l8.warps_per_dest, 2);
+        let fp8 =
+            HtLayout::new(&cfg.clone().with_dispatch_dtype(epflow_core::DispatchDtype::Fp8 { round_scales: false }), 4);
+        assert_eq!(fp8.off_weights, 14336 + 224);
+        assert_eq!(HtLayout::new(&cfg.clone().with_max_sms(Some(1000)), 2).channels, HT_MAX_CHANNELS);
+        assert_eq!(HtLayout::new(&cfg.with_max_sms(Some(1)), 2).channels, 1);
     }
 }

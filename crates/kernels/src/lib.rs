@@ -1,8 +1,9 @@
 //! # epflow-kernels
 //!
 //! The GPU backend of epflow: CUDA C kernels (kept as `.cu` files in this crate) compiled at run
-//! time with NVRTC and cached on disk, device memory from `cuMemAlloc` mapped into peers, and
-//! low-latency dispatch/combine over NVLink with separate send and complete launches. Everything
+//! time with NVRTC and cached on disk, device memory from `cuMemAlloc` mapped into peers,
+//! low-latency dispatch/combine over NVLink with separate send and complete launches, and
+//! high-throughput dispatch/combine (forward and backward) streaming through bounded rings. Everything
 //! CUDA is loaded at run time (cudarc, dynamic loading): building needs no CUDA, and a machine
 //! without a GPU gets [`epflow_core::Error::Unsupported`], never a panic.
 //!
@@ -14,7 +15,7 @@
 //!   drives it; [`GpuHandle`], [`GpuDispatchOutput`], [`GpuCombineOutput`].
 //! - [`DeviceTensor`]: tensors in device memory; [`compute`]: per-expert GEMMs (cuBLAS) for
 //!   examples and benchmarks.
-//! - [`layout`]: buffer sizes; [`sources`]: the CUDA sources; [`nvrtc`]: compilation and cache;
+//! - [`layout`]: buffer sizes (low-latency buffer sets, high-throughput rings); [`sources`]: the CUDA sources; [`nvrtc`]: compilation and cache;
 //!   [`driver`]: availability checks; [`memory`]: device and pinned buffers.
 //!
 //! ## The protocol on the device
@@ -25,8 +26,10 @@
 //! credits. Timeouts are reported in host-mapped memory, never by `trap`.
 
 pub mod bootstrap;
+mod cache;
 pub mod compute;
 pub mod driver;
+mod ht;
 mod kernels;
 pub mod layout;
 pub mod memory;

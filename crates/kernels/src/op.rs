@@ -1,5 +1,7 @@
-//! [`GpuOp`]: one GPU operation as a [`PendingOp`]: the send half is one kernel launch, the
-//! complete half another, and a CUDA event after it is the completion signal.
+//! [`GpuOp`]: one GPU operation as a [`PendingOp`]. Low-latency: the send half is one kernel
+//! launch, the complete half another. High-throughput dispatch and combine, and the count
+//! exchange of handle creation, are one launch each (the send half), whose end is the
+//! completion. A CUDA event after the last launch is the completion signal.
 
 use std::any::Any;
 use std::sync::Arc;
@@ -10,19 +12,38 @@ use cudarc::driver::{CudaEvent, LaunchConfig, PushKernelArg, sys};
 use epflow_core::backend::{OpOutput, PendingOp, Probe};
 use epflow_core::ops::{CombineOutputs, CountsLocation, DispatchOptions, DispatchOutputs};
 use epflow_core::protocol::{Channel, SlotGuard, op_label};
+use epflow_core::routing::Routing;
 use epflow_core::{DType, Error, TensorDesc, TensorTag};
 
 use crate::driver::{bind, cuda};
+use crate::ht::{ExchangeBuffers, HtPlan, finish_handle, ht_grid, received_messages, recycle_exchange};
 use crate::outputs::{GpuCombineOutput, GpuDispatchOutput};
-use crate::params::{LlParams, MAX_SETS};
+use crate::params::{ExchangeParams, HtParams, LlParams, MAX_SETS};
 use crate::rank::{GpuHandle, RankShared};
 use crate::tensor::DeviceTensor;
+
+/// A high-throughput dispatch's output tensors and, when asked for, its counters on the host.
+pub(crate) type HtDispatchOutputs = (DispatchOutputs<DeviceTensor>, Option<Vec<i32>>);
+
+/// The kernel parameters of an operation.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Launch {
+    /// Low-latency: send and complete kernels.
+    Ll(LlParams),
+    /// High-throughput dispatch or combine: one kernel.
+    Ht(HtParams),
+    /// The count exchange of a high-throughput handle: one kernel.
+    Exchange(ExchangeParams),
+}
 
 /// What the operation is.
 #[derive(Debug)]
 pub(crate) enum Work {
     Dispatch { handle: GpuHandle, opts: DispatchOptions },
     Combine { handle: GpuHandle },
+    HtHandle { routing: Routing, plan: HtPlan, bufs: Option<ExchangeBuffers> },
+    HtDispatch { handle: GpuHandle, outputs: Option<Box<HtDispatchOutputs>> },
+    HtCombine { outputs: Option<CombineOutputs<DeviceTensor>> },
 }
 
 /// The output of a GPU operation.
@@ -33,7 +54,9 @@ pub struct GpuOp {
     shared: Arc<RankShared>,
     channel: Channel,
     seq: u64,
-    params: LlParams,
+    launch: Launch,
+    /// High-throughput outputs to fill with the poison byte before the kernel, if one is set.
+    fill: Option<(u64, usize)>,
     work: Option<Work>,
     waits: Vec<Arc<CudaEvent>>,
     _keep: Vec<Arc<dyn Any + Send + Sync>>,
@@ -63,7 +86,7 @@ impl GpuOp {
         shared: Arc<RankShared>,
         channel: Channel,
         seq: u64,
-        params: LlParams,
+        launch: Launch,
         work: Work,
         inputs: &[&DeviceTensor],
     ) -> Self {
@@ -71,7 +94,8 @@ impl GpuOp {
             shared,
             channel,
             seq,
-            params,
+            launch,
+            fill: None,
             work: Some(work),
             waits: inputs.iter().filter_map(|t| t.ready_event().cloned()).collect(),
             _keep: inputs.iter().filter_map(|t| t.keep_alive()).collect(),
@@ -85,12 +109,69 @@ impl GpuOp {
     }
 
     fn chan(&self) -> usize {
-        if self.channel == Channel::Combine { 1 } else { 0 }
+        self.channel.index()
+    }
+
+    /// Marks `(ptr, bytes)` as this operation's outputs, filled with the rank's poison byte (if
+    /// [`crate::GpuRank::fill_output_buffers`] set one) before the kernel runs.
+    pub(crate) fn set_fill(&mut self, fill: (u64, usize)) {
+        self.fill = Some(fill);
+    }
+
+    /// The buffer set whose cancellation word the kernels write.
+    fn set(&self) -> usize {
+        match &self.launch {
+            Launch::Ll(p) => p.set as usize,
+            Launch::Ht(_) | Launch::Exchange(_) => (self.seq % 2) as usize,
+        }
+    }
+
+    /// Launches the one kernel of a high-throughput operation or count exchange.
+    fn launch_single(&self) -> Result<(), Error> {
+        let s = &self.shared;
+        let stream = &s.streams[self.chan()];
+        let cancelled = i32::from(self.cancelled);
+        match self.launch {
+            Launch::Ht(mut p) => {
+                p.cancelled = cancelled;
+                if let (Some((ptr, bytes)), false) = (self.fill, self.cancelled) {
+                    let byte = s.poison_outputs.load(Ordering::Relaxed);
+                    if byte != 0 {
+                        // SAFETY: `ptr` is the start of this operation's output buffer of at least
+                        // `bytes` bytes, alive as long as the operation; ordered on its stream.
+                        unsafe { sys::cuMemsetD8Async(ptr, (byte - 1) as u8, bytes, stream.cu_stream()) }
+                            .result()
+                            .map_err(|e| cuda("fill outputs", e))?;
+                    }
+                }
+                let f = if p.chan == 0 { &s.kernels.ht_dispatch } else { &s.kernels.ht_combine };
+                let (grid, block) = ht_grid(&p);
+                let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 };
+                // SAFETY: the kernel takes one `HtParams` by value, mirrored in params.rs; its
+                // pointers address the group's rings and signal pages, the handle's arrays, the
+                // outputs and the inputs, all kept alive by this operation.
+                unsafe { stream.launch_builder(f).arg(&p).launch(cfg) }.map_err(|e| cuda("launch ht kernel", e))?;
+            }
+            Launch::Exchange(mut p) => {
+                p.cancelled = cancelled;
+                let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+                // SAFETY: the kernel takes one `ExchangeParams` by value, mirrored in params.rs; its
+                // pointers address the group's exchange regions and signal pages and this
+                // operation's staging buffers.
+                unsafe { stream.launch_builder(&s.kernels.ht_exchange).arg(&p).launch(cfg) }
+                    .map_err(|e| cuda("launch count exchange", e))?;
+            }
+            Launch::Ll(_) => return Err(Error::Backend("a low-latency operation has two launches".into())),
+        }
+        Ok(())
     }
 
     fn launch(&self, which: Kernel) -> Result<(), Error> {
         let s = &self.shared;
-        let mut p = self.params;
+        let Launch::Ll(mut p) = self.launch else {
+            return Err(Error::Backend("not a low-latency operation".into()));
+        };
+        p.cancelled = i32::from(self.cancelled);
         let sms = s.config.max_sms.map_or(s.num_sms, |m| (m as u32).min(s.num_sms)).max(1);
         let (b, r, k, m, h) =
             (p.num_tokens.max(1) as u32, p.num_ranks as u32, p.top_k as u32, p.max_tokens as u32, p.hidden as usize);
@@ -138,8 +219,9 @@ impl GpuOp {
             1 => format!("data from rank {peer} (operation #{seq} of the channel)"),
             2 => format!(
                 "buffer credits from rank {peer} (it has not consumed operation #{} of the channel)",
-                seq.saturating_sub(self.shared.layout.sets as u64)
+                seq.saturating_sub(self.shared.config.buffer_sets as u64)
             ),
+            3 => format!("ring space at rank {peer} (it stopped receiving operation #{seq} of the channel)"),
             _ => format!("device error code {code}"),
         };
         Some(Error::Timeout {
@@ -150,11 +232,16 @@ impl GpuOp {
         })
     }
 
-    /// (send half, complete half) device times.
+    /// (send half, complete half) device times; high-throughput operations are one launch, timed
+    /// as the send half.
     fn elapsed(&self) -> Option<(Duration, Duration)> {
         let (a, m, b) = self.timing.as_ref()?;
         let d =
             |x: &CudaEvent, y: &CudaEvent| x.elapsed_ms(y).ok().map(|ms| Duration::from_secs_f64(f64::from(ms) / 1e3));
+        if !matches!(self.launch, Launch::Ll(_)) {
+            // One launch: all of it is the send half (nothing runs between `m` and `b`).
+            return Some((d(a, m)?, Duration::ZERO));
+        }
         Some((d(a, m)?, d(m, b)?))
     }
 
@@ -164,8 +251,8 @@ impl GpuOp {
 
     fn finish_dispatch(&mut self, handle: &GpuHandle, opts: DispatchOptions) -> Result<GpuDispatchOutput, Error> {
         let s = &self.shared;
-        let l = &s.layout;
-        let set = self.params.set as usize;
+        let l = s.layout.ll("low-latency dispatch")?;
+        let set = self.set();
         let rows = l.rows_per_expert();
         let dtype = if l.fp8 { DType::Fp8E4m3 } else { DType::Bf16 };
         let tokens = self.view(
@@ -196,10 +283,10 @@ impl GpuOp {
 
     fn finish_combine(&mut self, handle: &GpuHandle) -> Result<GpuCombineOutput, Error> {
         let s = &self.shared;
-        let set = self.params.set as usize;
+        let set = self.set();
         let tokens = self.view(
             s.mem.comb_out[set].ptr(),
-            TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[handle.num_tokens(), s.layout.hidden]),
+            TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[handle.num_tokens(), s.config.hidden]),
         );
         Ok(GpuCombineOutput {
             outputs: CombineOutputs { tokens, topk_weights: None },
@@ -260,7 +347,7 @@ impl PendingOp for GpuOp {
     }
 
     fn needs_slot(&self) -> bool {
-        true
+        matches!(self.launch, Launch::Ll(_))
     }
 
     fn poll_send_ready(&mut self) -> Result<bool, Error> {
@@ -284,8 +371,10 @@ impl PendingOp for GpuOp {
             a.record(stream).map_err(|e| cuda("record event", e))?;
             self.timing = Some((a, m, b));
         }
-        self.params.cancelled = i32::from(self.cancelled);
-        let result = self.launch(if self.chan() == 0 { Kernel::DispatchSend } else { Kernel::CombineSend });
+        let result = match self.launch {
+            Launch::Ll(_) => self.launch(if self.chan() == 0 { Kernel::DispatchSend } else { Kernel::CombineSend }),
+            Launch::Ht(_) | Launch::Exchange(_) => self.launch_single(),
+        };
         if let (Ok(()), Some((_, m, _))) = (&result, &self.timing) {
             m.record(stream).map_err(|e| cuda("record event", e))?;
         }
@@ -315,7 +404,9 @@ impl PendingOp for GpuOp {
         }
         let s = Arc::clone(&self.shared);
         bind(&s.ctx)?;
-        self.launch(if self.chan() == 0 { Kernel::DispatchRecv } else { Kernel::CombineRecv })?;
+        if matches!(self.launch, Launch::Ll(_)) {
+            self.launch(if self.chan() == 0 { Kernel::DispatchRecv } else { Kernel::CombineRecv })?;
+        }
         let stream = &s.streams[self.chan()];
         if let Some((_, _, b)) = &self.timing {
             b.record(stream).map_err(|e| cuda("record event", e))?;
@@ -340,18 +431,50 @@ impl PendingOp for GpuOp {
         if let Some(e) = self.device_error() {
             return Err(e);
         }
-        let word = self.shared.mem.status.read_u64(1 + self.chan() * MAX_SETS + self.params.set as usize);
+        let word = self.shared.mem.status.read_u64(1 + self.chan() * MAX_SETS + self.set());
         let mask = if word >> 32 == self.seq + 1 { (word & 0xffff_ffff) as u32 } else { 0 };
+        let mut work = self.work.take();
+        // A count exchange: read what arrived, and give the staging buffers back.
+        let received = match &mut work {
+            Some(Work::HtHandle { bufs, .. }) => bufs.take().map(|b| {
+                let r = received_messages(&self.shared, &b);
+                recycle_exchange(&self.shared, b);
+                r
+            }),
+            _ => None,
+        };
         if self.cancelled {
             return Ok(OpOutput::Cancelled);
         }
         if mask != 0 {
             return Err(Error::PeerCancelled { op: self.label(), peer: mask.trailing_zeros() as usize });
         }
-        match self.work.take() {
+        let elapsed = self.elapsed();
+        match work {
+            Some(Work::HtHandle { routing, plan, .. }) => {
+                let received = received.ok_or_else(|| Error::Backend("count exchange without buffers".into()))??;
+                Ok(OpOutput::Handle(finish_handle(&self.shared, routing, &plan, &received)?))
+            }
             Some(Work::Dispatch { handle, opts }) => Ok(OpOutput::Dispatch(self.finish_dispatch(&handle, opts)?)),
             Some(Work::Combine { handle }) => Ok(OpOutput::Combine(self.finish_combine(&handle)?)),
-            None => Err(Error::Backend(format!("{} finished twice", op_label(self.channel, self.seq)))),
+            Some(Work::HtDispatch { handle, outputs: Some(boxed) }) => {
+                let (outputs, host_counts) = *boxed;
+                handle.0.dispatched.store(true, Ordering::Release);
+                Ok(OpOutput::Dispatch(GpuDispatchOutput {
+                    outputs,
+                    host_counts,
+                    elapsed,
+                    ctx: Arc::clone(&self.shared.ctx),
+                    _slot: None,
+                }))
+            }
+            Some(Work::HtCombine { outputs: Some(outputs) }) => Ok(OpOutput::Combine(GpuCombineOutput {
+                outputs,
+                elapsed,
+                ctx: Arc::clone(&self.shared.ctx),
+                _slot: None,
+            })),
+            _ => Err(Error::Backend(format!("{} finished twice", op_label(self.channel, self.seq)))),
         }
     }
 
@@ -375,8 +498,12 @@ impl PendingOp for GpuOp {
     }
 
     fn traffic(&self) -> (u64, u64) {
-        let p = &self.params;
-        ((p.num_tokens as u64) * (p.hidden as u64) * 2, p.num_tokens as u64)
+        let (tokens, hidden) = match &self.launch {
+            Launch::Ll(p) => (p.num_tokens as u64, p.hidden as u64),
+            Launch::Ht(p) => (p.num_tokens as u64, p.hidden as u64),
+            Launch::Exchange(_) => (0, 0),
+        };
+        (tokens * hidden * 2, tokens)
     }
 
     fn waiting_for(&self) -> String {

@@ -36,7 +36,9 @@ fn rows_to_host(ctx: &CudaContext, t: &DeviceTensor, counts: &[i32]) -> Result<H
     Ok(HostTensor::new(d.tag, &d.shape, data))
 }
 
-/// The outputs of a GPU dispatch (views into the dispatch buffer set they hold).
+/// The outputs of a GPU dispatch: views into the dispatch buffer set they hold (low-latency), or
+/// into memory of their own that returns to the rank's cache when the last view is dropped
+/// (high-throughput).
 #[derive(Debug)]
 pub struct GpuDispatchOutput {
     pub(crate) outputs: DispatchOutputs<DeviceTensor>,
@@ -47,14 +49,27 @@ pub struct GpuDispatchOutput {
 }
 
 impl GpuDispatchOutput {
-    /// Received tokens `[L x R*M x H]` (BF16 or FP8).
+    /// Received tokens: `[L x R*M x H]` (low-latency) or `[N x H]` (high-throughput), BF16 or
+    /// FP8.
     pub fn tokens(&self) -> &DeviceTensor {
         &self.outputs.tokens
     }
 
-    /// FP8 scales `[L x R*M x H/128]`.
+    /// FP8 scales `[L x R*M x H/128]` or `[N x H/128]`.
     pub fn scales(&self) -> Option<&DeviceTensor> {
         self.outputs.scales.as_ref()
+    }
+
+    /// High-throughput forward: the received top-k weights `[N x K]` fp32 (0 where the expert is
+    /// not on this rank).
+    pub fn topk_weights(&self) -> Option<&DeviceTensor> {
+        self.outputs.topk_weights.as_ref()
+    }
+
+    /// High-throughput forward: the received top-k indices `[N x K]` int64, as local expert
+    /// indices, -1 where the expert is not on this rank.
+    pub fn topk_idx(&self) -> Option<&DeviceTensor> {
+        self.outputs.topk_idx.as_ref()
     }
 
     /// Per-local-expert counters `[L]` in device memory.
@@ -82,11 +97,22 @@ impl GpuDispatchOutput {
         &self.outputs
     }
 
-    /// Copies the outputs to the host (synchronous). Of the `[L x R*M x H]` tokens (and scales)
-    /// only each expert's first `counts[l]` rows are copied — the others are unspecified — into
-    /// a zero-filled host tensor of the full shape.
+    /// Copies the outputs to the host (synchronous). Of low-latency `[L x R*M x H]` tokens (and
+    /// scales) only each expert's first `counts[l]` rows are copied — the others are unspecified
+    /// — into a zero-filled host tensor of the full shape; high-throughput outputs are copied
+    /// whole.
     pub fn to_host(&self) -> Result<DispatchOutputs<HostTensor>, Error> {
         let o = &self.outputs;
+        if o.tokens.desc().shape.len() == 2 {
+            let down = |t: &Option<DeviceTensor>| t.as_ref().map(|t| t.download(&self.ctx)).transpose();
+            return Ok(DispatchOutputs {
+                tokens: o.tokens.download(&self.ctx)?,
+                scales: down(&o.scales)?,
+                topk_weights: down(&o.topk_weights)?,
+                topk_idx: down(&o.topk_idx)?,
+                counts: down(&o.counts)?,
+            });
+        }
         let counts_t = o
             .counts
             .as_ref()
@@ -99,7 +125,8 @@ impl GpuDispatchOutput {
     }
 }
 
-/// The outputs of a GPU combine (views into the combine buffer set they hold).
+/// The outputs of a GPU combine (views into the combine buffer set they hold, or high-throughput
+/// memory of their own).
 #[derive(Debug)]
 pub struct GpuCombineOutput {
     pub(crate) outputs: CombineOutputs<DeviceTensor>,
@@ -112,6 +139,11 @@ impl GpuCombineOutput {
     /// Tokens `[B x H]` BF16 in the original order.
     pub fn tokens(&self) -> &DeviceTensor {
         &self.outputs.tokens
+    }
+
+    /// High-throughput backward: the top-k weight gradients `[B x K]` fp32.
+    pub fn topk_weights(&self) -> Option<&DeviceTensor> {
+        self.outputs.topk_weights.as_ref()
     }
 
     /// Device time from before the send half to after the complete half (with timing on).

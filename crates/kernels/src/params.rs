@@ -1,4 +1,5 @@
-//! The kernels' by-value parameter block, mirrored byte for byte from `cuda/ll.cu`.
+//! The kernels' by-value parameter blocks, mirrored byte for byte from `cuda/ll.cu` and
+//! `cuda/ht.cu`, and the layout of the signal and status pages they share.
 
 use cudarc::driver::DeviceRepr;
 
@@ -8,12 +9,21 @@ pub const MAX_RANKS: usize = 8;
 pub const HDR_BYTES: usize = 128;
 /// Buffer sets the signal page has room for.
 pub const MAX_SETS: usize = 16;
-/// `u64` arrays in the signal page (see `common.cuh`).
-pub const SIG_ARRAYS: usize = 7;
+/// `u64` arrays in the signal page, each `[set][rank]` (see `common.cuh`).
+pub const SIG_ARRAYS: usize = 10;
+/// Largest number of high-throughput channels (block pairs) of a kernel.
+pub const HT_MAX_CHANNELS: usize = 64;
+/// Largest number of sending warps per destination in the high-throughput kernels.
+pub const HT_MAX_WARPS: usize = 16;
+/// Words of the high-throughput ring counters after the arrays (see `ht.cu`): subtails
+/// `[2][C][R][W]`, heads `[2][C][R]`, and the producer and consumer positions `[2][C][R][2]`.
+pub const HT_COUNTER_WORDS: usize =
+    2 * HT_MAX_CHANNELS * MAX_RANKS * HT_MAX_WARPS + 2 * HT_MAX_CHANNELS * MAX_RANKS * 5;
 /// Bytes of a rank's signal page.
-pub const SIGNAL_PAGE_BYTES: usize = SIG_ARRAYS * MAX_SETS * MAX_RANKS * 8;
-/// Words of a rank's status page: the error word, then per (channel, set) the cancellation mask.
-pub const STATUS_WORDS: usize = 1 + 2 * MAX_SETS;
+pub const SIGNAL_PAGE_BYTES: usize = (SIG_ARRAYS * MAX_SETS * MAX_RANKS + HT_COUNTER_WORDS) * 8;
+/// Words of a rank's status page: the error word, then per (channel, set) the cancellation mask
+/// (channels: dispatch, combine, handle).
+pub const STATUS_WORDS: usize = 1 + 3 * MAX_SETS;
 
 /// `struct LlParams` of `ll.cu`.
 #[repr(C)]
@@ -58,10 +68,97 @@ pub(crate) struct LlParams {
 // (checked by the tests below and by a static_assert in ll.cu).
 unsafe impl DeviceRepr for LlParams {}
 
+/// `struct HtParams` of `ht.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct HtParams {
+    pub x: u64,
+    pub x_scales: u64,
+    pub weights: u64,
+    pub topk_idx: u64,
+    pub send_list: u64,
+    pub send_off: u64,
+    pub recv_base: u64,
+    pub recv_cnt: u64,
+    pub copy_ord: u64,
+    pub out: u64,
+    pub out_scales: u64,
+    pub out_weights: u64,
+    pub out_idx: u64,
+    pub own_ring: u64,
+    pub signals: u64,
+    pub status: u64,
+    pub peer_ring: [u64; MAX_RANKS],
+    pub peer_signals: [u64; MAX_RANKS],
+    pub seq: u64,
+    pub timeout_ns: u64,
+    pub slot_bytes: u64,
+    pub ring_bytes: u64,
+    pub rank: i32,
+    pub num_ranks: i32,
+    pub hidden: i32,
+    pub top_k: i32,
+    pub num_local: i32,
+    pub num_tokens: i32,
+    pub channels: i32,
+    pub depth: i32,
+    pub warps_per_dest: i32,
+    pub fp8: i32,
+    pub backward: i32,
+    pub cancelled: i32,
+    pub chan: i32,
+    pub row_bytes: i32,
+    pub off_scales: i32,
+    pub off_weights: i32,
+    pub off_idx: i32,
+    pub tokens_per_channel: i32,
+    pub batch: i32,
+    pub pad: i32,
+}
+
+// SAFETY: `HtParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
+// (checked by the tests below and by a static_assert in ht.cu).
+unsafe impl DeviceRepr for HtParams {}
+
+/// `struct ExchangeParams` of `ht.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct ExchangeParams {
+    pub msgs: u64,
+    pub out: u64,
+    pub own: u64,
+    pub signals: u64,
+    pub status: u64,
+    pub peer_region: [u64; MAX_RANKS],
+    pub peer_signals: [u64; MAX_RANKS],
+    pub seq: u64,
+    pub timeout_ns: u64,
+    pub rank: i32,
+    pub num_ranks: i32,
+    pub words: i32,
+    pub cancelled: i32,
+}
+
+// SAFETY: `ExchangeParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
+// (checked by the tests below and by a static_assert in ht.cu).
+unsafe impl DeviceRepr for ExchangeParams {}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::mem::{offset_of, size_of};
+
+    #[test]
+    fn ht_layouts_match_the_cuda_structs() {
+        assert_eq!(size_of::<HtParams>(), 368);
+        assert_eq!(offset_of!(HtParams, peer_ring), 128);
+        assert_eq!(offset_of!(HtParams, seq), 256);
+        assert_eq!(offset_of!(HtParams, rank), 288);
+        assert_eq!(offset_of!(HtParams, batch), 360);
+        assert_eq!(size_of::<ExchangeParams>(), 200);
+        assert_eq!(offset_of!(ExchangeParams, seq), 168);
+        assert_eq!(offset_of!(ExchangeParams, rank), 184);
+    }
 
     #[test]
     fn layout_matches_the_cuda_struct() {

@@ -1,6 +1,6 @@
 //! [`GpuRank`]: one rank of a GPU group and its [`Backend`] implementation.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaStream};
@@ -11,13 +11,15 @@ use epflow_core::routing::Routing;
 use epflow_core::validate::{
     OpContext, check_topk_idx, routing_from_tensor, validate_combine_inputs, validate_dispatch_inputs,
 };
-use epflow_core::{DispatchDtype, Error, GroupConfig, ValidationError};
+use epflow_core::{Algorithm, DispatchDtype, Error, GroupConfig, ValidationError};
 
+use crate::cache::OutputCache;
 use crate::driver::{bind, cuda};
+use crate::ht::{ExchangeBuffers, HtHandleInfo};
 use crate::kernels::Kernels;
-use crate::layout::LlLayout;
+use crate::layout::Layout;
 use crate::memory::{DeviceBuffer, PinnedBuffer, copy_to_host};
-use crate::op::{GpuOp, Work};
+use crate::op::{GpuOp, Launch, Work};
 use crate::outputs::{GpuCombineOutput, GpuDispatchOutput};
 use crate::params::{LlParams, MAX_RANKS};
 use crate::tensor::DeviceTensor;
@@ -28,6 +30,8 @@ pub(crate) struct RankMemory {
     pub ctx: Arc<CudaContext>,
     pub disp_recv: DeviceBuffer,
     pub comb_recv: DeviceBuffer,
+    /// High-throughput: the count-exchange region of handle creation (1 byte otherwise).
+    pub exchange: DeviceBuffer,
     pub signals: DeviceBuffer,
     pub status: PinnedBuffer,
     pub disp_out: Vec<DeviceBuffer>,
@@ -50,6 +54,7 @@ impl Drop for RankMemory {
 pub(crate) struct Peers {
     pub disp_recv: Vec<u64>,
     pub comb_recv: Vec<u64>,
+    pub exchange: Vec<u64>,
     pub signals: Vec<u64>,
     pub _keep: Vec<Arc<dyn std::any::Any + Send + Sync>>,
 }
@@ -67,20 +72,27 @@ pub(crate) struct RankShared {
     pub num_ranks: usize,
     pub device: usize,
     pub config: GroupConfig,
-    pub layout: LlLayout,
+    pub layout: Layout,
     pub group_id: u64,
     pub ctx: Arc<CudaContext>,
-    /// One stream per channel (dispatch, combine), so the channels never block each other.
-    pub streams: [Arc<CudaStream>; 2],
+    /// One stream per channel (dispatch, combine, handle), so the channels never block each
+    /// other (ranks may interleave operations of different channels differently).
+    pub streams: [Arc<CudaStream>; 3],
     pub kernels: Kernels,
     pub mem: Arc<RankMemory>,
     /// Every rank's buffers as this process addresses them (index = rank), this one included.
     pub peers: Peers,
     pub num_sms: u32,
     pub handle_pool: Arc<Mutex<Vec<DeviceBuffer>>>,
+    /// High-throughput outputs, recycled when dropped.
+    pub outputs: Arc<OutputCache>,
+    /// High-throughput: staging buffers of the count exchange, recycled.
+    pub exchange_pool: Mutex<Vec<ExchangeBuffers>>,
+    /// High-throughput: 0, or 1 + the byte every output is filled with before its kernel runs.
+    pub poison_outputs: AtomicU32,
     pub timing: AtomicBool,
     /// Per channel, the next operation allowed to send (sends go out in operation order).
-    pub turns: [AtomicU64; 2],
+    pub turns: [AtomicU64; 3],
 }
 
 impl Drop for RankShared {
@@ -105,7 +117,8 @@ pub struct GpuRank {
 }
 
 /// A routing handle on the GPU backend: the validated routing and its device memory (a copy
-/// of `topk_idx` and the row map dispatch writes for combine).
+/// of `topk_idx`; low-latency: the row map dispatch writes for combine; high-throughput: the send
+/// plan and the receive layout learnt by the count exchange).
 #[derive(Clone, Debug)]
 pub struct GpuHandle(pub(crate) Arc<HandleInner>);
 
@@ -116,6 +129,8 @@ pub(crate) struct HandleInner {
     pub mem: Option<DeviceBuffer>,
     pub pool: Arc<Mutex<Vec<DeviceBuffer>>>,
     pub dispatched: AtomicBool,
+    /// High-throughput handles: what the count exchange taught.
+    pub ht: Option<HtHandleInfo>,
 }
 
 impl Drop for HandleInner {
@@ -142,8 +157,37 @@ impl GpuHandle {
         &self.0.routing
     }
 
-    fn ptr(&self) -> u64 {
+    /// High-throughput: `N`, the rows this rank receives (NCCL EP's
+    /// `ncclEpHandleGetNumRecvTokens`), known once the handle exists. `None` for low-latency.
+    pub fn num_recv_tokens(&self) -> Option<usize> {
+        self.0.ht.as_ref().map(|h| h.num_recv)
+    }
+
+    /// High-throughput: rows this rank receives per local expert (`[L]`).
+    pub fn recv_expert_counts(&self) -> Option<&[i32]> {
+        self.0.ht.as_ref().map(|h| h.expert_counts.as_slice())
+    }
+
+    pub(crate) fn ptr(&self) -> u64 {
         self.0.mem.as_ref().map_or(0, DeviceBuffer::ptr)
+    }
+}
+
+/// Takes the smallest pooled buffer of at least `bytes`, or allocates one.
+pub(crate) fn take_pooled(
+    ctx: &Arc<CudaContext>,
+    pool: &Mutex<Vec<DeviceBuffer>>,
+    bytes: usize,
+) -> Result<DeviceBuffer, Error> {
+    let mut pool = pool.lock().unwrap_or_else(|e| e.into_inner());
+    let best =
+        pool.iter().enumerate().filter(|(_, b)| b.bytes() >= bytes).min_by_key(|(_, b)| b.bytes()).map(|(i, _)| i);
+    match best {
+        Some(i) => Ok(pool.swap_remove(i)),
+        None => {
+            drop(pool);
+            DeviceBuffer::zeroed(ctx, bytes)
+        }
     }
 }
 
@@ -161,7 +205,7 @@ impl GpuRank {
     /// The stream operations of `channel` run on: order your producers and consumers against it
     /// (or pass inputs with [`DeviceTensor::ready_after`]).
     pub fn stream(&self, channel: Channel) -> &Arc<CudaStream> {
-        &self.shared.streams[if channel == Channel::Combine { 1 } else { 0 }]
+        &self.shared.streams[channel.index()]
     }
 
     /// Device bytes the group holds on this rank.
@@ -177,8 +221,11 @@ impl GpuRank {
 
     /// Overwrites every output buffer of every set with `byte` (a debugging aid: poisoned outputs
     /// show rows an operation failed to write). Waits for this rank's streams first.
+    /// High-throughput groups allocate outputs per operation: from now on each is filled with
+    /// `byte` before its kernel runs.
     pub fn fill_output_buffers(&self, byte: u8) -> Result<(), Error> {
         let s = &self.shared;
+        s.poison_outputs.store(1 + u32::from(byte), Ordering::Relaxed);
         bind(&s.ctx)?;
         for st in &s.streams {
             st.synchronize().map_err(|e| cuda("synchronize", e))?;
@@ -263,7 +310,7 @@ impl GpuRank {
         Ok(out)
     }
 
-    fn check_handle(&self, h: &GpuHandle) -> Result<(), Error> {
+    pub(crate) fn check_handle(&self, h: &GpuHandle) -> Result<(), Error> {
         self.poison.check()?;
         if h.0.group_id != self.shared.group_id {
             return Err(
@@ -273,17 +320,17 @@ impl GpuRank {
         Ok(())
     }
 
-    fn ctx_for(&self, h: &GpuHandle) -> OpContext<'_> {
+    pub(crate) fn ctx_for(&self, h: &GpuHandle) -> OpContext<'_> {
         OpContext {
             config: &self.shared.config,
             num_ranks: self.shared.num_ranks,
             num_tokens: h.num_tokens(),
             top_k: h.top_k(),
-            num_recv: 0,
+            num_recv: h.num_recv_tokens().unwrap_or(0),
         }
     }
 
-    fn check_device(&self, t: &DeviceTensor, what: &str) -> Result<(), Error> {
+    pub(crate) fn check_device(&self, t: &DeviceTensor, what: &str) -> Result<(), Error> {
         if t.device() != self.shared.device {
             return Err(Error::Unsupported(format!(
                 "{what} is on device {}, this rank runs on device {}",
@@ -294,10 +341,10 @@ impl GpuRank {
         Ok(())
     }
 
-    /// The parameters every kernel of `channel` shares.
-    fn base_params(&self, channel: usize, h: &GpuHandle) -> LlParams {
+    /// The parameters every low-latency kernel of `channel` shares.
+    fn base_params(&self, channel: usize, h: &GpuHandle) -> Result<LlParams, Error> {
         let s = &self.shared;
-        let l = &s.layout;
+        let l = s.layout.ll("a low-latency kernel")?;
         let mut p = LlParams {
             topk_idx: h.ptr(),
             row_of: h.ptr() + l.topk_copy_bytes() as u64,
@@ -324,7 +371,7 @@ impl GpuRank {
         p.own_recv = if channel == 0 { s.mem.disp_recv.ptr() } else { s.mem.comb_recv.ptr() };
         p.recv_set_bytes = if channel == 0 { l.dispatch_recv_set_bytes() } else { l.combine_recv_set_bytes() } as u64;
         p.msg_bytes = l.msg_bytes as u64;
-        p
+        Ok(p)
     }
 }
 
@@ -368,10 +415,10 @@ impl Backend for GpuRank {
         let mut values = vec![0i64; d.numel()];
         copy_to_host(&s.ctx, topk_idx.ptr(), &mut values)?;
         let routing = routing_from_tensor(&s.config, d, &values)?;
-        let mem = match s.handle_pool.lock().unwrap_or_else(|e| e.into_inner()).pop() {
-            Some(m) => m,
-            None => DeviceBuffer::zeroed(&s.ctx, s.layout.handle_bytes())?,
-        };
+        if s.config.algorithm == Algorithm::HighThroughput {
+            return Ok(HandleCreation::Collective(self.ht_start_handle(routing)?));
+        }
+        let mem = take_pooled(&s.ctx, &s.handle_pool, s.layout.ll("a low-latency handle")?.handle_bytes())?;
         mem.write(0, &values)?;
         Ok(HandleCreation::Ready(GpuHandle(Arc::new(HandleInner {
             group_id: s.group_id,
@@ -379,6 +426,7 @@ impl Backend for GpuRank {
             mem: Some(mem),
             pool: Arc::clone(&s.handle_pool),
             dispatched: AtomicBool::new(false),
+            ht: None,
         }))))
     }
 
@@ -391,11 +439,14 @@ impl Backend for GpuRank {
         self.check_handle(h)?;
         validate_dispatch_inputs(&self.ctx_for(h), opts, &inputs)?;
         self.check_device(inputs.tokens, "dispatch input tokens")?;
+        if self.shared.config.algorithm == Algorithm::HighThroughput {
+            return self.ht_start_dispatch(h, inputs, opts);
+        }
         let s = &self.shared;
-        let mut p = self.base_params(0, h);
+        let mut p = self.base_params(0, h)?;
         p.x = inputs.tokens.ptr();
         let seq = self.seqs[Channel::Dispatch.index()].fetch_add(1, Ordering::Relaxed);
-        let set = (seq % s.layout.sets as u64) as usize;
+        let set = (seq % s.config.buffer_sets as u64) as usize;
         p.seq = seq;
         p.set = set as i32;
         p.out = s.mem.disp_out[set].ptr();
@@ -408,7 +459,7 @@ impl Backend for GpuRank {
             Arc::clone(&self.shared),
             Channel::Dispatch,
             seq,
-            p,
+            Launch::Ll(p),
             Work::Dispatch { handle: h.clone(), opts: *opts },
             &[inputs.tokens],
         ))
@@ -422,6 +473,9 @@ impl Backend for GpuRank {
     ) -> Result<GpuOp, Error> {
         self.check_handle(h)?;
         validate_combine_inputs(&self.ctx_for(h), opts, &inputs)?;
+        if self.shared.config.algorithm == Algorithm::HighThroughput {
+            return self.ht_start_combine(h, inputs, opts);
+        }
         if !h.0.dispatched.load(Ordering::Acquire) {
             return Err(ValidationError::CombineBeforeDispatch.into());
         }
@@ -429,11 +483,11 @@ impl Backend for GpuRank {
         self.check_device(inputs.tokens, "combine input tokens")?;
         self.check_device(weights, "combine input topk_weights")?;
         let s = &self.shared;
-        let mut p = self.base_params(1, h);
+        let mut p = self.base_params(1, h)?;
         p.expert_out = inputs.tokens.ptr();
         p.weights = weights.ptr();
         let seq = self.seqs[Channel::Combine.index()].fetch_add(1, Ordering::Relaxed);
-        let set = (seq % s.layout.sets as u64) as usize;
+        let set = (seq % s.config.buffer_sets as u64) as usize;
         p.seq = seq;
         p.set = set as i32;
         p.out = s.mem.comb_out[set].ptr();
@@ -441,7 +495,7 @@ impl Backend for GpuRank {
             Arc::clone(&self.shared),
             Channel::Combine,
             seq,
-            p,
+            Launch::Ll(p),
             Work::Combine { handle: h.clone() },
             &[inputs.tokens, weights],
         ))

@@ -21,12 +21,19 @@ pub const LL: KernelModule = KernelModule {
     kernels: &["ep_ll_dispatch_send", "ep_ll_dispatch_recv", "ep_ll_combine_send", "ep_ll_combine_recv"],
 };
 
+/// High-throughput dispatch and combine, and the count exchange of handle creation.
+pub const HT: KernelModule = KernelModule {
+    name: "ht",
+    body: include_str!("cuda/ht.cu"),
+    kernels: &["ep_ht_dispatch", "ep_ht_combine", "ep_ht_exchange"],
+};
+
 /// Small utilities (FP8 dequantization).
 pub const UTIL: KernelModule =
     KernelModule { name: "util", body: include_str!("cuda/util.cu"), kernels: &["ep_dequant_fp8_rows"] };
 
 /// Every module.
-pub const ALL: &[KernelModule] = &[LL, UTIL];
+pub const ALL: &[KernelModule] = &[LL, HT, UTIL];
 
 impl KernelModule {
     /// The full source NVRTC compiles: the common helpers, then the module.

@@ -1,15 +1,17 @@
-//! Creating GPU groups: one process driving several GPUs (peer access between them).
+//! Creating GPU groups: one process driving several GPUs (peer access between them), or one
+//! process per GPU (CUDA IPC).
 
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
 use epflow_core::protocol::{Channel, Poison, SlotPool};
-use epflow_core::{Algorithm, Error, GroupConfig};
+use epflow_core::{Error, GroupConfig};
 
+use crate::cache::OutputCache;
 use crate::driver::{bind, context, cuda};
 use crate::kernels::Kernels;
-use crate::layout::LlLayout;
+use crate::layout::Layout;
 use crate::memory::{DeviceBuffer, PinnedBuffer};
 use crate::params::{SIGNAL_PAGE_BYTES, STATUS_WORDS};
 use crate::rank::{GpuRank, Peers, RankMemory, RankShared};
@@ -26,12 +28,7 @@ impl GpuWorld {
     pub fn create(devices: &[usize], config: GroupConfig) -> Result<Vec<GpuRank>, Error> {
         let num_ranks = devices.len();
         config.validate(num_ranks)?;
-        if config.algorithm != Algorithm::LowLatency {
-            return Err(Error::Unsupported(
-                "the GPU backend runs the low-latency algorithm; high-throughput on GPUs is not built yet".into(),
-            ));
-        }
-        let layout = LlLayout::new(&config, num_ranks)?;
+        let layout = Layout::new(&config, num_ranks)?;
         let ctxs = devices.iter().map(|&d| context(d)).collect::<Result<Vec<_>, _>>()?;
         enable_peer_access(devices, &ctxs)?;
         let group_id = NEXT_GROUP_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -39,6 +36,7 @@ impl GpuWorld {
         let peers = || Peers {
             disp_recv: mems.iter().map(|m| m.disp_recv.ptr()).collect(),
             comb_recv: mems.iter().map(|m| m.comb_recv.ptr()).collect(),
+            exchange: mems.iter().map(|m| m.exchange.ptr()).collect(),
             signals: mems.iter().map(|m| m.signals.ptr()).collect(),
             _keep: mems.iter().map(|m| Arc::clone(m) as Arc<dyn std::any::Any + Send + Sync>).collect(),
         };
@@ -64,28 +62,30 @@ impl GpuWorld {
     pub fn join(comm: &cudarc::nccl::Comm, config: GroupConfig) -> Result<GpuRank, Error> {
         let (rank, num_ranks) = (comm.rank(), comm.world_size());
         config.validate(num_ranks)?;
-        if config.algorithm != Algorithm::LowLatency {
-            return Err(Error::Unsupported(
-                "the GPU backend runs the low-latency algorithm; high-throughput on GPUs is not built yet".into(),
-            ));
-        }
-        let layout = LlLayout::new(&config, num_ranks)?;
+        let layout = Layout::new(&config, num_ranks)?;
         let ctx = Arc::clone(comm.context());
         bind(&ctx)?;
         let mem = Arc::new(allocate(&ctx, &layout)?);
-        let mut mine = Vec::with_capacity(3 * 64);
-        for ptr in [mem.disp_recv.ptr(), mem.comb_recv.ptr(), mem.signals.ptr()] {
+        let own = [mem.disp_recv.ptr(), mem.comb_recv.ptr(), mem.exchange.ptr(), mem.signals.ptr()];
+        let mut mine = Vec::with_capacity(own.len() * 64);
+        for ptr in own {
             mine.extend_from_slice(&ipc_export(ptr)?);
         }
         let all = crate::bootstrap::all_gather(comm, &mine)?;
-        let mut peers = Peers { disp_recv: Vec::new(), comb_recv: Vec::new(), signals: Vec::new(), _keep: Vec::new() };
+        let mut peers = Peers {
+            disp_recv: Vec::new(),
+            comb_recv: Vec::new(),
+            exchange: Vec::new(),
+            signals: Vec::new(),
+            _keep: Vec::new(),
+        };
         for r in 0..num_ranks {
-            let ptrs: [u64; 3] = if r == rank {
-                [mem.disp_recv.ptr(), mem.comb_recv.ptr(), mem.signals.ptr()]
+            let ptrs: [u64; 4] = if r == rank {
+                own
             } else {
-                let mut out = [0u64; 3];
+                let mut out = [0u64; 4];
                 for (i, o) in out.iter_mut().enumerate() {
-                    let off = (r * 3 + i) * 64;
+                    let off = (r * 4 + i) * 64;
                     let mapping = IpcMapping::open(&ctx, &all[off..off + 64])?;
                     *o = mapping.ptr;
                     peers._keep.push(Arc::new(mapping));
@@ -94,7 +94,8 @@ impl GpuWorld {
             };
             peers.disp_recv.push(ptrs[0]);
             peers.comb_recv.push(ptrs[1]);
-            peers.signals.push(ptrs[2]);
+            peers.exchange.push(ptrs[2]);
+            peers.signals.push(ptrs[3]);
         }
         peers._keep.push(Arc::clone(&mem) as Arc<dyn std::any::Any + Send + Sync>);
         let place = Placement {
@@ -120,7 +121,7 @@ struct Placement {
 fn build_rank(
     place: Placement,
     config: &GroupConfig,
-    layout: LlLayout,
+    layout: Layout,
     ctx: &Arc<cudarc::driver::CudaContext>,
     mem: Arc<RankMemory>,
     peers: Peers,
@@ -145,6 +146,9 @@ fn build_rank(
         peers,
         num_sms,
         handle_pool: Arc::new(Mutex::new(Vec::new())),
+        outputs: OutputCache::new(ctx),
+        exchange_pool: Mutex::new(Vec::new()),
+        poison_outputs: Default::default(),
         timing: Default::default(),
         turns: Default::default(),
     });
@@ -156,14 +160,14 @@ fn build_rank(
     })
 }
 
-/// The dispatch and combine streams, at the device's highest priority: when compute and
+/// The dispatch, combine and handle streams, at the device's highest priority: when compute and
 /// communication kernels wait for SMs, communication blocks are scheduled first.
-fn comm_streams(ctx: &Arc<cudarc::driver::CudaContext>) -> Result<[Arc<cudarc::driver::CudaStream>; 2], Error> {
+fn comm_streams(ctx: &Arc<cudarc::driver::CudaContext>) -> Result<[Arc<cudarc::driver::CudaStream>; 3], Error> {
     bind(ctx)?;
     let (_, greatest) =
         cudarc::driver::result::stream::get_priority_range().map_err(|e| cuda("stream priorities", e))?;
     let one = || ctx.new_stream_with_priority(greatest).map_err(|e| cuda("create stream", e));
-    Ok([one()?, one()?])
+    Ok([one()?, one()?, one()?])
 }
 
 /// The CUDA IPC handle of the allocation at `ptr` (a `cuMemAlloc` base).
@@ -239,21 +243,31 @@ fn enable_peer_access(devices: &[usize], ctxs: &[Arc<cudarc::driver::CudaContext
     Ok(())
 }
 
-fn allocate(ctx: &Arc<cudarc::driver::CudaContext>, l: &LlLayout) -> Result<RankMemory, Error> {
-    let sets = l.sets;
-    let per_set = |bytes: usize| (0..sets).map(|_| DeviceBuffer::zeroed(ctx, bytes)).collect::<Result<Vec<_>, _>>();
-    Ok(RankMemory {
+/// A rank's memory: receive regions and signal pages (peers map them); low-latency groups also
+/// get their output buffer sets (high-throughput outputs are allocated per operation).
+fn allocate(ctx: &Arc<cudarc::driver::CudaContext>, layout: &Layout) -> Result<RankMemory, Error> {
+    let per_set =
+        |sets: usize, bytes: usize| (0..sets).map(|_| DeviceBuffer::zeroed(ctx, bytes)).collect::<Result<Vec<_>, _>>();
+    let mut mem = RankMemory {
         ctx: Arc::clone(ctx),
-        disp_recv: DeviceBuffer::zeroed(ctx, l.dispatch_recv_set_bytes() * sets)?,
-        comb_recv: DeviceBuffer::zeroed(ctx, l.combine_recv_set_bytes() * sets)?,
+        disp_recv: DeviceBuffer::zeroed(ctx, layout.dispatch_recv_bytes())?,
+        comb_recv: DeviceBuffer::zeroed(ctx, layout.combine_recv_bytes())?,
+        exchange: DeviceBuffer::zeroed(ctx, layout.exchange_bytes())?,
         signals: DeviceBuffer::zeroed(ctx, SIGNAL_PAGE_BYTES)?,
         status: PinnedBuffer::zeroed(ctx, STATUS_WORDS * 8)?,
-        disp_out: per_set(l.dispatch_out_bytes())?,
-        disp_scales: per_set(l.dispatch_scales_bytes())?,
-        disp_counts: per_set(l.local_experts * 4)?,
-        host_counts: (0..sets)
-            .map(|_| PinnedBuffer::zeroed(ctx, l.local_experts * 4))
-            .collect::<Result<Vec<_>, _>>()?,
-        comb_out: per_set(l.combine_out_bytes())?,
-    })
+        disp_out: Vec::new(),
+        disp_scales: Vec::new(),
+        disp_counts: Vec::new(),
+        host_counts: Vec::new(),
+        comb_out: Vec::new(),
+    };
+    let Layout::Ll(l) = layout else { return Ok(mem) };
+    let sets = l.sets;
+    mem.disp_out = per_set(sets, l.dispatch_out_bytes())?;
+    mem.disp_scales = per_set(sets, l.dispatch_scales_bytes())?;
+    mem.disp_counts = per_set(sets, l.local_experts * 4)?;
+    mem.host_counts =
+        (0..sets).map(|_| PinnedBuffer::zeroed(ctx, l.local_experts * 4)).collect::<Result<Vec<_>, _>>()?;
+    mem.comb_out = per_set(sets, l.combine_out_bytes())?;
+    Ok(mem)
 }

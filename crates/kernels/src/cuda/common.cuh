@@ -12,16 +12,19 @@ typedef unsigned int u32;
 #define EP_FULL_MASK 0xffffffffu
 
 // Host-visible status page (pinned, mapped): [0] = first error (0 = none), then per
-// (channel, set) the cancellation mask of the last completed operation.
+// (channel, set) the cancellation mask of the last completed operation. Channels: 0 dispatch,
+// 1 combine, 2 handle (the high-throughput count exchange).
 #define EP_ERR_TIMEOUT_ARRIVAL 1ull
 #define EP_ERR_TIMEOUT_CREDIT 2ull
+#define EP_ERR_TIMEOUT_RING 3ull
 
-// The signal page of a rank: arrays of u64 indexed [array][set][rank].
+// The signal page of a rank starts with arrays of u64 indexed [array][set][rank].
 #define EP_SIG_ARRIVED(chan) (chan)        // written by senders: ((seq + 1) << 1) | cancelled
-#define EP_SIG_CONSUMED(chan) (2 + (chan)) // written by receivers: (seq + 1) << 1 (the sender's credit)
-#define EP_SIG_SENT(chan) (4 + (chan))     // local: warps done sending, per destination
-#define EP_SIG_DONE 6                      // local: blocks done receiving, [set][chan]
-#define EP_SIG_ARRAYS 7
+#define EP_SIG_CONSUMED(chan) (3 + (chan)) // written by receivers: (seq + 1) << 1 (the sender's credit)
+#define EP_SIG_SENT(chan) (6 + (chan))     // local: warps done sending, per destination
+#define EP_SIG_DONE 9                      // local: blocks done receiving, [set][chan]
+#define EP_SIG_ARRAYS 10
+#define EP_SIG_ARRAY_WORDS (EP_SIG_ARRAYS * EP_MAX_SETS * EP_MAX_RANKS)
 
 __device__ __forceinline__ u64* sig_at(u64* page, int array, int set, int rank) {
     return page + ((size_t)array * EP_MAX_SETS + set) * EP_MAX_RANKS + rank;

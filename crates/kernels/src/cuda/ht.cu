@@ -1,0 +1,560 @@
+// epflow high-throughput dispatch and combine over NVLink, and the count exchange of handle
+// creation.
+//
+// ## Channels and rings
+//
+// A kernel has 2 * C blocks: blocks 0..C send, blocks C..2C receive. Channel c of a rank covers
+// its tokens [c * T, (c + 1) * T) (T = tokens_per_channel); a rank's rows for a destination, in
+// ascending token order, therefore split into C consecutive runs, one per channel.
+//
+// Between every (source, destination) pair each channel has a ring of `depth` slots in the
+// receiver's memory: ring (c, source) of the receiver. Items are numbered by their global
+// position g (every item the pair ever exchanged on this channel, monotonic across operations);
+// item g lives in slot g % depth. The W sending warps of a destination own the residues
+// g % W: after writing item g, a warp publishes subtail[g % W] = g / W + 1 in the receiver's signal
+// page (release, after a system fence), so items [pos, end) are ready where
+// end = min over r of (r + subtail[r] * W). The receiver publishes head = items consumed in the
+// sender's page; a sender writes item g only when g < head + depth.
+//
+// Dispatch: items are the copies (token, destination) of the channel, written into the output
+// rows [recv_base[source][c], + recv_cnt[source][c]) of the receiver in order. Copies to this
+// rank itself are written straight to the output by the sender warps.
+// Combine (the reverse): the expert side sends those rows back; the token side's receiver walks
+// its channel's tokens in order, summing each token's copies in ascending destination rank
+// (fp32, from 0, rounded to BF16 once), copies on this rank read directly from the expert output.
+//
+// Cancellation and timeouts: at its start every kernel signals ARRIVED(chan)[seq % 2][rank] =
+// ((seq + 1) << 1) | cancelled to every receiver; a cancelled sender writes no data and publishes
+// its final subtails at once; receivers skip a cancelled source's data. Every wait has the op's
+// deadline and reports through the status page.
+
+#define HT_MAX_CHANNELS 64
+#define HT_MAX_WARPS 16
+#define HT_BLOCK 512
+#define HT_WARPS (HT_BLOCK / 32)
+
+struct HtParams {
+    u64 x;            // dispatch: tokens [B x H] (BF16, or FP8 bytes); combine: expert outputs [N x H] BF16
+    u64 x_scales;     // dispatch FP8: [B x H/128] fp32
+    u64 weights;      // dispatch forward: [B x K] fp32; combine backward: weight gradients [N x K] fp32
+    u64 topk_idx;     // [B x K] int64 (the handle's copy)
+    u64 send_list;    // int32 tokens per destination, ascending (the handle's send plan)
+    u64 send_off;     // int32 [R][C + 1]: absolute offsets into send_list per (destination, channel)
+    u64 recv_base;    // int32 [R][C]: first received row of (source, channel)
+    u64 recv_cnt;     // int32 [R][C]: rows received from (source, channel)
+    u64 copy_ord;     // int32 [B][R]: index of token t among its channel's copies to rank d, or -1
+    u64 out;          // dispatch: [N x H]; combine: [B x H] BF16
+    u64 out_scales;   // dispatch FP8: [N x H/128] fp32
+    u64 out_weights;  // dispatch forward: [N x K] fp32; combine backward: [B x K] fp32
+    u64 out_idx;      // dispatch forward: [N x K] int64
+    u64 own_ring;     // this rank's receive rings of this channel
+    u64 signals;      // this rank's signal page
+    u64 status;       // this rank's status page (mapped host)
+    u64 peer_ring[EP_MAX_RANKS];
+    u64 peer_signals[EP_MAX_RANKS];
+    u64 seq, timeout_ns;
+    u64 slot_bytes;   // bytes of one ring slot
+    u64 ring_bytes;   // bytes of one ring (depth * slot_bytes)
+    int rank, num_ranks, hidden, top_k;
+    int num_local, num_tokens, channels, depth;
+    int warps_per_dest, fp8, backward, cancelled;
+    int chan, row_bytes, off_scales, off_weights;
+    int off_idx, tokens_per_channel, batch, pad;
+};
+// The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
+static_assert(sizeof(HtParams) == 368, "HtParams layout");
+
+// Ring counters, after the arrays of the signal page: subtail [chan][c][peer][residue] (written by
+// the peer), head [chan][c][peer] (written by the peer), and this rank's own positions,
+// prod [chan][c][peer][seq parity] and cons [chan][c][peer][seq parity] (operation s reads parity
+// s % 2 and writes the other).
+#define HT_SUBTAIL_WORDS (2 * HT_MAX_CHANNELS * EP_MAX_RANKS * HT_MAX_WARPS)
+#define HT_PEER_WORDS (2 * HT_MAX_CHANNELS * EP_MAX_RANKS)
+
+__device__ __forceinline__ u64* ht_subtail(u64* page, int chan, int c, int peer, int r) {
+    return page + EP_SIG_ARRAY_WORDS + (((size_t)chan * HT_MAX_CHANNELS + c) * EP_MAX_RANKS + peer) * HT_MAX_WARPS + r;
+}
+__device__ __forceinline__ u64* ht_head(u64* page, int chan, int c, int peer) {
+    return page + EP_SIG_ARRAY_WORDS + HT_SUBTAIL_WORDS + ((size_t)chan * HT_MAX_CHANNELS + c) * EP_MAX_RANKS + peer;
+}
+__device__ __forceinline__ u64* ht_prod(u64* page, int chan, int c, int peer, u64 parity) {
+    return page + EP_SIG_ARRAY_WORDS + HT_SUBTAIL_WORDS + HT_PEER_WORDS +
+           (((size_t)chan * HT_MAX_CHANNELS + c) * EP_MAX_RANKS + peer) * 2 + (parity & 1);
+}
+__device__ __forceinline__ u64* ht_cons(u64* page, int chan, int c, int peer, u64 parity) {
+    return page + EP_SIG_ARRAY_WORDS + HT_SUBTAIL_WORDS + 3 * HT_PEER_WORDS +
+           (((size_t)chan * HT_MAX_CHANNELS + c) * EP_MAX_RANKS + peer) * 2 + (parity & 1);
+}
+
+__device__ __forceinline__ char* ht_slot(u64 ring_base, const HtParams& p, int c, int src, u64 g) {
+    return reinterpret_cast<char*>(ring_base) + ((size_t)c * p.num_ranks + src) * p.ring_bytes +
+           (size_t)(g % (u64)p.depth) * p.slot_bytes;
+}
+
+// End of the ready prefix of ring (c, src): min over residues r of r + subtail[r] * W.
+__device__ __forceinline__ u64 ht_ready_end(const HtParams& p, int c, int src) {
+    u64* sig = reinterpret_cast<u64*>(p.signals);
+    u64 end = ~0ull;
+    for (int r = 0; r < p.warps_per_dest; r++) {
+        const u64 e = (u64)r + ld_acquire_sys(ht_subtail(sig, p.chan, c, src, r)) * (u64)p.warps_per_dest;
+        end = e < end ? e : end;
+    }
+    return end;
+}
+
+// Copies `bytes` (a multiple of 16) with one warp, 8 vectors in flight per lane.
+__device__ __forceinline__ void warp_copy8(void* dst, const void* src, size_t bytes, int lane) {
+    const size_t n = bytes / 16;
+    const char* s = reinterpret_cast<const char*>(src);
+    char* d = reinterpret_cast<char*>(dst);
+    size_t i = lane;
+    for (; i + 224 < n; i += 256) {
+        int4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) v[u] = ld_cg_int4(s + (i + 32 * u) * 16);
+#pragma unroll
+        for (int u = 0; u < 8; u++) st_na_int4(d + (i + 32 * u) * 16, v[u]);
+    }
+    for (; i < n; i += 32) st_na_int4(d + i * 16, ld_cg_int4(s + i * 16));
+}
+
+// Signals the start of this operation to every receiver (block 0, warp 0).
+__device__ __forceinline__ void ht_signal_start(const HtParams& p) {
+    const int lane = threadIdx.x & 31;
+    if (blockIdx.x == 0 && threadIdx.x < 32 && lane < p.num_ranks) {
+        u64* peer = reinterpret_cast<u64*>(p.peer_signals[lane]);
+        st_release_sys(sig_at(peer, EP_SIG_ARRIVED(p.chan), (int)(p.seq & 1), p.rank),
+                       ((p.seq + 1) << 1) | (u64)(p.cancelled != 0));
+    }
+}
+
+// Receiver blocks: waits for every source's start signal; false on timeout. Sets the mask of
+// cancelled sources.
+__device__ bool ht_wait_starts(const HtParams& p, u32* cancelled, int* failed) {
+    if (threadIdx.x == 0) {
+        *cancelled = 0u;
+        *failed = 0;
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < p.num_ranks) {
+        u64* sig = reinterpret_cast<u64*>(p.signals);
+        u64 seen = 0;
+        const u64 deadline = globaltimer_ns() + p.timeout_ns;
+        if (!wait_signal(sig_at(sig, EP_SIG_ARRIVED(p.chan), (int)(p.seq & 1), threadIdx.x), p.seq + 1, deadline, &seen)) {
+            report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, threadIdx.x, p.seq);
+            atomicExch(failed, 1);
+        } else if (seen & 1ull) {
+            atomicOr(cancelled, 1u << threadIdx.x);
+        }
+    }
+    __syncthreads();
+    return *failed == 0;
+}
+
+// Publishes the cancellation mask of this operation (first receiving block).
+__device__ __forceinline__ void ht_publish_mask(const HtParams& p, int c, u32 cancelled) {
+    if (c == 0 && threadIdx.x == 0) {
+        u64* status = reinterpret_cast<u64*>(p.status);
+        st_relaxed_sys(status + 1 + p.chan * EP_MAX_SETS + (int)(p.seq & 1), ((p.seq + 1) << 32) | cancelled);
+    }
+}
+
+// The weights and local expert indices a dispatched copy of token t carries to `dest`.
+__device__ __forceinline__ void ht_copy_meta(const HtParams& p, int t, int dest, int lane, float* w_out, int* idx32,
+                                             long long* idx64) {
+    if (lane < p.top_k) {
+        const long long e = reinterpret_cast<const long long*>(p.topk_idx)[(size_t)t * p.top_k + lane];
+        const bool here = e >= 0 && (int)(e / p.num_local) == dest;
+        const float w = here ? reinterpret_cast<const float*>(p.weights)[(size_t)t * p.top_k + lane] : 0.f;
+        const int le = here ? (int)(e % p.num_local) : -1;
+        w_out[lane] = w;
+        if (idx32) idx32[lane] = le;
+        if (idx64) idx64[lane] = le;
+    }
+}
+
+// FP8 scales of a row: H / 128 floats.
+__device__ __forceinline__ void ht_copy_scales(float* dst, const float* src, int cols, int lane) {
+    for (int i = lane; i < cols; i += 32) dst[i] = __ldcg(src + i);
+}
+
+// One sending warp: the items of destination `dest` with op-local index i = j, j + W, ...
+// `write(i, slot)` fills a ring slot.
+__device__ void ht_send(const HtParams& p, int c) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int W = p.warps_per_dest, R = p.num_ranks, C = p.channels;
+    const int dest = warp / W, j = warp % W;
+    if (dest >= R) return;
+    u64* sig = reinterpret_cast<u64*>(p.signals);
+    const u64 pos0 = *ht_prod(sig, p.chan, c, dest, p.seq);
+    const int* send_off = reinterpret_cast<const int*>(p.send_off);
+    const int n = p.chan == 0 ? send_off[dest * (C + 1) + c + 1] - send_off[dest * (C + 1) + c]
+                              : reinterpret_cast<const int*>(p.recv_cnt)[dest * C + c];
+    if (j == 0 && lane == 0) *ht_prod(sig, p.chan, c, dest, p.seq + 1) = pos0 + (u64)n;
+    const int* list = reinterpret_cast<const int*>(p.send_list) + (p.chan == 0 ? send_off[dest * (C + 1) + c] : 0);
+    const int cols = p.hidden / 128;
+
+    if (dest == p.rank) {
+        // Dispatch to this rank: straight into the output rows. Combine: the receiver reads them.
+        if (p.chan != 0 || p.cancelled) return;
+        const int row0 = reinterpret_cast<const int*>(p.recv_base)[p.rank * C + c];
+        for (int i = j; i < n; i += W) {
+            const int t = list[i];
+            const size_t row = (size_t)row0 + i;
+            warp_copy8(reinterpret_cast<char*>(p.out) + row * p.row_bytes,
+                       reinterpret_cast<const char*>(p.x) + (size_t)t * p.row_bytes, p.row_bytes, lane);
+            if (p.fp8) {
+                ht_copy_scales(reinterpret_cast<float*>(p.out_scales) + row * cols,
+                               reinterpret_cast<const float*>(p.x_scales) + (size_t)t * cols, cols, lane);
+            }
+            if (!p.backward) {
+                ht_copy_meta(p, t, dest, lane, reinterpret_cast<float*>(p.out_weights) + row * p.top_k, nullptr,
+                             reinterpret_cast<long long*>(p.out_idx) + row * p.top_k);
+            }
+        }
+        return;
+    }
+
+    u64* peer_sig = reinterpret_cast<u64*>(p.peer_signals[dest]);
+    if (p.cancelled) {
+        // No data: the final subtail of this warp's residue, at once.
+        const u64 r = (pos0 + (u64)j) % (u64)W;
+        const u64 end = pos0 + (u64)n;
+        if (lane == 0) st_release_sys(ht_subtail(peer_sig, p.chan, c, p.rank, (int)r), (end + (u64)W - 1 - r) / (u64)W);
+        return;
+    }
+    const u64* head = ht_head(sig, p.chan, c, dest);
+    const u64 deadline = globaltimer_ns() + p.timeout_ns;
+    const int K = p.top_k;
+    for (int i = j; i < n; i += W) {
+        const u64 g = pos0 + (u64)i;
+        int fail = 0;
+        if (lane == 0) {
+            while (ld_acquire_sys(head) + (u64)p.depth <= g) {
+                if (globaltimer_ns() > deadline) {
+                    report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_RING, dest, p.seq);
+                    fail = 1;
+                    break;
+                }
+            }
+        }
+        if (__shfl_sync(EP_FULL_MASK, fail, 0)) return;
+        char* slot = ht_slot(p.peer_ring[dest], p, c, p.rank, g);
+        if (p.chan == 0) {
+            const int t = list[i];
+            warp_copy8(slot, reinterpret_cast<const char*>(p.x) + (size_t)t * p.row_bytes, p.row_bytes, lane);
+            if (p.fp8) {
+                ht_copy_scales(reinterpret_cast<float*>(slot + p.off_scales),
+                               reinterpret_cast<const float*>(p.x_scales) + (size_t)t * cols, cols, lane);
+            }
+            if (!p.backward) {
+                ht_copy_meta(p, t, dest, lane, reinterpret_cast<float*>(slot + p.off_weights),
+                             reinterpret_cast<int*>(slot + p.off_idx), nullptr);
+            }
+        } else {
+            const size_t row = (size_t)reinterpret_cast<const int*>(p.recv_base)[dest * C + c] + i;
+            warp_copy8(slot, reinterpret_cast<const char*>(p.x) + row * p.row_bytes, p.row_bytes, lane);
+            if (p.backward && lane < K) {
+                reinterpret_cast<float*>(slot + p.off_weights)[lane] =
+                    reinterpret_cast<const float*>(p.weights)[row * K + lane];
+            }
+        }
+        __threadfence_system();
+        __syncwarp();
+        if (lane == 0) st_release_sys(ht_subtail(peer_sig, p.chan, c, p.rank, (int)(g % (u64)W)), g / (u64)W + 1);
+    }
+}
+
+// Dispatch receiver of channel c: copies ready items of every source into their output rows,
+// up to `batch` per source per round, and returns ring space after each round.
+__device__ void ht_dispatch_recv(const HtParams& p, int c) {
+    __shared__ u32 cancelled;
+    __shared__ int failed;
+    __shared__ u64 pos[EP_MAX_RANKS];
+    __shared__ int left[EP_MAX_RANKS], take[EP_MAX_RANKS], base[EP_MAX_RANKS], done[EP_MAX_RANKS];
+    __shared__ int round_items, any_left;
+    if (!ht_wait_starts(p, &cancelled, &failed)) return;
+    const int R = p.num_ranks, C = p.channels, K = p.top_k;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u64* sig = reinterpret_cast<u64*>(p.signals);
+    if ((int)threadIdx.x < R) {
+        const int s = threadIdx.x;
+        const int cnt = s == p.rank ? 0 : reinterpret_cast<const int*>(p.recv_cnt)[s * C + c];
+        pos[s] = *ht_cons(sig, p.chan, c, s, p.seq);
+        *ht_cons(sig, p.chan, c, s, p.seq + 1) = pos[s] + (u64)cnt;
+        left[s] = cnt;
+        base[s] = reinterpret_cast<const int*>(p.recv_base)[s * C + c];
+        done[s] = 0;
+    }
+    __syncthreads();
+    const u64 deadline = globaltimer_ns() + p.timeout_ns;
+    const int cols = p.hidden / 128;
+    while (true) {
+        if ((int)threadIdx.x < R) {
+            const int s = threadIdx.x;
+            int t = 0;
+            if (left[s] > 0) {
+                if ((cancelled >> s) & 1u) {
+                    t = left[s];
+                } else {
+                    const u64 end = ht_ready_end(p, c, s);
+                    const u64 at = pos[s] + (u64)done[s];
+                    const u64 avail = end > at ? end - at : 0;
+                    const u64 cap = (u64)min(left[s], p.batch);
+                    t = (int)(avail < cap ? avail : cap);
+                }
+            }
+            take[s] = t;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int items = 0, rest = 0, first_missing = -1;
+            for (int s = 0; s < R; s++) {
+                items += take[s];
+                rest += left[s];
+                if (left[s] > 0 && take[s] == 0 && first_missing < 0) first_missing = s;
+            }
+            round_items = items;
+            any_left = rest;
+            if (items == 0 && rest > 0 && globaltimer_ns() > deadline) {
+                report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, first_missing, p.seq);
+                failed = 1;
+            }
+        }
+        __syncthreads();
+        if (failed || any_left == 0) break;
+        if (round_items == 0) continue;
+        if (!p.cancelled) {
+            for (int q = warp; q < round_items; q += HT_WARPS) {
+                int s = 0, k = q;
+                while (k >= take[s]) {
+                    k -= take[s];
+                    s++;
+                }
+                if ((cancelled >> s) & 1u) continue;
+                const u64 g = pos[s] + (u64)done[s] + (u64)k;
+                const size_t row = (size_t)base[s] + done[s] + k;
+                const char* slot = ht_slot(p.own_ring, p, c, s, g);
+                warp_copy8(reinterpret_cast<char*>(p.out) + row * p.row_bytes, slot, p.row_bytes, lane);
+                if (p.fp8) {
+                    ht_copy_scales(reinterpret_cast<float*>(p.out_scales) + row * cols,
+                                   reinterpret_cast<const float*>(slot + p.off_scales), cols, lane);
+                }
+                if (!p.backward && lane < K) {
+                    reinterpret_cast<float*>(p.out_weights)[row * K + lane] =
+                        __ldcg(reinterpret_cast<const float*>(slot + p.off_weights) + lane);
+                    reinterpret_cast<long long*>(p.out_idx)[row * K + lane] =
+                        __ldcg(reinterpret_cast<const int*>(slot + p.off_idx) + lane);
+                }
+            }
+        }
+        __syncthreads();
+        if ((int)threadIdx.x < R && take[threadIdx.x] > 0) {
+            const int s = threadIdx.x;
+            done[s] += take[s];
+            left[s] -= take[s];
+            st_release_sys(ht_head(reinterpret_cast<u64*>(p.peer_signals[s]), p.chan, c, p.rank), pos[s] + (u64)done[s]);
+        }
+        __syncthreads();
+    }
+    ht_publish_mask(p, c, cancelled);
+}
+
+// Combine receiver of channel c: for each batch of `batch` tokens, waits for their copies, then
+// sums them (ascending destination rank) into the output; backward also picks each k's weight
+// gradient from the copy of the rank that owns expert k.
+__device__ void ht_combine_recv(const HtParams& p, int c) {
+    __shared__ u32 cancelled;
+    __shared__ int failed;
+    __shared__ u64 pos[EP_MAX_RANKS];
+    __shared__ int need[EP_MAX_RANKS], prev[EP_MAX_RANKS];
+    if (!ht_wait_starts(p, &cancelled, &failed)) return;
+    const int R = p.num_ranks, C = p.channels, K = p.top_k, H = p.hidden, L = p.num_local;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u64* sig = reinterpret_cast<u64*>(p.signals);
+    const int* send_off = reinterpret_cast<const int*>(p.send_off);
+    const int* copy_ord = reinterpret_cast<const int*>(p.copy_ord);
+    if ((int)threadIdx.x < R) {
+        const int d = threadIdx.x;
+        const int total = d == p.rank ? 0 : send_off[d * (C + 1) + c + 1] - send_off[d * (C + 1) + c];
+        pos[d] = *ht_cons(sig, p.chan, c, d, p.seq);
+        *ht_cons(sig, p.chan, c, d, p.seq + 1) = pos[d] + (u64)total;
+        prev[d] = 0;
+    }
+    __syncthreads();
+    const u64 deadline = globaltimer_ns() + p.timeout_ns;
+    const int local_row0 = reinterpret_cast<const int*>(p.recv_base)[p.rank * C + c];
+    const __nv_bfloat16* local = reinterpret_cast<const __nv_bfloat16*>(p.x);
+    __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(p.out);
+    const int parts = (H % 32 == 0) ? 4 : 1;
+    const int width = H / parts;
+    const int t_begin = min(c * p.tokens_per_channel, p.num_tokens);
+    const int t_end = min(t_begin + p.tokens_per_channel, p.num_tokens);
+    for (int tb = t_begin; tb < t_end; tb += p.batch) {
+        const int te = min(tb + p.batch, t_end);
+        if ((int)threadIdx.x < R) {
+            const int d = threadIdx.x;
+            int n = prev[d];
+            for (int t = te - 1; t >= tb; t--) {
+                const int o = copy_ord[(size_t)t * R + d];
+                if (o >= 0) {
+                    n = o + 1;
+                    break;
+                }
+            }
+            need[d] = n;
+            if (d != p.rank && n > prev[d] && !((cancelled >> d) & 1u)) {
+                while (ht_ready_end(p, c, d) < pos[d] + (u64)n) {
+                    if (globaltimer_ns() > deadline) {
+                        report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, d, p.seq);
+                        atomicExch(&failed, 1);
+                        break;
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        if (failed) return;
+        if (!p.cancelled) {
+            for (int q = warp; q < (te - tb) * parts; q += HT_WARPS) {
+                const int t = tb + q / parts, part = q % parts;
+                int ord[EP_MAX_RANKS];
+#pragma unroll
+                for (int d = 0; d < EP_MAX_RANKS; d++) {
+                    ord[d] = (d < R && !((cancelled >> d) & 1u)) ? copy_ord[(size_t)t * R + d] : -1;
+                }
+                for (int ch = part * width + lane * 8; ch < (part + 1) * width; ch += 256) {
+                    float acc[8];
+#pragma unroll
+                    for (int i = 0; i < 8; i++) acc[i] = 0.f;
+#pragma unroll
+                    for (int d = 0; d < EP_MAX_RANKS; d++) {
+                        if (ord[d] < 0) continue;
+                        const char* src = d == p.rank
+                                              ? reinterpret_cast<const char*>(local + ((size_t)local_row0 + ord[d]) * H)
+                                              : ht_slot(p.own_ring, p, c, d, pos[d] + (u64)ord[d]);
+                        int4 raw = ld_cg_int4(src + (size_t)ch * 2);
+                        const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw);
+#pragma unroll
+                        for (int i = 0; i < 8; i++) acc[i] = __fadd_rn(acc[i], __bfloat162float(b[i]));
+                    }
+                    __nv_bfloat16 o[8];
+#pragma unroll
+                    for (int i = 0; i < 8; i++) o[i] = __float2bfloat16_rn(acc[i]);
+                    *reinterpret_cast<int4*>(out + (size_t)t * H + ch) = *reinterpret_cast<int4*>(o);
+                }
+                if (p.backward && part == 0 && lane < K) {
+                    const long long e = reinterpret_cast<const long long*>(p.topk_idx)[(size_t)t * K + lane];
+                    float w = 0.f;
+                    if (e >= 0) {
+                        const int d = (int)(e / L);
+                        const int o = copy_ord[(size_t)t * R + d];
+                        if (d == p.rank) {
+                            w = reinterpret_cast<const float*>(p.weights)[((size_t)local_row0 + o) * K + lane];
+                        } else if (!((cancelled >> d) & 1u)) {
+                            w = __ldcg(reinterpret_cast<const float*>(ht_slot(p.own_ring, p, c, d, pos[d] + (u64)o) +
+                                                                      p.off_weights) + lane);
+                        }
+                    }
+                    reinterpret_cast<float*>(p.out_weights)[(size_t)t * K + lane] = w;
+                }
+            }
+        }
+        __syncthreads();
+        if ((int)threadIdx.x < R) {
+            const int d = threadIdx.x;
+            if (need[d] > prev[d]) {
+                prev[d] = need[d];
+                if (d != p.rank) {
+                    st_release_sys(ht_head(reinterpret_cast<u64*>(p.peer_signals[d]), p.chan, c, p.rank),
+                                   pos[d] + (u64)need[d]);
+                }
+            }
+        }
+    }
+    ht_publish_mask(p, c, cancelled);
+}
+
+// High-throughput dispatch (forward or backward), one launch: blocks [0, C) send, [C, 2C) receive.
+extern "C" __global__ void __launch_bounds__(HT_BLOCK) ep_ht_dispatch(HtParams p) {
+    ht_signal_start(p);
+    if ((int)blockIdx.x < p.channels) {
+        ht_send(p, blockIdx.x);
+    } else {
+        ht_dispatch_recv(p, blockIdx.x - p.channels);
+    }
+}
+
+// High-throughput combine (forward or backward), one launch: blocks [0, C) send, [C, 2C) receive.
+extern "C" __global__ void __launch_bounds__(HT_BLOCK) ep_ht_combine(HtParams p) {
+    ht_signal_start(p);
+    if ((int)blockIdx.x < p.channels) {
+        ht_send(p, blockIdx.x);
+    } else {
+        ht_combine_recv(p, blockIdx.x - p.channels);
+    }
+}
+
+struct ExchangeParams {
+    u64 msgs;        // int32 [R][words]: this rank's message to each rank
+    u64 out;         // int32 [R][words] (mapped host): the message of each source
+    u64 own;         // this rank's exchange region
+    u64 signals;     // this rank's signal page
+    u64 status;      // this rank's status page
+    u64 peer_region[EP_MAX_RANKS];
+    u64 peer_signals[EP_MAX_RANKS];
+    u64 seq, timeout_ns;
+    int rank, num_ranks, words, cancelled;
+};
+static_assert(sizeof(ExchangeParams) == 200, "ExchangeParams layout");
+
+// The count exchange of high-throughput handle creation (channel 2), one block: writes this
+// rank's message into every rank's region [seq % 2][rank], signals, waits for every source, and
+// copies the received messages to mapped host memory. Two region sets are enough: a rank can only
+// start exchange s + 2 after every rank has started exchange s + 1, i.e. finished exchange s.
+extern "C" __global__ void __launch_bounds__(256) ep_ht_exchange(ExchangeParams p) {
+    __shared__ u32 cancelled;
+    __shared__ int failed;
+    const int R = p.num_ranks, set = (int)(p.seq & 1);
+    const size_t set_words = (size_t)R * p.words;
+    const int* msgs = reinterpret_cast<const int*>(p.msgs);
+    if (!p.cancelled) {
+        for (int i = threadIdx.x; i < R * p.words; i += blockDim.x) {
+            const int d = i / p.words, w = i % p.words;
+            reinterpret_cast<int*>(p.peer_region[d])[set * set_words + (size_t)p.rank * p.words + w] = msgs[i];
+        }
+    }
+    __threadfence_system();
+    __syncthreads();
+    if ((int)threadIdx.x < R) {
+        u64* peer = reinterpret_cast<u64*>(p.peer_signals[threadIdx.x]);
+        st_release_sys(sig_at(peer, EP_SIG_ARRIVED(2), set, p.rank), ((p.seq + 1) << 1) | (u64)(p.cancelled != 0));
+    }
+    if (threadIdx.x == 0) {
+        cancelled = 0u;
+        failed = 0;
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < R) {
+        u64* sig = reinterpret_cast<u64*>(p.signals);
+        u64 seen = 0;
+        const u64 deadline = globaltimer_ns() + p.timeout_ns;
+        if (!wait_signal(sig_at(sig, EP_SIG_ARRIVED(2), set, threadIdx.x), p.seq + 1, deadline, &seen)) {
+            report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, threadIdx.x, p.seq);
+            atomicExch(&failed, 1);
+        } else if (seen & 1ull) {
+            atomicOr(&cancelled, 1u << threadIdx.x);
+        }
+    }
+    __syncthreads();
+    if (failed) return;
+    const int* own = reinterpret_cast<const int*>(p.own) + set * set_words;
+    volatile int* out = reinterpret_cast<volatile int*>(p.out);
+    for (int i = threadIdx.x; i < R * p.words; i += blockDim.x) out[i] = __ldcg(own + i);
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u64* status = reinterpret_cast<u64*>(p.status);
+        st_relaxed_sys(status + 1 + 2 * EP_MAX_SETS + set, ((p.seq + 1) << 32) | cancelled);
+    }
+}

@@ -1,0 +1,481 @@
+//! High-throughput operations on the GPU backend: the send plan of a handle, the count exchange
+//! that creates it (collective), and the dispatch and combine launches (`cuda/ht.cu`).
+//!
+//! ## Channels
+//!
+//! A rank's `B` tokens are split into `C` channels of `ceil(B / C)` consecutive tokens; channel
+//! `c` of every rank runs on the `c`-th block pair of the kernel. The handle's send plan lists,
+//! per destination, the tokens that have an expert there (ascending), cut by channel; the count
+//! exchange tells every rank how many rows each (source, channel) sends it, hence where they go
+//! in its `[N x H]` output (sorted by source rank, then token, as the reference says).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use epflow_core::ops::{
+    CombineInputs, CombineOptions, CombineOutputs, CountsLocation, DispatchInputs, DispatchOptions, DispatchOutputs,
+    Pass,
+};
+use epflow_core::protocol::Channel;
+use epflow_core::routing::{ExpertPlacement, Routing, SendPlan};
+use epflow_core::{DType, Error, TensorDesc, TensorTag};
+
+use crate::cache::CachedBuffer;
+use crate::layout::{HT_BATCH, HtLayout};
+use crate::memory::{DeviceBuffer, PinnedBuffer};
+use crate::op::{GpuOp, Launch, Work};
+use crate::params::{ExchangeParams, HtParams, MAX_RANKS};
+use crate::rank::{GpuHandle, GpuRank, HandleInner, RankShared, take_pooled};
+use crate::tensor::DeviceTensor;
+
+/// What a high-throughput handle knows after its count exchange.
+#[derive(Debug)]
+pub(crate) struct HtHandleInfo {
+    /// `N`.
+    pub num_recv: usize,
+    /// Rows received per local expert, `[L]`.
+    pub expert_counts: Vec<i32>,
+    /// Tokens per channel on this rank.
+    pub tokens_per_channel: usize,
+    /// Byte offsets of the arrays in the handle's device memory.
+    pub off: HandleOffsets,
+}
+
+/// Byte offsets of a high-throughput handle's arrays (see [`HtParams`] for their shapes).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct HandleOffsets {
+    pub send_list: usize,
+    pub send_off: usize,
+    pub recv_base: usize,
+    pub recv_cnt: usize,
+    pub copy_ord: usize,
+    pub counts: usize,
+    pub end: usize,
+}
+
+/// The staging buffers of one count exchange: this rank's messages (device) and what it
+/// receives (mapped pinned host memory).
+#[derive(Debug)]
+pub(crate) struct ExchangeBuffers {
+    msgs: DeviceBuffer,
+    out: PinnedBuffer,
+}
+
+/// A rank's send plan by destination and channel, and the messages of its count exchange.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct HtPlan {
+    /// Tokens per channel.
+    pub tokens_per_channel: usize,
+    /// Per destination, the tokens with an expert there, ascending; concatenated.
+    pub send_list: Vec<i32>,
+    /// `[R][C + 1]`: absolute offsets into `send_list` where each (destination, channel) starts
+    /// (entry `C` is where the destination ends).
+    pub send_off: Vec<i32>,
+    /// `[B][R]`: index of token `t` among its channel's copies to rank `d`, or -1.
+    pub copy_ord: Vec<i32>,
+    /// `[R][C + L]`: to each rank, the rows per channel, then the selections per local expert.
+    pub msgs: Vec<i32>,
+}
+
+impl HtPlan {
+    /// The plan of `routing` with `channels` channels.
+    pub fn new(routing: &Routing, placement: ExpertPlacement, channels: usize) -> Self {
+        let (b, r, l) = (routing.num_tokens(), placement.num_ranks, placement.local_experts());
+        let tpc = b.div_ceil(channels).max(1);
+        let plan = SendPlan::new(routing, placement);
+        let words = channels + l;
+        let mut out = HtPlan {
+            tokens_per_channel: tpc,
+            send_list: Vec::with_capacity(plan.num_copies()),
+            send_off: Vec::with_capacity(r * (channels + 1)),
+            copy_ord: vec![-1; b * r],
+            msgs: vec![0; r * words],
+        };
+        for d in 0..r {
+            let base = out.send_list.len();
+            let copies = plan.copies_to(d);
+            let mut c = 0;
+            for (i, copy) in copies.iter().enumerate() {
+                let t = copy.token as usize;
+                while c * tpc <= t && c < channels {
+                    out.send_off.push((base + i) as i32);
+                    c += 1;
+                }
+                let first = out.send_off[d * (channels + 1) + c - 1] as usize;
+                out.copy_ord[t * r + d] = (base + i - first) as i32;
+                out.send_list.push(t as i32);
+                for s in &copy.selections {
+                    out.msgs[d * words + channels + s.local_expert as usize] += 1;
+                }
+            }
+            while c <= channels {
+                out.send_off.push((base + copies.len()) as i32);
+                c += 1;
+            }
+            for ch in 0..channels {
+                let o = d * (channels + 1) + ch;
+                out.msgs[d * words + ch] = out.send_off[o + 1] - out.send_off[o];
+            }
+        }
+        out
+    }
+}
+
+/// The receive layout of a rank from the messages it received (`[R][C + L]`):
+/// (`recv_base [R][C]`, `recv_cnt [R][C]`, `N`, expert counts `[L]`).
+pub(crate) fn receive_layout(
+    received: &[i32],
+    num_ranks: usize,
+    channels: usize,
+) -> (Vec<i32>, Vec<i32>, usize, Vec<i32>) {
+    let words = received.len() / num_ranks.max(1);
+    let l = words - channels;
+    let mut base = Vec::with_capacity(num_ranks * channels);
+    let mut cnt = Vec::with_capacity(num_ranks * channels);
+    let mut counts = vec![0i32; l];
+    let mut n = 0usize;
+    for s in 0..num_ranks {
+        let m = &received[s * words..(s + 1) * words];
+        for &c in &m[..channels] {
+            base.push(n as i32);
+            cnt.push(c);
+            n += c.max(0) as usize;
+        }
+        for (acc, &c) in counts.iter_mut().zip(&m[channels..]) {
+            *acc += c;
+        }
+    }
+    (base, cnt, n, counts)
+}
+
+fn push_i32s(bytes: &mut Vec<u8>, v: &[i32]) -> usize {
+    let at = bytes.len().next_multiple_of(256);
+    bytes.resize(at, 0);
+    bytes.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+    at
+}
+
+fn ht_layout(shared: &RankShared) -> Result<&HtLayout, Error> {
+    match &shared.layout {
+        crate::layout::Layout::Ht(h) => Ok(h),
+        crate::layout::Layout::Ll(_) => {
+            Err(Error::Backend("a high-throughput operation on a low-latency group".into()))
+        }
+    }
+}
+
+/// Builds the handle once the count exchange has delivered `received`.
+pub(crate) fn finish_handle(
+    shared: &Arc<RankShared>,
+    routing: Routing,
+    plan: &HtPlan,
+    received: &[i32],
+) -> Result<GpuHandle, Error> {
+    let layout = ht_layout(shared)?;
+    let (recv_base, recv_cnt, num_recv, expert_counts) = receive_layout(received, shared.num_ranks, layout.channels);
+    let mut bytes: Vec<u8> = routing.indices().iter().flat_map(|e| e.to_le_bytes()).collect();
+    let off = HandleOffsets {
+        send_list: push_i32s(&mut bytes, &plan.send_list),
+        send_off: push_i32s(&mut bytes, &plan.send_off),
+        recv_base: push_i32s(&mut bytes, &recv_base),
+        recv_cnt: push_i32s(&mut bytes, &recv_cnt),
+        copy_ord: push_i32s(&mut bytes, &plan.copy_ord),
+        counts: push_i32s(&mut bytes, &expert_counts),
+        end: bytes.len(),
+    };
+    let mem = take_pooled(&shared.ctx, &shared.handle_pool, off.end.max(1))?;
+    mem.write(0, &bytes)?;
+    Ok(GpuHandle(Arc::new(HandleInner {
+        group_id: shared.group_id,
+        routing,
+        mem: Some(mem),
+        pool: Arc::clone(&shared.handle_pool),
+        dispatched: AtomicBool::new(false),
+        ht: Some(HtHandleInfo { num_recv, expert_counts, tokens_per_channel: plan.tokens_per_channel, off }),
+    })))
+}
+
+/// Where each output tensor of an operation lies in one cached buffer.
+struct OutputPlan {
+    descs: Vec<TensorDesc>,
+    offsets: Vec<usize>,
+    bytes: usize,
+}
+
+impl OutputPlan {
+    fn new(descs: Vec<TensorDesc>) -> Self {
+        let mut offsets = Vec::with_capacity(descs.len());
+        let mut bytes = 0usize;
+        for d in &descs {
+            offsets.push(bytes);
+            bytes = (bytes + d.size_bytes()).next_multiple_of(256);
+        }
+        OutputPlan { descs, offsets, bytes }
+    }
+
+    fn views(self, shared: &RankShared, buf: CachedBuffer) -> Vec<DeviceTensor> {
+        let base = buf.ptr();
+        let keep: Arc<dyn std::any::Any + Send + Sync> = Arc::new(buf);
+        self.descs
+            .into_iter()
+            .zip(self.offsets)
+            .map(|(d, o)| DeviceTensor::view(base + o as u64, shared.device, d, Arc::clone(&keep)))
+            .collect()
+    }
+}
+
+impl GpuRank {
+    fn ht_params(&self, chan: Channel, h: &GpuHandle, seq: u64) -> Result<HtParams, Error> {
+        let s = &self.shared;
+        let l = ht_layout(s)?;
+        let info =
+            h.0.ht.as_ref().ok_or_else(|| Error::Backend("a low-latency handle in a high-throughput group".into()))?;
+        let base = h.ptr();
+        let dispatch = chan == Channel::Dispatch;
+        let mut p = HtParams {
+            topk_idx: base,
+            send_list: base + info.off.send_list as u64,
+            send_off: base + info.off.send_off as u64,
+            recv_base: base + info.off.recv_base as u64,
+            recv_cnt: base + info.off.recv_cnt as u64,
+            copy_ord: base + info.off.copy_ord as u64,
+            own_ring: if dispatch { s.mem.disp_recv.ptr() } else { s.mem.comb_recv.ptr() },
+            signals: s.mem.signals.ptr(),
+            status: s.mem.status.device_ptr(),
+            seq,
+            timeout_ns: (s.config.timeout.as_nanos() as u64).saturating_mul(9) / 10,
+            slot_bytes: l.slot_bytes as u64,
+            ring_bytes: l.ring_bytes() as u64,
+            rank: s.rank as i32,
+            num_ranks: s.num_ranks as i32,
+            hidden: l.hidden as i32,
+            top_k: h.top_k() as i32,
+            num_local: l.local_experts as i32,
+            num_tokens: h.num_tokens() as i32,
+            channels: l.channels as i32,
+            depth: l.depth as i32,
+            warps_per_dest: l.warps_per_dest as i32,
+            chan: chan.index() as i32,
+            row_bytes: (2 * l.hidden) as i32,
+            off_scales: l.off_scales as i32,
+            off_weights: l.off_weights as i32,
+            off_idx: l.off_idx as i32,
+            tokens_per_channel: info.tokens_per_channel as i32,
+            batch: HT_BATCH.min(l.depth) as i32,
+            ..HtParams::default()
+        };
+        for r in 0..s.num_ranks.min(MAX_RANKS) {
+            p.peer_ring[r] = if dispatch { s.peers.disp_recv[r] } else { s.peers.comb_recv[r] };
+            p.peer_signals[r] = s.peers.signals[r];
+        }
+        Ok(p)
+    }
+
+    /// Starts the count exchange that creates a high-throughput handle.
+    pub(crate) fn ht_start_handle(&self, routing: Routing) -> Result<GpuOp, Error> {
+        let s = &self.shared;
+        let l = ht_layout(s)?;
+        let placement = ExpertPlacement::new(s.config.num_experts, s.num_ranks);
+        let plan = HtPlan::new(&routing, placement, l.channels);
+        let words = l.exchange_words();
+        let bufs = match s.exchange_pool.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+            Some(b) => b,
+            None => ExchangeBuffers {
+                msgs: DeviceBuffer::zeroed(&s.ctx, s.num_ranks * words * 4)?,
+                out: PinnedBuffer::zeroed(&s.ctx, s.num_ranks * words * 4)?,
+            },
+        };
+        bufs.msgs.write(0, &plan.msgs)?;
+        let seq = self.seqs[Channel::Handle.index()].fetch_add(1, Ordering::Relaxed);
+        let mut p = ExchangeParams {
+            msgs: bufs.msgs.ptr(),
+            out: bufs.out.device_ptr(),
+            own: s.mem.exchange.ptr(),
+            signals: s.mem.signals.ptr(),
+            status: s.mem.status.device_ptr(),
+            seq,
+            timeout_ns: (s.config.timeout.as_nanos() as u64).saturating_mul(9) / 10,
+            rank: s.rank as i32,
+            num_ranks: s.num_ranks as i32,
+            words: words as i32,
+            ..ExchangeParams::default()
+        };
+        for r in 0..s.num_ranks.min(MAX_RANKS) {
+            p.peer_region[r] = s.peers.exchange[r];
+            p.peer_signals[r] = s.peers.signals[r];
+        }
+        Ok(GpuOp::new(
+            Arc::clone(&self.shared),
+            Channel::Handle,
+            seq,
+            Launch::Exchange(p),
+            Work::HtHandle { routing, plan, bufs: Some(bufs) },
+            &[],
+        ))
+    }
+
+    /// Starts a high-throughput dispatch (inputs already validated).
+    pub(crate) fn ht_start_dispatch(
+        &self,
+        h: &GpuHandle,
+        inputs: DispatchInputs<'_, DeviceTensor>,
+        opts: &DispatchOptions,
+    ) -> Result<GpuOp, Error> {
+        let s = &self.shared;
+        let descs = epflow_core::validate::dispatch_output_descs(&self.ctx_for(h), opts);
+        let seq = self.seqs[Channel::Dispatch.index()].fetch_add(1, Ordering::Relaxed);
+        let mut p = self.ht_params(Channel::Dispatch, h, seq)?;
+        let fp8 = descs.scales.is_some();
+        p.fp8 = i32::from(fp8);
+        p.backward = i32::from(opts.pass == Pass::Backward);
+        if fp8 {
+            p.row_bytes = s.config.hidden as i32;
+        }
+        p.x = inputs.tokens.ptr();
+        p.x_scales = inputs.scales.map_or(0, DeviceTensor::ptr);
+        p.weights = inputs.topk_weights.map_or(0, DeviceTensor::ptr);
+        let mut inputs_kept = vec![inputs.tokens];
+        for t in [inputs.scales, inputs.topk_weights].into_iter().flatten() {
+            self.check_device(t, "a dispatch input")?;
+            inputs_kept.push(t);
+        }
+        // Outputs: tokens, then the optional scales, weights and indices, in one cached buffer.
+        let present: Vec<TensorDesc> =
+            [Some(descs.tokens.clone()), descs.scales.clone(), descs.topk_weights.clone(), descs.topk_idx.clone()]
+                .into_iter()
+                .flatten()
+                .collect();
+        let plan = OutputPlan::new(present);
+        let buf = s.outputs.take(plan.bytes)?;
+        let fill = (buf.ptr(), plan.bytes);
+        let mut views = plan.views(s, buf).into_iter();
+        let tokens = views.next().ok_or_else(|| Error::Backend("no token output".into()))?;
+        let scales = descs.scales.as_ref().and_then(|_| views.next());
+        let topk_weights = descs.topk_weights.as_ref().and_then(|_| views.next());
+        let topk_idx = descs.topk_idx.as_ref().and_then(|_| views.next());
+        p.out = tokens.ptr();
+        p.out_scales = scales.as_ref().map_or(0, DeviceTensor::ptr);
+        p.out_weights = topk_weights.as_ref().map_or(0, DeviceTensor::ptr);
+        p.out_idx = topk_idx.as_ref().map_or(0, DeviceTensor::ptr);
+        let info = h.0.ht.as_ref().ok_or_else(|| Error::Backend("missing high-throughput handle info".into()))?;
+        let counts = (opts.pass == Pass::Forward).then(|| {
+            DeviceTensor::view(
+                h.ptr() + info.off.counts as u64,
+                s.device,
+                TensorDesc::contiguous(TensorTag::RecvExpertCountsDevice, DType::I32, &[info.expert_counts.len()]),
+                Arc::clone(&h.0) as Arc<dyn std::any::Any + Send + Sync>,
+            )
+        });
+        let host_counts = (opts.pass == Pass::Forward && opts.counts_location == CountsLocation::Host)
+            .then(|| info.expert_counts.clone());
+        let outputs = DispatchOutputs { tokens, scales, topk_weights, topk_idx, counts };
+        let mut op = GpuOp::new(
+            Arc::clone(&self.shared),
+            Channel::Dispatch,
+            seq,
+            Launch::Ht(p),
+            Work::HtDispatch { handle: h.clone(), outputs: Some(Box::new((outputs, host_counts))) },
+            &inputs_kept,
+        );
+        op.set_fill(fill);
+        Ok(op)
+    }
+
+    /// Starts a high-throughput combine (inputs already validated).
+    pub(crate) fn ht_start_combine(
+        &self,
+        h: &GpuHandle,
+        inputs: CombineInputs<'_, DeviceTensor>,
+        opts: &CombineOptions,
+    ) -> Result<GpuOp, Error> {
+        let s = &self.shared;
+        let descs = epflow_core::validate::combine_output_descs(&self.ctx_for(h), opts);
+        let seq = self.seqs[Channel::Combine.index()].fetch_add(1, Ordering::Relaxed);
+        let mut p = self.ht_params(Channel::Combine, h, seq)?;
+        p.backward = i32::from(opts.pass == Pass::Backward);
+        p.x = inputs.tokens.ptr();
+        p.weights = inputs.topk_weights.map_or(0, DeviceTensor::ptr);
+        let mut inputs_kept = vec![inputs.tokens];
+        if let Some(w) = inputs.topk_weights {
+            self.check_device(w, "combine input topk_weights")?;
+            inputs_kept.push(w);
+        }
+        let present: Vec<TensorDesc> =
+            [Some(descs.tokens.clone()), descs.topk_weights.clone()].into_iter().flatten().collect();
+        let plan = OutputPlan::new(present);
+        let buf = s.outputs.take(plan.bytes)?;
+        let fill = (buf.ptr(), plan.bytes);
+        let mut views = plan.views(s, buf).into_iter();
+        let tokens = views.next().ok_or_else(|| Error::Backend("no token output".into()))?;
+        let topk_weights = views.next();
+        p.out = tokens.ptr();
+        p.out_weights = topk_weights.as_ref().map_or(0, DeviceTensor::ptr);
+        let mut op = GpuOp::new(
+            Arc::clone(&self.shared),
+            Channel::Combine,
+            seq,
+            Launch::Ht(p),
+            Work::HtCombine { outputs: Some(CombineOutputs { tokens, topk_weights }) },
+            &inputs_kept,
+        );
+        op.set_fill(fill);
+        Ok(op)
+    }
+}
+
+/// Returns the staging buffers of a finished exchange to the pool.
+pub(crate) fn recycle_exchange(shared: &RankShared, bufs: ExchangeBuffers) {
+    shared.exchange_pool.lock().unwrap_or_else(|e| e.into_inner()).push(bufs);
+}
+
+/// Reads what an exchange received (after its kernel completed).
+pub(crate) fn received_messages(shared: &RankShared, bufs: &ExchangeBuffers) -> Result<Vec<i32>, Error> {
+    let l = ht_layout(shared)?;
+    Ok(bufs.out.read_i32s(shared.num_ranks * l.exchange_words()))
+}
+
+/// The grid of a high-throughput kernel: `2 * C` blocks of 512 threads.
+pub(crate) fn ht_grid(p: &HtParams) -> (u32, u32) {
+    (2 * p.channels as u32, 512)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plan_splits_copies_by_destination_and_channel() {
+        // 8 experts on 2 ranks (L = 4), 5 tokens, top-2, 2 channels of 3 tokens.
+        let idx = vec![0, 5, 1, 2, 6, -1, 7, 4, -1, -1];
+        let routing = Routing::new(idx, 5, 2, 8).unwrap();
+        let plan = HtPlan::new(&routing, ExpertPlacement::new(8, 2), 2);
+        assert_eq!(plan.tokens_per_channel, 3);
+        // To rank 0: tokens 0, 1; to rank 1: tokens 0, 2, 3.
+        assert_eq!(plan.send_list, vec![0, 1, 0, 2, 3]);
+        assert_eq!(plan.send_off, vec![0, 2, 2, 2, 4, 5]);
+        assert_eq!(plan.copy_ord, vec![0, 0, 1, -1, -1, 1, -1, 0, -1, -1]);
+        // Messages: [rows c0, rows c1, selections of local experts 0..4].
+        assert_eq!(&plan.msgs[..6], &[2, 0, 1, 1, 1, 0]);
+        assert_eq!(&plan.msgs[6..], &[2, 1, 1, 1, 1, 1]);
+        let (base, cnt, n, counts) = receive_layout(&[plan.msgs[6..].to_vec(), plan.msgs[6..].to_vec()].concat(), 2, 2);
+        assert_eq!(cnt, vec![2, 1, 2, 1]);
+        assert_eq!(base, vec![0, 2, 3, 5]);
+        assert_eq!(n, 6);
+        assert_eq!(counts, vec![2, 2, 2, 2]);
+    }
+
+    #[test]
+    fn empty_and_tiny_plans() {
+        let routing = Routing::new(vec![], 0, 2, 8).unwrap();
+        let plan = HtPlan::new(&routing, ExpertPlacement::new(8, 4), 24);
+        assert!(plan.send_list.is_empty());
+        assert_eq!(plan.send_off.len(), 4 * 25);
+        assert!(plan.send_off.iter().all(|&o| o == 0));
+        let routing = Routing::new(vec![7, -1], 1, 2, 8).unwrap();
+        let plan = HtPlan::new(&routing, ExpertPlacement::new(8, 4), 24);
+        assert_eq!(plan.send_list, vec![0]);
+        assert_eq!(plan.copy_ord, vec![-1, -1, -1, 0]);
+        assert_eq!(plan.send_off[3 * 25], 0);
+        assert_eq!(plan.send_off[3 * 25 + 1], 1);
+    }
+}

@@ -1,0 +1,242 @@
+//! High-throughput dispatch/combine on GPUs (forward and backward) against the CPU reference,
+//! one process driving 2 or 4 GPUs. Without enough GPUs every test prints SKIPPED and passes:
+//! CI has no GPU; these run on the device machines (`scripts/device-pack.sh`).
+//!
+//! Inputs are fresh random data for every round (seed printed; `EPFLOW_TEST_SEED` replays),
+//! outputs are poisoned before every operation, and every output must match the reference bit
+//! for bit: received rows (and FP8 scales), weights, local indices, counts, the combined tokens
+//! and the backward weight gradients.
+
+use std::time::{Instant, SystemTime};
+
+use epflow_core::backend::{Backend, blocking_combine, blocking_dispatch, blocking_handle};
+use epflow_core::ops::{CombineInputs, CombineOptions, CountsLocation, DispatchInputs, DispatchOptions, Pass};
+use epflow_core::reference::{HtDispatchResult, ht_combine, ht_dispatch_backward};
+use epflow_core::scenario::Scenario;
+use epflow_core::verify::{Report, Tolerance, check_bf16, check_exact, check_ht_dispatch};
+use epflow_core::workload::{RoutingKind, random_weights};
+use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, bf16};
+use epflow_kernels::{GpuRank, GpuWorld, driver};
+
+fn gpus(need: usize, test: &str) -> Option<Vec<usize>> {
+    let n = driver::device_count();
+    if n < need {
+        eprintln!("SKIPPED {test}: needs {need} GPUs, this machine has {n}");
+        return None;
+    }
+    Some((0..need).collect())
+}
+
+fn seed() -> u64 {
+    std::env::var("EPFLOW_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64))
+}
+
+fn on_ranks<R: Send>(ranks: &[GpuRank], f: impl Fn(&GpuRank) -> R + Sync) -> Vec<R> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = ranks.iter().map(|r| s.spawn(|| f(r))).collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+    })
+}
+
+/// The references of one round: forward dispatch and combine of identity experts, backward
+/// dispatch of the tokens as gradients, and backward combine of those rows with random weight
+/// gradients.
+struct Refs {
+    fwd: Vec<HtDispatchResult>,
+    fwd_combine: Vec<Vec<bf16>>,
+    bwd_dispatch: Vec<Vec<bf16>>,
+    weight_grads: Vec<Vec<f32>>,
+    bwd_combine: Vec<(Vec<bf16>, Option<Vec<f32>>)>,
+}
+
+fn references(sc: &Scenario, seed: u64) -> Refs {
+    let fwd = sc.ht_dispatch_reference().unwrap();
+    let fwd_combine = sc.ht_combine_identity_reference(&fwd).unwrap();
+    let routings = sc.routings().unwrap();
+    let grads: Vec<&[bf16]> = sc.ranks.iter().map(|r| r.tokens.as_slice()).collect();
+    let bwd_dispatch = ht_dispatch_backward(&sc.config, &routings, &grads);
+    let weight_grads: Vec<Vec<f32>> =
+        fwd.iter().enumerate().map(|(d, f)| random_weights(f.layout.num_rows(), sc.top_k, seed ^ 0x5eed, d)).collect();
+    let outs: Vec<&[bf16]> = bwd_dispatch.iter().map(Vec::as_slice).collect();
+    let wg: Vec<&[f32]> = weight_grads.iter().map(Vec::as_slice).collect();
+    let bwd_combine = ht_combine(&sc.config, &routings, &outs, Some(&wg));
+    Refs { fwd, fwd_combine, bwd_dispatch, weight_grads, bwd_combine }
+}
+
+/// One forward and one backward dispatch/combine pair on one handle; returns the reports.
+fn round(rank: &GpuRank, sc: &Scenario, refs: &Refs, counts_on_host: bool) -> Result<Vec<Report>, Error> {
+    let r = rank.rank();
+    rank.fill_output_buffers(0xA5)?;
+    let idx = rank.upload(&sc.topk_idx(r))?;
+    let h = blocking_handle(rank, &idx)?;
+    let want = &refs.fwd[r];
+    let n = want.layout.num_rows();
+    let mut reports =
+        vec![check_exact("num_recv_tokens", &[n], &[h.num_recv_tokens().unwrap_or(usize::MAX)], |a, b| a == b)];
+    reports.push(check_exact(
+        "recv_expert_counts",
+        want.layout.expert_counts(),
+        h.recv_expert_counts().unwrap_or_default(),
+        |a, b| a == b,
+    ));
+
+    // Forward dispatch.
+    let w = rank.upload(&sc.weights(r))?;
+    let (x, scales) = match sc.tokens_fp8(r) {
+        Some((q, s)) => (rank.upload(&q)?, Some(rank.upload(&s)?)),
+        None => (rank.upload(&sc.tokens(r))?, None),
+    };
+    let mut inputs = DispatchInputs::new(&x).with_weights(&w);
+    if let Some(s) = &scales {
+        inputs = inputs.with_scales(s);
+    }
+    let opts = DispatchOptions {
+        counts_location: if counts_on_host { CountsLocation::Host } else { CountsLocation::Device },
+        ..DispatchOptions::default()
+    };
+    let out = blocking_dispatch(rank, &h, inputs, &opts, false)?;
+    let host = out.to_host()?;
+    let counts = host.counts.as_ref().and_then(HostTensor::as_i32).unwrap_or_default();
+    reports.push(check_ht_dispatch(
+        want,
+        host.tokens.data(),
+        host.scales.as_ref().and_then(HostTensor::as_f32),
+        host.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap_or_default(),
+        host.topk_idx.as_ref().and_then(HostTensor::as_i64).unwrap_or_default(),
+        counts,
+    ));
+    if counts_on_host {
+        reports.push(check_exact(
+            "host counts",
+            want.layout.expert_counts(),
+            out.host_counts().unwrap_or_default(),
+            |a, b| a == b,
+        ));
+    }
+
+    // Forward combine of identity experts.
+    let experts = match out.scales() {
+        Some(s) => rank.dequantize_fp8(out.tokens(), s)?,
+        None => out.tokens().clone(),
+    };
+    let y = blocking_combine(rank, &h, CombineInputs::new(&experts), &CombineOptions::default(), false)?;
+    let yh = y.to_host()?;
+    reports.push(check_bf16(
+        "forward combine",
+        &refs.fwd_combine[r],
+        yh.tokens.as_bf16().unwrap_or_default(),
+        Tolerance::Exact,
+    ));
+    drop((y, experts, out));
+
+    // Backward dispatch: the tokens (BF16) as output gradients.
+    let g = rank.upload(&sc.tokens(r))?;
+    let bwd = DispatchOptions { pass: Pass::Backward, ..DispatchOptions::default() };
+    let gd = blocking_dispatch(rank, &h, DispatchInputs::new(&g), &bwd, false)?;
+    let gdh = gd.to_host()?;
+    reports.push(check_bf16(
+        "backward dispatch",
+        &refs.bwd_dispatch[r],
+        gdh.tokens.as_bf16().unwrap_or_default(),
+        Tolerance::Exact,
+    ));
+
+    // Backward combine of those rows with weight gradients [N x K].
+    let wg = rank.upload(&HostTensor::topk_weights(n, sc.top_k, refs.weight_grads[r].clone()))?;
+    let copts = CombineOptions { pass: Pass::Backward };
+    let gy = blocking_combine(rank, &h, CombineInputs::new(gd.tokens()).with_weights(&wg), &copts, false)?;
+    let gyh = gy.to_host()?;
+    let (want_x, want_w) = &refs.bwd_combine[r];
+    reports.push(check_bf16("backward combine", want_x, gyh.tokens.as_bf16().unwrap_or_default(), Tolerance::Exact));
+    reports.push(check_exact(
+        "backward weight gradients",
+        want_w.as_deref().unwrap_or_default(),
+        gyh.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap_or_default(),
+        |a: f32, b: f32| a.to_bits() == b.to_bits(),
+    ));
+    Ok(reports.into_iter().map(|rep| rep.context(&format!("rank {r}"))).collect())
+}
+
+fn check_world(
+    devices: &[usize],
+    hidden: usize,
+    experts: usize,
+    dtype: DispatchDtype,
+    cases: &[(usize, usize, RoutingKind, usize)],
+    base: u64,
+) {
+    let config = GroupConfig::high_throughput(experts, hidden).with_dispatch_dtype(dtype);
+    let ranks = GpuWorld::create(devices, config.clone()).expect("create GPU group");
+    for (i, &(tokens, top_k, kind, masked)) in cases.iter().enumerate() {
+        let s = base.wrapping_add(i as u64 * 7919);
+        // Uneven token counts: the last rank routes fewer tokens.
+        let per_rank: Vec<usize> =
+            (0..devices.len()).map(|r| if r + 1 == devices.len() { tokens / 2 + 1 } else { tokens }).collect();
+        let sc = Scenario::generate(config.clone(), devices.len(), &per_rank, top_k, kind, masked.min(tokens), s);
+        let refs = references(&sc, s);
+        let t = Instant::now();
+        let all = on_ranks(&ranks, |rank| round(rank, &sc, &refs, i % 2 == 1).expect("round"));
+        let what = format!(
+            "R={} H={hidden} E={experts} {dtype:?} tokens={tokens} top_k={top_k} {kind:?} masked={masked} seed={s}",
+            devices.len()
+        );
+        for rep in all.into_iter().flatten() {
+            assert!(rep.ok(), "{what}: {rep:?}");
+        }
+        eprintln!("ok: {what} ({:.2} s)", t.elapsed().as_secs_f64());
+    }
+}
+
+#[test]
+fn ht_matches_reference_on_2_and_4_gpus() {
+    let base = seed();
+    eprintln!("seed {base}");
+    let skewed = RoutingKind::Skewed;
+    let uniform = RoutingKind::Uniform;
+    for n in [2usize, 4] {
+        let Some(devices) = gpus(n, &format!("ht_matches_reference ({n} GPUs)")) else { continue };
+        let bf16_cases = [
+            (1, 8, uniform, 0),
+            (100, 8, uniform, 10),
+            (100, 8, skewed, 10),
+            (4096, 8, uniform, 10),
+            (4096, 8, skewed, 10),
+            (100, 4, RoutingKind::SingleRank(1), 0),
+            (16384, 8, uniform, 10),
+        ];
+        check_world(&devices, 7168, 256, DispatchDtype::Bf16, &bf16_cases, base);
+        let fp8_cases = [(1, 8, uniform, 0), (100, 8, skewed, 10), (4096, 8, uniform, 10), (16384, 8, skewed, 10)];
+        check_world(&devices, 7168, 256, DispatchDtype::Fp8 { round_scales: false }, &fp8_cases, base ^ 1);
+        check_world(&devices, 2048, 64, DispatchDtype::Fp8 { round_scales: true }, &[(100, 6, uniform, 5)], base ^ 2);
+        check_world(&devices, 1024, 8, DispatchDtype::Bf16, &[(37, 2, uniform, 3), (0, 2, uniform, 0)], base ^ 3);
+    }
+}
+
+#[test]
+fn ht_many_iterations_with_fresh_routing() {
+    let n = driver::device_count().min(4);
+    let Some(devices) = gpus(n.max(2), "ht_many_iterations") else { return };
+    let iters: u64 = std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(1000);
+    let (hidden, experts, top_k) = (2048, 64, 8);
+    let config = GroupConfig::high_throughput(experts, hidden);
+    let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+    let base = seed();
+    eprintln!("seed {base}, {iters} iterations on {} GPUs", devices.len());
+    let start = Instant::now();
+    for it in 0..iters {
+        let tokens = [300usize, 97, 512, 1][(it % 4) as usize];
+        let kind = if it % 3 == 0 { RoutingKind::Skewed } else { RoutingKind::Uniform };
+        let s = base ^ (it * 0x9e37_79b9);
+        let sc =
+            Scenario::generate(config.clone(), devices.len(), &[tokens, 200, 64, 256], top_k, kind, 10.min(tokens), s);
+        let refs = references(&sc, s);
+        let all = on_ranks(&ranks, |rank| round(rank, &sc, &refs, it % 2 == 0).expect("round"));
+        for rep in all.into_iter().flatten() {
+            assert!(rep.ok(), "iteration {it} seed {s}: {rep:?}");
+        }
+    }
+    eprintln!("{iters} iterations, 0 mismatches ({:.1} s)", start.elapsed().as_secs_f64());
+}
