@@ -287,5 +287,9 @@ pub(crate) fn summarise(
         validation,
         device_memory_bytes_per_rank: None,
         halves_us: (halves.iter().any(|&h| h > 0.0)).then(|| [halves[0], halves[1], halves[2], halves[3]]),
+        handle: results
+            .iter()
+            .any(|r| !r.handle.samples_us.is_empty())
+            .then(|| OpSummary::from_ranks(&collect(|r| &r.handle))),
     }
 }

@@ -7,13 +7,14 @@ use epflow_core::workload::RoutingKind;
 use epflow_kernels::GpuWorld;
 use epflow_kernels::bootstrap::{LaunchEnv, all_gather, barrier};
 
-use super::runner::{LoopPlan, RankResult, run_rank};
+use super::runner::{HANDLE_SAMPLES, LoopPlan, RankResult, run_rank};
 use super::stats::{BenchReport, RankTimes};
 use super::{BenchError, config_from_args, references, summarise};
 use crate::cli::{BackendArg, BenchArgs};
 
 fn encode(r: &RankResult, iters: usize) -> Vec<f64> {
     let mut v = Vec::new();
+    v.extend(r.handle.samples_us.iter().copied().chain(std::iter::repeat(f64::NAN)).take(HANDLE_SAMPLES));
     for t in [&r.dispatch, &r.combine, &r.total] {
         v.extend(t.samples_us.iter().copied().chain(std::iter::repeat(0.0)).take(iters));
         v.push(t.bytes as f64);
@@ -31,7 +32,9 @@ fn encode(r: &RankResult, iters: usize) -> Vec<f64> {
 }
 
 fn decode(v: &[f64], iters: usize) -> RankResult {
-    let mut i = 0;
+    let handle =
+        RankTimes { samples_us: v[..HANDLE_SAMPLES].iter().copied().filter(|x| !x.is_nan()).collect(), bytes: 0 };
+    let mut i = HANDLE_SAMPLES;
     let mut times = |v: &[f64]| {
         let t = RankTimes { samples_us: v[i..i + iters].to_vec(), bytes: v[i + iters] as u64 };
         i += iters + 1;
@@ -53,7 +56,15 @@ fn decode(v: &[f64], iters: usize) -> RankResult {
             max_abs_diff: v[j + 3],
         })
     };
-    RankResult { dispatch: d, combine: c, total: t, halves, dispatch_check: check(i), combine_check: check(i + 4) }
+    RankResult {
+        handle,
+        dispatch: d,
+        combine: c,
+        total: t,
+        halves,
+        dispatch_check: check(i),
+        combine_check: check(i + 4),
+    }
 }
 
 /// Runs this process's rank; returns the report on rank 0 (`None` elsewhere).

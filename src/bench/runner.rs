@@ -64,6 +64,8 @@ pub enum References {
 
 /// What one rank measured.
 pub struct RankResult {
+    /// High-throughput: handle creation (the collective count exchange), host clock.
+    pub handle: RankTimes,
     pub dispatch: RankTimes,
     pub combine: RankTimes,
     pub total: RankTimes,
@@ -181,13 +183,26 @@ where
             }
         }
     }
+    // High-throughput handles are collective (a count exchange): time their creation too.
+    let mut handle_times = RankTimes::default();
+    if ht {
+        for _ in 0..HANDLE_SAMPLES {
+            r.barrier();
+            let (h, t) = r.timed(|| blocking_handle(b, &idx))?;
+            drop(h);
+            handle_times.samples_us.push(t.as_secs_f64() * 1e6);
+        }
+    }
     let bytes = bench_bytes(sc, &cfg, rank, b.num_ranks()).unwrap_or(0);
     let [mut d, mut c, mut t] = times;
     d.bytes = bytes;
     c.bytes = bytes;
     t.bytes = 2 * bytes;
-    Ok(RankResult { dispatch: d, combine: c, total: t, halves, dispatch_check, combine_check })
+    Ok(RankResult { handle: handle_times, dispatch: d, combine: c, total: t, halves, dispatch_check, combine_check })
 }
+
+/// High-throughput handle creations timed per rank.
+pub const HANDLE_SAMPLES: usize = 20;
 
 /// ep_bench's byte count for a rank: low-latency, valid selections x H x 2; high-throughput,
 /// tokens received x H x 2.

@@ -93,6 +93,8 @@ pub struct BenchReport {
     /// Average device time (us) of dispatch send, dispatch complete, combine send, combine
     /// complete halves, when measured.
     pub halves_us: Option<[f64; 4]>,
+    /// High-throughput: handle creation (the collective count exchange), host clock.
+    pub handle: Option<OpSummary>,
 }
 
 impl BenchReport {
@@ -120,6 +122,12 @@ impl BenchReport {
         print_op(&format!("Dispatch ({dt}):"), &self.dispatch);
         print_op("Combine (BF16):", &self.combine);
         print_op("Total (D+C):", &self.total);
+        if let Some(h) = &self.handle {
+            println!(
+                "{:<18}avg={:.2} us, median={:.2} us (host clock, count exchange)",
+                "Handle:", h.avg_us, h.median_us
+            );
+        }
         if let Some(h) = self.halves_us {
             println!("\n--- Device time per half (CUDA events before send, between halves, after complete) ---");
             println!("Dispatch:          send half avg={:.2} us, complete half avg={:.2} us", h[0], h[1]);

@@ -16,8 +16,10 @@ pub enum Algorithm {
 
 /// [`Algorithm::for_tokens`] picks high-throughput from this many tokens per rank.
 ///
-/// Measured on 4 x H200 (H = 7168, K = 8, E = 256, BF16; `benches/NOTES.md`): low-latency is
-/// faster up to 256 tokens per rank, high-throughput from 512.
+/// Measured on 4 x H200 (H = 7168, K = 8, E = 256, BF16; `benches/NOTES.md`), counting the
+/// high-throughput handle's count exchange (a new routing per batch): low-latency dispatch +
+/// combine is faster up to 256 tokens per rank (200 µs against 206 µs at 256), high-throughput
+/// from 512 (298 µs against 356 µs).
 pub const HT_MIN_TOKENS: usize = 257;
 
 impl Algorithm {
@@ -105,8 +107,10 @@ pub struct GroupConfig {
     /// The largest top-k any handle of the group will use (default 8, at most 16): it sizes the
     /// low-latency combine buffers (`max_tokens x max_top_k` rows per buffer set).
     pub max_top_k: usize,
-    /// GPU backends: the most streaming multiprocessors a communication kernel may occupy
-    /// (`None`: as many as help). Bounding it leaves the rest of the GPU to overlapped compute.
+    /// GPU backends: the most streaming multiprocessors a communication kernel may occupy.
+    /// Bounding it leaves the rest of the GPU to overlapped compute. `None`: low-latency kernels
+    /// use as many as help; high-throughput kernels use 64 (32 channels of a sending and a
+    /// receiving SM; rounded down to an even number, at most 128).
     pub max_sms: Option<usize>,
     /// Longest time any wait of an operation may take before it fails with
     /// [`crate::Error::Timeout`] and poisons the group (default 10 s).

@@ -17,12 +17,12 @@ use epflow_core::ops::{
     Pass,
 };
 use epflow_core::protocol::Channel;
-use epflow_core::routing::{ExpertPlacement, Routing, SendPlan};
+use epflow_core::routing::{ExpertPlacement, Routing};
 use epflow_core::{DType, Error, TensorDesc, TensorTag};
 
 use crate::cache::CachedBuffer;
-use crate::layout::{HT_BATCH, HtLayout};
-use crate::memory::{DeviceBuffer, PinnedBuffer};
+use crate::layout::{HT_BATCH, HT_ITEMS_PER_FENCE, HtLayout};
+use crate::memory::PinnedBuffer;
 use crate::op::{GpuOp, Launch, Work};
 use crate::params::{ExchangeParams, HtParams, MAX_RANKS};
 use crate::rank::{GpuHandle, GpuRank, HandleInner, RankShared, take_pooled};
@@ -53,11 +53,11 @@ pub(crate) struct HandleOffsets {
     pub end: usize,
 }
 
-/// The staging buffers of one count exchange: this rank's messages (device) and what it
-/// receives (mapped pinned host memory).
+/// The staging buffers of one count exchange, in mapped pinned host memory (the kernel reads
+/// and writes them directly): this rank's messages and what it receives.
 #[derive(Debug)]
 pub(crate) struct ExchangeBuffers {
-    msgs: DeviceBuffer,
+    msgs: PinnedBuffer,
     out: PinnedBuffer,
 }
 
@@ -78,38 +78,54 @@ pub(crate) struct HtPlan {
 }
 
 impl HtPlan {
-    /// The plan of `routing` with `channels` channels.
+    /// The plan of `routing` with `channels` channels (the copies are
+    /// [`epflow_core::routing::SendPlan`]'s, computed here without per-copy allocations:
+    /// handle creation is on every batch's critical path).
     pub fn new(routing: &Routing, placement: ExpertPlacement, channels: usize) -> Self {
         let (b, r, l) = (routing.num_tokens(), placement.num_ranks, placement.local_experts());
         let tpc = b.div_ceil(channels).max(1);
-        let plan = SendPlan::new(routing, placement);
         let words = channels + l;
+        let mut per_dest: Vec<Vec<i32>> = vec![Vec::with_capacity(b); r];
+        let mut msgs = vec![0i32; r * words];
+        let mut hit = vec![false; r];
+        for t in 0..b {
+            for &e in routing.row(t) {
+                if e < 0 {
+                    continue;
+                }
+                let e = e as usize;
+                let d = placement.owner(e);
+                msgs[d * words + channels + placement.local_index(e)] += 1;
+                hit[d] = true;
+            }
+            for (d, h) in hit.iter_mut().enumerate() {
+                if std::mem::take(h) {
+                    per_dest[d].push(t as i32);
+                }
+            }
+        }
         let mut out = HtPlan {
             tokens_per_channel: tpc,
-            send_list: Vec::with_capacity(plan.num_copies()),
+            send_list: Vec::with_capacity(per_dest.iter().map(Vec::len).sum()),
             send_off: Vec::with_capacity(r * (channels + 1)),
             copy_ord: vec![-1; b * r],
-            msgs: vec![0; r * words],
+            msgs,
         };
-        for d in 0..r {
+        for (d, tokens) in per_dest.iter().enumerate() {
             let base = out.send_list.len();
-            let copies = plan.copies_to(d);
             let mut c = 0;
-            for (i, copy) in copies.iter().enumerate() {
-                let t = copy.token as usize;
+            for (i, &t) in tokens.iter().enumerate() {
+                let t = t as usize;
                 while c * tpc <= t && c < channels {
                     out.send_off.push((base + i) as i32);
                     c += 1;
                 }
                 let first = out.send_off[d * (channels + 1) + c - 1] as usize;
                 out.copy_ord[t * r + d] = (base + i - first) as i32;
-                out.send_list.push(t as i32);
-                for s in &copy.selections {
-                    out.msgs[d * words + channels + s.local_expert as usize] += 1;
-                }
             }
+            out.send_list.extend_from_slice(tokens);
             while c <= channels {
-                out.send_off.push((base + copies.len()) as i32);
+                out.send_off.push((base + tokens.len()) as i32);
                 c += 1;
             }
             for ch in 0..channels {
@@ -262,6 +278,8 @@ impl GpuRank {
             off_idx: l.off_idx as i32,
             tokens_per_channel: info.tokens_per_channel as i32,
             batch: HT_BATCH.min(l.depth) as i32,
+            // A warp's group must fit in the ring behind the oldest unwritten item: (U - 1) W < depth.
+            items_per_fence: HT_ITEMS_PER_FENCE.clamp(1, (l.depth - 1) / l.warps_per_dest + 1) as i32,
             ..HtParams::default()
         };
         for r in 0..s.num_ranks.min(MAX_RANKS) {
@@ -281,14 +299,14 @@ impl GpuRank {
         let bufs = match s.exchange_pool.lock().unwrap_or_else(|e| e.into_inner()).pop() {
             Some(b) => b,
             None => ExchangeBuffers {
-                msgs: DeviceBuffer::zeroed(&s.ctx, s.num_ranks * words * 4)?,
+                msgs: PinnedBuffer::zeroed(&s.ctx, s.num_ranks * words * 4)?,
                 out: PinnedBuffer::zeroed(&s.ctx, s.num_ranks * words * 4)?,
             },
         };
-        bufs.msgs.write(0, &plan.msgs)?;
+        bufs.msgs.write_i32s(&plan.msgs);
         let seq = self.seqs[Channel::Handle.index()].fetch_add(1, Ordering::Relaxed);
         let mut p = ExchangeParams {
-            msgs: bufs.msgs.ptr(),
+            msgs: bufs.msgs.device_ptr(),
             out: bufs.out.device_ptr(),
             own: s.mem.exchange.ptr(),
             signals: s.mem.signals.ptr(),

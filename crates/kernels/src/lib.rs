@@ -24,6 +24,10 @@
 //! `(seq + 1) << 1 | cancelled`, written with `st.release.sys` after the payload; receivers poll
 //! with `ld.acquire.sys` and a `%globaltimer` deadline; the last receiving block returns the
 //! credits. Timeouts are reported in host-mapped memory, never by `trap`.
+//!
+//! High-throughput operations (`cuda/ht.cu`) stream rows through a ring per (channel, source)
+//! in each receiver's memory, with per-warp tails and a head per ring as flow control, so buffers
+//! stay bounded whatever the token count; handle creation exchanges the counts (collective).
 
 pub mod bootstrap;
 mod cache;

@@ -141,6 +141,15 @@ impl PinnedBuffer {
         unsafe { std::ptr::read_volatile((self.host as *const u64).add(i)) }
     }
 
+    /// Writes `v` from the start (the device sees it in kernels launched afterwards).
+    pub fn write_i32s(&self, v: &[i32]) {
+        assert!(v.len() * 4 <= self.bytes, "pinned write out of range");
+        for (i, &x) in v.iter().enumerate() {
+            // SAFETY: range checked; volatile element writes of memory the device may read.
+            unsafe { std::ptr::write_volatile((self.host as *mut i32).add(i), x) };
+        }
+    }
+
     /// Reads `n` consecutive `i32`s from the start.
     pub fn read_i32s(&self, n: usize) -> Vec<i32> {
         assert!(n * 4 <= self.bytes, "pinned read out of range");

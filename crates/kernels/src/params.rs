@@ -113,7 +113,7 @@ pub(crate) struct HtParams {
     pub off_idx: i32,
     pub tokens_per_channel: i32,
     pub batch: i32,
-    pub pad: i32,
+    pub items_per_fence: i32,
 }
 
 // SAFETY: `HtParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout

@@ -59,7 +59,7 @@ struct HtParams {
     int num_local, num_tokens, channels, depth;
     int warps_per_dest, fp8, backward, cancelled;
     int chan, row_bytes, off_scales, off_weights;
-    int off_idx, tokens_per_channel, batch, pad;
+    int off_idx, tokens_per_channel, batch, items_per_fence;
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
 static_assert(sizeof(HtParams) == 368, "HtParams layout");
@@ -225,12 +225,14 @@ __device__ void ht_send(const HtParams& p, int c) {
     }
     const u64* head = ht_head(sig, p.chan, c, dest);
     const u64 deadline = globaltimer_ns() + p.timeout_ns;
-    const int K = p.top_k;
-    for (int i = j; i < n; i += W) {
-        const u64 g = pos0 + (u64)i;
+    const int K = p.top_k, U = p.items_per_fence;
+    // Groups of U items (i0, i0 + W, ...): written back to back, then one fence and one subtail.
+    for (int i0 = j; i0 < n; i0 += W * U) {
+        const int last = min(i0 + (U - 1) * W, i0 + (n - 1 - i0) / W * W);
+        const u64 g_last = pos0 + (u64)last;
         int fail = 0;
         if (lane == 0) {
-            while (ld_acquire_sys(head) + (u64)p.depth <= g) {
+            while (ld_acquire_sys(head) + (u64)p.depth <= g_last) {
                 if (globaltimer_ns() > deadline) {
                     report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_RING, dest, p.seq);
                     fail = 1;
@@ -239,6 +241,8 @@ __device__ void ht_send(const HtParams& p, int c) {
             }
         }
         if (__shfl_sync(EP_FULL_MASK, fail, 0)) return;
+        for (int i = i0; i <= last; i += W) {
+        const u64 g = pos0 + (u64)i;
         char* slot = ht_slot(p.peer_ring[dest], p, c, p.rank, g);
         if (p.chan == 0) {
             const int t = list[i];
@@ -259,9 +263,12 @@ __device__ void ht_send(const HtParams& p, int c) {
                     reinterpret_cast<const float*>(p.weights)[row * K + lane];
             }
         }
+        }
         __threadfence_system();
         __syncwarp();
-        if (lane == 0) st_release_sys(ht_subtail(peer_sig, p.chan, c, p.rank, (int)(g % (u64)W)), g / (u64)W + 1);
+        if (lane == 0) {
+            st_release_sys(ht_subtail(peer_sig, p.chan, c, p.rank, (int)(g_last % (u64)W)), g_last / (u64)W + 1);
+        }
     }
 }
 
@@ -423,25 +430,42 @@ __device__ void ht_combine_recv(const HtParams& p, int c) {
                 for (int d = 0; d < EP_MAX_RANKS; d++) {
                     ord[d] = (d < R && !((cancelled >> d) & 1u)) ? copy_ord[(size_t)t * R + d] : -1;
                 }
-                for (int ch = part * width + lane * 8; ch < (part + 1) * width; ch += 256) {
-                    float acc[8];
+                const char* src[EP_MAX_RANKS];
 #pragma unroll
-                    for (int i = 0; i < 8; i++) acc[i] = 0.f;
+                for (int d = 0; d < EP_MAX_RANKS; d++) {
+                    src[d] = ord[d] < 0 ? nullptr
+                             : d == p.rank ? reinterpret_cast<const char*>(local + ((size_t)local_row0 + ord[d]) * H)
+                                           : ht_slot(p.own_ring, p, c, d, pos[d] + (u64)ord[d]);
+                }
+                // Two 8-channel groups per lane and step: every copy's loads are in flight together.
+                for (int ch = part * width + lane * 8; ch < (part + 1) * width; ch += 512) {
+                    const int ch2 = ch + 256;
+                    const bool two = ch2 < (part + 1) * width;
+                    int4 raw[2][EP_MAX_RANKS];
 #pragma unroll
                     for (int d = 0; d < EP_MAX_RANKS; d++) {
-                        if (ord[d] < 0) continue;
-                        const char* src = d == p.rank
-                                              ? reinterpret_cast<const char*>(local + ((size_t)local_row0 + ord[d]) * H)
-                                              : ht_slot(p.own_ring, p, c, d, pos[d] + (u64)ord[d]);
-                        int4 raw = ld_cg_int4(src + (size_t)ch * 2);
-                        const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw);
-#pragma unroll
-                        for (int i = 0; i < 8; i++) acc[i] = __fadd_rn(acc[i], __bfloat162float(b[i]));
+                        if (src[d] == nullptr) continue;
+                        raw[0][d] = ld_cg_int4(src[d] + (size_t)ch * 2);
+                        if (two) raw[1][d] = ld_cg_int4(src[d] + (size_t)ch2 * 2);
                     }
-                    __nv_bfloat16 o[8];
 #pragma unroll
-                    for (int i = 0; i < 8; i++) o[i] = __float2bfloat16_rn(acc[i]);
-                    *reinterpret_cast<int4*>(out + (size_t)t * H + ch) = *reinterpret_cast<int4*>(o);
+                    for (int h = 0; h < 2; h++) {
+                        if (h == 1 && !two) break;
+                        float acc[8];
+#pragma unroll
+                        for (int i = 0; i < 8; i++) acc[i] = 0.f;
+#pragma unroll
+                        for (int d = 0; d < EP_MAX_RANKS; d++) {
+                            if (src[d] == nullptr) continue;
+                            const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw[h][d]);
+#pragma unroll
+                            for (int i = 0; i < 8; i++) acc[i] = __fadd_rn(acc[i], __bfloat162float(b[i]));
+                        }
+                        __nv_bfloat16 o[8];
+#pragma unroll
+                        for (int i = 0; i < 8; i++) o[i] = __float2bfloat16_rn(acc[i]);
+                        *reinterpret_cast<int4*>(out + (size_t)t * H + (h ? ch2 : ch)) = *reinterpret_cast<int4*>(o);
+                    }
                 }
                 if (p.backward && part == 0 && lane < K) {
                     const long long e = reinterpret_cast<const long long*>(p.topk_idx)[(size_t)t * K + lane];
@@ -496,7 +520,7 @@ extern "C" __global__ void __launch_bounds__(HT_BLOCK) ep_ht_combine(HtParams p)
 }
 
 struct ExchangeParams {
-    u64 msgs;        // int32 [R][words]: this rank's message to each rank
+    u64 msgs;        // int32 [R][words] (mapped host): this rank's message to each rank
     u64 out;         // int32 [R][words] (mapped host): the message of each source
     u64 own;         // this rank's exchange region
     u64 signals;     // this rank's signal page
