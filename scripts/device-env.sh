@@ -10,10 +10,13 @@ mkdir -p /tmp/epflow-nccl
 if ! ldconfig -p | grep -q "libnccl.so " && [ -n "$nccl" ]; then ln -sf "$nccl/libnccl.so.2" /tmp/epflow-nccl/libnccl.so; fi
 export LD_LIBRARY_PATH=/tmp/epflow-nccl:/usr/local/cuda/lib64:$nccl:${LD_LIBRARY_PATH:-} NCCL_NVLS_ENABLE=0 EPFLOW_KERNEL_CACHE=/tmp/epflow-kernels
 
-# memcheck and racecheck over the 2-GPU sanitizer test; one summary line per tool.
+# memcheck and racecheck over a 2-GPU sanitizer test (`sanitize` low-latency, `sanitize ht`
+# high-throughput); one summary line per tool.
 sanitize() {
+  local bin=gpu_ll test=ll_sanitizer_config
+  if [ "${1:-}" = ht ]; then bin=gpu_ht test=ht_sanitizer_config; fi
   for tool in memcheck racecheck; do
-    timeout 240 compute-sanitizer --tool $tool --print-limit 5 $P/gpu_ll ll_sanitizer_config --test-threads=1 >"$OUT/sanitizer-$tool.log" 2>&1
-    echo "$tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|test result' "$OUT/sanitizer-$tool.log" | tr '\n' ' ')"
+    timeout 240 compute-sanitizer --tool $tool --print-limit 5 $P/$bin $test --test-threads=1 >"$OUT/sanitizer-$bin-$tool.log" 2>&1
+    echo "$bin $tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|test result' "$OUT/sanitizer-$bin-$tool.log" | tr '\n' ' ')"
   done
 }

@@ -27,3 +27,5 @@ timeout 120 $P/epflow launch -n 4 -- $P/epflow bench --algorithm ht --validate 2
 echo "== crossover (4 GPUs)"
 for t in 1 32 128 256 512 1024; do bench --algorithm ll --ranks 4 --tokens $t; bench --algorithm ht --ranks 4 --tokens $t; done
 bench --algorithm auto --ranks 4 --tokens 2048 --validate
+echo "== compute-sanitizer (2 GPUs)"
+sanitize ht

@@ -11,7 +11,7 @@ timeout 400 $P/gpu_ll --test-threads=1 --nocapture >"$OUT/gpu_ll.log" 2>&1; echo
 grep -E "^(test |ok: |seed|[0-9]+ staged|rank [0-9]+:)|FAILED|panicked" "$OUT/gpu_ll.log" | tail -25
 timeout 120 $P/gpu_async --nocapture >"$OUT/gpu_async.log" 2>&1; echo "gpu_async rc=$?"; grep -E "^test " "$OUT/gpu_async.log"
 echo "== compute-sanitizer (2 GPUs)"
-sanitize
+sanitize ll
 echo "== benchmarks"
 bench() { echo "-- epflow bench $*"; timeout 90 $P/epflow bench --validate "$@" 2>&1 | grep -E "^(Dispatch|Combine|Total|Device memory|Validation|  *throughput)|send half" ; }
 bench --ranks 4

@@ -4,7 +4,7 @@
 use epflow::Group;
 use epflow::core::ops::{CombineInputs, DispatchInputs};
 use epflow::core::scenario::Scenario;
-use epflow::core::verify::{Tolerance, check_bf16, check_ll_dispatch};
+use epflow::core::verify::{Tolerance, check_bf16, check_ht_dispatch, check_ll_dispatch};
 use epflow::core::workload::RoutingKind;
 use epflow::core::{GroupConfig, HostTensor};
 use epflow_kernels::{GpuWorld, driver};
@@ -57,6 +57,58 @@ fn staged_futures_on_gpus_match_the_reference() {
                     let rep = check_bf16("combine", &want[r], got.tokens.as_bf16().unwrap(), Tolerance::Exact);
                     assert!(rep.ok(), "round {round} rank {r}: {rep:?}");
                     let _ = HostTensor::topk_idx(0, 1, vec![]);
+                }
+            });
+            futures::future::join_all(work).await;
+        }
+    });
+}
+
+/// High-throughput through the futures: the collective handle creation (count exchange) and
+/// synchronous dispatch/combine, on 2 GPUs, equal to the reference; `send_only` is refused.
+#[test]
+fn high_throughput_futures_on_gpus_match_the_reference() {
+    let n = driver::device_count();
+    if n < 2 {
+        eprintln!("SKIPPED high_throughput_futures_on_gpus: needs 2 GPUs, this machine has {n}");
+        return;
+    }
+    let config = GroupConfig::high_throughput(32, 2048);
+    let groups: Vec<_> =
+        GpuWorld::create(&[0, 1], config.clone()).expect("GPU group").into_iter().map(Group::new).collect();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        for round in 0..20u64 {
+            let sc = Scenario::generate(config.clone(), 2, &[300, 41], 8, RoutingKind::Skewed, 5, 91 + round);
+            let refs = sc.ht_dispatch_reference().unwrap();
+            let want = sc.ht_combine_identity_reference(&refs).unwrap();
+            let work = groups.iter().map(|g| {
+                let (sc, refs, want) = (&sc, &refs, &want);
+                async move {
+                    let r = g.rank();
+                    let b = g.backend();
+                    let idx = b.upload(&sc.topk_idx(r)).unwrap();
+                    let h = g.create_handle(&idx).await.unwrap();
+                    assert_eq!(h.num_recv_tokens(), Some(refs[r].layout.num_rows()));
+                    let x = b.upload(&sc.tokens(r)).unwrap();
+                    let w = b.upload(&sc.weights(r)).unwrap();
+                    let staged = g.dispatch(&h, DispatchInputs::new(&x).with_weights(&w)).send_only().await;
+                    assert!(staged.is_err(), "high-throughput has no staged form");
+                    let out = g.dispatch(&h, DispatchInputs::new(&x).with_weights(&w)).await.unwrap();
+                    let host = out.to_host().unwrap();
+                    let rep = check_ht_dispatch(
+                        &refs[r],
+                        host.tokens.data(),
+                        None,
+                        host.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap(),
+                        host.topk_idx.as_ref().and_then(HostTensor::as_i64).unwrap(),
+                        host.counts.as_ref().and_then(HostTensor::as_i32).unwrap(),
+                    );
+                    assert!(rep.ok(), "round {round} rank {r}: {rep:?}");
+                    let y = g.combine(&h, CombineInputs::new(out.tokens())).await.unwrap();
+                    let got = y.to_host().unwrap();
+                    let rep = check_bf16("combine", &want[r], got.tokens.as_bf16().unwrap(), Tolerance::Exact);
+                    assert!(rep.ok(), "round {round} rank {r}: {rep:?}");
                 }
             });
             futures::future::join_all(work).await;

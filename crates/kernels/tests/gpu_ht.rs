@@ -240,3 +240,14 @@ fn ht_many_iterations_with_fresh_routing() {
     }
     eprintln!("{iters} iterations, 0 mismatches ({:.1} s)", start.elapsed().as_secs_f64());
 }
+
+/// A small 2-GPU configuration for compute-sanitizer (memcheck, racecheck): forward and
+/// backward, BF16 and FP8, uneven and empty ranks.
+#[test]
+fn ht_sanitizer_config() {
+    let Some(devices) = gpus(2, "ht_sanitizer_config") else { return };
+    let base = seed();
+    let cases = [(37, 4, RoutingKind::Uniform, 3), (5, 2, RoutingKind::Skewed, 1), (0, 2, RoutingKind::Uniform, 0)];
+    check_world(&devices, 1024, 8, DispatchDtype::Bf16, &cases, base);
+    check_world(&devices, 1024, 8, DispatchDtype::Fp8 { round_scales: false }, &cases[..2], base ^ 1);
+}
