@@ -26,9 +26,22 @@ pub enum Command {
 /// `epflow launch` flags.
 #[derive(Clone, Debug, clap::Args)]
 pub struct LaunchArgs {
-    /// Number of processes (one per GPU).
+    /// Number of processes on this host (one per GPU).
     #[arg(short = 'n', long = "nprocs")]
     pub nprocs: usize,
+    /// Hosts in the job (with --master-addr; each host runs its own `epflow launch`).
+    #[arg(long, default_value_t = 1)]
+    pub nnodes: usize,
+    /// This host's index among --nnodes (its processes get RANK = node_rank * nprocs + i).
+    #[arg(long, default_value_t = 0)]
+    pub node_rank: usize,
+    /// Rank 0's host: the processes find each other over TCP (MASTER_ADDR, as torchrun sets it)
+    /// instead of an id made here; needed with --nnodes > 1 [default: $MASTER_ADDR].
+    #[arg(long)]
+    pub master_addr: Option<String>,
+    /// Rank 0's TCP port for the rendezvous [default: $MASTER_PORT, else 29500].
+    #[arg(long)]
+    pub master_port: Option<u16>,
     /// The command each process runs, after `--`.
     #[arg(trailing_var_arg = true, required = true, allow_hyphen_values = true)]
     pub command: Vec<String>,

@@ -1,4 +1,7 @@
-//! `epflow launch -n N -- <cmd>`: one process per GPU on this host.
+//! `epflow launch -n N -- <cmd>`: one process per GPU on this host. On one host the NCCL id is
+//! made here and passed in `EPFLOW_NCCL_ID`; across hosts (`--nnodes`, `--master-addr`) each
+//! host runs `epflow launch`, and the processes get torchrun's variables (`RANK`, `WORLD_SIZE`,
+//! `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`) and meet over TCP.
 
 use std::process::{Child, Command, ExitCode};
 use std::time::Duration;
@@ -14,22 +17,62 @@ pub fn main(args: &LaunchArgs) -> ExitCode {
         eprintln!("error: give the command to run after --");
         return ExitCode::from(2);
     };
-    let id = match epflow_kernels::bootstrap::new_unique_id() {
-        Ok(id) => id,
-        Err(e) => {
-            eprintln!("error: {e}");
+    let master_addr = args.master_addr.clone().or_else(|| std::env::var("MASTER_ADDR").ok());
+    if args.nnodes == 0 || args.node_rank >= args.nnodes {
+        eprintln!("error: --node-rank ({}) must be below --nnodes ({})", args.node_rank, args.nnodes);
+        return ExitCode::from(2);
+    }
+    if args.nnodes > 1 && master_addr.is_none() {
+        eprintln!("error: --nnodes {} needs --master-addr (rank 0's host) or MASTER_ADDR", args.nnodes);
+        return ExitCode::from(2);
+    }
+    let master_port = match args.master_port {
+        Some(0) => {
+            eprintln!("error: --master-port 0 is not a port number (1-65535)");
             return ExitCode::from(2);
         }
+        Some(p) => p,
+        None => match std::env::var("MASTER_PORT") {
+            Ok(v) => match v.trim().parse::<u16>() {
+                Ok(p) if p != 0 => p,
+                _ => {
+                    eprintln!("error: MASTER_PORT={v:?} is not a port number (1-65535)");
+                    return ExitCode::from(2);
+                }
+            },
+            Err(_) => 29500,
+        },
     };
+    // One host without a master address: the id is made here.
+    let id = match &master_addr {
+        Some(_) => None,
+        None => match epflow_kernels::bootstrap::new_unique_id() {
+            Ok(id) => Some(id),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+        },
+    };
+    let world = args.nnodes * args.nprocs;
     let mut children: Vec<(usize, Child)> = Vec::new();
-    for rank in 0..args.nprocs {
+    for local in 0..args.nprocs {
+        let rank = args.node_rank * args.nprocs + local;
         let mut cmd = Command::new(program);
         cmd.args(rest)
             .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", args.nprocs.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("LOCAL_WORLD_SIZE", args.nprocs.to_string())
-            .env("EPFLOW_NCCL_ID", &id);
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", args.nprocs.to_string());
+        match (&id, &master_addr) {
+            (Some(id), _) => {
+                cmd.env("EPFLOW_NCCL_ID", id).env_remove("MASTER_ADDR");
+            }
+            (None, Some(addr)) => {
+                cmd.env("MASTER_ADDR", addr).env("MASTER_PORT", master_port.to_string()).env_remove("EPFLOW_NCCL_ID");
+            }
+            (None, None) => {}
+        }
         // NVLink multicast stays off unless the caller decided otherwise.
         if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
             cmd.env("NCCL_NVLS_ENABLE", "0");

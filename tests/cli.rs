@@ -29,6 +29,9 @@ fn bad_flags_exit_2_with_a_clear_error() {
         (&["bench", "--no-such-flag"], "unexpected argument"),
         (&["bench", "--max-sms", "0"], "max_sms is 0"),
         (&["launch", "-n", "0", "--", "true"], "-n must be at least 1"),
+        (&["launch", "-n", "2", "--nnodes", "2", "--", "true"], "needs --master-addr"),
+        (&["launch", "-n", "2", "--nnodes", "2", "--node-rank", "2", "--", "true"], "--node-rank (2) must be below"),
+        (&["launch", "-n", "1", "--master-addr", "h", "--master-port", "0", "--", "true"], "not a port number"),
     ];
     for (args, want) in cases {
         let (code, _, err) = epflow(args);
@@ -92,4 +95,31 @@ fn small_ht_fp8_bench_validates_as_json() {
     assert_eq!(v["algorithm"], "ht");
     assert_eq!(v["dtype"], "fp8");
     assert!(v["dispatch"]["avg_us"].as_f64().unwrap() > 0.0);
+}
+
+/// Across hosts, `epflow launch` gives each process torchrun's variables (no NCCL needed to
+/// start them: the id is exchanged later, over TCP, by the processes themselves).
+#[test]
+fn launch_across_hosts_sets_the_torchrun_environment() {
+    let (code, out, err) = epflow(&[
+        "launch",
+        "-n",
+        "2",
+        "--nnodes",
+        "3",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "10.1.2.3",
+        "--master-port",
+        "29511",
+        "--",
+        "sh",
+        "-c",
+        "echo $RANK/$WORLD_SIZE/$LOCAL_RANK/$MASTER_ADDR:$MASTER_PORT/${EPFLOW_NCCL_ID:-none}",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let mut lines: Vec<&str> = out.lines().collect();
+    lines.sort();
+    assert_eq!(lines, ["2/6/0/10.1.2.3:29511/none", "3/6/1/10.1.2.3:29511/none"]);
 }

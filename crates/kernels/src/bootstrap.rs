@@ -1,8 +1,9 @@
-//! One process per GPU: the launch environment (`epflow launch` sets it) and the NCCL
-//! communicator every process joins.
+//! One process per GPU: the launch environment and the NCCL communicator every process joins.
 //!
-//! Variables: `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (the device of this process), and
-//! `EPFLOW_NCCL_ID` (the NCCL unique id, 256 hex digits, created by the launcher).
+//! Variables: `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (the device of this process), and where the
+//! NCCL unique id comes from: `EPFLOW_NCCL_ID` (256 hex digits, created by `epflow launch` on one
+//! host), or else `MASTER_ADDR` and `MASTER_PORT` (as torchrun sets them): rank 0 creates the id
+//! and hands it to every rank over TCP ([`crate::rendezvous`]), across hosts.
 
 use std::sync::Arc;
 
@@ -11,8 +12,21 @@ use cudarc::nccl::{Comm, Id};
 use epflow_core::Error;
 
 use crate::driver::{context, cuda};
+use crate::rendezvous::RendezvousEnv;
 
-/// What `epflow launch` tells each process.
+/// How long the TCP rendezvous waits for every rank (or for rank 0) before it fails.
+pub const RENDEZVOUS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// Where this process gets the NCCL unique id.
+#[derive(Clone, Debug)]
+pub enum IdSource {
+    /// From the environment (`EPFLOW_NCCL_ID`, hex).
+    Given(String),
+    /// From rank 0 over TCP (`MASTER_ADDR`, `MASTER_PORT`).
+    Rendezvous(RendezvousEnv),
+}
+
+/// What the launcher tells each process.
 #[derive(Clone, Debug)]
 pub struct LaunchEnv {
     /// This process's rank.
@@ -21,8 +35,8 @@ pub struct LaunchEnv {
     pub world_size: usize,
     /// The device this process drives.
     pub local_rank: usize,
-    /// The NCCL unique id, hex.
-    pub nccl_id: String,
+    /// Where the NCCL unique id comes from.
+    pub id: IdSource,
 }
 
 fn var(name: &str) -> Result<Option<String>, Error> {
@@ -40,10 +54,18 @@ fn number(name: &str) -> Result<usize, Error> {
 }
 
 impl LaunchEnv {
-    /// The environment of this process, `None` when it was not started by a launcher (no
-    /// `EPFLOW_NCCL_ID`). Bad or missing values are errors that name the variable.
+    /// The environment of this process, `None` when it was not started by a launcher (neither
+    /// `EPFLOW_NCCL_ID` nor `MASTER_ADDR`). Bad or missing values are errors that name the
+    /// variable. Nothing is contacted here; [`LaunchEnv::communicator`] does the rendezvous.
     pub fn from_env() -> Result<Option<Self>, Error> {
-        let Some(nccl_id) = var("EPFLOW_NCCL_ID")? else { return Ok(None) };
+        let Some(nccl_id) = var("EPFLOW_NCCL_ID")? else {
+            return Ok(RendezvousEnv::from_env()?.map(|rv| LaunchEnv {
+                rank: rv.rank,
+                world_size: rv.world_size,
+                local_rank: rv.local_rank,
+                id: IdSource::Rendezvous(rv),
+            }));
+        };
         let (rank, world_size) = (number("RANK")?, number("WORLD_SIZE")?);
         let local_rank = match var("LOCAL_RANK")? {
             Some(_) => number("LOCAL_RANK")?,
@@ -53,15 +75,28 @@ impl LaunchEnv {
             return Err(Error::Unsupported(format!("RANK={rank} must be below WORLD_SIZE={world_size}")));
         }
         decode_id(&nccl_id)?;
-        Ok(Some(LaunchEnv { rank, world_size, local_rank, nccl_id }))
+        Ok(Some(LaunchEnv { rank, world_size, local_rank, id: IdSource::Given(nccl_id) }))
+    }
+
+    /// The NCCL unique id, hex: given, or (collective) created by rank 0 and exchanged over TCP.
+    pub fn nccl_id(&self) -> Result<String, Error> {
+        match &self.id {
+            IdSource::Given(hex) => Ok(hex.clone()),
+            IdSource::Rendezvous(rv) => {
+                let mine = if rv.rank == 0 { new_unique_id()?.into_bytes() } else { Vec::new() };
+                let got = rv.exchange(&mine, RENDEZVOUS_TIMEOUT)?;
+                String::from_utf8(got).map_err(|_| Error::Backend("rendezvous: the NCCL id is not text".into()))
+            }
+        }
     }
 
     /// Joins the NCCL communicator of the launch on device `LOCAL_RANK` (collective).
     pub fn communicator(&self) -> Result<Comm, Error> {
         nccl_present()?;
+        let id = decode_id(&self.nccl_id()?)?;
         let ctx: Arc<CudaContext> = context(self.local_rank)?;
         let stream = ctx.new_stream().map_err(|e| cuda("create stream", e))?;
-        Comm::from_rank(stream, self.rank, self.world_size, decode_id(&self.nccl_id)?)
+        Comm::from_rank(stream, self.rank, self.world_size, id)
             .map_err(|e| Error::Backend(format!("NCCL: init rank {} of {}: {:?}", self.rank, self.world_size, e.0)))
     }
 }

@@ -10,7 +10,9 @@
 //! ## Table of contents
 //!
 //! - [`GpuWorld`]: creates a group — one process driving several GPUs, or one process per GPU
-//!   ([`GpuWorld::join`], with [`bootstrap`]: the `epflow launch` environment and NCCL).
+//!   ([`GpuWorld::join`], with [`bootstrap`]: the `epflow launch` environment and NCCL, and
+//!   [`rendezvous`]: torchrun's `MASTER_ADDR`/`MASTER_PORT` environment and a TCP exchange of
+//!   the NCCL id across hosts).
 //! - [`GpuRank`]: one rank; implements [`epflow_core::backend::Backend`], so the async runtime
 //!   drives it; [`GpuHandle`], [`GpuDispatchOutput`], [`GpuCombineOutput`].
 //! - [`DeviceTensor`]: tensors in device memory; [`compute`]: per-expert GEMMs (cuBLAS) for
@@ -42,6 +44,7 @@ mod op;
 mod outputs;
 mod params;
 mod rank;
+pub mod rendezvous;
 pub mod sources;
 mod tensor;
 mod world;
