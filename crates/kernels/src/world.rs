@@ -65,6 +65,14 @@ impl GpuWorld {
         let layout = Layout::new(&config, num_ranks)?;
         let ctx = Arc::clone(comm.context());
         bind(&ctx)?;
+        let hosts = crate::bootstrap::all_gather(comm, &[host_id()])?;
+        if hosts.iter().any(|&h| h != hosts[0]) {
+            let other: Vec<usize> = (0..num_ranks).filter(|&r| hosts[r] != hosts[rank]).collect();
+            return Err(Error::Unsupported(format!(
+                "ranks {other:?} run on another host than rank {rank}: the NVLink kernels need every rank of a \
+                 group on one host (a cross-host backend is not built yet)"
+            )));
+        }
         let mem = Arc::new(allocate(&ctx, &layout)?);
         let own = [mem.disp_recv.ptr(), mem.comb_recv.ptr(), mem.exchange.ptr(), mem.signals.ptr()];
         let mut mine = Vec::with_capacity(own.len() * 64);
@@ -106,6 +114,15 @@ impl GpuWorld {
         };
         build_rank(place, &config, layout, &ctx, mem, peers)
     }
+}
+
+/// An identifier of this host and boot (the kernel's boot id, else the host name), hashed.
+fn host_id() -> u64 {
+    let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .unwrap_or_default();
+    // FNV-1a: stable, and enough to tell hosts apart.
+    text.trim().bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 /// Where a rank sits in its group.
