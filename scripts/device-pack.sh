@@ -12,7 +12,7 @@ rm -rf "$out"
 mkdir -p "$out"
 cargo build --release --bin epflow --examples
 cp target/release/epflow "$out/"
-for ex in two_batch_overlap; do
+for ex in two_batch_overlap nvlink_ceiling; do
     [ -f "target/release/examples/$ex" ] && cp "target/release/examples/$ex" "$out/"
 done
 # Test and bench executables: cargo prints their paths as JSON.
