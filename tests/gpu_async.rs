@@ -7,19 +7,25 @@ use epflow::core::scenario::Scenario;
 use epflow::core::verify::{Tolerance, check_bf16, check_ht_dispatch, check_ll_dispatch};
 use epflow::core::workload::RoutingKind;
 use epflow::core::{GroupConfig, HostTensor};
-use epflow_kernels::{GpuWorld, driver};
+use epflow_kernels::{GpuRank, GpuWorld, driver};
+
+/// Two GPU ranks as async groups and a 2-worker tokio runtime, or `None` (printing SKIPPED)
+/// without 2 GPUs.
+fn two_gpu_groups(config: &GroupConfig, test: &str) -> Option<(Vec<Group<GpuRank>>, tokio::runtime::Runtime)> {
+    let n = driver::device_count();
+    if n < 2 {
+        eprintln!("SKIPPED {test}: needs 2 GPUs, this machine has {n}");
+        return None;
+    }
+    let groups = GpuWorld::create(&[0, 1], config.clone()).expect("GPU group").into_iter().map(Group::new).collect();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    Some((groups, rt))
+}
 
 #[test]
 fn staged_futures_on_gpus_match_the_reference() {
-    let n = driver::device_count();
-    if n < 2 {
-        eprintln!("SKIPPED staged_futures_on_gpus: needs 2 GPUs, this machine has {n}");
-        return;
-    }
     let config = GroupConfig::low_latency(32, 64, 2048);
-    let groups: Vec<_> =
-        GpuWorld::create(&[0, 1], config.clone()).expect("GPU group").into_iter().map(Group::new).collect();
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let Some((groups, rt)) = two_gpu_groups(&config, "staged_futures_on_gpus") else { return };
     rt.block_on(async {
         for round in 0..20u64 {
             let sc = Scenario::generate(config.clone(), 2, &[64, 41], 8, RoutingKind::Uniform, 5, 77 + round);
@@ -68,15 +74,8 @@ fn staged_futures_on_gpus_match_the_reference() {
 /// synchronous dispatch/combine, on 2 GPUs, equal to the reference; `send_only` is refused.
 #[test]
 fn high_throughput_futures_on_gpus_match_the_reference() {
-    let n = driver::device_count();
-    if n < 2 {
-        eprintln!("SKIPPED high_throughput_futures_on_gpus: needs 2 GPUs, this machine has {n}");
-        return;
-    }
     let config = GroupConfig::high_throughput(32, 2048);
-    let groups: Vec<_> =
-        GpuWorld::create(&[0, 1], config.clone()).expect("GPU group").into_iter().map(Group::new).collect();
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let Some((groups, rt)) = two_gpu_groups(&config, "high_throughput_futures_on_gpus") else { return };
     rt.block_on(async {
         for round in 0..20u64 {
             let sc = Scenario::generate(config.clone(), 2, &[300, 41], 8, RoutingKind::Skewed, 5, 91 + round);

@@ -6,7 +6,7 @@
 //! outputs are poisoned before every operation, and both dispatch (payload, scales, counters) and
 //! combine must match the reference bit for bit.
 
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use epflow_core::backend::{blocking_combine, blocking_dispatch, blocking_handle};
 use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions};
@@ -16,28 +16,8 @@ use epflow_core::workload::RoutingKind;
 use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, bf16};
 use epflow_kernels::{GpuRank, GpuWorld, driver};
 
-fn gpus(need: usize, test: &str) -> Option<Vec<usize>> {
-    let n = driver::device_count();
-    if n < need {
-        eprintln!("SKIPPED {test}: needs {need} GPUs, this machine has {n}");
-        return None;
-    }
-    Some((0..need).collect())
-}
-
-fn seed() -> u64 {
-    std::env::var("EPFLOW_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64))
-}
-
-fn on_ranks<R: Send>(ranks: &[GpuRank], f: impl Fn(&GpuRank) -> R + Sync) -> Vec<R> {
-    std::thread::scope(|s| {
-        let hs: Vec<_> = ranks.iter().map(|r| s.spawn(|| f(r))).collect();
-        hs.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
-    })
-}
+mod common;
+use common::{gpus, on_ranks, seed};
 
 /// One dispatch + identity experts + combine on every rank; returns (dispatch, combine) reports.
 fn round(
