@@ -40,22 +40,21 @@ impl OutputCache {
 
     /// The smallest free buffer of at least `bytes`, or a new one (rounded up to 2 MiB).
     pub fn take(self: &Arc<Self>, bytes: usize) -> Result<CachedBuffer, Error> {
-        let found = {
-            let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-            let best = free
-                .iter()
-                .enumerate()
-                .filter(|(_, b)| b.bytes() >= bytes)
-                .min_by_key(|(_, b)| b.bytes())
-                .map(|(i, _)| i);
-            best.map(|i| free.swap_remove(i))
-        };
+        let found = take_smallest(&self.free, bytes);
         let buf = match found {
             Some(b) => b,
             None => DeviceBuffer::zeroed(&self.ctx, bytes.max(1).next_multiple_of(GRANULE))?,
         };
         Ok(CachedBuffer { buf: Some(buf), cache: Arc::clone(self) })
     }
+}
+
+/// Removes and returns the smallest buffer of `pool` holding at least `bytes`, if any.
+pub(crate) fn take_smallest(pool: &Mutex<Vec<DeviceBuffer>>, bytes: usize) -> Option<DeviceBuffer> {
+    let mut pool = pool.lock().unwrap_or_else(|e| e.into_inner());
+    let best =
+        pool.iter().enumerate().filter(|(_, b)| b.bytes() >= bytes).min_by_key(|(_, b)| b.bytes()).map(|(i, _)| i);
+    best.map(|i| pool.swap_remove(i))
 }
 
 impl CachedBuffer {

@@ -21,11 +21,11 @@ use epflow_core::routing::{ExpertPlacement, Routing};
 use epflow_core::{DType, Error, TensorDesc, TensorTag};
 
 use crate::cache::CachedBuffer;
-use crate::layout::{HT_BATCH, HT_ITEMS_PER_FENCE, HtLayout};
+use crate::layout::{HT_BATCH, HT_ITEMS_PER_FENCE};
 use crate::memory::PinnedBuffer;
 use crate::op::{GpuOp, Launch, Work};
-use crate::params::{ExchangeParams, HtParams, MAX_RANKS};
-use crate::rank::{GpuHandle, GpuRank, HandleInner, RankShared, take_pooled};
+use crate::params::{ExchangeParams, HtParams};
+use crate::rank::{GpuHandle, GpuRank, HandleInner, RankShared, peer_array, take_pooled};
 use crate::tensor::DeviceTensor;
 
 /// What a high-throughput handle knows after its count exchange.
@@ -171,15 +171,6 @@ fn push_i32s(bytes: &mut Vec<u8>, v: &[i32]) -> usize {
     at
 }
 
-fn ht_layout(shared: &RankShared) -> Result<&HtLayout, Error> {
-    match &shared.layout {
-        crate::layout::Layout::Ht(h) => Ok(h),
-        crate::layout::Layout::Ll(_) => {
-            Err(Error::Backend("a high-throughput operation on a low-latency group".into()))
-        }
-    }
-}
-
 /// Builds the handle once the count exchange has delivered `received`.
 pub(crate) fn finish_handle(
     shared: &Arc<RankShared>,
@@ -187,7 +178,7 @@ pub(crate) fn finish_handle(
     plan: &HtPlan,
     received: &[i32],
 ) -> Result<GpuHandle, Error> {
-    let layout = ht_layout(shared)?;
+    let layout = shared.layout.ht("a high-throughput handle")?;
     let (recv_base, recv_cnt, num_recv, expert_counts) = receive_layout(received, shared.num_ranks, layout.channels);
     let mut bytes: Vec<u8> = routing.indices().iter().flat_map(|e| e.to_le_bytes()).collect();
     let off = HandleOffsets {
@@ -243,23 +234,25 @@ impl OutputPlan {
 impl GpuRank {
     fn ht_params(&self, chan: Channel, h: &GpuHandle, seq: u64) -> Result<HtParams, Error> {
         let s = &self.shared;
-        let l = ht_layout(s)?;
+        let l = s.layout.ht("a high-throughput operation")?;
         let info =
             h.0.ht.as_ref().ok_or_else(|| Error::Backend("a low-latency handle in a high-throughput group".into()))?;
         let base = h.ptr();
-        let dispatch = chan == Channel::Dispatch;
-        let mut p = HtParams {
+        let (own_ring, peer_rings) = s.recv_regions(chan == Channel::Dispatch);
+        let p = HtParams {
             topk_idx: base,
             send_list: base + info.off.send_list as u64,
             send_off: base + info.off.send_off as u64,
             recv_base: base + info.off.recv_base as u64,
             recv_cnt: base + info.off.recv_cnt as u64,
             copy_ord: base + info.off.copy_ord as u64,
-            own_ring: if dispatch { s.mem.disp_recv.ptr() } else { s.mem.comb_recv.ptr() },
+            own_ring,
+            peer_ring: peer_array(peer_rings),
+            peer_signals: peer_array(&s.peers.signals),
             signals: s.mem.signals.ptr(),
             status: s.mem.status.device_ptr(),
             seq,
-            timeout_ns: (s.config.timeout.as_nanos() as u64).saturating_mul(9) / 10,
+            timeout_ns: s.device_timeout_ns(),
             slot_bytes: l.slot_bytes as u64,
             ring_bytes: l.ring_bytes() as u64,
             rank: s.rank as i32,
@@ -282,17 +275,13 @@ impl GpuRank {
             items_per_fence: HT_ITEMS_PER_FENCE.clamp(1, (l.depth - 1) / l.warps_per_dest + 1) as i32,
             ..HtParams::default()
         };
-        for r in 0..s.num_ranks.min(MAX_RANKS) {
-            p.peer_ring[r] = if dispatch { s.peers.disp_recv[r] } else { s.peers.comb_recv[r] };
-            p.peer_signals[r] = s.peers.signals[r];
-        }
         Ok(p)
     }
 
     /// Starts the count exchange that creates a high-throughput handle.
     pub(crate) fn ht_start_handle(&self, routing: Routing) -> Result<GpuOp, Error> {
         let s = &self.shared;
-        let l = ht_layout(s)?;
+        let l = s.layout.ht("a high-throughput handle")?;
         let placement = ExpertPlacement::new(s.config.num_experts, s.num_ranks);
         let plan = HtPlan::new(&routing, placement, l.channels);
         let words = l.exchange_words();
@@ -305,23 +294,21 @@ impl GpuRank {
         };
         bufs.msgs.write_i32s(&plan.msgs);
         let seq = self.seqs[Channel::Handle.index()].fetch_add(1, Ordering::Relaxed);
-        let mut p = ExchangeParams {
+        let p = ExchangeParams {
             msgs: bufs.msgs.device_ptr(),
             out: bufs.out.device_ptr(),
             own: s.mem.exchange.ptr(),
             signals: s.mem.signals.ptr(),
             status: s.mem.status.device_ptr(),
             seq,
-            timeout_ns: (s.config.timeout.as_nanos() as u64).saturating_mul(9) / 10,
+            timeout_ns: s.device_timeout_ns(),
             rank: s.rank as i32,
             num_ranks: s.num_ranks as i32,
             words: words as i32,
+            peer_region: peer_array(&s.peers.exchange),
+            peer_signals: peer_array(&s.peers.signals),
             ..ExchangeParams::default()
         };
-        for r in 0..s.num_ranks.min(MAX_RANKS) {
-            p.peer_region[r] = s.peers.exchange[r];
-            p.peer_signals[r] = s.peers.signals[r];
-        }
         Ok(GpuOp::new(
             Arc::clone(&self.shared),
             Channel::Handle,
@@ -448,7 +435,7 @@ pub(crate) fn recycle_exchange(shared: &RankShared, bufs: ExchangeBuffers) {
 
 /// Reads what an exchange received (after its kernel completed).
 pub(crate) fn received_messages(shared: &RankShared, bufs: &ExchangeBuffers) -> Result<Vec<i32>, Error> {
-    let l = ht_layout(shared)?;
+    let l = shared.layout.ht("a count exchange")?;
     Ok(bufs.out.read_i32s(shared.num_ranks * l.exchange_words()))
 }
 

@@ -46,6 +46,14 @@ impl Layout {
         }
     }
 
+    /// The high-throughput layout, or an error naming `what` for a low-latency group.
+    pub fn ht(&self, what: &str) -> Result<&HtLayout, Error> {
+        match self {
+            Layout::Ht(h) => Ok(h),
+            Layout::Ll(_) => Err(Error::Backend(format!("{what} is high-throughput only"))),
+        }
+    }
+
     /// Dispatch receive region bytes (LL: every buffer set; HT: every ring).
     pub fn dispatch_recv_bytes(&self) -> usize {
         match self {

@@ -95,6 +95,32 @@ pub(crate) struct RankShared {
     pub turns: [AtomicU64; 3],
 }
 
+impl RankShared {
+    /// The deadline of a wait on the device: 90 % of the group timeout, so the device reports
+    /// its timeout (naming the peer) before the host's own deadline expires.
+    pub fn device_timeout_ns(&self) -> u64 {
+        (self.config.timeout.as_nanos() as u64).saturating_mul(9) / 10
+    }
+
+    /// This rank's receive region of the dispatch (`dispatch`) or combine channel, and every
+    /// rank's, in rank order.
+    pub fn recv_regions(&self, dispatch: bool) -> (u64, &[u64]) {
+        if dispatch {
+            (self.mem.disp_recv.ptr(), &self.peers.disp_recv)
+        } else {
+            (self.mem.comb_recv.ptr(), &self.peers.comb_recv)
+        }
+    }
+}
+
+/// Copies per-rank device addresses into a kernel parameter array (`MAX_RANKS` entries).
+pub(crate) fn peer_array(addrs: &[u64]) -> [u64; MAX_RANKS] {
+    let mut out = [0u64; MAX_RANKS];
+    let n = addrs.len().min(MAX_RANKS);
+    out[..n].copy_from_slice(&addrs[..n]);
+    out
+}
+
 impl Drop for RankShared {
     fn drop(&mut self) {
         if bind(&self.ctx).is_ok() {
@@ -179,15 +205,9 @@ pub(crate) fn take_pooled(
     pool: &Mutex<Vec<DeviceBuffer>>,
     bytes: usize,
 ) -> Result<DeviceBuffer, Error> {
-    let mut pool = pool.lock().unwrap_or_else(|e| e.into_inner());
-    let best =
-        pool.iter().enumerate().filter(|(_, b)| b.bytes() >= bytes).min_by_key(|(_, b)| b.bytes()).map(|(i, _)| i);
-    match best {
-        Some(i) => Ok(pool.swap_remove(i)),
-        None => {
-            drop(pool);
-            DeviceBuffer::zeroed(ctx, bytes)
-        }
+    match crate::cache::take_smallest(pool, bytes) {
+        Some(b) => Ok(b),
+        None => DeviceBuffer::zeroed(ctx, bytes),
     }
 }
 
@@ -350,7 +370,7 @@ impl GpuRank {
             row_of: h.ptr() + l.topk_copy_bytes() as u64,
             signals: s.mem.signals.ptr(),
             status: s.mem.status.device_ptr(),
-            timeout_ns: (s.config.timeout.as_nanos() as u64).saturating_mul(9) / 10,
+            timeout_ns: s.device_timeout_ns(),
             rank: s.rank as i32,
             num_ranks: s.num_ranks as i32,
             max_tokens: l.max_tokens as i32,
@@ -364,11 +384,10 @@ impl GpuRank {
             splits: (s.num_sms as usize / l.local_experts).clamp(1, 4) as i32,
             ..LlParams::default()
         };
-        for r in 0..s.num_ranks.min(MAX_RANKS) {
-            p.peer_recv[r] = if channel == 0 { s.peers.disp_recv[r] } else { s.peers.comb_recv[r] };
-            p.peer_signals[r] = s.peers.signals[r];
-        }
-        p.own_recv = if channel == 0 { s.mem.disp_recv.ptr() } else { s.mem.comb_recv.ptr() };
+        let (own, peers) = s.recv_regions(channel == 0);
+        p.own_recv = own;
+        p.peer_recv = peer_array(peers);
+        p.peer_signals = peer_array(&s.peers.signals);
         p.recv_set_bytes = if channel == 0 { l.dispatch_recv_set_bytes() } else { l.combine_recv_set_bytes() } as u64;
         p.msg_bytes = l.msg_bytes as u64;
         Ok(p)
