@@ -16,15 +16,16 @@ use epflow_core::ops::{
     CombineInputs, CombineOptions, CombineOutputs, CountsLocation, DispatchInputs, DispatchOptions, DispatchOutputs,
     Pass,
 };
-use epflow_core::protocol::Channel;
+use epflow_core::protocol::{Channel, op_label};
 use epflow_core::routing::{ExpertPlacement, Routing};
 use epflow_core::{DType, Error, TensorDesc, TensorTag};
 
 use crate::cache::CachedBuffer;
 use crate::layout::{HT_BATCH, HT_ITEMS_PER_FENCE};
 use crate::memory::PinnedBuffer;
+use crate::nccl::{Xfer, exchange_row_words};
 use crate::op::{GpuOp, Launch, Work};
-use crate::params::{ExchangeParams, HtParams};
+use crate::params::{ExchangeParams, HtParams, NcclHtParams};
 use crate::rank::{GpuHandle, GpuRank, HandleInner, RankShared, peer_array, take_pooled};
 use crate::tensor::DeviceTensor;
 
@@ -39,6 +40,12 @@ pub(crate) struct HtHandleInfo {
     pub tokens_per_channel: usize,
     /// Byte offsets of the arrays in the handle's device memory.
     pub off: HandleOffsets,
+    /// Per rank, `(first, rows)` of the block of the send plan that goes to it.
+    pub send_blocks: Vec<(usize, usize)>,
+    /// Per rank, `(first, rows)` of the block of the output that comes from it.
+    pub recv_blocks: Vec<(usize, usize)>,
+    /// Rows of the send plan (all destinations).
+    pub total_send: usize,
 }
 
 /// Byte offsets of a high-throughput handle's arrays (see [`HtParams`] for their shapes).
@@ -57,8 +64,8 @@ pub(crate) struct HandleOffsets {
 /// and writes them directly): this rank's messages and what it receives.
 #[derive(Debug)]
 pub(crate) struct ExchangeBuffers {
-    msgs: PinnedBuffer,
-    out: PinnedBuffer,
+    pub msgs: PinnedBuffer,
+    pub out: PinnedBuffer,
 }
 
 /// A rank's send plan by destination and channel, and the messages of its count exchange.
@@ -179,7 +186,8 @@ pub(crate) fn finish_handle(
     received: &[i32],
 ) -> Result<GpuHandle, Error> {
     let layout = shared.layout.ht("a high-throughput handle")?;
-    let (recv_base, recv_cnt, num_recv, expert_counts) = receive_layout(received, shared.num_ranks, layout.channels);
+    let c = layout.channels;
+    let (recv_base, recv_cnt, num_recv, expert_counts) = receive_layout(received, shared.num_ranks, c);
     let mut bytes: Vec<u8> = routing.indices().iter().flat_map(|e| e.to_le_bytes()).collect();
     let off = HandleOffsets {
         send_list: push_i32s(&mut bytes, &plan.send_list),
@@ -198,7 +206,26 @@ pub(crate) fn finish_handle(
         mem: Some(mem),
         pool: Arc::clone(&shared.handle_pool),
         dispatched: AtomicBool::new(false),
-        ht: Some(HtHandleInfo { num_recv, expert_counts, tokens_per_channel: plan.tokens_per_channel, off }),
+        ht: Some(HtHandleInfo {
+            num_recv,
+            expert_counts,
+            tokens_per_channel: plan.tokens_per_channel,
+            off,
+            send_blocks: (0..shared.num_ranks)
+                .map(|d| {
+                    let first = plan.send_off[d * (c + 1)] as usize;
+                    (first, plan.send_off[d * (c + 1) + c] as usize - first)
+                })
+                .collect(),
+            recv_blocks: (0..shared.num_ranks)
+                .map(|s| {
+                    let rows: i32 = recv_cnt[s * c..(s + 1) * c].iter().map(|&x| x.max(0)).sum();
+                    (recv_base[s * c] as usize, rows as usize)
+                })
+                .collect(),
+            total_send: plan.send_list.len(),
+        }),
+        ll_nccl: None,
     })))
 }
 
@@ -285,15 +312,32 @@ impl GpuRank {
         let placement = ExpertPlacement::new(s.config.num_experts, s.num_ranks);
         let plan = HtPlan::new(&routing, placement, l.channels);
         let words = l.exchange_words();
+        // Over NCCL every row also carries the operation number and the cancellation flag.
+        let row = if s.nccl_all().is_some() { exchange_row_words(words) } else { words };
         let bufs = match s.exchange_pool.lock().unwrap_or_else(|e| e.into_inner()).pop() {
             Some(b) => b,
             None => ExchangeBuffers {
-                msgs: PinnedBuffer::zeroed(&s.ctx, s.num_ranks * words * 4)?,
-                out: PinnedBuffer::zeroed(&s.ctx, s.num_ranks * words * 4)?,
+                msgs: PinnedBuffer::zeroed(&s.ctx, s.num_ranks * row * 4)?,
+                out: PinnedBuffer::zeroed(&s.ctx, s.num_ranks * row * 4)?,
             },
         };
-        bufs.msgs.write_i32s(&plan.msgs);
         let seq = self.seqs[Channel::Handle.index()].fetch_add(1, Ordering::Relaxed);
+        if row != words {
+            let mut msgs = vec![0i32; s.num_ranks * row];
+            for (dst, src) in msgs.chunks_mut(row).zip(plan.msgs.chunks(words)) {
+                dst[..words].copy_from_slice(src);
+            }
+            bufs.msgs.write_i32s(&msgs);
+            return Ok(GpuOp::new(
+                Arc::clone(&self.shared),
+                Channel::Handle,
+                seq,
+                Launch::NcclExchange { row_bytes: row * 4 },
+                Work::HtHandle { routing, plan, bufs: Some(bufs) },
+                &[],
+            ));
+        }
+        bufs.msgs.write_i32s(&plan.msgs);
         let p = ExchangeParams {
             msgs: bufs.msgs.device_ptr(),
             out: bufs.out.device_ptr(),
@@ -373,15 +417,24 @@ impl GpuRank {
         });
         let host_counts = (opts.pass == Pass::Forward && opts.counts_location == CountsLocation::Host)
             .then(|| info.expert_counts.clone());
+        let over_nccl = match s.nccl_all() {
+            Some(_) => Some(self.nccl_ht_dispatch(h, &p, &outputs_of(&tokens, &scales, &topk_weights, &topk_idx))?),
+            None => None,
+        };
         let outputs = DispatchOutputs { tokens, scales, topk_weights, topk_idx, counts };
+        let launch = over_nccl.as_ref().map_or(Launch::Ht(p), |(np, _, _)| Launch::NcclHt { p: *np, reduce: false });
         let mut op = GpuOp::new(
             Arc::clone(&self.shared),
             Channel::Dispatch,
             seq,
-            Launch::Ht(p),
+            launch,
             Work::HtDispatch { handle: h.clone(), outputs: Some(Box::new((outputs, host_counts))) },
             &inputs_kept,
         );
+        if let Some((_, xfers, staging)) = over_nccl {
+            op.set_xfers(xfers);
+            op.keep_scratch(staging);
+        }
         op.set_fill(fill);
         Ok(op)
     }
@@ -415,14 +468,23 @@ impl GpuRank {
         let topk_weights = views.next();
         p.out = tokens.ptr();
         p.out_weights = topk_weights.as_ref().map_or(0, DeviceTensor::ptr);
+        let over_nccl = match s.nccl_all() {
+            Some(_) => Some(self.nccl_ht_combine(h, &p)?),
+            None => None,
+        };
+        let launch = over_nccl.as_ref().map_or(Launch::Ht(p), |(np, _, _)| Launch::NcclHt { p: *np, reduce: true });
         let mut op = GpuOp::new(
             Arc::clone(&self.shared),
             Channel::Combine,
             seq,
-            Launch::Ht(p),
+            launch,
             Work::HtCombine { outputs: Some(CombineOutputs { tokens, topk_weights }) },
             &inputs_kept,
         );
+        if let Some((_, xfers, staging)) = over_nccl {
+            op.set_xfers(xfers);
+            op.keep_scratch(staging);
+        }
         op.set_fill(fill);
         Ok(op)
     }
@@ -433,10 +495,172 @@ pub(crate) fn recycle_exchange(shared: &RankShared, bufs: ExchangeBuffers) {
     shared.exchange_pool.lock().unwrap_or_else(|e| e.into_inner()).push(bufs);
 }
 
-/// Reads what an exchange received (after its kernel completed).
-pub(crate) fn received_messages(shared: &RankShared, bufs: &ExchangeBuffers) -> Result<Vec<i32>, Error> {
+/// Reads what exchange `seq` received (after its completion). Over NCCL, checks every row's
+/// operation number and cancellation flag and strips them.
+pub(crate) fn received_messages(shared: &RankShared, bufs: &ExchangeBuffers, seq: u64) -> Result<Vec<i32>, Error> {
     let l = shared.layout.ht("a count exchange")?;
-    Ok(bufs.out.read_i32s(shared.num_ranks * l.exchange_words()))
+    let words = l.exchange_words();
+    if shared.nccl_all().is_none() {
+        return Ok(bufs.out.read_i32s(shared.num_ranks * words));
+    }
+    let row = exchange_row_words(words);
+    let all = bufs.out.read_i32s(shared.num_ranks * row);
+    let mut out = Vec::with_capacity(shared.num_ranks * words);
+    for (peer, r) in all.chunks(row).enumerate() {
+        if r[words] != (seq + 1) as i32 {
+            return Err(Error::Backend(format!(
+                "count exchange #{seq}: rank {peer} sent the counts of operation #{}",
+                i64::from(r[words]) - 1
+            )));
+        }
+        if r[words + 1] != 0 {
+            return Err(Error::PeerCancelled { op: op_label(Channel::Handle, seq), peer });
+        }
+        out.extend_from_slice(&r[..words]);
+    }
+    Ok(out)
+}
+
+/// The outputs a dispatch over NCCL writes: (tokens, scales, weights, indices) addresses.
+fn outputs_of(
+    tokens: &DeviceTensor,
+    scales: &Option<DeviceTensor>,
+    weights: &Option<DeviceTensor>,
+    idx: &Option<DeviceTensor>,
+) -> [u64; 4] {
+    [
+        tokens.ptr(),
+        scales.as_ref().map_or(0, DeviceTensor::ptr),
+        weights.as_ref().map_or(0, DeviceTensor::ptr),
+        idx.as_ref().map_or(0, DeviceTensor::ptr),
+    ]
+}
+
+impl GpuRank {
+    /// The parameters every NCCL high-throughput kernel shares, from the NVLink ones.
+    fn nccl_ht_params(&self, p: &HtParams, info: &HtHandleInfo) -> NcclHtParams {
+        let s = &self.shared;
+        NcclHtParams {
+            topk_idx: p.topk_idx,
+            send_list: p.send_list,
+            send_off: p.send_off,
+            copy_ord: p.copy_ord,
+            signals: s.mem.signals.ptr(),
+            status: s.mem.status.device_ptr(),
+            seq: p.seq,
+            rank: p.rank,
+            num_ranks: p.num_ranks,
+            hidden: p.hidden,
+            top_k: p.top_k,
+            num_local: p.num_local,
+            num_tokens: p.num_tokens,
+            channels: p.channels,
+            tokens_per_channel: p.tokens_per_channel,
+            fp8: p.fp8,
+            backward: p.backward,
+            chan: p.chan,
+            set: (p.seq % 2) as i32,
+            total_send: info.total_send as i32,
+            row_bytes: p.row_bytes,
+            ..NcclHtParams::default()
+        }
+    }
+
+    /// Dispatch over NCCL: the kernel parameters, the exchange (each destination's block of the
+    /// staging into its outputs) and the staging. `out` = tokens, scales, weights, indices.
+    fn nccl_ht_dispatch(
+        &self,
+        h: &GpuHandle,
+        p: &HtParams,
+        out: &[u64; 4],
+    ) -> Result<(NcclHtParams, Vec<Xfer>, CachedBuffer), Error> {
+        let s = &self.shared;
+        let info = h.0.ht.as_ref().ok_or_else(|| Error::Backend("missing high-throughput handle info".into()))?;
+        let mut np = self.nccl_ht_params(p, info);
+        let (k, rows) = (h.top_k(), info.total_send);
+        let row = p.row_bytes as usize;
+        // Bytes per row of each staged array: tokens, scales, weights, indices (0 when absent).
+        let widths = [
+            row,
+            if p.fp8 != 0 { s.config.hidden / 128 * 4 } else { 0 },
+            if out[2] != 0 { k * 4 } else { 0 },
+            if out[3] != 0 { k * 8 } else { 0 },
+        ];
+        let mut offs = [0usize; 4];
+        let mut total = 0usize;
+        for (o, w) in offs.iter_mut().zip(widths) {
+            *o = total;
+            total = (total + rows * w).next_multiple_of(256);
+        }
+        let staging = s.outputs.take(total.max(256))?;
+        let base = staging.ptr();
+        np.x = p.x;
+        np.x_scales = p.x_scales;
+        np.weights = p.weights;
+        np.out = base + offs[0] as u64;
+        np.out_scales = base + offs[1] as u64;
+        np.out_weights = if out[2] != 0 { base + offs[2] as u64 } else { 0 };
+        np.out_idx = if out[3] != 0 { base + offs[3] as u64 } else { 0 };
+        let mut xfers = Vec::new();
+        for d in 0..s.num_ranks {
+            let (first, n) = info.send_blocks[d];
+            let (rfirst, rn) = info.recv_blocks[d];
+            for (a, w) in widths.into_iter().enumerate() {
+                if w == 0 {
+                    continue;
+                }
+                xfers.push(Xfer {
+                    peer: d,
+                    send: (base + (offs[a] + first * w) as u64, n * w),
+                    recv: (out[a] + (rfirst * w) as u64, rn * w),
+                });
+            }
+            if d != s.rank {
+                xfers.push(s.arrival_xfer(0, np.set as usize, d));
+            }
+        }
+        Ok((np, xfers, staging))
+    }
+
+    /// Combine over NCCL: every source's rows go back to it, into a staging block per
+    /// destination in send-plan order; the reduction then writes the outputs `p.out` (and
+    /// `p.out_weights`, backward).
+    fn nccl_ht_combine(&self, h: &GpuHandle, p: &HtParams) -> Result<(NcclHtParams, Vec<Xfer>, CachedBuffer), Error> {
+        let s = &self.shared;
+        let info = h.0.ht.as_ref().ok_or_else(|| Error::Backend("missing high-throughput handle info".into()))?;
+        let mut np = self.nccl_ht_params(p, info);
+        np.total_send = 0; // the pack kernel only writes the arrival word
+        let (k, rows) = (h.top_k(), info.total_send);
+        let backward = p.backward != 0;
+        let widths = [2 * s.config.hidden, if backward { k * 4 } else { 0 }];
+        let w_off = (rows * widths[0]).next_multiple_of(256);
+        let staging = s.outputs.take((w_off + rows * widths[1]).max(256))?;
+        np.input = staging.ptr();
+        np.in_weights = staging.ptr() + w_off as u64;
+        np.out = p.out;
+        np.out_weights = p.out_weights;
+        let (srcs, dsts) = ([p.x, p.weights], [np.input, np.in_weights]);
+        let mut xfers = Vec::new();
+        for d in 0..s.num_ranks {
+            let (first, n) = info.send_blocks[d];
+            let (rfirst, rn) = info.recv_blocks[d];
+            for a in 0..2 {
+                if widths[a] == 0 {
+                    continue;
+                }
+                let w = widths[a];
+                xfers.push(Xfer {
+                    peer: d,
+                    send: (srcs[a] + (rfirst * w) as u64, rn * w),
+                    recv: (dsts[a] + (first * w) as u64, n * w),
+                });
+            }
+            if d != s.rank {
+                xfers.push(s.arrival_xfer(1, np.set as usize, d));
+            }
+        }
+        Ok((np, xfers, staging))
+    }
 }
 
 /// The grid of a high-throughput kernel: `2 * C` blocks of 512 threads.

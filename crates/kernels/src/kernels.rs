@@ -8,7 +8,7 @@ use epflow_core::Error;
 
 use crate::driver::cuda;
 use crate::nvrtc::compile;
-use crate::sources::{HT, LL, UTIL};
+use crate::sources::{HT, LL, NCCL, UTIL};
 
 /// Every kernel epflow launches, loaded into one context.
 #[derive(Debug, Clone)]
@@ -21,6 +21,9 @@ pub(crate) struct Kernels {
     pub ht_combine: CudaFunction,
     pub ht_exchange: CudaFunction,
     pub dequant_fp8: CudaFunction,
+    pub nccl_ht_pack: CudaFunction,
+    pub nccl_arrivals: CudaFunction,
+    pub nccl_ht_reduce: CudaFunction,
 }
 
 /// `"sm_90"` for a 9.0 device.
@@ -38,6 +41,8 @@ impl Kernels {
         let arch = device_arch(ctx)?;
         let ll = ctx.load_module(Ptx::from_binary(compile(&LL, &arch)?)).map_err(|e| cuda("load ll module", e))?;
         let ht = ctx.load_module(Ptx::from_binary(compile(&HT, &arch)?)).map_err(|e| cuda("load ht module", e))?;
+        let nccl =
+            ctx.load_module(Ptx::from_binary(compile(&NCCL, &arch)?)).map_err(|e| cuda("load nccl module", e))?;
         let util =
             ctx.load_module(Ptx::from_binary(compile(&UTIL, &arch)?)).map_err(|e| cuda("load util module", e))?;
         let f = |m: &Arc<cudarc::driver::CudaModule>, name: &str| {
@@ -52,6 +57,9 @@ impl Kernels {
             ht_combine: f(&ht, "ep_ht_combine")?,
             ht_exchange: f(&ht, "ep_ht_exchange")?,
             dequant_fp8: f(&util, "ep_dequant_fp8_rows")?,
+            nccl_ht_pack: f(&nccl, "ep_nccl_ht_pack")?,
+            nccl_arrivals: f(&nccl, "ep_nccl_arrivals")?,
+            nccl_ht_reduce: f(&nccl, "ep_nccl_ht_reduce")?,
         })
     }
 }

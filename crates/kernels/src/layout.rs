@@ -254,10 +254,21 @@ impl LlLayout {
         self.max_tokens * self.hidden * 2
     }
 
-    /// Per-handle device memory: the `topk_idx` copy `[M x K]` int64 and the row map
-    /// `[R x M x K]` int32.
+    /// Per-handle device memory: the `topk_idx` copy `[M x K]` int64, the row map
+    /// `[R x M x K]` int32, and for NCCL peers the combine pack map `[R x M x K]` and the
+    /// combine positions `[M x K]` int32 (see `nccl.rs`).
     pub fn handle_bytes(&self) -> usize {
-        self.topk_copy_bytes() + self.num_ranks * self.max_tokens * self.max_top_k * 4
+        self.nccl_pos_offset() + self.max_tokens * self.max_top_k * 4
+    }
+
+    /// Offset of the NCCL combine pack map inside a handle's memory.
+    pub fn nccl_pack_offset(&self) -> usize {
+        self.topk_copy_bytes() + (self.num_ranks * self.max_tokens * self.max_top_k * 4).next_multiple_of(256)
+    }
+
+    /// Offset of the NCCL combine positions inside a handle's memory.
+    pub fn nccl_pos_offset(&self) -> usize {
+        self.nccl_pack_offset() + (self.num_ranks * self.max_tokens * self.max_top_k * 4).next_multiple_of(256)
     }
 
     /// Offset of the row map inside a handle's memory.

@@ -17,6 +17,8 @@
 //!   drives it; [`GpuHandle`], [`GpuDispatchOutput`], [`GpuCombineOutput`].
 //! - [`DeviceTensor`]: tensors in device memory; [`compute`]: per-expert GEMMs (cuBLAS) for
 //!   examples and benchmarks.
+//! - [`nccl`]: the NCCL transport ([`Transport`]): `--backend nccl`, and the ranks of other
+//!   hosts (NVLink inside a host, NCCL across).
 //! - [`layout`]: buffer sizes (low-latency buffer sets, high-throughput rings); [`sources`]: the CUDA sources; [`nvrtc`]: compilation and cache;
 //!   [`driver`]: availability checks; [`memory`]: device and pinned buffers.
 //!
@@ -39,6 +41,7 @@ mod ht;
 mod kernels;
 pub mod layout;
 pub mod memory;
+pub mod nccl;
 pub mod nvrtc;
 mod op;
 mod outputs;
@@ -50,6 +53,7 @@ mod tensor;
 mod world;
 
 pub use kernels::device_arch;
+pub use nccl::Transport;
 pub use op::{GpuOp, GpuOpOutput};
 pub use outputs::{GpuCombineOutput, GpuDispatchOutput};
 pub use rank::{GpuHandle, GpuRank};

@@ -15,10 +15,12 @@ use epflow_core::protocol::{Channel, SlotGuard, op_label};
 use epflow_core::routing::Routing;
 use epflow_core::{DType, Error, TensorDesc, TensorTag};
 
+use crate::cache::CachedBuffer;
 use crate::driver::{bind, cuda};
 use crate::ht::{ExchangeBuffers, HtPlan, finish_handle, ht_grid, received_messages, recycle_exchange};
+use crate::nccl::{Xfer, issue};
 use crate::outputs::{GpuCombineOutput, GpuDispatchOutput};
-use crate::params::{ExchangeParams, HtParams, LlParams, MAX_SETS};
+use crate::params::{ExchangeParams, HtParams, LlParams, MAX_SETS, NcclHtParams};
 use crate::rank::{GpuHandle, RankShared};
 use crate::tensor::DeviceTensor;
 
@@ -34,6 +36,11 @@ pub(crate) enum Launch {
     Ht(HtParams),
     /// The count exchange of a high-throughput handle: one kernel.
     Exchange(ExchangeParams),
+    /// High-throughput dispatch or combine over NCCL: pack (dispatch) or arrival word, the
+    /// group, the arrival check, and for combine the reduction.
+    NcclHt { p: NcclHtParams, reduce: bool },
+    /// The count exchange over NCCL: messages up, the group, what arrived down.
+    NcclExchange { row_bytes: usize },
 }
 
 /// What the operation is.
@@ -66,6 +73,12 @@ pub struct GpuOp {
     slot: Option<SlotGuard>,
     done: Option<Arc<CudaEvent>>,
     timing: Option<(CudaEvent, CudaEvent, CudaEvent)>,
+    /// NCCL exchange issued after the send kernel (low-latency with NCCL peers) or as the
+    /// operation (high-throughput over NCCL).
+    xfers: Vec<Xfer>,
+    /// Staging the NCCL exchange reads or writes, kept until the operation is dropped (even when
+    /// cancelled: the peers still exchange with it).
+    scratch: Vec<CachedBuffer>,
 }
 
 impl std::fmt::Debug for GpuOp {
@@ -105,7 +118,30 @@ impl GpuOp {
             slot: None,
             done: None,
             timing: None,
+            xfers: Vec::new(),
+            scratch: Vec::new(),
         }
+    }
+
+    /// The NCCL exchange of this operation (see [`crate::nccl`]).
+    pub(crate) fn set_xfers(&mut self, xfers: Vec<Xfer>) {
+        self.xfers = xfers;
+    }
+
+    /// Keeps `buf` alive as long as the operation.
+    pub(crate) fn keep_scratch(&mut self, buf: CachedBuffer) {
+        self.scratch.push(buf);
+    }
+
+    fn uses_nccl(&self) -> bool {
+        !self.xfers.is_empty()
+    }
+
+    /// Enqueues this operation's NCCL group on its stream.
+    fn issue_xfers(&self) -> Result<(), Error> {
+        let s = &self.shared;
+        let n = s.nccl.as_ref().ok_or_else(|| Error::Backend("an NCCL exchange without NCCL".into()))?;
+        issue(n.comms.comm(self.chan())?, &s.streams[self.chan()], &self.xfers)
     }
 
     fn chan(&self) -> usize {
@@ -122,7 +158,9 @@ impl GpuOp {
     fn set(&self) -> usize {
         match &self.launch {
             Launch::Ll(p) => p.set as usize,
-            Launch::Ht(_) | Launch::Exchange(_) => (self.seq % 2) as usize,
+            Launch::Ht(_) | Launch::Exchange(_) | Launch::NcclHt { .. } | Launch::NcclExchange { .. } => {
+                (self.seq % 2) as usize
+            }
         }
     }
 
@@ -131,19 +169,19 @@ impl GpuOp {
         let s = &self.shared;
         let stream = &s.streams[self.chan()];
         let cancelled = i32::from(self.cancelled);
+        if let (Some((ptr, bytes)), false) = (self.fill, self.cancelled) {
+            let byte = s.poison_outputs.load(Ordering::Relaxed);
+            if byte != 0 {
+                // SAFETY: `ptr` is the start of this operation's output buffer of at least
+                // `bytes` bytes, alive as long as the operation; ordered on its stream.
+                unsafe { sys::cuMemsetD8Async(ptr, (byte - 1) as u8, bytes, stream.cu_stream()) }
+                    .result()
+                    .map_err(|e| cuda("fill outputs", e))?;
+            }
+        }
         match self.launch {
             Launch::Ht(mut p) => {
                 p.cancelled = cancelled;
-                if let (Some((ptr, bytes)), false) = (self.fill, self.cancelled) {
-                    let byte = s.poison_outputs.load(Ordering::Relaxed);
-                    if byte != 0 {
-                        // SAFETY: `ptr` is the start of this operation's output buffer of at least
-                        // `bytes` bytes, alive as long as the operation; ordered on its stream.
-                        unsafe { sys::cuMemsetD8Async(ptr, (byte - 1) as u8, bytes, stream.cu_stream()) }
-                            .result()
-                            .map_err(|e| cuda("fill outputs", e))?;
-                    }
-                }
                 let f = if p.chan == 0 { &s.kernels.ht_dispatch } else { &s.kernels.ht_combine };
                 let (grid, block) = ht_grid(&p);
                 let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 };
@@ -161,9 +199,68 @@ impl GpuOp {
                 unsafe { stream.launch_builder(&s.kernels.ht_exchange).arg(&p).launch(cfg) }
                     .map_err(|e| cuda("launch count exchange", e))?;
             }
+            Launch::NcclHt { mut p, reduce } => {
+                p.cancelled = cancelled;
+                let one = |f: &cudarc::driver::CudaFunction, grid: u32, block: u32, what: &str| {
+                    let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 };
+                    // SAFETY: every kernel of nccl.cu takes one `NcclHtParams` by value, mirrored in
+                    // params.rs; its pointers address the handle's arrays, the inputs, the outputs
+                    // and the staging, all kept alive by this operation.
+                    unsafe { stream.launch_builder(f).arg(&p).launch(cfg) }.map_err(|e| cuda(what, e))
+                };
+                let rows = (p.total_send.max(0) as u32).div_ceil(16);
+                one(&s.kernels.nccl_ht_pack, rows.clamp(1, 2 * s.num_sms), 512, "launch NCCL pack")?;
+                self.issue_xfers()?;
+                one(&s.kernels.nccl_arrivals, 1, 32, "launch NCCL arrival check")?;
+                if reduce && !self.cancelled {
+                    let grid = (p.num_tokens.max(1) as u32).min(4 * s.num_sms);
+                    one(&s.kernels.nccl_ht_reduce, grid, 256, "launch NCCL reduce")?;
+                }
+            }
+            Launch::NcclExchange { row_bytes } => self.exchange_over_nccl(row_bytes)?,
             Launch::Ll(_) => return Err(Error::Backend("a low-latency operation has two launches".into())),
         }
         Ok(())
+    }
+
+    /// The count exchange over NCCL: this rank's messages (with the operation number and the
+    /// cancellation flag) go to the device, every peer's row out, every peer's row in, and what
+    /// arrived back to the host.
+    fn exchange_over_nccl(&self, row_bytes: usize) -> Result<(), Error> {
+        let s = &self.shared;
+        let n = s.nccl.as_ref().ok_or_else(|| Error::Backend("an NCCL exchange without NCCL".into()))?;
+        let Some(Work::HtHandle { bufs: Some(bufs), .. }) = &self.work else {
+            return Err(Error::Backend("a count exchange without buffers".into()));
+        };
+        let words = row_bytes / 4;
+        let mut msgs = bufs.msgs.read_i32s(s.num_ranks * words);
+        for row in msgs.chunks_mut(words) {
+            row[words - 2] = (self.seq + 1) as i32;
+            row[words - 1] = i32::from(self.cancelled);
+        }
+        bufs.msgs.write_i32s(&msgs);
+        let bytes = s.num_ranks * row_bytes;
+        let stream = &s.streams[self.chan()];
+        // SAFETY: both ranges hold `bytes` bytes (the pinned messages are mapped, so their device
+        // address is valid for a copy); ordered on the handle stream.
+        unsafe { sys::cuMemcpyAsync(n.handle_msgs.ptr(), bufs.msgs.device_ptr(), bytes, stream.cu_stream()) }
+            .result()
+            .map_err(|e| cuda("copy exchange messages", e))?;
+        let xfers: Vec<Xfer> = (0..s.num_ranks)
+            .map(|d| {
+                let off = (d * row_bytes) as u64;
+                Xfer {
+                    peer: d,
+                    send: (n.handle_msgs.ptr() + off, row_bytes),
+                    recv: (n.handle_out.ptr() + off, row_bytes),
+                }
+            })
+            .collect();
+        issue(n.comms.comm(self.chan())?, stream, &xfers)?;
+        // SAFETY: as above, into the mapped pinned buffer of what arrived.
+        unsafe { sys::cuMemcpyAsync(bufs.out.device_ptr(), n.handle_out.ptr(), bytes, stream.cu_stream()) }
+            .result()
+            .map_err(|e| cuda("copy exchanged counts", e))
     }
 
     fn launch(&self, which: Kernel) -> Result<(), Error> {
@@ -271,6 +368,14 @@ impl GpuOp {
         );
         let host_counts =
             (opts.counts_location == CountsLocation::Host).then(|| s.mem.host_counts[set].read_i32s(l.local_experts));
+        if let (Some(n), Some(info)) = (&s.nccl, &handle.0.ll_nccl) {
+            // What each NCCL source dispatched here: the rows combine sends it back.
+            let counts = n.counts[set].read_i32s(s.num_ranks);
+            let mut rows = info.send_rows.lock().unwrap_or_else(|e| e.into_inner());
+            for d in n.peers(s.num_ranks) {
+                rows[d] = counts[d].max(0) as usize;
+            }
+        }
         handle.0.dispatched.store(true, Ordering::Release);
         Ok(GpuDispatchOutput {
             outputs: DispatchOutputs { tokens, scales, topk_weights: None, topk_idx: None, counts: Some(counts) },
@@ -315,6 +420,24 @@ impl Drop for GpuOp {
     fn drop(&mut self) {
         if !self.sent || bind(&self.shared.ctx).is_err() {
             return;
+        }
+        if self.uses_nccl() || matches!(self.launch, Launch::NcclExchange { .. }) {
+            // An NCCL kernel waits for its peers without a deadline of its own: give it the
+            // group's timeout, then abort the communicators so the stream can drain.
+            let stream = &self.shared.streams[self.chan()];
+            let deadline = std::time::Instant::now() + self.shared.config.timeout;
+            let idle = || match &self.done {
+                Some(done) => done.try_is_complete().unwrap_or(true),
+                None => stream.context().synchronize().is_ok(),
+            };
+            while !idle() && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            if !idle() {
+                if let Some(n) = &self.shared.nccl {
+                    n.comms.abort();
+                }
+            }
         }
         let _ = match &self.done {
             Some(done) => done.synchronize(),
@@ -372,8 +495,10 @@ impl PendingOp for GpuOp {
             self.timing = Some((a, m, b));
         }
         let result = match self.launch {
-            Launch::Ll(_) => self.launch(if self.chan() == 0 { Kernel::DispatchSend } else { Kernel::CombineSend }),
-            Launch::Ht(_) | Launch::Exchange(_) => self.launch_single(),
+            Launch::Ll(_) => self
+                .launch(if self.chan() == 0 { Kernel::DispatchSend } else { Kernel::CombineSend })
+                .and_then(|()| if self.uses_nccl() { self.issue_xfers() } else { Ok(()) }),
+            _ => self.launch_single(),
         };
         if let (Ok(()), Some((_, m, _))) = (&result, &self.timing) {
             m.record(stream).map_err(|e| cuda("record event", e))?;
@@ -437,7 +562,7 @@ impl PendingOp for GpuOp {
         // A count exchange: read what arrived, and give the staging buffers back.
         let received = match &mut work {
             Some(Work::HtHandle { bufs, .. }) => bufs.take().map(|b| {
-                let r = received_messages(&self.shared, &b);
+                let r = received_messages(&self.shared, &b, self.seq);
                 recycle_exchange(&self.shared, b);
                 r
             }),
@@ -501,7 +626,8 @@ impl PendingOp for GpuOp {
         let (tokens, hidden) = match &self.launch {
             Launch::Ll(p) => (p.num_tokens as u64, p.hidden as u64),
             Launch::Ht(p) => (p.num_tokens as u64, p.hidden as u64),
-            Launch::Exchange(_) => (0, 0),
+            Launch::NcclHt { p, .. } => (p.num_tokens as u64, p.hidden as u64),
+            Launch::Exchange(_) | Launch::NcclExchange { .. } => (0, 0),
         };
         (tokens * hidden * 2, tokens)
     }

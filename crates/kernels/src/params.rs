@@ -1,5 +1,5 @@
-//! The kernels' by-value parameter blocks, mirrored byte for byte from `cuda/ll.cu` and
-//! `cuda/ht.cu`, and the layout of the signal and status pages they share.
+//! The kernels' by-value parameter blocks, mirrored byte for byte from `cuda/ll.cu`,
+//! `cuda/ht.cu` and `cuda/nccl.cu`, and the layout of the signal and status pages they share.
 
 use cudarc::driver::DeviceRepr;
 
@@ -61,7 +61,15 @@ pub(crate) struct LlParams {
     pub cancelled: i32,
     pub splits: i32,
     pub chunks: i32,
-    pub pad: [i32; 2],
+    /// Ranks reached through NCCL (bit `r` = rank `r`), see `nccl.rs`.
+    pub nccl_mask: i32,
+    pub pad: i32,
+    pub nccl_out: u64,
+    pub nccl_in: u64,
+    pub nccl_pack: u64,
+    pub nccl_counts: u64,
+    pub nccl_pos: u64,
+    pub nccl_dest_bytes: u64,
 }
 
 // SAFETY: `LlParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
@@ -143,6 +151,48 @@ pub(crate) struct ExchangeParams {
 // (checked by the tests below and by a static_assert in ht.cu).
 unsafe impl DeviceRepr for ExchangeParams {}
 
+/// `struct NcclHtParams` of `nccl.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct NcclHtParams {
+    pub x: u64,
+    pub x_scales: u64,
+    pub weights: u64,
+    pub topk_idx: u64,
+    pub send_list: u64,
+    pub send_off: u64,
+    pub copy_ord: u64,
+    pub out: u64,
+    pub out_scales: u64,
+    pub out_weights: u64,
+    pub out_idx: u64,
+    pub input: u64,
+    pub in_weights: u64,
+    pub signals: u64,
+    pub status: u64,
+    pub seq: u64,
+    pub rank: i32,
+    pub num_ranks: i32,
+    pub hidden: i32,
+    pub top_k: i32,
+    pub num_local: i32,
+    pub num_tokens: i32,
+    pub channels: i32,
+    pub tokens_per_channel: i32,
+    pub fp8: i32,
+    pub backward: i32,
+    pub chan: i32,
+    pub set: i32,
+    pub cancelled: i32,
+    pub total_send: i32,
+    pub row_bytes: i32,
+    pub pad: i32,
+}
+
+// SAFETY: `NcclHtParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
+// (checked by the tests below and by a static_assert in nccl.cu).
+unsafe impl DeviceRepr for NcclHtParams {}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -161,8 +211,20 @@ mod tests {
     }
 
     #[test]
+    fn nccl_layout_matches_the_cuda_struct() {
+        assert_eq!(size_of::<NcclHtParams>(), 192);
+        assert_eq!(offset_of!(NcclHtParams, input), 88);
+        assert_eq!(offset_of!(NcclHtParams, seq), 120);
+        assert_eq!(offset_of!(NcclHtParams, rank), 128);
+        assert_eq!(offset_of!(NcclHtParams, cancelled), 176);
+    }
+
+    #[test]
     fn layout_matches_the_cuda_struct() {
-        assert_eq!(size_of::<LlParams>(), 320);
+        assert_eq!(size_of::<LlParams>(), 368);
+        assert_eq!(offset_of!(LlParams, nccl_mask), 312);
+        assert_eq!(offset_of!(LlParams, nccl_out), 320);
+        assert_eq!(offset_of!(LlParams, nccl_dest_bytes), 360);
         assert_eq!(offset_of!(LlParams, peer_recv), 96);
         assert_eq!(offset_of!(LlParams, peer_signals), 160);
         assert_eq!(offset_of!(LlParams, seq), 224);

@@ -7,7 +7,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use epflow_core::backend::{Backend, HandleCreation};
 use epflow_core::ops::{CombineInputs, CombineOptions, CountsLocation, DispatchInputs, DispatchOptions};
 use epflow_core::protocol::{Channel, Poison, SlotPool};
-use epflow_core::routing::Routing;
+use epflow_core::routing::{ExpertPlacement, Routing};
 use epflow_core::validate::{
     OpContext, check_topk_idx, routing_from_tensor, validate_combine_inputs, validate_dispatch_inputs,
 };
@@ -19,9 +19,10 @@ use crate::ht::{ExchangeBuffers, HtHandleInfo};
 use crate::kernels::Kernels;
 use crate::layout::Layout;
 use crate::memory::{DeviceBuffer, PinnedBuffer, copy_to_host};
+use crate::nccl::{NcclShared, Xfer, all_over_nccl, ll_combine_positions};
 use crate::op::{GpuOp, Launch, Work};
 use crate::outputs::{GpuCombineOutput, GpuDispatchOutput};
-use crate::params::{LlParams, MAX_RANKS};
+use crate::params::{LlParams, MAX_RANKS, MAX_SETS};
 use crate::tensor::DeviceTensor;
 
 /// The memory of one rank; peers map it. Dropped only after every kernel of the device is done.
@@ -93,6 +94,8 @@ pub(crate) struct RankShared {
     pub timing: AtomicBool,
     /// Per channel, the next operation allowed to send (sends go out in operation order).
     pub turns: [AtomicU64; 3],
+    /// The NCCL transport, when some peer uses it.
+    pub nccl: Option<NcclShared>,
 }
 
 impl RankShared {
@@ -100,6 +103,28 @@ impl RankShared {
     /// its timeout (naming the peer) before the host's own deadline expires.
     pub fn device_timeout_ns(&self) -> u64 {
         (self.config.timeout.as_nanos() as u64).saturating_mul(9) / 10
+    }
+
+    /// The NCCL transport when this operation runs entirely over NCCL (high-throughput with
+    /// any NCCL peer).
+    pub fn nccl_all(&self) -> Option<&NcclShared> {
+        self.nccl.as_ref().filter(|_| all_over_nccl(self.config.algorithm))
+    }
+
+    /// Byte offset of word `[array][set][rank]` in a signal page (`sig_at` of `common.cuh`).
+    pub fn signal_offset(array: usize, set: usize, rank: usize) -> u64 {
+        (((array * MAX_SETS + set) * MAX_RANKS + rank) * 8) as u64
+    }
+
+    /// The arrival-word exchange of channel `chan`'s buffer set `set` with NCCL peer `peer`:
+    /// this rank's word goes out, the peer's lands where the NVLink kernels expect it.
+    pub fn arrival_xfer(&self, chan: usize, set: usize, peer: usize) -> Xfer {
+        let page = self.mem.signals.ptr();
+        Xfer {
+            peer,
+            send: (page + Self::signal_offset(chan, set, self.rank), 8),
+            recv: (page + Self::signal_offset(chan, set, peer), 8),
+        }
     }
 
     /// This rank's receive region of the dispatch (`dispatch`) or combine channel, and every
@@ -157,6 +182,17 @@ pub(crate) struct HandleInner {
     pub dispatched: AtomicBool,
     /// High-throughput handles: what the count exchange taught.
     pub ht: Option<HtHandleInfo>,
+    /// Low-latency handles with NCCL peers: per rank, `(first row, rows)` of its combine rows
+    /// here (from this rank's routing), and, once dispatch finished, the rows this rank sends
+    /// back to each rank in combine (what that rank dispatched here).
+    pub ll_nccl: Option<LlNcclInfo>,
+}
+
+/// What a low-latency handle knows about its NCCL peers.
+#[derive(Debug)]
+pub(crate) struct LlNcclInfo {
+    pub recv_blocks: Vec<(usize, usize)>,
+    pub send_rows: Mutex<Vec<usize>>,
 }
 
 impl Drop for HandleInner {
@@ -212,6 +248,20 @@ pub(crate) fn take_pooled(
 }
 
 impl GpuRank {
+    /// Connects this rank's NCCL communicators to every peer (collective; nothing without NCCL).
+    pub(crate) fn connect_nccl(&self) -> Result<(), Error> {
+        let s = &self.shared;
+        match &s.nccl {
+            Some(n) => n.comms.connect(&s.ctx, &s.streams[0], s.rank, s.num_ranks),
+            None => Ok(()),
+        }
+    }
+
+    /// Which peers this rank reaches through NCCL (bit `r` = rank `r`; 0 = NVLink only).
+    pub fn nccl_peers(&self) -> u32 {
+        self.shared.nccl.as_ref().map_or(0, |n| n.mask)
+    }
+
     /// The device this rank runs on.
     pub fn device(&self) -> usize {
         self.shared.device
@@ -390,7 +440,51 @@ impl GpuRank {
         p.peer_signals = peer_array(&s.peers.signals);
         p.recv_set_bytes = if channel == 0 { l.dispatch_recv_set_bytes() } else { l.combine_recv_set_bytes() } as u64;
         p.msg_bytes = l.msg_bytes as u64;
+        if let Some(n) = &s.nccl {
+            p.nccl_mask = n.mask as i32;
+            p.nccl_pack = h.ptr() + l.nccl_pack_offset() as u64;
+            p.nccl_dest_bytes =
+                if channel == 0 { l.max_tokens * l.msg_bytes } else { l.combine_recv_set_bytes() } as u64;
+        }
         Ok(p)
+    }
+
+    /// Low-latency over NCCL: points `p` (of buffer set `set`) at the staging and returns the
+    /// exchange NCCL runs after the send kernel (nothing without NCCL peers).
+    fn ll_nccl_xfers(&self, p: &mut LlParams, h: &GpuHandle, set: usize, dispatch: bool) -> Result<Vec<Xfer>, Error> {
+        let s = &self.shared;
+        let Some(n) = &s.nccl else { return Ok(Vec::new()) };
+        let l = s.layout.ll("a low-latency operation")?;
+        let chan = usize::from(!dispatch);
+        let mut xfers = Vec::new();
+        if dispatch {
+            p.nccl_out = n.disp_out[set].ptr();
+            p.nccl_counts = n.counts[set].device_ptr();
+            let region = l.max_tokens * l.msg_bytes;
+            let recv = s.mem.disp_recv.ptr() + (set * l.dispatch_recv_set_bytes()) as u64;
+            for d in n.peers(s.num_ranks) {
+                let off = (d * region) as u64;
+                xfers.push(Xfer { peer: d, send: (p.nccl_out + off, region), recv: (recv + off, region) });
+                xfers.push(s.arrival_xfer(chan, set, d));
+            }
+        } else {
+            let info = h.0.ll_nccl.as_ref().ok_or_else(|| Error::Backend("handle without NCCL positions".into()))?;
+            p.nccl_out = n.comb_out[set].ptr();
+            p.nccl_in = n.comb_in[set].ptr();
+            p.nccl_pos = h.ptr() + l.nccl_pos_offset() as u64;
+            let row = 2 * l.hidden;
+            let send_rows = info.send_rows.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            for d in n.peers(s.num_ranks) {
+                let (first, rows) = info.recv_blocks[d];
+                xfers.push(Xfer {
+                    peer: d,
+                    send: (p.nccl_out + (d * l.combine_recv_set_bytes()) as u64, send_rows[d] * row),
+                    recv: (p.nccl_in + (first * row) as u64, rows * row),
+                });
+                xfers.push(s.arrival_xfer(chan, set, d));
+            }
+        }
+        Ok(xfers)
     }
 }
 
@@ -437,8 +531,18 @@ impl Backend for GpuRank {
         if s.config.algorithm == Algorithm::HighThroughput {
             return Ok(HandleCreation::Collective(self.ht_start_handle(routing)?));
         }
-        let mem = take_pooled(&s.ctx, &s.handle_pool, s.layout.ll("a low-latency handle")?.handle_bytes())?;
+        let l = s.layout.ll("a low-latency handle")?;
+        let mem = take_pooled(&s.ctx, &s.handle_pool, l.handle_bytes())?;
         mem.write(0, &values)?;
+        let ll_nccl = match &s.nccl {
+            Some(n) => {
+                let placement = ExpertPlacement::new(s.config.num_experts, s.num_ranks);
+                let (pos, recv_blocks) = ll_combine_positions(&routing, placement, n.mask);
+                mem.write(l.nccl_pos_offset(), &pos)?;
+                Some(LlNcclInfo { recv_blocks, send_rows: Mutex::new(vec![0; s.num_ranks]) })
+            }
+            None => None,
+        };
         Ok(HandleCreation::Ready(GpuHandle(Arc::new(HandleInner {
             group_id: s.group_id,
             routing,
@@ -446,6 +550,7 @@ impl Backend for GpuRank {
             pool: Arc::clone(&s.handle_pool),
             dispatched: AtomicBool::new(false),
             ht: None,
+            ll_nccl,
         }))))
     }
 
@@ -474,14 +579,17 @@ impl Backend for GpuRank {
         if opts.counts_location == CountsLocation::Host {
             p.host_counts = s.mem.host_counts[set].device_ptr();
         }
-        Ok(GpuOp::new(
+        let xfers = self.ll_nccl_xfers(&mut p, h, set, true)?;
+        let mut op = GpuOp::new(
             Arc::clone(&self.shared),
             Channel::Dispatch,
             seq,
             Launch::Ll(p),
             Work::Dispatch { handle: h.clone(), opts: *opts },
             &[inputs.tokens],
-        ))
+        );
+        op.set_xfers(xfers);
+        Ok(op)
     }
 
     fn start_combine(
@@ -510,13 +618,16 @@ impl Backend for GpuRank {
         p.seq = seq;
         p.set = set as i32;
         p.out = s.mem.comb_out[set].ptr();
-        Ok(GpuOp::new(
+        let xfers = self.ll_nccl_xfers(&mut p, h, set, false)?;
+        let mut op = GpuOp::new(
             Arc::clone(&self.shared),
             Channel::Combine,
             seq,
             Launch::Ll(p),
             Work::Combine { handle: h.clone() },
             &[inputs.tokens, weights],
-        ))
+        );
+        op.set_xfers(xfers);
+        Ok(op)
     }
 }

@@ -28,12 +28,19 @@ pub const HT: KernelModule = KernelModule {
     kernels: &["ep_ht_dispatch", "ep_ht_combine", "ep_ht_exchange"],
 };
 
+/// The kernels around NCCL's grouped send/recv (the NCCL transport, `nccl.rs`).
+pub const NCCL: KernelModule = KernelModule {
+    name: "nccl",
+    body: include_str!("cuda/nccl.cu"),
+    kernels: &["ep_nccl_ht_pack", "ep_nccl_arrivals", "ep_nccl_ht_reduce"],
+};
+
 /// Small utilities (FP8 dequantization).
 pub const UTIL: KernelModule =
     KernelModule { name: "util", body: include_str!("cuda/util.cu"), kernels: &["ep_dequant_fp8_rows"] };
 
 /// Every module.
-pub const ALL: &[KernelModule] = &[LL, HT, UTIL];
+pub const ALL: &[KernelModule] = &[LL, HT, NCCL, UTIL];
 
 impl KernelModule {
     /// The full source NVRTC compiles: the common helpers, then the module.

@@ -1,5 +1,5 @@
 //! Creating GPU groups: one process driving several GPUs (peer access between them), or one
-//! process per GPU (CUDA IPC).
+//! process per GPU (CUDA IPC), with NCCL between ranks NVLink cannot reach ([`Transport`]).
 
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
@@ -13,6 +13,7 @@ use crate::driver::{bind, context, cuda};
 use crate::kernels::Kernels;
 use crate::layout::Layout;
 use crate::memory::{DeviceBuffer, PinnedBuffer};
+use crate::nccl::{NcclComms, NcclShared, Transport};
 use crate::params::{SIGNAL_PAGE_BYTES, STATUS_WORDS};
 use crate::rank::{GpuRank, Peers, RankMemory, RankShared};
 
@@ -26,11 +27,31 @@ impl GpuWorld {
     /// One process driving every device in `devices`: rank `r` runs on `devices[r]`. Every pair of
     /// devices must have peer access (NVLink). Give each rank to its own thread (or task).
     pub fn create(devices: &[usize], config: GroupConfig) -> Result<Vec<GpuRank>, Error> {
+        Self::create_with(devices, config, Transport::Auto)
+    }
+
+    /// [`GpuWorld::create`] with a chosen [`Transport`]: `Transport::Nccl` runs every exchange
+    /// between distinct ranks over NCCL (peer access is not needed), `Transport::Hierarchical`
+    /// declares "hosts" of ranks (NVLink inside one, NCCL across; a test of the cross-host path
+    /// on one machine — set `NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1` to force NCCL onto its
+    /// socket transport between them). The NCCL communicators connect before this returns.
+    pub fn create_with(devices: &[usize], config: GroupConfig, transport: Transport) -> Result<Vec<GpuRank>, Error> {
         let num_ranks = devices.len();
         config.validate(num_ranks)?;
         let layout = Layout::new(&config, num_ranks)?;
         let ctxs = devices.iter().map(|&d| context(d)).collect::<Result<Vec<_>, _>>()?;
-        enable_peer_access(devices, &ctxs)?;
+        let masks = (0..num_ranks).map(|r| transport.nccl_mask(r, num_ranks, None)).collect::<Result<Vec<_>, _>>()?;
+        let nvlink_pairs: Vec<(usize, usize)> = (0..num_ranks)
+            .flat_map(|a| (0..num_ranks).map(move |b| (a, b)))
+            .filter(|&(a, b)| a != b && masks[a] >> b & 1 == 0)
+            .collect();
+        enable_peer_access(devices, &ctxs, &nvlink_pairs)?;
+        let mut comms = if masks.iter().any(|&m| m != 0) {
+            NcclComms::init_all(devices)?.into_iter().map(Some).collect()
+        } else {
+            Vec::new()
+        };
+        comms.resize_with(num_ranks, || None);
         let group_id = NEXT_GROUP_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mems = ctxs.iter().map(|ctx| allocate(ctx, &layout).map(Arc::new)).collect::<Result<Vec<_>, _>>()?;
         let peers = || Peers {
@@ -43,12 +64,22 @@ impl GpuWorld {
         let ranks = ctxs
             .iter()
             .zip(devices)
+            .zip(comms)
             .enumerate()
-            .map(|(rank, (ctx, &device))| {
+            .map(|(rank, ((ctx, &device), comms))| {
                 let place = Placement { rank, num_ranks, device, group_id };
-                build_rank(place, &config, layout, ctx, Arc::clone(&mems[rank]), peers())
+                let nccl = comms.map(|c| NcclShared::new(ctx, &layout, c, masks[rank], num_ranks)).transpose()?;
+                build_rank(place, &config, layout, ctx, Arc::clone(&mems[rank]), peers(), nccl)
             })
             .collect::<Result<Vec<_>, _>>()?;
+        // NCCL connects pairs lazily, blocking the host until the peer does too: connect every
+        // pair now, one thread per rank, so operations never block.
+        std::thread::scope(|sc| {
+            let joins: Vec<_> = ranks.iter().map(|r| sc.spawn(move || r.connect_nccl())).collect();
+            joins
+                .into_iter()
+                .try_for_each(|j| j.join().unwrap_or_else(|_| Err(Error::Backend("NCCL connect panicked".into()))))
+        })?;
         Ok(ranks)
     }
 }
@@ -60,19 +91,31 @@ impl GpuWorld {
     /// CUDA IPC handles exchanged over `comm`. Call [`crate::bootstrap::barrier`] before dropping
     /// the rank, so no peer still uses this process's memory.
     pub fn join(comm: &cudarc::nccl::Comm, config: GroupConfig) -> Result<GpuRank, Error> {
+        Self::join_with(comm, config, Transport::Auto)
+    }
+
+    /// [`GpuWorld::join`] with a chosen [`Transport`]. With `Transport::Auto`, ranks on the same
+    /// host (same kernel boot id, gathered over `comm`) use the NVLink kernels and ranks on other
+    /// hosts NCCL; NCCL then picks its own transport per pair (NVLink/P2P, shared memory,
+    /// InfiniBand or sockets: `NCCL_DEBUG=INFO` prints it).
+    pub fn join_with(comm: &cudarc::nccl::Comm, config: GroupConfig, transport: Transport) -> Result<GpuRank, Error> {
         let (rank, num_ranks) = (comm.rank(), comm.world_size());
         config.validate(num_ranks)?;
         let layout = Layout::new(&config, num_ranks)?;
         let ctx = Arc::clone(comm.context());
         bind(&ctx)?;
         let hosts = crate::bootstrap::all_gather(comm, &[host_id()])?;
-        if hosts.iter().any(|&h| h != hosts[0]) {
-            let other: Vec<usize> = (0..num_ranks).filter(|&r| hosts[r] != hosts[rank]).collect();
-            return Err(Error::Unsupported(format!(
-                "ranks {other:?} run on another host than rank {rank}: the NVLink kernels need every rank of a \
-                 group on one host (a cross-host backend is not built yet)"
-            )));
-        }
+        let mask = transport.nccl_mask(rank, num_ranks, Some(&hosts))?;
+        // Every rank learns every mask (rank 0's ids serve the NCCL communicators).
+        let masks = crate::bootstrap::all_gather(comm, &[u64::from(mask)])?;
+        let nccl = if masks.iter().any(|&m| m != 0) {
+            let ids = if rank == 0 { new_ids()? } else { [0u64; 48] };
+            let all = crate::bootstrap::all_gather(comm, &ids)?;
+            let comms = NcclComms::init_rank(&decode_ids(&all[..48]), rank, num_ranks)?;
+            Some(NcclShared::new(&ctx, &layout, comms, mask, num_ranks)?)
+        } else {
+            None
+        };
         let mem = Arc::new(allocate(&ctx, &layout)?);
         let own = [mem.disp_recv.ptr(), mem.comb_recv.ptr(), mem.exchange.ptr(), mem.signals.ptr()];
         let mut mine = Vec::with_capacity(own.len() * 64);
@@ -88,7 +131,8 @@ impl GpuWorld {
             _keep: Vec::new(),
         };
         for r in 0..num_ranks {
-            let ptrs: [u64; 4] = if r == rank {
+            // NCCL peers are never addressed (their slots point at this rank's own memory).
+            let ptrs: [u64; 4] = if r == rank || mask >> r & 1 == 1 {
                 own
             } else {
                 let mut out = [0u64; 4];
@@ -112,8 +156,39 @@ impl GpuWorld {
             device: ctx.ordinal(),
             group_id: NEXT_GROUP_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         };
-        build_rank(place, &config, layout, &ctx, mem, peers)
+        let rank = build_rank(place, &config, layout, &ctx, mem, peers, nccl)?;
+        rank.connect_nccl()?;
+        Ok(rank)
     }
+}
+
+/// Three fresh NCCL unique ids (dispatch, combine, handle communicators) as 48 words.
+fn new_ids() -> Result<[u64; 48], Error> {
+    crate::bootstrap::nccl_present()?;
+    let mut out = [0u64; 48];
+    for c in 0..3 {
+        let id = cudarc::nccl::result::get_uniqueid().map_err(|e| crate::nccl::nccl_err("ncclGetUniqueId", e))?;
+        for (i, w) in out[c * 16..(c + 1) * 16].iter_mut().enumerate() {
+            let mut b = [0u8; 8];
+            for (j, x) in b.iter_mut().enumerate() {
+                *x = id.internal[i * 8 + j] as u8;
+            }
+            *w = u64::from_le_bytes(b);
+        }
+    }
+    Ok(out)
+}
+
+fn decode_ids(words: &[u64]) -> [cudarc::nccl::sys::ncclUniqueId; 3] {
+    std::array::from_fn(|c| {
+        let mut internal = [0 as std::ffi::c_char; 128];
+        for (i, w) in words[c * 16..(c + 1) * 16].iter().enumerate() {
+            for (j, b) in w.to_le_bytes().into_iter().enumerate() {
+                internal[i * 8 + j] = b as std::ffi::c_char;
+            }
+        }
+        cudarc::nccl::sys::ncclUniqueId { internal }
+    })
 }
 
 /// An identifier of this host and boot (the kernel's boot id, else the host name), hashed.
@@ -141,8 +216,16 @@ fn build_rank(
     layout: Layout,
     ctx: &Arc<cudarc::driver::CudaContext>,
     mem: Arc<RankMemory>,
-    peers: Peers,
+    mut peers: Peers,
+    nccl: Option<NcclShared>,
 ) -> Result<GpuRank, Error> {
+    if let Some(n) = &nccl {
+        // NCCL peers get this rank's own signal page: what the kernels "send" them there is
+        // carried by NCCL (see nccl.rs).
+        for r in n.peers(place.num_ranks) {
+            peers.signals[r] = mem.signals.ptr();
+        }
+    }
     bind(ctx)?;
     let kernels = Kernels::load(ctx)?;
     let streams = comm_streams(ctx)?;
@@ -168,6 +251,7 @@ fn build_rank(
         poison_outputs: Default::default(),
         timing: Default::default(),
         turns: Default::default(),
+        nccl,
     });
     Ok(GpuRank {
         shared,
@@ -232,10 +316,16 @@ impl Drop for IpcMapping {
     }
 }
 
-fn enable_peer_access(devices: &[usize], ctxs: &[Arc<cudarc::driver::CudaContext>]) -> Result<(), Error> {
-    for (i, a) in ctxs.iter().enumerate() {
-        for (j, b) in ctxs.iter().enumerate() {
-            if i == j || devices[i] == devices[j] {
+/// Enables peer access for every `(i, j)` of `pairs` (indices into `devices`).
+fn enable_peer_access(
+    devices: &[usize],
+    ctxs: &[Arc<cudarc::driver::CudaContext>],
+    pairs: &[(usize, usize)],
+) -> Result<(), Error> {
+    for &(i, j) in pairs {
+        let (a, b) = (&ctxs[i], &ctxs[j]);
+        {
+            if devices[i] == devices[j] {
                 continue;
             }
             bind(a)?;

@@ -16,7 +16,7 @@ use epflow_core::scenario::Scenario;
 use epflow_core::verify::{Report, Tolerance, check_bf16, check_exact, check_ht_dispatch};
 use epflow_core::workload::{RoutingKind, random_weights};
 use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, bf16};
-use epflow_kernels::{GpuRank, GpuWorld, driver};
+use epflow_kernels::{GpuRank, GpuWorld, Transport, driver};
 
 mod common;
 use common::{gpus, on_ranks, seed};
@@ -147,9 +147,10 @@ fn check_world(
     dtype: DispatchDtype,
     cases: &[(usize, usize, RoutingKind, usize)],
     base: u64,
+    transport: &Transport,
 ) {
     let config = GroupConfig::high_throughput(experts, hidden).with_dispatch_dtype(dtype);
-    let ranks = GpuWorld::create(devices, config.clone()).expect("create GPU group");
+    let ranks = GpuWorld::create_with(devices, config.clone(), transport.clone()).expect("create GPU group");
     for (i, &(tokens, top_k, kind, masked)) in cases.iter().enumerate() {
         let s = base.wrapping_add(i as u64 * 7919);
         // Uneven token counts: the last rank routes fewer tokens.
@@ -160,7 +161,8 @@ fn check_world(
         let t = Instant::now();
         let all = on_ranks(&ranks, |rank| round(rank, &sc, &refs, i % 2 == 1).expect("round"));
         let what = format!(
-            "R={} H={hidden} E={experts} {dtype:?} tokens={tokens} top_k={top_k} {kind:?} masked={masked} seed={s}",
+            "R={} H={hidden} E={experts} {dtype:?} tokens={tokens} top_k={top_k} {kind:?} masked={masked} {transport:?} \
+             seed={s}",
             devices.len()
         );
         for rep in all.into_iter().flatten() {
@@ -187,12 +189,82 @@ fn ht_matches_reference_on_2_and_4_gpus() {
             (100, 4, RoutingKind::SingleRank(1), 0),
             (16384, 8, uniform, 10),
         ];
-        check_world(&devices, 7168, 256, DispatchDtype::Bf16, &bf16_cases, base);
+        check_world(&devices, 7168, 256, DispatchDtype::Bf16, &bf16_cases, base, &Transport::Auto);
         let fp8_cases = [(1, 8, uniform, 0), (100, 8, skewed, 10), (4096, 8, uniform, 10), (16384, 8, skewed, 10)];
-        check_world(&devices, 7168, 256, DispatchDtype::Fp8 { round_scales: false }, &fp8_cases, base ^ 1);
-        check_world(&devices, 2048, 64, DispatchDtype::Fp8 { round_scales: true }, &[(100, 6, uniform, 5)], base ^ 2);
-        check_world(&devices, 1024, 8, DispatchDtype::Bf16, &[(37, 2, uniform, 3), (0, 2, uniform, 0)], base ^ 3);
+        check_world(
+            &devices,
+            7168,
+            256,
+            DispatchDtype::Fp8 { round_scales: false },
+            &fp8_cases,
+            base ^ 1,
+            &Transport::Auto,
+        );
+        check_world(
+            &devices,
+            2048,
+            64,
+            DispatchDtype::Fp8 { round_scales: true },
+            &[(100, 6, uniform, 5)],
+            base ^ 2,
+            &Transport::Auto,
+        );
+        check_world(
+            &devices,
+            1024,
+            8,
+            DispatchDtype::Bf16,
+            &[(37, 2, uniform, 3), (0, 2, uniform, 0)],
+            base ^ 3,
+            &Transport::Auto,
+        );
     }
+}
+
+/// The same rounds over NCCL (`Transport::Nccl`: handle exchange, dispatch and combine).
+#[test]
+fn ht_over_nccl_matches_reference_on_2_and_4_gpus() {
+    let base = seed();
+    eprintln!("seed {base}");
+    let (skewed, uniform) = (RoutingKind::Skewed, RoutingKind::Uniform);
+    for n in [2usize, 4] {
+        let Some(devices) = gpus(n, &format!("ht_over_nccl ({n} GPUs)")) else { continue };
+        let bf16_cases =
+            [(1, 8, uniform, 0), (100, 8, skewed, 10), (4096, 8, uniform, 10), (100, 4, RoutingKind::SingleRank(1), 0)];
+        check_world(&devices, 7168, 256, DispatchDtype::Bf16, &bf16_cases, base, &Transport::Nccl);
+        let fp8_cases = [(100, 8, skewed, 10), (4096, 8, uniform, 10)];
+        check_world(
+            &devices,
+            7168,
+            256,
+            DispatchDtype::Fp8 { round_scales: false },
+            &fp8_cases,
+            base ^ 1,
+            &Transport::Nccl,
+        );
+        check_world(
+            &devices,
+            1024,
+            8,
+            DispatchDtype::Bf16,
+            &[(37, 2, uniform, 3), (0, 2, uniform, 0)],
+            base ^ 3,
+            &Transport::Nccl,
+        );
+    }
+}
+
+/// Two declared "hosts" of 2 GPUs (high-throughput runs entirely over NCCL then; run with
+/// `NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1` to force NCCL onto its socket transport).
+#[test]
+fn ht_hierarchical_two_hosts_matches_reference() {
+    let Some(devices) = gpus(4, "ht_hierarchical_two_hosts") else { return };
+    let base = seed();
+    eprintln!("seed {base}");
+    let split = Transport::split_hosts(4, 2).expect("split");
+    let cases = [(100, 8, RoutingKind::Skewed, 10), (4096, 8, RoutingKind::Uniform, 10)];
+    check_world(&devices, 7168, 256, DispatchDtype::Bf16, &cases, base, &split);
+    check_world(&devices, 7168, 256, DispatchDtype::Fp8 { round_scales: true }, &cases, base ^ 1, &split);
 }
 
 #[test]
@@ -228,6 +300,6 @@ fn ht_sanitizer_config() {
     let Some(devices) = gpus(2, "ht_sanitizer_config") else { return };
     let base = seed();
     let cases = [(37, 4, RoutingKind::Uniform, 3), (5, 2, RoutingKind::Skewed, 1), (0, 2, RoutingKind::Uniform, 0)];
-    check_world(&devices, 1024, 8, DispatchDtype::Bf16, &cases, base);
-    check_world(&devices, 1024, 8, DispatchDtype::Fp8 { round_scales: false }, &cases[..2], base ^ 1);
+    check_world(&devices, 1024, 8, DispatchDtype::Bf16, &cases, base, &Transport::Auto);
+    check_world(&devices, 1024, 8, DispatchDtype::Fp8 { round_scales: false }, &cases[..2], base ^ 1, &Transport::Auto);
 }

@@ -14,7 +14,7 @@ use epflow_core::scenario::Scenario;
 use epflow_core::verify::{Report, Tolerance, check_bf16, check_ll_dispatch};
 use epflow_core::workload::RoutingKind;
 use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, bf16};
-use epflow_kernels::{GpuRank, GpuWorld, driver};
+use epflow_kernels::{GpuRank, GpuWorld, Transport, driver};
 
 mod common;
 use common::{gpus, on_ranks, seed};
@@ -56,10 +56,17 @@ fn round(
     Ok((d.context(&format!("rank {r} dispatch")), c.context(&format!("rank {r} combine"))))
 }
 
-fn check_world(devices: &[usize], hidden: usize, experts: usize, dtype: DispatchDtype, base_seed: u64) {
+fn check_world(
+    devices: &[usize],
+    hidden: usize,
+    experts: usize,
+    dtype: DispatchDtype,
+    base_seed: u64,
+    transport: &Transport,
+) {
     let max_tokens = 256;
     let config = GroupConfig::low_latency(experts, max_tokens, hidden).with_dispatch_dtype(dtype);
-    let ranks = GpuWorld::create(devices, config.clone()).expect("create GPU group");
+    let ranks = GpuWorld::create_with(devices, config.clone(), transport.clone()).expect("create GPU group");
     let mut round_no = 0u64;
     for tokens in [1usize, 7, 128, 256] {
         for top_k in [1usize, 4, 8] {
@@ -80,7 +87,8 @@ fn check_world(devices: &[usize], hidden: usize, experts: usize, dtype: Dispatch
                 let staged = round_no % 2 == 0;
                 for (d, c) in on_ranks(&ranks, |rank| round(rank, &sc, &refs, &want, staged).expect("round")) {
                     let what = format!(
-                        "R={} H={hidden} E={experts} {dtype:?} tokens={tokens} top_k={top_k} {kind:?} staged={staged} seed={s}",
+                        "R={} H={hidden} E={experts} {dtype:?} tokens={tokens} top_k={top_k} {kind:?} staged={staged} \
+                         {transport:?} seed={s}",
                         devices.len()
                     );
                     assert!(d.ok(), "{what}: {d:?}");
@@ -107,9 +115,44 @@ fn ll_matches_reference_on_2_and_4_gpus() {
         let Some(devices) = gpus(n, &format!("ll_matches_reference ({n} GPUs)")) else { continue };
         for &(h, e, dt) in worlds {
             let t = Instant::now();
-            check_world(&devices, h, e, dt, base);
+            check_world(&devices, h, e, dt, base, &Transport::Auto);
             eprintln!("ok: {n} GPUs H={h} E={e} {dt:?} ({:.1} s)", t.elapsed().as_secs_f64());
         }
+    }
+}
+
+/// The same rounds with every exchange between distinct ranks over NCCL (`Transport::Nccl`).
+#[test]
+fn ll_over_nccl_matches_reference_on_2_and_4_gpus() {
+    let base = seed();
+    eprintln!("seed {base}");
+    let worlds: &[(usize, usize, DispatchDtype)] = &[
+        (7168, 256, DispatchDtype::Bf16),
+        (7168, 256, DispatchDtype::Fp8 { round_scales: true }),
+        (2048, 64, DispatchDtype::Fp8 { round_scales: false }),
+    ];
+    for n in [2usize, 4] {
+        let Some(devices) = gpus(n, &format!("ll_over_nccl ({n} GPUs)")) else { continue };
+        for &(h, e, dt) in worlds {
+            let t = Instant::now();
+            check_world(&devices, h, e, dt, base, &Transport::Nccl);
+            eprintln!("ok: NCCL {n} GPUs H={h} E={e} {dt:?} ({:.1} s)", t.elapsed().as_secs_f64());
+        }
+    }
+}
+
+/// Two declared "hosts" of 2 GPUs: NVLink inside each, NCCL between them (run with
+/// `NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1` to force NCCL onto its socket transport).
+#[test]
+fn ll_hierarchical_two_hosts_matches_reference() {
+    let Some(devices) = gpus(4, "ll_hierarchical_two_hosts") else { return };
+    let base = seed();
+    eprintln!("seed {base}");
+    let split = Transport::split_hosts(4, 2).expect("split");
+    for (h, e, dt) in [(7168, 256, DispatchDtype::Bf16), (4096, 64, DispatchDtype::Fp8 { round_scales: false })] {
+        let t = Instant::now();
+        check_world(&devices, h, e, dt, base, &split);
+        eprintln!("ok: 2 hosts x 2 GPUs H={h} E={e} {dt:?} ({:.1} s)", t.elapsed().as_secs_f64());
     }
 }
 

@@ -29,10 +29,21 @@ struct LlParams {
     int rank, num_ranks, max_tokens, hidden;
     int top_k, num_local, num_tokens, set;
     int num_sets, fp8, round_scales, cancelled;
-    int splits, chunks, pad1, pad2;
+    int splits, chunks, nccl_mask, pad2;
+    // Ranks in `nccl_mask` are reached through NCCL (nccl.rs), not NVLink: the send kernels write
+    // their messages into local staging (`nccl_out` + dest * `nccl_dest_bytes`), skip their
+    // credits, and NCCL carries the staging and the arrival word after the kernel.
+    u64 nccl_out;
+    u64 nccl_in;          // combine: the packed rows NCCL delivered, [rows x H] BF16
+    u64 nccl_pack;        // [R x M x K] int32: combine row index in the staging for that source, or -1
+    u64 nccl_counts;      // dispatch: [R] int32 (mapped host): rows each NCCL source gets back in combine
+    u64 nccl_pos;         // combine: [M x K] int32: row of (t, k) in `nccl_in`, or -1 (arrived over NVLink)
+    u64 nccl_dest_bytes;  // staging bytes per destination
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
-static_assert(sizeof(LlParams) == 320, "LlParams layout");
+static_assert(sizeof(LlParams) == 368, "LlParams layout");
+
+__device__ __forceinline__ bool via_nccl(const LlParams& p, int r) { return (p.nccl_mask >> r) & 1; }
 
 // The role of one warp in a send kernel: destination `dest` is served by `wpd` warps, this one is
 // number `j` of them. Returns false for spare warps (they must not report). Lane 0 waits for the
@@ -49,7 +60,7 @@ __device__ __forceinline__ bool send_role(const LlParams& p, int chan, SendRole*
     r->dest = gw / r->wpd;
     r->j = gw % r->wpd;
     if (r->dest >= p.num_ranks) return false;
-    if (p.seq >= (u64)p.num_sets && r->lane == 0) {
+    if (p.seq >= (u64)p.num_sets && r->lane == 0 && !via_nccl(p, r->dest)) {
         u64* sig = reinterpret_cast<u64*>(p.signals);
         const u64 deadline = globaltimer_ns() + p.timeout_ns;
         if (!wait_at_least(sig_at(sig, EP_SIG_CONSUMED(chan), p.set, r->dest), p.seq + 1 - p.num_sets, deadline)) {
@@ -90,8 +101,10 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(LlParams p
     if (!p.cancelled) {
         const long long* idx = reinterpret_cast<const long long*>(p.topk_idx);
         const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(p.x);
-        char* region = reinterpret_cast<char*>(p.peer_recv[dest]) + (size_t)p.set * p.recv_set_bytes +
-                       (size_t)p.rank * p.max_tokens * p.msg_bytes;
+        char* region = via_nccl(p, dest)
+                           ? reinterpret_cast<char*>(p.nccl_out) + (size_t)dest * p.nccl_dest_bytes
+                           : reinterpret_cast<char*>(p.peer_recv[dest]) + (size_t)p.set * p.recv_set_bytes +
+                                 (size_t)p.rank * p.max_tokens * p.msg_bytes;
         const int width = H / C;  // channels per chunk
         for (int item = j; item < p.num_tokens * C; item += wpd) {
             const int t = item / C, chunk = item % C;
@@ -285,6 +298,43 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p
             if (!valid || __ldcg(reinterpret_cast<const short*>(msg + 16) + k) < 0) row_of[i] = -1;
         }
     }
+    // The last block numbers, per NCCL source, its (token, k) rows in ascending order: the order
+    // combine packs them in, and the one the source expects (nccl.rs).
+    if (blockIdx.x == gridDim.x - 1 && p.nccl_mask) {
+        int* pack = reinterpret_cast<int*>(p.nccl_pack);
+        const int MK = M * K;
+        for (int s = 0; s < R; s++) {
+            if (!via_nccl(p, s)) continue;
+            const bool src_ok = !((cancelled >> s) & 1u);
+            int base = 0;
+            for (int chunk = 0; chunk < MK; chunk += blockDim.x) {
+                const int i = chunk + threadIdx.x;
+                bool sel = false;
+                if (i < MK && src_ok) {
+                    const char* msg = recv + ((size_t)s * M + i / K) * p.msg_bytes;
+                    sel = __ldcg(reinterpret_cast<const u64*>(msg)) == p.seq + 1 &&
+                          __ldcg(reinterpret_cast<const short*>(msg + 16) + i % K) >= 0;
+                }
+                const unsigned ballot = __ballot_sync(EP_FULL_MASK, sel);
+                if (lane == 0) warp_sums[warp] = __popc(ballot);
+                __syncthreads();
+                if (threadIdx.x == 0) {
+                    int acc = 0;
+                    for (int w = 0; w < nwarps; w++) {
+                        int c = warp_sums[w];
+                        warp_sums[w] = acc;
+                        acc += c;
+                    }
+                    chunk_total = acc;
+                }
+                __syncthreads();
+                if (i < MK) pack[(size_t)s * MK + i] = sel ? base + warp_sums[warp] + __popc(ballot & ((1u << lane) - 1u)) : -1;
+                base += chunk_total;
+                __syncthreads();
+            }
+            if (threadIdx.x == 0) reinterpret_cast<volatile int*>(p.nccl_counts)[s] = base;
+        }
+    }
     finish_receive(p, 0, cancelled);
 }
 
@@ -299,14 +349,19 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_send(LlParams p)
     if (!p.cancelled) {
         const int* row_of = reinterpret_cast<const int*>(p.row_of) + (size_t)dest * M * K;
         const __nv_bfloat16* ex = reinterpret_cast<const __nv_bfloat16*>(p.expert_out);
-        char* region = reinterpret_cast<char*>(p.peer_recv[dest]) + (size_t)p.set * p.recv_set_bytes;
+        const bool nccl = via_nccl(p, dest);
+        const int* pack = reinterpret_cast<const int*>(p.nccl_pack) + (size_t)dest * M * K;
+        char* region = nccl ? reinterpret_cast<char*>(p.nccl_out) + (size_t)dest * p.nccl_dest_bytes
+                            : reinterpret_cast<char*>(p.peer_recv[dest]) + (size_t)p.set * p.recv_set_bytes;
         const int width = H / C;
         for (int item = j; item < M * K * C; item += wpd) {
             const int i = item / C, chunk = item % C;
             const int row = __ldcg(row_of + i);
             if (row < 0) continue;
             const int c = chunk * width;
-            warp_copy(region + ((size_t)i * H + c) * 2, ex + (size_t)row * H + c, (size_t)width * 2, lane);
+            char* dst = region + ((size_t)i * H + c) * 2;
+            if (nccl) dst = region + ((size_t)__ldcg(pack + i) * H + c) * 2;
+            warp_copy(dst, ex + (size_t)row * H + c, (size_t)width * 2, lane);
         }
     }
     signal_sent(p, 1, dest, wpd, lane);
@@ -323,6 +378,7 @@ extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv(LlParams p)
     const float* w = reinterpret_cast<const float*>(p.weights);
     const char* recv = reinterpret_cast<const char*>(p.own_recv) + (size_t)p.set * p.recv_set_bytes;
     __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(p.out);
+    const int* pos_of = reinterpret_cast<const int*>(p.nccl_pos);
     if (cancelled == 0u) {
         // Block b handles piece b % chunks of tokens b / chunks, b / chunks + gridDim.x / chunks, ...
         const int C = p.chunks;
@@ -336,7 +392,10 @@ extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv(LlParams p)
                 for (int k = 0; k < K; k++) {
                     if (idx[(size_t)t * K + k] < 0) continue;
                     const float wk = w[(size_t)t * K + k];
-                    int4 raw = ld_cg_int4(recv + (((size_t)t * K + k) * H + c) * 2);
+                    const int pos = p.nccl_pos ? pos_of[(size_t)t * K + k] : -1;
+                    const char* row = pos >= 0 ? reinterpret_cast<const char*>(p.nccl_in) + (size_t)pos * H * 2
+                                               : recv + ((size_t)t * K + k) * H * 2;
+                    int4 raw = ld_cg_int4(row + (size_t)c * 2);
                     const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw);
 #pragma unroll
                     for (int i = 0; i < 8; i++) acc[i] = fmaf(wk, __bfloat162float(b[i]), acc[i]);

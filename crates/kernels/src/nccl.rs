@@ -1,0 +1,415 @@
+//! The NCCL transport: ranks that NVLink cannot reach (another host), or every rank when asked
+//! ([`Transport::Nccl`]), exchange their messages with NCCL's grouped `ncclSend`/`ncclRecv`
+//! (any NCCL ≥ 2.28, loaded at run time through cudarc) instead of the NVLink stores.
+//!
+//! ## What travels
+//!
+//! Every operation sends one message per (token, destination rank), packed per peer, plus one
+//! 8-byte arrival word per peer (`(seq + 1) << 1 | cancelled`, the word the NVLink kernels
+//! store remotely), so cancellations reach the peers as with NVLink.
+//!
+//! - **Low-latency** reuses the NVLink kernels with the peer's bit set in `nccl_mask`: dispatch
+//!   writes a peer's slots (one per token, as in the peer's receive region) into local staging
+//!   and NCCL moves the whole region (`max_tokens` slots: the receiver cannot know the count in
+//!   advance, as for the NVLink buffers); combine packs, per source, its `(token, k)` rows in
+//!   ascending order (the dispatch receive kernel numbers them and reports how many) and NCCL
+//!   moves exactly those rows: the source knows the count from its own routing.
+//! - **High-throughput** runs entirely over NCCL as soon as one peer needs it: handle creation
+//!   exchanges the counts with NCCL, dispatch packs each destination's rows contiguously
+//!   (`ep_nccl_ht_pack`) and NCCL writes them straight into the receivers' outputs, combine
+//!   brings the copies back and `ep_nccl_ht_reduce` sums them in the reference's order.
+//!
+//! ## Ordering and buffers
+//!
+//! NCCL operations are stream-ordered on the channel's stream and use one communicator per
+//! channel (dispatch, combine, handle), so the channels never wait on each other, as with
+//! NVLink. A receive region is written only by this rank's own `ncclRecv`, which is enqueued
+//! after the previous operation on that buffer set was consumed: no credits are needed for NCCL
+//! peers.
+//!
+//! ## Hanging peers
+//!
+//! A peer that never posts its side leaves NCCL's kernel waiting; the host deadline of the
+//! operation still fires (`Error::Timeout`), and dropping the unfinished operation aborts the
+//! rank's communicators (`ncclCommAbort`), which ends the kernel. The group is unusable after.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::nccl::{result as nccl, sys as nccl_sys};
+use epflow_core::routing::{ExpertPlacement, Routing};
+use epflow_core::{Algorithm, Error};
+
+use crate::driver::bind;
+use crate::layout::Layout;
+use crate::memory::{DeviceBuffer, PinnedBuffer};
+use crate::params::MAX_RANKS;
+
+/// How the ranks of a GPU group reach each other.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Transport {
+    /// Detect: NVLink between ranks of one host, NCCL between hosts (the host of a rank is its
+    /// kernel boot id; see [`crate::GpuWorld::join`]). One process driving several GPUs is
+    /// always one host.
+    #[default]
+    Auto,
+    /// The NVLink kernels between every pair of ranks (every pair needs peer access).
+    NvLink,
+    /// NCCL grouped send/recv between every pair of distinct ranks (`--backend nccl`).
+    Nccl,
+    /// NVLink inside a host, NCCL across: `hosts[r]` names the host of rank `r`. Detected by
+    /// [`Transport::Auto`], or forced to test the cross-host path on one machine.
+    Hierarchical {
+        /// Host label of each rank (any values; equal labels share NVLink).
+        hosts: Vec<u64>,
+    },
+}
+
+impl Transport {
+    /// A forced split of `num_ranks` ranks into `num_hosts` "hosts" of consecutive ranks.
+    pub fn split_hosts(num_ranks: usize, num_hosts: usize) -> Result<Self, Error> {
+        if num_hosts == 0 || num_ranks % num_hosts != 0 {
+            return Err(Error::Unsupported(format!(
+                "cannot split {num_ranks} ranks into {num_hosts} hosts of equal size"
+            )));
+        }
+        let per = num_ranks / num_hosts;
+        Ok(Transport::Hierarchical { hosts: (0..num_ranks).map(|r| (r / per) as u64).collect() })
+    }
+
+    /// The mask of ranks `rank` reaches through NCCL (bit `r` = rank `r`) for a group of
+    /// `num_ranks` whose detected hosts are `hosts` (`None`: one host).
+    pub fn nccl_mask(&self, rank: usize, num_ranks: usize, detected: Option<&[u64]>) -> Result<u32, Error> {
+        if num_ranks > MAX_RANKS {
+            return Err(Error::Unsupported(format!("at most {MAX_RANKS} ranks per group, not {num_ranks}")));
+        }
+        let others =
+            |same: &dyn Fn(usize) -> bool| (0..num_ranks).filter(|&r| !same(r)).fold(0u32, |m, r| m | (1 << r));
+        match self {
+            Transport::NvLink => match detected {
+                Some(h) if h.iter().any(|&x| x != h[rank]) => Err(Error::Unsupported(format!(
+                    "Transport::NvLink asked for, but ranks {:?} run on another host than rank {rank}",
+                    (0..num_ranks).filter(|&r| h[r] != h[rank]).collect::<Vec<_>>()
+                ))),
+                _ => Ok(0),
+            },
+            Transport::Auto => Ok(detected.map_or(0, |h| others(&|r| h[r] == h[rank]))),
+            Transport::Nccl => Ok(others(&|r| r == rank)),
+            Transport::Hierarchical { hosts } => {
+                if hosts.len() != num_ranks {
+                    return Err(Error::Unsupported(format!(
+                        "Transport::Hierarchical names {} hosts for {num_ranks} ranks",
+                        hosts.len()
+                    )));
+                }
+                if let Some(h) = detected {
+                    if let Some(r) = (0..num_ranks).find(|&r| h[r] != h[rank] && hosts[r] == hosts[rank]) {
+                        return Err(Error::Unsupported(format!(
+                            "Transport::Hierarchical puts rank {r} on rank {rank}'s host, but it runs on another one"
+                        )));
+                    }
+                }
+                Ok(others(&|r| hosts[r] == hosts[rank]))
+            }
+        }
+    }
+}
+
+/// A [`Error::Backend`] for a failed NCCL call.
+pub(crate) fn nccl_err(what: &str, e: nccl::NcclError) -> Error {
+    Error::Backend(format!("NCCL: {what}: {:?}", e.0))
+}
+
+/// The three communicators of a rank (dispatch, combine, handle channels).
+#[derive(Debug)]
+pub(crate) struct NcclComms {
+    comms: [nccl_sys::ncclComm_t; 3],
+    aborted: AtomicBool,
+}
+
+// SAFETY: NCCL communicators may be used from any thread; epflow issues the operations of one
+// communicator (one channel) from one thread at a time (the channel's turn), and `abort` is
+// guarded by `aborted`.
+unsafe impl Send for NcclComms {}
+// SAFETY: as above.
+unsafe impl Sync for NcclComms {}
+
+impl NcclComms {
+    /// One process, every device of `devices` (rank `r` on `devices[r]`): three
+    /// `ncclCommInitAll`s. Returns one set of communicators per rank.
+    pub fn init_all(devices: &[usize]) -> Result<Vec<NcclComms>, Error> {
+        crate::bootstrap::nccl_present()?;
+        let n = devices.len();
+        let list: Vec<i32> = devices.iter().map(|&d| d as i32).collect();
+        let mut per_chan = Vec::with_capacity(3);
+        for _ in 0..3 {
+            let mut comms = vec![std::ptr::null_mut(); n];
+            // SAFETY: `comms` has room for `n` communicators and `list` names `n` devices.
+            unsafe { nccl::comm_init_all(comms.as_mut_ptr(), n as i32, list.as_ptr()) }
+                .map_err(|e| nccl_err("ncclCommInitAll", e))?;
+            per_chan.push(comms);
+        }
+        Ok((0..n)
+            .map(|r| NcclComms {
+                comms: [per_chan[0][r], per_chan[1][r], per_chan[2][r]],
+                aborted: AtomicBool::new(false),
+            })
+            .collect())
+    }
+
+    /// One rank of a multi-process group: three `ncclCommInitRank`s over `ids` (the same on every
+    /// rank). Collective; the caller's context must be current.
+    pub fn init_rank(ids: &[nccl_sys::ncclUniqueId; 3], rank: usize, world: usize) -> Result<NcclComms, Error> {
+        let mut comms = [std::ptr::null_mut(); 3];
+        for (c, id) in comms.iter_mut().zip(ids) {
+            // SAFETY: `c` is a valid out pointer; every rank passes the same id and world size.
+            unsafe { nccl::comm_init_rank(c, world as i32, *id, rank as i32) }
+                .map_err(|e| nccl_err("ncclCommInitRank", e))?;
+        }
+        Ok(NcclComms { comms, aborted: AtomicBool::new(false) })
+    }
+
+    /// The communicator of channel `chan` (0 dispatch, 1 combine, 2 handle).
+    pub fn comm(&self, chan: usize) -> Result<nccl_sys::ncclComm_t, Error> {
+        if self.aborted.load(Ordering::Acquire) {
+            return Err(Error::Backend("the NCCL communicators were aborted after a timeout".into()));
+        }
+        Ok(self.comms[chan])
+    }
+
+    /// Aborts every communicator (ends NCCL kernels waiting for a peer). Idempotent.
+    pub fn abort(&self) {
+        if !self.aborted.swap(true, Ordering::AcqRel) {
+            for c in self.comms {
+                // SAFETY: a communicator created in `init_*`, aborted once (guarded above).
+                let _ = unsafe { nccl::comm_abort(c) };
+            }
+        }
+    }
+
+    /// Connects every pair of ranks on every communicator with one tiny exchange, so the first
+    /// operation never blocks the host in NCCL's lazy connection setup. Collective: every rank
+    /// calls it at once (one thread per rank in one process).
+    pub fn connect(
+        &self,
+        ctx: &Arc<CudaContext>,
+        stream: &Arc<CudaStream>,
+        rank: usize,
+        world: usize,
+    ) -> Result<(), Error> {
+        bind(ctx)?;
+        let buf = DeviceBuffer::zeroed(ctx, 2 * 8 * world)?;
+        for chan in 0..3 {
+            let xfers: Vec<Xfer> = (0..world)
+                .filter(|&p| p != rank)
+                .map(|p| Xfer {
+                    peer: p,
+                    send: (buf.ptr() + 8 * p as u64, 8),
+                    recv: (buf.ptr() + 8 * (world + p) as u64, 8),
+                })
+                .collect();
+            issue(self.comm(chan)?, stream, &xfers)?;
+        }
+        stream.synchronize().map_err(|e| crate::driver::cuda("connect NCCL peers", e))
+    }
+}
+
+impl Drop for NcclComms {
+    fn drop(&mut self) {
+        // Local and never waits for peers (unlike ncclCommDestroy after a failure).
+        self.abort();
+    }
+}
+
+/// One peer's share of a grouped exchange: `(device address, bytes)` to send and to receive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Xfer {
+    pub peer: usize,
+    pub send: (u64, usize),
+    pub recv: (u64, usize),
+}
+
+/// Enqueues `xfers` as one NCCL group on `stream`. Both sides of a pair agree on every size, so
+/// empty sends and receives are skipped on both.
+pub(crate) fn issue(comm: nccl_sys::ncclComm_t, stream: &CudaStream, xfers: &[Xfer]) -> Result<(), Error> {
+    let st = stream.cu_stream() as nccl_sys::cudaStream_t;
+    nccl::group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
+    let mut result = Ok(());
+    for x in xfers {
+        let peer = x.peer as i32;
+        if x.send.1 > 0 {
+            // SAFETY: `send.0` addresses `send.1` readable device bytes kept alive by the operation
+            // until its completion event; the stream belongs to the communicator's device.
+            let r = unsafe {
+                nccl::send(x.send.0 as *const _, x.send.1, nccl_sys::ncclDataType_t::ncclUint8, peer, comm, st)
+            };
+            result = result.and(r.map(|_| ()).map_err(|e| nccl_err("ncclSend", e)));
+        }
+        if x.recv.1 > 0 {
+            // SAFETY: as above, for `recv.1` writable device bytes.
+            let r = unsafe {
+                nccl::recv(x.recv.0 as *mut _, x.recv.1, nccl_sys::ncclDataType_t::ncclUint8, peer, comm, st)
+            };
+            result = result.and(r.map(|_| ()).map_err(|e| nccl_err("ncclRecv", e)));
+        }
+    }
+    let end = nccl::group_end().map(|_| ()).map_err(|e| nccl_err("ncclGroupEnd", e));
+    result.and(end)
+}
+
+/// A rank's NCCL transport: its communicators, which peers use them, and its staging memory.
+#[derive(Debug)]
+pub(crate) struct NcclShared {
+    pub comms: NcclComms,
+    /// Bit `r`: rank `r` is reached through NCCL.
+    pub mask: u32,
+    /// Low-latency: per buffer set, the dispatch staging (`[R x M]` messages).
+    pub disp_out: Vec<DeviceBuffer>,
+    /// Low-latency: per buffer set, the combine staging (`[R x M*K]` rows).
+    pub comb_out: Vec<DeviceBuffer>,
+    /// Low-latency: per buffer set, the combine rows NCCL delivers (`[M*K]` rows).
+    pub comb_in: Vec<DeviceBuffer>,
+    /// Low-latency: per buffer set, rows per NCCL source for combine (`[R]` int32, mapped).
+    pub counts: Vec<PinnedBuffer>,
+    /// High-throughput: the count exchange's messages and what arrives (`[R x words + 2]`).
+    pub handle_msgs: DeviceBuffer,
+    pub handle_out: DeviceBuffer,
+}
+
+impl NcclShared {
+    /// Allocates what `layout` needs for the peers in `mask`.
+    pub fn new(
+        ctx: &Arc<CudaContext>,
+        layout: &Layout,
+        comms: NcclComms,
+        mask: u32,
+        num_ranks: usize,
+    ) -> Result<Self, Error> {
+        let per_set = |sets: usize, bytes: usize| {
+            (0..sets).map(|_| DeviceBuffer::zeroed(ctx, bytes.max(1))).collect::<Result<Vec<_>, _>>()
+        };
+        let mut s = NcclShared {
+            comms,
+            mask,
+            disp_out: Vec::new(),
+            comb_out: Vec::new(),
+            comb_in: Vec::new(),
+            counts: Vec::new(),
+            handle_msgs: DeviceBuffer::zeroed(ctx, 8)?,
+            handle_out: DeviceBuffer::zeroed(ctx, 8)?,
+        };
+        match layout {
+            Layout::Ll(l) => {
+                s.disp_out = per_set(l.sets, l.dispatch_recv_set_bytes())?;
+                s.comb_out = per_set(l.sets, num_ranks * l.combine_recv_set_bytes())?;
+                s.comb_in = per_set(l.sets, l.combine_recv_set_bytes())?;
+                s.counts = (0..l.sets).map(|_| PinnedBuffer::zeroed(ctx, num_ranks * 4)).collect::<Result<_, _>>()?;
+            }
+            Layout::Ht(h) => {
+                let bytes = num_ranks * exchange_row_words(h.exchange_words()) * 4;
+                s.handle_msgs = DeviceBuffer::zeroed(ctx, bytes)?;
+                s.handle_out = DeviceBuffer::zeroed(ctx, bytes)?;
+            }
+        }
+        Ok(s)
+    }
+
+    /// Whether rank `r` is reached through NCCL.
+    pub fn via_nccl(&self, r: usize) -> bool {
+        self.mask >> r & 1 == 1
+    }
+
+    /// The peers reached through NCCL, ascending.
+    pub fn peers(&self, num_ranks: usize) -> impl Iterator<Item = usize> + '_ {
+        (0..num_ranks).filter(|&r| self.via_nccl(r))
+    }
+}
+
+/// Words per peer of a count exchange over NCCL: the NVLink message, then the operation number
+/// and the cancellation flag.
+pub(crate) fn exchange_row_words(words: usize) -> usize {
+    words + 2
+}
+
+/// Whether a group with an NCCL transport runs `algorithm` entirely over NCCL: high-throughput
+/// does as soon as one peer needs NCCL; low-latency mixes per peer.
+pub(crate) fn all_over_nccl(algorithm: Algorithm) -> bool {
+    algorithm == Algorithm::HighThroughput
+}
+
+/// Where a low-latency combine's rows from NCCL peers land on this (the source) rank: for every
+/// `(token, k)` whose expert lives on a rank of `mask`, its row in the packed block (blocks in
+/// ascending rank, rows in ascending `(token, k)`), else -1 (`[B x K]`); and each rank's
+/// `(first row, rows)`.
+pub(crate) fn ll_combine_positions(
+    routing: &Routing,
+    placement: ExpertPlacement,
+    mask: u32,
+) -> (Vec<i32>, Vec<(usize, usize)>) {
+    let (b, k) = (routing.num_tokens(), routing.top_k());
+    let r = placement.num_ranks;
+    let mut counts = vec![0usize; r];
+    for &e in routing.indices() {
+        if e >= 0 {
+            counts[placement.owner(e as usize)] += 1;
+        }
+    }
+    let mut blocks = vec![(0usize, 0usize); r];
+    let mut next = 0usize;
+    for d in 0..r {
+        if mask >> d & 1 == 1 {
+            blocks[d] = (next, counts[d]);
+            next += counts[d];
+        }
+    }
+    let mut fill: Vec<usize> = blocks.iter().map(|b| b.0).collect();
+    let mut pos = vec![-1i32; b * k];
+    for t in 0..b {
+        for j in 0..k {
+            let Some(e) = routing.expert(t, j) else { continue };
+            let d = placement.owner(e);
+            if mask >> d & 1 == 1 {
+                pos[t * k + j] = fill[d] as i32;
+                fill[d] += 1;
+            }
+        }
+    }
+    (pos, blocks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn masks_follow_the_transport() {
+        assert_eq!(Transport::Nccl.nccl_mask(1, 4, None).unwrap(), 0b1101);
+        assert_eq!(Transport::NvLink.nccl_mask(1, 4, None).unwrap(), 0);
+        assert_eq!(Transport::Auto.nccl_mask(1, 4, None).unwrap(), 0);
+        let split = Transport::split_hosts(4, 2).unwrap();
+        assert_eq!(split, Transport::Hierarchical { hosts: vec![0, 0, 1, 1] });
+        assert_eq!(split.nccl_mask(0, 4, None).unwrap(), 0b1100);
+        assert_eq!(split.nccl_mask(3, 4, None).unwrap(), 0b0011);
+        // Detected hosts: Auto follows them, NvLink refuses them.
+        let hosts = [7u64, 7, 9, 9];
+        assert_eq!(Transport::Auto.nccl_mask(2, 4, Some(&hosts)).unwrap(), 0b0011);
+        assert!(Transport::NvLink.nccl_mask(2, 4, Some(&hosts)).is_err());
+        // A forced split may not merge ranks of different real hosts.
+        let one_host = Transport::split_hosts(4, 1).unwrap();
+        assert!(one_host.nccl_mask(0, 4, Some(&hosts)).is_err());
+        assert!(Transport::split_hosts(4, 3).is_err());
+        assert!(Transport::Nccl.nccl_mask(0, 9, None).is_err());
+        assert!(Transport::Hierarchical { hosts: vec![0, 1] }.nccl_mask(0, 4, None).is_err());
+    }
+
+    #[test]
+    fn combine_positions_pack_per_peer_in_token_order() {
+        // 8 experts on 4 ranks (L = 2). Rank 0 and 1 are NCCL peers.
+        // t0: experts 5 (r2), 0 (r0), 1 (r0), -1;  t1: 2 (r1), 7 (r3), 0 (r0), 3 (r1).
+        let routing = Routing::new(vec![5, 0, 1, -1, 2, 7, 0, 3], 2, 4, 8).unwrap();
+        let (pos, blocks) = ll_combine_positions(&routing, ExpertPlacement::new(8, 4), 0b0011);
+        assert_eq!(blocks, vec![(0, 3), (3, 2), (0, 0), (0, 0)]);
+        assert_eq!(pos, vec![-1, 0, 1, -1, 3, -1, 2, 4]);
+    }
+}
