@@ -95,6 +95,9 @@ pub enum BackendArg {
     Host,
     /// The GPU backend: NVLink kernels, one process driving every GPU.
     Gpu,
+    /// The GPU backend with every exchange between distinct ranks over NCCL grouped send/recv
+    /// (the multi-node engine; needs libnccl ≥ 2.28 on the library path).
+    Nccl,
 }
 
 /// `epflow bench` flags.
@@ -145,6 +148,10 @@ pub struct BenchArgs {
     /// Random (token, k) entries masked with -1 per rank, as ep_bench does.
     #[arg(long, default_value_t = 10)]
     pub masked: usize,
+    /// GPU backend: declare this many "hosts" of consecutive ranks (NVLink inside each, NCCL
+    /// between them), to run the cross-host path on one machine [default: 1].
+    #[arg(long)]
+    pub hosts: Option<usize>,
     /// GPU backend: the most SMs a communication kernel may use [default: all that help].
     #[arg(long)]
     pub max_sms: Option<usize>,

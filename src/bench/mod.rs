@@ -19,6 +19,7 @@ use epflow_core::workload::RoutingKind;
 use epflow_core::{DispatchDtype, GroupConfig};
 
 use crate::cli::{AlgorithmArg, BackendArg, BenchArgs, DtypeArg};
+use epflow_kernels::Transport;
 use runner::{LoopPlan, RankResult, References, run_rank};
 use stats::{BenchReport, OpSummary, Validation};
 
@@ -161,9 +162,15 @@ fn run_single_process(args: &BenchArgs) -> Result<BenchReport, BenchError> {
         BackendArg::Gpu if gpus == 0 => {
             return Err(BenchError::Usage("--backend gpu: no CUDA device found on this machine".into()));
         }
-        BackendArg::Gpu => true,
+        BackendArg::Nccl if gpus == 0 => {
+            return Err(BenchError::Usage("--backend nccl: no CUDA device found on this machine".into()));
+        }
+        BackendArg::Gpu | BackendArg::Nccl => true,
         BackendArg::Auto => gpus > 0,
     };
+    if args.hosts.is_some() && !use_gpu {
+        return Err(BenchError::Usage("--hosts needs the GPU backend".into()));
+    }
     let ranks = args.ranks.unwrap_or(if use_gpu { gpus } else { 4 });
     if use_gpu && ranks > gpus {
         return Err(BenchError::Usage(format!("--ranks {ranks}: this machine has {gpus} GPUs")));
@@ -176,8 +183,14 @@ fn run_single_process(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     let barrier = Arc::new(SpinBarrier::new(ranks));
     let (backend, device, memory, results) = if use_gpu {
         let devices: Vec<usize> = (0..ranks).collect();
-        let world =
-            epflow_kernels::GpuWorld::create(&devices, config.clone()).map_err(|e| BenchError::Run(e.to_string()))?;
+        let transport = transport_from_args(args, ranks)?;
+        let label = match &transport {
+            Transport::Nccl => "nccl",
+            Transport::Hierarchical { .. } => "gpu+nccl",
+            _ => "gpu",
+        };
+        let world = epflow_kernels::GpuWorld::create_with(&devices, config.clone(), transport)
+            .map_err(|e| BenchError::Run(e.to_string()))?;
         let memory = world.first().map(|r| r.device_memory_bytes() as u64);
         let name = world.first().and_then(|r| r.context().name().ok()).unwrap_or_default();
         let benches: Vec<_> = world
@@ -188,7 +201,7 @@ fn run_single_process(args: &BenchArgs) -> Result<BenchReport, BenchError> {
                 gpu::GpuBench { rank, wait: move || b.wait() }
             })
             .collect();
-        ("gpu", format!("{ranks} x {name}, one process"), memory, run_ranks(benches, &sc, refs.as_ref(), &plan)?)
+        (label, format!("{ranks} x {name}, one process"), memory, run_ranks(benches, &sc, refs.as_ref(), &plan)?)
     } else {
         let world = HostWorld::create(ranks, config.clone()).map_err(|e| BenchError::Usage(e.to_string()))?;
         let benches: Vec<host::HostBench> =
@@ -198,6 +211,18 @@ fn run_single_process(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     let mut report = summarise(args, &config, backend, &device, ranks, tokens, results);
     report.device_memory_bytes_per_rank = memory;
     Ok(report)
+}
+
+/// The transport `--backend` and `--hosts` ask for.
+pub(crate) fn transport_from_args(args: &BenchArgs, ranks: usize) -> Result<Transport, BenchError> {
+    match (args.backend, args.hosts) {
+        (BackendArg::Nccl, Some(_)) => {
+            Err(BenchError::Usage("--hosts splits the gpu backend; drop --backend nccl".into()))
+        }
+        (BackendArg::Nccl, None) => Ok(Transport::Nccl),
+        (_, Some(h)) => Transport::split_hosts(ranks, h).map_err(|e| BenchError::Usage(e.to_string())),
+        (_, None) => Ok(Transport::Auto),
+    }
 }
 
 /// Runs every rank on its own thread.

@@ -85,8 +85,14 @@ pub fn run(args: &BenchArgs, env: &LaunchEnv) -> Result<Option<BenchReport>, Ben
     let refs = if args.validate { Some(references(&sc)?) } else { None };
     let plan = LoopPlan { warmup: args.warmup, iters: args.iters, staged: args.staged };
     let comm = env.communicator().map_err(run_err)?;
-    let rank = GpuWorld::join(&comm, config.clone()).map_err(run_err)?;
+    let transport = super::transport_from_args(args, ranks)?;
+    let rank = GpuWorld::join_with(&comm, config.clone(), transport).map_err(run_err)?;
     rank.set_timing(true);
+    let label = match rank.nccl_peers() {
+        0 => "gpu",
+        m if m.count_ones() as usize + 1 == ranks => "nccl",
+        _ => "gpu+nccl",
+    };
     let memory = rank.device_memory_bytes() as u64;
     let name = rank.context().name().unwrap_or_default();
     let bench = super::gpu::GpuBench { rank, wait: || barrier(&comm).expect("NCCL barrier") };
@@ -102,7 +108,7 @@ pub fn run(args: &BenchArgs, env: &LaunchEnv) -> Result<Option<BenchReport>, Ben
     drop(bench);
     let results: Vec<RankResult> = all.chunks_exact(mine.len()).map(|c| decode(c, plan.iters)).collect();
     let mut report =
-        summarise(args, &config, "gpu", &format!("{ranks} x {name}, one process per GPU"), ranks, tokens, results);
+        summarise(args, &config, label, &format!("{ranks} x {name}, one process per GPU"), ranks, tokens, results);
     report.device_memory_bytes_per_rank = Some(memory);
     if env.rank != 0 {
         return match &report.validation {

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Runs on a 4-GPU machine from the repository root (after scripts/device-pack.sh here): the NCCL
+# transport against the CPU reference (every exchange over NCCL; two declared "hosts" of 2 GPUs
+# with NCCL forced onto its socket transport between them), then `epflow bench` for the gpu and
+# nccl backends side by side. `$1` picks a part: tests, hier, bench (default: all). Logs in $OUT.
+set -u
+source "$(dirname "$0")/device-env.sh"
+part=${1:-all}
+nccl_version() { python3 -c "import nvidia.nccl, glob, os; print(sorted(glob.glob(os.path.join(list(nvidia.nccl.__path__)[0], 'lib', 'libnccl.so*'))))" 2>/dev/null; }
+echo "== $(nvidia-smi -L | wc -l) GPUs; NCCL: $(nccl_version)"
+if [ "$part" = all ] || [ "$part" = tests ]; then
+  echo "== NCCL transport vs the CPU reference"
+  timeout 280 $P/gpu_ll over_nccl --test-threads=1 --nocapture >"$OUT/gpu_ll_nccl.log" 2>&1; echo "gpu_ll over_nccl rc=$?"
+  grep -E "^(test |ok: |seed)|FAILED|panicked|SKIPPED" "$OUT/gpu_ll_nccl.log" | tail -12
+  timeout 280 $P/gpu_ht over_nccl --test-threads=1 --nocapture >"$OUT/gpu_ht_nccl.log" 2>&1; echo "gpu_ht over_nccl rc=$?"
+  grep -E "^(test |ok: |seed)|FAILED|panicked|SKIPPED" "$OUT/gpu_ht_nccl.log" | tail -30
+fi
+if [ "$part" = all ] || [ "$part" = hier ]; then
+  echo "== two hosts of 2 GPUs, NCCL on sockets between them"
+  export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1
+  timeout 200 $P/gpu_ll hierarchical --test-threads=1 --nocapture >"$OUT/gpu_ll_hier.log" 2>&1; echo "gpu_ll hierarchical rc=$?"
+  grep -E "^(test |ok: |seed)|FAILED|panicked|SKIPPED" "$OUT/gpu_ll_hier.log" | tail -8
+  grep -oE "NET/Socket|Using network [A-Za-z]+|via NET/[A-Za-z]+" "$OUT/gpu_ll_hier.log" | sort | uniq -c
+  timeout 200 $P/gpu_ht hierarchical --test-threads=1 --nocapture >"$OUT/gpu_ht_hier.log" 2>&1; echo "gpu_ht hierarchical rc=$?"
+  grep -E "^(test |ok: |seed)|FAILED|panicked|SKIPPED" "$OUT/gpu_ht_hier.log" | tail -8
+  grep -oE "Using network [A-Za-z]+|via NET/[A-Za-z]+" "$OUT/gpu_ht_hier.log" | sort | uniq -c
+  unset NCCL_DEBUG NCCL_DEBUG_SUBSYS NCCL_P2P_DISABLE NCCL_SHM_DISABLE NCCL_IB_DISABLE
+fi
+if [ "$part" = all ] || [ "$part" = bench ]; then
+  echo "== epflow bench, side by side"
+  bench() { echo "-- epflow bench $*"; timeout 120 $P/epflow bench --validate "$@" 2>&1 | grep -iE "^(epflow bench|dispatch|combine|handle|validation)|error" ; }
+  for b in gpu nccl; do
+    bench --backend $b
+    bench --backend $b --algorithm ht
+  done
+  bench --backend gpu --hosts 2
+  bench --backend gpu --hosts 2 --algorithm ht
+fi
