@@ -2,7 +2,8 @@
 # Runs on a 4-GPU machine from the repository root (after scripts/device-pack.sh here): the NCCL
 # transport against the CPU reference (every exchange over NCCL; two declared "hosts" of 2 GPUs
 # with NCCL forced onto its socket transport between them), then `epflow bench` for the gpu and
-# nccl backends side by side. `$1` picks a part: tests, hier, bench (default: all). Logs in $OUT.
+# nccl backends side by side, and one process per GPU. `$1` picks a part: tests, hier, bench, mp
+# (default: all). Logs in $OUT.
 set -u
 source "$(dirname "$0")/device-env.sh"
 part=${1:-all}
@@ -14,6 +15,10 @@ if [ "$part" = all ] || [ "$part" = tests ]; then
   grep -E "^(test |ok: |seed)|FAILED|panicked|SKIPPED" "$OUT/gpu_ll_nccl.log" | tail -12
   timeout 280 $P/gpu_ht over_nccl --test-threads=1 --nocapture >"$OUT/gpu_ht_nccl.log" 2>&1; echo "gpu_ht over_nccl rc=$?"
   grep -E "^(test |ok: |seed)|FAILED|panicked|SKIPPED" "$OUT/gpu_ht_nccl.log" | tail -30
+  timeout 100 $P/gpu_ll absent --test-threads=1 --nocapture >"$OUT/gpu_ll_absent.log" 2>&1; echo "gpu_ll absent rc=$?"
+  grep -E "^(test |rank [0-9]+:)|FAILED|panicked" "$OUT/gpu_ll_absent.log"
+  timeout 120 $P/gpu_async --test-threads=1 --nocapture >"$OUT/gpu_async.log" 2>&1; echo "gpu_async rc=$?"
+  grep -E "^test |FAILED|panicked" "$OUT/gpu_async.log"
 fi
 if [ "$part" = all ] || [ "$part" = hier ]; then
   echo "== two hosts of 2 GPUs, NCCL on sockets between them"
@@ -35,4 +40,14 @@ if [ "$part" = all ] || [ "$part" = bench ]; then
   done
   bench --backend gpu --hosts 2
   bench --backend gpu --hosts 2 --algorithm ht
+  bench --backend nccl --dtype fp8
+  bench --backend nccl --algorithm ht --dtype fp8
+  bench --backend nccl --staged
+fi
+if [ "$part" = all ] || [ "$part" = mp ]; then
+  echo "== one process per GPU (epflow launch)"
+  mp() { echo "-- epflow launch -n 4 -- epflow bench --validate $*"; timeout 150 $P/epflow launch -n 4 -- $P/epflow bench --validate "$@" 2>&1 | grep -iE "^(epflow bench|dispatch|combine|handle|validation)|error" ; }
+  mp --backend nccl
+  mp --backend nccl --algorithm ht
+  mp --hosts 2
 fi

@@ -7,25 +7,46 @@ use epflow::core::scenario::Scenario;
 use epflow::core::verify::{Tolerance, check_bf16, check_ht_dispatch, check_ll_dispatch};
 use epflow::core::workload::RoutingKind;
 use epflow::core::{GroupConfig, HostTensor};
-use epflow_kernels::{GpuRank, GpuWorld, driver};
+use epflow_kernels::{GpuRank, GpuWorld, Transport, driver};
 
 /// Two GPU ranks as async groups and a 2-worker tokio runtime, or `None` (printing SKIPPED)
 /// without 2 GPUs.
-fn two_gpu_groups(config: &GroupConfig, test: &str) -> Option<(Vec<Group<GpuRank>>, tokio::runtime::Runtime)> {
+fn two_gpu_groups(
+    config: &GroupConfig,
+    test: &str,
+    transport: &Transport,
+) -> Option<(Vec<Group<GpuRank>>, tokio::runtime::Runtime)> {
     let n = driver::device_count();
     if n < 2 {
         eprintln!("SKIPPED {test}: needs 2 GPUs, this machine has {n}");
         return None;
     }
-    let groups = GpuWorld::create(&[0, 1], config.clone()).expect("GPU group").into_iter().map(Group::new).collect();
+    let groups = GpuWorld::create_with(&[0, 1], config.clone(), transport.clone())
+        .expect("GPU group")
+        .into_iter()
+        .map(Group::new)
+        .collect();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     Some((groups, rt))
 }
 
 #[test]
 fn staged_futures_on_gpus_match_the_reference() {
+    staged_futures(&Transport::Auto);
+}
+
+/// The same futures with every exchange over NCCL.
+#[test]
+fn staged_futures_over_nccl_match_the_reference() {
+    staged_futures(&Transport::Nccl);
+}
+
+fn staged_futures(transport: &Transport) {
     let config = GroupConfig::low_latency(32, 64, 2048);
-    let Some((groups, rt)) = two_gpu_groups(&config, "staged_futures_on_gpus") else { return };
+    let Some((groups, rt)) = two_gpu_groups(&config, &format!("staged_futures_on_gpus ({transport:?})"), transport)
+    else {
+        return;
+    };
     rt.block_on(async {
         for round in 0..20u64 {
             let sc = Scenario::generate(config.clone(), 2, &[64, 41], 8, RoutingKind::Uniform, 5, 77 + round);
@@ -74,8 +95,22 @@ fn staged_futures_on_gpus_match_the_reference() {
 /// synchronous dispatch/combine, on 2 GPUs, equal to the reference; `send_only` is refused.
 #[test]
 fn high_throughput_futures_on_gpus_match_the_reference() {
+    high_throughput_futures(&Transport::Auto);
+}
+
+/// The same over NCCL (count exchange, dispatch and combine all NCCL grouped send/recv).
+#[test]
+fn high_throughput_futures_over_nccl_match_the_reference() {
+    high_throughput_futures(&Transport::Nccl);
+}
+
+fn high_throughput_futures(transport: &Transport) {
     let config = GroupConfig::high_throughput(32, 2048);
-    let Some((groups, rt)) = two_gpu_groups(&config, "high_throughput_futures_on_gpus") else { return };
+    let Some((groups, rt)) =
+        two_gpu_groups(&config, &format!("high_throughput_futures_on_gpus ({transport:?})"), transport)
+    else {
+        return;
+    };
     rt.block_on(async {
         for round in 0..20u64 {
             let sc = Scenario::generate(config.clone(), 2, &[300, 41], 8, RoutingKind::Skewed, 5, 91 + round);

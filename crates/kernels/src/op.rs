@@ -422,10 +422,12 @@ impl Drop for GpuOp {
             return;
         }
         if self.uses_nccl() || matches!(self.launch, Launch::NcclExchange { .. }) {
-            // An NCCL kernel waits for its peers without a deadline of its own: give it the
-            // group's timeout, then abort the communicators so the stream can drain.
+            // An NCCL kernel waits for its peers without a deadline of its own. Dropping an
+            // unfinished operation is an error path (a timeout, a failed launch): grant a tenth
+            // of the group's timeout, then abort the communicators so the stream can drain.
             let stream = &self.shared.streams[self.chan()];
-            let deadline = std::time::Instant::now() + self.shared.config.timeout;
+            let grace = (self.shared.config.timeout / 10).max(Duration::from_millis(100));
+            let deadline = std::time::Instant::now() + grace;
             let idle = || match &self.done {
                 Some(done) => done.try_is_complete().unwrap_or(true),
                 None => stream.context().synchronize().is_ok(),
@@ -638,6 +640,22 @@ impl PendingOp for GpuOp {
                 "its turn to send ({} #{} has not been sent yet)",
                 self.channel,
                 self.shared.turns[self.chan()].load(Ordering::Acquire)
+            )
+        } else if let (Some(n), true) = (&self.shared.nccl, self.uses_nccl()) {
+            let peers: Vec<String> = self
+                .xfers
+                .iter()
+                .map(|x| x.peer)
+                .filter(|&p| p != self.shared.rank)
+                .map(|p| format!("rank {p}"))
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect();
+            let nvlink = (0..self.shared.num_ranks).filter(|&r| !n.via_nccl(r)).count() > 1;
+            format!(
+                "the NCCL exchange with {}{}",
+                peers.join(", "),
+                if nvlink { " or the device (NVLink peers' data or credits)" } else { "" }
             )
         } else {
             "the device to finish (the peers' data or credits)".into()
