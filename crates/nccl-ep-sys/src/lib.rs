@@ -8,8 +8,9 @@
 //!
 //! ## Table of contents
 //!
-//! - [`types`]: the C types of `nccl_ep.h` (tensors, group config, tags, opaque handles) and the
-//!   NCCL types they use.
+//! - [`types`]: the C types of `nccl_ep.h` as released with NCCL 2.30.7 (NCCL EP 0.1.0): tensor
+//!   descriptors, the `size`/`magic`-headed config, input, output and layout-info structs (their
+//!   `Default` fills both fields), layouts, pass directions, opaque group and handle.
 //! - [`library`]: [`NcclEp`], the loaded library and its function pointers; [`LoadError`].
 
 #![deny(missing_docs)]

@@ -1,7 +1,7 @@
 //! [`NcclEp`]: `libnccl_ep.so` opened at run time, every entry point of `nccl_ep.h` resolved,
 //! the version checked.
 
-use std::ffi::{OsStr, OsString, c_char, c_int, c_uint, c_void};
+use std::ffi::{OsStr, OsString, c_char, c_int};
 
 use crate::types::*;
 
@@ -53,75 +53,41 @@ pub enum LoadError {
     },
 }
 
-/// `ncclEpCreateGroup`.
-pub type CreateGroupFn = unsafe extern "C" fn(
-    *mut NcclEpGroup,
-    NcclComm,
-    *const NcclEpGroupConfig,
-    CudaStream,
-    NcclEpAllocFn,
-    NcclEpFreeFn,
-) -> NcclResult;
+/// `ncclEpCreateGroup` (collective over the communicator).
+pub type CreateGroupFn = unsafe extern "C" fn(*mut NcclEpGroup, NcclComm, *const NcclEpGroupConfig) -> NcclResult;
 /// `ncclEpGroupDestroy`.
-pub type GroupDestroyFn = unsafe extern "C" fn(NcclEpGroup, CudaStream) -> NcclResult;
-/// `ncclEpTensorCreate` (sizes 1..4 default to 1 in C++; pass them explicitly).
-pub type TensorCreateFn = unsafe extern "C" fn(
-    NcclEpGroup,
-    *mut NcclNdTensor,
-    c_uint,
-    NcclDataType,
-    NcclEpTensorTag,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-) -> NcclResult;
-/// `ncclEpTensorDestroy`.
-pub type TensorDestroyFn = unsafe extern "C" fn(NcclEpGroup, *mut NcclNdTensor) -> NcclResult;
-/// `ncclEpCreateHandle` (`config` is reserved: pass null; `use_fp8` is a C++ `bool`).
+pub type GroupDestroyFn = unsafe extern "C" fn(NcclEpGroup) -> NcclResult;
+/// `ncclEpCreateHandle` (may be collective: every rank, same order).
 pub type CreateHandleFn = unsafe extern "C" fn(
     *mut NcclEpHandle,
     NcclEpGroup,
-    *const NcclNdTensor,
-    *const *mut NcclNdTensor,
-    c_uint,
-    *const c_void,
+    NcclEpLayout,
+    *const NcclEpTensor,
+    *const NcclEpLayoutInfo,
+    *const NcclEpHandleConfig,
     CudaStream,
-    bool,
 ) -> NcclResult;
 /// `ncclEpHandleDestroy`.
 pub type HandleDestroyFn = unsafe extern "C" fn(NcclEpHandle) -> NcclResult;
-/// `ncclEpDispatch`.
+/// `ncclEpDispatch` (collective).
 pub type DispatchFn = unsafe extern "C" fn(
     NcclEpHandle,
-    *const *const NcclNdTensor,
-    c_uint,
-    *const *mut NcclNdTensor,
-    c_uint,
-    *const *mut NcclNdTensor,
-    c_uint,
-    c_uint,
+    *const NcclEpDispatchInputs,
+    *const NcclEpDispatchOutputs,
+    *const NcclEpLayoutInfo,
     *const NcclEpDispatchConfig,
     CudaStream,
 ) -> NcclResult;
-/// `ncclEpCombine` (`config` is reserved: pass null).
+/// `ncclEpCombine` (collective).
 pub type CombineFn = unsafe extern "C" fn(
     NcclEpHandle,
-    *const *const NcclNdTensor,
-    c_uint,
-    *const *mut NcclNdTensor,
-    c_uint,
-    *const *mut NcclNdTensor,
-    c_uint,
-    c_uint,
-    *const c_void,
+    *const NcclEpCombineInputs,
+    *const NcclEpCombineOutputs,
+    *const NcclEpCombineConfig,
     CudaStream,
 ) -> NcclResult;
-/// `ncclEpComplete` (`config` is reserved: pass null).
-pub type CompleteFn = unsafe extern "C" fn(NcclEpHandle, *const c_void, CudaStream) -> NcclResult;
-/// `ncclEpHandleGetNumRecvTokens`.
-pub type GetNumRecvTokensFn = unsafe extern "C" fn(NcclEpHandle, *mut c_uint) -> NcclResult;
+/// `ncclEpComplete`: finishes a staged (`send_only`) low-latency dispatch or combine.
+pub type CompleteFn = unsafe extern "C" fn(NcclEpHandle, *const NcclEpCompleteConfig, CudaStream) -> NcclResult;
 /// `ncclGetVersion` / `ncclEpGetVersion`: `MAJOR * 10000 + MINOR * 100 + PATCH`.
 pub type GetVersionFn = unsafe extern "C" fn(*mut c_int) -> NcclResult;
 /// `ncclGetErrorString`.
@@ -134,10 +100,6 @@ pub struct NcclEp {
     pub create_group: CreateGroupFn,
     /// `ncclEpGroupDestroy`.
     pub group_destroy: GroupDestroyFn,
-    /// `ncclEpTensorCreate`.
-    pub tensor_create: TensorCreateFn,
-    /// `ncclEpTensorDestroy`.
-    pub tensor_destroy: TensorDestroyFn,
     /// `ncclEpCreateHandle`.
     pub create_handle: CreateHandleFn,
     /// `ncclEpHandleDestroy`.
@@ -148,8 +110,6 @@ pub struct NcclEp {
     pub combine: CombineFn,
     /// `ncclEpComplete`.
     pub complete: CompleteFn,
-    /// `ncclEpHandleGetNumRecvTokens`.
-    pub handle_get_num_recv_tokens: GetNumRecvTokensFn,
     /// `ncclGetErrorString` of the NCCL it runs on, when found.
     pub get_error_string: Option<GetErrorStringFn>,
     path: String,
@@ -250,14 +210,11 @@ impl NcclEp {
         Ok(NcclEp {
             create_group: symbol(&lib, "ncclEpCreateGroup", &path)?,
             group_destroy: symbol(&lib, "ncclEpGroupDestroy", &path)?,
-            tensor_create: symbol(&lib, "ncclEpTensorCreate", &path)?,
-            tensor_destroy: symbol(&lib, "ncclEpTensorDestroy", &path)?,
             create_handle: symbol(&lib, "ncclEpCreateHandle", &path)?,
             handle_destroy: symbol(&lib, "ncclEpHandleDestroy", &path)?,
             dispatch: symbol(&lib, "ncclEpDispatch", &path)?,
             combine: symbol(&lib, "ncclEpCombine", &path)?,
             complete: symbol(&lib, "ncclEpComplete", &path)?,
-            handle_get_num_recv_tokens: symbol(&lib, "ncclEpHandleGetNumRecvTokens", &path)?,
             get_error_string: optional(&[Some(&lib), nccl.as_ref()], "ncclGetErrorString"),
             path,
             version,

@@ -35,29 +35,17 @@ pub type CudaStream = *mut c_void;
 /// `cudaError_t` (0 = success).
 pub type CudaError = c_int;
 
-/// `ncclEpTensorTag_t`.
-pub type NcclEpTensorTag = c_uint;
-/// No tag.
-pub const NCCL_EP_TENSOR_TAG_NONE: NcclEpTensorTag = 0;
-/// Tokens.
-pub const NCCL_EP_TENSOR_TAG_TOKENS: NcclEpTensorTag = 1;
-/// Top-k expert indices.
-pub const NCCL_EP_TENSOR_TAG_TOPK_IDX: NcclEpTensorTag = 2;
-/// Top-k weights.
-pub const NCCL_EP_TENSOR_TAG_TOPK_WEIGHTS: NcclEpTensorTag = 3;
-/// FP8 scales.
-pub const NCCL_EP_TENSOR_TAG_SCALES: NcclEpTensorTag = 4;
-/// Tokens received per expert, device memory.
-pub const NCCL_EP_TENSOR_TAG_RECV_EXPERT_COUNTER_DEVICE: NcclEpTensorTag = 5;
-/// Tokens received per expert, pinned host memory.
-pub const NCCL_EP_TENSOR_TAG_RECV_EXPERT_COUNTER_HOST: NcclEpTensorTag = 6;
-/// Tokens per expert (low-latency local tensor).
-pub const NCCL_EP_TENSOR_TAG_TOKENS_PER_EXPERTS: NcclEpTensorTag = 7;
+/// `ncclWindow_t` (opaque NCCL window handle).
+pub type NcclWindow = *mut c_void;
 
-/// `ncclEpTensorFlags_t`.
-pub type NcclEpTensorFlags = c_int;
-/// `NCCL_EP_TENSOR_FLAG_NONE`.
-pub const NCCL_EP_TENSOR_FLAG_NONE: NcclEpTensorFlags = 0;
+/// `NCCL_EP_MAGIC`: the second field of every API struct but tensors.
+pub const NCCL_EP_MAGIC: c_uint = 0xC00F_FFEE;
+/// `NCCL_EP_TENSOR_MAGIC`: the second field of a caller-initialised tensor descriptor.
+pub const NCCL_EP_TENSOR_MAGIC: c_uint = 0xCAFE_CAFE;
+/// `NCCL_EP_API_VERSION`: the feature-set version a group config declares.
+pub const NCCL_EP_API_VERSION: c_uint = 1;
+/// `NCCL_EP_AUTO`: let the library choose (sizes, channels, QPs, SMs).
+pub const NCCL_EP_AUTO: c_uint = 0;
 
 /// `ncclEpAlgorithm_t`.
 pub type NcclEpAlgorithm = c_int;
@@ -66,68 +54,267 @@ pub const NCCL_EP_ALGO_LOW_LATENCY: NcclEpAlgorithm = 0;
 /// High-throughput.
 pub const NCCL_EP_ALGO_HIGH_THROUGHPUT: NcclEpAlgorithm = 1;
 
-/// `NCCL_EP_AUTO`: let the library choose (sizes, channels, QPs).
-pub const NCCL_EP_AUTO: c_uint = 0;
-/// The `version` the structs of NCCL EP 0.1 carry ("1.0.0").
-pub const NCCL_EP_STRUCT_VERSION: c_uint = 1;
+/// `ncclEpLayout_t`: the receive buffer layout of a handle.
+pub type NcclEpLayout = c_int;
+/// Unset (an error to pass).
+pub const NCCL_EP_LAYOUT_UNSET: NcclEpLayout = 0;
+/// Expert-major: LL tokens `[L, R * M, H]`; HT tokens grouped by expert.
+pub const NCCL_EP_LAYOUT_EXPERT_MAJOR: NcclEpLayout = 1;
+/// Rank-major (LL only): tokens `[R, M, H]` with weights and indices.
+pub const NCCL_EP_LAYOUT_RANK_MAJOR: NcclEpLayout = 2;
+/// Flat (HT only): tokens `[slots, H]` with weights and indices `[slots, K]`.
+pub const NCCL_EP_LAYOUT_FLAT: NcclEpLayout = 3;
 
-/// `ncclNDTensor_t`: an n-dimensional tensor description (the data stays where it is).
+/// `ncclEpPassDir_t`.
+pub type NcclEpPassDir = c_int;
+/// Forward pass.
+pub const NCCL_EP_FWD_PASS: NcclEpPassDir = 0;
+/// Backward pass (high-throughput only).
+pub const NCCL_EP_BWD_PASS: NcclEpPassDir = 1;
+
+/// `ncclEpTensor_t`: an n-dimensional tensor description (the data stays where it is; the
+/// caller owns `data` and `sizes`, which must outlive every call that sees the descriptor).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub struct NcclNdTensor {
-    /// Structure version ([`NCCL_EP_STRUCT_VERSION`]).
-    pub version: c_uint,
+pub struct NcclEpTensor {
+    /// `sizeof(ncclEpTensor_t)`.
+    pub size: c_uint,
+    /// [`NCCL_EP_TENSOR_MAGIC`].
+    pub magic: c_uint,
     /// Number of dimensions.
     pub ndim: c_uint,
-    /// `[ndim]` sizes.
-    pub sizes: *mut c_uint,
-    /// `[ndim]` strides, in elements.
-    pub strides: *mut c_uint,
     /// Element type.
     pub datatype: NcclDataType,
-    /// Device (or pinned host) address of the data.
+    /// Device address of the data.
     pub data: *mut c_void,
-    /// What the tensor holds (`NCCL_EP_TENSOR_TAG_*`).
-    pub tag: c_uint,
-    /// Flags ([`NCCL_EP_TENSOR_FLAG_NONE`]).
-    pub flags: NcclEpTensorFlags,
+    /// NCCL window (null for plain device memory).
+    pub win_hdl: NcclWindow,
+    /// Byte offset within `win_hdl`.
+    pub win_offset: u64,
+    /// `[ndim]` sizes.
+    pub sizes: *mut usize,
+}
+
+impl NcclEpTensor {
+    /// A descriptor of `data` with the given sizes (`sizes` must outlive its use).
+    pub fn new(datatype: NcclDataType, data: *mut c_void, sizes: &mut [usize]) -> Self {
+        NcclEpTensor {
+            size: std::mem::size_of::<Self>() as c_uint,
+            magic: NCCL_EP_TENSOR_MAGIC,
+            ndim: sizes.len() as c_uint,
+            datatype,
+            data,
+            win_hdl: std::ptr::null_mut(),
+            win_offset: 0,
+            sizes: sizes.as_mut_ptr(),
+        }
+    }
+}
+
+/// `ncclEpAllocFn_t`: `cudaError_t (*)(void** ptr, size_t size, void* context)`.
+pub type NcclEpAllocFn = Option<unsafe extern "C" fn(*mut *mut c_void, usize, *mut c_void) -> CudaError>;
+/// `ncclEpFreeFn_t`: `cudaError_t (*)(void* ptr, void* context)`.
+pub type NcclEpFreeFn = Option<unsafe extern "C" fn(*mut c_void, *mut c_void) -> CudaError>;
+
+/// `ncclEpAllocConfig_t` (all null: `cudaMalloc` / `cudaFree`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct NcclEpAllocConfig {
+    /// Device allocator, or null.
+    pub alloc_fn: NcclEpAllocFn,
+    /// Device free function, or null.
+    pub free_fn: NcclEpFreeFn,
+    /// Passed to both.
+    pub context: *mut c_void,
+}
+
+impl Default for NcclEpAllocConfig {
+    fn default() -> Self {
+        NcclEpAllocConfig { alloc_fn: None, free_fn: None, context: std::ptr::null_mut() }
+    }
 }
 
 /// `ncclEpGroupConfig_t`.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug)]
 pub struct NcclEpGroupConfig {
-    /// Structure version ([`NCCL_EP_STRUCT_VERSION`]).
+    /// `sizeof(ncclEpGroupConfig_t)`.
+    pub size: c_uint,
+    /// [`NCCL_EP_MAGIC`].
+    pub magic: c_uint,
+    /// [`NCCL_EP_API_VERSION`].
     pub version: c_uint,
     /// [`NCCL_EP_ALGO_LOW_LATENCY`] or [`NCCL_EP_ALGO_HIGH_THROUGHPUT`].
     pub algorithm: NcclEpAlgorithm,
     /// Experts over the group.
     pub num_experts: c_uint,
-    /// Most tokens any rank dispatches (required by NCCL EP 0.1, also for high-throughput).
-    pub max_tokens_per_rank: c_uint,
-    /// Bytes of one token (buffer sizing).
-    pub token_size_bytes: c_uint,
-    /// RDMA buffer bytes ([`NCCL_EP_AUTO`]).
+    /// Most tokens any rank dispatches (required, the same on every rank).
+    pub max_dispatch_tokens_per_rank: c_uint,
+    /// Most tokens any rank receives (HT: required; LL: [`NCCL_EP_AUTO`] = `R * M`).
+    pub max_recv_tokens_per_rank: c_uint,
+    /// Upper bound of one token's bytes (dispatch and combine).
+    pub max_token_bytes: c_uint,
+    /// LL staging bytes ([`NCCL_EP_AUTO`]).
     pub rdma_buffer_size: c_ulong,
     /// Queue pairs per rank ([`NCCL_EP_AUTO`]).
     pub num_qp_per_rank: c_uint,
-    /// Channels per rank, two SMs each in high-throughput ([`NCCL_EP_AUTO`]).
+    /// Channels per rank ([`NCCL_EP_AUTO`]).
     pub num_channels: c_uint,
+    /// Most SMs the kernels use ([`NCCL_EP_AUTO`]).
+    pub max_num_sms: c_uint,
+    /// Device allocator.
+    pub alloc: NcclEpAllocConfig,
+    /// Active-mask fault tolerance (LL).
+    pub enable_mask: c_uint,
+    /// GPU wait timeout in nanoseconds (0: the library's default, ~100 s).
+    pub timeout_ns: u64,
 }
 
-/// `ncclEpDispatchConfig_t`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct NcclEpDispatchConfig {
-    /// Round FP8 scales up to powers of two.
-    pub round_scales: c_uint,
+impl Default for NcclEpGroupConfig {
+    fn default() -> Self {
+        NcclEpGroupConfig {
+            size: std::mem::size_of::<Self>() as c_uint,
+            magic: NCCL_EP_MAGIC,
+            version: NCCL_EP_API_VERSION,
+            algorithm: NCCL_EP_ALGO_LOW_LATENCY,
+            num_experts: 0,
+            max_dispatch_tokens_per_rank: 0,
+            max_recv_tokens_per_rank: NCCL_EP_AUTO,
+            max_token_bytes: 0,
+            rdma_buffer_size: 0,
+            num_qp_per_rank: NCCL_EP_AUTO,
+            num_channels: NCCL_EP_AUTO,
+            max_num_sms: NCCL_EP_AUTO,
+            alloc: NcclEpAllocConfig::default(),
+            enable_mask: 0,
+            timeout_ns: 0,
+        }
+    }
 }
+
+/// Declares a `size`/`magic`-headed API struct with a [`Default`] that fills both.
+macro_rules! api_struct {
+    ($(#[$m:meta])* $name:ident { $($(#[$fm:meta])* $f:ident : $t:ty = $d:expr),* $(,)? }) => {
+        $(#[$m])*
+        #[repr(C)]
+        #[derive(Clone, Copy, Debug)]
+        pub struct $name {
+            /// `sizeof` the struct.
+            pub size: c_uint,
+            /// [`NCCL_EP_MAGIC`].
+            pub magic: c_uint,
+            $($(#[$fm])* pub $f: $t,)*
+        }
+
+        impl Default for $name {
+            fn default() -> Self {
+                $name { size: std::mem::size_of::<Self>() as c_uint, magic: NCCL_EP_MAGIC, $($f: $d,)* }
+            }
+        }
+    };
+}
+
+api_struct!(
+    /// `ncclEpLayoutInfo_t`: counters a handle or a dispatch fills (all optional).
+    NcclEpLayoutInfo {
+        /// `[L]` int32: tokens received per local expert.
+        expert_counters: *mut NcclEpTensor = std::ptr::null_mut(),
+        /// `[R]` int32: tokens received per source rank (LL rank-major).
+        src_rank_counters: *mut NcclEpTensor = std::ptr::null_mut(),
+        /// `[L]` prefix sums (HT expert-major).
+        expert_offsets: *mut NcclEpTensor = std::ptr::null_mut(),
+        /// `[1]`: tokens received (planned).
+        recv_total_counter: *mut NcclEpTensor = std::ptr::null_mut(),
+    }
+);
+
+api_struct!(
+    /// `ncclEpDispatchInputs_t`.
+    NcclEpDispatchInputs {
+        /// `[B, H]` tokens (required).
+        tokens: *mut NcclEpTensor = std::ptr::null_mut(),
+        /// `[B, K]` fp32 weights.
+        topk_weights: *mut NcclEpTensor = std::ptr::null_mut(),
+        /// Reserved.
+        scales: *mut NcclEpTensor = std::ptr::null_mut(),
+    }
+);
+
+api_struct!(
+    /// `ncclEpDispatchOutputs_t`.
+    NcclEpDispatchOutputs {
+        /// Received tokens (required).
+        tokens: *mut NcclEpTensor = std::ptr::null_mut(),
+        /// Received weights (LL rank-major, HT).
+        topk_weights: *mut NcclEpTensor = std::ptr::null_mut(),
+        /// Reserved.
+        scales: *mut NcclEpTensor = std::ptr::null_mut(),
+        /// Received local expert indices (LL rank-major, HT flat).
+        topk_idx: *mut NcclEpTensor = std::ptr::null_mut(),
+    }
+);
+
+api_struct!(
+    /// `ncclEpCombineInputs_t`.
+    NcclEpCombineInputs {
+        /// Expert outputs, shaped as the dispatch's received tokens (required).
+        tokens: *mut NcclEpTensor = std::ptr::null_mut(),
+        /// HT backward: `[N, K]` weight gradients.
+        topk_weights: *mut NcclEpTensor = std::ptr::null_mut(),
+    }
+);
+
+api_struct!(
+    /// `ncclEpCombineOutputs_t`.
+    NcclEpCombineOutputs {
+        /// `[B, H]` combined tokens (required).
+        tokens: *mut NcclEpTensor = std::ptr::null_mut(),
+        /// LL expert-major: the weights applied; HT backward: weight gradients.
+        topk_weights: *mut NcclEpTensor = std::ptr::null_mut(),
+    }
+);
+
+api_struct!(
+    /// `ncclEpHandleConfig_t`.
+    NcclEpHandleConfig {
+        /// HT expert-major: per-expert alignment in tokens.
+        dispatch_output_per_expert_alignment: usize = 0,
+    }
+);
+
+api_struct!(
+    /// `ncclEpDispatchConfig_t`.
+    NcclEpDispatchConfig {
+        /// Non-zero: only start the transfers; `ncclEpComplete` finishes (LL only).
+        send_only: c_uint = 0,
+        /// Round FP8 scales up to powers of two.
+        round_scales: c_uint = 0,
+        /// Forward or backward (HT only).
+        pass_direction: NcclEpPassDir = NCCL_EP_FWD_PASS,
+    }
+);
+
+api_struct!(
+    /// `ncclEpCombineConfig_t`.
+    NcclEpCombineConfig {
+        /// Non-zero: only start the transfers; `ncclEpComplete` finishes (LL only).
+        send_only: c_uint = 0,
+        /// Forward or backward (HT only).
+        pass_direction: NcclEpPassDir = NCCL_EP_FWD_PASS,
+    }
+);
+
+api_struct!(
+    /// `ncclEpCompleteConfig_t` (reserved).
+    NcclEpCompleteConfig {}
+);
 
 /// `struct ncclEpGroup` (opaque).
 #[repr(C)]
 pub struct NcclEpGroupOpaque {
     _private: [u8; 0],
 }
+
 /// `ncclEpGroup_t`.
 pub type NcclEpGroup = *mut NcclEpGroupOpaque;
 
@@ -136,13 +323,9 @@ pub type NcclEpGroup = *mut NcclEpGroupOpaque;
 pub struct NcclEpHandleOpaque {
     _private: [u8; 0],
 }
+
 /// `ncclEpHandle_t`.
 pub type NcclEpHandle = *mut NcclEpHandleOpaque;
-
-/// `ncclEpAllocFn_t`: `cudaError_t (*)(void** ptr, size_t size)`.
-pub type NcclEpAllocFn = Option<unsafe extern "C" fn(*mut *mut c_void, usize) -> CudaError>;
-/// `ncclEpFreeFn_t`: `cudaError_t (*)(void* ptr)`.
-pub type NcclEpFreeFn = Option<unsafe extern "C" fn(*mut c_void) -> CudaError>;
 
 #[cfg(test)]
 mod tests {
@@ -151,13 +334,33 @@ mod tests {
 
     #[test]
     fn layouts_match_the_header() {
-        assert_eq!(size_of::<NcclNdTensor>(), 48);
-        assert_eq!(offset_of!(NcclNdTensor, sizes), 8);
-        assert_eq!(offset_of!(NcclNdTensor, datatype), 24);
-        assert_eq!(offset_of!(NcclNdTensor, data), 32);
-        assert_eq!(offset_of!(NcclNdTensor, tag), 40);
-        assert_eq!(size_of::<NcclEpGroupConfig>(), 40);
-        assert_eq!(offset_of!(NcclEpGroupConfig, rdma_buffer_size), 24);
-        assert_eq!(offset_of!(NcclEpGroupConfig, num_channels), 36);
+        assert_eq!(size_of::<NcclEpTensor>(), 48);
+        assert_eq!(offset_of!(NcclEpTensor, data), 16);
+        assert_eq!(offset_of!(NcclEpTensor, sizes), 40);
+        assert_eq!(size_of::<NcclEpGroupConfig>(), 96);
+        assert_eq!(offset_of!(NcclEpGroupConfig, rdma_buffer_size), 32);
+        assert_eq!(offset_of!(NcclEpGroupConfig, max_num_sms), 48);
+        assert_eq!(offset_of!(NcclEpGroupConfig, alloc), 56);
+        assert_eq!(offset_of!(NcclEpGroupConfig, enable_mask), 80);
+        assert_eq!(offset_of!(NcclEpGroupConfig, timeout_ns), 88);
+        assert_eq!(size_of::<NcclEpLayoutInfo>(), 40);
+        assert_eq!(size_of::<NcclEpDispatchInputs>(), 32);
+        assert_eq!(size_of::<NcclEpDispatchOutputs>(), 40);
+        assert_eq!(size_of::<NcclEpCombineInputs>(), 24);
+        assert_eq!(size_of::<NcclEpHandleConfig>(), 16);
+        assert_eq!(size_of::<NcclEpDispatchConfig>(), 20);
+        assert_eq!(size_of::<NcclEpCombineConfig>(), 16);
+        assert_eq!(size_of::<NcclEpCompleteConfig>(), 8);
+    }
+
+    #[test]
+    fn defaults_carry_size_and_magic() {
+        let c = NcclEpDispatchConfig::default();
+        assert_eq!((c.size, c.magic), (20, NCCL_EP_MAGIC));
+        let g = NcclEpGroupConfig::default();
+        assert_eq!((g.size, g.magic, g.version), (96, NCCL_EP_MAGIC, NCCL_EP_API_VERSION));
+        let mut dims = [4usize, 7168];
+        let t = NcclEpTensor::new(NCCL_BFLOAT16, std::ptr::null_mut(), &mut dims);
+        assert_eq!((t.size, t.magic, t.ndim), (48, NCCL_EP_TENSOR_MAGIC, 2));
     }
 }
