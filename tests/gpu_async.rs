@@ -149,3 +149,74 @@ fn high_throughput_futures(transport: &Transport) {
         }
     });
 }
+
+/// NVIDIA's NCCL EP behind the same futures: staged dispatch (`send_only`) whose awaited half is
+/// `ncclEpComplete`, then staged combine, on 2 GPUs. Dispatch rows are matched to the reference
+/// by content (NCCL EP keeps arrival order inside an expert); counts must be equal and combine
+/// within one BF16 ulp. Skipped (loudly) without 2 GPUs or without `libnccl_ep`.
+#[test]
+fn staged_futures_over_nccl_ep_match_the_reference() {
+    use epflow::runtime::nccl_ep::NcclEpWorld;
+    let n = driver::device_count();
+    if n < 2 {
+        eprintln!("SKIPPED staged_futures_over_nccl_ep: needs 2 GPUs, this machine has {n}");
+        return;
+    }
+    let config = GroupConfig::low_latency(32, 64, 2048);
+    let ranks = match NcclEpWorld::create(&[0, 1], config.clone()) {
+        Ok(r) => r,
+        Err(epflow::core::Error::Unsupported(why)) if why.starts_with("NCCL EP:") => {
+            eprintln!("SKIPPED staged_futures_over_nccl_ep: {why}");
+            return;
+        }
+        Err(e) => panic!("NCCL EP group: {e}"),
+    };
+    eprintln!("NCCL EP: {:?}", ranks[0].library());
+    // Each rank on its own thread and executor: NCCL EP calls may block until every rank
+    // makes the same call.
+    let groups: Vec<_> = ranks.into_iter().map(Group::new).collect();
+    std::thread::scope(|scope| {
+        for g in &groups {
+            let config = config.clone();
+            scope.spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                rt.block_on(nccl_ep_rounds(g, &config));
+            });
+        }
+    });
+}
+
+async fn nccl_ep_rounds(g: &Group<epflow::runtime::nccl_ep::NcclEpRank>, config: &GroupConfig) {
+    use epflow::core::verify::ll_rows_by_content;
+    for round in 0..10u64 {
+        let sc = Scenario::generate(config.clone(), 2, &[64, 41], 8, RoutingKind::Uniform, 5, 177 + round);
+        let refs = sc.ll_dispatch_reference().unwrap();
+        let want = sc.ll_combine_identity_reference(&refs).unwrap();
+        let r = g.rank();
+        let b = g.backend();
+        let idx = b.upload(&sc.topk_idx(r)).unwrap();
+        let h = g.create_handle(&idx).await.unwrap();
+        let x = b.upload(&sc.tokens(r)).unwrap();
+        let staged = g.dispatch(&h, DispatchInputs::new(&x)).send_only().await.unwrap();
+        let out = staged.await.unwrap();
+        let tokens = out.tokens().download(b.context()).unwrap();
+        let counts = out.counts().unwrap().download(b.context()).unwrap();
+        let arranged = ll_rows_by_content(&refs[r], 2 * 64, 2048, tokens.as_bf16().unwrap());
+        let rep = check_ll_dispatch(
+            &refs[r],
+            2048,
+            2 * 64,
+            &epflow::core::HostData::Bf16(arranged),
+            None,
+            counts.as_i32().unwrap(),
+        );
+        assert!(rep.ok(), "round {round} rank {r}: {rep:?}");
+        let w = b.upload(&sc.weights(r)).unwrap();
+        let y =
+            g.combine(&h, CombineInputs::new(out.tokens()).with_weights(&w)).send_only().await.unwrap().await.unwrap();
+        let got = y.tokens().download(b.context()).unwrap();
+        let rep = check_bf16("combine", &want[r], got.as_bf16().unwrap(), Tolerance::OneUlp);
+        assert!(rep.ok(), "round {round} rank {r}: {rep:?}");
+        eprintln!("round {round} rank {r}: dispatch and combine match (max |diff| {:e})", rep.max_abs_diff);
+    }
+}

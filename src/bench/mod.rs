@@ -4,6 +4,7 @@
 mod gpu;
 mod host;
 mod multi;
+mod nccl_ep;
 pub(crate) mod runner;
 pub(crate) mod stats;
 
@@ -165,7 +166,10 @@ fn run_single_process(args: &BenchArgs) -> Result<BenchReport, BenchError> {
         BackendArg::Nccl if gpus == 0 => {
             return Err(BenchError::Usage("--backend nccl: no CUDA device found on this machine".into()));
         }
-        BackendArg::Gpu | BackendArg::Nccl => true,
+        BackendArg::NcclEp if gpus == 0 => {
+            return Err(BenchError::Usage("--backend nccl-ep: no CUDA device found on this machine".into()));
+        }
+        BackendArg::Gpu | BackendArg::Nccl | BackendArg::NcclEp => true,
         BackendArg::Auto => gpus > 0,
     };
     if args.hosts.is_some() && !use_gpu {
@@ -181,7 +185,28 @@ fn run_single_process(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     let refs = if args.validate { Some(references(&sc)?) } else { None };
     let plan = LoopPlan { warmup: args.warmup, iters: args.iters, staged: args.staged };
     let barrier = Arc::new(SpinBarrier::new(ranks));
-    let (backend, device, memory, results) = if use_gpu {
+    let (backend, device, memory, results) = if args.backend == BackendArg::NcclEp {
+        if args.hosts.is_some() {
+            return Err(BenchError::Usage("--hosts splits the gpu backend; drop --backend nccl-ep".into()));
+        }
+        let devices: Vec<usize> = (0..ranks).collect();
+        let world = epflow_async::nccl_ep::NcclEpWorld::create(&devices, config.clone())
+            .map_err(|e| BenchError::Run(e.to_string()))?;
+        let (path, version) = world.first().map(|r| r.library()).unwrap_or_default();
+        let device = format!(
+            "{ranks} x {}, one process, {version} ({path})",
+            world.first().and_then(|r| r.context().name().ok()).unwrap_or_default()
+        );
+        let benches: Vec<_> = world
+            .into_iter()
+            .map(|rank| {
+                rank.set_timing(true);
+                let b = Arc::clone(&barrier);
+                nccl_ep::NcclEpBench { rank, wait: move || b.wait() }
+            })
+            .collect();
+        ("nccl-ep", device, None, run_ranks(benches, &sc, refs.as_ref(), &plan)?)
+    } else if use_gpu {
         let devices: Vec<usize> = (0..ranks).collect();
         let transport = transport_from_args(args, ranks)?;
         let label = match &transport {

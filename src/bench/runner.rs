@@ -9,8 +9,8 @@ use epflow_core::ops::{
 };
 use epflow_core::reference::{HtDispatchResult, LlDispatchResult};
 use epflow_core::scenario::Scenario;
-use epflow_core::verify::{Report, Tolerance, check_bf16, check_ht_dispatch, check_ll_dispatch};
-use epflow_core::{Algorithm, Error, HostTensor};
+use epflow_core::verify::{Report, Tolerance, check_bf16, check_ht_dispatch, check_ll_dispatch, ll_rows_by_content};
+use epflow_core::{Algorithm, Error, HostData, HostTensor};
 
 use super::stats::RankTimes;
 
@@ -53,6 +53,11 @@ pub trait BenchRank {
     /// The device's own measurement of a combine; see [`BenchRank::dispatch_time`].
     fn combine_time(&self, _out: &<Self::B as Backend>::CombineOutput) -> Option<(Duration, Duration)> {
         None
+    }
+    /// Whether low-latency dispatch leaves an expert's rows in arrival order (NCCL EP), so
+    /// validation finds each expected row by its content instead of by its position.
+    fn rows_in_arrival_order(&self) -> bool {
+        false
     }
 }
 
@@ -133,10 +138,19 @@ where
         let scales_f32 = host.scales.as_ref().and_then(HostTensor::as_f32);
         let counts = host.counts.as_ref().and_then(HostTensor::as_i32).unwrap_or_default();
         let (drep, want) = match refs {
-            References::Ll { dispatch, combine } => (
-                check_ll_dispatch(&dispatch[rank], cfg.hidden, rows_per_expert, host.tokens.data(), scales_f32, counts),
-                &combine[rank],
-            ),
+            References::Ll { dispatch, combine } => {
+                let arranged = match (r.rows_in_arrival_order(), host.tokens.as_bf16()) {
+                    (true, Some(got)) => {
+                        Some(HostData::Bf16(ll_rows_by_content(&dispatch[rank], rows_per_expert, cfg.hidden, got)))
+                    }
+                    _ => None,
+                };
+                let tokens = arranged.as_ref().unwrap_or(host.tokens.data());
+                (
+                    check_ll_dispatch(&dispatch[rank], cfg.hidden, rows_per_expert, tokens, scales_f32, counts),
+                    &combine[rank],
+                )
+            }
             References::Ht { dispatch, combine } => (
                 check_ht_dispatch(
                     &dispatch[rank],

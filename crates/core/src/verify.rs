@@ -148,6 +148,40 @@ pub fn check_ll_dispatch(
     r
 }
 
+/// Low-latency dispatch tokens of a backend that keeps arrival order inside an expert (NCCL EP,
+/// `[L x R*M x H]` with gaps between source ranks), rearranged into epflow's order: every row
+/// equal (bit for bit) to an expected row goes where the reference has it; an expected row not
+/// found stays zero, so the comparison that follows reports it.
+pub fn ll_rows_by_content(
+    expected: &LlDispatchResult,
+    rows_per_expert: usize,
+    hidden: usize,
+    got: &[bf16],
+) -> Vec<bf16> {
+    use std::collections::HashMap;
+    let mut out = vec![bf16::ZERO; got.len()];
+    let key = |row: &[bf16]| row.iter().take(8).fold(0u128, |k, v| (k << 16) | u128::from(v.to_bits()));
+    for (le, rows) in expected.experts.iter().enumerate() {
+        let Rows::Bf16(want) = rows else { continue };
+        let mut by_key: HashMap<u128, Vec<usize>> = HashMap::new();
+        for (j, row) in want.chunks_exact(hidden).enumerate() {
+            by_key.entry(key(row)).or_default().push(j);
+        }
+        let base = le * rows_per_expert * hidden;
+        for slot in got[base..base + rows_per_expert * hidden].chunks_exact(hidden) {
+            let Some(cands) = by_key.get_mut(&key(slot)) else { continue };
+            let bits_eq = |j: &usize| {
+                want[j * hidden..(j + 1) * hidden].iter().zip(slot).all(|(a, b)| a.to_bits() == b.to_bits())
+            };
+            if let Some(pos) = cands.iter().position(bits_eq) {
+                let j = cands.swap_remove(pos);
+                out[base + j * hidden..base + (j + 1) * hidden].copy_from_slice(slot);
+            }
+        }
+    }
+    out
+}
+
 /// Compares one rank's high-throughput forward dispatch outputs with the reference.
 pub fn check_ht_dispatch(
     expected: &HtDispatchResult,

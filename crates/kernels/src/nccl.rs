@@ -121,9 +121,10 @@ pub(crate) fn nccl_err(what: &str, e: nccl::NcclError) -> Error {
     Error::Backend(format!("NCCL: {what}: {:?}", e.0))
 }
 
-/// The three communicators of a rank (dispatch, combine, handle channels).
+/// The three NCCL communicators of a rank (dispatch, combine, handle channels), aborted when
+/// dropped. Other backends built on NCCL (the NCCL EP backend of `epflow-async`) use them too.
 #[derive(Debug)]
-pub(crate) struct NcclComms {
+pub struct NcclComms {
     comms: [nccl_sys::ncclComm_t; 3],
     aborted: AtomicBool,
 }

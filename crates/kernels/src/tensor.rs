@@ -114,7 +114,8 @@ impl DeviceTensor {
         self.device
     }
 
-    pub(crate) fn ready_event(&self) -> Option<&Arc<CudaEvent>> {
+    /// The event after which the data is ready, if one was set ([`DeviceTensor::ready_after`]).
+    pub fn ready_event(&self) -> Option<&Arc<CudaEvent>> {
         self.ready.as_ref()
     }
 
