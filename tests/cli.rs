@@ -28,6 +28,8 @@ fn bad_flags_exit_2_with_a_clear_error() {
         (&["bench", "--tokens", "-3"], "unexpected argument"),
         (&["bench", "--no-such-flag"], "unexpected argument"),
         (&["bench", "--max-sms", "0"], "max_sms is 0"),
+        (&["bench", "--backend", "host", "--hosts", "2"], "--hosts needs the GPU backend"),
+        (&["bench", "--backend", "nccl-epp"], "invalid value 'nccl-epp'"),
         (&["launch", "-n", "0", "--", "true"], "-n must be at least 1"),
         (&["launch", "-n", "2", "--nnodes", "2", "--", "true"], "needs --master-addr"),
         (&["launch", "-n", "2", "--nnodes", "2", "--node-rank", "2", "--", "true"], "--node-rank (2) must be below"),

@@ -204,3 +204,44 @@ pub fn check_ht_dispatch(
     }
     r
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scenario::Scenario;
+    use crate::workload::RoutingKind;
+    use crate::{GroupConfig, HostData};
+
+    /// NCCL EP's layout: an expert's rows in another order, with gaps; content matching puts
+    /// them back, and a missing row is still reported.
+    #[test]
+    fn rows_found_by_content_in_any_order() {
+        let (hidden, m) = (256, 16);
+        let config = GroupConfig::low_latency(8, m, hidden);
+        let sc = Scenario::generate(config, 2, &[16, 9], 4, RoutingKind::Uniform, 3, 5);
+        let refs = sc.ll_dispatch_reference().unwrap();
+        let (want, rpe) = (&refs[1], 2 * m);
+        let mut got = vec![bf16::ZERO; want.experts.len() * rpe * hidden];
+        for (le, rows) in want.experts.iter().enumerate() {
+            let Rows::Bf16(data) = rows else { unreachable!() };
+            // Reversed, after a gap of 3 empty rows.
+            for (i, row) in data.chunks_exact(hidden).rev().enumerate() {
+                let at = (le * rpe + 3 + i) * hidden;
+                got[at..at + hidden].copy_from_slice(row);
+            }
+        }
+        let counts = want.counts();
+        let arranged = ll_rows_by_content(want, rpe, hidden, &got);
+        let r = check_ll_dispatch(want, hidden, rpe, &HostData::Bf16(arranged), None, &counts);
+        assert!(r.ok(), "{r:?}");
+        // As laid out, the same rows fail the positional comparison.
+        let r = check_ll_dispatch(want, hidden, rpe, &HostData::Bf16(got.clone()), None, &counts);
+        assert!(!r.ok());
+        // One row missing: reported.
+        let le = counts.iter().position(|&c| c > 0).unwrap();
+        got[(le * rpe + 3) * hidden] = bf16::from_f32(1234.0);
+        let arranged = ll_rows_by_content(want, rpe, hidden, &got);
+        let r = check_ll_dispatch(want, hidden, rpe, &HostData::Bf16(arranged), None, &counts);
+        assert!(!r.ok());
+    }
+}
