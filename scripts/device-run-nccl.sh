@@ -3,7 +3,9 @@
 # transport against the CPU reference (every exchange over NCCL; two declared "hosts" of 2 GPUs
 # with NCCL forced onto its socket transport between them), then `epflow bench` for the gpu and
 # nccl backends side by side, and one process per GPU. `$1` picks a part: tests, hier, bench, mp
-# (default: all). Logs in $OUT.
+# (default: all), or ep: the NCCL EP backend and all three backends side by side in one session,
+# for which NCCL 2.30.7 and NCCL EP 0.1 must already be built (this script builds nothing):
+# NCCL_HOME=<build dir with lib/libnccl.so> NCCL_EP_LIB=<path of libnccl_ep.so>. Logs in $OUT.
 set -u
 source "$(dirname "$0")/device-env.sh"
 part=${1:-all}
@@ -50,4 +52,16 @@ if [ "$part" = all ] || [ "$part" = mp ]; then
   mp --backend nccl
   mp --backend nccl --algorithm ht
   mp --hosts 2
+fi
+if [ "$part" = ep ]; then
+  : "${NCCL_HOME:?set NCCL_HOME to an NCCL 2.30.7 build}" "${NCCL_EP_LIB:?set NCCL_EP_LIB to libnccl_ep.so}"
+  export LD_LIBRARY_PATH=$NCCL_HOME/lib:$(dirname "$NCCL_EP_LIB"):$LD_LIBRARY_PATH
+  echo "== NCCL EP through epflow's futures"
+  timeout 60 $P/gpu_async nccl_ep --nocapture >"$OUT/gpu_async_ep.log" 2>&1; echo "gpu_async nccl_ep rc=$?"
+  grep -E "^test|round 9|panicked|SKIPPED" "$OUT/gpu_async_ep.log"
+  bench() { echo "-- epflow bench $*"; timeout 90 $P/epflow bench --validate "$@" 2>&1 | grep -iE "^(epflow bench|dispatch|combine|handle|validation)|error" ; }
+  for b in gpu nccl nccl-ep; do bench --backend $b; done
+  bench --backend nccl-ep --tokens 1
+  bench --backend nccl-ep --staged
+  for b in gpu nccl; do bench --backend $b --algorithm ht; done
 fi
