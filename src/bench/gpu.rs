@@ -1,7 +1,7 @@
 //! The benchmark on the GPU backend: one process, one thread per GPU.
 
 use std::borrow::Cow;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use epflow_core::ops::{CombineOutputs, DispatchOutputs};
 use epflow_core::{Error, HostTensor};
@@ -44,12 +44,6 @@ impl<W: Fn()> BenchRank for GpuBench<W> {
 
     fn barrier(&self) {
         (self.wait)();
-    }
-
-    fn timed<T>(&self, f: impl FnOnce() -> Result<T, Error>) -> Result<(T, Duration), Error> {
-        let start = Instant::now();
-        let v = f()?;
-        Ok((v, start.elapsed()))
     }
 
     fn dispatch_time(&self, out: &GpuDispatchOutput) -> Option<(Duration, Duration)> {

@@ -2,7 +2,6 @@
 
 use std::borrow::Cow;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use epflow_core::host::{HostCombineOutput, HostDispatchOutput, HostRank};
 use epflow_core::ops::{CombineOutputs, DispatchOutputs};
@@ -65,11 +64,5 @@ impl BenchRank for HostBench {
 
     fn barrier(&self) {
         self.barrier.wait();
-    }
-
-    fn timed<T>(&self, f: impl FnOnce() -> Result<T, Error>) -> Result<(T, Duration), Error> {
-        let start = Instant::now();
-        let v = f()?;
-        Ok((v, start.elapsed()))
     }
 }

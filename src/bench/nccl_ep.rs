@@ -2,7 +2,7 @@
 //! epflow's backend trait, one process, one thread per GPU.
 
 use std::borrow::Cow;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use epflow_async::nccl_ep::{NcclEpCombineOutput, NcclEpDispatchOutput, NcclEpRank};
 use epflow_core::ops::{CombineOutputs, DispatchOutputs};
@@ -52,12 +52,6 @@ impl<W: Fn()> BenchRank for NcclEpBench<W> {
 
     fn barrier(&self) {
         (self.wait)();
-    }
-
-    fn timed<T>(&self, f: impl FnOnce() -> Result<T, Error>) -> Result<(T, Duration), Error> {
-        let start = Instant::now();
-        let v = f()?;
-        Ok((v, start.elapsed()))
     }
 
     fn dispatch_time(&self, out: &NcclEpDispatchOutput) -> Option<(Duration, Duration)> {
