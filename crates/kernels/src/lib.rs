@@ -9,7 +9,8 @@
 //!
 //! ## Table of contents
 //!
-//! - [`GpuWorld`]: creates a group — one process driving several GPUs, or one process per GPU
+//! - [`GpuWorld`]: creates a group (`create_with` / `join_with` take a [`Transport`]) — one
+//!   process driving several GPUs, or one process per GPU
 //!   ([`GpuWorld::join`], with [`bootstrap`]: the `epflow launch` environment and NCCL, and
 //!   [`rendezvous`]: torchrun's `MASTER_ADDR`/`MASTER_PORT` environment and a TCP exchange of
 //!   the NCCL id across hosts).

@@ -428,10 +428,13 @@ impl Drop for GpuOp {
             let stream = &self.shared.streams[self.chan()];
             let grace = (self.shared.config.timeout / 10).max(Duration::from_millis(100));
             let deadline = std::time::Instant::now() + grace;
-            let idle = || match &self.done {
-                Some(done) => done.try_is_complete().unwrap_or(true),
-                None => stream.context().synchronize().is_ok(),
-            };
+            // The completion event, or (complete half never started) one recorded now.
+            let probe = self.done.clone().or_else(|| {
+                let e = stream.context().new_event(None).ok()?;
+                e.record(stream).ok()?;
+                Some(Arc::new(e))
+            });
+            let idle = || probe.as_ref().is_none_or(|e| e.try_is_complete().unwrap_or(true));
             while !idle() && std::time::Instant::now() < deadline {
                 std::thread::sleep(Duration::from_micros(200));
             }
