@@ -322,42 +322,39 @@ impl GpuRank {
             },
         };
         let seq = self.seqs[Channel::Handle.index()].fetch_add(1, Ordering::Relaxed);
-        if row != words {
+        let launch = if row == words {
+            bufs.msgs.write_i32s(&plan.msgs);
+            Launch::Exchange(ExchangeParams {
+                msgs: bufs.msgs.device_ptr(),
+                out: bufs.out.device_ptr(),
+                own: s.mem.exchange.ptr(),
+                signals: s.mem.signals.ptr(),
+                status: s.mem.status.device_ptr(),
+                seq,
+                timeout_ns: s.device_timeout_ns(),
+                rank: s.rank as i32,
+                num_ranks: s.num_ranks as i32,
+                words: words as i32,
+                peer_region: peer_array(&s.peers.exchange),
+                peer_signals: peer_array(&s.peers.signals),
+                ..ExchangeParams::default()
+            })
+        } else {
+            // Each row: the message, the operation number, the cancellation flag (set at send
+            // time if the operation is cancelled).
             let mut msgs = vec![0i32; s.num_ranks * row];
             for (dst, src) in msgs.chunks_mut(row).zip(plan.msgs.chunks(words)) {
                 dst[..words].copy_from_slice(src);
+                dst[words] = (seq + 1) as i32;
             }
             bufs.msgs.write_i32s(&msgs);
-            return Ok(GpuOp::new(
-                Arc::clone(&self.shared),
-                Channel::Handle,
-                seq,
-                Launch::NcclExchange { row_bytes: row * 4 },
-                Work::HtHandle { routing, plan, bufs: Some(bufs) },
-                &[],
-            ));
-        }
-        bufs.msgs.write_i32s(&plan.msgs);
-        let p = ExchangeParams {
-            msgs: bufs.msgs.device_ptr(),
-            out: bufs.out.device_ptr(),
-            own: s.mem.exchange.ptr(),
-            signals: s.mem.signals.ptr(),
-            status: s.mem.status.device_ptr(),
-            seq,
-            timeout_ns: s.device_timeout_ns(),
-            rank: s.rank as i32,
-            num_ranks: s.num_ranks as i32,
-            words: words as i32,
-            peer_region: peer_array(&s.peers.exchange),
-            peer_signals: peer_array(&s.peers.signals),
-            ..ExchangeParams::default()
+            Launch::NcclExchange { row_bytes: row * 4 }
         };
         Ok(GpuOp::new(
             Arc::clone(&self.shared),
             Channel::Handle,
             seq,
-            Launch::Exchange(p),
+            launch,
             Work::HtHandle { routing, plan, bufs: Some(bufs) },
             &[],
         ))
@@ -417,10 +414,7 @@ impl GpuRank {
         });
         let host_counts = (opts.pass == Pass::Forward && opts.counts_location == CountsLocation::Host)
             .then(|| info.expert_counts.clone());
-        let over_nccl = match s.nccl_all() {
-            Some(_) => Some(self.nccl_ht_dispatch(h, &p, &outputs_of(&tokens, &scales, &topk_weights, &topk_idx))?),
-            None => None,
-        };
+        let over_nccl = s.nccl_all().map(|_| self.nccl_ht_dispatch(h, &p)).transpose()?;
         let outputs = DispatchOutputs { tokens, scales, topk_weights, topk_idx, counts };
         let launch = over_nccl.as_ref().map_or(Launch::Ht(p), |(np, _, _)| Launch::NcclHt { p: *np, reduce: false });
         let mut op = GpuOp::new(
@@ -468,10 +462,7 @@ impl GpuRank {
         let topk_weights = views.next();
         p.out = tokens.ptr();
         p.out_weights = topk_weights.as_ref().map_or(0, DeviceTensor::ptr);
-        let over_nccl = match s.nccl_all() {
-            Some(_) => Some(self.nccl_ht_combine(h, &p)?),
-            None => None,
-        };
+        let over_nccl = s.nccl_all().map(|_| self.nccl_ht_combine(h, &p)).transpose()?;
         let launch = over_nccl.as_ref().map_or(Launch::Ht(p), |(np, _, _)| Launch::NcclHt { p: *np, reduce: true });
         let mut op = GpuOp::new(
             Arc::clone(&self.shared),
@@ -521,19 +512,33 @@ pub(crate) fn received_messages(shared: &RankShared, bufs: &ExchangeBuffers, seq
     Ok(out)
 }
 
-/// The outputs a dispatch over NCCL writes: (tokens, scales, weights, indices) addresses.
-fn outputs_of(
-    tokens: &DeviceTensor,
-    scales: &Option<DeviceTensor>,
-    weights: &Option<DeviceTensor>,
-    idx: &Option<DeviceTensor>,
-) -> [u64; 4] {
-    [
-        tokens.ptr(),
-        scales.as_ref().map_or(0, DeviceTensor::ptr),
-        weights.as_ref().map_or(0, DeviceTensor::ptr),
-        idx.as_ref().map_or(0, DeviceTensor::ptr),
-    ]
+/// The exchange of a high-throughput operation over NCCL: for every rank `d` and every array
+/// `(send base, receive base, bytes per row)` with rows, the rows `send[d]` (`(first, rows)`) go
+/// to `d` and the rows `recv[d]` come from it; then the arrival word of channel `chan`, set
+/// `set`, with every other rank.
+fn block_xfers(
+    s: &RankShared,
+    send: &[(usize, usize)],
+    recv: &[(usize, usize)],
+    arrays: &[(u64, u64, usize)],
+    chan: usize,
+    set: usize,
+) -> Vec<Xfer> {
+    let mut xfers = Vec::new();
+    for d in 0..s.num_ranks {
+        let ((first, n), (rfirst, rn)) = (send[d], recv[d]);
+        for &(src, dst, w) in arrays.iter().filter(|a| a.2 > 0) {
+            xfers.push(Xfer {
+                peer: d,
+                send: (src + (first * w) as u64, n * w),
+                recv: (dst + (rfirst * w) as u64, rn * w),
+            });
+        }
+        if d != s.rank {
+            xfers.push(s.arrival_xfer(chan, set, d));
+        }
+    }
+    xfers
 }
 
 impl GpuRank {
@@ -567,21 +572,17 @@ impl GpuRank {
     }
 
     /// Dispatch over NCCL: the kernel parameters, the exchange (each destination's block of the
-    /// staging into its outputs) and the staging. `out` = tokens, scales, weights, indices.
-    fn nccl_ht_dispatch(
-        &self,
-        h: &GpuHandle,
-        p: &HtParams,
-        out: &[u64; 4],
-    ) -> Result<(NcclHtParams, Vec<Xfer>, CachedBuffer), Error> {
+    /// staging into its outputs, `p.out`, `p.out_scales`, `p.out_weights`, `p.out_idx`) and the
+    /// staging.
+    fn nccl_ht_dispatch(&self, h: &GpuHandle, p: &HtParams) -> Result<(NcclHtParams, Vec<Xfer>, CachedBuffer), Error> {
         let s = &self.shared;
         let info = h.0.ht.as_ref().ok_or_else(|| Error::Backend("missing high-throughput handle info".into()))?;
         let mut np = self.nccl_ht_params(p, info);
         let (k, rows) = (h.top_k(), info.total_send);
-        let row = p.row_bytes as usize;
+        let out = [p.out, p.out_scales, p.out_weights, p.out_idx];
         // Bytes per row of each staged array: tokens, scales, weights, indices (0 when absent).
         let widths = [
-            row,
+            p.row_bytes as usize,
             if p.fp8 != 0 { s.config.hidden / 128 * 4 } else { 0 },
             if out[2] != 0 { k * 4 } else { 0 },
             if out[3] != 0 { k * 8 } else { 0 },
@@ -593,32 +594,16 @@ impl GpuRank {
             total = (total + rows * w).next_multiple_of(256);
         }
         let staging = s.outputs.take(total.max(256))?;
-        let base = staging.ptr();
+        let staged = offs.map(|o| staging.ptr() + o as u64);
         np.x = p.x;
         np.x_scales = p.x_scales;
         np.weights = p.weights;
-        np.out = base + offs[0] as u64;
-        np.out_scales = base + offs[1] as u64;
-        np.out_weights = if out[2] != 0 { base + offs[2] as u64 } else { 0 };
-        np.out_idx = if out[3] != 0 { base + offs[3] as u64 } else { 0 };
-        let mut xfers = Vec::new();
-        for d in 0..s.num_ranks {
-            let (first, n) = info.send_blocks[d];
-            let (rfirst, rn) = info.recv_blocks[d];
-            for (a, w) in widths.into_iter().enumerate() {
-                if w == 0 {
-                    continue;
-                }
-                xfers.push(Xfer {
-                    peer: d,
-                    send: (base + (offs[a] + first * w) as u64, n * w),
-                    recv: (out[a] + (rfirst * w) as u64, rn * w),
-                });
-            }
-            if d != s.rank {
-                xfers.push(s.arrival_xfer(0, np.set as usize, d));
-            }
-        }
+        np.out = staged[0];
+        np.out_scales = staged[1];
+        np.out_weights = if out[2] != 0 { staged[2] } else { 0 };
+        np.out_idx = if out[3] != 0 { staged[3] } else { 0 };
+        let arrays: Vec<_> = (0..4).map(|a| (staged[a], out[a], widths[a])).collect();
+        let xfers = block_xfers(s, &info.send_blocks, &info.recv_blocks, &arrays, 0, np.set as usize);
         Ok((np, xfers, staging))
     }
 
@@ -639,26 +624,9 @@ impl GpuRank {
         np.in_weights = staging.ptr() + w_off as u64;
         np.out = p.out;
         np.out_weights = p.out_weights;
-        let (srcs, dsts) = ([p.x, p.weights], [np.input, np.in_weights]);
-        let mut xfers = Vec::new();
-        for d in 0..s.num_ranks {
-            let (first, n) = info.send_blocks[d];
-            let (rfirst, rn) = info.recv_blocks[d];
-            for a in 0..2 {
-                if widths[a] == 0 {
-                    continue;
-                }
-                let w = widths[a];
-                xfers.push(Xfer {
-                    peer: d,
-                    send: (srcs[a] + (rfirst * w) as u64, rn * w),
-                    recv: (dsts[a] + (first * w) as u64, n * w),
-                });
-            }
-            if d != s.rank {
-                xfers.push(s.arrival_xfer(1, np.set as usize, d));
-            }
-        }
+        // Every source's rows go back to it: the blocks mirror dispatch's.
+        let arrays = [(p.x, np.input, widths[0]), (p.weights, np.in_weights, widths[1])];
+        let xfers = block_xfers(s, &info.recv_blocks, &info.send_blocks, &arrays, 1, np.set as usize);
         Ok((np, xfers, staging))
     }
 }

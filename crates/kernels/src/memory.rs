@@ -150,6 +150,13 @@ impl PinnedBuffer {
         }
     }
 
+    /// Writes `v` as the `i`-th `i32` (the device sees it in kernels launched afterwards).
+    pub fn write_i32_at(&self, i: usize, v: i32) {
+        assert!((i + 1) * 4 <= self.bytes, "pinned write out of range");
+        // SAFETY: range checked; a volatile element write of memory the device may read.
+        unsafe { std::ptr::write_volatile((self.host as *mut i32).add(i), v) };
+    }
+
     /// Reads `n` consecutive `i32`s from the start.
     pub fn read_i32s(&self, n: usize) -> Vec<i32> {
         assert!(n * 4 <= self.bytes, "pinned read out of range");

@@ -223,8 +223,8 @@ impl GpuOp {
         Ok(())
     }
 
-    /// The count exchange over NCCL: this rank's messages (with the operation number and the
-    /// cancellation flag) go to the device, every peer's row out, every peer's row in, and what
+    /// The count exchange over NCCL: this rank's messages (with the operation number, written
+    /// at creation, and the cancellation flag) go to the device, every peer's row out, every peer's row in, and what
     /// arrived back to the host.
     fn exchange_over_nccl(&self, row_bytes: usize) -> Result<(), Error> {
         let s = &self.shared;
@@ -232,13 +232,12 @@ impl GpuOp {
         let Some(Work::HtHandle { bufs: Some(bufs), .. }) = &self.work else {
             return Err(Error::Backend("a count exchange without buffers".into()));
         };
-        let words = row_bytes / 4;
-        let mut msgs = bufs.msgs.read_i32s(s.num_ranks * words);
-        for row in msgs.chunks_mut(words) {
-            row[words - 2] = (self.seq + 1) as i32;
-            row[words - 1] = i32::from(self.cancelled);
+        if self.cancelled {
+            let words = row_bytes / 4;
+            for d in 0..s.num_ranks {
+                bufs.msgs.write_i32_at(d * words + words - 1, 1);
+            }
         }
-        bufs.msgs.write_i32s(&msgs);
         let bytes = s.num_ranks * row_bytes;
         let stream = &s.streams[self.chan()];
         // SAFETY: both ranges hold `bytes` bytes (the pinned messages are mapped, so their device
