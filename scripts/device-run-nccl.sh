@@ -5,7 +5,9 @@
 # nccl backends side by side, and one process per GPU. `$1` picks a part: tests, hier, bench, mp
 # (default: all), or ep: the NCCL EP backend and all three backends side by side in one session,
 # for which NCCL 2.30.7 and NCCL EP 0.1 must already be built (this script builds nothing):
-# NCCL_HOME=<build dir with lib/libnccl.so> NCCL_EP_LIB=<path of libnccl_ep.so>. Logs in $OUT.
+# NCCL_HOME=<build dir with lib/libnccl.so> NCCL_EP_LIB=<path of libnccl_ep.so>. NCCL EP compiles
+# its high-throughput kernels at run time (nvcc on PATH) from the headers its `make lib` stages
+# in <build dir>/include/nccl_ep (or NCCL_EP_JIT_SOURCE_DIR). Logs in $OUT.
 set -u
 source "$(dirname "$0")/device-env.sh"
 part=${1:-all}
@@ -56,12 +58,18 @@ fi
 if [ "$part" = ep ]; then
   : "${NCCL_HOME:?set NCCL_HOME to an NCCL 2.30.7 build}" "${NCCL_EP_LIB:?set NCCL_EP_LIB to libnccl_ep.so}"
   export LD_LIBRARY_PATH=$NCCL_HOME/lib:$(dirname "$NCCL_EP_LIB"):$LD_LIBRARY_PATH
-  echo "== NCCL EP through epflow's futures"
-  timeout 60 $P/gpu_async nccl_ep --nocapture >"$OUT/gpu_async_ep.log" 2>&1; echo "gpu_async nccl_ep rc=$?"
+  echo "== NCCL EP through epflow's futures (low-latency staged, high-throughput)"
+  timeout 120 $P/gpu_async nccl_ep --test-threads=1 --nocapture >"$OUT/gpu_async_ep.log" 2>&1; echo "gpu_async nccl_ep rc=$?"
   grep -E "^test|round 9|panicked|SKIPPED" "$OUT/gpu_async_ep.log"
-  bench() { echo "-- epflow bench $*"; timeout 90 $P/epflow bench --validate "$@" 2>&1 | grep -iE "^(epflow bench|dispatch|combine|handle|validation)|error" ; }
+  n=0
+  bench() {
+    n=$((n + 1)); echo "-- epflow bench $*"
+    timeout 120 $P/epflow bench --validate "$@" >"$OUT/bench-ep-$n.log" 2>&1; local rc=$?
+    grep -iE "^(epflow bench|dispatch|combine|handle|validation)|error" "$OUT/bench-ep-$n.log"
+    [ $rc = 0 ] || { echo "rc=$rc; last lines:"; tail -5 "$OUT/bench-ep-$n.log"; }
+  }
   for b in gpu nccl nccl-ep; do bench --backend $b; done
   bench --backend nccl-ep --tokens 1
   bench --backend nccl-ep --staged
-  for b in gpu nccl; do bench --backend $b --algorithm ht; done
+  for b in gpu nccl nccl-ep; do bench --backend $b --algorithm ht; done
 fi

@@ -98,8 +98,9 @@ pub enum BackendArg {
     /// The GPU backend with every exchange between distinct ranks over NCCL grouped send/recv
     /// (the multi-node engine; needs libnccl ≥ 2.28 on the library path).
     Nccl,
-    /// NVIDIA's NCCL EP (`libnccl_ep`, NCCL EP 0.1) through epflow's backend trait: low-latency,
-    /// BF16, one process driving every GPU (`NCCL_EP_LIB` or the library path).
+    /// NVIDIA's NCCL EP (`libnccl_ep`, NCCL EP 0.1) through epflow's backend trait: low-latency
+    /// and high-throughput, BF16, one process driving every GPU (`NCCL_EP_LIB` or the library
+    /// path).
     #[value(name = "nccl-ep")]
     NcclEp,
 }

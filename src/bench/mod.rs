@@ -17,7 +17,7 @@ use epflow_core::host::HostWorld;
 use epflow_core::scenario::Scenario;
 use epflow_core::verify::Report;
 use epflow_core::workload::RoutingKind;
-use epflow_core::{DispatchDtype, GroupConfig};
+use epflow_core::{DispatchDtype, GroupConfig, MaxTokens};
 
 use crate::cli::{AlgorithmArg, BackendArg, BenchArgs, DtypeArg};
 use epflow_kernels::Transport;
@@ -179,7 +179,11 @@ fn run_single_process(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     if use_gpu && ranks > gpus {
         return Err(BenchError::Usage(format!("--ranks {ranks}: this machine has {gpus} GPUs")));
     }
-    let (config, tokens) = config_from_args(args, ranks)?;
+    let (mut config, tokens) = config_from_args(args, ranks)?;
+    if args.backend == BackendArg::NcclEp {
+        // NCCL EP sizes every buffer from a fixed bound, high-throughput too.
+        config = config.with_max_tokens(MaxTokens::Fixed(tokens));
+    }
     let sc =
         Scenario::generate(config.clone(), ranks, &[tokens], args.top_k, RoutingKind::Uniform, args.masked, args.seed);
     let refs = if args.validate { Some(references(&sc)?) } else { None };

@@ -33,12 +33,14 @@ impl<W: Fn()> BenchRank for NcclEpBench<W> {
         out: &'a NcclEpDispatchOutput,
     ) -> Result<Cow<'a, DispatchOutputs<HostTensor>>, Error> {
         let ctx = self.rank.context();
+        let o = out.outputs();
+        let get = |t: Option<&DeviceTensor>| t.map(|t| t.download(ctx)).transpose();
         Ok(Cow::Owned(DispatchOutputs {
-            tokens: out.tokens().download(ctx)?,
+            tokens: o.tokens.download(ctx)?,
             scales: None,
-            topk_weights: None,
-            topk_idx: None,
-            counts: out.counts().map(|c| c.download(ctx)).transpose()?,
+            topk_weights: get(o.topk_weights.as_ref())?,
+            topk_idx: get(o.topk_idx.as_ref())?,
+            counts: get(o.counts.as_ref())?,
         }))
     }
 

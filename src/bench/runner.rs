@@ -9,7 +9,9 @@ use epflow_core::ops::{
 };
 use epflow_core::reference::{HtDispatchResult, LlDispatchResult};
 use epflow_core::scenario::Scenario;
-use epflow_core::verify::{Report, Tolerance, check_bf16, check_ht_dispatch, check_ll_dispatch, ll_rows_by_content};
+use epflow_core::verify::{
+    Report, Tolerance, check_bf16, check_ht_dispatch, check_ll_dispatch, ht_rows_by_content, ll_rows_by_content,
+};
 use epflow_core::{Algorithm, Error, HostData, HostTensor};
 
 use super::stats::RankTimes;
@@ -58,7 +60,8 @@ pub trait BenchRank {
     fn combine_time(&self, _out: &<Self::B as Backend>::CombineOutput) -> Option<(Duration, Duration)> {
         None
     }
-    /// Whether low-latency dispatch leaves an expert's rows in arrival order (NCCL EP), so
+    /// Whether dispatch leaves rows in arrival order (NCCL EP: inside a low-latency expert, and
+    /// across a high-throughput receive, whose top-k entries it also writes compactly), so
     /// validation finds each expected row by its content instead of by its position.
     fn rows_in_arrival_order(&self) -> bool {
         false
@@ -155,17 +158,20 @@ where
                     &combine[rank],
                 )
             }
-            References::Ht { dispatch, combine } => (
-                check_ht_dispatch(
-                    &dispatch[rank],
-                    host.tokens.data(),
-                    scales_f32,
-                    host.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap_or_default(),
-                    host.topk_idx.as_ref().and_then(HostTensor::as_i64).unwrap_or_default(),
-                    counts,
-                ),
-                &combine[rank],
-            ),
+            References::Ht { dispatch, combine } => {
+                let want = &dispatch[rank];
+                let got_w = host.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap_or_default();
+                let got_i = host.topk_idx.as_ref().and_then(HostTensor::as_i64).unwrap_or_default();
+                let arranged = match (r.rows_in_arrival_order(), host.tokens.as_bf16()) {
+                    (true, Some(got)) => Some(ht_rows_by_content(want, cfg.hidden, got, got_w, got_i)),
+                    _ => None,
+                };
+                let rep = match arranged {
+                    Some((t, w, i)) => check_ht_dispatch(want, &HostData::Bf16(t), scales_f32, &w, &i, counts),
+                    None => check_ht_dispatch(want, host.tokens.data(), scales_f32, got_w, got_i, counts),
+                };
+                (rep, &combine[rank])
+            }
         };
         let experts = r.identity_experts(&d)?;
         let c = combine(&experts)?;

@@ -148,6 +148,26 @@ pub fn check_ll_dispatch(
     r
 }
 
+/// For each `hidden`-wide row of `got`, the row of `want` equal to it bit for bit, each row of
+/// `want` used at most once (rows are looked up by their first 8 values, then compared whole).
+fn match_rows_by_content(want: &[bf16], got: &[bf16], hidden: usize) -> Vec<Option<usize>> {
+    use std::collections::HashMap;
+    let key = |row: &[bf16]| row.iter().take(8).fold(0u128, |k, v| (k << 16) | u128::from(v.to_bits()));
+    let mut by_key: HashMap<u128, Vec<usize>> = HashMap::new();
+    for (j, row) in want.chunks_exact(hidden).enumerate() {
+        by_key.entry(key(row)).or_default().push(j);
+    }
+    got.chunks_exact(hidden)
+        .map(|row| {
+            let cands = by_key.get_mut(&key(row))?;
+            let bits_eq =
+                |j: &usize| want[j * hidden..(j + 1) * hidden].iter().zip(row).all(|(a, b)| a.to_bits() == b.to_bits());
+            let pos = cands.iter().position(bits_eq)?;
+            Some(cands.swap_remove(pos))
+        })
+        .collect()
+}
+
 /// Low-latency dispatch tokens of a backend that keeps arrival order inside an expert (NCCL EP,
 /// `[L x R*M x H]` with gaps between source ranks), rearranged into epflow's order: every row
 /// equal (bit for bit) to an expected row goes where the reference has it; an expected row not
@@ -158,28 +178,62 @@ pub fn ll_rows_by_content(
     hidden: usize,
     got: &[bf16],
 ) -> Vec<bf16> {
-    use std::collections::HashMap;
     let mut out = vec![bf16::ZERO; got.len()];
-    let key = |row: &[bf16]| row.iter().take(8).fold(0u128, |k, v| (k << 16) | u128::from(v.to_bits()));
     for (le, rows) in expected.experts.iter().enumerate() {
         let Rows::Bf16(want) = rows else { continue };
-        let mut by_key: HashMap<u128, Vec<usize>> = HashMap::new();
-        for (j, row) in want.chunks_exact(hidden).enumerate() {
-            by_key.entry(key(row)).or_default().push(j);
-        }
         let base = le * rows_per_expert * hidden;
-        for slot in got[base..base + rows_per_expert * hidden].chunks_exact(hidden) {
-            let Some(cands) = by_key.get_mut(&key(slot)) else { continue };
-            let bits_eq = |j: &usize| {
-                want[j * hidden..(j + 1) * hidden].iter().zip(slot).all(|(a, b)| a.to_bits() == b.to_bits())
-            };
-            if let Some(pos) = cands.iter().position(bits_eq) {
-                let j = cands.swap_remove(pos);
+        let slots = &got[base..base + rows_per_expert * hidden];
+        for (slot, j) in slots.chunks_exact(hidden).zip(match_rows_by_content(want, slots, hidden)) {
+            if let Some(j) = j {
                 out[base + j * hidden..base + (j + 1) * hidden].copy_from_slice(slot);
             }
         }
     }
     out
+}
+
+/// High-throughput dispatch outputs of a backend that may deliver rows in another order and
+/// writes each row's top-k entries compactly (NCCL EP's flat layout: the local experts in
+/// ascending order with their weights, then `-1` / 0), rearranged into epflow's form: each row
+/// goes where the reference has the equal row, and its entries go to the slots `k` whose
+/// expected local index they carry. An entry with no such slot, or a row missing, leaves values
+/// that the comparison that follows reports (`-2` indices, NaN weights, zero rows).
+/// `got_*` are `[N x H]`, `[N x K]`, `[N x K]`; returns the three rearranged.
+pub fn ht_rows_by_content(
+    expected: &HtDispatchResult,
+    hidden: usize,
+    got_tokens: &[bf16],
+    got_weights: &[f32],
+    got_idx: &[i64],
+) -> (Vec<bf16>, Vec<f32>, Vec<i64>) {
+    let Rows::Bf16(want) = &expected.tokens else {
+        return (got_tokens.to_vec(), got_weights.to_vec(), got_idx.to_vec());
+    };
+    let n = want.len() / hidden.max(1);
+    let k = expected.topk_idx.len().checked_div(n).unwrap_or(0);
+    let mut tokens = vec![bf16::ZERO; want.len()];
+    let mut weights = vec![f32::NAN; n * k];
+    let mut idx = vec![-2i64; n * k];
+    for (i, j) in match_rows_by_content(want, got_tokens, hidden).into_iter().enumerate() {
+        let Some(j) = j else { continue };
+        tokens[j * hidden..(j + 1) * hidden].copy_from_slice(&got_tokens[i * hidden..(i + 1) * hidden]);
+        let entries: Vec<(i64, f32)> = (0..k)
+            .filter(|&kk| got_idx.get(i * k + kk).is_some_and(|&e| e >= 0))
+            .map(|kk| (got_idx[i * k + kk], got_weights[i * k + kk]))
+            .collect();
+        let want_idx = &expected.topk_idx[j * k..(j + 1) * k];
+        if entries.len() != want_idx.iter().filter(|&&e| e >= 0).count() {
+            continue;
+        }
+        for (kk, &e) in want_idx.iter().enumerate() {
+            let found = if e < 0 { Some((-1, 0.0)) } else { entries.iter().copied().find(|&(g, _)| g == e) };
+            if let Some((g, w)) = found {
+                idx[j * k + kk] = g;
+                weights[j * k + kk] = w;
+            }
+        }
+    }
+    (tokens, weights, idx)
 }
 
 /// Compares one rank's high-throughput forward dispatch outputs with the reference.
@@ -243,5 +297,49 @@ mod tests {
         let arranged = ll_rows_by_content(want, rpe, hidden, &got);
         let r = check_ll_dispatch(want, hidden, rpe, &HostData::Bf16(arranged), None, &counts);
         assert!(!r.ok());
+    }
+
+    /// NCCL EP's flat layout: rows in another order, top-k entries compact; rearranged, they
+    /// pass; a wrong weight, a wrong expert or a missing row is still reported.
+    #[test]
+    fn ht_rows_found_by_content_with_compact_topk() {
+        let hidden = 256;
+        let config = GroupConfig::high_throughput(8, hidden);
+        let sc = Scenario::generate(config.clone(), 2, &[16, 9], 4, RoutingKind::Uniform, 3, 7);
+        let refs = sc.ht_dispatch_reference().unwrap();
+        let want = &refs[0];
+        let Rows::Bf16(rows) = &want.tokens else { unreachable!() };
+        let (n, k) = (rows.len() / hidden, 4);
+        assert!(n > 2);
+        // Reversed rows; each row's entries compact, ascending by local expert.
+        let (mut t, mut w, mut ix) = (Vec::new(), Vec::new(), Vec::new());
+        for j in (0..n).rev() {
+            t.extend_from_slice(&rows[j * hidden..(j + 1) * hidden]);
+            let mut e: Vec<(i64, f32)> = (0..k)
+                .filter(|&kk| want.topk_idx[j * k + kk] >= 0)
+                .map(|kk| (want.topk_idx[j * k + kk], want.topk_weights[j * k + kk]))
+                .collect();
+            e.sort_by_key(|p| p.0);
+            e.resize(k, (-1, 0.0));
+            ix.extend(e.iter().map(|p| p.0));
+            w.extend(e.iter().map(|p| p.1));
+        }
+        let check = |t: &[bf16], w: &[f32], ix: &[i64]| {
+            let (t, w, ix) = ht_rows_by_content(want, hidden, t, w, ix);
+            check_ht_dispatch(want, &HostData::Bf16(t), None, &w, &ix, want.layout.expert_counts())
+        };
+        assert!(check(&t, &w, &ix).ok());
+        // As delivered, the positional comparison fails.
+        let r = check_ht_dispatch(want, &HostData::Bf16(t.clone()), None, &w, &ix, want.layout.expert_counts());
+        assert!(!r.ok());
+        let mut w2 = w.clone();
+        w2[0] += 1.0;
+        assert!(!check(&t, &w2, &ix).ok());
+        let mut ix2 = ix.clone();
+        ix2[0] = (ix2[0] + 1) % 4;
+        assert!(!check(&t, &w, &ix2).ok());
+        let mut t2 = t.clone();
+        t2[0] = bf16::from_f32(1234.0);
+        assert!(!check(&t2, &w, &ix).ok());
     }
 }

@@ -223,7 +223,7 @@ api_struct!(
         src_rank_counters: *mut NcclEpTensor = std::ptr::null_mut(),
         /// `[L]` prefix sums (HT expert-major).
         expert_offsets: *mut NcclEpTensor = std::ptr::null_mut(),
-        /// `[1]`: tokens received (planned).
+        /// `[1]`: tokens received (HT, written at handle creation; flat layout unpadded).
         recv_total_counter: *mut NcclEpTensor = std::ptr::null_mut(),
     }
 );

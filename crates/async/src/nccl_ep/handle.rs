@@ -1,0 +1,109 @@
+//! Routing handles of the NCCL EP backend (`ncclEpCreateHandle`).
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use epflow_core::Error;
+use epflow_core::routing::Routing;
+use epflow_kernels::DeviceTensor;
+use nccl_ep_sys as ep;
+
+use super::group::Shared;
+
+/// A tensor descriptor and the sizes it points to, kept together (NCCL EP reads both during
+/// the calls that see the descriptor).
+pub(super) struct Desc {
+    sizes: Box<[usize]>,
+    t: ep::NcclEpTensor,
+}
+
+// SAFETY: a descriptor is plain data: device addresses and a pointer to its own boxed sizes; it
+// is read only by the NCCL EP calls of the operation that owns it.
+unsafe impl Send for Desc {}
+
+impl Desc {
+    pub fn new(dtype: ep::NcclDataType, ptr: u64, sizes: &[usize]) -> Box<Self> {
+        let mut d =
+            Box::new(Desc { sizes: sizes.into(), t: ep::NcclEpTensor::new(dtype, std::ptr::null_mut(), &mut []) });
+        d.t = ep::NcclEpTensor::new(dtype, ptr as *mut _, &mut d.sizes);
+        d
+    }
+
+    /// The descriptor, for as long as `self` lives.
+    pub fn ptr(&mut self) -> *mut ep::NcclEpTensor {
+        &mut self.t
+    }
+}
+
+/// What high-throughput handle creation reports: NCCL EP writes the receive count and the
+/// per-expert counts while it creates the handle (flat layout).
+#[derive(Debug)]
+pub(super) struct HtRecv {
+    /// `N`, rows this rank receives.
+    pub num_recv: usize,
+    /// Rows per local expert `[L]`, on the host.
+    pub expert_counts: Vec<i32>,
+    /// The same on the device (`[L]` int32), what dispatch outputs as its counts.
+    pub counts: DeviceTensor,
+}
+
+pub(super) struct HandleInner {
+    pub shared: Arc<Shared>,
+    pub raw: ep::NcclEpHandle,
+    pub routing: Routing,
+    pub ht: Option<HtRecv>,
+    pub _topk: DeviceTensor,
+    pub dispatched: AtomicBool,
+}
+
+// SAFETY: the raw handle is used only inside operations issued in turn order.
+unsafe impl Send for HandleInner {}
+// SAFETY: as above.
+unsafe impl Sync for HandleInner {}
+
+impl Drop for HandleInner {
+    fn drop(&mut self) {
+        if self.shared.ctx.bind_to_thread().is_ok() {
+            let _ = self.shared.stream.synchronize();
+        }
+        // SAFETY: created by ncclEpCreateHandle, destroyed once (a local call); every operation
+        // using it holds this value, so none is in flight.
+        let _ = unsafe { (self.shared.lib.handle_destroy)(self.raw) };
+    }
+}
+
+/// A routing handle of the NCCL EP backend: `ncclEpCreateHandle` with the expert-major layout
+/// (low-latency) or the flat layout (high-throughput).
+#[derive(Clone)]
+pub struct NcclEpHandle(pub(super) Arc<HandleInner>);
+
+impl std::fmt::Debug for NcclEpHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclEpHandle")
+            .field("tokens", &self.0.routing.num_tokens())
+            .field("num_recv", &self.num_recv_tokens())
+            .finish()
+    }
+}
+
+impl NcclEpHandle {
+    /// The validated routing.
+    pub fn routing(&self) -> &Routing {
+        &self.0.routing
+    }
+
+    /// High-throughput: `N`, the rows this rank receives (what NCCL EP's `recv_total_counter`
+    /// reported when the handle was created). `None` for low-latency.
+    pub fn num_recv_tokens(&self) -> Option<usize> {
+        self.0.ht.as_ref().map(|h| h.num_recv)
+    }
+
+    /// High-throughput: rows this rank receives per local expert (`[L]`).
+    pub fn recv_expert_counts(&self) -> Option<&[i32]> {
+        self.0.ht.as_ref().map(|h| h.expert_counts.as_slice())
+    }
+
+    pub(super) fn ht(&self) -> Result<&HtRecv, Error> {
+        self.0.ht.as_ref().ok_or_else(|| Error::Backend("a low-latency handle in a high-throughput operation".into()))
+    }
+}
