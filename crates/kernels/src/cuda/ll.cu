@@ -237,9 +237,14 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p
             const int s = slot / M;
             const char* msg = recv + (size_t)slot * p.msg_bytes;
             if (!((cancelled >> s) & 1u) && __ldcg(reinterpret_cast<const u64*>(msg)) == p.seq + 1) {
-                const short* les = reinterpret_cast<const short*>(msg + 16);
-                for (int k = 0; k < K; k++) {
-                    if (__ldcg(les + k) == le) k_sel = k;
+                // The selections' local experts, 8 per 16-byte load (inside the 128-byte header).
+                for (int k0 = 0; k0 < K; k0 += 8) {
+                    const int4 v = ld_cg_int4(msg + 16 + k0 * 2);
+                    const short* les = reinterpret_cast<const short*>(&v);
+#pragma unroll
+                    for (int j = 0; j < 8; j++) {
+                        if (k0 + j < K && les[j] == le) k_sel = k0 + j;
+                    }
                 }
             }
         }
@@ -369,6 +374,9 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_send(LlParams p)
 
 // Combine complete, on the source side: out[t] = bf16(sum over valid k, ascending, of
 // fma(w[t][k], x[t][k], acc)) in fp32, exactly as the CPU reference.
+// Rows of one token whose loads the combine receive keeps in flight together.
+#define EP_COMBINE_BATCH 8
+
 extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv(LlParams p) {
     __shared__ u32 cancelled;
     __shared__ int timed_out;
@@ -389,16 +397,33 @@ extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv(LlParams p)
                 float acc[8];
 #pragma unroll
                 for (int i = 0; i < 8; i++) acc[i] = 0.f;
-                for (int k = 0; k < K; k++) {
-                    if (idx[(size_t)t * K + k] < 0) continue;
-                    const float wk = w[(size_t)t * K + k];
-                    const int pos = p.nccl_pos ? pos_of[(size_t)t * K + k] : -1;
-                    const char* row = pos >= 0 ? reinterpret_cast<const char*>(p.nccl_in) + (size_t)pos * H * 2
-                                               : recv + ((size_t)t * K + k) * H * 2;
-                    int4 raw = ld_cg_int4(row + (size_t)c * 2);
-                    const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw);
+                // Up to EP_COMBINE_BATCH rows' loads in flight before the first FMA (the loads are
+                // independent; the sum still runs in ascending k, as the reference does).
+                for (int k0 = 0; k0 < K; k0 += EP_COMBINE_BATCH) {
+                    int4 raw[EP_COMBINE_BATCH];
+                    float wk[EP_COMBINE_BATCH];
+                    bool use[EP_COMBINE_BATCH];
 #pragma unroll
-                    for (int i = 0; i < 8; i++) acc[i] = fmaf(wk, __bfloat162float(b[i]), acc[i]);
+                    for (int j = 0; j < EP_COMBINE_BATCH; j++) {
+                        const int k = k0 + j;
+                        use[j] = k < K && idx[(size_t)t * K + k] >= 0;
+                        wk[j] = 0.f;
+                        raw[j] = make_int4(0, 0, 0, 0);
+                        if (use[j]) {
+                            wk[j] = w[(size_t)t * K + k];
+                            const int pos = p.nccl_pos ? pos_of[(size_t)t * K + k] : -1;
+                            const char* row = pos >= 0 ? reinterpret_cast<const char*>(p.nccl_in) + (size_t)pos * H * 2
+                                                       : recv + ((size_t)t * K + k) * H * 2;
+                            raw[j] = ld_cg_int4(row + (size_t)c * 2);
+                        }
+                    }
+#pragma unroll
+                    for (int j = 0; j < EP_COMBINE_BATCH; j++) {
+                        if (!use[j]) continue;
+                        const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw[j]);
+#pragma unroll
+                        for (int i = 0; i < 8; i++) acc[i] = fmaf(wk[j], __bfloat162float(b[i]), acc[i]);
+                    }
                 }
                 __nv_bfloat16 o[8];
 #pragma unroll
