@@ -29,6 +29,16 @@ impl Layout {
         })
     }
 
+    /// The layout for a group whose ranks reach some peers through NCCL (`any_nccl`):
+    /// high-throughput then runs every exchange over NCCL, so its NVLink rings are not
+    /// allocated. Low-latency mixes both per peer and keeps its buffers.
+    pub fn for_transport(self, any_nccl: bool) -> Self {
+        match self {
+            Layout::Ht(h) if any_nccl => Layout::Ht(HtLayout { rings: false, ..h }),
+            other => other,
+        }
+    }
+
     /// Device bytes of the whole group on one rank, excluding handles and (high-throughput)
     /// outputs.
     pub fn total_bytes(&self) -> usize {
@@ -122,6 +132,10 @@ pub struct HtLayout {
     pub off_idx: usize,
     /// Bytes of a slot (a multiple of 16).
     pub slot_bytes: usize,
+    /// Whether the NVLink receive rings are allocated: not when the group runs high-throughput
+    /// over NCCL (any peer reached through NCCL moves every exchange there; see
+    /// [`Layout::for_transport`]).
+    pub rings: bool,
 }
 
 impl HtLayout {
@@ -147,6 +161,7 @@ impl HtLayout {
             off_weights,
             off_idx,
             slot_bytes: (off_idx + 4 * k).next_multiple_of(16),
+            rings: true,
         }
     }
 
@@ -155,9 +170,9 @@ impl HtLayout {
         self.depth * self.slot_bytes
     }
 
-    /// Bytes of one channel kind's receive rings: one per (channel, source).
+    /// Bytes of one channel kind's receive rings: one per (channel, source); 0 without rings.
     pub fn ring_region_bytes(&self) -> usize {
-        self.channels * self.num_ranks * self.ring_bytes()
+        if self.rings { self.channels * self.num_ranks * self.ring_bytes() } else { 0 }
     }
 
     /// `i32` words of one rank's count-exchange message to another: rows per channel, then
@@ -333,6 +348,12 @@ mod tests {
             HtLayout::new(&cfg.clone().with_dispatch_dtype(epflow_core::DispatchDtype::Fp8 { round_scales: false }), 4);
         assert_eq!(fp8.off_weights, 14336 + 224);
         assert_eq!(HtLayout::new(&cfg.clone().with_max_sms(Some(1000)), 2).channels, HT_MAX_CHANNELS);
-        assert_eq!(HtLayout::new(&cfg.with_max_sms(Some(1)), 2).channels, 1);
+        assert_eq!(HtLayout::new(&cfg.clone().with_max_sms(Some(1)), 2).channels, 1);
+        // Over NCCL: no rings, a few kilobytes of exchange and signals.
+        let Layout::Ht(nccl) = Layout::new(&cfg, 4).unwrap().for_transport(true) else { unreachable!() };
+        assert_eq!(nccl.ring_region_bytes(), 0);
+        assert!(nccl.total_bytes() < 1 << 20, "{} B", nccl.total_bytes());
+        let ll = Layout::new(&GroupConfig::low_latency(256, 128, 7168), 4).unwrap();
+        assert_eq!(ll.for_transport(true), ll);
     }
 }

@@ -41,6 +41,7 @@ impl GpuWorld {
         let layout = Layout::new(&config, num_ranks)?;
         let ctxs = devices.iter().map(|&d| context(d)).collect::<Result<Vec<_>, _>>()?;
         let masks = (0..num_ranks).map(|r| transport.nccl_mask(r, num_ranks, None)).collect::<Result<Vec<_>, _>>()?;
+        let layout = layout.for_transport(masks.iter().any(|&m| m != 0));
         let nvlink_pairs: Vec<(usize, usize)> = (0..num_ranks)
             .flat_map(|a| (0..num_ranks).map(move |b| (a, b)))
             .filter(|&(a, b)| a != b && masks[a] >> b & 1 == 0)
@@ -108,6 +109,7 @@ impl GpuWorld {
         let mask = transport.nccl_mask(rank, num_ranks, Some(&hosts))?;
         // Every rank learns every mask (rank 0's ids serve the NCCL communicators).
         let masks = crate::bootstrap::all_gather(comm, &[u64::from(mask)])?;
+        let layout = layout.for_transport(masks.iter().any(|&m| m != 0));
         let nccl = if masks.iter().any(|&m| m != 0) {
             let ids = if rank == 0 { new_ids()? } else { [0u64; 48] };
             let all = crate::bootstrap::all_gather(comm, &ids)?;
