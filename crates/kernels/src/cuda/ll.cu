@@ -212,11 +212,34 @@ __device__ void finish_receive(const LlParams& p, int chan, u32 cancelled) {
 // finds, in (source, token) order, the received slots
 // that chose local expert l, packs them into rows 0.. of expert l (rows with row % splits == g
 // are copied by this block), writes the counters and the row map for combine.
+// Block-wide exclusive scan of one flag per thread: returns this thread's position among the
+// flagged threads of the block (in thread order) and sets `*total` to their number. Every thread
+// of the block calls it; `warp_sums` holds a word per warp. Callers synchronize the block before
+// calling it again (the next call overwrites `warp_sums`).
+__device__ __forceinline__ int block_rank_of_flag(bool flag, int* warp_sums, int* total_shared, int* total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const unsigned ballot = __ballot_sync(EP_FULL_MASK, flag);
+    if (lane == 0) warp_sums[warp] = __popc(ballot);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int acc = 0;
+        for (int w = 0; w < nwarps; w++) {
+            const int c = warp_sums[w];
+            warp_sums[w] = acc;
+            acc += c;
+        }
+        *total_shared = acc;
+    }
+    __syncthreads();
+    *total = *total_shared;
+    return warp_sums[warp] + __popc(ballot & ((1u << lane) - 1u));
+}
+
 extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p) {
     __shared__ u32 cancelled;
     __shared__ int timed_out;
     __shared__ int warp_sums[16];
-    __shared__ int chunk_total;
+    __shared__ int total_shared;
     __shared__ int entry_slot[512];
     if (!wait_all_sources(p, 0, &cancelled, &timed_out)) return;
     const int G = p.splits;
@@ -248,21 +271,9 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p
                 }
             }
         }
-        const unsigned ballot = __ballot_sync(EP_FULL_MASK, k_sel >= 0);
-        if (lane == 0) warp_sums[warp] = __popc(ballot);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            int acc = 0;
-            for (int w = 0; w < nwarps; w++) {
-                int c = warp_sums[w];
-                warp_sums[w] = acc;
-                acc += c;
-            }
-            chunk_total = acc;
-        }
-        __syncthreads();
+        int chunk_total;
+        const int pos = block_rank_of_flag(k_sel >= 0, warp_sums, &total_shared, &chunk_total);
         if (k_sel >= 0) {
-            const int pos = warp_sums[warp] + __popc(ballot & ((1u << lane) - 1u));
             entry_slot[pos] = slot;
             if (g == 0) row_of[(size_t)slot * K + k_sel] = le * RM + base + pos;
         }
@@ -320,20 +331,9 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p
                     sel = __ldcg(reinterpret_cast<const u64*>(msg)) == p.seq + 1 &&
                           __ldcg(reinterpret_cast<const short*>(msg + 16) + i % K) >= 0;
                 }
-                const unsigned ballot = __ballot_sync(EP_FULL_MASK, sel);
-                if (lane == 0) warp_sums[warp] = __popc(ballot);
-                __syncthreads();
-                if (threadIdx.x == 0) {
-                    int acc = 0;
-                    for (int w = 0; w < nwarps; w++) {
-                        int c = warp_sums[w];
-                        warp_sums[w] = acc;
-                        acc += c;
-                    }
-                    chunk_total = acc;
-                }
-                __syncthreads();
-                if (i < MK) pack[(size_t)s * MK + i] = sel ? base + warp_sums[warp] + __popc(ballot & ((1u << lane) - 1u)) : -1;
+                int chunk_total;
+                const int pos = block_rank_of_flag(sel, warp_sums, &total_shared, &chunk_total);
+                if (i < MK) pack[(size_t)s * MK + i] = sel ? base + pos : -1;
                 base += chunk_total;
                 __syncthreads();
             }
