@@ -245,6 +245,7 @@ impl NcclEpRank {
             slot: None,
             done: None,
             timing: None,
+            topk_out: None,
         }
     }
 

@@ -97,6 +97,9 @@ pub struct NcclEpOp {
     pub(super) slot: Option<SlotGuard>,
     pub(super) done: Option<Arc<CudaEvent>>,
     pub(super) timing: Option<(CudaEvent, CudaEvent, CudaEvent)>,
+    /// High-throughput dispatch: the addresses of the `[R*M x K]` weights and indices NCCL EP
+    /// wrote (set when issued).
+    pub(super) topk_out: Option<(u64, u64)>,
 }
 
 /// The output of an NCCL EP operation.
@@ -137,6 +140,7 @@ impl NcclEpOp {
                 let mut descs = vec![];
                 if ht {
                     let (wp, ip) = set.topk(&s.ctx, s.device, r * m, k)?;
+                    self.topk_out = Some((wp, ip));
                     let mut w = Desc::new(ep::NCCL_FLOAT32, self.inputs[1].ptr(), &[b, k]);
                     let mut out = Desc::new(ep::NCCL_BFLOAT16, set.tokens.ptr(), &[r * m, h]);
                     let mut ow = Desc::new(ep::NCCL_FLOAT32, wp, &[r * m, k]);
@@ -194,7 +198,8 @@ impl NcclEpOp {
         let set = &s.sets[self.set];
         let (outputs, host_counts) = if let Ok(recv) = self.handle.ht() {
             let (n, k, h) = (recv.num_recv, self.handle.0.routing.top_k(), s.config.hidden);
-            let (wp, ip) = set.topk(&s.ctx, s.device, s.num_ranks * s.max_tokens, k)?;
+            let (wp, ip) =
+                self.topk_out.ok_or_else(|| Error::Backend("dispatch finished before it was issued".into()))?;
             let view = |ptr, tag, dtype, shape: &[usize]| {
                 // SAFETY: the first rows of this set's buffers (allocated for `R*M` rows, at least
                 // `N`), alive as long as the rank; the output holds the set's slot, so nothing
