@@ -21,6 +21,12 @@ fn bad_flags_exit_2_with_a_clear_error() {
         (&["bench", "--hidden", "100"], "not a multiple of 8"),
         (&["bench", "--dtype", "fp8", "--hidden", "136"], "multiple of 128"),
         (&["bench", "--top-k", "0"], "--top-k"),
+        (&["bench", "--top-k", "17", "--experts", "32"], "at most 16"),
+        (&["bench", "--backend", "host", "--hidden", "1000000"], "needs"),
+        (&["bench", "--backend", "host", "--tokens", "100000"], "of host memory"),
+        (&["bench", "--hidden", "2000000"], "hidden: 2000000 is more than the supported"),
+        (&["bench", "--tokens", "1099511627776"], "max_tokens_per_rank"),
+        (&["bench", "--timeout-ms", "18446744073709551615"], "timeout is"),
         (&["bench", "--ranks", "0"], "num_ranks is 0"),
         (&["bench", "--iters", "0"], "--iters"),
         (&["bench", "--algorithm", "ht", "--staged"], "--staged"),
@@ -40,6 +46,35 @@ fn bad_flags_exit_2_with_a_clear_error() {
         assert_eq!(code, 2, "{args:?}: {err}");
         assert!(err.contains(want), "{args:?}: stderr {err:?} should contain {want:?}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn top_k_beyond_eight_sizes_the_group() {
+    // Qwen3-Next routes to 10 experts: the group's top-k bound follows --top-k (up to 16).
+    for k in ["10", "16"] {
+        let (code, out, err) = epflow(&[
+            "bench",
+            "--backend",
+            "host",
+            "--top-k",
+            k,
+            "--experts",
+            "20",
+            "--ranks",
+            "5",
+            "--tokens",
+            "8",
+            "--hidden",
+            "256",
+            "--warmup",
+            "1",
+            "--iters",
+            "2",
+            "--validate",
+        ]);
+        assert_eq!(code, 0, "--top-k {k}: {err}");
+        assert!(out.contains("Validation: PASSED"), "{out}");
     }
 }
 

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use epflow_core::config::MAX_TOP_K;
 use epflow_core::host::HostWorld;
 use epflow_core::scenario::Scenario;
 use epflow_core::verify::Report;
@@ -132,21 +133,71 @@ pub(crate) fn config_from_args(args: &BenchArgs, ranks: usize) -> Result<(GroupC
         DtypeArg::Bf16 => DispatchDtype::Bf16,
         DtypeArg::Fp8 => DispatchDtype::Fp8 { round_scales: args.round_scales },
     };
+    let top_k_error = || {
+        BenchError::Usage(format!(
+            "--top-k ({}) must be between 1 and --experts ({}), at most {MAX_TOP_K}",
+            args.top_k, args.experts
+        ))
+    };
+    if args.top_k == 0 || args.top_k > MAX_TOP_K {
+        return Err(top_k_error());
+    }
     let config = match args.algorithm {
         AlgorithmArg::Ll | AlgorithmArg::Auto => GroupConfig::low_latency(args.experts, tokens, args.hidden),
         AlgorithmArg::Ht => GroupConfig::high_throughput(args.experts, args.hidden),
     }
     .with_dispatch_dtype(dtype)
     .with_max_sms(args.max_sms)
+    // The group's top-k bound sizes the low-latency combine buffers: the default 8, or --top-k.
+    .with_max_top_k(args.top_k.max(8))
     .with_timeout(Duration::from_millis(args.timeout_ms));
     config.validate(ranks).map_err(|e| BenchError::Usage(format!("invalid configuration: {e}")))?;
-    if args.top_k == 0 || args.top_k > args.experts {
-        return Err(BenchError::Usage(format!(
-            "--top-k ({}) must be between 1 and --experts ({})",
-            args.top_k, args.experts
-        )));
+    if args.top_k > args.experts {
+        return Err(top_k_error());
     }
     Ok((config, tokens))
+}
+
+/// Refuses (exit code 2) a run whose host memory (the scenario's inputs and references, and on
+/// the host backend every rank's buffers filled to capacity) exceeds this machine's memory,
+/// before any of it is allocated.
+pub(crate) fn check_host_memory(
+    args: &BenchArgs,
+    config: &GroupConfig,
+    ranks: usize,
+    tokens: usize,
+    host_backend: bool,
+) -> Result<(), BenchError> {
+    let p = |xs: &[usize]| xs.iter().fold(1u128, |acc, &x| acc.saturating_mul(x as u128));
+    let (h, k) = (config.hidden, args.top_k);
+    // Tokens, weights and routing per rank, plus the FP8 copy.
+    let inputs = p(&[ranks, tokens]).saturating_mul(p(&[3, h]).saturating_add(p(&[12, k])));
+    // Dispatch references hold every received (token, expert) row; combine references [B x H].
+    let references = if args.validate { p(&[ranks, tokens, k + 1, 2, h]) } else { 0 };
+    let buffers = if host_backend {
+        let bounded = config.clone().with_max_tokens(MaxTokens::Fixed(tokens));
+        p(&[ranks]).saturating_mul(bounded.buffer_bytes_per_rank(ranks))
+    } else {
+        0
+    };
+    let needed = inputs.saturating_add(references).saturating_add(buffers);
+    let available = epflow_core::host::memory::physical_memory();
+    if needed <= available {
+        return Ok(());
+    }
+    let b = |x: u128| epflow_core::error::human_bytes(x);
+    Err(BenchError::Usage(format!(
+        "this run needs {} of host memory ({} of inputs, {} of references{}), more than this machine has ({}); lower --tokens, --hidden or --ranks",
+        b(needed),
+        b(inputs),
+        b(references),
+        if host_backend {
+            format!(", {} of host-backend buffers for {ranks} ranks", b(buffers))
+        } else {
+            String::new()
+        },
+        b(available)
+    )))
 }
 
 fn run(args: &BenchArgs) -> Result<Option<BenchReport>, BenchError> {
@@ -180,6 +231,7 @@ fn run_single_process(args: &BenchArgs) -> Result<BenchReport, BenchError> {
         return Err(BenchError::Usage(format!("--ranks {ranks}: this machine has {gpus} GPUs")));
     }
     let (mut config, tokens) = config_from_args(args, ranks)?;
+    check_host_memory(args, &config, ranks, tokens, !use_gpu)?;
     if args.backend == BackendArg::NcclEp {
         // NCCL EP sizes every buffer from a fixed bound, high-throughput too.
         config = config.with_max_tokens(MaxTokens::Fixed(tokens));

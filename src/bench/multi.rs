@@ -9,7 +9,7 @@ use epflow_kernels::bootstrap::{LaunchEnv, all_gather, barrier};
 
 use super::runner::{HANDLE_SAMPLES, LoopPlan, RankResult, run_rank};
 use super::stats::{BenchReport, RankTimes};
-use super::{BenchError, config_from_args, references, summarise};
+use super::{BenchError, check_host_memory, config_from_args, references, summarise};
 use crate::cli::{BackendArg, BenchArgs};
 
 fn encode(r: &RankResult, iters: usize) -> Vec<f64> {
@@ -85,6 +85,7 @@ pub fn run(args: &BenchArgs, env: &LaunchEnv) -> Result<Option<BenchReport>, Ben
     }
     let run_err = |e: epflow_core::Error| BenchError::Run(format!("rank {}: {e}", env.rank));
     let (config, tokens) = config_from_args(args, ranks)?;
+    check_host_memory(args, &config, ranks, tokens, false)?;
     let sc =
         Scenario::generate(config.clone(), ranks, &[tokens], args.top_k, RoutingKind::Uniform, args.masked, args.seed);
     let refs = if args.validate { Some(references(&sc)?) } else { None };

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 use std::time::Instant;
 
-use epflow_core::backend::{Backend, OpOutput, PendingOp, Probe};
-use epflow_core::protocol::SlotGuard;
+use epflow_core::backend::{Backend, OpOutput, PendingOp, Probe, guarded};
+use epflow_core::protocol::{SlotGuard, deadline_after};
 use epflow_core::{Error, Result};
 use tracing::Span;
 
@@ -122,7 +122,7 @@ impl<B: Backend> OpDriver<B> {
         let reg = match &mut self.wait {
             Some((k, reg)) if *k == kind => reg,
             wait => {
-                let deadline = self.phase_start + self.backend.config().timeout;
+                let deadline = deadline_after(self.phase_start, self.backend.config().timeout);
                 &mut wait.insert((kind, Registration::new(probe(), deadline))).1
             }
         };
@@ -131,7 +131,29 @@ impl<B: Backend> OpDriver<B> {
         match outcome {
             WaitOutcome::Ready => Poll::Ready(Ok(())),
             WaitOutcome::TimedOut => Poll::Ready(Err(self.timeout_error(kind))),
+            WaitOutcome::Failed => {
+                self.stage = Stage::Done;
+                let r = reactor();
+                let e = if r.is_dead() {
+                    Error::ReactorDied { reason: r.death_reason() }
+                } else {
+                    Error::Internal { op: self.label(), message: "its readiness probe panicked".into() }
+                };
+                Poll::Ready(Err(self.fail(e)))
+            }
         }
+    }
+
+    fn label(&self) -> String {
+        self.op.as_ref().map(PendingOp::label).unwrap_or_else(|| "an operation".into())
+    }
+
+    /// Runs a step of the backend's operation, a panic becoming [`Error::Internal`] (and poison).
+    fn step<T>(&mut self, f: impl FnOnce(&mut B::Op) -> Result<T>) -> Result<T> {
+        let label = self.label();
+        let backend = Arc::clone(&self.backend);
+        let op = self.op_mut()?;
+        guarded(backend.poison(), || label, || f(op))
     }
 
     fn op_mut(&mut self) -> Result<&mut B::Op> {
@@ -164,29 +186,26 @@ impl<B: Backend> OpDriver<B> {
                     }
                     ready!(self.wait(cx, WaitKind::Slot, || Box::new(pool.free_probe(seq))))?;
                 }
-                Stage::Credits => {
-                    let op = self.op_mut()?;
-                    match op.poll_send_ready() {
-                        Ok(true) => {
-                            let slot = self.slot.take();
-                            if let Err(e) = self.op_mut()?.send(slot) {
-                                self.stage = Stage::Done;
-                                return Poll::Ready(Err(self.fail(e)));
-                            }
-                            tracing::debug!("send half issued");
-                            self.stage = Stage::Sent;
-                            return Poll::Ready(Ok(()));
-                        }
-                        Ok(false) => {
-                            let probe = op.send_probe();
-                            ready!(self.wait(cx, WaitKind::Credits, || probe))?;
-                        }
-                        Err(e) => {
+                Stage::Credits => match self.step(|op| op.poll_send_ready()) {
+                    Ok(true) => {
+                        let slot = self.slot.take();
+                        if let Err(e) = self.step(|op| op.send(slot)) {
                             self.stage = Stage::Done;
                             return Poll::Ready(Err(self.fail(e)));
                         }
+                        tracing::debug!("send half issued");
+                        self.stage = Stage::Sent;
+                        return Poll::Ready(Ok(()));
                     }
-                }
+                    Ok(false) => {
+                        let probe = self.step(|op| Ok(op.send_probe()))?;
+                        ready!(self.wait(cx, WaitKind::Credits, || probe))?;
+                    }
+                    Err(e) => {
+                        self.stage = Stage::Done;
+                        return Poll::Ready(Err(self.fail(e)));
+                    }
+                },
                 Stage::Sent | Stage::Completing => return Poll::Ready(Ok(())),
                 Stage::Done => return Poll::Ready(Err(Error::Backend("operation polled after it finished".into()))),
             }
@@ -209,7 +228,7 @@ impl<B: Backend> OpDriver<B> {
             self.complete_span = Some(span);
             self.phase_start = Instant::now();
             self.stage = Stage::Completing;
-            if let Err(e) = self.op_mut()?.start_complete() {
+            if let Err(e) = self.step(|op| op.start_complete()) {
                 self.stage = Stage::Done;
                 return Poll::Ready(Err(self.fail(e)));
             }
@@ -217,16 +236,18 @@ impl<B: Backend> OpDriver<B> {
         let span = self.complete_span.clone().unwrap_or_else(Span::none);
         let _enter = span.enter();
         loop {
-            let op = self.op_mut()?;
-            match op.poll_complete() {
+            match self.step(|op| op.poll_complete()) {
                 Ok(true) => {
+                    let label = self.label();
                     let op = self.op.take().ok_or_else(|| Error::Backend("operation missing".into()))?;
                     self.stage = Stage::Done;
                     tracing::debug!("complete");
-                    return Poll::Ready(op.finish().map_err(|e| self.fail(e)));
+                    let backend = Arc::clone(&self.backend);
+                    let out = guarded(backend.poison(), || label, || op.finish());
+                    return Poll::Ready(out.map_err(|e| self.fail(e)));
                 }
                 Ok(false) => {
-                    let probe = op.complete_probe();
+                    let probe = self.step(|op| Ok(op.complete_probe()))?;
                     ready!(self.wait(cx, WaitKind::Complete, || probe))?;
                 }
                 Err(e) => {
@@ -248,7 +269,7 @@ impl<B: Backend> Drop for OpDriver<B> {
             self.slot = None;
         }
         tracing::debug!(parent: &self.send_span, "dropped before the end; finishing it in the background");
-        let deadline = Instant::now() + self.backend.config().timeout;
+        let deadline = deadline_after(Instant::now(), self.backend.config().timeout);
         reactor().detach(Box::new(Detached { backend: Arc::clone(&self.backend), op: Some(op), deadline }));
     }
 }
@@ -262,6 +283,15 @@ struct Detached<B: Backend> {
 }
 
 impl<B: Backend> Job for Detached<B> {
+    fn abandon(&mut self, why: &str) {
+        let label = self.op.as_ref().map(PendingOp::label).unwrap_or_default();
+        self.backend.poison().poison(format!("abandoned {label} could not finish: {why}"));
+        // Its device work (if any) is waited for when the operation is dropped.
+        if let Some(op) = self.op.take() {
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(op)));
+        }
+    }
+
     fn step(&mut self) -> bool {
         let Some(op) = self.op.as_mut() else { return true };
         let progressed = (|| -> Result<bool> {

@@ -1,7 +1,7 @@
 //! The register / complete / wake protocol between a waiting future and the reactor thread.
 //!
-//! A [`WaitState`] starts `PENDING`. The reactor moves it once to `READY` or `TIMED_OUT` and then
-//! wakes the registered waker; the future may instead move it to `CANCELLED` when dropped, which
+//! A [`WaitState`] starts `PENDING`. The reactor moves it once to `READY`, `TIMED_OUT` or `FAILED`
+//! and then wakes the registered waker; the future may instead move it to `CANCELLED` when dropped, which
 //! tells the reactor to forget it. The future always registers its waker *before* reading the
 //! state, and the reactor always writes the state *before* waking, so a completion is never
 //! missed: either the future reads the new state, or the wake comes after its registration.
@@ -18,6 +18,8 @@ pub(crate) const READY: u8 = 1;
 pub(crate) const TIMED_OUT: u8 = 2;
 /// The waiting future went away.
 pub(crate) const CANCELLED: u8 = 3;
+/// The probe panicked, or the reactor thread died: the condition can no longer be observed.
+pub(crate) const FAILED: u8 = 4;
 
 /// The shared state of one wait.
 #[derive(Debug)]
@@ -31,7 +33,7 @@ impl WaitState {
         WaitState { state: AtomicU8::new(PENDING), waker: AtomicWaker::new() }
     }
 
-    /// Reactor side: decides the wait (`READY` or `TIMED_OUT`) and wakes the future. Returns
+    /// Reactor side: decides the wait (`READY`, `TIMED_OUT` or `FAILED`) and wakes the future. Returns
     /// false if it was already decided or cancelled.
     pub(crate) fn complete(&self, outcome: u8) -> bool {
         let won = self.state.compare_exchange(PENDING, outcome, Ordering::AcqRel, Ordering::Acquire).is_ok();

@@ -12,13 +12,17 @@
 //! operation fails with [`Error::PeerCancelled`]) and this rank still consumes what the peers
 //! sent, so every rank's next operation finds clean buffers.
 
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::config::GroupConfig;
 use crate::error::{Error, Result};
+use crate::handle::RoutingHandle;
 use crate::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, TensorView};
-use crate::protocol::{Channel, Poison, SlotGuard, SlotPool, op_label, wait_until};
+use crate::protocol::{Channel, Poison, SlotGuard, SlotPool, deadline_after, op_label, wait_until};
+use crate::validate::OpContext;
 
 /// A cheap, thread-safe readiness check that a reactor thread can poll without owning the
 /// operation. `true` means "worth polling the operation again": the condition holds, or the
@@ -103,12 +107,80 @@ pub enum HandleCreation<H, O> {
     Collective(O),
 }
 
+/// What every backend's rank holds for the protocol: its place in the group, the config, the
+/// poison flag, the buffer-set slots and the next sequence number of each channel.
+#[derive(Debug)]
+pub struct RankCore {
+    rank: usize,
+    num_ranks: usize,
+    group_id: u64,
+    config: GroupConfig,
+    poison: Arc<Poison>,
+    slots: [Arc<SlotPool>; 3],
+    seqs: [AtomicU64; 3],
+}
+
+impl RankCore {
+    /// Rank `rank` of `num_ranks` in group `group_id` (unique in the process), with `config`.
+    pub fn new(rank: usize, num_ranks: usize, group_id: u64, config: GroupConfig) -> Self {
+        let slots = Channel::ALL.map(|c| SlotPool::new(c, config.buffer_sets));
+        RankCore { rank, num_ranks, group_id, config, poison: Arc::default(), slots, seqs: Default::default() }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks in the group.
+    pub fn num_ranks(&self) -> usize {
+        self.num_ranks
+    }
+
+    /// The group's id (handles carry it).
+    pub fn group_id(&self) -> u64 {
+        self.group_id
+    }
+
+    /// The group config.
+    pub fn config(&self) -> &GroupConfig {
+        &self.config
+    }
+
+    /// The poison flag.
+    pub fn poison(&self) -> &Arc<Poison> {
+        &self.poison
+    }
+
+    /// The slots of `channel`.
+    pub fn slot_pool(&self, channel: Channel) -> &Arc<SlotPool> {
+        &self.slots[channel.index()]
+    }
+
+    /// Takes the next sequence number of `channel` (the collective's number on every rank).
+    pub fn next_seq(&self, channel: Channel) -> u64 {
+        self.seqs[channel.index()].fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Fails fast if the group is poisoned, or if `handle` belongs to another group.
+    pub fn check_handle(&self, handle: &impl RoutingHandle) -> Result<()> {
+        self.poison.check()?;
+        handle.core().check_group(self.group_id)?;
+        Ok(())
+    }
+
+    /// The sizes an operation on `handle` is checked against.
+    pub fn op_context(&self, handle: &impl RoutingHandle) -> OpContext<'_> {
+        OpContext::new(&self.config, self.num_ranks, handle)
+    }
+}
+
 /// One rank of a group on some backend.
 pub trait Backend: Send + Sync + 'static {
     /// The tensor type of inputs.
     type Tensor: TensorView;
     /// A routing handle (cheap to clone).
-    type Handle: Clone + Send + Sync + 'static;
+    type Handle: RoutingHandle;
     /// Dispatch outputs (hold their buffer set until dropped).
     type DispatchOutput: Send + 'static;
     /// Combine outputs (hold their buffer set until dropped).
@@ -116,17 +188,33 @@ pub trait Backend: Send + Sync + 'static {
     /// An operation in flight.
     type Op: PendingOp<Output = OpOutput<Self::Handle, Self::DispatchOutput, Self::CombineOutput>>;
 
+    /// The protocol state every backend shares.
+    fn core(&self) -> &RankCore;
     /// This rank.
-    fn rank(&self) -> usize;
+    fn rank(&self) -> usize {
+        self.core().rank()
+    }
     /// Ranks in the group.
-    fn num_ranks(&self) -> usize;
+    fn num_ranks(&self) -> usize {
+        self.core().num_ranks()
+    }
     /// The group config.
-    fn config(&self) -> &GroupConfig;
+    fn config(&self) -> &GroupConfig {
+        self.core().config()
+    }
     /// The group's poison flag.
-    fn poison(&self) -> &Poison;
+    fn poison(&self) -> &Arc<Poison> {
+        self.core().poison()
+    }
     /// The slots of a channel.
-    fn slot_pool(&self, channel: Channel) -> &Arc<SlotPool>;
+    fn slot_pool(&self, channel: Channel) -> &Arc<SlotPool> {
+        self.core().slot_pool(channel)
+    }
     /// Validates `topk_idx` and creates a handle (collective for high-throughput).
+    ///
+    /// A high-throughput rank whose arguments fail validation still takes part in the
+    /// collective, as a cancellation (its peers get [`Error::PeerCancelled`] at once instead of
+    /// waiting for their timeout); so do dispatch and combine.
     fn start_handle(&self, topk_idx: &Self::Tensor) -> Result<HandleCreation<Self::Handle, Self::Op>>;
     /// Validates and creates a dispatch (collective). Takes its sequence number now.
     fn start_dispatch(
@@ -144,6 +232,30 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<Self::Op>;
 }
 
+/// The text of a caught panic payload.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic with a non-text payload".to_string()
+    }
+}
+
+/// Runs `f`, turning a panic into [`Error::Internal`] (about `op`) and poisoning the group: a
+/// backend bug must fail its operation, not unwind through the caller or the reactor.
+pub fn guarded<T>(poison: &Poison, op: impl FnOnce() -> String, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => {
+            let e = Error::Internal { op: op(), message: panic_message(&*p) };
+            poison.poison(e.to_string());
+            Err(e)
+        }
+    }
+}
+
 fn timeout_error<O: PendingOp>(op: &O, after: Duration) -> Error {
     Error::Timeout { op: op.label(), rank: op.rank(), waiting_for: op.waiting_for(), after }
 }
@@ -154,45 +266,52 @@ fn timeout_error<O: PendingOp>(op: &O, after: Duration) -> Error {
 /// When every buffer set is still held by earlier outputs it fails fast with
 /// [`Error::SlotsBusy`]; the operation is then cancelled and run to its end on a background
 /// thread, so the peers see a cancellation instead of waiting for data that never comes.
-pub fn send_blocking<O: PendingOp>(mut op: O, slots: &Arc<SlotPool>, poison: &Poison, timeout: Duration) -> Result<O> {
+pub fn send_blocking<O: PendingOp>(
+    mut op: O,
+    slots: &Arc<SlotPool>,
+    poison: &Arc<Poison>,
+    timeout: Duration,
+) -> Result<O> {
     poison.check()?;
     let slot = if op.needs_slot() {
         match slots.try_acquire(op.seq()) {
             Some(slot) => Some(slot),
             None => {
                 op.cancel();
-                detach(op, timeout);
+                detach(op, timeout, Arc::clone(poison));
                 return Err(Error::SlotsBusy { channel: slots.channel().name(), buffer_sets: slots.sets() });
             }
         }
     } else {
         None
     };
-    let deadline = Instant::now() + timeout;
-    let ready = poison.track(wait_until(deadline, || op.poll_send_ready()))?;
+    let deadline = deadline_after(Instant::now(), timeout);
+    let label = op.label();
+    let ready = poison.track(guarded(poison, || label.clone(), || wait_until(deadline, || op.poll_send_ready())))?;
     if !ready {
         return poison.track(Err(timeout_error(&op, timeout)));
     }
-    poison.track(op.send(slot))?;
+    poison.track(guarded(poison, || label, || op.send(slot)))?;
     Ok(op)
 }
 
 /// Blocking complete half: starts it, waits (bounded by `timeout`), finishes.
 pub fn complete_blocking<O: PendingOp>(mut op: O, poison: &Poison, timeout: Duration) -> Result<O::Output> {
-    poison.track(op.start_complete())?;
-    let deadline = Instant::now() + timeout;
-    let done = poison.track(wait_until(deadline, || op.poll_complete()))?;
+    let label = op.label();
+    poison.track(guarded(poison, || label.clone(), || op.start_complete()))?;
+    let deadline = deadline_after(Instant::now(), timeout);
+    let done = poison.track(guarded(poison, || label.clone(), || wait_until(deadline, || op.poll_complete())))?;
     if !done {
         return poison.track(Err(timeout_error(&op, timeout)));
     }
-    poison.track(op.finish())
+    poison.track(guarded(poison, || label, || op.finish()))
 }
 
 /// Runs an operation to its result, blocking.
 pub fn run_blocking<O: PendingOp>(
     op: O,
     slots: &Arc<SlotPool>,
-    poison: &Poison,
+    poison: &Arc<Poison>,
     timeout: Duration,
 ) -> Result<O::Output> {
     let op = send_blocking(op, slots, poison, timeout)?;
@@ -201,19 +320,40 @@ pub fn run_blocking<O: PendingOp>(
 
 /// Runs the rest of an abandoned operation on a background thread, dropping its outputs: the
 /// send half if it has not been sent (as a cancellation, so call [`PendingOp::cancel`] first),
-/// then the complete half. Each wait is bounded by `timeout`; the operation's own rank still
-/// sees failures through its poison flag when the backend shares one.
-pub fn detach<O: PendingOp>(mut op: O, timeout: Duration) {
-    std::thread::spawn(move || {
-        let deadline = Instant::now() + timeout;
-        if !op.is_sent() {
-            let sent = matches!(wait_until(deadline, || op.poll_send_ready()), Ok(true)) && op.send(None).is_ok();
-            if !sent {
-                return;
-            }
-        }
-        let _ = complete_blocking(op, &Poison::default(), timeout);
+/// then the complete half. Each wait is bounded by `timeout`. If it cannot finish (a timeout, an
+/// error, a panic), `poison` is poisoned with the reason: its peers may be left waiting for it.
+pub fn detach<O: PendingOp>(op: O, timeout: Duration, poison: Arc<Poison>) {
+    let label = op.label();
+    let p = Arc::clone(&poison);
+    let spawned = std::thread::Builder::new().name("epflow-detached".into()).spawn(move || {
+        let label = op.label();
+        let run = catch_unwind(AssertUnwindSafe(move || finish_abandoned(op, timeout)));
+        let failure = match run {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => e.to_string(),
+            Err(payload) => format!("internal error: {}", panic_message(&*payload)),
+        };
+        p.poison(format!("abandoned {label} could not finish: {failure}"));
     });
+    if let Err(e) = spawned {
+        poison.poison(format!("abandoned {label} could not be finished: no thread for it ({e})"));
+    }
+}
+
+fn finish_abandoned<O: PendingOp>(mut op: O, timeout: Duration) -> Result<()> {
+    let deadline = deadline_after(Instant::now(), timeout);
+    if !op.is_sent() {
+        if !wait_until(deadline, || op.poll_send_ready())? {
+            return Err(timeout_error(&op, timeout));
+        }
+        op.send(None)?;
+    }
+    // Its outputs are dropped: only a failure that leaves the protocol unknown matters (a
+    // peer's cancellation or mismatch was handled cleanly).
+    match complete_blocking(op, &Poison::default(), timeout) {
+        Err(e) if e.poisons() => Err(e),
+        _ => Ok(()),
+    }
 }
 
 fn no_result(what: &str) -> Error {

@@ -83,6 +83,19 @@ pub const MAX_BUFFER_SETS: usize = 16;
 pub const MAX_TOP_K: usize = 16;
 /// The default operation timeout.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest timeout a group may have (one day): every wait must end, and deadlines stay far
+/// from overflowing.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+/// The largest hidden size.
+pub const MAX_HIDDEN: usize = 1 << 20;
+/// The largest fixed `max_tokens_per_rank`.
+pub const MAX_TOKENS_PER_RANK: usize = 1 << 24;
+/// The most experts a group may have (low-latency messages carry local expert indices as 16-bit
+/// integers).
+pub const MAX_EXPERTS: usize = 1 << 15;
+/// The most buffer memory one rank of a group may need (1 TiB, more than any GPU or host has):
+/// configs above it are refused by [`GroupConfig::validate`], with the memory they would need.
+pub const MAX_GROUP_BYTES: u128 = 1 << 40;
 
 /// Configuration of an EP group. Every rank must create its group with an identical config.
 ///
@@ -241,13 +254,95 @@ impl GroupConfig {
         if self.timeout.is_zero() {
             return Err(ConfigError::ZeroTimeout);
         }
+        if self.timeout > MAX_TIMEOUT {
+            return Err(ConfigError::TimeoutTooLong { timeout: self.timeout, max: MAX_TIMEOUT });
+        }
+        let too_large = |what: &'static str, value: usize, max: usize| {
+            Err(ConfigError::TooLarge { what, detail: format!("{value} is more than the supported {max}") })
+        };
+        if self.hidden > MAX_HIDDEN {
+            return too_large("hidden", self.hidden, MAX_HIDDEN);
+        }
+        if self.num_experts > MAX_EXPERTS {
+            return too_large("num_experts", self.num_experts, MAX_EXPERTS);
+        }
+        if let MaxTokens::Fixed(m) = self.max_tokens_per_rank {
+            if m > MAX_TOKENS_PER_RANK {
+                return too_large("max_tokens_per_rank", m, MAX_TOKENS_PER_RANK);
+            }
+        }
+        let bytes = self.buffer_bytes_per_rank(num_ranks);
+        if bytes > MAX_GROUP_BYTES {
+            return Err(ConfigError::TooLarge {
+                what: "buffers per rank",
+                detail: format!(
+                    "this config needs {} of buffers on every rank (at most {} supported); lower max_tokens_per_rank, hidden or buffer_sets",
+                    crate::error::human_bytes(bytes),
+                    crate::error::human_bytes(MAX_GROUP_BYTES)
+                ),
+            });
+        }
         Ok(())
+    }
+
+    /// The most buffer memory one rank of a group of `num_ranks` may use, in bytes: every
+    /// buffer set's receive regions and outputs filled to their capacity (low-latency: `S`
+    /// sets of `[L x R*M x H]` dispatch outputs and scales, `R x M` dispatch messages,
+    /// `M x K` combine rows and `[M x H]` combine outputs; high-throughput with a fixed bound:
+    /// one operation's `[R*M x H]` outputs with their weights, indices and scales). The GPU
+    /// backend's layout is close to it; the host backend allocates lazily, so untouched rows
+    /// cost nothing. Computed in 128 bits: no size wraps.
+    pub fn buffer_bytes_per_rank(&self, num_ranks: usize) -> u128 {
+        // Saturating 128-bit products: no size wraps into a small one.
+        let p = |xs: &[usize]| xs.iter().fold(1u128, |acc, &x| acc.saturating_mul(x as u128));
+        let r = num_ranks.max(1);
+        let (h, k, sets) = (self.hidden, self.max_top_k, self.buffer_sets);
+        let l = self.num_experts / r;
+        let token_bytes = if self.dispatch_dtype.is_fp8() { p(&[h]) + p(&[h]) / 32 } else { p(&[2, h]) };
+        match (self.algorithm, self.max_tokens_per_rank) {
+            (Algorithm::LowLatency, MaxTokens::Fixed(m)) => {
+                let dispatch_out = p(&[l, r, m]).saturating_mul(token_bytes).saturating_add(p(&[4, l]));
+                let dispatch_recv = p(&[r, m]).saturating_mul(p(&[2, h]).saturating_add(128));
+                let combine = p(&[m, k, 2, h]).saturating_add(p(&[m, 2, h]));
+                p(&[sets]).saturating_mul(dispatch_out.saturating_add(dispatch_recv).saturating_add(combine))
+            }
+            (Algorithm::HighThroughput, MaxTokens::Fixed(m)) => {
+                p(&[r, m]).saturating_mul(token_bytes.saturating_add(p(&[12, k])).saturating_add(p(&[2, h])))
+            }
+            (_, MaxTokens::Auto) => 0,
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_are_bounded_with_the_memory_they_need() {
+        let huge = GroupConfig::low_latency(256, 1 << 24, 7168);
+        let e = huge.validate(4).unwrap_err();
+        assert!(matches!(e, ConfigError::TooLarge { what: "buffers per rank", .. }), "{e}");
+        assert!(e.to_string().contains("TiB"), "{e}");
+        assert!(matches!(
+            GroupConfig::low_latency(256, 1 << 40, 7168).validate(4),
+            Err(ConfigError::TooLarge { what: "max_tokens_per_rank", .. })
+        ));
+        assert!(matches!(
+            GroupConfig::low_latency(256, 128, 1 << 30).validate(4),
+            Err(ConfigError::TooLarge { what: "hidden", .. })
+        ));
+        assert_eq!(
+            GroupConfig::low_latency(256, 128, 7168).with_timeout(Duration::MAX).validate(4),
+            Err(ConfigError::TimeoutTooLong { timeout: Duration::MAX, max: MAX_TIMEOUT })
+        );
+        // usize::MAX sizes never wrap into small ones.
+        let c = GroupConfig::low_latency(usize::MAX, usize::MAX, usize::MAX);
+        assert!(c.buffer_bytes_per_rank(1) > MAX_GROUP_BYTES);
+        // The reference config: about 1 GB per rank.
+        let b = GroupConfig::low_latency(256, 128, 7168).buffer_bytes_per_rank(4);
+        assert!((900 << 20..1200 << 20).contains(&b), "{b}");
+    }
 
     #[test]
     fn reference_configs_are_valid() {

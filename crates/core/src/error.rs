@@ -6,7 +6,20 @@ use std::time::Duration;
 use thiserror::Error;
 
 use crate::dtype::DType;
+use crate::stamp::Stamp;
 use crate::tensor::TensorTag;
+
+/// `bytes` in the largest binary unit that keeps a value of at least 1 (`"1.5 GiB"`).
+pub fn human_bytes(bytes: u128) -> String {
+    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 { format!("{bytes} B") } else { format!("{v:.1} {}", UNITS[u]) }
+}
 
 /// A [`crate::GroupConfig`] that cannot be used; each variant names the field and the reason.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
@@ -88,6 +101,24 @@ pub enum ConfigError {
     /// A zero timeout would fail every operation.
     #[error("timeout is 0: every wait would fail at once")]
     ZeroTimeout,
+    /// A timeout longer than [`crate::config::MAX_TIMEOUT`] (deadlines would overflow, and a
+    /// wait that long is a hang).
+    #[error("timeout is {timeout:?}, more than the supported {max:?}: every wait must end")]
+    TimeoutTooLong {
+        /// Asked for.
+        timeout: Duration,
+        /// The limit.
+        max: Duration,
+    },
+    /// A size of the config is beyond what epflow supports (a dimension above its limit, or
+    /// buffers larger than [`crate::config::MAX_GROUP_BYTES`] per rank).
+    #[error("{what}: {detail}")]
+    TooLarge {
+        /// What is too large, e.g. `"hidden"` or `"buffers per rank"`.
+        what: &'static str,
+        /// The sizes involved (with the memory the config would need).
+        detail: String,
+    },
 }
 
 /// An operation's inputs or outputs do not match what the operation tables require.
@@ -262,8 +293,10 @@ pub enum ValidationError {
         /// Group id used.
         group: u64,
     },
-    /// Combine was called on a handle whose dispatch has not completed.
-    #[error("combine needs the layout of a completed dispatch on the same handle; call dispatch first")]
+    /// Combine was called on a handle with no completed dispatch of the same pass.
+    #[error(
+        "combine needs a completed dispatch of the same pass on the same handle (it sends the expert outputs back along that dispatch's rows); call dispatch first"
+    )]
     CombineBeforeDispatch,
 }
 
@@ -321,6 +354,48 @@ pub enum Error {
         /// Buffer sets of the group.
         buffer_sets: usize,
     },
+    /// A peer ran this collective with another top-k, pass, handle or paired dispatch (see
+    /// [`crate::stamp`]). Nothing was exchanged: the data of that peer was skipped and every
+    /// buffer released, so the group stays usable (on the GPU backend's high-throughput kernels,
+    /// whose rings cannot skip a peer's rows, the group is poisoned as well).
+    #[error(
+        "{op}: rank {peer} called it with {theirs}, this rank with {ours}: all ranks must run each collective on matching handles and top-k"
+    )]
+    PeerMismatch {
+        /// This rank's operation.
+        op: String,
+        /// The peer.
+        peer: usize,
+        /// This rank's side.
+        ours: Stamp,
+        /// The peer's side.
+        theirs: Stamp,
+    },
+    /// An internal failure (a panic) while running an operation; the operation has no result
+    /// and the group is poisoned. Please report it: no input should get here.
+    #[error("internal error in {op}: {message}; the group is poisoned")]
+    Internal {
+        /// The operation.
+        op: String,
+        /// What failed.
+        message: String,
+    },
+    /// The process's completion reactor thread is gone: no wait can be observed any more.
+    #[error("the epflow reactor thread died ({reason}): no operation can complete; restart the process")]
+    ReactorDied {
+        /// Why, as far as known.
+        reason: String,
+    },
+    /// An allocation larger than this machine's memory.
+    #[error("{what} needs {} of host memory, more than this machine has ({})", human_bytes(*bytes), human_bytes(*available))]
+    OutOfMemory {
+        /// What was being allocated.
+        what: String,
+        /// Bytes asked for.
+        bytes: u128,
+        /// Physical memory plus swap.
+        available: u128,
+    },
     /// This backend cannot do what was asked.
     #[error("unsupported: {0}")]
     Unsupported(String),
@@ -332,7 +407,14 @@ pub enum Error {
 impl Error {
     /// Whether this error poisons the group (after it, every operation fails fast).
     pub fn poisons(&self) -> bool {
-        matches!(self, Error::Timeout { .. } | Error::Backend(_) | Error::OrderMismatch { .. })
+        matches!(
+            self,
+            Error::Timeout { .. }
+                | Error::Backend(_)
+                | Error::OrderMismatch { .. }
+                | Error::Internal { .. }
+                | Error::ReactorDied { .. }
+        )
     }
 }
 

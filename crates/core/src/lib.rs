@@ -18,7 +18,10 @@
 //! - [`fp8`]: FP8 e4m3 conversion and per-128-channel quantization.
 //! - [`reference`]: the CPU reference semantics of every operation, for a whole world at once.
 //! - [`protocol`]: the buffer-set / signal / credit protocol every backend follows, and slots.
-//! - [`backend`]: the trait a backend implements so the async runtime can drive it.
+//! - [`stamp`]: what the ranks of a collective must agree on (top-k, pass, handle or dispatch).
+//! - [`handle`]: what every backend's routing handle shares, and when a handle may be reused.
+//! - [`backend`]: the trait a backend implements so the async runtime can drive it, and the
+//!   protocol state every backend's rank holds.
 //! - [`host`]: the host backend, `R` ranks in one process on host memory.
 //! - [`workload`]: seeded random inputs and routings in the style of NCCL EP's `ep_bench`.
 //! - [`scenario`]: a whole world's inputs with their reference results.
@@ -32,12 +35,14 @@ pub mod config;
 pub mod dtype;
 pub mod error;
 pub mod fp8;
+pub mod handle;
 pub mod host;
 pub mod ops;
 pub mod protocol;
 pub mod reference;
 pub mod routing;
 pub mod scenario;
+pub mod stamp;
 pub mod tensor;
 pub mod validate;
 pub mod verify;

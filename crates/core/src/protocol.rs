@@ -208,6 +208,17 @@ impl Backoff {
     }
 }
 
+/// `start + timeout`, or the farthest instant this platform can represent after `start` (so a huge
+/// timeout means "practically never", not an overflow panic).
+pub fn deadline_after(start: Instant, timeout: Duration) -> Instant {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+    start
+        .checked_add(timeout)
+        .or_else(|| start.checked_add(CENTURY))
+        .or_else(|| start.checked_add(Duration::from_secs(24 * 3600)))
+        .unwrap_or(start)
+}
+
 /// Polls `ready` until it returns `Ok(true)`, an error, or `deadline` passes (then `Ok(false)`).
 pub fn wait_until(deadline: Instant, mut ready: impl FnMut() -> Result<bool>) -> Result<bool> {
     let mut backoff = Backoff::default();
@@ -241,6 +252,13 @@ mod tests {
         let c = pool.try_acquire(2).unwrap();
         assert_eq!(c.set(), 0);
         assert_eq!(b.set(), 1);
+    }
+
+    #[test]
+    fn deadlines_saturate() {
+        let now = Instant::now();
+        assert_eq!(deadline_after(now, Duration::from_secs(1)), now + Duration::from_secs(1));
+        assert!(deadline_after(now, Duration::MAX) > now + Duration::from_secs(3600));
     }
 
     #[test]

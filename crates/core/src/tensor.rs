@@ -43,14 +43,14 @@ impl TensorDesc {
         TensorDesc { strides: contiguous_strides(shape), shape: shape.to_vec(), dtype, tag }
     }
 
-    /// Number of elements.
+    /// Number of elements (`usize::MAX` if the product does not fit: no size wraps).
     pub fn numel(&self) -> usize {
-        self.shape.iter().product()
+        self.shape.iter().fold(1usize, |acc, &d| acc.saturating_mul(d))
     }
 
-    /// Bytes the elements take when contiguous.
+    /// Bytes the elements take when contiguous (saturating, as [`TensorDesc::numel`]).
     pub fn size_bytes(&self) -> usize {
-        self.numel() * self.dtype.size_bytes()
+        self.numel().saturating_mul(self.dtype.size_bytes())
     }
 
     /// Whether the strides are row-major contiguous. Size-1 dimensions may have any stride.
@@ -65,9 +65,9 @@ impl TensorDesc {
 
 /// Row-major strides of `shape`, in elements.
 pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
-    let mut strides = vec![1; shape.len()];
+    let mut strides = vec![1usize; shape.len()];
     for i in (0..shape.len().saturating_sub(1)).rev() {
-        strides[i] = strides[i + 1] * shape[i + 1];
+        strides[i] = strides[i + 1].saturating_mul(shape[i + 1]);
     }
     strides
 }

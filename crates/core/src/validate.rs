@@ -6,6 +6,7 @@
 use crate::config::{Algorithm, GroupConfig, MaxTokens};
 use crate::dtype::DType;
 use crate::error::ValidationError;
+use crate::handle::RoutingHandle;
 use crate::ops::{
     CombineInputs, CombineOptions, CombineOutputs, CountsLocation, DispatchInputs, DispatchOptions, DispatchOutputs,
     Pass, TensorView,
@@ -26,6 +27,19 @@ pub struct OpContext<'a> {
     pub top_k: usize,
     /// `N`, rows this rank receives (high-throughput; from the handle).
     pub num_recv: usize,
+}
+
+impl<'a> OpContext<'a> {
+    /// The context of an operation on `handle` in a group of `num_ranks` with `config`.
+    pub fn new(config: &'a GroupConfig, num_ranks: usize, handle: &impl RoutingHandle) -> Self {
+        OpContext {
+            config,
+            num_ranks,
+            num_tokens: handle.core().num_tokens(),
+            top_k: handle.core().top_k(),
+            num_recv: handle.num_recv_tokens().unwrap_or(0),
+        }
+    }
 }
 
 impl OpContext<'_> {

@@ -10,8 +10,8 @@
 //! in its `[N x H]` output (sorted by source rank, then token, as the reference says).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
+use epflow_core::handle::HandleCore;
 use epflow_core::ops::{
     CombineInputs, CombineOptions, CombineOutputs, CountsLocation, DispatchInputs, DispatchOptions, DispatchOutputs,
     Pass,
@@ -181,6 +181,7 @@ fn push_i32s(bytes: &mut Vec<u8>, v: &[i32]) -> usize {
 /// Builds the handle once the count exchange has delivered `received`.
 pub(crate) fn finish_handle(
     shared: &Arc<RankShared>,
+    seq: u64,
     routing: Routing,
     plan: &HtPlan,
     received: &[i32],
@@ -201,11 +202,9 @@ pub(crate) fn finish_handle(
     let mem = take_pooled(&shared.ctx, &shared.handle_pool, off.end.max(1))?;
     mem.write(0, &bytes)?;
     Ok(GpuHandle(Arc::new(HandleInner {
-        group_id: shared.group_id,
-        routing,
+        core: HandleCore::new(shared.group_id, routing, epflow_core::Algorithm::HighThroughput, Some(seq)),
         mem: Some(mem),
         pool: Arc::clone(&shared.handle_pool),
-        dispatched: AtomicBool::new(false),
         ht: Some(HtHandleInfo {
             num_recv,
             expert_counts,
@@ -321,7 +320,7 @@ impl GpuRank {
                 out: PinnedBuffer::zeroed(&s.ctx, s.num_ranks * row * 4)?,
             },
         };
-        let seq = self.seqs[Channel::Handle.index()].fetch_add(1, Ordering::Relaxed);
+        let seq = self.core.next_seq(Channel::Handle);
         let launch = if row == words {
             bufs.msgs.write_i32s(&plan.msgs);
             Launch::Exchange(ExchangeParams {
@@ -369,7 +368,7 @@ impl GpuRank {
     ) -> Result<GpuOp, Error> {
         let s = &self.shared;
         let descs = epflow_core::validate::dispatch_output_descs(&self.ctx_for(h), opts);
-        let seq = self.seqs[Channel::Dispatch.index()].fetch_add(1, Ordering::Relaxed);
+        let seq = self.core.next_seq(Channel::Dispatch);
         let mut p = self.ht_params(Channel::Dispatch, h, seq)?;
         let fp8 = descs.scales.is_some();
         p.fp8 = i32::from(fp8);
@@ -422,7 +421,7 @@ impl GpuRank {
             Channel::Dispatch,
             seq,
             launch,
-            Work::HtDispatch { handle: h.clone(), outputs: Some(Box::new((outputs, host_counts))) },
+            Work::HtDispatch { handle: h.clone(), pass: opts.pass, outputs: Some(Box::new((outputs, host_counts))) },
             &inputs_kept,
         );
         if let Some((_, xfers, staging)) = over_nccl {
@@ -442,7 +441,7 @@ impl GpuRank {
     ) -> Result<GpuOp, Error> {
         let s = &self.shared;
         let descs = epflow_core::validate::combine_output_descs(&self.ctx_for(h), opts);
-        let seq = self.seqs[Channel::Combine.index()].fetch_add(1, Ordering::Relaxed);
+        let seq = self.core.next_seq(Channel::Combine);
         let mut p = self.ht_params(Channel::Combine, h, seq)?;
         p.backward = i32::from(opts.pass == Pass::Backward);
         p.x = inputs.tokens.ptr();

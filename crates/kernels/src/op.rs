@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use cudarc::driver::{CudaEvent, LaunchConfig, PushKernelArg, sys};
 use epflow_core::backend::{OpOutput, PendingOp, Probe};
-use epflow_core::ops::{CombineOutputs, CountsLocation, DispatchOptions, DispatchOutputs};
+use epflow_core::ops::{CombineOutputs, CountsLocation, DispatchOptions, DispatchOutputs, Pass};
 use epflow_core::protocol::{Channel, SlotGuard, op_label};
 use epflow_core::routing::Routing;
 use epflow_core::{DType, Error, TensorDesc, TensorTag};
@@ -49,7 +49,7 @@ pub(crate) enum Work {
     Dispatch { handle: GpuHandle, opts: DispatchOptions },
     Combine { handle: GpuHandle },
     HtHandle { routing: Routing, plan: HtPlan, bufs: Option<ExchangeBuffers> },
-    HtDispatch { handle: GpuHandle, outputs: Option<Box<HtDispatchOutputs>> },
+    HtDispatch { handle: GpuHandle, pass: Pass, outputs: Option<Box<HtDispatchOutputs>> },
     HtCombine { outputs: Option<CombineOutputs<DeviceTensor>> },
 }
 
@@ -375,7 +375,7 @@ impl GpuOp {
                 rows[d] = counts[d].max(0) as usize;
             }
         }
-        handle.0.dispatched.store(true, Ordering::Release);
+        handle.0.core.record_dispatch(opts.pass, self.seq);
         Ok(GpuDispatchOutput {
             outputs: DispatchOutputs { tokens, scales, topk_weights: None, topk_idx: None, counts: Some(counts) },
             host_counts,
@@ -582,13 +582,13 @@ impl PendingOp for GpuOp {
         match work {
             Some(Work::HtHandle { routing, plan, .. }) => {
                 let received = received.ok_or_else(|| Error::Backend("count exchange without buffers".into()))??;
-                Ok(OpOutput::Handle(finish_handle(&self.shared, routing, &plan, &received)?))
+                Ok(OpOutput::Handle(finish_handle(&self.shared, self.seq, routing, &plan, &received)?))
             }
             Some(Work::Dispatch { handle, opts }) => Ok(OpOutput::Dispatch(self.finish_dispatch(&handle, opts)?)),
             Some(Work::Combine { handle }) => Ok(OpOutput::Combine(self.finish_combine(&handle)?)),
-            Some(Work::HtDispatch { handle, outputs: Some(boxed) }) => {
+            Some(Work::HtDispatch { handle, pass, outputs: Some(boxed) }) => {
                 let (outputs, host_counts) = *boxed;
-                handle.0.dispatched.store(true, Ordering::Release);
+                handle.0.core.record_dispatch(pass, self.seq);
                 Ok(OpOutput::Dispatch(GpuDispatchOutput {
                     outputs,
                     host_counts,

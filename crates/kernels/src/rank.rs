@@ -4,14 +4,15 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaStream};
-use epflow_core::backend::{Backend, HandleCreation};
+use epflow_core::backend::{Backend, HandleCreation, RankCore};
+use epflow_core::handle::{HandleCore, RoutingHandle};
 use epflow_core::ops::{CombineInputs, CombineOptions, CountsLocation, DispatchInputs, DispatchOptions};
-use epflow_core::protocol::{Channel, Poison, SlotPool};
+use epflow_core::protocol::Channel;
 use epflow_core::routing::{ExpertPlacement, Routing};
 use epflow_core::validate::{
     OpContext, check_topk_idx, routing_from_tensor, validate_combine_inputs, validate_dispatch_inputs,
 };
-use epflow_core::{Algorithm, DispatchDtype, Error, GroupConfig, ValidationError};
+use epflow_core::{Algorithm, DispatchDtype, Error, GroupConfig};
 
 use crate::cache::OutputCache;
 use crate::driver::{bind, cuda};
@@ -162,9 +163,7 @@ impl Drop for RankShared {
 #[derive(Debug)]
 pub struct GpuRank {
     pub(crate) shared: Arc<RankShared>,
-    pub(crate) seqs: [AtomicU64; 3],
-    pub(crate) slots: [Arc<SlotPool>; 3],
-    pub(crate) poison: Poison,
+    pub(crate) core: RankCore,
 }
 
 /// A routing handle on the GPU backend: the validated routing and its device memory (a copy
@@ -175,11 +174,9 @@ pub struct GpuHandle(pub(crate) Arc<HandleInner>);
 
 #[derive(Debug)]
 pub(crate) struct HandleInner {
-    pub group_id: u64,
-    pub routing: Routing,
+    pub core: HandleCore,
     pub mem: Option<DeviceBuffer>,
     pub pool: Arc<Mutex<Vec<DeviceBuffer>>>,
-    pub dispatched: AtomicBool,
     /// High-throughput handles: what the count exchange taught.
     pub ht: Option<HtHandleInfo>,
     /// Low-latency handles with NCCL peers: per rank, `(first row, rows)` of its combine rows
@@ -206,17 +203,17 @@ impl Drop for HandleInner {
 impl GpuHandle {
     /// `B`.
     pub fn num_tokens(&self) -> usize {
-        self.0.routing.num_tokens()
+        self.0.core.num_tokens()
     }
 
     /// `K`.
     pub fn top_k(&self) -> usize {
-        self.0.routing.top_k()
+        self.0.core.top_k()
     }
 
     /// The validated routing.
     pub fn routing(&self) -> &Routing {
-        &self.0.routing
+        self.0.core.routing()
     }
 
     /// High-throughput: `N`, the rows this rank receives (NCCL EP's
@@ -232,6 +229,20 @@ impl GpuHandle {
 
     pub(crate) fn ptr(&self) -> u64 {
         self.0.mem.as_ref().map_or(0, DeviceBuffer::ptr)
+    }
+}
+
+impl RoutingHandle for GpuHandle {
+    fn core(&self) -> &HandleCore {
+        &self.0.core
+    }
+
+    fn num_recv_tokens(&self) -> Option<usize> {
+        GpuHandle::num_recv_tokens(self)
+    }
+
+    fn recv_expert_counts(&self) -> Option<&[i32]> {
+        GpuHandle::recv_expert_counts(self)
     }
 }
 
@@ -381,23 +392,11 @@ impl GpuRank {
     }
 
     pub(crate) fn check_handle(&self, h: &GpuHandle) -> Result<(), Error> {
-        self.poison.check()?;
-        if h.0.group_id != self.shared.group_id {
-            return Err(
-                ValidationError::ForeignHandle { handle_group: h.0.group_id, group: self.shared.group_id }.into()
-            );
-        }
-        Ok(())
+        self.core.check_handle(h)
     }
 
     pub(crate) fn ctx_for(&self, h: &GpuHandle) -> OpContext<'_> {
-        OpContext {
-            config: &self.shared.config,
-            num_ranks: self.shared.num_ranks,
-            num_tokens: h.num_tokens(),
-            top_k: h.top_k(),
-            num_recv: h.num_recv_tokens().unwrap_or(0),
-        }
+        self.core.op_context(h)
     }
 
     pub(crate) fn check_device(&self, t: &DeviceTensor, what: &str) -> Result<(), Error> {
@@ -495,28 +494,12 @@ impl Backend for GpuRank {
     type CombineOutput = GpuCombineOutput;
     type Op = GpuOp;
 
-    fn rank(&self) -> usize {
-        self.shared.rank
-    }
-
-    fn num_ranks(&self) -> usize {
-        self.shared.num_ranks
-    }
-
-    fn config(&self) -> &GroupConfig {
-        &self.shared.config
-    }
-
-    fn poison(&self) -> &Poison {
-        &self.poison
-    }
-
-    fn slot_pool(&self, channel: Channel) -> &Arc<SlotPool> {
-        &self.slots[channel.index()]
+    fn core(&self) -> &RankCore {
+        &self.core
     }
 
     fn start_handle(&self, topk_idx: &DeviceTensor) -> Result<HandleCreation<GpuHandle, GpuOp>, Error> {
-        self.poison.check()?;
+        self.core.poison().check()?;
         self.check_device(topk_idx, "topk_idx")?;
         let s = &self.shared;
         let d = topk_idx.desc();
@@ -544,11 +527,9 @@ impl Backend for GpuRank {
             None => None,
         };
         Ok(HandleCreation::Ready(GpuHandle(Arc::new(HandleInner {
-            group_id: s.group_id,
-            routing,
+            core: HandleCore::new(s.group_id, routing, Algorithm::LowLatency, None),
             mem: Some(mem),
             pool: Arc::clone(&s.handle_pool),
-            dispatched: AtomicBool::new(false),
             ht: None,
             ll_nccl,
         }))))
@@ -569,7 +550,7 @@ impl Backend for GpuRank {
         let s = &self.shared;
         let mut p = self.base_params(0, h)?;
         p.x = inputs.tokens.ptr();
-        let seq = self.seqs[Channel::Dispatch.index()].fetch_add(1, Ordering::Relaxed);
+        let seq = self.core.next_seq(Channel::Dispatch);
         let set = (seq % s.config.buffer_sets as u64) as usize;
         p.seq = seq;
         p.set = set as i32;
@@ -600,20 +581,18 @@ impl Backend for GpuRank {
     ) -> Result<GpuOp, Error> {
         self.check_handle(h)?;
         validate_combine_inputs(&self.ctx_for(h), opts, &inputs)?;
+        h.0.core.combine_dispatch(opts.pass)?;
         if self.shared.config.algorithm == Algorithm::HighThroughput {
             return self.ht_start_combine(h, inputs, opts);
         }
-        if !h.0.dispatched.load(Ordering::Acquire) {
-            return Err(ValidationError::CombineBeforeDispatch.into());
-        }
-        let weights = inputs.topk_weights.ok_or(ValidationError::CombineBeforeDispatch)?;
+        let weights = inputs.topk_weights.ok_or_else(|| Error::Backend("validated combine without weights".into()))?;
         self.check_device(inputs.tokens, "combine input tokens")?;
         self.check_device(weights, "combine input topk_weights")?;
         let s = &self.shared;
         let mut p = self.base_params(1, h)?;
         p.expert_out = inputs.tokens.ptr();
         p.weights = weights.ptr();
-        let seq = self.seqs[Channel::Combine.index()].fetch_add(1, Ordering::Relaxed);
+        let seq = self.core.next_seq(Channel::Combine);
         let set = (seq % s.config.buffer_sets as u64) as usize;
         p.seq = seq;
         p.set = set as i32;

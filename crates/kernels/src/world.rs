@@ -5,7 +5,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
-use epflow_core::protocol::{Channel, Poison, SlotPool};
+use epflow_core::backend::RankCore;
 use epflow_core::{Error, GroupConfig};
 
 use crate::cache::OutputCache;
@@ -255,12 +255,8 @@ fn build_rank(
         turns: Default::default(),
         nccl,
     });
-    Ok(GpuRank {
-        shared,
-        seqs: Default::default(),
-        slots: Channel::ALL.map(|c| SlotPool::new(c, config.buffer_sets)),
-        poison: Poison::default(),
-    })
+    let core = RankCore::new(place.rank, place.num_ranks, place.group_id, config.clone());
+    Ok(GpuRank { shared, core })
 }
 
 /// The dispatch, combine and handle streams, at the device's highest priority: when compute and

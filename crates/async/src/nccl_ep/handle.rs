@@ -1,9 +1,9 @@
 //! Routing handles of the NCCL EP backend (`ncclEpCreateHandle`).
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 
 use epflow_core::Error;
+use epflow_core::handle::{HandleCore, RoutingHandle};
 use epflow_core::routing::Routing;
 use epflow_kernels::DeviceTensor;
 use nccl_ep_sys as ep;
@@ -50,10 +50,9 @@ pub(super) struct HtRecv {
 pub(super) struct HandleInner {
     pub shared: Arc<Shared>,
     pub raw: ep::NcclEpHandle,
-    pub routing: Routing,
+    pub core: HandleCore,
     pub ht: Option<HtRecv>,
     pub _topk: DeviceTensor,
-    pub dispatched: AtomicBool,
 }
 
 // SAFETY: the raw handle is used only inside operations issued in turn order.
@@ -80,7 +79,7 @@ pub struct NcclEpHandle(pub(super) Arc<HandleInner>);
 impl std::fmt::Debug for NcclEpHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NcclEpHandle")
-            .field("tokens", &self.0.routing.num_tokens())
+            .field("tokens", &self.0.core.num_tokens())
             .field("num_recv", &self.num_recv_tokens())
             .finish()
     }
@@ -89,7 +88,7 @@ impl std::fmt::Debug for NcclEpHandle {
 impl NcclEpHandle {
     /// The validated routing.
     pub fn routing(&self) -> &Routing {
-        &self.0.routing
+        self.0.core.routing()
     }
 
     /// High-throughput: `N`, the rows this rank receives (what NCCL EP's `recv_total_counter`
@@ -105,5 +104,19 @@ impl NcclEpHandle {
 
     pub(super) fn ht(&self) -> Result<&HtRecv, Error> {
         self.0.ht.as_ref().ok_or_else(|| Error::Backend("a low-latency handle in a high-throughput operation".into()))
+    }
+}
+
+impl RoutingHandle for NcclEpHandle {
+    fn core(&self) -> &HandleCore {
+        &self.0.core
+    }
+
+    fn num_recv_tokens(&self) -> Option<usize> {
+        NcclEpHandle::num_recv_tokens(self)
+    }
+
+    fn recv_expert_counts(&self) -> Option<&[i32]> {
+        NcclEpHandle::recv_expert_counts(self)
     }
 }

@@ -38,12 +38,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use cudarc::driver::{CudaContext, CudaStream};
-use epflow_core::backend::{Backend, HandleCreation};
+use epflow_core::backend::{Backend, HandleCreation, RankCore};
+use epflow_core::handle::HandleCore;
 use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, Pass};
-use epflow_core::protocol::{Channel, Poison, SlotPool};
-use epflow_core::validate::{
-    OpContext, check_topk_idx, routing_from_tensor, validate_combine_inputs, validate_dispatch_inputs,
-};
+use epflow_core::protocol::Channel;
+use epflow_core::validate::{check_topk_idx, routing_from_tensor, validate_combine_inputs, validate_dispatch_inputs};
 use epflow_core::{Algorithm, DType, Error, GroupConfig, TensorDesc, TensorTag, ValidationError};
 use epflow_kernels::DeviceTensor;
 use epflow_kernels::nccl::NcclComms;
@@ -83,13 +82,14 @@ impl NcclEpWorld {
         let lib = Arc::new(ep::NcclEp::load().map_err(|e| Error::Unsupported(format!("NCCL EP: {e}")))?);
         let comms = NcclComms::init_all(devices)?;
         let teardown = Teardown::new(num_ranks);
+        let group_id = NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed);
         std::thread::scope(|s| {
             let joins: Vec<_> = comms
                 .into_iter()
                 .enumerate()
                 .map(|(rank, comms)| {
                     let (lib, config, teardown) = (Arc::clone(&lib), config.clone(), Arc::clone(&teardown));
-                    let at = Place { rank, num_ranks, device: devices[rank], max_tokens };
+                    let at = Place { rank, num_ranks, device: devices[rank], max_tokens, group_id };
                     s.spawn(move || NcclEpRank::new(lib, comms, at, config, teardown))
                 })
                 .collect();
@@ -101,21 +101,23 @@ impl NcclEpWorld {
     }
 }
 
+/// Group ids of NCCL EP worlds (apart from the other backends' ids).
+static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1 << 48);
+
 /// Where a rank sits.
 struct Place {
     rank: usize,
     num_ranks: usize,
     device: usize,
     max_tokens: usize,
+    group_id: u64,
 }
 
 /// One rank of an NCCL EP group.
 pub struct NcclEpRank {
     shared: Arc<Shared>,
-    seqs: [AtomicU64; 3],
+    core: RankCore,
     order: AtomicU64,
-    slots: [Arc<SlotPool>; 3],
-    poison: Poison,
 }
 
 impl std::fmt::Debug for NcclEpRank {
@@ -132,7 +134,7 @@ impl NcclEpRank {
         config: GroupConfig,
         teardown: Arc<Teardown>,
     ) -> Result<Self, Error> {
-        let Place { rank, num_ranks, device, max_tokens } = at;
+        let Place { rank, num_ranks, device, max_tokens, group_id } = at;
         let ctx = CudaContext::new(device).map_err(|e| cuda("open device", e))?;
         ctx.bind_to_thread().map_err(|e| cuda("bind context", e))?;
         let stream = ctx.new_stream().map_err(|e| cuda("create stream", e))?;
@@ -155,7 +157,7 @@ impl NcclEpRank {
                 return Err(e);
             }
         };
-        let slots = Channel::ALL.map(|c| SlotPool::new(c, config.buffer_sets));
+        let core = RankCore::new(rank, num_ranks, group_id, config.clone());
         Ok(NcclEpRank {
             shared: Arc::new(Shared {
                 lib,
@@ -173,10 +175,8 @@ impl NcclEpRank {
                 comms: Some(comms),
                 teardown,
             }),
-            seqs: Default::default(),
+            core,
             order: AtomicU64::new(0),
-            slots,
-            poison: Poison::default(),
         })
     }
 
@@ -205,18 +205,8 @@ impl NcclEpRank {
         (self.shared.lib.path(), self.shared.lib.version())
     }
 
-    fn ctx_for(&self, h: &NcclEpHandle) -> OpContext<'_> {
-        OpContext {
-            config: &self.shared.config,
-            num_ranks: self.shared.num_ranks,
-            num_tokens: h.0.routing.num_tokens(),
-            top_k: h.0.routing.top_k(),
-            num_recv: h.num_recv_tokens().unwrap_or(0),
-        }
-    }
-
     fn check_handle(&self, h: &NcclEpHandle, pass: Pass) -> Result<(), Error> {
-        self.poison.check()?;
+        self.core.check_handle(h)?;
         if !Arc::ptr_eq(&h.0.shared, &self.shared) {
             return Err(Error::Unsupported("the handle belongs to another NCCL EP rank".into()));
         }
@@ -227,7 +217,7 @@ impl NcclEpRank {
     }
 
     fn new_op(&self, channel: Channel, h: &NcclEpHandle, work: Work, inputs: &[&DeviceTensor]) -> NcclEpOp {
-        let seq = self.seqs[channel.index()].fetch_add(1, Ordering::Relaxed);
+        let seq = self.core.next_seq(channel);
         NcclEpOp {
             shared: Arc::clone(&self.shared),
             handle: h.clone(),
@@ -272,31 +262,15 @@ impl Backend for NcclEpRank {
     type CombineOutput = NcclEpCombineOutput;
     type Op = NcclEpOp;
 
-    fn rank(&self) -> usize {
-        self.shared.rank
-    }
-
-    fn num_ranks(&self) -> usize {
-        self.shared.num_ranks
-    }
-
-    fn config(&self) -> &GroupConfig {
-        &self.shared.config
-    }
-
-    fn poison(&self) -> &Poison {
-        &self.poison
-    }
-
-    fn slot_pool(&self, channel: Channel) -> &Arc<SlotPool> {
-        &self.slots[channel.index()]
+    fn core(&self) -> &RankCore {
+        &self.core
     }
 
     /// `ncclEpCreateHandle` on the rank's stream, waited for before returning. Collective
     /// (high-throughput: an all-gather of the routing), so every rank creates its handles in
     /// the same order, each from its own thread.
     fn start_handle(&self, topk_idx: &DeviceTensor) -> Result<HandleCreation<NcclEpHandle, NcclEpOp>, Error> {
-        self.poison.check()?;
+        self.core.poison().check()?;
         let s = &self.shared;
         let d = topk_idx.desc();
         check_topk_idx(&s.config, d)?;
@@ -333,13 +307,14 @@ impl Backend for NcclEpRank {
         };
         s.check("ncclEpCreateHandle", rc)?;
         let synced = s.stream.synchronize().map_err(|e| cuda("create handle", e));
+        // NCCL EP's handle creation is collective for both algorithms; its number identifies it.
+        let creation = ht.then(|| self.core.next_seq(Channel::Handle));
         let mut handle = HandleInner {
             shared: Arc::clone(&self.shared),
             raw,
-            routing,
+            core: HandleCore::new(self.core.group_id(), routing, s.config.algorithm, creation),
             ht: None,
             _topk: topk_idx.clone(),
-            dispatched: AtomicBool::new(false),
         };
         synced?;
         handle.ht = match recv {
@@ -365,7 +340,7 @@ impl Backend for NcclEpRank {
         opts: &DispatchOptions,
     ) -> Result<NcclEpOp, Error> {
         self.check_handle(h, opts.pass)?;
-        validate_dispatch_inputs(&self.ctx_for(h), opts, &inputs)?;
+        validate_dispatch_inputs(&self.core.op_context(h), opts, &inputs)?;
         let mut kept = vec![inputs.tokens];
         if self.shared.config.algorithm == Algorithm::HighThroughput {
             kept.push(inputs.topk_weights.ok_or(ValidationError::MissingTensor {
@@ -383,10 +358,8 @@ impl Backend for NcclEpRank {
         opts: &CombineOptions,
     ) -> Result<NcclEpOp, Error> {
         self.check_handle(h, opts.pass)?;
-        validate_combine_inputs(&self.ctx_for(h), opts, &inputs)?;
-        if !h.0.dispatched.load(Ordering::Acquire) {
-            return Err(ValidationError::CombineBeforeDispatch.into());
-        }
+        validate_combine_inputs(&self.core.op_context(h), opts, &inputs)?;
+        h.0.core.combine_dispatch(opts.pass)?;
         let mut kept = vec![inputs.tokens];
         if self.shared.config.algorithm == Algorithm::LowLatency {
             kept.push(inputs.topk_weights.ok_or(ValidationError::CombineBeforeDispatch)?);

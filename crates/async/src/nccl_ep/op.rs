@@ -125,8 +125,8 @@ impl NcclEpOp {
     fn issue(&mut self) -> Result<(), Error> {
         let s = Arc::clone(&self.shared);
         let (h, l, m, r) = (s.config.hidden, s.config.local_experts(s.num_ranks), s.max_tokens, s.num_ranks);
-        let b = self.handle.0.routing.num_tokens();
-        let k = self.handle.0.routing.top_k();
+        let b = self.handle.0.core.num_tokens();
+        let k = self.handle.0.core.top_k();
         let set = &s.sets[self.set];
         let raw = self.handle.0.raw;
         let ht = self.ht();
@@ -197,7 +197,7 @@ impl NcclEpOp {
         let s = Arc::clone(&self.shared);
         let set = &s.sets[self.set];
         let (outputs, host_counts) = if let Ok(recv) = self.handle.ht() {
-            let (n, k, h) = (recv.num_recv, self.handle.0.routing.top_k(), s.config.hidden);
+            let (n, k, h) = (recv.num_recv, self.handle.0.core.top_k(), s.config.hidden);
             let (wp, ip) =
                 self.topk_out.ok_or_else(|| Error::Backend("dispatch finished before it was issued".into()))?;
             let view = |ptr, tag, dtype, shape: &[usize]| {
@@ -230,13 +230,13 @@ impl NcclEpOp {
             };
             (outputs, host)
         };
-        self.handle.0.dispatched.store(true, Ordering::Release);
+        self.handle.0.core.record_dispatch(epflow_core::ops::Pass::Forward, self.seq);
         Ok(NcclEpDispatchOutput { outputs, host_counts, elapsed: self.elapsed(), _slot: self.slot.take() })
     }
 
     fn finish_combine(&mut self) -> Result<NcclEpCombineOutput, Error> {
         let s = &self.shared;
-        let b = self.handle.0.routing.num_tokens();
+        let b = self.handle.0.core.num_tokens();
         let desc = TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[b, s.config.hidden]);
         // SAFETY: the first `b` rows of the set's `[M x H]` buffer, alive as long as the rank; the
         // output holds the buffer set's slot, as the GPU backend's outputs do.
@@ -375,7 +375,7 @@ impl PendingOp for NcclEpOp {
     }
 
     fn traffic(&self) -> (u64, u64) {
-        let b = self.handle.0.routing.num_tokens() as u64;
+        let b = self.handle.0.core.num_tokens() as u64;
         (b * self.shared.config.hidden as u64 * 2, b)
     }
 

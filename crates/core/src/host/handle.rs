@@ -1,40 +1,46 @@
 //! Host routing handles.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex};
 
+use crate::handle::{HandleCore, RoutingHandle};
 use crate::routing::{HtRecvLayout, LlRecvLayout, Routing, SendPlan};
 
-/// A routing handle on the host backend: one rank's validated `topk_idx`, its send plan, and
-/// the receive layouts learnt by collectives. Cheap to clone; serves one forward
-/// dispatch/combine pair and, for high-throughput, the backward pair.
+/// A routing handle on the host backend: one rank's validated routing, its send plan, and the
+/// receive layouts learnt by collectives. Cheap to clone. It serves any number of
+/// dispatch/combine pairs (forward and, for high-throughput, backward); a combine pairs with
+/// the latest completed dispatch of the same pass ([`crate::handle`]).
 #[derive(Clone, Debug)]
 pub struct HostHandle(pub(crate) Arc<HandleInner>);
 
 #[derive(Debug)]
 pub(crate) struct HandleInner {
-    pub(crate) group_id: u64,
-    pub(crate) routing: Routing,
+    pub(crate) core: HandleCore,
     pub(crate) plan: SendPlan,
     /// High-throughput: what this rank receives, from the handle's count exchange.
     pub(crate) ht: Option<HtRecvLayout>,
-    /// Low-latency: what this rank received, set when a dispatch on this handle completes.
-    pub(crate) ll: OnceLock<LlRecvLayout>,
+    /// Low-latency: what this rank received in the latest completed dispatch on this handle,
+    /// with that dispatch's number.
+    pub(crate) ll: Mutex<Option<(u64, Arc<LlRecvLayout>)>>,
 }
 
 impl HostHandle {
+    pub(crate) fn new(core: HandleCore, plan: SendPlan, ht: Option<HtRecvLayout>) -> Self {
+        HostHandle(Arc::new(HandleInner { core, plan, ht, ll: Mutex::new(None) }))
+    }
+
     /// `B`, tokens this rank routes.
     pub fn num_tokens(&self) -> usize {
-        self.0.routing.num_tokens()
+        self.0.core.num_tokens()
     }
 
     /// `K`.
     pub fn top_k(&self) -> usize {
-        self.0.routing.top_k()
+        self.0.core.top_k()
     }
 
     /// The validated routing.
     pub fn routing(&self) -> &Routing {
-        &self.0.routing
+        self.0.core.routing()
     }
 
     /// High-throughput: `N`, the rows this rank will receive (NCCL EP's
@@ -48,13 +54,40 @@ impl HostHandle {
         self.0.ht.as_ref().map(HtRecvLayout::expert_counts)
     }
 
-    /// Low-latency: the receive layout of the completed dispatch on this handle.
-    pub fn ll_layout(&self) -> Option<&LlRecvLayout> {
-        self.0.ll.get()
+    /// Low-latency: the receive layout of the latest completed dispatch on this handle.
+    pub fn ll_layout(&self) -> Option<Arc<LlRecvLayout>> {
+        self.ll_layout_with_seq().map(|(_, l)| l)
+    }
+
+    /// The latest low-latency receive layout with the number of its dispatch.
+    pub(crate) fn ll_layout_with_seq(&self) -> Option<(u64, Arc<LlRecvLayout>)> {
+        self.0.ll.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Records the layout dispatch `seq` received (kept if no later dispatch recorded one).
+    pub(crate) fn set_ll_layout(&self, seq: u64, layout: LlRecvLayout) {
+        let mut ll = self.0.ll.lock().unwrap_or_else(|e| e.into_inner());
+        if ll.as_ref().is_none_or(|(s, _)| *s < seq) {
+            *ll = Some((seq, Arc::new(layout)));
+        }
     }
 
     /// High-throughput: the receive layout.
     pub fn ht_layout(&self) -> Option<&HtRecvLayout> {
         self.0.ht.as_ref()
+    }
+}
+
+impl RoutingHandle for HostHandle {
+    fn core(&self) -> &HandleCore {
+        &self.0.core
+    }
+
+    fn num_recv_tokens(&self) -> Option<usize> {
+        HostHandle::num_recv_tokens(self)
+    }
+
+    fn recv_expert_counts(&self) -> Option<&[i32]> {
+        HostHandle::recv_expert_counts(self)
     }
 }

@@ -35,6 +35,7 @@
 
 mod handle;
 mod mailbox;
+pub mod memory;
 mod messages;
 mod op;
 mod outputs;
@@ -55,17 +56,4 @@ pub struct HostWorldShared {
     pub(crate) num_ranks: usize,
     pub(crate) group_id: u64,
     pub(crate) mailboxes: Mailboxes,
-}
-
-impl HostWorldShared {
-    /// The sizes an operation on `handle` is checked against.
-    pub(crate) fn op_context(&self, handle: &HostHandle) -> crate::validate::OpContext<'_> {
-        crate::validate::OpContext {
-            config: &self.config,
-            num_ranks: self.num_ranks,
-            num_tokens: handle.num_tokens(),
-            top_k: handle.top_k(),
-            num_recv: handle.num_recv_tokens().unwrap_or(0),
-        }
-    }
 }

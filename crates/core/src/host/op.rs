@@ -1,21 +1,23 @@
 //! [`HostOp`]: one host operation as a [`PendingOp`] state machine.
 
-use std::sync::{Arc, OnceLock, RwLockReadGuard};
+use std::sync::{Arc, RwLockReadGuard};
 
 use half::bf16;
 
 use super::HostWorldShared;
-use super::handle::{HandleInner, HostHandle};
+use super::handle::HostHandle;
 use super::mailbox::Staging;
-use super::messages::Message;
+use super::messages::{Body, Message};
 use super::outputs::{Buffers, HostCombineOutput, HostDispatchOutput, Recycle};
 use crate::backend::{OpOutput, PendingOp};
 use crate::config::{Algorithm, DispatchDtype};
 use crate::error::{Error, Result};
 use crate::fp8;
+use crate::handle::HandleCore;
 use crate::ops::{CombineOptions, CombineOutputs, DispatchOptions, DispatchOutputs, Pass};
 use crate::protocol::{Channel, SlotGuard, op_label};
 use crate::routing::{HtRecvLayout, LlRecvLayout, Routing, SendPlan};
+use crate::stamp::Stamp;
 use crate::tensor::{HostData, HostTensor, TensorTag};
 use crate::validate::{OpContext, combine_output_descs, dispatch_output_descs};
 
@@ -45,6 +47,9 @@ pub struct HostOp {
     pub(crate) rank: usize,
     pub(crate) channel: Channel,
     pub(crate) seq: u64,
+    /// What the peers must agree on; checked against every data message received.
+    pub(crate) stamp: Stamp,
+    /// `None` for a cancellation (a validation failure still takes part in the collective).
     pub(crate) work: Option<Work>,
     /// Per destination, the header to send (taken by `send`).
     pub(crate) outgoing: Vec<Option<Message>>,
@@ -66,11 +71,11 @@ impl HostOp {
     }
 
     fn ctx(&self, handle: &HostHandle) -> OpContext<'_> {
-        self.world.op_context(handle)
+        OpContext::new(&self.world.config, self.world.num_ranks, handle)
     }
 
-    fn mismatch(&self, peer: usize, msg: &Message) -> Error {
-        Error::OrderMismatch { op: op_label(self.channel, self.seq), peer, got: msg.kind() }
+    fn mismatch(&self, peer: usize, body: &Body) -> Error {
+        Error::OrderMismatch { op: op_label(self.channel, self.seq), peer, got: body.kind().to_string() }
     }
 
     fn internal(&self, what: String) -> Error {
@@ -90,34 +95,29 @@ impl HostOp {
         }
     }
 
-    fn output(&self, desc: &crate::TensorDesc) -> HostData {
+    fn output(&self, desc: &crate::TensorDesc) -> Result<HostData> {
         self.buffers.take_output(self.channel, self.slot.as_ref().map_or(0, SlotGuard::set), desc)
     }
 
-    fn finish_handle(&self, routing: Routing, plan: SendPlan, msgs: &[Message]) -> Result<HostHandle> {
+    fn finish_handle(&self, routing: Routing, plan: SendPlan, msgs: &[&Body]) -> Result<HostHandle> {
         let l = self.world.config.local_experts(self.world.num_ranks);
         let mut plans = Vec::with_capacity(msgs.len());
         for (src, m) in msgs.iter().enumerate() {
             match m {
-                Message::HandlePlan { copies } => plans.push((src, copies.as_slice())),
+                Body::HandlePlan { copies } => plans.push((src, copies.as_slice())),
                 other => return Err(self.mismatch(src, other)),
             }
         }
         let layout = HtRecvLayout::from_received(l, plans);
-        Ok(HostHandle(Arc::new(HandleInner {
-            group_id: self.world.group_id,
-            routing,
-            plan,
-            ht: Some(layout),
-            ll: OnceLock::new(),
-        })))
+        let core = HandleCore::new(self.world.group_id, routing, Algorithm::HighThroughput, Some(self.seq));
+        Ok(HostHandle::new(core, plan, Some(layout)))
     }
 
     fn finish_dispatch(
         &mut self,
         handle: &HostHandle,
         opts: DispatchOptions,
-        msgs: &[Message],
+        msgs: &[&Body],
     ) -> Result<HostDispatchOutput> {
         let cfg = &self.world.config;
         let (h, cols, k_n) = (cfg.hidden, cfg.scale_cols(), handle.top_k());
@@ -126,12 +126,12 @@ impl HostOp {
         let mut received = Vec::with_capacity(msgs.len());
         for (src, m) in msgs.iter().enumerate() {
             match m {
-                Message::Dispatch { pass, copies } if *pass == opts.pass => received.push((src, copies.as_slice())),
+                Body::Dispatch { copies } => received.push((src, copies.as_slice())),
                 other => return Err(self.mismatch(src, other)),
             }
         }
-        let mut tokens = self.output(&descs.tokens);
-        let mut scales = descs.scales.as_ref().map(|d| self.output(d));
+        let mut tokens = self.output(&descs.tokens)?;
+        let mut scales = descs.scales.as_ref().map(|d| self.output(d)).transpose()?;
         let payloads = self.staged_payloads();
         // Copies row `t` of source `s` into output row `dst`, quantizing BF16 rows when the
         // output is FP8 (low-latency FP8 dispatch quantizes in flight).
@@ -161,6 +161,9 @@ impl HostOp {
                     for copy in copies {
                         for sel in &copy.selections {
                             let le = sel.local_expert as usize;
+                            if le >= l || filled[le] >= rows_per_expert {
+                                return Err(self.internal(format!("rank {s} sent more rows than fit expert {le}")));
+                            }
                             put(le * rows_per_expert + filled[le], s, copy.token as usize);
                             filled[le] += 1;
                         }
@@ -168,8 +171,7 @@ impl HostOp {
                 }
                 let layout = LlRecvLayout::from_received(l, received.iter().copied());
                 let counts = layout.counts();
-                // A dispatch repeated on the same handle yields the same layout.
-                let _ = handle.0.ll.set(layout);
+                handle.set_ll_layout(self.seq, layout);
                 counts
             }
             Algorithm::HighThroughput => {
@@ -187,8 +189,14 @@ impl HostOp {
                         if forward {
                             for sel in &copy.selections {
                                 let k = sel.k as usize;
-                                i[row * k_n + k] = i64::from(sel.local_expert);
-                                w[row * k_n + k] = payloads[s].weights[t * k_n + k];
+                                let weight = payloads[s].weights.get(t * k_n + k).copied();
+                                match (i.get_mut(row * k_n + k), weight) {
+                                    (Some(slot), Some(weight)) => {
+                                        *slot = i64::from(sel.local_expert);
+                                        w[row * k_n + k] = weight;
+                                    }
+                                    _ => return Err(self.internal(format!("rank {s} sent a selection outside top-k"))),
+                                }
                             }
                         }
                         row += 1;
@@ -205,6 +213,7 @@ impl HostOp {
             }
         };
         drop(payloads);
+        handle.0.core.record_dispatch(opts.pass, self.seq);
         let outputs = DispatchOutputs {
             tokens: HostTensor::new(TensorTag::Tokens, &descs.tokens.shape, tokens),
             scales: scales.zip(descs.scales.as_ref()).map(|(s, d)| HostTensor::new(TensorTag::Scales, &d.shape, s)),
@@ -220,12 +229,14 @@ impl HostOp {
         handle: &HostHandle,
         opts: CombineOptions,
         weights: &[f32],
-        msgs: &[Message],
+        msgs: &[&Body],
     ) -> Result<HostCombineOutput> {
         let h = self.world.config.hidden;
         let (b, k_n) = (handle.num_tokens(), handle.top_k());
         let descs = combine_output_descs(&self.ctx(handle), &opts);
-        let HostData::Bf16(mut out) = self.output(&descs.tokens) else { unreachable!("combine outputs are BF16") };
+        let HostData::Bf16(mut out) = self.output(&descs.tokens)? else {
+            return Err(self.internal("combine outputs are BF16".into()));
+        };
         let mut out_w = descs.topk_weights.as_ref().map(|_| vec![0f32; b * k_n]);
         let payloads = self.staged_payloads();
         match self.world.config.algorithm {
@@ -233,9 +244,13 @@ impl HostOp {
                 // where_[t * K + k] = (source, staged row) of that selection's expert output.
                 let mut where_: Vec<Option<(usize, usize)>> = vec![None; b * k_n];
                 for (src, m) in msgs.iter().enumerate() {
-                    let Message::LlCombine { entries } = m else { return Err(self.mismatch(src, m)) };
+                    let Body::LlCombine { entries } = m else { return Err(self.mismatch(src, m)) };
                     for &(t, k, row) in entries {
-                        where_[t as usize * k_n + k as usize] = Some((src, row as usize));
+                        let at = (k as usize) < k_n && (t as usize) < b;
+                        let Some(slot) = where_.get_mut(t as usize * k_n + k as usize).filter(|_| at) else {
+                            return Err(self.internal(format!("rank {src} sent token {t}, slot {k} of {b} x {k_n}")));
+                        };
+                        *slot = Some((src, row as usize));
                     }
                 }
                 let mut acc = vec![0f32; h];
@@ -249,7 +264,10 @@ impl HostOp {
                             return Err(self.internal(format!("no expert output for token {t}, slot {k}")));
                         };
                         let w = weights[t * k_n + k];
-                        for (a, x) in acc.iter_mut().zip(&payloads[s].bf16[row * h..(row + 1) * h]) {
+                        let Some(x) = payloads[s].bf16.get(row * h..(row + 1) * h) else {
+                            return Err(self.internal(format!("rank {s} staged no row {row}")));
+                        };
+                        for (a, x) in acc.iter_mut().zip(x) {
                             *a = w.mul_add(x.to_f32(), *a);
                         }
                     }
@@ -262,7 +280,7 @@ impl HostOp {
                 let mut acc = self.buffers.take_scratch(b * h);
                 for (d, m) in msgs.iter().enumerate() {
                     let first_row = match m {
-                        Message::HtCombine { pass, first_row } if *pass == opts.pass => *first_row,
+                        Body::HtCombine { first_row } => *first_row,
                         other => return Err(self.mismatch(d, other)),
                     };
                     let copies = handle.0.plan.copies_to(d);
@@ -278,7 +296,10 @@ impl HostOp {
                         if let Some(ow) = out_w.as_mut() {
                             for sel in &copy.selections {
                                 let k = sel.k as usize;
-                                ow[t * k_n + k] = p.weights[row * k_n + k];
+                                match (ow.get_mut(t * k_n + k), p.weights.get(row * k_n + k)) {
+                                    (Some(o), Some(&w)) => *o = w,
+                                    _ => return Err(self.internal(format!("rank {d} staged no weights for row {row}"))),
+                                }
                             }
                         }
                     }
@@ -301,14 +322,30 @@ impl HostOp {
     }
 
     fn produce(&mut self, msgs: &[Message]) -> Result<HostOpOutput> {
-        if let Some(peer) = msgs.iter().position(|m| matches!(m, Message::Cancelled)) {
-            return Err(Error::PeerCancelled { op: op_label(self.channel, self.seq), peer });
+        let mut bodies = Vec::with_capacity(msgs.len());
+        for (peer, m) in msgs.iter().enumerate() {
+            match m {
+                Message::Cancelled => {
+                    return Err(Error::PeerCancelled { op: op_label(self.channel, self.seq), peer });
+                }
+                Message::Data { stamp, body } => {
+                    if *stamp != self.stamp {
+                        return Err(Error::PeerMismatch {
+                            op: op_label(self.channel, self.seq),
+                            peer,
+                            ours: self.stamp,
+                            theirs: *stamp,
+                        });
+                    }
+                    bodies.push(body);
+                }
+            }
         }
         match self.work.take().ok_or_else(|| self.internal("finished twice".into()))? {
-            Work::Handle { routing, plan } => Ok(OpOutput::Handle(self.finish_handle(routing, plan, msgs)?)),
-            Work::Dispatch { handle, opts } => Ok(OpOutput::Dispatch(self.finish_dispatch(&handle, opts, msgs)?)),
+            Work::Handle { routing, plan } => Ok(OpOutput::Handle(self.finish_handle(routing, plan, &bodies)?)),
+            Work::Dispatch { handle, opts } => Ok(OpOutput::Dispatch(self.finish_dispatch(&handle, opts, &bodies)?)),
             Work::Combine { handle, opts, weights } => {
-                Ok(OpOutput::Combine(self.finish_combine(&handle, opts, &weights, msgs)?))
+                Ok(OpOutput::Combine(self.finish_combine(&handle, opts, &weights, &bodies)?))
             }
         }
     }
@@ -424,8 +461,8 @@ impl PendingOp for HostOp {
             .outgoing
             .iter()
             .map(|m| match m {
-                Some(Message::Dispatch { copies, .. }) => copies.len(),
-                Some(Message::LlCombine { entries }) => entries.len(),
+                Some(Message::Data { body: Body::Dispatch { copies }, .. }) => copies.len(),
+                Some(Message::Data { body: Body::LlCombine { entries }, .. }) => entries.len(),
                 _ => 0,
             })
             .sum();

@@ -8,6 +8,8 @@ use half::bf16;
 use half::vec::HalfBitsVecExt;
 
 use super::mailbox::Staging;
+use super::memory::check_host_alloc;
+use crate::error::Result;
 use crate::ops::{CombineOutputs, DispatchOutputs};
 use crate::protocol::{Channel, SlotGuard};
 use crate::tensor::{HostData, HostTensor, TensorDesc};
@@ -47,11 +49,12 @@ impl Buffers {
 
     /// A buffer for `desc`: a recycled one of the same type and size if the set has one, else a
     /// new zero-filled one (zeroed pages are mapped lazily, so untouched rows cost no memory).
-    /// Recycled buffers keep their old contents.
-    pub(crate) fn take_output(&self, channel: Channel, set: usize, desc: &TensorDesc) -> HostData {
+    /// Recycled buffers keep their old contents. Refuses a buffer larger than this machine's
+    /// memory ([`crate::Error::OutOfMemory`]) instead of aborting.
+    pub(crate) fn take_output(&self, channel: Channel, set: usize, desc: &TensorDesc) -> Result<HostData> {
         let mut list = lock(self.list(channel, set));
         match list.iter().position(|d| d.dtype() == desc.dtype && d.len() == desc.numel()) {
-            Some(i) => list.swap_remove(i),
+            Some(i) => Ok(list.swap_remove(i)),
             None => zeroed(desc),
         }
     }
@@ -93,16 +96,19 @@ impl Buffers {
     }
 }
 
-/// A zero-filled buffer for `desc`, allocated with `calloc` semantics.
-pub(crate) fn zeroed(desc: &TensorDesc) -> HostData {
+/// A zero-filled buffer for `desc`, allocated with `calloc` semantics (pages are mapped when
+/// first written), or [`crate::Error::OutOfMemory`] if it is larger than this machine's memory.
+pub(crate) fn zeroed(desc: &TensorDesc) -> Result<HostData> {
+    let bytes = (desc.numel() as u128).saturating_mul(desc.dtype.size_bytes() as u128);
+    check_host_alloc(|| format!("a {:?} output of shape {:?}", desc.tag, desc.shape), bytes)?;
     let n = desc.numel();
-    match desc.dtype {
+    Ok(match desc.dtype {
         crate::DType::Bf16 => HostData::Bf16(vec![0u16; n].reinterpret_into::<bf16>()),
         crate::DType::F32 => HostData::F32(vec![0.0; n]),
         crate::DType::I32 => HostData::I32(vec![0; n]),
         crate::DType::I64 => HostData::I64(vec![0; n]),
         crate::DType::Fp8E4m3 => HostData::Fp8(vec![0; n]),
-    }
+    })
 }
 
 /// Where an output's buffers go back to.

@@ -1,31 +1,31 @@
 //! [`HostWorld`] creates the ranks; [`HostRank`] is one rank's API, blocking and staged, and its
 //! [`Backend`] implementation for the async runtime.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use half::bf16;
 
 use super::HostWorldShared;
-use super::handle::{HandleInner, HostHandle};
+use super::handle::HostHandle;
 use super::mailbox::Mailboxes;
 use super::mailbox::Staging;
-use super::messages::Message;
+use super::messages::{Body, Message};
 use super::op::{HostOp, HostOpOutput, Work};
 use super::outputs::{Buffers, HostCombineOutput, HostDispatchOutput};
 use crate::backend::{
-    Backend, HandleCreation, OpOutput, PendingOp, complete_blocking, detach, run_blocking, send_blocking,
+    Backend, HandleCreation, OpOutput, PendingOp, RankCore, complete_blocking, detach, run_blocking, send_blocking,
 };
 use crate::config::{Algorithm, GroupConfig};
 use crate::error::{ConfigError, Error, Result, ValidationError};
+use crate::handle::HandleCore;
 use crate::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, Pass};
-use crate::protocol::{Channel, Poison, SlotPool};
+use crate::protocol::{Channel, Poison};
 use crate::routing::{ExpertPlacement, SendPlan};
+use crate::stamp::{Pairing, Stamp};
 use crate::tensor::{HostData, HostTensor};
-use crate::validate::{
-    OpContext, routing_from_tensor, validate_combine_inputs, validate_dispatch_inputs, validate_staged,
-};
+use crate::validate::{routing_from_tensor, validate_combine_inputs, validate_dispatch_inputs, validate_staged};
 
 static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -37,19 +37,13 @@ impl HostWorld {
     /// Creates the `num_ranks` ranks of a new world; give one to each thread (or task).
     pub fn create(num_ranks: usize, config: GroupConfig) -> Result<Vec<HostRank>, ConfigError> {
         config.validate(num_ranks)?;
-        let world = Arc::new(HostWorldShared {
-            mailboxes: Mailboxes::new(&config, num_ranks),
-            group_id: NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed),
-            num_ranks,
-            config,
-        });
+        let group_id = NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed);
+        let world =
+            Arc::new(HostWorldShared { mailboxes: Mailboxes::new(&config, num_ranks), group_id, num_ranks, config });
         Ok((0..num_ranks)
             .map(|rank| HostRank {
                 world: Arc::clone(&world),
-                rank,
-                seqs: Default::default(),
-                slots: Channel::ALL.map(|c| SlotPool::new(c, world.config.buffer_sets)),
-                poison: Arc::new(Poison::default()),
+                core: RankCore::new(rank, num_ranks, group_id, world.config.clone()),
                 buffers: Buffers::new(world.config.buffer_sets),
             })
             .collect())
@@ -76,10 +70,7 @@ impl HostWorld {
 #[derive(Debug)]
 pub struct HostRank {
     world: Arc<HostWorldShared>,
-    rank: usize,
-    seqs: [AtomicU64; 3],
-    slots: [Arc<SlotPool>; 3],
-    poison: Arc<Poison>,
+    core: RankCore,
     buffers: Arc<Buffers>,
 }
 
@@ -113,7 +104,7 @@ impl<T> HostStaged<T> {
 impl<T> Drop for HostStaged<T> {
     fn drop(&mut self) {
         if let Some(op) = self.op.take() {
-            detach(op, self.timeout);
+            detach(op, self.timeout, Arc::clone(&self.poison));
         }
     }
 }
@@ -139,31 +130,39 @@ fn into_combine(o: HostOpOutput) -> Result<HostCombineOutput> {
 impl HostRank {
     /// This rank.
     pub fn rank(&self) -> usize {
-        self.rank
+        self.core.rank()
     }
 
     /// Ranks in the world.
     pub fn num_ranks(&self) -> usize {
-        self.world.num_ranks
+        self.core.num_ranks()
     }
 
     /// The group config.
     pub fn config(&self) -> &GroupConfig {
-        &self.world.config
+        self.core.config()
     }
 
     /// Whether an earlier failure poisoned this rank's group.
     pub fn is_poisoned(&self) -> bool {
-        self.poison.is_poisoned()
+        self.core.poison().is_poisoned()
     }
 
-    fn new_op(&self, channel: Channel, work: Work, outgoing: Vec<Option<Message>>, staged: Option<Staging>) -> HostOp {
+    fn new_op(
+        &self,
+        channel: Channel,
+        work: Option<Work>,
+        stamp: Stamp,
+        outgoing: Vec<Option<Message>>,
+        staged: Option<Staging>,
+    ) -> HostOp {
         HostOp {
             world: Arc::clone(&self.world),
-            rank: self.rank,
+            rank: self.core.rank(),
             channel,
-            seq: self.seqs[channel.index()].fetch_add(1, Ordering::Relaxed),
-            work: Some(work),
+            seq: self.core.next_seq(channel),
+            stamp,
+            work,
             outgoing,
             staged,
             buffers: Arc::clone(&self.buffers),
@@ -174,18 +173,32 @@ impl HostRank {
         }
     }
 
-    fn check_handle(&self, handle: &HostHandle) -> Result<()> {
-        self.poison.check()?;
-        if handle.0.group_id != self.world.group_id {
-            return Err(
-                ValidationError::ForeignHandle { handle_group: handle.0.group_id, group: self.world.group_id }.into()
-            );
-        }
-        Ok(())
+    /// Takes part in the next collective of `channel` as a cancellation, in the background: an
+    /// operation whose arguments failed validation on this rank, so the peers fail at once with
+    /// [`Error::PeerCancelled`] instead of waiting for their timeout.
+    fn cancel_collective(&self, channel: Channel) {
+        let mut op = self.new_op(
+            channel,
+            None,
+            Stamp::new(0, Pass::Forward, Pairing::None),
+            vec![None; self.world.num_ranks],
+            None,
+        );
+        op.cancel();
+        detach(op, self.world.config.timeout, Arc::clone(self.core.poison()));
     }
 
-    fn ctx(&self, handle: &HostHandle) -> OpContext<'_> {
-        self.world.op_context(handle)
+    /// Runs `start` (which validates and creates an operation of `channel`); if it fails for a
+    /// reason other than a poisoned group, the collective still goes ahead as a cancellation.
+    fn collective<T>(&self, channel: Channel, start: impl FnOnce() -> Result<T>) -> Result<T> {
+        self.core.poison().check()?;
+        let r = start();
+        if let Err(e) = &r {
+            if !matches!(e, Error::Poisoned { .. }) {
+                self.cancel_collective(channel);
+            }
+        }
+        r
     }
 
     /// Creates a routing handle from `topk_idx` `[B x K]` int64 (collective for high-throughput:
@@ -194,7 +207,8 @@ impl HostRank {
         match self.start_handle(topk_idx)? {
             HandleCreation::Ready(h) => Ok(h),
             HandleCreation::Collective(op) => {
-                match run_blocking(op, &self.slots[Channel::Handle.index()], &self.poison, self.world.config.timeout)? {
+                match run_blocking(op, self.core.slot_pool(Channel::Handle), self.core.poison(), self.config().timeout)?
+                {
                     OpOutput::Handle(h) => Ok(h),
                     _ => Err(cancelled_error("handle creation")),
                 }
@@ -212,9 +226,9 @@ impl HostRank {
         let op = self.start_dispatch(handle, inputs, opts)?;
         into_dispatch(run_blocking(
             op,
-            &self.slots[Channel::Dispatch.index()],
-            &self.poison,
-            self.world.config.timeout,
+            self.core.slot_pool(Channel::Dispatch),
+            self.core.poison(),
+            self.config().timeout,
         )?)
     }
 
@@ -238,7 +252,12 @@ impl HostRank {
         opts: &CombineOptions,
     ) -> Result<HostCombineOutput> {
         let op = self.start_combine(handle, inputs, opts)?;
-        into_combine(run_blocking(op, &self.slots[Channel::Combine.index()], &self.poison, self.world.config.timeout)?)
+        into_combine(run_blocking(
+            op,
+            self.core.slot_pool(Channel::Combine),
+            self.core.poison(),
+            self.config().timeout,
+        )?)
     }
 
     /// Low-latency staged combine: returns after the send half (collective).
@@ -254,9 +273,10 @@ impl HostRank {
     }
 
     fn staged<T>(&self, channel: Channel, op: HostOp, extract: fn(HostOpOutput) -> Result<T>) -> Result<HostStaged<T>> {
-        let timeout = self.world.config.timeout;
-        let op = send_blocking(op, &self.slots[channel.index()], &self.poison, timeout)?;
-        Ok(HostStaged { op: Some(op), poison: Arc::clone(&self.poison), timeout, extract })
+        let timeout = self.config().timeout;
+        let poison = self.core.poison();
+        let op = send_blocking(op, self.core.slot_pool(channel), poison, timeout)?;
+        Ok(HostStaged { op: Some(op), poison: Arc::clone(poison), timeout, extract })
     }
 
     /// Stages the dispatch payload (this rank's whole input; receivers gather their rows) and
@@ -266,6 +286,7 @@ impl HostRank {
         handle: &HostHandle,
         inputs: &DispatchInputs<'_>,
         pass: Pass,
+        stamp: Stamp,
     ) -> (Vec<Option<Message>>, Staging) {
         let mut staged = self.buffers.take_staging();
         match inputs.tokens.data() {
@@ -281,25 +302,28 @@ impl HostRank {
         }
         let plan = &handle.0.plan;
         let msgs = (0..self.world.num_ranks)
-            .map(|d| Some(Message::Dispatch { pass, copies: plan.copies_to(d).to_vec() }))
+            .map(|d| Some(Message::Data { stamp, body: Body::Dispatch { copies: plan.copies_to(d).to_vec() } }))
             .collect();
         (msgs, staged)
     }
 
-    /// Stages the expert outputs the peers need and builds the headers.
+    /// Stages the expert outputs the peers need and builds the headers; returns them with the
+    /// combine's stamp (low-latency: paired with the dispatch whose layout the rows follow).
     fn combine_messages(
         &self,
         handle: &HostHandle,
         inputs: &CombineInputs<'_>,
         pass: Pass,
-    ) -> Result<(Vec<Option<Message>>, Staging)> {
+    ) -> Result<(Vec<Option<Message>>, Staging, Stamp)> {
         let cfg = &self.world.config;
         let (h, r) = (cfg.hidden, self.world.num_ranks);
         let x: &[bf16] = inputs.tokens.as_bf16().unwrap_or_default();
-        let mut staged = self.buffers.take_staging();
+        let core = &handle.0.core;
         match cfg.algorithm {
             Algorithm::LowLatency => {
-                let layout = handle.ll_layout().ok_or(ValidationError::CombineBeforeDispatch)?;
+                let (seq, layout) = handle.ll_layout_with_seq().ok_or(ValidationError::CombineBeforeDispatch)?;
+                let stamp = core.combine_stamp(pass, seq);
+                let mut staged = self.buffers.take_staging();
                 let rows_per_expert = r * cfg.fixed_max_tokens().unwrap_or(0);
                 let mut entries: Vec<Vec<(u32, u16, u32)>> = vec![Vec::new(); r];
                 for le in 0..layout.local_experts() {
@@ -310,10 +334,14 @@ impl HostRank {
                         staged.bf16.extend_from_slice(&x[off..off + h]);
                     }
                 }
-                Ok((entries.into_iter().map(|entries| Some(Message::LlCombine { entries })).collect(), staged))
+                let msgs =
+                    entries.into_iter().map(|entries| Some(Message::Data { stamp, body: Body::LlCombine { entries } }));
+                Ok((msgs.collect(), staged, stamp))
             }
             Algorithm::HighThroughput => {
                 let layout = handle.ht_layout().ok_or(ValidationError::CombineBeforeDispatch)?;
+                let stamp = core.combine_stamp(pass, core.combine_dispatch(pass)?);
+                let mut staged = self.buffers.take_staging();
                 staged.bf16.extend_from_slice(x);
                 if pass == Pass::Backward {
                     staged
@@ -328,9 +356,36 @@ impl HostRank {
                 for s in 0..r {
                     first[s + 1] += first[s];
                 }
-                Ok(((0..r).map(|s| Some(Message::HtCombine { pass, first_row: first[s] })).collect(), staged))
+                let msgs = (0..r).map(|s| Some(Message::Data { stamp, body: Body::HtCombine { first_row: first[s] } }));
+                Ok((msgs.collect(), staged, stamp))
             }
         }
+    }
+
+    fn prepare_dispatch(
+        &self,
+        handle: &HostHandle,
+        inputs: DispatchInputs<'_>,
+        opts: &DispatchOptions,
+    ) -> Result<HostOp> {
+        self.core.check_handle(handle)?;
+        validate_dispatch_inputs(&self.core.op_context(handle), opts, &inputs)?;
+        let stamp = handle.0.core.dispatch_stamp(opts.pass);
+        let (outgoing, staged) = self.dispatch_messages(handle, &inputs, opts.pass, stamp);
+        let work = Work::Dispatch { handle: handle.clone(), opts: *opts };
+        Ok(self.new_op(Channel::Dispatch, Some(work), stamp, outgoing, Some(staged)))
+    }
+
+    fn prepare_combine(&self, handle: &HostHandle, inputs: CombineInputs<'_>, opts: &CombineOptions) -> Result<HostOp> {
+        self.core.check_handle(handle)?;
+        validate_combine_inputs(&self.core.op_context(handle), opts, &inputs)?;
+        let (outgoing, staged, stamp) = self.combine_messages(handle, &inputs, opts.pass)?;
+        let weights = match self.world.config.algorithm {
+            Algorithm::LowLatency => inputs.topk_weights.and_then(HostTensor::as_f32).unwrap_or_default().to_vec(),
+            Algorithm::HighThroughput => Vec::new(),
+        };
+        let work = Work::Combine { handle: handle.clone(), opts: *opts, weights };
+        Ok(self.new_op(Channel::Combine, Some(work), stamp, outgoing, Some(staged)))
     }
 }
 
@@ -341,50 +396,33 @@ impl Backend for HostRank {
     type CombineOutput = HostCombineOutput;
     type Op = HostOp;
 
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn num_ranks(&self) -> usize {
-        self.world.num_ranks
-    }
-
-    fn config(&self) -> &GroupConfig {
-        &self.world.config
-    }
-
-    fn poison(&self) -> &Poison {
-        &self.poison
-    }
-
-    fn slot_pool(&self, channel: Channel) -> &Arc<SlotPool> {
-        &self.slots[channel.index()]
+    fn core(&self) -> &RankCore {
+        &self.core
     }
 
     fn start_handle(&self, topk_idx: &HostTensor) -> Result<HandleCreation<HostHandle, HostOp>> {
-        self.poison.check()?;
         let cfg = &self.world.config;
-        let routing = routing_from_tensor(cfg, topk_idx, topk_idx.as_i64().unwrap_or_default())?;
-        let plan = SendPlan::new(&routing, ExpertPlacement::new(cfg.num_experts, self.world.num_ranks));
+        let placement = ExpertPlacement::new(cfg.num_experts, self.world.num_ranks);
         match cfg.algorithm {
-            Algorithm::LowLatency => Ok(HandleCreation::Ready(HostHandle(Arc::new(HandleInner {
-                group_id: self.world.group_id,
-                routing,
-                plan,
-                ht: None,
-                ll: OnceLock::new(),
-            })))),
-            Algorithm::HighThroughput => {
-                let outgoing = (0..self.world.num_ranks)
-                    .map(|d| Some(Message::HandlePlan { copies: plan.copies_to(d).to_vec() }))
-                    .collect();
-                Ok(HandleCreation::Collective(self.new_op(
-                    Channel::Handle,
-                    Work::Handle { routing, plan },
-                    outgoing,
-                    None,
-                )))
+            Algorithm::LowLatency => {
+                self.core.poison().check()?;
+                let routing = routing_from_tensor(cfg, topk_idx, topk_idx.as_i64().unwrap_or_default())?;
+                let plan = SendPlan::new(&routing, placement);
+                let core = HandleCore::new(self.world.group_id, routing, Algorithm::LowLatency, None);
+                Ok(HandleCreation::Ready(HostHandle::new(core, plan, None)))
             }
+            Algorithm::HighThroughput => self.collective(Channel::Handle, || {
+                let routing = routing_from_tensor(cfg, topk_idx, topk_idx.as_i64().unwrap_or_default())?;
+                let plan = SendPlan::new(&routing, placement);
+                let stamp = Stamp::new(routing.top_k(), Pass::Forward, Pairing::None);
+                let outgoing = (0..self.world.num_ranks)
+                    .map(|d| {
+                        Some(Message::Data { stamp, body: Body::HandlePlan { copies: plan.copies_to(d).to_vec() } })
+                    })
+                    .collect();
+                let work = Work::Handle { routing, plan };
+                Ok(HandleCreation::Collective(self.new_op(Channel::Handle, Some(work), stamp, outgoing, None)))
+            }),
         }
     }
 
@@ -394,30 +432,10 @@ impl Backend for HostRank {
         inputs: DispatchInputs<'_>,
         opts: &DispatchOptions,
     ) -> Result<HostOp> {
-        self.check_handle(handle)?;
-        validate_dispatch_inputs(&self.ctx(handle), opts, &inputs)?;
-        let (outgoing, staged) = self.dispatch_messages(handle, &inputs, opts.pass);
-        Ok(self.new_op(
-            Channel::Dispatch,
-            Work::Dispatch { handle: handle.clone(), opts: *opts },
-            outgoing,
-            Some(staged),
-        ))
+        self.collective(Channel::Dispatch, || self.prepare_dispatch(handle, inputs, opts))
     }
 
     fn start_combine(&self, handle: &HostHandle, inputs: CombineInputs<'_>, opts: &CombineOptions) -> Result<HostOp> {
-        self.check_handle(handle)?;
-        validate_combine_inputs(&self.ctx(handle), opts, &inputs)?;
-        let (outgoing, staged) = self.combine_messages(handle, &inputs, opts.pass)?;
-        let weights = match self.world.config.algorithm {
-            Algorithm::LowLatency => inputs.topk_weights.and_then(HostTensor::as_f32).unwrap_or_default().to_vec(),
-            Algorithm::HighThroughput => Vec::new(),
-        };
-        Ok(self.new_op(
-            Channel::Combine,
-            Work::Combine { handle: handle.clone(), opts: *opts, weights },
-            outgoing,
-            Some(staged),
-        ))
+        self.collective(Channel::Combine, || self.prepare_combine(handle, inputs, opts))
     }
 }

@@ -1,0 +1,161 @@
+//! What every backend's routing handle shares: the validated routing, the group it belongs to,
+//! the collective that created it (high-throughput), and the dispatches that completed on it:
+//! the facts that decide what a combine on the handle pairs with ([`crate::stamp`]).
+//!
+//! ## Reuse
+//!
+//! A handle may serve any number of dispatch/combine pairs, one after the other (`epflow bench`
+//! reuses one): a combine pairs with the **latest dispatch of the same pass on the handle that
+//! completed before the combine started**. Ranks that pair differently (one reuses a handle while
+//! a peer routes anew, or two handles combined in swapped order) get
+//! [`crate::Error::PeerMismatch`] from the combine, never another dispatch's rows.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::config::Algorithm;
+use crate::error::ValidationError;
+use crate::ops::Pass;
+use crate::routing::Routing;
+use crate::stamp::{Pairing, Stamp};
+
+/// The backend-independent part of a routing handle.
+#[derive(Debug)]
+pub struct HandleCore {
+    group_id: u64,
+    routing: Routing,
+    algorithm: Algorithm,
+    creation: Option<u64>,
+    /// Per pass (forward, backward): 1 + the number of the latest completed dispatch; 0 = none.
+    last_dispatch: [AtomicU64; 2],
+}
+
+fn pass_index(pass: Pass) -> usize {
+    match pass {
+        Pass::Forward => 0,
+        Pass::Backward => 1,
+    }
+}
+
+impl HandleCore {
+    /// A handle of group `group_id` for `routing`; `creation` is the number of the collective
+    /// that created it (high-throughput handle creation; `None` for low-latency handles, which
+    /// are built locally).
+    pub fn new(group_id: u64, routing: Routing, algorithm: Algorithm, creation: Option<u64>) -> Self {
+        HandleCore { group_id, routing, algorithm, creation, last_dispatch: Default::default() }
+    }
+
+    /// The group that created the handle.
+    pub fn group_id(&self) -> u64 {
+        self.group_id
+    }
+
+    /// The validated routing.
+    pub fn routing(&self) -> &Routing {
+        &self.routing
+    }
+
+    /// `B`.
+    pub fn num_tokens(&self) -> usize {
+        self.routing.num_tokens()
+    }
+
+    /// `K`.
+    pub fn top_k(&self) -> usize {
+        self.routing.top_k()
+    }
+
+    /// The number of the handle creation that made it (high-throughput).
+    pub fn creation(&self) -> Option<u64> {
+        self.creation
+    }
+
+    /// [`ValidationError::ForeignHandle`] unless the handle belongs to group `group_id`.
+    pub fn check_group(&self, group_id: u64) -> Result<(), ValidationError> {
+        if self.group_id == group_id {
+            Ok(())
+        } else {
+            Err(ValidationError::ForeignHandle { handle_group: self.group_id, group: group_id })
+        }
+    }
+
+    /// Records that dispatch `seq` (of `pass`) produced its outputs on this handle. The latest
+    /// number wins, whatever order completions are recorded in.
+    pub fn record_dispatch(&self, pass: Pass, seq: u64) {
+        self.last_dispatch[pass_index(pass)].fetch_max(seq + 1, Ordering::AcqRel);
+    }
+
+    /// The number of the latest completed dispatch of `pass` on this handle.
+    pub fn last_dispatch(&self, pass: Pass) -> Option<u64> {
+        self.last_dispatch[pass_index(pass)].load(Ordering::Acquire).checked_sub(1)
+    }
+
+    fn pairing(&self, dispatch: u64) -> Pairing {
+        match (self.algorithm, self.creation) {
+            (Algorithm::HighThroughput, Some(h)) => Pairing::Handle(h),
+            (Algorithm::HighThroughput, None) => Pairing::None,
+            (Algorithm::LowLatency, _) => Pairing::Dispatch(dispatch),
+        }
+    }
+
+    /// The stamp of a dispatch of `pass` on this handle.
+    pub fn dispatch_stamp(&self, pass: Pass) -> Stamp {
+        let pairing = match self.algorithm {
+            Algorithm::LowLatency => Pairing::None,
+            Algorithm::HighThroughput => self.pairing(0),
+        };
+        Stamp::new(self.top_k(), pass, pairing)
+    }
+
+    /// The stamp of a combine of `pass` pairing with dispatch `dispatch` (see
+    /// [`HandleCore::combine_dispatch`]).
+    pub fn combine_stamp(&self, pass: Pass, dispatch: u64) -> Stamp {
+        Stamp::new(self.top_k(), pass, self.pairing(dispatch))
+    }
+
+    /// The dispatch a combine of `pass` started now pairs with: the latest completed one, or
+    /// [`ValidationError::CombineBeforeDispatch`].
+    pub fn combine_dispatch(&self, pass: Pass) -> Result<u64, ValidationError> {
+        self.last_dispatch(pass).ok_or(ValidationError::CombineBeforeDispatch)
+    }
+}
+
+/// What the async runtime and the validation need of any backend's handle.
+pub trait RoutingHandle: Clone + Send + Sync + 'static {
+    /// The backend-independent part.
+    fn core(&self) -> &HandleCore;
+    /// High-throughput: `N`, the rows this rank receives (known once the handle exists). `None`
+    /// for low-latency handles.
+    fn num_recv_tokens(&self) -> Option<usize>;
+    /// High-throughput: rows this rank receives per local expert (`[L]`).
+    fn recv_expert_counts(&self) -> Option<&[i32]>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn core(algorithm: Algorithm, creation: Option<u64>) -> HandleCore {
+        HandleCore::new(7, Routing::new(vec![0, 1, 2, 3], 2, 2, 4).unwrap(), algorithm, creation)
+    }
+
+    #[test]
+    fn combine_pairs_with_the_latest_completed_dispatch() {
+        let h = core(Algorithm::LowLatency, None);
+        assert_eq!(h.combine_dispatch(Pass::Forward), Err(ValidationError::CombineBeforeDispatch));
+        h.record_dispatch(Pass::Forward, 4);
+        h.record_dispatch(Pass::Forward, 2); // completed later, started earlier: 4 stays
+        assert_eq!(h.combine_dispatch(Pass::Forward), Ok(4));
+        assert_eq!(h.combine_stamp(Pass::Forward, 4), Stamp::new(2, Pass::Forward, Pairing::Dispatch(4)));
+        assert_eq!(h.dispatch_stamp(Pass::Forward), Stamp::new(2, Pass::Forward, Pairing::None));
+        assert_eq!(h.combine_dispatch(Pass::Backward), Err(ValidationError::CombineBeforeDispatch));
+        assert_eq!(h.check_group(8), Err(ValidationError::ForeignHandle { handle_group: 7, group: 8 }));
+    }
+
+    #[test]
+    fn high_throughput_stamps_name_the_handle() {
+        let h = core(Algorithm::HighThroughput, Some(3));
+        h.record_dispatch(Pass::Forward, 0);
+        assert_eq!(h.dispatch_stamp(Pass::Backward), Stamp::new(2, Pass::Backward, Pairing::Handle(3)));
+        assert_eq!(h.combine_stamp(Pass::Forward, 0), Stamp::new(2, Pass::Forward, Pairing::Handle(3)));
+    }
+}
