@@ -11,8 +11,8 @@
 use std::time::Instant;
 
 use epflow::core::GroupConfig;
-use epflow_kernels::memory::DeviceBuffer;
-use epflow_kernels::{GpuWorld, driver};
+use epflow_kernels::device::DeviceBuffer;
+use epflow_kernels::{GpuWorld, device_count};
 
 fn arg(name: &str, default: usize) -> usize {
     let args: Vec<String> = std::env::args().collect();
@@ -20,7 +20,7 @@ fn arg(name: &str, default: usize) -> usize {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let n = driver::device_count();
+    let n = device_count();
     if n < 2 {
         eprintln!("SKIPPED: needs 2 or more GPUs, this machine has {n}");
         return Ok(());

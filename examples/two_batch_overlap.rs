@@ -116,7 +116,7 @@ fn ms(d: Duration) -> f64 {
 }
 
 fn main() -> Result<()> {
-    let gpus = epflow::kernels::driver::device_count();
+    let gpus = epflow::kernels::device_count();
     let backend = arg_str("--backend").unwrap_or_else(|| if gpus >= 2 { "gpu".into() } else { "host".into() });
     match backend.as_str() {
         "gpu" => gpu::main(arg("--layers", 16), gpus.min(4)),

@@ -17,7 +17,8 @@ pub enum Command {
     /// Benchmark dispatch and combine (flags and output modelled on NCCL EP's ep_bench).
     Bench(BenchArgs),
     /// Compile every CUDA kernel with NVRTC (no GPU needed) and report the result.
-    Kernels(KernelsArgs),
+    #[command(alias = "kernels")]
+    Compile(CompileArgs),
     /// Start N processes on this host, one per GPU, with RANK, WORLD_SIZE, LOCAL_RANK and the
     /// NCCL unique id (EPFLOW_NCCL_ID) in their environment.
     Launch(LaunchArgs),
@@ -47,9 +48,9 @@ pub struct LaunchArgs {
     pub command: Vec<String>,
 }
 
-/// `epflow kernels` flags.
+/// `epflow compile` flags.
 #[derive(Clone, Debug, clap::Args)]
-pub struct KernelsArgs {
+pub struct CompileArgs {
     /// Target architecture [default: the first GPU's, else sm_90].
     #[arg(long)]
     pub arch: Option<String>,

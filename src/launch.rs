@@ -46,7 +46,7 @@ pub fn main(args: &LaunchArgs) -> ExitCode {
     // One host without a master address: the id is made here.
     let id = match &master_addr {
         Some(_) => None,
-        None => match epflow_kernels::bootstrap::new_unique_id() {
+        None => match epflow_kernels::setup::bootstrap::new_unique_id() {
             Ok(id) => Some(id),
             Err(e) => {
                 eprintln!("error: {e}");

@@ -8,13 +8,13 @@
 //! - [`runtime`] (`epflow-async`): the futures, the completion reactor, pipelines. Its main types
 //!   are re-exported here: [`Group`], [`Staged`].
 //! - [`kernels`] (`epflow-kernels`): the GPU backend (CUDA kernels compiled with NVRTC at run
-//!   time, NVLink peer memory, one process for all GPUs or one process per GPU).
+//!   time, NVLink peer memory, NCCL between hosts, one process for all GPUs or one process per
+//!   GPU).
+//! - [`nccl_ep`] (`epflow-nccl-ep`): NVIDIA's NCCL EP behind the same futures.
+//! - [`prelude`]: what a program needs in one `use`.
 //!
 //! ```
-//! use epflow::core::host::HostWorld;
-//! use epflow::core::ops::{CombineInputs, DispatchInputs};
-//! use epflow::core::{GroupConfig, HostTensor, bf16};
-//! use epflow::Group;
+//! use epflow::prelude::*;
 //!
 //! // Two ranks of a host world, each driven by its own task on one executor.
 //! let groups: Vec<Group<_>> = HostWorld::create(2, GroupConfig::low_latency(4, 2, 128)).unwrap().into_iter().map(Group::new).collect();
@@ -37,3 +37,16 @@ pub use epflow_async as runtime;
 pub use epflow_async::{Group, Staged};
 pub use epflow_core as core;
 pub use epflow_kernels as kernels;
+pub use epflow_nccl_ep as nccl_ep;
+
+/// The names a program using epflow needs, in one `use epflow::prelude::*;`: the group and its
+/// futures, the config, tensors and operation arguments, the handle trait (`num_recv_tokens`),
+/// the host backend, and the GPU backend's world, rank and tensors.
+pub mod prelude {
+    pub use epflow_async::{Group, Staged};
+    pub use epflow_core::handle::RoutingHandle;
+    pub use epflow_core::host::{HostRank, HostWorld};
+    pub use epflow_core::ops::{CombineInputs, CombineOptions, CountsLocation, DispatchInputs, DispatchOptions, Pass};
+    pub use epflow_core::{Algorithm, DType, DispatchDtype, Error, GroupConfig, HostTensor, MaxTokens, Result, bf16};
+    pub use epflow_kernels::{DeviceTensor, GpuRank, GpuWorld, Transport};
+}

@@ -2,7 +2,7 @@
 
 mod bench;
 mod cli;
-mod kernels;
+mod compile;
 mod launch;
 
 use std::process::ExitCode;
@@ -13,7 +13,7 @@ fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     match cli.command {
         cli::Command::Bench(args) => bench::main(&args),
-        cli::Command::Kernels(args) => kernels::main(&args),
+        cli::Command::Compile(args) => compile::main(&args),
         cli::Command::Launch(args) => launch::main(&args),
     }
 }

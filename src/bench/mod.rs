@@ -201,14 +201,16 @@ pub(crate) fn check_host_memory(
 }
 
 fn run(args: &BenchArgs) -> Result<Option<BenchReport>, BenchError> {
-    if let Some(env) = epflow_kernels::bootstrap::LaunchEnv::from_env().map_err(|e| BenchError::Usage(e.to_string()))? {
+    if let Some(env) =
+        epflow_kernels::setup::bootstrap::LaunchEnv::from_env().map_err(|e| BenchError::Usage(e.to_string()))?
+    {
         return multi::run(args, &env);
     }
     run_single_process(args).map(Some)
 }
 
 fn run_single_process(args: &BenchArgs) -> Result<BenchReport, BenchError> {
-    let gpus = epflow_kernels::driver::device_count();
+    let gpus = epflow_kernels::device_count();
     let use_gpu = match args.backend {
         BackendArg::Host => false,
         BackendArg::Gpu if gpus == 0 => {
@@ -246,7 +248,7 @@ fn run_single_process(args: &BenchArgs) -> Result<BenchReport, BenchError> {
             return Err(BenchError::Usage("--hosts splits the gpu backend; drop --backend nccl-ep".into()));
         }
         let devices: Vec<usize> = (0..ranks).collect();
-        let world = epflow_async::nccl_ep::NcclEpWorld::create(&devices, config.clone())
+        let world = epflow_nccl_ep::NcclEpWorld::create(&devices, config.clone())
             .map_err(|e| BenchError::Run(e.to_string()))?;
         let (path, version) = world.first().map(|r| r.library()).unwrap_or_default();
         let device = format!(

@@ -5,7 +5,7 @@ use epflow_core::scenario::Scenario;
 use epflow_core::verify::Report;
 use epflow_core::workload::RoutingKind;
 use epflow_kernels::GpuWorld;
-use epflow_kernels::bootstrap::{LaunchEnv, all_gather, barrier};
+use epflow_kernels::setup::bootstrap::{LaunchEnv, all_gather, barrier};
 
 use super::runner::{HANDLE_SAMPLES, LoopPlan, RankResult, run_rank};
 use super::stats::{BenchReport, RankTimes};

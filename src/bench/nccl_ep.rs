@@ -4,10 +4,10 @@
 use std::borrow::Cow;
 use std::time::Duration;
 
-use epflow_async::nccl_ep::{NcclEpCombineOutput, NcclEpDispatchOutput, NcclEpRank};
 use epflow_core::ops::{CombineOutputs, DispatchOutputs};
 use epflow_core::{Error, HostTensor};
 use epflow_kernels::DeviceTensor;
+use epflow_nccl_ep::{NcclEpCombineOutput, NcclEpDispatchOutput, NcclEpRank};
 
 use super::runner::BenchRank;
 

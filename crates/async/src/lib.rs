@@ -19,8 +19,6 @@
 //! - [`Group`]: one rank's group; `create_handle`, `dispatch`, `combine` return futures.
 //! - [`OpFuture`], [`SendOnly`], [`Staged`], [`HandleFuture`]: the futures.
 //! - [`reactor`]: the completion reactor thread, and [`reactor::wait_for`] for custom probes.
-//! - [`nccl_ep`]: the NCCL EP backend: NVIDIA's `libnccl_ep` behind the same futures
-//!   (`ncclEpComplete` is the awaited half of staged low-latency operations).
 //! - [`pipeline`]: runs a sequence of micro-batches through dispatch → experts → combine with
 //!   several in flight.
 //!
@@ -28,15 +26,12 @@
 //! group is poisoned: later operations fail fast with [`epflow_core::Error::Poisoned`]); a new
 //! operation waits for a free buffer set instead of overwriting one whose outputs are alive;
 //! dropping any future at any point frees nothing still in use and leaves no peer waiting.
-// Unsafe code is denied everywhere but at the FFI edge of the NCCL EP backend (`nccl_ep`).
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod driver;
 mod group;
 mod inbox;
-#[allow(unsafe_code)]
-pub mod nccl_ep;
 pub mod pipeline;
 pub mod reactor;
 mod sync;

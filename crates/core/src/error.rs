@@ -298,6 +298,17 @@ pub enum ValidationError {
         "combine needs a completed dispatch of the same pass on the same handle (it sends the expert outputs back along that dispatch's rows); call dispatch first"
     )]
     CombineBeforeDispatch,
+    /// A low-latency combine would have sent its rows along a layout that a later dispatch on the
+    /// same handle has since rewritten (GPU backends keep one row map per handle).
+    #[error(
+        "combine pairs with dispatch #{paired} on this handle, but dispatch #{rewritten_by} rewrote the handle's rows before the combine was sent: send a handle's combine before the next dispatch on it completes, or use a handle per micro-batch"
+    )]
+    HandleRewritten {
+        /// The dispatch the combine pairs with.
+        paired: u64,
+        /// The later dispatch whose receive rewrote the handle's rows.
+        rewritten_by: u64,
+    },
 }
 
 /// The runtime error of every epflow operation.

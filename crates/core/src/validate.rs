@@ -193,12 +193,123 @@ pub fn routing_from_tensor(
     Routing::new(values.to_vec(), num_tokens, top_k, config.num_experts)
 }
 
-/// Checks the inputs of dispatch.
-pub fn validate_dispatch_inputs<T: TensorView + ?Sized>(
+/// Dispatch inputs that passed validation, by what the operation does with them: a backend
+/// matches on these instead of re-reading the optional fields of [`DispatchInputs`].
+#[derive(Debug)]
+pub enum ValidDispatch<'a, T: ?Sized> {
+    /// Low-latency: BF16 tokens `[B x H]`.
+    LowLatency {
+        /// Tokens.
+        tokens: &'a T,
+    },
+    /// High-throughput forward: tokens `[B x H]` (BF16, or FP8 with their `[B x H/128]`
+    /// scales) and top-k weights `[B x K]`.
+    Forward {
+        /// Tokens.
+        tokens: &'a T,
+        /// Top-k weights.
+        weights: &'a T,
+        /// FP8 scales (FP8 groups only).
+        scales: Option<&'a T>,
+    },
+    /// High-throughput backward: gradients `[B x H]` BF16.
+    Backward {
+        /// Gradients.
+        tokens: &'a T,
+    },
+}
+
+impl<T: ?Sized> Clone for ValidDispatch<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T: ?Sized> Copy for ValidDispatch<'_, T> {}
+
+impl<'a, T: ?Sized> ValidDispatch<'a, T> {
+    /// The tokens (or gradients).
+    pub fn tokens(&self) -> &'a T {
+        match *self {
+            ValidDispatch::LowLatency { tokens }
+            | ValidDispatch::Forward { tokens, .. }
+            | ValidDispatch::Backward { tokens } => tokens,
+        }
+    }
+
+    /// Every input tensor (what the operation reads).
+    pub fn tensors(&self) -> Vec<&'a T> {
+        match *self {
+            ValidDispatch::Forward { tokens, weights, scales } => {
+                [Some(tokens), Some(weights), scales].into_iter().flatten().collect()
+            }
+            ValidDispatch::LowLatency { tokens } | ValidDispatch::Backward { tokens } => vec![tokens],
+        }
+    }
+}
+
+/// Combine inputs that passed validation, by what the operation does with them.
+#[derive(Debug)]
+pub enum ValidCombine<'a, T: ?Sized> {
+    /// Low-latency: expert outputs `[L x R*M x H]` and the top-k weights `[B x K]` applied as
+    /// they arrive.
+    LowLatency {
+        /// Expert outputs.
+        expert_out: &'a T,
+        /// Top-k weights.
+        weights: &'a T,
+    },
+    /// High-throughput forward: pre-weighted expert outputs `[N x H]`.
+    Forward {
+        /// Expert outputs.
+        expert_out: &'a T,
+    },
+    /// High-throughput backward: gradients `[N x H]` and weight gradients `[N x K]`.
+    Backward {
+        /// Gradients.
+        grads: &'a T,
+        /// Top-k weight gradients.
+        weight_grads: &'a T,
+    },
+}
+
+impl<T: ?Sized> Clone for ValidCombine<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T: ?Sized> Copy for ValidCombine<'_, T> {}
+
+impl<'a, T: ?Sized> ValidCombine<'a, T> {
+    /// The expert outputs (or gradients).
+    pub fn tokens(&self) -> &'a T {
+        match *self {
+            ValidCombine::LowLatency { expert_out, .. } | ValidCombine::Forward { expert_out } => expert_out,
+            ValidCombine::Backward { grads, .. } => grads,
+        }
+    }
+
+    /// The weights that travel with the rows: low-latency top-k weights, backward weight
+    /// gradients.
+    pub fn weights(&self) -> Option<&'a T> {
+        match *self {
+            ValidCombine::LowLatency { weights, .. } => Some(weights),
+            ValidCombine::Backward { weight_grads, .. } => Some(weight_grads),
+            ValidCombine::Forward { .. } => None,
+        }
+    }
+
+    /// Every input tensor (what the operation reads).
+    pub fn tensors(&self) -> Vec<&'a T> {
+        [Some(self.tokens()), self.weights()].into_iter().flatten().collect()
+    }
+}
+
+/// Checks the inputs of dispatch; returns them as a [`ValidDispatch`].
+pub fn validate_dispatch_inputs<'a, T: TensorView + ?Sized>(
     ctx: &OpContext<'_>,
     opts: &DispatchOptions,
-    inputs: &DispatchInputs<'_, T>,
-) -> Result<(), ValidationError> {
+    inputs: &DispatchInputs<'a, T>,
+) -> Result<ValidDispatch<'a, T>, ValidationError> {
     let h = ctx.config.hidden;
     let b = ctx.num_tokens;
     const TOKENS: &str = "dispatch input tokens";
@@ -221,7 +332,8 @@ pub fn validate_dispatch_inputs<T: TensorView + ?Sized>(
                     why: "low-latency dispatch takes BF16 tokens and quantizes them itself",
                 });
             }
-            check_rows(TOKENS, inputs.tokens, TensorTag::Tokens, DType::Bf16, (b, "topk_idx"), (h, "hidden"))
+            check_rows(TOKENS, inputs.tokens, TensorTag::Tokens, DType::Bf16, (b, "topk_idx"), (h, "hidden"))?;
+            Ok(ValidDispatch::LowLatency { tokens: inputs.tokens })
         }
         (Algorithm::HighThroughput, Pass::Forward) => {
             let fp8 = ctx.config.dispatch_dtype.is_fp8();
@@ -238,13 +350,14 @@ pub fn validate_dispatch_inputs<T: TensorView + ?Sized>(
                     why: "FP8 high-throughput dispatch takes quantized tokens with their per-128 scales",
                 }),
                 (true, Some(s)) => {
-                    check_rows(SCALES, s, TensorTag::Scales, DType::F32, (b, "topk_idx"), (h / 128, "hidden/128"))
+                    check_rows(SCALES, s, TensorTag::Scales, DType::F32, (b, "topk_idx"), (h / 128, "hidden/128"))?;
+                    Ok(ValidDispatch::Forward { tokens: inputs.tokens, weights, scales: Some(s) })
                 }
                 (false, Some(_)) => Err(ValidationError::UnexpectedTensor {
                     tensor: SCALES,
                     why: "the group dispatches BF16; scales belong to FP8 groups",
                 }),
-                (false, None) => Ok(()),
+                (false, None) => Ok(ValidDispatch::Forward { tokens: inputs.tokens, weights, scales: None }),
             }
         }
         (Algorithm::HighThroughput, Pass::Backward) => {
@@ -257,7 +370,8 @@ pub fn validate_dispatch_inputs<T: TensorView + ?Sized>(
             if inputs.scales.is_some() {
                 return Err(ValidationError::UnexpectedTensor { tensor: SCALES, why: "backward dispatch is BF16" });
             }
-            check_rows(TOKENS, inputs.tokens, TensorTag::Tokens, DType::Bf16, (b, "topk_idx"), (h, "hidden"))
+            check_rows(TOKENS, inputs.tokens, TensorTag::Tokens, DType::Bf16, (b, "topk_idx"), (h, "hidden"))?;
+            Ok(ValidDispatch::Backward { tokens: inputs.tokens })
         }
     }
 }
@@ -360,12 +474,12 @@ pub fn validate_dispatch_outputs<T: TensorView>(
     )
 }
 
-/// Checks the inputs of combine.
-pub fn validate_combine_inputs<T: TensorView + ?Sized>(
+/// Checks the inputs of combine; returns them as a [`ValidCombine`].
+pub fn validate_combine_inputs<'a, T: TensorView + ?Sized>(
     ctx: &OpContext<'_>,
     opts: &CombineOptions,
-    inputs: &CombineInputs<'_, T>,
-) -> Result<(), ValidationError> {
+    inputs: &CombineInputs<'a, T>,
+) -> Result<ValidCombine<'a, T>, ValidationError> {
     let h = ctx.config.hidden;
     const TOKENS: &str = "combine input tokens";
     const WEIGHTS: &str = "combine input topk_weights";
@@ -393,7 +507,8 @@ pub fn validate_combine_inputs<T: TensorView + ?Sized>(
                 DType::F32,
                 (ctx.num_tokens, "topk_idx"),
                 (ctx.top_k, "top_k"),
-            )
+            )?;
+            Ok(ValidCombine::LowLatency { expert_out: inputs.tokens, weights: w })
         }
         (Algorithm::HighThroughput, pass) => {
             let n = ctx.num_recv;
@@ -410,19 +525,22 @@ pub fn validate_combine_inputs<T: TensorView + ?Sized>(
                     tensor: WEIGHTS,
                     why: "forward high-throughput combine sums pre-weighted expert outputs",
                 }),
-                (Pass::Forward, None) => Ok(()),
+                (Pass::Forward, None) => Ok(ValidCombine::Forward { expert_out: inputs.tokens }),
                 (Pass::Backward, None) => Err(ValidationError::MissingTensor {
                     tensor: WEIGHTS,
                     why: "backward combine also brings the top-k weight gradients back",
                 }),
-                (Pass::Backward, Some(w)) => check_rows(
-                    WEIGHTS,
-                    w,
-                    TensorTag::TopkWeights,
-                    DType::F32,
-                    (n, "the handle's receive count"),
-                    (ctx.top_k, "top_k"),
-                ),
+                (Pass::Backward, Some(w)) => {
+                    check_rows(
+                        WEIGHTS,
+                        w,
+                        TensorTag::TopkWeights,
+                        DType::F32,
+                        (n, "the handle's receive count"),
+                        (ctx.top_k, "top_k"),
+                    )?;
+                    Ok(ValidCombine::Backward { grads: inputs.tokens, weight_grads: w })
+                }
             }
         }
     }

@@ -161,3 +161,98 @@ fn fp8_host_tensors_survive_a_round_trip() {
         assert!((a.to_f32() - b).abs() <= a.to_f32().abs() / 16.0 + 2f32.powi(-10) * 0.01);
     }
 }
+
+mod plans {
+    use epflow_core::routing::{ChannelPlan, ChannelReceive, CombinePositions, ExpertPlacement, Routing, SendPlan};
+    use epflow_core::workload::{RoutingKind, RoutingSpec, random_topk_idx};
+    use proptest::prelude::*;
+
+    fn routings(ranks: usize, l: usize, k: usize, tokens: &[usize], seed: u64) -> Vec<Routing> {
+        (0..ranks)
+            .map(|r| {
+                let spec = RoutingSpec {
+                    num_tokens: tokens[r],
+                    top_k: k,
+                    num_experts: ranks * l,
+                    num_ranks: ranks,
+                    masked: 3,
+                    kind: RoutingKind::Uniform,
+                };
+                Routing::new(random_topk_idx(&spec, seed, r), tokens[r], k, ranks * l).unwrap()
+            })
+            .collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+        /// The channel plan holds exactly the send plan's copies, cut into channels of
+        /// consecutive tokens; the count exchange of every rank's plan gives each receiver the
+        /// rows and expert counts the send plans say.
+        #[test]
+        fn channel_plans_follow_the_send_plans(
+            ranks in 1usize..=8, l in 1usize..=4, channels in 1usize..=9, seed in any::<u64>(),
+            tokens in prop::collection::vec(0usize..=40, 8),
+        ) {
+            let k = (ranks * l).min(4);
+            let placement = ExpertPlacement::new(ranks * l, ranks);
+            let rs = routings(ranks, l, k, &tokens, seed);
+            let plans: Vec<ChannelPlan> = rs.iter().map(|r| ChannelPlan::new(r, placement, channels)).collect();
+            let sends: Vec<SendPlan> = rs.iter().map(|r| SendPlan::new(r, placement)).collect();
+            let words = channels + l;
+            for (s, (cp, sp)) in plans.iter().zip(&sends).enumerate() {
+                let tpc = cp.tokens_per_channel;
+                for (d, (first, n)) in cp.send_blocks(ranks, channels).into_iter().enumerate() {
+                    let tokens: Vec<i32> = sp.copies_to(d).iter().map(|c| c.token as i32).collect();
+                    prop_assert_eq!(&cp.send_list[first..first + n], tokens.as_slice(), "rank {} to {}", s, d);
+                    for c in 0..channels {
+                        let (a, b) = (cp.send_off[d * (channels + 1) + c] as usize, cp.send_off[d * (channels + 1) + c + 1] as usize);
+                        prop_assert!(cp.send_list[a..b].iter().all(|&t| t as usize / tpc == c));
+                        prop_assert_eq!(cp.msgs[d * words + c] as usize, b - a);
+                        for (i, &t) in cp.send_list[a..b].iter().enumerate() {
+                            prop_assert_eq!(cp.copy_ord[t as usize * ranks + d] as usize, i);
+                        }
+                    }
+                }
+            }
+            for d in 0..ranks {
+                let received: Vec<i32> = plans.iter().flat_map(|p| p.msgs[d * words..(d + 1) * words].to_vec()).collect();
+                let recv = ChannelReceive::from_messages(&received, ranks, channels);
+                let copies: usize = sends.iter().map(|p| p.copies_to(d).len()).sum();
+                prop_assert_eq!(recv.num_recv, copies);
+                let selections: usize = sends.iter().flat_map(|p| p.copies_to(d)).map(|c| c.selections.len()).sum();
+                prop_assert_eq!(recv.expert_counts.iter().sum::<i32>() as usize, selections);
+                let blocks = recv.recv_blocks(ranks, channels);
+                for (s, (_, rows)) in blocks.iter().enumerate() {
+                    prop_assert_eq!(*rows, sends[s].copies_to(d).len());
+                }
+            }
+        }
+
+        /// Combine positions number every selection to a rank of the mask once, in blocks per
+        /// rank sized by its selections.
+        #[test]
+        fn combine_positions_are_a_numbering_per_block(
+            ranks in 1usize..=8, l in 1usize..=4, mask in any::<u32>(), seed in any::<u64>(), b in 0usize..=30,
+        ) {
+            let k = (ranks * l).min(5);
+            let placement = ExpertPlacement::new(ranks * l, ranks);
+            let r = &routings(ranks, l, k, &[b; 8], seed)[0];
+            let p = CombinePositions::new(r, placement, mask);
+            let mut seen = vec![false; p.pos.len()];
+            for t in 0..b {
+                for j in 0..k {
+                    let pos = p.pos[t * k + j];
+                    match r.expert(t, j).map(|e| placement.owner(e)) {
+                        Some(d) if mask >> d & 1 == 1 => {
+                            let (first, n) = p.blocks[d];
+                            prop_assert!((first..first + n).contains(&(pos as usize)));
+                            prop_assert!(!std::mem::replace(&mut seen[pos as usize], true));
+                        }
+                        _ => prop_assert_eq!(pos, -1),
+                    }
+                }
+            }
+        }
+    }
+}

@@ -9,8 +9,8 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::driver::{CudaEvent, CudaStream};
 use epflow_core::{DType, Error};
 
-use crate::driver::{bind, cuda};
-use crate::tensor::DeviceTensor;
+use crate::device::DeviceTensor;
+use crate::device::{bind, cuda};
 
 /// cuBLAS on one stream.
 #[derive(Debug)]

@@ -9,54 +9,69 @@
 //!
 //! ## Table of contents
 //!
-//! - [`GpuWorld`]: creates a group (`create_with` / `join_with` take a [`Transport`]) — one
-//!   process driving several GPUs, or one process per GPU
-//!   ([`GpuWorld::join`], with [`bootstrap`]: the `epflow launch` environment and NCCL, and
-//!   [`rendezvous`]: torchrun's `MASTER_ADDR`/`MASTER_PORT` environment and a TCP exchange of
-//!   the NCCL id across hosts).
-//! - [`GpuRank`]: one rank; implements [`epflow_core::backend::Backend`], so the async runtime
-//!   drives it; [`GpuHandle`], [`GpuDispatchOutput`], [`GpuCombineOutput`].
-//! - [`DeviceTensor`]: tensors in device memory; [`compute`]: per-expert GEMMs (cuBLAS) for
-//!   examples and benchmarks.
-//! - [`nccl`]: the NCCL transport ([`Transport`]): `--backend nccl`, and the ranks of other
-//!   hosts (NVLink inside a host, NCCL across).
-//! - [`layout`]: buffer sizes (low-latency buffer sets, high-throughput rings); [`sources`]: the CUDA sources; [`nvrtc`]: compilation and cache;
-//!   [`driver`]: availability checks; [`memory`]: device and pinned buffers.
+//! ### The backend
+//! - [`GpuWorld`] (`world.rs`): creates a group: one process driving several GPUs, or one
+//!   process per GPU ([`GpuWorld::join`]), over a [`Transport`].
+//! - [`GpuRank`] (`rank/`): one rank; implements [`epflow_core::backend::Backend`], so the async
+//!   runtime drives it. Its shared state (`rank/shared.rs`) and its [`GpuHandle`]s
+//!   (`rank/handle.rs`).
+//! - [`GpuDispatchOutput`], [`GpuCombineOutput`] (`outputs.rs`): the results.
+//!
+//! ### Operations (internal rooms)
+//! - `ll/`: low-latency: starting an operation (kernel parameters, NCCL exchange,
+//!   cancellations) and its launch geometry.
+//! - `ht/`: high-throughput: the count exchange that creates a handle, starting dispatch and
+//!   combine, the same over NCCL, and the launch geometry.
+//! - `op/`: [`GpuOp`], the lifecycle of one operation; its launches; its output assembly.
+//!
+//! ### Transports and process setup
+//! - [`transport`]: [`Transport`], NVLink peers (peer access, CUDA IPC) and NCCL.
+//! - [`setup`]: the `epflow launch` / torchrun environment, the NCCL bootstrap, the TCP
+//!   rendezvous across hosts.
+//!
+//! ### The device edge
+//! - [`device`]: the CUDA driver, [`DeviceTensor`], device and pinned memory, the cache of output
+//!   buffers, and [`StreamWork`] (input waits, timing and completion events of any
+//!   stream-ordered operation).
+//! - [`compile`]: the CUDA sources, NVRTC and the loaded functions.
+//! - `params.rs`: the kernels' parameter blocks, mirrored byte for byte; `layout.rs`: buffer
+//!   sizes.
+//!
+//! ### Compute
+//! - [`compute`]: per-expert GEMMs (cuBLAS) for examples and benchmarks.
 //!
 //! ## The protocol on the device
 //!
-//! It is [`epflow_core::protocol`]'s: per (buffer set, source) arrival signals carrying
-//! `(seq + 1) << 1 | cancelled`, written with `st.release.sys` after the payload; receivers poll
-//! with `ld.acquire.sys` and a `%globaltimer` deadline; the last receiving block returns the
-//! credits. Timeouts are reported in host-mapped memory, never by `trap`.
+//! It is [`epflow_core::protocol`]'s: per (buffer set, source) an arrival pair, the sender's
+//! stamp ([`epflow_core::stamp`]) then its arrival word `(seq + 1) << 1 | cancelled` written with
+//! `st.release.sys` after the payload; receivers poll with `ld.acquire.sys` and a `%globaltimer`
+//! deadline, skip the data of a source that cancelled or whose stamp disagrees; the last
+//! receiving block returns the credits. Timeouts and outcomes are reported in host-mapped
+//! memory, never by `trap`.
 //!
 //! High-throughput operations (`cuda/ht.cu`) stream rows through a ring per (channel, source)
 //! in each receiver's memory, with per-warp tails and a head per ring as flow control, so buffers
 //! stay bounded whatever the token count; handle creation exchanges the counts (collective).
 
-pub mod bootstrap;
-mod cache;
+pub mod compile;
 pub mod compute;
-pub mod driver;
+pub mod device;
 mod ht;
-mod kernels;
-pub mod layout;
-pub mod memory;
-pub mod nccl;
-pub mod nvrtc;
+mod layout;
+mod ll;
 mod op;
 mod outputs;
 mod params;
 mod rank;
-pub mod rendezvous;
-pub mod sources;
-mod tensor;
+pub mod setup;
+pub mod transport;
 mod world;
 
-pub use kernels::device_arch;
-pub use nccl::Transport;
+pub use compile::device_arch;
+pub use device::{DeviceTensor, StreamWork, device_count};
 pub use op::{GpuOp, GpuOpOutput};
 pub use outputs::{GpuCombineOutput, GpuDispatchOutput};
-pub use rank::{GpuHandle, GpuRank};
-pub use tensor::DeviceTensor;
+pub use rank::GpuRank;
+pub use rank::handle::GpuHandle;
+pub use transport::Transport;
 pub use world::GpuWorld;

@@ -8,9 +8,9 @@ use epflow_core::ops::{CombineOutputs, DispatchOutputs};
 use epflow_core::protocol::SlotGuard;
 use epflow_core::{Error, HostData, HostTensor};
 
-use crate::memory::copy_to_host;
+use crate::device::copy_to_host;
 
-use crate::tensor::DeviceTensor;
+use crate::device::DeviceTensor;
 
 /// Copies the first `counts[l]` rows of each expert `l` of an `[L x rows x width]` tensor.
 fn rows_to_host(ctx: &CudaContext, t: &DeviceTensor, counts: &[i32]) -> Result<HostTensor, Error> {

@@ -9,8 +9,13 @@ pub const MAX_RANKS: usize = 8;
 pub const HDR_BYTES: usize = 128;
 /// Buffer sets the signal page has room for.
 pub const MAX_SETS: usize = 16;
-/// `u64` arrays in the signal page, each `[set][rank]` (see `common.cuh`).
+/// Words of the arrival pairs at the start of the signal page: `[chan][set][rank]` x
+/// (arrival word, stamp) (see `common.cuh`).
+pub const ARRIVAL_WORDS: usize = 3 * MAX_SETS * MAX_RANKS * 2;
+/// `u64` arrays after the arrival pairs, each `[set][rank]` (see `common.cuh`).
 pub const SIG_ARRAYS: usize = 10;
+/// Words of the arrival pairs and the arrays.
+pub const SIG_ARRAY_WORDS: usize = ARRIVAL_WORDS + SIG_ARRAYS * MAX_SETS * MAX_RANKS;
 /// Largest number of high-throughput channels (block pairs) of a kernel.
 pub const HT_MAX_CHANNELS: usize = 64;
 /// Largest number of sending warps per destination in the high-throughput kernels.
@@ -20,10 +25,43 @@ pub const HT_MAX_WARPS: usize = 16;
 pub const HT_COUNTER_WORDS: usize =
     2 * HT_MAX_CHANNELS * MAX_RANKS * HT_MAX_WARPS + 2 * HT_MAX_CHANNELS * MAX_RANKS * 5;
 /// Bytes of a rank's signal page.
-pub const SIGNAL_PAGE_BYTES: usize = (SIG_ARRAYS * MAX_SETS * MAX_RANKS + HT_COUNTER_WORDS) * 8;
-/// Words of a rank's status page: the error word, then per (channel, set) the cancellation mask
-/// (channels: dispatch, combine, handle).
-pub const STATUS_WORDS: usize = 1 + 3 * MAX_SETS;
+pub const SIGNAL_PAGE_BYTES: usize = (SIG_ARRAY_WORDS + HT_COUNTER_WORDS) * 8;
+
+/// Byte offset of the arrival pair of channel `chan`, set `set`, source `rank` in a signal page
+/// (`arrival_at` of `common.cuh`); the stamp follows 8 bytes later.
+pub const fn arrival_offset(chan: usize, set: usize, rank: usize) -> u64 {
+    (((chan * MAX_SETS + set) * MAX_RANKS + rank) * 2 * 8) as u64
+}
+
+/// The status page of a rank (pinned, mapped; `common.cuh` writes it): the first error, then per
+/// (channel, set) the outcome word of its last completed operation, then per (channel, set) the
+/// stamp of its lowest mismatched source (channels: dispatch, combine, handle).
+pub(crate) mod status {
+    use super::MAX_SETS;
+
+    /// Words of the page.
+    pub(crate) const WORDS: usize = 1 + 6 * MAX_SETS;
+    /// The first error: `code | peer << 8 | seq << 16`, 0 for none.
+    pub(crate) const ERROR: usize = 0;
+    /// A source did not arrive in time.
+    pub(crate) const TIMEOUT_ARRIVAL: u64 = 1;
+    /// A destination did not return its credit in time.
+    pub(crate) const TIMEOUT_CREDIT: u64 = 2;
+    /// A destination stopped taking rows from its ring.
+    pub(crate) const TIMEOUT_RING: u64 = 3;
+    /// A high-throughput source's stamp disagreed (the rings' positions now disagree).
+    pub(crate) const MISMATCH: u64 = 4;
+
+    /// The outcome word of (channel, set): `(seq + 1) << 32 | mismatched << 16 | cancelled`.
+    pub(crate) const fn outcome(chan: usize, set: usize) -> usize {
+        1 + chan * MAX_SETS + set
+    }
+
+    /// The stamp of the lowest mismatched source of (channel, set).
+    pub(crate) const fn stamp(chan: usize, set: usize) -> usize {
+        1 + 3 * MAX_SETS + chan * MAX_SETS + set
+    }
+}
 
 /// `struct LlParams` of `ll.cu`.
 #[repr(C)]
@@ -70,6 +108,8 @@ pub(crate) struct LlParams {
     pub nccl_counts: u64,
     pub nccl_pos: u64,
     pub nccl_dest_bytes: u64,
+    /// What every rank must agree on ([`epflow_core::stamp::Stamp::encode`]).
+    pub stamp: u64,
 }
 
 // SAFETY: `LlParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
@@ -122,6 +162,8 @@ pub(crate) struct HtParams {
     pub tokens_per_channel: i32,
     pub batch: i32,
     pub items_per_fence: i32,
+    /// What every rank must agree on ([`epflow_core::stamp::Stamp::encode`]).
+    pub stamp: u64,
 }
 
 // SAFETY: `HtParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
@@ -145,6 +187,8 @@ pub(crate) struct ExchangeParams {
     pub num_ranks: i32,
     pub words: i32,
     pub cancelled: i32,
+    /// What every rank must agree on (the top-k).
+    pub stamp: u64,
 }
 
 // SAFETY: `ExchangeParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
@@ -187,6 +231,8 @@ pub(crate) struct NcclHtParams {
     pub total_send: i32,
     pub row_bytes: i32,
     pub pad: i32,
+    /// What every rank must agree on ([`epflow_core::stamp::Stamp::encode`]).
+    pub stamp: u64,
 }
 
 // SAFETY: `NcclHtParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
@@ -200,19 +246,22 @@ mod tests {
 
     #[test]
     fn ht_layouts_match_the_cuda_structs() {
-        assert_eq!(size_of::<HtParams>(), 368);
+        assert_eq!(size_of::<HtParams>(), 376);
+        assert_eq!(offset_of!(HtParams, stamp), 368);
         assert_eq!(offset_of!(HtParams, peer_ring), 128);
         assert_eq!(offset_of!(HtParams, seq), 256);
         assert_eq!(offset_of!(HtParams, rank), 288);
         assert_eq!(offset_of!(HtParams, batch), 360);
-        assert_eq!(size_of::<ExchangeParams>(), 200);
+        assert_eq!(size_of::<ExchangeParams>(), 208);
+        assert_eq!(offset_of!(ExchangeParams, stamp), 200);
         assert_eq!(offset_of!(ExchangeParams, seq), 168);
         assert_eq!(offset_of!(ExchangeParams, rank), 184);
     }
 
     #[test]
     fn nccl_layout_matches_the_cuda_struct() {
-        assert_eq!(size_of::<NcclHtParams>(), 192);
+        assert_eq!(size_of::<NcclHtParams>(), 200);
+        assert_eq!(offset_of!(NcclHtParams, stamp), 192);
         assert_eq!(offset_of!(NcclHtParams, input), 88);
         assert_eq!(offset_of!(NcclHtParams, seq), 120);
         assert_eq!(offset_of!(NcclHtParams, rank), 128);
@@ -220,8 +269,20 @@ mod tests {
     }
 
     #[test]
+    fn signal_and_status_pages_match_common_cuh() {
+        // EP_ARRIVAL_WORDS, EP_SIG_ARRAY_WORDS, EP_STATUS_STAMPS of common.cuh.
+        assert_eq!(ARRIVAL_WORDS, 768);
+        assert_eq!(SIG_ARRAY_WORDS, 768 + 10 * 16 * 8);
+        assert_eq!(arrival_offset(1, 2, 3), ((16 + 2) * 8 + 3) * 16);
+        assert_eq!(status::stamp(0, 0), 49);
+        assert_eq!(status::outcome(2, 15), 48);
+        assert_eq!(status::WORDS, 97);
+    }
+
+    #[test]
     fn layout_matches_the_cuda_struct() {
-        assert_eq!(size_of::<LlParams>(), 368);
+        assert_eq!(size_of::<LlParams>(), 376);
+        assert_eq!(offset_of!(LlParams, stamp), 368);
         assert_eq!(offset_of!(LlParams, nccl_mask), 312);
         assert_eq!(offset_of!(LlParams, nccl_out), 320);
         assert_eq!(offset_of!(LlParams, nccl_dest_bytes), 360);

@@ -8,14 +8,16 @@ use cudarc::driver::sys;
 use epflow_core::backend::RankCore;
 use epflow_core::{Error, GroupConfig};
 
-use crate::cache::OutputCache;
-use crate::driver::{bind, context, cuda};
-use crate::kernels::Kernels;
+use crate::compile::Functions;
+use crate::device::cache::OutputCache;
+use crate::device::{DeviceBuffer, bind, context, cuda};
 use crate::layout::Layout;
-use crate::memory::{DeviceBuffer, PinnedBuffer};
-use crate::nccl::{NcclComms, NcclShared, Transport};
-use crate::params::{SIGNAL_PAGE_BYTES, STATUS_WORDS};
-use crate::rank::{GpuRank, Peers, RankMemory, RankShared};
+use crate::rank::GpuRank;
+use crate::rank::shared::{Peers, RankMemory, RankShared};
+use crate::setup::bootstrap;
+use crate::transport::nccl::{NcclComms, NcclShared, decode_ids, new_ids};
+use crate::transport::nvlink::{IpcMapping, enable_peer_access, ipc_export};
+use crate::transport::{Transport, host_id};
 
 static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1 << 32);
 
@@ -54,13 +56,14 @@ impl GpuWorld {
         };
         comms.resize_with(num_ranks, || None);
         let group_id = NEXT_GROUP_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mems = ctxs.iter().map(|ctx| allocate(ctx, &layout).map(Arc::new)).collect::<Result<Vec<_>, _>>()?;
+        let mems =
+            ctxs.iter().map(|ctx| RankMemory::allocate(ctx, &layout).map(Arc::new)).collect::<Result<Vec<_>, _>>()?;
         let peers = || Peers {
             disp_recv: mems.iter().map(|m| m.disp_recv.ptr()).collect(),
             comb_recv: mems.iter().map(|m| m.comb_recv.ptr()).collect(),
             exchange: mems.iter().map(|m| m.exchange.ptr()).collect(),
             signals: mems.iter().map(|m| m.signals.ptr()).collect(),
-            _keep: mems.iter().map(|m| Arc::clone(m) as Arc<dyn std::any::Any + Send + Sync>).collect(),
+            keep: mems.iter().map(|m| Arc::clone(m) as Arc<dyn std::any::Any + Send + Sync>).collect(),
         };
         let ranks = ctxs
             .iter()
@@ -89,7 +92,7 @@ impl GpuWorld {
     /// One process per GPU: joins this process's rank (`comm.rank()`) of a group over `comm`, an
     /// NCCL communicator of every rank on this host (see [`crate::bootstrap`]). Collective: every
     /// rank calls it with the same config. The receive regions and signal pages are shared with
-    /// CUDA IPC handles exchanged over `comm`. Call [`crate::bootstrap::barrier`] before dropping
+    /// CUDA IPC handles exchanged over `comm`. Call [`bootstrap::barrier`] before dropping
     /// the rank, so no peer still uses this process's memory.
     pub fn join(comm: &cudarc::nccl::Comm, config: GroupConfig) -> Result<GpuRank, Error> {
         Self::join_with(comm, config, Transport::Auto)
@@ -105,32 +108,32 @@ impl GpuWorld {
         let layout = Layout::new(&config, num_ranks)?;
         let ctx = Arc::clone(comm.context());
         bind(&ctx)?;
-        let hosts = crate::bootstrap::all_gather(comm, &[host_id()])?;
+        let hosts = bootstrap::all_gather(comm, &[host_id()])?;
         let mask = transport.nccl_mask(rank, num_ranks, Some(&hosts))?;
         // Every rank learns every mask (rank 0's ids serve the NCCL communicators).
-        let masks = crate::bootstrap::all_gather(comm, &[u64::from(mask)])?;
+        let masks = bootstrap::all_gather(comm, &[u64::from(mask)])?;
         let layout = layout.for_transport(masks.iter().any(|&m| m != 0));
         let nccl = if masks.iter().any(|&m| m != 0) {
             let ids = if rank == 0 { new_ids()? } else { [0u64; 48] };
-            let all = crate::bootstrap::all_gather(comm, &ids)?;
+            let all = bootstrap::all_gather(comm, &ids)?;
             let comms = NcclComms::init_rank(&decode_ids(&all[..48]), rank, num_ranks)?;
             Some(NcclShared::new(&ctx, &layout, comms, mask, num_ranks)?)
         } else {
             None
         };
-        let mem = Arc::new(allocate(&ctx, &layout)?);
+        let mem = Arc::new(RankMemory::allocate(&ctx, &layout)?);
         let own = [mem.disp_recv.ptr(), mem.comb_recv.ptr(), mem.exchange.ptr(), mem.signals.ptr()];
         let mut mine = Vec::with_capacity(own.len() * 64);
         for ptr in own {
             mine.extend_from_slice(&ipc_export(ptr)?);
         }
-        let all = crate::bootstrap::all_gather(comm, &mine)?;
+        let all = bootstrap::all_gather(comm, &mine)?;
         let mut peers = Peers {
             disp_recv: Vec::new(),
             comb_recv: Vec::new(),
             exchange: Vec::new(),
             signals: Vec::new(),
-            _keep: Vec::new(),
+            keep: Vec::new(),
         };
         for r in 0..num_ranks {
             // NCCL peers are never addressed (their slots point at this rank's own memory).
@@ -142,7 +145,7 @@ impl GpuWorld {
                     let off = (r * 4 + i) * 64;
                     let mapping = IpcMapping::open(&ctx, &all[off..off + 64])?;
                     *o = mapping.ptr;
-                    peers._keep.push(Arc::new(mapping));
+                    peers.keep.push(Arc::new(mapping));
                 }
                 out
             };
@@ -151,7 +154,7 @@ impl GpuWorld {
             peers.exchange.push(ptrs[2]);
             peers.signals.push(ptrs[3]);
         }
-        peers._keep.push(Arc::clone(&mem) as Arc<dyn std::any::Any + Send + Sync>);
+        peers.keep.push(Arc::clone(&mem) as Arc<dyn std::any::Any + Send + Sync>);
         let place = Placement {
             rank,
             num_ranks,
@@ -162,44 +165,6 @@ impl GpuWorld {
         rank.connect_nccl()?;
         Ok(rank)
     }
-}
-
-/// Three fresh NCCL unique ids (dispatch, combine, handle communicators) as 48 words.
-fn new_ids() -> Result<[u64; 48], Error> {
-    crate::bootstrap::nccl_present()?;
-    let mut out = [0u64; 48];
-    for c in 0..3 {
-        let id = cudarc::nccl::result::get_uniqueid().map_err(|e| crate::nccl::nccl_err("ncclGetUniqueId", e))?;
-        for (i, w) in out[c * 16..(c + 1) * 16].iter_mut().enumerate() {
-            let mut b = [0u8; 8];
-            for (j, x) in b.iter_mut().enumerate() {
-                *x = id.internal[i * 8 + j] as u8;
-            }
-            *w = u64::from_le_bytes(b);
-        }
-    }
-    Ok(out)
-}
-
-fn decode_ids(words: &[u64]) -> [cudarc::nccl::sys::ncclUniqueId; 3] {
-    std::array::from_fn(|c| {
-        let mut internal = [0 as std::ffi::c_char; 128];
-        for (i, w) in words[c * 16..(c + 1) * 16].iter().enumerate() {
-            for (j, b) in w.to_le_bytes().into_iter().enumerate() {
-                internal[i * 8 + j] = b as std::ffi::c_char;
-            }
-        }
-        cudarc::nccl::sys::ncclUniqueId { internal }
-    })
-}
-
-/// An identifier of this host and boot (the kernel's boot id, else the host name), hashed.
-fn host_id() -> u64 {
-    let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
-        .unwrap_or_default();
-    // FNV-1a: stable, and enough to tell hosts apart.
-    text.trim().bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 /// Where a rank sits in its group.
@@ -229,12 +194,18 @@ fn build_rank(
         }
     }
     bind(ctx)?;
-    let kernels = Kernels::load(ctx)?;
+    let functions = Functions::load(ctx)?;
     let streams = comm_streams(ctx)?;
+    let null_handle = match &layout {
+        Layout::Ll(l) => Some(DeviceBuffer::zeroed(ctx, l.handle_bytes())?),
+        Layout::Ht(_) => None,
+    };
     let num_sms = ctx
         .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .map_err(|e| cuda("query SMs", e))? as u32;
+    let core = RankCore::new(place.rank, place.num_ranks, place.group_id, config.clone());
     let shared = Arc::new(RankShared {
+        poison: Arc::clone(core.poison()),
         rank: place.rank,
         num_ranks: place.num_ranks,
         device: place.device,
@@ -243,19 +214,19 @@ fn build_rank(
         group_id: place.group_id,
         ctx: Arc::clone(ctx),
         streams,
-        kernels,
+        functions,
         mem,
         peers,
         num_sms,
         handle_pool: Arc::new(Mutex::new(Vec::new())),
+        null_handle,
         outputs: OutputCache::new(ctx),
         exchange_pool: Mutex::new(Vec::new()),
-        poison_outputs: Default::default(),
+        output_fill: Default::default(),
         timing: Default::default(),
         turns: Default::default(),
         nccl,
     });
-    let core = RankCore::new(place.rank, place.num_ranks, place.group_id, config.clone());
     Ok(GpuRank { shared, core })
 }
 
@@ -267,112 +238,4 @@ fn comm_streams(ctx: &Arc<cudarc::driver::CudaContext>) -> Result<[Arc<cudarc::d
         cudarc::driver::result::stream::get_priority_range().map_err(|e| cuda("stream priorities", e))?;
     let one = || ctx.new_stream_with_priority(greatest).map_err(|e| cuda("create stream", e));
     Ok([one()?, one()?, one()?])
-}
-
-/// The CUDA IPC handle of the allocation at `ptr` (a `cuMemAlloc` base).
-fn ipc_export(ptr: u64) -> Result<[u8; 64], Error> {
-    let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::uninit();
-    // SAFETY: valid out pointer; `ptr` is the base of a live cuMemAlloc allocation.
-    unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), ptr) }.result().map_err(|e| cuda("export IPC handle", e))?;
-    // SAFETY: initialized by the successful call above.
-    let h = unsafe { h.assume_init() };
-    Ok(h.reserved.map(|c| c as u8))
-}
-
-/// A peer process's allocation mapped into this one; unmapped on drop.
-#[derive(Debug)]
-struct IpcMapping {
-    ptr: u64,
-    ctx: Arc<cudarc::driver::CudaContext>,
-}
-
-impl IpcMapping {
-    fn open(ctx: &Arc<cudarc::driver::CudaContext>, handle: &[u8]) -> Result<Self, Error> {
-        bind(ctx)?;
-        let mut reserved = [0 as std::ffi::c_char; 64];
-        for (r, &b) in reserved.iter_mut().zip(handle) {
-            *r = b as std::ffi::c_char;
-        }
-        let h = sys::CUipcMemHandle { reserved };
-        let mut ptr: sys::CUdeviceptr = 0;
-        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
-        // SAFETY: valid out pointer; the handle bytes came from cuIpcGetMemHandle in a peer process.
-        unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, flags) }
-            .result()
-            .map_err(|e| cuda("open a peer's IPC handle", e))?;
-        Ok(IpcMapping { ptr, ctx: Arc::clone(ctx) })
-    }
-}
-
-impl Drop for IpcMapping {
-    fn drop(&mut self) {
-        if bind(&self.ctx).is_ok() {
-            // SAFETY: closes the mapping opened in `open`, once; the device is idle (the rank's
-            // streams were synchronized when it was dropped).
-            let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
-        }
-    }
-}
-
-/// Enables peer access for every `(i, j)` of `pairs` (indices into `devices`).
-fn enable_peer_access(
-    devices: &[usize],
-    ctxs: &[Arc<cudarc::driver::CudaContext>],
-    pairs: &[(usize, usize)],
-) -> Result<(), Error> {
-    for &(i, j) in pairs {
-        let (a, b) = (&ctxs[i], &ctxs[j]);
-        {
-            if devices[i] == devices[j] {
-                continue;
-            }
-            bind(a)?;
-            let mut can = 0i32;
-            // SAFETY: valid out pointer and device handles of live contexts.
-            unsafe { sys::cuDeviceCanAccessPeer(&mut can, a.cu_device(), b.cu_device()) }
-                .result()
-                .map_err(|e| cuda("query peer access", e))?;
-            if can == 0 {
-                return Err(Error::Unsupported(format!(
-                    "device {} cannot access device {}'s memory (no NVLink/P2P path); the NVLink kernels need it",
-                    devices[i], devices[j]
-                )));
-            }
-            // SAFETY: `b` is a live context; the current context is `a`.
-            match unsafe { sys::cuCtxEnablePeerAccess(b.cu_ctx(), 0) } {
-                sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {}
-                e => return Err(cuda("enable peer access", cudarc::driver::DriverError(e))),
-            }
-        }
-    }
-    Ok(())
-}
-
-/// A rank's memory: receive regions and signal pages (peers map them); low-latency groups also
-/// get their output buffer sets (high-throughput outputs are allocated per operation).
-fn allocate(ctx: &Arc<cudarc::driver::CudaContext>, layout: &Layout) -> Result<RankMemory, Error> {
-    let per_set =
-        |sets: usize, bytes: usize| (0..sets).map(|_| DeviceBuffer::zeroed(ctx, bytes)).collect::<Result<Vec<_>, _>>();
-    let mut mem = RankMemory {
-        ctx: Arc::clone(ctx),
-        disp_recv: DeviceBuffer::zeroed(ctx, layout.dispatch_recv_bytes())?,
-        comb_recv: DeviceBuffer::zeroed(ctx, layout.combine_recv_bytes())?,
-        exchange: DeviceBuffer::zeroed(ctx, layout.exchange_bytes())?,
-        signals: DeviceBuffer::zeroed(ctx, SIGNAL_PAGE_BYTES)?,
-        status: PinnedBuffer::zeroed(ctx, STATUS_WORDS * 8)?,
-        disp_out: Vec::new(),
-        disp_scales: Vec::new(),
-        disp_counts: Vec::new(),
-        host_counts: Vec::new(),
-        comb_out: Vec::new(),
-    };
-    let Layout::Ll(l) = layout else { return Ok(mem) };
-    let sets = l.sets;
-    mem.disp_out = per_set(sets, l.dispatch_out_bytes())?;
-    mem.disp_scales = per_set(sets, l.dispatch_scales_bytes())?;
-    mem.disp_counts = per_set(sets, l.local_experts * 4)?;
-    mem.host_counts =
-        (0..sets).map(|_| PinnedBuffer::zeroed(ctx, l.local_experts * 4)).collect::<Result<Vec<_>, _>>()?;
-    mem.comb_out = per_set(sets, l.combine_out_bytes())?;
-    Ok(mem)
 }

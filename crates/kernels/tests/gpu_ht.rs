@@ -16,7 +16,7 @@ use epflow_core::scenario::Scenario;
 use epflow_core::verify::{Report, Tolerance, check_bf16, check_exact, check_ht_dispatch};
 use epflow_core::workload::{RoutingKind, random_weights};
 use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, bf16};
-use epflow_kernels::{GpuRank, GpuWorld, Transport, driver};
+use epflow_kernels::{GpuRank, GpuWorld, Transport, device_count};
 
 mod common;
 use common::{gpus, on_ranks, seed};
@@ -269,7 +269,7 @@ fn ht_hierarchical_two_hosts_matches_reference() {
 
 #[test]
 fn ht_many_iterations_with_fresh_routing() {
-    let n = driver::device_count().min(4);
+    let n = device_count().min(4);
     let Some(devices) = gpus(n.max(2), "ht_many_iterations") else { return };
     let iters: u64 = std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(1000);
     let (hidden, experts, top_k) = (2048, 64, 8);

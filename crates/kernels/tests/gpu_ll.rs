@@ -14,7 +14,7 @@ use epflow_core::scenario::Scenario;
 use epflow_core::verify::{Report, Tolerance, check_bf16, check_ll_dispatch};
 use epflow_core::workload::RoutingKind;
 use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, bf16};
-use epflow_kernels::{GpuRank, GpuWorld, Transport, driver};
+use epflow_kernels::{GpuRank, GpuWorld, Transport, device_count};
 
 mod common;
 use common::{gpus, on_ranks, seed};
@@ -178,7 +178,7 @@ fn identity_combine(tokens: &[bf16], idx: &[i64], w: &[f32], hidden: usize, top_
 
 #[test]
 fn ll_many_staged_iterations_with_fresh_routing() {
-    let n = driver::device_count().min(4);
+    let n = device_count().min(4);
     let Some(devices) = gpus(n.max(2), "ll_many_staged_iterations") else { return };
     let iters: u64 = std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(10_000);
     let (hidden, experts, max_tokens, top_k) = (2048, 64, 128, 8);
@@ -314,7 +314,7 @@ fn ll_sanitizer_config() {
 /// same `EPFLOW_TEST_SEED` in every process. Each process checks its own rank.
 #[test]
 fn ll_one_process_per_gpu() {
-    let env = match epflow_kernels::bootstrap::LaunchEnv::from_env() {
+    let env = match epflow_kernels::setup::bootstrap::LaunchEnv::from_env() {
         Ok(Some(env)) => env,
         Ok(None) => {
             eprintln!("SKIPPED ll_one_process_per_gpu: not started by `epflow launch`");
@@ -356,7 +356,7 @@ fn ll_one_process_per_gpu() {
                 assert!(c.ok(), "{what}: {c:?}");
             }
         }
-        epflow_kernels::bootstrap::barrier(&comm).expect("barrier");
+        epflow_kernels::setup::bootstrap::barrier(&comm).expect("barrier");
         drop(rank);
         eprintln!("ok: rank {} of {n}, one process per GPU, H={hidden} E={experts} {dtype:?}", env.rank);
     }

@@ -11,23 +11,38 @@ typedef unsigned int u32;
 #define EP_HDR_BYTES 128
 #define EP_FULL_MASK 0xffffffffu
 
-// Host-visible status page (pinned, mapped): [0] = first error (0 = none), then per
-// (channel, set) the cancellation mask of the last completed operation. Channels: 0 dispatch,
-// 1 combine, 2 handle (the high-throughput count exchange).
+// Host-visible status page (pinned, mapped; the Rust mirror is params.rs):
+// [0] = the first error (0 = none): code | peer << 8 | seq << 16;
+// [1 + chan * EP_MAX_SETS + set] = of the last completed operation of (channel, set):
+//     (seq + 1) << 32 | mismatched sources << 16 | cancelled sources;
+// [1 + 3 * EP_MAX_SETS + chan * EP_MAX_SETS + set] = the stamp of its lowest mismatched source.
+// Channels: 0 dispatch, 1 combine, 2 handle (the high-throughput count exchange).
 #define EP_ERR_TIMEOUT_ARRIVAL 1ull
 #define EP_ERR_TIMEOUT_CREDIT 2ull
 #define EP_ERR_TIMEOUT_RING 3ull
+#define EP_ERR_MISMATCH 4ull
+#define EP_STATUS_STAMPS (1 + 3 * EP_MAX_SETS)
 
-// The signal page of a rank starts with arrays of u64 indexed [array][set][rank].
-#define EP_SIG_ARRIVED(chan) (chan)        // written by senders: ((seq + 1) << 1) | cancelled
-#define EP_SIG_CONSUMED(chan) (3 + (chan)) // written by receivers: (seq + 1) << 1 (the sender's credit)
-#define EP_SIG_SENT(chan) (6 + (chan))     // local: warps done sending, per destination
-#define EP_SIG_DONE 9                      // local: blocks done receiving, [set][chan]
+// The signal page of a rank starts with the arrival pairs, [chan][set][source] x {arrival,
+// stamp}: a sender writes its stamp (what the ranks must agree on: top-k, pass, handle or
+// paired dispatch; see epflow_core::stamp), then, with release, its arrival word
+// ((seq + 1) << 1 | cancelled). The pair is adjacent so the NCCL transport moves both in one
+// 16-byte transfer. Then arrays of u64 indexed [array][set][rank].
+#define EP_ARRIVAL_WORDS (3 * EP_MAX_SETS * EP_MAX_RANKS * 2)
+#define EP_SIG_CONSUMED(chan) (chan)  // written by receivers: (seq + 1) << 1 (the sender's credit)
+#define EP_SIG_SENT(chan) (3 + (chan))  // local: warps done sending, per destination
+#define EP_SIG_DONE 6                   // local: blocks done receiving, [set][chan]
+#define EP_SIG_ABORT(chan) (7 + (chan)) // high-throughput, [seq % 2][peer]: seq + 1 once that peer's
+                                        // receiver saw this rank's stamp mismatch (stop sending to it)
 #define EP_SIG_ARRAYS 10
-#define EP_SIG_ARRAY_WORDS (EP_SIG_ARRAYS * EP_MAX_SETS * EP_MAX_RANKS)
+#define EP_SIG_ARRAY_WORDS (EP_ARRIVAL_WORDS + EP_SIG_ARRAYS * EP_MAX_SETS * EP_MAX_RANKS)
 
 __device__ __forceinline__ u64* sig_at(u64* page, int array, int set, int rank) {
-    return page + ((size_t)array * EP_MAX_SETS + set) * EP_MAX_RANKS + rank;
+    return page + EP_ARRIVAL_WORDS + ((size_t)array * EP_MAX_SETS + set) * EP_MAX_RANKS + rank;
+}
+
+__device__ __forceinline__ u64* arrival_at(u64* page, int chan, int set, int rank) {
+    return page + (((size_t)chan * EP_MAX_SETS + set) * EP_MAX_RANKS + rank) * 2;
 }
 
 __device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
@@ -68,23 +83,51 @@ __device__ __forceinline__ void st_na_int4(void* p, int4 v) {
                  : "memory");
 }
 
-// Records the first error in the host-visible status page: code | peer << 8 | seq << 16.
+// Records the first error in the host-visible status page: code | peer << 8 | seq << 16 (later
+// errors, often consequences of the first, are dropped).
 __device__ __forceinline__ void report_error(u64* status, u64 code, int peer, u64 seq) {
-    st_relaxed_sys(status, code | ((u64)peer << 8) | (seq << 16));
+    atomicCAS_system(status, 0ull, code | ((u64)peer << 8) | (seq << 16));
 }
 
-// Waits until (*p >> 1) == want (acquire); false on timeout. *seen gets the last value.
-__device__ __forceinline__ bool wait_signal(const u64* p, u64 want, u64 deadline, u64* seen) {
-    u64 v = ld_acquire_sys(p);
-    while ((v >> 1) != want) {
-        if (globaltimer_ns() > deadline) {
-            *seen = v;
-            return false;
-        }
-        v = ld_acquire_sys(p);
+// Sender side: writes the stamp, then (release) the arrival word of operation `seq` into
+// `page` (the receiver's, or this rank's own for an NCCL peer) at this rank's pair.
+__device__ __forceinline__ void signal_arrival(u64* page, int chan, int set, int rank, u64 seq, bool cancelled,
+                                               u64 stamp) {
+    u64* a = arrival_at(page, chan, set, rank);
+    st_relaxed_sys(a + 1, stamp);
+    st_release_sys(a, ((seq + 1) << 1) | (u64)cancelled);
+}
+
+// What one source's arrival said.
+#define EP_ARRIVED 0
+#define EP_ARRIVED_CANCELLED 1
+#define EP_ARRIVED_MISMATCH 2
+#define EP_ARRIVAL_TIMEOUT 3
+
+// Receiver side: waits (acquire, until `deadline`) for source `src`'s arrival of operation
+// `seq` in this rank's page, then compares its stamp with `stamp`.
+__device__ __forceinline__ int wait_arrival(u64* page, int chan, int set, int src, u64 seq, u64 stamp,
+                                            u64 deadline) {
+    u64* a = arrival_at(page, chan, set, src);
+    u64 v = ld_acquire_sys(a);
+    while ((v >> 1) != seq + 1) {
+        if (globaltimer_ns() > deadline) return EP_ARRIVAL_TIMEOUT;
+        v = ld_acquire_sys(a);
     }
-    *seen = v;
-    return true;
+    if (v & 1ull) return EP_ARRIVED_CANCELLED;
+    const u64 theirs = *reinterpret_cast<volatile u64*>(a + 1);
+    return theirs == stamp ? EP_ARRIVED : EP_ARRIVED_MISMATCH;
+}
+
+// Publishes the outcome of operation `seq` of (chan, set): the cancelled and mismatched
+// sources, and the stamp of the lowest mismatched one (read from this rank's page).
+__device__ __forceinline__ void publish_outcome(u64* status, u64* page, int chan, int set, u64 seq, u32 cancelled,
+                                                u32 mismatched) {
+    if (mismatched) {
+        const int s = __ffs(mismatched) - 1;
+        st_relaxed_sys(status + EP_STATUS_STAMPS + chan * EP_MAX_SETS + set, arrival_at(page, chan, set, s)[1]);
+    }
+    st_relaxed_sys(status + 1 + chan * EP_MAX_SETS + set, ((seq + 1) << 32) | ((u64)mismatched << 16) | cancelled);
 }
 
 // Waits until (*p >> 1) >= want (acquire); false on timeout.

@@ -23,10 +23,15 @@
 // its channel's tokens in order, summing each token's copies in ascending destination rank
 // (fp32, from 0, rounded to BF16 once), copies on this rank read directly from the expert output.
 //
-// Cancellation and timeouts: at its start every kernel signals ARRIVED(chan)[seq % 2][rank] =
-// ((seq + 1) << 1) | cancelled to every receiver; a cancelled sender writes no data and publishes
-// its final subtails at once; receivers skip a cancelled source's data. Every wait has the op's
-// deadline and reports through the status page.
+// Cancellation and timeouts: at its start every kernel signals its arrival pair (chan, seq % 2)
+// = (stamp, ((seq + 1) << 1) | cancelled) to every receiver; a cancelled sender writes no data and
+// publishes its final subtails at once; receivers skip a cancelled source's data. Every wait has
+// the op's deadline and reports through the status page.
+//
+// Mismatches: a receiver that finds a source's stamp different from its own (another handle,
+// top-k or pass) skips that source's data, reports EP_ERR_MISMATCH and writes ABORT(chan)[seq % 2]
+// [this rank] into the source's page, which makes the source's warps sending here stop waiting
+// for ring space. The two ranks' ring positions then disagree: the host poisons the group.
 
 #define HT_MAX_CHANNELS 64
 #define HT_MAX_WARPS 16
@@ -60,9 +65,10 @@ struct HtParams {
     int warps_per_dest, fp8, backward, cancelled;
     int chan, row_bytes, off_scales, off_weights;
     int off_idx, tokens_per_channel, batch, items_per_fence;
+    u64 stamp;        // what every rank must agree on (epflow_core::stamp), checked per source
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
-static_assert(sizeof(HtParams) == 368, "HtParams layout");
+static_assert(sizeof(HtParams) == 376, "HtParams layout");
 
 // Ring counters, after the arrays of the signal page: subtail [chan][c][peer][residue] (written by
 // the peer), head [chan][c][peer] (written by the peer), and this rank's own positions,
@@ -123,39 +129,52 @@ __device__ __forceinline__ void ht_signal_start(const HtParams& p) {
     const int lane = threadIdx.x & 31;
     if (blockIdx.x == 0 && threadIdx.x < 32 && lane < p.num_ranks) {
         u64* peer = reinterpret_cast<u64*>(p.peer_signals[lane]);
-        st_release_sys(sig_at(peer, EP_SIG_ARRIVED(p.chan), (int)(p.seq & 1), p.rank),
-                       ((p.seq + 1) << 1) | (u64)(p.cancelled != 0));
+        signal_arrival(peer, p.chan, (int)(p.seq & 1), p.rank, p.seq, p.cancelled != 0, p.stamp);
     }
 }
 
-// Receiver blocks: waits for every source's start signal; false on timeout. Sets the mask of
-// cancelled sources.
-__device__ bool ht_wait_starts(const HtParams& p, u32* cancelled, int* failed) {
+// Receiver blocks: waits for every source's start signal; false on timeout. Sets the masks of
+// cancelled sources and of mismatched ones; `*skip` is both (whose data this block ignores).
+__device__ bool ht_wait_starts(const HtParams& p, u32* skip, u32* mismatched, int* failed) {
     if (threadIdx.x == 0) {
-        *cancelled = 0u;
+        *skip = 0u;
+        *mismatched = 0u;
         *failed = 0;
     }
     __syncthreads();
     if ((int)threadIdx.x < p.num_ranks) {
+        const int s = threadIdx.x;
         u64* sig = reinterpret_cast<u64*>(p.signals);
-        u64 seen = 0;
         const u64 deadline = globaltimer_ns() + p.timeout_ns;
-        if (!wait_signal(sig_at(sig, EP_SIG_ARRIVED(p.chan), (int)(p.seq & 1), threadIdx.x), p.seq + 1, deadline, &seen)) {
-            report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, threadIdx.x, p.seq);
-            atomicExch(failed, 1);
-        } else if (seen & 1ull) {
-            atomicOr(cancelled, 1u << threadIdx.x);
+        switch (wait_arrival(sig, p.chan, (int)(p.seq & 1), s, p.seq, p.stamp, deadline)) {
+            case EP_ARRIVAL_TIMEOUT:
+                report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, s, p.seq);
+                atomicExch(failed, 1);
+                break;
+            case EP_ARRIVED_CANCELLED:
+                atomicOr(skip, 1u << s);
+                break;
+            case EP_ARRIVED_MISMATCH:
+                atomicOr(skip, 1u << s);
+                atomicOr(mismatched, 1u << s);
+                report_error(reinterpret_cast<u64*>(p.status), EP_ERR_MISMATCH, s, p.seq);
+                st_release_sys(sig_at(reinterpret_cast<u64*>(p.peer_signals[s]), EP_SIG_ABORT(p.chan), (int)(p.seq & 1),
+                                      p.rank),
+                               p.seq + 1);
+                break;
+            default:
+                break;
         }
     }
     __syncthreads();
     return *failed == 0;
 }
 
-// Publishes the cancellation mask of this operation (first receiving block).
-__device__ __forceinline__ void ht_publish_mask(const HtParams& p, int c, u32 cancelled) {
+// Publishes the cancellation and mismatch masks of this operation (first receiving block).
+__device__ __forceinline__ void ht_publish_mask(const HtParams& p, int c, u32 skip, u32 mismatched) {
     if (c == 0 && threadIdx.x == 0) {
-        u64* status = reinterpret_cast<u64*>(p.status);
-        st_relaxed_sys(status + 1 + p.chan * EP_MAX_SETS + (int)(p.seq & 1), ((p.seq + 1) << 32) | cancelled);
+        publish_outcome(reinterpret_cast<u64*>(p.status), reinterpret_cast<u64*>(p.signals), p.chan, (int)(p.seq & 1),
+                        p.seq, skip & ~mismatched, mismatched);
     }
 }
 
@@ -232,7 +251,12 @@ __device__ void ht_send(const HtParams& p, int c) {
         const u64 g_last = pos0 + (u64)last;
         int fail = 0;
         if (lane == 0) {
+            const u64* abort = sig_at(sig, EP_SIG_ABORT(p.chan), (int)(p.seq & 1), dest);
             while (ld_acquire_sys(head) + (u64)p.depth <= g_last) {
+                if (ld_acquire_sys(abort) == p.seq + 1) {
+                    fail = 1;  // the receiver skips this rank's rows (a mismatch it reported)
+                    break;
+                }
                 if (globaltimer_ns() > deadline) {
                     report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_RING, dest, p.seq);
                     fail = 1;
@@ -275,12 +299,12 @@ __device__ void ht_send(const HtParams& p, int c) {
 // Dispatch receiver of channel c: copies ready items of every source into their output rows,
 // up to `batch` per source per round, and returns ring space after each round.
 __device__ void ht_dispatch_recv(const HtParams& p, int c) {
-    __shared__ u32 cancelled;
+    __shared__ u32 cancelled, mismatched;
     __shared__ int failed;
     __shared__ u64 pos[EP_MAX_RANKS];
     __shared__ int left[EP_MAX_RANKS], take[EP_MAX_RANKS], base[EP_MAX_RANKS], done[EP_MAX_RANKS];
     __shared__ int round_items, any_left;
-    if (!ht_wait_starts(p, &cancelled, &failed)) return;
+    if (!ht_wait_starts(p, &cancelled, &mismatched, &failed)) return;
     const int R = p.num_ranks, C = p.channels, K = p.top_k;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u64* sig = reinterpret_cast<u64*>(p.signals);
@@ -364,18 +388,18 @@ __device__ void ht_dispatch_recv(const HtParams& p, int c) {
         }
         __syncthreads();
     }
-    ht_publish_mask(p, c, cancelled);
+    ht_publish_mask(p, c, cancelled, mismatched);
 }
 
 // Combine receiver of channel c: for each batch of `batch` tokens, waits for their copies, then
 // sums them (ascending destination rank) into the output; backward also picks each k's weight
 // gradient from the copy of the rank that owns expert k.
 __device__ void ht_combine_recv(const HtParams& p, int c) {
-    __shared__ u32 cancelled;
+    __shared__ u32 cancelled, mismatched;
     __shared__ int failed;
     __shared__ u64 pos[EP_MAX_RANKS];
     __shared__ int need[EP_MAX_RANKS], prev[EP_MAX_RANKS];
-    if (!ht_wait_starts(p, &cancelled, &failed)) return;
+    if (!ht_wait_starts(p, &cancelled, &mismatched, &failed)) return;
     const int R = p.num_ranks, C = p.channels, K = p.top_k, H = p.hidden, L = p.num_local;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u64* sig = reinterpret_cast<u64*>(p.signals);
@@ -496,7 +520,7 @@ __device__ void ht_combine_recv(const HtParams& p, int c) {
             }
         }
     }
-    ht_publish_mask(p, c, cancelled);
+    ht_publish_mask(p, c, cancelled, mismatched);
 }
 
 // High-throughput dispatch (forward or backward), one launch: blocks [0, C) send, [C, 2C) receive.
@@ -529,15 +553,16 @@ struct ExchangeParams {
     u64 peer_signals[EP_MAX_RANKS];
     u64 seq, timeout_ns;
     int rank, num_ranks, words, cancelled;
+    u64 stamp;       // what every rank must agree on (the top-k), checked per source
 };
-static_assert(sizeof(ExchangeParams) == 200, "ExchangeParams layout");
+static_assert(sizeof(ExchangeParams) == 208, "ExchangeParams layout");
 
 // The count exchange of high-throughput handle creation (channel 2), one block: writes this
 // rank's message into every rank's region [seq % 2][rank], signals, waits for every source, and
 // copies the received messages to mapped host memory. Two region sets are enough: a rank can only
 // start exchange s + 2 after every rank has started exchange s + 1, i.e. finished exchange s.
 extern "C" __global__ void __launch_bounds__(256) ep_ht_exchange(ExchangeParams p) {
-    __shared__ u32 cancelled;
+    __shared__ u32 cancelled, mismatched;
     __shared__ int failed;
     const int R = p.num_ranks, set = (int)(p.seq & 1);
     const size_t set_words = (size_t)R * p.words;
@@ -552,22 +577,30 @@ extern "C" __global__ void __launch_bounds__(256) ep_ht_exchange(ExchangeParams 
     __syncthreads();
     if ((int)threadIdx.x < R) {
         u64* peer = reinterpret_cast<u64*>(p.peer_signals[threadIdx.x]);
-        st_release_sys(sig_at(peer, EP_SIG_ARRIVED(2), set, p.rank), ((p.seq + 1) << 1) | (u64)(p.cancelled != 0));
+        signal_arrival(peer, 2, set, p.rank, p.seq, p.cancelled != 0, p.stamp);
     }
     if (threadIdx.x == 0) {
         cancelled = 0u;
+        mismatched = 0u;
         failed = 0;
     }
     __syncthreads();
     if ((int)threadIdx.x < R) {
         u64* sig = reinterpret_cast<u64*>(p.signals);
-        u64 seen = 0;
         const u64 deadline = globaltimer_ns() + p.timeout_ns;
-        if (!wait_signal(sig_at(sig, EP_SIG_ARRIVED(2), set, threadIdx.x), p.seq + 1, deadline, &seen)) {
-            report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, threadIdx.x, p.seq);
-            atomicExch(&failed, 1);
-        } else if (seen & 1ull) {
-            atomicOr(&cancelled, 1u << threadIdx.x);
+        switch (wait_arrival(sig, 2, set, threadIdx.x, p.seq, p.stamp, deadline)) {
+            case EP_ARRIVAL_TIMEOUT:
+                report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, threadIdx.x, p.seq);
+                atomicExch(&failed, 1);
+                break;
+            case EP_ARRIVED_CANCELLED:
+                atomicOr(&cancelled, 1u << threadIdx.x);
+                break;
+            case EP_ARRIVED_MISMATCH:
+                atomicOr(&mismatched, 1u << threadIdx.x);
+                break;
+            default:
+                break;
         }
     }
     __syncthreads();
@@ -578,7 +611,7 @@ extern "C" __global__ void __launch_bounds__(256) ep_ht_exchange(ExchangeParams 
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {
-        u64* status = reinterpret_cast<u64*>(p.status);
-        st_relaxed_sys(status + 1 + 2 * EP_MAX_SETS + set, ((p.seq + 1) << 32) | cancelled);
+        publish_outcome(reinterpret_cast<u64*>(p.status), reinterpret_cast<u64*>(p.signals), 2, set, p.seq, cancelled,
+                        mismatched);
     }
 }

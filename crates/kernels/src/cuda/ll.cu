@@ -39,9 +39,10 @@ struct LlParams {
     u64 nccl_counts;      // dispatch: [R] int32 (mapped host): rows each NCCL source gets back in combine
     u64 nccl_pos;         // combine: [M x K] int32: row of (t, k) in `nccl_in`, or -1 (arrived over NVLink)
     u64 nccl_dest_bytes;  // staging bytes per destination
+    u64 stamp;            // what every rank must agree on (epflow_core::stamp), checked per source
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
-static_assert(sizeof(LlParams) == 368, "LlParams layout");
+static_assert(sizeof(LlParams) == 376, "LlParams layout");
 
 __device__ __forceinline__ bool via_nccl(const LlParams& p, int r) { return (p.nccl_mask >> r) & 1; }
 
@@ -82,7 +83,7 @@ __device__ __forceinline__ void signal_sent(const LlParams& p, int chan, int des
         if (atom_add_acq_rel_gpu(sent, 1) == (u64)(wpd - 1)) {
             *sent = 0;
             u64* peer = reinterpret_cast<u64*>(p.peer_signals[dest]);
-            st_release_sys(sig_at(peer, EP_SIG_ARRIVED(chan), p.set, p.rank), ((p.seq + 1) << 1) | (u64)(p.cancelled != 0));
+            signal_arrival(peer, chan, p.set, p.rank, p.seq, p.cancelled != 0, p.stamp);
         }
     }
 }
@@ -164,23 +165,34 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(LlParams p
     signal_sent(p, 0, dest, wpd, lane);
 }
 
-// Waits for every source's signal of this operation; returns false on timeout. `cancelled`
-// gets the mask of sources that sent a cancellation marker. Threads < R wait; then a barrier.
-__device__ bool wait_all_sources(const LlParams& p, int chan, u32* cancelled_shared, int* timeout_shared) {
+// Waits for every source's arrival of this operation; returns false on timeout. Sets the masks of
+// the sources that sent a cancellation marker and of those whose stamp disagrees with this
+// rank's (their data is skipped as a cancelled source's is, and the operation fails with a
+// mismatch). Threads < R wait; then a barrier.
+__device__ bool wait_all_sources(const LlParams& p, int chan, u32* cancelled_shared, u32* mismatched_shared,
+                                 int* timeout_shared) {
     if (threadIdx.x == 0) {
         *cancelled_shared = 0u;
+        *mismatched_shared = 0u;
         *timeout_shared = 0;
     }
     __syncthreads();
     if ((int)threadIdx.x < p.num_ranks) {
         const u64 deadline = globaltimer_ns() + p.timeout_ns;
         u64* sig = reinterpret_cast<u64*>(p.signals);
-        u64 seen = 0;
-        if (!wait_signal(sig_at(sig, EP_SIG_ARRIVED(chan), p.set, threadIdx.x), p.seq + 1, deadline, &seen)) {
-            report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, threadIdx.x, p.seq);
-            atomicExch(timeout_shared, 1);
-        } else if (seen & 1ull) {
-            atomicOr(cancelled_shared, 1u << threadIdx.x);
+        switch (wait_arrival(sig, chan, p.set, threadIdx.x, p.seq, p.stamp, deadline)) {
+            case EP_ARRIVAL_TIMEOUT:
+                report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, threadIdx.x, p.seq);
+                atomicExch(timeout_shared, 1);
+                break;
+            case EP_ARRIVED_CANCELLED:
+                atomicOr(cancelled_shared, 1u << threadIdx.x);
+                break;
+            case EP_ARRIVED_MISMATCH:
+                atomicOr(mismatched_shared, 1u << threadIdx.x);
+                break;
+            default:
+                break;
         }
     }
     __syncthreads();
@@ -188,8 +200,8 @@ __device__ bool wait_all_sources(const LlParams& p, int chan, u32* cancelled_sha
 }
 
 // The last block to finish returns the credits of this buffer set to every source and publishes
-// the cancellation mask.
-__device__ void finish_receive(const LlParams& p, int chan, u32 cancelled) {
+// the cancellation and mismatch masks.
+__device__ void finish_receive(const LlParams& p, int chan, u32 cancelled, u32 mismatched) {
     __syncthreads();
     if (threadIdx.x == 0) {
         u64* sig = reinterpret_cast<u64*>(p.signals);
@@ -197,8 +209,7 @@ __device__ void finish_receive(const LlParams& p, int chan, u32 cancelled) {
         __threadfence();
         if (atom_add_acq_rel_gpu(done, 1) == (u64)(gridDim.x - 1)) {
             *done = 0;
-            u64* status = reinterpret_cast<u64*>(p.status);
-            st_relaxed_sys(status + 1 + chan * EP_MAX_SETS + p.set, ((p.seq + 1) << 32) | cancelled);
+            publish_outcome(reinterpret_cast<u64*>(p.status), sig, chan, p.set, p.seq, cancelled, mismatched);
             __threadfence_system();
             for (int s = 0; s < p.num_ranks; s++) {
                 u64* peer = reinterpret_cast<u64*>(p.peer_signals[s]);
@@ -236,12 +247,19 @@ __device__ __forceinline__ int block_rank_of_flag(bool flag, int* warp_sums, int
 }
 
 extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p) {
-    __shared__ u32 cancelled;
+    __shared__ u32 cancelled, mismatched;
     __shared__ int timed_out;
     __shared__ int warp_sums[16];
     __shared__ int total_shared;
     __shared__ int entry_slot[512];
-    if (!wait_all_sources(p, 0, &cancelled, &timed_out)) return;
+    if (!wait_all_sources(p, 0, &cancelled, &mismatched, &timed_out)) return;
+    // A cancelled operation only consumes what arrived: it writes neither the outputs (their
+    // buffer set may still hold a live result) nor the handle's row map.
+    if (p.cancelled) {
+        finish_receive(p, 0, cancelled, mismatched);
+        return;
+    }
+    const u32 skip = cancelled | mismatched;
     const int G = p.splits;
     const int R = p.num_ranks, M = p.max_tokens, K = p.top_k, H = p.hidden;
     const int RM = R * M;
@@ -259,7 +277,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p
         if (slot < RM) {
             const int s = slot / M;
             const char* msg = recv + (size_t)slot * p.msg_bytes;
-            if (!((cancelled >> s) & 1u) && __ldcg(reinterpret_cast<const u64*>(msg)) == p.seq + 1) {
+            if (!((skip >> s) & 1u) && __ldcg(reinterpret_cast<const u64*>(msg)) == p.seq + 1) {
                 // The selections' local experts, 8 per 16-byte load (inside the 128-byte header).
                 for (int k0 = 0; k0 < K; k0 += 8) {
                     const int4 v = ld_cg_int4(msg + 16 + k0 * 2);
@@ -310,7 +328,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p
             const int slot = i / K, k = i % K;
             const char* msg = recv + (size_t)slot * p.msg_bytes;
             const bool valid =
-                !((cancelled >> (slot / M)) & 1u) && __ldcg(reinterpret_cast<const u64*>(msg)) == p.seq + 1;
+                !((skip >> (slot / M)) & 1u) && __ldcg(reinterpret_cast<const u64*>(msg)) == p.seq + 1;
             if (!valid || __ldcg(reinterpret_cast<const short*>(msg + 16) + k) < 0) row_of[i] = -1;
         }
     }
@@ -321,7 +339,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p
         const int MK = M * K;
         for (int s = 0; s < R; s++) {
             if (!via_nccl(p, s)) continue;
-            const bool src_ok = !((cancelled >> s) & 1u);
+            const bool src_ok = !((skip >> s) & 1u);
             int base = 0;
             for (int chunk = 0; chunk < MK; chunk += blockDim.x) {
                 const int i = chunk + threadIdx.x;
@@ -340,7 +358,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p
             if (threadIdx.x == 0) reinterpret_cast<volatile int*>(p.nccl_counts)[s] = base;
         }
     }
-    finish_receive(p, 0, cancelled);
+    finish_receive(p, 0, cancelled, mismatched);
 }
 
 // Combine send, on the expert side: every received (source s, token t, k) row of the expert
@@ -378,16 +396,18 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_send(LlParams p)
 #define EP_COMBINE_BATCH 8
 
 extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv(LlParams p) {
-    __shared__ u32 cancelled;
+    __shared__ u32 cancelled, mismatched;
     __shared__ int timed_out;
-    if (!wait_all_sources(p, 1, &cancelled, &timed_out)) return;
+    if (!wait_all_sources(p, 1, &cancelled, &mismatched, &timed_out)) return;
     const int K = p.top_k, H = p.hidden;
     const long long* idx = reinterpret_cast<const long long*>(p.topk_idx);
     const float* w = reinterpret_cast<const float*>(p.weights);
     const char* recv = reinterpret_cast<const char*>(p.own_recv) + (size_t)p.set * p.recv_set_bytes;
     __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(p.out);
     const int* pos_of = reinterpret_cast<const int*>(p.nccl_pos);
-    if (cancelled == 0u) {
+    // Any cancelled or mismatched source (this rank's own cancellation included) leaves the
+    // output unwritten: the operation has no result.
+    if ((cancelled | mismatched) == 0u) {
         // Block b handles piece b % chunks of tokens b / chunks, b / chunks + gridDim.x / chunks, ...
         const int C = p.chunks;
         const int width = H / C;
@@ -432,5 +452,5 @@ extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv(LlParams p)
             }
         }
     }
-    finish_receive(p, 1, cancelled);
+    finish_receive(p, 1, cancelled, mismatched);
 }

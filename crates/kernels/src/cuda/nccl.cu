@@ -28,9 +28,10 @@ struct NcclHtParams {
     int num_local, num_tokens, channels, tokens_per_channel;
     int fp8, backward, chan, set;
     int cancelled, total_send, row_bytes, pad;
+    u64 stamp;        // what every rank must agree on (epflow_core::stamp), checked per source
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
-static_assert(sizeof(NcclHtParams) == 192, "NcclHtParams layout");
+static_assert(sizeof(NcclHtParams) == 200, "NcclHtParams layout");
 
 // The destination of staging row i: the last rank whose block starts at or before i.
 __device__ __forceinline__ int dest_of_row(const int* send_off, int C, int R, int i) {
@@ -41,12 +42,13 @@ __device__ __forceinline__ int dest_of_row(const int* send_off, int C, int R, in
     return d;
 }
 
-// Writes this rank's arrival word for the operation (NCCL sends it to every rank), then, unless
+// Writes this rank's arrival pair for the operation (NCCL sends it to every rank), then, unless
 // cancelled, packs the rows: one warp per row.
 extern "C" __global__ void __launch_bounds__(512) ep_nccl_ht_pack(NcclHtParams p) {
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-        u64* sig = reinterpret_cast<u64*>(p.signals);
-        *sig_at(sig, EP_SIG_ARRIVED(p.chan), p.set, p.rank) = ((p.seq + 1) << 1) | (u64)(p.cancelled != 0);
+        u64* a = arrival_at(reinterpret_cast<u64*>(p.signals), p.chan, p.set, p.rank);
+        a[1] = p.stamp;
+        a[0] = ((p.seq + 1) << 1) | (u64)(p.cancelled != 0);
     }
     if (p.cancelled) return;
     const int lane = threadIdx.x & 31;
@@ -77,26 +79,31 @@ extern "C" __global__ void __launch_bounds__(512) ep_nccl_ht_pack(NcclHtParams p
     }
 }
 
-// Checks the arrival word every source sent for this operation (NCCL delivered them before this
-// kernel runs) and publishes the cancellation mask in the status page, as the NVLink receive
-// kernels do. One block of 32 threads.
+// Checks the arrival pair every source sent for this operation (NCCL delivered them before this
+// kernel runs) and publishes the cancellation and mismatch masks in the status page, as the
+// NVLink receive kernels do. One block of 32 threads.
 extern "C" __global__ void ep_nccl_arrivals(NcclHtParams p) {
     u64* sig = reinterpret_cast<u64*>(p.signals);
-    u32 cancelled = 0u;
+    u32 cancelled = 0u, mismatched = 0u;
     const int s = threadIdx.x;
     if (s < p.num_ranks) {
-        const u64 w = *sig_at(sig, EP_SIG_ARRIVED(p.chan), p.set, s);
+        const u64* a = arrival_at(sig, p.chan, p.set, s);
+        const u64 w = a[0];
         if ((w >> 1) != p.seq + 1) {
             report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, s, p.seq);
         } else if (w & 1ull) {
             cancelled = 1u << s;
+        } else if (a[1] != p.stamp) {
+            mismatched = 1u << s;
         }
     }
 #pragma unroll
-    for (int m = 16; m >= 1; m >>= 1) cancelled |= __shfl_xor_sync(EP_FULL_MASK, cancelled, m);
+    for (int m = 16; m >= 1; m >>= 1) {
+        cancelled |= __shfl_xor_sync(EP_FULL_MASK, cancelled, m);
+        mismatched |= __shfl_xor_sync(EP_FULL_MASK, mismatched, m);
+    }
     if (threadIdx.x == 0) {
-        u64* status = reinterpret_cast<u64*>(p.status);
-        st_relaxed_sys(status + 1 + p.chan * EP_MAX_SETS + p.set, ((p.seq + 1) << 32) | cancelled);
+        publish_outcome(reinterpret_cast<u64*>(p.status), sig, p.chan, p.set, p.seq, cancelled, mismatched);
     }
 }
 

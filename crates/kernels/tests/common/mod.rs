@@ -3,11 +3,11 @@
 
 use std::time::SystemTime;
 
-use epflow_kernels::{GpuRank, driver};
+use epflow_kernels::{GpuRank, device_count};
 
 /// The first `need` GPUs, or `None` after printing why `test` is skipped.
 pub fn gpus(need: usize, test: &str) -> Option<Vec<usize>> {
-    let n = driver::device_count();
+    let n = device_count();
     if n < need {
         eprintln!("SKIPPED {test}: needs {need} GPUs, this machine has {n}");
         return None;

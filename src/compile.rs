@@ -1,15 +1,18 @@
-//! `epflow kernels`: compile every CUDA kernel with NVRTC (CI runs this without a GPU).
+//! `epflow compile`: compile every CUDA kernel with NVRTC (CI runs this without a GPU).
 
 use std::process::ExitCode;
 
-use epflow_kernels::{driver, nvrtc, sources};
+use epflow_kernels::compile::{nvrtc, sources};
+use epflow_kernels::device_count;
 
-use crate::cli::KernelsArgs;
+use crate::cli::CompileArgs;
 
-pub fn main(args: &KernelsArgs) -> ExitCode {
+/// Compiles every module for `--arch` (default: the first GPU's, else sm_90); exit code 1 if
+/// one fails, 2 without NVRTC or the CUDA headers.
+pub fn main(args: &CompileArgs) -> ExitCode {
     let arch = match &args.arch {
         Some(a) => a.clone(),
-        None if driver::device_count() > 0 => {
+        None if device_count() > 0 => {
             match cudarc::driver::CudaContext::new(0)
                 .map_err(|e| format!("{e:?}"))
                 .and_then(|c| epflow_kernels::device_arch(&c).map_err(|e| e.to_string()))

@@ -7,10 +7,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 use cudarc::driver::{CudaContext, CudaStream};
 use epflow_core::{Algorithm, DType, Error, GroupConfig, TensorDesc, TensorTag};
 use epflow_kernels::DeviceTensor;
-use epflow_kernels::nccl::NcclComms;
+use epflow_kernels::transport::nccl::NcclComms;
 use nccl_ep_sys as ep;
 
-pub(super) fn cuda(what: &str, e: cudarc::driver::DriverError) -> Error {
+pub(crate) fn cuda(what: &str, e: cudarc::driver::DriverError) -> Error {
     Error::Backend(format!("CUDA: {what}: {e:?}"))
 }
 
@@ -19,7 +19,7 @@ pub(super) fn cuda(what: &str, e: cudarc::driver::DriverError) -> Error {
 /// region of `R x M`) and combine (a send region of `E x M` messages and a receive region of
 /// `M x K`), with messages of `2H` bytes plus a header or scale block, plus signals. NCCL EP
 /// refuses a handle whose layout does not fit, naming the size it needs.
-pub(super) fn ll_rdma_bytes(config: &GroupConfig, max_tokens: usize) -> usize {
+pub(crate) fn ll_rdma_bytes(config: &GroupConfig, max_tokens: usize) -> usize {
     let msg = 2 * config.hidden + 256;
     let per_slot = (config.num_experts + 1) * max_tokens * msg * 2;
     let total = 2 * per_slot;
@@ -27,7 +27,7 @@ pub(super) fn ll_rdma_bytes(config: &GroupConfig, max_tokens: usize) -> usize {
 }
 
 /// NCCL EP's group configuration for `config` on `num_ranks` ranks, `max_tokens` per rank.
-pub(super) fn group_config(config: &GroupConfig, num_ranks: usize, max_tokens: usize) -> ep::NcclEpGroupConfig {
+pub(crate) fn group_config(config: &GroupConfig, num_ranks: usize, max_tokens: usize) -> ep::NcclEpGroupConfig {
     let base = ep::NcclEpGroupConfig {
         num_experts: config.num_experts as u32,
         max_dispatch_tokens_per_rank: max_tokens as u32,
@@ -59,7 +59,7 @@ pub(super) fn group_config(config: &GroupConfig, num_ranks: usize, max_tokens: u
 /// top-k weights and local indices `[R*M x K]`, allocated for the largest `K` seen. Both:
 /// combined tokens `[M x H]`.
 #[derive(Debug)]
-pub(super) struct SetBuffers {
+pub(crate) struct SetBuffers {
     pub tokens: DeviceTensor,
     pub counts: DeviceTensor,
     pub combined: DeviceTensor,
@@ -115,7 +115,7 @@ impl SetBuffers {
 }
 
 /// What one rank's group state holds; every operation and handle of the rank holds it too.
-pub(super) struct Shared {
+pub(crate) struct Shared {
     pub lib: Arc<ep::NcclEp>,
     pub rank: usize,
     pub num_ranks: usize,
@@ -193,7 +193,7 @@ unsafe impl Send for Remains {}
 /// is destroyed at once (one thread per rank, joined), then the communicators are aborted.
 /// If a rank never leaves (its state was leaked) nothing is destroyed; if fewer ranks than the
 /// world were created, their groups are leaked rather than entering a barrier nobody meets.
-pub(super) struct Teardown {
+pub(crate) struct Teardown {
     ranks: usize,
     left: Mutex<Vec<Remains>>,
 }

@@ -17,6 +17,25 @@
 //!   `output[l][i]`, for `i < counts[l]`; rows at and past `counts[l]` are unspecified.
 //! - High-throughput: the `N` received rows are every `(s, t)` that has at least one expert on
 //!   this rank, sorted by `s`, then `t`.
+//!
+//! ## Contents
+//!
+//! - [`Routing`], [`ExpertPlacement`], [`Selection`], [`TokenCopy`]: here.
+//! - [`SendPlan`]: the copies a rank sends, per destination.
+//! - [`LlRecvLayout`], [`HtRecvLayout`]: what a rank receives.
+//! - [`ChannelPlan`], [`ChannelReceive`]: the same cut into the channels of the GPU
+//!   high-throughput kernels, and the count-exchange messages that create a handle.
+//! - [`CombinePositions`]: where low-latency combine rows from NCCL peers land.
+
+mod channels;
+mod combine_positions;
+mod receive;
+mod send_plan;
+
+pub use channels::{ChannelPlan, ChannelReceive};
+pub use combine_positions::CombinePositions;
+pub use receive::{HtRecvLayout, LlRecvLayout, RowSource};
+pub use send_plan::SendPlan;
 
 use crate::error::ValidationError;
 
@@ -146,140 +165,6 @@ pub struct TokenCopy {
     pub selections: Vec<Selection>,
 }
 
-/// What one rank sends: per destination rank, its copies in ascending token order.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SendPlan {
-    per_dest: Vec<Vec<TokenCopy>>,
-}
-
-impl SendPlan {
-    /// The plan of a rank with routing `routing`.
-    pub fn new(routing: &Routing, placement: ExpertPlacement) -> Self {
-        let mut per_dest: Vec<Vec<TokenCopy>> = vec![Vec::new(); placement.num_ranks];
-        for t in 0..routing.num_tokens() {
-            for k in 0..routing.top_k() {
-                let Some(e) = routing.expert(t, k) else { continue };
-                let dest = placement.owner(e);
-                let sel = Selection { k: k as u16, local_expert: placement.local_index(e) as u32 };
-                let copies = &mut per_dest[dest];
-                match copies.last_mut() {
-                    Some(c) if c.token == t as u32 => c.selections.push(sel),
-                    _ => copies.push(TokenCopy { token: t as u32, selections: vec![sel] }),
-                }
-            }
-        }
-        SendPlan { per_dest }
-    }
-
-    /// The copies for `dest`, in ascending token order.
-    pub fn copies_to(&self, dest: usize) -> &[TokenCopy] {
-        &self.per_dest[dest]
-    }
-
-    /// Number of destination ranks.
-    pub fn num_ranks(&self) -> usize {
-        self.per_dest.len()
-    }
-
-    /// Total `(token, destination rank)` copies.
-    pub fn num_copies(&self) -> usize {
-        self.per_dest.iter().map(Vec::len).sum()
-    }
-}
-
-/// Where one received row came from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct RowSource {
-    /// The source rank.
-    pub src_rank: u32,
-    /// The token's row on the source rank.
-    pub token: u32,
-    /// The top-k slot that chose this expert (low-latency rows only; 0 in HT rows).
-    pub k: u16,
-}
-
-/// The low-latency receive layout of one rank: for each local expert, its rows in order.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct LlRecvLayout {
-    rows: Vec<Vec<RowSource>>,
-}
-
-impl LlRecvLayout {
-    /// Builds the layout from the copies received, visited in ascending source rank
-    /// (`received[s]` = the copies rank `s` sent here, in its order).
-    pub fn from_received<'a>(
-        local_experts: usize,
-        received: impl IntoIterator<Item = (usize, &'a [TokenCopy])>,
-    ) -> Self {
-        let mut rows = vec![Vec::new(); local_experts];
-        for (src, copies) in received {
-            for c in copies {
-                for s in &c.selections {
-                    rows[s.local_expert as usize].push(RowSource { src_rank: src as u32, token: c.token, k: s.k });
-                }
-            }
-        }
-        LlRecvLayout { rows }
-    }
-
-    /// Number of local experts.
-    pub fn local_experts(&self) -> usize {
-        self.rows.len()
-    }
-
-    /// The rows of local expert `l`.
-    pub fn rows(&self, local_expert: usize) -> &[RowSource] {
-        &self.rows[local_expert]
-    }
-
-    /// Rows per local expert (the `[L]` receive counters).
-    pub fn counts(&self) -> Vec<i32> {
-        self.rows.iter().map(|r| r.len() as i32).collect()
-    }
-}
-
-/// The high-throughput receive layout of one rank.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct HtRecvLayout {
-    rows: Vec<RowSource>,
-    expert_counts: Vec<i32>,
-}
-
-impl HtRecvLayout {
-    /// Builds the layout from the copies received, visited in ascending source rank.
-    pub fn from_received<'a>(
-        local_experts: usize,
-        received: impl IntoIterator<Item = (usize, &'a [TokenCopy])>,
-    ) -> Self {
-        let mut rows = Vec::new();
-        let mut expert_counts = vec![0i32; local_experts];
-        for (src, copies) in received {
-            for c in copies {
-                rows.push(RowSource { src_rank: src as u32, token: c.token, k: 0 });
-                for s in &c.selections {
-                    expert_counts[s.local_expert as usize] += 1;
-                }
-            }
-        }
-        HtRecvLayout { rows, expert_counts }
-    }
-
-    /// `N`, rows received.
-    pub fn num_rows(&self) -> usize {
-        self.rows.len()
-    }
-
-    /// The received rows in order.
-    pub fn rows(&self) -> &[RowSource] {
-        &self.rows
-    }
-
-    /// Received tokens per local expert (`[L]`).
-    pub fn expert_counts(&self) -> &[i32] {
-        &self.expert_counts
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -296,21 +181,5 @@ mod tests {
         );
         // Two masked entries are not duplicates.
         assert!(Routing::new(vec![-1, -1, 2], 1, 3, 4).is_ok());
-    }
-
-    #[test]
-    fn one_copy_per_destination_rank() {
-        // 8 experts on 4 ranks (L = 2). Token 0 -> experts 0, 1 (rank 0) and 5 (rank 2).
-        let routing = Routing::new(vec![5, 0, 1, -1, 7, 6, -1, -1], 2, 4, 8).unwrap();
-        let plan = SendPlan::new(&routing, ExpertPlacement::new(8, 4));
-        assert_eq!(plan.num_copies(), 3);
-        assert_eq!(
-            plan.copies_to(0)[0].selections,
-            vec![Selection { k: 1, local_expert: 0 }, Selection { k: 2, local_expert: 1 }]
-        );
-        assert_eq!(plan.copies_to(2)[0].selections, vec![Selection { k: 0, local_expert: 1 }]);
-        assert_eq!(plan.copies_to(3)[0].token, 1);
-        assert_eq!(plan.copies_to(3)[0].selections.len(), 2);
-        assert!(plan.copies_to(1).is_empty());
     }
 }

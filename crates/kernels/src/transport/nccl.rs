@@ -38,83 +38,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
-use epflow_core::routing::{ExpertPlacement, Routing};
-use epflow_core::{Algorithm, Error};
+use epflow_core::Error;
 
-use crate::driver::bind;
+use crate::device::{DeviceBuffer, PinnedBuffer, bind};
 use crate::layout::Layout;
-use crate::memory::{DeviceBuffer, PinnedBuffer};
-use crate::params::MAX_RANKS;
-
-/// How the ranks of a GPU group reach each other.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub enum Transport {
-    /// Detect: NVLink between ranks of one host, NCCL between hosts (the host of a rank is its
-    /// kernel boot id; see [`crate::GpuWorld::join`]). One process driving several GPUs is
-    /// always one host.
-    #[default]
-    Auto,
-    /// The NVLink kernels between every pair of ranks (every pair needs peer access).
-    NvLink,
-    /// NCCL grouped send/recv between every pair of distinct ranks (`--backend nccl`).
-    Nccl,
-    /// NVLink inside a host, NCCL across: `hosts[r]` names the host of rank `r`. Detected by
-    /// [`Transport::Auto`], or forced to test the cross-host path on one machine.
-    Hierarchical {
-        /// Host label of each rank (any values; equal labels share NVLink).
-        hosts: Vec<u64>,
-    },
-}
-
-impl Transport {
-    /// A forced split of `num_ranks` ranks into `num_hosts` "hosts" of consecutive ranks.
-    pub fn split_hosts(num_ranks: usize, num_hosts: usize) -> Result<Self, Error> {
-        if num_hosts == 0 || num_ranks % num_hosts != 0 {
-            return Err(Error::Unsupported(format!(
-                "cannot split {num_ranks} ranks into {num_hosts} hosts of equal size"
-            )));
-        }
-        let per = num_ranks / num_hosts;
-        Ok(Transport::Hierarchical { hosts: (0..num_ranks).map(|r| (r / per) as u64).collect() })
-    }
-
-    /// The mask of ranks `rank` reaches through NCCL (bit `r` = rank `r`) for a group of
-    /// `num_ranks` whose detected hosts are `hosts` (`None`: one host).
-    pub fn nccl_mask(&self, rank: usize, num_ranks: usize, detected: Option<&[u64]>) -> Result<u32, Error> {
-        if num_ranks > MAX_RANKS {
-            return Err(Error::Unsupported(format!("at most {MAX_RANKS} ranks per group, not {num_ranks}")));
-        }
-        let others =
-            |same: &dyn Fn(usize) -> bool| (0..num_ranks).filter(|&r| !same(r)).fold(0u32, |m, r| m | (1 << r));
-        match self {
-            Transport::NvLink => match detected {
-                Some(h) if h.iter().any(|&x| x != h[rank]) => Err(Error::Unsupported(format!(
-                    "Transport::NvLink asked for, but ranks {:?} run on another host than rank {rank}",
-                    (0..num_ranks).filter(|&r| h[r] != h[rank]).collect::<Vec<_>>()
-                ))),
-                _ => Ok(0),
-            },
-            Transport::Auto => Ok(detected.map_or(0, |h| others(&|r| h[r] == h[rank]))),
-            Transport::Nccl => Ok(others(&|r| r == rank)),
-            Transport::Hierarchical { hosts } => {
-                if hosts.len() != num_ranks {
-                    return Err(Error::Unsupported(format!(
-                        "Transport::Hierarchical names {} hosts for {num_ranks} ranks",
-                        hosts.len()
-                    )));
-                }
-                if let Some(h) = detected {
-                    if let Some(r) = (0..num_ranks).find(|&r| h[r] != h[rank] && hosts[r] == hosts[rank]) {
-                        return Err(Error::Unsupported(format!(
-                            "Transport::Hierarchical puts rank {r} on rank {rank}'s host, but it runs on another one"
-                        )));
-                    }
-                }
-                Ok(others(&|r| hosts[r] == hosts[rank]))
-            }
-        }
-    }
-}
 
 /// A [`Error::Backend`] for a failed NCCL call.
 pub(crate) fn nccl_err(what: &str, e: nccl::NcclError) -> Error {
@@ -122,7 +49,7 @@ pub(crate) fn nccl_err(what: &str, e: nccl::NcclError) -> Error {
 }
 
 /// The three NCCL communicators of a rank (dispatch, combine, handle channels), aborted when
-/// dropped. Other backends built on NCCL (the NCCL EP backend of `epflow-async`) use them too.
+/// dropped. Other backends built on NCCL (the NCCL EP backend, `epflow-nccl-ep`) use them too.
 #[derive(Debug)]
 pub struct NcclComms {
     comms: [nccl_sys::ncclComm_t; 3],
@@ -140,7 +67,7 @@ impl NcclComms {
     /// One process, every device of `devices` (rank `r` on `devices[r]`): three
     /// `ncclCommInitAll`s. Returns one set of communicators per rank.
     pub fn init_all(devices: &[usize]) -> Result<Vec<NcclComms>, Error> {
-        crate::bootstrap::nccl_present()?;
+        crate::setup::bootstrap::nccl_present()?;
         let n = devices.len();
         let list: Vec<i32> = devices.iter().map(|&d| d as i32).collect();
         let mut per_chan = Vec::with_capacity(3);
@@ -212,7 +139,7 @@ impl NcclComms {
                 .collect();
             issue(self.comm(chan)?, stream, &xfers)?;
         }
-        stream.synchronize().map_err(|e| crate::driver::cuda("connect NCCL peers", e))
+        stream.synchronize().map_err(|e| crate::device::cuda("connect NCCL peers", e))
     }
 }
 
@@ -257,6 +184,35 @@ pub(crate) fn issue(comm: nccl_sys::ncclComm_t, stream: &CudaStream, xfers: &[Xf
     }
     let end = nccl::group_end().map(|_| ()).map_err(|e| nccl_err("ncclGroupEnd", e));
     result.and(end)
+}
+
+/// Three fresh NCCL unique ids (dispatch, combine, handle communicators) as 48 words.
+pub(crate) fn new_ids() -> Result<[u64; 48], Error> {
+    crate::setup::bootstrap::nccl_present()?;
+    let mut out = [0u64; 48];
+    for c in 0..3 {
+        let id = cudarc::nccl::result::get_uniqueid().map_err(|e| nccl_err("ncclGetUniqueId", e))?;
+        for (i, w) in out[c * 16..(c + 1) * 16].iter_mut().enumerate() {
+            let mut b = [0u8; 8];
+            for (j, x) in b.iter_mut().enumerate() {
+                *x = id.internal[i * 8 + j] as u8;
+            }
+            *w = u64::from_le_bytes(b);
+        }
+    }
+    Ok(out)
+}
+
+pub(crate) fn decode_ids(words: &[u64]) -> [cudarc::nccl::sys::ncclUniqueId; 3] {
+    std::array::from_fn(|c| {
+        let mut internal = [0 as std::ffi::c_char; 128];
+        for (i, w) in words[c * 16..(c + 1) * 16].iter().enumerate() {
+            for (j, b) in w.to_le_bytes().into_iter().enumerate() {
+                internal[i * 8 + j] = b as std::ffi::c_char;
+            }
+        }
+        cudarc::nccl::sys::ncclUniqueId { internal }
+    })
 }
 
 /// A rank's NCCL transport: its communicators, which peers use them, and its staging memory.
@@ -331,86 +287,4 @@ impl NcclShared {
 /// and the cancellation flag.
 pub(crate) fn exchange_row_words(words: usize) -> usize {
     words + 2
-}
-
-/// Whether a group with an NCCL transport runs `algorithm` entirely over NCCL: high-throughput
-/// does as soon as one peer needs NCCL; low-latency mixes per peer.
-pub(crate) fn all_over_nccl(algorithm: Algorithm) -> bool {
-    algorithm == Algorithm::HighThroughput
-}
-
-/// Where a low-latency combine's rows from NCCL peers land on this (the source) rank: for every
-/// `(token, k)` whose expert lives on a rank of `mask`, its row in the packed block (blocks in
-/// ascending rank, rows in ascending `(token, k)`), else -1 (`[B x K]`); and each rank's
-/// `(first row, rows)`.
-pub(crate) fn ll_combine_positions(
-    routing: &Routing,
-    placement: ExpertPlacement,
-    mask: u32,
-) -> (Vec<i32>, Vec<(usize, usize)>) {
-    let (b, k) = (routing.num_tokens(), routing.top_k());
-    let r = placement.num_ranks;
-    let mut counts = vec![0usize; r];
-    for &e in routing.indices() {
-        if e >= 0 {
-            counts[placement.owner(e as usize)] += 1;
-        }
-    }
-    let mut blocks = vec![(0usize, 0usize); r];
-    let mut next = 0usize;
-    for d in 0..r {
-        if mask >> d & 1 == 1 {
-            blocks[d] = (next, counts[d]);
-            next += counts[d];
-        }
-    }
-    let mut fill: Vec<usize> = blocks.iter().map(|b| b.0).collect();
-    let mut pos = vec![-1i32; b * k];
-    for t in 0..b {
-        for j in 0..k {
-            let Some(e) = routing.expert(t, j) else { continue };
-            let d = placement.owner(e);
-            if mask >> d & 1 == 1 {
-                pos[t * k + j] = fill[d] as i32;
-                fill[d] += 1;
-            }
-        }
-    }
-    (pos, blocks)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn masks_follow_the_transport() {
-        assert_eq!(Transport::Nccl.nccl_mask(1, 4, None).unwrap(), 0b1101);
-        assert_eq!(Transport::NvLink.nccl_mask(1, 4, None).unwrap(), 0);
-        assert_eq!(Transport::Auto.nccl_mask(1, 4, None).unwrap(), 0);
-        let split = Transport::split_hosts(4, 2).unwrap();
-        assert_eq!(split, Transport::Hierarchical { hosts: vec![0, 0, 1, 1] });
-        assert_eq!(split.nccl_mask(0, 4, None).unwrap(), 0b1100);
-        assert_eq!(split.nccl_mask(3, 4, None).unwrap(), 0b0011);
-        // Detected hosts: Auto follows them, NvLink refuses them.
-        let hosts = [7u64, 7, 9, 9];
-        assert_eq!(Transport::Auto.nccl_mask(2, 4, Some(&hosts)).unwrap(), 0b0011);
-        assert!(Transport::NvLink.nccl_mask(2, 4, Some(&hosts)).is_err());
-        // A forced split may not merge ranks of different real hosts.
-        let one_host = Transport::split_hosts(4, 1).unwrap();
-        assert!(one_host.nccl_mask(0, 4, Some(&hosts)).is_err());
-        assert!(Transport::split_hosts(4, 3).is_err());
-        assert!(Transport::Nccl.nccl_mask(0, 9, None).is_err());
-        assert!(Transport::Hierarchical { hosts: vec![0, 1] }.nccl_mask(0, 4, None).is_err());
-    }
-
-    #[test]
-    fn combine_positions_pack_per_peer_in_token_order() {
-        // 8 experts on 4 ranks (L = 2). Rank 0 and 1 are NCCL peers.
-        // t0: experts 5 (r2), 0 (r0), 1 (r0), -1;  t1: 2 (r1), 7 (r3), 0 (r0), 3 (r1).
-        let routing = Routing::new(vec![5, 0, 1, -1, 2, 7, 0, 3], 2, 4, 8).unwrap();
-        let (pos, blocks) = ll_combine_positions(&routing, ExpertPlacement::new(8, 4), 0b0011);
-        assert_eq!(blocks, vec![(0, 3), (3, 2), (0, 0), (0, 0)]);
-        assert_eq!(pos, vec![-1, 0, 1, -1, 3, -1, 2, 4]);
-    }
 }

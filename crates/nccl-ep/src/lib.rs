@@ -1,6 +1,18 @@
+//! # epflow-nccl-ep
+//!
 //! The NCCL EP backend: NVIDIA's NCCL EP (`libnccl_ep`, NCCL EP 0.1 of the NCCL 2.30 series,
 //! loaded at run time through `nccl-ep-sys`) behind epflow's [`Backend`] trait, so the same
-//! futures ([`crate::Group`]) drive it.
+//! futures (`epflow::Group`) drive it. A peer of the GPU backend (`epflow-kernels`) and the host
+//! backend (`epflow-core`); reached as `epflow::nccl_ep`.
+//!
+//! ## Table of contents
+//!
+//! - [`NcclEpWorld`], [`NcclEpRank`]: the group and one rank (here).
+//! - [`NcclEpHandle`] (`handle.rs`): `ncclEpCreateHandle`'s handles.
+//! - [`NcclEpOp`], [`NcclEpDispatchOutput`], [`NcclEpCombineOutput`] (`op.rs`): one operation and
+//!   what it returns.
+//! - `group.rs`: what the ranks share: the library, the NCCL EP group, buffer sets, and the
+//!   teardown the whole world shares.
 //!
 //! Scope (what NCCL EP 0.1 offers, one process driving every GPU, BF16 dispatch, forward pass):
 //! - Low-latency, expert-major layout: dispatch outputs `[L x R*M x H]` and the per-expert
@@ -29,7 +41,11 @@
 //!
 //! Requires `libnccl_ep.so` (`NCCL_EP_LIB`, else the library path) and the NCCL it was built
 //! against first on the library path.
+//!
+//! A rank whose arguments fail validation cannot send a cancellation (NCCL EP has none): its
+//! peers wait until their timeout, as with NCCL EP itself.
 
+// Unsafe code lives at this FFI edge only, each block with its SAFETY line.
 mod group;
 mod handle;
 mod op;
@@ -43,15 +59,15 @@ use epflow_core::handle::HandleCore;
 use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, Pass};
 use epflow_core::protocol::Channel;
 use epflow_core::validate::{check_topk_idx, routing_from_tensor, validate_combine_inputs, validate_dispatch_inputs};
-use epflow_core::{Algorithm, DType, Error, GroupConfig, TensorDesc, TensorTag, ValidationError};
-use epflow_kernels::DeviceTensor;
-use epflow_kernels::nccl::NcclComms;
+use epflow_core::{Algorithm, DType, Error, GroupConfig, TensorDesc, TensorTag};
+use epflow_kernels::transport::nccl::NcclComms;
+use epflow_kernels::{DeviceTensor, StreamWork};
 use nccl_ep_sys as ep;
 
 use group::{SetBuffers, Shared, Teardown, cuda, group_config};
 pub use handle::NcclEpHandle;
 use handle::{Desc, HandleInner, HtRecv};
-use op::Work;
+use op::NcclEpOpKind;
 pub use op::{NcclEpCombineOutput, NcclEpDispatchOutput, NcclEpOp, NcclEpOpOutput};
 
 /// Creates NCCL EP groups.
@@ -216,25 +232,24 @@ impl NcclEpRank {
         Ok(())
     }
 
-    fn new_op(&self, channel: Channel, h: &NcclEpHandle, work: Work, inputs: &[&DeviceTensor]) -> NcclEpOp {
+    fn new_op(&self, channel: Channel, h: &NcclEpHandle, kind: NcclEpOpKind, inputs: &[&DeviceTensor]) -> NcclEpOp {
         let seq = self.core.next_seq(channel);
+        let s = &self.shared;
         NcclEpOp {
-            shared: Arc::clone(&self.shared),
+            shared: Arc::clone(s),
             handle: h.clone(),
             channel,
             seq,
             order: self.order.fetch_add(1, Ordering::Relaxed),
-            set: (seq % self.shared.config.buffer_sets as u64) as usize,
-            work,
-            waits: inputs.iter().filter_map(|t| t.ready_event().cloned()).collect(),
-            inputs: inputs.iter().map(|t| (*t).clone()).collect(),
+            set: (seq % s.config.buffer_sets as u64) as usize,
+            kind,
+            work: StreamWork::new(&s.ctx, &s.stream, inputs),
+            inputs: inputs.iter().map(|t| t.ptr()).collect(),
             descs: Vec::new(),
             sent: false,
             cancelled: false,
             completing: false,
             slot: None,
-            done: None,
-            timing: None,
             topk_out: None,
         }
     }
@@ -340,15 +355,9 @@ impl Backend for NcclEpRank {
         opts: &DispatchOptions,
     ) -> Result<NcclEpOp, Error> {
         self.check_handle(h, opts.pass)?;
-        validate_dispatch_inputs(&self.core.op_context(h), opts, &inputs)?;
-        let mut kept = vec![inputs.tokens];
-        if self.shared.config.algorithm == Algorithm::HighThroughput {
-            kept.push(inputs.topk_weights.ok_or(ValidationError::MissingTensor {
-                tensor: "dispatch input topk_weights",
-                why: "high-throughput forward dispatch delivers each token's weights",
-            })?);
-        }
-        Ok(self.new_op(Channel::Dispatch, h, Work::Dispatch { opts: *opts }, &kept))
+        let valid = validate_dispatch_inputs(&self.core.op_context(h), opts, &inputs)?;
+        // Tokens, then (high-throughput forward) the weights: what `issue` reads.
+        Ok(self.new_op(Channel::Dispatch, h, NcclEpOpKind::Dispatch { opts: *opts }, &valid.tensors()))
     }
 
     fn start_combine(
@@ -358,13 +367,10 @@ impl Backend for NcclEpRank {
         opts: &CombineOptions,
     ) -> Result<NcclEpOp, Error> {
         self.check_handle(h, opts.pass)?;
-        validate_combine_inputs(&self.core.op_context(h), opts, &inputs)?;
+        let valid = validate_combine_inputs(&self.core.op_context(h), opts, &inputs)?;
         h.0.core.combine_dispatch(opts.pass)?;
-        let mut kept = vec![inputs.tokens];
-        if self.shared.config.algorithm == Algorithm::LowLatency {
-            kept.push(inputs.topk_weights.ok_or(ValidationError::CombineBeforeDispatch)?);
-        }
-        Ok(self.new_op(Channel::Combine, h, Work::Combine, &kept))
+        // Expert outputs, then (low-latency) the weights: what `issue` reads.
+        Ok(self.new_op(Channel::Combine, h, NcclEpOpKind::Combine, &valid.tensors()))
     }
 }
 

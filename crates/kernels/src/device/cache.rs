@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::CudaContext;
 use epflow_core::Error;
 
-use crate::memory::DeviceBuffer;
+use super::memory::DeviceBuffer;
 
 /// Allocation granularity of cached buffers.
 const GRANULE: usize = 2 << 20;

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 
 use epflow_core::Error;
 
-use crate::sources::KernelModule;
+use super::sources::KernelModule;
 
 /// Whether the NVRTC library can be loaded on this machine.
 pub fn nvrtc_present() -> bool {

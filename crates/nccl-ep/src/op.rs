@@ -4,16 +4,15 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use cudarc::driver::{CudaEvent, sys as cuda_sys};
 use epflow_core::backend::{OpOutput, PendingOp, Probe};
 use epflow_core::ops::{CombineOutputs, CountsLocation, DispatchOptions, DispatchOutputs};
 use epflow_core::protocol::{Channel, SlotGuard};
 use epflow_core::{Algorithm, DType, Error, TensorDesc, TensorTag};
-use epflow_kernels::DeviceTensor;
+use epflow_kernels::{DeviceTensor, StreamWork};
 use nccl_ep_sys as ep;
 
-use super::group::{Shared, cuda};
-use super::handle::{Desc, NcclEpHandle};
+use crate::group::{Shared, cuda};
+use crate::handle::{Desc, NcclEpHandle};
 
 /// Dispatch outputs, views into the buffer set they hold until dropped. Low-latency: tokens
 /// `[L x R*M x H]` (arrival order inside an expert, see the module docs) and counts `[L]`.
@@ -69,7 +68,8 @@ impl NcclEpCombineOutput {
     }
 }
 
-pub(super) enum Work {
+/// What an NCCL EP operation is.
+pub(crate) enum NcclEpOpKind {
     Dispatch { opts: DispatchOptions },
     Combine,
 }
@@ -79,27 +79,27 @@ pub(super) enum Work {
 /// call, which returns once this rank's rows have arrived (NCCL EP reads the receive count back
 /// on the host), and the complete half only records the completion event.
 pub struct NcclEpOp {
-    pub(super) shared: Arc<Shared>,
-    pub(super) handle: NcclEpHandle,
-    pub(super) channel: Channel,
-    pub(super) seq: u64,
-    pub(super) order: u64,
-    pub(super) set: usize,
-    pub(super) work: Work,
-    pub(super) waits: Vec<Arc<CudaEvent>>,
-    pub(super) inputs: Vec<DeviceTensor>,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) handle: NcclEpHandle,
+    pub(crate) channel: Channel,
+    pub(crate) seq: u64,
+    pub(crate) order: u64,
+    pub(crate) set: usize,
+    pub(crate) kind: NcclEpOpKind,
+    /// Input waits, timing and completion events; keeps the inputs alive.
+    pub(crate) work: StreamWork,
+    /// The inputs' device addresses, in `kind`'s order (tokens, then weights).
+    pub(crate) inputs: Vec<u64>,
     /// Boxed so the descriptors NCCL EP saw keep their addresses until `ncclEpComplete`.
     #[allow(clippy::vec_box)]
-    pub(super) descs: Vec<Box<Desc>>,
-    pub(super) sent: bool,
-    pub(super) cancelled: bool,
-    pub(super) completing: bool,
-    pub(super) slot: Option<SlotGuard>,
-    pub(super) done: Option<Arc<CudaEvent>>,
-    pub(super) timing: Option<(CudaEvent, CudaEvent, CudaEvent)>,
+    pub(crate) descs: Vec<Box<Desc>>,
+    pub(crate) sent: bool,
+    pub(crate) cancelled: bool,
+    pub(crate) completing: bool,
+    pub(crate) slot: Option<SlotGuard>,
     /// High-throughput dispatch: the addresses of the `[R*M x K]` weights and indices NCCL EP
     /// wrote (set when issued).
-    pub(super) topk_out: Option<(u64, u64)>,
+    pub(crate) topk_out: Option<(u64, u64)>,
 }
 
 /// The output of an NCCL EP operation.
@@ -110,15 +110,8 @@ impl NcclEpOp {
         self.shared.config.algorithm == Algorithm::HighThroughput
     }
 
-    fn event(&self) -> Result<CudaEvent, Error> {
-        self.shared.ctx.new_event(Some(cuda_sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| cuda("create event", e))
-    }
-
     fn elapsed(&self) -> Option<(Duration, Duration)> {
-        let (a, m, b) = self.timing.as_ref()?;
-        let d =
-            |x: &CudaEvent, y: &CudaEvent| x.elapsed_ms(y).ok().map(|ms| Duration::from_secs_f64(f64::from(ms) / 1e3));
-        Some((d(a, m)?, d(m, b)?))
+        self.work.elapsed(false)
     }
 
     /// Issues the dispatch or combine (`send_only` for low-latency).
@@ -130,9 +123,9 @@ impl NcclEpOp {
         let set = &s.sets[self.set];
         let raw = self.handle.0.raw;
         let ht = self.ht();
-        match self.work {
-            Work::Dispatch { .. } => {
-                let mut x = Desc::new(ep::NCCL_BFLOAT16, self.inputs[0].ptr(), &[b, h]);
+        match self.kind {
+            NcclEpOpKind::Dispatch { .. } => {
+                let mut x = Desc::new(ep::NCCL_BFLOAT16, self.inputs[0], &[b, h]);
                 let mut inputs = ep::NcclEpDispatchInputs { tokens: x.ptr(), ..Default::default() };
                 let mut outputs = ep::NcclEpDispatchOutputs::default();
                 let mut info = ep::NcclEpLayoutInfo::default();
@@ -141,7 +134,7 @@ impl NcclEpOp {
                 if ht {
                     let (wp, ip) = set.topk(&s.ctx, s.device, r * m, k)?;
                     self.topk_out = Some((wp, ip));
-                    let mut w = Desc::new(ep::NCCL_FLOAT32, self.inputs[1].ptr(), &[b, k]);
+                    let mut w = Desc::new(ep::NCCL_FLOAT32, self.inputs[1], &[b, k]);
                     let mut out = Desc::new(ep::NCCL_BFLOAT16, set.tokens.ptr(), &[r * m, h]);
                     let mut ow = Desc::new(ep::NCCL_FLOAT32, wp, &[r * m, k]);
                     let mut oi = Desc::new(ep::NCCL_INT64, ip, &[r * m, k]);
@@ -170,19 +163,19 @@ impl NcclEpOp {
                 self.descs.extend(descs);
                 s.check("ncclEpDispatch", rc)
             }
-            Work::Combine => {
+            NcclEpOpKind::Combine => {
                 let mut out = Desc::new(ep::NCCL_BFLOAT16, set.combined.ptr(), &[b, h]);
                 let mut outputs = ep::NcclEpCombineOutputs { tokens: out.ptr(), ..Default::default() };
                 let mut cfg = ep::NcclEpCombineConfig::default();
                 let mut x = if ht {
                     let n = self.handle.ht()?.num_recv;
-                    Desc::new(ep::NCCL_BFLOAT16, self.inputs[0].ptr(), &[n, h])
+                    Desc::new(ep::NCCL_BFLOAT16, self.inputs[0], &[n, h])
                 } else {
-                    let mut w = Desc::new(ep::NCCL_FLOAT32, self.inputs[1].ptr(), &[b, k]);
+                    let mut w = Desc::new(ep::NCCL_FLOAT32, self.inputs[1], &[b, k]);
                     outputs.topk_weights = w.ptr();
                     cfg.send_only = 1;
                     self.descs.push(w);
-                    Desc::new(ep::NCCL_BFLOAT16, self.inputs[0].ptr(), &[l, r * m, h])
+                    Desc::new(ep::NCCL_BFLOAT16, self.inputs[0], &[l, r * m, h])
                 };
                 let inputs = ep::NcclEpCombineInputs { tokens: x.ptr(), ..Default::default() };
                 // SAFETY: as for dispatch.
@@ -253,8 +246,8 @@ impl Drop for NcclEpOp {
     /// An operation dropped unfinished (an error path) waits for its device work, bounded by
     /// NCCL EP's own device timeout, so nothing it uses is freed under a kernel.
     fn drop(&mut self) {
-        if self.sent && self.shared.ctx.bind_to_thread().is_ok() {
-            let _ = self.shared.stream.synchronize();
+        if self.sent {
+            self.work.synchronize();
         }
     }
 }
@@ -287,23 +280,12 @@ impl PendingOp for NcclEpOp {
             return Ok(());
         }
         let s = Arc::clone(&self.shared);
-        s.ctx.bind_to_thread().map_err(|e| cuda("bind context", e))?;
         let result: Result<(), Error> = (|| {
-            for e in &self.waits {
-                s.stream.wait(e).map_err(|e| cuda("wait for an input", e))?;
-            }
-            if s.timing.load(Ordering::Relaxed) {
-                let (a, m, b) = (self.event()?, self.event()?, self.event()?);
-                a.record(&s.stream).map_err(|e| cuda("record event", e))?;
-                self.timing = Some((a, m, b));
-            }
+            self.work.begin_send(s.timing.load(Ordering::Relaxed))?;
             // A cancelled operation still runs: NCCL EP has no cancellation marker, and the peers
             // wait for this rank's messages. Its inputs are still alive (held by the operation).
             self.issue()?;
-            if let Some((_, m, _)) = &self.timing {
-                m.record(&s.stream).map_err(|e| cuda("record event", e))?;
-            }
-            Ok(())
+            self.work.end_send()
         })();
         s.turn.store(self.order + 1, Ordering::Release);
         result?;
@@ -335,29 +317,22 @@ impl PendingOp for NcclEpOp {
             let rc = unsafe { (s.lib.complete)(self.handle.0.raw, &cfg, s.raw_stream()) };
             s.check("ncclEpComplete", rc)?;
         }
-        if let Some((_, _, b)) = &self.timing {
-            b.record(&s.stream).map_err(|e| cuda("record event", e))?;
-        }
-        let done = s.ctx.new_event(None).map_err(|e| cuda("create event", e))?;
-        done.record(&s.stream).map_err(|e| cuda("record event", e))?;
-        self.done = Some(Arc::new(done));
+        self.work.end_complete()?;
         self.completing = true;
         Ok(())
     }
 
     fn poll_complete(&mut self) -> Result<bool, Error> {
-        let Some(done) = &self.done else { return Ok(false) };
-        self.shared.ctx.bind_to_thread().map_err(|e| cuda("bind context", e))?;
-        done.try_is_complete().map_err(|e| cuda("query completion", e))
+        self.work.is_complete()
     }
 
     fn finish(mut self) -> Result<NcclEpOpOutput, Error> {
         if self.cancelled {
             return Ok(OpOutput::Cancelled);
         }
-        match self.work {
-            Work::Dispatch { opts } => Ok(OpOutput::Dispatch(self.finish_dispatch(opts)?)),
-            Work::Combine => Ok(OpOutput::Combine(self.finish_combine()?)),
+        match self.kind {
+            NcclEpOpKind::Dispatch { opts } => Ok(OpOutput::Dispatch(self.finish_dispatch(opts)?)),
+            NcclEpOpKind::Combine => Ok(OpOutput::Combine(self.finish_combine()?)),
         }
     }
 
@@ -367,7 +342,7 @@ impl PendingOp for NcclEpOp {
     }
 
     fn complete_probe(&self) -> Box<dyn Probe> {
-        let (ctx, done) = (Arc::clone(&self.shared.ctx), self.done.clone());
+        let (ctx, done) = (Arc::clone(&self.shared.ctx), self.work.done().cloned());
         Box::new(move || match &done {
             Some(e) => ctx.bind_to_thread().is_err() || e.try_is_complete().unwrap_or(true),
             None => true,

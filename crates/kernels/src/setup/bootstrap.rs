@@ -3,7 +3,7 @@
 //! Variables: `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (the device of this process), and where the
 //! NCCL unique id comes from: `EPFLOW_NCCL_ID` (256 hex digits, created by `epflow launch` on one
 //! host), or else `MASTER_ADDR` and `MASTER_PORT` (as torchrun sets them): rank 0 creates the id
-//! and hands it to every rank over TCP ([`crate::rendezvous`]), across hosts.
+//! and hands it to every rank over TCP ([`super::rendezvous`]), across hosts.
 
 use std::sync::Arc;
 
@@ -11,8 +11,8 @@ use cudarc::driver::CudaContext;
 use cudarc::nccl::{Comm, Id};
 use epflow_core::Error;
 
-use crate::driver::{context, cuda};
-use crate::rendezvous::RendezvousEnv;
+use crate::device::{context, cuda};
+use crate::setup::rendezvous::RendezvousEnv;
 
 /// How long the TCP rendezvous waits for every rank (or for rank 0) before it fails.
 pub const RENDEZVOUS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, sys};
 use epflow_core::Error;
 
-use crate::driver::{bind, cuda};
+use super::context::{bind, cuda};
 
 /// Waits for the context's legacy (NULL) stream: `cuMemsetD8` and pageable `cuMemcpyHtoD` may
 /// return before the device has finished them, and epflow's own streams are non-blocking (they do

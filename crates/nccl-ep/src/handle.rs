@@ -8,11 +8,11 @@ use epflow_core::routing::Routing;
 use epflow_kernels::DeviceTensor;
 use nccl_ep_sys as ep;
 
-use super::group::Shared;
+use crate::group::Shared;
 
 /// A tensor descriptor and the sizes it points to, kept together (NCCL EP reads both during
 /// the calls that see the descriptor).
-pub(super) struct Desc {
+pub(crate) struct Desc {
     sizes: Box<[usize]>,
     t: ep::NcclEpTensor,
 }
@@ -38,7 +38,7 @@ impl Desc {
 /// What high-throughput handle creation reports: NCCL EP writes the receive count and the
 /// per-expert counts while it creates the handle (flat layout).
 #[derive(Debug)]
-pub(super) struct HtRecv {
+pub(crate) struct HtRecv {
     /// `N`, rows this rank receives.
     pub num_recv: usize,
     /// Rows per local expert `[L]`, on the host.
@@ -47,7 +47,7 @@ pub(super) struct HtRecv {
     pub counts: DeviceTensor,
 }
 
-pub(super) struct HandleInner {
+pub(crate) struct HandleInner {
     pub shared: Arc<Shared>,
     pub raw: ep::NcclEpHandle,
     pub core: HandleCore,
@@ -74,7 +74,7 @@ impl Drop for HandleInner {
 /// A routing handle of the NCCL EP backend: `ncclEpCreateHandle` with the expert-major layout
 /// (low-latency) or the flat layout (high-throughput).
 #[derive(Clone)]
-pub struct NcclEpHandle(pub(super) Arc<HandleInner>);
+pub struct NcclEpHandle(pub(crate) Arc<HandleInner>);
 
 impl std::fmt::Debug for NcclEpHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -102,7 +102,7 @@ impl NcclEpHandle {
         self.0.ht.as_ref().map(|h| h.expert_counts.as_slice())
     }
 
-    pub(super) fn ht(&self) -> Result<&HtRecv, Error> {
+    pub(crate) fn ht(&self) -> Result<&HtRecv, Error> {
         self.0.ht.as_ref().ok_or_else(|| Error::Backend("a low-latency handle in a high-throughput operation".into()))
     }
 }

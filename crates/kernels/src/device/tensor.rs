@@ -8,7 +8,7 @@ use cudarc::driver::CudaEvent;
 use epflow_core::ops::TensorView;
 use epflow_core::{Error, HostData, HostTensor, TensorDesc};
 
-use crate::memory::{DeviceBuffer, copy_to_host};
+use super::memory::{DeviceBuffer, copy_to_host};
 
 /// A tensor in the memory of one device: a descriptor, an address, what keeps the memory alive,
 /// and optionally an event after which the data is ready (the GPU backend makes its stream wait
@@ -81,15 +81,15 @@ impl DeviceTensor {
     /// A copy of this tensor in new memory of the same device (synchronous).
     pub fn duplicate(&self, ctx: &Arc<cudarc::driver::CudaContext>) -> Result<Self, Error> {
         if let Some(e) = &self.ready {
-            e.synchronize().map_err(|e| crate::driver::cuda("wait for tensor", e))?;
+            e.synchronize().map_err(|e| super::context::cuda("wait for tensor", e))?;
         }
         let out = DeviceTensor::zeros(ctx, self.device, self.desc.clone())?;
-        crate::driver::bind(ctx)?;
+        super::context::bind(ctx)?;
         // SAFETY: both ranges are `size_bytes` long device allocations of this context.
         unsafe { cudarc::driver::sys::cuMemcpyDtoD_v2(out.ptr, self.ptr, self.desc.size_bytes()) }
             .result()
-            .map_err(|e| crate::driver::cuda("copy tensor", e))?;
-        crate::memory::finish_legacy_stream(ctx)?;
+            .map_err(|e| super::context::cuda("copy tensor", e))?;
+        super::memory::finish_legacy_stream(ctx)?;
         Ok(out)
     }
 
@@ -126,7 +126,7 @@ impl DeviceTensor {
     /// Copies the tensor to the host (synchronous; waits for the ready event first).
     pub fn download(&self, ctx: &cudarc::driver::CudaContext) -> Result<HostTensor, Error> {
         if let Some(e) = &self.ready {
-            e.synchronize().map_err(|e| crate::driver::cuda("wait for tensor", e))?;
+            e.synchronize().map_err(|e| super::context::cuda("wait for tensor", e))?;
         }
         let n = self.desc.numel();
         fn read<T: Copy>(ctx: &cudarc::driver::CudaContext, ptr: u64, n: usize, zero: T) -> Result<Vec<T>, Error> {

@@ -1,4 +1,5 @@
-//! The loaded kernels of one device.
+//! [`Functions`]: the kernels of every module, compiled (or taken from the cache) and loaded
+//! into one device's context.
 
 use std::sync::Arc;
 
@@ -6,13 +7,13 @@ use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::Ptx;
 use epflow_core::Error;
 
-use crate::driver::cuda;
-use crate::nvrtc::compile;
-use crate::sources::{HT, LL, NCCL, UTIL};
+use super::nvrtc::compile;
+use super::sources::{HT, LL, NCCL, UTIL};
+use crate::device::cuda;
 
 /// Every kernel epflow launches, loaded into one context.
 #[derive(Debug, Clone)]
-pub(crate) struct Kernels {
+pub(crate) struct Functions {
     pub dispatch_send: CudaFunction,
     pub dispatch_recv: CudaFunction,
     pub combine_send: CudaFunction,
@@ -35,7 +36,7 @@ pub fn device_arch(ctx: &CudaContext) -> Result<String, Error> {
     Ok(format!("sm_{major}{minor}"))
 }
 
-impl Kernels {
+impl Functions {
     /// Compiles (or takes from the cache) and loads every module for this device.
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Self, Error> {
         let arch = device_arch(ctx)?;
@@ -48,7 +49,7 @@ impl Kernels {
         let f = |m: &Arc<cudarc::driver::CudaModule>, name: &str| {
             m.load_function(name).map_err(|e| cuda(&format!("find kernel {name}"), e))
         };
-        Ok(Kernels {
+        Ok(Functions {
             dispatch_send: f(&ll, "ep_ll_dispatch_send")?,
             dispatch_recv: f(&ll, "ep_ll_dispatch_recv")?,
             combine_send: f(&ll, "ep_ll_combine_send")?,

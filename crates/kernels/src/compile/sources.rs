@@ -12,32 +12,32 @@ pub struct KernelModule {
 }
 
 /// Device helpers shared by every module (prepended to each).
-pub const COMMON: &str = include_str!("cuda/common.cuh");
+pub const COMMON: &str = include_str!("../cuda/common.cuh");
 
 /// Low-latency dispatch and combine.
 pub const LL: KernelModule = KernelModule {
     name: "ll",
-    body: include_str!("cuda/ll.cu"),
+    body: include_str!("../cuda/ll.cu"),
     kernels: &["ep_ll_dispatch_send", "ep_ll_dispatch_recv", "ep_ll_combine_send", "ep_ll_combine_recv"],
 };
 
 /// High-throughput dispatch and combine, and the count exchange of handle creation.
 pub const HT: KernelModule = KernelModule {
     name: "ht",
-    body: include_str!("cuda/ht.cu"),
+    body: include_str!("../cuda/ht.cu"),
     kernels: &["ep_ht_dispatch", "ep_ht_combine", "ep_ht_exchange"],
 };
 
 /// The kernels around NCCL's grouped send/recv (the NCCL transport, `nccl.rs`).
 pub const NCCL: KernelModule = KernelModule {
     name: "nccl",
-    body: include_str!("cuda/nccl.cu"),
+    body: include_str!("../cuda/nccl.cu"),
     kernels: &["ep_nccl_ht_pack", "ep_nccl_arrivals", "ep_nccl_ht_reduce"],
 };
 
 /// Small utilities (FP8 dequantization).
 pub const UTIL: KernelModule =
-    KernelModule { name: "util", body: include_str!("cuda/util.cu"), kernels: &["ep_dequant_fp8_rows"] };
+    KernelModule { name: "util", body: include_str!("../cuda/util.cu"), kernels: &["ep_dequant_fp8_rows"] };
 
 /// Every module.
 pub const ALL: &[KernelModule] = &[LL, HT, NCCL, UTIL];

@@ -1,0 +1,15 @@
+//! The CUDA edge: the driver and its contexts, device and pinned memory, device tensors, the
+//! cache of output buffers, and what every stream-ordered operation does around its launches.
+
+pub(crate) mod cache;
+mod context;
+mod memory;
+mod stream_work;
+mod tensor;
+
+pub(crate) use context::{bind, context, cuda};
+pub use context::{device_count, driver_present};
+pub use memory::DeviceBuffer;
+pub(crate) use memory::{PinnedBuffer, copy_to_host};
+pub use stream_work::StreamWork;
+pub use tensor::DeviceTensor;

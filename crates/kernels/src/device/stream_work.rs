@@ -1,0 +1,153 @@
+//! [`StreamWork`]: what every stream-ordered operation does around its kernels or library calls,
+//! whatever issues them (epflow's kernels, NCCL, NVIDIA's NCCL EP): its stream waits on the
+//! device for the inputs' ready events, the inputs stay alive until the operation is done,
+//! timing events bracket the send and the complete half, and a completion event marks the end.
+
+use std::any::Any;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
+use epflow_core::Error;
+
+use super::context::{bind, cuda};
+use super::tensor::DeviceTensor;
+
+/// The stream-ordered part of one operation.
+pub struct StreamWork {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    waits: Vec<Arc<CudaEvent>>,
+    keep: Vec<Arc<dyn Any + Send + Sync>>,
+    timing: Option<[CudaEvent; 3]>,
+    done: Option<Arc<CudaEvent>>,
+}
+
+impl std::fmt::Debug for StreamWork {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamWork")
+            .field("waits", &self.waits.len())
+            .field("timed", &self.timing.is_some())
+            .field("done", &self.done.is_some())
+            .finish()
+    }
+}
+
+impl StreamWork {
+    /// Work on `stream` (of `ctx`) reading `inputs`: their ready events are waited for and
+    /// their memory kept alive.
+    pub fn new(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, inputs: &[&DeviceTensor]) -> Self {
+        StreamWork {
+            ctx: Arc::clone(ctx),
+            stream: Arc::clone(stream),
+            waits: inputs.iter().filter_map(|t| t.ready_event().cloned()).collect(),
+            keep: inputs.iter().filter_map(|t| t.keep_alive()).collect(),
+            timing: None,
+            done: None,
+        }
+    }
+
+    /// The stream.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Keeps `value` alive as long as the work (memory the device reads or writes).
+    pub fn keep(&mut self, value: Arc<dyn Any + Send + Sync>) {
+        self.keep.push(value);
+    }
+
+    /// The inputs are no longer read (a cancelled operation): stop waiting for them and let
+    /// them go.
+    pub fn release_inputs(&mut self) {
+        self.waits.clear();
+        self.keep.clear();
+    }
+
+    fn event(&self, timed: bool) -> Result<CudaEvent, Error> {
+        let flags = if timed { Some(sys::CUevent_flags::CU_EVENT_DEFAULT) } else { None };
+        self.ctx.new_event(flags).map_err(|e| cuda("create event", e))
+    }
+
+    /// Before the send half (binds the context): the stream waits for every input's ready
+    /// event; with `timing`, the start event is recorded.
+    pub fn begin_send(&mut self, timing: bool) -> Result<(), Error> {
+        bind(&self.ctx)?;
+        for e in &self.waits {
+            self.stream.wait(e).map_err(|e| cuda("wait for an input", e))?;
+        }
+        if timing {
+            let events = [self.event(true)?, self.event(true)?, self.event(true)?];
+            events[0].record(&self.stream).map_err(|e| cuda("record event", e))?;
+            self.timing = Some(events);
+        }
+        Ok(())
+    }
+
+    /// After the send half's launches: the middle timing event.
+    pub fn end_send(&self) -> Result<(), Error> {
+        if let Some(t) = &self.timing {
+            t[1].record(&self.stream).map_err(|e| cuda("record event", e))?;
+        }
+        Ok(())
+    }
+
+    /// An event recorded now on the stream: after everything enqueued so far (the send half's
+    /// launches, for a reader of memory they read).
+    pub fn record_now(&self) -> Result<Arc<CudaEvent>, Error> {
+        let e = self.event(false)?;
+        e.record(&self.stream).map_err(|e| cuda("record event", e))?;
+        Ok(Arc::new(e))
+    }
+
+    /// After the complete half's launches: the end timing event and the completion event.
+    pub fn end_complete(&mut self) -> Result<Arc<CudaEvent>, Error> {
+        if let Some(t) = &self.timing {
+            t[2].record(&self.stream).map_err(|e| cuda("record event", e))?;
+        }
+        let done = self.record_now()?;
+        self.done = Some(Arc::clone(&done));
+        Ok(done)
+    }
+
+    /// The completion event, once the complete half was enqueued.
+    pub fn done(&self) -> Option<&Arc<CudaEvent>> {
+        self.done.as_ref()
+    }
+
+    /// Whether the completion event has passed (`false` before [`StreamWork::end_complete`]).
+    pub fn is_complete(&self) -> Result<bool, Error> {
+        let Some(done) = &self.done else { return Ok(false) };
+        bind(&self.ctx)?;
+        done.try_is_complete().map_err(|e| cuda("query completion", e))
+    }
+
+    /// Device time of the send half and of the complete half, with timing on. `one_launch`:
+    /// nothing runs in the complete half (it is all counted in the send half).
+    pub fn elapsed(&self, one_launch: bool) -> Option<(Duration, Duration)> {
+        let [a, m, b] = self.timing.as_ref()?;
+        let d =
+            |x: &CudaEvent, y: &CudaEvent| x.elapsed_ms(y).ok().map(|ms| Duration::from_secs_f64(f64::from(ms) / 1e3));
+        if one_launch {
+            return Some((d(a, m)?, Duration::ZERO));
+        }
+        Some((d(a, m)?, d(m, b)?))
+    }
+
+    /// Blocks until the work's device part is done: the completion event, else everything
+    /// enqueued on the stream so far. For drop paths; errors are ignored.
+    pub fn synchronize(&self) {
+        if bind(&self.ctx).is_err() {
+            return;
+        }
+        let _ = match &self.done {
+            Some(done) => done.synchronize(),
+            None => self.stream.synchronize(),
+        };
+    }
+}

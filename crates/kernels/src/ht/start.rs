@@ -1,0 +1,263 @@
+//! Starting high-throughput operations: the count exchange that creates a handle, and dispatch
+//! and combine on a handle (their kernel parameters and outputs), over NVLink or NCCL.
+
+use std::sync::Arc;
+
+use epflow_core::handle::RoutingHandle;
+use epflow_core::ops::{CombineOptions, CountsLocation, DispatchOptions, Pass};
+use epflow_core::protocol::Channel;
+use epflow_core::routing::{ChannelPlan, ExpertPlacement, Routing};
+use epflow_core::stamp::{Pairing, Stamp};
+use epflow_core::validate::{OpContext, ValidCombine, ValidDispatch, combine_output_descs, dispatch_output_descs};
+use epflow_core::{DType, Error, TensorDesc, TensorTag};
+
+use super::nccl::{nccl_combine, nccl_dispatch};
+use crate::device::DeviceTensor;
+use crate::device::PinnedBuffer;
+use crate::device::cache::CachedBuffer;
+use crate::layout::{HT_BATCH, HT_ITEMS_PER_FENCE};
+use crate::op::{GpuOp, GpuOpKind, Launch};
+use crate::params::{ExchangeParams, HtParams};
+use crate::rank::handle::GpuHandle;
+use crate::rank::shared::{ExchangeBuffers, RankShared, peer_array};
+use crate::transport::nccl::exchange_row_words;
+
+/// Where each output tensor of an operation lies in one cached buffer.
+struct OutputPlan {
+    descs: Vec<TensorDesc>,
+    offsets: Vec<usize>,
+    bytes: usize,
+}
+
+impl OutputPlan {
+    fn new(descs: Vec<TensorDesc>) -> Self {
+        let mut offsets = Vec::with_capacity(descs.len());
+        let mut bytes = 0usize;
+        for d in &descs {
+            offsets.push(bytes);
+            bytes = (bytes + d.size_bytes()).next_multiple_of(256);
+        }
+        OutputPlan { descs, offsets, bytes }
+    }
+
+    fn views(self, shared: &RankShared, buf: CachedBuffer) -> Vec<DeviceTensor> {
+        let base = buf.ptr();
+        let keep: Arc<dyn std::any::Any + Send + Sync> = Arc::new(buf);
+        self.descs
+            .into_iter()
+            .zip(self.offsets)
+            .map(|(d, o)| DeviceTensor::view(base + o as u64, shared.device, d, Arc::clone(&keep)))
+            .collect()
+    }
+}
+
+/// The parameters of a high-throughput kernel of `chan` on handle `h`, operation `seq`.
+fn ht_params(s: &RankShared, chan: Channel, h: &GpuHandle, seq: u64, stamp: Stamp) -> Result<HtParams, Error> {
+    let l = s.layout.ht("a high-throughput operation")?;
+    let info = h.ht()?;
+    let base = h.ptr();
+    let (own_ring, peer_rings) = s.recv_regions(chan == Channel::Dispatch);
+    Ok(HtParams {
+        topk_idx: base,
+        send_list: base + info.off.send_list as u64,
+        send_off: base + info.off.send_off as u64,
+        recv_base: base + info.off.recv_base as u64,
+        recv_cnt: base + info.off.recv_cnt as u64,
+        copy_ord: base + info.off.copy_ord as u64,
+        own_ring,
+        peer_ring: peer_array(peer_rings),
+        peer_signals: peer_array(&s.peers.signals),
+        signals: s.mem.signals.ptr(),
+        status: s.mem.status.device_ptr(),
+        seq,
+        timeout_ns: s.device_timeout_ns(),
+        slot_bytes: l.slot_bytes as u64,
+        ring_bytes: l.ring_bytes() as u64,
+        rank: s.rank as i32,
+        num_ranks: s.num_ranks as i32,
+        hidden: l.hidden as i32,
+        top_k: h.top_k() as i32,
+        num_local: l.local_experts as i32,
+        num_tokens: h.num_tokens() as i32,
+        channels: l.channels as i32,
+        depth: l.depth as i32,
+        warps_per_dest: l.warps_per_dest as i32,
+        chan: chan.index() as i32,
+        row_bytes: (2 * l.hidden) as i32,
+        off_scales: l.off_scales as i32,
+        off_weights: l.off_weights as i32,
+        off_idx: l.off_idx as i32,
+        tokens_per_channel: info.tokens_per_channel as i32,
+        batch: HT_BATCH.min(l.depth) as i32,
+        // A warp's group must fit in the ring behind the oldest unwritten item: (U - 1) W < depth.
+        items_per_fence: HT_ITEMS_PER_FENCE.clamp(1, (l.depth - 1) / l.warps_per_dest + 1) as i32,
+        stamp: stamp.encode(),
+        ..HtParams::default()
+    })
+}
+
+/// The count exchange `seq` that creates a handle for `routing`.
+pub(crate) fn handle(s: &Arc<RankShared>, seq: u64, routing: Routing) -> Result<GpuOp, Error> {
+    let l = s.layout.ht("a high-throughput handle")?;
+    let placement = ExpertPlacement::new(s.config.num_experts, s.num_ranks);
+    let plan = ChannelPlan::new(&routing, placement, l.channels);
+    let words = l.exchange_words();
+    // Over NCCL every row also carries the operation number and the cancellation flag.
+    let row = if s.nccl_all().is_some() { exchange_row_words(words) } else { words };
+    let bufs = match s.exchange_pool.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+        Some(b) => b,
+        None => ExchangeBuffers {
+            msgs: PinnedBuffer::zeroed(&s.ctx, s.num_ranks * row * 4)?,
+            out: PinnedBuffer::zeroed(&s.ctx, s.num_ranks * row * 4)?,
+        },
+    };
+    let stamp = Stamp::new(routing.top_k(), Pass::Forward, Pairing::None);
+    let launch = if row == words {
+        bufs.msgs.write_i32s(&plan.msgs);
+        Launch::Exchange(ExchangeParams {
+            msgs: bufs.msgs.device_ptr(),
+            out: bufs.out.device_ptr(),
+            own: s.mem.exchange.ptr(),
+            signals: s.mem.signals.ptr(),
+            status: s.mem.status.device_ptr(),
+            seq,
+            timeout_ns: s.device_timeout_ns(),
+            rank: s.rank as i32,
+            num_ranks: s.num_ranks as i32,
+            words: words as i32,
+            peer_region: peer_array(&s.peers.exchange),
+            peer_signals: peer_array(&s.peers.signals),
+            stamp: stamp.encode(),
+            ..ExchangeParams::default()
+        })
+    } else {
+        // Each row: the message, the operation number, the cancellation flag (set at send
+        // time if the operation is cancelled).
+        let mut msgs = vec![0i32; s.num_ranks * row];
+        for (dst, src) in msgs.chunks_mut(row).zip(plan.msgs.chunks(words)) {
+            dst[..words].copy_from_slice(src);
+            dst[words] = (seq + 1) as i32;
+        }
+        bufs.msgs.write_i32s(&msgs);
+        Launch::NcclExchange { row_bytes: row * 4 }
+    };
+    let kind = GpuOpKind::HtHandle { routing, plan, bufs: Some(bufs) };
+    Ok(GpuOp::new(Arc::clone(s), Channel::Handle, seq, stamp, launch, kind, &[]))
+}
+
+/// Dispatch `seq` on handle `h`; `inputs` validated, or `None` for a cancellation (this rank's
+/// arguments failed validation: the collective still runs, without data).
+pub(crate) fn dispatch(
+    s: &Arc<RankShared>,
+    seq: u64,
+    h: &GpuHandle,
+    inputs: Option<ValidDispatch<'_, DeviceTensor>>,
+    opts: &DispatchOptions,
+) -> Result<GpuOp, Error> {
+    let ctx = OpContext::new(&s.config, s.num_ranks, h);
+    let descs = dispatch_output_descs(&ctx, opts);
+    let stamp = h.core().dispatch_stamp(opts.pass);
+    let mut p = ht_params(s, Channel::Dispatch, h, seq, stamp)?;
+    let fp8 = descs.scales.is_some();
+    p.fp8 = i32::from(fp8);
+    p.backward = i32::from(opts.pass == Pass::Backward);
+    if fp8 {
+        p.row_bytes = s.config.hidden as i32;
+    }
+    if let Some(inputs) = inputs {
+        p.x = inputs.tokens().ptr();
+        if let ValidDispatch::Forward { weights, scales, .. } = inputs {
+            p.weights = weights.ptr();
+            p.x_scales = scales.map_or(0, DeviceTensor::ptr);
+        }
+    }
+    // Outputs: tokens, then the optional scales, weights and indices, in one cached buffer.
+    let present: Vec<TensorDesc> =
+        [Some(descs.tokens.clone()), descs.scales.clone(), descs.topk_weights.clone(), descs.topk_idx.clone()]
+            .into_iter()
+            .flatten()
+            .collect();
+    let plan = OutputPlan::new(present);
+    let buf = s.outputs.take(plan.bytes)?;
+    let fill = (buf.ptr(), plan.bytes);
+    let mut views = plan.views(s, buf).into_iter();
+    let tokens = views.next().ok_or_else(|| Error::Backend("no token output".into()))?;
+    let scales = descs.scales.as_ref().and_then(|_| views.next());
+    let topk_weights = descs.topk_weights.as_ref().and_then(|_| views.next());
+    let topk_idx = descs.topk_idx.as_ref().and_then(|_| views.next());
+    p.out = tokens.ptr();
+    p.out_scales = scales.as_ref().map_or(0, DeviceTensor::ptr);
+    p.out_weights = topk_weights.as_ref().map_or(0, DeviceTensor::ptr);
+    p.out_idx = topk_idx.as_ref().map_or(0, DeviceTensor::ptr);
+    let info = h.ht()?;
+    let counts = (opts.pass == Pass::Forward).then(|| {
+        DeviceTensor::view(
+            h.ptr() + info.off.counts as u64,
+            s.device,
+            TensorDesc::contiguous(TensorTag::RecvExpertCountsDevice, DType::I32, &[info.expert_counts.len()]),
+            Arc::clone(&h.0) as Arc<dyn std::any::Any + Send + Sync>,
+        )
+    });
+    let host_counts = (opts.pass == Pass::Forward && opts.counts_location == CountsLocation::Host)
+        .then(|| info.expert_counts.clone());
+    let over_nccl = s.nccl_all().map(|_| nccl_dispatch(s, h, &p)).transpose()?;
+    let outputs = epflow_core::ops::DispatchOutputs { tokens, scales, topk_weights, topk_idx, counts };
+    let launch = over_nccl.as_ref().map_or(Launch::Ht(p), |(np, _, _)| Launch::NcclHt { p: *np, reduce: false });
+    let kind =
+        GpuOpKind::HtDispatch { handle: h.clone(), pass: opts.pass, outputs: Some(Box::new((outputs, host_counts))) };
+    let tensors = inputs.map(|i| i.tensors()).unwrap_or_default();
+    let mut op = GpuOp::new(Arc::clone(s), Channel::Dispatch, seq, stamp, launch, kind, &tensors);
+    if let Some((_, xfers, staging)) = over_nccl {
+        op.set_xfers(xfers);
+        op.keep_scratch(staging);
+    }
+    op.set_fill(fill);
+    if inputs.is_none() {
+        epflow_core::backend::PendingOp::cancel(&mut op);
+    }
+    Ok(op)
+}
+
+/// Combine `seq` on handle `h`; `inputs` validated, or `None` for a cancellation.
+pub(crate) fn combine(
+    s: &Arc<RankShared>,
+    seq: u64,
+    h: &GpuHandle,
+    inputs: Option<ValidCombine<'_, DeviceTensor>>,
+    opts: &CombineOptions,
+) -> Result<GpuOp, Error> {
+    let ctx = OpContext::new(&s.config, s.num_ranks, h);
+    let descs = combine_output_descs(&ctx, opts);
+    let paired = h.core().last_dispatch(opts.pass).unwrap_or(0);
+    let stamp = h.core().combine_stamp(opts.pass, paired);
+    let mut p = ht_params(s, Channel::Combine, h, seq, stamp)?;
+    p.backward = i32::from(opts.pass == Pass::Backward);
+    if let Some(inputs) = inputs {
+        p.x = inputs.tokens().ptr();
+        p.weights = inputs.weights().map_or(0, DeviceTensor::ptr);
+    }
+    let present: Vec<TensorDesc> =
+        [Some(descs.tokens.clone()), descs.topk_weights.clone()].into_iter().flatten().collect();
+    let plan = OutputPlan::new(present);
+    let buf = s.outputs.take(plan.bytes)?;
+    let fill = (buf.ptr(), plan.bytes);
+    let mut views = plan.views(s, buf).into_iter();
+    let tokens = views.next().ok_or_else(|| Error::Backend("no token output".into()))?;
+    let topk_weights = views.next();
+    p.out = tokens.ptr();
+    p.out_weights = topk_weights.as_ref().map_or(0, DeviceTensor::ptr);
+    let over_nccl = s.nccl_all().map(|_| nccl_combine(s, h, &p)).transpose()?;
+    let launch = over_nccl.as_ref().map_or(Launch::Ht(p), |(np, _, _)| Launch::NcclHt { p: *np, reduce: true });
+    let kind = GpuOpKind::HtCombine { outputs: Some(epflow_core::ops::CombineOutputs { tokens, topk_weights }) };
+    let tensors = inputs.map(|i| i.tensors()).unwrap_or_default();
+    let mut op = GpuOp::new(Arc::clone(s), Channel::Combine, seq, stamp, launch, kind, &tensors);
+    if let Some((_, xfers, staging)) = over_nccl {
+        op.set_xfers(xfers);
+        op.keep_scratch(staging);
+    }
+    op.set_fill(fill);
+    if inputs.is_none() {
+        epflow_core::backend::PendingOp::cancel(&mut op);
+    }
+    Ok(op)
+}

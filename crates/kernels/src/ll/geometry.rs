@@ -1,0 +1,108 @@
+//! Launch geometry of the low-latency kernels (pure arithmetic, unit-tested): how many blocks of
+//! how many threads, and how a row is cut among warps, from the operation's sizes and the SMs
+//! it may use.
+
+use crate::op::LlKernel;
+use crate::params::LlParams;
+
+/// Threads per block of the send kernels and the dispatch receive kernel.
+const BLOCK_THREADS: u32 = 512;
+/// Threads per block of the combine receive kernel.
+const COMBINE_RECV_THREADS: u32 = 256;
+/// Warps per SM the send kernels aim at: enough bytes in flight for NVLink.
+const WARPS_PER_SM: u32 = 16;
+
+/// The grid and block of `which` for `p` on at most `sms` SMs; sets the geometry fields of `p`
+/// (`chunks`, `splits`) the kernel reads.
+pub(crate) fn ll_launch(which: LlKernel, p: &mut LlParams, sms: u32) -> (u32, u32) {
+    let (b, r, k, m, h) =
+        (p.num_tokens.max(1) as u32, p.num_ranks as u32, p.top_k as u32, p.max_tokens as u32, p.hidden as usize);
+    let target_warps = sms * WARPS_PER_SM;
+    match which {
+        LlKernel::DispatchSend => {
+            p.chunks = row_chunks(h, target_warps / (b * r).max(1)) as i32;
+            ((b * r * p.chunks as u32).div_ceil(16).clamp(1, sms), BLOCK_THREADS)
+        }
+        LlKernel::DispatchRecv => {
+            let payload = if p.fp8 != 0 { h } else { 2 * h };
+            p.chunks = if payload % 64 == 0 { 4 } else { 1 };
+            p.splits = (sms as i32 / p.num_local.max(1)).clamp(1, 4);
+            (((p.num_local * p.splits) as u32).clamp(1, sms), BLOCK_THREADS)
+        }
+        LlKernel::CombineSend => {
+            p.chunks = row_chunks(h, target_warps / (b * k).max(1)) as i32;
+            let items = r * m * k * p.chunks as u32;
+            (items.div_ceil(4 * 16).clamp(1, sms), BLOCK_THREADS)
+        }
+        LlKernel::CombineRecv => {
+            p.chunks = if h % 32 == 0 { 4 } else { 1 };
+            let c = p.chunks as u32;
+            ((b.min((2 * sms / c).max(1)) * c).min((sms / c).max(1) * c), COMBINE_RECV_THREADS)
+        }
+    }
+}
+
+/// Into how many pieces to split a row of `hidden` channels so that about `want` warps share it:
+/// the largest divisor of `hidden / 256` not above `want` (pieces stay multiples of 256 channels,
+/// whole FP8 scale blocks and 16-byte vectors). 1 when `hidden` is not a multiple of 256.
+pub(crate) fn row_chunks(hidden: usize, want: u32) -> u32 {
+    if hidden % 256 != 0 {
+        return 1;
+    }
+    let units = (hidden / 256) as u32;
+    (1..=units.min(want.max(1))).rev().find(|c| units % c == 0).unwrap_or(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_split_in_whole_256_channel_pieces() {
+        assert_eq!(row_chunks(7168, 4), 4); // 28 units
+        assert_eq!(row_chunks(7168, 5), 4);
+        assert_eq!(row_chunks(7168, 1000), 28);
+        assert_eq!(row_chunks(2048, 3), 2);
+        assert_eq!(row_chunks(4096, 0), 1);
+        assert_eq!(row_chunks(1000, 8), 1);
+        assert_eq!(row_chunks(128, 8), 1);
+    }
+
+    fn params(tokens: i32) -> LlParams {
+        LlParams {
+            num_tokens: tokens,
+            num_ranks: 2,
+            top_k: 8,
+            max_tokens: 128,
+            hidden: 7168,
+            num_local: 128,
+            ..LlParams::default()
+        }
+    }
+
+    #[test]
+    fn the_reference_config_on_an_h200() {
+        // 132 SMs, H = 7168, K = 8, 2 ranks, 128 local experts.
+        let mut p = params(128);
+        // 2112 warps over 256 (token, rank) items: rows in 7 pieces of 4 units, 112 blocks.
+        assert_eq!(ll_launch(LlKernel::DispatchSend, &mut p, 132), (112, 512));
+        assert_eq!(p.chunks, 7);
+        // A block per local expert.
+        assert_eq!(ll_launch(LlKernel::DispatchRecv, &mut p, 132), (128, 512));
+        assert_eq!((p.chunks, p.splits), (4, 1));
+        // 2112 warps over 1024 (token, k) rows: 2 pieces each; 2 x 128 x 8 x 2 items, 4 per warp.
+        assert_eq!(ll_launch(LlKernel::CombineSend, &mut p, 132), (64, 512));
+        assert_eq!(p.chunks, 2);
+        assert_eq!(ll_launch(LlKernel::CombineRecv, &mut p, 132), (132, 256));
+        // One token: rows cut finely, small grids.
+        let mut p = params(1);
+        assert_eq!(ll_launch(LlKernel::DispatchSend, &mut p, 132), (4, 512));
+        assert_eq!(p.chunks, 28);
+        assert_eq!(ll_launch(LlKernel::CombineRecv, &mut p, 132), (4, 256));
+        // A bound on SMs bounds every grid.
+        let mut p = params(128);
+        for k in [LlKernel::DispatchSend, LlKernel::DispatchRecv, LlKernel::CombineSend, LlKernel::CombineRecv] {
+            assert!(ll_launch(k, &mut p, 24).0 <= 24, "{k:?}");
+        }
+    }
+}

@@ -1,0 +1,10 @@
+//! Low-latency operations (`cuda/ll.cu`): starting them ([`start`]: kernel parameters, the NCCL
+//! exchange with NCCL peers, cancellations) and their launch geometry ([`geometry`]).
+//!
+//! A dispatch sends one message per (token, destination rank) into the destination's receive
+//! region (a slot per source token, per buffer set); its receive kernel packs the messages into
+//! the expert-major output and writes the handle's row map, which the combine's send kernel
+//! reads to send each expert output row back to its source.
+
+pub(crate) mod geometry;
+pub(crate) mod start;

@@ -1,0 +1,190 @@
+//! Starting low-latency operations: the kernel parameters of a dispatch or combine on a
+//! handle, the NCCL exchange with peers reached through NCCL, and cancellations.
+
+use std::sync::Arc;
+
+use epflow_core::handle::RoutingHandle;
+use epflow_core::ops::{CountsLocation, DispatchOptions, Pass};
+use epflow_core::protocol::Channel;
+use epflow_core::validate::{ValidCombine, ValidDispatch};
+use epflow_core::{DispatchDtype, Error};
+
+use crate::device::DeviceTensor;
+use crate::op::{GpuOp, GpuOpKind, Launch};
+use crate::params::LlParams;
+use crate::rank::handle::GpuHandle;
+use crate::rank::shared::{RankShared, peer_array};
+use crate::transport::nccl::Xfer;
+
+/// The parameters every low-latency kernel of `channel` (0 dispatch, 1 combine) shares, for an
+/// operation on handle memory at `handle_ptr` with `num_tokens` x `top_k` routing.
+fn base_params(
+    s: &RankShared,
+    channel: usize,
+    handle_ptr: u64,
+    num_tokens: usize,
+    top_k: usize,
+) -> Result<LlParams, Error> {
+    let l = s.layout.ll("a low-latency kernel")?;
+    let mut p = LlParams {
+        topk_idx: handle_ptr,
+        row_of: handle_ptr + l.topk_copy_bytes() as u64,
+        signals: s.mem.signals.ptr(),
+        status: s.mem.status.device_ptr(),
+        timeout_ns: s.device_timeout_ns(),
+        rank: s.rank as i32,
+        num_ranks: s.num_ranks as i32,
+        max_tokens: l.max_tokens as i32,
+        hidden: l.hidden as i32,
+        top_k: top_k as i32,
+        num_local: l.local_experts as i32,
+        num_tokens: num_tokens as i32,
+        num_sets: l.sets as i32,
+        fp8: i32::from(l.fp8 && channel == 0),
+        round_scales: i32::from(matches!(s.config.dispatch_dtype, DispatchDtype::Fp8 { round_scales: true })),
+        splits: (s.num_sms as usize / l.local_experts).clamp(1, 4) as i32,
+        ..LlParams::default()
+    };
+    let (own, peers) = s.recv_regions(channel == 0);
+    p.own_recv = own;
+    p.peer_recv = peer_array(peers);
+    p.peer_signals = peer_array(&s.peers.signals);
+    p.recv_set_bytes = if channel == 0 { l.dispatch_recv_set_bytes() } else { l.combine_recv_set_bytes() } as u64;
+    p.msg_bytes = l.msg_bytes as u64;
+    if let Some(n) = &s.nccl {
+        p.nccl_mask = n.mask as i32;
+        p.nccl_pack = handle_ptr + l.nccl_pack_offset() as u64;
+        p.nccl_dest_bytes = if channel == 0 { l.max_tokens * l.msg_bytes } else { l.combine_recv_set_bytes() } as u64;
+    }
+    Ok(p)
+}
+
+/// Sets the sequence number and buffer set of operation `seq`.
+fn number(s: &RankShared, p: &mut LlParams, seq: u64) -> usize {
+    let set = (seq % s.config.buffer_sets as u64) as usize;
+    p.seq = seq;
+    p.set = set as i32;
+    set
+}
+
+/// Low-latency over NCCL: points `p` (of buffer set `set`) at the staging and returns the
+/// exchange NCCL runs after the send kernel (nothing without NCCL peers). Combine needs the
+/// handle's NCCL positions (`None`: the exchange cannot be sized).
+fn nccl_xfers(
+    s: &RankShared,
+    p: &mut LlParams,
+    h: Option<&GpuHandle>,
+    set: usize,
+    dispatch: bool,
+) -> Result<Vec<Xfer>, Error> {
+    let Some(n) = &s.nccl else { return Ok(Vec::new()) };
+    let l = s.layout.ll("a low-latency operation")?;
+    let chan = usize::from(!dispatch);
+    let mut xfers = Vec::new();
+    if dispatch {
+        p.nccl_out = n.disp_out[set].ptr();
+        p.nccl_counts = n.counts[set].device_ptr();
+        let region = l.max_tokens * l.msg_bytes;
+        let recv = s.mem.disp_recv.ptr() + (set * l.dispatch_recv_set_bytes()) as u64;
+        for d in n.peers(s.num_ranks) {
+            let off = (d * region) as u64;
+            xfers.push(Xfer { peer: d, send: (p.nccl_out + off, region), recv: (recv + off, region) });
+            xfers.push(s.arrival_xfer(chan, set, d));
+        }
+    } else {
+        let info = h
+            .and_then(|h| h.0.ll_nccl.as_ref())
+            .ok_or_else(|| Error::Backend("a combine over NCCL needs its handle's NCCL positions".into()))?;
+        p.nccl_out = n.comb_out[set].ptr();
+        p.nccl_in = n.comb_in[set].ptr();
+        p.nccl_pos = h.map_or(0, GpuHandle::ptr) + l.nccl_pos_offset() as u64;
+        let row = 2 * l.hidden;
+        let send_rows = info.send_rows.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        for d in n.peers(s.num_ranks) {
+            let (first, rows) = info.recv_blocks[d];
+            xfers.push(Xfer {
+                peer: d,
+                send: (p.nccl_out + (d * l.combine_recv_set_bytes()) as u64, send_rows[d] * row),
+                recv: (p.nccl_in + (first * row) as u64, rows * row),
+            });
+            xfers.push(s.arrival_xfer(chan, set, d));
+        }
+    }
+    Ok(xfers)
+}
+
+/// Dispatch `seq` of `inputs` on handle `h` (inputs validated).
+pub(crate) fn dispatch(
+    s: &Arc<RankShared>,
+    seq: u64,
+    h: &GpuHandle,
+    inputs: ValidDispatch<'_, DeviceTensor>,
+    opts: &DispatchOptions,
+) -> Result<GpuOp, Error> {
+    let mut p = base_params(s, 0, h.ptr(), h.num_tokens(), h.top_k())?;
+    p.x = inputs.tokens().ptr();
+    let set = number(s, &mut p, seq);
+    p.out = s.mem.disp_out[set].ptr();
+    p.out_scales = s.mem.disp_scales[set].ptr();
+    p.out_counts = s.mem.disp_counts[set].ptr();
+    if opts.counts_location == CountsLocation::Host {
+        p.host_counts = s.mem.host_counts[set].device_ptr();
+    }
+    let stamp = h.core().dispatch_stamp(Pass::Forward);
+    p.stamp = stamp.encode();
+    let xfers = nccl_xfers(s, &mut p, Some(h), set, true)?;
+    let kind = GpuOpKind::Dispatch { handle: h.clone(), opts: *opts };
+    let mut op = GpuOp::new(Arc::clone(s), Channel::Dispatch, seq, stamp, Launch::Ll(p), kind, &inputs.tensors());
+    op.set_xfers(xfers);
+    Ok(op)
+}
+
+/// Combine `seq` of `inputs` on handle `h`, pairing with dispatch `paired` (inputs validated).
+pub(crate) fn combine(
+    s: &Arc<RankShared>,
+    seq: u64,
+    h: &GpuHandle,
+    paired: u64,
+    inputs: ValidCombine<'_, DeviceTensor>,
+) -> Result<GpuOp, Error> {
+    let ValidCombine::LowLatency { expert_out, weights } = inputs else {
+        return Err(Error::Backend("a high-throughput combine in a low-latency group".into()));
+    };
+    let mut p = base_params(s, 1, h.ptr(), h.num_tokens(), h.top_k())?;
+    p.expert_out = expert_out.ptr();
+    p.weights = weights.ptr();
+    let set = number(s, &mut p, seq);
+    p.out = s.mem.comb_out[set].ptr();
+    let stamp = h.core().combine_stamp(Pass::Forward, paired);
+    p.stamp = stamp.encode();
+    let xfers = nccl_xfers(s, &mut p, Some(h), set, false)?;
+    let kind = GpuOpKind::Combine { handle: h.clone(), paired };
+    let mut op = GpuOp::new(Arc::clone(s), Channel::Combine, seq, stamp, Launch::Ll(p), kind, &inputs.tensors());
+    op.set_xfers(xfers);
+    Ok(op)
+}
+
+/// A cancellation of collective `seq` of `channel` (this rank's arguments failed validation).
+/// It uses `h` if the handle is this group's, else the rank's zeroed handle memory; over NCCL a
+/// combine cannot be cancelled without a usable handle (its exchange is sized by the handle),
+/// and `None` is returned: the peers then time out.
+pub(crate) fn cancellation(s: &Arc<RankShared>, channel: Channel, seq: u64, h: Option<&GpuHandle>) -> Option<GpuOp> {
+    let dispatch = channel == Channel::Dispatch;
+    let (ptr, k) = match (h, &s.null_handle) {
+        (Some(h), _) => (h.ptr(), h.top_k()),
+        (None, Some(null)) => (null.ptr(), s.config.max_top_k),
+        (None, None) => return None,
+    };
+    let mut p = base_params(s, usize::from(!dispatch), ptr, 0, k).ok()?;
+    let set = number(s, &mut p, seq);
+    if dispatch {
+        p.out = s.mem.disp_out[set].ptr();
+        p.out_counts = s.mem.disp_counts[set].ptr();
+    } else {
+        p.out = s.mem.comb_out[set].ptr();
+    }
+    let xfers = nccl_xfers(s, &mut p, h, set, dispatch).ok()?;
+    let mut op = GpuOp::cancellation(Arc::clone(s), channel, seq, Launch::Ll(p));
+    op.set_xfers(xfers);
+    Some(op)
+}

@@ -1,0 +1,186 @@
+//! What a finished [`GpuOp`] produces: the outcome the device reported (errors, cancelled and
+//! mismatched peers) and the output tensors, views into the buffer set or the cached outputs.
+
+use std::any::Any;
+use std::sync::Arc;
+
+use epflow_core::backend::{OpOutput, PendingOp};
+use epflow_core::ops::{CombineOutputs, CountsLocation, DispatchOptions, DispatchOutputs};
+use epflow_core::protocol::op_label;
+use epflow_core::stamp::Stamp;
+use epflow_core::{Algorithm, DType, Error, TensorDesc, TensorTag};
+
+use super::{GpuOp, GpuOpKind, GpuOpOutput};
+use crate::device::DeviceTensor;
+use crate::ht::exchange::{finish_handle, received_messages, recycle_exchange};
+use crate::outputs::{GpuCombineOutput, GpuDispatchOutput};
+use crate::params::status;
+use crate::rank::handle::GpuHandle;
+
+/// What the device reported about one operation's peers.
+struct Outcome {
+    cancelled: u32,
+    mismatched: u32,
+    /// The stamp of the lowest mismatched peer.
+    theirs: Stamp,
+}
+
+impl GpuOp {
+    /// The first error the device reported on this rank, as an [`Error`]. A high-throughput
+    /// mismatch is not one: the operation that saw it reports it when it finishes, and poisons
+    /// the group.
+    pub(super) fn device_error(&self) -> Option<Error> {
+        let w = self.shared.mem.status.read_u64(status::ERROR);
+        if w == 0 || w & 0xff == status::MISMATCH {
+            return None;
+        }
+        let (code, peer, seq) = (w & 0xff, (w >> 8) & 0xff, w >> 16);
+        let waiting_for = match code {
+            status::TIMEOUT_ARRIVAL => format!("data from rank {peer} (operation #{seq} of the channel)"),
+            status::TIMEOUT_CREDIT => format!(
+                "buffer credits from rank {peer} (it has not consumed operation #{} of the channel)",
+                seq.saturating_sub(self.shared.config.buffer_sets as u64)
+            ),
+            status::TIMEOUT_RING => {
+                format!("ring space at rank {peer} (it stopped receiving operation #{seq} of the channel)")
+            }
+            _ => format!("device error code {code}"),
+        };
+        Some(Error::Timeout {
+            op: self.label(),
+            rank: self.shared.rank,
+            waiting_for,
+            after: self.shared.config.timeout,
+        })
+    }
+
+    /// The peers that cancelled or mismatched this operation (0 if the word is another
+    /// operation's).
+    fn outcome(&self) -> Outcome {
+        let st = &self.shared.mem.status;
+        let (chan, set) = (self.chan(), self.set());
+        let word = st.read_u64(status::outcome(chan, set));
+        let ours = word >> 32 == self.seq + 1;
+        let (cancelled, mismatched) =
+            if ours { ((word & 0xffff) as u32, ((word >> 16) & 0xffff) as u32) } else { (0, 0) };
+        let theirs = Stamp::decode(if mismatched != 0 { st.read_u64(status::stamp(chan, set)) } else { 0 });
+        Outcome { cancelled, mismatched, theirs }
+    }
+
+    fn view(&self, ptr: u64, desc: TensorDesc) -> DeviceTensor {
+        DeviceTensor::view(ptr, self.shared.device, desc, self.shared.clone() as Arc<dyn Any + Send + Sync>)
+    }
+
+    /// The result of a finished operation, from what it is.
+    pub(super) fn finish_kind(&mut self) -> Result<GpuOpOutput, Error> {
+        let outcome = self.outcome();
+        let mut kind = self.kind.take();
+        // A count exchange: read what arrived, and give the staging buffers back.
+        let received = match &mut kind {
+            Some(GpuOpKind::HtHandle { bufs, .. }) => bufs.take().map(|b| {
+                let r = received_messages(&self.shared, &b, self.seq);
+                recycle_exchange(&self.shared, b);
+                r
+            }),
+            _ => None,
+        };
+        if let Some(e) = self.refused.take() {
+            return Err(e);
+        }
+        if self.cancelled {
+            return Ok(OpOutput::Cancelled);
+        }
+        if outcome.cancelled != 0 {
+            return Err(Error::PeerCancelled { op: self.label(), peer: outcome.cancelled.trailing_zeros() as usize });
+        }
+        if outcome.mismatched != 0 {
+            let e = Error::PeerMismatch {
+                op: self.label(),
+                peer: outcome.mismatched.trailing_zeros() as usize,
+                ours: self.stamp,
+                theirs: outcome.theirs,
+            };
+            if matches!(self.launch, super::Launch::Ht(_)) {
+                // The two ranks' ring positions now disagree.
+                self.shared.poison.poison(format!("{e} (the high-throughput rings of the two ranks disagree)"));
+            }
+            return Err(e);
+        }
+        let elapsed = self.work.elapsed(!matches!(self.launch, super::Launch::Ll(_)));
+        let ctx = Arc::clone(&self.shared.ctx);
+        match kind {
+            Some(GpuOpKind::HtHandle { routing, plan, .. }) => {
+                let received = received.ok_or_else(|| Error::Backend("count exchange without buffers".into()))??;
+                Ok(OpOutput::Handle(finish_handle(&self.shared, self.seq, routing, &plan, &received)?))
+            }
+            Some(GpuOpKind::Dispatch { handle, opts }) => Ok(OpOutput::Dispatch(self.ll_dispatch(&handle, opts)?)),
+            Some(GpuOpKind::Combine { handle, .. }) => Ok(OpOutput::Combine(self.ll_combine(&handle))),
+            Some(GpuOpKind::HtDispatch { handle, pass, outputs: Some(boxed) }) => {
+                let (outputs, host_counts) = *boxed;
+                handle.0.core.record_dispatch(pass, self.seq);
+                Ok(OpOutput::Dispatch(GpuDispatchOutput { outputs, host_counts, elapsed, ctx, _slot: None }))
+            }
+            Some(GpuOpKind::HtCombine { outputs: Some(outputs) }) => {
+                Ok(OpOutput::Combine(GpuCombineOutput { outputs, elapsed, ctx, _slot: None }))
+            }
+            Some(GpuOpKind::Cancellation) => Ok(OpOutput::Cancelled),
+            _ => Err(Error::Backend(format!("{} finished twice", op_label(self.channel, self.seq)))),
+        }
+    }
+
+    fn ll_dispatch(&mut self, handle: &GpuHandle, opts: DispatchOptions) -> Result<GpuDispatchOutput, Error> {
+        let s = Arc::clone(&self.shared);
+        debug_assert_eq!(s.config.algorithm, Algorithm::LowLatency);
+        let l = s.layout.ll("low-latency dispatch")?;
+        let set = self.set();
+        let rows = l.rows_per_expert();
+        let dtype = if l.fp8 { DType::Fp8E4m3 } else { DType::Bf16 };
+        let tokens = self.view(
+            s.mem.disp_out[set].ptr(),
+            TensorDesc::contiguous(TensorTag::Tokens, dtype, &[l.local_experts, rows, l.hidden]),
+        );
+        let scales = l.fp8.then(|| {
+            self.view(
+                s.mem.disp_scales[set].ptr(),
+                TensorDesc::contiguous(TensorTag::Scales, DType::F32, &[l.local_experts, rows, l.hidden / 128]),
+            )
+        });
+        let counts = self.view(
+            s.mem.disp_counts[set].ptr(),
+            TensorDesc::contiguous(TensorTag::RecvExpertCountsDevice, DType::I32, &[l.local_experts]),
+        );
+        let host_counts =
+            (opts.counts_location == CountsLocation::Host).then(|| s.mem.host_counts[set].read_i32s(l.local_experts));
+        if let (Some(n), Some(info)) = (&s.nccl, &handle.0.ll_nccl) {
+            // What each NCCL source dispatched here: the rows combine sends it back.
+            let counts = n.counts[set].read_i32s(s.num_ranks);
+            let mut rows = info.send_rows.lock().unwrap_or_else(|e| e.into_inner());
+            for d in n.peers(s.num_ranks) {
+                rows[d] = counts[d].max(0) as usize;
+            }
+        }
+        handle.0.core.record_dispatch(opts.pass, self.seq);
+        Ok(GpuDispatchOutput {
+            outputs: DispatchOutputs { tokens, scales, topk_weights: None, topk_idx: None, counts: Some(counts) },
+            host_counts,
+            elapsed: self.work.elapsed(false),
+            ctx: Arc::clone(&s.ctx),
+            _slot: self.slot.take(),
+        })
+    }
+
+    fn ll_combine(&mut self, handle: &GpuHandle) -> GpuCombineOutput {
+        let s = Arc::clone(&self.shared);
+        let set = self.set();
+        let tokens = self.view(
+            s.mem.comb_out[set].ptr(),
+            TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[handle.num_tokens(), s.config.hidden]),
+        );
+        GpuCombineOutput {
+            outputs: CombineOutputs { tokens, topk_weights: None },
+            elapsed: self.work.elapsed(false),
+            ctx: Arc::clone(&s.ctx),
+            _slot: self.slot.take(),
+        }
+    }
+}

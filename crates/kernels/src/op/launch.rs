@@ -1,0 +1,192 @@
+//! The launches of a [`GpuOp`]: its kernels (geometry decided by [`crate::ll::geometry`] and
+//! [`crate::ht::geometry`]) and its NCCL groups, in stream order.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg, sys};
+use epflow_core::Error;
+
+use super::{GpuOp, GpuOpKind};
+use crate::device::cuda;
+use crate::ht::geometry::ht_grid;
+use crate::ll::geometry::ll_launch;
+use crate::params::{ExchangeParams, HtParams, LlParams, NcclHtParams};
+use crate::transport::nccl::{Xfer, issue};
+
+/// The kernel parameters of an operation.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Launch {
+    /// Low-latency: send and complete kernels.
+    Ll(LlParams),
+    /// High-throughput dispatch or combine: one kernel.
+    Ht(HtParams),
+    /// The count exchange of a high-throughput handle: one kernel.
+    Exchange(ExchangeParams),
+    /// High-throughput dispatch or combine over NCCL: pack (dispatch) or arrival word, the
+    /// group, the arrival check, and for combine the reduction.
+    NcclHt { p: NcclHtParams, reduce: bool },
+    /// The count exchange over NCCL: messages up, the group, what arrived down.
+    NcclExchange { row_bytes: usize },
+}
+
+/// The kernels of a low-latency operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LlKernel {
+    /// Dispatch send half.
+    DispatchSend,
+    /// Dispatch complete half.
+    DispatchRecv,
+    /// Combine send half.
+    CombineSend,
+    /// Combine complete half.
+    CombineRecv,
+}
+
+impl GpuOp {
+    /// Enqueues this operation's NCCL group on its stream.
+    pub(super) fn issue_xfers(&self) -> Result<(), Error> {
+        let s = &self.shared;
+        let n = s.nccl.as_ref().ok_or_else(|| Error::Backend("an NCCL exchange without NCCL".into()))?;
+        issue(n.comms.comm(self.chan())?, self.work.stream(), &self.xfers)
+    }
+
+    fn launch_one<P: cudarc::driver::DeviceRepr>(
+        &self,
+        f: &CudaFunction,
+        p: &P,
+        (grid, block): (u32, u32),
+        what: &str,
+    ) -> Result<(), Error> {
+        let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: every epflow kernel takes one parameter block by value, mirrored byte for byte
+        // in params.rs (`P` is the one of `f`); its pointers address the group's buffers, the
+        // handle's memory, the outputs and the inputs, all kept alive by this operation.
+        unsafe { self.work.stream().launch_builder(f).arg(p).launch(cfg) }.map_err(|e| cuda(what, e))?;
+        Ok(())
+    }
+
+    /// Launches the one kernel (or kernels and NCCL group) of a high-throughput operation or
+    /// count exchange.
+    pub(super) fn launch_single(&self) -> Result<(), Error> {
+        let s = &self.shared;
+        let cancelled = i32::from(self.cancelled);
+        if let (Some((ptr, bytes)), false) = (self.fill, self.cancelled) {
+            let byte = s.output_fill.load(Ordering::Relaxed);
+            if byte != 0 {
+                // SAFETY: `ptr` is the start of this operation's output buffer of at least
+                // `bytes` bytes, alive as long as the operation; ordered on its stream.
+                unsafe { sys::cuMemsetD8Async(ptr, (byte - 1) as u8, bytes, self.work.stream().cu_stream()) }
+                    .result()
+                    .map_err(|e| cuda("fill outputs", e))?;
+            }
+        }
+        let f = &s.functions;
+        match self.launch {
+            Launch::Ht(mut p) => {
+                p.cancelled = cancelled;
+                let k = if p.chan == 0 { &f.ht_dispatch } else { &f.ht_combine };
+                self.launch_one(k, &p, ht_grid(&p), "launch ht kernel")?;
+            }
+            Launch::Exchange(mut p) => {
+                p.cancelled = cancelled;
+                self.launch_one(&f.ht_exchange, &p, (1, 256), "launch count exchange")?;
+            }
+            Launch::NcclHt { mut p, reduce } => {
+                p.cancelled = cancelled;
+                let rows = (p.total_send.max(0) as u32).div_ceil(16);
+                self.launch_one(&f.nccl_ht_pack, &p, (rows.clamp(1, 2 * s.num_sms), 512), "launch NCCL pack")?;
+                self.issue_xfers()?;
+                self.launch_one(&f.nccl_arrivals, &p, (1, 32), "launch NCCL arrival check")?;
+                if reduce && !self.cancelled {
+                    let grid = (p.num_tokens.max(1) as u32).min(4 * s.num_sms);
+                    self.launch_one(&f.nccl_ht_reduce, &p, (grid, 256), "launch NCCL reduce")?;
+                }
+            }
+            Launch::NcclExchange { row_bytes } => self.exchange_over_nccl(row_bytes)?,
+            Launch::Ll(_) => return Err(Error::Backend("a low-latency operation has two launches".into())),
+        }
+        Ok(())
+    }
+
+    /// The count exchange over NCCL: this rank's messages (with the operation number, written
+    /// at creation, and the cancellation flag) go to the device, every peer's row out, every
+    /// peer's row in, and what arrived back to the host.
+    fn exchange_over_nccl(&self, row_bytes: usize) -> Result<(), Error> {
+        let s = &self.shared;
+        let n = s.nccl.as_ref().ok_or_else(|| Error::Backend("an NCCL exchange without NCCL".into()))?;
+        let Some(GpuOpKind::HtHandle { bufs: Some(bufs), .. }) = &self.kind else {
+            return Err(Error::Backend("a count exchange without buffers".into()));
+        };
+        if self.cancelled {
+            let words = row_bytes / 4;
+            for d in 0..s.num_ranks {
+                bufs.msgs.write_i32_at(d * words + words - 1, 1);
+            }
+        }
+        let bytes = s.num_ranks * row_bytes;
+        let stream = self.work.stream();
+        // SAFETY: both ranges hold `bytes` bytes (the pinned messages are mapped, so their device
+        // address is valid for a copy); ordered on the handle stream.
+        unsafe { sys::cuMemcpyAsync(n.handle_msgs.ptr(), bufs.msgs.device_ptr(), bytes, stream.cu_stream()) }
+            .result()
+            .map_err(|e| cuda("copy exchange messages", e))?;
+        let xfers: Vec<Xfer> = (0..s.num_ranks)
+            .map(|d| {
+                let off = (d * row_bytes) as u64;
+                Xfer {
+                    peer: d,
+                    send: (n.handle_msgs.ptr() + off, row_bytes),
+                    recv: (n.handle_out.ptr() + off, row_bytes),
+                }
+            })
+            .collect();
+        issue(n.comms.comm(self.chan())?, stream, &xfers)?;
+        // SAFETY: as above, into the mapped pinned buffer of what arrived.
+        unsafe { sys::cuMemcpyAsync(bufs.out.device_ptr(), n.handle_out.ptr(), bytes, stream.cu_stream()) }
+            .result()
+            .map_err(|e| cuda("copy exchanged counts", e))
+    }
+
+    /// Launches one kernel of a low-latency operation.
+    pub(super) fn launch_ll(&self, which: LlKernel) -> Result<(), Error> {
+        let s = &self.shared;
+        let Launch::Ll(mut p) = self.launch else {
+            return Err(Error::Backend("not a low-latency operation".into()));
+        };
+        p.cancelled = i32::from(self.cancelled);
+        let sms = s.config.max_sms.map_or(s.num_sms, |m| (m as u32).min(s.num_sms)).max(1);
+        let geometry = ll_launch(which, &mut p, sms);
+        let f = &s.functions;
+        let k = match which {
+            LlKernel::DispatchSend => &f.dispatch_send,
+            LlKernel::DispatchRecv => &f.dispatch_recv,
+            LlKernel::CombineSend => &f.combine_send,
+            LlKernel::CombineRecv => &f.combine_recv,
+        };
+        self.launch_one(k, &p, geometry, &format!("launch {which:?}"))
+    }
+
+    /// The complete half of a low-latency dispatch: the receive kernel writes the handle's row
+    /// map, so it waits (on the device) for the combines that read the previous map, and then
+    /// becomes the map's writer.
+    pub(super) fn launch_dispatch_recv(&mut self) -> Result<(), Error> {
+        let handle = match (&self.kind, self.cancelled) {
+            (Some(GpuOpKind::Dispatch { handle, .. }), false) => Some(handle.clone()),
+            _ => None,
+        };
+        let Some(handle) = handle else {
+            self.launch_ll(LlKernel::DispatchRecv)?;
+            self.work.end_complete()?;
+            return Ok(());
+        };
+        let mut map = handle.row_map();
+        for reader in map.readers.drain(..) {
+            self.work.stream().wait(&reader).map_err(|e| cuda("wait for the previous combine", e))?;
+        }
+        self.launch_ll(LlKernel::DispatchRecv)?;
+        let done = self.work.end_complete()?;
+        map.writer = Some((self.seq, Arc::clone(&done)));
+        Ok(())
+    }
+}

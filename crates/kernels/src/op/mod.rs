@@ -1,0 +1,382 @@
+//! [`GpuOp`]: one GPU operation as a [`PendingOp`]. Low-latency: the send half is one kernel
+//! launch, the complete half another. High-throughput dispatch and combine, and the count
+//! exchange of handle creation, are one launch each (the send half), whose end is the
+//! completion. A CUDA event after the last launch is the completion signal.
+//!
+//! The lifecycle lives here; [`launch`] holds the launches, [`finish`] the output assembly.
+
+mod finish;
+mod launch;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use epflow_core::backend::{OpOutput, PendingOp, Probe};
+use epflow_core::ops::{CombineOutputs, DispatchOptions, DispatchOutputs, Pass};
+use epflow_core::protocol::{Channel, SlotGuard, op_label};
+use epflow_core::routing::{ChannelPlan, Routing};
+use epflow_core::stamp::Stamp;
+use epflow_core::{Error, ValidationError};
+
+pub(crate) use launch::{Launch, LlKernel};
+
+use crate::device::cache::CachedBuffer;
+use crate::device::{DeviceTensor, StreamWork, bind, cuda};
+use crate::outputs::{GpuCombineOutput, GpuDispatchOutput};
+use crate::rank::handle::GpuHandle;
+use crate::rank::shared::{ExchangeBuffers, RankShared};
+use crate::transport::nccl::Xfer;
+
+/// A high-throughput dispatch's output tensors and, when asked for, its counters on the host.
+pub(crate) type HtDispatchOutputs = (DispatchOutputs<DeviceTensor>, Option<Vec<i32>>);
+
+/// What the operation is, and what it produces when it finishes.
+#[derive(Debug)]
+pub(crate) enum GpuOpKind {
+    /// Low-latency dispatch.
+    Dispatch { handle: GpuHandle, opts: DispatchOptions },
+    /// Low-latency combine, pairing with dispatch `paired` on `handle`.
+    Combine { handle: GpuHandle, paired: u64 },
+    /// The count exchange that creates a high-throughput handle.
+    HtHandle { routing: Routing, plan: ChannelPlan, bufs: Option<ExchangeBuffers> },
+    /// High-throughput dispatch.
+    HtDispatch { handle: GpuHandle, pass: Pass, outputs: Option<Box<HtDispatchOutputs>> },
+    /// High-throughput combine.
+    HtCombine { outputs: Option<CombineOutputs<DeviceTensor>> },
+    /// A cancellation only (this rank's arguments failed validation): no result.
+    Cancellation,
+}
+
+/// The output of a GPU operation.
+pub type GpuOpOutput = OpOutput<GpuHandle, GpuDispatchOutput, GpuCombineOutput>;
+
+/// One operation of one GPU rank.
+pub struct GpuOp {
+    shared: Arc<RankShared>,
+    channel: Channel,
+    seq: u64,
+    stamp: Stamp,
+    launch: Launch,
+    /// High-throughput outputs to fill with the debug byte before the kernel, if one is set.
+    fill: Option<(u64, usize)>,
+    kind: Option<GpuOpKind>,
+    work: StreamWork,
+    sent: bool,
+    cancelled: bool,
+    completing: bool,
+    /// Why the operation went out as a cancellation when it was sent.
+    refused: Option<Error>,
+    slot: Option<SlotGuard>,
+    /// NCCL exchange issued after the send kernel (low-latency with NCCL peers) or as the
+    /// operation (high-throughput over NCCL).
+    xfers: Vec<Xfer>,
+    /// Staging the NCCL exchange reads or writes, kept until the operation is dropped (even when
+    /// cancelled: the peers still exchange with it).
+    scratch: Vec<CachedBuffer>,
+}
+
+impl std::fmt::Debug for GpuOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuOp")
+            .field("op", &self.label())
+            .field("sent", &self.sent)
+            .field("completing", &self.completing)
+            .finish()
+    }
+}
+
+impl GpuOp {
+    /// Operation `seq` of `channel` on `shared`'s stream of that channel, reading `inputs`.
+    pub(crate) fn new(
+        shared: Arc<RankShared>,
+        channel: Channel,
+        seq: u64,
+        stamp: Stamp,
+        launch: Launch,
+        kind: GpuOpKind,
+        inputs: &[&DeviceTensor],
+    ) -> Self {
+        let work = StreamWork::new(&shared.ctx, &shared.streams[channel.index()], inputs);
+        GpuOp {
+            shared,
+            channel,
+            seq,
+            stamp,
+            launch,
+            fill: None,
+            kind: Some(kind),
+            work,
+            sent: false,
+            cancelled: false,
+            completing: false,
+            refused: None,
+            slot: None,
+            xfers: Vec::new(),
+            scratch: Vec::new(),
+        }
+    }
+
+    /// A cancellation: it takes part in collective `seq` of `channel` without data.
+    pub(crate) fn cancellation(shared: Arc<RankShared>, channel: Channel, seq: u64, launch: Launch) -> Self {
+        let stamp = Stamp::new(0, Pass::Forward, epflow_core::stamp::Pairing::None);
+        let mut op = GpuOp::new(shared, channel, seq, stamp, launch, GpuOpKind::Cancellation, &[]);
+        op.cancelled = true;
+        op
+    }
+
+    /// The NCCL exchange of this operation (see [`crate::transport::nccl`]).
+    pub(crate) fn set_xfers(&mut self, xfers: Vec<Xfer>) {
+        self.xfers = xfers;
+    }
+
+    /// Keeps `buf` alive as long as the operation.
+    pub(crate) fn keep_scratch(&mut self, buf: CachedBuffer) {
+        self.scratch.push(buf);
+    }
+
+    /// Marks `(ptr, bytes)` as this operation's outputs, filled with the rank's debug byte (if
+    /// [`crate::GpuRank::fill_output_buffers`] set one) before the kernel runs.
+    pub(crate) fn set_fill(&mut self, fill: (u64, usize)) {
+        self.fill = Some(fill);
+    }
+
+    fn uses_nccl(&self) -> bool {
+        !self.xfers.is_empty()
+    }
+
+    fn chan(&self) -> usize {
+        self.channel.index()
+    }
+
+    /// The buffer set whose outcome word the kernels write.
+    fn set(&self) -> usize {
+        match &self.launch {
+            Launch::Ll(p) => p.set as usize,
+            Launch::Ht(_) | Launch::Exchange(_) | Launch::NcclHt { .. } | Launch::NcclExchange { .. } => {
+                (self.seq % 2) as usize
+            }
+        }
+    }
+
+    /// Low-latency combine: the row map must still be the one of the paired dispatch; if a
+    /// later dispatch rewrote it, the operation goes out as a cancellation (so the peers fail
+    /// cleanly) and finishes with [`ValidationError::HandleRewritten`]. Otherwise the stream
+    /// waits for the paired dispatch's receive on the device. Returns the handle to record this
+    /// reader on, if any.
+    fn claim_row_map(&mut self) -> Result<Option<GpuHandle>, Error> {
+        let Some(GpuOpKind::Combine { handle, paired }) = &self.kind else { return Ok(None) };
+        if self.cancelled || !matches!(self.launch, Launch::Ll(_)) {
+            return Ok(None);
+        }
+        let (handle, paired) = (handle.clone(), *paired);
+        let writer = handle.row_map().writer.clone();
+        match writer {
+            Some((w, ev)) if w == paired => {
+                self.work.stream().wait(&ev).map_err(|e| cuda("wait for the paired dispatch", e))?;
+                Ok(Some(handle))
+            }
+            other => {
+                let rewritten_by = other.map_or(paired, |(w, _)| w);
+                self.refused = Some(ValidationError::HandleRewritten { paired, rewritten_by }.into());
+                self.cancel_inputs();
+                Ok(None)
+            }
+        }
+    }
+
+    fn cancel_inputs(&mut self) {
+        self.cancelled = true;
+        self.work.release_inputs();
+    }
+}
+
+impl Drop for GpuOp {
+    /// An operation dropped before its completion was observed (an error path; the async runtime
+    /// finishes abandoned operations instead) waits for its own device work, bounded by the
+    /// device-side timeout, so the inputs it keeps alive are never freed while a kernel reads them.
+    fn drop(&mut self) {
+        if !self.sent || bind(&self.shared.ctx).is_err() {
+            return;
+        }
+        if self.uses_nccl() || matches!(self.launch, Launch::NcclExchange { .. }) {
+            // An NCCL kernel waits for its peers without a deadline of its own. Dropping an
+            // unfinished operation is an error path (a timeout, a failed launch): grant a tenth
+            // of the group's timeout, then abort the communicators so the stream can drain.
+            let grace = (self.shared.config.timeout / 10).max(Duration::from_millis(100));
+            let deadline = std::time::Instant::now() + grace;
+            // The completion event, or (complete half never started) one recorded now.
+            let probe = self.work.done().cloned().or_else(|| self.work.record_now().ok());
+            let idle = || probe.as_ref().is_none_or(|e| e.try_is_complete().unwrap_or(true));
+            while !idle() && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            if !idle() {
+                if let Some(n) = &self.shared.nccl {
+                    n.comms.abort();
+                }
+            }
+        }
+        self.work.synchronize();
+    }
+}
+
+impl PendingOp for GpuOp {
+    type Output = GpuOpOutput;
+
+    fn rank(&self) -> usize {
+        self.shared.rank
+    }
+
+    fn channel(&self) -> Channel {
+        self.channel
+    }
+
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    fn needs_slot(&self) -> bool {
+        matches!(self.launch, Launch::Ll(_)) && !matches!(self.kind, Some(GpuOpKind::Cancellation))
+    }
+
+    fn poll_send_ready(&mut self) -> Result<bool, Error> {
+        Ok(self.sent || self.shared.turns[self.chan()].load(Ordering::Acquire) == self.seq)
+    }
+
+    fn send(&mut self, slot: Option<SlotGuard>) -> Result<(), Error> {
+        if self.sent {
+            return Ok(());
+        }
+        let s = Arc::clone(&self.shared);
+        let result = (|| {
+            self.work.begin_send(s.timing.load(Ordering::Relaxed) && !self.cancelled)?;
+            let reader = self.claim_row_map()?;
+            match self.launch {
+                Launch::Ll(_) => {
+                    self.launch_ll(if self.chan() == 0 { LlKernel::DispatchSend } else { LlKernel::CombineSend })?;
+                    if let Some(h) = reader {
+                        let ev = self.work.record_now()?;
+                        h.row_map().readers.push(ev);
+                    }
+                    if self.uses_nccl() {
+                        self.issue_xfers()?;
+                    }
+                }
+                _ => self.launch_single()?,
+            }
+            self.work.end_send()
+        })();
+        // The turn passes on even if the launch failed, so later operations are not stuck
+        // behind this one (the group is poisoned by the error anyway).
+        s.turns[self.chan()].store(self.seq + 1, Ordering::Release);
+        result?;
+        self.slot = slot;
+        self.sent = true;
+        Ok(())
+    }
+
+    fn is_sent(&self) -> bool {
+        self.sent
+    }
+
+    fn cancel(&mut self) {
+        if !self.sent {
+            self.cancel_inputs();
+        }
+    }
+
+    fn start_complete(&mut self) -> Result<(), Error> {
+        if self.completing {
+            return Ok(());
+        }
+        bind(&self.shared.ctx)?;
+        if matches!(self.launch, Launch::Ll(_)) {
+            if self.chan() == 0 {
+                self.launch_dispatch_recv()?;
+            } else {
+                self.launch_ll(LlKernel::CombineRecv)?;
+                self.work.end_complete()?;
+            }
+        } else {
+            self.work.end_complete()?;
+        }
+        self.completing = true;
+        Ok(())
+    }
+
+    fn poll_complete(&mut self) -> Result<bool, Error> {
+        if let Some(e) = self.device_error() {
+            return Err(e);
+        }
+        self.work.is_complete()
+    }
+
+    fn finish(mut self) -> Result<GpuOpOutput, Error> {
+        if let Some(e) = self.device_error() {
+            return Err(e);
+        }
+        self.finish_kind()
+    }
+
+    fn send_probe(&self) -> Box<dyn Probe> {
+        let (shared, chan, seq) = (Arc::clone(&self.shared), self.chan(), self.seq);
+        Box::new(move || shared.turns[chan].load(Ordering::Acquire) == seq)
+    }
+
+    fn complete_probe(&self) -> Box<dyn Probe> {
+        let shared = Arc::clone(&self.shared);
+        let done = self.work.done().cloned();
+        Box::new(move || {
+            if shared.mem.status.read_u64(crate::params::status::ERROR) != 0 {
+                return true;
+            }
+            match &done {
+                Some(e) => bind(&shared.ctx).is_err() || e.try_is_complete().unwrap_or(true),
+                None => true,
+            }
+        })
+    }
+
+    fn traffic(&self) -> (u64, u64) {
+        let (tokens, hidden) = match &self.launch {
+            Launch::Ll(p) => (p.num_tokens as u64, p.hidden as u64),
+            Launch::Ht(p) => (p.num_tokens as u64, p.hidden as u64),
+            Launch::NcclHt { p, .. } => (p.num_tokens as u64, p.hidden as u64),
+            Launch::Exchange(_) | Launch::NcclExchange { .. } => (0, 0),
+        };
+        (tokens * hidden * 2, tokens)
+    }
+
+    fn waiting_for(&self) -> String {
+        if !self.sent {
+            format!(
+                "its turn to send ({} #{} has not been sent yet)",
+                self.channel,
+                self.shared.turns[self.chan()].load(Ordering::Acquire)
+            )
+        } else if let (Some(n), true) = (&self.shared.nccl, self.uses_nccl()) {
+            let peers: Vec<String> = self
+                .xfers
+                .iter()
+                .map(|x| x.peer)
+                .filter(|&p| p != self.shared.rank)
+                .map(|p| format!("rank {p}"))
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect();
+            let nvlink = (0..self.shared.num_ranks).filter(|&r| !n.via_nccl(r)).count() > 1;
+            format!(
+                "the NCCL exchange with {}{}",
+                peers.join(", "),
+                if nvlink { " or the device (NVLink peers' data or credits)" } else { "" }
+            )
+        } else {
+            "the device to finish (the peers' data or credits)".into()
+        }
+    }
+
+    fn label(&self) -> String {
+        op_label(self.channel, self.seq)
+    }
+}

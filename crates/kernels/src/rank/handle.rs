@@ -1,0 +1,182 @@
+//! [`GpuHandle`]: a routing handle of the GPU backend, its device memory, and what it learnt
+//! from collectives (the high-throughput count exchange; the low-latency NCCL row counts).
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaEvent};
+use epflow_core::Error;
+use epflow_core::handle::{HandleCore, RoutingHandle};
+use epflow_core::routing::Routing;
+
+use crate::device::DeviceBuffer;
+use crate::device::cache::take_smallest;
+
+/// A routing handle on the GPU backend: the validated routing and its device memory (a copy
+/// of `topk_idx`; low-latency: the row map dispatch writes for combine; high-throughput: the send
+/// plan and the receive layout learnt by the count exchange). Cheap to clone. It serves any
+/// number of dispatch/combine pairs; a combine pairs with the latest completed dispatch of the
+/// same pass ([`epflow_core::handle`]).
+#[derive(Clone, Debug)]
+pub struct GpuHandle(pub(crate) Arc<GpuHandleState>);
+
+/// What a [`GpuHandle`] holds.
+#[derive(Debug)]
+pub(crate) struct GpuHandleState {
+    pub(crate) core: HandleCore,
+    pub(crate) mem: Option<DeviceBuffer>,
+    pub(crate) pool: Arc<Mutex<Vec<DeviceBuffer>>>,
+    /// High-throughput handles: what the count exchange taught.
+    pub(crate) ht: Option<HtHandleInfo>,
+    /// Low-latency handles with NCCL peers: the combine rows to and from them.
+    pub(crate) ll_nccl: Option<LlNcclInfo>,
+    /// Low-latency: who writes and who reads the row map, on the device.
+    pub(crate) row_map: Mutex<RowMap>,
+}
+
+/// What a low-latency handle knows about its NCCL peers.
+#[derive(Debug)]
+pub(crate) struct LlNcclInfo {
+    /// Per rank, `(first row, rows)` of its combine rows here (from this rank's routing).
+    pub(crate) recv_blocks: Vec<(usize, usize)>,
+    /// Per rank, the rows this rank sends back to it in combine (what it dispatched here in the
+    /// latest dispatch).
+    pub(crate) send_rows: Mutex<Vec<usize>>,
+}
+
+/// What a high-throughput handle knows after its count exchange.
+#[derive(Debug)]
+pub(crate) struct HtHandleInfo {
+    /// `N`.
+    pub(crate) num_recv: usize,
+    /// Rows received per local expert, `[L]`.
+    pub(crate) expert_counts: Vec<i32>,
+    /// Tokens per channel on this rank.
+    pub(crate) tokens_per_channel: usize,
+    /// Byte offsets of the arrays in the handle's device memory.
+    pub(crate) off: HandleOffsets,
+    /// Per rank, `(first, rows)` of the block of the send plan that goes to it.
+    pub(crate) send_blocks: Vec<(usize, usize)>,
+    /// Per rank, `(first, rows)` of the block of the output that comes from it.
+    pub(crate) recv_blocks: Vec<(usize, usize)>,
+    /// Rows of the send plan (all destinations).
+    pub(crate) total_send: usize,
+}
+
+/// Byte offsets of a high-throughput handle's arrays (see `HtParams` for their shapes).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct HandleOffsets {
+    pub(crate) send_list: usize,
+    pub(crate) send_off: usize,
+    pub(crate) recv_base: usize,
+    pub(crate) recv_cnt: usize,
+    pub(crate) copy_ord: usize,
+    pub(crate) counts: usize,
+    pub(crate) end: usize,
+}
+
+/// The device-side order of a low-latency handle's row map: each dispatch's receive kernel
+/// writes it (on the dispatch stream), each combine's send kernel reads it (on the combine
+/// stream). A writer waits for the readers enqueued before it; a reader waits for the writer of
+/// the dispatch it pairs with, and refuses to run if a later dispatch has rewritten the map.
+#[derive(Debug, Default)]
+pub(crate) struct RowMap {
+    /// The dispatch whose receive kernel last wrote the map, and an event after it.
+    pub(crate) writer: Option<(u64, Arc<CudaEvent>)>,
+    /// Events after the combine sends enqueued since.
+    pub(crate) readers: Vec<Arc<CudaEvent>>,
+}
+
+impl Drop for GpuHandleState {
+    fn drop(&mut self) {
+        if let Some(m) = self.mem.take() {
+            self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(m);
+        }
+    }
+}
+
+impl GpuHandle {
+    /// A handle around `core` with its device memory `mem` (from `pool`, where it returns).
+    pub(crate) fn new(
+        core: HandleCore,
+        mem: DeviceBuffer,
+        pool: &Arc<Mutex<Vec<DeviceBuffer>>>,
+        ht: Option<HtHandleInfo>,
+        ll_nccl: Option<LlNcclInfo>,
+    ) -> Self {
+        GpuHandle(Arc::new(GpuHandleState {
+            core,
+            mem: Some(mem),
+            pool: Arc::clone(pool),
+            ht,
+            ll_nccl,
+            row_map: Mutex::default(),
+        }))
+    }
+
+    /// `B`.
+    pub fn num_tokens(&self) -> usize {
+        self.0.core.num_tokens()
+    }
+
+    /// `K`.
+    pub fn top_k(&self) -> usize {
+        self.0.core.top_k()
+    }
+
+    /// The validated routing.
+    pub fn routing(&self) -> &Routing {
+        self.0.core.routing()
+    }
+
+    /// High-throughput: `N`, the rows this rank receives (NCCL EP's
+    /// `ncclEpHandleGetNumRecvTokens`), known once the handle exists. `None` for low-latency.
+    pub fn num_recv_tokens(&self) -> Option<usize> {
+        self.0.ht.as_ref().map(|h| h.num_recv)
+    }
+
+    /// High-throughput: rows this rank receives per local expert (`[L]`).
+    pub fn recv_expert_counts(&self) -> Option<&[i32]> {
+        self.0.ht.as_ref().map(|h| h.expert_counts.as_slice())
+    }
+
+    /// The device address of the handle's memory.
+    pub(crate) fn ptr(&self) -> u64 {
+        self.0.mem.as_ref().map_or(0, DeviceBuffer::ptr)
+    }
+
+    /// The high-throughput part, or an error naming a low-latency handle.
+    pub(crate) fn ht(&self) -> Result<&HtHandleInfo, Error> {
+        self.0.ht.as_ref().ok_or_else(|| Error::Backend("a low-latency handle in a high-throughput operation".into()))
+    }
+
+    /// The row map's order (low-latency).
+    pub(crate) fn row_map(&self) -> std::sync::MutexGuard<'_, RowMap> {
+        self.0.row_map.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl RoutingHandle for GpuHandle {
+    fn core(&self) -> &HandleCore {
+        &self.0.core
+    }
+
+    fn num_recv_tokens(&self) -> Option<usize> {
+        GpuHandle::num_recv_tokens(self)
+    }
+
+    fn recv_expert_counts(&self) -> Option<&[i32]> {
+        GpuHandle::recv_expert_counts(self)
+    }
+}
+
+/// Takes the smallest pooled buffer of at least `bytes`, or allocates one.
+pub(crate) fn take_pooled(
+    ctx: &Arc<CudaContext>,
+    pool: &Mutex<Vec<DeviceBuffer>>,
+    bytes: usize,
+) -> Result<DeviceBuffer, Error> {
+    match take_smallest(pool, bytes) {
+        Some(b) => Ok(b),
+        None => DeviceBuffer::zeroed(ctx, bytes),
+    }
+}

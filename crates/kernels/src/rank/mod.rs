@@ -1,0 +1,335 @@
+//! [`GpuRank`]: one rank of a GPU group, and its [`Backend`] implementation: validation, then
+//! the low-latency ([`crate::ll`]) or high-throughput ([`crate::ht`]) start of each operation.
+//!
+//! - [`shared`]: what every operation of the rank shares (streams, kernels, memory, peers).
+//! - [`handle`]: routing handles and what they learnt.
+
+pub(crate) mod handle;
+pub(crate) mod shared;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use cudarc::driver::{CudaContext, CudaStream};
+use epflow_core::backend::{Backend, HandleCreation, PendingOp, RankCore, detach};
+use epflow_core::handle::{HandleCore, RoutingHandle};
+use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, Pass};
+use epflow_core::protocol::Channel;
+use epflow_core::routing::{CombinePositions, ExpertPlacement, Routing};
+use epflow_core::validate::{check_topk_idx, routing_from_tensor, validate_combine_inputs, validate_dispatch_inputs};
+use epflow_core::{Algorithm, Error};
+
+use self::handle::{GpuHandle, LlNcclInfo, take_pooled};
+use self::shared::RankShared;
+use crate::device::{DeviceTensor, bind, copy_to_host, cuda};
+use crate::op::GpuOp;
+use crate::{ht, ll};
+
+/// One rank of a GPU group. Every operation is collective: all ranks call it, in the same
+/// order. Operations of one channel are sent in call order; dispatch and combine run on two
+/// streams of their own ([`GpuRank::stream`]).
+#[derive(Debug)]
+pub struct GpuRank {
+    pub(crate) shared: Arc<RankShared>,
+    pub(crate) core: RankCore,
+}
+
+impl GpuRank {
+    /// Connects this rank's NCCL communicators to every peer (collective; nothing without NCCL).
+    pub(crate) fn connect_nccl(&self) -> Result<(), Error> {
+        let s = &self.shared;
+        match &s.nccl {
+            Some(n) => n.comms.connect(&s.ctx, &s.streams[0], s.rank, s.num_ranks),
+            None => Ok(()),
+        }
+    }
+
+    /// Which peers this rank reaches through NCCL (bit `r` = rank `r`; 0 = NVLink only).
+    pub fn nccl_peers(&self) -> u32 {
+        self.shared.nccl.as_ref().map_or(0, |n| n.mask)
+    }
+
+    /// The device this rank runs on.
+    pub fn device(&self) -> usize {
+        self.shared.device
+    }
+
+    /// The CUDA context of the device.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.shared.ctx
+    }
+
+    /// The stream operations of `channel` run on: order your producers and consumers against it
+    /// (or pass inputs with [`DeviceTensor::ready_after`]).
+    pub fn stream(&self, channel: Channel) -> &Arc<CudaStream> {
+        &self.shared.streams[channel.index()]
+    }
+
+    /// Device bytes the group holds on this rank.
+    pub fn device_memory_bytes(&self) -> usize {
+        self.shared.layout.total_bytes()
+    }
+
+    /// Records CUDA events around every operation, for [`GpuDispatchOutput::elapsed`] (host-observed
+    /// device time from before the send half to after the complete half).
+    pub fn set_timing(&self, on: bool) {
+        self.shared.timing.store(on, Ordering::Relaxed);
+    }
+
+    /// Overwrites every output buffer of every set with `byte` (a debugging aid: filled outputs
+    /// show rows an operation failed to write). Waits for this rank's streams first.
+    /// High-throughput groups allocate outputs per operation: from now on each is filled with
+    /// `byte` before its kernel runs.
+    pub fn fill_output_buffers(&self, byte: u8) -> Result<(), Error> {
+        let s = &self.shared;
+        s.output_fill.store(1 + u32::from(byte), Ordering::Relaxed);
+        bind(&s.ctx)?;
+        for st in &s.streams {
+            st.synchronize().map_err(|e| cuda("synchronize", e))?;
+        }
+        let m = &s.mem;
+        for b in m.disp_out.iter().chain(&m.disp_scales).chain(&m.disp_counts).chain(&m.comb_out) {
+            // SAFETY: fills the whole allocation of a live buffer of this context; no kernel uses
+            // it (the streams are idle).
+            unsafe { cudarc::driver::sys::cuMemsetD8_v2(b.ptr(), byte, b.bytes()) }
+                .result()
+                .map_err(|e| cuda("fill", e))?;
+        }
+        Ok(())
+    }
+
+    /// Copies `src` into `dst` (same size) on the stream of `channel`, without a host wait;
+    /// returns an event after the copy. Use `dst.ready_after(event)` as the input of a later
+    /// operation: its send half waits for the copy on the device.
+    pub fn copy_on_stream(
+        &self,
+        channel: Channel,
+        src: &DeviceTensor,
+        dst: &DeviceTensor,
+    ) -> Result<Arc<cudarc::driver::CudaEvent>, Error> {
+        if src.desc().size_bytes() != dst.desc().size_bytes() {
+            return Err(Error::Unsupported(format!(
+                "copy of {} B into {} B",
+                src.desc().size_bytes(),
+                dst.desc().size_bytes()
+            )));
+        }
+        let s = &self.shared;
+        bind(&s.ctx)?;
+        let stream = self.stream(channel);
+        for e in [src.ready_event(), dst.ready_event()].into_iter().flatten() {
+            stream.wait(e).map_err(|e| cuda("wait for tensor", e))?;
+        }
+        // SAFETY: both are device ranges of `size_bytes` in this context (checked sizes); the
+        // copy is ordered on `stream`.
+        unsafe {
+            cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst.ptr(), src.ptr(), src.desc().size_bytes(), stream.cu_stream())
+        }
+        .result()
+        .map_err(|e| cuda("copy", e))?;
+        let ev = s.ctx.new_event(None).map_err(|e| cuda("create event", e))?;
+        ev.record(stream).map_err(|e| cuda("record event", e))?;
+        Ok(Arc::new(ev))
+    }
+
+    /// Copies a host tensor to this rank's device.
+    pub fn upload(&self, t: &epflow_core::HostTensor) -> Result<DeviceTensor, Error> {
+        DeviceTensor::upload(&self.shared.ctx, self.shared.device, t)
+    }
+
+    /// Dequantizes FP8 rows (`[rows x H]` + scales `[rows x H/128]`) into a new BF16 tensor.
+    pub fn dequantize_fp8(&self, q: &DeviceTensor, scales: &DeviceTensor) -> Result<DeviceTensor, Error> {
+        let rows: usize = q.desc().shape[..q.desc().shape.len() - 1].iter().product();
+        let h = self.shared.config.hidden;
+        let mut desc = q.desc().clone();
+        desc.dtype = epflow_core::DType::Bf16;
+        let out = DeviceTensor::zeros(&self.shared.ctx, self.shared.device, desc)?;
+        let stream = &self.shared.streams[0];
+        let (qp, sp, op, r, hh) = (q.ptr(), scales.ptr(), out.ptr(), rows as u64, h as i32);
+        let blocks = (self.shared.num_sms * 4).max(1);
+        let cfg =
+            cudarc::driver::LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        use cudarc::driver::PushKernelArg;
+        // SAFETY: the arguments match `ep_dequant_fp8_rows(u64, u64, u64, u64, int)`; the three
+        // buffers hold rows x H bytes, rows x H/128 floats and rows x H BF16 values.
+        unsafe {
+            stream
+                .launch_builder(&self.shared.functions.dequant_fp8)
+                .arg(&qp)
+                .arg(&sp)
+                .arg(&op)
+                .arg(&r)
+                .arg(&hh)
+                .launch(cfg)
+        }
+        .map_err(|e| cuda("launch dequantize", e))?;
+        stream.synchronize().map_err(|e| cuda("dequantize", e))?;
+        Ok(out)
+    }
+
+    fn check_device(&self, t: &DeviceTensor, what: &str) -> Result<(), Error> {
+        if t.device() != self.shared.device {
+            return Err(Error::Unsupported(format!(
+                "{what} is on device {}, this rank runs on device {}",
+                t.device(),
+                self.shared.device
+            )));
+        }
+        Ok(())
+    }
+
+    /// Takes the next sequence number of `channel` and runs `start` with it. If `start` fails
+    /// (validation, a foreign handle, a failed allocation) the collective still goes ahead on
+    /// this rank as a cancellation, in the background, so the peers fail at once with
+    /// [`Error::PeerCancelled`] instead of waiting for their timeout. `handle` is the
+    /// operation's handle (the cancellation uses it when it is this group's).
+    fn collective(
+        &self,
+        channel: Channel,
+        handle: Option<&GpuHandle>,
+        pass: Pass,
+        start: impl FnOnce(u64) -> Result<GpuOp, Error>,
+    ) -> Result<GpuOp, Error> {
+        self.core.poison().check()?;
+        let seq = self.core.next_seq(channel);
+        let result = start(seq);
+        if result.is_err() {
+            let own = handle.filter(|h| h.core().group_id() == self.core.group_id());
+            match self.cancellation(channel, seq, own, pass) {
+                Some(op) => detach(op, self.core.config().timeout, Arc::clone(self.core.poison())),
+                None => tracing::warn!(
+                    "{} #{seq} failed on rank {} before it was sent and cannot be cancelled without a usable handle: its peers will time out",
+                    channel,
+                    self.core.rank()
+                ),
+            }
+        }
+        result
+    }
+
+    /// A cancellation of collective `seq` of `channel`, if one can be built.
+    fn cancellation(&self, channel: Channel, seq: u64, handle: Option<&GpuHandle>, pass: Pass) -> Option<GpuOp> {
+        let s = &self.shared;
+        match (s.config.algorithm, channel) {
+            (Algorithm::LowLatency, _) => ll::start::cancellation(s, channel, seq, handle),
+            (Algorithm::HighThroughput, Channel::Handle) => {
+                let routing = Routing::new(Vec::new(), 0, 1, s.config.num_experts).ok()?;
+                let mut op = ht::start::handle(s, seq, routing).ok()?;
+                op.cancel();
+                Some(op)
+            }
+            (Algorithm::HighThroughput, Channel::Dispatch) => {
+                ht::start::dispatch(s, seq, handle?, None, &DispatchOptions { pass, ..Default::default() }).ok()
+            }
+            (Algorithm::HighThroughput, Channel::Combine) => {
+                ht::start::combine(s, seq, handle?, None, &CombineOptions { pass }).ok()
+            }
+        }
+    }
+
+    /// Copies `topk_idx` to the host (after its ready event) and validates it.
+    fn routing_of(&self, topk_idx: &DeviceTensor) -> Result<(Routing, Vec<i64>), Error> {
+        let s = &self.shared;
+        self.check_device(topk_idx, "topk_idx")?;
+        let d = topk_idx.desc();
+        // The descriptor first (nothing is read from a tensor that fails it), then the values.
+        check_topk_idx(&s.config, d)?;
+        if let Some(e) = topk_idx.ready_event() {
+            e.synchronize().map_err(|e| cuda("wait for topk_idx", e))?;
+        }
+        let mut values = vec![0i64; d.numel()];
+        copy_to_host(&s.ctx, topk_idx.ptr(), &mut values)?;
+        Ok((routing_from_tensor(&s.config, d, &values)?, values))
+    }
+
+    /// A low-latency handle: the routing's copy in device memory, and for NCCL peers where
+    /// their combine rows land.
+    fn ll_handle(&self, routing: Routing, values: &[i64]) -> Result<GpuHandle, Error> {
+        let s = &self.shared;
+        let l = s.layout.ll("a low-latency handle")?;
+        let mem = take_pooled(&s.ctx, &s.handle_pool, l.handle_bytes())?;
+        mem.write(0, values)?;
+        let ll_nccl = match &s.nccl {
+            Some(n) => {
+                let placement = ExpertPlacement::new(s.config.num_experts, s.num_ranks);
+                let positions = CombinePositions::new(&routing, placement, n.mask);
+                mem.write(l.nccl_pos_offset(), &positions.pos)?;
+                Some(LlNcclInfo {
+                    recv_blocks: positions.blocks,
+                    send_rows: std::sync::Mutex::new(vec![0; s.num_ranks]),
+                })
+            }
+            None => None,
+        };
+        let core = HandleCore::new(s.group_id, routing, Algorithm::LowLatency, None);
+        Ok(GpuHandle::new(core, mem, &s.handle_pool, None, ll_nccl))
+    }
+}
+
+impl Backend for GpuRank {
+    type Tensor = DeviceTensor;
+    type Handle = GpuHandle;
+    type DispatchOutput = crate::GpuDispatchOutput;
+    type CombineOutput = crate::GpuCombineOutput;
+    type Op = GpuOp;
+
+    fn core(&self) -> &RankCore {
+        &self.core
+    }
+
+    fn start_handle(&self, topk_idx: &DeviceTensor) -> Result<HandleCreation<GpuHandle, GpuOp>, Error> {
+        self.core.poison().check()?;
+        match self.shared.config.algorithm {
+            Algorithm::LowLatency => {
+                let (routing, values) = self.routing_of(topk_idx)?;
+                Ok(HandleCreation::Ready(self.ll_handle(routing, &values)?))
+            }
+            Algorithm::HighThroughput => {
+                let op = self.collective(Channel::Handle, None, Pass::Forward, |seq| {
+                    let (routing, _) = self.routing_of(topk_idx)?;
+                    ht::start::handle(&self.shared, seq, routing)
+                })?;
+                Ok(HandleCreation::Collective(op))
+            }
+        }
+    }
+
+    fn start_dispatch(
+        &self,
+        h: &GpuHandle,
+        inputs: DispatchInputs<'_, DeviceTensor>,
+        opts: &DispatchOptions,
+    ) -> Result<GpuOp, Error> {
+        self.collective(Channel::Dispatch, Some(h), opts.pass, |seq| {
+            self.core.check_handle(h)?;
+            let valid = validate_dispatch_inputs(&self.core.op_context(h), opts, &inputs)?;
+            for t in valid.tensors() {
+                self.check_device(t, "a dispatch input")?;
+            }
+            match self.shared.config.algorithm {
+                Algorithm::LowLatency => ll::start::dispatch(&self.shared, seq, h, valid, opts),
+                Algorithm::HighThroughput => ht::start::dispatch(&self.shared, seq, h, Some(valid), opts),
+            }
+        })
+    }
+
+    fn start_combine(
+        &self,
+        h: &GpuHandle,
+        inputs: CombineInputs<'_, DeviceTensor>,
+        opts: &CombineOptions,
+    ) -> Result<GpuOp, Error> {
+        self.collective(Channel::Combine, Some(h), opts.pass, |seq| {
+            self.core.check_handle(h)?;
+            let valid = validate_combine_inputs(&self.core.op_context(h), opts, &inputs)?;
+            let paired = h.core().combine_dispatch(opts.pass)?;
+            for t in valid.tensors() {
+                self.check_device(t, "a combine input")?;
+            }
+            match self.shared.config.algorithm {
+                Algorithm::LowLatency => ll::start::combine(&self.shared, seq, h, paired, valid),
+                Algorithm::HighThroughput => ht::start::combine(&self.shared, seq, h, Some(valid), opts),
+            }
+        })
+    }
+}

@@ -1,0 +1,190 @@
+//! What every operation of a rank shares: [`RankShared`] (streams, kernels, memory, the peers'
+//! addresses, pools) and the rank's own device memory, [`RankMemory`].
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaStream};
+use epflow_core::protocol::Poison;
+use epflow_core::{Algorithm, Error, GroupConfig};
+
+use crate::compile::Functions;
+use crate::device::cache::OutputCache;
+use crate::device::{DeviceBuffer, PinnedBuffer, bind};
+use crate::layout::Layout;
+use crate::params::{MAX_RANKS, SIGNAL_PAGE_BYTES, arrival_offset, status};
+use crate::transport::nccl::{NcclShared, Xfer};
+
+/// The memory of one rank; peers map it. Dropped only after every kernel of the device is done.
+#[derive(Debug)]
+pub(crate) struct RankMemory {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) disp_recv: DeviceBuffer,
+    pub(crate) comb_recv: DeviceBuffer,
+    /// High-throughput: the count-exchange region of handle creation (1 byte otherwise).
+    pub(crate) exchange: DeviceBuffer,
+    pub(crate) signals: DeviceBuffer,
+    pub(crate) status: PinnedBuffer,
+    pub(crate) disp_out: Vec<DeviceBuffer>,
+    pub(crate) disp_scales: Vec<DeviceBuffer>,
+    pub(crate) disp_counts: Vec<DeviceBuffer>,
+    pub(crate) host_counts: Vec<PinnedBuffer>,
+    pub(crate) comb_out: Vec<DeviceBuffer>,
+}
+
+impl RankMemory {
+    /// A rank's memory: receive regions and signal pages (peers map them); low-latency groups
+    /// also get their output buffer sets (high-throughput outputs are allocated per operation).
+    pub(crate) fn allocate(ctx: &Arc<CudaContext>, layout: &Layout) -> Result<Self, Error> {
+        let per_set = |sets: usize, bytes: usize| {
+            (0..sets).map(|_| DeviceBuffer::zeroed(ctx, bytes)).collect::<Result<Vec<_>, _>>()
+        };
+        let mut mem = RankMemory {
+            ctx: Arc::clone(ctx),
+            disp_recv: DeviceBuffer::zeroed(ctx, layout.dispatch_recv_bytes())?,
+            comb_recv: DeviceBuffer::zeroed(ctx, layout.combine_recv_bytes())?,
+            exchange: DeviceBuffer::zeroed(ctx, layout.exchange_bytes())?,
+            signals: DeviceBuffer::zeroed(ctx, SIGNAL_PAGE_BYTES)?,
+            status: PinnedBuffer::zeroed(ctx, status::WORDS * 8)?,
+            disp_out: Vec::new(),
+            disp_scales: Vec::new(),
+            disp_counts: Vec::new(),
+            host_counts: Vec::new(),
+            comb_out: Vec::new(),
+        };
+        let Layout::Ll(l) = layout else { return Ok(mem) };
+        let sets = l.sets;
+        mem.disp_out = per_set(sets, l.dispatch_out_bytes())?;
+        mem.disp_scales = per_set(sets, l.dispatch_scales_bytes())?;
+        mem.disp_counts = per_set(sets, l.local_experts * 4)?;
+        mem.host_counts =
+            (0..sets).map(|_| PinnedBuffer::zeroed(ctx, l.local_experts * 4)).collect::<Result<Vec<_>, _>>()?;
+        mem.comb_out = per_set(sets, l.combine_out_bytes())?;
+        Ok(mem)
+    }
+}
+
+impl Drop for RankMemory {
+    fn drop(&mut self) {
+        if bind(&self.ctx).is_ok() {
+            let _ = self.ctx.synchronize();
+        }
+    }
+}
+
+/// The device addresses of every rank's receive regions and signal page, and what keeps them
+/// mapped (the peers' memory in one process; CUDA IPC mappings across processes).
+pub(crate) struct Peers {
+    pub(crate) disp_recv: Vec<u64>,
+    pub(crate) comb_recv: Vec<u64>,
+    pub(crate) exchange: Vec<u64>,
+    pub(crate) signals: Vec<u64>,
+    pub(crate) keep: Vec<Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+impl std::fmt::Debug for Peers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Peers").field("ranks", &self.signals.len()).finish()
+    }
+}
+
+/// The staging buffers of one count exchange, in mapped pinned host memory (the kernel reads
+/// and writes them directly): this rank's messages and what it receives.
+#[derive(Debug)]
+pub(crate) struct ExchangeBuffers {
+    pub(crate) msgs: PinnedBuffer,
+    pub(crate) out: PinnedBuffer,
+}
+
+/// What every operation of a rank shares.
+#[derive(Debug)]
+pub(crate) struct RankShared {
+    pub(crate) rank: usize,
+    pub(crate) num_ranks: usize,
+    pub(crate) device: usize,
+    pub(crate) config: GroupConfig,
+    pub(crate) layout: Layout,
+    pub(crate) group_id: u64,
+    /// The group's poison flag (the rank's [`epflow_core::backend::RankCore`] holds the same).
+    pub(crate) poison: Arc<Poison>,
+    pub(crate) ctx: Arc<CudaContext>,
+    /// One stream per channel (dispatch, combine, handle), so the channels never block each
+    /// other (ranks may interleave operations of different channels differently).
+    pub(crate) streams: [Arc<CudaStream>; 3],
+    pub(crate) functions: Functions,
+    pub(crate) mem: Arc<RankMemory>,
+    /// Every rank's buffers as this process addresses them (index = rank), this one included.
+    pub(crate) peers: Peers,
+    pub(crate) num_sms: u32,
+    pub(crate) handle_pool: Arc<Mutex<Vec<DeviceBuffer>>>,
+    /// Low-latency: a handle's worth of zeroed memory for cancellations that have no usable
+    /// handle of their own (a foreign handle failed validation).
+    pub(crate) null_handle: Option<DeviceBuffer>,
+    /// High-throughput outputs, recycled when dropped.
+    pub(crate) outputs: Arc<OutputCache>,
+    /// High-throughput: staging buffers of the count exchange, recycled.
+    pub(crate) exchange_pool: Mutex<Vec<ExchangeBuffers>>,
+    /// High-throughput: 0, or 1 + the byte every output is filled with before its kernel runs
+    /// ([`crate::GpuRank::fill_output_buffers`]).
+    pub(crate) output_fill: AtomicU32,
+    pub(crate) timing: AtomicBool,
+    /// Per channel, the next operation allowed to send (sends go out in operation order).
+    pub(crate) turns: [AtomicU64; 3],
+    /// The NCCL transport, when some peer uses it.
+    pub(crate) nccl: Option<NcclShared>,
+}
+
+impl RankShared {
+    /// The deadline of a wait on the device: 90 % of the group timeout, so the device reports
+    /// its timeout (naming the peer) before the host's own deadline expires. Far from overflowing
+    /// `%globaltimer` (the config bounds the timeout).
+    pub(crate) fn device_timeout_ns(&self) -> u64 {
+        u64::try_from(self.config.timeout.as_nanos()).unwrap_or(u64::MAX).min(1 << 62) / 10 * 9
+    }
+
+    /// The NCCL transport when this operation runs entirely over NCCL (high-throughput with
+    /// any NCCL peer).
+    pub(crate) fn nccl_all(&self) -> Option<&NcclShared> {
+        self.nccl.as_ref().filter(|_| self.config.algorithm == Algorithm::HighThroughput)
+    }
+
+    /// The arrival exchange of channel `chan`'s buffer set `set` with NCCL peer `peer`: this
+    /// rank's arrival pair (word and stamp) goes out, the peer's lands where the NVLink kernels
+    /// expect it.
+    pub(crate) fn arrival_xfer(&self, chan: usize, set: usize, peer: usize) -> Xfer {
+        let page = self.mem.signals.ptr();
+        Xfer {
+            peer,
+            send: (page + arrival_offset(chan, set, self.rank), 16),
+            recv: (page + arrival_offset(chan, set, peer), 16),
+        }
+    }
+
+    /// This rank's receive region of the dispatch (`dispatch`) or combine channel, and every
+    /// rank's, in rank order.
+    pub(crate) fn recv_regions(&self, dispatch: bool) -> (u64, &[u64]) {
+        if dispatch {
+            (self.mem.disp_recv.ptr(), &self.peers.disp_recv)
+        } else {
+            (self.mem.comb_recv.ptr(), &self.peers.comb_recv)
+        }
+    }
+}
+
+impl Drop for RankShared {
+    fn drop(&mut self) {
+        if bind(&self.ctx).is_ok() {
+            for s in &self.streams {
+                let _ = s.synchronize();
+            }
+        }
+    }
+}
+
+/// Copies per-rank device addresses into a kernel parameter array (`MAX_RANKS` entries).
+pub(crate) fn peer_array(addrs: &[u64]) -> [u64; MAX_RANKS] {
+    let mut out = [0u64; MAX_RANKS];
+    let n = addrs.len().min(MAX_RANKS);
+    out[..n].copy_from_slice(&addrs[..n]);
+    out
+}
