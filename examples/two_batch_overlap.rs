@@ -341,7 +341,7 @@ mod gpu {
         Ok((worst, outs))
     }
 
-    pub fn main(layers: usize, gpus: usize) -> Result<()> {
+    pub(crate) fn main(layers: usize, gpus: usize) -> Result<()> {
         if gpus < 2 {
             return Err(epflow::core::Error::Unsupported(format!(
                 "--backend gpu needs 2 GPUs, this machine has {gpus}"

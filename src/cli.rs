@@ -5,7 +5,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 /// epflow: async expert-parallel dispatch/combine for MoE models.
 #[derive(Debug, Parser)]
 #[command(name = "epflow", version, about)]
-pub struct Cli {
+pub(crate) struct Cli {
     /// What to run.
     #[command(subcommand)]
     pub command: Command,
@@ -13,7 +13,7 @@ pub struct Cli {
 
 /// The subcommands.
 #[derive(Debug, Subcommand)]
-pub enum Command {
+pub(crate) enum Command {
     /// Benchmark dispatch and combine (flags and output modelled on NCCL EP's ep_bench).
     Bench(BenchArgs),
     /// Compile every CUDA kernel with NVRTC (no GPU needed) and report the result.
@@ -26,7 +26,7 @@ pub enum Command {
 
 /// `epflow launch` flags.
 #[derive(Clone, Debug, clap::Args)]
-pub struct LaunchArgs {
+pub(crate) struct LaunchArgs {
     /// Number of processes on this host (one per GPU).
     #[arg(short = 'n', long = "nprocs")]
     pub nprocs: usize,
@@ -50,7 +50,7 @@ pub struct LaunchArgs {
 
 /// `epflow compile` flags.
 #[derive(Clone, Debug, clap::Args)]
-pub struct CompileArgs {
+pub(crate) struct CompileArgs {
     /// Target architecture [default: the first GPU's, else sm_90].
     #[arg(long)]
     pub arch: Option<String>,
@@ -58,7 +58,7 @@ pub struct CompileArgs {
 
 /// Which algorithm to benchmark.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum AlgorithmArg {
+pub(crate) enum AlgorithmArg {
     /// Low-latency.
     Ll,
     /// High-throughput.
@@ -69,7 +69,7 @@ pub enum AlgorithmArg {
 
 impl AlgorithmArg {
     /// `"ll"`, `"ht"` or `"auto"`.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             AlgorithmArg::Ll => "ll",
             AlgorithmArg::Ht => "ht",
@@ -80,7 +80,7 @@ impl AlgorithmArg {
 
 /// Dispatch element type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum DtypeArg {
+pub(crate) enum DtypeArg {
     /// BF16.
     Bf16,
     /// FP8 e4m3 with per-128-channel scales.
@@ -89,7 +89,7 @@ pub enum DtypeArg {
 
 /// Which backend runs the benchmark.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum BackendArg {
+pub(crate) enum BackendArg {
     /// The GPU backend when GPUs are present, else the host backend.
     Auto,
     /// The host backend: every rank a thread of this process, on host memory.
@@ -108,7 +108,7 @@ pub enum BackendArg {
 
 /// `epflow bench` flags.
 #[derive(Clone, Debug, clap::Args)]
-pub struct BenchArgs {
+pub(crate) struct BenchArgs {
     /// Algorithm.
     #[arg(long, value_enum, default_value = "ll")]
     pub algorithm: AlgorithmArg,

@@ -9,7 +9,7 @@ use crate::cli::CompileArgs;
 
 /// Compiles every module for `--arch` (default: the first GPU's, else sm_90); exit code 1 if
 /// one fails, 2 without NVRTC or the CUDA headers.
-pub fn main(args: &CompileArgs) -> ExitCode {
+pub(crate) fn main(args: &CompileArgs) -> ExitCode {
     let arch = match &args.arch {
         Some(a) => a.clone(),
         None if device_count() > 0 => {

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::cli::LaunchArgs;
 
-pub fn main(args: &LaunchArgs) -> ExitCode {
+pub(crate) fn main(args: &LaunchArgs) -> ExitCode {
     if args.nprocs == 0 {
         eprintln!("error: -n must be at least 1");
         return ExitCode::from(2);

@@ -2,6 +2,7 @@
 //! runtime, two GPUs, results equal to the CPU reference. Skipped (loudly) without 2 GPUs.
 
 use epflow::Group;
+use epflow::core::handle::RoutingHandle;
 use epflow::core::ops::{CombineInputs, DispatchInputs};
 use epflow::core::scenario::Scenario;
 use epflow::core::verify::{Tolerance, check_bf16, check_ht_dispatch, check_ll_dispatch};

@@ -11,7 +11,7 @@ use super::runner::BenchRank;
 
 /// A GPU rank with the world's barrier (`wait`: a spin barrier between threads, or an NCCL
 /// barrier between processes).
-pub struct GpuBench<W: Fn()> {
+pub(super) struct GpuBench<W: Fn()> {
     pub rank: GpuRank,
     pub wait: W,
 }

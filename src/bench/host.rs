@@ -11,7 +11,7 @@ use epflow_core::{Algorithm, Error, HostData, HostTensor, TensorTag};
 use super::runner::BenchRank;
 
 /// A host rank with the world's barrier.
-pub struct HostBench {
+pub(super) struct HostBench {
     pub rank: HostRank,
     pub barrier: Arc<super::SpinBarrier>,
 }

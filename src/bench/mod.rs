@@ -27,7 +27,7 @@ use stats::{BenchReport, OpSummary, Validation};
 
 /// A barrier whose waiters spin (yielding now and then): ranks leave it within a microsecond of
 /// each other, as ep_bench's MPI barrier lets them, so launch skew does not inflate the times.
-pub struct SpinBarrier {
+pub(crate) struct SpinBarrier {
     n: usize,
     arrived: AtomicUsize,
     generation: AtomicUsize,
@@ -39,7 +39,7 @@ impl SpinBarrier {
     }
 
     /// Waits until all `n` threads have called `wait`.
-    pub fn wait(&self) {
+    pub(crate) fn wait(&self) {
         let generation = self.generation.load(Ordering::Acquire);
         if self.arrived.fetch_add(1, Ordering::AcqRel) + 1 == self.n {
             self.arrived.store(0, Ordering::Relaxed);
@@ -69,7 +69,7 @@ pub(crate) enum BenchError {
 
 /// Runs `epflow bench`; exit code 0 on success, 1 on a failure or a failed validation, 2 on bad
 /// flags.
-pub fn main(args: &BenchArgs) -> ExitCode {
+pub(crate) fn main(args: &BenchArgs) -> ExitCode {
     let args = &resolve_algorithm(args);
     match run(args) {
         Ok(None) => ExitCode::SUCCESS,

@@ -68,7 +68,7 @@ fn decode(v: &[f64], iters: usize) -> RankResult {
 }
 
 /// Runs this process's rank; returns the report on rank 0 (`None` elsewhere).
-pub fn run(args: &BenchArgs, env: &LaunchEnv) -> Result<Option<BenchReport>, BenchError> {
+pub(super) fn run(args: &BenchArgs, env: &LaunchEnv) -> Result<Option<BenchReport>, BenchError> {
     if args.backend == BackendArg::NcclEp {
         return Err(BenchError::Usage(
             "--backend nccl-ep runs one process driving every GPU; start it without `epflow launch`".into(),

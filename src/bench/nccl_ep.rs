@@ -12,7 +12,7 @@ use epflow_nccl_ep::{NcclEpCombineOutput, NcclEpDispatchOutput, NcclEpRank};
 use super::runner::BenchRank;
 
 /// An NCCL EP rank with the world's barrier.
-pub struct NcclEpBench<W: Fn()> {
+pub(super) struct NcclEpBench<W: Fn()> {
     pub rank: NcclEpRank,
     pub wait: W,
 }

@@ -17,7 +17,7 @@ use epflow_core::{Algorithm, Error, HostData, HostTensor};
 use super::stats::RankTimes;
 
 /// What a backend adds to [`Backend`] so the benchmark can drive it.
-pub trait BenchRank {
+pub(crate) trait BenchRank {
     /// The backend.
     type B: Backend;
     /// The backend of this rank.
@@ -69,13 +69,13 @@ pub trait BenchRank {
 }
 
 /// The reference results of the benchmark's scenario.
-pub enum References {
+pub(crate) enum References {
     Ll { dispatch: Vec<LlDispatchResult>, combine: Vec<Vec<epflow_core::bf16>> },
     Ht { dispatch: Vec<HtDispatchResult>, combine: Vec<Vec<epflow_core::bf16>> },
 }
 
 /// What one rank measured.
-pub struct RankResult {
+pub(crate) struct RankResult {
     /// High-throughput: handle creation (the collective count exchange), host clock.
     pub handle: RankTimes,
     pub dispatch: RankTimes,
@@ -89,14 +89,14 @@ pub struct RankResult {
 }
 
 /// Settings of the loop.
-pub struct LoopPlan {
+pub(crate) struct LoopPlan {
     pub warmup: usize,
     pub iters: usize,
     pub staged: bool,
 }
 
 /// Runs this rank's part: handle, optional validation round, warm-up, timed iterations.
-pub fn run_rank<R: BenchRank>(
+pub(crate) fn run_rank<R: BenchRank>(
     r: &R,
     sc: &Scenario,
     refs: Option<&References>,
@@ -226,7 +226,7 @@ where
 }
 
 /// High-throughput handle creations timed per rank.
-pub const HANDLE_SAMPLES: usize = 20;
+pub(crate) const HANDLE_SAMPLES: usize = 20;
 
 /// ep_bench's byte count for a rank: low-latency, valid selections x H x 2; high-throughput,
 /// tokens received x H x 2.

@@ -4,14 +4,14 @@ use serde::Serialize;
 
 /// Timings of one operation on one rank, in microseconds, and the bytes it moved.
 #[derive(Clone, Debug, Default)]
-pub struct RankTimes {
+pub(crate) struct RankTimes {
     pub samples_us: Vec<f64>,
     pub bytes: u64,
 }
 
 /// One operation summarised over ranks and iterations.
 #[derive(Clone, Debug, Serialize)]
-pub struct OpSummary {
+pub(crate) struct OpSummary {
     pub avg_us: f64,
     pub min_us: f64,
     pub max_us: f64,
@@ -25,7 +25,7 @@ pub struct OpSummary {
 }
 
 impl OpSummary {
-    pub fn from_ranks(ranks: &[RankTimes]) -> Self {
+    pub(crate) fn from_ranks(ranks: &[RankTimes]) -> Self {
         let all: Vec<f64> = ranks.iter().flat_map(|r| r.samples_us.iter().copied()).collect();
         let n = all.len().max(1) as f64;
         let avg = all.iter().sum::<f64>() / n;
@@ -59,7 +59,7 @@ impl OpSummary {
 
 /// The validation verdict.
 #[derive(Clone, Debug, Serialize)]
-pub struct Validation {
+pub(crate) struct Validation {
     pub passed: bool,
     pub dispatch_checked: u64,
     pub dispatch_mismatched: u64,
@@ -71,7 +71,7 @@ pub struct Validation {
 
 /// Everything `epflow bench` reports.
 #[derive(Clone, Debug, Serialize)]
-pub struct BenchReport {
+pub(crate) struct BenchReport {
     pub algorithm: &'static str,
     pub backend: String,
     pub device: String,
@@ -98,7 +98,7 @@ pub struct BenchReport {
 }
 
 impl BenchReport {
-    pub fn print_text(&self) {
+    pub(crate) fn print_text(&self) {
         let algo = if self.algorithm == "ll" { "Low Latency" } else { "High Throughput" };
         let dt = self.dtype.to_uppercase();
         println!(

@@ -262,3 +262,27 @@ impl<B: Backend, T> Future for Staged<B, T> {
         Poll::Ready(ready!(this.driver.poll_done(cx)).and_then(this.extract))
     }
 }
+
+impl<B: Backend> std::fmt::Debug for HandleFuture<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HandleFuture").finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend, T> std::fmt::Debug for OpFuture<B, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpFuture").finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend, T> std::fmt::Debug for SendOnly<B, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SendOnly").finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend, T> std::fmt::Debug for Staged<B, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Staged").finish_non_exhaustive()
+    }
+}

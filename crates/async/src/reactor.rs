@@ -51,14 +51,15 @@ struct Waiter {
     state: Arc<WaitState>,
 }
 
-enum Work {
+/// What reaches the reactor through its inbox.
+enum Incoming {
     Wait(Waiter),
     Job(Box<dyn Job>),
 }
 
 /// The process's reactor.
 pub(crate) struct Reactor {
-    inbox: Inbox<Work>,
+    inbox: Inbox<Incoming>,
     thread: Thread,
     loops: AtomicU64,
     completed: AtomicU64,
@@ -91,7 +92,7 @@ pub(crate) fn reactor() -> &'static Reactor {
 impl Reactor {
     /// Watches `probe` until it is ready or `deadline` passes; the outcome lands in `state`.
     pub(crate) fn register(&self, probe: Box<dyn Probe>, deadline: Instant, state: Arc<WaitState>) {
-        self.inbox.push(Work::Wait(Waiter { probe, deadline, state: Arc::clone(&state) }), &self.thread);
+        self.inbox.push(Incoming::Wait(Waiter { probe, deadline, state: Arc::clone(&state) }), &self.thread);
         // Pushed after the thread's last drain: nobody will decide it (see `Dying`).
         if self.is_dead() {
             state.complete(FAILED);
@@ -104,7 +105,7 @@ impl Reactor {
             job.abandon(&self.death_reason());
             return;
         }
-        self.inbox.push(Work::Job(job), &self.thread);
+        self.inbox.push(Incoming::Job(job), &self.thread);
     }
 
     /// Whether the reactor thread is gone.
@@ -163,8 +164,8 @@ impl Drop for Dying {
         r.inbox.drain_into(&mut queued);
         for w in queued {
             match w {
-                Work::Wait(w) => self.waiters.push(w),
-                Work::Job(j) => self.jobs.push(j),
+                Incoming::Wait(w) => self.waiters.push(w),
+                Incoming::Job(j) => self.jobs.push(j),
             }
         }
         for w in self.waiters.drain(..) {
@@ -190,15 +191,15 @@ fn caught<T>(r: &Reactor, f: impl FnOnce() -> T) -> Option<T> {
 
 fn run(r: &'static Reactor) {
     let mut st = Dying { r, waiters: Vec::new(), jobs: Vec::new() };
-    let mut incoming: Vec<Work> = Vec::new();
+    let mut incoming: Vec<Incoming> = Vec::new();
     let mut last_progress = Instant::now();
     loop {
         r.loops.fetch_add(1, Ordering::Relaxed);
         if r.inbox.drain_into(&mut incoming) > 0 {
             for w in incoming.drain(..) {
                 match w {
-                    Work::Wait(w) => st.waiters.push(w),
-                    Work::Job(j) => st.jobs.push(j),
+                    Incoming::Wait(w) => st.waiters.push(w),
+                    Incoming::Job(j) => st.jobs.push(j),
                 }
             }
             last_progress = Instant::now();
@@ -355,7 +356,7 @@ mod tests {
                 jobs: vec![Box::new(FlagJob(Arc::clone(&abandoned)))],
             };
             r.inbox.push(
-                Work::Wait(Waiter { probe: Box::new(|| false), deadline: far, state: Arc::clone(&queued) }),
+                Incoming::Wait(Waiter { probe: Box::new(|| false), deadline: far, state: Arc::clone(&queued) }),
                 &r.thread,
             );
             panic!("a bug in the reactor loop");

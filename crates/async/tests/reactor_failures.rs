@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use epflow_async::Group;
 use epflow_async::reactor::{WaitOutcome, reactor_stats, wait_for};
-use epflow_core::backend::{Backend, HandleCreation, OpOutput, PendingOp, Probe, RankCore};
+use epflow_core::backend::{Backend, HandleCreation, OpId, OpOutput, PendingOp, Probe, RankCore};
 use epflow_core::handle::{HandleCore, RoutingHandle};
 use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions};
 use epflow_core::protocol::{Channel, SlotGuard};
@@ -123,14 +123,8 @@ struct FaultyOp {
 
 impl PendingOp for FaultyOp {
     type Output = OpOutput<FaultyHandle, (), ()>;
-    fn rank(&self) -> usize {
-        0
-    }
-    fn channel(&self) -> Channel {
-        Channel::Dispatch
-    }
-    fn seq(&self) -> u64 {
-        self.seq
+    fn id(&self) -> OpId {
+        OpId { rank: 0, channel: Channel::Dispatch, seq: self.seq }
     }
     fn needs_slot(&self) -> bool {
         false

@@ -38,17 +38,85 @@ impl<F: Fn() -> bool + Send + Sync + 'static> Probe for F {
     }
 }
 
+/// Which collective an operation is on which rank: every rank numbers the operations of each
+/// channel alike, so `(channel, seq)` names the same collective everywhere.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct OpId {
+    /// The rank running it.
+    pub rank: usize,
+    /// Its channel.
+    pub channel: Channel,
+    /// Its sequence number on the channel.
+    pub seq: u64,
+}
+
+/// The lifecycle flags of an operation, the same for every backend: whether its send half went
+/// out, whether it became a cancellation, and the buffer set it holds from its send until its
+/// outputs are made.
+#[derive(Debug, Default)]
+pub struct OpState {
+    sent: bool,
+    cancelled: bool,
+    slot: Option<SlotGuard>,
+}
+
+impl OpState {
+    /// Whether the send half went out.
+    pub fn is_sent(&self) -> bool {
+        self.sent
+    }
+
+    /// Whether the operation is a cancellation (it sends, or sent, no data).
+    pub fn is_cancelled(&self) -> bool {
+        self.cancelled
+    }
+
+    /// Turns a not-yet-sent operation into a cancellation. Returns `true` if it did (the
+    /// operation no longer reads its inputs); `false` once sent.
+    pub fn cancel(&mut self) -> bool {
+        if self.sent {
+            return false;
+        }
+        self.cancelled = true;
+        true
+    }
+
+    /// The send half went out; the operation holds `slot` (its buffer set) from now on.
+    pub fn mark_sent(&mut self, slot: Option<SlotGuard>) {
+        self.sent = true;
+        self.slot = slot;
+    }
+
+    /// The held buffer set's index.
+    pub fn slot_set(&self) -> Option<usize> {
+        self.slot.as_ref().map(SlotGuard::set)
+    }
+
+    /// Hands the held buffer set to the outputs.
+    pub fn take_slot(&mut self) -> Option<SlotGuard> {
+        self.slot.take()
+    }
+}
+
 /// One operation of one rank, from creation to result. No method blocks.
 pub trait PendingOp: Send + 'static {
     /// What the operation produces.
     type Output: Send + 'static;
 
+    /// Which collective it is, on which rank.
+    fn id(&self) -> OpId;
     /// The rank running it.
-    fn rank(&self) -> usize;
+    fn rank(&self) -> usize {
+        self.id().rank
+    }
     /// Its channel.
-    fn channel(&self) -> Channel;
+    fn channel(&self) -> Channel {
+        self.id().channel
+    }
     /// Its sequence number on the channel.
-    fn seq(&self) -> u64;
+    fn seq(&self) -> u64 {
+        self.id().seq
+    }
     /// Whether its outputs live in a buffer set of the channel's [`SlotPool`].
     fn needs_slot(&self) -> bool;
     /// Whether the send half may be issued now (the receivers' credits). GPU backends check

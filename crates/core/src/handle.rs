@@ -25,6 +25,8 @@ pub struct HandleCore {
     routing: Routing,
     algorithm: Algorithm,
     creation: Option<u64>,
+    /// High-throughput: `N` and the rows per local expert, from handle creation.
+    recv: Option<(usize, Vec<i32>)>,
     /// Per pass (forward, backward): 1 + the number of the latest completed dispatch; 0 = none.
     last_dispatch: [AtomicU64; 2],
 }
@@ -41,7 +43,19 @@ impl HandleCore {
     /// that created it (high-throughput handle creation; `None` for low-latency handles, which
     /// are built locally).
     pub fn new(group_id: u64, routing: Routing, algorithm: Algorithm, creation: Option<u64>) -> Self {
-        HandleCore { group_id, routing, algorithm, creation, last_dispatch: Default::default() }
+        HandleCore { group_id, routing, algorithm, creation, recv: None, last_dispatch: Default::default() }
+    }
+
+    /// With what handle creation learnt (high-throughput): `num_recv` rows this rank receives,
+    /// `expert_counts` of them per local expert (`[L]`).
+    pub fn with_recv(mut self, num_recv: usize, expert_counts: Vec<i32>) -> Self {
+        self.set_recv(num_recv, expert_counts);
+        self
+    }
+
+    /// Sets what handle creation learnt (see [`HandleCore::with_recv`]).
+    pub fn set_recv(&mut self, num_recv: usize, expert_counts: Vec<i32>) {
+        self.recv = Some((num_recv, expert_counts));
     }
 
     /// The group that created the handle.
@@ -119,15 +133,33 @@ impl HandleCore {
     }
 }
 
-/// What the async runtime and the validation need of any backend's handle.
+/// What users, the async runtime and the validation need of any backend's handle (in
+/// `epflow::prelude`).
 pub trait RoutingHandle: Clone + Send + Sync + 'static {
     /// The backend-independent part.
     fn core(&self) -> &HandleCore;
-    /// High-throughput: `N`, the rows this rank receives (known once the handle exists). `None`
-    /// for low-latency handles.
-    fn num_recv_tokens(&self) -> Option<usize>;
+    /// High-throughput: `N`, the rows this rank receives (NCCL EP's
+    /// `ncclEpHandleGetNumRecvTokens`), known once the handle exists. `None` for low-latency
+    /// handles.
+    fn num_recv_tokens(&self) -> Option<usize> {
+        self.core().recv.as_ref().map(|r| r.0)
+    }
     /// High-throughput: rows this rank receives per local expert (`[L]`).
-    fn recv_expert_counts(&self) -> Option<&[i32]>;
+    fn recv_expert_counts(&self) -> Option<&[i32]> {
+        self.core().recv.as_ref().map(|r| r.1.as_slice())
+    }
+    /// `B`, tokens this rank routes.
+    fn num_tokens(&self) -> usize {
+        self.core().num_tokens()
+    }
+    /// `K`.
+    fn top_k(&self) -> usize {
+        self.core().top_k()
+    }
+    /// The validated routing.
+    fn routing(&self) -> &Routing {
+        self.core().routing()
+    }
 }
 
 #[cfg(test)]
@@ -149,6 +181,24 @@ mod tests {
         assert_eq!(h.dispatch_stamp(Pass::Forward), Stamp::new(2, Pass::Forward, Pairing::None));
         assert_eq!(h.combine_dispatch(Pass::Backward), Err(ValidationError::CombineBeforeDispatch));
         assert_eq!(h.check_group(8), Err(ValidationError::ForeignHandle { handle_group: 7, group: 8 }));
+    }
+
+    #[derive(Clone)]
+    struct Handle(std::sync::Arc<HandleCore>);
+
+    impl RoutingHandle for Handle {
+        fn core(&self) -> &HandleCore {
+            &self.0
+        }
+    }
+
+    #[test]
+    fn high_throughput_handles_know_what_they_receive() {
+        let h = Handle(std::sync::Arc::new(core(Algorithm::HighThroughput, Some(0)).with_recv(5, vec![3, 4])));
+        assert_eq!((h.num_recv_tokens(), h.recv_expert_counts()), (Some(5), Some(&[3, 4][..])));
+        assert_eq!((h.num_tokens(), h.top_k()), (2, 2));
+        let l = Handle(std::sync::Arc::new(core(Algorithm::LowLatency, None)));
+        assert_eq!((l.num_recv_tokens(), l.recv_expert_counts()), (None, None));
     }
 
     #[test]

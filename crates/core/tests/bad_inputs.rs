@@ -1,6 +1,7 @@
 //! A table of bad inputs, each answered by its own error variant (never a panic), with a
 //! message that names what is wrong.
 
+use epflow_core::handle::RoutingHandle;
 use std::time::Duration;
 
 use epflow_core::host::{HostHandle, HostRank, HostWorld};

@@ -5,6 +5,7 @@
 
 use std::time::{Duration, Instant};
 
+use epflow_core::handle::RoutingHandle;
 use epflow_core::host::{HostRank, HostWorld};
 use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, Pass};
 use epflow_core::scenario::{Scenario, ll_identity_expert_outputs};

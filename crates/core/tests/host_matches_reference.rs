@@ -2,6 +2,7 @@
 //! high-throughput, BF16 and FP8, synchronous and staged. Dispatch must match bit for bit,
 //! combine within one BF16 ulp.
 
+use epflow_core::handle::RoutingHandle;
 use epflow_core::host::{HostRank, HostWorld};
 use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, Pass};
 use epflow_core::reference;

@@ -8,7 +8,7 @@ use crate::params::{HDR_BYTES, HT_MAX_CHANNELS, HT_MAX_WARPS, MAX_RANKS, SIGNAL_
 
 /// The buffers of a group, by algorithm.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Layout {
+pub(crate) enum Layout {
     /// Low-latency.
     Ll(LlLayout),
     /// High-throughput.
@@ -17,7 +17,7 @@ pub enum Layout {
 
 impl Layout {
     /// The layout of `config` on `num_ranks` ranks (the config must be valid).
-    pub fn new(config: &GroupConfig, num_ranks: usize) -> Result<Self, Error> {
+    pub(crate) fn new(config: &GroupConfig, num_ranks: usize) -> Result<Self, Error> {
         if num_ranks > MAX_RANKS {
             return Err(Error::Unsupported(format!(
                 "the NVLink kernels support up to {MAX_RANKS} ranks, not {num_ranks}"
@@ -32,7 +32,7 @@ impl Layout {
     /// The layout for a group whose ranks reach some peers through NCCL (`any_nccl`):
     /// high-throughput then runs every exchange over NCCL, so its NVLink rings are not
     /// allocated. Low-latency mixes both per peer and keeps its buffers.
-    pub fn for_transport(self, any_nccl: bool) -> Self {
+    pub(crate) fn for_transport(self, any_nccl: bool) -> Self {
         match self {
             Layout::Ht(h) if any_nccl => Layout::Ht(HtLayout { rings: false, ..h }),
             other => other,
@@ -41,7 +41,7 @@ impl Layout {
 
     /// Device bytes of the whole group on one rank, excluding handles and (high-throughput)
     /// outputs.
-    pub fn total_bytes(&self) -> usize {
+    pub(crate) fn total_bytes(&self) -> usize {
         match self {
             Layout::Ll(l) => l.total_bytes(),
             Layout::Ht(h) => h.total_bytes(),
@@ -49,7 +49,7 @@ impl Layout {
     }
 
     /// The low-latency layout, or an error naming `what` for a high-throughput group.
-    pub fn ll(&self, what: &str) -> Result<&LlLayout, Error> {
+    pub(crate) fn ll(&self, what: &str) -> Result<&LlLayout, Error> {
         match self {
             Layout::Ll(l) => Ok(l),
             Layout::Ht(_) => Err(Error::Backend(format!("{what} is low-latency only"))),
@@ -57,7 +57,7 @@ impl Layout {
     }
 
     /// The high-throughput layout, or an error naming `what` for a low-latency group.
-    pub fn ht(&self, what: &str) -> Result<&HtLayout, Error> {
+    pub(crate) fn ht(&self, what: &str) -> Result<&HtLayout, Error> {
         match self {
             Layout::Ht(h) => Ok(h),
             Layout::Ll(_) => Err(Error::Backend(format!("{what} is high-throughput only"))),
@@ -65,7 +65,7 @@ impl Layout {
     }
 
     /// Dispatch receive region bytes (LL: every buffer set; HT: every ring).
-    pub fn dispatch_recv_bytes(&self) -> usize {
+    pub(crate) fn dispatch_recv_bytes(&self) -> usize {
         match self {
             Layout::Ll(l) => l.dispatch_recv_set_bytes() * l.sets,
             Layout::Ht(h) => h.ring_region_bytes(),
@@ -73,7 +73,7 @@ impl Layout {
     }
 
     /// Combine receive region bytes (LL: every buffer set; HT: every ring).
-    pub fn combine_recv_bytes(&self) -> usize {
+    pub(crate) fn combine_recv_bytes(&self) -> usize {
         match self {
             Layout::Ll(l) => l.combine_recv_set_bytes() * l.sets,
             Layout::Ht(h) => h.ring_region_bytes(),
@@ -81,7 +81,7 @@ impl Layout {
     }
 
     /// Bytes of the handle count-exchange region (high-throughput; 0 for low-latency).
-    pub fn exchange_bytes(&self) -> usize {
+    pub(crate) fn exchange_bytes(&self) -> usize {
         match self {
             Layout::Ll(_) => 0,
             Layout::Ht(h) => h.exchange_region_bytes(),
@@ -93,21 +93,21 @@ impl Layout {
 /// ([`GroupConfig::max_sms`]): 32 channels of a sending and a receiving block each, leaving half
 /// of a 132-SM H100/H200 to compute. More SMs help a little (4 x H200, 4096 tokens: 48 SMs 533 us,
 /// 96 SMs 503 us, 128 SMs 496 us per dispatch); fewer leave more to overlapped compute.
-pub const DEFAULT_HT_SMS: usize = 64;
+pub(crate) const DEFAULT_HT_SMS: usize = 64;
 /// Ring slots per (channel, source, destination).
-pub const HT_RING_DEPTH: usize = 64;
+pub(crate) const HT_RING_DEPTH: usize = 64;
 /// Items a sending warp writes between two system fences (and subtail updates).
 /// (Measured on 4 x H200 at 48 SMs: 1 → 644 us, 2 → 565 us, 4 → 533 us for a 4096-token dispatch.)
-pub const HT_ITEMS_PER_FENCE: usize = 4;
+pub(crate) const HT_ITEMS_PER_FENCE: usize = 4;
 /// Items a receiving block takes from one ring per round (dispatch), and tokens it combines per
 /// round (combine); at most the ring depth.
-pub const HT_BATCH: usize = 16;
+pub(crate) const HT_BATCH: usize = 16;
 
 /// Buffer sizes of one rank of a high-throughput group. Every buffer is bounded by the config
 /// alone — none grows with the number of tokens — because data moves through rings of fixed
 /// depth; only the outputs of each operation are sized by its token counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct HtLayout {
+pub(crate) struct HtLayout {
     /// `R`.
     pub num_ranks: usize,
     /// `H`.
@@ -140,7 +140,7 @@ pub struct HtLayout {
 
 impl HtLayout {
     /// The layout of `config` on `num_ranks` ranks (at most 8).
-    pub fn new(config: &GroupConfig, num_ranks: usize) -> Self {
+    pub(crate) fn new(config: &GroupConfig, num_ranks: usize) -> Self {
         let h = config.hidden;
         let k = config.max_top_k;
         let fp8 = config.dispatch_dtype.is_fp8();
@@ -166,35 +166,35 @@ impl HtLayout {
     }
 
     /// Bytes of one ring.
-    pub fn ring_bytes(&self) -> usize {
+    pub(crate) fn ring_bytes(&self) -> usize {
         self.depth * self.slot_bytes
     }
 
     /// Bytes of one channel kind's receive rings: one per (channel, source); 0 without rings.
-    pub fn ring_region_bytes(&self) -> usize {
+    pub(crate) fn ring_region_bytes(&self) -> usize {
         if self.rings { self.channels * self.num_ranks * self.ring_bytes() } else { 0 }
     }
 
     /// `i32` words of one rank's count-exchange message to another: rows per channel, then
     /// selections per local expert of the receiver.
-    pub fn exchange_words(&self) -> usize {
+    pub(crate) fn exchange_words(&self) -> usize {
         self.channels + self.local_experts
     }
 
     /// Bytes of the count-exchange region: two sets of a message per source.
-    pub fn exchange_region_bytes(&self) -> usize {
+    pub(crate) fn exchange_region_bytes(&self) -> usize {
         2 * self.num_ranks * self.exchange_words() * 4
     }
 
     /// Device bytes of the group on one rank, excluding handles and outputs.
-    pub fn total_bytes(&self) -> usize {
+    pub(crate) fn total_bytes(&self) -> usize {
         2 * self.ring_region_bytes() + self.exchange_region_bytes() + SIGNAL_PAGE_BYTES
     }
 }
 
 /// Buffer sizes of one rank of a low-latency group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LlLayout {
+pub(crate) struct LlLayout {
     /// `R`.
     pub num_ranks: usize,
     /// `M`.
@@ -215,7 +215,7 @@ pub struct LlLayout {
 
 impl LlLayout {
     /// The layout of `config` on `num_ranks` ranks (the config must be low-latency and valid).
-    pub fn new(config: &GroupConfig, num_ranks: usize) -> Result<Self, Error> {
+    pub(crate) fn new(config: &GroupConfig, num_ranks: usize) -> Result<Self, Error> {
         let max_tokens = config
             .fixed_max_tokens()
             .ok_or_else(|| Error::Unsupported("the GPU low-latency kernels need a fixed max_tokens_per_rank".into()))?;
@@ -240,59 +240,59 @@ impl LlLayout {
     }
 
     /// Rows per expert of the dispatch output, `R * M`.
-    pub fn rows_per_expert(&self) -> usize {
+    pub(crate) fn rows_per_expert(&self) -> usize {
         self.num_ranks * self.max_tokens
     }
 
     /// Dispatch receive region, one set: a slot per (source rank, token).
-    pub fn dispatch_recv_set_bytes(&self) -> usize {
+    pub(crate) fn dispatch_recv_set_bytes(&self) -> usize {
         self.num_ranks * self.max_tokens * self.msg_bytes
     }
 
     /// Combine receive region, one set: a BF16 row per (token, k).
-    pub fn combine_recv_set_bytes(&self) -> usize {
+    pub(crate) fn combine_recv_set_bytes(&self) -> usize {
         self.max_tokens * self.max_top_k * self.hidden * 2
     }
 
     /// Dispatch output tokens, one set: `[L x R*M x H]`.
-    pub fn dispatch_out_bytes(&self) -> usize {
+    pub(crate) fn dispatch_out_bytes(&self) -> usize {
         self.local_experts * self.rows_per_expert() * self.hidden * if self.fp8 { 1 } else { 2 }
     }
 
     /// Dispatch output scales, one set (FP8 only): `[L x R*M x H/128]` fp32.
-    pub fn dispatch_scales_bytes(&self) -> usize {
+    pub(crate) fn dispatch_scales_bytes(&self) -> usize {
         if self.fp8 { self.local_experts * self.rows_per_expert() * (self.hidden / FP8_BLOCK) * 4 } else { 0 }
     }
 
     /// Combine output, one set: `[M x H]` BF16.
-    pub fn combine_out_bytes(&self) -> usize {
+    pub(crate) fn combine_out_bytes(&self) -> usize {
         self.max_tokens * self.hidden * 2
     }
 
     /// Per-handle device memory: the `topk_idx` copy `[M x K]` int64, the row map
     /// `[R x M x K]` int32, and for NCCL peers the combine pack map `[R x M x K]` and the
     /// combine positions `[M x K]` int32 (see `nccl.rs`).
-    pub fn handle_bytes(&self) -> usize {
+    pub(crate) fn handle_bytes(&self) -> usize {
         self.nccl_pos_offset() + self.max_tokens * self.max_top_k * 4
     }
 
     /// Offset of the NCCL combine pack map inside a handle's memory.
-    pub fn nccl_pack_offset(&self) -> usize {
+    pub(crate) fn nccl_pack_offset(&self) -> usize {
         self.topk_copy_bytes() + (self.num_ranks * self.max_tokens * self.max_top_k * 4).next_multiple_of(256)
     }
 
     /// Offset of the NCCL combine positions inside a handle's memory.
-    pub fn nccl_pos_offset(&self) -> usize {
+    pub(crate) fn nccl_pos_offset(&self) -> usize {
         self.nccl_pack_offset() + (self.num_ranks * self.max_tokens * self.max_top_k * 4).next_multiple_of(256)
     }
 
     /// Offset of the row map inside a handle's memory.
-    pub fn topk_copy_bytes(&self) -> usize {
+    pub(crate) fn topk_copy_bytes(&self) -> usize {
         (self.max_tokens * self.max_top_k * 8).next_multiple_of(256)
     }
 
     /// Device bytes of the whole group on one rank (every set), excluding handles.
-    pub fn total_bytes(&self) -> usize {
+    pub(crate) fn total_bytes(&self) -> usize {
         let per_set = self.dispatch_recv_set_bytes()
             + self.combine_recv_set_bytes()
             + self.dispatch_out_bytes()

@@ -4,32 +4,32 @@
 use cudarc::driver::DeviceRepr;
 
 /// Largest number of ranks the NVLink kernels handle.
-pub const MAX_RANKS: usize = 8;
+pub(crate) const MAX_RANKS: usize = 8;
 /// Message header bytes of a low-latency dispatch message.
-pub const HDR_BYTES: usize = 128;
+pub(crate) const HDR_BYTES: usize = 128;
 /// Buffer sets the signal page has room for.
-pub const MAX_SETS: usize = 16;
+pub(crate) const MAX_SETS: usize = 16;
 /// Words of the arrival pairs at the start of the signal page: `[chan][set][rank]` x
 /// (arrival word, stamp) (see `common.cuh`).
-pub const ARRIVAL_WORDS: usize = 3 * MAX_SETS * MAX_RANKS * 2;
+pub(crate) const ARRIVAL_WORDS: usize = 3 * MAX_SETS * MAX_RANKS * 2;
 /// `u64` arrays after the arrival pairs, each `[set][rank]` (see `common.cuh`).
-pub const SIG_ARRAYS: usize = 10;
+pub(crate) const SIG_ARRAYS: usize = 10;
 /// Words of the arrival pairs and the arrays.
-pub const SIG_ARRAY_WORDS: usize = ARRIVAL_WORDS + SIG_ARRAYS * MAX_SETS * MAX_RANKS;
+pub(crate) const SIG_ARRAY_WORDS: usize = ARRIVAL_WORDS + SIG_ARRAYS * MAX_SETS * MAX_RANKS;
 /// Largest number of high-throughput channels (block pairs) of a kernel.
-pub const HT_MAX_CHANNELS: usize = 64;
+pub(crate) const HT_MAX_CHANNELS: usize = 64;
 /// Largest number of sending warps per destination in the high-throughput kernels.
-pub const HT_MAX_WARPS: usize = 16;
+pub(crate) const HT_MAX_WARPS: usize = 16;
 /// Words of the high-throughput ring counters after the arrays (see `ht.cu`): subtails
 /// `[2][C][R][W]`, heads `[2][C][R]`, and the producer and consumer positions `[2][C][R][2]`.
-pub const HT_COUNTER_WORDS: usize =
+pub(crate) const HT_COUNTER_WORDS: usize =
     2 * HT_MAX_CHANNELS * MAX_RANKS * HT_MAX_WARPS + 2 * HT_MAX_CHANNELS * MAX_RANKS * 5;
 /// Bytes of a rank's signal page.
-pub const SIGNAL_PAGE_BYTES: usize = (SIG_ARRAY_WORDS + HT_COUNTER_WORDS) * 8;
+pub(crate) const SIGNAL_PAGE_BYTES: usize = (SIG_ARRAY_WORDS + HT_COUNTER_WORDS) * 8;
 
 /// Byte offset of the arrival pair of channel `chan`, set `set`, source `rank` in a signal page
 /// (`arrival_at` of `common.cuh`); the stamp follows 8 bytes later.
-pub const fn arrival_offset(chan: usize, set: usize, rank: usize) -> u64 {
+pub(crate) const fn arrival_offset(chan: usize, set: usize, rank: usize) -> u64 {
     (((chan * MAX_SETS + set) * MAX_RANKS + rank) * 2 * 8) as u64
 }
 

@@ -7,6 +7,7 @@
 //! for bit: received rows (and FP8 scales), weights, local indices, counts, the combined tokens
 //! and the backward weight gradients.
 
+use epflow_core::handle::RoutingHandle;
 use std::time::Instant;
 
 use epflow_core::backend::{Backend, blocking_combine, blocking_dispatch, blocking_handle};

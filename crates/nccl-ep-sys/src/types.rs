@@ -311,6 +311,7 @@ api_struct!(
 
 /// `struct ncclEpGroup` (opaque).
 #[repr(C)]
+#[derive(Debug)]
 pub struct NcclEpGroupOpaque {
     _private: [u8; 0],
 }
@@ -320,6 +321,7 @@ pub type NcclEpGroup = *mut NcclEpGroupOpaque;
 
 /// `struct ncclEpHandle` (opaque).
 #[repr(C)]
+#[derive(Debug)]
 pub struct NcclEpHandleOpaque {
     _private: [u8; 0],
 }

@@ -74,7 +74,7 @@ struct TopkBuffers {
 }
 
 impl SetBuffers {
-    pub fn new(
+    pub(crate) fn new(
         ctx: &Arc<CudaContext>,
         device: usize,
         config: &GroupConfig,
@@ -99,7 +99,13 @@ impl SetBuffers {
     /// High-throughput: the addresses of the `[rows x k]` weights and indices of this set,
     /// grown when `k` is larger than any before. Called only by the operation that holds the
     /// set's slot, so no output of the set is alive.
-    pub fn topk(&self, ctx: &Arc<CudaContext>, device: usize, rows: usize, k: usize) -> Result<(u64, u64), Error> {
+    pub(crate) fn topk(
+        &self,
+        ctx: &Arc<CudaContext>,
+        device: usize,
+        rows: usize,
+        k: usize,
+    ) -> Result<(u64, u64), Error> {
         let mut g = self.topk.lock().unwrap_or_else(PoisonError::into_inner);
         if g.as_ref().is_none_or(|b| b.k < k) {
             let t = |tag, dtype| DeviceTensor::zeros(ctx, device, TensorDesc::contiguous(tag, dtype, &[rows, k]));
@@ -157,7 +163,7 @@ impl Drop for Shared {
 }
 
 impl Shared {
-    pub fn check(&self, what: &str, r: ep::NcclResult) -> Result<(), Error> {
+    pub(crate) fn check(&self, what: &str, r: ep::NcclResult) -> Result<(), Error> {
         if r == ep::NCCL_SUCCESS {
             Ok(())
         } else {
@@ -165,7 +171,7 @@ impl Shared {
         }
     }
 
-    pub fn raw_stream(&self) -> ep::CudaStream {
+    pub(crate) fn raw_stream(&self) -> ep::CudaStream {
         self.stream.cu_stream() as ep::CudaStream
     }
 }
@@ -199,13 +205,13 @@ pub(crate) struct Teardown {
 }
 
 impl Teardown {
-    pub fn new(ranks: usize) -> Arc<Self> {
+    pub(crate) fn new(ranks: usize) -> Arc<Self> {
         Arc::new(Teardown { ranks, left: Mutex::new(Vec::new()) })
     }
 
     /// A group created but not handed to a rank (creation failed later): leaked at teardown
     /// (its peers cannot be assumed to meet it), its communicators aborted.
-    pub fn leave_failed(&self, lib: &Arc<ep::NcclEp>, ctx: &Arc<CudaContext>, comms: NcclComms) {
+    pub(crate) fn leave_failed(&self, lib: &Arc<ep::NcclEp>, ctx: &Arc<CudaContext>, comms: NcclComms) {
         self.leave(Remains {
             lib: Arc::clone(lib),
             ctx: Arc::clone(ctx),

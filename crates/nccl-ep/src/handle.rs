@@ -4,7 +4,6 @@ use std::sync::Arc;
 
 use epflow_core::Error;
 use epflow_core::handle::{HandleCore, RoutingHandle};
-use epflow_core::routing::Routing;
 use epflow_kernels::DeviceTensor;
 use nccl_ep_sys as ep;
 
@@ -22,7 +21,7 @@ pub(crate) struct Desc {
 unsafe impl Send for Desc {}
 
 impl Desc {
-    pub fn new(dtype: ep::NcclDataType, ptr: u64, sizes: &[usize]) -> Box<Self> {
+    pub(crate) fn new(dtype: ep::NcclDataType, ptr: u64, sizes: &[usize]) -> Box<Self> {
         let mut d =
             Box::new(Desc { sizes: sizes.into(), t: ep::NcclEpTensor::new(dtype, std::ptr::null_mut(), &mut []) });
         d.t = ep::NcclEpTensor::new(dtype, ptr as *mut _, &mut d.sizes);
@@ -30,24 +29,21 @@ impl Desc {
     }
 
     /// The descriptor, for as long as `self` lives.
-    pub fn ptr(&mut self) -> *mut ep::NcclEpTensor {
+    pub(crate) fn ptr(&mut self) -> *mut ep::NcclEpTensor {
         &mut self.t
     }
 }
 
 /// What high-throughput handle creation reports: NCCL EP writes the receive count and the
-/// per-expert counts while it creates the handle (flat layout).
+/// per-expert counts while it creates the handle (flat layout). `N` and the counts on the host
+/// are in the handle's core ([`RoutingHandle::num_recv_tokens`]).
 #[derive(Debug)]
 pub(crate) struct HtRecv {
-    /// `N`, rows this rank receives.
-    pub num_recv: usize,
-    /// Rows per local expert `[L]`, on the host.
-    pub expert_counts: Vec<i32>,
-    /// The same on the device (`[L]` int32), what dispatch outputs as its counts.
+    /// The per-expert counts on the device (`[L]` int32), what dispatch outputs as its counts.
     pub counts: DeviceTensor,
 }
 
-pub(crate) struct HandleInner {
+pub(crate) struct NcclEpHandleState {
     pub shared: Arc<Shared>,
     pub raw: ep::NcclEpHandle,
     pub core: HandleCore,
@@ -56,11 +52,11 @@ pub(crate) struct HandleInner {
 }
 
 // SAFETY: the raw handle is used only inside operations issued in turn order.
-unsafe impl Send for HandleInner {}
+unsafe impl Send for NcclEpHandleState {}
 // SAFETY: as above.
-unsafe impl Sync for HandleInner {}
+unsafe impl Sync for NcclEpHandleState {}
 
-impl Drop for HandleInner {
+impl Drop for NcclEpHandleState {
     fn drop(&mut self) {
         if self.shared.ctx.bind_to_thread().is_ok() {
             let _ = self.shared.stream.synchronize();
@@ -74,7 +70,7 @@ impl Drop for HandleInner {
 /// A routing handle of the NCCL EP backend: `ncclEpCreateHandle` with the expert-major layout
 /// (low-latency) or the flat layout (high-throughput).
 #[derive(Clone)]
-pub struct NcclEpHandle(pub(crate) Arc<HandleInner>);
+pub struct NcclEpHandle(pub(crate) Arc<NcclEpHandleState>);
 
 impl std::fmt::Debug for NcclEpHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -86,22 +82,6 @@ impl std::fmt::Debug for NcclEpHandle {
 }
 
 impl NcclEpHandle {
-    /// The validated routing.
-    pub fn routing(&self) -> &Routing {
-        self.0.core.routing()
-    }
-
-    /// High-throughput: `N`, the rows this rank receives (what NCCL EP's `recv_total_counter`
-    /// reported when the handle was created). `None` for low-latency.
-    pub fn num_recv_tokens(&self) -> Option<usize> {
-        self.0.ht.as_ref().map(|h| h.num_recv)
-    }
-
-    /// High-throughput: rows this rank receives per local expert (`[L]`).
-    pub fn recv_expert_counts(&self) -> Option<&[i32]> {
-        self.0.ht.as_ref().map(|h| h.expert_counts.as_slice())
-    }
-
     pub(crate) fn ht(&self) -> Result<&HtRecv, Error> {
         self.0.ht.as_ref().ok_or_else(|| Error::Backend("a low-latency handle in a high-throughput operation".into()))
     }
@@ -110,13 +90,5 @@ impl NcclEpHandle {
 impl RoutingHandle for NcclEpHandle {
     fn core(&self) -> &HandleCore {
         &self.0.core
-    }
-
-    fn num_recv_tokens(&self) -> Option<usize> {
-        NcclEpHandle::num_recv_tokens(self)
-    }
-
-    fn recv_expert_counts(&self) -> Option<&[i32]> {
-        NcclEpHandle::recv_expert_counts(self)
     }
 }

@@ -66,7 +66,7 @@ use nccl_ep_sys as ep;
 
 use group::{SetBuffers, Shared, Teardown, cuda, group_config};
 pub use handle::NcclEpHandle;
-use handle::{Desc, HandleInner, HtRecv};
+use handle::{Desc, HtRecv, NcclEpHandleState};
 use op::NcclEpOpKind;
 pub use op::{NcclEpCombineOutput, NcclEpDispatchOutput, NcclEpOp, NcclEpOpOutput};
 
@@ -246,10 +246,8 @@ impl NcclEpRank {
             work: StreamWork::new(&s.ctx, &s.stream, inputs),
             inputs: inputs.iter().map(|t| t.ptr()).collect(),
             descs: Vec::new(),
-            sent: false,
-            cancelled: false,
+            state: epflow_core::backend::OpState::default(),
             completing: false,
-            slot: None,
             topk_out: None,
         }
     }
@@ -324,7 +322,7 @@ impl Backend for NcclEpRank {
         let synced = s.stream.synchronize().map_err(|e| cuda("create handle", e));
         // NCCL EP's handle creation is collective for both algorithms; its number identifies it.
         let creation = ht.then(|| self.core.next_seq(Channel::Handle));
-        let mut handle = HandleInner {
+        let mut handle = NcclEpHandleState {
             shared: Arc::clone(&self.shared),
             raw,
             core: HandleCore::new(self.core.group_id(), routing, s.config.algorithm, creation),
@@ -341,7 +339,8 @@ impl Backend for NcclEpRank {
                     .filter(|&n| n <= max)
                     .ok_or_else(|| Error::Backend(format!("NCCL EP reported {n} received rows (at most {max})")))?;
                 let expert_counts = counts.download(&s.ctx)?.as_i32().unwrap_or_default().to_vec();
-                Some(HtRecv { num_recv, expert_counts, counts })
+                handle.core.set_recv(num_recv, expert_counts);
+                Some(HtRecv { counts })
             }
             None => None,
         };

@@ -4,7 +4,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use epflow_core::backend::{OpOutput, PendingOp, Probe};
+use epflow_core::backend::{OpId, OpOutput, OpState, PendingOp, Probe};
+use epflow_core::handle::RoutingHandle;
 use epflow_core::ops::{CombineOutputs, CountsLocation, DispatchOptions, DispatchOutputs};
 use epflow_core::protocol::{Channel, SlotGuard};
 use epflow_core::{Algorithm, DType, Error, TensorDesc, TensorTag};
@@ -93,13 +94,21 @@ pub struct NcclEpOp {
     /// Boxed so the descriptors NCCL EP saw keep their addresses until `ncclEpComplete`.
     #[allow(clippy::vec_box)]
     pub(crate) descs: Vec<Box<Desc>>,
-    pub(crate) sent: bool,
-    pub(crate) cancelled: bool,
+    pub(crate) state: OpState,
     pub(crate) completing: bool,
-    pub(crate) slot: Option<SlotGuard>,
     /// High-throughput dispatch: the addresses of the `[R*M x K]` weights and indices NCCL EP
     /// wrote (set when issued).
     pub(crate) topk_out: Option<(u64, u64)>,
+}
+
+impl std::fmt::Debug for NcclEpOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclEpOp")
+            .field("channel", &self.channel)
+            .field("seq", &self.seq)
+            .field("sent", &self.state.is_sent())
+            .finish_non_exhaustive()
+    }
 }
 
 /// The output of an NCCL EP operation.
@@ -168,7 +177,8 @@ impl NcclEpOp {
                 let mut outputs = ep::NcclEpCombineOutputs { tokens: out.ptr(), ..Default::default() };
                 let mut cfg = ep::NcclEpCombineConfig::default();
                 let mut x = if ht {
-                    let n = self.handle.ht()?.num_recv;
+                    self.handle.ht()?;
+                    let n = self.handle.num_recv_tokens().unwrap_or(0);
                     Desc::new(ep::NCCL_BFLOAT16, self.inputs[0], &[n, h])
                 } else {
                     let mut w = Desc::new(ep::NCCL_FLOAT32, self.inputs[1], &[b, k]);
@@ -190,7 +200,7 @@ impl NcclEpOp {
         let s = Arc::clone(&self.shared);
         let set = &s.sets[self.set];
         let (outputs, host_counts) = if let Ok(recv) = self.handle.ht() {
-            let (n, k, h) = (recv.num_recv, self.handle.0.core.top_k(), s.config.hidden);
+            let (n, k, h) = (self.handle.num_recv_tokens().unwrap_or(0), self.handle.top_k(), s.config.hidden);
             let (wp, ip) =
                 self.topk_out.ok_or_else(|| Error::Backend("dispatch finished before it was issued".into()))?;
             let view = |ptr, tag, dtype, shape: &[usize]| {
@@ -206,7 +216,8 @@ impl NcclEpOp {
                 topk_idx: Some(view(ip, TensorTag::TopkIdx, DType::I64, &[n, k])),
                 counts: Some(recv.counts.clone()),
             };
-            let host = (opts.counts_location == CountsLocation::Host).then(|| recv.expert_counts.clone());
+            let host = (opts.counts_location == CountsLocation::Host)
+                .then(|| self.handle.recv_expert_counts().unwrap_or_default().to_vec());
             (outputs, host)
         } else {
             let host = if opts.counts_location == CountsLocation::Host {
@@ -224,7 +235,7 @@ impl NcclEpOp {
             (outputs, host)
         };
         self.handle.0.core.record_dispatch(epflow_core::ops::Pass::Forward, self.seq);
-        Ok(NcclEpDispatchOutput { outputs, host_counts, elapsed: self.elapsed(), _slot: self.slot.take() })
+        Ok(NcclEpDispatchOutput { outputs, host_counts, elapsed: self.elapsed(), _slot: self.state.take_slot() })
     }
 
     fn finish_combine(&mut self) -> Result<NcclEpCombineOutput, Error> {
@@ -237,7 +248,7 @@ impl NcclEpOp {
         Ok(NcclEpCombineOutput {
             outputs: CombineOutputs { tokens, topk_weights: None },
             elapsed: self.elapsed(),
-            _slot: self.slot.take(),
+            _slot: self.state.take_slot(),
         })
     }
 }
@@ -246,7 +257,7 @@ impl Drop for NcclEpOp {
     /// An operation dropped unfinished (an error path) waits for its device work, bounded by
     /// NCCL EP's own device timeout, so nothing it uses is freed under a kernel.
     fn drop(&mut self) {
-        if self.sent {
+        if self.state.is_sent() {
             self.work.synchronize();
         }
     }
@@ -255,16 +266,8 @@ impl Drop for NcclEpOp {
 impl PendingOp for NcclEpOp {
     type Output = NcclEpOpOutput;
 
-    fn rank(&self) -> usize {
-        self.shared.rank
-    }
-
-    fn channel(&self) -> Channel {
-        self.channel
-    }
-
-    fn seq(&self) -> u64 {
-        self.seq
+    fn id(&self) -> OpId {
+        OpId { rank: self.shared.rank, channel: self.channel, seq: self.seq }
     }
 
     fn needs_slot(&self) -> bool {
@@ -272,11 +275,11 @@ impl PendingOp for NcclEpOp {
     }
 
     fn poll_send_ready(&mut self) -> Result<bool, Error> {
-        Ok(self.sent || self.shared.turn.load(Ordering::Acquire) == self.order)
+        Ok(self.state.is_sent() || self.shared.turn.load(Ordering::Acquire) == self.order)
     }
 
     fn send(&mut self, slot: Option<SlotGuard>) -> Result<(), Error> {
-        if self.sent {
+        if self.state.is_sent() {
             return Ok(());
         }
         let s = Arc::clone(&self.shared);
@@ -289,19 +292,16 @@ impl PendingOp for NcclEpOp {
         })();
         s.turn.store(self.order + 1, Ordering::Release);
         result?;
-        self.slot = slot;
-        self.sent = true;
+        self.state.mark_sent(slot);
         Ok(())
     }
 
     fn is_sent(&self) -> bool {
-        self.sent
+        self.state.is_sent()
     }
 
     fn cancel(&mut self) {
-        if !self.sent {
-            self.cancelled = true;
-        }
+        self.state.cancel();
     }
 
     fn start_complete(&mut self) -> Result<(), Error> {
@@ -327,7 +327,7 @@ impl PendingOp for NcclEpOp {
     }
 
     fn finish(mut self) -> Result<NcclEpOpOutput, Error> {
-        if self.cancelled {
+        if self.state.is_cancelled() {
             return Ok(OpOutput::Cancelled);
         }
         match self.kind {
@@ -355,7 +355,7 @@ impl PendingOp for NcclEpOp {
     }
 
     fn waiting_for(&self) -> String {
-        if self.sent {
+        if self.state.is_sent() {
             "NCCL EP to complete (the peers' data)".into()
         } else {
             "its turn to send (an earlier operation of this rank has not been sent yet)".into()

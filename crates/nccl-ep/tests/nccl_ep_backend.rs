@@ -5,6 +5,7 @@
 
 use epflow_async::Group;
 use epflow_core::GroupConfig;
+use epflow_core::handle::RoutingHandle;
 use epflow_core::ops::{CombineInputs, DispatchInputs};
 use epflow_core::scenario::Scenario;
 use epflow_core::verify::{Tolerance, check_bf16, check_ht_dispatch, check_ll_dispatch};

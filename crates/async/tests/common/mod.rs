@@ -14,27 +14,27 @@ use epflow_core::verify::{Tolerance, check_bf16, check_ll_dispatch};
 use epflow_core::workload::RoutingKind;
 use epflow_core::{GroupConfig, HostTensor, Result, bf16};
 
-pub const H: usize = 128;
-pub const E: usize = 16;
-pub const K: usize = 4;
-pub const M: usize = 8;
+pub(crate) const H: usize = 128;
+pub(crate) const E: usize = 16;
+pub(crate) const K: usize = 4;
+pub(crate) const M: usize = 8;
 
-pub fn config() -> GroupConfig {
+pub(crate) fn config() -> GroupConfig {
     GroupConfig::low_latency(E, M, H)
 }
 
-pub fn groups(num_ranks: usize, config: GroupConfig) -> Vec<Group<HostRank>> {
+pub(crate) fn groups(num_ranks: usize, config: GroupConfig) -> Vec<Group<HostRank>> {
     HostWorld::create(num_ranks, config).unwrap().into_iter().map(Group::new).collect()
 }
 
 /// A scenario with its references.
-pub struct Checked {
+pub(crate) struct Checked {
     pub sc: Scenario,
     pub dispatch: Vec<LlDispatchResult>,
     pub combine: Vec<Vec<bf16>>,
 }
 
-pub fn checked(num_ranks: usize, seed: u64) -> Checked {
+pub(crate) fn checked(num_ranks: usize, seed: u64) -> Checked {
     let sc = Scenario::generate(config(), num_ranks, &[M, 5, 0, 7], K, RoutingKind::Uniform, 3, seed);
     let dispatch = sc.ll_dispatch_reference().unwrap();
     let combine = sc.ll_combine_identity_reference(&dispatch).unwrap();
@@ -42,7 +42,7 @@ pub fn checked(num_ranks: usize, seed: u64) -> Checked {
 }
 
 /// One dispatch + identity experts + combine, staged or not; asserts both against the reference.
-pub async fn ll_round(g: &Group<HostRank>, c: &Checked, staged: bool) -> Result<()> {
+pub(crate) async fn ll_round(g: &Group<HostRank>, c: &Checked, staged: bool) -> Result<()> {
     let r = g.rank();
     let handle = g.create_handle(&c.sc.topk_idx(r)).await?;
     let x = c.sc.tokens(r);
@@ -68,18 +68,18 @@ pub async fn ll_round(g: &Group<HostRank>, c: &Checked, staged: bool) -> Result<
 }
 
 /// `tokens` as a tensor of `rows` tokens.
-pub fn tokens(rows: usize, fill: f32) -> HostTensor {
+pub(crate) fn tokens(rows: usize, fill: f32) -> HostTensor {
     HostTensor::tokens(rows, H, vec![bf16::from_f32(fill); rows * H])
 }
 
 /// A multi-thread tokio runtime with 4 workers, timers and I/O on.
-pub fn tokio_rt() -> tokio::runtime::Runtime {
+pub(crate) fn tokio_rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().unwrap()
 }
 
 /// Runs `f` for every rank of a fresh world of `num_ranks` ranks, each as a task of a
 /// multi-thread tokio runtime, and waits for all of them (a panic in any fails the test).
-pub fn on_tokio_ranks<D, F, Fut>(num_ranks: usize, config: GroupConfig, data: Arc<D>, f: F)
+pub(crate) fn on_tokio_ranks<D, F, Fut>(num_ranks: usize, config: GroupConfig, data: Arc<D>, f: F)
 where
     D: Send + Sync + 'static,
     F: Fn(Group<HostRank>, Arc<D>) -> Fut,
@@ -95,7 +95,7 @@ where
 }
 
 /// Asserts that rank `r`'s dispatch outputs equal the reference of `c` bit for bit.
-pub fn assert_dispatch(c: &Checked, r: usize, num_ranks: usize, out: &HostDispatchOutput) {
+pub(crate) fn assert_dispatch(c: &Checked, r: usize, num_ranks: usize, out: &HostDispatchOutput) {
     let rep = check_ll_dispatch(&c.dispatch[r], H, num_ranks * M, out.tokens().data(), None, out.counts().unwrap());
     assert!(rep.ok(), "rank {r}: {rep:?}");
 }

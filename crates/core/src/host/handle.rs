@@ -3,17 +3,17 @@
 use std::sync::{Arc, Mutex};
 
 use crate::handle::{HandleCore, RoutingHandle};
-use crate::routing::{HtRecvLayout, LlRecvLayout, Routing, SendPlan};
+use crate::routing::{HtRecvLayout, LlRecvLayout, SendPlan};
 
 /// A routing handle on the host backend: one rank's validated routing, its send plan, and the
 /// receive layouts learnt by collectives. Cheap to clone. It serves any number of
 /// dispatch/combine pairs (forward and, for high-throughput, backward); a combine pairs with
 /// the latest completed dispatch of the same pass ([`crate::handle`]).
 #[derive(Clone, Debug)]
-pub struct HostHandle(pub(crate) Arc<HandleInner>);
+pub struct HostHandle(pub(crate) Arc<HostHandleState>);
 
 #[derive(Debug)]
-pub(crate) struct HandleInner {
+pub(crate) struct HostHandleState {
     pub(crate) core: HandleCore,
     pub(crate) plan: SendPlan,
     /// High-throughput: what this rank receives, from the handle's count exchange.
@@ -25,33 +25,7 @@ pub(crate) struct HandleInner {
 
 impl HostHandle {
     pub(crate) fn new(core: HandleCore, plan: SendPlan, ht: Option<HtRecvLayout>) -> Self {
-        HostHandle(Arc::new(HandleInner { core, plan, ht, ll: Mutex::new(None) }))
-    }
-
-    /// `B`, tokens this rank routes.
-    pub fn num_tokens(&self) -> usize {
-        self.0.core.num_tokens()
-    }
-
-    /// `K`.
-    pub fn top_k(&self) -> usize {
-        self.0.core.top_k()
-    }
-
-    /// The validated routing.
-    pub fn routing(&self) -> &Routing {
-        self.0.core.routing()
-    }
-
-    /// High-throughput: `N`, the rows this rank will receive (NCCL EP's
-    /// `ncclEpHandleGetNumRecvTokens`). `None` for low-latency handles.
-    pub fn num_recv_tokens(&self) -> Option<usize> {
-        self.0.ht.as_ref().map(HtRecvLayout::num_rows)
-    }
-
-    /// High-throughput: tokens this rank will receive per local expert (`[L]`).
-    pub fn recv_expert_counts(&self) -> Option<&[i32]> {
-        self.0.ht.as_ref().map(HtRecvLayout::expert_counts)
+        HostHandle(Arc::new(HostHandleState { core, plan, ht, ll: Mutex::new(None) }))
     }
 
     /// Low-latency: the receive layout of the latest completed dispatch on this handle.
@@ -81,13 +55,5 @@ impl HostHandle {
 impl RoutingHandle for HostHandle {
     fn core(&self) -> &HandleCore {
         &self.0.core
-    }
-
-    fn num_recv_tokens(&self) -> Option<usize> {
-        HostHandle::num_recv_tokens(self)
-    }
-
-    fn recv_expert_counts(&self) -> Option<&[i32]> {
-        HostHandle::recv_expert_counts(self)
     }
 }

@@ -1,5 +1,6 @@
 //! [`HostOp`]: one host operation as a [`PendingOp`] state machine.
 
+use crate::handle::RoutingHandle;
 use std::sync::{Arc, RwLockReadGuard};
 
 use half::bf16;
@@ -9,7 +10,7 @@ use super::handle::HostHandle;
 use super::mailbox::Staging;
 use super::messages::{Body, Message};
 use super::outputs::{Buffers, HostCombineOutput, HostDispatchOutput, Recycle};
-use crate::backend::{OpOutput, PendingOp};
+use crate::backend::{OpId, OpOutput, OpState, PendingOp};
 use crate::config::{Algorithm, DispatchDtype};
 use crate::error::{Error, Result};
 use crate::fp8;
@@ -23,7 +24,7 @@ use crate::validate::{OpContext, combine_output_descs, dispatch_output_descs};
 
 /// What the operation produces once its messages are in.
 #[derive(Debug)]
-pub(crate) enum Work {
+pub(crate) enum HostOpKind {
     Handle {
         routing: Routing,
         plan: SendPlan,
@@ -50,16 +51,14 @@ pub struct HostOp {
     /// What the peers must agree on; checked against every data message received.
     pub(crate) stamp: Stamp,
     /// `None` for a cancellation (a validation failure still takes part in the collective).
-    pub(crate) work: Option<Work>,
+    pub(crate) work: Option<HostOpKind>,
     /// Per destination, the header to send (taken by `send`).
     pub(crate) outgoing: Vec<Option<Message>>,
     /// The payload, moved into this rank's staging buffer by `send`.
     pub(crate) staged: Option<Staging>,
     pub(crate) buffers: Arc<Buffers>,
-    pub(crate) sent: bool,
-    pub(crate) cancelled: bool,
+    pub(crate) state: OpState,
     pub(crate) arrived: Vec<bool>,
-    pub(crate) slot: Option<SlotGuard>,
 }
 
 /// The output of a host operation.
@@ -88,15 +87,11 @@ impl HostOp {
     }
 
     fn recycle(&self) -> Recycle {
-        Recycle {
-            buffers: Arc::clone(&self.buffers),
-            channel: self.channel,
-            set: self.slot.as_ref().map_or(0, SlotGuard::set),
-        }
+        Recycle { buffers: Arc::clone(&self.buffers), channel: self.channel, set: self.state.slot_set().unwrap_or(0) }
     }
 
     fn output(&self, desc: &crate::TensorDesc) -> Result<HostData> {
-        self.buffers.take_output(self.channel, self.slot.as_ref().map_or(0, SlotGuard::set), desc)
+        self.buffers.take_output(self.channel, self.state.slot_set().unwrap_or(0), desc)
     }
 
     fn finish_handle(&self, routing: Routing, plan: SendPlan, msgs: &[&Body]) -> Result<HostHandle> {
@@ -109,7 +104,8 @@ impl HostOp {
             }
         }
         let layout = HtRecvLayout::from_received(l, plans);
-        let core = HandleCore::new(self.world.group_id, routing, Algorithm::HighThroughput, Some(self.seq));
+        let core = HandleCore::new(self.world.group_id, routing, Algorithm::HighThroughput, Some(self.seq))
+            .with_recv(layout.num_rows(), layout.expert_counts().to_vec());
         Ok(HostHandle::new(core, plan, Some(layout)))
     }
 
@@ -221,7 +217,7 @@ impl HostOp {
             topk_idx: topk_i,
             counts: descs.counts.as_ref().map(|d| HostTensor::new(d.tag, &[l], HostData::I32(counts))),
         };
-        Ok(HostDispatchOutput { outputs, recycle: self.recycle(), _slot: self.slot.take() })
+        Ok(HostDispatchOutput { outputs, recycle: self.recycle(), _slot: self.state.take_slot() })
     }
 
     fn finish_combine(
@@ -317,7 +313,7 @@ impl HostOp {
                 topk_weights: out_w.map(|w| HostTensor::topk_weights(b, k_n, w)),
             },
             recycle: self.recycle(),
-            _slot: self.slot.take(),
+            _slot: self.state.take_slot(),
         })
     }
 
@@ -342,9 +338,11 @@ impl HostOp {
             }
         }
         match self.work.take().ok_or_else(|| self.internal("finished twice".into()))? {
-            Work::Handle { routing, plan } => Ok(OpOutput::Handle(self.finish_handle(routing, plan, &bodies)?)),
-            Work::Dispatch { handle, opts } => Ok(OpOutput::Dispatch(self.finish_dispatch(&handle, opts, &bodies)?)),
-            Work::Combine { handle, opts, weights } => {
+            HostOpKind::Handle { routing, plan } => Ok(OpOutput::Handle(self.finish_handle(routing, plan, &bodies)?)),
+            HostOpKind::Dispatch { handle, opts } => {
+                Ok(OpOutput::Dispatch(self.finish_dispatch(&handle, opts, &bodies)?))
+            }
+            HostOpKind::Combine { handle, opts, weights } => {
                 Ok(OpOutput::Combine(self.finish_combine(&handle, opts, &weights, &bodies)?))
             }
         }
@@ -354,16 +352,8 @@ impl HostOp {
 impl PendingOp for HostOp {
     type Output = HostOpOutput;
 
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn channel(&self) -> Channel {
-        self.channel
-    }
-
-    fn seq(&self) -> u64 {
-        self.seq
+    fn id(&self) -> OpId {
+        OpId { rank: self.rank, channel: self.channel, seq: self.seq }
     }
 
     fn needs_slot(&self) -> bool {
@@ -372,17 +362,17 @@ impl PendingOp for HostOp {
 
     fn poll_send_ready(&mut self) -> Result<bool> {
         let sets = self.world.mailboxes.sets();
-        Ok(self.sent
+        Ok(self.state.is_sent()
             || (0..self.world.num_ranks)
                 .all(|d| self.world.mailboxes.cell(d, self.channel, self.seq, self.rank).has_credit(self.seq, sets)))
     }
 
     fn send(&mut self, slot: Option<SlotGuard>) -> Result<()> {
-        if self.sent {
+        if self.state.is_sent() {
             return Ok(());
         }
         let mb = &self.world.mailboxes;
-        if !self.cancelled {
+        if !self.state.is_cancelled() {
             if let Some(payload) = self.staged.take() {
                 // Every receiver has released operation `seq - sets`, the last user of this buffer.
                 let old = std::mem::replace(&mut *mb.staging_mut(self.rank, self.channel, self.seq), payload);
@@ -390,22 +380,23 @@ impl PendingOp for HostOp {
             }
         }
         for d in 0..self.world.num_ranks {
-            let msg =
-                if self.cancelled { Message::Cancelled } else { self.outgoing[d].take().unwrap_or(Message::Cancelled) };
+            let msg = if self.state.is_cancelled() {
+                Message::Cancelled
+            } else {
+                self.outgoing[d].take().unwrap_or(Message::Cancelled)
+            };
             mb.cell(d, self.channel, self.seq, self.rank).deliver(self.seq, msg);
         }
-        self.slot = slot;
-        self.sent = true;
+        self.state.mark_sent(slot);
         Ok(())
     }
 
     fn is_sent(&self) -> bool {
-        self.sent
+        self.state.is_sent()
     }
 
     fn cancel(&mut self) {
-        if !self.sent {
-            self.cancelled = true;
+        if self.state.cancel() {
             self.outgoing.iter_mut().for_each(|m| *m = None);
             if let Some(s) = self.staged.take() {
                 self.buffers.give_staging(s);
@@ -434,7 +425,7 @@ impl PendingOp for HostOp {
         let msgs: Vec<Message> = (0..r)
             .map(|s| mb.cell(self.rank, self.channel, self.seq, s).take().unwrap_or(Message::Cancelled))
             .collect();
-        let result = if self.cancelled { Ok(OpOutput::Cancelled) } else { self.produce(&msgs) };
+        let result = if self.state.is_cancelled() { Ok(OpOutput::Cancelled) } else { self.produce(&msgs) };
         // Done reading the senders' staging buffers: return every credit, also after an error.
         for s in 0..r {
             self.world.mailboxes.cell(self.rank, self.channel, self.seq, s).release(self.seq);
@@ -467,14 +458,16 @@ impl PendingOp for HostOp {
             })
             .sum();
         let tokens = match &self.work {
-            Some(Work::Dispatch { handle, .. } | Work::Combine { handle, .. }) => handle.num_tokens() as u64,
+            Some(HostOpKind::Dispatch { handle, .. } | HostOpKind::Combine { handle, .. }) => {
+                handle.num_tokens() as u64
+            }
             _ => 0,
         };
         (copies as u64 * h * 2, tokens)
     }
 
     fn waiting_for(&self) -> String {
-        if !self.sent {
+        if !self.state.is_sent() {
             let sets = self.world.mailboxes.sets();
             let missing = self.ranks_where(|d| {
                 !self.world.mailboxes.cell(d, self.channel, self.seq, self.rank).has_credit(self.seq, sets)

@@ -12,10 +12,11 @@ use super::handle::HostHandle;
 use super::mailbox::Mailboxes;
 use super::mailbox::Staging;
 use super::messages::{Body, Message};
-use super::op::{HostOp, HostOpOutput, Work};
+use super::op::{HostOp, HostOpKind, HostOpOutput};
 use super::outputs::{Buffers, HostCombineOutput, HostDispatchOutput};
 use crate::backend::{
-    Backend, HandleCreation, OpOutput, PendingOp, RankCore, complete_blocking, detach, run_blocking, send_blocking,
+    Backend, HandleCreation, OpOutput, OpState, PendingOp, RankCore, complete_blocking, detach, run_blocking,
+    send_blocking,
 };
 use crate::config::{Algorithm, GroupConfig};
 use crate::error::{ConfigError, Error, Result, ValidationError};
@@ -151,7 +152,7 @@ impl HostRank {
     fn new_op(
         &self,
         channel: Channel,
-        work: Option<Work>,
+        work: Option<HostOpKind>,
         stamp: Stamp,
         outgoing: Vec<Option<Message>>,
         staged: Option<Staging>,
@@ -166,10 +167,8 @@ impl HostRank {
             outgoing,
             staged,
             buffers: Arc::clone(&self.buffers),
-            sent: false,
-            cancelled: false,
+            state: OpState::default(),
             arrived: vec![false; self.world.num_ranks],
-            slot: None,
         }
     }
 
@@ -372,7 +371,7 @@ impl HostRank {
         validate_dispatch_inputs(&self.core.op_context(handle), opts, &inputs)?;
         let stamp = handle.0.core.dispatch_stamp(opts.pass);
         let (outgoing, staged) = self.dispatch_messages(handle, &inputs, opts.pass, stamp);
-        let work = Work::Dispatch { handle: handle.clone(), opts: *opts };
+        let work = HostOpKind::Dispatch { handle: handle.clone(), opts: *opts };
         Ok(self.new_op(Channel::Dispatch, Some(work), stamp, outgoing, Some(staged)))
     }
 
@@ -384,7 +383,7 @@ impl HostRank {
             Algorithm::LowLatency => inputs.topk_weights.and_then(HostTensor::as_f32).unwrap_or_default().to_vec(),
             Algorithm::HighThroughput => Vec::new(),
         };
-        let work = Work::Combine { handle: handle.clone(), opts: *opts, weights };
+        let work = HostOpKind::Combine { handle: handle.clone(), opts: *opts, weights };
         Ok(self.new_op(Channel::Combine, Some(work), stamp, outgoing, Some(staged)))
     }
 }
@@ -420,7 +419,7 @@ impl Backend for HostRank {
                         Some(Message::Data { stamp, body: Body::HandlePlan { copies: plan.copies_to(d).to_vec() } })
                     })
                     .collect();
-                let work = Work::Handle { routing, plan };
+                let work = HostOpKind::Handle { routing, plan };
                 Ok(HandleCreation::Collective(self.new_op(Channel::Handle, Some(work), stamp, outgoing, None)))
             }),
         }

@@ -38,7 +38,7 @@ pub fn device_arch(ctx: &CudaContext) -> Result<String, Error> {
 
 impl Functions {
     /// Compiles (or takes from the cache) and loads every module for this device.
-    pub fn load(ctx: &Arc<CudaContext>) -> Result<Self, Error> {
+    pub(crate) fn load(ctx: &Arc<CudaContext>) -> Result<Self, Error> {
         let arch = device_arch(ctx)?;
         let ll = ctx.load_module(Ptx::from_binary(compile(&LL, &arch)?)).map_err(|e| cuda("load ll module", e))?;
         let ht = ctx.load_module(Ptx::from_binary(compile(&HT, &arch)?)).map_err(|e| cuda("load ht module", e))?;

@@ -113,10 +113,10 @@ pub fn compile_uncached(name: &str, src: &str, opts: &[String]) -> Result<Vec<u8
     if let Err(e) = compiled {
         // SAFETY: `prog` is live; the log buffer NVRTC returns is NUL-terminated.
         let log = unsafe { nr::get_program_log(prog) }.unwrap_or_default();
-        // SAFETY: `log` comes from NVRTC and ends with NUL (empty vectors are handled first).
         let log = if log.is_empty() {
             String::new()
         } else {
+            // SAFETY: `log` comes from NVRTC and ends with NUL (empty vectors are handled above).
             unsafe { CStr::from_ptr(log.as_ptr()) }.to_string_lossy().into_owned()
         };
         // SAFETY: destroys the program created above, once.

@@ -34,12 +34,12 @@ pub(crate) struct CachedBuffer {
 
 impl OutputCache {
     /// An empty cache for `ctx`.
-    pub fn new(ctx: &Arc<CudaContext>) -> Arc<Self> {
+    pub(crate) fn new(ctx: &Arc<CudaContext>) -> Arc<Self> {
         Arc::new(OutputCache { ctx: Arc::clone(ctx), free: Mutex::new(Vec::new()) })
     }
 
     /// The smallest free buffer of at least `bytes`, or a new one (rounded up to 2 MiB).
-    pub fn take(self: &Arc<Self>, bytes: usize) -> Result<CachedBuffer, Error> {
+    pub(crate) fn take(self: &Arc<Self>, bytes: usize) -> Result<CachedBuffer, Error> {
         let found = take_smallest(&self.free, bytes);
         let buf = match found {
             Some(b) => b,
@@ -59,7 +59,7 @@ pub(crate) fn take_smallest(pool: &Mutex<Vec<DeviceBuffer>>, bytes: usize) -> Op
 
 impl CachedBuffer {
     /// The device address.
-    pub fn ptr(&self) -> u64 {
+    pub(crate) fn ptr(&self) -> u64 {
         self.buf.as_ref().map_or(0, DeviceBuffer::ptr)
     }
 }

@@ -82,7 +82,7 @@ impl Drop for DeviceBuffer {
 }
 
 /// Copies `n` bytes from device address `src` to `dst` (synchronous).
-pub fn copy_to_host<T: Copy>(ctx: &CudaContext, src: u64, dst: &mut [T]) -> Result<(), Error> {
+pub(crate) fn copy_to_host<T: Copy>(ctx: &CudaContext, src: u64, dst: &mut [T]) -> Result<(), Error> {
     bind(ctx)?;
     let n = std::mem::size_of_val(dst);
     // SAFETY: `dst` is valid for n bytes; the caller passes a device range of at least n bytes.
@@ -94,7 +94,7 @@ pub fn copy_to_host<T: Copy>(ctx: &CudaContext, src: u64, dst: &mut [T]) -> Resu
 /// Pinned host memory mapped into the device's address space (the GPU writes it directly; the
 /// host reads it without a copy). Zeroed at allocation.
 #[derive(Debug)]
-pub struct PinnedBuffer {
+pub(crate) struct PinnedBuffer {
     host: *mut c_void,
     device: u64,
     bytes: usize,
@@ -109,7 +109,7 @@ unsafe impl Sync for PinnedBuffer {}
 
 impl PinnedBuffer {
     /// Allocates `bytes` of portable, device-mapped pinned memory.
-    pub fn zeroed(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self, Error> {
+    pub(crate) fn zeroed(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self, Error> {
         bind(ctx)?;
         let bytes = bytes.max(8).next_multiple_of(8);
         let mut host: *mut c_void = std::ptr::null_mut();
@@ -129,12 +129,12 @@ impl PinnedBuffer {
     }
 
     /// The device address of the mapping.
-    pub fn device_ptr(&self) -> u64 {
+    pub(crate) fn device_ptr(&self) -> u64 {
         self.device
     }
 
     /// Reads word `i` (a `u64`), as the device last wrote it.
-    pub fn read_u64(&self, i: usize) -> u64 {
+    pub(crate) fn read_u64(&self, i: usize) -> u64 {
         assert!(i < self.bytes / 8, "pinned read out of range");
         // SAFETY: index checked; the memory is mapped and aligned to 8; volatile because the
         // device writes it concurrently.
@@ -142,7 +142,7 @@ impl PinnedBuffer {
     }
 
     /// Writes `v` from the start (the device sees it in kernels launched afterwards).
-    pub fn write_i32s(&self, v: &[i32]) {
+    pub(crate) fn write_i32s(&self, v: &[i32]) {
         assert!(v.len() * 4 <= self.bytes, "pinned write out of range");
         for (i, &x) in v.iter().enumerate() {
             // SAFETY: range checked; volatile element writes of memory the device may read.
@@ -151,14 +151,14 @@ impl PinnedBuffer {
     }
 
     /// Writes `v` as the `i`-th `i32` (the device sees it in kernels launched afterwards).
-    pub fn write_i32_at(&self, i: usize, v: i32) {
+    pub(crate) fn write_i32_at(&self, i: usize, v: i32) {
         assert!((i + 1) * 4 <= self.bytes, "pinned write out of range");
         // SAFETY: range checked; a volatile element write of memory the device may read.
         unsafe { std::ptr::write_volatile((self.host as *mut i32).add(i), v) };
     }
 
     /// Reads `n` consecutive `i32`s from the start.
-    pub fn read_i32s(&self, n: usize) -> Vec<i32> {
+    pub(crate) fn read_i32s(&self, n: usize) -> Vec<i32> {
         assert!(n * 4 <= self.bytes, "pinned read out of range");
         // SAFETY: range checked; volatile element reads of device-written memory.
         (0..n).map(|i| unsafe { std::ptr::read_volatile((self.host as *const i32).add(i)) }).collect()

@@ -75,14 +75,13 @@ pub(crate) fn finish_handle(
     let mem = take_pooled(&shared.ctx, &shared.handle_pool, off.end.max(1))?;
     mem.write(0, &bytes)?;
     let info = HtHandleInfo {
-        num_recv: recv.num_recv,
         tokens_per_channel: plan.tokens_per_channel,
         off,
         send_blocks: plan.send_blocks(r, c),
         recv_blocks: recv.recv_blocks(r, c),
         total_send: plan.send_list.len(),
-        expert_counts: recv.expert_counts,
     };
-    let core = HandleCore::new(shared.group_id, routing, Algorithm::HighThroughput, Some(seq));
+    let core = HandleCore::new(shared.group_id, routing, Algorithm::HighThroughput, Some(seq))
+        .with_recv(recv.num_recv, recv.expert_counts);
     Ok(GpuHandle::new(core, mem, &shared.handle_pool, Some(info), None))
 }

@@ -3,6 +3,7 @@
 //! grouped exchange of each destination's block of rows.
 
 use epflow_core::Error;
+use epflow_core::handle::RoutingHandle;
 
 use crate::device::cache::CachedBuffer;
 use crate::params::{HtParams, NcclHtParams};

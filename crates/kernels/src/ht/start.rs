@@ -190,16 +190,17 @@ pub(crate) fn dispatch(
     p.out_weights = topk_weights.as_ref().map_or(0, DeviceTensor::ptr);
     p.out_idx = topk_idx.as_ref().map_or(0, DeviceTensor::ptr);
     let info = h.ht()?;
+    let expert_counts = h.recv_expert_counts().unwrap_or_default();
     let counts = (opts.pass == Pass::Forward).then(|| {
         DeviceTensor::view(
             h.ptr() + info.off.counts as u64,
             s.device,
-            TensorDesc::contiguous(TensorTag::RecvExpertCountsDevice, DType::I32, &[info.expert_counts.len()]),
+            TensorDesc::contiguous(TensorTag::RecvExpertCountsDevice, DType::I32, &[expert_counts.len()]),
             Arc::clone(&h.0) as Arc<dyn std::any::Any + Send + Sync>,
         )
     });
-    let host_counts = (opts.pass == Pass::Forward && opts.counts_location == CountsLocation::Host)
-        .then(|| info.expert_counts.clone());
+    let host_counts =
+        (opts.pass == Pass::Forward && opts.counts_location == CountsLocation::Host).then(|| expert_counts.to_vec());
     let over_nccl = s.nccl_all().map(|_| nccl_dispatch(s, h, &p)).transpose()?;
     let outputs = epflow_core::ops::DispatchOutputs { tokens, scales, topk_weights, topk_idx, counts };
     let launch = over_nccl.as_ref().map_or(Launch::Ht(p), |(np, _, _)| Launch::NcclHt { p: *np, reduce: false });

@@ -2,8 +2,20 @@
 //! how many threads, and how a row is cut among warps, from the operation's sizes and the SMs
 //! it may use.
 
-use crate::op::LlKernel;
 use crate::params::LlParams;
+
+/// The kernels of a low-latency operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LlKernel {
+    /// Dispatch send half.
+    DispatchSend,
+    /// Dispatch complete half.
+    DispatchRecv,
+    /// Combine send half.
+    CombineSend,
+    /// Combine complete half.
+    CombineRecv,
+}
 
 /// Threads per block of the send kernels and the dispatch receive kernel.
 const BLOCK_THREADS: u32 = 512;

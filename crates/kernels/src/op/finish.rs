@@ -1,6 +1,7 @@
 //! What a finished [`GpuOp`] produces: the outcome the device reported (errors, cancelled and
 //! mismatched peers) and the output tensors, views into the buffer set or the cached outputs.
 
+use epflow_core::handle::RoutingHandle;
 use std::any::Any;
 use std::sync::Arc;
 
@@ -87,7 +88,7 @@ impl GpuOp {
         if let Some(e) = self.refused.take() {
             return Err(e);
         }
-        if self.cancelled {
+        if self.state.is_cancelled() {
             return Ok(OpOutput::Cancelled);
         }
         if outcome.cancelled != 0 {
@@ -165,7 +166,7 @@ impl GpuOp {
             host_counts,
             elapsed: self.work.elapsed(false),
             ctx: Arc::clone(&s.ctx),
-            _slot: self.slot.take(),
+            _slot: self.state.take_slot(),
         })
     }
 
@@ -180,7 +181,7 @@ impl GpuOp {
             outputs: CombineOutputs { tokens, topk_weights: None },
             elapsed: self.work.elapsed(false),
             ctx: Arc::clone(&s.ctx),
-            _slot: self.slot.take(),
+            _slot: self.state.take_slot(),
         }
     }
 }

@@ -10,7 +10,7 @@ use epflow_core::Error;
 use super::{GpuOp, GpuOpKind};
 use crate::device::cuda;
 use crate::ht::geometry::ht_grid;
-use crate::ll::geometry::ll_launch;
+use crate::ll::geometry::{LlKernel, ll_launch};
 use crate::params::{ExchangeParams, HtParams, LlParams, NcclHtParams};
 use crate::transport::nccl::{Xfer, issue};
 
@@ -28,19 +28,6 @@ pub(crate) enum Launch {
     NcclHt { p: NcclHtParams, reduce: bool },
     /// The count exchange over NCCL: messages up, the group, what arrived down.
     NcclExchange { row_bytes: usize },
-}
-
-/// The kernels of a low-latency operation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum LlKernel {
-    /// Dispatch send half.
-    DispatchSend,
-    /// Dispatch complete half.
-    DispatchRecv,
-    /// Combine send half.
-    CombineSend,
-    /// Combine complete half.
-    CombineRecv,
 }
 
 impl GpuOp {
@@ -70,8 +57,8 @@ impl GpuOp {
     /// count exchange.
     pub(super) fn launch_single(&self) -> Result<(), Error> {
         let s = &self.shared;
-        let cancelled = i32::from(self.cancelled);
-        if let (Some((ptr, bytes)), false) = (self.fill, self.cancelled) {
+        let cancelled = i32::from(self.state.is_cancelled());
+        if let (Some((ptr, bytes)), false) = (self.fill, self.state.is_cancelled()) {
             let byte = s.output_fill.load(Ordering::Relaxed);
             if byte != 0 {
                 // SAFETY: `ptr` is the start of this operation's output buffer of at least
@@ -98,7 +85,7 @@ impl GpuOp {
                 self.launch_one(&f.nccl_ht_pack, &p, (rows.clamp(1, 2 * s.num_sms), 512), "launch NCCL pack")?;
                 self.issue_xfers()?;
                 self.launch_one(&f.nccl_arrivals, &p, (1, 32), "launch NCCL arrival check")?;
-                if reduce && !self.cancelled {
+                if reduce && !self.state.is_cancelled() {
                     let grid = (p.num_tokens.max(1) as u32).min(4 * s.num_sms);
                     self.launch_one(&f.nccl_ht_reduce, &p, (grid, 256), "launch NCCL reduce")?;
                 }
@@ -118,7 +105,7 @@ impl GpuOp {
         let Some(GpuOpKind::HtHandle { bufs: Some(bufs), .. }) = &self.kind else {
             return Err(Error::Backend("a count exchange without buffers".into()));
         };
-        if self.cancelled {
+        if self.state.is_cancelled() {
             let words = row_bytes / 4;
             for d in 0..s.num_ranks {
                 bufs.msgs.write_i32_at(d * words + words - 1, 1);
@@ -154,7 +141,7 @@ impl GpuOp {
         let Launch::Ll(mut p) = self.launch else {
             return Err(Error::Backend("not a low-latency operation".into()));
         };
-        p.cancelled = i32::from(self.cancelled);
+        p.cancelled = i32::from(self.state.is_cancelled());
         let sms = s.config.max_sms.map_or(s.num_sms, |m| (m as u32).min(s.num_sms)).max(1);
         let geometry = ll_launch(which, &mut p, sms);
         let f = &s.functions;
@@ -171,7 +158,7 @@ impl GpuOp {
     /// map, so it waits (on the device) for the combines that read the previous map, and then
     /// becomes the map's writer.
     pub(super) fn launch_dispatch_recv(&mut self) -> Result<(), Error> {
-        let handle = match (&self.kind, self.cancelled) {
+        let handle = match (&self.kind, self.state.is_cancelled()) {
             (Some(GpuOpKind::Dispatch { handle, .. }), false) => Some(handle.clone()),
             _ => None,
         };

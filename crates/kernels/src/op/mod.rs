@@ -12,14 +12,16 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use epflow_core::backend::{OpOutput, PendingOp, Probe};
+use epflow_core::backend::{OpId, OpOutput, OpState, PendingOp, Probe};
 use epflow_core::ops::{CombineOutputs, DispatchOptions, DispatchOutputs, Pass};
-use epflow_core::protocol::{Channel, SlotGuard, op_label};
+use epflow_core::protocol::{Channel, SlotGuard};
 use epflow_core::routing::{ChannelPlan, Routing};
 use epflow_core::stamp::Stamp;
 use epflow_core::{Error, ValidationError};
 
-pub(crate) use launch::{Launch, LlKernel};
+pub(crate) use launch::Launch;
+
+use crate::ll::geometry::LlKernel;
 
 use crate::device::cache::CachedBuffer;
 use crate::device::{DeviceTensor, StreamWork, bind, cuda};
@@ -62,12 +64,10 @@ pub struct GpuOp {
     fill: Option<(u64, usize)>,
     kind: Option<GpuOpKind>,
     work: StreamWork,
-    sent: bool,
-    cancelled: bool,
+    state: OpState,
     completing: bool,
     /// Why the operation went out as a cancellation when it was sent.
     refused: Option<Error>,
-    slot: Option<SlotGuard>,
     /// NCCL exchange issued after the send kernel (low-latency with NCCL peers) or as the
     /// operation (high-throughput over NCCL).
     xfers: Vec<Xfer>,
@@ -80,7 +80,7 @@ impl std::fmt::Debug for GpuOp {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GpuOp")
             .field("op", &self.label())
-            .field("sent", &self.sent)
+            .field("sent", &self.state.is_sent())
             .field("completing", &self.completing)
             .finish()
     }
@@ -107,11 +107,9 @@ impl GpuOp {
             fill: None,
             kind: Some(kind),
             work,
-            sent: false,
-            cancelled: false,
+            state: OpState::default(),
             completing: false,
             refused: None,
-            slot: None,
             xfers: Vec::new(),
             scratch: Vec::new(),
         }
@@ -121,7 +119,7 @@ impl GpuOp {
     pub(crate) fn cancellation(shared: Arc<RankShared>, channel: Channel, seq: u64, launch: Launch) -> Self {
         let stamp = Stamp::new(0, Pass::Forward, epflow_core::stamp::Pairing::None);
         let mut op = GpuOp::new(shared, channel, seq, stamp, launch, GpuOpKind::Cancellation, &[]);
-        op.cancelled = true;
+        op.state.cancel();
         op
     }
 
@@ -166,7 +164,7 @@ impl GpuOp {
     /// reader on, if any.
     fn claim_row_map(&mut self) -> Result<Option<GpuHandle>, Error> {
         let Some(GpuOpKind::Combine { handle, paired }) = &self.kind else { return Ok(None) };
-        if self.cancelled || !matches!(self.launch, Launch::Ll(_)) {
+        if self.state.is_cancelled() || !matches!(self.launch, Launch::Ll(_)) {
             return Ok(None);
         }
         let (handle, paired) = (handle.clone(), *paired);
@@ -186,8 +184,9 @@ impl GpuOp {
     }
 
     fn cancel_inputs(&mut self) {
-        self.cancelled = true;
-        self.work.release_inputs();
+        if self.state.cancel() {
+            self.work.release_inputs();
+        }
     }
 }
 
@@ -196,7 +195,7 @@ impl Drop for GpuOp {
     /// finishes abandoned operations instead) waits for its own device work, bounded by the
     /// device-side timeout, so the inputs it keeps alive are never freed while a kernel reads them.
     fn drop(&mut self) {
-        if !self.sent || bind(&self.shared.ctx).is_err() {
+        if !self.state.is_sent() || bind(&self.shared.ctx).is_err() {
             return;
         }
         if self.uses_nccl() || matches!(self.launch, Launch::NcclExchange { .. }) {
@@ -224,16 +223,8 @@ impl Drop for GpuOp {
 impl PendingOp for GpuOp {
     type Output = GpuOpOutput;
 
-    fn rank(&self) -> usize {
-        self.shared.rank
-    }
-
-    fn channel(&self) -> Channel {
-        self.channel
-    }
-
-    fn seq(&self) -> u64 {
-        self.seq
+    fn id(&self) -> OpId {
+        OpId { rank: self.shared.rank, channel: self.channel, seq: self.seq }
     }
 
     fn needs_slot(&self) -> bool {
@@ -241,16 +232,16 @@ impl PendingOp for GpuOp {
     }
 
     fn poll_send_ready(&mut self) -> Result<bool, Error> {
-        Ok(self.sent || self.shared.turns[self.chan()].load(Ordering::Acquire) == self.seq)
+        Ok(self.state.is_sent() || self.shared.turns[self.chan()].load(Ordering::Acquire) == self.seq)
     }
 
     fn send(&mut self, slot: Option<SlotGuard>) -> Result<(), Error> {
-        if self.sent {
+        if self.state.is_sent() {
             return Ok(());
         }
         let s = Arc::clone(&self.shared);
         let result = (|| {
-            self.work.begin_send(s.timing.load(Ordering::Relaxed) && !self.cancelled)?;
+            self.work.begin_send(s.timing.load(Ordering::Relaxed) && !self.state.is_cancelled())?;
             let reader = self.claim_row_map()?;
             match self.launch {
                 Launch::Ll(_) => {
@@ -271,19 +262,16 @@ impl PendingOp for GpuOp {
         // behind this one (the group is poisoned by the error anyway).
         s.turns[self.chan()].store(self.seq + 1, Ordering::Release);
         result?;
-        self.slot = slot;
-        self.sent = true;
+        self.state.mark_sent(slot);
         Ok(())
     }
 
     fn is_sent(&self) -> bool {
-        self.sent
+        self.state.is_sent()
     }
 
     fn cancel(&mut self) {
-        if !self.sent {
-            self.cancel_inputs();
-        }
+        self.cancel_inputs();
     }
 
     fn start_complete(&mut self) -> Result<(), Error> {
@@ -349,7 +337,7 @@ impl PendingOp for GpuOp {
     }
 
     fn waiting_for(&self) -> String {
-        if !self.sent {
+        if !self.state.is_sent() {
             format!(
                 "its turn to send ({} #{} has not been sent yet)",
                 self.channel,
@@ -374,9 +362,5 @@ impl PendingOp for GpuOp {
         } else {
             "the device to finish (the peers' data or credits)".into()
         }
-    }
-
-    fn label(&self) -> String {
-        op_label(self.channel, self.seq)
     }
 }

@@ -6,7 +6,6 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaContext, CudaEvent};
 use epflow_core::Error;
 use epflow_core::handle::{HandleCore, RoutingHandle};
-use epflow_core::routing::Routing;
 
 use crate::device::DeviceBuffer;
 use crate::device::cache::take_smallest;
@@ -46,10 +45,6 @@ pub(crate) struct LlNcclInfo {
 /// What a high-throughput handle knows after its count exchange.
 #[derive(Debug)]
 pub(crate) struct HtHandleInfo {
-    /// `N`.
-    pub(crate) num_recv: usize,
-    /// Rows received per local expert, `[L]`.
-    pub(crate) expert_counts: Vec<i32>,
     /// Tokens per channel on this rank.
     pub(crate) tokens_per_channel: usize,
     /// Byte offsets of the arrays in the handle's device memory.
@@ -113,32 +108,6 @@ impl GpuHandle {
         }))
     }
 
-    /// `B`.
-    pub fn num_tokens(&self) -> usize {
-        self.0.core.num_tokens()
-    }
-
-    /// `K`.
-    pub fn top_k(&self) -> usize {
-        self.0.core.top_k()
-    }
-
-    /// The validated routing.
-    pub fn routing(&self) -> &Routing {
-        self.0.core.routing()
-    }
-
-    /// High-throughput: `N`, the rows this rank receives (NCCL EP's
-    /// `ncclEpHandleGetNumRecvTokens`), known once the handle exists. `None` for low-latency.
-    pub fn num_recv_tokens(&self) -> Option<usize> {
-        self.0.ht.as_ref().map(|h| h.num_recv)
-    }
-
-    /// High-throughput: rows this rank receives per local expert (`[L]`).
-    pub fn recv_expert_counts(&self) -> Option<&[i32]> {
-        self.0.ht.as_ref().map(|h| h.expert_counts.as_slice())
-    }
-
     /// The device address of the handle's memory.
     pub(crate) fn ptr(&self) -> u64 {
         self.0.mem.as_ref().map_or(0, DeviceBuffer::ptr)
@@ -158,14 +127,6 @@ impl GpuHandle {
 impl RoutingHandle for GpuHandle {
     fn core(&self) -> &HandleCore {
         &self.0.core
-    }
-
-    fn num_recv_tokens(&self) -> Option<usize> {
-        GpuHandle::num_recv_tokens(self)
-    }
-
-    fn recv_expert_counts(&self) -> Option<&[i32]> {
-        GpuHandle::recv_expert_counts(self)
     }
 }
 

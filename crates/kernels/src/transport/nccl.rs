@@ -236,7 +236,7 @@ pub(crate) struct NcclShared {
 
 impl NcclShared {
     /// Allocates what `layout` needs for the peers in `mask`.
-    pub fn new(
+    pub(crate) fn new(
         ctx: &Arc<CudaContext>,
         layout: &Layout,
         comms: NcclComms,
@@ -273,12 +273,12 @@ impl NcclShared {
     }
 
     /// Whether rank `r` is reached through NCCL.
-    pub fn via_nccl(&self, r: usize) -> bool {
+    pub(crate) fn via_nccl(&self, r: usize) -> bool {
         self.mask >> r & 1 == 1
     }
 
     /// The peers reached through NCCL, ascending.
-    pub fn peers(&self, num_ranks: usize) -> impl Iterator<Item = usize> + '_ {
+    pub(crate) fn peers(&self, num_ranks: usize) -> impl Iterator<Item = usize> + '_ {
         (0..num_ranks).filter(|&r| self.via_nccl(r))
     }
 }

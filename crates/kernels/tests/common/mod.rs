@@ -6,7 +6,7 @@ use std::time::SystemTime;
 use epflow_kernels::{GpuRank, device_count};
 
 /// The first `need` GPUs, or `None` after printing why `test` is skipped.
-pub fn gpus(need: usize, test: &str) -> Option<Vec<usize>> {
+pub(crate) fn gpus(need: usize, test: &str) -> Option<Vec<usize>> {
     let n = device_count();
     if n < need {
         eprintln!("SKIPPED {test}: needs {need} GPUs, this machine has {n}");
@@ -16,7 +16,7 @@ pub fn gpus(need: usize, test: &str) -> Option<Vec<usize>> {
 }
 
 /// `EPFLOW_TEST_SEED`, else the clock (print it so a failure can be replayed).
-pub fn seed() -> u64 {
+pub(crate) fn seed() -> u64 {
     std::env::var("EPFLOW_TEST_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -24,7 +24,7 @@ pub fn seed() -> u64 {
 }
 
 /// Runs `f` on every rank, each on its own thread; results in rank order.
-pub fn on_ranks<R: Send>(ranks: &[GpuRank], f: impl Fn(&GpuRank) -> R + Sync) -> Vec<R> {
+pub(crate) fn on_ranks<R: Send>(ranks: &[GpuRank], f: impl Fn(&GpuRank) -> R + Sync) -> Vec<R> {
     std::thread::scope(|s| {
         let hs: Vec<_> = ranks.iter().map(|r| s.spawn(|| f(r))).collect();
         hs.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
