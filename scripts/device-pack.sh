@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds what the GPU machines run (they have no Rust toolchain) into .device-pack/ (git-ignored):
 # the epflow binary, the GPU test executables, the examples and the reactor benchmark.
+# `EPFLOW_PACK_EXAMPLES` (space-separated) overrides the examples packed.
 # Then, on the device machine (see README "Running on GPUs"):
 #   export LD_LIBRARY_PATH=/usr/local/cuda/lib64:$LD_LIBRARY_PATH NCCL_NVLS_ENABLE=0
 #   .device-pack/gpu_ll --test-threads=1 --nocapture
@@ -12,7 +13,7 @@ rm -rf "$out"
 mkdir -p "$out"
 cargo build --release --bin epflow --examples
 cp target/release/epflow "$out/"
-for ex in two_batch_overlap nvlink_ceiling; do
+for ex in ${EPFLOW_PACK_EXAMPLES:-two_batch_overlap nvlink_ceiling moe_serving}; do
     [ -f "target/release/examples/$ex" ] && cp "target/release/examples/$ex" "$out/"
 done
 # Test and bench executables: cargo prints their paths as JSON.
@@ -25,7 +26,14 @@ for line in sys.stdin:
         continue
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] != ["bin"]:
         print(m["target"]["name"], m["executable"])'; }
-{ list test --release -p epflow-kernels --test gpu_ll; list test --release -p epflow-kernels --test gpu_ht; list test --release -p epflow --test gpu_async; list bench -p epflow --bench reactor; } |
+{
+    list test --release -p epflow-kernels --test gpu_ll
+    list test --release -p epflow-kernels --test gpu_ht
+    list test --release -p epflow-kernels --test gpu_disagreement
+    list test --release -p epflow --test gpu_async
+    list test --release -p epflow-nccl-ep --test nccl_ep_backend
+    list bench -p epflow --bench reactor
+} |
     while read -r name exe; do cp "$exe" "$out/$name"; done
 strip "$out"/* 2>/dev/null || true
 du -sh "$out"
