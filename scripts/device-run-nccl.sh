@@ -59,8 +59,8 @@ if [ "$part" = ep ]; then
   : "${NCCL_HOME:?set NCCL_HOME to an NCCL 2.30.7 build}" "${NCCL_EP_LIB:?set NCCL_EP_LIB to libnccl_ep.so}"
   export LD_LIBRARY_PATH=$NCCL_HOME/lib:$(dirname "$NCCL_EP_LIB"):$LD_LIBRARY_PATH
   echo "== NCCL EP through epflow's futures (low-latency staged, high-throughput)"
-  timeout 120 $P/gpu_async nccl_ep --test-threads=1 --nocapture >"$OUT/gpu_async_ep.log" 2>&1; echo "gpu_async nccl_ep rc=$?"
-  grep -E "^test|round 9|panicked|SKIPPED" "$OUT/gpu_async_ep.log"
+  timeout 120 $P/nccl_ep_backend --test-threads=1 --nocapture >"$OUT/nccl_ep_backend.log" 2>&1; echo "nccl_ep_backend rc=$?"
+  grep -E "^test|round 9|panicked|SKIPPED" "$OUT/nccl_ep_backend.log"
   n=0
   bench() {
     n=$((n + 1)); echo "-- epflow bench $*"

@@ -226,12 +226,26 @@ impl LlLayout {
         }
         let fp8 = config.dispatch_dtype.is_fp8();
         let h = config.hidden;
+        let local_experts = config.local_experts(num_ranks);
+        // The kernels index rows and row-map entries with 32-bit integers.
+        let rows = (local_experts as u128) * (num_ranks as u128) * (max_tokens as u128);
+        let entries = (num_ranks as u128) * (max_tokens as u128) * (config.max_top_k as u128);
+        if rows.max(entries) > i32::MAX as u128 {
+            return Err(Error::Unsupported(format!(
+                "{rows} expert rows and {entries} row-map entries per rank exceed the low-latency kernels' 32-bit indices: lower max_tokens_per_rank or the experts per rank"
+            )));
+        }
+        if local_experts > i16::MAX as usize {
+            return Err(Error::Unsupported(format!(
+                "{local_experts} experts per rank: low-latency messages carry local expert indices as 16-bit integers"
+            )));
+        }
         let payload = if fp8 { h + 4 * (h / FP8_BLOCK) } else { 2 * h };
         Ok(LlLayout {
             num_ranks,
             max_tokens,
             hidden: h,
-            local_experts: config.local_experts(num_ranks),
+            local_experts,
             sets: config.buffer_sets,
             max_top_k: config.max_top_k,
             fp8,
@@ -324,6 +338,12 @@ mod tests {
         .unwrap();
         assert_eq!(fp8.msg_bytes, 128 + 7168 + 224);
         assert!(fp8.total_bytes() < l.total_bytes());
+    }
+
+    #[test]
+    fn sizes_beyond_the_kernels_32_bit_indices_are_errors() {
+        let big = GroupConfig::low_latency(8 * 4096, 1 << 20, 128);
+        assert!(matches!(LlLayout::new(&big, 8), Err(Error::Unsupported(m)) if m.contains("32-bit")));
     }
 
     #[test]
