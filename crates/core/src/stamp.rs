@@ -52,6 +52,10 @@ impl Stamp {
     /// One 64-bit word for device-side signals: bits 0..8 the top-k (at most 255), bit 8 the
     /// pass, bits 9..12 the pairing kind, bits 12..64 the pairing number plus one (the low 52
     /// bits of it: operations 2^52 apart compare equal, which no real run reaches).
+    ///
+    /// The GPU kernels compare a 23-bit tag of it in the same load that sees a peer's arrival
+    /// (top-k, pass, pairing kind, the low 15 bits of the pairing number) and read the whole word
+    /// only to report a mismatch: pairings 2^15 operations apart pass that check.
     pub fn encode(&self) -> u64 {
         let (kind, number) = match self.pairing {
             Pairing::None => (0u64, 0u64),

@@ -25,9 +25,9 @@ typedef unsigned int u32;
 
 // The signal page of a rank starts with the arrival pairs, [chan][set][source] x {arrival,
 // stamp}: a sender writes its stamp (what the ranks must agree on: top-k, pass, handle or
-// paired dispatch; see epflow_core::stamp), then, with release, its arrival word
-// ((seq + 1) << 1 | cancelled). The pair is adjacent so the NCCL transport moves both in one
-// 16-byte transfer. Then arrays of u64 indexed [array][set][rank].
+// paired dispatch; see epflow_core::stamp), then, with release, its arrival word (operation
+// number, stamp tag, cancelled: `arrival_word`). The pair is adjacent so the NCCL transport moves
+// both in one 16-byte transfer. Then arrays of u64 indexed [array][set][rank].
 #define EP_ARRIVAL_WORDS (3 * EP_MAX_SETS * EP_MAX_RANKS * 2)
 #define EP_SIG_CONSUMED(chan) (chan)  // written by receivers: (seq + 1) << 1 (the sender's credit)
 #define EP_SIG_SENT(chan) (3 + (chan))  // local: warps done sending, per destination
@@ -89,13 +89,36 @@ __device__ __forceinline__ void report_error(u64* status, u64 code, int peer, u6
     atomicCAS_system(status, 0ull, code | ((u64)peer << 8) | (seq << 16));
 }
 
-// Sender side: writes the stamp, then (release) the arrival word of operation `seq` into
+// An arrival word: ((seq + 1) mod 2^40) << 24 | tag << 1 | cancelled. The tag is the part of the
+// sender's stamp a receiver checks on its fast path, in the same load that sees the arrival:
+// top-k (5 bits), pass (1), pairing kind (2) and the low 15 bits of the pairing number. The whole
+// stamp is the word after it (read only to report a mismatch). Operations 2^40 apart on one
+// channel and set would look alike; none is ever outstanding that long.
+#define EP_ARRIVAL_SEQ_SHIFT 24
+#define EP_ARRIVAL_SEQ_MASK ((1ull << 40) - 1)
+#define EP_ARRIVAL_TAG_MASK ((1ull << 23) - 1)
+
+__device__ __forceinline__ u64 stamp_tag(u64 stamp) {
+    return (stamp & 31ull) | (((stamp >> 8) & 1ull) << 5) | (((stamp >> 9) & 3ull) << 6) |
+           (((stamp >> 12) & 0x7fffull) << 8);
+}
+
+__device__ __forceinline__ u64 arrival_word(u64 seq, bool cancelled, u64 stamp) {
+    return (((seq + 1) & EP_ARRIVAL_SEQ_MASK) << EP_ARRIVAL_SEQ_SHIFT) | (stamp_tag(stamp) << 1) | (u64)cancelled;
+}
+
+// Whether arrival word `v` is operation `seq`'s.
+__device__ __forceinline__ bool arrival_is(u64 v, u64 seq) {
+    return (v >> EP_ARRIVAL_SEQ_SHIFT) == ((seq + 1) & EP_ARRIVAL_SEQ_MASK);
+}
+
+// Sender side: writes the whole stamp, then (release) the arrival word of operation `seq` into
 // `page` (the receiver's, or this rank's own for an NCCL peer) at this rank's pair.
 __device__ __forceinline__ void signal_arrival(u64* page, int chan, int set, int rank, u64 seq, bool cancelled,
                                                u64 stamp) {
     u64* a = arrival_at(page, chan, set, rank);
     st_relaxed_sys(a + 1, stamp);
-    st_release_sys(a, ((seq + 1) << 1) | (u64)cancelled);
+    st_release_sys(a, arrival_word(seq, cancelled, stamp));
 }
 
 // What one source's arrival said.
@@ -104,19 +127,23 @@ __device__ __forceinline__ void signal_arrival(u64* page, int chan, int set, int
 #define EP_ARRIVED_MISMATCH 2
 #define EP_ARRIVAL_TIMEOUT 3
 
+// The verdict on arrival word `v` of operation `seq` against this rank's `stamp`.
+__device__ __forceinline__ int arrival_verdict(u64 v, u64 stamp) {
+    if (v & 1ull) return EP_ARRIVED_CANCELLED;
+    return ((v >> 1) & EP_ARRIVAL_TAG_MASK) == stamp_tag(stamp) ? EP_ARRIVED : EP_ARRIVED_MISMATCH;
+}
+
 // Receiver side: waits (acquire, until `deadline`) for source `src`'s arrival of operation
-// `seq` in this rank's page, then compares its stamp with `stamp`.
+// `seq` in this rank's page, and judges it against `stamp`.
 __device__ __forceinline__ int wait_arrival(u64* page, int chan, int set, int src, u64 seq, u64 stamp,
                                             u64 deadline) {
     u64* a = arrival_at(page, chan, set, src);
     u64 v = ld_acquire_sys(a);
-    while ((v >> 1) != seq + 1) {
+    while (!arrival_is(v, seq)) {
         if (globaltimer_ns() > deadline) return EP_ARRIVAL_TIMEOUT;
         v = ld_acquire_sys(a);
     }
-    if (v & 1ull) return EP_ARRIVED_CANCELLED;
-    const u64 theirs = *reinterpret_cast<volatile u64*>(a + 1);
-    return theirs == stamp ? EP_ARRIVED : EP_ARRIVED_MISMATCH;
+    return arrival_verdict(v, stamp);
 }
 
 // Publishes the outcome of operation `seq` of (chan, set): the cancelled and mismatched

@@ -24,7 +24,7 @@
 // (fp32, from 0, rounded to BF16 once), copies on this rank read directly from the expert output.
 //
 // Cancellation and timeouts: at its start every kernel signals its arrival pair (chan, seq % 2)
-// = (stamp, ((seq + 1) << 1) | cancelled) to every receiver; a cancelled sender writes no data and
+// (`signal_arrival`: the stamp, then the arrival word) to every receiver; a cancelled sender writes no data and
 // publishes its final subtails at once; receivers skip a cancelled source's data. Every wait has
 // the op's deadline and reports through the status page.
 //

@@ -48,7 +48,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_nccl_ht_pack(NcclHtParams p
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         u64* a = arrival_at(reinterpret_cast<u64*>(p.signals), p.chan, p.set, p.rank);
         a[1] = p.stamp;
-        a[0] = ((p.seq + 1) << 1) | (u64)(p.cancelled != 0);
+        a[0] = arrival_word(p.seq, p.cancelled != 0, p.stamp);
     }
     if (p.cancelled) return;
     const int lane = threadIdx.x & 31;
@@ -87,14 +87,13 @@ extern "C" __global__ void ep_nccl_arrivals(NcclHtParams p) {
     u32 cancelled = 0u, mismatched = 0u;
     const int s = threadIdx.x;
     if (s < p.num_ranks) {
-        const u64* a = arrival_at(sig, p.chan, p.set, s);
-        const u64 w = a[0];
-        if ((w >> 1) != p.seq + 1) {
+        const u64 w = arrival_at(sig, p.chan, p.set, s)[0];
+        if (!arrival_is(w, p.seq)) {
             report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, s, p.seq);
-        } else if (w & 1ull) {
-            cancelled = 1u << s;
-        } else if (a[1] != p.stamp) {
-            mismatched = 1u << s;
+        } else {
+            const int verdict = arrival_verdict(w, p.stamp);
+            if (verdict == EP_ARRIVED_CANCELLED) cancelled = 1u << s;
+            if (verdict == EP_ARRIVED_MISMATCH) mismatched = 1u << s;
         }
     }
 #pragma unroll

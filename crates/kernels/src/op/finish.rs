@@ -68,12 +68,33 @@ impl GpuOp {
         Outcome { cancelled, mismatched, theirs }
     }
 
+    /// The host saw this low-latency operation finish: later operations on its handle need not
+    /// wait for it on the device.
+    fn settle_row_map(&self) {
+        match &self.kind {
+            Some(GpuOpKind::Dispatch { handle, .. }) => {
+                let mut map = handle.row_map();
+                if map.writer == Some(self.seq) {
+                    map.writer_event = None;
+                }
+            }
+            Some(GpuOpKind::Combine { handle, .. }) => {
+                if let Some(n) = self.reader {
+                    let mut map = handle.row_map();
+                    map.readers_done = map.readers_done.max(n);
+                }
+            }
+            _ => {}
+        }
+    }
+
     fn view(&self, ptr: u64, desc: TensorDesc) -> DeviceTensor {
         DeviceTensor::view(ptr, self.shared.device, desc, self.shared.clone() as Arc<dyn Any + Send + Sync>)
     }
 
     /// The result of a finished operation, from what it is.
     pub(super) fn finish_kind(&mut self) -> Result<GpuOpOutput, Error> {
+        self.settle_row_map();
         let outcome = self.outcome();
         let mut kind = self.kind.take();
         // A count exchange: read what arrived, and give the staging buffers back.

@@ -168,12 +168,15 @@ impl GpuOp {
             return Ok(());
         };
         let mut map = handle.row_map();
-        for reader in map.readers.drain(..) {
-            self.work.stream().wait(&reader).map_err(|e| cuda("wait for the previous combine", e))?;
+        if map.readers_sent != map.readers_done {
+            if let Some(reader) = &map.reader_event {
+                self.work.stream().wait(reader).map_err(|e| cuda("wait for the previous combine", e))?;
+            }
         }
         self.launch_ll(LlKernel::DispatchRecv)?;
         let done = self.work.end_complete()?;
-        map.writer = Some((self.seq, Arc::clone(&done)));
+        map.writer = Some(self.seq);
+        map.writer_event = Some(Arc::clone(&done));
         Ok(())
     }
 }

@@ -68,6 +68,8 @@ pub struct GpuOp {
     completing: bool,
     /// Why the operation went out as a cancellation when it was sent.
     refused: Option<Error>,
+    /// Low-latency combine: its number among the readers of its handle's row map.
+    reader: Option<u64>,
     /// NCCL exchange issued after the send kernel (low-latency with NCCL peers) or as the
     /// operation (high-throughput over NCCL).
     xfers: Vec<Xfer>,
@@ -110,6 +112,7 @@ impl GpuOp {
             state: OpState::default(),
             completing: false,
             refused: None,
+            reader: None,
             xfers: Vec::new(),
             scratch: Vec::new(),
         }
@@ -160,27 +163,45 @@ impl GpuOp {
     /// Low-latency combine: the row map must still be the one of the paired dispatch; if a
     /// later dispatch rewrote it, the operation goes out as a cancellation (so the peers fail
     /// cleanly) and finishes with [`ValidationError::HandleRewritten`]. Otherwise the stream
-    /// waits for the paired dispatch's receive on the device. Returns the handle to record this
-    /// reader on, if any.
+    /// waits on the device for the paired dispatch's receive (unless the host saw it finish).
+    /// Returns the handle to record this reader on, if any.
     fn claim_row_map(&mut self) -> Result<Option<GpuHandle>, Error> {
         let Some(GpuOpKind::Combine { handle, paired }) = &self.kind else { return Ok(None) };
         if self.state.is_cancelled() || !matches!(self.launch, Launch::Ll(_)) {
             return Ok(None);
         }
         let (handle, paired) = (handle.clone(), *paired);
-        let writer = handle.row_map().writer.clone();
-        match writer {
-            Some((w, ev)) if w == paired => {
-                self.work.stream().wait(&ev).map_err(|e| cuda("wait for the paired dispatch", e))?;
-                Ok(Some(handle))
-            }
-            other => {
-                let rewritten_by = other.map_or(paired, |(w, _)| w);
-                self.refused = Some(ValidationError::HandleRewritten { paired, rewritten_by }.into());
-                self.cancel_inputs();
-                Ok(None)
-            }
+        let (writer, event) = {
+            let map = handle.row_map();
+            (map.writer, map.writer_event.clone())
+        };
+        if writer != Some(paired) {
+            let rewritten_by = writer.unwrap_or(paired);
+            self.refused = Some(ValidationError::HandleRewritten { paired, rewritten_by }.into());
+            self.cancel_inputs();
+            return Ok(None);
         }
+        if let Some(ev) = event {
+            self.work.stream().wait(&ev).map_err(|e| cuda("wait for the paired dispatch", e))?;
+        }
+        Ok(Some(handle))
+    }
+
+    /// After a combine's send kernel: records the handle's reader event (the next dispatch
+    /// receive on the handle waits for it); returns this reader's number.
+    fn record_reader(&self, handle: &GpuHandle) -> Result<u64, Error> {
+        let mut map = handle.row_map();
+        let event = match &map.reader_event {
+            Some(e) => Arc::clone(e),
+            None => {
+                let e = Arc::new(self.shared.ctx.new_event(None).map_err(|e| cuda("create event", e))?);
+                map.reader_event = Some(Arc::clone(&e));
+                e
+            }
+        };
+        event.record(self.work.stream()).map_err(|e| cuda("record event", e))?;
+        map.readers_sent += 1;
+        Ok(map.readers_sent)
     }
 
     fn cancel_inputs(&mut self) {
@@ -247,8 +268,7 @@ impl PendingOp for GpuOp {
                 Launch::Ll(_) => {
                     self.launch_ll(if self.chan() == 0 { LlKernel::DispatchSend } else { LlKernel::CombineSend })?;
                     if let Some(h) = reader {
-                        let ev = self.work.record_now()?;
-                        h.row_map().readers.push(ev);
+                        self.reader = Some(self.record_reader(&h)?);
                     }
                     if self.uses_nccl() {
                         self.issue_xfers()?;

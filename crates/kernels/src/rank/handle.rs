@@ -73,12 +73,20 @@ pub(crate) struct HandleOffsets {
 /// writes it (on the dispatch stream), each combine's send kernel reads it (on the combine
 /// stream). A writer waits for the readers enqueued before it; a reader waits for the writer of
 /// the dispatch it pairs with, and refuses to run if a later dispatch has rewritten the map.
+/// Waits the host has already seen complete (the operation finished) are skipped, so the awaited
+/// forms pay nothing for this order.
 #[derive(Debug, Default)]
 pub(crate) struct RowMap {
-    /// The dispatch whose receive kernel last wrote the map, and an event after it.
-    pub(crate) writer: Option<(u64, Arc<CudaEvent>)>,
-    /// Events after the combine sends enqueued since.
-    pub(crate) readers: Vec<Arc<CudaEvent>>,
+    /// The dispatch whose receive kernel last wrote the map.
+    pub(crate) writer: Option<u64>,
+    /// An event after that receive kernel, until the host saw the dispatch finish.
+    pub(crate) writer_event: Option<Arc<CudaEvent>>,
+    /// One event, re-recorded after every combine send that reads the map.
+    pub(crate) reader_event: Option<Arc<CudaEvent>>,
+    /// Combine sends recorded so far, and the number of the last one the host saw finish:
+    /// while they differ, a writer must wait for `reader_event`.
+    pub(crate) readers_sent: u64,
+    pub(crate) readers_done: u64,
 }
 
 impl Drop for GpuHandleState {
