@@ -7,11 +7,12 @@ use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 use std::time::Instant;
 
-use epflow_core::backend::{Backend, OpOutput, PendingOp, Probe, guarded};
+use epflow_core::backend::{Backend, OpOutput, PendingOp, Probe, StreamOrder, guarded};
 use epflow_core::protocol::{SlotGuard, deadline_after};
 use epflow_core::{Error, Result};
 use tracing::Span;
 
+use crate::completion::{Completion, CompletionMode, Watch};
 use crate::reactor::{Job, Registration, WaitOutcome, reactor};
 
 type Output<B> = OpOutput<<B as Backend>::Handle, <B as Backend>::DispatchOutput, <B as Backend>::CombineOutput>;
@@ -52,10 +53,11 @@ pub(crate) struct OpDriver<B: Backend> {
     send_span: Span,
     complete_span: Option<Span>,
     micro_batch: Option<u64>,
+    mode: CompletionMode,
 }
 
 impl<B: Backend> OpDriver<B> {
-    pub(crate) fn new(backend: Arc<B>, op: B::Op) -> Self {
+    pub(crate) fn new(backend: Arc<B>, op: B::Op, mode: CompletionMode) -> Self {
         let (bytes, tokens) = op.traffic();
         let send_span = tracing::info_span!(
             "epflow_op",
@@ -77,6 +79,7 @@ impl<B: Backend> OpDriver<B> {
             send_span,
             complete_span: None,
             micro_batch: None,
+            mode,
         }
     }
 
@@ -122,8 +125,13 @@ impl<B: Backend> OpDriver<B> {
         let reg = match &mut self.wait {
             Some((k, reg)) if *k == kind => reg,
             wait => {
+                let probe = probe();
+                // Fast mode: the task watches the condition itself for a while first.
+                if self.mode.spin(&*probe) {
+                    return Poll::Ready(Ok(()));
+                }
                 let deadline = deadline_after(self.phase_start, self.backend.config().timeout);
-                &mut wait.insert((kind, Registration::new(probe(), deadline))).1
+                &mut wait.insert((kind, Registration::new(probe, deadline))).1
             }
         };
         let outcome = ready!(reg.poll(cx));
@@ -247,6 +255,53 @@ impl<B: Backend> OpDriver<B> {
                     return Poll::Ready(out.map_err(|e| self.fail(e)));
                 }
                 Ok(false) => {
+                    let probe = self.step(|op| Ok(op.complete_probe()))?;
+                    ready!(self.wait(cx, WaitKind::Complete, || probe))?;
+                }
+                Err(e) => {
+                    self.stage = Stage::Done;
+                    return Poll::Ready(Err(self.fail(e)));
+                }
+            }
+        }
+    }
+}
+
+impl<B: Backend> OpDriver<B> {
+    /// Orders the operation's send half after the work enqueued on `stream` so far (on the
+    /// device). Call before it is sent.
+    pub(crate) fn order_after(&mut self, stream: &B::Stream) -> Result<()> {
+        self.step(|op| op.order_after(stream))
+    }
+
+    /// Drives the operation to its send half, then completes it in stream order on `stream`:
+    /// the outputs at once (GPU backends) or once the data is in (the host backend), and a
+    /// [`Completion`] a reactor job settles when the device has finished.
+    pub(crate) fn poll_complete_on(
+        &mut self,
+        cx: &mut Context<'_>,
+        stream: &B::Stream,
+        order: StreamOrder,
+    ) -> Poll<Result<(Output<B>, Completion)>> {
+        ready!(self.poll_sent(cx))?;
+        if self.stage == Stage::Sent {
+            self.phase_start = Instant::now();
+            self.stage = Stage::Completing;
+        }
+        loop {
+            match self.step(|op| op.complete_on(stream, order)) {
+                Ok(Some(output)) => {
+                    let op = self.op.take().ok_or_else(|| Error::Backend("operation missing".into()))?;
+                    self.stage = Stage::Done;
+                    let probe = op.complete_probe();
+                    let (completion, state) = Completion::new();
+                    let deadline = deadline_after(Instant::now(), self.backend.config().timeout);
+                    let watch = Watch { backend: Arc::clone(&self.backend), op: Some(op), probe, deadline, state };
+                    reactor().detach(Box::new(watch));
+                    tracing::debug!("completed in stream order");
+                    return Poll::Ready(Ok((output, completion)));
+                }
+                Ok(None) => {
                     let probe = self.step(|op| Ok(op.complete_probe()))?;
                     ready!(self.wait(cx, WaitKind::Complete, || probe))?;
                 }

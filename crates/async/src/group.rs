@@ -6,11 +6,12 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
-use epflow_core::backend::{Backend, HandleCreation, OpOutput};
+use epflow_core::backend::{Backend, HandleCreation, OpOutput, StreamOrder};
 use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions};
 use epflow_core::validate::validate_staged;
 use epflow_core::{Error, GroupConfig, Result};
 
+use crate::completion::{Completion, CompletionMode};
 use crate::driver::OpDriver;
 
 type Output<B> = OpOutput<<B as Backend>::Handle, <B as Backend>::DispatchOutput, <B as Backend>::CombineOutput>;
@@ -24,18 +25,32 @@ type Output<B> = OpOutput<<B as Backend>::Handle, <B as Backend>::DispatchOutput
 #[derive(Debug)]
 pub struct Group<B: Backend> {
     backend: Arc<B>,
+    mode: CompletionMode,
 }
 
 impl<B: Backend> Clone for Group<B> {
     fn clone(&self) -> Self {
-        Group { backend: Arc::clone(&self.backend) }
+        Group { backend: Arc::clone(&self.backend), mode: self.mode }
     }
 }
 
 impl<B: Backend> Group<B> {
-    /// Wraps one rank of a backend group.
+    /// Wraps one rank of a backend group (waits go through the reactor:
+    /// [`CompletionMode::Reactor`]).
     pub fn new(backend: B) -> Self {
-        Group { backend: Arc::new(backend) }
+        Group { backend: Arc::new(backend), mode: CompletionMode::default() }
+    }
+
+    /// The same group, whose operations wait in `mode` ([`CompletionMode`] says when each mode is
+    /// right). Operations created afterwards use it.
+    pub fn with_completion_mode(mut self, mode: CompletionMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// How this group's operations wait.
+    pub fn completion_mode(&self) -> CompletionMode {
+        self.mode
     }
 
     /// The backend.
@@ -68,7 +83,9 @@ impl<B: Backend> Group<B> {
     pub fn create_handle(&self, topk_idx: &B::Tensor) -> HandleFuture<B> {
         let state = match self.backend.start_handle(topk_idx) {
             Ok(HandleCreation::Ready(h)) => HandleState::Ready(Some(h)),
-            Ok(HandleCreation::Collective(op)) => HandleState::Op(OpDriver::new(Arc::clone(&self.backend), op)),
+            Ok(HandleCreation::Collective(op)) => {
+                HandleState::Op(OpDriver::new(Arc::clone(&self.backend), op, self.mode))
+            }
             Err(e) => HandleState::Failed(Some(e)),
         };
         HandleFuture { state }
@@ -92,7 +109,7 @@ impl<B: Backend> Group<B> {
         opts: &DispatchOptions,
     ) -> OpFuture<B, B::DispatchOutput> {
         let op = self.backend.start_dispatch(handle, inputs, opts);
-        OpFuture::new(&self.backend, op, extract_dispatch::<B>)
+        OpFuture::new(&self.backend, op, self.mode, extract_dispatch::<B>)
     }
 
     /// Combine with default options (forward).
@@ -108,7 +125,7 @@ impl<B: Backend> Group<B> {
         opts: &CombineOptions,
     ) -> OpFuture<B, B::CombineOutput> {
         let op = self.backend.start_combine(handle, inputs, opts);
-        OpFuture::new(&self.backend, op, extract_combine::<B>)
+        OpFuture::new(&self.backend, op, self.mode, extract_combine::<B>)
     }
 }
 
@@ -174,8 +191,24 @@ pub struct OpFuture<B: Backend, T> {
 }
 
 impl<B: Backend, T> OpFuture<B, T> {
-    fn new(backend: &Arc<B>, op: Result<B::Op>, extract: fn(Output<B>) -> Result<T>) -> Self {
-        OpFuture { driver: op.map(|op| OpDriver::new(Arc::clone(backend), op)).map_err(Some), extract, _t: PhantomData }
+    fn new(backend: &Arc<B>, op: Result<B::Op>, mode: CompletionMode, extract: fn(Output<B>) -> Result<T>) -> Self {
+        OpFuture {
+            driver: op.map(|op| OpDriver::new(Arc::clone(backend), op, mode)).map_err(Some),
+            extract,
+            _t: PhantomData,
+        }
+    }
+
+    /// Orders the send half after the work enqueued on `stream` so far, on the device (the
+    /// inputs' producers, say: torch's `wait_stream`). No host wait.
+    pub fn after(mut self, stream: &B::Stream) -> Self {
+        if let Ok(d) = &mut self.driver {
+            if let Err(e) = d.order_after(stream) {
+                // Dropping the driver sends the operation as a cancellation.
+                self.driver = Err(Some(e));
+            }
+        }
+        self
     }
 
     /// Tags the operation's trace spans with a micro-batch index.
@@ -245,11 +278,66 @@ impl<B: Backend, T> Future for SendOnly<B, T> {
 }
 
 /// An operation whose send half is issued. Awaiting it runs the complete half (NCCL EP's
-/// `ncclEpComplete`) and yields the outputs. Dropping it lets the reactor complete it in the
-/// background and discard the outputs.
+/// `ncclEpComplete`) and yields the outputs, host-observed. [`Staged::complete_on`] completes it
+/// in a caller's stream order instead, with no host wait. Dropping it lets the reactor complete
+/// it in the background and discard the outputs.
 pub struct Staged<B: Backend, T> {
     driver: OpDriver<B>,
     extract: fn(Output<B>) -> Result<T>,
+}
+
+impl<B: Backend, T> Staged<B, T> {
+    /// Completes the operation in `stream`'s order, DeepEP's receive-hook way: the complete half
+    /// runs on `stream` after the work already enqueued there ([`StreamOrder::OnStream`]), and
+    /// the outputs come back at once, usable by work enqueued on `stream` (or on streams that
+    /// wait for it) with no host wait. The [`Completion`] resolves when the device has finished,
+    /// with the verdict (if the operation failed, its group is poisoned). On the host backend the
+    /// future resolves once the peers' data is in.
+    ///
+    /// The outputs' buffer set is released in stream order: when they are dropped, the next
+    /// operation on the set waits on the device for the work enqueued on `stream` until then.
+    pub fn complete_on(self, stream: &B::Stream) -> CompleteOn<'_, B, T> {
+        self.complete_with(stream, StreamOrder::OnStream)
+    }
+
+    /// Completes the operation on its own stream at once and makes `stream` wait for it
+    /// ([`StreamOrder::Ordered`]); otherwise as [`Staged::complete_on`].
+    pub fn complete_ordered(self, stream: &B::Stream) -> CompleteOn<'_, B, T> {
+        self.complete_with(stream, StreamOrder::Ordered)
+    }
+
+    /// Stream-ordered completion with the placement `order`.
+    pub fn complete_with(self, stream: &B::Stream, order: StreamOrder) -> CompleteOn<'_, B, T> {
+        CompleteOn { driver: Some(self.driver), extract: self.extract, stream, order }
+    }
+}
+
+/// The future of [`Staged::complete_on`]: the outputs and their [`Completion`].
+pub struct CompleteOn<'s, B: Backend, T> {
+    driver: Option<OpDriver<B>>,
+    extract: fn(Output<B>) -> Result<T>,
+    stream: &'s B::Stream,
+    order: StreamOrder,
+}
+
+impl<B: Backend, T> Unpin for CompleteOn<'_, B, T> {}
+
+impl<B: Backend, T> Future for CompleteOn<'_, B, T> {
+    type Output = Result<(T, Completion)>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let d = this.driver.as_mut().ok_or_else(|| Error::Backend("polled again".into()))?;
+        let (output, completion) = ready!(d.poll_complete_on(cx, this.stream, this.order))?;
+        this.driver = None;
+        Poll::Ready((this.extract)(output).map(|t| (t, completion)))
+    }
+}
+
+impl<B: Backend, T> std::fmt::Debug for CompleteOn<'_, B, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompleteOn").field("order", &self.order).finish_non_exhaustive()
+    }
 }
 
 impl<B: Backend, T> Unpin for Staged<B, T> {}

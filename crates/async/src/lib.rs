@@ -17,7 +17,10 @@
 //! ## Table of contents
 //!
 //! - [`Group`]: one rank's group; `create_handle`, `dispatch`, `combine` return futures.
-//! - [`OpFuture`], [`SendOnly`], [`Staged`], [`HandleFuture`]: the futures.
+//! - [`OpFuture`], [`SendOnly`], [`Staged`], [`HandleFuture`]: the futures;
+//!   [`Staged::complete_on`] ([`CompleteOn`]) completes in a caller's stream order.
+//! - [`completion`]: [`Completion`] of stream-ordered operations, and [`CompletionMode`] (reactor
+//!   wakes or a bounded spin in the task).
 //! - [`reactor`]: the completion reactor thread, and [`reactor::wait_for`] for custom probes.
 //! - [`pipeline`]: runs a sequence of micro-batches through dispatch → experts → combine with
 //!   several in flight.
@@ -29,6 +32,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod completion;
 mod driver;
 mod group;
 mod inbox;
@@ -37,4 +41,5 @@ pub mod reactor;
 mod sync;
 mod wait;
 
-pub use group::{Group, HandleFuture, OpFuture, SendOnly, Staged};
+pub use completion::{Completion, CompletionMode};
+pub use group::{CompleteOn, Group, HandleFuture, OpFuture, SendOnly, Staged};

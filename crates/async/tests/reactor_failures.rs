@@ -122,6 +122,7 @@ struct FaultyOp {
 }
 
 impl PendingOp for FaultyOp {
+    type Stream = ();
     type Output = OpOutput<FaultyHandle, (), ()>;
     fn id(&self) -> OpId {
         OpId { rank: 0, channel: Channel::Dispatch, seq: self.seq }
@@ -161,6 +162,7 @@ impl PendingOp for FaultyOp {
 }
 
 impl Backend for Faulty {
+    type Stream = ();
     type Tensor = HostTensor;
     type Handle = FaultyHandle;
     type DispatchOutput = ();

@@ -11,6 +11,16 @@
 //! still runs it to the end: the peers receive a cancellation marker instead of data (their
 //! operation fails with [`Error::PeerCancelled`]) and this rank still consumes what the peers
 //! sent, so every rank's next operation finds clean buffers.
+//!
+//! ## Stream-ordered completion
+//!
+//! Instead of waiting for the complete half on the host, a driver may call
+//! [`PendingOp::complete_on`] with a caller's stream ([`Backend::Stream`]): the complete half is
+//! ordered before everything enqueued on that stream afterwards ([`StreamOrder`] says where it
+//! runs) and the outputs come back at once, ready in the stream's order. The operation's verdict
+//! (a peer's cancellation or mismatch, a device timeout) is known only once its
+//! [`PendingOp::complete_probe`] turns ready: [`PendingOp::verdict`]. A backend that completes on
+//! the host (the host backend) returns no outputs until the operation is complete.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -96,12 +106,32 @@ impl OpState {
     pub fn take_slot(&mut self) -> Option<SlotGuard> {
         self.slot.take()
     }
+
+    /// The fences the held set's previous holders left (see [`crate::protocol`]).
+    pub fn take_fences(&mut self) -> Vec<crate::protocol::Fence> {
+        self.slot.as_mut().map(SlotGuard::take_fences).unwrap_or_default()
+    }
+}
+
+/// Where a stream-ordered complete half runs ([`PendingOp::complete_on`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum StreamOrder {
+    /// On the caller's stream, after the work already enqueued there (DeepEP's receive hook): a
+    /// receive that would wait for data does not hold SMs while the caller's earlier work (another
+    /// micro-batch's experts, say) runs.
+    #[default]
+    OnStream,
+    /// On the operation's own stream at once; the caller's stream waits for it. The receive may
+    /// run (and wait) concurrently with the caller's earlier work.
+    Ordered,
 }
 
 /// One operation of one rank, from creation to result. No method blocks.
 pub trait PendingOp: Send + 'static {
     /// What the operation produces.
     type Output: Send + 'static;
+    /// The streams stream-ordered completion orders against ([`Backend::Stream`]).
+    type Stream: Send + Sync + 'static;
 
     /// Which collective it is, on which rank.
     fn id(&self) -> OpId;
@@ -136,6 +166,28 @@ pub trait PendingOp: Send + 'static {
     fn poll_complete(&mut self) -> Result<bool>;
     /// Produces the outputs. Call once [`PendingOp::poll_complete`] returned `true`.
     fn finish(self) -> Result<Self::Output>;
+    /// Orders the send half after the work enqueued on `stream` so far (on the device: a GPU
+    /// backend makes its stream wait for an event recorded there now; the host backend runs in
+    /// program order and needs nothing). Call before [`PendingOp::send`].
+    fn order_after(&mut self, stream: &Self::Stream) -> Result<()> {
+        let _ = stream;
+        Ok(())
+    }
+    /// Stream-ordered completion, after the send half (see the module docs): orders the complete
+    /// half before the work enqueued on `stream` from now on and returns the outputs, valid in
+    /// that order (`Ok(Some)`), without waiting for the device. `Ok(None)`: not yet (a backend
+    /// that completes on the host; call again once [`PendingOp::complete_probe`] is ready). The
+    /// default refuses.
+    fn complete_on(&mut self, stream: &Self::Stream, order: StreamOrder) -> Result<Option<Self::Output>> {
+        let _ = (stream, order);
+        Err(Error::Unsupported(format!("{} cannot complete in stream order on this backend", self.label())))
+    }
+    /// After [`PendingOp::complete_on`] returned the outputs and [`PendingOp::complete_probe`]
+    /// turned ready: what the device reported (the error [`PendingOp::finish`] would have
+    /// returned), `Ok` if nothing went wrong.
+    fn verdict(&mut self) -> Result<()> {
+        Ok(())
+    }
     /// A probe that turns true when [`PendingOp::poll_send_ready`] may return `true`.
     fn send_probe(&self) -> Box<dyn Probe>;
     /// A probe that turns true when [`PendingOp::poll_complete`] may return `true` (valid after
@@ -254,7 +306,10 @@ pub trait Backend: Send + Sync + 'static {
     /// Combine outputs (hold their buffer set until dropped).
     type CombineOutput: Send + 'static;
     /// An operation in flight.
-    type Op: PendingOp<Output = OpOutput<Self::Handle, Self::DispatchOutput, Self::CombineOutput>>;
+    type Op: PendingOp<Output = OpOutput<Self::Handle, Self::DispatchOutput, Self::CombineOutput>, Stream = Self::Stream>;
+    /// The streams a caller orders its own work on, for stream-ordered completion (a CUDA stream
+    /// on GPU backends; [`crate::host::HostStream`] on the host backend).
+    type Stream: Send + Sync + 'static;
 
     /// The protocol state every backend shares.
     fn core(&self) -> &RankCore;

@@ -29,7 +29,15 @@
 //!
 //! Locally, the outputs of operation `j` live in the memory of set `j % S` until they are dropped;
 //! operation `j + S` must wait for them: that is a [`SlotGuard`] from the channel's [`SlotPool`].
+//!
+//! ## Fences: buffer sets released in stream order
+//!
+//! Outputs consumed by device work still queued when they are dropped leave *fences* with their
+//! slot ([`SlotGuard::fence`], e.g. CUDA events recorded on the consumers' streams): the slot is
+//! free for the host at once, and the next operation on the set takes the fences
+//! ([`SlotGuard::take_fences`]) and makes its own writes wait for them on the device.
 
+use std::any::Any;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -73,18 +81,31 @@ impl fmt::Display for Channel {
     }
 }
 
+/// A fence a dropped output leaves with its buffer set (backend-defined: CUDA events on GPUs).
+pub type Fence = Arc<dyn Any + Send + Sync>;
+
 /// The buffer sets of one channel on one rank: set `j % S` is held from the send of operation
 /// `j` until its outputs are dropped.
-#[derive(Debug)]
 pub struct SlotPool {
     channel: Channel,
     in_use: Vec<AtomicBool>,
+    fences: Vec<Mutex<Vec<Fence>>>,
+}
+
+impl fmt::Debug for SlotPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SlotPool").field("channel", &self.channel).field("sets", &self.in_use.len()).finish()
+    }
 }
 
 impl SlotPool {
     /// A pool of `sets` free slots.
     pub fn new(channel: Channel, sets: usize) -> Arc<Self> {
-        Arc::new(SlotPool { channel, in_use: (0..sets).map(|_| AtomicBool::new(false)).collect() })
+        Arc::new(SlotPool {
+            channel,
+            in_use: (0..sets).map(|_| AtomicBool::new(false)).collect(),
+            fences: (0..sets).map(|_| Mutex::default()).collect(),
+        })
     }
 
     /// Number of sets.
@@ -116,18 +137,20 @@ impl SlotPool {
     /// Takes operation `seq`'s set if it is free.
     pub fn try_acquire(self: &Arc<Self>, seq: u64) -> Option<SlotGuard> {
         let set = self.set_of(seq);
-        self.in_use[set]
-            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
-            .ok()
-            .map(|_| SlotGuard { pool: Arc::clone(self), set })
+        self.in_use[set].compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).ok().map(|_| SlotGuard {
+            pool: Arc::clone(self),
+            set,
+            fences: Vec::new(),
+        })
     }
 }
 
-/// A held buffer set; dropping it frees the set.
+/// A held buffer set; dropping it frees the set (leaving its fences for the next holder).
 #[derive(Debug)]
 pub struct SlotGuard {
     pool: Arc<SlotPool>,
     set: usize,
+    fences: Vec<Fence>,
 }
 
 impl SlotGuard {
@@ -135,10 +158,25 @@ impl SlotGuard {
     pub fn set(&self) -> usize {
         self.set
     }
+
+    /// Leaves `fence` for the next holder of the set: work still queued on the device reads the
+    /// set's memory until it passes.
+    pub fn fence(&mut self, fence: Fence) {
+        self.fences.push(fence);
+    }
+
+    /// The fences the previous holders of the set left (the new holder's writes wait for them).
+    pub fn take_fences(&mut self) -> Vec<Fence> {
+        std::mem::take(&mut *self.pool.fences[self.set].lock().unwrap_or_else(|e| e.into_inner()))
+    }
 }
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
+        if !self.fences.is_empty() {
+            let mut f = self.pool.fences[self.set].lock().unwrap_or_else(|e| e.into_inner());
+            f.append(&mut self.fences);
+        }
         self.pool.in_use[self.set].store(false, Ordering::Release);
     }
 }
@@ -259,6 +297,20 @@ mod tests {
         let now = Instant::now();
         assert_eq!(deadline_after(now, Duration::from_secs(1)), now + Duration::from_secs(1));
         assert!(deadline_after(now, Duration::MAX) > now + Duration::from_secs(3600));
+    }
+
+    #[test]
+    fn fences_pass_to_the_next_holder_of_the_set() {
+        let pool = SlotPool::new(Channel::Combine, 2);
+        let mut a = pool.try_acquire(0).unwrap();
+        a.fence(Arc::new(7u32));
+        drop(a);
+        let mut c = pool.try_acquire(2).unwrap();
+        let fences = c.take_fences();
+        assert_eq!(fences.len(), 1);
+        assert_eq!(fences[0].downcast_ref::<u32>(), Some(&7));
+        assert!(c.take_fences().is_empty());
+        assert!(pool.try_acquire(1).unwrap().take_fences().is_empty(), "set 1 had none");
     }
 
     #[test]

@@ -1,5 +1,13 @@
-//! Expert compute for examples and benchmarks: one BF16 GEMM per local expert (cuBLAS) over the
-//! rows dispatch delivered to it.
+//! Expert compute for examples and benchmarks (cuBLAS, BF16 with fp32 accumulation):
+//!
+//! - [`ExpertGemm::padded`]: one strided-batched GEMM over the whole padded `[L x R*M x H]`
+//!   low-latency layout. It needs no counts, so nothing is read on the host: the stream-ordered
+//!   path ([`crate::GpuDispatchOutput`] completed on the GEMM's stream) runs with no host sync.
+//!   Rows past an expert's count hold stale data; their results are never read (combine reads
+//!   only the rows dispatch delivered). It computes all `R*M` rows per expert: with `M` sized
+//!   for the worst case that is more arithmetic than the rows received, the price of no sync.
+//! - [`ExpertGemm::per_expert`]: one GEMM per expert over the rows it received, which needs the
+//!   counts on the host.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -23,6 +31,25 @@ fn blas_error(e: impl std::fmt::Debug) -> Error {
     Error::Backend(format!("cuBLAS: {e:?}"))
 }
 
+/// `(L, rows, H)` of BF16 `x`, `y` `[L x rows x H]` and `w` `[H x H]`, or why not.
+fn check_shapes(x: &DeviceTensor, w: &DeviceTensor, y: &DeviceTensor) -> Result<(usize, usize, usize), Error> {
+    let (xd, wd, yd) = (x.desc(), w.desc(), y.desc());
+    let ok = xd.dtype == DType::Bf16
+        && wd.dtype == DType::Bf16
+        && yd.dtype == DType::Bf16
+        && xd.shape.len() == 3
+        && xd.shape == yd.shape
+        && wd.shape == [xd.shape[2], xd.shape[2]]
+        && xd.shape.iter().all(|&d| d <= i32::MAX as usize);
+    if !ok {
+        return Err(Error::Unsupported(format!(
+            "expert GEMM needs BF16 x, y [L x rows x H] and w [H x H]; got x {:?} {}, w {:?} {}, y {:?} {}",
+            xd.shape, xd.dtype, wd.shape, wd.dtype, yd.shape, yd.dtype
+        )));
+    }
+    Ok((xd.shape[0], xd.shape[1], xd.shape[2]))
+}
+
 impl ExpertGemm {
     /// cuBLAS bound to `stream`.
     pub fn new(stream: Arc<CudaStream>) -> Result<Self, Error> {
@@ -40,6 +67,56 @@ impl ExpertGemm {
         &self.stream
     }
 
+    /// For every local expert `l` and every row `j` of the padded layout, `y[l][j] = x[l][j] · w`
+    /// (row-major BF16, fp32 accumulation), where `x` and `y` are `[L x R*M x H]` and `w` is
+    /// `[H x H]`: one strided-batched GEMM enqueued on the stream (after `x`'s ready event, if
+    /// any), which reads no counts. Returns an event recorded after it.
+    pub fn padded(&self, x: &DeviceTensor, w: &DeviceTensor, y: &DeviceTensor) -> Result<CudaEvent, Error> {
+        let (l, rows, h) = check_shapes(x, w, y)?;
+        bind(self.stream.context())?;
+        if let Some(e) = x.ready_event() {
+            self.stream.wait(e).map_err(|e| cuda("wait for input", e))?;
+        }
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let stride = (rows * h) as i64;
+        // Row-major Y[rows x h] = X[rows x h] · W[h x h] is column-major Y^T = W^T · X^T, per
+        // expert; W is shared (stride 0).
+        // SAFETY: shapes were checked: X and Y hold `l` blocks of `rows x h` BF16 values `stride`
+        // apart, W holds h x h; alpha/beta are host fp32 scalars (compute type 32F); all three
+        // are alive until the caller's work on this stream is done (the caller keeps them).
+        unsafe {
+            cudarc::cublas::result::gemm_strided_batched_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_N,
+                cublasOperation_t::CUBLAS_OP_N,
+                h as i32,
+                rows as i32,
+                h as i32,
+                &alpha as *const f32 as *const c_void,
+                w.ptr() as *const c_void,
+                cudaDataType_t::CUDA_R_16BF,
+                h as i32,
+                0,
+                x.ptr() as *const c_void,
+                cudaDataType_t::CUDA_R_16BF,
+                h as i32,
+                stride,
+                &beta as *const f32 as *const c_void,
+                y.ptr() as *mut c_void,
+                cudaDataType_t::CUDA_R_16BF,
+                h as i32,
+                stride,
+                l as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(blas_error)?;
+        let ev = self.stream.context().new_event(None).map_err(|e| cuda("create event", e))?;
+        ev.record(&self.stream).map_err(|e| cuda("record event", e))?;
+        Ok(ev)
+    }
+
     /// For every local expert `l`, `y[l][0..rows[l]] = x[l][0..rows[l]] · w` (row-major BF16,
     /// fp32 accumulation), where `x` and `y` are `[L x R*M x H]` and `w` is `[H x H]`. Enqueues
     /// on the stream and returns an event recorded after the last GEMM.
@@ -50,22 +127,12 @@ impl ExpertGemm {
         y: &DeviceTensor,
         rows: &[i32],
     ) -> Result<CudaEvent, Error> {
-        let (xd, wd, yd) = (x.desc(), w.desc(), y.desc());
-        let ok = xd.dtype == DType::Bf16
-            && wd.dtype == DType::Bf16
-            && yd.dtype == DType::Bf16
-            && xd.shape.len() == 3
-            && xd.shape == yd.shape
-            && wd.shape == [xd.shape[2], xd.shape[2]]
-            && rows.len() == xd.shape[0]
-            && rows.iter().all(|&r| r >= 0 && r as usize <= xd.shape[1]);
-        if !ok {
+        let (l, per_expert, h) = check_shapes(x, w, y)?;
+        if rows.len() != l || rows.iter().any(|&r| r < 0 || r as usize > per_expert) {
             return Err(Error::Unsupported(format!(
-                "per-expert GEMM needs BF16 x, y [L x rows x H], w [H x H] and at most `rows` rows per expert; got x {:?}, w {:?}, y {:?}, rows {rows:?}",
-                xd.shape, wd.shape, yd.shape
+                "per-expert GEMM needs one count in 0..={per_expert} per expert ({l}); got {rows:?}"
             )));
         }
-        let (per_expert, h) = (xd.shape[1], xd.shape[2]);
         bind(self.stream.context())?;
         if let Some(e) = x.ready_event() {
             self.stream.wait(e).map_err(|e| cuda("wait for input", e))?;

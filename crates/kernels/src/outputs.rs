@@ -1,16 +1,68 @@
-//! Outputs of GPU operations: views into the group's buffer set, holding it until dropped.
+//! Outputs of GPU operations: views into the group's buffer set, holding it (through a
+//! [`SetLease`]) until the last view is dropped, or into cached memory of their own.
+//!
+//! Release in stream order: a stream declared as a consumer of the outputs
+//! ([`GpuDispatchOutput::record_stream`], or the stream of a stream-ordered completion) gets an
+//! event recorded on it when the last view goes; the memory's next writer waits for that event on
+//! the device, so a buffer set the device may still read is never overwritten.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use epflow_core::ops::{CombineOutputs, DispatchOutputs};
-use epflow_core::protocol::SlotGuard;
+use epflow_core::protocol::{Fence, SlotGuard};
 use epflow_core::{Error, HostData, HostTensor};
 
-use crate::device::copy_to_host;
+use crate::device::consumers::Consumers;
+use crate::device::{DeviceTensor, Lease, copy_to_host};
 
-use crate::device::DeviceTensor;
+/// A low-latency buffer set on loan to an operation's outputs: the set is released when the
+/// operation and every view of its outputs are gone, with a fence on each consumer stream.
+#[derive(Debug)]
+pub(crate) struct SetLease {
+    slot: Mutex<Option<SlotGuard>>,
+    consumers: Consumers,
+}
+
+impl SetLease {
+    /// The lease of `slot`, in `ctx`.
+    pub(crate) fn new(ctx: &Arc<CudaContext>, slot: Option<SlotGuard>) -> Arc<Self> {
+        Arc::new(SetLease { slot: Mutex::new(slot), consumers: Consumers::new(ctx) })
+    }
+}
+
+impl Lease for SetLease {
+    fn add_consumer(&self, stream: &Arc<CudaStream>) {
+        self.consumers.add(stream);
+    }
+}
+
+impl Drop for SetLease {
+    fn drop(&mut self) {
+        let slot = self.slot.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(mut slot) = slot {
+            for f in self.consumers.fences() {
+                slot.fence(f as Fence);
+            }
+        }
+    }
+}
+
+/// Marks every view in `views` ready after `done` (outputs handed out before the device wrote
+/// them: epflow operations reading them wait for it on the device, downloads on the host).
+fn ready_views<'a>(views: impl IntoIterator<Item = &'a mut DeviceTensor>, done: &Arc<CudaEvent>) {
+    for v in views {
+        v.set_ready(Arc::clone(done));
+    }
+}
+
+/// Declares `stream` a consumer of every view in `views`.
+fn record_views<'a>(views: impl IntoIterator<Item = &'a DeviceTensor>, stream: &Arc<CudaStream>) {
+    for v in views {
+        v.record_stream(stream);
+    }
+}
 
 /// Copies the first `counts[l]` rows of each expert `l` of an `[L x rows x width]` tensor.
 fn rows_to_host(ctx: &CudaContext, t: &DeviceTensor, counts: &[i32]) -> Result<HostTensor, Error> {
@@ -45,10 +97,33 @@ pub struct GpuDispatchOutput {
     pub(crate) host_counts: Option<Vec<i32>>,
     pub(crate) elapsed: Option<(Duration, Duration)>,
     pub(crate) ctx: Arc<CudaContext>,
-    pub(crate) _slot: Option<SlotGuard>,
 }
 
 impl GpuDispatchOutput {
+    /// Marks the outputs ready after `done`.
+    pub(crate) fn ready_after(&mut self, done: &Arc<CudaEvent>) {
+        let o = &mut self.outputs;
+        ready_views(
+            [Some(&mut o.tokens), o.scales.as_mut(), o.topk_weights.as_mut(), o.topk_idx.as_mut(), o.counts.as_mut()]
+                .into_iter()
+                .flatten(),
+            done,
+        );
+    }
+
+    /// Declares that work enqueued on `stream` reads these outputs (torch's `record_stream`):
+    /// when the last view is dropped, their memory is released in `stream`'s order. Outputs of
+    /// a stream-ordered completion already count its stream.
+    pub fn record_stream(&self, stream: &Arc<CudaStream>) {
+        let o = &self.outputs;
+        record_views(
+            [Some(&o.tokens), o.scales.as_ref(), o.topk_weights.as_ref(), o.topk_idx.as_ref(), o.counts.as_ref()]
+                .into_iter()
+                .flatten(),
+            stream,
+        );
+    }
+
     /// Received tokens: `[L x R*M x H]` (low-latency) or `[N x H]` (high-throughput), BF16 or
     /// FP8.
     pub fn tokens(&self) -> &DeviceTensor {
@@ -132,10 +207,22 @@ pub struct GpuCombineOutput {
     pub(crate) outputs: CombineOutputs<DeviceTensor>,
     pub(crate) elapsed: Option<(Duration, Duration)>,
     pub(crate) ctx: Arc<CudaContext>,
-    pub(crate) _slot: Option<SlotGuard>,
 }
 
 impl GpuCombineOutput {
+    /// Marks the outputs ready after `done`.
+    pub(crate) fn ready_after(&mut self, done: &Arc<CudaEvent>) {
+        let o = &mut self.outputs;
+        ready_views([Some(&mut o.tokens), o.topk_weights.as_mut()].into_iter().flatten(), done);
+    }
+
+    /// Declares that work enqueued on `stream` reads these outputs (as
+    /// [`GpuDispatchOutput::record_stream`]).
+    pub fn record_stream(&self, stream: &Arc<CudaStream>) {
+        let o = &self.outputs;
+        record_views([Some(&o.tokens), o.topk_weights.as_ref()].into_iter().flatten(), stream);
+    }
+
     /// Tokens `[B x H]` BF16 in the original order.
     pub fn tokens(&self) -> &DeviceTensor {
         &self.outputs.tokens

@@ -269,6 +269,7 @@ impl NcclEpRank {
 }
 
 impl Backend for NcclEpRank {
+    type Stream = Arc<CudaStream>;
     type Tensor = DeviceTensor;
     type Handle = NcclEpHandle;
     type DispatchOutput = NcclEpDispatchOutput;

@@ -1,6 +1,8 @@
 //! One NCCL EP operation ([`NcclEpOp`]) and what it returns.
 
 use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -265,6 +267,21 @@ impl Drop for NcclEpOp {
 
 impl PendingOp for NcclEpOp {
     type Output = NcclEpOpOutput;
+    /// NCCL EP's operations order after a caller's stream ([`PendingOp::order_after`]); they do
+    /// not complete in stream order (its outputs are not leased: await the staged operation).
+    type Stream = Arc<CudaStream>;
+
+    fn order_after(&mut self, stream: &Arc<CudaStream>) -> Result<(), Error> {
+        if self.state.is_sent() {
+            return Err(Error::Backend(format!("{} was already sent: too late to order it", self.label())));
+        }
+        let s = &self.shared;
+        s.ctx.bind_to_thread().map_err(|e| cuda("bind context", e))?;
+        let e = s.ctx.new_event(None).map_err(|e| cuda("create event", e))?;
+        e.record(stream).map_err(|e| cuda("record event", e))?;
+        self.work.wait_events([Arc::new(e)]);
+        Ok(())
+    }
 
     fn id(&self) -> OpId {
         OpId { rank: self.shared.rank, channel: self.channel, seq: self.seq }

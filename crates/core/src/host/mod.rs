@@ -49,6 +49,13 @@ pub use rank::{HostRank, HostStaged, HostWorld};
 use crate::config::GroupConfig;
 use mailbox::Mailboxes;
 
+/// The host backend's stream ([`crate::backend::Backend::Stream`]): host ranks run each
+/// operation in program order, so work "on" it needs no ordering, and stream-ordered completion
+/// ([`crate::backend::PendingOp::complete_on`]) completes on the host (the outputs come once the
+/// peers' data is in).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostStream;
+
 /// What every rank of a host world shares.
 #[derive(Debug)]
 pub struct HostWorldShared {

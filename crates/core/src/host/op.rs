@@ -5,12 +5,12 @@ use std::sync::{Arc, RwLockReadGuard};
 
 use half::bf16;
 
-use super::HostWorldShared;
 use super::handle::HostHandle;
 use super::mailbox::Staging;
 use super::messages::{Body, Message};
 use super::outputs::{Buffers, HostCombineOutput, HostDispatchOutput, Recycle};
-use crate::backend::{OpId, OpOutput, OpState, PendingOp};
+use super::{HostStream, HostWorldShared};
+use crate::backend::{OpId, OpOutput, OpState, PendingOp, StreamOrder};
 use crate::config::{Algorithm, DispatchDtype};
 use crate::error::{Error, Result};
 use crate::fp8;
@@ -317,6 +317,21 @@ impl HostOp {
         })
     }
 
+    /// Takes every peer's message, produces the result, and returns the credits (also after an
+    /// error). Runs once.
+    fn take_result(&mut self) -> Result<HostOpOutput> {
+        let (mb, r) = (&self.world.mailboxes, self.world.num_ranks);
+        let msgs: Vec<Message> = (0..r)
+            .map(|s| mb.cell(self.rank, self.channel, self.seq, s).take().unwrap_or(Message::Cancelled))
+            .collect();
+        let result = if self.state.is_cancelled() { Ok(OpOutput::Cancelled) } else { self.produce(&msgs) };
+        // Done reading the senders' staging buffers: return every credit, also after an error.
+        for s in 0..r {
+            self.world.mailboxes.cell(self.rank, self.channel, self.seq, s).release(self.seq);
+        }
+        result
+    }
+
     fn produce(&mut self, msgs: &[Message]) -> Result<HostOpOutput> {
         let mut bodies = Vec::with_capacity(msgs.len());
         for (peer, m) in msgs.iter().enumerate() {
@@ -351,6 +366,7 @@ impl HostOp {
 
 impl PendingOp for HostOp {
     type Output = HostOpOutput;
+    type Stream = HostStream;
 
     fn id(&self) -> OpId {
         OpId { rank: self.rank, channel: self.channel, seq: self.seq }
@@ -421,16 +437,17 @@ impl PendingOp for HostOp {
     }
 
     fn finish(mut self) -> Result<Self::Output> {
-        let (mb, r) = (&self.world.mailboxes, self.world.num_ranks);
-        let msgs: Vec<Message> = (0..r)
-            .map(|s| mb.cell(self.rank, self.channel, self.seq, s).take().unwrap_or(Message::Cancelled))
-            .collect();
-        let result = if self.state.is_cancelled() { Ok(OpOutput::Cancelled) } else { self.produce(&msgs) };
-        // Done reading the senders' staging buffers: return every credit, also after an error.
-        for s in 0..r {
-            self.world.mailboxes.cell(self.rank, self.channel, self.seq, s).release(self.seq);
+        self.take_result()
+    }
+
+    /// The host backend completes on the host: the outputs come once every peer's message is
+    /// in (the driver waits through the complete probe until then), already in order for any
+    /// later work.
+    fn complete_on(&mut self, _stream: &HostStream, _order: StreamOrder) -> Result<Option<Self::Output>> {
+        if !self.poll_complete()? {
+            return Ok(None);
         }
-        result
+        self.take_result().map(Some)
     }
 
     fn send_probe(&self) -> Box<dyn crate::backend::Probe> {
@@ -442,6 +459,10 @@ impl PendingOp for HostOp {
     }
 
     fn complete_probe(&self) -> Box<dyn crate::backend::Probe> {
+        if self.arrived.iter().all(|&a| a) {
+            // Everything is in (and may have been taken already by a stream-ordered completion).
+            return Box::new(|| true);
+        }
         let (world, channel, seq, rank) = (Arc::clone(&self.world), self.channel, self.seq, self.rank);
         Box::new(move || (0..world.num_ranks).all(|s| world.mailboxes.cell(rank, channel, seq, s).has_arrived(seq)))
     }

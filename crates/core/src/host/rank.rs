@@ -389,6 +389,7 @@ impl HostRank {
 }
 
 impl Backend for HostRank {
+    type Stream = super::HostStream;
     type Tensor = HostTensor;
     type Handle = HostHandle;
     type DispatchOutput = HostDispatchOutput;

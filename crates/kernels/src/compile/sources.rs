@@ -35,9 +35,9 @@ pub const NCCL: KernelModule = KernelModule {
     kernels: &["ep_nccl_ht_pack", "ep_nccl_arrivals", "ep_nccl_ht_reduce"],
 };
 
-/// Small utilities (FP8 dequantization).
+/// Small utilities (FP8 dequantization; a spin kernel that holds a stream, for tests).
 pub const UTIL: KernelModule =
-    KernelModule { name: "util", body: include_str!("../cuda/util.cu"), kernels: &["ep_dequant_fp8_rows"] };
+    KernelModule { name: "util", body: include_str!("../cuda/util.cu"), kernels: &["ep_dequant_fp8_rows", "ep_spin"] };
 
 /// Every module.
 pub const ALL: &[KernelModule] = &[LL, HT, NCCL, UTIL];

@@ -16,3 +16,14 @@ extern "C" __global__ void ep_dequant_fp8_rows(u64 q_ptr, u64 scales_ptr, u64 ou
         out[i] = __float2bfloat16_rn(__fmul_rn(v, scales[r * cols + c / 128]));
     }
 }
+
+// Holds its stream for `ns` nanoseconds of the global timer (one thread): a deliberately slow
+// consumer for tests of stream-ordered buffer release.
+extern "C" __global__ void ep_spin(u64 ns) {
+    u64 start;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    u64 now = start;
+    while (now - start < ns) {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    }
+}

@@ -3,14 +3,17 @@
 //! steady stream of operations allocates nothing after warm-up (`cuMemAlloc` and `cuMemFree` are
 //! slow, and `cuMemFree` synchronizes the device).
 //!
-//! A returned buffer may be handed to the next operation at once: drop an output only when the
-//! work that reads it has finished or is ordered before the next epflow operation.
+//! A returned buffer may be handed to the next operation at once. Work still queued on the
+//! device that reads it must be declared (its stream a consumer: [`CachedBuffer::add_consumer`],
+//! `record_stream` on the outputs): the buffer then returns with fences, which its next user's
+//! writes wait for on the device.
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use epflow_core::Error;
 
+use super::consumers::{Consumers, Lease};
 use super::memory::DeviceBuffer;
 
 /// Allocation granularity of cached buffers.
@@ -18,17 +21,20 @@ const GRANULE: usize = 2 << 20;
 /// Free buffers kept at most; more are freed.
 const MAX_FREE: usize = 8;
 
-/// Free output buffers of one device.
+/// Free output buffers of one device, with the fences of their last readers.
 #[derive(Debug)]
 pub(crate) struct OutputCache {
     ctx: Arc<CudaContext>,
-    free: Mutex<Vec<DeviceBuffer>>,
+    free: Mutex<Vec<(DeviceBuffer, Vec<Arc<CudaEvent>>)>>,
 }
 
-/// A buffer on loan from an [`OutputCache`]; goes back on drop.
+/// A buffer on loan from an [`OutputCache`]; goes back on drop, with fences on its consumers.
 #[derive(Debug)]
 pub(crate) struct CachedBuffer {
     buf: Option<DeviceBuffer>,
+    /// The previous readers' fences: writers of this buffer wait for them.
+    fences: Vec<Arc<CudaEvent>>,
+    consumers: Consumers,
     cache: Arc<OutputCache>,
 }
 
@@ -40,12 +46,21 @@ impl OutputCache {
 
     /// The smallest free buffer of at least `bytes`, or a new one (rounded up to 2 MiB).
     pub(crate) fn take(self: &Arc<Self>, bytes: usize) -> Result<CachedBuffer, Error> {
-        let found = take_smallest(&self.free, bytes);
-        let buf = match found {
-            Some(b) => b,
-            None => DeviceBuffer::zeroed(&self.ctx, bytes.max(1).next_multiple_of(GRANULE))?,
+        let found = {
+            let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+            let best = free
+                .iter()
+                .enumerate()
+                .filter(|(_, (b, _))| b.bytes() >= bytes)
+                .min_by_key(|(_, (b, _))| b.bytes())
+                .map(|(i, _)| i);
+            best.map(|i| free.swap_remove(i))
         };
-        Ok(CachedBuffer { buf: Some(buf), cache: Arc::clone(self) })
+        let (buf, fences) = match found {
+            Some(f) => f,
+            None => (DeviceBuffer::zeroed(&self.ctx, bytes.max(1).next_multiple_of(GRANULE))?, Vec::new()),
+        };
+        Ok(CachedBuffer { buf: Some(buf), fences, consumers: Consumers::new(&self.ctx), cache: Arc::clone(self) })
     }
 }
 
@@ -62,21 +77,44 @@ impl CachedBuffer {
     pub(crate) fn ptr(&self) -> u64 {
         self.buf.as_ref().map_or(0, DeviceBuffer::ptr)
     }
+
+    /// The fences of the buffer's previous readers: work writing it waits for them.
+    pub(crate) fn take_fences(&mut self) -> Vec<Arc<CudaEvent>> {
+        std::mem::take(&mut self.fences)
+    }
+
+    /// Work on `stream` reads the buffer: its release fences the stream.
+    pub(crate) fn add_consumer(&self, stream: &Arc<CudaStream>) {
+        self.consumers.add(stream);
+    }
+}
+
+impl Lease for CachedBuffer {
+    fn add_consumer(&self, stream: &Arc<CudaStream>) {
+        CachedBuffer::add_consumer(self, stream);
+    }
 }
 
 impl Drop for CachedBuffer {
     fn drop(&mut self) {
         if let Some(b) = self.buf.take() {
+            let mut fences = self.consumers.fences();
+            fences.append(&mut self.fences);
             let mut free = self.cache.free.lock().unwrap_or_else(|e| e.into_inner());
-            if free.len() < MAX_FREE {
-                free.push(b);
-            } else {
-                // The smallest goes: the cache keeps the buffers large operations need.
-                free.push(b);
-                free.sort_by_key(|b| std::cmp::Reverse(b.bytes()));
+            free.push((b, fences));
+            if free.len() > MAX_FREE {
+                // The smallest goes: the cache keeps the buffers large operations need. A
+                // buffer with fences is waited for before it is freed (cuMemFree of memory in
+                // use would be an error).
+                free.sort_by_key(|(b, _)| std::cmp::Reverse(b.bytes()));
                 let extra = free.pop();
                 drop(free);
-                drop(extra);
+                if let Some((b, fences)) = extra {
+                    for f in fences {
+                        let _ = f.synchronize();
+                    }
+                    drop(b);
+                }
             }
         }
     }

@@ -2,11 +2,13 @@
 //! cache of output buffers, and what every stream-ordered operation does around its launches.
 
 pub(crate) mod cache;
+pub(crate) mod consumers;
 mod context;
 mod memory;
 mod stream_work;
 mod tensor;
 
+pub(crate) use consumers::Lease;
 pub(crate) use context::{bind, context, cuda};
 pub use context::{device_count, driver_present};
 pub use memory::DeviceBuffer;

@@ -10,6 +10,7 @@ use std::time::Duration;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
 use epflow_core::Error;
 
+use super::consumers::Lease;
 use super::context::{bind, cuda};
 use super::tensor::DeviceTensor;
 
@@ -18,7 +19,13 @@ pub struct StreamWork {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     waits: Vec<Arc<CudaEvent>>,
+    /// Fences of memory the work writes (its previous readers): waited for even when the
+    /// inputs are released.
+    fences: Vec<Arc<CudaEvent>>,
     keep: Vec<Arc<dyn Any + Send + Sync>>,
+    /// Leases of inputs that are epflow outputs: released (with this stream as a consumer) once
+    /// the send half is enqueued.
+    leases: Vec<Arc<dyn Lease>>,
     timing: Option<[CudaEvent; 3]>,
     done: Option<Arc<CudaEvent>>,
 }
@@ -41,7 +48,9 @@ impl StreamWork {
             ctx: Arc::clone(ctx),
             stream: Arc::clone(stream),
             waits: inputs.iter().filter_map(|t| t.ready_event().cloned()).collect(),
+            fences: Vec::new(),
             keep: inputs.iter().filter_map(|t| t.keep_alive()).collect(),
+            leases: inputs.iter().filter_map(|t| t.lease().cloned()).collect(),
             timing: None,
             done: None,
         }
@@ -67,6 +76,27 @@ impl StreamWork {
     pub fn release_inputs(&mut self) {
         self.waits.clear();
         self.keep.clear();
+        self.leases.clear();
+    }
+
+    /// Also waits, before the send half, for `events` (recorded on streams whose work must
+    /// come first: the inputs' producers). Released with the inputs.
+    pub fn wait_events(&mut self, events: impl IntoIterator<Item = Arc<CudaEvent>>) {
+        self.waits.extend(events);
+    }
+
+    /// Also waits, before the send half, for `fences` (of memory the work writes: its previous
+    /// readers). Kept when the inputs are released.
+    pub fn wait_fences(&mut self, fences: impl IntoIterator<Item = Arc<CudaEvent>>) {
+        self.fences.extend(fences);
+    }
+
+    /// Makes `stream` wait on the device for `events` (the fences of memory it is about to write).
+    pub fn wait_on(stream: &CudaStream, events: &[Arc<CudaEvent>]) -> Result<(), Error> {
+        for e in events {
+            stream.wait(e).map_err(|e| cuda("wait for a fence", e))?;
+        }
+        Ok(())
     }
 
     fn event(&self, timed: bool) -> Result<CudaEvent, Error> {
@@ -81,6 +111,8 @@ impl StreamWork {
         for e in &self.waits {
             self.stream.wait(e).map_err(|e| cuda("wait for an input", e))?;
         }
+        Self::wait_on(&self.stream, &self.fences)?;
+        self.fences.clear();
         if timing {
             let events = [self.event(true)?, self.event(true)?, self.event(true)?];
             events[0].record(&self.stream).map_err(|e| cuda("record event", e))?;
@@ -89,10 +121,15 @@ impl StreamWork {
         Ok(())
     }
 
-    /// After the send half's launches: the middle timing event.
-    pub fn end_send(&self) -> Result<(), Error> {
+    /// After the send half's launches: the middle timing event. The send half has read its
+    /// inputs by the end of what is now enqueued: the leases of inputs that are epflow outputs
+    /// are released with this stream as a consumer.
+    pub fn end_send(&mut self) -> Result<(), Error> {
         if let Some(t) = &self.timing {
             t[1].record(&self.stream).map_err(|e| cuda("record event", e))?;
+        }
+        for l in self.leases.drain(..) {
+            l.add_consumer(&self.stream);
         }
         Ok(())
     }
@@ -107,10 +144,18 @@ impl StreamWork {
 
     /// After the complete half's launches: the end timing event and the completion event.
     pub fn end_complete(&mut self) -> Result<Arc<CudaEvent>, Error> {
+        let stream = Arc::clone(&self.stream);
+        self.end_complete_on(&stream)
+    }
+
+    /// As [`StreamWork::end_complete`], for a complete half launched on `stream` (a caller's).
+    pub fn end_complete_on(&mut self, stream: &CudaStream) -> Result<Arc<CudaEvent>, Error> {
         if let Some(t) = &self.timing {
-            t[2].record(&self.stream).map_err(|e| cuda("record event", e))?;
+            t[2].record(stream).map_err(|e| cuda("record event", e))?;
         }
-        let done = self.record_now()?;
+        let e = self.event(false)?;
+        e.record(stream).map_err(|e| cuda("record event", e))?;
+        let done = Arc::new(e);
         self.done = Some(Arc::clone(&done));
         Ok(done)
     }

@@ -4,21 +4,25 @@ use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 
-use cudarc::driver::CudaEvent;
+use cudarc::driver::{CudaEvent, CudaStream};
 use epflow_core::ops::TensorView;
 use epflow_core::{Error, HostData, HostTensor, TensorDesc};
 
+use super::consumers::Lease;
 use super::memory::{DeviceBuffer, copy_to_host};
 
 /// A tensor in the memory of one device: a descriptor, an address, what keeps the memory alive,
 /// and optionally an event after which the data is ready (the GPU backend makes its stream wait
-/// on it before reading).
+/// on it before reading). A view of an epflow output also holds the output's lease: the buffer
+/// set (or cached buffer) is not written again until every view is dropped and the consumer
+/// streams declared with [`DeviceTensor::record_stream`] have passed that point.
 #[derive(Clone)]
 pub struct DeviceTensor {
     desc: TensorDesc,
     ptr: u64,
     device: usize,
     keep: Option<Arc<dyn Any + Send + Sync>>,
+    lease: Option<Arc<dyn Lease>>,
     ready: Option<Arc<CudaEvent>>,
 }
 
@@ -53,13 +57,13 @@ impl DeviceTensor {
             HostData::I64(v) => buf.write(0, v)?,
             HostData::Fp8(v) => buf.write(0, v)?,
         }
-        Ok(DeviceTensor { desc: d, ptr: buf.ptr(), device, keep: Some(Arc::new(buf)), ready: None })
+        Ok(DeviceTensor { desc: d, ptr: buf.ptr(), device, keep: Some(Arc::new(buf)), lease: None, ready: None })
     }
 
     /// A zero-filled tensor of `desc` on `device`.
     pub fn zeros(ctx: &Arc<cudarc::driver::CudaContext>, device: usize, desc: TensorDesc) -> Result<Self, Error> {
         let buf = DeviceBuffer::zeroed(ctx, desc.size_bytes())?;
-        Ok(DeviceTensor { desc, ptr: buf.ptr(), device, keep: Some(Arc::new(buf)), ready: None })
+        Ok(DeviceTensor { desc, ptr: buf.ptr(), device, keep: Some(Arc::new(buf)), lease: None, ready: None })
     }
 
     /// A view of memory someone else owns (a framework's tensor, say).
@@ -70,12 +74,38 @@ impl DeviceTensor {
     /// `device`, laid out as `desc` says, valid until every operation that reads or writes this
     /// tensor has completed.
     pub unsafe fn from_raw(ptr: u64, device: usize, desc: TensorDesc) -> Self {
-        DeviceTensor { desc, ptr, device, keep: None, ready: None }
+        DeviceTensor { desc, ptr, device, keep: None, lease: None, ready: None }
     }
 
     /// A view into memory kept alive by `keep`.
     pub(crate) fn view(ptr: u64, device: usize, desc: TensorDesc, keep: Arc<dyn Any + Send + Sync>) -> Self {
-        DeviceTensor { desc, ptr, device, keep: Some(keep), ready: None }
+        DeviceTensor { desc, ptr, device, keep: Some(keep), lease: None, ready: None }
+    }
+
+    /// A view into leased output memory (kept alive by `keep`).
+    pub(crate) fn leased(
+        ptr: u64,
+        device: usize,
+        desc: TensorDesc,
+        keep: Arc<dyn Any + Send + Sync>,
+        lease: Arc<dyn Lease>,
+    ) -> Self {
+        DeviceTensor { desc, ptr, device, keep: Some(keep), lease: Some(lease), ready: None }
+    }
+
+    /// Declares that work enqueued on `stream` (until this tensor's memory is released) reads
+    /// it, as torch's `record_stream`: when the output it belongs to is dropped, its buffer set is
+    /// released in `stream`'s order (the next writer waits for that work on the device). For
+    /// tensors that are not epflow outputs it does nothing.
+    pub fn record_stream(&self, stream: &Arc<CudaStream>) {
+        if let Some(l) = &self.lease {
+            l.add_consumer(stream);
+        }
+    }
+
+    /// The output lease of this view, if it is one.
+    pub(crate) fn lease(&self) -> Option<&Arc<dyn Lease>> {
+        self.lease.as_ref()
     }
 
     /// A copy of this tensor in new memory of the same device (synchronous).
@@ -97,6 +127,11 @@ impl DeviceTensor {
     pub fn ready_after(mut self, event: Arc<CudaEvent>) -> Self {
         self.ready = Some(event);
         self
+    }
+
+    /// Sets the ready event in place (see [`DeviceTensor::ready_after`]).
+    pub(crate) fn set_ready(&mut self, event: Arc<CudaEvent>) {
+        self.ready = Some(event);
     }
 
     /// The descriptor.

@@ -12,9 +12,11 @@ use epflow_core::validate::{OpContext, ValidCombine, ValidDispatch, combine_outp
 use epflow_core::{DType, Error, TensorDesc, TensorTag};
 
 use super::nccl::{nccl_combine, nccl_dispatch};
-use crate::device::DeviceTensor;
+use cudarc::driver::CudaEvent;
+
 use crate::device::PinnedBuffer;
 use crate::device::cache::CachedBuffer;
+use crate::device::{DeviceTensor, Lease};
 use crate::layout::{HT_BATCH, HT_ITEMS_PER_FENCE};
 use crate::op::{GpuOp, GpuOpKind, Launch};
 use crate::params::{ExchangeParams, HtParams};
@@ -40,14 +42,23 @@ impl OutputPlan {
         OutputPlan { descs, offsets, bytes }
     }
 
-    fn views(self, shared: &RankShared, buf: CachedBuffer) -> Vec<DeviceTensor> {
+    /// Views of the outputs in `buf`, which lease it (readers declared on them fence its
+    /// reuse), and the fences of its previous readers, which the kernel writing it waits for.
+    fn views(self, shared: &RankShared, mut buf: CachedBuffer) -> (Vec<DeviceTensor>, Vec<Arc<CudaEvent>>) {
         let base = buf.ptr();
-        let keep: Arc<dyn std::any::Any + Send + Sync> = Arc::new(buf);
-        self.descs
+        let fences = buf.take_fences();
+        let buf = Arc::new(buf);
+        let keep: Arc<dyn std::any::Any + Send + Sync> = buf.clone();
+        let lease: Arc<dyn Lease> = buf;
+        let views = self
+            .descs
             .into_iter()
             .zip(self.offsets)
-            .map(|(d, o)| DeviceTensor::view(base + o as u64, shared.device, d, Arc::clone(&keep)))
-            .collect()
+            .map(|(d, o)| {
+                DeviceTensor::leased(base + o as u64, shared.device, d, Arc::clone(&keep), Arc::clone(&lease))
+            })
+            .collect();
+        (views, fences)
     }
 }
 
@@ -180,7 +191,8 @@ pub(crate) fn dispatch(
     let plan = OutputPlan::new(present);
     let buf = s.outputs.take(plan.bytes)?;
     let fill = (buf.ptr(), plan.bytes);
-    let mut views = plan.views(s, buf).into_iter();
+    let (views, fences) = plan.views(s, buf);
+    let mut views = views.into_iter();
     let tokens = views.next().ok_or_else(|| Error::Backend("no token output".into()))?;
     let scales = descs.scales.as_ref().and_then(|_| views.next());
     let topk_weights = descs.topk_weights.as_ref().and_then(|_| views.next());
@@ -213,6 +225,7 @@ pub(crate) fn dispatch(
         op.keep_scratch(staging);
     }
     op.set_fill(fill);
+    op.wait_fences(fences);
     if inputs.is_none() {
         epflow_core::backend::PendingOp::cancel(&mut op);
     }
@@ -242,7 +255,8 @@ pub(crate) fn combine(
     let plan = OutputPlan::new(present);
     let buf = s.outputs.take(plan.bytes)?;
     let fill = (buf.ptr(), plan.bytes);
-    let mut views = plan.views(s, buf).into_iter();
+    let (views, fences) = plan.views(s, buf);
+    let mut views = views.into_iter();
     let tokens = views.next().ok_or_else(|| Error::Backend("no token output".into()))?;
     let topk_weights = views.next();
     p.out = tokens.ptr();
@@ -257,6 +271,7 @@ pub(crate) fn combine(
         op.keep_scratch(staging);
     }
     op.set_fill(fill);
+    op.wait_fences(fences);
     if inputs.is_none() {
         epflow_core::backend::PendingOp::cancel(&mut op);
     }

@@ -12,9 +12,9 @@ use epflow_core::stamp::Stamp;
 use epflow_core::{Algorithm, DType, Error, TensorDesc, TensorTag};
 
 use super::{GpuOp, GpuOpKind, GpuOpOutput};
-use crate::device::DeviceTensor;
+use crate::device::{DeviceTensor, Lease};
 use crate::ht::exchange::{finish_handle, received_messages, recycle_exchange};
-use crate::outputs::{GpuCombineOutput, GpuDispatchOutput};
+use crate::outputs::{GpuCombineOutput, GpuDispatchOutput, SetLease};
 use crate::params::status;
 use crate::rank::handle::GpuHandle;
 
@@ -88,14 +88,67 @@ impl GpuOp {
         }
     }
 
-    fn view(&self, ptr: u64, desc: TensorDesc) -> DeviceTensor {
-        DeviceTensor::view(ptr, self.shared.device, desc, self.shared.clone() as Arc<dyn Any + Send + Sync>)
+    fn view(&self, ptr: u64, desc: TensorDesc, lease: &Arc<SetLease>) -> DeviceTensor {
+        let keep = self.shared.clone() as Arc<dyn Any + Send + Sync>;
+        DeviceTensor::leased(ptr, self.shared.device, desc, keep, Arc::clone(lease) as Arc<dyn Lease>)
+    }
+
+    /// The lease of this low-latency operation's buffer set, for its outputs. The operation keeps
+    /// a share until it is dropped, so the set is not reused before its verdict is read.
+    fn set_lease(&mut self) -> Arc<SetLease> {
+        let lease = SetLease::new(&self.shared.ctx, self.state.take_slot());
+        self.lease = Some(Arc::clone(&lease));
+        lease
+    }
+
+    /// What the peers reported about this operation: a cancellation, or a mismatch (a
+    /// high-throughput mismatch also poisons the group: the two ranks' rings disagree).
+    pub(super) fn peer_verdict(&self) -> Result<(), Error> {
+        let outcome = self.outcome();
+        if outcome.cancelled != 0 {
+            return Err(Error::PeerCancelled { op: self.label(), peer: outcome.cancelled.trailing_zeros() as usize });
+        }
+        if outcome.mismatched != 0 {
+            let e = Error::PeerMismatch {
+                op: self.label(),
+                peer: outcome.mismatched.trailing_zeros() as usize,
+                ours: self.stamp,
+                theirs: outcome.theirs,
+            };
+            if matches!(self.launch, super::Launch::Ht(_)) {
+                self.shared.poison.poison(format!("{e} (the high-throughput rings of the two ranks disagree)"));
+            }
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// After a stream-ordered completion's outputs were handed out and the device finished: the
+    /// peers' verdict (the row map settles too).
+    pub(super) fn stream_verdict(&mut self) -> Result<(), Error> {
+        self.settle_row_map();
+        self.peer_verdict()
+    }
+
+    /// The outputs of a low-latency operation whose receive is enqueued but may not have run
+    /// (stream-ordered completion).
+    pub(super) fn stream_outputs(&mut self) -> Result<GpuOpOutput, Error> {
+        match &self.kind {
+            Some(GpuOpKind::Dispatch { handle, opts }) => {
+                let (handle, opts) = (handle.clone(), *opts);
+                Ok(OpOutput::Dispatch(self.ll_dispatch(&handle, opts)?))
+            }
+            Some(GpuOpKind::Combine { handle, .. }) => {
+                let handle = handle.clone();
+                Ok(OpOutput::Combine(self.ll_combine(&handle)))
+            }
+            _ => Err(Error::Backend(format!("{} cannot complete in stream order", self.label()))),
+        }
     }
 
     /// The result of a finished operation, from what it is.
     pub(super) fn finish_kind(&mut self) -> Result<GpuOpOutput, Error> {
         self.settle_row_map();
-        let outcome = self.outcome();
         let mut kind = self.kind.take();
         // A count exchange: read what arrived, and give the staging buffers back.
         let received = match &mut kind {
@@ -112,22 +165,7 @@ impl GpuOp {
         if self.state.is_cancelled() {
             return Ok(OpOutput::Cancelled);
         }
-        if outcome.cancelled != 0 {
-            return Err(Error::PeerCancelled { op: self.label(), peer: outcome.cancelled.trailing_zeros() as usize });
-        }
-        if outcome.mismatched != 0 {
-            let e = Error::PeerMismatch {
-                op: self.label(),
-                peer: outcome.mismatched.trailing_zeros() as usize,
-                ours: self.stamp,
-                theirs: outcome.theirs,
-            };
-            if matches!(self.launch, super::Launch::Ht(_)) {
-                // The two ranks' ring positions now disagree.
-                self.shared.poison.poison(format!("{e} (the high-throughput rings of the two ranks disagree)"));
-            }
-            return Err(e);
-        }
+        self.peer_verdict()?;
         let elapsed = self.work.elapsed(!matches!(self.launch, super::Launch::Ll(_)));
         let ctx = Arc::clone(&self.shared.ctx);
         match kind {
@@ -140,10 +178,10 @@ impl GpuOp {
             Some(GpuOpKind::HtDispatch { handle, pass, outputs: Some(boxed) }) => {
                 let (outputs, host_counts) = *boxed;
                 handle.0.core.record_dispatch(pass, self.seq);
-                Ok(OpOutput::Dispatch(GpuDispatchOutput { outputs, host_counts, elapsed, ctx, _slot: None }))
+                Ok(OpOutput::Dispatch(GpuDispatchOutput { outputs, host_counts, elapsed, ctx }))
             }
             Some(GpuOpKind::HtCombine { outputs: Some(outputs) }) => {
-                Ok(OpOutput::Combine(GpuCombineOutput { outputs, elapsed, ctx, _slot: None }))
+                Ok(OpOutput::Combine(GpuCombineOutput { outputs, elapsed, ctx }))
             }
             Some(GpuOpKind::Cancellation) => Ok(OpOutput::Cancelled),
             _ => Err(Error::Backend(format!("{} finished twice", op_label(self.channel, self.seq)))),
@@ -155,21 +193,25 @@ impl GpuOp {
         debug_assert_eq!(s.config.algorithm, Algorithm::LowLatency);
         let l = s.layout.ll("low-latency dispatch")?;
         let set = self.set();
+        let lease = self.set_lease();
         let rows = l.rows_per_expert();
         let dtype = if l.fp8 { DType::Fp8E4m3 } else { DType::Bf16 };
         let tokens = self.view(
             s.mem.disp_out[set].ptr(),
             TensorDesc::contiguous(TensorTag::Tokens, dtype, &[l.local_experts, rows, l.hidden]),
+            &lease,
         );
         let scales = l.fp8.then(|| {
             self.view(
                 s.mem.disp_scales[set].ptr(),
                 TensorDesc::contiguous(TensorTag::Scales, DType::F32, &[l.local_experts, rows, l.hidden / 128]),
+                &lease,
             )
         });
         let counts = self.view(
             s.mem.disp_counts[set].ptr(),
             TensorDesc::contiguous(TensorTag::RecvExpertCountsDevice, DType::I32, &[l.local_experts]),
+            &lease,
         );
         let host_counts =
             (opts.counts_location == CountsLocation::Host).then(|| s.mem.host_counts[set].read_i32s(l.local_experts));
@@ -187,22 +229,22 @@ impl GpuOp {
             host_counts,
             elapsed: self.work.elapsed(false),
             ctx: Arc::clone(&s.ctx),
-            _slot: self.state.take_slot(),
         })
     }
 
     fn ll_combine(&mut self, handle: &GpuHandle) -> GpuCombineOutput {
         let s = Arc::clone(&self.shared);
         let set = self.set();
+        let lease = self.set_lease();
         let tokens = self.view(
             s.mem.comb_out[set].ptr(),
             TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[handle.num_tokens(), s.config.hidden]),
+            &lease,
         );
         GpuCombineOutput {
             outputs: CombineOutputs { tokens, topk_weights: None },
             elapsed: self.work.elapsed(false),
             ctx: Arc::clone(&s.ctx),
-            _slot: self.state.take_slot(),
         }
     }
 }

@@ -4,11 +4,11 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg, sys};
+use cudarc::driver::{CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, sys};
 use epflow_core::Error;
 
 use super::{GpuOp, GpuOpKind};
-use crate::device::cuda;
+use crate::device::{StreamWork, cuda};
 use crate::ht::geometry::ht_grid;
 use crate::ll::geometry::{LlKernel, ll_launch};
 use crate::params::{ExchangeParams, HtParams, LlParams, NcclHtParams};
@@ -40,6 +40,7 @@ impl GpuOp {
 
     fn launch_one<P: cudarc::driver::DeviceRepr>(
         &self,
+        on: &CudaStream,
         f: &CudaFunction,
         p: &P,
         (grid, block): (u32, u32),
@@ -49,7 +50,7 @@ impl GpuOp {
         // SAFETY: every epflow kernel takes one parameter block by value, mirrored byte for byte
         // in params.rs (`P` is the one of `f`); its pointers address the group's buffers, the
         // handle's memory, the outputs and the inputs, all kept alive by this operation.
-        unsafe { self.work.stream().launch_builder(f).arg(p).launch(cfg) }.map_err(|e| cuda(what, e))?;
+        unsafe { on.launch_builder(f).arg(p).launch(cfg) }.map_err(|e| cuda(what, e))?;
         Ok(())
     }
 
@@ -69,25 +70,26 @@ impl GpuOp {
             }
         }
         let f = &s.functions;
+        let on = self.work.stream();
         match self.launch {
             Launch::Ht(mut p) => {
                 p.cancelled = cancelled;
                 let k = if p.chan == 0 { &f.ht_dispatch } else { &f.ht_combine };
-                self.launch_one(k, &p, ht_grid(&p), "launch ht kernel")?;
+                self.launch_one(on, k, &p, ht_grid(&p), "launch ht kernel")?;
             }
             Launch::Exchange(mut p) => {
                 p.cancelled = cancelled;
-                self.launch_one(&f.ht_exchange, &p, (1, 256), "launch count exchange")?;
+                self.launch_one(on, &f.ht_exchange, &p, (1, 256), "launch count exchange")?;
             }
             Launch::NcclHt { mut p, reduce } => {
                 p.cancelled = cancelled;
                 let rows = (p.total_send.max(0) as u32).div_ceil(16);
-                self.launch_one(&f.nccl_ht_pack, &p, (rows.clamp(1, 2 * s.num_sms), 512), "launch NCCL pack")?;
+                self.launch_one(on, &f.nccl_ht_pack, &p, (rows.clamp(1, 2 * s.num_sms), 512), "launch NCCL pack")?;
                 self.issue_xfers()?;
-                self.launch_one(&f.nccl_arrivals, &p, (1, 32), "launch NCCL arrival check")?;
+                self.launch_one(on, &f.nccl_arrivals, &p, (1, 32), "launch NCCL arrival check")?;
                 if reduce && !self.state.is_cancelled() {
                     let grid = (p.num_tokens.max(1) as u32).min(4 * s.num_sms);
-                    self.launch_one(&f.nccl_ht_reduce, &p, (grid, 256), "launch NCCL reduce")?;
+                    self.launch_one(on, &f.nccl_ht_reduce, &p, (grid, 256), "launch NCCL reduce")?;
                 }
             }
             Launch::NcclExchange { row_bytes } => self.exchange_over_nccl(row_bytes)?,
@@ -135,8 +137,9 @@ impl GpuOp {
             .map_err(|e| cuda("copy exchanged counts", e))
     }
 
-    /// Launches one kernel of a low-latency operation.
-    pub(super) fn launch_ll(&self, which: LlKernel) -> Result<(), Error> {
+    /// Launches one kernel of a low-latency operation on `on` (its own stream, or a caller's for
+    /// a stream-ordered receive).
+    pub(super) fn launch_ll(&self, which: LlKernel, on: &CudaStream) -> Result<(), Error> {
         let s = &self.shared;
         let Launch::Ll(mut p) = self.launch else {
             return Err(Error::Backend("not a low-latency operation".into()));
@@ -151,32 +154,39 @@ impl GpuOp {
             LlKernel::CombineSend => &f.combine_send,
             LlKernel::CombineRecv => &f.combine_recv,
         };
-        self.launch_one(k, &p, geometry, &format!("launch {which:?}"))
+        self.launch_one(on, k, &p, geometry, &format!("launch {which:?}"))
     }
 
-    /// The complete half of a low-latency dispatch: the receive kernel writes the handle's row
-    /// map, so it waits (on the device) for the combines that read the previous map, and then
-    /// becomes the map's writer.
-    pub(super) fn launch_dispatch_recv(&mut self) -> Result<(), Error> {
+    /// The complete half of a low-latency operation, on `on`, after the fences of the buffer set
+    /// it writes (its previous outputs' consumers); returns the completion event. A dispatch's
+    /// receive writes the handle's row map, so it also waits (on the device) for the combines that
+    /// read the previous map, and then becomes the map's writer.
+    pub(super) fn launch_recv(&mut self, on: &Arc<CudaStream>) -> Result<Arc<CudaEvent>, Error> {
+        let fences: Vec<Arc<CudaEvent>> =
+            self.state.take_fences().into_iter().filter_map(|f| f.downcast::<CudaEvent>().ok()).collect();
+        StreamWork::wait_on(on, &fences)?;
+        if self.chan() != 0 {
+            self.launch_ll(LlKernel::CombineRecv, on)?;
+            return self.work.end_complete_on(on);
+        }
         let handle = match (&self.kind, self.state.is_cancelled()) {
             (Some(GpuOpKind::Dispatch { handle, .. }), false) => Some(handle.clone()),
             _ => None,
         };
         let Some(handle) = handle else {
-            self.launch_ll(LlKernel::DispatchRecv)?;
-            self.work.end_complete()?;
-            return Ok(());
+            self.launch_ll(LlKernel::DispatchRecv, on)?;
+            return self.work.end_complete_on(on);
         };
         let mut map = handle.row_map();
         if map.readers_sent != map.readers_done {
             if let Some(reader) = &map.reader_event {
-                self.work.stream().wait(reader).map_err(|e| cuda("wait for the previous combine", e))?;
+                on.wait(reader).map_err(|e| cuda("wait for the previous combine", e))?;
             }
         }
-        self.launch_ll(LlKernel::DispatchRecv)?;
-        let done = self.work.end_complete()?;
+        self.launch_ll(LlKernel::DispatchRecv, on)?;
+        let done = self.work.end_complete_on(on)?;
         map.writer = Some(self.seq);
         map.writer_event = Some(Arc::clone(&done));
-        Ok(())
+        Ok(done)
     }
 }

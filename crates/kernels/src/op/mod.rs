@@ -12,7 +12,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use epflow_core::backend::{OpId, OpOutput, OpState, PendingOp, Probe};
+use cudarc::driver::CudaStream;
+use epflow_core::backend::{OpId, OpOutput, OpState, PendingOp, Probe, StreamOrder};
 use epflow_core::ops::{CombineOutputs, DispatchOptions, DispatchOutputs, Pass};
 use epflow_core::protocol::{Channel, SlotGuard};
 use epflow_core::routing::{ChannelPlan, Routing};
@@ -25,7 +26,7 @@ use crate::ll::geometry::LlKernel;
 
 use crate::device::cache::CachedBuffer;
 use crate::device::{DeviceTensor, StreamWork, bind, cuda};
-use crate::outputs::{GpuCombineOutput, GpuDispatchOutput};
+use crate::outputs::{GpuCombineOutput, GpuDispatchOutput, SetLease};
 use crate::rank::handle::GpuHandle;
 use crate::rank::shared::{ExchangeBuffers, RankShared};
 use crate::transport::nccl::Xfer;
@@ -68,6 +69,9 @@ pub struct GpuOp {
     completing: bool,
     /// Why the operation went out as a cancellation when it was sent.
     refused: Option<Error>,
+    /// Low-latency: the buffer set, leased to the outputs; the operation's share keeps it until
+    /// the operation is dropped (its verdict read).
+    lease: Option<Arc<SetLease>>,
     /// Low-latency combine: its number among the readers of its handle's row map.
     reader: Option<u64>,
     /// NCCL exchange issued after the send kernel (low-latency with NCCL peers) or as the
@@ -112,6 +116,7 @@ impl GpuOp {
             state: OpState::default(),
             completing: false,
             refused: None,
+            lease: None,
             reader: None,
             xfers: Vec::new(),
             scratch: Vec::new(),
@@ -140,6 +145,11 @@ impl GpuOp {
     /// [`crate::GpuRank::fill_output_buffers`] set one) before the kernel runs.
     pub(crate) fn set_fill(&mut self, fill: (u64, usize)) {
         self.fill = Some(fill);
+    }
+
+    /// Before its launches, the operation's stream waits for `fences` (of memory it writes).
+    pub(crate) fn wait_fences(&mut self, fences: Vec<Arc<cudarc::driver::CudaEvent>>) {
+        self.work.wait_fences(fences);
     }
 
     fn uses_nccl(&self) -> bool {
@@ -204,6 +214,22 @@ impl GpuOp {
         Ok(map.readers_sent)
     }
 
+    /// Whether the complete half can run in a caller's stream order without the host: a
+    /// low-latency operation with data (not a cancellation, no NCCL peers: their row counts are
+    /// read on the host), whose counters stay on the device.
+    fn stream_orderable(&self) -> bool {
+        let host_counts = matches!(
+            &self.kind,
+            Some(GpuOpKind::Dispatch { opts, .. }) if opts.counts_location == epflow_core::ops::CountsLocation::Host
+        );
+        matches!(self.launch, Launch::Ll(_))
+            && matches!(self.kind, Some(GpuOpKind::Dispatch { .. } | GpuOpKind::Combine { .. }))
+            && !self.state.is_cancelled()
+            && self.refused.is_none()
+            && !self.uses_nccl()
+            && !host_counts
+    }
+
     fn cancel_inputs(&mut self) {
         if self.state.cancel() {
             self.work.release_inputs();
@@ -241,8 +267,18 @@ impl Drop for GpuOp {
     }
 }
 
+/// Declares `stream` a consumer of the outputs in `out`.
+fn record_output_stream(out: &GpuOpOutput, stream: &Arc<CudaStream>) {
+    match out {
+        OpOutput::Dispatch(d) => d.record_stream(stream),
+        OpOutput::Combine(c) => c.record_stream(stream),
+        _ => {}
+    }
+}
+
 impl PendingOp for GpuOp {
     type Output = GpuOpOutput;
+    type Stream = Arc<CudaStream>;
 
     fn id(&self) -> OpId {
         OpId { rank: self.shared.rank, channel: self.channel, seq: self.seq }
@@ -266,7 +302,9 @@ impl PendingOp for GpuOp {
             let reader = self.claim_row_map()?;
             match self.launch {
                 Launch::Ll(_) => {
-                    self.launch_ll(if self.chan() == 0 { LlKernel::DispatchSend } else { LlKernel::CombineSend })?;
+                    let which = if self.chan() == 0 { LlKernel::DispatchSend } else { LlKernel::CombineSend };
+                    let on = Arc::clone(self.work.stream());
+                    self.launch_ll(which, &on)?;
                     if let Some(h) = reader {
                         self.reader = Some(self.record_reader(&h)?);
                     }
@@ -300,12 +338,8 @@ impl PendingOp for GpuOp {
         }
         bind(&self.shared.ctx)?;
         if matches!(self.launch, Launch::Ll(_)) {
-            if self.chan() == 0 {
-                self.launch_dispatch_recv()?;
-            } else {
-                self.launch_ll(LlKernel::CombineRecv)?;
-                self.work.end_complete()?;
-            }
+            let on = Arc::clone(self.work.stream());
+            self.launch_recv(&on)?;
         } else {
             self.work.end_complete()?;
         }
@@ -325,6 +359,74 @@ impl PendingOp for GpuOp {
             return Err(e);
         }
         self.finish_kind()
+    }
+
+    /// Makes the caller's stream wait for this operation's send half; before the send only.
+    fn order_after(&mut self, stream: &Arc<CudaStream>) -> Result<(), Error> {
+        if self.state.is_sent() {
+            return Err(Error::Backend(format!("{} was already sent: too late to order it", self.label())));
+        }
+        bind(&self.shared.ctx)?;
+        let e = self.shared.ctx.new_event(None).map_err(|e| cuda("create event", e))?;
+        e.record(stream).map_err(|e| cuda("record event", e))?;
+        self.work.wait_events([Arc::new(e)]);
+        Ok(())
+    }
+
+    /// Low-latency operations with data complete in `stream`'s order without the host
+    /// ([`StreamOrder`] says where the receive kernel runs); the outputs are views into the buffer
+    /// set, `stream` a consumer. Every other operation (high-throughput, NCCL peers, counters on
+    /// the host, cancellations) completes on its own stream and returns once the host saw it
+    /// finish, with `stream` waiting for it: same semantics, not the same overlap.
+    fn complete_on(&mut self, stream: &Arc<CudaStream>, order: StreamOrder) -> Result<Option<GpuOpOutput>, Error> {
+        bind(&self.shared.ctx)?;
+        if !self.stream_orderable() {
+            self.start_complete()?;
+            if !self.poll_complete()? {
+                return Ok(None);
+            }
+            if let Some(e) = self.device_error() {
+                return Err(e);
+            }
+            let out = self.finish_kind()?;
+            if let Some(done) = self.work.done() {
+                stream.wait(done).map_err(|e| cuda("order the caller's stream", e))?;
+            }
+            record_output_stream(&out, stream);
+            return Ok(Some(out));
+        }
+        if self.completing {
+            return Err(Error::Backend(format!("{} is already completing", self.label())));
+        }
+        let recv_stream = match order {
+            StreamOrder::OnStream => {
+                // The receive follows the send half of the same operation.
+                let sent = self.work.record_now()?;
+                stream.wait(&sent).map_err(|e| cuda("order after the send half", e))?;
+                Arc::clone(stream)
+            }
+            StreamOrder::Ordered => Arc::clone(self.work.stream()),
+        };
+        let done = self.launch_recv(&recv_stream)?;
+        self.completing = true;
+        if order == StreamOrder::Ordered {
+            stream.wait(&done).map_err(|e| cuda("order the caller's stream", e))?;
+        }
+        let mut out = self.stream_outputs()?;
+        match &mut out {
+            OpOutput::Dispatch(d) => d.ready_after(&done),
+            OpOutput::Combine(c) => c.ready_after(&done),
+            _ => {}
+        }
+        record_output_stream(&out, stream);
+        Ok(Some(out))
+    }
+
+    fn verdict(&mut self) -> Result<(), Error> {
+        if let Some(e) = self.device_error() {
+            return Err(e);
+        }
+        self.stream_verdict()
     }
 
     fn send_probe(&self) -> Box<dyn Probe> {

@@ -107,6 +107,19 @@ impl GpuRank {
         src: &DeviceTensor,
         dst: &DeviceTensor,
     ) -> Result<Arc<cudarc::driver::CudaEvent>, Error> {
+        self.copy_on(self.stream(channel), src, dst)
+    }
+
+    /// Copies `src` into `dst` (same size) on `stream` (of this rank's context), after both
+    /// tensors' ready events, without a host wait; returns an event after the copy. If `src` is
+    /// an epflow output, `stream` becomes one of its consumers (its buffer set is released in
+    /// `stream`'s order).
+    pub fn copy_on(
+        &self,
+        stream: &Arc<CudaStream>,
+        src: &DeviceTensor,
+        dst: &DeviceTensor,
+    ) -> Result<Arc<cudarc::driver::CudaEvent>, Error> {
         if src.desc().size_bytes() != dst.desc().size_bytes() {
             return Err(Error::Unsupported(format!(
                 "copy of {} B into {} B",
@@ -116,12 +129,12 @@ impl GpuRank {
         }
         let s = &self.shared;
         bind(&s.ctx)?;
-        let stream = self.stream(channel);
         for e in [src.ready_event(), dst.ready_event()].into_iter().flatten() {
             stream.wait(e).map_err(|e| cuda("wait for tensor", e))?;
         }
+        src.record_stream(stream);
         // SAFETY: both are device ranges of `size_bytes` in this context (checked sizes); the
-        // copy is ordered on `stream`.
+        // copy is ordered on `stream`, and `src` is kept from reuse until it passed.
         unsafe {
             cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst.ptr(), src.ptr(), src.desc().size_bytes(), stream.cu_stream())
         }
@@ -130,6 +143,20 @@ impl GpuRank {
         let ev = s.ctx.new_event(None).map_err(|e| cuda("create event", e))?;
         ev.record(stream).map_err(|e| cuda("record event", e))?;
         Ok(Arc::new(ev))
+    }
+
+    /// Enqueues a one-thread kernel that holds `stream` for `delay` (a deliberately slow
+    /// consumer, for tests and demonstrations of stream-ordered release).
+    pub fn delay_on(&self, stream: &CudaStream, delay: std::time::Duration) -> Result<(), Error> {
+        let s = &self.shared;
+        bind(&s.ctx)?;
+        let ns = delay.as_nanos().min(u128::from(u64::MAX)) as u64;
+        let cfg = cudarc::driver::LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
+        let mut launch = stream.launch_builder(&s.functions.spin);
+        cudarc::driver::PushKernelArg::arg(&mut launch, &ns);
+        // SAFETY: `ep_spin` takes one u64 by value and touches no memory.
+        unsafe { launch.launch(cfg) }.map_err(|e| cuda("launch spin", e))?;
+        Ok(())
     }
 
     /// Copies a host tensor to this rank's device.
@@ -267,6 +294,7 @@ impl GpuRank {
 }
 
 impl Backend for GpuRank {
+    type Stream = Arc<cudarc::driver::CudaStream>;
     type Tensor = DeviceTensor;
     type Handle = GpuHandle;
     type DispatchOutput = crate::GpuDispatchOutput;

@@ -1,0 +1,250 @@
+//! The stream-ordered API on the host backend (which completes on the host, so the semantics
+//! can be checked anywhere): `after`, `complete_on` / `complete_ordered` and their
+//! `Completion`, buffer-set waits, cancellation, timeouts, the fast completion mode, and
+//! `pipeline::run_on_streams` against `pipeline::run`.
+
+mod common;
+
+use std::sync::Arc;
+use std::task::Context;
+use std::time::{Duration, Instant};
+
+use common::{H, M, assert_dispatch, checked, groups, on_tokio_ranks, tokio_rt};
+use epflow_async::completion::wait_with;
+use epflow_async::pipeline::{self, StepInput};
+use epflow_async::reactor::WaitOutcome;
+use epflow_async::{CompletionMode, Group};
+use epflow_core::backend::StreamOrder;
+use epflow_core::host::{HostCombineOutput, HostDispatchOutput, HostRank, HostStream};
+use epflow_core::ops::{CombineInputs, DispatchInputs};
+use epflow_core::scenario::{Scenario, ll_identity_expert_outputs};
+use epflow_core::verify::{Tolerance, check_bf16};
+use epflow_core::workload::RoutingKind;
+use epflow_core::{Error, HostTensor};
+use futures::FutureExt;
+
+/// Dispatch and combine completed in stream order (both placements) give the reference outputs,
+/// and their completions resolve to `Ok`.
+#[test]
+fn complete_on_matches_the_reference() {
+    let cs: Arc<Vec<_>> = Arc::new((0..4).map(|i| checked(4, 700 + i)).collect());
+    on_tokio_ranks(4, common::config(), cs, |g, cs| async move {
+        let r = g.rank();
+        for (i, c) in cs.iter().enumerate() {
+            let order = if i % 2 == 0 { StreamOrder::OnStream } else { StreamOrder::Ordered };
+            let h = g.create_handle(&c.sc.topk_idx(r)).await.unwrap();
+            let x = c.sc.tokens(r);
+            let staged = g.dispatch(&h, DispatchInputs::new(&x)).after(&HostStream).send_only().await.unwrap();
+            let (out, done) = staged.complete_with(&HostStream, order).await.unwrap();
+            assert_dispatch(c, r, 4, &out);
+            let counts = out.counts().unwrap().to_vec();
+            let experts = ll_identity_expert_outputs(out.tokens().data(), None, &counts, 4 * M, H);
+            drop(out);
+            let w = c.sc.weights(r);
+            let staged = g.combine(&h, CombineInputs::new(&experts).with_weights(&w)).send_only().await.unwrap();
+            let (y, done_y) = staged.complete_on(&HostStream).await.unwrap();
+            let rep = check_bf16("combine", &c.combine[r], y.tokens().as_bf16().unwrap(), Tolerance::OneUlp);
+            assert!(rep.ok(), "rank {r} round {i}: {rep:?}");
+            done.await.unwrap();
+            done_y.await.unwrap();
+        }
+    });
+}
+
+/// Stream-ordered outputs hold their buffer set like awaited ones: with two sets, a third
+/// dispatch waits until the first outputs are dropped, then completes correctly.
+#[test]
+fn stream_ordered_outputs_hold_their_buffer_set() {
+    let cs: Arc<Vec<_>> = Arc::new((0..3).map(|i| checked(4, 800 + i)).collect());
+    on_tokio_ranks(4, common::config(), cs, |g, cs| async move {
+        let r = g.rank();
+        let mut hs = Vec::new();
+        for c in cs.iter() {
+            hs.push(g.create_handle(&c.sc.topk_idx(r)).await.unwrap());
+        }
+        let xs: Vec<HostTensor> = cs.iter().map(|c| c.sc.tokens(r)).collect();
+        let s0 = g.dispatch(&hs[0], DispatchInputs::new(&xs[0])).send_only().await.unwrap();
+        let s1 = g.dispatch(&hs[1], DispatchInputs::new(&xs[1])).send_only().await.unwrap();
+        let (o0, _) = s0.complete_on(&HostStream).await.unwrap();
+        let (o1, _) = s1.complete_ordered(&HostStream).await.unwrap();
+        let mut third = g.dispatch(&hs[2], DispatchInputs::new(&xs[2])).send_only();
+        let waker = futures::task::noop_waker();
+        for _ in 0..3 {
+            assert!(third.poll_unpin(&mut Context::from_waker(&waker)).is_pending(), "set 0 is held by o0");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_dispatch(&cs[0], r, 4, &o0);
+        drop(o0);
+        let (o2, done) = third.await.unwrap().complete_on(&HostStream).await.unwrap();
+        assert_dispatch(&cs[1], r, 4, &o1);
+        assert_dispatch(&cs[2], r, 4, &o2);
+        done.await.unwrap();
+    });
+}
+
+/// An operation ordered after a stream but dropped before it was sent goes out as a
+/// cancellation: the peers' stream-ordered completion fails with `PeerCancelled`, and the next
+/// operation on every rank is correct.
+#[test]
+fn dropping_a_stream_ordered_op_before_its_send_cancels_it() {
+    let cs: Arc<Vec<_>> = Arc::new(vec![checked(4, 900), checked(4, 901)]);
+    on_tokio_ranks(4, common::config(), cs, |g, cs| async move {
+        let r = g.rank();
+        let h = g.create_handle(&cs[0].sc.topk_idx(r)).await.unwrap();
+        let x = cs[0].sc.tokens(r);
+        let op = g.dispatch(&h, DispatchInputs::new(&x)).after(&HostStream);
+        if r == 2 {
+            drop(op);
+        } else {
+            let staged = op.send_only().await.unwrap();
+            match staged.complete_on(&HostStream).await {
+                Err(Error::PeerCancelled { peer: 2, .. }) => {}
+                Err(e) => panic!("rank {r}: {e}"),
+                Ok(_) => panic!("rank {r}: a cancelled collective produced outputs"),
+            }
+        }
+        let h = g.create_handle(&cs[1].sc.topk_idx(r)).await.unwrap();
+        let x = cs[1].sc.tokens(r);
+        let (out, done) =
+            g.dispatch(&h, DispatchInputs::new(&x)).send_only().await.unwrap().complete_on(&HostStream).await.unwrap();
+        assert_dispatch(&cs[1], r, 4, &out);
+        done.await.unwrap();
+    });
+}
+
+/// Outputs dropped before anything read them release their set; the next operations are
+/// correct.
+#[test]
+fn outputs_dropped_unread_release_their_set() {
+    let cs: Arc<Vec<_>> = Arc::new((0..5).map(|i| checked(4, 950 + i)).collect());
+    on_tokio_ranks(4, common::config(), cs, |g, cs| async move {
+        let r = g.rank();
+        for c in cs.iter() {
+            let h = g.create_handle(&c.sc.topk_idx(r)).await.unwrap();
+            let x = c.sc.tokens(r);
+            let staged = g.dispatch(&h, DispatchInputs::new(&x)).send_only().await.unwrap();
+            let (out, done) = staged.complete_on(&HostStream).await.unwrap();
+            drop(out);
+            drop(done);
+        }
+        let c = &cs[4];
+        let h = g.create_handle(&c.sc.topk_idx(r)).await.unwrap();
+        let x = c.sc.tokens(r);
+        let out = g.dispatch(&h, DispatchInputs::new(&x)).await.unwrap();
+        assert_dispatch(c, r, 4, &out);
+    });
+}
+
+/// A rank that never takes part: stream-ordered completion times out like the awaited form,
+/// then the group is poisoned.
+#[test]
+fn stream_ordered_completion_times_out() {
+    let timeout = Duration::from_millis(250);
+    let c = checked(4, 990);
+    let gs: Vec<Group<HostRank>> = groups(4, common::config().with_timeout(timeout));
+    tokio_rt().block_on(async {
+        let waits = gs.iter().take(3).map(|g| async {
+            let r = g.rank();
+            let h = g.create_handle(&c.sc.topk_idx(r)).await.unwrap();
+            let x = c.sc.tokens(r);
+            let start = Instant::now();
+            let staged = g.dispatch(&h, DispatchInputs::new(&x)).send_only().await.unwrap();
+            let err = staged.complete_on(&HostStream).await.expect_err("a timeout");
+            let took = start.elapsed();
+            assert!(matches!(&err, Error::Timeout { .. }), "{err}");
+            assert!(took >= timeout && took < timeout + Duration::from_millis(400), "{took:?}");
+            assert!(g.is_poisoned());
+        });
+        futures::future::join_all(waits).await;
+    });
+}
+
+/// Fast mode: the same results, and `wait_with` sees a condition without the reactor while
+/// spinning, times out when it never holds.
+#[test]
+fn fast_completion_mode_gives_the_same_results() {
+    let cs: Arc<Vec<_>> = Arc::new((0..3).map(|i| checked(4, 1000 + i)).collect());
+    let gs: Vec<Group<HostRank>> = groups(4, common::config())
+        .into_iter()
+        .map(|g| g.with_completion_mode(CompletionMode::spin_for(Duration::from_micros(200))))
+        .collect();
+    assert!(matches!(gs[0].completion_mode(), CompletionMode::Spin { .. }));
+    tokio_rt().block_on(async {
+        let work = gs.iter().map(|g| {
+            let cs = Arc::clone(&cs);
+            async move {
+                for c in cs.iter() {
+                    common::ll_round(g, c, true).await.unwrap();
+                }
+            }
+        });
+        futures::future::join_all(work).await;
+        let spin = CompletionMode::spin_for(Duration::from_millis(50));
+        let t = Instant::now();
+        assert_eq!(
+            wait_with(spin, move || t.elapsed() > Duration::from_micros(300), Duration::from_secs(1)).await,
+            WaitOutcome::Ready
+        );
+        let never = wait_with(spin, || false, Duration::from_millis(80)).await;
+        assert_eq!(never, WaitOutcome::TimedOut);
+    });
+}
+
+/// `pipeline::run_on_streams` on host "streams" gives the same outputs as `pipeline::run` and
+/// the serial run, with 1, 2 and 3 micro-batches in flight.
+#[test]
+fn run_on_streams_equals_run_and_serial() {
+    for depth in [1usize, 2, 3] {
+        let steps = 4 * depth;
+        let mut results = Vec::new();
+        for mode in 0..3 {
+            let config = common::config().with_buffer_sets(depth.max(2));
+            let gs = groups(4, config);
+            let outs = tokio_rt().block_on(async {
+                let work = gs.iter().map(|g| async move {
+                    let r = g.rank();
+                    let input = |i: usize, prev: Option<HostCombineOutput>| {
+                        let sc = Scenario::generate(
+                            common::config(),
+                            4,
+                            &[M],
+                            common::K,
+                            RoutingKind::Uniform,
+                            2,
+                            2000 + i as u64,
+                        );
+                        let handle = futures::executor::block_on(g.create_handle(&sc.topk_idx(r)))?;
+                        let tokens = match prev {
+                            Some(p) => p.tokens().clone(),
+                            None => sc.tokens(r),
+                        };
+                        // Bounded activations: weights of 1/K.
+                        let w = HostTensor::topk_weights(M, common::K, vec![0.25; M * common::K]);
+                        Ok(StepInput { handle, tokens, weights: w, dispatch_options: Default::default() })
+                    };
+                    let mut last: Vec<u16> = Vec::new();
+                    let sink = |_, out: HostCombineOutput| {
+                        last.extend(out.tokens().as_bf16().unwrap().iter().map(|v| v.to_bits()))
+                    };
+                    let expert = async |_, d: &HostDispatchOutput| Ok(d.tokens().clone());
+                    match mode {
+                        0 => pipeline::run_serial(g, steps, depth, input, expert, sink).await.unwrap(),
+                        1 => pipeline::run(g, steps, depth, input, expert, sink).await.unwrap(),
+                        _ => {
+                            let lanes = vec![HostStream; depth];
+                            let expert = async |_, _: &HostStream, d: &HostDispatchOutput| Ok(d.tokens().clone());
+                            pipeline::run_on_streams(g, steps, &lanes, StreamOrder::OnStream, input, expert, sink)
+                                .await
+                                .unwrap()
+                        }
+                    };
+                    last
+                });
+                futures::future::join_all(work).await
+            });
+            results.push(outs);
+        }
+        assert_eq!(results[0], results[1], "depth {depth}: pipelined differs from serial");
+        assert_eq!(results[0], results[2], "depth {depth}: stream-ordered differs from serial");
+    }
+}

@@ -1,0 +1,62 @@
+//! [`Consumers`]: the streams whose queued work reads some memory when it is released (outputs
+//! dropped while a consumer stream has not run yet), and the fences that release leaves: an
+//! event recorded on each consumer stream, which the memory's next writer waits for on the
+//! device. This is how buffer sets and cached outputs are released in stream order (the idea of
+//! torch's `record_stream`).
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+
+use super::context::bind;
+
+/// Memory whose release is fenced by its consumers (a buffer set held by outputs, a cached output
+/// buffer): what a [`super::DeviceTensor`] view of it holds.
+pub(crate) trait Lease: std::fmt::Debug + Send + Sync {
+    /// Work enqueued on `stream` (so far, or until the release) reads the memory.
+    fn add_consumer(&self, stream: &Arc<CudaStream>);
+}
+
+/// The consumer streams of one piece of memory.
+#[derive(Debug)]
+pub(crate) struct Consumers {
+    ctx: Arc<CudaContext>,
+    streams: Mutex<Vec<Arc<CudaStream>>>,
+}
+
+impl Consumers {
+    /// None yet, in `ctx`.
+    pub(crate) fn new(ctx: &Arc<CudaContext>) -> Self {
+        Consumers { ctx: Arc::clone(ctx), streams: Mutex::new(Vec::new()) }
+    }
+
+    /// `stream` reads the memory (work enqueued on it so far, or later until the release).
+    pub(crate) fn add(&self, stream: &Arc<CudaStream>) {
+        let mut s = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+        if !s.iter().any(|x| Arc::ptr_eq(x, stream)) {
+            s.push(Arc::clone(stream));
+        }
+    }
+
+    /// At release: an event after everything each consumer stream has enqueued so far. If an
+    /// event cannot be recorded, that stream is synchronized instead (nothing then to wait for).
+    pub(crate) fn fences(&self) -> Vec<Arc<CudaEvent>> {
+        let streams = std::mem::take(&mut *self.streams.lock().unwrap_or_else(|e| e.into_inner()));
+        if streams.is_empty() || bind(&self.ctx).is_err() {
+            return Vec::new();
+        }
+        streams
+            .iter()
+            .filter_map(|s| {
+                let recorded = self.ctx.new_event(None).and_then(|e| e.record(s).map(|()| e));
+                match recorded {
+                    Ok(e) => Some(Arc::new(e)),
+                    Err(_) => {
+                        let _ = s.synchronize();
+                        None
+                    }
+                }
+            })
+            .collect()
+    }
+}

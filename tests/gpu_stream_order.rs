@@ -1,0 +1,238 @@
+//! Stream-ordered completion on GPUs: buffer sets are released in the consumers' stream order.
+//!
+//! Every iteration dispatches fresh random tokens with fresh routing, completes the dispatch in
+//! a caller's stream order, and consumes the outputs *slowly* (a spin kernel, then a copy into a
+//! snapshot) on a consumer stream before dropping them; then the same for the combine. With two
+//! buffer sets, the operation two iterations later reuses the set while the consumer may still be
+//! spinning: only the fences the dropped outputs left keep its receive from overwriting what the
+//! consumer has not copied yet. The snapshots are checked bit for bit against the CPU reference.
+//!
+//! Iterations alternate the placements: `complete_ordered` (the receive on the group's stream,
+//! the consumer on the caller's), and `complete_on` with the consumer on a *second* stream
+//! declared with `record_stream`. Skipped (loudly) without 2 GPUs; `EPFLOW_GPU_ITERS` sets the
+//! count (default 1000). The one-process-per-GPU variant runs under
+//! `epflow launch -n 2 -- gpu_stream_order stream_order_one_process_per_gpu` with the same
+//! `EPFLOW_TEST_SEED` in every process.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use cudarc::driver::CudaStream;
+use epflow::Group;
+use epflow::core::ops::{CombineInputs, DispatchInputs};
+use epflow::core::reference::LlDispatchResult;
+use epflow::core::scenario::Scenario;
+use epflow::core::verify::{Tolerance, check_bf16, check_ll_dispatch};
+use epflow::core::workload::RoutingKind;
+use epflow::core::{DType, GroupConfig, TensorDesc, TensorTag, bf16};
+use epflow_kernels::{DeviceTensor, GpuRank, GpuWorld, device_count};
+
+const HIDDEN: usize = 2048;
+const EXPERTS: usize = 32;
+const MAX_TOKENS: usize = 64;
+const TOP_K: usize = 8;
+/// Snapshots in flight before the oldest is checked (more than the buffer sets).
+const LAG: usize = 4;
+
+fn config() -> GroupConfig {
+    GroupConfig::low_latency(EXPERTS, MAX_TOKENS, HIDDEN).with_buffer_sets(2)
+}
+
+fn seed() -> u64 {
+    std::env::var("EPFLOW_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64))
+}
+
+/// One iteration's snapshot buffers, and what they must hold.
+struct Snapshot {
+    dispatch: DeviceTensor,
+    counts: DeviceTensor,
+    /// Combine outputs of 41 and of 64 tokens (the two batch sizes).
+    combine: [DeviceTensor; 2],
+    it: u64,
+    want: Option<(LlDispatchResult, Vec<bf16>)>,
+}
+
+/// Identity experts: combine returns `sum_k w[t][k] * x[t]` over the token's valid slots.
+fn identity_combine(tokens: &[bf16], idx: &[i64], w: &[f32]) -> Vec<bf16> {
+    let mut out = Vec::with_capacity(tokens.len());
+    for t in 0..tokens.len() / HIDDEN {
+        for c in 0..HIDDEN {
+            let x = tokens[t * HIDDEN + c].to_f32();
+            let mut acc = 0f32;
+            for k in 0..TOP_K {
+                if idx[t * TOP_K + k] >= 0 {
+                    acc = w[t * TOP_K + k].mul_add(x, acc);
+                }
+            }
+            out.push(bf16::from_f32(acc));
+        }
+    }
+    out
+}
+
+/// Downloads and checks one snapshot; returns the mismatched values.
+fn check(rank: &GpuRank, s: &Snapshot, n: usize) -> u64 {
+    let Some((refs, want)) = &s.want else { return 0 };
+    let ctx = rank.context();
+    let counts = s.counts.download(ctx).expect("download counts");
+    let tokens = s.dispatch.download(ctx).expect("download dispatch snapshot");
+    let d = check_ll_dispatch(refs, HIDDEN, n * MAX_TOKENS, tokens.data(), None, counts.as_i32().unwrap_or_default());
+    let y = s.combine[usize::from(want.len() / HIDDEN == MAX_TOKENS)].download(ctx).expect("download combine snapshot");
+    let c = check_bf16("combine", want, y.as_bf16().unwrap_or_default(), Tolerance::Exact);
+    if !d.ok() || !c.ok() {
+        eprintln!("iteration {} rank {}: dispatch {d:?} combine {c:?}", s.it, rank.device());
+    }
+    d.mismatched + c.mismatched
+}
+
+/// The delayed-consumer loop on one rank of an `n`-rank group; returns the mismatches.
+async fn delayed_consumer(g: &Group<GpuRank>, n: usize, iters: u64, base: u64) -> u64 {
+    let rank = g.backend();
+    let r = g.rank();
+    let ctx = Arc::clone(rank.context());
+    let caller: Arc<CudaStream> = ctx.new_stream().expect("stream");
+    let second: Arc<CudaStream> = ctx.new_stream().expect("stream");
+    let l = EXPERTS / n;
+    let desc = |shape: &[usize], dt| TensorDesc::contiguous(TensorTag::Tokens, dt, shape);
+    let zeros = |d: TensorDesc| DeviceTensor::zeros(&ctx, rank.device(), d).expect("alloc");
+    let mut ring: VecDeque<Snapshot> = VecDeque::new();
+    let mut free: Vec<Snapshot> = (0..LAG + 1)
+        .map(|_| Snapshot {
+            dispatch: zeros(desc(&[l, n * MAX_TOKENS, HIDDEN], DType::Bf16)),
+            counts: zeros(TensorDesc::contiguous(TensorTag::RecvExpertCountsDevice, DType::I32, &[l])),
+            combine: [zeros(desc(&[41, HIDDEN], DType::Bf16)), zeros(desc(&[MAX_TOKENS, HIDDEN], DType::Bf16))],
+            it: 0,
+            want: None,
+        })
+        .collect();
+    let mut bad = 0;
+    for it in 0..iters {
+        let tokens: Vec<usize> = (0..n).map(|q| if (q as u64 + it) % 3 == 0 { 41 } else { MAX_TOKENS }).collect();
+        let sc = Scenario::generate(
+            config(),
+            n,
+            &tokens,
+            TOP_K,
+            RoutingKind::Uniform,
+            5,
+            base ^ it.wrapping_mul(0x9e37_79b9),
+        );
+        let mut snap = free.pop().expect("a free snapshot");
+        snap.it = it;
+        let refs = sc.ll_dispatch_reference().expect("reference");
+        let me = &sc.ranks[r];
+        let want = identity_combine(&me.tokens, &me.topk_idx, &me.weights);
+        snap.want = Some((refs.into_iter().nth(r).expect("rank reference"), want));
+        let idx = rank.upload(&sc.topk_idx(r)).expect("upload");
+        let h = g.create_handle(&idx).await.expect("handle");
+        let x = rank.upload(&sc.tokens(r)).expect("upload");
+        let w = rank.upload(&sc.weights(r)).expect("upload");
+        // A consumer 20-120 us slow, varying.
+        let delay = Duration::from_micros(20 + (it.wrapping_mul(2_654_435_761) >> 7) % 100);
+        let ordered = it % 2 == 0;
+        let consumer = if ordered { &caller } else { &second };
+        let staged = g.dispatch(&h, DispatchInputs::new(&x)).send_only().await.expect("dispatch send");
+        let (d, _done) = if ordered {
+            staged.complete_ordered(&caller).await.expect("dispatch complete")
+        } else {
+            let out = staged.complete_on(&caller).await.expect("dispatch complete");
+            out.0.record_stream(&second);
+            out
+        };
+        rank.delay_on(consumer, delay).expect("delay");
+        rank.copy_on(consumer, d.tokens(), &snap.dispatch).expect("copy");
+        rank.copy_on(consumer, d.counts().expect("counts"), &snap.counts).expect("copy");
+        let combine = g
+            .combine(&h, CombineInputs::new(d.tokens()).with_weights(&w))
+            .after(&caller)
+            .send_only()
+            .await
+            .expect("combine send");
+        drop(d);
+        let (y, _done) = if ordered {
+            combine.complete_ordered(&caller).await.expect("combine complete")
+        } else {
+            let out = combine.complete_on(&caller).await.expect("combine complete");
+            out.0.record_stream(&second);
+            out
+        };
+        rank.delay_on(consumer, delay).expect("delay");
+        let full = sc.ranks[r].tokens.len() / HIDDEN == MAX_TOKENS;
+        rank.copy_on(consumer, y.tokens(), &snap.combine[usize::from(full)]).expect("copy");
+        drop(y);
+        ring.push_back(snap);
+        if ring.len() > LAG {
+            let s = ring.pop_front().expect("oldest");
+            bad += check(rank, &s, n);
+            free.push(s);
+        }
+    }
+    for s in ring {
+        bad += check(rank, &s, n);
+    }
+    bad
+}
+
+fn iters() -> u64 {
+    std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(1000)
+}
+
+#[test]
+fn delayed_consumers_never_see_a_reused_buffer_set() {
+    let n = device_count();
+    if n < 2 {
+        eprintln!("SKIPPED delayed_consumers_never_see_a_reused_buffer_set: needs 2 GPUs, this machine has {n}");
+        return;
+    }
+    let (iters, base) = (iters(), seed());
+    eprintln!("seed {base}, {iters} iterations on 2 GPUs");
+    let groups: Vec<Group<GpuRank>> =
+        GpuWorld::create(&[0, 1], config()).expect("GPU group").into_iter().map(Group::new).collect();
+    let start = Instant::now();
+    let bad: Vec<u64> = std::thread::scope(|s| {
+        let hs: Vec<_> = groups
+            .iter()
+            .map(|g| {
+                s.spawn(move || {
+                    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+                    rt.block_on(delayed_consumer(g, 2, iters, base))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+    });
+    eprintln!(
+        "{iters} stream-ordered iterations with delayed consumers in {:.1} s, mismatches per rank {bad:?}",
+        start.elapsed().as_secs_f64()
+    );
+    assert!(bad.iter().all(|&b| b == 0), "{bad:?}");
+}
+
+/// One process per GPU (see the module docs).
+#[test]
+fn stream_order_one_process_per_gpu() {
+    let env = match epflow_kernels::setup::bootstrap::LaunchEnv::from_env() {
+        Ok(Some(env)) => env,
+        Ok(None) => {
+            eprintln!("SKIPPED stream_order_one_process_per_gpu: not started by `epflow launch`");
+            return;
+        }
+        Err(e) => panic!("bad launch environment: {e}"),
+    };
+    let comm = env.communicator().expect("NCCL communicator");
+    let base: u64 = std::env::var("EPFLOW_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .expect("set EPFLOW_TEST_SEED in every process");
+    let g = Group::new(GpuWorld::join(&comm, config()).expect("join the GPU group"));
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let iters = iters();
+    let bad = rt.block_on(delayed_consumer(&g, env.world_size, iters, base));
+    assert_eq!(bad, 0, "rank {}: {bad} mismatched values", env.rank);
+    eprintln!("ok: rank {} of {}, {iters} stream-ordered iterations, one process per GPU", env.rank, env.world_size);
+    epflow_kernels::setup::bootstrap::barrier(&comm).expect("barrier");
+}
