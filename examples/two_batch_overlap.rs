@@ -1,25 +1,33 @@
-//! Two-batch overlap: a model of `--layers` MoE layers, two micro-batches in flight. While one
-//! micro-batch's experts compute, the other's combine and next dispatch communicate.
+//! Two-batch overlap: a model of `--layers` MoE layers, `--micro-batches` (2 by default, up to
+//! the group's buffer sets) in flight. While one micro-batch's experts compute, the others'
+//! combine and next dispatch communicate.
 //!
 //! - `--backend host` (the default without GPUs): 4 ranks on the host backend; the expert function
 //!   has a known cost (a timer, as GPU work would: it does not hold the CPU).
-//! - `--backend gpu` (the default with GPUs): one rank per GPU (up to 4) in this process; each
-//!   expert is a BF16 GEMM (cuBLAS) over the rows it received, on a compute stream of its own,
-//!   repeated to match the communication time.
+//! - `--backend gpu` (the default with GPUs): one rank per GPU (up to 8) in this process. Each
+//!   expert is a padded strided-batched BF16 GEMM (cuBLAS) over the `[L x R*M x H]` receive
+//!   layout, repeated to match the communication time, on the micro-batch's own stream. The
+//!   pipelined run is stream-ordered (`pipeline::run_on_streams`): the host enqueues ahead and no
+//!   step downloads counts. `--order on-stream|ordered` picks where the receive kernels run
+//!   (on the micro-batch's stream after its earlier work, or on the communication streams);
+//!   `--awaited` also times `pipeline::run` (completions awaited on the host); `--runs N`
+//!   repeats the comparison and prints the median.
 //!
 //! Either way the expert cost is calibrated to the measured communication time per step, so that
-//! compute and communication take similar time. The example runs the same steps serially and
-//! pipelined, checks that both give bit-identical outputs, and prints the overlap efficiency
-//! `(serial - pipelined) / min(total communication, total compute)`.
+//! compute and communication take similar time. The example runs the same steps serially
+//! (everything awaited on the host) and pipelined, checks that both give bit-identical outputs,
+//! and prints the overlap efficiency `(serial - pipelined) / min(total communication, total
+//! compute)`.
 //!
 //! ```sh
-//! cargo run --release --example two_batch_overlap [-- --backend host|gpu --layers 16]
+//! cargo run --release --example two_batch_overlap [-- --backend host|gpu --layers 16 --micro-batches 2|3]
 //! ```
 
 use std::time::Duration;
 
 use epflow::Group;
-use epflow::core::host::{HostCombineOutput, HostDispatchOutput, HostRank, HostWorld};
+use epflow::core::backend::StreamOrder;
+use epflow::core::host::{HostCombineOutput, HostDispatchOutput, HostRank, HostStream, HostWorld};
 use epflow::core::workload::{RoutingKind, RoutingSpec, random_tokens, random_topk_idx, random_weights};
 use epflow::core::{GroupConfig, HostTensor, Result, bf16};
 use epflow::runtime::pipeline::{self, PipelineStats, StepInput};
@@ -29,7 +37,6 @@ const EXPERTS: usize = 32;
 const TOKENS: usize = 64;
 const HIDDEN: usize = 2048;
 const TOP_K: usize = 4;
-const DEPTH: usize = 2;
 
 fn arg_str(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
@@ -76,29 +83,48 @@ async fn expert(cost: Duration, received: &HostDispatchOutput) -> Result<HostTen
     Ok(received.tokens().clone())
 }
 
+/// How a host run completes its operations.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum HostMode {
+    Serial,
+    Pipelined,
+    /// `pipeline::run_on_streams` with host "streams": the same semantics as `Pipelined`.
+    Streams,
+}
+
 async fn run_rank(
     g: Group<HostRank>,
     steps: usize,
+    depth: usize,
     cost: Duration,
-    pipelined: bool,
+    mode: HostMode,
 ) -> Result<(PipelineStats, Vec<bf16>)> {
     let mut last = Vec::new();
     let input = |i, prev| step_input(&g, i, prev);
     let exp = async move |_, d: &HostDispatchOutput| expert(cost, d).await;
     let sink = |_, out: HostCombineOutput| last.extend_from_slice(out.tokens().as_bf16().unwrap_or_default());
-    let stats = if pipelined {
-        pipeline::run(&g, steps, DEPTH, input, exp, sink).await?
-    } else {
-        pipeline::run_serial(&g, steps, DEPTH, input, exp, sink).await?
+    let stats = match mode {
+        HostMode::Pipelined => pipeline::run(&g, steps, depth, input, exp, sink).await?,
+        HostMode::Serial => pipeline::run_serial(&g, steps, depth, input, exp, sink).await?,
+        HostMode::Streams => {
+            let lanes = vec![HostStream; depth];
+            let exp = async move |_, _: &HostStream, d: &HostDispatchOutput| expert(cost, d).await;
+            pipeline::run_on_streams(&g, steps, &lanes, StreamOrder::OnStream, input, exp, sink).await?
+        }
     };
     Ok((stats, last))
 }
 
 /// Runs every rank as a task; returns the slowest rank's stats and every rank's final outputs.
-async fn run_world(steps: usize, cost: Duration, pipelined: bool) -> Result<(PipelineStats, Vec<Vec<bf16>>)> {
-    let config = GroupConfig::low_latency(EXPERTS, TOKENS, HIDDEN);
+async fn run_world(
+    steps: usize,
+    depth: usize,
+    cost: Duration,
+    mode: HostMode,
+) -> Result<(PipelineStats, Vec<Vec<bf16>>)> {
+    let config = GroupConfig::low_latency(EXPERTS, TOKENS, HIDDEN).with_buffer_sets(depth.max(2));
     let groups = HostWorld::create(RANKS, config)?.into_iter().map(Group::new);
-    let tasks: Vec<_> = groups.map(|g| tokio::spawn(run_rank(g, steps, cost, pipelined))).collect();
+    let tasks: Vec<_> = groups.map(|g| tokio::spawn(run_rank(g, steps, depth, cost, mode))).collect();
     let mut worst = PipelineStats::default();
     let mut outs = Vec::new();
     for t in tasks {
@@ -118,15 +144,34 @@ fn ms(d: Duration) -> f64 {
 fn main() -> Result<()> {
     let gpus = epflow::kernels::device_count();
     let backend = arg_str("--backend").unwrap_or_else(|| if gpus >= 2 { "gpu".into() } else { "host".into() });
+    let depth = arg("--micro-batches", 2);
+    if !(1..=8).contains(&depth) {
+        return Err(epflow::core::Error::Unsupported(format!("--micro-batches {depth}: use 1 to 8")));
+    }
+    let order = match arg_str("--order").as_deref() {
+        None | Some("on-stream") => StreamOrder::OnStream,
+        Some("ordered") => StreamOrder::Ordered,
+        Some(other) => {
+            return Err(epflow::core::Error::Unsupported(format!("--order {other}: use on-stream or ordered")));
+        }
+    };
     match backend.as_str() {
-        "gpu" => gpu::main(arg("--layers", 16), gpus.min(4)),
-        "host" => host_main(),
+        "gpu" => gpu::main(gpu::Args {
+            layers: arg("--layers", 16),
+            gpus: gpus.min(8),
+            depth,
+            order,
+            runs: arg("--runs", 1).max(1),
+            awaited: std::env::args().any(|a| a == "--awaited"),
+        }),
+        "host" => host_main(depth),
         other => Err(epflow::core::Error::Unsupported(format!("--backend {other}: use host or gpu"))),
     }
 }
 
-/// Prints the comparison; fails if the pipelined outputs differ from the serial ones.
-fn report(what: &str, serial: &PipelineStats, piped: &PipelineStats, identical: bool) -> Result<()> {
+/// Prints the comparison and returns the overlap efficiency; fails if the pipelined outputs
+/// differ from the serial ones.
+fn report(what: &str, serial: &PipelineStats, piped: &PipelineStats, identical: bool) -> Result<f64> {
     let hidden = serial.wall.saturating_sub(piped.wall);
     let efficiency = hidden.as_secs_f64() / serial.comm.min(serial.compute).as_secs_f64();
     println!("  {what}");
@@ -139,37 +184,54 @@ fn report(what: &str, serial: &PipelineStats, piped: &PipelineStats, identical: 
     println!("  pipelined: {:8.2} ms", ms(piped.wall));
     println!("  overlap efficiency (serial - pipelined) / min(comm, compute): {efficiency:.3}");
     println!("  outputs of serial and pipelined runs bit-identical: {identical}");
-    if identical { Ok(()) } else { Err(epflow::core::Error::Backend("pipelined outputs differ from serial".into())) }
+    if piped.wall > serial.wall {
+        println!("  WARNING: pipelined was slower than serial");
+    }
+    if identical {
+        Ok(efficiency)
+    } else {
+        Err(epflow::core::Error::Backend("pipelined outputs differ from serial".into()))
+    }
 }
 
-fn host_main() -> Result<()> {
+fn host_main(depth: usize) -> Result<()> {
     let layers = arg("--layers", 16);
-    let steps = layers * DEPTH;
+    let steps = layers * depth;
     let rt =
         tokio::runtime::Builder::new_multi_thread().worker_threads(RANKS).enable_all().build().expect("tokio runtime");
     rt.block_on(async {
         // Calibrate: communication time per step with free experts.
-        let (cal, _) = run_world(steps, Duration::ZERO, false).await?;
+        let (cal, _) = run_world(steps, depth, Duration::ZERO, HostMode::Serial).await?;
         let cost = cal.comm / steps as u32;
         println!(
-            "two-batch overlap, host backend: {RANKS} ranks, {layers} layers x {DEPTH} micro-batches = {steps} steps"
+            "two-batch overlap, host backend: {RANKS} ranks, {layers} layers x {depth} micro-batches = {steps} steps"
         );
         println!("  {TOKENS} tokens/micro-batch, hidden {HIDDEN}, top-k {TOP_K}, {EXPERTS} experts");
         println!("  expert cost per step: {:.3} ms (= measured communication per step)", ms(cost));
-        let (serial, out_s) = run_world(steps, cost, false).await?;
-        let (piped, out_p) = run_world(steps, cost, true).await?;
-        report("host backend, timer experts", &serial, &piped, out_s == out_p)
+        let (serial, out_s) = run_world(steps, depth, cost, HostMode::Serial).await?;
+        let (piped, out_p) = run_world(steps, depth, cost, HostMode::Pipelined).await?;
+        report("host backend, timer experts", &serial, &piped, out_s == out_p)?;
+        let (streamed, out_o) = run_world(steps, depth, cost, HostMode::Streams).await?;
+        println!(
+            "  stream-ordered API (pipeline::run_on_streams): {:8.2} ms, outputs bit-identical: {}",
+            ms(streamed.wall),
+            out_o == out_s
+        );
+        if out_o != out_s {
+            return Err(epflow::core::Error::Backend("stream-ordered outputs differ from serial".into()));
+        }
+        Ok(())
     })
 }
 
-/// The GPU version: per-expert GEMMs on a compute stream of each rank.
+/// The GPU version: padded expert GEMMs on one stream per micro-batch, stream-ordered.
 mod gpu {
     use std::sync::Arc;
     use std::time::Duration;
 
+    use cudarc::driver::CudaStream;
     use epflow::Group;
-    use epflow::core::ops::{CountsLocation, DispatchOptions};
-    use epflow::core::protocol::Channel;
+    use epflow::core::backend::StreamOrder;
     use epflow::core::workload::{RoutingKind, RoutingSpec, random_tokens, random_topk_idx, random_weights};
     use epflow::core::{DType, GroupConfig, HostTensor, Result, TensorDesc, TensorTag, bf16};
     use epflow::kernels::compute::ExpertGemm;
@@ -177,7 +239,7 @@ mod gpu {
     use epflow::runtime::pipeline::{self, PipelineStats, StepInput};
     use epflow::runtime::reactor::{WaitOutcome, wait_for};
 
-    use super::{DEPTH, report};
+    use super::{ms, report};
 
     const EXPERTS: usize = 32;
     const TOKENS: usize = 128;
@@ -187,21 +249,32 @@ mod gpu {
     /// The communication kernels may use this many SMs; the GEMMs get the rest.
     const COMM_SMS: usize = 48;
 
-    /// One step's inputs, prepared before the timed runs (routing, weights, and the buffer the
-    /// previous layer's output is copied into).
+    /// How a run completes its operations.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Mode {
+        /// One step after the other, every operation and expert awaited on the host.
+        Serial,
+        /// `pipeline::run`: overlapped, completions awaited on the host.
+        Awaited,
+        /// `pipeline::run_on_streams`: overlapped, completed in stream order.
+        Streams(StreamOrder),
+    }
+
+    /// One step's inputs, prepared before the timed runs (routing, first-layer tokens, weights).
     struct Prepared {
         handle: GpuHandle,
         tokens: DeviceTensor,
         weights: DeviceTensor,
     }
 
-    /// One rank with its expert weights, GEMM stream, two expert-output buffers (steps
-    /// alternate between them) and every step's prepared inputs.
+    /// One rank with its expert weights, one GEMM stream and expert-output buffer per
+    /// micro-batch, and every step's prepared inputs.
     struct Rank {
         g: Group<GpuRank>,
-        gemm: ExpertGemm,
+        gemms: Vec<ExpertGemm>,
+        streams: Vec<Arc<CudaStream>>,
         w: DeviceTensor,
-        out: [DeviceTensor; 2],
+        out: Vec<DeviceTensor>,
         steps: Vec<Prepared>,
     }
 
@@ -209,7 +282,7 @@ mod gpu {
         epflow::core::Error::Backend(format!("{e:?}"))
     }
 
-    fn setup(g: Group<GpuRank>, steps: usize) -> Result<Rank> {
+    fn setup(g: Group<GpuRank>, steps: usize, depth: usize) -> Result<Rank> {
         let rank = g.backend();
         let ctx = Arc::clone(rank.context());
         let r = g.rank();
@@ -220,9 +293,9 @@ mod gpu {
         let w = rank.upload(&HostTensor::tokens(HIDDEN, HIDDEN, w))?;
         let l = EXPERTS / g.num_ranks();
         let desc = TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[l, g.num_ranks() * TOKENS, HIDDEN]);
-        let out =
-            [DeviceTensor::zeros(&ctx, rank.device(), desc.clone())?, DeviceTensor::zeros(&ctx, rank.device(), desc)?];
-        let gemm = ExpertGemm::new(ctx.new_stream().map_err(err)?)?;
+        let out = (0..depth).map(|_| DeviceTensor::zeros(&ctx, rank.device(), desc.clone())).collect::<Result<_>>()?;
+        let streams: Vec<Arc<CudaStream>> = (0..depth).map(|_| ctx.new_stream().map_err(err)).collect::<Result<_>>()?;
+        let gemms = streams.iter().map(|s| ExpertGemm::new(Arc::clone(s))).collect::<Result<_>>()?;
         let spec = RoutingSpec {
             num_tokens: TOKENS,
             top_k: TOP_K,
@@ -244,86 +317,88 @@ mod gpu {
                 Ok(Prepared { handle, tokens, weights })
             })
             .collect::<Result<_>>()?;
-        Ok(Rank { g, gemm, w, out, steps })
+        Ok(Rank { g, gemms, streams, w, out, steps })
     }
 
-    /// Step `i`'s inputs; a later layer's tokens are the previous layer's output, copied on the
-    /// combine stream (so the next combine cannot overwrite its buffer set first) and awaited by
-    /// the dispatch on the device, not on the host.
-    fn step_input(rk: &Rank, i: usize, prev: Option<GpuCombineOutput>) -> Result<StepInput<GpuRank>> {
+    /// Step `i`'s inputs; a later layer's tokens are the previous layer's combine output itself
+    /// (a view that holds its buffer set until the dispatch has read it, ready in its stream's
+    /// order).
+    fn step_input(rk: &Rank, i: usize, prev: Option<GpuCombineOutput>) -> StepInput<GpuRank> {
         let p = &rk.steps[i];
         let tokens = match prev {
-            Some(out) => {
-                let ev = rk.g.backend().copy_on_stream(Channel::Combine, out.tokens(), &p.tokens)?;
-                p.tokens.clone().ready_after(ev)
-            }
+            Some(out) => out.tokens().clone(),
             None => p.tokens.clone(),
         };
-        let dispatch_options = DispatchOptions { counts_location: CountsLocation::Host, ..Default::default() };
-        Ok(StepInput { handle: p.handle.clone(), tokens, weights: p.weights.clone(), dispatch_options })
+        StepInput { handle: p.handle.clone(), tokens, weights: p.weights.clone(), dispatch_options: Default::default() }
     }
 
-    /// The expert: `reps` rounds of per-expert GEMMs into the step's output buffer (0: a copy
-    /// of the input, for calibration), awaited through the reactor.
-    async fn expert(rk: &Rank, i: usize, reps: usize, d: &GpuDispatchOutput) -> Result<DeviceTensor> {
-        let rank = rk.g.backend();
+    /// Enqueues the expert of step `i` on its micro-batch's stream: `reps` rounds of the padded
+    /// GEMM (no counts needed), or (0 rounds, for calibration) the received tokens themselves.
+    fn enqueue_expert(rk: &Rank, i: usize, reps: usize, d: &GpuDispatchOutput) -> Result<Option<DeviceTensor>> {
         if reps == 0 {
-            // Calibration: a copy into a preallocated buffer (an allocation per step would
-            // synchronize the device through cuMemFree and inflate the communication times).
-            let y = &rk.out[i % 2];
-            let ev = rank.copy_on_stream(Channel::Dispatch, d.tokens(), y)?;
-            let ctx = Arc::clone(rank.context());
-            let probe = move || ctx.bind_to_thread().is_err() || ev.try_is_complete().unwrap_or(true);
-            if wait_for(probe, Duration::from_secs(10)).await == WaitOutcome::TimedOut {
-                return Err(err("copy did not finish in 10 s"));
-            }
-            return Ok(y.clone());
+            return Ok(None);
         }
-        let counts = d.host_counts().ok_or_else(|| err("no host counters"))?.to_vec();
-        let y = &rk.out[i % 2];
+        let m = i % rk.gemms.len();
+        let y = &rk.out[m];
         let mut last = None;
         for _ in 0..reps {
-            last = Some(rk.gemm.per_expert(d.tokens(), &rk.w, y, &counts)?);
+            last = Some(rk.gemms[m].padded(d.tokens(), &rk.w, y)?);
         }
-        if let Some(ev) = last {
-            let ev = Arc::new(ev);
-            let ctx = Arc::clone(rank.context());
+        Ok(Some(y.clone().ready_after(Arc::new(last.ok_or_else(|| err("no GEMM"))?))))
+    }
+
+    /// The expert, awaited on the host through the reactor (serial and awaited runs).
+    async fn awaited_expert(rk: &Rank, i: usize, reps: usize, d: &GpuDispatchOutput) -> Result<DeviceTensor> {
+        let Some(y) = enqueue_expert(rk, i, reps, d)? else { return Ok(d.tokens().clone()) };
+        if let Some(ev) = y.ready_event().cloned() {
+            let ctx = Arc::clone(rk.g.backend().context());
             let probe = move || ctx.bind_to_thread().is_err() || ev.try_is_complete().unwrap_or(true);
             if wait_for(probe, Duration::from_secs(10)).await == WaitOutcome::TimedOut {
                 return Err(err("expert GEMMs did not finish in 10 s"));
             }
         }
-        Ok(y.clone())
+        Ok(y)
     }
 
-    async fn run_rank(rk: &Rank, steps: usize, reps: usize, pipelined: bool) -> Result<(PipelineStats, Vec<bf16>)> {
+    async fn run_rank(rk: &Rank, steps: usize, reps: usize, mode: Mode) -> Result<(PipelineStats, Vec<bf16>)> {
         let g = &rk.g;
+        let depth = rk.streams.len();
         let mut last = Vec::new();
-        let input = |i, prev| step_input(rk, i, prev);
-        let exp = async |i, d: &GpuDispatchOutput| expert(rk, i, reps, d).await;
+        let input = |i, prev| Ok(step_input(rk, i, prev));
         let sink = |_, out: GpuCombineOutput| {
             if let Ok(t) = out.to_host() {
                 last.extend_from_slice(t.tokens.as_bf16().unwrap_or_default());
             }
         };
-        let stats = if pipelined {
-            pipeline::run(g, steps, DEPTH, input, exp, sink).await?
-        } else {
-            pipeline::run_serial(g, steps, DEPTH, input, exp, sink).await?
+        let stats = match mode {
+            Mode::Serial => {
+                let exp = async |i, d: &GpuDispatchOutput| awaited_expert(rk, i, reps, d).await;
+                pipeline::run_serial(g, steps, depth, input, exp, sink).await?
+            }
+            Mode::Awaited => {
+                let exp = async |i, d: &GpuDispatchOutput| awaited_expert(rk, i, reps, d).await;
+                pipeline::run(g, steps, depth, input, exp, sink).await?
+            }
+            Mode::Streams(order) => {
+                let exp = async |i, _: &Arc<CudaStream>, d: &GpuDispatchOutput| {
+                    Ok(enqueue_expert(rk, i, reps, d)?.unwrap_or_else(|| d.tokens().clone()))
+                };
+                pipeline::run_on_streams(g, steps, &rk.streams, order, input, exp, sink).await?
+            }
         };
         Ok((stats, last))
     }
 
     /// Runs every rank at once, each on its own executor thread; returns the slowest rank's
     /// stats and every rank's final outputs.
-    fn run_all(ranks: &[Rank], steps: usize, reps: usize, pipelined: bool) -> Result<(PipelineStats, Vec<Vec<bf16>>)> {
+    fn run_all(ranks: &[Rank], steps: usize, reps: usize, mode: Mode) -> Result<(PipelineStats, Vec<Vec<bf16>>)> {
         let results: Vec<Result<(PipelineStats, Vec<bf16>)>> = std::thread::scope(|s| {
             let hs: Vec<_> = ranks
                 .iter()
                 .map(|rk| {
                     s.spawn(move || {
                         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(err)?;
-                        rt.block_on(run_rank(rk, steps, reps, pipelined))
+                        rt.block_on(run_rank(rk, steps, reps, mode))
                     })
                 })
                 .collect();
@@ -341,40 +416,81 @@ mod gpu {
         Ok((worst, outs))
     }
 
-    pub(crate) fn main(layers: usize, gpus: usize) -> Result<()> {
+    /// What the command line asks for.
+    pub(crate) struct Args {
+        pub(crate) layers: usize,
+        pub(crate) gpus: usize,
+        pub(crate) depth: usize,
+        pub(crate) order: StreamOrder,
+        pub(crate) runs: usize,
+        pub(crate) awaited: bool,
+    }
+
+    pub(crate) fn main(a: Args) -> Result<()> {
+        let (layers, gpus, depth) = (a.layers, a.gpus, a.depth);
         if gpus < 2 {
             return Err(epflow::core::Error::Unsupported(format!(
                 "--backend gpu needs 2 GPUs, this machine has {gpus}"
             )));
         }
-        let steps = layers * DEPTH;
-        let config = GroupConfig::low_latency(EXPERTS, TOKENS, HIDDEN).with_max_sms(Some(COMM_SMS));
+        let steps = layers * depth;
+        let config = GroupConfig::low_latency(EXPERTS, TOKENS, HIDDEN)
+            .with_max_sms(Some(COMM_SMS))
+            .with_buffer_sets(depth.max(2));
         let devices: Vec<usize> = (0..gpus).collect();
         let ranks: Vec<Rank> = GpuWorld::create(&devices, config)?
             .into_iter()
-            .map(|r| setup(Group::new(r), steps))
+            .map(|r| setup(Group::new(r), steps, depth))
             .collect::<Result<_>>()?;
         // Warm up (kernel compile, cuBLAS heuristics), then calibrate: communication per step
-        // with copy experts, compute per step of one GEMM round.
-        run_all(&ranks, steps.min(4), 1, false)?;
-        let (comm, _) = run_all(&ranks, steps, 0, false)?;
-        let (one, _) = run_all(&ranks, steps, 1, false)?;
+        // with identity experts, compute per step of one GEMM round.
+        run_all(&ranks, steps.min(4), 1, Mode::Serial)?;
+        run_all(&ranks, steps.min(4), 1, Mode::Streams(a.order))?;
+        let (comm, _) = run_all(&ranks, steps, 0, Mode::Serial)?;
+        let (one, _) = run_all(&ranks, steps, 1, Mode::Serial)?;
         let comm_step = comm.comm.as_secs_f64() / steps as f64;
         let gemm_step = one.compute.as_secs_f64() / steps as f64;
         let reps = ((comm_step / gemm_step).round() as usize).max(1);
         println!(
-            "two-batch overlap, GPU backend: {gpus} GPUs, {layers} layers x {DEPTH} micro-batches = {steps} steps"
+            "two-batch overlap, GPU backend: {gpus} GPUs, {layers} layers x {depth} micro-batches = {steps} steps"
         );
         println!(
             "  {TOKENS} tokens/micro-batch, hidden {HIDDEN}, top-k {TOP_K}, {EXPERTS} experts, BF16; communication on at most {COMM_SMS} SMs"
         );
         println!(
-            "  communication per step {:.1} us; one round of per-expert GEMMs {:.1} us; expert = {reps} rounds",
+            "  communication per step {:.1} us; one padded GEMM round {:.1} us; expert = {reps} rounds; pipelined: stream-ordered, {:?}",
             comm_step * 1e6,
-            gemm_step * 1e6
+            gemm_step * 1e6,
+            a.order
         );
-        let (serial, out_s) = run_all(&ranks, steps, reps, false)?;
-        let (piped, out_p) = run_all(&ranks, steps, reps, true)?;
-        report("GPU backend, cuBLAS experts", &serial, &piped, out_s == out_p)
+        let mut effs = Vec::new();
+        for run in 0..a.runs {
+            let (serial, out_s) = run_all(&ranks, steps, reps, Mode::Serial)?;
+            let (piped, out_p) = run_all(&ranks, steps, reps, Mode::Streams(a.order))?;
+            let what =
+                format!("run {}/{}: GPU backend, cuBLAS experts, stream-ordered ({:?})", run + 1, a.runs, a.order);
+            effs.push(report(&what, &serial, &piped, out_s == out_p)?);
+            if a.awaited {
+                let (aw, out_a) = run_all(&ranks, steps, reps, Mode::Awaited)?;
+                println!(
+                    "  pipelined with host-awaited completions (pipeline::run): {:8.2} ms, outputs bit-identical: {}",
+                    ms(aw.wall),
+                    out_a == out_s
+                );
+            }
+        }
+        if effs.len() > 1 {
+            let mut sorted = effs.clone();
+            sorted.sort_by(f64::total_cmp);
+            let list: Vec<String> = effs.iter().map(|e| format!("{e:.3}")).collect();
+            println!(
+                "overlap efficiency over {} runs: median {:.3}, min {:.3} ({})",
+                effs.len(),
+                sorted[sorted.len() / 2],
+                sorted[0],
+                list.join(", ")
+            );
+        }
+        Ok(())
     }
 }

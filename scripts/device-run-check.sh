@@ -3,7 +3,8 @@
 # for the A/B part, the previous commit's `epflow` packed into .device-base/epflow): every GPU
 # test suite on 2 GPUs in both process models, compute-sanitizer, and `epflow bench --validate`
 # of this build against the baseline binary, alternated in one session. Logs go to $OUT.
-# Parts: tests, sanitize, ab (default: all).
+# Parts: perf (the overlap examples and the reactor benchmark), ab, tests, sanitize (default:
+# all, in that order).
 set -u
 source "$(dirname "$0")/device-env.sh"
 part=${1:-all}
@@ -14,9 +15,32 @@ run() { # name timeout binary args...: runs a test binary, prints its verdicts
   echo "-- $name rc=$? ($(grep -c '^test .* ok$' "$OUT/$name.log") ok, $(grep -c 'SKIPPED' "$OUT/$name.log") skipped)"
   grep -E "FAILED|panicked|^test .*(FAILED|ignored)|staged iterations|iterations in|mismatch" "$OUT/$name.log" | head -8
 }
+if [ "$part" = all ] || [ "$part" = perf ]; then
+  echo "== two_batch_overlap (stream-ordered pipeline vs serial), 5 runs per placement"
+  for order in on-stream ordered; do
+    timeout 120 $P/two_batch_overlap --backend gpu --runs 5 --order $order --awaited >"$OUT/tbo-$order.log" 2>&1
+    echo "-- --order $order rc=$?"; grep -E "communication per step|pipelined|efficiency|identical|WARNING" "$OUT/tbo-$order.log" | tail -6
+  done
+  timeout 120 $P/two_batch_overlap --backend gpu --micro-batches 3 --runs 2 >"$OUT/tbo-3.log" 2>&1
+  echo "-- --micro-batches 3 rc=$?"; grep -E "efficiency|identical" "$OUT/tbo-3.log" | tail -3
+  echo "== moe_serving"
+  timeout 150 $P/moe_serving --backend gpu --micro-batches 1,2,3 --seconds 4 --rate 400000 >"$OUT/serving-gpu.log" 2>&1
+  echo "-- gpu rc=$?"; grep -E "tokens/s|throughput|communication" "$OUT/serving-gpu.log"
+  timeout 150 $P/moe_serving --backend gpu --micro-batches 2 --seconds 2 --rate 400000 --check >"$OUT/serving-gpu-check.log" 2>&1
+  echo "-- gpu --check rc=$?"; grep -E "identical|tokens/s|differ" "$OUT/serving-gpu-check.log"
+  timeout 150 $P/moe_serving --backend host --micro-batches 1,2 --seconds 3 --rate 100000 >"$OUT/serving-host.log" 2>&1
+  echo "-- host rc=$?"; grep -E "tokens/s|throughput|communication" "$OUT/serving-host.log"
+  echo "== reactor wake latency"
+  timeout 120 $P/reactor --warm-up-time 1 --measurement-time 2 >"$OUT/reactor.log" 2>&1
+  echo "-- rc=$?"; grep -E "p50|CPU" "$OUT/reactor.log"
+fi
 if [ "$part" = all ] || [ "$part" = tests ]; then
   echo "== GPU test suites"
-  run gpu_ll 300 $P/gpu_ll
+  run gpu_stream_order 300 $P/gpu_stream_order
+  seed=$(date +%s%N)
+  EPFLOW_TEST_SEED=$seed timeout 120 $P/epflow launch -n 2 -- $P/gpu_stream_order stream_order_one_process_per_gpu --nocapture --test-threads=1 >"$OUT/mp2-stream.log" 2>&1
+  echo "-- one process per GPU (gpu_stream_order): rc=$? ($(grep -c '^ok: ' "$OUT/mp2-stream.log") ok lines)"; grep -E "panicked|FAILED" "$OUT/mp2-stream.log" | head -3
+  EPFLOW_GPU_ITERS=${EPFLOW_LL_ITERS:-10000} run gpu_ll 300 $P/gpu_ll
   run gpu_ht 300 $P/gpu_ht
   run gpu_disagreement 120 $P/gpu_disagreement
   run gpu_async 180 $P/gpu_async
@@ -26,13 +50,17 @@ if [ "$part" = all ] || [ "$part" = tests ]; then
 fi
 if [ "$part" = all ] || [ "$part" = sanitize ]; then
   echo "== compute-sanitizer (2 GPUs)"
+  sanitize stream
   sanitize ll
   sanitize ht
 fi
 if [ "$part" = all ] || [ "$part" = ab ]; then
   echo "== epflow bench --validate: baseline (.device-base) vs this build, alternated"
   summary() { grep -E "^(Dispatch|Combine) \(|^Handle|^Validation" | sed -E 's/, min=[^,]*, max=[^,]*//; s/ *\(.*avg=/ avg=/' | tr '\n' ' '; }
-  for args in "" "--tokens 32" "--tokens 1" "--staged" "--dtype fp8" "--algorithm ht" "--algorithm ht --dtype fp8"; do
+  ab=("" "--tokens 32" "--tokens 1" "--staged" "--dtype fp8" "--algorithm ht" "--algorithm ht --dtype fp8")
+  # EPFLOW_AB_SHORT=1: the regression targets only (low-latency 128 tokens, staged, high-throughput).
+  if [ -n "${EPFLOW_AB_SHORT:-}" ]; then ab=("" "--staged" "--algorithm ht"); fi
+  for args in "${ab[@]}"; do
     for rep in 1 2; do
       for b in .device-base/epflow $P/epflow; do
         [ -x "$b" ] || continue

@@ -1,0 +1,956 @@
+//! MoE serving: the shape our users run. A tokio program per rank receives requests at a
+//! configurable rate, batches them into micro-batches of `--batch` tokens (padded, as a CUDA-graph
+//! server pads), and runs each micro-batch through `--layers` MoE layers (router top-k → dispatch
+//! → expert GEMMs → combine), with `--micro-batches` of them in flight.
+//!
+//! - `--backend gpu` (the default with 2+ GPUs): one rank per GPU of the host, one tokio runtime
+//!   per rank. Operations complete in stream order (`pipeline::run_on_streams`, one stream per
+//!   micro-batch), the experts are padded strided-batched BF16 GEMMs (cuBLAS) that need no host
+//!   counts, so the host only enqueues.
+//! - `--backend host` (the default otherwise): 4 ranks on the host backend; an expert is a timer
+//!   (it sleeps on tokio's blocking pool, so it does not hold the rank's thread), then identity.
+//!
+//! The expert cost is calibrated to the measured communication time per step (`--expert-scale`
+//! multiplies it). The router is simulated: each layer has a pool of top-k routings drawn once,
+//! and micro-batch `b` uses the pool entry its number selects (tokens too), so a micro-batch's
+//! outputs depend on its number only.
+//!
+//! Requests arrive as a Poisson process at `--rate` requests/s (over all ranks) for `--seconds`,
+//! each `--request-tokens` tokens. When the time is up no new micro-batch starts; the ones in
+//! flight finish. Printed: tokens/s, request latency p50/p99 (arrival → its micro-batch's last
+//! combine done), and the GPU busy fraction (time with a micro-batch in flight on the device).
+//! A progress line prints every second. `--micro-batches 1,2` runs each setting in turn with the
+//! same calibration and prints the throughput ratio. `--check` re-runs the served micro-batches
+//! serially (`pipeline::run_serial`) and fails unless every output is bit-identical.
+//!
+//! ```sh
+//! cargo run --release --example moe_serving -- --micro-batches 1,2 --rate 100000 --seconds 5
+//! ```
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+use epflow::Group;
+use epflow::core::backend::{Backend, StreamOrder};
+use epflow::core::{Error, Result};
+use epflow::runtime::pipeline::{self, StepInput};
+
+/// Routings (and first-layer token sets) drawn once per layer and reused by number.
+const POOL: usize = 8;
+
+/// The command line.
+#[derive(Clone, Debug)]
+struct Args {
+    backend: String,
+    rate: f64,
+    seconds: f64,
+    layers: usize,
+    micro_batches: Vec<usize>,
+    batch: usize,
+    request_tokens: usize,
+    rounds: usize,
+    expert_scale: f64,
+    order: StreamOrder,
+    check: bool,
+    quiet: bool,
+}
+
+impl Args {
+    fn parse(argv: &[String]) -> Result<Args> {
+        let get = |name: &str| argv.iter().position(|a| a == name).and_then(|i| argv.get(i + 1)).cloned();
+        let num = |name: &str, default: f64| -> Result<f64> {
+            match get(name) {
+                None => Ok(default),
+                Some(v) => v.parse().map_err(|_| Error::Unsupported(format!("{name} {v}: not a number"))),
+            }
+        };
+        let gpus = epflow::kernels::device_count();
+        let backend = get("--backend").unwrap_or_else(|| if gpus >= 2 { "gpu".into() } else { "host".into() });
+        let micro_batches = get("--micro-batches")
+            .unwrap_or_else(|| "2".into())
+            .split(',')
+            .map(|v| v.trim().parse::<usize>().ok().filter(|m| (1..=8).contains(m)))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| Error::Unsupported("--micro-batches: a list of 1..=8, e.g. 1,2".into()))?;
+        let gpu = backend == "gpu";
+        let a = Args {
+            rate: num("--rate", 20_000.0)?,
+            seconds: num("--seconds", 5.0)?,
+            layers: num("--layers", 4.0)? as usize,
+            micro_batches,
+            batch: num("--batch", if gpu { 128.0 } else { 32.0 })? as usize,
+            request_tokens: num("--request-tokens", 8.0)? as usize,
+            rounds: num("--rounds", 8.0)? as usize,
+            expert_scale: num("--expert-scale", 1.0)?,
+            order: match get("--order").as_deref() {
+                None | Some("on-stream") => StreamOrder::OnStream,
+                Some("ordered") => StreamOrder::Ordered,
+                Some(o) => return Err(Error::Unsupported(format!("--order {o}: use on-stream or ordered"))),
+            },
+            check: argv.iter().any(|a| a == "--check"),
+            quiet: argv.iter().any(|a| a == "--quiet"),
+            backend,
+        };
+        if a.rate <= 0.0 || a.seconds <= 0.0 || a.layers == 0 || a.rounds == 0 || a.expert_scale < 0.0 {
+            return Err(Error::Unsupported("--rate, --seconds, --layers and --rounds must be positive".into()));
+        }
+        if a.request_tokens == 0 || a.request_tokens > a.batch {
+            return Err(Error::Unsupported(format!(
+                "--request-tokens {} must be in 1..=--batch ({})",
+                a.request_tokens, a.batch
+            )));
+        }
+        Ok(a)
+    }
+}
+
+/// One request: when it arrived and how many tokens it brings.
+#[derive(Clone, Copy, Debug)]
+struct Request {
+    arrival: Instant,
+    tokens: usize,
+}
+
+/// A point in time on a rank: host-observed, or a device event (read after the run).
+enum Mark {
+    Host(Instant),
+    Device(Arc<cudarc::driver::CudaEvent>),
+}
+
+/// What a backend brings to the server: the group, one stream per micro-batch lane, step inputs
+/// by micro-batch number, the expert, marks and output digests.
+trait Engine {
+    /// The backend.
+    type B: Backend;
+    fn group(&self) -> &Group<Self::B>;
+    fn lanes(&self) -> &[<Self::B as Backend>::Stream];
+    /// Step inputs of micro-batch `mb` at `layer`; `prev` is its previous layer's output.
+    fn input(
+        &self,
+        mb: u64,
+        layer: usize,
+        prev: Option<<Self::B as Backend>::CombineOutput>,
+    ) -> Result<StepInput<Self::B>>;
+    /// The expert of one step on lane `lane`: stream-ordered (enqueued), or awaited.
+    fn expert(
+        &self,
+        lane: usize,
+        d: &<Self::B as Backend>::DispatchOutput,
+        awaited: bool,
+    ) -> impl Future<Output = Result<<Self::B as Backend>::Tensor>>;
+    /// Sets the expert cost: `scale` times one step's communication `comm`.
+    fn calibrate(&self, comm: Duration, scale: f64) -> Result<String>;
+    /// Now, in lane `lane`'s order.
+    fn mark(&self, lane: usize) -> Result<Mark>;
+    /// Seconds from the start mark to `m` (after the run).
+    fn seconds(&self, start: &Mark, m: &Mark) -> f64;
+    /// A digest of a final output (downloads it).
+    fn digest(&self, out: &<Self::B as Backend>::CombineOutput) -> Result<u64>;
+}
+
+/// FNV-1a over 16-bit words.
+fn fnv(words: impl Iterator<Item = u16>) -> u64 {
+    words.fold(0xcbf2_9ce4_8422_2325u64, |h, w| (h ^ u64::from(w)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// The decision every rank takes together at a chunk boundary.
+#[derive(Debug)]
+struct Votes {
+    /// Per round: the highest vote (0 stop, 1 idle, 2 run).
+    votes: Mutex<Vec<usize>>,
+    barrier: tokio::sync::Barrier,
+}
+
+impl Votes {
+    fn new(ranks: usize) -> Self {
+        Votes { votes: Mutex::default(), barrier: tokio::sync::Barrier::new(ranks) }
+    }
+
+    /// Every rank's `vote` for round `round`; returns the highest.
+    async fn decide(&self, round: usize, vote: usize) -> usize {
+        {
+            let mut v = self.votes.lock().unwrap_or_else(|e| e.into_inner());
+            if v.len() <= round {
+                v.resize(round + 1, 0);
+            }
+            v[round] = v[round].max(vote);
+        }
+        self.barrier.wait().await;
+        self.votes.lock().unwrap_or_else(|e| e.into_inner())[round]
+    }
+}
+
+/// One served micro-batch: its number, start and end marks, and the requests it carried.
+type Batch = (u64, Mark, Mark, Vec<Request>);
+
+/// What one rank's run produced: how it served, how many arrivals it dropped, and (with
+/// `--check`) the serial run's digests.
+type RankResult = Result<(Served, usize, Option<BTreeMap<u64, u64>>)>;
+
+/// What one rank's serving run produced.
+#[derive(Default)]
+struct Served {
+    /// The micro-batches served.
+    batches: Vec<Batch>,
+    /// Digests of final outputs (with `--check`).
+    digests: BTreeMap<u64, u64>,
+    /// Chunks run.
+    chunks: usize,
+    /// Requests still queued at the end.
+    left: usize,
+    /// The start mark, and the host's clock when it was taken.
+    start: Option<(Mark, Instant)>,
+}
+
+/// The arrivals of one rank: a thread that sends requests (Poisson, `rate` per second) until
+/// `until`. At most 65,536 wait; more are dropped (and counted).
+fn arrivals(rate: f64, tokens: usize, until: Instant, seed: u64) -> (mpsc::Receiver<Request>, Arc<AtomicUsize>) {
+    let (tx, rx) = mpsc::sync_channel(65_536);
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let d = Arc::clone(&dropped);
+    std::thread::spawn(move || {
+        let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut next = Instant::now();
+        while next < until {
+            let now = Instant::now();
+            while next <= now && next < until {
+                if tx.try_send(Request { arrival: next, tokens }).is_err() {
+                    d.fetch_add(1, Ordering::Relaxed);
+                }
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let u = ((state >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+                next += Duration::from_secs_f64(-u.ln() / rate);
+            }
+            std::thread::sleep(next.saturating_duration_since(Instant::now()).min(Duration::from_millis(1)));
+        }
+    });
+    (rx, dropped)
+}
+
+/// Micro-batch numbering inside a chunk: step `i` → (lane, layer, micro-batch number).
+fn place(i: usize, m: usize, layers: usize, chunk_base: u64) -> (usize, usize, u64) {
+    let (lane, layer, round) = (i % m, (i / m) % layers, i / (m * layers));
+    (lane, layer, chunk_base + (round * m + lane) as u64)
+}
+
+/// Serves on one rank with `m` micro-batches in flight until the time is up.
+async fn serve<E: Engine>(
+    e: &E,
+    a: &Args,
+    m: usize,
+    votes: &Votes,
+    queue: &mpsc::Receiver<Request>,
+    until: Instant,
+    progress: Option<&AtomicUsize>,
+) -> Result<Served> {
+    let layers = a.layers;
+    let steps = m * layers * a.rounds;
+    let per_chunk = (m * a.rounds) as u64;
+    let mut served = Served { start: Some((e.mark(0)?, Instant::now())), ..Default::default() };
+    let mut backlog: Vec<Request> = Vec::new();
+    let mut round = 0;
+    let mut last_print = Instant::now();
+    let started = Instant::now();
+    loop {
+        while let Ok(r) = queue.try_recv() {
+            backlog.push(r);
+        }
+        let vote = if Instant::now() >= until {
+            0
+        } else if backlog.is_empty() {
+            1
+        } else {
+            2
+        };
+        let decided = votes.decide(round, vote).await;
+        round += 1;
+        if decided == 0 {
+            break;
+        }
+        if decided == 1 {
+            tokio::time::sleep(Duration::from_micros(200)).await;
+            continue;
+        }
+        let base = served.chunks as u64 * per_chunk;
+        let open: Mutex<BTreeMap<u64, (Mark, Vec<Request>)>> = Mutex::default();
+        let finished: Mutex<Vec<Batch>> = Mutex::default();
+        let digests: Mutex<BTreeMap<u64, u64>> = Mutex::default();
+        let finish = |mb: u64, lane: usize, out: &<E::B as Backend>::CombineOutput| -> Result<()> {
+            let end = e.mark(lane)?;
+            if a.check {
+                digests.lock().unwrap_or_else(|x| x.into_inner()).insert(mb, e.digest(out)?);
+            }
+            if let Some((start, reqs)) = open.lock().unwrap_or_else(|x| x.into_inner()).remove(&mb) {
+                finished.lock().unwrap_or_else(|x| x.into_inner()).push((mb, start, end, reqs));
+            }
+            Ok(())
+        };
+        let backlog_cell = Mutex::new(std::mem::take(&mut backlog));
+        let input = |i: usize, prev: Option<<E::B as Backend>::CombineOutput>| {
+            let (lane, layer, mb) = place(i, m, layers, base);
+            if layer > 0 {
+                return e.input(mb, layer, prev);
+            }
+            if let Some(out) = &prev {
+                finish(mb - m as u64, lane, out)?;
+            }
+            // A new micro-batch: whole requests, up to the batch size, padded.
+            let mut q = backlog_cell.lock().unwrap_or_else(|x| x.into_inner());
+            while let Ok(r) = queue.try_recv() {
+                q.push(r);
+            }
+            let mut take = 0;
+            let mut tokens = 0;
+            while take < q.len() && tokens + q[take].tokens <= a.batch {
+                tokens += q[take].tokens;
+                take += 1;
+            }
+            let reqs: Vec<Request> = q.drain(..take).collect();
+            open.lock().unwrap_or_else(|x| x.into_inner()).insert(mb, (e.mark(lane)?, reqs));
+            e.input(mb, 0, None)
+        };
+        let sink_err: Mutex<Option<Error>> = Mutex::default();
+        let sink = |i: usize, out: <E::B as Backend>::CombineOutput| {
+            let (lane, _, mb) = place(i, m, layers, base);
+            if let Err(x) = finish(mb, lane, &out) {
+                sink_err.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(x);
+            }
+        };
+        let lanes = &e.lanes()[..m];
+        let expert = async |i: usize, _: &<E::B as Backend>::Stream, d: &<E::B as Backend>::DispatchOutput| {
+            e.expert(i % m, d, false).await
+        };
+        pipeline::run_on_streams(e.group(), steps, lanes, a.order, input, expert, sink).await?;
+        if let Some(x) = sink_err.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            return Err(x);
+        }
+        backlog = backlog_cell.into_inner().unwrap_or_else(|x| x.into_inner());
+        served.batches.extend(finished.into_inner().unwrap_or_else(|x| x.into_inner()));
+        served.digests.extend(digests.into_inner().unwrap_or_else(|x| x.into_inner()));
+        served.chunks += 1;
+        if let Some(p) = progress {
+            let done: usize = served.batches.iter().map(|b| b.3.len()).sum();
+            p.store(done, Ordering::Relaxed);
+            if !a.quiet && last_print.elapsed() >= Duration::from_secs(1) {
+                last_print = Instant::now();
+                eprintln!(
+                    "[moe_serving] {:5.1} s: rank 0 served {done} requests in {} micro-batches, {} waiting",
+                    started.elapsed().as_secs_f64(),
+                    served.batches.len(),
+                    backlog.len()
+                );
+            }
+        }
+    }
+    while queue.try_recv().is_ok() {
+        served.left += 1;
+    }
+    served.left += backlog.len();
+    Ok(served)
+}
+
+/// Runs the served chunks again, one step at a time (`pipeline::run_serial`), and returns the
+/// digests of every micro-batch's final output.
+async fn serial_digests<E: Engine>(e: &E, a: &Args, m: usize, chunks: usize) -> Result<BTreeMap<u64, u64>> {
+    let layers = a.layers;
+    let steps = m * layers * a.rounds;
+    let mut digests = BTreeMap::new();
+    for c in 0..chunks {
+        let base = (c * m * a.rounds) as u64;
+        let found: Mutex<Vec<(u64, Result<u64>)>> = Mutex::default();
+        let input = |i: usize, prev: Option<<E::B as Backend>::CombineOutput>| {
+            let (_, layer, mb) = place(i, m, layers, base);
+            if layer == 0 {
+                if let Some(out) = &prev {
+                    found.lock().unwrap_or_else(|x| x.into_inner()).push((mb - m as u64, e.digest(out)));
+                }
+                return e.input(mb, 0, None);
+            }
+            e.input(mb, layer, prev)
+        };
+        let sink = |i: usize, out: <E::B as Backend>::CombineOutput| {
+            let (_, _, mb) = place(i, m, layers, base);
+            found.lock().unwrap_or_else(|x| x.into_inner()).push((mb, e.digest(&out)));
+        };
+        let expert = async |i: usize, d: &<E::B as Backend>::DispatchOutput| e.expert(i % m, d, true).await;
+        pipeline::run_serial(e.group(), steps, m, input, expert, sink).await?;
+        for (mb, d) in found.into_inner().unwrap_or_else(|x| x.into_inner()) {
+            digests.insert(mb, d?);
+        }
+    }
+    Ok(digests)
+}
+
+/// Communication per step with free experts (awaited, serial), for calibration.
+async fn comm_per_step<E: Engine>(e: &E, a: &Args) -> Result<Duration> {
+    e.calibrate(Duration::ZERO, 0.0)?;
+    let steps = a.layers * 4;
+    let input = |i: usize, prev| e.input(i as u64 / a.layers as u64, i % a.layers, prev);
+    let expert = async |_, d: &<E::B as Backend>::DispatchOutput| e.expert(0, d, true).await;
+    pipeline::run_serial(e.group(), steps, 1, input, expert, |_, _| ()).await?;
+    let stats = pipeline::run_serial(e.group(), steps, 1, input, expert, |_, _| ()).await?;
+    Ok(stats.comm / steps as u32)
+}
+
+/// The figures of one setting, over every rank.
+struct Report {
+    tokens_per_s: f64,
+    p50: f64,
+    p99: f64,
+    busy: f64,
+    requests: usize,
+    left: usize,
+    dropped: usize,
+}
+
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    sorted[((sorted.len() as f64 * q) as usize).min(sorted.len() - 1)]
+}
+
+/// Runs every rank (one thread and tokio runtime each) through calibration, serving with each
+/// `--micro-batches` setting, and (with `--check`) the serial comparison.
+fn run<E: Engine + Sync>(engines: &[E], a: &Args) -> Result<Vec<(usize, Report)>> {
+    let ranks = engines.len();
+    let rt = || {
+        tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|x| Error::Backend(x.to_string()))
+    };
+    // Calibration: every rank measures; the slowest rank's figure sets every expert's cost.
+    let comm: Vec<Result<Duration>> = std::thread::scope(|s| {
+        let hs: Vec<_> = engines.iter().map(|e| s.spawn(move || rt()?.block_on(comm_per_step(e, a)))).collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+    });
+    let comm = comm.into_iter().collect::<Result<Vec<_>>>()?.into_iter().max().unwrap_or_default();
+    let mut what = String::new();
+    for e in engines {
+        what = e.calibrate(comm, a.expert_scale)?;
+    }
+    println!(
+        "moe_serving, {} backend: {ranks} ranks, {} layers, batch {} tokens, requests of {} tokens at {} req/s for {} s",
+        a.backend, a.layers, a.batch, a.request_tokens, a.rate, a.seconds
+    );
+    println!("  communication per step {:.1} us; expert: {what}", comm.as_secs_f64() * 1e6);
+    let mut reports = Vec::new();
+    for &m in &a.micro_batches {
+        let until = Instant::now() + Duration::from_secs_f64(a.seconds);
+        let votes = Votes::new(ranks);
+        let progress = AtomicUsize::new(0);
+        let t0 = Instant::now();
+        let results: Vec<RankResult> = std::thread::scope(|s| {
+            let hs: Vec<_> = engines
+                .iter()
+                .enumerate()
+                .map(|(r, e)| {
+                    let (votes, progress) = (&votes, &progress);
+                    s.spawn(move || {
+                        let (rx, dropped) = arrivals(a.rate / ranks as f64, a.request_tokens, until, 17 + r as u64);
+                        let rt = rt()?;
+                        let served = rt.block_on(serve(e, a, m, votes, &rx, until, (r == 0).then_some(progress)))?;
+                        let serial =
+                            if a.check { Some(rt.block_on(serial_digests(e, a, m, served.chunks))?) } else { None };
+                        Ok((served, dropped.load(Ordering::Relaxed), serial))
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+        });
+        let wall = t0.elapsed().as_secs_f64();
+        let mut latencies = Vec::new();
+        let (mut tokens, mut requests, mut left, mut dropped, mut busy) = (0usize, 0usize, 0usize, 0usize, 0.0f64);
+        let mut serving_wall = 0.0f64;
+        for (r, (res, e)) in results.into_iter().zip(engines).enumerate() {
+            let (served, drop_count, serial) = res?;
+            let (start, start_host) = served.start.as_ref().ok_or_else(|| Error::Backend("no start mark".into()))?;
+            let mut intervals: Vec<(f64, f64)> = Vec::new();
+            let mut end_max = 0.0f64;
+            for (_, s_mark, e_mark, reqs) in &served.batches {
+                let (s0, s1) = (e.seconds(start, s_mark), e.seconds(start, e_mark));
+                intervals.push((s0, s1));
+                end_max = end_max.max(s1);
+                for q in reqs {
+                    tokens += q.tokens;
+                    requests += 1;
+                    // Both ends on the rank's clock: seconds since its start mark.
+                    let arrival = q.arrival.saturating_duration_since(*start_host).as_secs_f64();
+                    latencies.push((s1 - arrival).max(0.0));
+                }
+            }
+            serving_wall = serving_wall.max(end_max);
+            busy += union(&mut intervals) / end_max.max(1e-9);
+            left += served.left;
+            dropped += drop_count;
+            if let Some(serial) = serial {
+                if serial != served.digests {
+                    return Err(Error::Backend(format!(
+                        "rank {r}: served outputs differ from the serial run's ({} vs {} micro-batches)",
+                        served.digests.len(),
+                        serial.len()
+                    )));
+                }
+                println!("  rank {r}: {} micro-batch outputs bit-identical to the serial run's", serial.len());
+            }
+        }
+        latencies.sort_by(f64::total_cmp);
+        let report = Report {
+            tokens_per_s: tokens as f64 / serving_wall.max(1e-9),
+            p50: percentile(&latencies, 0.5) * 1e3,
+            p99: percentile(&latencies, 0.99) * 1e3,
+            busy: busy / ranks as f64,
+            requests,
+            left,
+            dropped,
+        };
+        println!(
+            "  micro-batches {m}: {:.0} tokens/s, request latency p50 {:.2} ms p99 {:.2} ms, {} busy {:.0} %, {} requests served, {} left queued, {} dropped (wall {:.2} s)",
+            report.tokens_per_s,
+            report.p50,
+            report.p99,
+            if a.backend == "gpu" { "GPU" } else { "ranks" },
+            report.busy * 100.0,
+            report.requests,
+            report.left,
+            report.dropped,
+            wall
+        );
+        reports.push((m, report));
+    }
+    if let (Some((1, one)), true) = (reports.first(), reports.len() > 1) {
+        for (m, r) in &reports[1..] {
+            println!(
+                "  throughput with {m} micro-batches in flight / with 1: {:.2}x",
+                r.tokens_per_s / one.tokens_per_s
+            );
+        }
+    }
+    Ok(reports)
+}
+
+/// The total length of the union of `intervals`.
+fn union(intervals: &mut [(f64, f64)]) -> f64 {
+    intervals.sort_by(|x, y| x.0.total_cmp(&y.0));
+    let (mut total, mut cur): (f64, Option<(f64, f64)>) = (0.0, None);
+    for &(s, e) in intervals.iter() {
+        cur = match cur {
+            Some((cs, ce)) if s <= ce => Some((cs, ce.max(e))),
+            Some((cs, ce)) => {
+                total += ce - cs;
+                Some((s, e))
+            }
+            None => Some((s, e)),
+        };
+    }
+    total + cur.map_or(0.0, |(s, e)| e - s)
+}
+
+fn main() {
+    let argv: Vec<String> = std::env::args().collect();
+    let result = Args::parse(&argv).and_then(|a| match a.backend.as_str() {
+        "gpu" => gpu::main(&a).map(|_| ()),
+        "host" => host::main(&a).map(|_| ()),
+        other => Err(Error::Unsupported(format!("--backend {other}: use gpu or host"))),
+    });
+    if let Err(e) = result {
+        eprintln!("moe_serving: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// The host backend: timer experts.
+mod host {
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use epflow::Group;
+    use epflow::core::host::{HostCombineOutput, HostDispatchOutput, HostRank, HostStream, HostWorld};
+    use epflow::core::workload::{RoutingKind, RoutingSpec, random_tokens, random_topk_idx, random_weights};
+    use epflow::core::{Error, GroupConfig, HostTensor, Result};
+    use epflow::runtime::pipeline::StepInput;
+
+    use super::{Args, Engine, Mark, POOL, Report, fnv};
+
+    pub(crate) const RANKS: usize = 4;
+    const EXPERTS: usize = 16;
+    const HIDDEN: usize = 512;
+    const TOP_K: usize = 4;
+
+    pub(crate) struct HostEngine {
+        g: Group<HostRank>,
+        lanes: Vec<HostStream>,
+        /// Per layer: handles and weights of the routing pool.
+        routes: Vec<Vec<(epflow::core::host::HostHandle, HostTensor)>>,
+        tokens: Vec<HostTensor>,
+        cost: Mutex<Duration>,
+    }
+
+    impl Engine for HostEngine {
+        type B = HostRank;
+
+        fn group(&self) -> &Group<HostRank> {
+            &self.g
+        }
+
+        fn lanes(&self) -> &[HostStream] {
+            &self.lanes
+        }
+
+        fn input(&self, mb: u64, layer: usize, prev: Option<HostCombineOutput>) -> Result<StepInput<HostRank>> {
+            let (handle, weights) = self.routes[layer][(mb as usize * 7 + layer) % POOL].clone();
+            let tokens = match prev {
+                Some(out) if layer > 0 => out.tokens().clone(),
+                _ => self.tokens[mb as usize % POOL].clone(),
+            };
+            Ok(StepInput { handle, tokens, weights, dispatch_options: Default::default() })
+        }
+
+        async fn expert(&self, _lane: usize, d: &HostDispatchOutput, _awaited: bool) -> Result<HostTensor> {
+            let cost = *self.cost.lock().unwrap_or_else(|e| e.into_inner());
+            if !cost.is_zero() {
+                tokio::task::spawn_blocking(move || std::thread::sleep(cost))
+                    .await
+                    .map_err(|e| Error::Backend(e.to_string()))?;
+            }
+            Ok(d.tokens().clone())
+        }
+
+        fn calibrate(&self, comm: Duration, scale: f64) -> Result<String> {
+            let cost = comm.mul_f64(scale);
+            *self.cost.lock().unwrap_or_else(|e| e.into_inner()) = cost;
+            Ok(format!("a {:.1} us timer, then identity", cost.as_secs_f64() * 1e6))
+        }
+
+        fn mark(&self, _lane: usize) -> Result<Mark> {
+            Ok(Mark::Host(std::time::Instant::now()))
+        }
+
+        fn seconds(&self, start: &Mark, m: &Mark) -> f64 {
+            match (start, m) {
+                (Mark::Host(s), Mark::Host(t)) => t.saturating_duration_since(*s).as_secs_f64(),
+                _ => 0.0,
+            }
+        }
+
+        fn digest(&self, out: &HostCombineOutput) -> Result<u64> {
+            let t = out.tokens().as_bf16().ok_or_else(|| Error::Backend("tokens not BF16".into()))?;
+            Ok(fnv(t.iter().map(|v| v.to_bits())))
+        }
+    }
+
+    /// The host world's engines for `a` (`buffer_sets` at least the largest `--micro-batches`).
+    pub(crate) fn engines(a: &Args) -> Result<Vec<HostEngine>> {
+        let sets = a.micro_batches.iter().copied().max().unwrap_or(2).max(2);
+        let config = GroupConfig::low_latency(EXPERTS, a.batch, HIDDEN).with_buffer_sets(sets);
+        let spec = RoutingSpec {
+            num_tokens: a.batch,
+            top_k: TOP_K,
+            num_experts: EXPERTS,
+            num_ranks: RANKS,
+            masked: 0,
+            kind: RoutingKind::Uniform,
+        };
+        HostWorld::create(RANKS, config)?
+            .into_iter()
+            .map(|rank| {
+                let g = Group::new(rank);
+                let r = g.rank();
+                let routes = (0..a.layers)
+                    .map(|layer| {
+                        (0..POOL)
+                            .map(|p| {
+                                let seed = (layer * POOL + p) as u64;
+                                let idx = HostTensor::topk_idx(a.batch, TOP_K, random_topk_idx(&spec, 500 + seed, r));
+                                let h = futures::executor::block_on(g.create_handle(&idx))?;
+                                let w: Vec<f32> = random_weights(a.batch, TOP_K, 900 + seed, r)
+                                    .iter()
+                                    .map(|v| v / TOP_K as f32)
+                                    .collect();
+                                Ok((h, HostTensor::topk_weights(a.batch, TOP_K, w)))
+                            })
+                            .collect::<Result<Vec<_>>>()
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let tokens = (0..POOL)
+                    .map(|p| HostTensor::tokens(a.batch, HIDDEN, random_tokens(a.batch, HIDDEN, 70 + p as u64, r)))
+                    .collect();
+                let lanes = vec![HostStream; 8];
+                Ok(HostEngine { g, lanes, routes, tokens, cost: Mutex::new(Duration::ZERO) })
+            })
+            .collect()
+    }
+
+    pub(crate) fn main(a: &Args) -> Result<Vec<(usize, Report)>> {
+        super::run(&engines(a)?, a)
+    }
+}
+
+/// The GPU backend: padded GEMM experts on one stream per micro-batch.
+mod gpu {
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use cudarc::driver::{CudaContext, CudaStream, sys};
+    use epflow::Group;
+    use epflow::core::workload::{RoutingKind, RoutingSpec, random_tokens, random_topk_idx, random_weights};
+    use epflow::core::{DType, Error, GroupConfig, HostTensor, Result, TensorDesc, TensorTag, bf16};
+    use epflow::kernels::compute::ExpertGemm;
+    use epflow::kernels::{DeviceTensor, GpuCombineOutput, GpuDispatchOutput, GpuHandle, GpuRank, GpuWorld};
+    use epflow::runtime::pipeline::StepInput;
+    use epflow::runtime::reactor::{WaitOutcome, wait_for};
+
+    use super::{Args, Engine, Mark, POOL, Report, fnv};
+
+    const EXPERTS: usize = 32;
+    const HIDDEN: usize = 2048;
+    const TOP_K: usize = 8;
+    /// Communication kernels use at most this many SMs; the GEMMs get the rest.
+    const COMM_SMS: usize = 48;
+
+    pub(crate) struct GpuEngine {
+        g: Group<GpuRank>,
+        ctx: Arc<CudaContext>,
+        lanes: Vec<Arc<CudaStream>>,
+        gemms: Vec<ExpertGemm>,
+        w: DeviceTensor,
+        /// One expert output buffer per lane.
+        out: Vec<DeviceTensor>,
+        routes: Vec<Vec<(GpuHandle, DeviceTensor)>>,
+        tokens: Vec<DeviceTensor>,
+        reps: Mutex<usize>,
+    }
+
+    fn err(e: impl std::fmt::Debug) -> Error {
+        Error::Backend(format!("{e:?}"))
+    }
+
+    impl GpuEngine {
+        fn enqueue(&self, lane: usize, d: &GpuDispatchOutput, reps: usize) -> Result<DeviceTensor> {
+            let y = &self.out[lane];
+            let mut last = None;
+            for _ in 0..reps {
+                last = Some(self.gemms[lane].padded(d.tokens(), &self.w, y)?);
+            }
+            Ok(y.clone().ready_after(Arc::new(last.ok_or_else(|| err("no GEMM"))?)))
+        }
+    }
+
+    impl Engine for GpuEngine {
+        type B = GpuRank;
+
+        fn group(&self) -> &Group<GpuRank> {
+            &self.g
+        }
+
+        fn lanes(&self) -> &[Arc<CudaStream>] {
+            &self.lanes
+        }
+
+        fn input(&self, mb: u64, layer: usize, prev: Option<GpuCombineOutput>) -> Result<StepInput<GpuRank>> {
+            let (handle, weights) = self.routes[layer][(mb as usize * 7 + layer) % POOL].clone();
+            let tokens = match prev {
+                Some(out) if layer > 0 => out.tokens().clone(),
+                _ => self.tokens[mb as usize % POOL].clone(),
+            };
+            Ok(StepInput { handle, tokens, weights, dispatch_options: Default::default() })
+        }
+
+        async fn expert(&self, lane: usize, d: &GpuDispatchOutput, awaited: bool) -> Result<DeviceTensor> {
+            let reps = *self.reps.lock().unwrap_or_else(|e| e.into_inner());
+            if reps == 0 {
+                return Ok(d.tokens().clone());
+            }
+            let y = self.enqueue(lane, d, reps)?;
+            if awaited {
+                if let Some(ev) = y.ready_event().cloned() {
+                    let ctx = Arc::clone(&self.ctx);
+                    let probe = move || ctx.bind_to_thread().is_err() || ev.try_is_complete().unwrap_or(true);
+                    if wait_for(probe, Duration::from_secs(10)).await == WaitOutcome::TimedOut {
+                        return Err(err("expert GEMMs did not finish in 10 s"));
+                    }
+                }
+            }
+            Ok(y)
+        }
+
+        fn calibrate(&self, comm: Duration, scale: f64) -> Result<String> {
+            if scale == 0.0 || comm.is_zero() {
+                *self.reps.lock().unwrap_or_else(|e| e.into_inner()) = 0;
+                return Ok("identity".into());
+            }
+            // Time one padded GEMM round on lane 0 with CUDA events (median of 20).
+            let stream = &self.lanes[0];
+            let x = &self.out[0];
+            let mut times = Vec::new();
+            for _ in 0..21 {
+                let (a, b) = (
+                    self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(err)?,
+                    self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(err)?,
+                );
+                a.record(stream).map_err(err)?;
+                self.gemms[0].padded(x, &self.w, &self.out[1 % self.out.len()])?;
+                b.record(stream).map_err(err)?;
+                b.synchronize().map_err(err)?;
+                times.push(a.elapsed_ms(&b).map_err(err)? as f64 / 1e3);
+            }
+            times.sort_by(f64::total_cmp);
+            let one = times[times.len() / 2];
+            let reps = ((comm.as_secs_f64() * scale / one).round() as usize).max(1);
+            *self.reps.lock().unwrap_or_else(|e| e.into_inner()) = reps;
+            Ok(format!("{reps} rounds of the padded GEMM ({:.1} us each)", one * 1e6))
+        }
+
+        fn mark(&self, lane: usize) -> Result<Mark> {
+            let e = self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(err)?;
+            e.record(&self.lanes[lane]).map_err(err)?;
+            Ok(Mark::Device(Arc::new(e)))
+        }
+
+        fn seconds(&self, start: &Mark, m: &Mark) -> f64 {
+            match (start, m) {
+                (Mark::Device(s), Mark::Device(t)) => {
+                    let _ = t.synchronize();
+                    s.elapsed_ms(t).map(|ms| f64::from(ms) / 1e3).unwrap_or(0.0)
+                }
+                _ => 0.0,
+            }
+        }
+
+        fn digest(&self, out: &GpuCombineOutput) -> Result<u64> {
+            let t = out.to_host()?;
+            let v = t.tokens.as_bf16().ok_or_else(|| err("tokens not BF16"))?;
+            Ok(fnv(v.iter().map(|x| x.to_bits())))
+        }
+    }
+
+    pub(crate) fn main(a: &Args) -> Result<Vec<(usize, Report)>> {
+        let gpus = epflow::kernels::device_count().min(8);
+        if gpus < 2 {
+            return Err(Error::Unsupported(format!("--backend gpu needs 2 GPUs, this machine has {gpus}")));
+        }
+        let sets = a.micro_batches.iter().copied().max().unwrap_or(2).max(2);
+        let config =
+            GroupConfig::low_latency(EXPERTS, a.batch, HIDDEN).with_max_sms(Some(COMM_SMS)).with_buffer_sets(sets);
+        let devices: Vec<usize> = (0..gpus).collect();
+        let spec = RoutingSpec {
+            num_tokens: a.batch,
+            top_k: TOP_K,
+            num_experts: EXPERTS,
+            num_ranks: gpus,
+            masked: 0,
+            kind: RoutingKind::Uniform,
+        };
+        let engines = GpuWorld::create(&devices, config)?
+            .into_iter()
+            .map(|rank| {
+                let g = Group::new(rank);
+                let r = g.rank();
+                let rk = g.backend();
+                let ctx = Arc::clone(rk.context());
+                let scale = (3.0 / HIDDEN as f32).sqrt() / 2.0;
+                let w: Vec<bf16> =
+                    random_tokens(HIDDEN, HIDDEN, 99, r).iter().map(|v| bf16::from_f32(v.to_f32() * scale)).collect();
+                let w = rk.upload(&HostTensor::tokens(HIDDEN, HIDDEN, w))?;
+                let l = EXPERTS / gpus;
+                let desc = TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[l, gpus * a.batch, HIDDEN]);
+                let out =
+                    (0..sets).map(|_| DeviceTensor::zeros(&ctx, rk.device(), desc.clone())).collect::<Result<_>>()?;
+                let lanes: Vec<Arc<CudaStream>> =
+                    (0..sets).map(|_| ctx.new_stream().map_err(err)).collect::<Result<_>>()?;
+                let gemms = lanes.iter().map(|s| ExpertGemm::new(Arc::clone(s))).collect::<Result<_>>()?;
+                let routes = (0..a.layers)
+                    .map(|layer| {
+                        (0..POOL)
+                            .map(|p| {
+                                let seed = (layer * POOL + p) as u64;
+                                let idx = rk.upload(&HostTensor::topk_idx(
+                                    a.batch,
+                                    TOP_K,
+                                    random_topk_idx(&spec, 500 + seed, r),
+                                ))?;
+                                let h = futures::executor::block_on(g.create_handle(&idx))?;
+                                let wk: Vec<f32> = random_weights(a.batch, TOP_K, 900 + seed, r)
+                                    .iter()
+                                    .map(|v| v / TOP_K as f32)
+                                    .collect();
+                                Ok((h, rk.upload(&HostTensor::topk_weights(a.batch, TOP_K, wk))?))
+                            })
+                            .collect::<Result<Vec<_>>>()
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let tokens = (0..POOL)
+                    .map(|p| {
+                        rk.upload(&HostTensor::tokens(
+                            a.batch,
+                            HIDDEN,
+                            random_tokens(a.batch, HIDDEN, 70 + p as u64, r),
+                        ))
+                    })
+                    .collect::<Result<_>>()?;
+                Ok(GpuEngine { g, ctx, lanes, gemms, w, out, routes, tokens, reps: Mutex::new(0) })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        super::run(&engines, a)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> Args {
+        let mut v: Vec<String> = ["moe_serving", "--backend", "host"].iter().map(|s| s.to_string()).collect();
+        v.extend(extra.iter().map(|s| s.to_string()));
+        Args::parse(&v).expect("arguments")
+    }
+
+    /// A few seconds of serving on the host backend, 1 and 2 micro-batches in flight: every
+    /// request's micro-batch output equals the serial run's, bit for bit, and requests were served.
+    #[test]
+    fn serving_matches_the_serial_run() {
+        let a = args(&[
+            "--seconds",
+            "1.5",
+            "--rate",
+            "2000",
+            "--layers",
+            "2",
+            "--rounds",
+            "2",
+            "--micro-batches",
+            "1,2",
+            "--check",
+            "--quiet",
+        ]);
+        let reports = host::main(&a).expect("serving");
+        assert_eq!(reports.len(), 2);
+        for (m, r) in &reports {
+            assert!(r.requests > 0, "{m} micro-batches served nothing");
+            assert!(r.tokens_per_s > 0.0 && r.p50.is_finite() && r.p99 >= r.p50, "{m}: bad figures");
+        }
+    }
+
+    #[test]
+    fn bad_arguments_are_refused() {
+        let v = |x: &[&str]| {
+            let mut v: Vec<String> = vec!["moe_serving".into()];
+            v.extend(x.iter().map(|s| s.to_string()));
+            Args::parse(&v)
+        };
+        assert!(v(&["--micro-batches", "0"]).is_err());
+        assert!(v(&["--micro-batches", "9"]).is_err());
+        assert!(v(&["--rate", "abc"]).is_err());
+        assert!(v(&["--request-tokens", "1000", "--batch", "32"]).is_err());
+        assert!(v(&["--order", "sideways"]).is_err());
+    }
+
+    #[test]
+    fn union_of_intervals() {
+        assert_eq!(union(&mut [(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]), 3.0);
+        assert_eq!(union(&mut []), 0.0);
+    }
+}
