@@ -296,6 +296,9 @@ impl<B: Backend, T> Staged<B, T> {
     ///
     /// The outputs' buffer set is released in stream order: when they are dropped, the next
     /// operation on the set waits on the device for the work enqueued on `stream` until then.
+    ///
+    /// The group's timeout runs from this call: work already queued on `stream` ahead of the
+    /// receive counts against it (a stream with seconds of queued work needs a longer timeout).
     pub fn complete_on(self, stream: &B::Stream) -> CompleteOn<'_, B, T> {
         self.complete_with(stream, StreamOrder::OnStream)
     }

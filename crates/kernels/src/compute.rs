@@ -73,48 +73,9 @@ impl ExpertGemm {
     /// any), which reads no counts. Returns an event recorded after it.
     pub fn padded(&self, x: &DeviceTensor, w: &DeviceTensor, y: &DeviceTensor) -> Result<CudaEvent, Error> {
         let (l, rows, h) = check_shapes(x, w, y)?;
-        bind(self.stream.context())?;
-        if let Some(e) = x.ready_event() {
-            self.stream.wait(e).map_err(|e| cuda("wait for input", e))?;
-        }
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let stride = (rows * h) as i64;
-        // Row-major Y[rows x h] = X[rows x h] · W[h x h] is column-major Y^T = W^T · X^T, per
-        // expert; W is shared (stride 0).
-        // SAFETY: shapes were checked: X and Y hold `l` blocks of `rows x h` BF16 values `stride`
-        // apart, W holds h x h; alpha/beta are host fp32 scalars (compute type 32F); all three
-        // are alive until the caller's work on this stream is done (the caller keeps them).
-        unsafe {
-            cudarc::cublas::result::gemm_strided_batched_ex(
-                *self.blas.handle(),
-                cublasOperation_t::CUBLAS_OP_N,
-                cublasOperation_t::CUBLAS_OP_N,
-                h as i32,
-                rows as i32,
-                h as i32,
-                &alpha as *const f32 as *const c_void,
-                w.ptr() as *const c_void,
-                cudaDataType_t::CUDA_R_16BF,
-                h as i32,
-                0,
-                x.ptr() as *const c_void,
-                cudaDataType_t::CUDA_R_16BF,
-                h as i32,
-                stride,
-                &beta as *const f32 as *const c_void,
-                y.ptr() as *mut c_void,
-                cudaDataType_t::CUDA_R_16BF,
-                h as i32,
-                stride,
-                l as i32,
-                cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(blas_error)?;
-        let ev = self.stream.context().new_event(None).map_err(|e| cuda("create event", e))?;
-        ev.record(&self.stream).map_err(|e| cuda("record event", e))?;
-        Ok(ev)
+        self.begin(x)?;
+        self.gemm(x.ptr(), w, y.ptr(), rows, h, l)?;
+        self.end()
     }
 
     /// For every local expert `l`, `y[l][0..rows[l]] = x[l][0..rows[l]] · w` (row-major BF16,
@@ -133,46 +94,69 @@ impl ExpertGemm {
                 "per-expert GEMM needs one count in 0..={per_expert} per expert ({l}); got {rows:?}"
             )));
         }
+        self.begin(x)?;
+        for (e, &n) in rows.iter().enumerate() {
+            if n > 0 {
+                let off = (e * per_expert * h * 2) as u64;
+                self.gemm(x.ptr() + off, w, y.ptr() + off, n as usize, h, 1)?;
+            }
+        }
+        self.end()
+    }
+
+    /// Binds the context; the stream waits for `x`'s ready event.
+    fn begin(&self, x: &DeviceTensor) -> Result<(), Error> {
         bind(self.stream.context())?;
         if let Some(e) = x.ready_event() {
             self.stream.wait(e).map_err(|e| cuda("wait for input", e))?;
         }
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        for (l, &n) in rows.iter().enumerate() {
-            if n == 0 {
-                continue;
-            }
-            let off = (l * per_expert * h * 2) as u64;
-            // Row-major Y[n x h] = X[n x h] · W[h x h] is column-major Y^T = W^T · X^T.
-            // SAFETY: shapes were checked above: X and Y hold `n` rows of `h` BF16 values at this
-            // offset, W holds h x h; alpha/beta are host fp32 scalars (compute type 32F).
-            unsafe {
-                cudarc::cublas::result::gemm_ex(
-                    *self.blas.handle(),
-                    cublasOperation_t::CUBLAS_OP_N,
-                    cublasOperation_t::CUBLAS_OP_N,
-                    h as i32,
-                    n,
-                    h as i32,
-                    &alpha as *const f32 as *const c_void,
-                    w.ptr() as *const c_void,
-                    cudaDataType_t::CUDA_R_16BF,
-                    h as i32,
-                    (x.ptr() + off) as *const c_void,
-                    cudaDataType_t::CUDA_R_16BF,
-                    h as i32,
-                    &beta as *const f32 as *const c_void,
-                    (y.ptr() + off) as *mut c_void,
-                    cudaDataType_t::CUDA_R_16BF,
-                    h as i32,
-                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-            }
-            .map_err(blas_error)?;
-        }
+        Ok(())
+    }
+
+    /// An event recorded after the GEMMs enqueued so far.
+    fn end(&self) -> Result<CudaEvent, Error> {
         let ev = self.stream.context().new_event(None).map_err(|e| cuda("create event", e))?;
         ev.record(&self.stream).map_err(|e| cuda("record event", e))?;
         Ok(ev)
+    }
+
+    /// `batch` row-major BF16 GEMMs `Y[rows x h] = X[rows x h] · W[h x h]`, the `X` and `Y`
+    /// blocks `rows * h` elements apart from `x` and `y`, `W` shared; fp32 accumulation.
+    fn gemm(&self, x: u64, w: &DeviceTensor, y: u64, rows: usize, h: usize, batch: usize) -> Result<(), Error> {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let stride = (rows * h) as i64;
+        // Row-major Y = X · W is column-major Y^T = W^T · X^T.
+        // SAFETY: the callers checked the shapes: from `x` and `y` lie `batch` blocks of
+        // `rows x h` BF16 values `stride` apart, `w` holds h x h (stride 0: shared); alpha/beta
+        // are host fp32 scalars (compute type 32F); the memory stays alive until the caller's
+        // work on this stream is done (the caller keeps the tensors).
+        unsafe {
+            cudarc::cublas::result::gemm_strided_batched_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_N,
+                cublasOperation_t::CUBLAS_OP_N,
+                h as i32,
+                rows as i32,
+                h as i32,
+                &alpha as *const f32 as *const c_void,
+                w.ptr() as *const c_void,
+                cudaDataType_t::CUDA_R_16BF,
+                h as i32,
+                0,
+                x as *const c_void,
+                cudaDataType_t::CUDA_R_16BF,
+                h as i32,
+                stride,
+                &beta as *const f32 as *const c_void,
+                y as *mut c_void,
+                cudaDataType_t::CUDA_R_16BF,
+                h as i32,
+                stride,
+                batch as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(blas_error)
     }
 }

@@ -275,12 +275,7 @@ impl PendingOp for NcclEpOp {
         if self.state.is_sent() {
             return Err(Error::Backend(format!("{} was already sent: too late to order it", self.label())));
         }
-        let s = &self.shared;
-        s.ctx.bind_to_thread().map_err(|e| cuda("bind context", e))?;
-        let e = s.ctx.new_event(None).map_err(|e| cuda("create event", e))?;
-        e.record(stream).map_err(|e| cuda("record event", e))?;
-        self.work.wait_events([Arc::new(e)]);
-        Ok(())
+        self.work.order_after(stream)
     }
 
     fn id(&self) -> OpId {

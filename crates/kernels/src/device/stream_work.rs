@@ -85,6 +85,16 @@ impl StreamWork {
         self.waits.extend(events);
     }
 
+    /// Orders the send half after the work enqueued on `stream` so far: an event recorded there
+    /// now is waited for (released with the inputs).
+    pub fn order_after(&mut self, stream: &CudaStream) -> Result<(), Error> {
+        bind(&self.ctx)?;
+        let e = self.event(false)?;
+        e.record(stream).map_err(|e| cuda("record event", e))?;
+        self.waits.push(Arc::new(e));
+        Ok(())
+    }
+
     /// Also waits, before the send half, for `fences` (of memory the work writes: its previous
     /// readers). Kept when the inputs are released.
     pub fn wait_fences(&mut self, fences: impl IntoIterator<Item = Arc<CudaEvent>>) {

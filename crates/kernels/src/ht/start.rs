@@ -19,9 +19,10 @@ use crate::device::cache::CachedBuffer;
 use crate::device::{DeviceTensor, Lease};
 use crate::layout::{HT_BATCH, HT_ITEMS_PER_FENCE};
 use crate::op::{GpuOp, GpuOpKind, Launch};
-use crate::params::{ExchangeParams, HtParams};
+use crate::params::{ExchangeParams, HtParams, NcclHtParams};
 use crate::rank::handle::GpuHandle;
 use crate::rank::shared::{ExchangeBuffers, RankShared, peer_array};
+use crate::transport::nccl::Xfer;
 use crate::transport::nccl::exchange_row_words;
 
 /// Where each output tensor of an operation lies in one cached buffer.
@@ -219,17 +220,8 @@ pub(crate) fn dispatch(
     let kind =
         GpuOpKind::HtDispatch { handle: h.clone(), pass: opts.pass, outputs: Some(Box::new((outputs, host_counts))) };
     let tensors = inputs.map(|i| i.tensors()).unwrap_or_default();
-    let mut op = GpuOp::new(Arc::clone(s), Channel::Dispatch, seq, stamp, launch, kind, &tensors);
-    if let Some((_, xfers, staging)) = over_nccl {
-        op.set_xfers(xfers);
-        op.keep_scratch(staging);
-    }
-    op.set_fill(fill);
-    op.wait_fences(fences);
-    if inputs.is_none() {
-        epflow_core::backend::PendingOp::cancel(&mut op);
-    }
-    Ok(op)
+    let op = GpuOp::new(Arc::clone(s), Channel::Dispatch, seq, stamp, launch, kind, &tensors);
+    Ok(assemble(op, over_nccl, fill, fences, inputs.is_none()))
 }
 
 /// Combine `seq` on handle `h`; `inputs` validated, or `None` for a cancellation.
@@ -265,15 +257,28 @@ pub(crate) fn combine(
     let launch = over_nccl.as_ref().map_or(Launch::Ht(p), |(np, _, _)| Launch::NcclHt { p: *np, reduce: true });
     let kind = GpuOpKind::HtCombine { outputs: Some(epflow_core::ops::CombineOutputs { tokens, topk_weights }) };
     let tensors = inputs.map(|i| i.tensors()).unwrap_or_default();
-    let mut op = GpuOp::new(Arc::clone(s), Channel::Combine, seq, stamp, launch, kind, &tensors);
+    let op = GpuOp::new(Arc::clone(s), Channel::Combine, seq, stamp, launch, kind, &tensors);
+    Ok(assemble(op, over_nccl, fill, fences, inputs.is_none()))
+}
+
+/// The last touches of a high-throughput operation: its NCCL exchange and staging (if any), the
+/// outputs to fill in debug mode, the fences its outputs' memory carries, and the cancellation
+/// (no validated inputs).
+fn assemble(
+    mut op: GpuOp,
+    over_nccl: Option<(NcclHtParams, Vec<Xfer>, CachedBuffer)>,
+    fill: (u64, usize),
+    fences: Vec<Arc<CudaEvent>>,
+    cancelled: bool,
+) -> GpuOp {
     if let Some((_, xfers, staging)) = over_nccl {
         op.set_xfers(xfers);
         op.keep_scratch(staging);
     }
     op.set_fill(fill);
     op.wait_fences(fences);
-    if inputs.is_none() {
+    if cancelled {
         epflow_core::backend::PendingOp::cancel(&mut op);
     }
-    Ok(op)
+    op
 }

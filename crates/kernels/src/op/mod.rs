@@ -72,6 +72,8 @@ pub struct GpuOp {
     /// Low-latency: the buffer set, leased to the outputs; the operation's share keeps it until
     /// the operation is dropped (its verdict read).
     lease: Option<Arc<SetLease>>,
+    /// Low-latency: an event after the send half (what a stream-ordered receive waits for).
+    sent: Option<Arc<cudarc::driver::CudaEvent>>,
     /// Low-latency combine: its number among the readers of its handle's row map.
     reader: Option<u64>,
     /// NCCL exchange issued after the send kernel (low-latency with NCCL peers) or as the
@@ -117,6 +119,7 @@ impl GpuOp {
             completing: false,
             refused: None,
             lease: None,
+            sent: None,
             reader: None,
             xfers: Vec::new(),
             scratch: Vec::new(),
@@ -136,8 +139,10 @@ impl GpuOp {
         self.xfers = xfers;
     }
 
-    /// Keeps `buf` alive as long as the operation.
-    pub(crate) fn keep_scratch(&mut self, buf: CachedBuffer) {
+    /// Keeps `buf` alive as long as the operation; its launches wait for the fences of the
+    /// buffer's previous readers first.
+    pub(crate) fn keep_scratch(&mut self, mut buf: CachedBuffer) {
+        self.work.wait_fences(buf.take_fences());
         self.scratch.push(buf);
     }
 
@@ -311,6 +316,11 @@ impl PendingOp for GpuOp {
                     if self.uses_nccl() {
                         self.issue_xfers()?;
                     }
+                    // A receive completed on a caller's stream waits for this event: the end of
+                    // this operation's send half, not of whatever is enqueued later.
+                    if !self.state.is_cancelled() {
+                        self.sent = Some(self.work.record_now()?);
+                    }
                 }
                 _ => self.launch_single()?,
             }
@@ -366,11 +376,7 @@ impl PendingOp for GpuOp {
         if self.state.is_sent() {
             return Err(Error::Backend(format!("{} was already sent: too late to order it", self.label())));
         }
-        bind(&self.shared.ctx)?;
-        let e = self.shared.ctx.new_event(None).map_err(|e| cuda("create event", e))?;
-        e.record(stream).map_err(|e| cuda("record event", e))?;
-        self.work.wait_events([Arc::new(e)]);
-        Ok(())
+        self.work.order_after(stream)
     }
 
     /// Low-latency operations with data complete in `stream`'s order without the host
@@ -401,7 +407,10 @@ impl PendingOp for GpuOp {
         let recv_stream = match order {
             StreamOrder::OnStream => {
                 // The receive follows the send half of the same operation.
-                let sent = self.work.record_now()?;
+                let sent = match &self.sent {
+                    Some(e) => Arc::clone(e),
+                    None => self.work.record_now()?,
+                };
                 stream.wait(&sent).map_err(|e| cuda("order after the send half", e))?;
                 Arc::clone(stream)
             }
