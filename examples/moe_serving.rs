@@ -56,6 +56,8 @@ struct Args {
     order: StreamOrder,
     check: bool,
     quiet: bool,
+    /// `--devices 0,0`: the device of each GPU rank (two on one GPU is a functional check only).
+    devices: Option<Vec<usize>>,
 }
 
 impl Args {
@@ -68,7 +70,8 @@ impl Args {
             }
         };
         let gpus = epflow::kernels::device_count();
-        let backend = get("--backend").unwrap_or_else(|| if gpus >= 2 { "gpu".into() } else { "host".into() });
+        let backend = get("--backend")
+            .unwrap_or_else(|| if gpus >= 2 || get("--devices").is_some() { "gpu".into() } else { "host".into() });
         let micro_batches = get("--micro-batches")
             .unwrap_or_else(|| "2".into())
             .split(',')
@@ -92,6 +95,15 @@ impl Args {
             },
             check: argv.iter().any(|a| a == "--check"),
             quiet: argv.iter().any(|a| a == "--quiet"),
+            devices: match get("--devices") {
+                None => None,
+                Some(list) => Some(
+                    list.split(',')
+                        .map(|d| d.trim().parse::<usize>())
+                        .collect::<std::result::Result<Vec<_>, _>>()
+                        .map_err(|_| Error::Unsupported(format!("--devices {list}: e.g. 0,1")))?,
+                ),
+            },
             backend,
         };
         if a.rate <= 0.0 || a.seconds <= 0.0 || a.layers == 0 || a.rounds == 0 || a.expert_scale < 0.0 {
@@ -708,7 +720,8 @@ mod gpu {
     const EXPERTS: usize = 32;
     const HIDDEN: usize = 2048;
     const TOP_K: usize = 8;
-    /// Communication kernels use at most this many SMs; the GEMMs get the rest.
+    /// Communication kernels use at most this many SMs (fewer with more micro-batches in flight:
+    /// `compute::comm_sms`); the GEMMs get the rest.
     const COMM_SMS: usize = 48;
 
     pub(crate) struct GpuEngine {
@@ -828,14 +841,20 @@ mod gpu {
     }
 
     pub(crate) fn main(a: &Args) -> Result<Vec<(usize, Report)>> {
-        let gpus = epflow::kernels::device_count().min(8);
+        let devices: Vec<usize> = match &a.devices {
+            Some(d) => d.clone(),
+            None => (0..epflow::kernels::device_count().min(8)).collect(),
+        };
+        let gpus = devices.len();
         if gpus < 2 {
-            return Err(Error::Unsupported(format!("--backend gpu needs 2 GPUs, this machine has {gpus}")));
+            return Err(Error::Unsupported(format!(
+                "--backend gpu needs 2 ranks, this machine has {gpus} GPUs (--devices 0,0 runs two on one, for checks)"
+            )));
         }
         let sets = a.micro_batches.iter().copied().max().unwrap_or(2).max(2);
-        let config =
-            GroupConfig::low_latency(EXPERTS, a.batch, HIDDEN).with_max_sms(Some(COMM_SMS)).with_buffer_sets(sets);
-        let devices: Vec<usize> = (0..gpus).collect();
+        let per_gpu = devices.iter().map(|d| devices.iter().filter(|x| *x == d).count()).max().unwrap_or(1);
+        let comm = epflow::kernels::compute::comm_sms(epflow::kernels::sm_count(devices[0])?, per_gpu, sets, COMM_SMS);
+        let config = GroupConfig::low_latency(EXPERTS, a.batch, HIDDEN).with_max_sms(Some(comm)).with_buffer_sets(sets);
         let spec = RoutingSpec {
             num_tokens: a.batch,
             top_k: TOP_K,

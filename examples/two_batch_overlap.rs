@@ -143,7 +143,8 @@ fn ms(d: Duration) -> f64 {
 
 fn main() -> Result<()> {
     let gpus = epflow::kernels::device_count();
-    let backend = arg_str("--backend").unwrap_or_else(|| if gpus >= 2 { "gpu".into() } else { "host".into() });
+    let backend = arg_str("--backend")
+        .unwrap_or_else(|| if gpus >= 2 || arg_str("--devices").is_some() { "gpu".into() } else { "host".into() });
     let depth = arg("--micro-batches", 2);
     if !(1..=8).contains(&depth) {
         return Err(epflow::core::Error::Unsupported(format!("--micro-batches {depth}: use 1 to 8")));
@@ -158,7 +159,14 @@ fn main() -> Result<()> {
     match backend.as_str() {
         "gpu" => gpu::main(gpu::Args {
             layers: arg("--layers", 16),
-            gpus: gpus.min(8),
+            devices: match arg_str("--devices") {
+                Some(list) => list
+                    .split(',')
+                    .map(|d| d.trim().parse::<usize>())
+                    .collect::<std::result::Result<_, _>>()
+                    .map_err(|_| epflow::core::Error::Unsupported(format!("--devices {list}: e.g. 0,1")))?,
+                None => (0..gpus.min(8)).collect(),
+            },
             depth,
             order,
             runs: arg("--runs", 1).max(1),
@@ -246,7 +254,8 @@ mod gpu {
     const HIDDEN: usize = 2048;
     const TOP_K: usize = 8;
 
-    /// The communication kernels may use this many SMs; the GEMMs get the rest.
+    /// The communication kernels use at most this many SMs (fewer with more micro-batches in
+    /// flight: `compute::comm_sms`); the GEMMs get the rest.
     const COMM_SMS: usize = 48;
 
     /// How a run completes its operations.
@@ -419,7 +428,9 @@ mod gpu {
     /// What the command line asks for.
     pub(crate) struct Args {
         pub(crate) layers: usize,
-        pub(crate) gpus: usize,
+        /// The device of each rank (`--devices 0,0` puts two ranks on one GPU: a functional
+        /// check only, their kernels share its SMs).
+        pub(crate) devices: Vec<usize>,
         pub(crate) depth: usize,
         pub(crate) order: StreamOrder,
         pub(crate) runs: usize,
@@ -427,18 +438,21 @@ mod gpu {
     }
 
     pub(crate) fn main(a: Args) -> Result<()> {
-        let (layers, gpus, depth) = (a.layers, a.gpus, a.depth);
+        let (layers, depth) = (a.layers, a.depth);
+        let gpus = a.devices.len();
         if gpus < 2 {
             return Err(epflow::core::Error::Unsupported(format!(
-                "--backend gpu needs 2 GPUs, this machine has {gpus}"
+                "--backend gpu needs 2 ranks, this machine has {gpus} GPUs (--devices 0,0 runs two on one, for checks)"
             )));
         }
         let steps = layers * depth;
+        let per_gpu = a.devices.iter().map(|d| a.devices.iter().filter(|x| *x == d).count()).max().unwrap_or(1);
+        let max_sms =
+            epflow::kernels::compute::comm_sms(epflow::kernels::sm_count(a.devices[0])?, per_gpu, depth, COMM_SMS);
         let config = GroupConfig::low_latency(EXPERTS, TOKENS, HIDDEN)
-            .with_max_sms(Some(COMM_SMS))
+            .with_max_sms(Some(max_sms))
             .with_buffer_sets(depth.max(2));
-        let devices: Vec<usize> = (0..gpus).collect();
-        let ranks: Vec<Rank> = GpuWorld::create(&devices, config)?
+        let ranks: Vec<Rank> = GpuWorld::create(&a.devices, config)?
             .into_iter()
             .map(|r| setup(Group::new(r), steps, depth))
             .collect::<Result<_>>()?;
@@ -455,7 +469,7 @@ mod gpu {
             "two-batch overlap, GPU backend: {gpus} GPUs, {layers} layers x {depth} micro-batches = {steps} steps"
         );
         println!(
-            "  {TOKENS} tokens/micro-batch, hidden {HIDDEN}, top-k {TOP_K}, {EXPERTS} experts, BF16; communication on at most {COMM_SMS} SMs"
+            "  {TOKENS} tokens/micro-batch, hidden {HIDDEN}, top-k {TOP_K}, {EXPERTS} experts, BF16; communication on at most {max_sms} SMs"
         );
         println!(
             "  communication per step {:.1} us; one padded GEMM round {:.1} us; expert = {reps} rounds; pipelined: stream-ordered, {:?}",

@@ -9,7 +9,8 @@
 //!
 //! Iterations alternate the placements: `complete_ordered` (the receive on the group's stream,
 //! the consumer on the caller's), and `complete_on` with the consumer on a *second* stream
-//! declared with `record_stream`. Skipped (loudly) without 2 GPUs; `EPFLOW_GPU_ITERS` sets the
+//! declared with `record_stream`. Skipped (loudly) without 2 GPUs (`EPFLOW_TEST_DEVICES=0,0` runs
+//! two ranks on one GPU, a functional check); `EPFLOW_GPU_ITERS` sets the
 //! count (default 1000). The one-process-per-GPU variant runs under
 //! `epflow launch -n 2 -- gpu_stream_order stream_order_one_process_per_gpu` with the same
 //! `EPFLOW_TEST_SEED` in every process.
@@ -54,6 +55,8 @@ struct Snapshot {
     combine: [DeviceTensor; 2],
     it: u64,
     want: Option<(LlDispatchResult, Vec<bf16>)>,
+    /// Events after the copies into the snapshot (waited for before it is read).
+    copied: Vec<Arc<cudarc::driver::CudaEvent>>,
 }
 
 /// Identity experts: combine returns `sum_k w[t][k] * x[t]` over the token's valid slots.
@@ -77,6 +80,9 @@ fn identity_combine(tokens: &[bf16], idx: &[i64], w: &[f32]) -> Vec<bf16> {
 /// Downloads and checks one snapshot; returns the mismatched values.
 fn check(rank: &GpuRank, s: &Snapshot, n: usize) -> u64 {
     let Some((refs, want)) = &s.want else { return 0 };
+    for e in &s.copied {
+        e.synchronize().expect("wait for the snapshot copies");
+    }
     let ctx = rank.context();
     let counts = s.counts.download(ctx).expect("download counts");
     let tokens = s.dispatch.download(ctx).expect("download dispatch snapshot");
@@ -107,9 +113,11 @@ async fn delayed_consumer(g: &Group<GpuRank>, n: usize, iters: u64, base: u64) -
             combine: [zeros(desc(&[41, HIDDEN], DType::Bf16)), zeros(desc(&[MAX_TOKENS, HIDDEN], DType::Bf16))],
             it: 0,
             want: None,
+            copied: Vec::new(),
         })
         .collect();
     let mut bad = 0;
+    let mut inputs = Vec::new();
     for it in 0..iters {
         let tokens: Vec<usize> = (0..n).map(|q| if (q as u64 + it) % 3 == 0 { 41 } else { MAX_TOKENS }).collect();
         let sc = Scenario::generate(
@@ -131,6 +139,9 @@ async fn delayed_consumer(g: &Group<GpuRank>, n: usize, iters: u64, base: u64) -
         let h = g.create_handle(&idx).await.expect("handle");
         let x = rank.upload(&sc.tokens(r)).expect("upload");
         let w = rank.upload(&sc.weights(r)).expect("upload");
+        // Freed only at the end: cuMemFree waits for the whole device, which would also wait for
+        // receives queued ahead that need the peers' next sends.
+        inputs.push((idx, x.clone(), w.clone()));
         // A consumer 20-120 us slow, varying.
         let delay = Duration::from_micros(20 + (it.wrapping_mul(2_654_435_761) >> 7) % 100);
         let ordered = it % 2 == 0;
@@ -144,8 +155,9 @@ async fn delayed_consumer(g: &Group<GpuRank>, n: usize, iters: u64, base: u64) -
             out
         };
         rank.delay_on(consumer, delay).expect("delay");
-        rank.copy_on(consumer, d.tokens(), &snap.dispatch).expect("copy");
-        rank.copy_on(consumer, d.counts().expect("counts"), &snap.counts).expect("copy");
+        snap.copied.clear();
+        snap.copied.push(rank.copy_on(consumer, d.tokens(), &snap.dispatch).expect("copy"));
+        snap.copied.push(rank.copy_on(consumer, d.counts().expect("counts"), &snap.counts).expect("copy"));
         let combine = g
             .combine(&h, CombineInputs::new(d.tokens()).with_weights(&w))
             .after(&caller)
@@ -162,7 +174,7 @@ async fn delayed_consumer(g: &Group<GpuRank>, n: usize, iters: u64, base: u64) -
         };
         rank.delay_on(consumer, delay).expect("delay");
         let full = sc.ranks[r].tokens.len() / HIDDEN == MAX_TOKENS;
-        rank.copy_on(consumer, y.tokens(), &snap.combine[usize::from(full)]).expect("copy");
+        snap.copied.push(rank.copy_on(consumer, y.tokens(), &snap.combine[usize::from(full)]).expect("copy"));
         drop(y);
         ring.push_back(snap);
         if ring.len() > LAG {
@@ -174,6 +186,10 @@ async fn delayed_consumer(g: &Group<GpuRank>, n: usize, iters: u64, base: u64) -
     for s in ring {
         bad += check(rank, &s, n);
     }
+    // Every operation done (the peers' too, for the frees below).
+    caller.synchronize().expect("synchronize");
+    second.synchronize().expect("synchronize");
+    drop(inputs);
     bad
 }
 
@@ -183,15 +199,26 @@ fn iters() -> u64 {
 
 #[test]
 fn delayed_consumers_never_see_a_reused_buffer_set() {
+    // `EPFLOW_TEST_DEVICES=0,0`: two ranks on one GPU (a functional check on a 1-GPU machine).
+    let devices: Vec<usize> = match std::env::var("EPFLOW_TEST_DEVICES") {
+        Ok(list) => list.split(',').map(|d| d.trim().parse().expect("EPFLOW_TEST_DEVICES: e.g. 0,0")).collect(),
+        Err(_) => vec![0, 1],
+    };
     let n = device_count();
-    if n < 2 {
-        eprintln!("SKIPPED delayed_consumers_never_see_a_reused_buffer_set: needs 2 GPUs, this machine has {n}");
+    if devices.iter().any(|&d| d >= n) {
+        eprintln!(
+            "SKIPPED delayed_consumers_never_see_a_reused_buffer_set: needs devices {devices:?}, this machine has {n} GPUs"
+        );
         return;
     }
     let (iters, base) = (iters(), seed());
-    eprintln!("seed {base}, {iters} iterations on 2 GPUs");
+    eprintln!("seed {base}, {iters} iterations on devices {devices:?}");
+    // Ranks sharing a GPU must leave each other SMs (their kernels wait for each other).
+    let shared = devices.iter().enumerate().any(|(i, d)| devices[..i].contains(d));
+    let config = if shared { config().with_max_sms(Some(32)) } else { config() };
     let groups: Vec<Group<GpuRank>> =
-        GpuWorld::create(&[0, 1], config()).expect("GPU group").into_iter().map(Group::new).collect();
+        GpuWorld::create(&devices, config).expect("GPU group").into_iter().map(Group::new).collect();
+    let ranks = devices.len();
     let start = Instant::now();
     let bad: Vec<u64> = std::thread::scope(|s| {
         let hs: Vec<_> = groups
@@ -199,7 +226,7 @@ fn delayed_consumers_never_see_a_reused_buffer_set() {
             .map(|g| {
                 s.spawn(move || {
                     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-                    rt.block_on(delayed_consumer(g, 2, iters, base))
+                    rt.block_on(delayed_consumer(g, ranks, iters, base))
                 })
             })
             .collect();

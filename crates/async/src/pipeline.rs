@@ -312,7 +312,9 @@ where
                 if k < steps {
                     let s = input(k, Some(co))?;
                     let st = send_dispatch(group, &lanes, k, &s).await?;
-                    kept = Some(Pending { step: k, handle: s.handle, weights: s.weights });
+                    let StepInput { handle, tokens, weights, .. } = s;
+                    drop(tokens);
+                    kept = Some(Pending { step: k, handle, weights });
                     if k == i + 1 {
                         ready_next = Some(complete(&lanes, k, st, &verdicts).await?);
                     } else {
@@ -398,8 +400,11 @@ where
             .micro_batch(i as u64)
             .await?;
         stats.comm += t.elapsed();
-        // The tokens may hold the buffer set this step's combine reuses.
-        let s = Pending::<B> { step: i, handle: s.handle, weights: s.weights };
+        // The tokens may hold the buffer set this step's combine reuses: drop them now (a
+        // partial move would keep them to the end of the iteration).
+        let StepInput { handle, tokens, weights, .. } = s;
+        drop(tokens);
+        let s = Pending::<B> { step: i, handle, weights };
         let t = Instant::now();
         let y = expert(i, &d).await?;
         stats.compute += t.elapsed();

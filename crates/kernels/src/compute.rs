@@ -8,6 +8,15 @@
 //!   for the worst case that is more arithmetic than the rows received, the price of no sync.
 //! - [`ExpertGemm::per_expert`]: one GEMM per expert over the rows it received, which needs the
 //!   counts on the host.
+//! - [`comm_sms`]: how many SMs the communication kernels of a stream-ordered pipeline may take.
+
+/// The `max_sms` for a low-latency group whose operations complete in stream order on `lanes`
+/// streams, with `ranks_per_gpu` ranks sharing each of `sms` SMs: every lane can hold a receive
+/// kernel waiting for its data while a send must still find SMs to run on (its peers' receives
+/// wait for it), so `(lanes + 1) x max_sms` blocks per rank must fit. Capped at `cap`.
+pub fn comm_sms(sms: usize, ranks_per_gpu: usize, lanes: usize, cap: usize) -> usize {
+    (sms / (ranks_per_gpu.max(1) * (lanes + 1))).clamp(1, cap.max(1))
+}
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -158,5 +167,22 @@ impl ExpertGemm {
             )
         }
         .map_err(blas_error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::comm_sms;
+
+    #[test]
+    fn comm_sms_leaves_room_for_every_lane_and_a_send() {
+        assert_eq!(comm_sms(132, 1, 2, 48), 44);
+        assert_eq!(comm_sms(132, 1, 3, 48), 33);
+        assert_eq!(comm_sms(132, 2, 2, 48), 22);
+        assert_eq!(comm_sms(132, 1, 1, 48), 48);
+        assert_eq!(comm_sms(4, 2, 8, 48), 1);
+        for (sms, per, lanes) in [(132, 1, 2), (132, 2, 3), (78, 1, 4)] {
+            assert!(per * (lanes + 1) * comm_sms(sms, per, lanes, 48) <= sms);
+        }
     }
 }

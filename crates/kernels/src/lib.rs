@@ -68,7 +68,7 @@ pub mod transport;
 mod world;
 
 pub use compile::device_arch;
-pub use device::{DeviceTensor, StreamWork, device_count};
+pub use device::{DeviceTensor, StreamWork, device_count, sm_count};
 pub use op::{GpuOp, GpuOpOutput};
 pub use outputs::{GpuCombineOutput, GpuDispatchOutput};
 pub use rank::GpuRank;

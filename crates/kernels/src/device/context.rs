@@ -19,6 +19,14 @@ pub fn device_count() -> usize {
     CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
 }
 
+/// Number of streaming multiprocessors of device `ordinal`.
+pub fn sm_count(ordinal: usize) -> Result<usize, Error> {
+    let ctx = context(ordinal)?;
+    ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map(|n| n.max(0) as usize)
+        .map_err(|e| cuda("query SMs", e))
+}
+
 /// A [`epflow_core::Error::Backend`] for a failed driver call.
 pub(crate) fn cuda(what: &str, e: DriverError) -> Error {
     Error::Backend(format!("CUDA: {what}: {e:?}"))
