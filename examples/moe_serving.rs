@@ -852,8 +852,7 @@ mod gpu {
             )));
         }
         let sets = a.micro_batches.iter().copied().max().unwrap_or(2).max(2);
-        let per_gpu = devices.iter().map(|d| devices.iter().filter(|x| *x == d).count()).max().unwrap_or(1);
-        let comm = epflow::kernels::compute::comm_sms(epflow::kernels::sm_count(devices[0])?, per_gpu, sets, COMM_SMS);
+        let comm = epflow::kernels::compute::comm_sms_for(&devices, sets, COMM_SMS)?;
         let config = GroupConfig::low_latency(EXPERTS, a.batch, HIDDEN).with_max_sms(Some(comm)).with_buffer_sets(sets);
         let spec = RoutingSpec {
             num_tokens: a.batch,

@@ -446,9 +446,7 @@ mod gpu {
             )));
         }
         let steps = layers * depth;
-        let per_gpu = a.devices.iter().map(|d| a.devices.iter().filter(|x| *x == d).count()).max().unwrap_or(1);
-        let max_sms =
-            epflow::kernels::compute::comm_sms(epflow::kernels::sm_count(a.devices[0])?, per_gpu, depth, COMM_SMS);
+        let max_sms = epflow::kernels::compute::comm_sms_for(&a.devices, depth, COMM_SMS)?;
         let config = GroupConfig::low_latency(EXPERTS, TOKENS, HIDDEN)
             .with_max_sms(Some(max_sms))
             .with_buffer_sets(depth.max(2));

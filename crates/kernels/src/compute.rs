@@ -8,7 +8,8 @@
 //!   for the worst case that is more arithmetic than the rows received, the price of no sync.
 //! - [`ExpertGemm::per_expert`]: one GEMM per expert over the rows it received, which needs the
 //!   counts on the host.
-//! - [`comm_sms`]: how many SMs the communication kernels of a stream-ordered pipeline may take.
+//! - [`comm_sms`], [`comm_sms_for`]: how many SMs the communication kernels of a stream-ordered
+//!   pipeline may take.
 
 /// The `max_sms` for a low-latency group whose operations complete in stream order on `lanes`
 /// streams, with `ranks_per_gpu` ranks sharing each of `sms` SMs: every lane can hold a receive
@@ -16,6 +17,14 @@
 /// wait for it), so `(lanes + 1) x max_sms` blocks per rank must fit. Capped at `cap`.
 pub fn comm_sms(sms: usize, ranks_per_gpu: usize, lanes: usize, cap: usize) -> usize {
     (sms / (ranks_per_gpu.max(1) * (lanes + 1))).clamp(1, cap.max(1))
+}
+
+/// [`comm_sms`] for ranks on `devices` (one entry per rank; a device named twice holds two
+/// ranks), from the SM count of the first.
+pub fn comm_sms_for(devices: &[usize], lanes: usize, cap: usize) -> Result<usize, Error> {
+    let first = *devices.first().ok_or_else(|| Error::Unsupported("no devices".into()))?;
+    let per_gpu = devices.iter().map(|d| devices.iter().filter(|x| *x == d).count()).max().unwrap_or(1);
+    Ok(comm_sms(crate::device::sm_count(first)?, per_gpu, lanes, cap))
 }
 
 use std::ffi::c_void;

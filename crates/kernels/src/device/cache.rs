@@ -4,7 +4,7 @@
 //! slow, and `cuMemFree` synchronizes the device).
 //!
 //! A returned buffer may be handed to the next operation at once. Work still queued on the
-//! device that reads it must be declared (its stream a consumer: [`CachedBuffer::add_consumer`],
+//! device that reads it must be declared (its stream a consumer: `Lease::add_consumer`,
 //! `record_stream` on the outputs): the buffer then returns with fences, which its next user's
 //! writes wait for on the device.
 
@@ -46,17 +46,7 @@ impl OutputCache {
 
     /// The smallest free buffer of at least `bytes`, or a new one (rounded up to 2 MiB).
     pub(crate) fn take(self: &Arc<Self>, bytes: usize) -> Result<CachedBuffer, Error> {
-        let found = {
-            let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-            let best = free
-                .iter()
-                .enumerate()
-                .filter(|(_, (b, _))| b.bytes() >= bytes)
-                .min_by_key(|(_, (b, _))| b.bytes())
-                .map(|(i, _)| i);
-            best.map(|i| free.swap_remove(i))
-        };
-        let (buf, fences) = match found {
+        let (buf, fences) = match take_smallest(&self.free, bytes, |(b, _)| b.bytes()) {
             Some(f) => f,
             None => (DeviceBuffer::zeroed(&self.ctx, bytes.max(1).next_multiple_of(GRANULE))?, Vec::new()),
         };
@@ -64,11 +54,11 @@ impl OutputCache {
     }
 }
 
-/// Removes and returns the smallest buffer of `pool` holding at least `bytes`, if any.
-pub(crate) fn take_smallest(pool: &Mutex<Vec<DeviceBuffer>>, bytes: usize) -> Option<DeviceBuffer> {
+/// Removes and returns the smallest entry of `pool` holding at least `bytes` (`size` says how
+/// many an entry holds), if any.
+pub(crate) fn take_smallest<T>(pool: &Mutex<Vec<T>>, bytes: usize, size: impl Fn(&T) -> usize) -> Option<T> {
     let mut pool = pool.lock().unwrap_or_else(|e| e.into_inner());
-    let best =
-        pool.iter().enumerate().filter(|(_, b)| b.bytes() >= bytes).min_by_key(|(_, b)| b.bytes()).map(|(i, _)| i);
+    let best = pool.iter().enumerate().filter(|(_, b)| size(b) >= bytes).min_by_key(|(_, b)| size(b)).map(|(i, _)| i);
     best.map(|i| pool.swap_remove(i))
 }
 
@@ -82,16 +72,12 @@ impl CachedBuffer {
     pub(crate) fn take_fences(&mut self) -> Vec<Arc<CudaEvent>> {
         std::mem::take(&mut self.fences)
     }
-
-    /// Work on `stream` reads the buffer: its release fences the stream.
-    pub(crate) fn add_consumer(&self, stream: &Arc<CudaStream>) {
-        self.consumers.add(stream);
-    }
 }
 
 impl Lease for CachedBuffer {
+    /// Work on `stream` reads the buffer: its release fences the stream.
     fn add_consumer(&self, stream: &Arc<CudaStream>) {
-        CachedBuffer::add_consumer(self, stream);
+        self.consumers.add(stream);
     }
 }
 

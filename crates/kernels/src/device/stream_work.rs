@@ -79,19 +79,12 @@ impl StreamWork {
         self.leases.clear();
     }
 
-    /// Also waits, before the send half, for `events` (recorded on streams whose work must
-    /// come first: the inputs' producers). Released with the inputs.
-    pub fn wait_events(&mut self, events: impl IntoIterator<Item = Arc<CudaEvent>>) {
-        self.waits.extend(events);
-    }
-
     /// Orders the send half after the work enqueued on `stream` so far: an event recorded there
     /// now is waited for (released with the inputs).
     pub fn order_after(&mut self, stream: &CudaStream) -> Result<(), Error> {
         bind(&self.ctx)?;
-        let e = self.event(false)?;
-        e.record(stream).map_err(|e| cuda("record event", e))?;
-        self.waits.push(Arc::new(e));
+        let e = self.record_on(stream)?;
+        self.waits.push(e);
         Ok(())
     }
 
@@ -147,8 +140,13 @@ impl StreamWork {
     /// An event recorded now on the stream: after everything enqueued so far (the send half's
     /// launches, for a reader of memory they read).
     pub fn record_now(&self) -> Result<Arc<CudaEvent>, Error> {
+        self.record_on(&self.stream)
+    }
+
+    /// An event recorded now on `stream`.
+    fn record_on(&self, stream: &CudaStream) -> Result<Arc<CudaEvent>, Error> {
         let e = self.event(false)?;
-        e.record(&self.stream).map_err(|e| cuda("record event", e))?;
+        e.record(stream).map_err(|e| cuda("record event", e))?;
         Ok(Arc::new(e))
     }
 
@@ -163,9 +161,7 @@ impl StreamWork {
         if let Some(t) = &self.timing {
             t[2].record(stream).map_err(|e| cuda("record event", e))?;
         }
-        let e = self.event(false)?;
-        e.record(stream).map_err(|e| cuda("record event", e))?;
-        let done = Arc::new(e);
+        let done = self.record_on(stream)?;
         self.done = Some(Arc::clone(&done));
         Ok(done)
     }

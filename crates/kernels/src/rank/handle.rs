@@ -144,7 +144,7 @@ pub(crate) fn take_pooled(
     pool: &Mutex<Vec<DeviceBuffer>>,
     bytes: usize,
 ) -> Result<DeviceBuffer, Error> {
-    match take_smallest(pool, bytes) {
+    match take_smallest(pool, bytes, DeviceBuffer::bytes) {
         Some(b) => Ok(b),
         None => DeviceBuffer::zeroed(ctx, bytes),
     }
