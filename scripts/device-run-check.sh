@@ -42,22 +42,27 @@ if [ "$part" = all ] || [ "$part" = tests ]; then
   echo "-- one process per GPU (gpu_stream_order): rc=$? ($(grep -c '^ok: ' "$OUT/mp2-stream.log") ok lines)"; grep -E "panicked|FAILED" "$OUT/mp2-stream.log" | head -3
   EPFLOW_GPU_ITERS=${EPFLOW_LL_ITERS:-10000} run gpu_ll 300 $P/gpu_ll
   run gpu_ht 300 $P/gpu_ht
+  EPFLOW_GPU_ITERS=${EPFLOW_LL_ITERS:-10000} run gpu_rank_major 400 $P/gpu_rank_major
   run gpu_disagreement 120 $P/gpu_disagreement
   run gpu_async 180 $P/gpu_async
   seed=$(date +%s%N)
   EPFLOW_TEST_SEED=$seed timeout 120 $P/epflow launch -n 2 -- $P/gpu_ll ll_one_process_per_gpu --nocapture --test-threads=1 >"$OUT/mp2.log" 2>&1
   echo "-- one process per GPU (gpu_ll): rc=$? ($(grep -c '^ok: ' "$OUT/mp2.log") ok lines)"; grep -E "panicked|FAILED" "$OUT/mp2.log" | head -3
+  EPFLOW_TEST_SEED=$seed timeout 120 $P/epflow launch -n 2 -- $P/gpu_rank_major rank_major_one_process_per_gpu --nocapture --test-threads=1 >"$OUT/mp2-rm.log" 2>&1
+  echo "-- one process per GPU (gpu_rank_major): rc=$? ($(grep -c '^ok: ' "$OUT/mp2-rm.log") ok lines)"; grep -E "panicked|FAILED" "$OUT/mp2-rm.log" | head -3
 fi
 if [ "$part" = all ] || [ "$part" = sanitize ]; then
   echo "== compute-sanitizer (2 GPUs)"
   sanitize stream
   sanitize ll
+  sanitize rank-major
   sanitize ht
 fi
 if [ "$part" = all ] || [ "$part" = ab ]; then
   echo "== epflow bench --validate: baseline (.device-base) vs this build, alternated"
   summary() { grep -E "^(Dispatch|Combine) \(|^Handle|^Validation" | sed -E 's/, min=[^,]*, max=[^,]*//; s/ *\(.*avg=/ avg=/' | tr '\n' ' '; }
-  ab=("" "--tokens 32" "--tokens 1" "--staged" "--dtype fp8" "--algorithm ht" "--algorithm ht --dtype fp8")
+  ab=("" "--tokens 32" "--tokens 1" "--staged" "--dtype fp8" "--algorithm ht" "--algorithm ht --dtype fp8"
+      "--layout rank-major" "--layout rank-major --tokens 1" "--layout rank-major --dtype fp8")
   # EPFLOW_AB_SHORT=1: the regression targets only (low-latency 128 tokens, staged, high-throughput).
   if [ -n "${EPFLOW_AB_SHORT:-}" ]; then ab=("" "--staged" "--algorithm ht"); fi
   for args in "${ab[@]}"; do

@@ -87,6 +87,28 @@ pub(crate) enum DtypeArg {
     Fp8,
 }
 
+/// Low-latency receive layout (NCCL EP's `ncclEpLayout_t`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum LayoutArg {
+    /// A row per (token, local expert): `[L x R*M x H]`; combine applies the weights.
+    #[value(name = "expert-major")]
+    ExpertMajor,
+    /// A row per (source rank, token): `[R*M x H]` with the weights; the expert side
+    /// pre-reduces and combine sends one row per (token, rank reached).
+    #[value(name = "rank-major")]
+    RankMajor,
+}
+
+impl LayoutArg {
+    /// The layout.
+    pub(crate) fn layout(self) -> epflow_core::ops::Layout {
+        match self {
+            LayoutArg::ExpertMajor => epflow_core::ops::Layout::ExpertMajor,
+            LayoutArg::RankMajor => epflow_core::ops::Layout::RankMajor,
+        }
+    }
+}
+
 /// Which backend runs the benchmark.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub(crate) enum BackendArg {
@@ -145,6 +167,10 @@ pub(crate) struct BenchArgs {
     /// Low-latency: time the staged form (send half, then complete half).
     #[arg(long)]
     pub staged: bool,
+    /// Low-latency receive layout. Rank-major times combine on the dispatched rows themselves
+    /// (the same bytes as the experts' pre-reduced sums); --validate checks it on true sums.
+    #[arg(long, value_enum, default_value = "expert-major")]
+    pub layout: LayoutArg,
     /// Backend.
     #[arg(long, value_enum, default_value = "auto")]
     pub backend: BackendArg,

@@ -20,7 +20,7 @@ use epflow_core::verify::Report;
 use epflow_core::workload::RoutingKind;
 use epflow_core::{DispatchDtype, GroupConfig, MaxTokens};
 
-use crate::cli::{AlgorithmArg, BackendArg, BenchArgs, DtypeArg};
+use crate::cli::{AlgorithmArg, BackendArg, BenchArgs, DtypeArg, LayoutArg};
 use epflow_kernels::Transport;
 use runner::{LoopPlan, RankResult, References, run_rank};
 use stats::{BenchReport, OpSummary, Validation};
@@ -128,6 +128,14 @@ pub(crate) fn config_from_args(args: &BenchArgs, ranks: usize) -> Result<(GroupC
     }
     if args.staged && args.algorithm == AlgorithmArg::Ht {
         return Err(BenchError::Usage("--staged is for --algorithm ll: high-throughput runs synchronously".into()));
+    }
+    if args.layout == LayoutArg::RankMajor && args.algorithm == AlgorithmArg::Ht {
+        return Err(BenchError::Usage("--layout rank-major is for --algorithm ll: high-throughput is flat".into()));
+    }
+    if args.layout == LayoutArg::RankMajor && args.backend == BackendArg::NcclEp {
+        return Err(BenchError::Usage(
+            "--layout rank-major runs on epflow's backends; the nccl-ep backend is expert-major".into(),
+        ));
     }
     let dtype = match args.dtype {
         DtypeArg::Bf16 => DispatchDtype::Bf16,
@@ -240,8 +248,8 @@ fn run_single_process(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     }
     let sc =
         Scenario::generate(config.clone(), ranks, &[tokens], args.top_k, RoutingKind::Uniform, args.masked, args.seed);
-    let refs = if args.validate { Some(references(&sc)?) } else { None };
-    let plan = LoopPlan { warmup: args.warmup, iters: args.iters, staged: args.staged };
+    let refs = if args.validate { Some(references(&sc, args.layout.layout())?) } else { None };
+    let plan = LoopPlan { warmup: args.warmup, iters: args.iters, staged: args.staged, layout: args.layout.layout() };
     let barrier = Arc::new(SpinBarrier::new(ranks));
     let (backend, device, memory, results) = if args.backend == BackendArg::NcclEp {
         if args.hosts.is_some() {
@@ -325,9 +333,14 @@ where
     results.into_iter().collect::<Result<_, _>>().map_err(|e| BenchError::Run(e.to_string()))
 }
 
-pub(crate) fn references(sc: &Scenario) -> Result<References, BenchError> {
+pub(crate) fn references(sc: &Scenario, layout: epflow_core::ops::Layout) -> Result<References, BenchError> {
     let err = |e: epflow_core::ValidationError| BenchError::Run(format!("reference: {e}"));
     Ok(match sc.config.algorithm {
+        epflow_core::Algorithm::LowLatency if layout == epflow_core::ops::Layout::RankMajor => {
+            let dispatch = sc.ll_rank_major_reference().map_err(err)?;
+            let combine = sc.ll_rank_major_combine_identity_reference(&dispatch).map_err(err)?;
+            References::RankMajor { dispatch, combine }
+        }
         epflow_core::Algorithm::LowLatency => {
             let dispatch = sc.ll_dispatch_reference().map_err(err)?;
             let combine = sc.ll_combine_identity_reference(&dispatch).map_err(err)?;
@@ -386,6 +399,7 @@ pub(crate) fn summarise(
         experts: config.num_experts,
         dtype: if config.dispatch_dtype.is_fp8() { "fp8" } else { "bf16" },
         staged: args.staged,
+        layout: args.layout.layout().name(),
         warmup: args.warmup,
         iters: args.iters,
         seed: args.seed,

@@ -3,14 +3,16 @@
 use std::borrow::Cow;
 use std::time::Duration;
 
-use epflow_core::backend::{Backend, blocking_combine, blocking_dispatch, blocking_handle};
+use epflow_core::backend::{Backend, blocking_combine, blocking_dispatch, blocking_handle, blocking_handle_with};
 use epflow_core::ops::{
-    CombineInputs, CombineOptions, CombineOutputs, DispatchInputs, DispatchOptions, DispatchOutputs,
+    CombineInputs, CombineOptions, CombineOutputs, DispatchInputs, DispatchOptions, DispatchOutputs, HandleOptions,
+    Layout,
 };
-use epflow_core::reference::{HtDispatchResult, LlDispatchResult};
-use epflow_core::scenario::Scenario;
+use epflow_core::reference::{HtDispatchResult, LlDispatchResult, RankMajorDispatchResult};
+use epflow_core::scenario::{Scenario, rank_major_identity_expert_outputs};
 use epflow_core::verify::{
-    Report, Tolerance, check_bf16, check_ht_dispatch, check_ll_dispatch, ht_rows_by_content, ll_rows_by_content,
+    Report, Tolerance, check_bf16, check_ht_dispatch, check_ll_dispatch, check_rank_major_dispatch, ht_rows_by_content,
+    ll_rows_by_content,
 };
 use epflow_core::{Algorithm, Error, HostData, HostTensor};
 
@@ -71,6 +73,7 @@ pub(crate) trait BenchRank {
 /// The reference results of the benchmark's scenario.
 pub(crate) enum References {
     Ll { dispatch: Vec<LlDispatchResult>, combine: Vec<Vec<epflow_core::bf16>> },
+    RankMajor { dispatch: Vec<RankMajorDispatchResult>, combine: Vec<Vec<epflow_core::bf16>> },
     Ht { dispatch: Vec<HtDispatchResult>, combine: Vec<Vec<epflow_core::bf16>> },
 }
 
@@ -93,6 +96,8 @@ pub(crate) struct LoopPlan {
     pub warmup: usize,
     pub iters: usize,
     pub staged: bool,
+    /// Low-latency receive layout of the handle.
+    pub layout: Layout,
 }
 
 /// Runs this rank's part: handle, optional validation round, warm-up, timed iterations.
@@ -109,15 +114,16 @@ where
     let rank = b.rank();
     let cfg = b.config().clone();
     let idx = r.upload(&sc.topk_idx(rank))?;
-    let handle = blocking_handle(b, &idx)?;
+    let handle = blocking_handle_with(b, &idx, &HandleOptions::with_layout(plan.layout))?;
     let ht = cfg.algorithm == Algorithm::HighThroughput;
+    let rank_major = plan.layout == Layout::RankMajor;
     let weights = r.upload(&sc.weights(rank))?;
     let (tokens, scales) = match (ht, sc.tokens_fp8(rank)) {
         (true, Some((q, s))) => (r.upload(&q)?, Some(r.upload(&s)?)),
         _ => (r.upload(&sc.tokens(rank))?, None),
     };
     let mut inputs = DispatchInputs::new(&tokens);
-    if ht {
+    if ht || rank_major {
         inputs = inputs.with_weights(&weights);
     }
     if let Some(s) = &scales {
@@ -131,11 +137,28 @@ where
     let dispatch = || blocking_dispatch(b, &handle, inputs, &dopts, staged);
     let combine = |experts: &<R::B as Backend>::Tensor| -> Result<_, Error> {
         let mut cin = CombineInputs::new(experts);
-        if !ht {
+        if !ht && !rank_major {
             cin = cin.with_weights(&weights);
         }
         blocking_combine(b, &handle, cin, &copts, staged)
     };
+
+    // Rank-major combine input: the identity experts' pre-reduced sums of one dispatch, computed
+    // here and uploaded once (as a server's experts write into a fixed buffer).
+    let rank_major_sums = |host: &DispatchOutputs<HostTensor>| -> Result<<R::B as Backend>::Tensor, Error> {
+        let sums = rank_major_identity_expert_outputs(
+            host.tokens.data(),
+            host.scales.as_ref().and_then(HostTensor::as_f32),
+            host.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap_or_default(),
+            host.topk_idx.as_ref().and_then(HostTensor::as_i32).unwrap_or_default(),
+            host.counts.as_ref().and_then(HostTensor::as_i32).unwrap_or_default(),
+            cfg.fixed_max_tokens().unwrap_or(0),
+            cfg.hidden,
+            sc.top_k,
+        );
+        r.upload(&sums)
+    };
+    let mut rank_major_input = None;
 
     let (mut dispatch_check, mut combine_check) = (None, None);
     if let Some(refs) = refs {
@@ -145,6 +168,23 @@ where
         let scales_f32 = host.scales.as_ref().and_then(HostTensor::as_f32);
         let counts = host.counts.as_ref().and_then(HostTensor::as_i32).unwrap_or_default();
         let (drep, want) = match refs {
+            References::RankMajor { dispatch, combine } => {
+                let got_w = host.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap_or_default();
+                let got_i = host.topk_idx.as_ref().and_then(HostTensor::as_i32).unwrap_or_default();
+                let m = cfg.fixed_max_tokens().unwrap_or(0);
+                let rep = check_rank_major_dispatch(
+                    &dispatch[rank],
+                    cfg.hidden,
+                    m,
+                    sc.top_k,
+                    host.tokens.data(),
+                    scales_f32,
+                    got_w,
+                    got_i,
+                    counts,
+                );
+                (rep, &combine[rank])
+            }
             References::Ll { dispatch, combine } => {
                 let arranged = match (r.rows_in_arrival_order(), host.tokens.as_bf16()) {
                     (true, Some(got)) => {
@@ -173,12 +213,27 @@ where
                 (rep, &combine[rank])
             }
         };
-        let experts = r.identity_experts(&d)?;
+        let experts = if rank_major {
+            let sums = rank_major_sums(&host)?;
+            rank_major_input = Some(sums.clone());
+            Cow::Owned(sums)
+        } else {
+            r.identity_experts(&d)?
+        };
+        drop(host);
         let c = combine(&experts)?;
         let chost = r.combine_to_host(&c)?;
-        let crep = check_bf16("combine", want, chost.tokens.as_bf16().unwrap_or_default(), Tolerance::OneUlp);
+        // Rank-major sums in one order on every backend: bit-exact.
+        let tol = if rank_major { Tolerance::Exact } else { Tolerance::OneUlp };
+        let crep = check_bf16("combine", want, chost.tokens.as_bf16().unwrap_or_default(), tol);
         dispatch_check = Some(drep.context(&format!("rank {rank} dispatch")));
         combine_check = Some(crep.context(&format!("rank {rank} combine")));
+    }
+
+    if rank_major && rank_major_input.is_none() {
+        r.barrier();
+        let d = dispatch()?;
+        rank_major_input = Some(rank_major_sums(&*r.dispatch_to_host(&d)?)?);
     }
 
     let mut times = [RankTimes::default(), RankTimes::default(), RankTimes::default()];
@@ -188,7 +243,10 @@ where
         let (d, td) = r.timed(dispatch)?;
         let dh = r.dispatch_time(&d);
         let td = dh.map_or(td, |(a, b)| a + b);
-        let experts = r.identity_experts(&d)?;
+        let experts = match &rank_major_input {
+            Some(t) => Cow::Borrowed(t),
+            None => r.identity_experts(&d)?,
+        };
         r.barrier();
         let (c, tc) = r.timed(|| combine(&experts))?;
         let ch = r.combine_time(&c);

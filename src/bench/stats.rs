@@ -82,6 +82,8 @@ pub(crate) struct BenchReport {
     pub experts: usize,
     pub dtype: &'static str,
     pub staged: bool,
+    /// Low-latency receive layout (`expert-major` or `rank-major`).
+    pub layout: &'static str,
     pub warmup: usize,
     pub iters: usize,
     pub seed: u64,
@@ -102,7 +104,7 @@ impl BenchReport {
         let algo = if self.algorithm == "ll" { "Low Latency" } else { "High Throughput" };
         let dt = self.dtype.to_uppercase();
         println!(
-            "epflow bench: algorithm={} backend={} device={} ranks={} tokens={} hidden={} top_k={} experts={} dtype={} staged={} warmup={} iters={} seed={}",
+            "epflow bench: algorithm={} backend={} device={} ranks={} tokens={} hidden={} top_k={} experts={} dtype={} staged={} layout={} warmup={} iters={} seed={}",
             self.algorithm,
             self.backend,
             self.device,
@@ -113,6 +115,7 @@ impl BenchReport {
             self.experts,
             self.dtype,
             self.staged,
+            self.layout,
             self.warmup,
             self.iters,
             self.seed

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use epflow_core::backend::{Backend, HandleCreation, OpOutput, StreamOrder};
-use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions};
+use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions};
 use epflow_core::validate::validate_staged;
 use epflow_core::{Error, GroupConfig, Result};
 
@@ -79,9 +79,16 @@ impl<B: Backend> Group<B> {
     }
 
     /// Creates a routing handle from `topk_idx` `[B x K]` (collective for high-throughput, which
-    /// exchanges counts; immediate for low-latency).
+    /// exchanges counts; immediate for low-latency), expert-major.
     pub fn create_handle(&self, topk_idx: &B::Tensor) -> HandleFuture<B> {
-        let state = match self.backend.start_handle(topk_idx) {
+        self.create_handle_with(topk_idx, &HandleOptions::default())
+    }
+
+    /// Creates a routing handle with `opts`: [`HandleOptions::layout`] chooses low-latency
+    /// expert-major or rank-major outputs for every dispatch and combine on the handle (every
+    /// rank must choose the same).
+    pub fn create_handle_with(&self, topk_idx: &B::Tensor, opts: &HandleOptions) -> HandleFuture<B> {
+        let state = match self.backend.start_handle(topk_idx, opts) {
             Ok(HandleCreation::Ready(h)) => HandleState::Ready(Some(h)),
             Ok(HandleCreation::Collective(op)) => {
                 HandleState::Op(OpDriver::new(Arc::clone(&self.backend), op, self.mode))

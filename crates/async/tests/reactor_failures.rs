@@ -172,7 +172,11 @@ impl Backend for Faulty {
     fn core(&self) -> &RankCore {
         &self.core
     }
-    fn start_handle(&self, idx: &HostTensor) -> Result<HandleCreation<FaultyHandle, FaultyOp>> {
+    fn start_handle(
+        &self,
+        idx: &HostTensor,
+        _opts: &epflow_core::ops::HandleOptions,
+    ) -> Result<HandleCreation<FaultyHandle, FaultyOp>> {
         let routing = Routing::new(idx.as_i64().unwrap().to_vec(), 1, 1, 4)?;
         Ok(HandleCreation::Ready(FaultyHandle(Arc::new(HandleCore::new(
             self.core.group_id(),

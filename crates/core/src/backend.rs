@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use crate::config::GroupConfig;
 use crate::error::{Error, Result};
 use crate::handle::RoutingHandle;
-use crate::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, TensorView};
+use crate::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions, TensorView};
 use crate::protocol::{Channel, Poison, SlotGuard, SlotPool, deadline_after, op_label, wait_until};
 use crate::validate::OpContext;
 
@@ -338,7 +338,14 @@ pub trait Backend: Send + Sync + 'static {
     /// A high-throughput rank whose arguments fail validation still takes part in the
     /// collective, as a cancellation (its peers get [`Error::PeerCancelled`] at once instead of
     /// waiting for their timeout); so do dispatch and combine.
-    fn start_handle(&self, topk_idx: &Self::Tensor) -> Result<HandleCreation<Self::Handle, Self::Op>>;
+    ///
+    /// `opts` chooses the handle's low-latency receive layout ([`crate::ops::Layout`]);
+    /// [`crate::validate::validate_handle_options`] refuses what the group cannot do.
+    fn start_handle(
+        &self,
+        topk_idx: &Self::Tensor,
+        opts: &HandleOptions,
+    ) -> Result<HandleCreation<Self::Handle, Self::Op>>;
     /// Validates and creates a dispatch (collective). Takes its sequence number now.
     fn start_dispatch(
         &self,
@@ -483,9 +490,15 @@ fn no_result(what: &str) -> Error {
     Error::Backend(format!("{what} was cancelled and has no result"))
 }
 
-/// Creates a handle on any backend, blocking (collective for high-throughput).
+/// Creates a handle on any backend, blocking (collective for high-throughput), with the default
+/// options (expert-major).
 pub fn blocking_handle<B: Backend>(b: &B, topk_idx: &B::Tensor) -> Result<B::Handle> {
-    match b.start_handle(topk_idx)? {
+    blocking_handle_with(b, topk_idx, &HandleOptions::default())
+}
+
+/// Creates a handle with `opts` on any backend, blocking.
+pub fn blocking_handle_with<B: Backend>(b: &B, topk_idx: &B::Tensor, opts: &HandleOptions) -> Result<B::Handle> {
+    match b.start_handle(topk_idx, opts)? {
         HandleCreation::Ready(h) => Ok(h),
         HandleCreation::Collective(op) => {
             match run_blocking(op, b.slot_pool(Channel::Handle), b.poison(), b.config().timeout)? {

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::config::Algorithm;
 use crate::error::ValidationError;
-use crate::ops::Pass;
+use crate::ops::{Layout, Pass};
 use crate::routing::Routing;
 use crate::stamp::{Pairing, Stamp};
 
@@ -24,6 +24,7 @@ pub struct HandleCore {
     group_id: u64,
     routing: Routing,
     algorithm: Algorithm,
+    layout: Layout,
     creation: Option<u64>,
     /// High-throughput: `N` and the rows per local expert, from handle creation.
     recv: Option<(usize, Vec<i32>)>,
@@ -43,7 +44,27 @@ impl HandleCore {
     /// that created it (high-throughput handle creation; `None` for low-latency handles, which
     /// are built locally).
     pub fn new(group_id: u64, routing: Routing, algorithm: Algorithm, creation: Option<u64>) -> Self {
-        HandleCore { group_id, routing, algorithm, creation, recv: None, last_dispatch: Default::default() }
+        HandleCore {
+            group_id,
+            routing,
+            algorithm,
+            layout: Layout::ExpertMajor,
+            creation,
+            recv: None,
+            last_dispatch: Default::default(),
+        }
+    }
+
+    /// With the low-latency receive layout `layout` (validated by the backend: high-throughput
+    /// handles stay expert-major).
+    pub fn with_layout(mut self, layout: Layout) -> Self {
+        self.layout = layout;
+        self
+    }
+
+    /// The receive layout of low-latency operations on this handle.
+    pub fn layout(&self) -> Layout {
+        self.layout
     }
 
     /// With what handle creation learnt (high-throughput): `num_recv` rows this rank receives,
@@ -117,13 +138,13 @@ impl HandleCore {
             Algorithm::LowLatency => Pairing::None,
             Algorithm::HighThroughput => self.pairing(0),
         };
-        Stamp::new(self.top_k(), pass, pairing)
+        Stamp::new(self.top_k(), pass, pairing).with_layout(self.layout)
     }
 
     /// The stamp of a combine of `pass` pairing with dispatch `dispatch` (see
     /// [`HandleCore::combine_dispatch`]).
     pub fn combine_stamp(&self, pass: Pass, dispatch: u64) -> Stamp {
-        Stamp::new(self.top_k(), pass, self.pairing(dispatch))
+        Stamp::new(self.top_k(), pass, self.pairing(dispatch)).with_layout(self.layout)
     }
 
     /// The dispatch a combine of `pass` started now pairs with: the latest completed one, or
@@ -160,6 +181,10 @@ pub trait RoutingHandle: Clone + Send + Sync + 'static {
     fn routing(&self) -> &Routing {
         self.core().routing()
     }
+    /// The receive layout of low-latency operations on the handle.
+    fn layout(&self) -> Layout {
+        self.core().layout()
+    }
 }
 
 #[cfg(test)]
@@ -181,6 +206,10 @@ mod tests {
         assert_eq!(h.dispatch_stamp(Pass::Forward), Stamp::new(2, Pass::Forward, Pairing::None));
         assert_eq!(h.combine_dispatch(Pass::Backward), Err(ValidationError::CombineBeforeDispatch));
         assert_eq!(h.check_group(8), Err(ValidationError::ForeignHandle { handle_group: 7, group: 8 }));
+        // The layout travels in every stamp: peers on handles of other layouts disagree.
+        let rm = core(Algorithm::LowLatency, None).with_layout(Layout::RankMajor);
+        assert_eq!(rm.dispatch_stamp(Pass::Forward).layout, Layout::RankMajor);
+        assert_ne!(rm.dispatch_stamp(Pass::Forward), h.dispatch_stamp(Pass::Forward));
     }
 
     #[derive(Clone)]

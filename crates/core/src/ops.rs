@@ -5,6 +5,8 @@
 //! |---|---|---|---|
 //! | LL | dispatch | tokens `[B x H]` BF16 | tokens `[L x R*M x H]` (BF16, or FP8 + scales `[L x R*M x H/128]`), counts `[L]` |
 //! | LL | combine | expert outputs `[L x R*M x H]` BF16, weights `[B x K]` | tokens `[B x H]` BF16 |
+//! | LL rank-major | dispatch | tokens `[B x H]` BF16, weights `[B x K]` | tokens `[R*M x H]` (BF16, or FP8 + scales `[R*M x H/128]`), weights `[R*M x K]` fp32, local expert idx `[R*M x K]` int32, counts `[R]` |
+//! | LL rank-major | combine | weighted expert sums `[R*M x H]` BF16 | tokens `[B x H]` BF16 |
 //! | HT | dispatch (fwd) | tokens `[B x H]` (BF16, or FP8 + scales `[B x H/128]`), weights `[B x K]` | tokens `[N x H]` (+ scales `[N x H/128]`), weights `[N x K]`, idx `[N x K]`, counts `[L]` |
 //! | HT | dispatch (bwd) | gradients `[B x H]` BF16 | `[N x H]` BF16 |
 //! | HT | combine (fwd) | expert outputs `[N x H]` BF16 | `[B x H]` BF16 |
@@ -23,6 +25,56 @@ pub enum Pass {
     /// The backward pass: dispatch moves output gradients to the experts, combine brings input
     /// gradients (and top-k weight gradients) back.
     Backward,
+}
+
+/// How low-latency dispatch lays out what a rank receives (NCCL EP's `ncclEpLayout_t`), chosen
+/// per handle ([`HandleOptions`]); every rank must use the same layout for the handles of one
+/// collective (a disagreement fails with [`crate::Error::PeerMismatch`]).
+///
+/// | | expert-major (default) | rank-major |
+/// |---|---|---|
+/// | dispatch output | `[L x R*M x H]`: a row per (token, local expert) | `[R*M x H]`: a row per (source, token) with at least one local expert, rows of source `s` from `s*M` on, in token order |
+/// | also | counts `[L]` | weights `[R*M x K]`, local expert per top-k entry `[R*M x K]` (`-1`: elsewhere), counts `[R]` |
+/// | expert side | one output row per input row | one row per (source, token): `bf16(sum over local k ascending of fma(w_k, y_k, acc))` |
+/// | combine input | `[L x R*M x H]` and the weights `[B x K]` | `[R*M x H]` only |
+/// | combine sends | a row per (token, expert) | a row per (token, rank reached) |
+///
+/// Rank-major combine adds the rows of the ranks a token reached in fp32, in the order of each
+/// rank's first top-k entry (NCCL EP's order), and rounds once to BF16. The per-rank partial sum is
+/// rounded to BF16 on the expert side, so the result can differ from expert-major's single
+/// rounding: [`crate::reference`] documents by how much.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Layout {
+    /// A row per (token, local expert), grouped by expert.
+    #[default]
+    ExpertMajor,
+    /// A row per (source rank, token), grouped by source; the expert side pre-reduces.
+    RankMajor,
+}
+
+impl Layout {
+    /// `"expert-major"` or `"rank-major"`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Layout::ExpertMajor => "expert-major",
+            Layout::RankMajor => "rank-major",
+        }
+    }
+}
+
+/// Options of handle creation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HandleOptions {
+    /// The receive layout of low-latency operations on the handle (high-throughput handles are
+    /// flat and refuse [`Layout::RankMajor`]).
+    pub layout: Layout,
+}
+
+impl HandleOptions {
+    /// Options with `layout`.
+    pub const fn with_layout(layout: Layout) -> Self {
+        HandleOptions { layout }
+    }
 }
 
 /// Where the per-expert receive counters are written.
@@ -67,7 +119,7 @@ impl TensorView for HostTensor {
 pub struct DispatchInputs<'a, T: ?Sized = HostTensor> {
     /// Tokens `[B x H]`.
     pub tokens: &'a T,
-    /// Top-k weights `[B x K]` (high-throughput forward only).
+    /// Top-k weights `[B x K]` (high-throughput forward, low-latency rank-major).
     pub topk_weights: Option<&'a T>,
     /// FP8 scales `[B x H/128]` (high-throughput FP8 forward only).
     pub scales: Option<&'a T>,
@@ -111,9 +163,10 @@ pub struct DispatchOptions {
 /// Inputs of combine.
 #[derive(Debug)]
 pub struct CombineInputs<'a, T: ?Sized = HostTensor> {
-    /// Expert outputs (`[L x R*M x H]` LL, `[N x H]` HT).
+    /// Expert outputs (`[L x R*M x H]` LL expert-major, `[R*M x H]` LL rank-major, `[N x H]` HT).
     pub tokens: &'a T,
-    /// LL: the top-k weights `[B x K]` to apply; HT backward: weight gradients `[N x K]`.
+    /// LL expert-major: the top-k weights `[B x K]` to apply; HT backward: weight gradients
+    /// `[N x K]`; none otherwise.
     pub topk_weights: Option<&'a T>,
 }
 
@@ -151,11 +204,13 @@ pub struct DispatchOutputs<T> {
     pub tokens: T,
     /// FP8 scales (FP8 dispatch only).
     pub scales: Option<T>,
-    /// Received top-k weights (HT forward).
+    /// Received top-k weights (HT forward `[N x K]`, LL rank-major `[R*M x K]`).
     pub topk_weights: Option<T>,
-    /// Received top-k indices as local expert indices, `-1` where not local (HT forward).
+    /// Received top-k indices as local expert indices, `-1` where not local (HT forward
+    /// `[N x K]` int64, LL rank-major `[R*M x K]` int32).
     pub topk_idx: Option<T>,
-    /// Per-local-expert receive counters `[L]` (LL; HT forward).
+    /// Receive counters: per local expert `[L]` (LL expert-major; HT forward), per source rank
+    /// `[R]` (LL rank-major).
     pub counts: Option<T>,
 }
 

@@ -6,7 +6,7 @@ use half::bf16;
 use crate::config::{DispatchDtype, GroupConfig};
 use crate::error::ValidationError;
 use crate::fp8;
-use crate::reference::{self, HtDispatchResult, LlDispatchResult, Rows, TokensRef};
+use crate::reference::{self, HtDispatchResult, LlDispatchResult, RankMajorDispatchResult, Rows, TokensRef};
 use crate::routing::Routing;
 use crate::tensor::HostTensor;
 use crate::workload::{RoutingKind, RoutingSpec, random_tokens, random_topk_idx, random_weights};
@@ -134,6 +134,37 @@ impl Scenario {
         Ok(reference::ll_combine(&self.config, &routings, &layouts, &row, &weights))
     }
 
+    /// Reference low-latency rank-major dispatch.
+    pub fn ll_rank_major_reference(&self) -> Result<Vec<RankMajorDispatchResult>, ValidationError> {
+        let tokens: Vec<&[bf16]> = self.ranks.iter().map(|r| r.tokens.as_slice()).collect();
+        let weights: Vec<&[f32]> = self.ranks.iter().map(|r| r.weights.as_slice()).collect();
+        Ok(reference::ll_dispatch_rank_major(&self.config, &self.routings()?, &tokens, &weights))
+    }
+
+    /// Reference rank-major combine of identity experts: each received row, pre-reduced on the
+    /// expert side with its weights ([`reference::rank_major_expert_sum`]; FP8 rows dequantized
+    /// and rounded to BF16), summed over the ranks each token reached.
+    pub fn ll_rank_major_combine_identity_reference(
+        &self,
+        dispatch: &[RankMajorDispatchResult],
+    ) -> Result<Vec<Vec<bf16>>, ValidationError> {
+        let routings = self.routings()?;
+        let layouts: Vec<_> = dispatch.iter().map(|d| d.layout.clone()).collect();
+        let (h, k) = (self.config.hidden, self.top_k);
+        let row = |d: usize, s: usize, i: usize, out: &mut [f32]| {
+            let r = &dispatch[d];
+            let mut x = vec![0f32; h];
+            r.sources[s].row_as_bf16_f32(i, h, &mut x);
+            let mut sum = vec![bf16::ZERO; h];
+            let (idx, w) = (&r.idx[s][i * k..(i + 1) * k], &r.weights[s][i * k..(i + 1) * k]);
+            reference::rank_major_expert_sum(idx, w, &mut |_, y| y.copy_from_slice(&x), &mut sum);
+            for (o, v) in out.iter_mut().zip(&sum) {
+                *o = v.to_f32();
+            }
+        };
+        Ok(reference::ll_combine_rank_major(&self.config, &routings, &layouts, &row))
+    }
+
     fn tokens_refs(&self) -> Vec<TokensRef<'_>> {
         self.ranks
             .iter()
@@ -206,4 +237,51 @@ pub fn ll_identity_expert_outputs(
         }
         other => HostTensor::new(crate::TensorTag::Tokens, &shape, other.clone()),
     }
+}
+
+/// Identity experts for rank-major combine: the `[R*M x H]` BF16 combine input computed from a
+/// backend's rank-major dispatch outputs (`tokens` `[R*M x H]` BF16 or FP8 with `scales`,
+/// `weights` and `idx` `[R*M x K]`, `counts` `[R]`): each source's first `counts[s]` rows are
+/// pre-reduced with [`reference::rank_major_expert_sum`], every expert returning the row itself
+/// (FP8 dequantized and rounded to BF16). Other rows are zero.
+#[allow(clippy::too_many_arguments)]
+pub fn rank_major_identity_expert_outputs(
+    tokens: &crate::tensor::HostData,
+    scales: Option<&[f32]>,
+    weights: &[f32],
+    idx: &[i32],
+    counts: &[i32],
+    max_tokens: usize,
+    hidden: usize,
+    top_k: usize,
+) -> HostTensor {
+    use crate::tensor::HostData;
+    let rows = counts.len() * max_tokens;
+    let cols = hidden / crate::config::FP8_BLOCK;
+    let mut out = vec![bf16::ZERO; rows * hidden];
+    let mut x = vec![0f32; hidden];
+    for (s, &n) in counts.iter().enumerate() {
+        for i in 0..(n.max(0) as usize).min(max_tokens) {
+            let r = s * max_tokens + i;
+            match tokens {
+                HostData::Bf16(v) => {
+                    Rows::Bf16(v[r * hidden..(r + 1) * hidden].to_vec()).row_as_bf16_f32(0, hidden, &mut x)
+                }
+                HostData::Fp8(q) => Rows::Fp8 {
+                    q: q[r * hidden..(r + 1) * hidden].to_vec(),
+                    scales: scales.unwrap_or_default()[r * cols..(r + 1) * cols].to_vec(),
+                }
+                .row_as_bf16_f32(0, hidden, &mut x),
+                _ => continue,
+            }
+            let (ri, rw) = (&idx[r * top_k..(r + 1) * top_k], &weights[r * top_k..(r + 1) * top_k]);
+            reference::rank_major_expert_sum(
+                ri,
+                rw,
+                &mut |_, y| y.copy_from_slice(&x),
+                &mut out[r * hidden..(r + 1) * hidden],
+            );
+        }
+    }
+    HostTensor::new(crate::TensorTag::Tokens, &[rows, hidden], HostData::Bf16(out))
 }

@@ -14,7 +14,7 @@
 
 use std::fmt;
 
-use crate::ops::Pass;
+use crate::ops::{Layout, Pass};
 
 /// Which earlier collective an operation belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -38,24 +38,32 @@ pub struct Stamp {
     pub pass: Pass,
     /// Which handle or dispatch the operation belongs to.
     pub pairing: Pairing,
+    /// The handle's low-latency receive layout.
+    pub layout: Layout,
 }
 
 /// Bits of [`Stamp::encode`] that hold the pairing's number (the rest: top-k, pass, kind).
 const NUMBER_BITS: u32 = 52;
 
 impl Stamp {
-    /// A stamp.
+    /// A stamp of an expert-major handle.
     pub const fn new(top_k: usize, pass: Pass, pairing: Pairing) -> Self {
-        Stamp { top_k, pass, pairing }
+        Stamp { top_k, pass, pairing, layout: Layout::ExpertMajor }
+    }
+
+    /// The same stamp for a handle of `layout`.
+    pub const fn with_layout(mut self, layout: Layout) -> Self {
+        self.layout = layout;
+        self
     }
 
     /// One 64-bit word for device-side signals: bits 0..8 the top-k (at most 255), bit 8 the
-    /// pass, bits 9..12 the pairing kind, bits 12..64 the pairing number plus one (the low 52
+    /// pass, bits 9..11 the pairing kind, bit 11 the layout (1: rank-major), bits 12..64 the pairing number plus one (the low 52
     /// bits of it: operations 2^52 apart compare equal, which no real run reaches).
     ///
     /// The GPU kernels compare a 23-bit tag of it in the same load that sees a peer's arrival
-    /// (top-k, pass, pairing kind, the low 15 bits of the pairing number) and read the whole word
-    /// only to report a mismatch: pairings 2^15 operations apart pass that check.
+    /// (top-k, pass, pairing kind, layout, the low 14 bits of the pairing number) and read the
+    /// whole word only to report a mismatch: pairings 2^14 operations apart pass that check.
     pub fn encode(&self) -> u64 {
         let (kind, number) = match self.pairing {
             Pairing::None => (0u64, 0u64),
@@ -63,7 +71,12 @@ impl Stamp {
             Pairing::Handle(n) => (2, n.wrapping_add(1)),
         };
         let number = number & ((1u64 << NUMBER_BITS) - 1);
-        (self.top_k.min(255) as u64) | (u64::from(self.pass == Pass::Backward) << 8) | (kind << 9) | (number << 12)
+        let rank_major = u64::from(self.layout == Layout::RankMajor);
+        (self.top_k.min(255) as u64)
+            | (u64::from(self.pass == Pass::Backward) << 8)
+            | (kind << 9)
+            | (rank_major << 11)
+            | (number << 12)
     }
 
     /// The inverse of [`Stamp::encode`] (pairing numbers modulo 2^52).
@@ -71,12 +84,13 @@ impl Stamp {
         let top_k = (word & 0xff) as usize;
         let pass = if word >> 8 & 1 == 1 { Pass::Backward } else { Pass::Forward };
         let number = (word >> 12).wrapping_sub(1) & ((1u64 << NUMBER_BITS) - 1);
-        let pairing = match word >> 9 & 0x7 {
+        let pairing = match word >> 9 & 0x3 {
             1 => Pairing::Dispatch(number),
             2 => Pairing::Handle(number),
             _ => Pairing::None,
         };
-        Stamp { top_k, pass, pairing }
+        let layout = if word >> 11 & 1 == 1 { Layout::RankMajor } else { Layout::ExpertMajor };
+        Stamp { top_k, pass, pairing, layout }
     }
 }
 
@@ -88,9 +102,13 @@ impl fmt::Display for Stamp {
         };
         write!(f, "top-k {}, {pass}", self.top_k)?;
         match self.pairing {
-            Pairing::None => Ok(()),
-            Pairing::Dispatch(n) => write!(f, ", pairing with dispatch #{n}"),
-            Pairing::Handle(n) => write!(f, ", on the handle of handle creation #{n}"),
+            Pairing::None => {}
+            Pairing::Dispatch(n) => write!(f, ", pairing with dispatch #{n}")?,
+            Pairing::Handle(n) => write!(f, ", on the handle of handle creation #{n}")?,
+        }
+        match self.layout {
+            Layout::ExpertMajor => Ok(()),
+            Layout::RankMajor => write!(f, ", rank-major"),
         }
     }
 }
@@ -106,6 +124,7 @@ mod tests {
             Stamp::new(16, Pass::Backward, Pairing::Handle(0)),
             Stamp::new(1, Pass::Forward, Pairing::Dispatch(12_345_678)),
             Stamp::new(10, Pass::Backward, Pairing::Dispatch((1 << 52) - 2)),
+            Stamp::new(16, Pass::Forward, Pairing::Dispatch(7)).with_layout(Layout::RankMajor),
         ] {
             assert_eq!(Stamp::decode(s.encode()), s, "{s}");
         }
@@ -117,6 +136,7 @@ mod tests {
             Stamp::new(8, Pass::Forward, Pairing::Dispatch(4)),
             Stamp::new(8, Pass::Forward, Pairing::Handle(3)),
             Stamp::new(8, Pass::Forward, Pairing::None),
+            Stamp::new(8, Pass::Forward, Pairing::Dispatch(3)).with_layout(Layout::RankMajor),
         ] {
             assert_ne!(a.encode(), b.encode(), "{a} vs {b}");
         }
@@ -127,6 +147,10 @@ mod tests {
         assert_eq!(
             Stamp::new(8, Pass::Forward, Pairing::Dispatch(3)).to_string(),
             "top-k 8, forward, pairing with dispatch #3"
+        );
+        assert_eq!(
+            Stamp::new(8, Pass::Forward, Pairing::Dispatch(3)).with_layout(Layout::RankMajor).to_string(),
+            "top-k 8, forward, pairing with dispatch #3, rank-major"
         );
         assert_eq!(
             Stamp::new(4, Pass::Backward, Pairing::Handle(0)).to_string(),

@@ -9,7 +9,7 @@ use crate::error::ValidationError;
 use crate::handle::RoutingHandle;
 use crate::ops::{
     CombineInputs, CombineOptions, CombineOutputs, CountsLocation, DispatchInputs, DispatchOptions, DispatchOutputs,
-    Pass, TensorView,
+    Layout, Pass, TensorView,
 };
 use crate::routing::Routing;
 use crate::tensor::{TensorDesc, TensorTag};
@@ -27,6 +27,8 @@ pub struct OpContext<'a> {
     pub top_k: usize,
     /// `N`, rows this rank receives (high-throughput; from the handle).
     pub num_recv: usize,
+    /// The handle's low-latency receive layout.
+    pub layout: Layout,
 }
 
 impl<'a> OpContext<'a> {
@@ -38,6 +40,7 @@ impl<'a> OpContext<'a> {
             num_tokens: handle.core().num_tokens(),
             top_k: handle.core().top_k(),
             num_recv: handle.num_recv_tokens().unwrap_or(0),
+            layout: handle.core().layout(),
         }
     }
 }
@@ -197,10 +200,13 @@ pub fn routing_from_tensor(
 /// matches on these instead of re-reading the optional fields of [`DispatchInputs`].
 #[derive(Debug)]
 pub enum ValidDispatch<'a, T: ?Sized> {
-    /// Low-latency: BF16 tokens `[B x H]`.
+    /// Low-latency: BF16 tokens `[B x H]`, and (rank-major) the top-k weights `[B x K]` that
+    /// travel with them.
     LowLatency {
         /// Tokens.
         tokens: &'a T,
+        /// Top-k weights (rank-major only).
+        weights: Option<&'a T>,
     },
     /// High-throughput forward: tokens `[B x H]` (BF16, or FP8 with their `[B x H/128]`
     /// scales) and top-k weights `[B x K]`.
@@ -230,9 +236,19 @@ impl<'a, T: ?Sized> ValidDispatch<'a, T> {
     /// The tokens (or gradients).
     pub fn tokens(&self) -> &'a T {
         match *self {
-            ValidDispatch::LowLatency { tokens }
+            ValidDispatch::LowLatency { tokens, .. }
             | ValidDispatch::Forward { tokens, .. }
             | ValidDispatch::Backward { tokens } => tokens,
+        }
+    }
+
+    /// The top-k weights that travel with the tokens (high-throughput forward, low-latency
+    /// rank-major).
+    pub fn weights(&self) -> Option<&'a T> {
+        match *self {
+            ValidDispatch::Forward { weights, .. } => Some(weights),
+            ValidDispatch::LowLatency { weights, .. } => weights,
+            ValidDispatch::Backward { .. } => None,
         }
     }
 
@@ -242,7 +258,8 @@ impl<'a, T: ?Sized> ValidDispatch<'a, T> {
             ValidDispatch::Forward { tokens, weights, scales } => {
                 [Some(tokens), Some(weights), scales].into_iter().flatten().collect()
             }
-            ValidDispatch::LowLatency { tokens } | ValidDispatch::Backward { tokens } => vec![tokens],
+            ValidDispatch::LowLatency { tokens, weights } => [Some(tokens), weights].into_iter().flatten().collect(),
+            ValidDispatch::Backward { tokens } => vec![tokens],
         }
     }
 }
@@ -250,13 +267,13 @@ impl<'a, T: ?Sized> ValidDispatch<'a, T> {
 /// Combine inputs that passed validation, by what the operation does with them.
 #[derive(Debug)]
 pub enum ValidCombine<'a, T: ?Sized> {
-    /// Low-latency: expert outputs `[L x R*M x H]` and the top-k weights `[B x K]` applied as
-    /// they arrive.
+    /// Low-latency expert-major: expert outputs `[L x R*M x H]` and the top-k weights `[B x K]`
+    /// applied as they arrive; rank-major: pre-reduced rows `[R*M x H]` and no weights.
     LowLatency {
         /// Expert outputs.
         expert_out: &'a T,
-        /// Top-k weights.
-        weights: &'a T,
+        /// Top-k weights (expert-major only).
+        weights: Option<&'a T>,
     },
     /// High-throughput forward: pre-weighted expert outputs `[N x H]`.
     Forward {
@@ -292,7 +309,7 @@ impl<'a, T: ?Sized> ValidCombine<'a, T> {
     /// gradients.
     pub fn weights(&self) -> Option<&'a T> {
         match *self {
-            ValidCombine::LowLatency { weights, .. } => Some(weights),
+            ValidCombine::LowLatency { weights, .. } => weights,
             ValidCombine::Backward { weight_grads, .. } => Some(weight_grads),
             ValidCombine::Forward { .. } => None,
         }
@@ -320,12 +337,6 @@ pub fn validate_dispatch_inputs<'a, T: TensorView + ?Sized>(
             Err(ValidationError::UnsupportedForAlgorithm { what: "the backward pass", algorithm: ctx.algorithm_name() })
         }
         (Algorithm::LowLatency, Pass::Forward) => {
-            if inputs.topk_weights.is_some() {
-                return Err(ValidationError::UnexpectedTensor {
-                    tensor: WEIGHTS,
-                    why: "low-latency dispatch takes the weights at combine",
-                });
-            }
             if inputs.scales.is_some() {
                 return Err(ValidationError::UnexpectedTensor {
                     tensor: SCALES,
@@ -333,7 +344,26 @@ pub fn validate_dispatch_inputs<'a, T: TensorView + ?Sized>(
                 });
             }
             check_rows(TOKENS, inputs.tokens, TensorTag::Tokens, DType::Bf16, (b, "topk_idx"), (h, "hidden"))?;
-            Ok(ValidDispatch::LowLatency { tokens: inputs.tokens })
+            let weights = match (ctx.layout, inputs.topk_weights) {
+                (Layout::ExpertMajor, Some(_)) => {
+                    return Err(ValidationError::UnexpectedTensor {
+                        tensor: WEIGHTS,
+                        why: "expert-major low-latency dispatch takes the weights at combine",
+                    });
+                }
+                (Layout::ExpertMajor, None) => None,
+                (Layout::RankMajor, None) => {
+                    return Err(ValidationError::MissingTensor {
+                        tensor: WEIGHTS,
+                        why: "rank-major dispatch sends each token's weights to the expert side, which applies them",
+                    });
+                }
+                (Layout::RankMajor, Some(w)) => {
+                    check_rows(WEIGHTS, w, TensorTag::TopkWeights, DType::F32, (b, "topk_idx"), (ctx.top_k, "top_k"))?;
+                    Some(w)
+                }
+            };
+            Ok(ValidDispatch::LowLatency { tokens: inputs.tokens, weights })
         }
         (Algorithm::HighThroughput, Pass::Forward) => {
             let fp8 = ctx.config.dispatch_dtype.is_fp8();
@@ -388,6 +418,16 @@ pub fn dispatch_output_descs(ctx: &OpContext<'_>, opts: &DispatchOptions) -> Dis
     let fp8 = c.dispatch_dtype.is_fp8() && opts.pass == Pass::Forward;
     let token_dtype = if fp8 { DType::Fp8E4m3 } else { DType::Bf16 };
     match (c.algorithm, opts.pass) {
+        (Algorithm::LowLatency, _) if ctx.layout == Layout::RankMajor => {
+            let rows = ctx.ll_rows();
+            DispatchOutputs {
+                tokens: TensorDesc::contiguous(TensorTag::Tokens, token_dtype, &[rows, h]),
+                scales: fp8.then(|| TensorDesc::contiguous(TensorTag::Scales, DType::F32, &[rows, h / 128])),
+                topk_weights: Some(TensorDesc::contiguous(TensorTag::TopkWeights, DType::F32, &[rows, k])),
+                topk_idx: Some(TensorDesc::contiguous(TensorTag::TopkIdx, DType::I32, &[rows, k])),
+                counts: Some(TensorDesc::contiguous(counts_tag, DType::I32, &[ctx.num_ranks])),
+            }
+        }
         (Algorithm::LowLatency, _) => {
             let rows = ctx.ll_rows();
             DispatchOutputs {
@@ -455,21 +495,21 @@ pub fn validate_dispatch_outputs<T: TensorView>(
         "dispatch output topk_weights",
         outputs.topk_weights.as_ref(),
         want.topk_weights.as_ref(),
-        "high-throughput forward dispatch writes the received weights",
-        "only high-throughput forward dispatch writes weights",
+        "high-throughput forward and rank-major dispatch write the received weights",
+        "only high-throughput forward and rank-major dispatch write weights",
     )?;
     check_against(
         "dispatch output topk_idx",
         outputs.topk_idx.as_ref(),
         want.topk_idx.as_ref(),
-        "high-throughput forward dispatch writes the received local expert indices",
-        "only high-throughput forward dispatch writes indices",
+        "high-throughput forward and rank-major dispatch write the received local expert indices",
+        "only high-throughput forward and rank-major dispatch write indices",
     )?;
     check_against(
         "dispatch output counts",
         outputs.counts.as_ref(),
         want.counts.as_ref(),
-        "this dispatch writes per-expert receive counters",
+        "this dispatch writes receive counters",
         "backward dispatch writes no counters",
     )
 }
@@ -486,6 +526,17 @@ pub fn validate_combine_inputs<'a, T: TensorView + ?Sized>(
     match (ctx.config.algorithm, opts.pass) {
         (Algorithm::LowLatency, Pass::Backward) => {
             Err(ValidationError::UnsupportedForAlgorithm { what: "the backward pass", algorithm: ctx.algorithm_name() })
+        }
+        (Algorithm::LowLatency, Pass::Forward) if ctx.layout == Layout::RankMajor => {
+            let rows = (ctx.ll_rows(), "ranks * max_tokens");
+            check_tensor(TOKENS, inputs.tokens, TensorTag::Tokens, DType::Bf16, &[rows, (h, "hidden")])?;
+            if inputs.topk_weights.is_some() {
+                return Err(ValidationError::UnexpectedTensor {
+                    tensor: WEIGHTS,
+                    why: "rank-major combine sums rows the expert side already weighted (dispatch sent it the weights)",
+                });
+            }
+            Ok(ValidCombine::LowLatency { expert_out: inputs.tokens, weights: None })
         }
         (Algorithm::LowLatency, Pass::Forward) => {
             let (l, rows) = (ctx.local_experts(), ctx.ll_rows());
@@ -508,7 +559,7 @@ pub fn validate_combine_inputs<'a, T: TensorView + ?Sized>(
                 (ctx.num_tokens, "topk_idx"),
                 (ctx.top_k, "top_k"),
             )?;
-            Ok(ValidCombine::LowLatency { expert_out: inputs.tokens, weights: w })
+            Ok(ValidCombine::LowLatency { expert_out: inputs.tokens, weights: Some(w) })
         }
         (Algorithm::HighThroughput, pass) => {
             let n = ctx.num_recv;
@@ -571,6 +622,18 @@ pub fn validate_combine_outputs<T: TensorView>(
         "backward combine writes the top-k weight gradients",
         "only high-throughput backward combine writes weights",
     )
+}
+
+/// Checks handle options against the group: high-throughput handles are flat, so
+/// [`Layout::RankMajor`] is low-latency only.
+pub fn validate_handle_options(config: &GroupConfig, opts: &crate::ops::HandleOptions) -> Result<(), ValidationError> {
+    match (config.algorithm, opts.layout) {
+        (Algorithm::HighThroughput, Layout::RankMajor) => Err(ValidationError::UnsupportedForAlgorithm {
+            what: "the rank-major layout",
+            algorithm: algorithm_name(config.algorithm),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Checks that staged (send-only) execution is allowed for the group's algorithm.

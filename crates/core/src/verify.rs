@@ -2,7 +2,7 @@
 
 use half::bf16;
 
-use crate::reference::{HtDispatchResult, LlDispatchResult, Rows, within_one_ulp};
+use crate::reference::{HtDispatchResult, LlDispatchResult, RankMajorDispatchResult, Rows, within_one_ulp};
 use crate::tensor::HostData;
 
 /// The outcome of a comparison.
@@ -144,6 +144,49 @@ pub fn check_ll_dispatch(
             }
             _ => r.record(false, || format!("expert {le}: output dtype {:?} does not match", tokens.dtype())),
         }
+    }
+    r
+}
+
+/// Compares one rank's rank-major dispatch outputs with the reference: the `[R]` counters, and
+/// bit for bit every valid row of each source's block (`tokens` `[R*M x H]`, FP8 `scales`,
+/// `weights` and local expert `idx` `[R*M x K]`).
+#[allow(clippy::too_many_arguments)]
+pub fn check_rank_major_dispatch(
+    expected: &RankMajorDispatchResult,
+    hidden: usize,
+    max_tokens: usize,
+    top_k: usize,
+    tokens: &HostData,
+    scales: Option<&[f32]>,
+    weights: &[f32],
+    idx: &[i32],
+    counts: &[i32],
+) -> Report {
+    let mut r = check_exact("counts", &expected.counts(), counts, |a, b| a == b);
+    if !r.ok() {
+        return r;
+    }
+    let cols = hidden / 128;
+    for (s, rows) in expected.sources.iter().enumerate() {
+        let n = expected.layout.rows(s).len();
+        let base = s * max_tokens;
+        let span = |w: usize| base * w..(base + n) * w;
+        match (rows, tokens) {
+            (Rows::Bf16(want), HostData::Bf16(got)) => {
+                r.merge(check_bf16(&format!("source {s}"), want, &got[span(hidden)], Tolerance::Exact));
+            }
+            (Rows::Fp8 { q, scales: ws }, HostData::Fp8(got)) => {
+                r.merge(check_exact(&format!("source {s} fp8"), q, &got[span(hidden)], |a, b| a == b));
+                match scales {
+                    Some(sc) => r.merge(check_exact(&format!("source {s} scales"), ws, &sc[span(cols)], f32_bits_eq)),
+                    None => r.record(false, || "FP8 dispatch returned no scales".into()),
+                }
+            }
+            _ => r.record(false, || format!("source {s}: output dtype {:?} does not match", tokens.dtype())),
+        }
+        r.merge(check_exact(&format!("source {s} weights"), &expected.weights[s], &weights[span(top_k)], f32_bits_eq));
+        r.merge(check_exact(&format!("source {s} idx"), &expected.idx[s], &idx[span(top_k)], |a, b| a == b));
     }
     r
 }

@@ -490,7 +490,14 @@ fn cases() -> Vec<Case> {
             "LL dispatch outputs without counts",
             Box::new(|| {
                 let c = ll();
-                let ctx = OpContext { config: &c, num_ranks: 1, num_tokens: 3, top_k: K, num_recv: 0 };
+                let ctx = OpContext {
+                    config: &c,
+                    num_ranks: 1,
+                    num_tokens: 3,
+                    top_k: K,
+                    num_recv: 0,
+                    layout: Default::default(),
+                };
                 let outs = DispatchOutputs {
                     tokens: TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[E, M, H]),
                     scales: None,
@@ -507,7 +514,14 @@ fn cases() -> Vec<Case> {
             "HT dispatch outputs with int32 topk_idx",
             Box::new(|| {
                 let c = ht(DispatchDtype::Bf16);
-                let ctx = OpContext { config: &c, num_ranks: 1, num_tokens: 3, top_k: K, num_recv: 3 };
+                let ctx = OpContext {
+                    config: &c,
+                    num_ranks: 1,
+                    num_tokens: 3,
+                    top_k: K,
+                    num_recv: 3,
+                    layout: Default::default(),
+                };
                 let outs = DispatchOutputs {
                     tokens: TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[3, H]),
                     scales: None,
@@ -526,7 +540,14 @@ fn cases() -> Vec<Case> {
             "LL combine outputs with weights",
             Box::new(|| {
                 let c = ll();
-                let ctx = OpContext { config: &c, num_ranks: 1, num_tokens: 3, top_k: K, num_recv: 0 };
+                let ctx = OpContext {
+                    config: &c,
+                    num_ranks: 1,
+                    num_tokens: 3,
+                    top_k: K,
+                    num_recv: 0,
+                    layout: Default::default(),
+                };
                 let outs = CombineOutputs {
                     tokens: TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[3, H]),
                     topk_weights: Some(TensorDesc::contiguous(TensorTag::TopkWeights, DType::F32, &[3, K])),

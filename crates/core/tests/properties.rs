@@ -163,6 +163,7 @@ fn fp8_host_tensors_survive_a_round_trip() {
 }
 
 mod plans {
+    use epflow_core::ops::Layout;
     use epflow_core::routing::{ChannelPlan, ChannelReceive, CombinePositions, ExpertPlacement, Routing, SendPlan};
     use epflow_core::workload::{RoutingKind, RoutingSpec, random_topk_idx};
     use proptest::prelude::*;
@@ -229,22 +230,26 @@ mod plans {
             }
         }
 
-        /// Combine positions number every selection to a rank of the mask once, in blocks per
-        /// rank sized by its selections.
+        /// Combine positions number every selection to a rank of the mask once (rank-major: each
+        /// rank's first selection of a token), in blocks per rank sized by those selections.
         #[test]
         fn combine_positions_are_a_numbering_per_block(
             ranks in 1usize..=8, l in 1usize..=4, mask in any::<u32>(), seed in any::<u64>(), b in 0usize..=30,
+            rank_major in any::<bool>(),
         ) {
             let k = (ranks * l).min(5);
             let placement = ExpertPlacement::new(ranks * l, ranks);
             let r = &routings(ranks, l, k, &[b; 8], seed)[0];
-            let p = CombinePositions::new(r, placement, mask);
+            let layout = if rank_major { Layout::RankMajor } else { Layout::ExpertMajor };
+            let p = CombinePositions::new(r, placement, mask, layout);
             let mut seen = vec![false; p.pos.len()];
             for t in 0..b {
                 for j in 0..k {
                     let pos = p.pos[t * k + j];
-                    match r.expert(t, j).map(|e| placement.owner(e)) {
-                        Some(d) if mask >> d & 1 == 1 => {
+                    let owner = |i: usize| r.expert(t, i).map(|e| placement.owner(e));
+                    let repeated = rank_major && (0..j).any(|i| owner(i).is_some() && owner(i) == owner(j));
+                    match owner(j) {
+                        Some(d) if mask >> d & 1 == 1 && !repeated => {
                             let (first, n) = p.blocks[d];
                             prop_assert!((first..first + n).contains(&(pos as usize)));
                             prop_assert!(!std::mem::replace(&mut seen[pos as usize], true));

@@ -278,6 +278,23 @@ impl LlLayout {
         if self.fp8 { self.local_experts * self.rows_per_expert() * (self.hidden / FP8_BLOCK) * 4 } else { 0 }
     }
 
+    /// Receive counters per set: `[L]` (expert-major) or `[R]` (rank-major) int32, whichever is
+    /// longer.
+    pub(crate) fn counts_len(&self) -> usize {
+        self.local_experts.max(self.num_ranks)
+    }
+
+    /// Rank-major received weights `[R*M x K]` fp32 followed by local expert indices
+    /// `[R*M x K]` int32, one set.
+    pub(crate) fn rank_major_topk_bytes(&self) -> usize {
+        2 * self.rank_major_topk_entries() * 4
+    }
+
+    /// `R*M*K`: entries of the rank-major weights (and of the indices).
+    pub(crate) fn rank_major_topk_entries(&self) -> usize {
+        self.rows_per_expert() * self.max_top_k
+    }
+
     /// Combine output, one set: `[M x H]` BF16.
     pub(crate) fn combine_out_bytes(&self) -> usize {
         self.max_tokens * self.hidden * 2
@@ -311,7 +328,8 @@ impl LlLayout {
             + self.combine_recv_set_bytes()
             + self.dispatch_out_bytes()
             + self.dispatch_scales_bytes()
-            + self.local_experts * 4
+            + self.counts_len() * 4
+            + self.rank_major_topk_bytes()
             + self.combine_out_bytes();
         per_set * self.sets + SIGNAL_PAGE_BYTES
     }

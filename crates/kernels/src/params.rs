@@ -101,7 +101,8 @@ pub(crate) struct LlParams {
     pub chunks: i32,
     /// Ranks reached through NCCL (bit `r` = rank `r`), see `nccl.rs`.
     pub nccl_mask: i32,
-    pub pad: i32,
+    /// 1 for a rank-major handle ([`epflow_core::ops::Layout::RankMajor`]).
+    pub rank_major: i32,
     pub nccl_out: u64,
     pub nccl_in: u64,
     pub nccl_pack: u64,
@@ -110,6 +111,10 @@ pub(crate) struct LlParams {
     pub nccl_dest_bytes: u64,
     /// What every rank must agree on ([`epflow_core::stamp::Stamp::encode`]).
     pub stamp: u64,
+    /// Rank-major dispatch: the received weights `[R*M x K]` fp32.
+    pub out_weights: u64,
+    /// Rank-major dispatch: the received local expert indices `[R*M x K]` int32.
+    pub out_idx: u64,
 }
 
 // SAFETY: `LlParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
@@ -281,8 +286,10 @@ mod tests {
 
     #[test]
     fn layout_matches_the_cuda_struct() {
-        assert_eq!(size_of::<LlParams>(), 376);
+        assert_eq!(size_of::<LlParams>(), 392);
         assert_eq!(offset_of!(LlParams, stamp), 368);
+        assert_eq!(offset_of!(LlParams, rank_major), 316);
+        assert_eq!(offset_of!(LlParams, out_idx), 384);
         assert_eq!(offset_of!(LlParams, nccl_mask), 312);
         assert_eq!(offset_of!(LlParams, nccl_out), 320);
         assert_eq!(offset_of!(LlParams, nccl_dest_bytes), 360);

@@ -186,7 +186,10 @@ fn gpu_ht_dispatches_on_different_handles_fail_promptly_and_poison() {
     let b = Scenario::generate(config.clone(), 2, &[100, 256], 4, RoutingKind::Uniform, 0, seed() + 1);
     on_ranks(&ranks, |rank| {
         let r = rank.rank();
-        let create = |sc: &Scenario| match rank.start_handle(&rank.upload(&sc.topk_idx(r)).unwrap()).unwrap() {
+        let create = |sc: &Scenario| match rank
+            .start_handle(&rank.upload(&sc.topk_idx(r)).unwrap(), &Default::default())
+            .unwrap()
+        {
             HandleCreation::Collective(op) => {
                 let cfg = rank.config();
                 match run_blocking(op, rank.slot_pool(Channel::Handle), rank.poison(), cfg.timeout).unwrap() {

@@ -56,9 +56,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use cudarc::driver::{CudaContext, CudaStream};
 use epflow_core::backend::{Backend, HandleCreation, RankCore};
 use epflow_core::handle::HandleCore;
-use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, Pass};
+use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions, Layout, Pass};
 use epflow_core::protocol::Channel;
-use epflow_core::validate::{check_topk_idx, routing_from_tensor, validate_combine_inputs, validate_dispatch_inputs};
+use epflow_core::validate::{
+    check_topk_idx, routing_from_tensor, validate_combine_inputs, validate_dispatch_inputs, validate_handle_options,
+};
 use epflow_core::{Algorithm, DType, Error, GroupConfig, TensorDesc, TensorTag};
 use epflow_kernels::transport::nccl::NcclComms;
 use epflow_kernels::{DeviceTensor, StreamWork};
@@ -283,9 +285,22 @@ impl Backend for NcclEpRank {
     /// `ncclEpCreateHandle` on the rank's stream, waited for before returning. Collective
     /// (high-throughput: an all-gather of the routing), so every rank creates its handles in
     /// the same order, each from its own thread.
-    fn start_handle(&self, topk_idx: &DeviceTensor) -> Result<HandleCreation<NcclEpHandle, NcclEpOp>, Error> {
+    ///
+    /// Handles are expert-major: this backend is the yardstick for epflow's own kernels, and
+    /// [`Layout::RankMajor`] is refused with [`Error::Unsupported`].
+    fn start_handle(
+        &self,
+        topk_idx: &DeviceTensor,
+        opts: &HandleOptions,
+    ) -> Result<HandleCreation<NcclEpHandle, NcclEpOp>, Error> {
         self.core.poison().check()?;
         let s = &self.shared;
+        validate_handle_options(&s.config, opts)?;
+        if opts.layout == Layout::RankMajor {
+            return Err(Error::Unsupported(
+                "the NCCL EP backend runs expert-major handles only; rank-major runs on epflow's own backends".into(),
+            ));
+        }
         let d = topk_idx.desc();
         check_topk_idx(&s.config, d)?;
         s.ctx.bind_to_thread().map_err(|e| cuda("bind context", e))?;

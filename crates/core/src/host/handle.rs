@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex};
 
 use crate::handle::{HandleCore, RoutingHandle};
-use crate::routing::{HtRecvLayout, LlRecvLayout, SendPlan};
+use crate::routing::{HtRecvLayout, LlRecvLayout, RankRecvLayout, SendPlan};
 
 /// A routing handle on the host backend: one rank's validated routing, its send plan, and the
 /// receive layouts learnt by collectives. Cheap to clone. It serves any number of
@@ -21,11 +21,13 @@ pub(crate) struct HostHandleState {
     /// Low-latency: what this rank received in the latest completed dispatch on this handle,
     /// with that dispatch's number.
     pub(crate) ll: Mutex<Option<(u64, Arc<LlRecvLayout>)>>,
+    /// Low-latency rank-major: the same, per source rank.
+    pub(crate) rank_major: Mutex<Option<(u64, Arc<RankRecvLayout>)>>,
 }
 
 impl HostHandle {
     pub(crate) fn new(core: HandleCore, plan: SendPlan, ht: Option<HtRecvLayout>) -> Self {
-        HostHandle(Arc::new(HostHandleState { core, plan, ht, ll: Mutex::new(None) }))
+        HostHandle(Arc::new(HostHandleState { core, plan, ht, ll: Mutex::new(None), rank_major: Mutex::new(None) }))
     }
 
     /// Low-latency: the receive layout of the latest completed dispatch on this handle.
@@ -43,6 +45,21 @@ impl HostHandle {
         let mut ll = self.0.ll.lock().unwrap_or_else(|e| e.into_inner());
         if ll.as_ref().is_none_or(|(s, _)| *s < seq) {
             *ll = Some((seq, Arc::new(layout)));
+        }
+    }
+
+    /// Low-latency rank-major: the receive layout of the latest completed dispatch on this
+    /// handle, with the number of its dispatch.
+    pub fn rank_major_layout(&self) -> Option<(u64, Arc<RankRecvLayout>)> {
+        self.0.rank_major.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Records the rank-major layout dispatch `seq` received (kept if no later dispatch
+    /// recorded one).
+    pub(crate) fn set_rank_major_layout(&self, seq: u64, layout: RankRecvLayout) {
+        let mut rm = self.0.rank_major.lock().unwrap_or_else(|e| e.into_inner());
+        if rm.as_ref().is_none_or(|(s, _)| *s < seq) {
+            *rm = Some((seq, Arc::new(layout)));
         }
     }
 

@@ -15,9 +15,9 @@ use crate::config::{Algorithm, DispatchDtype};
 use crate::error::{Error, Result};
 use crate::fp8;
 use crate::handle::HandleCore;
-use crate::ops::{CombineOptions, CombineOutputs, DispatchOptions, DispatchOutputs, Pass};
+use crate::ops::{CombineOptions, CombineOutputs, DispatchOptions, DispatchOutputs, Layout, Pass};
 use crate::protocol::{Channel, SlotGuard, op_label};
-use crate::routing::{HtRecvLayout, LlRecvLayout, Routing, SendPlan};
+use crate::routing::{ExpertPlacement, HtRecvLayout, LlRecvLayout, RankRecvLayout, Routing, SendPlan};
 use crate::stamp::Stamp;
 use crate::tensor::{HostData, HostTensor, TensorTag};
 use crate::validate::{OpContext, combine_output_descs, dispatch_output_descs};
@@ -150,6 +150,37 @@ impl HostOp {
         };
         let (mut topk_w, mut topk_i) = (None, None);
         let counts = match cfg.algorithm {
+            Algorithm::LowLatency if handle.layout() == Layout::RankMajor => {
+                let r = self.world.num_ranks;
+                let m = cfg.fixed_max_tokens().unwrap_or(0);
+                let (mut w, mut i) = (vec![0f32; r * m * k_n], vec![-1i32; r * m * k_n]);
+                for &(s, copies) in &received {
+                    if copies.len() > m {
+                        return Err(self.internal(format!("rank {s} sent {} rows, more than {m}", copies.len())));
+                    }
+                    for (pos, copy) in copies.iter().enumerate() {
+                        let (t, row) = (copy.token as usize, s * m + pos);
+                        put(row, s, t);
+                        let Some(sent) = payloads[s].weights.get(t * k_n..(t + 1) * k_n) else {
+                            return Err(self.internal(format!("rank {s} staged no weights for token {t}")));
+                        };
+                        w[row * k_n..(row + 1) * k_n].copy_from_slice(sent);
+                        for sel in &copy.selections {
+                            match i.get_mut(row * k_n + sel.k as usize) {
+                                Some(slot) => *slot = sel.local_expert as i32,
+                                None => return Err(self.internal(format!("rank {s} sent a selection outside top-k"))),
+                            }
+                        }
+                    }
+                }
+                let rows = r * m;
+                topk_w = Some(HostTensor::topk_weights(rows, k_n, w));
+                topk_i = Some(HostTensor::new(TensorTag::TopkIdx, &[rows, k_n], HostData::I32(i)));
+                let layout = RankRecvLayout::from_received(r, received.iter().copied());
+                let counts = layout.counts();
+                handle.set_rank_major_layout(self.seq, layout);
+                counts
+            }
             Algorithm::LowLatency => {
                 let rows_per_expert = descs.tokens.shape[1];
                 let mut filled = vec![0usize; l];
@@ -215,7 +246,7 @@ impl HostOp {
             scales: scales.zip(descs.scales.as_ref()).map(|(s, d)| HostTensor::new(TensorTag::Scales, &d.shape, s)),
             topk_weights: topk_w,
             topk_idx: topk_i,
-            counts: descs.counts.as_ref().map(|d| HostTensor::new(d.tag, &[l], HostData::I32(counts))),
+            counts: descs.counts.as_ref().map(|d| HostTensor::new(d.tag, &d.shape, HostData::I32(counts))),
         };
         Ok(HostDispatchOutput { outputs, recycle: self.recycle(), _slot: self.state.take_slot() })
     }
@@ -237,6 +268,10 @@ impl HostOp {
         let payloads = self.staged_payloads();
         match self.world.config.algorithm {
             Algorithm::LowLatency => {
+                // Rank-major: one pre-weighted row per rank reached, in the slot of the rank's
+                // first top-k entry, added with weight 1 (fma(1, x, acc) = acc + x).
+                let rank_major = handle.layout() == Layout::RankMajor;
+                let placement = ExpertPlacement::new(self.world.config.num_experts, self.world.num_ranks);
                 // where_[t * K + k] = (source, staged row) of that selection's expert output.
                 let mut where_: Vec<Option<(usize, usize)>> = vec![None; b * k_n];
                 for (src, m) in msgs.iter().enumerate() {
@@ -253,13 +288,14 @@ impl HostOp {
                 for t in 0..b {
                     acc.iter_mut().for_each(|a| *a = 0.0);
                     for k in 0..k_n {
-                        if handle.routing().expert(t, k).is_none() {
+                        let Some(e) = handle.routing().expert(t, k) else { continue };
+                        if rank_major && !first_of_its_rank(handle.routing(), placement, t, k, e) {
                             continue;
                         }
                         let Some((s, row)) = where_[t * k_n + k] else {
                             return Err(self.internal(format!("no expert output for token {t}, slot {k}")));
                         };
-                        let w = weights[t * k_n + k];
+                        let w = if rank_major { 1.0 } else { weights[t * k_n + k] };
                         let Some(x) = payloads[s].bf16.get(row * h..(row + 1) * h) else {
                             return Err(self.internal(format!("rank {s} staged no row {row}")));
                         };
@@ -362,6 +398,12 @@ impl HostOp {
             }
         }
     }
+}
+
+/// Whether entry `k` (expert `e`) of token `t` is the first top-k entry of `e`'s rank.
+fn first_of_its_rank(routing: &Routing, placement: ExpertPlacement, t: usize, k: usize, e: usize) -> bool {
+    let d = placement.owner(e);
+    (0..k).all(|j| routing.expert(t, j).is_none_or(|f| placement.owner(f) != d))
 }
 
 impl PendingOp for HostOp {

@@ -134,7 +134,8 @@ pub struct HostDispatchOutput {
 }
 
 impl HostDispatchOutput {
-    /// Received tokens: `[L x R*M x H]` (LL) or `[N x H]` (HT); BF16 or FP8.
+    /// Received tokens: `[L x R*M x H]` (LL), `[R*M x H]` (LL rank-major) or `[N x H]` (HT);
+    /// BF16 or FP8.
     pub fn tokens(&self) -> &HostTensor {
         &self.outputs.tokens
     }
@@ -144,17 +145,19 @@ impl HostDispatchOutput {
         self.outputs.scales.as_ref()
     }
 
-    /// Received top-k weights `[N x K]` (HT forward).
+    /// Received top-k weights `[N x K]` (HT forward) or `[R*M x K]` (LL rank-major).
     pub fn topk_weights(&self) -> Option<&HostTensor> {
         self.outputs.topk_weights.as_ref()
     }
 
-    /// Received local expert indices `[N x K]`, -1 where not local (HT forward).
+    /// Received local expert indices, -1 where not local: `[N x K]` int64 (HT forward) or
+    /// `[R*M x K]` int32 (LL rank-major).
     pub fn topk_idx(&self) -> Option<&HostTensor> {
         self.outputs.topk_idx.as_ref()
     }
 
-    /// Per-local-expert receive counters `[L]` (LL; HT forward).
+    /// Receive counters: per local expert `[L]` (LL; HT forward), per source rank `[R]` (LL
+    /// rank-major).
     pub fn counts(&self) -> Option<&[i32]> {
         self.outputs.counts.as_ref().and_then(HostTensor::as_i32)
     }

@@ -20,13 +20,15 @@ use crate::backend::{
 };
 use crate::config::{Algorithm, GroupConfig};
 use crate::error::{ConfigError, Error, Result, ValidationError};
-use crate::handle::HandleCore;
-use crate::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, Pass};
+use crate::handle::{HandleCore, RoutingHandle};
+use crate::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions, Layout, Pass};
 use crate::protocol::{Channel, Poison};
 use crate::routing::{ExpertPlacement, SendPlan};
 use crate::stamp::{Pairing, Stamp};
 use crate::tensor::{HostData, HostTensor};
-use crate::validate::{routing_from_tensor, validate_combine_inputs, validate_dispatch_inputs, validate_staged};
+use crate::validate::{
+    routing_from_tensor, validate_combine_inputs, validate_dispatch_inputs, validate_handle_options, validate_staged,
+};
 
 static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -201,9 +203,14 @@ impl HostRank {
     }
 
     /// Creates a routing handle from `topk_idx` `[B x K]` int64 (collective for high-throughput:
-    /// it exchanges what each rank will send; local for low-latency).
+    /// it exchanges what each rank will send; local for low-latency), expert-major.
     pub fn create_handle(&self, topk_idx: &HostTensor) -> Result<HostHandle> {
-        match self.start_handle(topk_idx)? {
+        self.create_handle_with(topk_idx, &HandleOptions::default())
+    }
+
+    /// Creates a routing handle with `opts` (see [`HostRank::create_handle`]).
+    pub fn create_handle_with(&self, topk_idx: &HostTensor, opts: &HandleOptions) -> Result<HostHandle> {
+        match self.start_handle(topk_idx, opts)? {
             HandleCreation::Ready(h) => Ok(h),
             HandleCreation::Collective(op) => {
                 match run_blocking(op, self.core.slot_pool(Channel::Handle), self.core.poison(), self.config().timeout)?
@@ -296,7 +303,11 @@ impl HostRank {
             }
             _ => unreachable!("dtype validated"),
         }
-        if self.world.config.algorithm == Algorithm::HighThroughput && pass == Pass::Forward {
+        let weights_travel = match self.world.config.algorithm {
+            Algorithm::HighThroughput => pass == Pass::Forward,
+            Algorithm::LowLatency => handle.layout() == Layout::RankMajor,
+        };
+        if weights_travel {
             staged.weights.extend_from_slice(inputs.topk_weights.and_then(HostTensor::as_f32).unwrap_or_default());
         }
         let plan = &handle.0.plan;
@@ -319,6 +330,24 @@ impl HostRank {
         let x: &[bf16] = inputs.tokens.as_bf16().unwrap_or_default();
         let core = &handle.0.core;
         match cfg.algorithm {
+            Algorithm::LowLatency if handle.layout() == Layout::RankMajor => {
+                let (seq, layout) = handle.rank_major_layout().ok_or(ValidationError::CombineBeforeDispatch)?;
+                let stamp = core.combine_stamp(pass, seq);
+                let mut staged = self.buffers.take_staging();
+                let m = cfg.fixed_max_tokens().unwrap_or(0);
+                let mut entries: Vec<Vec<(u32, u16, u32)>> = vec![Vec::new(); r];
+                for (s, entries) in entries.iter_mut().enumerate() {
+                    for (i, src) in layout.rows(s).iter().enumerate() {
+                        let row = (staged.bf16.len() / h.max(1)) as u32;
+                        entries.push((src.token, src.k, row));
+                        let off = (s * m + i) * h;
+                        staged.bf16.extend_from_slice(&x[off..off + h]);
+                    }
+                }
+                let msgs =
+                    entries.into_iter().map(|entries| Some(Message::Data { stamp, body: Body::LlCombine { entries } }));
+                Ok((msgs.collect(), staged, stamp))
+            }
             Algorithm::LowLatency => {
                 let (seq, layout) = handle.ll_layout_with_seq().ok_or(ValidationError::CombineBeforeDispatch)?;
                 let stamp = core.combine_stamp(pass, seq);
@@ -379,6 +408,8 @@ impl HostRank {
         self.core.check_handle(handle)?;
         validate_combine_inputs(&self.core.op_context(handle), opts, &inputs)?;
         let (outgoing, staged, stamp) = self.combine_messages(handle, &inputs, opts.pass)?;
+        // Expert-major low-latency combine applies the weights on arrival; rank-major and
+        // high-throughput combines sum pre-weighted rows (no weights).
         let weights = match self.world.config.algorithm {
             Algorithm::LowLatency => inputs.topk_weights.and_then(HostTensor::as_f32).unwrap_or_default().to_vec(),
             Algorithm::HighThroughput => Vec::new(),
@@ -400,18 +431,21 @@ impl Backend for HostRank {
         &self.core
     }
 
-    fn start_handle(&self, topk_idx: &HostTensor) -> Result<HandleCreation<HostHandle, HostOp>> {
+    fn start_handle(&self, topk_idx: &HostTensor, opts: &HandleOptions) -> Result<HandleCreation<HostHandle, HostOp>> {
         let cfg = &self.world.config;
         let placement = ExpertPlacement::new(cfg.num_experts, self.world.num_ranks);
         match cfg.algorithm {
             Algorithm::LowLatency => {
                 self.core.poison().check()?;
+                validate_handle_options(cfg, opts)?;
                 let routing = routing_from_tensor(cfg, topk_idx, topk_idx.as_i64().unwrap_or_default())?;
                 let plan = SendPlan::new(&routing, placement);
-                let core = HandleCore::new(self.world.group_id, routing, Algorithm::LowLatency, None);
+                let core =
+                    HandleCore::new(self.world.group_id, routing, Algorithm::LowLatency, None).with_layout(opts.layout);
                 Ok(HandleCreation::Ready(HostHandle::new(core, plan, None)))
             }
             Algorithm::HighThroughput => self.collective(Channel::Handle, || {
+                validate_handle_options(cfg, opts)?;
                 let routing = routing_from_tensor(cfg, topk_idx, topk_idx.as_i64().unwrap_or_default())?;
                 let plan = SendPlan::new(&routing, placement);
                 let stamp = Stamp::new(routing.top_k(), Pass::Forward, Pairing::None);

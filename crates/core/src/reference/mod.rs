@@ -7,6 +7,8 @@
 //! - Low-latency combine: for each token, `acc = 0f32`, then for each valid `k` in ascending
 //!   order `acc = fma(w[k], x_k, acc)` where `x_k` is the BF16 expert output (as fp32); the
 //!   result is `acc` rounded to BF16 (nearest even). A token with no valid `k` gives 0.
+//! - Low-latency rank-major: see [`rank_major`] (the expert side pre-reduces each row, combine
+//!   adds one row per rank reached).
 //! - High-throughput combine: `acc = 0f32`, then `acc += x_d` over the copies in ascending
 //!   destination rank; rounded to BF16. Backward weight gradients: entry `k` is the value at
 //!   slot `k` of the copy held by the rank that owns expert `topk_idx[k]` (0 where masked).
@@ -15,9 +17,13 @@
 
 mod ht;
 mod ll;
+pub mod rank_major;
 
 pub use ht::{HtDispatchResult, ht_combine, ht_dispatch, ht_dispatch_backward};
 pub use ll::{ExpertRowFn, LlDispatchResult, ll_combine, ll_dispatch};
+pub use rank_major::{
+    RankMajorDispatchResult, RankRowFn, ll_combine_rank_major, ll_dispatch_rank_major, rank_major_expert_sum,
+};
 
 use half::bf16;
 

@@ -34,7 +34,7 @@ mod send_plan;
 
 pub use channels::{ChannelPlan, ChannelReceive};
 pub use combine_positions::CombinePositions;
-pub use receive::{HtRecvLayout, LlRecvLayout, RowSource};
+pub use receive::{HtRecvLayout, LlRecvLayout, RankRecvLayout, RowSource};
 pub use send_plan::SendPlan;
 
 use crate::error::ValidationError;

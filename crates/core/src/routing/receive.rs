@@ -1,4 +1,5 @@
-//! What a rank receives: [`LlRecvLayout`] (per local expert) and [`HtRecvLayout`] (flat).
+//! What a rank receives: [`LlRecvLayout`] (low-latency, per local expert), [`RankRecvLayout`]
+//! (low-latency rank-major, per source rank) and [`HtRecvLayout`] (flat).
 
 use super::TokenCopy;
 
@@ -50,6 +51,47 @@ impl LlRecvLayout {
     /// Rows per local expert (the `[L]` receive counters).
     pub fn counts(&self) -> Vec<i32> {
         self.rows.iter().map(|r| r.len() as i32).collect()
+    }
+}
+
+/// The low-latency rank-major receive layout of one rank: per source rank, the tokens it sent
+/// here, in its token order (row `i` of source `s` is output row `s * M + i`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RankRecvLayout {
+    sources: Vec<Vec<RowSource>>,
+}
+
+impl RankRecvLayout {
+    /// Builds the layout from the copies received, visited in ascending source rank, for
+    /// `num_ranks` sources. A row's `k` is the first top-k entry that chose an expert of this
+    /// rank: the slot combine returns the row's pre-reduced sum in.
+    pub fn from_received<'a>(num_ranks: usize, received: impl IntoIterator<Item = (usize, &'a [TokenCopy])>) -> Self {
+        let mut sources = vec![Vec::new(); num_ranks];
+        for (src, copies) in received {
+            sources[src] = copies
+                .iter()
+                .filter_map(|c| {
+                    let first = c.selections.iter().map(|s| s.k).min()?;
+                    Some(RowSource { src_rank: src as u32, token: c.token, k: first })
+                })
+                .collect();
+        }
+        RankRecvLayout { sources }
+    }
+
+    /// Number of source ranks.
+    pub fn num_ranks(&self) -> usize {
+        self.sources.len()
+    }
+
+    /// The rows received from source `s`, in its token order.
+    pub fn rows(&self, src: usize) -> &[RowSource] {
+        &self.sources[src]
+    }
+
+    /// Rows per source rank (the `[R]` receive counters).
+    pub fn counts(&self) -> Vec<i32> {
+        self.sources.iter().map(|r| r.len() as i32).collect()
     }
 }
 

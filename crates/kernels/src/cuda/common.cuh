@@ -91,7 +91,7 @@ __device__ __forceinline__ void report_error(u64* status, u64 code, int peer, u6
 
 // An arrival word: ((seq + 1) mod 2^40) << 24 | tag << 1 | cancelled. The tag is the part of the
 // sender's stamp a receiver checks on its fast path, in the same load that sees the arrival:
-// top-k (5 bits), pass (1), pairing kind (2) and the low 15 bits of the pairing number. The whole
+// top-k (5 bits), pass (1), pairing kind (2), layout (1) and the low 14 bits of the pairing number. The whole
 // stamp is the word after it (read only to report a mismatch). Operations 2^40 apart on one
 // channel and set would look alike; none is ever outstanding that long.
 #define EP_ARRIVAL_SEQ_SHIFT 24
@@ -100,7 +100,7 @@ __device__ __forceinline__ void report_error(u64* status, u64 code, int peer, u6
 
 __device__ __forceinline__ u64 stamp_tag(u64 stamp) {
     return (stamp & 31ull) | (((stamp >> 8) & 1ull) << 5) | (((stamp >> 9) & 3ull) << 6) |
-           (((stamp >> 12) & 0x7fffull) << 8);
+           (((stamp >> 11) & 1ull) << 8) | (((stamp >> 12) & 0x3fffull) << 9);
 }
 
 __device__ __forceinline__ u64 arrival_word(u64 seq, bool cancelled, u64 stamp) {

@@ -2,9 +2,14 @@
 //
 // Dispatch message (one per token and destination rank), in the receiver's region for this
 // sender, slot = token index:  [u64 seq+1][i32 token][i32 pad][i16 local expert per k, -1 if the
-// k-th expert is elsewhere][pad to 128 B][payload: BF16 row, or FP8 row + fp32 scales].
-// Combine message (one per token and expert): the BF16 expert output row, in the source rank's
-// region at [token][k].
+// k-th expert is elsewhere (bytes 16..48)][rank-major: f32 weight per k (bytes 48..112)][pad to
+// 128 B][payload: BF16 row, or FP8 row + fp32 scales].
+// Combine message (one per token and expert; rank-major: one per token and rank reached, in the
+// slot of the rank's first top-k entry): the BF16 row, in the source rank's region at [token][k].
+//
+// Layouts (epflow_core::ops::Layout): expert-major packs a row per (token, local expert) into
+// [L x R*M x H]; rank-major packs a row per (source, token) into [R*M x H] with the weights and
+// local expert indices [R*M x K], and its combine adds the pre-reduced rows with weight 1.
 
 struct LlParams {
     // Pointers (device addresses; host_counts and status are mapped host memory).
@@ -29,7 +34,7 @@ struct LlParams {
     int rank, num_ranks, max_tokens, hidden;
     int top_k, num_local, num_tokens, set;
     int num_sets, fp8, round_scales, cancelled;
-    int splits, chunks, nccl_mask, pad2;
+    int splits, chunks, nccl_mask, rank_major;
     // Ranks in `nccl_mask` are reached through NCCL (nccl.rs), not NVLink: the send kernels write
     // their messages into local staging (`nccl_out` + dest * `nccl_dest_bytes`), skip their
     // credits, and NCCL carries the staging and the arrival word after the kernel.
@@ -40,9 +45,13 @@ struct LlParams {
     u64 nccl_pos;         // combine: [M x K] int32: row of (t, k) in `nccl_in`, or -1 (arrived over NVLink)
     u64 nccl_dest_bytes;  // staging bytes per destination
     u64 stamp;            // what every rank must agree on (epflow_core::stamp), checked per source
+    u64 out_weights;      // rank-major dispatch: [R*M x K] fp32 received weights
+    u64 out_idx;          // rank-major dispatch: [R*M x K] int32 local expert per top-k entry, or -1
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
-static_assert(sizeof(LlParams) == 376, "LlParams layout");
+static_assert(sizeof(LlParams) == 392, "LlParams layout");
+
+#define EP_HDR_WEIGHTS 48  // byte offset of the rank-major weights in a dispatch message header
 
 __device__ __forceinline__ bool via_nccl(const LlParams& p, int r) { return (p.nccl_mask >> r) & 1; }
 
@@ -118,6 +127,10 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(LlParams p
             char* msg = region + (size_t)t * p.msg_bytes;
             if (chunk == 0) {
                 if (lane < K) reinterpret_cast<short*>(msg + 16)[lane] = (short)le;
+                if (p.rank_major && lane < K) {
+                    reinterpret_cast<float*>(msg + EP_HDR_WEIGHTS)[lane] =
+                        reinterpret_cast<const float*>(p.weights)[(size_t)t * K + lane];
+                }
                 if (lane == 0) {
                     *reinterpret_cast<u64*>(msg) = p.seq + 1;
                     *reinterpret_cast<int*>(msg + 8) = t;
@@ -219,10 +232,6 @@ __device__ void finish_receive(const LlParams& p, int chan, u32 cancelled, u32 m
     }
 }
 
-// Task (expert l, split g) of L * splits (each block takes tasks blockIdx, blockIdx + gridDim, ...):
-// finds, in (source, token) order, the received slots
-// that chose local expert l, packs them into rows 0.. of expert l (rows with row % splits == g
-// are copied by this block), writes the counters and the row map for combine.
 // Block-wide exclusive scan of one flag per thread: returns this thread's position among the
 // flagged threads of the block (in thread order) and sets `*total` to their number. Every thread
 // of the block calls it; `warp_sums` holds a word per warp. Callers synchronize the block before
@@ -246,6 +255,20 @@ __device__ __forceinline__ int block_rank_of_flag(bool flag, int* warp_sums, int
     return warp_sums[warp] + __popc(ballot & ((1u << lane) - 1u));
 }
 
+// The first top-k entry of a received message that names a local expert (-1: none).
+__device__ __forceinline__ int first_local_k(const char* msg, int K) {
+    for (int k = 0; k < K; k++) {
+        if (__ldcg(reinterpret_cast<const short*>(msg + 16) + k) >= 0) return k;
+    }
+    return -1;
+}
+
+// Task (group q, split g) of Q * splits (each block takes tasks blockIdx, blockIdx + gridDim, ...).
+// Expert-major: q is local expert l; the task finds, in (source, token) order, the received
+// slots that chose l and packs them into rows 0.. of expert l. Rank-major: q is source s; the
+// task packs s's valid slots, in token order, into rows s*M.., with their weights and local
+// expert indices. Rows with row % splits == g are copied by this block; split 0 writes the
+// counters and the row map for combine.
 extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p) {
     __shared__ u32 cancelled, mismatched;
     __shared__ int timed_out;
@@ -267,17 +290,25 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p
     const char* recv = reinterpret_cast<const char*>(p.own_recv) + (size_t)p.set * p.recv_set_bytes;
     int* row_of = reinterpret_cast<int*>(p.row_of);
     const size_t payload_bytes = p.fp8 ? (size_t)H : (size_t)H * 2;
-    // Task (expert l, split g) of L * G; a grid smaller than that loops (max_sms).
-    for (int task = blockIdx.x; task < p.num_local * G; task += gridDim.x) {
-    const int le = task / G, g = task % G;
+    const bool rm = p.rank_major != 0;
+    const int Q = rm ? R : p.num_local;
+    // A grid smaller than Q * G loops (max_sms).
+    for (int task = blockIdx.x; task < Q * G; task += gridDim.x) {
+    const int q = task / G, g = task % G;
+    const int le = rm ? -1 : q;
+    const int first_slot = rm ? q * M : 0, span = rm ? M : RM;
+    const size_t group_base = rm ? (size_t)q * M : (size_t)q * RM;  // output row of the group's row 0
     int base = 0;
-    for (int chunk = 0; chunk < RM; chunk += blockDim.x) {
-        const int slot = chunk + threadIdx.x;
+    for (int chunk = 0; chunk < span; chunk += blockDim.x) {
+        const int slot = first_slot + chunk + threadIdx.x;
         int k_sel = -1;
-        if (slot < RM) {
+        if (chunk + (int)threadIdx.x < span) {
             const int s = slot / M;
             const char* msg = recv + (size_t)slot * p.msg_bytes;
             if (!((skip >> s) & 1u) && __ldcg(reinterpret_cast<const u64*>(msg)) == p.seq + 1) {
+              if (rm) {
+                k_sel = first_local_k(msg, K);
+              } else {
                 // The selections' local experts, 8 per 16-byte load (inside the 128-byte header).
                 for (int k0 = 0; k0 < K; k0 += 8) {
                     const int4 v = ld_cg_int4(msg + 16 + k0 * 2);
@@ -287,13 +318,14 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p
                         if (k0 + j < K && les[j] == le) k_sel = k0 + j;
                     }
                 }
+              }
             }
         }
         int chunk_total;
         const int pos = block_rank_of_flag(k_sel >= 0, warp_sums, &total_shared, &chunk_total);
         if (k_sel >= 0) {
             entry_slot[pos] = slot;
-            if (g == 0) row_of[(size_t)slot * K + k_sel] = le * RM + base + pos;
+            if (g == 0) row_of[(size_t)slot * K + k_sel] = (int)group_base + base + pos;
         }
         __syncthreads();
         // Rows with row % G == g are this block's; each is copied in `chunks` pieces by as many warps.
@@ -303,8 +335,15 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p
             const int e = item / C, part = item % C;
             const int row = base + e;
             if (row % G != g) continue;
-            const char* payload = recv + (size_t)entry_slot[e] * p.msg_bytes + EP_HDR_BYTES;
-            const size_t out_row = (size_t)le * RM + row;
+            const char* msg = recv + (size_t)entry_slot[e] * p.msg_bytes;
+            const char* payload = msg + EP_HDR_BYTES;
+            const size_t out_row = group_base + row;
+            if (rm && part == 0 && lane < K) {
+                reinterpret_cast<float*>(p.out_weights)[out_row * K + lane] =
+                    __ldcg(reinterpret_cast<const float*>(msg + EP_HDR_WEIGHTS) + lane);
+                reinterpret_cast<int*>(p.out_idx)[out_row * K + lane] =
+                    (int)__ldcg(reinterpret_cast<const short*>(msg + 16) + lane);
+            }
             warp_copy(reinterpret_cast<char*>(p.out) + out_row * payload_bytes + part * piece, payload + part * piece, piece, lane);
             if (p.fp8 && part == 0) {
                 const int cols = H / 128;
@@ -317,19 +356,21 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p
         __syncthreads();
     }
     if (g == 0 && threadIdx.x == 0) {
-        reinterpret_cast<int*>(p.out_counts)[le] = base;
-        if (p.host_counts) reinterpret_cast<volatile int*>(p.host_counts)[le] = base;
+        reinterpret_cast<int*>(p.out_counts)[q] = base;
+        if (p.host_counts) reinterpret_cast<volatile int*>(p.host_counts)[q] = base;
     }
     __syncthreads();
     }
-    // Block 0 marks every (source, token, k) that names no local expert of this operation.
+    // Block 0 marks every (source, token, k) that names no local expert of this operation
+    // (rank-major: every k but the first local one, whose slot the row returns in).
     if (blockIdx.x == 0) {
         for (int i = threadIdx.x; i < RM * K; i += blockDim.x) {
             const int slot = i / K, k = i % K;
             const char* msg = recv + (size_t)slot * p.msg_bytes;
             const bool valid =
                 !((skip >> (slot / M)) & 1u) && __ldcg(reinterpret_cast<const u64*>(msg)) == p.seq + 1;
-            if (!valid || __ldcg(reinterpret_cast<const short*>(msg + 16) + k) < 0) row_of[i] = -1;
+            const bool sends = rm ? k == first_local_k(msg, K) : __ldcg(reinterpret_cast<const short*>(msg + 16) + k) >= 0;
+            if (!valid || !sends) row_of[i] = -1;
         }
     }
     // The last block numbers, per NCCL source, its (token, k) rows in ascending order: the order
@@ -347,7 +388,8 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p
                 if (i < MK && src_ok) {
                     const char* msg = recv + ((size_t)s * M + i / K) * p.msg_bytes;
                     sel = __ldcg(reinterpret_cast<const u64*>(msg)) == p.seq + 1 &&
-                          __ldcg(reinterpret_cast<const short*>(msg + 16) + i % K) >= 0;
+                          (rm ? i % K == first_local_k(msg, K)
+                              : __ldcg(reinterpret_cast<const short*>(msg + 16) + i % K) >= 0);
                 }
                 int chunk_total;
                 const int pos = block_rank_of_flag(sel, warp_sums, &total_shared, &chunk_total);
@@ -391,7 +433,8 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_send(LlParams p)
 }
 
 // Combine complete, on the source side: out[t] = bf16(sum over valid k, ascending, of
-// fma(w[t][k], x[t][k], acc)) in fp32, exactly as the CPU reference.
+// fma(w[t][k], x[t][k], acc)) in fp32, exactly as the CPU reference. Rank-major: the k that are
+// their rank's first entry only, with weight 1 (fma(1, x, acc) = acc + x).
 // Rows of one token whose loads the combine receive keeps in flight together.
 #define EP_COMBINE_BATCH 8
 
@@ -427,10 +470,17 @@ extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv(LlParams p)
                     for (int j = 0; j < EP_COMBINE_BATCH; j++) {
                         const int k = k0 + j;
                         use[j] = k < K && idx[(size_t)t * K + k] >= 0;
+                        if (use[j] && p.rank_major) {
+                            const long long d = idx[(size_t)t * K + k] / p.num_local;
+                            for (int i = 0; i < k; i++) {
+                                const long long e = idx[(size_t)t * K + i];
+                                if (e >= 0 && e / p.num_local == d) use[j] = false;
+                            }
+                        }
                         wk[j] = 0.f;
                         raw[j] = make_int4(0, 0, 0, 0);
                         if (use[j]) {
-                            wk[j] = w[(size_t)t * K + k];
+                            wk[j] = p.rank_major ? 1.f : w[(size_t)t * K + k];
                             const int pos = p.nccl_pos ? pos_of[(size_t)t * K + k] : -1;
                             const char* row = pos >= 0 ? reinterpret_cast<const char*>(p.nccl_in) + (size_t)pos * H * 2
                                                        : recv + ((size_t)t * K + k) * H * 2;

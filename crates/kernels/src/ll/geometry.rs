@@ -38,8 +38,11 @@ pub(crate) fn ll_launch(which: LlKernel, p: &mut LlParams, sms: u32) -> (u32, u3
         LlKernel::DispatchRecv => {
             let payload = if p.fp8 != 0 { h } else { 2 * h };
             p.chunks = if payload % 64 == 0 { 4 } else { 1 };
-            p.splits = (sms as i32 / p.num_local.max(1)).clamp(1, 4);
-            (((p.num_local * p.splits) as u32).clamp(1, sms), BLOCK_THREADS)
+            // Tasks (group, split): a group is a local expert, or a source rank in rank-major,
+            // whose rows need more blocks each (up to 64 splits of a source's block).
+            let (groups, most) = if p.rank_major != 0 { (p.num_ranks, 64) } else { (p.num_local, 4) };
+            p.splits = (sms as i32 / groups.max(1)).clamp(1, most);
+            (((groups.max(1) * p.splits) as u32).clamp(1, sms), BLOCK_THREADS)
         }
         LlKernel::CombineSend => {
             p.chunks = row_chunks(h, target_warps / (b * k).max(1)) as i32;
@@ -116,5 +119,11 @@ mod tests {
         for k in [LlKernel::DispatchSend, LlKernel::DispatchRecv, LlKernel::CombineSend, LlKernel::CombineRecv] {
             assert!(ll_launch(k, &mut p, 24).0 <= 24, "{k:?}");
         }
+        // Rank-major receive: a task per (source, split), 64 splits of each source's rows.
+        let mut p = LlParams { rank_major: 1, ..params(128) };
+        assert_eq!(ll_launch(LlKernel::DispatchRecv, &mut p, 132), (128, 512));
+        assert_eq!(p.splits, 64);
+        assert_eq!(ll_launch(LlKernel::DispatchRecv, &mut p, 32), (32, 512));
+        assert_eq!(p.splits, 16);
     }
 }

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use epflow_core::handle::RoutingHandle;
-use epflow_core::ops::{CountsLocation, DispatchOptions, Pass};
+use epflow_core::ops::{CountsLocation, DispatchOptions, Layout, Pass};
 use epflow_core::protocol::Channel;
 use epflow_core::validate::{ValidCombine, ValidDispatch};
 use epflow_core::{DispatchDtype, Error};
@@ -24,8 +24,10 @@ fn base_params(
     handle_ptr: u64,
     num_tokens: usize,
     top_k: usize,
+    layout: Layout,
 ) -> Result<LlParams, Error> {
     let l = s.layout.ll("a low-latency kernel")?;
+    let rank_major = layout == Layout::RankMajor;
     let mut p = LlParams {
         topk_idx: handle_ptr,
         row_of: handle_ptr + l.topk_copy_bytes() as u64,
@@ -42,7 +44,7 @@ fn base_params(
         num_sets: l.sets as i32,
         fp8: i32::from(l.fp8 && channel == 0),
         round_scales: i32::from(matches!(s.config.dispatch_dtype, DispatchDtype::Fp8 { round_scales: true })),
-        splits: (s.num_sms as usize / l.local_experts).clamp(1, 4) as i32,
+        rank_major: i32::from(rank_major),
         ..LlParams::default()
     };
     let (own, peers) = s.recv_regions(channel == 0);
@@ -121,10 +123,14 @@ pub(crate) fn dispatch(
     inputs: ValidDispatch<'_, DeviceTensor>,
     opts: &DispatchOptions,
 ) -> Result<GpuOp, Error> {
-    let mut p = base_params(s, 0, h.ptr(), h.num_tokens(), h.top_k())?;
+    let mut p = base_params(s, 0, h.ptr(), h.num_tokens(), h.top_k(), h.layout())?;
     p.x = inputs.tokens().ptr();
+    p.weights = inputs.weights().map_or(0, DeviceTensor::ptr);
     let set = number(s, &mut p, seq);
     p.out = s.mem.disp_out[set].ptr();
+    let l = s.layout.ll("a low-latency dispatch")?;
+    p.out_weights = s.mem.disp_topk[set].ptr();
+    p.out_idx = p.out_weights + (l.rank_major_topk_entries() * 4) as u64;
     p.out_scales = s.mem.disp_scales[set].ptr();
     p.out_counts = s.mem.disp_counts[set].ptr();
     if opts.counts_location == CountsLocation::Host {
@@ -150,9 +156,9 @@ pub(crate) fn combine(
     let ValidCombine::LowLatency { expert_out, weights } = inputs else {
         return Err(Error::Backend("a high-throughput combine in a low-latency group".into()));
     };
-    let mut p = base_params(s, 1, h.ptr(), h.num_tokens(), h.top_k())?;
+    let mut p = base_params(s, 1, h.ptr(), h.num_tokens(), h.top_k(), h.layout())?;
     p.expert_out = expert_out.ptr();
-    p.weights = weights.ptr();
+    p.weights = weights.map_or(0, DeviceTensor::ptr);
     let set = number(s, &mut p, seq);
     p.out = s.mem.comb_out[set].ptr();
     let stamp = h.core().combine_stamp(Pass::Forward, paired);
@@ -170,12 +176,12 @@ pub(crate) fn combine(
 /// and `None` is returned: the peers then time out.
 pub(crate) fn cancellation(s: &Arc<RankShared>, channel: Channel, seq: u64, h: Option<&GpuHandle>) -> Option<GpuOp> {
     let dispatch = channel == Channel::Dispatch;
-    let (ptr, k) = match (h, &s.null_handle) {
-        (Some(h), _) => (h.ptr(), h.top_k()),
-        (None, Some(null)) => (null.ptr(), s.config.max_top_k),
+    let (ptr, k, layout) = match (h, &s.null_handle) {
+        (Some(h), _) => (h.ptr(), h.top_k(), h.layout()),
+        (None, Some(null)) => (null.ptr(), s.config.max_top_k, Layout::ExpertMajor),
         (None, None) => return None,
     };
-    let mut p = base_params(s, usize::from(!dispatch), ptr, 0, k).ok()?;
+    let mut p = base_params(s, usize::from(!dispatch), ptr, 0, k, layout).ok()?;
     let set = number(s, &mut p, seq);
     if dispatch {
         p.out = s.mem.disp_out[set].ptr();

@@ -9,6 +9,7 @@ use epflow_core::backend::{OpOutput, PendingOp};
 use epflow_core::ops::{CombineOutputs, CountsLocation, DispatchOptions, DispatchOutputs};
 use epflow_core::protocol::op_label;
 use epflow_core::stamp::Stamp;
+use epflow_core::validate::{OpContext, dispatch_output_descs};
 use epflow_core::{Algorithm, DType, Error, TensorDesc, TensorTag};
 
 use super::{GpuOp, GpuOpKind, GpuOpOutput};
@@ -194,27 +195,20 @@ impl GpuOp {
         let l = s.layout.ll("low-latency dispatch")?;
         let set = self.set();
         let lease = self.set_lease();
-        let rows = l.rows_per_expert();
-        let dtype = if l.fp8 { DType::Fp8E4m3 } else { DType::Bf16 };
-        let tokens = self.view(
-            s.mem.disp_out[set].ptr(),
-            TensorDesc::contiguous(TensorTag::Tokens, dtype, &[l.local_experts, rows, l.hidden]),
-            &lease,
-        );
-        let scales = l.fp8.then(|| {
-            self.view(
-                s.mem.disp_scales[set].ptr(),
-                TensorDesc::contiguous(TensorTag::Scales, DType::F32, &[l.local_experts, rows, l.hidden / 128]),
-                &lease,
-            )
-        });
+        // The shapes of the handle's layout (expert-major or rank-major), as validation has them.
+        let descs = dispatch_output_descs(&OpContext::new(&s.config, s.num_ranks, handle), &opts);
+        let tokens = self.view(s.mem.disp_out[set].ptr(), descs.tokens, &lease);
+        let scales = descs.scales.map(|d| self.view(s.mem.disp_scales[set].ptr(), d, &lease));
+        let topk = s.mem.disp_topk[set].ptr();
+        let topk_weights = descs.topk_weights.map(|d| self.view(topk, d, &lease));
+        let topk_idx = descs.topk_idx.map(|d| self.view(topk + (l.rank_major_topk_entries() * 4) as u64, d, &lease));
+        let n = descs.counts.as_ref().map_or(0, |d| d.shape[0]);
         let counts = self.view(
             s.mem.disp_counts[set].ptr(),
-            TensorDesc::contiguous(TensorTag::RecvExpertCountsDevice, DType::I32, &[l.local_experts]),
+            TensorDesc::contiguous(TensorTag::RecvExpertCountsDevice, DType::I32, &[n]),
             &lease,
         );
-        let host_counts =
-            (opts.counts_location == CountsLocation::Host).then(|| s.mem.host_counts[set].read_i32s(l.local_experts));
+        let host_counts = (opts.counts_location == CountsLocation::Host).then(|| s.mem.host_counts[set].read_i32s(n));
         if let (Some(n), Some(info)) = (&s.nccl, &handle.0.ll_nccl) {
             // What each NCCL source dispatched here: the rows combine sends it back.
             let counts = n.counts[set].read_i32s(s.num_ranks);
@@ -225,7 +219,7 @@ impl GpuOp {
         }
         handle.0.core.record_dispatch(opts.pass, self.seq);
         Ok(GpuDispatchOutput {
-            outputs: DispatchOutputs { tokens, scales, topk_weights: None, topk_idx: None, counts: Some(counts) },
+            outputs: DispatchOutputs { tokens, scales, topk_weights, topk_idx, counts: Some(counts) },
             host_counts,
             elapsed: self.work.elapsed(false),
             ctx: Arc::clone(&s.ctx),

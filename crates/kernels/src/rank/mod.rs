@@ -13,10 +13,12 @@ use std::sync::atomic::Ordering;
 use cudarc::driver::{CudaContext, CudaStream};
 use epflow_core::backend::{Backend, HandleCreation, PendingOp, RankCore, detach};
 use epflow_core::handle::{HandleCore, RoutingHandle};
-use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, Pass};
+use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions, Layout, Pass};
 use epflow_core::protocol::Channel;
 use epflow_core::routing::{CombinePositions, ExpertPlacement, Routing};
-use epflow_core::validate::{check_topk_idx, routing_from_tensor, validate_combine_inputs, validate_dispatch_inputs};
+use epflow_core::validate::{
+    check_topk_idx, routing_from_tensor, validate_combine_inputs, validate_dispatch_inputs, validate_handle_options,
+};
 use epflow_core::{Algorithm, Error};
 
 use self::handle::{GpuHandle, LlNcclInfo, take_pooled};
@@ -88,7 +90,7 @@ impl GpuRank {
             st.synchronize().map_err(|e| cuda("synchronize", e))?;
         }
         let m = &s.mem;
-        for b in m.disp_out.iter().chain(&m.disp_scales).chain(&m.disp_counts).chain(&m.comb_out) {
+        for b in m.disp_out.iter().chain(&m.disp_scales).chain(&m.disp_counts).chain(&m.disp_topk).chain(&m.comb_out) {
             // SAFETY: fills the whole allocation of a live buffer of this context; no kernel uses
             // it (the streams are idle).
             unsafe { cudarc::driver::sys::cuMemsetD8_v2(b.ptr(), byte, b.bytes()) }
@@ -271,7 +273,7 @@ impl GpuRank {
 
     /// A low-latency handle: the routing's copy in device memory, and for NCCL peers where
     /// their combine rows land.
-    fn ll_handle(&self, routing: Routing, values: &[i64]) -> Result<GpuHandle, Error> {
+    fn ll_handle(&self, routing: Routing, values: &[i64], layout: Layout) -> Result<GpuHandle, Error> {
         let s = &self.shared;
         let l = s.layout.ll("a low-latency handle")?;
         let mem = take_pooled(&s.ctx, &s.handle_pool, l.handle_bytes())?;
@@ -279,7 +281,7 @@ impl GpuRank {
         let ll_nccl = match &s.nccl {
             Some(n) => {
                 let placement = ExpertPlacement::new(s.config.num_experts, s.num_ranks);
-                let positions = CombinePositions::new(&routing, placement, n.mask);
+                let positions = CombinePositions::new(&routing, placement, n.mask, layout);
                 mem.write(l.nccl_pos_offset(), &positions.pos)?;
                 Some(LlNcclInfo {
                     recv_blocks: positions.blocks,
@@ -288,7 +290,7 @@ impl GpuRank {
             }
             None => None,
         };
-        let core = HandleCore::new(s.group_id, routing, Algorithm::LowLatency, None);
+        let core = HandleCore::new(s.group_id, routing, Algorithm::LowLatency, None).with_layout(layout);
         Ok(GpuHandle::new(core, mem, &s.handle_pool, None, ll_nccl))
     }
 }
@@ -305,15 +307,21 @@ impl Backend for GpuRank {
         &self.core
     }
 
-    fn start_handle(&self, topk_idx: &DeviceTensor) -> Result<HandleCreation<GpuHandle, GpuOp>, Error> {
+    fn start_handle(
+        &self,
+        topk_idx: &DeviceTensor,
+        opts: &HandleOptions,
+    ) -> Result<HandleCreation<GpuHandle, GpuOp>, Error> {
         self.core.poison().check()?;
         match self.shared.config.algorithm {
             Algorithm::LowLatency => {
+                validate_handle_options(&self.shared.config, opts)?;
                 let (routing, values) = self.routing_of(topk_idx)?;
-                Ok(HandleCreation::Ready(self.ll_handle(routing, &values)?))
+                Ok(HandleCreation::Ready(self.ll_handle(routing, &values, opts.layout)?))
             }
             Algorithm::HighThroughput => {
                 let op = self.collective(Channel::Handle, None, Pass::Forward, |seq| {
+                    validate_handle_options(&self.shared.config, opts)?;
                     let (routing, _) = self.routing_of(topk_idx)?;
                     ht::start::handle(&self.shared, seq, routing)
                 })?;

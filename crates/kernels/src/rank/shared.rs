@@ -29,6 +29,9 @@ pub(crate) struct RankMemory {
     pub(crate) disp_scales: Vec<DeviceBuffer>,
     pub(crate) disp_counts: Vec<DeviceBuffer>,
     pub(crate) host_counts: Vec<PinnedBuffer>,
+    /// Rank-major dispatch: received weights then local expert indices, per set
+    /// ([`crate::layout::LlLayout::rank_major_topk_bytes`]).
+    pub(crate) disp_topk: Vec<DeviceBuffer>,
     pub(crate) comb_out: Vec<DeviceBuffer>,
 }
 
@@ -50,15 +53,17 @@ impl RankMemory {
             disp_scales: Vec::new(),
             disp_counts: Vec::new(),
             host_counts: Vec::new(),
+            disp_topk: Vec::new(),
             comb_out: Vec::new(),
         };
         let Layout::Ll(l) = layout else { return Ok(mem) };
         let sets = l.sets;
         mem.disp_out = per_set(sets, l.dispatch_out_bytes())?;
         mem.disp_scales = per_set(sets, l.dispatch_scales_bytes())?;
-        mem.disp_counts = per_set(sets, l.local_experts * 4)?;
+        mem.disp_counts = per_set(sets, l.counts_len() * 4)?;
         mem.host_counts =
-            (0..sets).map(|_| PinnedBuffer::zeroed(ctx, l.local_experts * 4)).collect::<Result<Vec<_>, _>>()?;
+            (0..sets).map(|_| PinnedBuffer::zeroed(ctx, l.counts_len() * 4)).collect::<Result<Vec<_>, _>>()?;
+        mem.disp_topk = per_set(sets, l.rank_major_topk_bytes())?;
         mem.comb_out = per_set(sets, l.combine_out_bytes())?;
         Ok(mem)
     }

@@ -6,7 +6,18 @@ use std::time::SystemTime;
 use epflow_kernels::{GpuRank, device_count};
 
 /// The first `need` GPUs, or `None` after printing why `test` is skipped.
+/// `EPFLOW_TEST_DEVICES` (e.g. `0,0`: two ranks on one GPU, a functional check only) replaces
+/// them when it names `need` devices.
 pub(crate) fn gpus(need: usize, test: &str) -> Option<Vec<usize>> {
+    if let Ok(list) = std::env::var("EPFLOW_TEST_DEVICES") {
+        let devices: Vec<usize> = list.split(',').filter_map(|d| d.trim().parse().ok()).collect();
+        if devices.len() == need && device_count() > 0 {
+            eprintln!("{test}: ranks on devices {devices:?} (EPFLOW_TEST_DEVICES)");
+            return Some(devices);
+        }
+        eprintln!("SKIPPED {test}: EPFLOW_TEST_DEVICES={list} does not name {need} devices");
+        return None;
+    }
     let n = device_count();
     if n < need {
         eprintln!("SKIPPED {test}: needs {need} GPUs, this machine has {n}");
@@ -29,4 +40,15 @@ pub(crate) fn on_ranks<R: Send>(ranks: &[GpuRank], f: impl Fn(&GpuRank) -> R + S
         let hs: Vec<_> = ranks.iter().map(|r| s.spawn(|| f(r))).collect();
         hs.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
     })
+}
+
+/// The SM bound for a group on `devices`: when ranks share a GPU (`EPFLOW_TEST_DEVICES=0,0`), each
+/// kernel takes at most 32 SMs, so one rank's spinning receive never starves the other rank's
+/// send; `None` otherwise.
+#[allow(dead_code)]
+pub(crate) fn shared_gpu_sms(devices: &[usize]) -> Option<usize> {
+    let mut sorted = devices.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    (sorted.len() < devices.len()).then_some(32)
 }

@@ -1,0 +1,375 @@
+//! Low-latency rank-major layout on GPUs against the CPU reference (one process driving 2 or 4
+//! GPUs, NVLink and NCCL transports; one process per GPU under `epflow launch`). Without enough
+//! GPUs every test prints SKIPPED and passes. `EPFLOW_TEST_DEVICES=0,0` runs two ranks on one GPU
+//! (a functional check).
+//!
+//! Inputs are fresh random data every round (seed printed; `EPFLOW_TEST_SEED` replays), outputs
+//! are poisoned before every operation; dispatch (tokens, scales, weights, local expert indices,
+//! per-source counts) and combine must match the reference bit for bit. Top-k runs to the
+//! library's limit of 16, on both layouts.
+
+use std::time::{Duration, Instant};
+
+use epflow_core::backend::{Backend, blocking_combine, blocking_dispatch, blocking_handle_with};
+use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions, Layout};
+use epflow_core::scenario::{Scenario, rank_major_identity_expert_outputs};
+use epflow_core::verify::{Report, Tolerance, check_bf16, check_ll_dispatch, check_rank_major_dispatch};
+use epflow_core::workload::RoutingKind;
+use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor};
+use epflow_kernels::{GpuRank, GpuWorld, Transport};
+
+mod common;
+use common::{gpus, on_ranks, seed, shared_gpu_sms};
+
+/// One dispatch + identity experts + combine on `rank`, on a handle of `layout`.
+fn round(rank: &GpuRank, sc: &Scenario, layout: Layout, staged: bool) -> Result<(Report, Report), Error> {
+    let r = rank.rank();
+    let (h, m, k) = (sc.config.hidden, sc.config.fixed_max_tokens().unwrap_or(0), sc.top_k);
+    rank.fill_output_buffers(0xA5)?;
+    let idx = rank.upload(&sc.topk_idx(r))?;
+    let handle = blocking_handle_with(rank, &idx, &HandleOptions::with_layout(layout))?;
+    let x = rank.upload(&sc.tokens(r))?;
+    let w = rank.upload(&sc.weights(r))?;
+    let dopts = DispatchOptions::default();
+    let copts = CombineOptions::default();
+    match layout {
+        Layout::RankMajor => {
+            let refs = sc.ll_rank_major_reference().unwrap();
+            let want = sc.ll_rank_major_combine_identity_reference(&refs).unwrap();
+            let out = blocking_dispatch(rank, &handle, DispatchInputs::new(&x).with_weights(&w), &dopts, staged)?;
+            let host = out.to_host()?;
+            let scales = host.scales.as_ref().and_then(HostTensor::as_f32);
+            let got_w = host.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap_or_default();
+            let got_i = host.topk_idx.as_ref().and_then(HostTensor::as_i32).unwrap_or_default();
+            let counts = host.counts.as_ref().and_then(HostTensor::as_i32).unwrap_or_default();
+            let d = check_rank_major_dispatch(&refs[r], h, m, k, host.tokens.data(), scales, got_w, got_i, counts);
+            let sums = rank_major_identity_expert_outputs(host.tokens.data(), scales, got_w, got_i, counts, m, h, k);
+            let sums = rank.upload(&sums)?;
+            drop(out);
+            let y = blocking_combine(rank, &handle, CombineInputs::new(&sums), &copts, staged)?;
+            let c =
+                check_bf16("combine", &want[r], y.to_host()?.tokens.as_bf16().unwrap_or_default(), Tolerance::Exact);
+            Ok((d.context(&format!("rank {r} dispatch")), c.context(&format!("rank {r} combine"))))
+        }
+        Layout::ExpertMajor => {
+            let refs = sc.ll_dispatch_reference().unwrap();
+            let want = sc.ll_combine_identity_reference(&refs).unwrap();
+            let out = blocking_dispatch(rank, &handle, DispatchInputs::new(&x), &dopts, staged)?;
+            let host = out.to_host()?;
+            let counts = host.counts.as_ref().and_then(HostTensor::as_i32).unwrap_or_default().to_vec();
+            let scales = host.scales.as_ref().and_then(HostTensor::as_f32);
+            let d = check_ll_dispatch(&refs[r], h, sc.num_ranks * m, host.tokens.data(), scales, &counts);
+            let experts = match out.scales() {
+                Some(s) => rank.dequantize_fp8(out.tokens(), s)?,
+                None => out.tokens().clone(),
+            };
+            let y = blocking_combine(rank, &handle, CombineInputs::new(&experts).with_weights(&w), &copts, staged)?;
+            let c =
+                check_bf16("combine", &want[r], y.to_host()?.tokens.as_bf16().unwrap_or_default(), Tolerance::Exact);
+            Ok((d.context(&format!("rank {r} dispatch")), c.context(&format!("rank {r} combine"))))
+        }
+    }
+}
+
+fn check_world(
+    devices: &[usize],
+    hidden: usize,
+    experts: usize,
+    dtype: DispatchDtype,
+    base: u64,
+    transport: &Transport,
+) {
+    let max_tokens = 256;
+    let config = GroupConfig::low_latency(experts, max_tokens, hidden).with_dispatch_dtype(dtype).with_max_top_k(16);
+    let ranks = GpuWorld::create_with(devices, config.clone(), transport.clone()).expect("create GPU group");
+    let mut round_no = 0u64;
+    for tokens in [1usize, 7, 128, 256] {
+        for top_k in [1usize, 4, 8, 10, 16] {
+            let kinds: &[RoutingKind] = if tokens == 128 && top_k == 4 {
+                &[RoutingKind::Uniform, RoutingKind::SingleRank(1), RoutingKind::Skewed]
+            } else {
+                &[RoutingKind::Uniform]
+            };
+            for &kind in kinds {
+                for layout in [Layout::RankMajor, Layout::ExpertMajor] {
+                    // Expert-major K <= 8 is gpu_ll.rs's.
+                    if layout == Layout::ExpertMajor && top_k <= 8 {
+                        continue;
+                    }
+                    round_no += 1;
+                    let s = base.wrapping_add(round_no * 7919);
+                    // Uneven token counts: the last rank routes fewer tokens.
+                    let per_rank: Vec<usize> = (0..devices.len())
+                        .map(|r| if r + 1 == devices.len() { tokens / 2 + 1 } else { tokens })
+                        .collect();
+                    let sc =
+                        Scenario::generate(config.clone(), devices.len(), &per_rank, top_k, kind, 10.min(tokens), s);
+                    let staged = round_no % 2 == 0;
+                    for (d, c) in on_ranks(&ranks, |rank| round(rank, &sc, layout, staged).expect("round")) {
+                        let what = format!(
+                            "{} R={} H={hidden} E={experts} {dtype:?} tokens={tokens} top_k={top_k} {kind:?} staged={staged} {transport:?} seed={s}",
+                            layout.name(),
+                            devices.len()
+                        );
+                        assert!(d.ok() && d.checked > 0, "{what}: {d:?}");
+                        assert!(c.ok(), "{what}: {c:?}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+const WORLDS: &[(usize, usize, DispatchDtype)] = &[
+    (2048, 64, DispatchDtype::Bf16),
+    (7168, 256, DispatchDtype::Bf16),
+    (7168, 256, DispatchDtype::Fp8 { round_scales: true }),
+    (4096, 64, DispatchDtype::Fp8 { round_scales: false }),
+];
+
+#[test]
+fn rank_major_matches_reference_on_2_and_4_gpus() {
+    let base = seed();
+    eprintln!("seed {base}");
+    for n in [2usize, 4] {
+        let Some(devices) = gpus(n, &format!("rank_major_matches_reference ({n} GPUs)")) else { continue };
+        for &(h, e, dt) in WORLDS {
+            let t = Instant::now();
+            check_world(&devices, h, e, dt, base, &Transport::Auto);
+            eprintln!("ok: {n} GPUs H={h} E={e} {dt:?} ({:.1} s)", t.elapsed().as_secs_f64());
+        }
+    }
+}
+
+#[test]
+fn rank_major_over_nccl_matches_reference() {
+    let base = seed();
+    eprintln!("seed {base}");
+    let Some(devices) = gpus(2, "rank_major_over_nccl") else { return };
+    if shared_gpu_sms(&devices).is_some() {
+        eprintln!("SKIPPED rank_major_over_nccl: NCCL needs a GPU per rank");
+        return;
+    }
+    for &(h, e, dt) in &WORLDS[1..3] {
+        let t = Instant::now();
+        check_world(&devices, h, e, dt, base, &Transport::Nccl);
+        eprintln!("ok: NCCL 2 GPUs H={h} E={e} {dt:?} ({:.1} s)", t.elapsed().as_secs_f64());
+    }
+}
+
+/// `EPFLOW_GPU_ITERS` (default 10,000) staged rounds with a fresh routing and handle each,
+/// every combine checked; dispatch checked in full every 1,000th round.
+#[test]
+fn rank_major_many_staged_iterations_with_fresh_routing() {
+    let n = epflow_kernels::device_count().min(4);
+    let Some(devices) = gpus(n.max(2), "rank_major_many_staged_iterations") else { return };
+    if shared_gpu_sms(&devices).is_some() {
+        // Each iteration frees its tensors; cuMemFree waits for the whole device, which on a
+        // shared GPU includes the other rank's receive, waiting for this rank's next send.
+        eprintln!("SKIPPED rank_major_many_staged_iterations: needs a GPU per rank");
+        return;
+    }
+    let iters: u64 = std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(10_000);
+    let (hidden, experts, max_tokens, top_k) = (2048, 64, 128, 8);
+    let config = GroupConfig::low_latency(experts, max_tokens, hidden).with_max_sms(shared_gpu_sms(&devices));
+    let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+    let base = seed();
+    eprintln!("seed {base}, {iters} iterations on {} ranks", devices.len());
+    let start = Instant::now();
+    let mismatches: Vec<u64> = on_ranks(&ranks, |rank| {
+        let r = rank.rank();
+        let mut bad = 0u64;
+        for it in 0..iters {
+            let sc = Scenario::generate(
+                config.clone(),
+                devices.len(),
+                &[max_tokens, 97, 128, 33],
+                top_k,
+                RoutingKind::Uniform,
+                10,
+                base ^ (it * 0x9e37_79b9),
+            );
+            let idx = rank.upload(&sc.topk_idx(r)).unwrap();
+            let h = blocking_handle_with(rank, &idx, &HandleOptions::with_layout(Layout::RankMajor)).unwrap();
+            let (x, w) = (rank.upload(&sc.tokens(r)).unwrap(), rank.upload(&sc.weights(r)).unwrap());
+            let inputs = DispatchInputs::new(&x).with_weights(&w);
+            let out = blocking_dispatch(rank, &h, inputs, &DispatchOptions::default(), true).unwrap();
+            let host = out.to_host().unwrap();
+            let got_w = host.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap();
+            let got_i = host.topk_idx.as_ref().and_then(HostTensor::as_i32).unwrap();
+            let counts = host.counts.as_ref().and_then(HostTensor::as_i32).unwrap();
+            if it % 1000 == 0 {
+                let refs = sc.ll_rank_major_reference().unwrap();
+                let rep = check_rank_major_dispatch(
+                    &refs[r],
+                    hidden,
+                    max_tokens,
+                    top_k,
+                    host.tokens.data(),
+                    None,
+                    got_w,
+                    got_i,
+                    counts,
+                );
+                bad += rep.mismatched;
+            }
+            let sums = rank_major_identity_expert_outputs(
+                host.tokens.data(),
+                None,
+                got_w,
+                got_i,
+                counts,
+                max_tokens,
+                hidden,
+                top_k,
+            );
+            let sums = rank.upload(&sums).unwrap();
+            drop(out);
+            let y = blocking_combine(rank, &h, CombineInputs::new(&sums), &CombineOptions::default(), true).unwrap();
+            let want = identity_combine(&sc, r, experts / devices.len());
+            let rep = check_bf16("combine", &want, y.to_host().unwrap().tokens.as_bf16().unwrap(), Tolerance::Exact);
+            if !rep.ok() {
+                eprintln!("iteration {it} rank {r}: {rep:?}");
+            }
+            bad += rep.mismatched;
+        }
+        bad
+    });
+    eprintln!(
+        "{iters} staged iterations in {:.1} s, mismatches per rank {mismatches:?}",
+        start.elapsed().as_secs_f64()
+    );
+    assert!(mismatches.iter().all(|&m| m == 0), "{mismatches:?}");
+}
+
+/// Rank-major combine of identity experts for rank `r`, computed from its own inputs: per token,
+/// over the ranks reached in first-entry order, `acc += bf16(fma chain of w[k] * x over that
+/// rank's entries)`.
+fn identity_combine(sc: &Scenario, r: usize, local: usize) -> Vec<epflow_core::bf16> {
+    use epflow_core::bf16;
+    let (h, k) = (sc.config.hidden, sc.top_k);
+    let inp = &sc.ranks[r];
+    let mut out = vec![bf16::ZERO; inp.num_tokens * h];
+    for t in 0..inp.num_tokens {
+        let idx = &inp.topk_idx[t * k..(t + 1) * k];
+        let mut ranks: Vec<i64> = Vec::new();
+        for &e in idx.iter().filter(|&&e| e >= 0) {
+            if !ranks.contains(&(e / local as i64)) {
+                ranks.push(e / local as i64);
+            }
+        }
+        for c in 0..h {
+            let x = inp.tokens[t * h + c].to_f32();
+            let mut acc = 0f32;
+            for &d in &ranks {
+                let mut part = 0f32;
+                for (j, &e) in idx.iter().enumerate() {
+                    if e >= 0 && e / local as i64 == d {
+                        part = inp.weights[t * k + j].mul_add(x, part);
+                    }
+                }
+                acc += bf16::from_f32(part).to_f32();
+            }
+            out[t * h + c] = bf16::from_f32(acc);
+        }
+    }
+    out
+}
+
+/// A rank that never joins: the others' rank-major dispatch times out within the bound, naming
+/// it, and the group is poisoned.
+#[test]
+fn rank_major_absent_rank_times_out_without_hanging() {
+    let Some(devices) = gpus(2, "rank_major_absent_rank_times_out") else { return };
+    let timeout = Duration::from_secs(2);
+    let config = GroupConfig::low_latency(16, 32, 2048).with_timeout(timeout).with_max_sms(shared_gpu_sms(&devices));
+    let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+    let sc = Scenario::generate(config, devices.len(), &[32], 4, RoutingKind::Uniform, 0, seed());
+    let last = devices.len() - 1;
+    let results = on_ranks(&ranks, |rank| {
+        let r = rank.rank();
+        if r == last {
+            return None;
+        }
+        let idx = rank.upload(&sc.topk_idx(r)).unwrap();
+        let h = blocking_handle_with(rank, &idx, &HandleOptions::with_layout(Layout::RankMajor)).unwrap();
+        let (x, w) = (rank.upload(&sc.tokens(r)).unwrap(), rank.upload(&sc.weights(r)).unwrap());
+        let t = Instant::now();
+        let inputs = DispatchInputs::new(&x).with_weights(&w);
+        let err = blocking_dispatch(rank, &h, inputs, &DispatchOptions::default(), true).unwrap_err();
+        Some((err, t.elapsed()))
+    });
+    for res in results.into_iter().take(last) {
+        let (err, took) = res.unwrap();
+        eprintln!("{err} after {took:?}");
+        assert!(
+            matches!(err, Error::Timeout { ref waiting_for, .. } if waiting_for.contains(&format!("rank {last}"))),
+            "{err}"
+        );
+        assert!(took < timeout + Duration::from_secs(2), "{took:?}");
+    }
+}
+
+/// A small 2-rank run for compute-sanitizer (memcheck, racecheck) on the rank-major kernels.
+#[test]
+fn rank_major_sanitizer_config() {
+    let Some(devices) = gpus(2, "rank_major_sanitizer_config") else { return };
+    for dtype in [DispatchDtype::Bf16, DispatchDtype::Fp8 { round_scales: false }] {
+        let config = GroupConfig::low_latency(16, 16, 1024)
+            .with_dispatch_dtype(dtype)
+            .with_max_top_k(16)
+            .with_max_sms(shared_gpu_sms(&devices));
+        let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+        for i in 0..3u64 {
+            let k = [4usize, 10, 16][i as usize];
+            let sc = Scenario::generate(config.clone(), 2, &[16, 9], k, RoutingKind::Uniform, 3, seed() + i);
+            for (d, c) in on_ranks(&ranks, |rank| round(rank, &sc, Layout::RankMajor, i % 2 == 1).expect("round")) {
+                assert!(d.ok() && c.ok(), "{d:?} {c:?}");
+            }
+        }
+    }
+}
+
+/// One process per GPU: run under `epflow launch -n N -- gpu_rank_major rank_major_one_process_per_gpu`
+/// with the same `EPFLOW_TEST_SEED` in every process. Each process checks its own rank.
+#[test]
+fn rank_major_one_process_per_gpu() {
+    let env = match epflow_kernels::setup::bootstrap::LaunchEnv::from_env() {
+        Ok(Some(env)) => env,
+        Ok(None) => {
+            eprintln!("SKIPPED rank_major_one_process_per_gpu: not started by `epflow launch`");
+            return;
+        }
+        Err(e) => panic!("bad launch environment: {e}"),
+    };
+    let comm = env.communicator().expect("NCCL communicator");
+    let base: u64 = std::env::var("EPFLOW_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .expect("set EPFLOW_TEST_SEED in every process");
+    let n = env.world_size;
+    for &(hidden, experts, dtype) in WORLDS {
+        let config = GroupConfig::low_latency(experts, 256, hidden).with_dispatch_dtype(dtype).with_max_top_k(16);
+        let rank = GpuWorld::join(&comm, config.clone()).expect("join the GPU group");
+        let mut round_no = 0u64;
+        for tokens in [1usize, 7, 128, 256] {
+            for top_k in [1usize, 8, 16] {
+                round_no += 1;
+                let s = base.wrapping_add(round_no * 7919);
+                let per_rank: Vec<usize> = (0..n).map(|r| if r + 1 == n { tokens / 2 + 1 } else { tokens }).collect();
+                let kind = if round_no % 5 == 0 { RoutingKind::SingleRank(0) } else { RoutingKind::Uniform };
+                let sc = Scenario::generate(config.clone(), n, &per_rank, top_k, kind, 10.min(tokens), s);
+                let (d, c) = round(&rank, &sc, Layout::RankMajor, round_no % 2 == 0).expect("round");
+                let what = format!(
+                    "rank {} of {n}: H={hidden} E={experts} {dtype:?} tokens={tokens} top_k={top_k} {kind:?} seed={s}",
+                    env.rank
+                );
+                assert!(d.ok(), "{what}: {d:?}");
+                assert!(c.ok(), "{what}: {c:?}");
+            }
+        }
+        epflow_kernels::setup::bootstrap::barrier(&comm).expect("barrier");
+        drop(rank);
+        eprintln!("ok: rank {} of {n}, one process per GPU, rank-major H={hidden} E={experts} {dtype:?}", env.rank);
+    }
+}
