@@ -17,7 +17,7 @@ use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, bf16};
 use epflow_kernels::{GpuRank, GpuWorld, Transport, device_count};
 
 mod common;
-use common::{gpus, on_ranks, seed};
+use common::{gpus, launched, on_ranks, seed};
 
 /// One dispatch + identity experts + combine on every rank; returns (dispatch, combine) reports.
 fn round(
@@ -314,19 +314,7 @@ fn ll_sanitizer_config() {
 /// same `EPFLOW_TEST_SEED` in every process. Each process checks its own rank.
 #[test]
 fn ll_one_process_per_gpu() {
-    let env = match epflow_kernels::setup::bootstrap::LaunchEnv::from_env() {
-        Ok(Some(env)) => env,
-        Ok(None) => {
-            eprintln!("SKIPPED ll_one_process_per_gpu: not started by `epflow launch`");
-            return;
-        }
-        Err(e) => panic!("bad launch environment: {e}"),
-    };
-    let comm = env.communicator().expect("NCCL communicator");
-    let base: u64 = std::env::var("EPFLOW_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .expect("set EPFLOW_TEST_SEED in every process");
+    let Some((env, comm, base)) = launched("ll_one_process_per_gpu") else { return };
     let worlds: &[(usize, usize, DispatchDtype)] = &[
         (2048, 8, DispatchDtype::Bf16),
         (7168, 256, DispatchDtype::Bf16),

@@ -19,7 +19,7 @@ use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor};
 use epflow_kernels::{GpuRank, GpuWorld, Transport};
 
 mod common;
-use common::{gpus, on_ranks, seed, shared_gpu_sms};
+use common::{gpus, launched, on_ranks, seed, shared_gpu_sms};
 
 /// One dispatch + identity experts + combine on `rank`, on a handle of `layout`.
 fn round(rank: &GpuRank, sc: &Scenario, layout: Layout, staged: bool) -> Result<(Report, Report), Error> {
@@ -334,19 +334,7 @@ fn rank_major_sanitizer_config() {
 /// with the same `EPFLOW_TEST_SEED` in every process. Each process checks its own rank.
 #[test]
 fn rank_major_one_process_per_gpu() {
-    let env = match epflow_kernels::setup::bootstrap::LaunchEnv::from_env() {
-        Ok(Some(env)) => env,
-        Ok(None) => {
-            eprintln!("SKIPPED rank_major_one_process_per_gpu: not started by `epflow launch`");
-            return;
-        }
-        Err(e) => panic!("bad launch environment: {e}"),
-    };
-    let comm = env.communicator().expect("NCCL communicator");
-    let base: u64 = std::env::var("EPFLOW_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .expect("set EPFLOW_TEST_SEED in every process");
+    let Some((env, comm, base)) = launched("rank_major_one_process_per_gpu") else { return };
     let n = env.world_size;
     for &(hidden, experts, dtype) in WORLDS {
         let config = GroupConfig::low_latency(experts, 256, hidden).with_dispatch_dtype(dtype).with_max_top_k(16);

@@ -52,3 +52,24 @@ pub(crate) fn shared_gpu_sms(devices: &[usize]) -> Option<usize> {
     sorted.dedup();
     (sorted.len() < devices.len()).then_some(32)
 }
+
+/// The launch environment of a one-process-per-GPU test (`epflow launch -n N -- <test> <name>`):
+/// its NCCL communicator and the seed every process shares (`EPFLOW_TEST_SEED`, required), or
+/// `None` after printing why `test` is skipped (not started by `epflow launch`).
+#[allow(dead_code)]
+pub(crate) fn launched(test: &str) -> Option<(epflow_kernels::setup::bootstrap::LaunchEnv, cudarc::nccl::Comm, u64)> {
+    let env = match epflow_kernels::setup::bootstrap::LaunchEnv::from_env() {
+        Ok(Some(env)) => env,
+        Ok(None) => {
+            eprintln!("SKIPPED {test}: not started by `epflow launch`");
+            return None;
+        }
+        Err(e) => panic!("bad launch environment: {e}"),
+    };
+    let comm = env.communicator().expect("NCCL communicator");
+    let base: u64 = std::env::var("EPFLOW_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .expect("set EPFLOW_TEST_SEED in every process");
+    Some((env, comm, base))
+}
