@@ -100,6 +100,34 @@ fn f32_bits_eq(a: f32, b: f32) -> bool {
     a.to_bits() == b.to_bits()
 }
 
+/// Compares the reference rows `want` (`n` of them) bit for bit with rows `base..base + n` of a
+/// backend's tokens (and FP8 scales); `what` names the block in mismatch reports.
+fn check_row_block(
+    what: &str,
+    want: &Rows,
+    tokens: &HostData,
+    scales: Option<&[f32]>,
+    (base, n, hidden): (usize, usize, usize),
+) -> Report {
+    let cols = hidden / 128;
+    let span = |w: usize| base * w..(base + n) * w;
+    let mut r = Report::default();
+    match (want, tokens) {
+        (Rows::Bf16(want), HostData::Bf16(got)) => {
+            r.merge(check_bf16(what, want, &got[span(hidden)], Tolerance::Exact));
+        }
+        (Rows::Fp8 { q, scales: ws }, HostData::Fp8(got)) => {
+            r.merge(check_exact(&format!("{what} fp8"), q, &got[span(hidden)], |a, b| a == b));
+            match scales {
+                Some(s) => r.merge(check_exact(&format!("{what} scales"), ws, &s[span(cols)], f32_bits_eq)),
+                None => r.record(false, || "FP8 dispatch returned no scales".into()),
+            }
+        }
+        _ => r.record(false, || format!("{what}: output dtype {:?} does not match", tokens.dtype())),
+    }
+    r
+}
+
 /// Compares one rank's low-latency dispatch outputs with the reference: the counters, and bit
 /// for bit every valid row (payload and FP8 scales) of the dense `[L x R*M x H]` tokens.
 pub fn check_ll_dispatch(
@@ -114,36 +142,9 @@ pub fn check_ll_dispatch(
     if !r.ok() {
         return r;
     }
-    let cols = hidden / 128;
     for (le, rows) in expected.experts.iter().enumerate() {
-        let n = expected.layout.rows(le).len();
-        let base = le * rows_per_expert;
-        match (rows, tokens) {
-            (Rows::Bf16(want), HostData::Bf16(got)) => r.merge(check_bf16(
-                &format!("expert {le}"),
-                want,
-                &got[base * hidden..(base + n) * hidden],
-                Tolerance::Exact,
-            )),
-            (Rows::Fp8 { q, scales: ws }, HostData::Fp8(got)) => {
-                r.merge(check_exact(
-                    &format!("expert {le} fp8"),
-                    q,
-                    &got[base * hidden..(base + n) * hidden],
-                    |a, b| a == b,
-                ));
-                match scales {
-                    Some(s) => r.merge(check_exact(
-                        &format!("expert {le} scales"),
-                        ws,
-                        &s[base * cols..(base + n) * cols],
-                        f32_bits_eq,
-                    )),
-                    None => r.record(false, || "FP8 dispatch returned no scales".into()),
-                }
-            }
-            _ => r.record(false, || format!("expert {le}: output dtype {:?} does not match", tokens.dtype())),
-        }
+        let block = (le * rows_per_expert, expected.layout.rows(le).len(), hidden);
+        r.merge(check_row_block(&format!("expert {le}"), rows, tokens, scales, block));
     }
     r
 }
@@ -167,26 +168,12 @@ pub fn check_rank_major_dispatch(
     if !r.ok() {
         return r;
     }
-    let cols = hidden / 128;
     for (s, rows) in expected.sources.iter().enumerate() {
-        let n = expected.layout.rows(s).len();
-        let base = s * max_tokens;
-        let span = |w: usize| base * w..(base + n) * w;
-        match (rows, tokens) {
-            (Rows::Bf16(want), HostData::Bf16(got)) => {
-                r.merge(check_bf16(&format!("source {s}"), want, &got[span(hidden)], Tolerance::Exact));
-            }
-            (Rows::Fp8 { q, scales: ws }, HostData::Fp8(got)) => {
-                r.merge(check_exact(&format!("source {s} fp8"), q, &got[span(hidden)], |a, b| a == b));
-                match scales {
-                    Some(sc) => r.merge(check_exact(&format!("source {s} scales"), ws, &sc[span(cols)], f32_bits_eq)),
-                    None => r.record(false, || "FP8 dispatch returned no scales".into()),
-                }
-            }
-            _ => r.record(false, || format!("source {s}: output dtype {:?} does not match", tokens.dtype())),
-        }
-        r.merge(check_exact(&format!("source {s} weights"), &expected.weights[s], &weights[span(top_k)], f32_bits_eq));
-        r.merge(check_exact(&format!("source {s} idx"), &expected.idx[s], &idx[span(top_k)], |a, b| a == b));
+        let (base, n) = (s * max_tokens, expected.layout.rows(s).len());
+        r.merge(check_row_block(&format!("source {s}"), rows, tokens, scales, (base, n, hidden)));
+        let span = base * top_k..(base + n) * top_k;
+        r.merge(check_exact(&format!("source {s} weights"), &expected.weights[s], &weights[span.clone()], f32_bits_eq));
+        r.merge(check_exact(&format!("source {s} idx"), &expected.idx[s], &idx[span], |a, b| a == b));
     }
     r
 }
