@@ -288,8 +288,12 @@ impl HostOp {
                 for t in 0..b {
                     acc.iter_mut().for_each(|a| *a = 0.0);
                     for k in 0..k_n {
-                        let Some(e) = handle.routing().expert(t, k) else { continue };
-                        if rank_major && !first_of_its_rank(handle.routing(), placement, t, k, e) {
+                        let sends = if rank_major {
+                            handle.routing().first_of_its_rank(placement, t, k).is_some()
+                        } else {
+                            handle.routing().expert(t, k).is_some()
+                        };
+                        if !sends {
                             continue;
                         }
                         let Some((s, row)) = where_[t * k_n + k] else {
@@ -398,12 +402,6 @@ impl HostOp {
             }
         }
     }
-}
-
-/// Whether entry `k` (expert `e`) of token `t` is the first top-k entry of `e`'s rank.
-fn first_of_its_rank(routing: &Routing, placement: ExpertPlacement, t: usize, k: usize, e: usize) -> bool {
-    let d = placement.owner(e);
-    (0..k).all(|j| routing.expert(t, j).is_none_or(|f| placement.owner(f) != d))
 }
 
 impl PendingOp for HostOp {

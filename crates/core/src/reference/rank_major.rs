@@ -172,14 +172,5 @@ pub fn ll_combine_rank_major(
 
 /// The ranks token `t` reached, in the order of their first top-k entry.
 pub fn ranks_reached(routing: &Routing, placement: ExpertPlacement, t: usize) -> Vec<usize> {
-    let mut ranks = Vec::new();
-    for k in 0..routing.top_k() {
-        if let Some(e) = routing.expert(t, k) {
-            let d = placement.owner(e);
-            if !ranks.contains(&d) {
-                ranks.push(d);
-            }
-        }
-    }
-    ranks
+    (0..routing.top_k()).filter_map(|k| routing.first_of_its_rank(placement, t, k)).collect()
 }

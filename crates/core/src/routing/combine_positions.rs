@@ -25,10 +25,9 @@ impl CombinePositions {
         let r = placement.num_ranks;
         let in_mask = |d: usize| d < 32 && mask >> d & 1 == 1;
         // Whether entry (t, j) has a row of its own.
-        let sends = |t: usize, j: usize| -> Option<usize> {
-            let d = placement.owner(routing.expert(t, j)?);
-            let first = (0..j).all(|i| routing.expert(t, i).is_none_or(|e| placement.owner(e) != d));
-            (layout == Layout::ExpertMajor || first).then_some(d)
+        let sends = |t: usize, j: usize| match layout {
+            Layout::ExpertMajor => routing.expert(t, j).map(|e| placement.owner(e)),
+            Layout::RankMajor => routing.first_of_its_rank(placement, t, j),
         };
         let mut counts = vec![0usize; r];
         for t in 0..b {

@@ -145,6 +145,14 @@ impl Routing {
     pub fn valid_selections(&self) -> usize {
         self.idx.iter().filter(|&&e| e >= 0).count()
     }
+
+    /// The rank of entry `(t, k)` if it is that rank's first entry in token `t`'s row (the slot a
+    /// rank-major combine returns the rank's pre-reduced row in); `None` for masked entries and
+    /// later entries of a rank already reached.
+    pub fn first_of_its_rank(&self, placement: ExpertPlacement, token: usize, k: usize) -> Option<usize> {
+        let d = placement.owner(self.expert(token, k)?);
+        (0..k).all(|j| self.expert(token, j).is_none_or(|e| placement.owner(e) != d)).then_some(d)
+    }
 }
 
 /// One `(k, local expert)` pair a copy serves at its destination.
