@@ -153,11 +153,9 @@ impl Scenario {
         let (h, k) = (self.config.hidden, self.top_k);
         let row = |d: usize, s: usize, i: usize, out: &mut [f32]| {
             let r = &dispatch[d];
-            let mut x = vec![0f32; h];
-            r.sources[s].row_as_bf16_f32(i, h, &mut x);
             let mut sum = vec![bf16::ZERO; h];
             let (idx, w) = (&r.idx[s][i * k..(i + 1) * k], &r.weights[s][i * k..(i + 1) * k]);
-            reference::rank_major_expert_sum(idx, w, &mut |_, y| y.copy_from_slice(&x), &mut sum);
+            identity_expert_sum(&r.sources[s], i, idx, w, &mut sum);
             for (o, v) in out.iter_mut().zip(&sum) {
                 *o = v.to_f32();
             }
@@ -239,11 +237,20 @@ pub fn ll_identity_expert_outputs(
     }
 }
 
+/// The identity experts' rank-major pre-reduction of row `i` of `rows` (every expert returns the
+/// row, FP8 dequantized and rounded to BF16) with its top-k `idx` and `weights`, into `out`
+/// (`H` values; [`reference::rank_major_expert_sum`]).
+fn identity_expert_sum(rows: &Rows, i: usize, idx: &[i32], weights: &[f32], out: &mut [bf16]) {
+    let mut x = vec![0f32; out.len()];
+    rows.row_as_bf16_f32(i, out.len(), &mut x);
+    reference::rank_major_expert_sum(idx, weights, &mut |_, y| y.copy_from_slice(&x), out);
+}
+
 /// Identity experts for rank-major combine: the `[R*M x H]` BF16 combine input computed from a
 /// backend's rank-major dispatch outputs (`tokens` `[R*M x H]` BF16 or FP8 with `scales`,
 /// `weights` and `idx` `[R*M x K]`, `counts` `[R]`): each source's first `counts[s]` rows are
-/// pre-reduced with [`reference::rank_major_expert_sum`], every expert returning the row itself
-/// (FP8 dequantized and rounded to BF16). Other rows are zero.
+/// pre-reduced as [`reference::rank_major_expert_sum`] defines, every expert returning the row
+/// itself (FP8 dequantized and rounded to BF16). Other rows are zero.
 #[allow(clippy::too_many_arguments)]
 pub fn rank_major_identity_expert_outputs(
     tokens: &crate::tensor::HostData,
@@ -257,30 +264,17 @@ pub fn rank_major_identity_expert_outputs(
 ) -> HostTensor {
     use crate::tensor::HostData;
     let rows = counts.len() * max_tokens;
-    let cols = hidden / crate::config::FP8_BLOCK;
     let mut out = vec![bf16::ZERO; rows * hidden];
-    let mut x = vec![0f32; hidden];
+    let data = match tokens {
+        HostData::Bf16(v) => Rows::Bf16(v.clone()),
+        HostData::Fp8(q) => Rows::Fp8 { q: q.clone(), scales: scales.unwrap_or_default().to_vec() },
+        _ => return HostTensor::new(crate::TensorTag::Tokens, &[rows, hidden], HostData::Bf16(out)),
+    };
     for (s, &n) in counts.iter().enumerate() {
         for i in 0..(n.max(0) as usize).min(max_tokens) {
             let r = s * max_tokens + i;
-            match tokens {
-                HostData::Bf16(v) => {
-                    Rows::Bf16(v[r * hidden..(r + 1) * hidden].to_vec()).row_as_bf16_f32(0, hidden, &mut x)
-                }
-                HostData::Fp8(q) => Rows::Fp8 {
-                    q: q[r * hidden..(r + 1) * hidden].to_vec(),
-                    scales: scales.unwrap_or_default()[r * cols..(r + 1) * cols].to_vec(),
-                }
-                .row_as_bf16_f32(0, hidden, &mut x),
-                _ => continue,
-            }
             let (ri, rw) = (&idx[r * top_k..(r + 1) * top_k], &weights[r * top_k..(r + 1) * top_k]);
-            reference::rank_major_expert_sum(
-                ri,
-                rw,
-                &mut |_, y| y.copy_from_slice(&x),
-                &mut out[r * hidden..(r + 1) * hidden],
-            );
+            identity_expert_sum(&data, r, ri, rw, &mut out[r * hidden..(r + 1) * hidden]);
         }
     }
     HostTensor::new(crate::TensorTag::Tokens, &[rows, hidden], HostData::Bf16(out))
