@@ -456,6 +456,18 @@ extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv(LlParams p)
         const int width = H / C;
         const int part = blockIdx.x % C;
         for (int t = blockIdx.x / C; t < p.num_tokens; t += gridDim.x / C) {
+            // The entries whose rows arrive, once per token (K <= 16): every valid k, or in
+            // rank-major only each rank's first.
+            unsigned used = 0u;
+            for (int k = 0; k < K; k++) {
+                const long long e = idx[(size_t)t * K + k];
+                bool first = e >= 0;
+                for (int i = 0; first && p.rank_major && i < k; i++) {
+                    const long long f = idx[(size_t)t * K + i];
+                    if (f >= 0 && f / p.num_local == e / p.num_local) first = false;
+                }
+                if (first) used |= 1u << k;
+            }
             for (int c = part * width + threadIdx.x * 8; c < (part + 1) * width; c += blockDim.x * 8) {
                 float acc[8];
 #pragma unroll
@@ -469,14 +481,7 @@ extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv(LlParams p)
 #pragma unroll
                     for (int j = 0; j < EP_COMBINE_BATCH; j++) {
                         const int k = k0 + j;
-                        use[j] = k < K && idx[(size_t)t * K + k] >= 0;
-                        if (use[j] && p.rank_major) {
-                            const long long d = idx[(size_t)t * K + k] / p.num_local;
-                            for (int i = 0; i < k; i++) {
-                                const long long e = idx[(size_t)t * K + i];
-                                if (e >= 0 && e / p.num_local == d) use[j] = false;
-                            }
-                        }
+                        use[j] = k < K && ((used >> k) & 1u);
                         wk[j] = 0.f;
                         raw[j] = make_int4(0, 0, 0, 0);
                         if (use[j]) {
