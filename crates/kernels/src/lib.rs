@@ -15,7 +15,8 @@
 //! - [`GpuRank`] (`rank/`): one rank; implements [`epflow_core::backend::Backend`], so the async
 //!   runtime drives it. Its shared state (`rank/shared.rs`) and its [`GpuHandle`]s
 //!   (`rank/handle.rs`).
-//! - [`GpuDispatchOutput`], [`GpuCombineOutput`] (`outputs.rs`): the results.
+//! - [`GpuDispatchOutput`], [`GpuCombineOutput`] (`outputs.rs`): the results; [`OutputTargets`]:
+//!   caller-owned memory to write them into instead.
 //!
 //! ### Operations (internal rooms)
 //! - `ll/`: low-latency: starting an operation (kernel parameters, NCCL exchange,
@@ -70,7 +71,7 @@ mod world;
 pub use compile::device_arch;
 pub use device::{DeviceTensor, StreamWork, device_count, sm_count};
 pub use op::{GpuOp, GpuOpOutput};
-pub use outputs::{GpuCombineOutput, GpuDispatchOutput};
+pub use outputs::{GpuCombineOutput, GpuDispatchOutput, OutputTargets};
 pub use rank::GpuRank;
 pub use rank::handle::GpuHandle;
 pub use transport::Transport;

@@ -17,6 +17,27 @@ use epflow_core::{Error, HostData, HostTensor};
 use crate::device::consumers::Consumers;
 use crate::device::{DeviceTensor, Lease, copy_to_host};
 
+/// Device memory the caller owns, which an operation writes its outputs into instead of its
+/// buffer set (low-latency) or cached memory (high-throughput): NCCL EP's preallocated output
+/// tensors. Addresses are of the rank's device; each must hold the tensor that
+/// [`crate::GpuRank::dispatch_output_descs`] / [`crate::GpuRank::combine_output_descs`]
+/// describe (high-throughput: at least those rows, with the same row length). `None` keeps that
+/// output in epflow's memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OutputTargets {
+    /// The tokens.
+    pub tokens: u64,
+    /// FP8 scales.
+    pub scales: Option<u64>,
+    /// Top-k weights.
+    pub topk_weights: Option<u64>,
+    /// Top-k local expert indices.
+    pub topk_idx: Option<u64>,
+    /// Low-latency dispatch: the receive counters (per local expert, or per source rank for
+    /// rank-major handles).
+    pub counts: Option<u64>,
+}
+
 /// A low-latency buffer set on loan to an operation's outputs: the set is released when the
 /// operation and every view of its outputs are gone, with a fence on each consumer stream.
 #[derive(Debug)]

@@ -14,7 +14,7 @@ use crate::device::{DeviceBuffer, bind, context, cuda};
 use crate::layout::Layout;
 use crate::rank::GpuRank;
 use crate::rank::shared::{Peers, RankMemory, RankShared};
-use crate::setup::bootstrap;
+use crate::setup::bootstrap::{self, Bootstrap};
 use crate::transport::nccl::{NcclComms, NcclShared, decode_ids, new_ids};
 use crate::transport::nvlink::{IpcMapping, enable_peer_access, ipc_export};
 use crate::transport::{Transport, host_id};
@@ -103,19 +103,29 @@ impl GpuWorld {
     /// hosts NCCL; NCCL then picks its own transport per pair (NVLink/P2P, shared memory,
     /// InfiniBand or sockets: `NCCL_DEBUG=INFO` prints it).
     pub fn join_with(comm: &cudarc::nccl::Comm, config: GroupConfig, transport: Transport) -> Result<GpuRank, Error> {
+        Self::join_over(comm, config, transport)
+    }
+
+    /// [`GpuWorld::join_with`] over any [`Bootstrap`]: an NCCL communicator the application
+    /// made, say (the NCCL EP C API joins over the caller's `ncclComm_t`). Collective.
+    pub fn join_over(
+        comm: &(impl Bootstrap + ?Sized),
+        config: GroupConfig,
+        transport: Transport,
+    ) -> Result<GpuRank, Error> {
         let (rank, num_ranks) = (comm.rank(), comm.world_size());
         config.validate(num_ranks)?;
         let layout = Layout::new(&config, num_ranks)?;
         let ctx = Arc::clone(comm.context());
         bind(&ctx)?;
-        let hosts = bootstrap::all_gather(comm, &[host_id()])?;
+        let hosts = bootstrap::all_gather_u64(comm, &[host_id()])?;
         let mask = transport.nccl_mask(rank, num_ranks, Some(&hosts))?;
         // Every rank learns every mask (rank 0's ids serve the NCCL communicators).
-        let masks = bootstrap::all_gather(comm, &[u64::from(mask)])?;
+        let masks = bootstrap::all_gather_u64(comm, &[u64::from(mask)])?;
         let layout = layout.for_transport(masks.iter().any(|&m| m != 0));
         let nccl = if masks.iter().any(|&m| m != 0) {
             let ids = if rank == 0 { new_ids()? } else { [0u64; 48] };
-            let all = bootstrap::all_gather(comm, &ids)?;
+            let all = bootstrap::all_gather_u64(comm, &ids)?;
             let comms = NcclComms::init_rank(&decode_ids(&all[..48]), rank, num_ranks)?;
             Some(NcclShared::new(&ctx, &layout, comms, mask, num_ranks)?)
         } else {
@@ -127,7 +137,7 @@ impl GpuWorld {
         for ptr in own {
             mine.extend_from_slice(&ipc_export(ptr)?);
         }
-        let all = bootstrap::all_gather(comm, &mine)?;
+        let all = comm.all_gather_bytes(&mine)?;
         let mut peers = Peers {
             disp_recv: Vec::new(),
             comb_recv: Vec::new(),

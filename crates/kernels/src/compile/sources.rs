@@ -25,7 +25,7 @@ pub const LL: KernelModule = KernelModule {
 pub const HT: KernelModule = KernelModule {
     name: "ht",
     body: include_str!("../cuda/ht.cu"),
-    kernels: &["ep_ht_dispatch", "ep_ht_combine", "ep_ht_exchange"],
+    kernels: &["ep_ht_dispatch_kernel", "ep_ht_combine_kernel", "ep_ht_exchange"],
 };
 
 /// The kernels around NCCL's grouped send/recv (the NCCL transport, `nccl.rs`).

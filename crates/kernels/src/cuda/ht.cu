@@ -524,7 +524,7 @@ __device__ void ht_combine_recv(const HtParams& p, int c) {
 }
 
 // High-throughput dispatch (forward or backward), one launch: blocks [0, C) send, [C, 2C) receive.
-extern "C" __global__ void __launch_bounds__(HT_BLOCK) ep_ht_dispatch(HtParams p) {
+extern "C" __global__ void __launch_bounds__(HT_BLOCK) ep_ht_dispatch_kernel(HtParams p) {
     ht_signal_start(p);
     if ((int)blockIdx.x < p.channels) {
         ht_send(p, blockIdx.x);
@@ -534,7 +534,7 @@ extern "C" __global__ void __launch_bounds__(HT_BLOCK) ep_ht_dispatch(HtParams p
 }
 
 // High-throughput combine (forward or backward), one launch: blocks [0, C) send, [C, 2C) receive.
-extern "C" __global__ void __launch_bounds__(HT_BLOCK) ep_ht_combine(HtParams p) {
+extern "C" __global__ void __launch_bounds__(HT_BLOCK) ep_ht_combine_kernel(HtParams p) {
     ht_signal_start(p);
     if ((int)blockIdx.x < p.channels) {
         ht_send(p, blockIdx.x);

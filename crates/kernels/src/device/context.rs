@@ -32,8 +32,9 @@ pub(crate) fn cuda(what: &str, e: DriverError) -> Error {
     Error::Backend(format!("CUDA: {what}: {e:?}"))
 }
 
-/// The primary context of device `ordinal`, bound to the calling thread.
-pub(crate) fn context(ordinal: usize) -> Result<Arc<CudaContext>, Error> {
+/// The primary context of device `ordinal` (the one the CUDA runtime uses), bound to the
+/// calling thread.
+pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, Error> {
     if !driver_present() {
         return Err(Error::Unsupported("the CUDA driver (libcuda) is not installed on this machine".into()));
     }

@@ -9,8 +9,8 @@ mod stream_work;
 mod tensor;
 
 pub(crate) use consumers::Lease;
-pub(crate) use context::{bind, context, cuda};
-pub use context::{device_count, driver_present, sm_count};
+pub(crate) use context::{bind, cuda};
+pub use context::{context, device_count, driver_present, sm_count};
 pub use memory::DeviceBuffer;
 pub(crate) use memory::{PinnedBuffer, copy_to_host};
 pub use stream_work::StreamWork;

@@ -61,6 +61,11 @@ impl StreamWork {
         &self.stream
     }
 
+    /// Moves the work to `stream` (of the same context), before anything was enqueued.
+    pub fn set_stream(&mut self, stream: &Arc<CudaStream>) {
+        self.stream = Arc::clone(stream);
+    }
+
     /// The context.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx

@@ -19,6 +19,7 @@ use crate::device::cache::CachedBuffer;
 use crate::device::{DeviceTensor, Lease};
 use crate::layout::{HT_BATCH, HT_ITEMS_PER_FENCE};
 use crate::op::{GpuOp, GpuOpKind, Launch};
+use crate::outputs::OutputTargets;
 use crate::params::{ExchangeParams, HtParams, NcclHtParams};
 use crate::rank::handle::GpuHandle;
 use crate::rank::shared::{ExchangeBuffers, RankShared, peer_array};
@@ -165,7 +166,11 @@ pub(crate) fn dispatch(
     h: &GpuHandle,
     inputs: Option<ValidDispatch<'_, DeviceTensor>>,
     opts: &DispatchOptions,
+    into: Option<&OutputTargets>,
 ) -> Result<GpuOp, Error> {
+    if into.is_some() && s.nccl_all().is_some() {
+        return Err(Error::Unsupported("high-throughput outputs in caller memory over NCCL".into()));
+    }
     let ctx = OpContext::new(&s.config, s.num_ranks, h);
     let descs = dispatch_output_descs(&ctx, opts);
     let stamp = h.core().dispatch_stamp(opts.pass);
@@ -184,15 +189,17 @@ pub(crate) fn dispatch(
         }
     }
     // Outputs: tokens, then the optional scales, weights and indices, in one cached buffer.
-    let present: Vec<TensorDesc> =
-        [Some(descs.tokens.clone()), descs.scales.clone(), descs.topk_weights.clone(), descs.topk_idx.clone()]
-            .into_iter()
-            .flatten()
-            .collect();
-    let plan = OutputPlan::new(present);
-    let buf = s.outputs.take(plan.bytes)?;
-    let fill = (buf.ptr(), plan.bytes);
-    let (views, fences) = plan.views(s, buf);
+    let t = into.copied().unwrap_or_default();
+    let (present, targets): (Vec<TensorDesc>, Vec<Option<u64>>) = [
+        (Some(descs.tokens.clone()), Some(t.tokens)),
+        (descs.scales.clone(), t.scales),
+        (descs.topk_weights.clone(), t.topk_weights),
+        (descs.topk_idx.clone(), t.topk_idx),
+    ]
+    .into_iter()
+    .filter_map(|(d, a)| d.map(|d| (d, a)))
+    .unzip();
+    let (views, fill, fences) = output_views(s, OutputPlan::new(present), into.map(|_| targets))?;
     let mut views = views.into_iter();
     let tokens = views.next().ok_or_else(|| Error::Backend("no token output".into()))?;
     let scales = descs.scales.as_ref().and_then(|_| views.next());
@@ -231,7 +238,11 @@ pub(crate) fn combine(
     h: &GpuHandle,
     inputs: Option<ValidCombine<'_, DeviceTensor>>,
     opts: &CombineOptions,
+    into: Option<&OutputTargets>,
 ) -> Result<GpuOp, Error> {
+    if into.is_some() && s.nccl_all().is_some() {
+        return Err(Error::Unsupported("high-throughput outputs in caller memory over NCCL".into()));
+    }
     let ctx = OpContext::new(&s.config, s.num_ranks, h);
     let descs = combine_output_descs(&ctx, opts);
     let paired = h.core().last_dispatch(opts.pass).unwrap_or(0);
@@ -242,12 +253,13 @@ pub(crate) fn combine(
         p.x = inputs.tokens().ptr();
         p.weights = inputs.weights().map_or(0, DeviceTensor::ptr);
     }
-    let present: Vec<TensorDesc> =
-        [Some(descs.tokens.clone()), descs.topk_weights.clone()].into_iter().flatten().collect();
-    let plan = OutputPlan::new(present);
-    let buf = s.outputs.take(plan.bytes)?;
-    let fill = (buf.ptr(), plan.bytes);
-    let (views, fences) = plan.views(s, buf);
+    let t = into.copied().unwrap_or_default();
+    let (present, targets): (Vec<TensorDesc>, Vec<Option<u64>>) =
+        [(Some(descs.tokens.clone()), Some(t.tokens)), (descs.topk_weights.clone(), t.topk_weights)]
+            .into_iter()
+            .filter_map(|(d, a)| d.map(|d| (d, a)))
+            .unzip();
+    let (views, fill, fences) = output_views(s, OutputPlan::new(present), into.map(|_| targets))?;
     let mut views = views.into_iter();
     let tokens = views.next().ok_or_else(|| Error::Backend("no token output".into()))?;
     let topk_weights = views.next();
@@ -261,13 +273,40 @@ pub(crate) fn combine(
     Ok(assemble(op, over_nccl, fill, fences, inputs.is_none()))
 }
 
+/// Output views, the bytes to fill with the debug byte (if any), and the fences the writing
+/// kernel waits for.
+type Views = (Vec<DeviceTensor>, Option<(u64, usize)>, Vec<Arc<CudaEvent>>);
+
+/// The output views of `plan`: in one cached buffer (with the bytes to fill in debug mode and
+/// the fences of its previous readers), or at the caller's addresses `into` (one per output of
+/// `plan`, in its order), which the caller keeps alive and fences.
+fn output_views(s: &RankShared, plan: OutputPlan, into: Option<Vec<Option<u64>>>) -> Result<Views, Error> {
+    let Some(into) = into else {
+        let buf = s.outputs.take(plan.bytes)?;
+        let fill = (buf.ptr(), plan.bytes);
+        let (views, fences) = plan.views(s, buf);
+        return Ok((views, Some(fill), fences));
+    };
+    let keep: Arc<dyn std::any::Any + Send + Sync> = Arc::new(());
+    let views = plan
+        .descs
+        .into_iter()
+        .zip(into)
+        .map(|(d, ptr)| {
+            let ptr = ptr.ok_or_else(|| Error::Unsupported(format!("no caller memory for the {:?} output", d.tag)))?;
+            Ok(DeviceTensor::view(ptr, s.device, d, Arc::clone(&keep)))
+        })
+        .collect::<Result<Vec<_>, Error>>()?;
+    Ok((views, None, Vec::new()))
+}
+
 /// The last touches of a high-throughput operation: its NCCL exchange and staging (if any), the
 /// outputs to fill in debug mode, the fences its outputs' memory carries, and the cancellation
 /// (no validated inputs).
 fn assemble(
     mut op: GpuOp,
     over_nccl: Option<(NcclHtParams, Vec<Xfer>, CachedBuffer)>,
-    fill: (u64, usize),
+    fill: Option<(u64, usize)>,
     fences: Vec<Arc<CudaEvent>>,
     cancelled: bool,
 ) -> GpuOp {
@@ -275,7 +314,9 @@ fn assemble(
         op.set_xfers(xfers);
         op.keep_scratch(staging);
     }
-    op.set_fill(fill);
+    if let Some(fill) = fill {
+        op.set_fill(fill);
+    }
     op.wait_fences(fences);
     if cancelled {
         epflow_core::backend::PendingOp::cancel(&mut op);

@@ -11,6 +11,7 @@ use epflow_core::{DispatchDtype, Error};
 
 use crate::device::DeviceTensor;
 use crate::op::{GpuOp, GpuOpKind, Launch};
+use crate::outputs::OutputTargets;
 use crate::params::LlParams;
 use crate::rank::handle::GpuHandle;
 use crate::rank::shared::{RankShared, peer_array};
@@ -122,6 +123,7 @@ pub(crate) fn dispatch(
     h: &GpuHandle,
     inputs: ValidDispatch<'_, DeviceTensor>,
     opts: &DispatchOptions,
+    into: Option<&OutputTargets>,
 ) -> Result<GpuOp, Error> {
     let mut p = base_params(s, 0, h.ptr(), h.num_tokens(), h.top_k(), h.layout())?;
     p.x = inputs.tokens().ptr();
@@ -136,12 +138,20 @@ pub(crate) fn dispatch(
     if opts.counts_location == CountsLocation::Host {
         p.host_counts = s.mem.host_counts[set].device_ptr();
     }
+    if let Some(t) = into {
+        p.out = t.tokens;
+        p.out_scales = t.scales.unwrap_or(p.out_scales);
+        p.out_weights = t.topk_weights.unwrap_or(p.out_weights);
+        p.out_idx = t.topk_idx.unwrap_or(p.out_idx);
+        p.out_counts = t.counts.unwrap_or(p.out_counts);
+    }
     let stamp = h.core().dispatch_stamp(Pass::Forward);
     p.stamp = stamp.encode();
     let xfers = nccl_xfers(s, &mut p, Some(h), set, true)?;
     let kind = GpuOpKind::Dispatch { handle: h.clone(), opts: *opts };
     let mut op = GpuOp::new(Arc::clone(s), Channel::Dispatch, seq, stamp, Launch::Ll(p), kind, &inputs.tensors());
     op.set_xfers(xfers);
+    op.set_targets(into.copied());
     Ok(op)
 }
 
@@ -152,6 +162,7 @@ pub(crate) fn combine(
     h: &GpuHandle,
     paired: u64,
     inputs: ValidCombine<'_, DeviceTensor>,
+    into: Option<&OutputTargets>,
 ) -> Result<GpuOp, Error> {
     let ValidCombine::LowLatency { expert_out, weights } = inputs else {
         return Err(Error::Backend("a high-throughput combine in a low-latency group".into()));
@@ -160,13 +171,14 @@ pub(crate) fn combine(
     p.expert_out = expert_out.ptr();
     p.weights = weights.map_or(0, DeviceTensor::ptr);
     let set = number(s, &mut p, seq);
-    p.out = s.mem.comb_out[set].ptr();
+    p.out = into.map_or(s.mem.comb_out[set].ptr(), |t| t.tokens);
     let stamp = h.core().combine_stamp(Pass::Forward, paired);
     p.stamp = stamp.encode();
     let xfers = nccl_xfers(s, &mut p, Some(h), set, false)?;
     let kind = GpuOpKind::Combine { handle: h.clone(), paired };
     let mut op = GpuOp::new(Arc::clone(s), Channel::Combine, seq, stamp, Launch::Ll(p), kind, &inputs.tensors());
     op.set_xfers(xfers);
+    op.set_targets(into.copied());
     Ok(op)
 }
 

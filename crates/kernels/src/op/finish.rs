@@ -197,14 +197,17 @@ impl GpuOp {
         let lease = self.set_lease();
         // The shapes of the handle's layout (expert-major or rank-major), as validation has them.
         let descs = dispatch_output_descs(&OpContext::new(&s.config, s.num_ranks, handle), &opts);
-        let tokens = self.view(s.mem.disp_out[set].ptr(), descs.tokens, &lease);
-        let scales = descs.scales.map(|d| self.view(s.mem.disp_scales[set].ptr(), d, &lease));
+        let t = self.targets.unwrap_or_default();
         let topk = s.mem.disp_topk[set].ptr();
-        let topk_weights = descs.topk_weights.map(|d| self.view(topk, d, &lease));
-        let topk_idx = descs.topk_idx.map(|d| self.view(topk + (l.rank_major_topk_entries() * 4) as u64, d, &lease));
+        let at = |target: Option<u64>, own: u64| target.unwrap_or(own);
+        let tokens = self.view(at(self.targets.map(|t| t.tokens), s.mem.disp_out[set].ptr()), descs.tokens, &lease);
+        let scales = descs.scales.map(|d| self.view(at(t.scales, s.mem.disp_scales[set].ptr()), d, &lease));
+        let topk_weights = descs.topk_weights.map(|d| self.view(at(t.topk_weights, topk), d, &lease));
+        let idx = topk + (l.rank_major_topk_entries() * 4) as u64;
+        let topk_idx = descs.topk_idx.map(|d| self.view(at(t.topk_idx, idx), d, &lease));
         let n = descs.counts.as_ref().map_or(0, |d| d.shape[0]);
         let counts = self.view(
-            s.mem.disp_counts[set].ptr(),
+            at(t.counts, s.mem.disp_counts[set].ptr()),
             TensorDesc::contiguous(TensorTag::RecvExpertCountsDevice, DType::I32, &[n]),
             &lease,
         );
@@ -231,7 +234,7 @@ impl GpuOp {
         let set = self.set();
         let lease = self.set_lease();
         let tokens = self.view(
-            s.mem.comb_out[set].ptr(),
+            self.targets.map_or(s.mem.comb_out[set].ptr(), |t| t.tokens),
             TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[handle.num_tokens(), s.config.hidden]),
             &lease,
         );

@@ -26,7 +26,7 @@ use crate::ll::geometry::LlKernel;
 
 use crate::device::cache::CachedBuffer;
 use crate::device::{DeviceTensor, StreamWork, bind, cuda};
-use crate::outputs::{GpuCombineOutput, GpuDispatchOutput, SetLease};
+use crate::outputs::{GpuCombineOutput, GpuDispatchOutput, OutputTargets, SetLease};
 use crate::rank::handle::GpuHandle;
 use crate::rank::shared::{ExchangeBuffers, RankShared};
 use crate::transport::nccl::Xfer;
@@ -82,6 +82,8 @@ pub struct GpuOp {
     /// Staging the NCCL exchange reads or writes, kept until the operation is dropped (even when
     /// cancelled: the peers still exchange with it).
     scratch: Vec<CachedBuffer>,
+    /// Low-latency: caller-owned memory the outputs are written into (their views address it).
+    targets: Option<OutputTargets>,
 }
 
 impl std::fmt::Debug for GpuOp {
@@ -123,7 +125,26 @@ impl GpuOp {
             reader: None,
             xfers: Vec::new(),
             scratch: Vec::new(),
+            targets: None,
         }
+    }
+
+    /// Low-latency: the caller-owned memory the kernels write the outputs into (see
+    /// [`crate::GpuRank::start_dispatch_into`]).
+    pub(crate) fn set_targets(&mut self, targets: Option<OutputTargets>) {
+        self.targets = targets;
+    }
+
+    /// Runs the send half (and, for high-throughput operations, the whole operation) on
+    /// `stream` instead of the rank's stream of the channel: a caller's stream, so the
+    /// operation is ordered after the caller's earlier work there without events. Before the
+    /// send only; `stream` must belong to the rank's context.
+    pub fn send_on(&mut self, stream: &Arc<CudaStream>) -> Result<(), Error> {
+        if self.state.is_sent() {
+            return Err(Error::Backend(format!("{} was already sent: too late to move it", self.label())));
+        }
+        self.work.set_stream(stream);
+        Ok(())
     }
 
     /// A cancellation: it takes part in collective `seq` of `channel` without data.

@@ -14,17 +14,20 @@ use cudarc::driver::{CudaContext, CudaStream};
 use epflow_core::backend::{Backend, HandleCreation, PendingOp, RankCore, detach};
 use epflow_core::handle::{HandleCore, RoutingHandle};
 use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions, Layout, Pass};
+use epflow_core::ops::{CombineOutputs, DispatchOutputs};
 use epflow_core::protocol::Channel;
 use epflow_core::routing::{CombinePositions, ExpertPlacement, Routing};
 use epflow_core::validate::{
-    check_topk_idx, routing_from_tensor, validate_combine_inputs, validate_dispatch_inputs, validate_handle_options,
+    check_topk_idx, combine_output_descs, dispatch_output_descs, routing_from_tensor, validate_combine_inputs,
+    validate_dispatch_inputs, validate_handle_options,
 };
-use epflow_core::{Algorithm, Error};
+use epflow_core::{Algorithm, Error, TensorDesc};
 
 use self::handle::{GpuHandle, LlNcclInfo, take_pooled};
 use self::shared::RankShared;
 use crate::device::{DeviceTensor, bind, copy_to_host, cuda};
 use crate::op::GpuOp;
+use crate::outputs::OutputTargets;
 use crate::{ht, ll};
 
 /// One rank of a GPU group. Every operation is collective: all ranks call it, in the same
@@ -248,10 +251,10 @@ impl GpuRank {
                 Some(op)
             }
             (Algorithm::HighThroughput, Channel::Dispatch) => {
-                ht::start::dispatch(s, seq, handle?, None, &DispatchOptions { pass, ..Default::default() }).ok()
+                ht::start::dispatch(s, seq, handle?, None, &DispatchOptions { pass, ..Default::default() }, None).ok()
             }
             (Algorithm::HighThroughput, Channel::Combine) => {
-                ht::start::combine(s, seq, handle?, None, &CombineOptions { pass }).ok()
+                ht::start::combine(s, seq, handle?, None, &CombineOptions { pass }, None).ok()
             }
         }
     }
@@ -336,17 +339,7 @@ impl Backend for GpuRank {
         inputs: DispatchInputs<'_, DeviceTensor>,
         opts: &DispatchOptions,
     ) -> Result<GpuOp, Error> {
-        self.collective(Channel::Dispatch, Some(h), opts.pass, |seq| {
-            self.core.check_handle(h)?;
-            let valid = validate_dispatch_inputs(&self.core.op_context(h), opts, &inputs)?;
-            for t in valid.tensors() {
-                self.check_device(t, "a dispatch input")?;
-            }
-            match self.shared.config.algorithm {
-                Algorithm::LowLatency => ll::start::dispatch(&self.shared, seq, h, valid, opts),
-                Algorithm::HighThroughput => ht::start::dispatch(&self.shared, seq, h, Some(valid), opts),
-            }
-        })
+        self.dispatch_op(h, inputs, opts, None)
     }
 
     fn start_combine(
@@ -354,6 +347,88 @@ impl Backend for GpuRank {
         h: &GpuHandle,
         inputs: CombineInputs<'_, DeviceTensor>,
         opts: &CombineOptions,
+    ) -> Result<GpuOp, Error> {
+        self.combine_op(h, inputs, opts, None)
+    }
+}
+
+/// Operations whose outputs go to caller-owned memory ([`OutputTargets`]).
+impl GpuRank {
+    /// The outputs a dispatch on `h` with `opts` produces: their shapes and types (what
+    /// [`GpuRank::start_dispatch_into`]'s targets must hold).
+    pub fn dispatch_output_descs(&self, h: &GpuHandle, opts: &DispatchOptions) -> DispatchOutputs<TensorDesc> {
+        dispatch_output_descs(&self.core.op_context(h), opts)
+    }
+
+    /// The outputs a combine on `h` with `opts` produces.
+    pub fn combine_output_descs(&self, h: &GpuHandle, opts: &CombineOptions) -> CombineOutputs<TensorDesc> {
+        combine_output_descs(&self.core.op_context(h), opts)
+    }
+
+    /// [`Backend::start_dispatch`] writing the outputs into `into` instead of epflow's memory
+    /// (the returned outputs are views of it). Drive the operation as any other (its send half,
+    /// then its completion, e.g. [`epflow_core::backend::send_blocking`] and
+    /// [`PendingOp::complete_on`]); [`GpuOp::send_on`] moves the send half to the caller's
+    /// stream.
+    ///
+    /// # Safety
+    ///
+    /// Every address of `into` must be device memory of this rank's device that holds the
+    /// tensor [`GpuRank::dispatch_output_descs`] describes for it (high-throughput: at least
+    /// that many rows of that length), and stay valid, unread and unwritten by anyone else until
+    /// the operation has completed on the device.
+    pub unsafe fn start_dispatch_into(
+        &self,
+        h: &GpuHandle,
+        inputs: DispatchInputs<'_, DeviceTensor>,
+        opts: &DispatchOptions,
+        into: &OutputTargets,
+    ) -> Result<GpuOp, Error> {
+        self.dispatch_op(h, inputs, opts, Some(into))
+    }
+
+    /// [`Backend::start_combine`] writing the outputs into `into` (see
+    /// [`GpuRank::start_dispatch_into`]).
+    ///
+    /// # Safety
+    ///
+    /// As [`GpuRank::start_dispatch_into`], with [`GpuRank::combine_output_descs`].
+    pub unsafe fn start_combine_into(
+        &self,
+        h: &GpuHandle,
+        inputs: CombineInputs<'_, DeviceTensor>,
+        opts: &CombineOptions,
+        into: &OutputTargets,
+    ) -> Result<GpuOp, Error> {
+        self.combine_op(h, inputs, opts, Some(into))
+    }
+
+    fn dispatch_op(
+        &self,
+        h: &GpuHandle,
+        inputs: DispatchInputs<'_, DeviceTensor>,
+        opts: &DispatchOptions,
+        into: Option<&OutputTargets>,
+    ) -> Result<GpuOp, Error> {
+        self.collective(Channel::Dispatch, Some(h), opts.pass, |seq| {
+            self.core.check_handle(h)?;
+            let valid = validate_dispatch_inputs(&self.core.op_context(h), opts, &inputs)?;
+            for t in valid.tensors() {
+                self.check_device(t, "a dispatch input")?;
+            }
+            match self.shared.config.algorithm {
+                Algorithm::LowLatency => ll::start::dispatch(&self.shared, seq, h, valid, opts, into),
+                Algorithm::HighThroughput => ht::start::dispatch(&self.shared, seq, h, Some(valid), opts, into),
+            }
+        })
+    }
+
+    fn combine_op(
+        &self,
+        h: &GpuHandle,
+        inputs: CombineInputs<'_, DeviceTensor>,
+        opts: &CombineOptions,
+        into: Option<&OutputTargets>,
     ) -> Result<GpuOp, Error> {
         self.collective(Channel::Combine, Some(h), opts.pass, |seq| {
             self.core.check_handle(h)?;
@@ -363,8 +438,8 @@ impl Backend for GpuRank {
                 self.check_device(t, "a combine input")?;
             }
             match self.shared.config.algorithm {
-                Algorithm::LowLatency => ll::start::combine(&self.shared, seq, h, paired, valid),
-                Algorithm::HighThroughput => ht::start::combine(&self.shared, seq, h, Some(valid), opts),
+                Algorithm::LowLatency => ll::start::combine(&self.shared, seq, h, paired, valid, into),
+                Algorithm::HighThroughput => ht::start::combine(&self.shared, seq, h, Some(valid), opts, into),
             }
         })
     }

@@ -139,6 +139,47 @@ pub fn barrier(comm: &Comm) -> Result<(), Error> {
     stream.synchronize().map_err(|e| cuda("barrier", e))
 }
 
+/// What joining a group one process per GPU needs from the processes' communicator
+/// ([`crate::GpuWorld::join_over`]): who this process is, its device, and an all-gather of
+/// bytes. Implemented for cudarc's [`Comm`]; the NCCL EP C API implements it over the
+/// application's `ncclComm_t`.
+pub trait Bootstrap {
+    /// This process's rank.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+    /// The CUDA context of this process's device.
+    fn context(&self) -> &Arc<CudaContext>;
+    /// Gathers `mine` (the same length on every rank) from every rank, in rank order
+    /// (collective, blocking).
+    fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<u8>, Error>;
+}
+
+impl Bootstrap for Comm {
+    fn rank(&self) -> usize {
+        Comm::rank(self)
+    }
+
+    fn world_size(&self) -> usize {
+        Comm::world_size(self)
+    }
+
+    fn context(&self) -> &Arc<CudaContext> {
+        Comm::context(self)
+    }
+
+    fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<u8>, Error> {
+        all_gather(self, mine)
+    }
+}
+
+/// Gathers `mine` (the same length on every rank) from every rank of `b`, in rank order.
+pub fn all_gather_u64(b: &(impl Bootstrap + ?Sized), mine: &[u64]) -> Result<Vec<u64>, Error> {
+    let bytes: Vec<u8> = mine.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let all = b.all_gather_bytes(&bytes)?;
+    Ok(all.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default())).collect())
+}
+
 /// Gathers `mine` (the same length on every rank) from every rank, in rank order.
 pub fn all_gather<
     T: cudarc::nccl::NcclType + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Default + Clone,
