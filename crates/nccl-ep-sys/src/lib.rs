@@ -18,5 +18,5 @@
 pub mod library;
 pub mod types;
 
-pub use library::{LoadError, NcclEp, SUPPORTED};
+pub use library::{EPFLOW_MARKER, LoadError, NcclEp, SUPPORTED};
 pub use types::*;

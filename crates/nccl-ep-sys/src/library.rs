@@ -8,6 +8,11 @@ use crate::types::*;
 /// What this crate binds: NCCL EP 0.1, as shipped with the NCCL 2.30 series.
 pub const SUPPORTED: &str = "NCCL EP 0.1 (NCCL 2.30 series)";
 
+/// The symbol epflow's own `libnccl_ep.so` (the NCCL EP C API on epflow's kernels) exports
+/// besides NCCL EP's functions: an `int` holding NCCL EP's version code. [`NcclEp::load`]
+/// refuses a library that has it, so epflow's NCCL EP backend never runs on epflow itself.
+pub const EPFLOW_MARKER: &str = "epflowNcclEpAbiVersion";
+
 /// File names tried when `NCCL_EP_LIB` is not set (through the dynamic loader's search path).
 const DEFAULT_NAMES: &[&str] = &["libnccl_ep.so", "libnccl_ep.so.0"];
 
@@ -42,6 +47,16 @@ pub enum LoadError {
         path: String,
         /// The missing function.
         symbol: &'static str,
+    },
+    /// The library is epflow's own NCCL EP C API (it exports [`EPFLOW_MARKER`]): benchmarking
+    /// it as NVIDIA's would compare epflow with itself.
+    #[error(
+        "{path} is epflow's own libnccl_ep.so (it exports `{EPFLOW_MARKER}`), not NVIDIA's NCCL EP: put NVIDIA's \
+         build first on the library path, or set NCCL_EP_LIB to its libnccl_ep.so"
+    )]
+    IsEpflow {
+        /// The library.
+        path: String,
     },
     /// The library is another version.
     #[error("{path}: {found}; epflow's NCCL EP backend supports {SUPPORTED}")]
@@ -206,6 +221,9 @@ impl NcclEp {
         path: String,
         nccl: Option<libloading::Library>,
     ) -> Result<Self, LoadError> {
+        if optional::<*const c_int>(&[Some(&lib)], EPFLOW_MARKER).is_some() {
+            return Err(LoadError::IsEpflow { path });
+        }
         let version = check_version(&lib, nccl.as_ref(), &path)?;
         Ok(NcclEp {
             create_group: symbol(&lib, "ncclEpCreateGroup", &path)?,

@@ -7,6 +7,19 @@ use std::ffi::{c_int, c_uint, c_ulong, c_void};
 pub type NcclResult = c_int;
 /// `ncclSuccess`.
 pub const NCCL_SUCCESS: NcclResult = 0;
+/// `ncclUnhandledCudaError`: a CUDA call failed.
+pub const NCCL_UNHANDLED_CUDA_ERROR: NcclResult = 1;
+/// `ncclSystemError`: a system call failed (memory, threads).
+pub const NCCL_SYSTEM_ERROR: NcclResult = 2;
+/// `ncclInternalError`: a bug of the library.
+pub const NCCL_INTERNAL_ERROR: NcclResult = 3;
+/// `ncclInvalidArgument`: a null or malformed argument.
+pub const NCCL_INVALID_ARGUMENT: NcclResult = 4;
+/// `ncclInvalidUsage`: arguments well-formed, but not allowed here (a wrong sequence, an
+/// unsupported combination).
+pub const NCCL_INVALID_USAGE: NcclResult = 5;
+/// `ncclRemoteError`: a peer failed.
+pub const NCCL_REMOTE_ERROR: NcclResult = 6;
 /// `ncclDataType_t`.
 pub type NcclDataType = c_int;
 /// `ncclInt8`.
@@ -44,6 +57,9 @@ pub const NCCL_EP_MAGIC: c_uint = 0xC00F_FFEE;
 pub const NCCL_EP_TENSOR_MAGIC: c_uint = 0xCAFE_CAFE;
 /// `NCCL_EP_API_VERSION`: the feature-set version a group config declares.
 pub const NCCL_EP_API_VERSION: c_uint = 1;
+/// `NCCL_EP_VERSION_CODE` of the release these types are: 0.1.0 (`MAJOR * 10000 + MINOR * 100 +
+/// PATCH`).
+pub const NCCL_EP_VERSION_CODE: c_int = 100;
 /// `NCCL_EP_AUTO`: let the library choose (sizes, channels, QPs, SMs).
 pub const NCCL_EP_AUTO: c_uint = 0;
 
@@ -108,6 +124,22 @@ impl NcclEpTensor {
             win_offset: 0,
             sizes: sizes.as_mut_ptr(),
         }
+    }
+}
+
+/// `ncclEpTensorAllocConfig_t` (reserved: size and magic only).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct NcclEpTensorAllocConfig {
+    /// `sizeof(ncclEpTensorAllocConfig_t)`.
+    pub size: c_uint,
+    /// [`NCCL_EP_MAGIC`].
+    pub magic: c_uint,
+}
+
+impl Default for NcclEpTensorAllocConfig {
+    fn default() -> Self {
+        NcclEpTensorAllocConfig { size: std::mem::size_of::<Self>() as c_uint, magic: NCCL_EP_MAGIC }
     }
 }
 
@@ -353,6 +385,7 @@ mod tests {
         assert_eq!(size_of::<NcclEpDispatchConfig>(), 20);
         assert_eq!(size_of::<NcclEpCombineConfig>(), 16);
         assert_eq!(size_of::<NcclEpCompleteConfig>(), 8);
+        assert_eq!(size_of::<NcclEpTensorAllocConfig>(), 8);
     }
 
     #[test]
