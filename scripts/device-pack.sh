@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds what the GPU machines run (they have no Rust toolchain) into .device-pack/ (git-ignored):
-# the epflow binary, the GPU test executables, the examples and the reactor benchmark.
+# the epflow binary, epflow's libnccl_ep.so (in nccl-ep/, with its SONAME link libnccl_ep.so.0),
+# the GPU test executables, the examples and the reactor benchmark.
 # `EPFLOW_PACK_EXAMPLES` (space-separated) overrides the examples packed.
 # Then, on the device machine (see README "Running on GPUs"):
 #   export LD_LIBRARY_PATH=/usr/local/cuda/lib64:$LD_LIBRARY_PATH NCCL_NVLS_ENABLE=0
@@ -12,7 +13,11 @@ out=.device-pack
 rm -rf "$out"
 mkdir -p "$out"
 cargo build --release --bin epflow --examples
+cargo build --release -p epflow-nccl-ep-abi
 cp target/release/epflow "$out/"
+mkdir -p "$out/nccl-ep"
+cp target/release/libnccl_ep.so "$out/nccl-ep/"
+ln -s libnccl_ep.so "$out/nccl-ep/libnccl_ep.so.0"
 for ex in ${EPFLOW_PACK_EXAMPLES:-two_batch_overlap nvlink_ceiling moe_serving}; do
     [ -f "target/release/examples/$ex" ] && cp "target/release/examples/$ex" "$out/"
 done
@@ -37,6 +42,6 @@ for line in sys.stdin:
     list bench -p epflow --bench reactor
 } |
     while read -r name exe; do cp "$exe" "$out/$name"; done
-strip "$out"/* 2>/dev/null || true
+strip "$out"/* "$out"/nccl-ep/libnccl_ep.so 2>/dev/null || true
 du -sh "$out"
 ls -la "$out"

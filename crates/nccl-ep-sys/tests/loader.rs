@@ -71,6 +71,12 @@ fn without_nccl_ep_lib_the_default_names_are_tried() {
             let msg = e.to_string();
             assert!(msg.contains("libnccl_ep.so") && msg.contains("NCCL_EP_LIB"), "{msg}");
         }
+        // cargo puts the workspace's own build folder on the tests' library path, where
+        // epflow's libnccl_ep.so lies: it must be recognized and refused, with the way out.
+        Err(e @ LoadError::IsEpflow { .. }) => {
+            let msg = e.to_string();
+            assert!(msg.contains("epflow's own libnccl_ep.so") && msg.contains("NCCL_EP_LIB"), "{msg}");
+        }
         Err(other) => panic!("unexpected error: {other}"),
         Ok(lib) => eprintln!("note: an NCCL EP library is installed here: {lib:?}"),
     }

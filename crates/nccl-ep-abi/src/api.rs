@@ -1,0 +1,401 @@
+//! The exported C functions of `nccl_ep.h` (NCCL EP 0.1.0): each checks its pointers, runs its
+//! body through [`entry`] (no panic crosses into C) and returns an `ncclResult_t`.
+//!
+//! `ncclEpGroup_t` is a boxed `Arc<Group>`, `ncclEpHandle_t` a boxed [`Handle`]; both are freed
+//! by their destroy call. Collective calls must be made by every rank in the same order, as
+//! NCCL EP requires.
+
+use std::ffi::{c_int, c_uint};
+use std::sync::Arc;
+
+use nccl_ep_sys as ep;
+
+use crate::check;
+use crate::group::Group;
+use crate::handle::{HANDLE_MEM_BYTES, Handle, layout_of};
+use crate::status::{Fail, Res, entry, warn};
+
+/// Marks this library as epflow's (see [`ep::EPFLOW_MARKER`]): NCCL EP's version code.
+#[unsafe(export_name = "epflowNcclEpAbiVersion")]
+pub static EPFLOW_NCCL_EP_ABI_VERSION: c_int = ep::NCCL_EP_VERSION_CODE;
+
+fn group<'a>(g: ep::NcclEpGroup) -> Res<&'a Arc<Group>> {
+    if g.is_null() {
+        return Err(Fail::arg("ep_group is NULL"));
+    }
+    // SAFETY: a non-null ncclEpGroup_t is a `Box<Arc<Group>>` from ncclEpCreateGroup, live until
+    // ncclEpGroupDestroy (the API's contract).
+    Ok(unsafe { &*(g as *const Arc<Group>) })
+}
+
+fn handle<'a>(h: ep::NcclEpHandle) -> Res<&'a Handle> {
+    if h.is_null() {
+        return Err(Fail::arg("handle is NULL"));
+    }
+    // SAFETY: a non-null ncclEpHandle_t is a `Box<Handle>` from ncclEpInitHandle /
+    // ncclEpCreateHandle, live until ncclEpHandleDestroy.
+    Ok(unsafe { &*(h as *const Handle) })
+}
+
+fn out_ptr<T>(p: *mut T, what: &str) -> Res<()> {
+    if p.is_null() { Err(Fail::arg(format!("{what} is NULL"))) } else { Ok(()) }
+}
+
+/// `ncclEpGetVersion`: writes `NCCL_EP_VERSION_CODE` of the API this library implements
+/// (0.1.0 = 100).
+///
+/// # Safety
+///
+/// `version` is null or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclEpGetVersion(version: *mut c_int) -> ep::NcclResult {
+    entry("ncclEpGetVersion", || {
+        out_ptr(version, "version")?;
+        // SAFETY: non-null and writable (contract).
+        unsafe { *version = ep::NCCL_EP_VERSION_CODE };
+        Ok(())
+    })
+}
+
+/// `ncclEpTensorAlloc`: a library-owned descriptor (no device memory; set `data`).
+///
+/// # Safety
+///
+/// See `nccl_ep.h`: `tensor` writable, `sizes` with `ndim` entries, `config` null or readable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclEpTensorAlloc(
+    tensor: *mut *mut ep::NcclEpTensor,
+    ndim: c_uint,
+    datatype: ep::NcclDataType,
+    sizes: *const usize,
+    config: *const ep::NcclEpTensorAllocConfig,
+) -> ep::NcclResult {
+    // SAFETY: forwarded contract.
+    entry("ncclEpTensorAlloc", || unsafe { crate::tensor::alloc(tensor, ndim, datatype, sizes, config) })
+}
+
+/// `ncclEpTensorDestroy`: frees a descriptor from `ncclEpTensorAlloc` (never its data).
+///
+/// # Safety
+///
+/// `tensor` is null or a descriptor from `ncclEpTensorAlloc`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclEpTensorDestroy(tensor: *mut ep::NcclEpTensor) -> ep::NcclResult {
+    // SAFETY: forwarded contract.
+    entry("ncclEpTensorDestroy", || unsafe { crate::tensor::destroy(tensor) })
+}
+
+/// `ncclEpCreateGroup` (collective over `comm`).
+///
+/// # Safety
+///
+/// `ep_group` writable, `comm` a live communicator, `config` null or readable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclEpCreateGroup(
+    ep_group: *mut ep::NcclEpGroup,
+    comm: ep::NcclComm,
+    config: *const ep::NcclEpGroupConfig,
+) -> ep::NcclResult {
+    entry("ncclEpCreateGroup", || {
+        out_ptr(ep_group, "ep_group")?;
+        if comm.is_null() {
+            return Err(Fail::arg("comm is NULL"));
+        }
+        // SAFETY: forwarded contract.
+        let c = unsafe { check::required(config, "config") }?;
+        let g = Group::create(comm, c)?;
+        // SAFETY: writable (checked non-null; contract).
+        unsafe { *ep_group = Box::into_raw(Box::new(g)) as ep::NcclEpGroup };
+        Ok(())
+    })
+}
+
+/// `ncclEpGroupDestroy` (collective): waits for the group's operations and for every rank.
+///
+/// # Safety
+///
+/// `ep_group` from `ncclEpCreateGroup`, not destroyed yet; no call on it runs concurrently.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclEpGroupDestroy(ep_group: ep::NcclEpGroup) -> ep::NcclResult {
+    entry("ncclEpGroupDestroy", || {
+        group(ep_group)?;
+        // SAFETY: the `Box<Arc<Group>>` of ncclEpCreateGroup, taken back once.
+        let g = unsafe { Box::from_raw(ep_group as *mut Arc<Group>) };
+        if Arc::strong_count(&g) > 1 {
+            warn("ncclEpGroupDestroy: handles of the group are still alive; destroy them first");
+        }
+        g.shut_down()
+    })
+}
+
+/// `ncclEpHandleMemSize`: epflow keeps the handle's routing in its own memory; this reports a
+/// small fixed size so callers that allocate `handle_mem` keep working.
+///
+/// # Safety
+///
+/// `ep_group` live; `config` null or readable; `size_out` writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclEpHandleMemSize(
+    ep_group: ep::NcclEpGroup,
+    layout: ep::NcclEpLayout,
+    config: *const ep::NcclEpHandleConfig,
+    size_out: *mut usize,
+    num_topk: c_int,
+) -> ep::NcclResult {
+    entry("ncclEpHandleMemSize", || {
+        let g = group(ep_group)?;
+        out_ptr(size_out, "size_out")?;
+        // SAFETY: forwarded contract.
+        unsafe { check::api_struct(config, "config") }?;
+        layout_of(g.shape.algorithm, layout)?;
+        top_k_arg(g, num_topk)?;
+        // SAFETY: writable (checked; contract).
+        unsafe { *size_out = HANDLE_MEM_BYTES };
+        Ok(())
+    })
+}
+
+/// `num_topk` of `ncclEpInitHandle`/`ncclEpHandleMemSize`: required (1..=16) for low-latency;
+/// high-throughput may pass -1.
+fn top_k_arg(g: &Group, num_topk: c_int) -> Res<Option<usize>> {
+    match (g.shape.algorithm, num_topk) {
+        (epflow_core::Algorithm::HighThroughput, k) if k <= 0 => Ok(None),
+        (_, k) if k >= 1 && k as usize <= epflow_core::config::MAX_TOP_K => Ok(Some(k as usize)),
+        (_, k) => Err(Fail::arg(format!("num_topk is {k}: must be 1 to {}", epflow_core::config::MAX_TOP_K))),
+    }
+}
+
+/// `ncclEpInitHandle`: a handle of `layout` with no routing yet.
+///
+/// # Safety
+///
+/// `handle` writable; `ep_group` live; `config` and `handle_mem` null or readable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclEpInitHandle(
+    handle: *mut ep::NcclEpHandle,
+    ep_group: ep::NcclEpGroup,
+    layout: ep::NcclEpLayout,
+    config: *const ep::NcclEpHandleConfig,
+    num_topk: c_int,
+    handle_mem: *const ep::NcclEpTensor,
+) -> ep::NcclResult {
+    entry("ncclEpInitHandle", || {
+        out_ptr(handle, "handle")?;
+        let g = group(ep_group)?;
+        // SAFETY: forwarded contract.
+        unsafe { check::api_struct(config, "config") }?;
+        // SAFETY: forwarded contract.
+        if let Some(m) = unsafe { check::tensor(handle_mem, "handle_mem") }? {
+            m.expect_type("handle_mem", ep::NCCL_UINT8)?;
+            if m.numel() < HANDLE_MEM_BYTES {
+                return Err(Fail::arg(format!(
+                    "handle_mem has {} bytes, ncclEpHandleMemSize asks {HANDLE_MEM_BYTES}",
+                    m.numel()
+                )));
+            }
+        }
+        let l = layout_of(g.shape.algorithm, layout)?;
+        let k = top_k_arg(g, num_topk)?;
+        let h = Box::new(Handle::new(Arc::clone(g), l, k));
+        // SAFETY: writable (checked; contract).
+        unsafe { *handle = Box::into_raw(h) as ep::NcclEpHandle };
+        Ok(())
+    })
+}
+
+/// `ncclEpUpdateHandle`: binds the routing `topk_idx` (int64 `[B x K]`); collective for
+/// high-throughput. Synchronizes `stream` first.
+///
+/// # Safety
+///
+/// `handle` live; `topk_idx` and `layout_info` null or readable; `stream` live.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclEpUpdateHandle(
+    handle: ep::NcclEpHandle,
+    topk_idx: *const ep::NcclEpTensor,
+    layout_info: *const ep::NcclEpLayoutInfo,
+    stream: ep::CudaStream,
+) -> ep::NcclResult {
+    entry("ncclEpUpdateHandle", || {
+        let h = self::handle(handle)?;
+        // SAFETY: forwarded contract.
+        unsafe { h.update(topk_idx, layout_info, stream) }
+    })
+}
+
+/// `ncclEpCreateHandle`: `ncclEpInitHandle` then `ncclEpUpdateHandle`.
+///
+/// # Safety
+///
+/// As those two.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclEpCreateHandle(
+    handle: *mut ep::NcclEpHandle,
+    ep_group: ep::NcclEpGroup,
+    layout: ep::NcclEpLayout,
+    topk_idx: *const ep::NcclEpTensor,
+    layout_info: *const ep::NcclEpLayoutInfo,
+    config: *const ep::NcclEpHandleConfig,
+    stream: ep::CudaStream,
+) -> ep::NcclResult {
+    entry("ncclEpCreateHandle", || {
+        out_ptr(handle, "handle")?;
+        let g = group(ep_group)?;
+        // SAFETY: forwarded contract.
+        unsafe { check::api_struct(config, "config") }?;
+        let l = layout_of(g.shape.algorithm, layout)?;
+        let h = Handle::new(Arc::clone(g), l, None);
+        // SAFETY: forwarded contract.
+        unsafe { h.update(topk_idx, layout_info, stream) }?;
+        // SAFETY: writable (checked; contract).
+        unsafe { *handle = Box::into_raw(Box::new(h)) as ep::NcclEpHandle };
+        Ok(())
+    })
+}
+
+/// `ncclEpHandleDestroy`.
+///
+/// # Safety
+///
+/// `handle` from `ncclEpInitHandle`/`ncclEpCreateHandle`, not destroyed yet.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclEpHandleDestroy(handle: ep::NcclEpHandle) -> ep::NcclResult {
+    entry("ncclEpHandleDestroy", || {
+        self::handle(handle)?;
+        // SAFETY: the `Box<Handle>` of its creation, taken back once.
+        let h = unsafe { Box::from_raw(handle as *mut Handle) };
+        h.destroy()
+    })
+}
+
+/// `ncclEpDispatch` (collective), in `stream`'s order.
+///
+/// # Safety
+///
+/// As `nccl_ep.h`: live handle and stream, readable structs, tensors of live device memory.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclEpDispatch(
+    handle: ep::NcclEpHandle,
+    inputs: *const ep::NcclEpDispatchInputs,
+    outputs: *const ep::NcclEpDispatchOutputs,
+    layout_info: *const ep::NcclEpLayoutInfo,
+    config: *const ep::NcclEpDispatchConfig,
+    stream: ep::CudaStream,
+) -> ep::NcclResult {
+    entry("ncclEpDispatch", || {
+        let h = self::handle(handle)?;
+        // SAFETY: forwarded contract.
+        unsafe { crate::ops::dispatch(h, inputs, outputs, layout_info, config, stream) }
+    })
+}
+
+/// `ncclEpCombine` (collective), in `stream`'s order.
+///
+/// # Safety
+///
+/// As [`ncclEpDispatch`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclEpCombine(
+    handle: ep::NcclEpHandle,
+    inputs: *const ep::NcclEpCombineInputs,
+    outputs: *const ep::NcclEpCombineOutputs,
+    config: *const ep::NcclEpCombineConfig,
+    stream: ep::CudaStream,
+) -> ep::NcclResult {
+    entry("ncclEpCombine", || {
+        let h = self::handle(handle)?;
+        // SAFETY: forwarded contract.
+        unsafe { crate::ops::combine(h, inputs, outputs, config, stream) }
+    })
+}
+
+/// `ncclEpComplete`: the receive of a `send_only` operation, in `stream`'s order (a no-op when
+/// none is pending).
+///
+/// # Safety
+///
+/// Live handle and stream; `config` null or readable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclEpComplete(
+    handle: ep::NcclEpHandle,
+    config: *const ep::NcclEpCompleteConfig,
+    stream: ep::CudaStream,
+) -> ep::NcclResult {
+    entry("ncclEpComplete", || {
+        let h = self::handle(handle)?;
+        // SAFETY: forwarded contract.
+        unsafe { crate::ops::complete_staged(h, config, stream) }
+    })
+}
+
+fn no_masks(what: &str) -> Res<()> {
+    Err(Fail::usage(format!(
+        "{what}: rank masking is not implemented by epflow's NCCL EP library (groups cannot enable_mask); \
+         a failed rank fails the group, which ncclEpGetAsyncError reports"
+    )))
+}
+
+/// `ncclEpMaskQuery`: `ncclInvalidUsage` (no rank masking).
+///
+/// # Safety
+///
+/// None beyond the API's: nothing is dereferenced.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclEpMaskQuery(
+    ep_group: ep::NcclEpGroup,
+    _mask_status: *mut c_int,
+    _stream: ep::CudaStream,
+) -> ep::NcclResult {
+    entry("ncclEpMaskQuery", || group(ep_group).and_then(|_| no_masks("ncclEpMaskQuery")))
+}
+
+/// `ncclEpMaskUpdate`: `ncclInvalidUsage` (no rank masking).
+///
+/// # Safety
+///
+/// None beyond the API's: nothing is dereferenced.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclEpMaskUpdate(
+    ep_group: ep::NcclEpGroup,
+    _mask: *const c_int,
+    _stream: ep::CudaStream,
+) -> ep::NcclResult {
+    entry("ncclEpMaskUpdate", || group(ep_group).and_then(|_| no_masks("ncclEpMaskUpdate")))
+}
+
+/// `ncclEpMaskClean`: `ncclInvalidUsage` (no rank masking).
+///
+/// # Safety
+///
+/// None beyond the API's: nothing is dereferenced.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclEpMaskClean(ep_group: ep::NcclEpGroup, _stream: ep::CudaStream) -> ep::NcclResult {
+    entry("ncclEpMaskClean", || group(ep_group).and_then(|_| no_masks("ncclEpMaskClean")))
+}
+
+/// `ncclEpGetAsyncError`: 1 once the group failed (a timeout, a failed peer; every later call
+/// then returns `ncclRemoteError`), until `ncclEpErrorClear`. Works without `enable_mask`.
+///
+/// # Safety
+///
+/// `ep_group` live; `error_out` writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclEpGetAsyncError(ep_group: ep::NcclEpGroup, error_out: *mut c_int) -> ep::NcclResult {
+    entry("ncclEpGetAsyncError", || {
+        let g = group(ep_group)?;
+        out_ptr(error_out, "error_out")?;
+        // SAFETY: writable (checked; contract).
+        unsafe { *error_out = g.async_error() };
+        Ok(())
+    })
+}
+
+/// `ncclEpErrorClear`: re-arms `ncclEpGetAsyncError` (a failed group stays failed).
+///
+/// # Safety
+///
+/// `ep_group` live.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclEpErrorClear(ep_group: ep::NcclEpGroup) -> ep::NcclResult {
+    entry("ncclEpErrorClear", || group(ep_group).map(|g| g.clear_error()))
+}

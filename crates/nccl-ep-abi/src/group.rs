@@ -1,0 +1,329 @@
+//! `ncclEpGroup_t`: an epflow GPU rank joined over the caller's communicator, what the group
+//! config fixed, and the operations still in flight (their verdicts are read once the device
+//! is done with them, which also frees their buffer sets).
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaStream;
+use epflow_core::backend::{Backend, PendingOp};
+use epflow_core::protocol::Channel;
+use epflow_core::{Algorithm, DispatchDtype, Error, GroupConfig, MaxTokens};
+use epflow_kernels::setup::bootstrap::Bootstrap;
+use epflow_kernels::{GpuOp, GpuRank, GpuWorld, Transport};
+use nccl_ep_sys as ep;
+
+use crate::comm::CallerComm;
+use crate::status::{Fail, Res, warn};
+
+/// `NCCL_EP_TIMEOUT_MS`: overrides the config's `timeout_ns`, as in NCCL EP.
+const TIMEOUT_ENV: &str = "NCCL_EP_TIMEOUT_MS";
+
+/// What `ncclEpCreateGroup` fixed, checked against every later call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Shape {
+    /// Low-latency or high-throughput.
+    pub(crate) algorithm: Algorithm,
+    /// `E`.
+    pub(crate) num_experts: usize,
+    /// `L = E / R`.
+    pub(crate) local_experts: usize,
+    /// `R`.
+    pub(crate) num_ranks: usize,
+    /// This rank.
+    pub(crate) rank: usize,
+    /// `M`: most tokens a rank dispatches.
+    pub(crate) max_tokens: usize,
+    /// High-throughput: the receive rows a flat dispatch output must have room for.
+    pub(crate) max_recv: usize,
+    /// `H`: `max_token_bytes / 2` (BF16 tokens).
+    pub(crate) hidden: usize,
+}
+
+/// One rank's group.
+pub(crate) struct Group {
+    pub(crate) rank: GpuRank,
+    pub(crate) shape: Shape,
+    comm: CallerComm,
+    /// Operations issued and not yet settled, oldest first.
+    in_flight: Mutex<VecDeque<GpuOp>>,
+    /// `ncclEpErrorClear` was called after the group failed.
+    error_cleared: AtomicBool,
+    /// The error already logged.
+    error_logged: AtomicBool,
+}
+
+impl std::fmt::Debug for Group {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Group").field("shape", &self.shape).finish_non_exhaustive()
+    }
+}
+
+/// The epflow config of an NCCL EP group config (checked).
+fn group_config(c: &ep::NcclEpGroupConfig, num_ranks: usize) -> Res<(GroupConfig, Shape, usize)> {
+    if c.version != ep::NCCL_EP_API_VERSION {
+        warn(&format!(
+            "ncclEpCreateGroup: config.version is {}, this library implements API version {} (NCCL EP 0.1.0)",
+            c.version,
+            ep::NCCL_EP_API_VERSION
+        ));
+    }
+    let algorithm = match c.algorithm {
+        ep::NCCL_EP_ALGO_LOW_LATENCY => Algorithm::LowLatency,
+        ep::NCCL_EP_ALGO_HIGH_THROUGHPUT => Algorithm::HighThroughput,
+        a => return Err(Fail::arg(format!("config.algorithm is {a}, not LOW_LATENCY (0) or HIGH_THROUGHPUT (1)"))),
+    };
+    if c.num_experts == 0 {
+        return Err(Fail::arg("config.num_experts is 0"));
+    }
+    if c.max_dispatch_tokens_per_rank == ep::NCCL_EP_AUTO {
+        return Err(Fail::usage(
+            "config.max_dispatch_tokens_per_rank is NCCL_EP_AUTO: give a bound (NCCL EP 0.1 requires one too)",
+        ));
+    }
+    if c.max_token_bytes == 0 || c.max_token_bytes % 2 != 0 {
+        return Err(Fail::arg(format!(
+            "config.max_token_bytes is {}: it must be hidden * 2 (BF16 tokens)",
+            c.max_token_bytes
+        )));
+    }
+    if c.alloc.alloc_fn.is_some() != c.alloc.free_fn.is_some() {
+        return Err(Fail::usage("config.alloc: give both alloc_fn and free_fn, or neither"));
+    }
+    if c.enable_mask != 0 {
+        return Err(Fail::usage(
+            "config.enable_mask: rank masking is not implemented by epflow's NCCL EP library yet; create the group \
+             with enable_mask = 0 (a failed rank then fails every later call with ncclRemoteError, and \
+             ncclEpGetAsyncError reports it)",
+        ));
+    }
+    let hidden = c.max_token_bytes as usize / 2;
+    let max_tokens = c.max_dispatch_tokens_per_rank as usize;
+    let timeout = match std::env::var(TIMEOUT_ENV).ok().and_then(|v| v.trim().parse::<u64>().ok()) {
+        Some(ms) if ms > 0 => Duration::from_millis(ms),
+        _ if c.timeout_ns > 0 => Duration::from_nanos(c.timeout_ns),
+        _ => epflow_core::config::DEFAULT_TIMEOUT,
+    };
+    let max_sms = (c.max_num_sms != ep::NCCL_EP_AUTO).then_some(c.max_num_sms as usize);
+    let config = match algorithm {
+        Algorithm::LowLatency => GroupConfig::low_latency(c.num_experts as usize, max_tokens, hidden),
+        Algorithm::HighThroughput => {
+            GroupConfig::high_throughput(c.num_experts as usize, hidden).with_max_tokens(MaxTokens::Fixed(max_tokens))
+        }
+    }
+    .with_dispatch_dtype(DispatchDtype::Bf16)
+    .with_max_top_k(epflow_core::config::MAX_TOP_K)
+    .with_max_sms(max_sms)
+    .with_timeout(timeout);
+    let max_recv = match (algorithm, c.max_recv_tokens_per_rank) {
+        (Algorithm::HighThroughput, 0) => {
+            return Err(Fail::arg("config.max_recv_tokens_per_rank is 0: high-throughput groups need it"));
+        }
+        (Algorithm::HighThroughput, m) if (m as usize) < max_tokens => {
+            return Err(Fail::arg(format!(
+                "config.max_recv_tokens_per_rank ({m}) is below max_dispatch_tokens_per_rank ({max_tokens})"
+            )));
+        }
+        (_, 0) => num_ranks * max_tokens,
+        (_, m) => m as usize,
+    };
+    config.validate(num_ranks).map_err(|e| Fail::usage(e.to_string()))?;
+    let local_experts = config.local_experts(num_ranks);
+    let shape = Shape {
+        algorithm,
+        num_experts: c.num_experts as usize,
+        local_experts,
+        num_ranks,
+        rank: 0,
+        max_tokens,
+        max_recv,
+        hidden,
+    };
+    Ok((config, shape, max_tokens))
+}
+
+impl Group {
+    /// `ncclEpCreateGroup` (collective over `comm`).
+    pub(crate) fn create(comm: ep::NcclComm, c: &ep::NcclEpGroupConfig) -> Res<Arc<Self>> {
+        // Refuse a bad config before anything is loaded, and a machine without a GPU before the
+        // communicator is touched.
+        group_config(c, 1)?;
+        if !epflow_kernels::device::driver_present() || epflow_kernels::device_count() == 0 {
+            return Err(Fail::usage(
+                "no CUDA GPU on this machine (the CUDA driver is not installed or sees no device)",
+            ));
+        }
+        let comm = CallerComm::new(comm)?;
+        let (config, mut shape, _) = group_config(c, comm.world_size())?;
+        shape.rank = comm.rank();
+        let rank = GpuWorld::join_over(&comm, config, Transport::Auto)?;
+        Ok(Arc::new(Group {
+            rank,
+            shape,
+            comm,
+            in_flight: Mutex::new(VecDeque::new()),
+            error_cleared: AtomicBool::new(false),
+            error_logged: AtomicBool::new(false),
+        }))
+    }
+
+    /// The group's timeout.
+    pub(crate) fn timeout(&self) -> Duration {
+        self.rank.core().config().timeout
+    }
+
+    /// The caller's stream as a stream of this rank's context.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is null (the legacy default stream) or a live stream of this rank's device.
+    pub(crate) unsafe fn stream(&self, stream: ep::CudaStream) -> Arc<CudaStream> {
+        // SAFETY: the caller's contract; the caller keeps the stream alive while it uses the API.
+        unsafe { self.rank.context().wrap_borrowed_stream(stream as cudarc::driver::sys::CUstream) }
+    }
+
+    /// Fails fast once the group failed (a timeout, a failed peer), with the first reason.
+    pub(crate) fn check(&self) -> Res<()> {
+        self.settle(false)?;
+        self.rank.core().poison().check().map_err(Fail::from)
+    }
+
+    /// Keeps an issued operation until its verdict is read.
+    pub(crate) fn track(&self, op: GpuOp) {
+        self.in_flight.lock().unwrap_or_else(|e| e.into_inner()).push_back(op);
+    }
+
+    /// Reads the verdicts of the operations the device has finished; with `all`, waits (each
+    /// bounded by the group's timeout) until every one has. An operation's verdict failing
+    /// fails the group (later calls return the error).
+    pub(crate) fn settle(&self, all: bool) -> Res<()> {
+        let mut q = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some(op) = q.front_mut() {
+            if !op_done(op, all.then(|| self.timeout()))? {
+                break;
+            }
+            if let Some(mut op) = q.pop_front() {
+                if let Err(e) = op.verdict() {
+                    self.rank.core().poison().poison(e.to_string());
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until fewer than `sets` operations of `channel` are in flight, so the buffer set
+    /// the next one takes is free.
+    pub(crate) fn make_room(&self, channel: Channel) -> Res<()> {
+        let sets = self.rank.core().config().buffer_sets;
+        loop {
+            let busy = {
+                let q = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+                q.iter().filter(|op| op.id().channel == channel).count()
+            };
+            if busy < sets {
+                return Ok(());
+            }
+            let mut q = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(op) = q.front_mut() {
+                op_done(op, Some(self.timeout()))?;
+            }
+            drop(q);
+            self.settle(false)?;
+        }
+    }
+
+    /// `ncclEpGetAsyncError`: 1 once the group failed (and `ncclEpErrorClear` was not called
+    /// since), else 0.
+    pub(crate) fn async_error(&self) -> i32 {
+        let _ = self.settle(false);
+        let failed = self.rank.core().poison().is_poisoned();
+        if failed && !self.error_logged.swap(true, Ordering::Relaxed) {
+            if let Err(e) = self.rank.core().poison().check() {
+                warn(&format!("the group failed: {e}"));
+            }
+        }
+        i32::from(failed && !self.error_cleared.load(Ordering::Relaxed))
+    }
+
+    /// `ncclEpErrorClear`: re-arms the flag (the group stays failed: epflow does not mask).
+    pub(crate) fn clear_error(&self) {
+        self.error_cleared.store(true, Ordering::Relaxed);
+    }
+
+    /// `ncclEpGroupDestroy`: waits for every operation, then for every rank (collective), so no
+    /// peer still reads this rank's memory when it is freed.
+    pub(crate) fn shut_down(&self) -> Res<()> {
+        let settled = self.settle(true);
+        let barrier = self.comm.all_gather_bytes(&[1]);
+        settled?;
+        barrier.map(|_| ()).map_err(Fail::from)
+    }
+}
+
+/// Whether `op`'s device work is done; with `wait`, polls until it is (at most `wait`).
+fn op_done(op: &mut GpuOp, wait: Option<Duration>) -> Res<bool> {
+    let deadline = wait.map(|w| Instant::now() + w);
+    loop {
+        match op.poll_complete() {
+            Ok(true) => return Ok(true),
+            Ok(false) => {}
+            Err(e) => return Err(e.into()),
+        }
+        match deadline {
+            None => return Ok(false),
+            Some(d) if Instant::now() >= d => {
+                let e = Error::Timeout {
+                    op: op.label(),
+                    rank: op.id().rank,
+                    waiting_for: op.waiting_for(),
+                    after: wait.unwrap_or_default(),
+                };
+                return Err(e.into());
+            }
+            Some(_) => std::thread::sleep(Duration::from_micros(20)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ll() -> ep::NcclEpGroupConfig {
+        ep::NcclEpGroupConfig {
+            num_experts: 16,
+            max_dispatch_tokens_per_rank: 128,
+            max_token_bytes: 7168 * 2,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn configs_map_to_epflow_groups() {
+        let (config, shape, _) = group_config(&ll(), 2).unwrap();
+        assert_eq!((config.hidden, config.num_experts, shape.local_experts, shape.max_recv), (7168, 16, 8, 256));
+        let ht = ep::NcclEpGroupConfig {
+            algorithm: ep::NCCL_EP_ALGO_HIGH_THROUGHPUT,
+            max_recv_tokens_per_rank: 4096,
+            ..ll()
+        };
+        let (config, shape, _) = group_config(&ht, 2).unwrap();
+        assert_eq!((config.algorithm, shape.max_recv), (Algorithm::HighThroughput, 4096));
+    }
+
+    #[test]
+    fn bad_configs_are_refused_with_the_nccl_code() {
+        let code = |c: ep::NcclEpGroupConfig| group_config(&c, 2).unwrap_err().code;
+        assert_eq!(code(ep::NcclEpGroupConfig { algorithm: 7, ..ll() }), ep::NCCL_INVALID_ARGUMENT);
+        assert_eq!(code(ep::NcclEpGroupConfig { num_experts: 0, ..ll() }), ep::NCCL_INVALID_ARGUMENT);
+        assert_eq!(code(ep::NcclEpGroupConfig { max_token_bytes: 7, ..ll() }), ep::NCCL_INVALID_ARGUMENT);
+        assert_eq!(code(ep::NcclEpGroupConfig { max_dispatch_tokens_per_rank: 0, ..ll() }), ep::NCCL_INVALID_USAGE);
+        assert_eq!(code(ep::NcclEpGroupConfig { enable_mask: 1, ..ll() }), ep::NCCL_INVALID_USAGE);
+        assert_eq!(code(ep::NcclEpGroupConfig { num_experts: 15, ..ll() }), ep::NCCL_INVALID_USAGE);
+        let ht = ep::NcclEpGroupConfig { algorithm: ep::NCCL_EP_ALGO_HIGH_THROUGHPUT, ..ll() };
+        assert_eq!(code(ht), ep::NCCL_INVALID_ARGUMENT);
+    }
+}

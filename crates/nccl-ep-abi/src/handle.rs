@@ -1,0 +1,210 @@
+//! `ncclEpHandle_t`: a layout, a top-k, and the routing epflow built from the caller's
+//! `topk_idx` (`ncclEpCreateHandle`, or `ncclEpInitHandle` then `ncclEpUpdateHandle`).
+//!
+//! epflow keeps a handle's routing in its own device memory: `ncclEpHandleMemSize` reports a
+//! small size, and a caller's `handle_mem` is checked but not used. The routing is read when the
+//! handle is created or updated (the stream is synchronized first): a later change of the
+//! `topk_idx` memory needs `ncclEpUpdateHandle`.
+
+use std::sync::{Arc, Mutex};
+
+use epflow_core::backend::{PendingOp, blocking_handle_with};
+use epflow_core::handle::RoutingHandle;
+use epflow_core::ops::{HandleOptions, Layout};
+use epflow_core::{Algorithm, DType, TensorDesc, TensorTag};
+use epflow_kernels::{DeviceTensor, GpuHandle, GpuOp};
+use nccl_ep_sys as ep;
+
+use crate::check::{self, Tensor};
+use crate::group::Group;
+use crate::status::{Fail, Res};
+
+/// What `ncclEpHandleMemSize` reports: epflow does not place routing state in caller memory.
+pub(crate) const HANDLE_MEM_BYTES: usize = 256;
+
+/// One handle.
+pub(crate) struct Handle {
+    pub(crate) group: Arc<Group>,
+    pub(crate) layout: Layout,
+    /// `num_topk` of `ncclEpInitHandle`, or of the routing.
+    top_k: Mutex<Option<usize>>,
+    gpu: Mutex<Option<GpuHandle>>,
+    /// A `send_only` operation waiting for `ncclEpComplete`.
+    pub(crate) staged: Mutex<Option<GpuOp>>,
+}
+
+impl std::fmt::Debug for Handle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handle").field("layout", &self.layout).finish_non_exhaustive()
+    }
+}
+
+/// epflow's layout of an NCCL EP layout, for `algorithm`.
+pub(crate) fn layout_of(algorithm: Algorithm, layout: ep::NcclEpLayout) -> Res<Layout> {
+    match (algorithm, layout) {
+        (_, ep::NCCL_EP_LAYOUT_UNSET) => Err(Fail::arg("layout is NCCL_EP_LAYOUT_UNSET")),
+        (Algorithm::LowLatency, ep::NCCL_EP_LAYOUT_EXPERT_MAJOR) => Ok(Layout::ExpertMajor),
+        (Algorithm::LowLatency, ep::NCCL_EP_LAYOUT_RANK_MAJOR) => Ok(Layout::RankMajor),
+        (Algorithm::HighThroughput, ep::NCCL_EP_LAYOUT_FLAT) => Ok(Layout::ExpertMajor),
+        (Algorithm::HighThroughput, ep::NCCL_EP_LAYOUT_EXPERT_MAJOR) => Err(Fail::usage(
+            "high-throughput NCCL_EP_LAYOUT_EXPERT_MAJOR is not implemented by epflow's NCCL EP library: use NCCL_EP_LAYOUT_FLAT",
+        )),
+        (Algorithm::LowLatency, ep::NCCL_EP_LAYOUT_FLAT) => Err(Fail::usage(
+            "NCCL_EP_LAYOUT_FLAT is a high-throughput layout; low-latency takes EXPERT_MAJOR or RANK_MAJOR",
+        )),
+        (Algorithm::HighThroughput, ep::NCCL_EP_LAYOUT_RANK_MAJOR) => {
+            Err(Fail::usage("NCCL_EP_LAYOUT_RANK_MAJOR is a low-latency layout; high-throughput takes FLAT"))
+        }
+        (_, l) => Err(Fail::arg(format!("layout {l} is not an ncclEpLayout_t"))),
+    }
+}
+
+/// Synchronizes the caller's stream (so what it wrote is visible to the host), refusing a
+/// stream under CUDA graph capture.
+pub(crate) fn sync_stream(stream: ep::CudaStream, what: &str) -> Res<()> {
+    refuse_capture(stream, what)?;
+    // SAFETY: the caller's live stream (or null, the legacy default stream).
+    let rc = unsafe { cudarc::driver::sys::cuStreamSynchronize(stream as cudarc::driver::sys::CUstream) };
+    rc.result().map_err(|e| Fail::from(epflow_core::Error::Backend(format!("CUDA: synchronize the stream: {e:?}"))))
+}
+
+/// `ncclInvalidUsage` while `stream` is being captured into a CUDA graph: epflow's operations
+/// are not capturable yet.
+pub(crate) fn refuse_capture(stream: ep::CudaStream, what: &str) -> Res<()> {
+    let mut status = cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: the caller's live stream; a valid out pointer.
+    let rc = unsafe { cudarc::driver::sys::cuStreamIsCapturing(stream as cudarc::driver::sys::CUstream, &mut status) };
+    if rc.result().is_ok() && status != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+        return Err(Fail::usage(format!(
+            "{what} on a stream under CUDA graph capture: epflow's NCCL EP library cannot be captured yet"
+        )));
+    }
+    Ok(())
+}
+
+/// Writes `values` into the caller's counter tensor `t` (int32 or int64, at least as many
+/// elements), synchronously.
+fn write_counts(t: &Tensor, values: &[i64], what: &str) -> Res<()> {
+    if t.numel() < values.len() {
+        return Err(Fail::arg(format!("{what}: {} elements, {} needed", t.numel(), values.len())));
+    }
+    let bytes: Vec<u8> = match t.datatype {
+        ep::NCCL_INT32 => values.iter().flat_map(|&v| (v as i32).to_ne_bytes()).collect(),
+        ep::NCCL_INT64 => values.iter().flat_map(|&v| v.to_ne_bytes()).collect(),
+        _ => return Err(Fail::arg(format!("{what}: must be ncclInt32 or ncclInt64"))),
+    };
+    // SAFETY: `t.ptr` is the caller's device memory of at least `bytes.len()` bytes (checked
+    // element count and type); a synchronous copy from a live host buffer.
+    let rc = unsafe { cudarc::driver::sys::cuMemcpyHtoD_v2(t.ptr, bytes.as_ptr() as *const _, bytes.len()) };
+    rc.result().map_err(|e| Fail::from(epflow_core::Error::Backend(format!("CUDA: write {what}: {e:?}"))))
+}
+
+impl Handle {
+    /// A handle of `layout` with no routing yet (`ncclEpInitHandle`).
+    pub(crate) fn new(group: Arc<Group>, layout: Layout, top_k: Option<usize>) -> Self {
+        Handle { group, layout, top_k: Mutex::new(top_k), gpu: Mutex::new(None), staged: Mutex::new(None) }
+    }
+
+    /// The routing, or `ncclInvalidUsage` before `ncclEpUpdateHandle`.
+    pub(crate) fn gpu(&self) -> Res<GpuHandle> {
+        self.gpu
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| Fail::usage("the handle has no routing yet: call ncclEpUpdateHandle first"))
+    }
+
+    /// `ncclEpUpdateHandle` (and the second half of `ncclEpCreateHandle`): builds the routing
+    /// from `topk_idx` (int64 `[B x K]`); high-throughput: collective (the count exchange),
+    /// and fills the counters asked for in `info`.
+    ///
+    /// # Safety
+    ///
+    /// `topk_idx` and `info` are null or readable, as the C API requires; `stream` is the
+    /// caller's live stream.
+    pub(crate) unsafe fn update(
+        &self,
+        topk_idx: *const ep::NcclEpTensor,
+        info: *const ep::NcclEpLayoutInfo,
+        stream: ep::CudaStream,
+    ) -> Res<()> {
+        let g = &self.group;
+        g.check()?;
+        // SAFETY: forwarded contract.
+        let t = unsafe { check::required_tensor(topk_idx, "topk_idx") }?;
+        // SAFETY: forwarded contract.
+        let info = unsafe { check::api_struct(info, "layout_info") }?;
+        t.expect_type("topk_idx", ep::NCCL_INT64)?;
+        if t.sizes.len() != 2 {
+            return Err(Fail::arg(format!("topk_idx: sizes are {:?}, expected [num_tokens, top_k]", t.sizes)));
+        }
+        let (b, k) = (t.sizes[0], t.sizes[1]);
+        if b > g.shape.max_tokens {
+            return Err(Fail::usage(format!(
+                "topk_idx has {b} tokens, more than max_dispatch_tokens_per_rank ({})",
+                g.shape.max_tokens
+            )));
+        }
+        if let Some(want) = *self.top_k.lock().unwrap_or_else(|e| e.into_inner()) {
+            if want != k {
+                return Err(Fail::usage(format!("topk_idx has top_k {k}, the handle was initialised with {want}")));
+            }
+        }
+        sync_stream(stream, "ncclEpUpdateHandle")?;
+        // Settle earlier operations: a new routing replaces the handle's.
+        g.settle(true)?;
+        let desc = TensorDesc::contiguous(TensorTag::TopkIdx, DType::I64, &[b, k]);
+        // SAFETY: the caller's device tensor of [b, k] int64 (checked), read synchronously here.
+        let dev = unsafe { DeviceTensor::from_raw(t.ptr, g.rank.device(), desc) };
+        let h = blocking_handle_with(&g.rank, &dev, &HandleOptions::with_layout(self.layout))?;
+        if g.shape.algorithm == Algorithm::HighThroughput {
+            if let Some(info) = info {
+                let counts: Vec<i64> =
+                    h.recv_expert_counts().unwrap_or_default().iter().map(|&c| i64::from(c)).collect();
+                // SAFETY: forwarded contract (the info's tensors are readable descriptors).
+                if let Some(c) = unsafe { check::tensor(info.expert_counters, "layout_info.expert_counters") }? {
+                    write_counts(&c, &counts, "layout_info.expert_counters")?;
+                }
+                // SAFETY: as above.
+                if let Some(c) = unsafe { check::tensor(info.recv_total_counter, "layout_info.recv_total_counter") }? {
+                    let n = h.num_recv_tokens().unwrap_or(0) as i64;
+                    write_counts(&c, &[n], "layout_info.recv_total_counter")?;
+                }
+            }
+        }
+        *self.top_k.lock().unwrap_or_else(|e| e.into_inner()) = Some(k);
+        *self.gpu.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
+        Ok(())
+    }
+
+    /// `ncclEpHandleDestroy`: completes a staged operation left behind (on the rank's stream),
+    /// and lets the group read the verdicts.
+    pub(crate) fn destroy(self) -> Res<()> {
+        let staged = self.staged.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(mut op) = staged {
+            crate::status::warn("ncclEpHandleDestroy: a send-only operation was never completed; completing it now");
+            op.start_complete()?;
+            self.group.track(op);
+        }
+        self.group.settle(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_map_per_algorithm() {
+        use Algorithm::{HighThroughput as Ht, LowLatency as Ll};
+        assert_eq!(layout_of(Ll, ep::NCCL_EP_LAYOUT_EXPERT_MAJOR), Ok(Layout::ExpertMajor));
+        assert_eq!(layout_of(Ll, ep::NCCL_EP_LAYOUT_RANK_MAJOR), Ok(Layout::RankMajor));
+        assert_eq!(layout_of(Ht, ep::NCCL_EP_LAYOUT_FLAT), Ok(Layout::ExpertMajor));
+        let code = |a, l| layout_of(a, l).unwrap_err().code;
+        assert_eq!(code(Ll, ep::NCCL_EP_LAYOUT_UNSET), ep::NCCL_INVALID_ARGUMENT);
+        assert_eq!(code(Ll, 9), ep::NCCL_INVALID_ARGUMENT);
+        assert_eq!(code(Ll, ep::NCCL_EP_LAYOUT_FLAT), ep::NCCL_INVALID_USAGE);
+        assert_eq!(code(Ht, ep::NCCL_EP_LAYOUT_EXPERT_MAJOR), ep::NCCL_INVALID_USAGE);
+        assert_eq!(code(Ht, ep::NCCL_EP_LAYOUT_RANK_MAJOR), ep::NCCL_INVALID_USAGE);
+    }
+}

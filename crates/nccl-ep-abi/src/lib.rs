@@ -1,0 +1,42 @@
+//! # epflow-nccl-ep-abi (`libnccl_ep.so`)
+//!
+//! NCCL EP's C API (`nccl_ep.h` of NCCL EP 0.1.0, API version 1, as NCCL 2.30.7 ships it) on
+//! epflow's kernels: `cargo build --release` writes `target/release/libnccl_ep.so`, a drop-in
+//! for NVIDIA's library. Programs built against NVIDIA's header (`ep_test`, `ep_bench`, the
+//! `nccl4py` bindings) run on epflow by putting this library first on the library path.
+//! `include/nccl_ep.h` is this crate's header, generated from the Rust definitions
+//! ([`header`]).
+//!
+//! ## Table of contents
+//!
+//! - `api.rs`: the 18 exported functions, and the `epflowNcclEpAbiVersion` marker that epflow's
+//!   own NCCL EP backend uses to refuse this library.
+//! - `status.rs`: `ncclResult_t` codes, log lines, panics caught at the boundary.
+//! - `check.rs`: the size/magic checks of every struct, and tensor descriptors.
+//! - `tensor.rs`: `ncclEpTensorAlloc` / `ncclEpTensorDestroy`.
+//! - `comm.rs`: the caller's `ncclComm_t` as epflow's bootstrap (through the caller's NCCL).
+//! - `group.rs`: a group: the epflow GPU rank, the config's shape, operations in flight.
+//! - `handle.rs`: handles: layout, top-k, routing.
+//! - `ops.rs`: dispatch, combine and complete on the caller's stream and tensors.
+//! - [`header`]: the C header, generated.
+//!
+//! ## What is implemented
+//!
+//! Low-latency, expert-major and rank-major layouts, `send_only` + `ncclEpComplete`;
+//! high-throughput, flat layout, forward and backward. The caller's `ncclComm_t` bootstraps
+//! the group (one process per GPU; ranks on one host share memory over NVLink, other hosts go
+//! through NCCL). Operations run on the caller's stream and write the caller's tensors.
+//! Refused with `ncclInvalidUsage` and a log line: rank masking (`enable_mask`, the mask calls),
+//! high-throughput expert-major, FP8, NCCL window tensors, CUDA graph capture.
+
+#![warn(missing_docs)]
+
+pub mod api;
+mod check;
+mod comm;
+mod group;
+mod handle;
+pub mod header;
+mod ops;
+mod status;
+mod tensor;

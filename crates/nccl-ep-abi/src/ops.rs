@@ -1,0 +1,421 @@
+//! `ncclEpDispatch`, `ncclEpCombine` and `ncclEpComplete` on epflow's kernels: the caller's
+//! tensors checked against the shapes `nccl_ep.h` gives, the operation started with its outputs
+//! in the caller's tensors and its send half on the caller's stream, then (unless `send_only`)
+//! its receive enqueued on the same stream. Nothing waits on the host in low-latency calls;
+//! high-throughput calls return once the device finished (as NCCL EP 0.1's dispatch, which reads
+//! the receive count back).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::CudaStream;
+use epflow_core::backend::{Backend, PendingOp, StreamOrder, send_blocking};
+use epflow_core::handle::RoutingHandle;
+use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, Layout, Pass};
+use epflow_core::protocol::Channel;
+use epflow_core::{Algorithm, DType, Error, TensorDesc, TensorTag};
+use epflow_kernels::{DeviceTensor, GpuHandle, GpuOp, OutputTargets};
+use nccl_ep_sys as ep;
+
+use crate::check::{self, Tensor};
+use crate::group::Group;
+use crate::handle::{Handle, refuse_capture};
+use crate::status::{Fail, Res};
+
+/// The caller's tensor `t` as a device tensor of `desc` (only `desc`'s bytes are used: the
+/// leading rows of a larger tensor).
+fn device(g: &Group, t: &Tensor, desc: TensorDesc) -> DeviceTensor {
+    // SAFETY: every caller checked that `t` holds at least `desc`'s elements of its type; the
+    // memory is the caller's, valid until the operation completes (nccl_ep.h's contract).
+    unsafe { DeviceTensor::from_raw(t.ptr, g.rank.device(), desc) }
+}
+
+fn pass_of(p: ep::NcclEpPassDir) -> Res<Pass> {
+    match p {
+        ep::NCCL_EP_FWD_PASS => Ok(Pass::Forward),
+        ep::NCCL_EP_BWD_PASS => Ok(Pass::Backward),
+        p => Err(Fail::arg(format!("pass_direction is {p}, not FWD (0) or BWD (1)"))),
+    }
+}
+
+/// Requires `t` to be `dtype` with `rows` (at least, with `at_least`) rows of `row` elements:
+/// the last dimension is the row, the others multiply to the rows (`[R, M, H]` is `R*M` rows of
+/// `H`).
+fn rows_of(t: &Tensor, what: &str, dtype: ep::NcclDataType, rows: usize, row: usize, at_least: bool) -> Res<()> {
+    t.expect_type(what, dtype)?;
+    let (got_row, lead) = t.sizes.split_last().map_or((0, &[][..]), |(r, lead)| (*r, lead));
+    let got_rows: usize = lead.iter().product();
+    let fits = if at_least { got_rows >= rows } else { got_rows == rows };
+    if got_row != row || !fits || t.sizes.len() < 2 {
+        let want = if at_least { format!("at least {rows}") } else { rows.to_string() };
+        return Err(Fail::arg(format!("{what}: sizes are {:?}, expected {want} rows of {row} elements", t.sizes)));
+    }
+    Ok(())
+}
+
+/// Issues `op` (its send half on `stream`), then completes it on `stream` unless `staged`, in
+/// which case it is returned for `ncclEpComplete`.
+fn issue(g: &Group, mut op: GpuOp, channel: Channel, stream: &Arc<CudaStream>, staged: bool) -> Res<Option<GpuOp>> {
+    op.send_on(stream)?;
+    let rank = &g.rank;
+    let op = send_blocking(op, rank.slot_pool(channel), rank.poison(), g.timeout())?;
+    if staged {
+        return Ok(Some(op));
+    }
+    complete(g, op, stream)?;
+    Ok(None)
+}
+
+/// Completes `op` in `stream`'s order; the group reads its verdict later.
+pub(crate) fn complete(g: &Group, mut op: GpuOp, stream: &Arc<CudaStream>) -> Res<()> {
+    let deadline = Instant::now() + g.timeout();
+    loop {
+        // Low-latency: the receive kernel is enqueued on `stream` and this returns at once;
+        // other operations return once the host saw them finish.
+        match op.complete_on(stream, StreamOrder::OnStream) {
+            Ok(Some(outputs)) => {
+                // The outputs are views of the caller's tensors: nothing to hand out.
+                drop(outputs);
+                g.track(op);
+                return Ok(());
+            }
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(std::time::Duration::from_micros(10)),
+            Ok(None) => {
+                let e = Error::Timeout {
+                    op: op.label(),
+                    rank: g.shape.rank,
+                    waiting_for: op.waiting_for(),
+                    after: g.timeout(),
+                };
+                g.rank.core().poison().poison(e.to_string());
+                return Err(e.into());
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+fn no_staged(h: &Handle) -> Res<()> {
+    if h.staged.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+        return Err(Fail::usage("a send-only operation on this handle is waiting for ncclEpComplete"));
+    }
+    Ok(())
+}
+
+/// The tokens input `[B x H]` BF16 of handle `gh`.
+fn tokens_in(g: &Group, gh: &GpuHandle, t: &Tensor) -> Res<DeviceTensor> {
+    let (b, hd) = (gh.num_tokens(), g.shape.hidden);
+    rows_of(t, "inputs.tokens", ep::NCCL_BFLOAT16, b, hd, false)?;
+    Ok(device(g, t, TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[b, hd])))
+}
+
+/// `ncclEpDispatch`.
+///
+/// # Safety
+///
+/// Every pointer is null or readable as `nccl_ep.h` declares; tensors address live device
+/// memory of the group's device; `stream` is the caller's live stream.
+pub(crate) unsafe fn dispatch(
+    h: &Handle,
+    inputs: *const ep::NcclEpDispatchInputs,
+    outputs: *const ep::NcclEpDispatchOutputs,
+    info: *const ep::NcclEpLayoutInfo,
+    config: *const ep::NcclEpDispatchConfig,
+    stream: ep::CudaStream,
+) -> Res<()> {
+    let g = &*h.group;
+    // SAFETY: forwarded contract: every pointer is null or readable as nccl_ep.h declares.
+    let (inputs, outputs, info, cfg) = unsafe {
+        (
+            check::required(inputs, "inputs")?,
+            check::required(outputs, "outputs")?,
+            check::api_struct(info, "layout_info")?,
+            check::api_struct(config, "config")?.copied().unwrap_or_default(),
+        )
+    };
+    // SAFETY: as above, for the tensor descriptors the structs point to.
+    let (x, w_in, out, out_w, out_i) = unsafe {
+        (
+            check::required_tensor(inputs.tokens, "inputs.tokens")?,
+            check::tensor(inputs.topk_weights, "inputs.topk_weights")?,
+            check::required_tensor(outputs.tokens, "outputs.tokens")?,
+            check::tensor(outputs.topk_weights, "outputs.topk_weights")?,
+            check::tensor(outputs.topk_idx, "outputs.topk_idx")?,
+        )
+    };
+    if !inputs.scales.is_null() || !outputs.scales.is_null() {
+        return Err(Fail::usage("scales are reserved in NCCL EP 0.1 (BF16 dispatch only)"));
+    }
+    refuse_capture(stream, "ncclEpDispatch")?;
+    g.check()?;
+    no_staged(h)?;
+    let gh = h.gpu()?;
+    let pass = pass_of(cfg.pass_direction)?;
+    let s = &g.shape;
+    let (k, hd) = (gh.top_k(), s.hidden);
+    let tokens = tokens_in(g, &gh, &x)?;
+    let opts = DispatchOptions { pass, ..Default::default() };
+    let f32s = |t: &Tensor, rows| device(g, t, TensorDesc::contiguous(TensorTag::TopkWeights, DType::F32, &[rows, k]));
+    // SAFETY: the caller's live stream (contract).
+    let st = unsafe { g.stream(stream) };
+    match (s.algorithm, h.layout) {
+        (Algorithm::LowLatency, layout) => {
+            if pass == Pass::Backward {
+                return Err(Fail::usage("low-latency dispatch has no backward pass"));
+            }
+            let rows = s.num_ranks * s.max_tokens;
+            let mut targets = OutputTargets { tokens: out.ptr, ..Default::default() };
+            let weights = if layout == Layout::RankMajor {
+                let w = w_in.ok_or_else(|| Fail::arg("rank-major dispatch needs inputs.topk_weights"))?;
+                rows_of(&w, "inputs.topk_weights", ep::NCCL_FLOAT32, gh.num_tokens(), k, false)?;
+                rows_of(&out, "outputs.tokens", ep::NCCL_BFLOAT16, rows, hd, false)?;
+                let ow = out_w.ok_or_else(|| Fail::arg("rank-major dispatch needs outputs.topk_weights"))?;
+                let oi = out_i.ok_or_else(|| Fail::arg("rank-major dispatch needs outputs.topk_idx"))?;
+                rows_of(&ow, "outputs.topk_weights", ep::NCCL_FLOAT32, rows, k, false)?;
+                rows_of(&oi, "outputs.topk_idx", ep::NCCL_INT32, rows, k, false)?;
+                let c = counter(info.and_then(|i| (!i.src_rank_counters.is_null()).then_some(i.src_rank_counters)))
+                    .ok_or_else(|| Fail::arg("rank-major dispatch needs layout_info.src_rank_counters"))??;
+                c.expect_type("layout_info.src_rank_counters", ep::NCCL_INT32)?;
+                c.expect_sizes("layout_info.src_rank_counters", &[s.num_ranks])?;
+                targets.topk_weights = Some(ow.ptr);
+                targets.topk_idx = Some(oi.ptr);
+                targets.counts = Some(c.ptr);
+                Some(f32s(&w, gh.num_tokens()))
+            } else {
+                out.expect_type("outputs.tokens", ep::NCCL_BFLOAT16)?;
+                out.expect_sizes("outputs.tokens", &[s.local_experts, rows, hd])?;
+                let c = counter(info.and_then(|i| (!i.expert_counters.is_null()).then_some(i.expert_counters)))
+                    .ok_or_else(|| Fail::arg("expert-major dispatch needs layout_info.expert_counters"))??;
+                c.expect_type("layout_info.expert_counters", ep::NCCL_INT32)?;
+                c.expect_sizes("layout_info.expert_counters", &[s.local_experts])?;
+                targets.counts = Some(c.ptr);
+                None
+            };
+            let mut din = DispatchInputs::new(&tokens);
+            if let Some(w) = &weights {
+                din = din.with_weights(w);
+            }
+            g.make_room(Channel::Dispatch)?;
+            // SAFETY: the targets were checked against the shapes of this layout above.
+            let op = unsafe { g.rank.start_dispatch_into(&gh, din, &opts, &targets) }?;
+            let staged = issue(g, op, Channel::Dispatch, &st, cfg.send_only != 0)?;
+            *h.staged.lock().unwrap_or_else(|e| e.into_inner()) = staged;
+        }
+        (Algorithm::HighThroughput, _) => {
+            let n = gh.num_recv_tokens().unwrap_or(0);
+            rows_of(&out, "outputs.tokens", ep::NCCL_BFLOAT16, n, hd, true)?;
+            let slots = out.numel() / hd.max(1);
+            let mut targets = OutputTargets { tokens: out.ptr, ..Default::default() };
+            let weights = match pass {
+                Pass::Forward => {
+                    let w = w_in.ok_or_else(|| Fail::arg("forward dispatch needs inputs.topk_weights"))?;
+                    rows_of(&w, "inputs.topk_weights", ep::NCCL_FLOAT32, gh.num_tokens(), k, false)?;
+                    let ow = out_w.ok_or_else(|| Fail::arg("flat dispatch needs outputs.topk_weights"))?;
+                    let oi = out_i.ok_or_else(|| Fail::arg("flat dispatch needs outputs.topk_idx"))?;
+                    rows_of(&ow, "outputs.topk_weights", ep::NCCL_FLOAT32, slots, k, false)?;
+                    rows_of(&oi, "outputs.topk_idx", ep::NCCL_INT64, slots, k, false)?;
+                    fill_unused(&st, &ow, &oi, n, slots, k)?;
+                    targets.topk_weights = Some(ow.ptr);
+                    targets.topk_idx = Some(oi.ptr);
+                    Some(f32s(&w, gh.num_tokens()))
+                }
+                Pass::Backward => {
+                    if w_in.is_some() || out_w.is_some() || out_i.is_some() {
+                        return Err(Fail::arg("backward dispatch takes no top-k weights or indices"));
+                    }
+                    None
+                }
+            };
+            let mut din = DispatchInputs::new(&tokens);
+            if let Some(w) = &weights {
+                din = din.with_weights(w);
+            }
+            // SAFETY: the targets hold at least the rows epflow writes (checked above).
+            let op = unsafe { g.rank.start_dispatch_into(&gh, din, &opts, &targets) }?;
+            issue(g, op, Channel::Dispatch, &st, false)?;
+            g.settle(true)?;
+        }
+    }
+    Ok(())
+}
+
+/// A counter tensor of the layout info, checked.
+fn counter(p: Option<*mut ep::NcclEpTensor>) -> Option<Res<Tensor>> {
+    // SAFETY: a descriptor pointer of the caller's layout info (readable, the API's contract).
+    p.map(|p| unsafe { check::required_tensor(p, "layout_info counter") })
+}
+
+/// Flat layout: rows `n..slots` of the caller's top-k outputs say "no expert" (indices -1,
+/// weights 0), as NCCL EP writes every row; enqueued on `stream`.
+fn fill_unused(stream: &CudaStream, w: &Tensor, idx: &Tensor, n: usize, slots: usize, k: usize) -> Res<()> {
+    if slots <= n {
+        return Ok(());
+    }
+    let rows = slots - n;
+    let cu = stream.cu_stream();
+    // SAFETY: both tensors have `slots` rows of `k` elements (checked by the caller); the ranges
+    // start at row `n`; ordered on the caller's stream.
+    let rc = unsafe {
+        cudarc::driver::sys::cuMemsetD8Async(idx.ptr + (n * k * 8) as u64, 0xff, rows * k * 8, cu)
+            .result()
+            .and_then(|()| cudarc::driver::sys::cuMemsetD32Async(w.ptr + (n * k * 4) as u64, 0, rows * k, cu).result())
+    };
+    rc.map_err(|e| Fail::from(Error::Backend(format!("CUDA: fill the unused flat rows: {e:?}"))))
+}
+
+/// `ncclEpCombine`.
+///
+/// # Safety
+///
+/// As [`dispatch`].
+pub(crate) unsafe fn combine(
+    h: &Handle,
+    inputs: *const ep::NcclEpCombineInputs,
+    outputs: *const ep::NcclEpCombineOutputs,
+    config: *const ep::NcclEpCombineConfig,
+    stream: ep::CudaStream,
+) -> Res<()> {
+    let g = &*h.group;
+    // SAFETY: forwarded contract: every pointer is null or readable as nccl_ep.h declares.
+    let (inputs, outputs, cfg) = unsafe {
+        (
+            check::required(inputs, "inputs")?,
+            check::required(outputs, "outputs")?,
+            check::api_struct(config, "config")?.copied().unwrap_or_default(),
+        )
+    };
+    // SAFETY: as above, for the tensor descriptors the structs point to.
+    let (x, w_in, out, out_w) = unsafe {
+        (
+            check::required_tensor(inputs.tokens, "inputs.tokens")?,
+            check::tensor(inputs.topk_weights, "inputs.topk_weights")?,
+            check::required_tensor(outputs.tokens, "outputs.tokens")?,
+            check::tensor(outputs.topk_weights, "outputs.topk_weights")?,
+        )
+    };
+    refuse_capture(stream, "ncclEpCombine")?;
+    g.check()?;
+    no_staged(h)?;
+    let gh = h.gpu()?;
+    let pass = pass_of(cfg.pass_direction)?;
+    let s = &g.shape;
+    let (b, k, hd) = (gh.num_tokens(), gh.top_k(), s.hidden);
+    rows_of(&out, "outputs.tokens", ep::NCCL_BFLOAT16, b, hd, false)?;
+    let mut targets = OutputTargets { tokens: out.ptr, ..Default::default() };
+    let opts = CombineOptions { pass };
+    let f32s = |t: &Tensor, rows| device(g, t, TensorDesc::contiguous(TensorTag::TopkWeights, DType::F32, &[rows, k]));
+    // SAFETY: the caller's live stream (contract).
+    let st = unsafe { g.stream(stream) };
+    match s.algorithm {
+        Algorithm::LowLatency => {
+            if pass == Pass::Backward {
+                return Err(Fail::usage("low-latency combine has no backward pass"));
+            }
+            let rows = s.num_ranks * s.max_tokens;
+            let (tokens, weights) = if h.layout == Layout::RankMajor {
+                rows_of(&x, "inputs.tokens", ep::NCCL_BFLOAT16, rows, hd, false)?;
+                if out_w.is_some() {
+                    return Err(Fail::arg(
+                        "rank-major combine takes no outputs.topk_weights (the weights were applied)",
+                    ));
+                }
+                (device(g, &x, TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[rows, hd])), None)
+            } else {
+                x.expect_type("inputs.tokens", ep::NCCL_BFLOAT16)?;
+                x.expect_sizes("inputs.tokens", &[s.local_experts, rows, hd])?;
+                let desc = TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[s.local_experts, rows, hd]);
+                let w = match &out_w {
+                    Some(w) => {
+                        rows_of(w, "outputs.topk_weights", ep::NCCL_FLOAT32, b, k, false)?;
+                        Some(f32s(w, b))
+                    }
+                    None => None,
+                };
+                (device(g, &x, desc), w)
+            };
+            let mut cin = CombineInputs::new(&tokens);
+            if let Some(w) = &weights {
+                cin = cin.with_weights(w);
+            }
+            g.make_room(Channel::Combine)?;
+            // SAFETY: the output was checked as [B x H] BF16 above.
+            let op = unsafe { g.rank.start_combine_into(&gh, cin, &opts, &targets) }?;
+            let staged = issue(g, op, Channel::Combine, &st, cfg.send_only != 0)?;
+            *h.staged.lock().unwrap_or_else(|e| e.into_inner()) = staged;
+        }
+        Algorithm::HighThroughput => {
+            let n = gh.num_recv_tokens().unwrap_or(0);
+            rows_of(&x, "inputs.tokens", ep::NCCL_BFLOAT16, n, hd, true)?;
+            let tokens = device(g, &x, TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[n, hd]));
+            let weights = match pass {
+                Pass::Forward => {
+                    if w_in.is_some() {
+                        return Err(Fail::arg("forward combine takes no inputs.topk_weights"));
+                    }
+                    None
+                }
+                Pass::Backward => {
+                    let w = w_in.ok_or_else(|| Fail::arg("backward combine needs inputs.topk_weights"))?;
+                    rows_of(&w, "inputs.topk_weights", ep::NCCL_FLOAT32, n, k, true)?;
+                    let ow = out_w.ok_or_else(|| Fail::arg("backward combine needs outputs.topk_weights"))?;
+                    rows_of(&ow, "outputs.topk_weights", ep::NCCL_FLOAT32, b, k, false)?;
+                    targets.topk_weights = Some(ow.ptr);
+                    Some(f32s(&w, n))
+                }
+            };
+            let mut cin = CombineInputs::new(&tokens);
+            if let Some(w) = &weights {
+                cin = cin.with_weights(w);
+            }
+            // SAFETY: the outputs were checked above ([B x H] tokens, [B x K] weights).
+            let op = unsafe { g.rank.start_combine_into(&gh, cin, &opts, &targets) }?;
+            issue(g, op, Channel::Combine, &st, false)?;
+            g.settle(true)?;
+        }
+    }
+    Ok(())
+}
+
+/// `ncclEpComplete`: enqueues the receive of the handle's staged operation on `stream`; a
+/// no-op when nothing is staged (NCCL EP's programs call it after every operation).
+///
+/// # Safety
+///
+/// `config` is null or readable; `stream` is the caller's live stream.
+pub(crate) unsafe fn complete_staged(
+    h: &Handle,
+    config: *const ep::NcclEpCompleteConfig,
+    stream: ep::CudaStream,
+) -> Res<()> {
+    // SAFETY: forwarded contract.
+    unsafe { check::api_struct(config, "config") }?;
+    let staged = h.staged.lock().unwrap_or_else(|e| e.into_inner()).take();
+    let Some(op) = staged else { return Ok(()) };
+    refuse_capture(stream, "ncclEpComplete")?;
+    let g = &*h.group;
+    // SAFETY: the caller's live stream (contract).
+    let st = unsafe { g.stream(stream) };
+    complete(g, op, &st)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_are_all_but_the_last_dimension() {
+        let t = |sizes: &[usize]| Tensor { ptr: 1, datatype: ep::NCCL_BFLOAT16, sizes: sizes.to_vec() };
+        assert!(rows_of(&t(&[2, 128, 64]), "x", ep::NCCL_BFLOAT16, 256, 64, false).is_ok());
+        assert!(rows_of(&t(&[256, 64]), "x", ep::NCCL_BFLOAT16, 256, 64, false).is_ok());
+        assert!(rows_of(&t(&[300, 64]), "x", ep::NCCL_BFLOAT16, 256, 64, true).is_ok());
+        let code = |sizes: &[usize], rows, at_least| {
+            rows_of(&t(sizes), "x", ep::NCCL_BFLOAT16, rows, 64, at_least).unwrap_err().code
+        };
+        assert_eq!(code(&[300, 64], 256, false), ep::NCCL_INVALID_ARGUMENT);
+        assert_eq!(code(&[200, 64], 256, true), ep::NCCL_INVALID_ARGUMENT);
+        assert_eq!(code(&[256, 32], 256, false), ep::NCCL_INVALID_ARGUMENT);
+        assert_eq!(code(&[16384], 256, false), ep::NCCL_INVALID_ARGUMENT);
+        let f32s = Tensor { datatype: ep::NCCL_FLOAT32, ..t(&[256, 64]) };
+        assert_eq!(rows_of(&f32s, "x", ep::NCCL_BFLOAT16, 256, 64, false).unwrap_err().code, ep::NCCL_INVALID_USAGE);
+    }
+}

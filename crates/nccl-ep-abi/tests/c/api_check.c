@@ -1,0 +1,89 @@
+/* Checks epflow's libnccl_ep.so through its generated header, with no GPU needed: the version,
+ * the size and magic checks, ncclInvalidArgument on bad arguments, tensor descriptors, and a
+ * clean error (no crash) from calls that need a GPU. Exit status 0 = every check passed. */
+#include <stdio.h>
+#include <string.h>
+
+#include "nccl_ep.h"
+
+static int failures = 0;
+
+#define CHECK(cond)                                                          \
+    do {                                                                     \
+        if (!(cond)) {                                                       \
+            fprintf(stderr, "FAILED %s:%d: %s\n", __FILE__, __LINE__, #cond); \
+            failures++;                                                      \
+        }                                                                    \
+    } while (0)
+
+int main(int argc, char** argv) {
+    int no_gpu = argc > 1 && strcmp(argv[1], "--no-gpu") == 0;
+    int version = -1;
+    CHECK(ncclEpGetVersion(&version) == ncclSuccess);
+    CHECK(version == NCCL_EP_VERSION_CODE && version == 100);
+    CHECK(ncclEpGetVersion(NULL) == ncclInvalidArgument);
+    CHECK(epflowNcclEpAbiVersion == 100);
+
+    /* Tensor descriptors: the library owns the descriptor and its sizes, never the data. */
+    size_t dims[2] = {4, 7168};
+    ncclEpTensor_t* t = NULL;
+    CHECK(ncclEpTensorAlloc(&t, 2, ncclBfloat16, dims, NULL) == ncclSuccess);
+    CHECK(t != NULL && t->ndim == 2 && t->data == NULL && t->sizes[1] == 7168);
+    ncclEpTensorAllocConfig_t tcfg = NCCL_EP_TENSOR_ALLOC_CONFIG_INIT;
+    ncclEpTensor_t* t2 = NULL;
+    CHECK(ncclEpTensorAlloc(&t2, 1, ncclInt32, dims, &tcfg) == ncclSuccess);
+    tcfg.magic = 0;
+    CHECK(ncclEpTensorAlloc(&t2, 1, ncclInt32, dims, &tcfg) == ncclInvalidArgument);
+    CHECK(ncclEpTensorAlloc(NULL, 2, ncclBfloat16, dims, NULL) == ncclInvalidArgument);
+    CHECK(ncclEpTensorAlloc(&t2, 0, ncclBfloat16, dims, NULL) == ncclInvalidArgument);
+    CHECK(ncclEpTensorAlloc(&t2, 2, ncclBfloat16, NULL, NULL) == ncclInvalidArgument);
+    ncclEpTensor_t on_stack = NCCL_EP_TENSOR_INIT;
+    CHECK(ncclEpTensorDestroy(&on_stack) == ncclInvalidArgument);
+    CHECK(ncclEpTensorDestroy(NULL) == ncclSuccess);
+    CHECK(ncclEpTensorDestroy(t) == ncclSuccess);
+
+    /* Struct size and magic checks (the communicator is never reached: they fail first). */
+    ncclComm_t not_a_comm = (ncclComm_t)(void*)&failures;
+    ncclEpGroup_t group = NULL;
+    ncclEpGroupConfig_t cfg = NCCL_EP_GROUP_CONFIG_INIT;
+    CHECK(cfg.size == sizeof(ncclEpGroupConfig_t) && cfg.magic == NCCL_EP_MAGIC && cfg.version == 1);
+    cfg.num_experts = 16;
+    cfg.max_dispatch_tokens_per_rank = 128;
+    cfg.max_token_bytes = 7168 * 2;
+    ncclEpGroupConfig_t bad = cfg;
+    bad.size = 8;
+    CHECK(ncclEpCreateGroup(&group, not_a_comm, &bad) == ncclInvalidArgument);
+    bad = cfg;
+    bad.magic = 0;
+    CHECK(ncclEpCreateGroup(&group, not_a_comm, &bad) == ncclInvalidArgument);
+    CHECK(ncclEpCreateGroup(&group, not_a_comm, NULL) == ncclInvalidArgument);
+    CHECK(ncclEpCreateGroup(NULL, not_a_comm, &cfg) == ncclInvalidArgument);
+    CHECK(ncclEpCreateGroup(&group, NULL, &cfg) == ncclInvalidArgument);
+    bad = cfg;
+    bad.algorithm = (ncclEpAlgorithm_t)7;
+    CHECK(ncclEpCreateGroup(&group, not_a_comm, &bad) == ncclInvalidArgument);
+
+    /* Null groups and handles. */
+    CHECK(ncclEpGroupDestroy(NULL) == ncclInvalidArgument);
+    CHECK(ncclEpHandleDestroy(NULL) == ncclInvalidArgument);
+    ncclEpDispatchInputs_t in = NCCL_EP_DISPATCH_INPUTS_INIT;
+    ncclEpDispatchOutputs_t out = NCCL_EP_DISPATCH_OUTPUTS_INIT;
+    CHECK(ncclEpDispatch(NULL, &in, &out, NULL, NULL, NULL) == ncclInvalidArgument);
+    ncclEpCombineInputs_t cin = NCCL_EP_COMBINE_INPUTS_INIT;
+    ncclEpCombineOutputs_t cout = NCCL_EP_COMBINE_OUTPUTS_INIT;
+    CHECK(ncclEpCombine(NULL, &cin, &cout, NULL, NULL) == ncclInvalidArgument);
+    CHECK(ncclEpComplete(NULL, NULL, NULL) == ncclInvalidArgument);
+    int err = 0;
+    CHECK(ncclEpGetAsyncError(NULL, &err) == ncclInvalidArgument);
+    CHECK(ncclEpErrorClear(NULL) == ncclInvalidArgument);
+    CHECK(ncclEpMaskClean(NULL, NULL) == ncclInvalidArgument);
+
+    /* A well-formed group config on a machine without a GPU (the harness says so): a clean
+     * error, not a crash. */
+    if (no_gpu) {
+        CHECK(ncclEpCreateGroup(&group, not_a_comm, &cfg) == ncclInvalidUsage);
+    }
+
+    if (failures == 0) printf("api_check: all checks passed\n");
+    return failures == 0 ? 0 : 1;
+}
