@@ -62,7 +62,7 @@ impl std::fmt::Debug for Group {
 }
 
 /// The epflow config of an NCCL EP group config (checked).
-fn group_config(c: &ep::NcclEpGroupConfig, num_ranks: usize) -> Res<(GroupConfig, Shape, usize)> {
+fn group_config(c: &ep::NcclEpGroupConfig, num_ranks: usize) -> Res<(GroupConfig, Shape)> {
     if c.version != ep::NCCL_EP_API_VERSION {
         warn(&format!(
             "ncclEpCreateGroup: config.version is {}, this library implements API version {} (NCCL EP 0.1.0)",
@@ -141,7 +141,7 @@ fn group_config(c: &ep::NcclEpGroupConfig, num_ranks: usize) -> Res<(GroupConfig
         max_recv,
         hidden,
     };
-    Ok((config, shape, max_tokens))
+    Ok((config, shape))
 }
 
 impl Group {
@@ -156,7 +156,7 @@ impl Group {
             ));
         }
         let comm = CallerComm::new(comm)?;
-        let (config, mut shape, _) = group_config(c, comm.world_size())?;
+        let (config, mut shape) = group_config(c, comm.world_size())?;
         shape.rank = comm.rank();
         let rank = GpuWorld::join_over(&comm, config, Transport::Auto)?;
         Ok(Arc::new(Group {
@@ -303,14 +303,14 @@ mod tests {
 
     #[test]
     fn configs_map_to_epflow_groups() {
-        let (config, shape, _) = group_config(&ll(), 2).unwrap();
+        let (config, shape) = group_config(&ll(), 2).unwrap();
         assert_eq!((config.hidden, config.num_experts, shape.local_experts, shape.max_recv), (7168, 16, 8, 256));
         let ht = ep::NcclEpGroupConfig {
             algorithm: ep::NCCL_EP_ALGO_HIGH_THROUGHPUT,
             max_recv_tokens_per_rank: 4096,
             ..ll()
         };
-        let (config, shape, _) = group_config(&ht, 2).unwrap();
+        let (config, shape) = group_config(&ht, 2).unwrap();
         assert_eq!((config.algorithm, shape.max_recv), (Algorithm::HighThroughput, 4096));
     }
 

@@ -168,9 +168,6 @@ pub(crate) fn dispatch(
     opts: &DispatchOptions,
     into: Option<&OutputTargets>,
 ) -> Result<GpuOp, Error> {
-    if into.is_some() && s.nccl_all().is_some() {
-        return Err(Error::Unsupported("high-throughput outputs in caller memory over NCCL".into()));
-    }
     let ctx = OpContext::new(&s.config, s.num_ranks, h);
     let descs = dispatch_output_descs(&ctx, opts);
     let stamp = h.core().dispatch_stamp(opts.pass);
@@ -190,21 +187,14 @@ pub(crate) fn dispatch(
     }
     // Outputs: tokens, then the optional scales, weights and indices, in one cached buffer.
     let t = into.copied().unwrap_or_default();
-    let (present, targets): (Vec<TensorDesc>, Vec<Option<u64>>) = [
+    let outputs = [
         (Some(descs.tokens.clone()), Some(t.tokens)),
         (descs.scales.clone(), t.scales),
         (descs.topk_weights.clone(), t.topk_weights),
         (descs.topk_idx.clone(), t.topk_idx),
-    ]
-    .into_iter()
-    .filter_map(|(d, a)| d.map(|d| (d, a)))
-    .unzip();
-    let (views, fill, fences) = output_views(s, OutputPlan::new(present), into.map(|_| targets))?;
-    let mut views = views.into_iter();
-    let tokens = views.next().ok_or_else(|| Error::Backend("no token output".into()))?;
-    let scales = descs.scales.as_ref().and_then(|_| views.next());
-    let topk_weights = descs.topk_weights.as_ref().and_then(|_| views.next());
-    let topk_idx = descs.topk_idx.as_ref().and_then(|_| views.next());
+    ];
+    let ([tokens, scales, topk_weights, topk_idx], fill, fences) = output_views(s, outputs, into.is_some())?;
+    let tokens = tokens.ok_or_else(|| Error::Backend("no token output".into()))?;
     p.out = tokens.ptr();
     p.out_scales = scales.as_ref().map_or(0, DeviceTensor::ptr);
     p.out_weights = topk_weights.as_ref().map_or(0, DeviceTensor::ptr);
@@ -240,9 +230,6 @@ pub(crate) fn combine(
     opts: &CombineOptions,
     into: Option<&OutputTargets>,
 ) -> Result<GpuOp, Error> {
-    if into.is_some() && s.nccl_all().is_some() {
-        return Err(Error::Unsupported("high-throughput outputs in caller memory over NCCL".into()));
-    }
     let ctx = OpContext::new(&s.config, s.num_ranks, h);
     let descs = combine_output_descs(&ctx, opts);
     let paired = h.core().last_dispatch(opts.pass).unwrap_or(0);
@@ -254,15 +241,9 @@ pub(crate) fn combine(
         p.weights = inputs.weights().map_or(0, DeviceTensor::ptr);
     }
     let t = into.copied().unwrap_or_default();
-    let (present, targets): (Vec<TensorDesc>, Vec<Option<u64>>) =
-        [(Some(descs.tokens.clone()), Some(t.tokens)), (descs.topk_weights.clone(), t.topk_weights)]
-            .into_iter()
-            .filter_map(|(d, a)| d.map(|d| (d, a)))
-            .unzip();
-    let (views, fill, fences) = output_views(s, OutputPlan::new(present), into.map(|_| targets))?;
-    let mut views = views.into_iter();
-    let tokens = views.next().ok_or_else(|| Error::Backend("no token output".into()))?;
-    let topk_weights = views.next();
+    let outputs = [(Some(descs.tokens.clone()), Some(t.tokens)), (descs.topk_weights.clone(), t.topk_weights)];
+    let ([tokens, topk_weights], fill, fences) = output_views(s, outputs, into.is_some())?;
+    let tokens = tokens.ok_or_else(|| Error::Backend("no token output".into()))?;
     p.out = tokens.ptr();
     p.out_weights = topk_weights.as_ref().map_or(0, DeviceTensor::ptr);
     let over_nccl = s.nccl_all().map(|_| nccl_combine(s, h, &p)).transpose()?;
@@ -273,31 +254,46 @@ pub(crate) fn combine(
     Ok(assemble(op, over_nccl, fill, fences, inputs.is_none()))
 }
 
-/// Output views, the bytes to fill with the debug byte (if any), and the fences the writing
-/// kernel waits for.
-type Views = (Vec<DeviceTensor>, Option<(u64, usize)>, Vec<Arc<CudaEvent>>);
+/// Output views (one per output asked for), the bytes to fill with the debug byte (if any), and
+/// the fences the writing kernel waits for.
+type Views<const N: usize> = ([Option<DeviceTensor>; N], Option<(u64, usize)>, Vec<Arc<CudaEvent>>);
 
-/// The output views of `plan`: in one cached buffer (with the bytes to fill in debug mode and
-/// the fences of its previous readers), or at the caller's addresses `into` (one per output of
-/// `plan`, in its order), which the caller keeps alive and fences.
-fn output_views(s: &RankShared, plan: OutputPlan, into: Option<Vec<Option<u64>>>) -> Result<Views, Error> {
-    let Some(into) = into else {
+/// Views of the `outputs` that have a descriptor (each with the caller's address, if any): in
+/// one cached buffer (with the bytes to fill in debug mode and the fences of its previous
+/// readers), or, when `external`, at the caller's addresses, which the caller keeps alive and
+/// fences (not over NCCL, whose staging the outputs are copied out of).
+fn output_views<const N: usize>(
+    s: &RankShared,
+    outputs: [(Option<TensorDesc>, Option<u64>); N],
+    external: bool,
+) -> Result<Views<N>, Error> {
+    if external && s.nccl_all().is_some() {
+        return Err(Error::Unsupported("high-throughput outputs in caller memory over NCCL".into()));
+    }
+    let (present, addrs): (Vec<TensorDesc>, Vec<Option<u64>>) =
+        outputs.iter().filter_map(|(d, a)| d.clone().map(|d| (d, *a))).unzip();
+    let (views, fill, fences) = if external {
+        let keep: Arc<dyn std::any::Any + Send + Sync> = Arc::new(());
+        let views = present
+            .into_iter()
+            .zip(addrs)
+            .map(|(d, ptr)| {
+                let ptr =
+                    ptr.ok_or_else(|| Error::Unsupported(format!("no caller memory for the {:?} output", d.tag)))?;
+                Ok(DeviceTensor::view(ptr, s.device, d, Arc::clone(&keep)))
+            })
+            .collect::<Result<Vec<_>, Error>>()?;
+        (views, None, Vec::new())
+    } else {
+        let plan = OutputPlan::new(present);
         let buf = s.outputs.take(plan.bytes)?;
         let fill = (buf.ptr(), plan.bytes);
         let (views, fences) = plan.views(s, buf);
-        return Ok((views, Some(fill), fences));
+        (views, Some(fill), fences)
     };
-    let keep: Arc<dyn std::any::Any + Send + Sync> = Arc::new(());
-    let views = plan
-        .descs
-        .into_iter()
-        .zip(into)
-        .map(|(d, ptr)| {
-            let ptr = ptr.ok_or_else(|| Error::Unsupported(format!("no caller memory for the {:?} output", d.tag)))?;
-            Ok(DeviceTensor::view(ptr, s.device, d, Arc::clone(&keep)))
-        })
-        .collect::<Result<Vec<_>, Error>>()?;
-    Ok((views, None, Vec::new()))
+    let mut views = views.into_iter();
+    let slots = std::array::from_fn(|i| outputs[i].0.as_ref().and_then(|_| views.next()));
+    Ok((slots, fill, fences))
 }
 
 /// The last touches of a high-throughput operation: its NCCL exchange and staging (if any), the
