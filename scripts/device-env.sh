@@ -10,7 +10,7 @@ mkdir -p /tmp/epflow-nccl
 if ! ldconfig -p | grep -q "libnccl.so " && [ -n "$nccl" ]; then ln -sf "$nccl/libnccl.so.2" /tmp/epflow-nccl/libnccl.so; fi
 export LD_LIBRARY_PATH=/tmp/epflow-nccl:/usr/local/cuda/lib64:$nccl:${LD_LIBRARY_PATH:-} NCCL_NVLS_ENABLE=0 EPFLOW_KERNEL_CACHE=/tmp/epflow-kernels
 
-# memcheck and racecheck over a 2-GPU sanitizer test (`sanitize` low-latency, `sanitize ht`
+# memcheck and racecheck over a 1- and 2-GPU sanitizer test (`sanitize` low-latency, `sanitize ht`
 # high-throughput, `sanitize rank-major` the rank-major kernels, `sanitize stream` stream-ordered completion with delayed consumers, 20
 # iterations); one summary line per tool.
 sanitize() {

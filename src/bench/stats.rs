@@ -132,7 +132,9 @@ impl BenchReport {
             );
         }
         if let Some(h) = self.halves_us {
-            println!("\n--- Device time per half (CUDA events before send, between halves, after complete) ---");
+            println!(
+                "\n--- Device time per half (CUDA events before send, between halves, after complete; a synchronous\n    low-latency operation run as one launch counts all of it in its send half) ---"
+            );
             println!("Dispatch:          send half avg={:.2} us, complete half avg={:.2} us", h[0], h[1]);
             println!("Combine:           send half avg={:.2} us, complete half avg={:.2} us", h[2], h[3]);
         }

@@ -220,8 +220,14 @@ impl<B: Backend> OpDriver<B> {
         }
     }
 
-    /// Drives the operation to its result.
+    /// Drives the operation to its result. Not sent yet: the complete half follows the send at
+    /// once (the synchronous form), which the backend is told.
     pub(crate) fn poll_done(&mut self, cx: &mut Context<'_>) -> Poll<Result<Output<B>>> {
+        if matches!(self.stage, Stage::Slot | Stage::Credits) {
+            if let Some(op) = self.op.as_mut() {
+                op.will_complete_at_once();
+            }
+        }
         ready!(self.poll_sent(cx))?;
         if self.stage == Stage::Sent {
             let span = tracing::info_span!(

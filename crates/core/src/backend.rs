@@ -159,6 +159,11 @@ pub trait PendingOp: Send + 'static {
     /// Turns a not-yet-sent operation into a cancellation: its inputs are no longer read and
     /// [`PendingOp::send`] sends a cancellation marker instead of data.
     fn cancel(&mut self);
+    /// Says, before [`PendingOp::send`], that the complete half will start right after the send
+    /// half, on the same stream: the synchronous form, with no work of the caller's between
+    /// them. A backend may then run both halves as one unit (the GPU backend: one kernel launch
+    /// instead of two). [`PendingOp::start_complete`] must still be called. The default ignores it.
+    fn will_complete_at_once(&mut self) {}
     /// Starts the complete half (a GPU backend launches its receive kernel here). Calling it
     /// again does nothing.
     fn start_complete(&mut self) -> Result<()>;
@@ -439,11 +444,12 @@ pub fn complete_blocking<O: PendingOp>(mut op: O, poison: &Poison, timeout: Dura
 
 /// Runs an operation to its result, blocking.
 pub fn run_blocking<O: PendingOp>(
-    op: O,
+    mut op: O,
     slots: &Arc<SlotPool>,
     poison: &Arc<Poison>,
     timeout: Duration,
 ) -> Result<O::Output> {
+    op.will_complete_at_once();
     let op = send_blocking(op, slots, poison, timeout)?;
     complete_blocking(op, poison, timeout)
 }

@@ -15,7 +15,7 @@ use epflow_core::protocol::{Fence, SlotGuard};
 use epflow_core::{Error, HostData, HostTensor};
 
 use crate::device::consumers::Consumers;
-use crate::device::{DeviceTensor, Lease, copy_to_host};
+use crate::device::{DeviceTensor, EventPool, Lease, copy_to_host};
 
 /// Device memory the caller owns, which an operation writes its outputs into instead of its
 /// buffer set (low-latency) or cached memory (high-throughput): NCCL EP's preallocated output
@@ -47,9 +47,9 @@ pub(crate) struct SetLease {
 }
 
 impl SetLease {
-    /// The lease of `slot`, in `ctx`.
-    pub(crate) fn new(ctx: &Arc<CudaContext>, slot: Option<SlotGuard>) -> Arc<Self> {
-        Arc::new(SetLease { slot: Mutex::new(slot), consumers: Consumers::new(ctx) })
+    /// The lease of `slot`; its fences come from `events`.
+    pub(crate) fn new(events: &Arc<EventPool>, slot: Option<SlotGuard>) -> Arc<Self> {
+        Arc::new(SetLease { slot: Mutex::new(slot), consumers: Consumers::new(events) })
     }
 }
 

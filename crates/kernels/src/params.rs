@@ -115,6 +115,9 @@ pub(crate) struct LlParams {
     pub out_weights: u64,
     /// Rank-major dispatch: the received local expert indices `[R*M x K]` int32.
     pub out_idx: u64,
+    /// Complete half: the pieces a received row is copied (dispatch) or summed (combine) in.
+    pub recv_chunks: i32,
+    pub pad0: i32,
 }
 
 // SAFETY: `LlParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
@@ -286,7 +289,8 @@ mod tests {
 
     #[test]
     fn layout_matches_the_cuda_struct() {
-        assert_eq!(size_of::<LlParams>(), 392);
+        assert_eq!(size_of::<LlParams>(), 400);
+        assert_eq!(offset_of!(LlParams, recv_chunks), 392);
         assert_eq!(offset_of!(LlParams, stamp), 368);
         assert_eq!(offset_of!(LlParams, rank_major), 316);
         assert_eq!(offset_of!(LlParams, out_idx), 384);

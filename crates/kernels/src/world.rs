@@ -10,7 +10,7 @@ use epflow_core::{Error, GroupConfig};
 
 use crate::compile::Functions;
 use crate::device::cache::OutputCache;
-use crate::device::{DeviceBuffer, bind, context, cuda};
+use crate::device::{DeviceBuffer, EventPool, bind, context, cuda, pci_key};
 use crate::layout::Layout;
 use crate::rank::GpuRank;
 use crate::rank::shared::{Peers, RankMemory, RankShared};
@@ -71,7 +71,8 @@ impl GpuWorld {
             .zip(comms)
             .enumerate()
             .map(|(rank, ((ctx, &device), comms))| {
-                let place = Placement { rank, num_ranks, device, group_id };
+                let shares_gpu = devices.iter().filter(|&&d| d == device).count() > 1;
+                let place = Placement { rank, num_ranks, device, group_id, shares_gpu };
                 let nccl = comms.map(|c| NcclShared::new(ctx, &layout, c, masks[rank], num_ranks)).transpose()?;
                 build_rank(place, &config, layout, ctx, Arc::clone(&mems[rank]), peers(), nccl)
             })
@@ -118,7 +119,11 @@ impl GpuWorld {
         let layout = Layout::new(&config, num_ranks)?;
         let ctx = Arc::clone(comm.context());
         bind(&ctx)?;
-        let hosts = bootstrap::all_gather_u64(comm, &[host_id()])?;
+        // Every rank's (host, GPU): ranks on one host with the same PCI location share a GPU.
+        let places = bootstrap::all_gather_u64(comm, &[host_id(), pci_key(&ctx)?])?;
+        let hosts: Vec<u64> = places.iter().step_by(2).copied().collect();
+        let shares_gpu =
+            (0..num_ranks).any(|r| r != rank && places[2 * r..2 * r + 2] == places[2 * rank..2 * rank + 2]);
         let mask = transport.nccl_mask(rank, num_ranks, Some(&hosts))?;
         // Every rank learns every mask (rank 0's ids serve the NCCL communicators).
         let masks = bootstrap::all_gather_u64(comm, &[u64::from(mask)])?;
@@ -170,6 +175,7 @@ impl GpuWorld {
             num_ranks,
             device: ctx.ordinal(),
             group_id: NEXT_GROUP_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            shares_gpu,
         };
         let rank = build_rank(place, &config, layout, &ctx, mem, peers, nccl)?;
         rank.connect_nccl()?;
@@ -183,6 +189,8 @@ struct Placement {
     num_ranks: usize,
     device: usize,
     group_id: u64,
+    /// Another rank of the group runs on the same GPU.
+    shares_gpu: bool,
 }
 
 /// Loads the kernels, creates the streams and assembles a rank around its memory and its view
@@ -213,6 +221,14 @@ fn build_rank(
     let num_sms = ctx
         .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .map_err(|e| cuda("query SMs", e))? as u32;
+    // One launch per synchronous low-latency operation needs every block of its grid (at most
+    // one per SM) resident at once, with room beside it for the other channel's (two per SM).
+    let fits = |f: &cudarc::driver::CudaFunction| {
+        f.occupancy_max_active_blocks_per_multiprocessor(512, 0, None).is_ok_and(|n| n >= 2)
+    };
+    let allowed = std::env::var("EPFLOW_ONE_LAUNCH").map_or(true, |v| v != "0");
+    let one_launch = allowed && !place.shares_gpu && fits(&functions.dispatch_one) && fits(&functions.combine_one);
+    let events = EventPool::new(ctx);
     let core = RankCore::new(place.rank, place.num_ranks, place.group_id, config.clone());
     let shared = Arc::new(RankShared {
         poison: Arc::clone(core.poison()),
@@ -230,10 +246,12 @@ fn build_rank(
         num_sms,
         handle_pool: Arc::new(Mutex::new(Vec::new())),
         null_handle,
-        outputs: OutputCache::new(ctx),
+        outputs: OutputCache::new(&events),
+        events,
         exchange_pool: Mutex::new(Vec::new()),
         output_fill: Default::default(),
         timing: Default::default(),
+        one_launch,
         turns: Default::default(),
         nccl,
     });

@@ -1,5 +1,5 @@
-//! Low-latency dispatch/combine on GPUs against the CPU reference (one process driving 2 or 4
-//! GPUs). Without enough GPUs every test prints SKIPPED and passes: CI has no GPU; these run on
+//! Low-latency dispatch/combine on GPUs against the CPU reference (one process driving 1, 2 or 4
+//! GPUs; synchronous rounds run as one launch per operation, staged rounds as two). Without enough GPUs every test prints SKIPPED and passes: CI has no GPU; these run on
 //! the device machines (`scripts/device-pack.sh`).
 //!
 //! Inputs are fresh random data for every round (seed printed; `EPFLOW_TEST_SEED` replays),
@@ -71,7 +71,7 @@ fn check_world(
     for tokens in [1usize, 7, 128, 256] {
         for top_k in [1usize, 4, 8] {
             let kinds: &[RoutingKind] = if tokens == 128 && top_k == 4 {
-                &[RoutingKind::Uniform, RoutingKind::SingleRank(1)]
+                &[RoutingKind::Uniform, RoutingKind::SingleRank(1 % devices.len())]
             } else {
                 &[RoutingKind::Uniform]
             };
@@ -100,7 +100,7 @@ fn check_world(
 }
 
 #[test]
-fn ll_matches_reference_on_2_and_4_gpus() {
+fn ll_matches_reference_on_1_2_and_4_gpus() {
     let base = seed();
     eprintln!("seed {base}");
     let worlds: &[(usize, usize, DispatchDtype)] = &[
@@ -111,7 +111,7 @@ fn ll_matches_reference_on_2_and_4_gpus() {
         (2048, 64, DispatchDtype::Bf16),
         (4096, 256, DispatchDtype::Fp8 { round_scales: false }),
     ];
-    for n in [2usize, 4] {
+    for n in [1usize, 2, 4] {
         let Some(devices) = gpus(n, &format!("ll_matches_reference ({n} GPUs)")) else { continue };
         for &(h, e, dt) in worlds {
             let t = Instant::now();
@@ -295,12 +295,21 @@ fn absent_rank_times_out(transport: &Transport) {
 /// A small 2-GPU run for compute-sanitizer (memcheck, racecheck).
 #[test]
 fn ll_sanitizer_config() {
-    let Some(devices) = gpus(2, "ll_sanitizer_config") else { return };
+    for n in [1usize, 2] {
+        let Some(devices) = gpus(n, &format!("ll_sanitizer_config ({n} GPUs)")) else { continue };
+        sanitizer_rounds(&devices);
+    }
+}
+
+/// Small synchronous (one launch) and staged (two launches) rounds, BF16 and FP8.
+fn sanitizer_rounds(devices: &[usize]) {
+    let per_rank: Vec<usize> = (0..devices.len()).map(|r| if r == 0 { 16 } else { 9 }).collect();
     for dtype in [DispatchDtype::Bf16, DispatchDtype::Fp8 { round_scales: false }] {
         let config = GroupConfig::low_latency(16, 16, 1024).with_dispatch_dtype(dtype);
-        let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+        let ranks = GpuWorld::create(devices, config.clone()).expect("create GPU group");
         for i in 0..3 {
-            let sc = Scenario::generate(config.clone(), 2, &[16, 9], 4, RoutingKind::Uniform, 3, seed() + i);
+            let sc =
+                Scenario::generate(config.clone(), devices.len(), &per_rank, 4, RoutingKind::Uniform, 3, seed() + i);
             let refs = sc.ll_dispatch_reference().unwrap();
             let want = sc.ll_combine_identity_reference(&refs).unwrap();
             for (d, c) in on_ranks(&ranks, |rank| round(rank, &sc, &refs, &want, i % 2 == 1).expect("round")) {

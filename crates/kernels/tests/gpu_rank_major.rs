@@ -86,7 +86,7 @@ fn check_world(
     for tokens in [1usize, 7, 128, 256] {
         for top_k in [1usize, 4, 8, 10, 16] {
             let kinds: &[RoutingKind] = if tokens == 128 && top_k == 4 {
-                &[RoutingKind::Uniform, RoutingKind::SingleRank(1), RoutingKind::Skewed]
+                &[RoutingKind::Uniform, RoutingKind::SingleRank(1 % devices.len()), RoutingKind::Skewed]
             } else {
                 &[RoutingKind::Uniform]
             };
@@ -128,10 +128,10 @@ const WORLDS: &[(usize, usize, DispatchDtype)] = &[
 ];
 
 #[test]
-fn rank_major_matches_reference_on_2_and_4_gpus() {
+fn rank_major_matches_reference_on_1_2_and_4_gpus() {
     let base = seed();
     eprintln!("seed {base}");
-    for n in [2usize, 4] {
+    for n in [1usize, 2, 4] {
         let Some(devices) = gpus(n, &format!("rank_major_matches_reference ({n} GPUs)")) else { continue };
         for &(h, e, dt) in WORLDS {
             let t = Instant::now();
@@ -310,19 +310,28 @@ fn rank_major_absent_rank_times_out_without_hanging() {
     }
 }
 
-/// A small 2-rank run for compute-sanitizer (memcheck, racecheck) on the rank-major kernels.
+/// Small 1- and 2-rank runs for compute-sanitizer (memcheck, racecheck) on the rank-major
+/// kernels: synchronous rounds (one launch) and staged ones (two).
 #[test]
 fn rank_major_sanitizer_config() {
-    let Some(devices) = gpus(2, "rank_major_sanitizer_config") else { return };
+    for n in [1usize, 2] {
+        let Some(devices) = gpus(n, &format!("rank_major_sanitizer_config ({n} GPUs)")) else { continue };
+        rank_major_sanitizer_rounds(&devices);
+    }
+}
+
+fn rank_major_sanitizer_rounds(devices: &[usize]) {
+    let per_rank: Vec<usize> = (0..devices.len()).map(|r| if r == 0 { 16 } else { 9 }).collect();
     for dtype in [DispatchDtype::Bf16, DispatchDtype::Fp8 { round_scales: false }] {
         let config = GroupConfig::low_latency(16, 16, 1024)
             .with_dispatch_dtype(dtype)
             .with_max_top_k(16)
-            .with_max_sms(shared_gpu_sms(&devices));
-        let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+            .with_max_sms(shared_gpu_sms(devices));
+        let ranks = GpuWorld::create(devices, config.clone()).expect("create GPU group");
         for i in 0..3u64 {
             let k = [4usize, 10, 16][i as usize];
-            let sc = Scenario::generate(config.clone(), 2, &[16, 9], k, RoutingKind::Uniform, 3, seed() + i);
+            let sc =
+                Scenario::generate(config.clone(), devices.len(), &per_rank, k, RoutingKind::Uniform, 3, seed() + i);
             for (d, c) in on_ranks(&ranks, |rank| round(rank, &sc, Layout::RankMajor, i % 2 == 1).expect("round")) {
                 assert!(d.ok() && c.ok(), "{d:?} {c:?}");
             }

@@ -18,6 +18,10 @@ pub(crate) struct Functions {
     pub dispatch_recv: CudaFunction,
     pub combine_send: CudaFunction,
     pub combine_recv: CudaFunction,
+    /// Low-latency dispatch in one launch (send, then receive; launched cooperatively).
+    pub dispatch_one: CudaFunction,
+    /// Low-latency combine in one launch.
+    pub combine_one: CudaFunction,
     pub ht_dispatch: CudaFunction,
     pub ht_combine: CudaFunction,
     pub ht_exchange: CudaFunction,
@@ -55,6 +59,8 @@ impl Functions {
             dispatch_recv: f(&ll, "ep_ll_dispatch_recv")?,
             combine_send: f(&ll, "ep_ll_combine_send")?,
             combine_recv: f(&ll, "ep_ll_combine_recv")?,
+            dispatch_one: f(&ll, "ep_ll_dispatch_kernel")?,
+            combine_one: f(&ll, "ep_ll_combine_kernel")?,
             ht_dispatch: f(&ht, "ep_ht_dispatch_kernel")?,
             ht_combine: f(&ht, "ep_ht_combine_kernel")?,
             ht_exchange: f(&ht, "ep_ht_exchange")?,

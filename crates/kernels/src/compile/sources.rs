@@ -18,7 +18,14 @@ pub const COMMON: &str = include_str!("../cuda/common.cuh");
 pub const LL: KernelModule = KernelModule {
     name: "ll",
     body: include_str!("../cuda/ll.cu"),
-    kernels: &["ep_ll_dispatch_send", "ep_ll_dispatch_recv", "ep_ll_combine_send", "ep_ll_combine_recv"],
+    kernels: &[
+        "ep_ll_dispatch_send",
+        "ep_ll_dispatch_recv",
+        "ep_ll_dispatch_kernel",
+        "ep_ll_combine_send",
+        "ep_ll_combine_recv",
+        "ep_ll_combine_kernel",
+    ],
 };
 
 /// High-throughput dispatch and combine, and the count exchange of handle creation.

@@ -1,4 +1,5 @@
-// epflow low-latency dispatch and combine: send and complete halves as separate kernels.
+// epflow low-latency dispatch and combine: a send half and a complete half, launched as two
+// kernels (staged operations) or as one (the synchronous form; see the kernels at the end).
 //
 // Dispatch message (one per token and destination rank), in the receiver's region for this
 // sender, slot = token index:  [u64 seq+1][i32 token][i32 pad][i16 local expert per k, -1 if the
@@ -47,9 +48,11 @@ struct LlParams {
     u64 stamp;            // what every rank must agree on (epflow_core::stamp), checked per source
     u64 out_weights;      // rank-major dispatch: [R*M x K] fp32 received weights
     u64 out_idx;          // rank-major dispatch: [R*M x K] int32 local expert per top-k entry, or -1
+    int recv_chunks;      // complete half: pieces a received row is copied (dispatch) or summed (combine) in
+    int pad0;
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
-static_assert(sizeof(LlParams) == 392, "LlParams layout");
+static_assert(sizeof(LlParams) == 400, "LlParams layout");
 
 #define EP_HDR_WEIGHTS 48  // byte offset of the rank-major weights in a dispatch message header
 
@@ -102,7 +105,7 @@ __device__ __forceinline__ void signal_sent(const LlParams& p, int chan, int des
 // of 256 channels each, so many warps move one row). When all of them are done, the last one
 // signals d. Every lane fences its own stores before the warp reports, so the signal is ordered
 // after every payload store of every lane.
-extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(LlParams p) {
+__device__ __forceinline__ void dispatch_send(const LlParams& p) {
     SendRole role;
     if (!send_role(p, 0, &role)) return;
     const int lane = role.lane, dest = role.dest, j = role.j, wpd = role.wpd;
@@ -269,7 +272,7 @@ __device__ __forceinline__ int first_local_k(const char* msg, int K) {
 // task packs s's valid slots, in token order, into rows s*M.., with their weights and local
 // expert indices. Rows with row % splits == g are copied by this block; split 0 writes the
 // counters and the row map for combine.
-extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p) {
+__device__ __forceinline__ void dispatch_recv(const LlParams& p) {
     __shared__ u32 cancelled, mismatched;
     __shared__ int timed_out;
     __shared__ int warp_sums[16];
@@ -328,8 +331,8 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p
             if (g == 0) row_of[(size_t)slot * K + k_sel] = (int)group_base + base + pos;
         }
         __syncthreads();
-        // Rows with row % G == g are this block's; each is copied in `chunks` pieces by as many warps.
-        const int C = p.chunks;
+        // Rows with row % G == g are this block's; each is copied in `recv_chunks` pieces by as many warps.
+        const int C = p.recv_chunks;
         const size_t piece = payload_bytes / C;
         for (int item = warp; item < chunk_total * C; item += nwarps) {
             const int e = item / C, part = item % C;
@@ -406,7 +409,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p
 // Combine send, on the expert side: every received (source s, token t, k) row of the expert
 // output goes back to s, at [t][k] of its receive region, split in `chunks` pieces. Warps are
 // split over sources as in dispatch.
-extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_send(LlParams p) {
+__device__ __forceinline__ void combine_send(const LlParams& p) {
     SendRole role;
     if (!send_role(p, 1, &role)) return;
     const int lane = role.lane, dest = role.dest, j = role.j, wpd = role.wpd;
@@ -438,7 +441,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_send(LlParams p)
 // Rows of one token whose loads the combine receive keeps in flight together.
 #define EP_COMBINE_BATCH 8
 
-extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv(LlParams p) {
+__device__ __forceinline__ void combine_recv(const LlParams& p) {
     __shared__ u32 cancelled, mismatched;
     __shared__ int timed_out;
     if (!wait_all_sources(p, 1, &cancelled, &mismatched, &timed_out)) return;
@@ -451,11 +454,13 @@ extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv(LlParams p)
     // Any cancelled or mismatched source (this rank's own cancellation included) leaves the
     // output unwritten: the operation has no result.
     if ((cancelled | mismatched) == 0u) {
-        // Block b handles piece b % chunks of tokens b / chunks, b / chunks + gridDim.x / chunks, ...
-        const int C = p.chunks;
+        // Block b handles piece b % C of tokens b / C, b / C + used / C, ... (C = recv_chunks; the
+        // blocks past the last whole group of C, in a one-launch grid sized for the send, idle).
+        const int C = p.recv_chunks;
         const int width = H / C;
         const int part = blockIdx.x % C;
-        for (int t = blockIdx.x / C; t < p.num_tokens; t += gridDim.x / C) {
+        const int used_blocks = (int)gridDim.x / C * C;
+        for (int t = blockIdx.x / C; blockIdx.x < used_blocks && t < p.num_tokens; t += used_blocks / C) {
             // The entries whose rows arrive, once per token (K <= 16): every valid k, or in
             // rank-major only each rank's first.
             unsigned used = 0u;
@@ -508,4 +513,24 @@ extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv(LlParams p)
         }
     }
     finish_receive(p, 1, cancelled, mismatched);
+}
+
+// The kernels. Two launches (staged operations, and any operation whose grid cannot be all
+// resident): the send half, then the complete half. One launch (the synchronous form, launched
+// cooperatively so every block is resident): each block sends its share, then takes its receive
+// tasks; a block waiting for arrivals never keeps a sender of this kernel off the GPU. A
+// one-launch grid has at most one block per SM, and its registers are bounded so that two blocks
+// fit on an SM: the other channel's one-launch kernel (ranks may interleave the channels
+// differently) always finds room beside a waiting one.
+extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(LlParams p) { dispatch_send(p); }
+extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p) { dispatch_recv(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_dispatch_kernel(LlParams p) {
+    dispatch_send(p);
+    dispatch_recv(p);
+}
+extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_send(LlParams p) { combine_send(p); }
+extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv(LlParams p) { combine_recv(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_kernel(LlParams p) {
+    combine_send(p);
+    combine_recv(p);
 }

@@ -14,6 +14,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use epflow_core::Error;
 
 use super::consumers::{Consumers, Lease};
+use super::events::EventPool;
 use super::memory::DeviceBuffer;
 
 /// Allocation granularity of cached buffers.
@@ -25,6 +26,7 @@ const MAX_FREE: usize = 8;
 #[derive(Debug)]
 pub(crate) struct OutputCache {
     ctx: Arc<CudaContext>,
+    events: Arc<EventPool>,
     free: Mutex<Vec<(DeviceBuffer, Vec<Arc<CudaEvent>>)>>,
 }
 
@@ -39,9 +41,10 @@ pub(crate) struct CachedBuffer {
 }
 
 impl OutputCache {
-    /// An empty cache for `ctx`.
-    pub(crate) fn new(ctx: &Arc<CudaContext>) -> Arc<Self> {
-        Arc::new(OutputCache { ctx: Arc::clone(ctx), free: Mutex::new(Vec::new()) })
+    /// An empty cache for the context of `events` (where its buffers' fences come from).
+    pub(crate) fn new(events: &Arc<EventPool>) -> Arc<Self> {
+        let ctx = Arc::clone(events.context());
+        Arc::new(OutputCache { ctx, events: Arc::clone(events), free: Mutex::new(Vec::new()) })
     }
 
     /// The smallest free buffer of at least `bytes`, or a new one (rounded up to 2 MiB).
@@ -50,7 +53,7 @@ impl OutputCache {
             Some(f) => f,
             None => (DeviceBuffer::zeroed(&self.ctx, bytes.max(1).next_multiple_of(GRANULE))?, Vec::new()),
         };
-        Ok(CachedBuffer { buf: Some(buf), fences, consumers: Consumers::new(&self.ctx), cache: Arc::clone(self) })
+        Ok(CachedBuffer { buf: Some(buf), fences, consumers: Consumers::new(&self.events), cache: Arc::clone(self) })
     }
 }
 

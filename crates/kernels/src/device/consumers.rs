@@ -6,9 +6,10 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+use cudarc::driver::{CudaEvent, CudaStream};
 
 use super::context::bind;
+use super::events::EventPool;
 
 /// Memory whose release is fenced by its consumers (a buffer set held by outputs, a cached output
 /// buffer): what a [`super::DeviceTensor`] view of it holds.
@@ -20,14 +21,14 @@ pub(crate) trait Lease: std::fmt::Debug + Send + Sync {
 /// The consumer streams of one piece of memory.
 #[derive(Debug)]
 pub(crate) struct Consumers {
-    ctx: Arc<CudaContext>,
+    events: Arc<EventPool>,
     streams: Mutex<Vec<Arc<CudaStream>>>,
 }
 
 impl Consumers {
-    /// None yet, in `ctx`.
-    pub(crate) fn new(ctx: &Arc<CudaContext>) -> Self {
-        Consumers { ctx: Arc::clone(ctx), streams: Mutex::new(Vec::new()) }
+    /// None yet; fences come from `events` (of the memory's context).
+    pub(crate) fn new(events: &Arc<EventPool>) -> Self {
+        Consumers { events: Arc::clone(events), streams: Mutex::new(Vec::new()) }
     }
 
     /// `stream` reads the memory (work enqueued on it so far, or later until the release).
@@ -42,19 +43,16 @@ impl Consumers {
     /// event cannot be recorded, that stream is synchronized instead (nothing then to wait for).
     pub(crate) fn fences(&self) -> Vec<Arc<CudaEvent>> {
         let streams = std::mem::take(&mut *self.streams.lock().unwrap_or_else(|e| e.into_inner()));
-        if streams.is_empty() || bind(&self.ctx).is_err() {
+        if streams.is_empty() || bind(self.events.context()).is_err() {
             return Vec::new();
         }
         streams
             .iter()
-            .filter_map(|s| {
-                let recorded = self.ctx.new_event(None).and_then(|e| e.record(s).map(|()| e));
-                match recorded {
-                    Ok(e) => Some(Arc::new(e)),
-                    Err(_) => {
-                        let _ = s.synchronize();
-                        None
-                    }
+            .filter_map(|s| match self.events.record(s) {
+                Ok(e) => Some(e),
+                Err(_) => {
+                    let _ = s.synchronize();
+                    None
                 }
             })
             .collect()

@@ -27,6 +27,16 @@ pub fn sm_count(ordinal: usize) -> Result<usize, Error> {
         .map_err(|e| cuda("query SMs", e))
 }
 
+/// The PCI location of `ctx`'s device (domain, bus, device), as one number: two contexts with
+/// the same key on one host drive the same GPU.
+pub(crate) fn pci_key(ctx: &CudaContext) -> Result<u64, Error> {
+    use cudarc::driver::sys::CUdevice_attribute as A;
+    let get = |a| ctx.attribute(a).map(|v| v.max(0) as u64).map_err(|e| cuda("query the PCI location", e));
+    Ok(get(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)? << 32
+        | get(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)? << 8
+        | get(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?)
+}
+
 /// A [`epflow_core::Error::Backend`] for a failed driver call.
 pub(crate) fn cuda(what: &str, e: DriverError) -> Error {
     Error::Backend(format!("CUDA: {what}: {e:?}"))

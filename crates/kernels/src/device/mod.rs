@@ -1,16 +1,19 @@
 //! The CUDA edge: the driver and its contexts, device and pinned memory, device tensors, the
-//! cache of output buffers, and what every stream-ordered operation does around its launches.
+//! cache of output buffers, recycled events, and what every stream-ordered operation does
+//! around its launches.
 
 pub(crate) mod cache;
 pub(crate) mod consumers;
 mod context;
+mod events;
 mod memory;
 mod stream_work;
 mod tensor;
 
 pub(crate) use consumers::Lease;
-pub(crate) use context::{bind, cuda};
+pub(crate) use context::{bind, cuda, pci_key};
 pub use context::{context, device_count, driver_present, sm_count};
+pub use events::EventPool;
 pub use memory::DeviceBuffer;
 pub(crate) use memory::{PinnedBuffer, copy_to_host};
 pub use stream_work::StreamWork;

@@ -12,6 +12,7 @@ use epflow_core::Error;
 
 use super::consumers::Lease;
 use super::context::{bind, cuda};
+use super::events::EventPool;
 use super::tensor::DeviceTensor;
 
 /// The stream-ordered part of one operation.
@@ -28,6 +29,8 @@ pub struct StreamWork {
     leases: Vec<Arc<dyn Lease>>,
     timing: Option<[CudaEvent; 3]>,
     done: Option<Arc<CudaEvent>>,
+    /// Where the events without timing come from (else each is created and destroyed).
+    events: Option<Arc<EventPool>>,
 }
 
 impl std::fmt::Debug for StreamWork {
@@ -53,7 +56,14 @@ impl StreamWork {
             leases: inputs.iter().filter_map(|t| t.lease().cloned()).collect(),
             timing: None,
             done: None,
+            events: None,
         }
+    }
+
+    /// Takes its events (completion, ordering) from `pool`, of the same context.
+    pub fn with_events(mut self, pool: &Arc<EventPool>) -> Self {
+        self.events = Some(Arc::clone(pool));
+        self
     }
 
     /// The stream.
@@ -150,6 +160,9 @@ impl StreamWork {
 
     /// An event recorded now on `stream`.
     fn record_on(&self, stream: &CudaStream) -> Result<Arc<CudaEvent>, Error> {
+        if let Some(pool) = &self.events {
+            return pool.record(stream).map_err(|e| cuda("record event", e));
+        }
         let e = self.event(false)?;
         e.record(stream).map_err(|e| cuda("record event", e))?;
         Ok(Arc::new(e))

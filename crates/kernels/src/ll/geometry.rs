@@ -15,6 +15,17 @@ pub(crate) enum LlKernel {
     CombineSend,
     /// Combine complete half.
     CombineRecv,
+    /// Dispatch in one launch: the send half, then the complete half, in one cooperative grid.
+    DispatchOne,
+    /// Combine in one launch.
+    CombineOne,
+}
+
+impl LlKernel {
+    /// Whether it is a one-launch kernel (both halves).
+    pub(crate) fn is_one_launch(self) -> bool {
+        matches!(self, LlKernel::DispatchOne | LlKernel::CombineOne)
+    }
 }
 
 /// Threads per block of the send kernels and the dispatch receive kernel.
@@ -25,7 +36,9 @@ const COMBINE_RECV_THREADS: u32 = 256;
 const WARPS_PER_SM: u32 = 16;
 
 /// The grid and block of `which` for `p` on at most `sms` SMs; sets the geometry fields of `p`
-/// (`chunks`, `splits`) the kernel reads.
+/// (`chunks`, `splits`, `recv_chunks`) the kernel reads. A one-launch kernel gets the larger of
+/// its two halves' grids (at most `sms` blocks, one per SM, so a cooperative launch keeps every
+/// block resident); each half loops over its work whatever the grid.
 pub(crate) fn ll_launch(which: LlKernel, p: &mut LlParams, sms: u32) -> (u32, u32) {
     let (b, r, k, m, h) =
         (p.num_tokens.max(1) as u32, p.num_ranks as u32, p.top_k as u32, p.max_tokens as u32, p.hidden as usize);
@@ -37,7 +50,7 @@ pub(crate) fn ll_launch(which: LlKernel, p: &mut LlParams, sms: u32) -> (u32, u3
         }
         LlKernel::DispatchRecv => {
             let payload = if p.fp8 != 0 { h } else { 2 * h };
-            p.chunks = if payload % 64 == 0 { 4 } else { 1 };
+            p.recv_chunks = if payload % 64 == 0 { 4 } else { 1 };
             // Tasks (group, split): a group is a local expert, or a source rank in rank-major,
             // whose rows need more blocks each (up to 64 splits of a source's block).
             let (groups, most) = if p.rank_major != 0 { (p.num_ranks, 64) } else { (p.num_local, 4) };
@@ -50,9 +63,22 @@ pub(crate) fn ll_launch(which: LlKernel, p: &mut LlParams, sms: u32) -> (u32, u3
             (items.div_ceil(4 * 16).clamp(1, sms), BLOCK_THREADS)
         }
         LlKernel::CombineRecv => {
-            p.chunks = if h % 32 == 0 { 4 } else { 1 };
-            let c = p.chunks as u32;
+            p.recv_chunks = if h % 32 == 0 { 4 } else { 1 };
+            let c = p.recv_chunks as u32;
             ((b.min((2 * sms / c).max(1)) * c).min((sms / c).max(1) * c), COMBINE_RECV_THREADS)
+        }
+        LlKernel::DispatchOne | LlKernel::CombineOne => {
+            let (send, recv) = if which == LlKernel::DispatchOne {
+                (LlKernel::DispatchSend, LlKernel::DispatchRecv)
+            } else {
+                (LlKernel::CombineSend, LlKernel::CombineRecv)
+            };
+            let grid = ll_launch(send, p, sms).0.max(ll_launch(recv, p, sms).0).clamp(1, sms.max(1));
+            // The combine receive works in groups of `recv_chunks` blocks: at least one group.
+            if grid < p.recv_chunks as u32 {
+                p.recv_chunks = 1;
+            }
+            (grid, BLOCK_THREADS)
         }
     }
 }
@@ -104,7 +130,7 @@ mod tests {
         assert_eq!(p.chunks, 7);
         // A block per local expert.
         assert_eq!(ll_launch(LlKernel::DispatchRecv, &mut p, 132), (128, 512));
-        assert_eq!((p.chunks, p.splits), (4, 1));
+        assert_eq!((p.recv_chunks, p.splits), (4, 1));
         // 2112 warps over 1024 (token, k) rows: 2 pieces each; 2 x 128 x 8 x 2 items, 4 per warp.
         assert_eq!(ll_launch(LlKernel::CombineSend, &mut p, 132), (64, 512));
         assert_eq!(p.chunks, 2);
@@ -116,7 +142,14 @@ mod tests {
         assert_eq!(ll_launch(LlKernel::CombineRecv, &mut p, 132), (4, 256));
         // A bound on SMs bounds every grid.
         let mut p = params(128);
-        for k in [LlKernel::DispatchSend, LlKernel::DispatchRecv, LlKernel::CombineSend, LlKernel::CombineRecv] {
+        for k in [
+            LlKernel::DispatchSend,
+            LlKernel::DispatchRecv,
+            LlKernel::CombineSend,
+            LlKernel::CombineRecv,
+            LlKernel::DispatchOne,
+            LlKernel::CombineOne,
+        ] {
             assert!(ll_launch(k, &mut p, 24).0 <= 24, "{k:?}");
         }
         // Rank-major receive: a task per (source, split), 64 splits of each source's rows.
@@ -125,5 +158,38 @@ mod tests {
         assert_eq!(p.splits, 64);
         assert_eq!(ll_launch(LlKernel::DispatchRecv, &mut p, 32), (32, 512));
         assert_eq!(p.splits, 16);
+    }
+
+    #[test]
+    fn one_launch_grids_cover_both_halves_on_at_most_one_block_per_sm() {
+        // 128 tokens: the larger of the two halves' grids, both halves' fields set.
+        let mut p = params(128);
+        assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132), (128, 512));
+        assert_eq!((p.chunks, p.recv_chunks, p.splits), (7, 4, 1));
+        assert_eq!(ll_launch(LlKernel::CombineOne, &mut p, 132), (132, 512));
+        assert_eq!((p.chunks, p.recv_chunks), (2, 4));
+        // One token: the combine send walks every (token, k) slot of the row map, so its grid
+        // (and the one launch's) stays wide; the dispatch's follows its receive (a block per
+        // local expert).
+        let mut p = params(1);
+        assert_eq!(ll_launch(LlKernel::CombineOne, &mut p, 132), (132, 512));
+        assert_eq!(p.recv_chunks, 4);
+        assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132), (128, 512));
+        // Fewer SMs than a combine receive group: rows are summed whole.
+        for sms in 1..=3 {
+            let (grid, _) = ll_launch(LlKernel::CombineOne, &mut p, sms);
+            assert!(grid <= sms);
+            assert_eq!(p.recv_chunks, 1, "{sms} SMs");
+        }
+        for sms in [1, 2, 7, 24, 132] {
+            for tokens in [1, 7, 128] {
+                let mut p = params(tokens);
+                for k in [LlKernel::DispatchOne, LlKernel::CombineOne] {
+                    let (grid, block) = ll_launch(k, &mut p, sms);
+                    assert!((1..=sms).contains(&grid) && block == 512, "{k:?} {sms} SMs {tokens} tokens");
+                    assert!(p.recv_chunks >= 1 && p.chunks >= 1);
+                }
+            }
+        }
     }
 }

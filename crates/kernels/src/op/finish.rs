@@ -97,7 +97,7 @@ impl GpuOp {
     /// The lease of this low-latency operation's buffer set, for its outputs. The operation keeps
     /// a share until it is dropped, so the set is not reused before its verdict is read.
     fn set_lease(&mut self) -> Arc<SetLease> {
-        let lease = SetLease::new(&self.shared.ctx, self.state.take_slot());
+        let lease = SetLease::new(&self.shared.events, self.state.take_slot());
         self.lease = Some(Arc::clone(&lease));
         lease
     }

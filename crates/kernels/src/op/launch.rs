@@ -6,12 +6,14 @@ use std::sync::atomic::Ordering;
 
 use cudarc::driver::{CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, sys};
 use epflow_core::Error;
+use epflow_core::protocol::Fence;
 
-use super::{GpuOp, GpuOpKind};
+use super::{GpuOp, GpuOpKind, stream_id};
 use crate::device::{StreamWork, cuda};
 use crate::ht::geometry::ht_grid;
 use crate::ll::geometry::{LlKernel, ll_launch};
 use crate::params::{ExchangeParams, HtParams, LlParams, NcclHtParams};
+use crate::rank::handle::GpuHandle;
 use crate::transport::nccl::{Xfer, issue};
 
 /// The kernel parameters of an operation.
@@ -30,6 +32,27 @@ pub(crate) enum Launch {
     NcclExchange { row_bytes: usize },
 }
 
+/// Launches `f` with its one parameter block `p` on `on`; `cooperative`: every block of the grid
+/// is resident at once (the kernel's blocks wait for each other's work).
+fn launch<P: cudarc::driver::DeviceRepr>(
+    on: &CudaStream,
+    f: &CudaFunction,
+    p: &P,
+    (grid, block): (u32, u32),
+    cooperative: bool,
+    what: impl FnOnce() -> String,
+) -> Result<(), Error> {
+    let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 };
+    let mut builder = on.launch_builder(f);
+    builder.arg(p);
+    // SAFETY: every epflow kernel takes one parameter block by value, mirrored byte for byte in
+    // params.rs (`P` is the one of `f`); its pointers address the group's buffers, the handle's
+    // memory, the outputs and the inputs, all kept alive by the operation that launches it.
+    let launched = unsafe { if cooperative { builder.launch_cooperative(cfg) } else { builder.launch(cfg) } };
+    launched.map_err(|e| cuda(&what(), e))?;
+    Ok(())
+}
+
 impl GpuOp {
     /// Enqueues this operation's NCCL group on its stream.
     pub(super) fn issue_xfers(&self) -> Result<(), Error> {
@@ -46,12 +69,7 @@ impl GpuOp {
         (grid, block): (u32, u32),
         what: &str,
     ) -> Result<(), Error> {
-        let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: every epflow kernel takes one parameter block by value, mirrored byte for byte
-        // in params.rs (`P` is the one of `f`); its pointers address the group's buffers, the
-        // handle's memory, the outputs and the inputs, all kept alive by this operation.
-        unsafe { on.launch_builder(f).arg(p).launch(cfg) }.map_err(|e| cuda(what, e))?;
-        Ok(())
+        launch(on, f, p, (grid, block), false, || what.to_string())
     }
 
     /// Launches the one kernel (or kernels and NCCL group) of a high-throughput operation or
@@ -153,40 +171,54 @@ impl GpuOp {
             LlKernel::DispatchRecv => &f.dispatch_recv,
             LlKernel::CombineSend => &f.combine_send,
             LlKernel::CombineRecv => &f.combine_recv,
+            LlKernel::DispatchOne => &f.dispatch_one,
+            LlKernel::CombineOne => &f.combine_one,
         };
-        self.launch_one(on, k, &p, geometry, &format!("launch {which:?}"))
+        launch(on, k, &p, geometry, which.is_one_launch(), || format!("launch {which:?}"))
     }
 
     /// The complete half of a low-latency operation, on `on`, after the fences of the buffer set
-    /// it writes (its previous outputs' consumers); returns the completion event. A dispatch's
-    /// receive writes the handle's row map, so it also waits (on the device) for the combines that
-    /// read the previous map, and then becomes the map's writer.
+    /// it writes (its previous outputs' consumers); returns the completion event.
     pub(super) fn launch_recv(&mut self, on: &Arc<CudaStream>) -> Result<Arc<CudaEvent>, Error> {
-        let fences: Vec<Arc<CudaEvent>> =
-            self.state.take_fences().into_iter().filter_map(|f| f.downcast::<CudaEvent>().ok()).collect();
+        let fences = self.state.take_fences();
+        let which = if self.chan() == 0 { LlKernel::DispatchRecv } else { LlKernel::CombineRecv };
+        self.launch_completing(on, which, fences)
+    }
+
+    /// Launches `which`, a complete half or a one-launch kernel (then the end of the send half
+    /// is marked after it too), on `on` after `fences` (of the buffer set it writes: its previous
+    /// outputs' consumers); returns the completion event. A dispatch's receive writes the
+    /// handle's row map, so it also waits (on the device) for the combines that read the previous
+    /// map, and then becomes the map's writer.
+    pub(super) fn launch_completing(
+        &mut self,
+        on: &Arc<CudaStream>,
+        which: LlKernel,
+        fences: Vec<Fence>,
+    ) -> Result<Arc<CudaEvent>, Error> {
+        let fences: Vec<Arc<CudaEvent>> = fences.into_iter().filter_map(|f| f.downcast::<CudaEvent>().ok()).collect();
         StreamWork::wait_on(on, &fences)?;
-        if self.chan() != 0 {
-            self.launch_ll(LlKernel::CombineRecv, on)?;
-            return self.work.end_complete_on(on);
-        }
         let handle = match (&self.kind, self.state.is_cancelled()) {
             (Some(GpuOpKind::Dispatch { handle, .. }), false) => Some(handle.clone()),
             _ => None,
         };
-        let Some(handle) = handle else {
-            self.launch_ll(LlKernel::DispatchRecv, on)?;
-            return self.work.end_complete_on(on);
-        };
-        let mut map = handle.row_map();
-        if map.readers_sent != map.readers_done {
-            if let Some(reader) = &map.reader_event {
+        let mut map = handle.as_ref().map(GpuHandle::row_map);
+        if let Some(map) = &map {
+            let busy = map.readers_sent != map.readers_done && map.reader_stream != stream_id(on);
+            if let (true, Some(reader)) = (busy, &map.reader_event) {
                 on.wait(reader).map_err(|e| cuda("wait for the previous combine", e))?;
             }
         }
-        self.launch_ll(LlKernel::DispatchRecv, on)?;
+        self.launch_ll(which, on)?;
+        if which.is_one_launch() {
+            self.work.end_send()?;
+        }
         let done = self.work.end_complete_on(on)?;
-        map.writer = Some(self.seq);
-        map.writer_event = Some(Arc::clone(&done));
+        if let Some(map) = &mut map {
+            map.writer = Some(self.seq);
+            map.writer_event = Some(Arc::clone(&done));
+            map.writer_stream = stream_id(on);
+        }
         Ok(done)
     }
 }

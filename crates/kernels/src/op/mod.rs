@@ -1,5 +1,7 @@
 //! [`GpuOp`]: one GPU operation as a [`PendingOp`]. Low-latency: the send half is one kernel
-//! launch, the complete half another. High-throughput dispatch and combine, and the count
+//! launch, the complete half another; in the synchronous form
+//! ([`PendingOp::will_complete_at_once`]) both halves are one cooperative launch when the rank
+//! can (see [`GpuOp::one_launch`]). High-throughput dispatch and combine, and the count
 //! exchange of handle creation, are one launch each (the send half), whose end is the
 //! completion. A CUDA event after the last launch is the completion signal.
 //!
@@ -84,6 +86,10 @@ pub struct GpuOp {
     scratch: Vec<CachedBuffer>,
     /// Low-latency: caller-owned memory the outputs are written into (their views address it).
     targets: Option<OutputTargets>,
+    /// The complete half follows the send at once, on the same stream (the synchronous form).
+    at_once: bool,
+    /// Both halves went out as one launch.
+    one_launched: bool,
 }
 
 impl std::fmt::Debug for GpuOp {
@@ -107,7 +113,7 @@ impl GpuOp {
         kind: GpuOpKind,
         inputs: &[&DeviceTensor],
     ) -> Self {
-        let work = StreamWork::new(&shared.ctx, &shared.streams[channel.index()], inputs);
+        let work = StreamWork::new(&shared.ctx, &shared.streams[channel.index()], inputs).with_events(&shared.events);
         GpuOp {
             shared,
             channel,
@@ -126,6 +132,8 @@ impl GpuOp {
             xfers: Vec::new(),
             scratch: Vec::new(),
             targets: None,
+            at_once: false,
+            one_launched: false,
         }
     }
 
@@ -207,9 +215,9 @@ impl GpuOp {
             return Ok(None);
         }
         let (handle, paired) = (handle.clone(), *paired);
-        let (writer, event) = {
+        let (writer, event, writer_stream) = {
             let map = handle.row_map();
-            (map.writer, map.writer_event.clone())
+            (map.writer, map.writer_event.clone(), map.writer_stream)
         };
         if writer != Some(paired) {
             let rewritten_by = writer.unwrap_or(paired);
@@ -217,7 +225,8 @@ impl GpuOp {
             self.cancel_inputs();
             return Ok(None);
         }
-        if let Some(ev) = event {
+        // On the stream the dispatch received on, stream order already has it.
+        if let (Some(ev), false) = (event, stream_id(self.work.stream()) == writer_stream) {
             self.work.stream().wait(&ev).map_err(|e| cuda("wait for the paired dispatch", e))?;
         }
         Ok(Some(handle))
@@ -236,6 +245,7 @@ impl GpuOp {
             }
         };
         event.record(self.work.stream()).map_err(|e| cuda("record event", e))?;
+        map.reader_stream = stream_id(self.work.stream());
         map.readers_sent += 1;
         Ok(map.readers_sent)
     }
@@ -254,6 +264,20 @@ impl GpuOp {
             && self.refused.is_none()
             && !self.uses_nccl()
             && !host_counts
+    }
+
+    /// Whether this operation runs both low-latency halves as one cooperative launch: the
+    /// synchronous form was asked for, it carries data to and from NVLink peers only (an NCCL
+    /// exchange runs between the halves), and the rank allows it
+    /// ([`crate::rank::shared::RankShared::one_launch`]). Decided at the send.
+    fn one_launch(&self) -> bool {
+        self.at_once
+            && self.shared.one_launch
+            && matches!(self.launch, Launch::Ll(_))
+            && matches!(self.kind, Some(GpuOpKind::Dispatch { .. } | GpuOpKind::Combine { .. }))
+            && !self.state.is_cancelled()
+            && self.refused.is_none()
+            && !self.uses_nccl()
     }
 
     fn cancel_inputs(&mut self) {
@@ -293,6 +317,29 @@ impl Drop for GpuOp {
     }
 }
 
+impl GpuOp {
+    /// The outputs of a stream-ordered completion, ready after `done`, `stream` a consumer.
+    fn stream_outputs_after(
+        &mut self,
+        done: &Arc<cudarc::driver::CudaEvent>,
+        stream: &Arc<CudaStream>,
+    ) -> Result<GpuOpOutput, Error> {
+        let mut out = self.stream_outputs()?;
+        match &mut out {
+            OpOutput::Dispatch(d) => d.ready_after(done),
+            OpOutput::Combine(c) => c.ready_after(done),
+            _ => {}
+        }
+        record_output_stream(&out, stream);
+        Ok(out)
+    }
+}
+
+/// A stream's identity (its raw handle), for "same stream, no wait" checks.
+pub(crate) fn stream_id(stream: &CudaStream) -> usize {
+    stream.cu_stream() as usize
+}
+
 /// Declares `stream` a consumer of the outputs in `out`.
 fn record_output_stream(out: &GpuOpOutput, stream: &Arc<CudaStream>) {
     match out {
@@ -318,7 +365,7 @@ impl PendingOp for GpuOp {
         Ok(self.state.is_sent() || self.shared.turns[self.chan()].load(Ordering::Acquire) == self.seq)
     }
 
-    fn send(&mut self, slot: Option<SlotGuard>) -> Result<(), Error> {
+    fn send(&mut self, mut slot: Option<SlotGuard>) -> Result<(), Error> {
         if self.state.is_sent() {
             return Ok(());
         }
@@ -327,6 +374,21 @@ impl PendingOp for GpuOp {
             self.work.begin_send(s.timing.load(Ordering::Relaxed) && !self.state.is_cancelled())?;
             let reader = self.claim_row_map()?;
             match self.launch {
+                Launch::Ll(_) if self.one_launch() => {
+                    // Both halves: the kernel writes the buffer set, so it waits for the set's
+                    // previous consumers first (the fences the slot carries).
+                    let which = if self.chan() == 0 { LlKernel::DispatchOne } else { LlKernel::CombineOne };
+                    let fences = slot.as_mut().map(SlotGuard::take_fences).unwrap_or_default();
+                    let on = Arc::clone(self.work.stream());
+                    self.launch_completing(&on, which, fences)?;
+                    self.one_launched = true;
+                    self.completing = true;
+                    if let Some(h) = reader {
+                        self.reader = Some(self.record_reader(&h)?);
+                    }
+                    // `launch_completing` marked the end of the send half.
+                    return Ok(());
+                }
                 Launch::Ll(_) => {
                     let which = if self.chan() == 0 { LlKernel::DispatchSend } else { LlKernel::CombineSend };
                     let on = Arc::clone(self.work.stream());
@@ -361,6 +423,10 @@ impl PendingOp for GpuOp {
 
     fn cancel(&mut self) {
         self.cancel_inputs();
+    }
+
+    fn will_complete_at_once(&mut self) {
+        self.at_once = true;
     }
 
     fn start_complete(&mut self) -> Result<(), Error> {
@@ -422,17 +488,30 @@ impl PendingOp for GpuOp {
             record_output_stream(&out, stream);
             return Ok(Some(out));
         }
+        if self.one_launched {
+            // Both halves ran as one launch on the operation's stream (the caller's, for a send
+            // issued with `send_on`).
+            let done =
+                self.work.done().cloned().ok_or_else(|| Error::Backend("one launch without its event".into()))?;
+            if stream_id(stream) != stream_id(self.work.stream()) {
+                stream.wait(&done).map_err(|e| cuda("order the caller's stream", e))?;
+            }
+            return self.stream_outputs_after(&done, stream).map(Some);
+        }
         if self.completing {
             return Err(Error::Backend(format!("{} is already completing", self.label())));
         }
         let recv_stream = match order {
             StreamOrder::OnStream => {
-                // The receive follows the send half of the same operation.
-                let sent = match &self.sent {
-                    Some(e) => Arc::clone(e),
-                    None => self.work.record_now()?,
-                };
-                stream.wait(&sent).map_err(|e| cuda("order after the send half", e))?;
+                // The receive follows the send half of the same operation (on the same stream,
+                // stream order has it).
+                if stream_id(stream) != stream_id(self.work.stream()) {
+                    let sent = match &self.sent {
+                        Some(e) => Arc::clone(e),
+                        None => self.work.record_now()?,
+                    };
+                    stream.wait(&sent).map_err(|e| cuda("order after the send half", e))?;
+                }
                 Arc::clone(stream)
             }
             StreamOrder::Ordered => Arc::clone(self.work.stream()),
@@ -442,14 +521,7 @@ impl PendingOp for GpuOp {
         if order == StreamOrder::Ordered {
             stream.wait(&done).map_err(|e| cuda("order the caller's stream", e))?;
         }
-        let mut out = self.stream_outputs()?;
-        match &mut out {
-            OpOutput::Dispatch(d) => d.ready_after(&done),
-            OpOutput::Combine(c) => c.ready_after(&done),
-            _ => {}
-        }
-        record_output_stream(&out, stream);
-        Ok(Some(out))
+        self.stream_outputs_after(&done, stream).map(Some)
     }
 
     fn verdict(&mut self) -> Result<(), Error> {

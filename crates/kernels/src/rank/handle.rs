@@ -81,8 +81,12 @@ pub(crate) struct RowMap {
     pub(crate) writer: Option<u64>,
     /// An event after that receive kernel, until the host saw the dispatch finish.
     pub(crate) writer_event: Option<Arc<CudaEvent>>,
+    /// The stream that receive kernel ran on (a combine sent on the same one needs no wait).
+    pub(crate) writer_stream: usize,
     /// One event, re-recorded after every combine send that reads the map.
     pub(crate) reader_event: Option<Arc<CudaEvent>>,
+    /// The stream of the last combine send recorded in `reader_event`.
+    pub(crate) reader_stream: usize,
     /// Combine sends recorded so far, and the number of the last one the host saw finish:
     /// while they differ, a writer must wait for `reader_event`.
     pub(crate) readers_sent: u64,

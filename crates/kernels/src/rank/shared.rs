@@ -10,7 +10,7 @@ use epflow_core::{Algorithm, Error, GroupConfig};
 
 use crate::compile::Functions;
 use crate::device::cache::OutputCache;
-use crate::device::{DeviceBuffer, PinnedBuffer, bind};
+use crate::device::{DeviceBuffer, EventPool, PinnedBuffer, bind};
 use crate::layout::Layout;
 use crate::params::{MAX_RANKS, SIGNAL_PAGE_BYTES, arrival_offset, status};
 use crate::transport::nccl::{NcclShared, Xfer};
@@ -125,6 +125,8 @@ pub(crate) struct RankShared {
     /// Low-latency: a handle's worth of zeroed memory for cancellations that have no usable
     /// handle of their own (a foreign handle failed validation).
     pub(crate) null_handle: Option<DeviceBuffer>,
+    /// Recycled CUDA events (completions, fences).
+    pub(crate) events: Arc<EventPool>,
     /// High-throughput outputs, recycled when dropped.
     pub(crate) outputs: Arc<OutputCache>,
     /// High-throughput: staging buffers of the count exchange, recycled.
@@ -133,6 +135,12 @@ pub(crate) struct RankShared {
     /// ([`crate::GpuRank::fill_output_buffers`]).
     pub(crate) output_fill: AtomicU32,
     pub(crate) timing: AtomicBool,
+    /// Whether synchronous low-latency operations may run as one cooperative launch: two
+    /// blocks of the kernels fit on an SM (a grid takes at most one per SM, so the other
+    /// channel's fits beside it), and no other rank of the group shares this GPU (its kernel
+    /// could not run while this one's blocks wait for it). `EPFLOW_ONE_LAUNCH=0` turns
+    /// it off.
+    pub(crate) one_launch: bool,
     /// Per channel, the next operation allowed to send (sends go out in operation order).
     pub(crate) turns: [AtomicU64; 3],
     /// The NCCL transport, when some peer uses it.
