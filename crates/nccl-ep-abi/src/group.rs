@@ -16,6 +16,7 @@ use epflow_kernels::{GpuOp, GpuRank, GpuWorld, Transport};
 use nccl_ep_sys as ep;
 
 use crate::comm::CallerComm;
+use crate::profile::Profile;
 use crate::status::{Fail, Res, warn};
 
 /// `NCCL_EP_TIMEOUT_MS`: overrides the config's `timeout_ns`, as in NCCL EP.
@@ -53,6 +54,8 @@ pub(crate) struct Group {
     error_cleared: AtomicBool,
     /// The error already logged.
     error_logged: AtomicBool,
+    /// Host time per phase of low-latency calls (`EPFLOW_ABI_PROFILE=1`).
+    pub(crate) profile: Profile,
 }
 
 impl std::fmt::Debug for Group {
@@ -166,6 +169,7 @@ impl Group {
             in_flight: Mutex::new(VecDeque::new()),
             error_cleared: AtomicBool::new(false),
             error_logged: AtomicBool::new(false),
+            profile: Profile::from_env(),
         }))
     }
 
@@ -187,6 +191,12 @@ impl Group {
     /// Fails fast once the group failed (a timeout, a failed peer), with the first reason.
     pub(crate) fn check(&self) -> Res<()> {
         self.settle(false)?;
+        self.check_poisoned()
+    }
+
+    /// [`Group::check`] without reading earlier operations' verdicts (cheap: for the path to a
+    /// launch; call [`Group::settle`] after it).
+    pub(crate) fn check_poisoned(&self) -> Res<()> {
         self.rank.core().poison().check().map_err(Fail::from)
     }
 
@@ -256,6 +266,9 @@ impl Group {
     /// `ncclEpGroupDestroy`: waits for every operation, then for every rank (collective), so no
     /// peer still reads this rank's memory when it is freed.
     pub(crate) fn shut_down(&self) -> Res<()> {
+        for line in self.profile.report() {
+            eprintln!("NCCL EP (epflow) PROFILE rank {}: {line}", self.shape.rank);
+        }
         let settled = self.settle(true);
         let barrier = self.comm.all_gather_bytes(&[1]);
         settled?;

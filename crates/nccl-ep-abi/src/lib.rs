@@ -18,6 +18,7 @@
 //! - `group.rs`: a group: the epflow GPU rank, the config's shape, operations in flight.
 //! - `handle.rs`: handles: layout, top-k, routing.
 //! - `ops.rs`: dispatch, combine and complete on the caller's stream and tensors.
+//! - `profile.rs`: `EPFLOW_ABI_PROFILE=1`, host time per phase of low-latency calls.
 //! - [`header`]: the C header, generated.
 //!
 //! ## What is implemented
@@ -38,5 +39,6 @@ mod group;
 mod handle;
 pub mod header;
 mod ops;
+mod profile;
 mod status;
 mod tensor;

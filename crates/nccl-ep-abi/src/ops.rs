@@ -20,6 +20,7 @@ use nccl_ep_sys as ep;
 use crate::check::{self, Tensor};
 use crate::group::Group;
 use crate::handle::{Handle, refuse_capture};
+use crate::profile::Timer;
 use crate::status::{Fail, Res};
 
 /// The caller's tensor `t` as a device tensor of `desc` (only `desc`'s bytes are used: the
@@ -54,15 +55,29 @@ fn rows_of(t: &Tensor, what: &str, dtype: ep::NcclDataType, rows: usize, row: us
 }
 
 /// Issues `op` (its send half on `stream`), then completes it on `stream` unless `staged`, in
-/// which case it is returned for `ncclEpComplete`.
-fn issue(g: &Group, mut op: GpuOp, channel: Channel, stream: &Arc<CudaStream>, staged: bool) -> Res<Option<GpuOp>> {
+/// which case it is returned for `ncclEpComplete`. `timer` closes the send and complete phases.
+fn issue(
+    g: &Group,
+    mut op: GpuOp,
+    channel: Channel,
+    stream: &Arc<CudaStream>,
+    staged: bool,
+    timer: &mut Timer<'_>,
+) -> Res<Option<GpuOp>> {
     op.send_on(stream)?;
+    if !staged {
+        // Both halves on `stream`, back to back: one launch where the rank can.
+        op.will_complete_at_once();
+    }
     let rank = &g.rank;
     let op = send_blocking(op, rank.slot_pool(channel), rank.poison(), g.timeout())?;
+    timer.next();
     if staged {
+        timer.next();
         return Ok(Some(op));
     }
     complete(g, op, stream)?;
+    timer.next();
     Ok(None)
 }
 
@@ -146,8 +161,15 @@ pub(crate) unsafe fn dispatch(
     if !inputs.scales.is_null() || !outputs.scales.is_null() {
         return Err(Fail::usage("scales are reserved in NCCL EP 0.1 (BF16 dispatch only)"));
     }
+    let mut timer = g.profile.untimed();
     refuse_capture(stream, "ncclEpDispatch")?;
-    g.check()?;
+    if g.shape.algorithm == Algorithm::LowLatency {
+        // Earlier operations' verdicts are read after the launch (the stream is idle until it).
+        timer = g.profile.timer(0);
+        g.check_poisoned()?;
+    } else {
+        g.check()?;
+    }
     no_staged(h)?;
     let gh = h.gpu()?;
     let pass = pass_of(cfg.pass_direction)?;
@@ -196,10 +218,13 @@ pub(crate) unsafe fn dispatch(
                 din = din.with_weights(w);
             }
             g.make_room(Channel::Dispatch)?;
+            timer.next();
             // SAFETY: the targets were checked against the shapes of this layout above.
             let op = unsafe { g.rank.start_dispatch_into(&gh, din, &opts, &targets) }?;
-            let staged = issue(g, op, Channel::Dispatch, &st, cfg.send_only != 0)?;
+            timer.next();
+            let staged = issue(g, op, Channel::Dispatch, &st, cfg.send_only != 0, &mut timer)?;
             *h.staged.lock().unwrap_or_else(|e| e.into_inner()) = staged;
+            g.settle(false)?;
         }
         (Algorithm::HighThroughput, _) => {
             let n = gh.num_recv_tokens().unwrap_or(0);
@@ -232,7 +257,7 @@ pub(crate) unsafe fn dispatch(
             }
             // SAFETY: the targets hold at least the rows epflow writes (checked above).
             let op = unsafe { g.rank.start_dispatch_into(&gh, din, &opts, &targets) }?;
-            issue(g, op, Channel::Dispatch, &st, false)?;
+            issue(g, op, Channel::Dispatch, &st, false, &mut timer)?;
             g.settle(true)?;
         }
     }
@@ -293,8 +318,14 @@ pub(crate) unsafe fn combine(
             check::tensor(outputs.topk_weights, "outputs.topk_weights")?,
         )
     };
+    let mut timer = g.profile.untimed();
     refuse_capture(stream, "ncclEpCombine")?;
-    g.check()?;
+    if g.shape.algorithm == Algorithm::LowLatency {
+        timer = g.profile.timer(1);
+        g.check_poisoned()?;
+    } else {
+        g.check()?;
+    }
     no_staged(h)?;
     let gh = h.gpu()?;
     let pass = pass_of(cfg.pass_direction)?;
@@ -338,10 +369,13 @@ pub(crate) unsafe fn combine(
                 cin = cin.with_weights(w);
             }
             g.make_room(Channel::Combine)?;
+            timer.next();
             // SAFETY: the output was checked as [B x H] BF16 above.
             let op = unsafe { g.rank.start_combine_into(&gh, cin, &opts, &targets) }?;
-            let staged = issue(g, op, Channel::Combine, &st, cfg.send_only != 0)?;
+            timer.next();
+            let staged = issue(g, op, Channel::Combine, &st, cfg.send_only != 0, &mut timer)?;
             *h.staged.lock().unwrap_or_else(|e| e.into_inner()) = staged;
+            g.settle(false)?;
         }
         Algorithm::HighThroughput => {
             let n = gh.num_recv_tokens().unwrap_or(0);
@@ -369,7 +403,7 @@ pub(crate) unsafe fn combine(
             }
             // SAFETY: the outputs were checked above ([B x H] tokens, [B x K] weights).
             let op = unsafe { g.rank.start_combine_into(&gh, cin, &opts, &targets) }?;
-            issue(g, op, Channel::Combine, &st, false)?;
+            issue(g, op, Channel::Combine, &st, false, &mut timer)?;
             g.settle(true)?;
         }
     }
