@@ -8,133 +8,28 @@ mod common;
 use std::sync::{Arc, Mutex};
 
 use epflow_async::Group;
-use epflow_core::backend::{Backend, HandleCreation, OpId, OpOutput, PendingOp, Probe, RankCore};
-use epflow_core::handle::{HandleCore, RoutingHandle};
-use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions};
-use epflow_core::protocol::{Channel, SlotGuard};
-use epflow_core::routing::Routing;
-use epflow_core::{Algorithm, GroupConfig, HostTensor, Result, bf16};
+use epflow_core::ops::DispatchInputs;
+use epflow_core::protocol::Channel;
+use epflow_core::{HostTensor, bf16};
 
+use common::stub::{Stub, StubHooks};
 use common::tokio_rt;
 
 /// What each operation was told before its send: (sequence number, told to complete at once).
-type Log = Arc<Mutex<Vec<(u64, bool)>>>;
+#[derive(Debug, Default)]
+struct Told(Mutex<Vec<(u64, bool)>>);
 
-/// A one-rank backend whose operations complete at once and log the hint.
-#[derive(Debug)]
-struct Recording {
-    core: RankCore,
-    log: Log,
-}
-
-#[derive(Clone, Debug)]
-struct RecHandle(Arc<HandleCore>);
-
-impl RoutingHandle for RecHandle {
-    fn core(&self) -> &HandleCore {
-        &self.0
-    }
-    fn num_recv_tokens(&self) -> Option<usize> {
-        None
-    }
-    fn recv_expert_counts(&self) -> Option<&[i32]> {
-        None
-    }
-}
-
-#[derive(Debug)]
-struct RecOp {
-    seq: u64,
-    at_once: bool,
-    sent: bool,
-    log: Log,
-}
-
-impl PendingOp for RecOp {
-    type Stream = ();
-    type Output = OpOutput<RecHandle, (), ()>;
-    fn id(&self) -> OpId {
-        OpId { rank: 0, channel: Channel::Dispatch, seq: self.seq }
-    }
-    fn needs_slot(&self) -> bool {
-        false
-    }
-    fn poll_send_ready(&mut self) -> Result<bool> {
-        Ok(true)
-    }
-    fn send(&mut self, _: Option<SlotGuard>) -> Result<()> {
-        self.sent = true;
-        self.log.lock().unwrap().push((self.seq, self.at_once));
-        Ok(())
-    }
-    fn is_sent(&self) -> bool {
-        self.sent
-    }
-    fn cancel(&mut self) {}
-    fn will_complete_at_once(&mut self) {
-        assert!(!self.sent, "told after its send");
-        self.at_once = true;
-    }
-    fn start_complete(&mut self) -> Result<()> {
-        Ok(())
-    }
-    fn poll_complete(&mut self) -> Result<bool> {
-        Ok(true)
-    }
-    fn finish(self) -> Result<Self::Output> {
-        Ok(OpOutput::Dispatch(()))
-    }
-    fn complete_on(&mut self, _: &(), _: epflow_core::backend::StreamOrder) -> Result<Option<Self::Output>> {
-        Ok(Some(OpOutput::Dispatch(())))
-    }
-    fn send_probe(&self) -> Box<dyn Probe> {
-        Box::new(|| true)
-    }
-    fn complete_probe(&self) -> Box<dyn Probe> {
-        Box::new(|| true)
-    }
-    fn waiting_for(&self) -> String {
-        String::new()
-    }
-}
-
-impl Backend for Recording {
-    type Stream = ();
-    type Tensor = HostTensor;
-    type Handle = RecHandle;
-    type DispatchOutput = ();
-    type CombineOutput = ();
-    type Op = RecOp;
-
-    fn core(&self) -> &RankCore {
-        &self.core
-    }
-    fn start_handle(
-        &self,
-        idx: &HostTensor,
-        _opts: &epflow_core::ops::HandleOptions,
-    ) -> Result<HandleCreation<RecHandle, RecOp>> {
-        let routing = Routing::new(idx.as_i64().unwrap().to_vec(), 1, 1, 4)?;
-        let core = HandleCore::new(self.core.group_id(), routing, Algorithm::LowLatency, None);
-        Ok(HandleCreation::Ready(RecHandle(Arc::new(core))))
-    }
-    fn start_dispatch(&self, _: &RecHandle, _: DispatchInputs<'_, HostTensor>, _: &DispatchOptions) -> Result<RecOp> {
-        let seq = self.core.next_seq(Channel::Dispatch);
-        Ok(RecOp { seq, at_once: false, sent: false, log: Arc::clone(&self.log) })
-    }
-    fn start_combine(&self, _: &RecHandle, _: CombineInputs<'_, HostTensor>, _: &CombineOptions) -> Result<RecOp> {
-        unreachable!("the test dispatches only")
+impl StubHooks for Told {
+    fn sent(&self, _: Channel, seq: u64, at_once: bool) {
+        self.0.lock().unwrap().push((seq, at_once));
     }
 }
 
 #[test]
 fn only_operations_awaited_directly_are_told_to_complete_at_once() {
     let rt = tokio_rt();
-    let log = Log::default();
-    let g = Group::new(Recording {
-        core: RankCore::new(0, 1, 991, GroupConfig::low_latency(4, 1, 8)),
-        log: Arc::clone(&log),
-    });
+    let told = Arc::new(Told::default());
+    let g = Group::new(Stub::new(991, Arc::clone(&told)));
     let x = HostTensor::tokens(1, 8, vec![bf16::ONE; 8]);
     let idx = HostTensor::topk_idx(1, 1, vec![0]);
     rt.block_on(async {
@@ -150,5 +45,5 @@ fn only_operations_awaited_directly_are_told_to_complete_at_once() {
         // #3: awaited directly again.
         g.dispatch(&h, DispatchInputs::new(&x)).await.unwrap();
     });
-    assert_eq!(*log.lock().unwrap(), vec![(0, true), (1, false), (2, false), (3, true)]);
+    assert_eq!(*told.0.lock().unwrap(), vec![(0, true), (1, false), (2, false), (3, true)]);
 }

@@ -10,13 +10,11 @@ use std::time::{Duration, Instant};
 
 use epflow_async::Group;
 use epflow_async::reactor::{WaitOutcome, reactor_stats, wait_for};
-use epflow_core::backend::{Backend, HandleCreation, OpId, OpOutput, PendingOp, Probe, RankCore};
-use epflow_core::handle::{HandleCore, RoutingHandle};
-use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions};
-use epflow_core::protocol::{Channel, SlotGuard};
-use epflow_core::routing::Routing;
-use epflow_core::{Algorithm, Error, GroupConfig, HostTensor, Result, bf16};
+use epflow_core::ops::{CombineInputs, DispatchInputs};
+use epflow_core::protocol::Channel;
+use epflow_core::{Error, HostTensor, bf16};
 
+use common::stub::{Stub, StubHooks};
 use common::{checked, groups, ll_round, tokio_rt};
 
 #[test]
@@ -94,117 +92,18 @@ fn a_dropped_staged_combine_whose_peer_pairs_differently_fails_the_peer_at_once(
     assert!(after.alive && after.panics == before.panics, "{before:?} -> {after:?}");
 }
 
-/// A backend whose operations panic when finished: a stand-in for a backend bug.
+/// Operations that panic when finished: a stand-in for a backend bug.
 #[derive(Debug)]
-struct Faulty {
-    core: RankCore,
-}
+struct PanicOnFinish;
 
-#[derive(Clone, Debug)]
-struct FaultyHandle(Arc<HandleCore>);
-
-impl RoutingHandle for FaultyHandle {
-    fn core(&self) -> &HandleCore {
-        &self.0
-    }
-    fn num_recv_tokens(&self) -> Option<usize> {
-        None
-    }
-    fn recv_expert_counts(&self) -> Option<&[i32]> {
-        None
+impl StubHooks for PanicOnFinish {
+    fn finishing(&self, channel: Channel, seq: u64) {
+        panic!("finish bug in {} #{seq}", channel.name())
     }
 }
 
-#[derive(Debug)]
-struct FaultyOp {
-    seq: u64,
-    sent: bool,
-}
-
-impl PendingOp for FaultyOp {
-    type Stream = ();
-    type Output = OpOutput<FaultyHandle, (), ()>;
-    fn id(&self) -> OpId {
-        OpId { rank: 0, channel: Channel::Dispatch, seq: self.seq }
-    }
-    fn needs_slot(&self) -> bool {
-        false
-    }
-    fn poll_send_ready(&mut self) -> Result<bool> {
-        Ok(true)
-    }
-    fn send(&mut self, _: Option<SlotGuard>) -> Result<()> {
-        self.sent = true;
-        Ok(())
-    }
-    fn is_sent(&self) -> bool {
-        self.sent
-    }
-    fn cancel(&mut self) {}
-    fn start_complete(&mut self) -> Result<()> {
-        Ok(())
-    }
-    fn poll_complete(&mut self) -> Result<bool> {
-        Ok(true)
-    }
-    fn finish(self) -> Result<Self::Output> {
-        panic!("finish bug in dispatch #{}", self.seq)
-    }
-    fn send_probe(&self) -> Box<dyn Probe> {
-        Box::new(|| true)
-    }
-    fn complete_probe(&self) -> Box<dyn Probe> {
-        Box::new(|| true)
-    }
-    fn waiting_for(&self) -> String {
-        String::new()
-    }
-}
-
-impl Backend for Faulty {
-    type Stream = ();
-    type Tensor = HostTensor;
-    type Handle = FaultyHandle;
-    type DispatchOutput = ();
-    type CombineOutput = ();
-    type Op = FaultyOp;
-
-    fn core(&self) -> &RankCore {
-        &self.core
-    }
-    fn start_handle(
-        &self,
-        idx: &HostTensor,
-        _opts: &epflow_core::ops::HandleOptions,
-    ) -> Result<HandleCreation<FaultyHandle, FaultyOp>> {
-        let routing = Routing::new(idx.as_i64().unwrap().to_vec(), 1, 1, 4)?;
-        Ok(HandleCreation::Ready(FaultyHandle(Arc::new(HandleCore::new(
-            self.core.group_id(),
-            routing,
-            Algorithm::LowLatency,
-            None,
-        )))))
-    }
-    fn start_dispatch(
-        &self,
-        _: &FaultyHandle,
-        _: DispatchInputs<'_, HostTensor>,
-        _: &DispatchOptions,
-    ) -> Result<FaultyOp> {
-        Ok(FaultyOp { seq: self.core.next_seq(Channel::Dispatch), sent: false })
-    }
-    fn start_combine(
-        &self,
-        _: &FaultyHandle,
-        _: CombineInputs<'_, HostTensor>,
-        _: &CombineOptions,
-    ) -> Result<FaultyOp> {
-        Ok(FaultyOp { seq: self.core.next_seq(Channel::Combine), sent: false })
-    }
-}
-
-fn faulty(group_id: u64) -> Group<Faulty> {
-    Group::new(Faulty { core: RankCore::new(0, 1, group_id, GroupConfig::low_latency(4, 1, 8)) })
+fn faulty(group_id: u64) -> Group<Stub<PanicOnFinish>> {
+    Group::new(Stub::new(group_id, Arc::new(PanicOnFinish)))
 }
 
 #[test]

@@ -2,6 +2,8 @@
 //! against the CPU reference.
 #![allow(dead_code)]
 
+pub(crate) mod stub;
+
 use epflow_async::Group;
 use std::future::Future;
 use std::sync::Arc;
