@@ -110,6 +110,24 @@ pub(crate) fn complete(g: &Group, mut op: GpuOp, stream: &Arc<CudaStream>) -> Re
     }
 }
 
+/// The checks every dispatch and combine on `channel` starts with: not inside a graph capture,
+/// the group not failed, nothing staged on the handle. Low-latency calls read earlier
+/// operations' verdicts after their launch (the stream is idle until it) and are timed from
+/// here (`EPFLOW_ABI_PROFILE`); the timer is returned.
+fn begin<'g>(g: &'g Group, h: &Handle, stream: ep::CudaStream, channel: Channel) -> Res<Timer<'g>> {
+    let ll = g.shape.algorithm == Algorithm::LowLatency;
+    let timer = if ll { g.profile.timer(channel.index()) } else { g.profile.untimed() };
+    let what = if channel == Channel::Dispatch { "ncclEpDispatch" } else { "ncclEpCombine" };
+    refuse_capture(stream, what)?;
+    if ll {
+        g.check_poisoned()?;
+    } else {
+        g.check()?;
+    }
+    no_staged(h)?;
+    Ok(timer)
+}
+
 fn no_staged(h: &Handle) -> Res<()> {
     if h.staged.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
         return Err(Fail::usage("a send-only operation on this handle is waiting for ncclEpComplete"));
@@ -161,16 +179,7 @@ pub(crate) unsafe fn dispatch(
     if !inputs.scales.is_null() || !outputs.scales.is_null() {
         return Err(Fail::usage("scales are reserved in NCCL EP 0.1 (BF16 dispatch only)"));
     }
-    let mut timer = g.profile.untimed();
-    refuse_capture(stream, "ncclEpDispatch")?;
-    if g.shape.algorithm == Algorithm::LowLatency {
-        // Earlier operations' verdicts are read after the launch (the stream is idle until it).
-        timer = g.profile.timer(0);
-        g.check_poisoned()?;
-    } else {
-        g.check()?;
-    }
-    no_staged(h)?;
+    let mut timer = begin(g, h, stream, Channel::Dispatch)?;
     let gh = h.gpu()?;
     let pass = pass_of(cfg.pass_direction)?;
     let s = &g.shape;
@@ -318,15 +327,7 @@ pub(crate) unsafe fn combine(
             check::tensor(outputs.topk_weights, "outputs.topk_weights")?,
         )
     };
-    let mut timer = g.profile.untimed();
-    refuse_capture(stream, "ncclEpCombine")?;
-    if g.shape.algorithm == Algorithm::LowLatency {
-        timer = g.profile.timer(1);
-        g.check_poisoned()?;
-    } else {
-        g.check()?;
-    }
-    no_staged(h)?;
+    let mut timer = begin(g, h, stream, Channel::Combine)?;
     let gh = h.gpu()?;
     let pass = pass_of(cfg.pass_direction)?;
     let s = &g.shape;
