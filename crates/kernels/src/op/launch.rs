@@ -8,7 +8,7 @@ use cudarc::driver::{CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKern
 use epflow_core::Error;
 use epflow_core::protocol::Fence;
 
-use super::{GpuOp, GpuOpKind, stream_id};
+use super::{GpuOp, GpuOpKind, stream_id, wait_unless_same};
 use crate::device::{StreamWork, cuda};
 use crate::ht::geometry::ht_grid;
 use crate::ll::geometry::{LlKernel, ll_launch};
@@ -204,9 +204,8 @@ impl GpuOp {
         };
         let mut map = handle.as_ref().map(GpuHandle::row_map);
         if let Some(map) = &map {
-            let busy = map.readers_sent != map.readers_done && map.reader_stream != stream_id(on);
-            if let (true, Some(reader)) = (busy, &map.reader_event) {
-                on.wait(reader).map_err(|e| cuda("wait for the previous combine", e))?;
+            if let (true, Some(reader)) = (map.readers_sent != map.readers_done, &map.reader_event) {
+                wait_unless_same(on, reader, map.reader_stream, "wait for the previous combine")?;
             }
         }
         self.launch_ll(which, on)?;

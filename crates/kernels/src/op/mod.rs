@@ -225,9 +225,8 @@ impl GpuOp {
             self.cancel_inputs();
             return Ok(None);
         }
-        // On the stream the dispatch received on, stream order already has it.
-        if let (Some(ev), false) = (event, stream_id(self.work.stream()) == writer_stream) {
-            self.work.stream().wait(&ev).map_err(|e| cuda("wait for the paired dispatch", e))?;
+        if let Some(ev) = event {
+            wait_unless_same(self.work.stream(), &ev, writer_stream, "wait for the paired dispatch")?;
         }
         Ok(Some(handle))
     }
@@ -338,6 +337,20 @@ impl GpuOp {
 /// A stream's identity (its raw handle), for "same stream, no wait" checks.
 pub(crate) fn stream_id(stream: &CudaStream) -> usize {
     stream.cu_stream() as usize
+}
+
+/// Makes `on` wait for `event`, recorded on the stream `recorded_on` ([`stream_id`]); nothing
+/// when that is `on` itself (stream order already has it).
+pub(crate) fn wait_unless_same(
+    on: &CudaStream,
+    event: &cudarc::driver::CudaEvent,
+    recorded_on: usize,
+    what: &str,
+) -> Result<(), Error> {
+    if stream_id(on) == recorded_on {
+        return Ok(());
+    }
+    on.wait(event).map_err(|e| cuda(what, e))
 }
 
 /// Declares `stream` a consumer of the outputs in `out`.
@@ -493,9 +506,7 @@ impl PendingOp for GpuOp {
             // issued with `send_on`).
             let done =
                 self.work.done().cloned().ok_or_else(|| Error::Backend("one launch without its event".into()))?;
-            if stream_id(stream) != stream_id(self.work.stream()) {
-                stream.wait(&done).map_err(|e| cuda("order the caller's stream", e))?;
-            }
+            wait_unless_same(stream, &done, stream_id(self.work.stream()), "order the caller's stream")?;
             return self.stream_outputs_after(&done, stream).map(Some);
         }
         if self.completing {
