@@ -17,7 +17,7 @@ use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, bf16};
 use epflow_kernels::{GpuRank, GpuWorld, Transport, device_count};
 
 mod common;
-use common::{gpus, launched, on_ranks, seed};
+use common::{World, for_each_world, gpus, launched, on_ranks, seed};
 
 /// One dispatch + identity experts + combine on every rank; returns (dispatch, combine) reports.
 fn round(
@@ -103,7 +103,7 @@ fn check_world(
 fn ll_matches_reference_on_1_2_and_4_gpus() {
     let base = seed();
     eprintln!("seed {base}");
-    let worlds: &[(usize, usize, DispatchDtype)] = &[
+    let worlds: &[World] = &[
         (2048, 8, DispatchDtype::Bf16),
         (4096, 64, DispatchDtype::Fp8 { round_scales: false }),
         (7168, 256, DispatchDtype::Bf16),
@@ -111,14 +111,9 @@ fn ll_matches_reference_on_1_2_and_4_gpus() {
         (2048, 64, DispatchDtype::Bf16),
         (4096, 256, DispatchDtype::Fp8 { round_scales: false }),
     ];
-    for n in [1usize, 2, 4] {
-        let Some(devices) = gpus(n, &format!("ll_matches_reference ({n} GPUs)")) else { continue };
-        for &(h, e, dt) in worlds {
-            let t = Instant::now();
-            check_world(&devices, h, e, dt, base, &Transport::Auto);
-            eprintln!("ok: {n} GPUs H={h} E={e} {dt:?} ({:.1} s)", t.elapsed().as_secs_f64());
-        }
-    }
+    for_each_world("ll_matches_reference", &[1, 2, 4], worlds, |devices, (h, e, dt)| {
+        check_world(devices, h, e, dt, base, &Transport::Auto)
+    });
 }
 
 /// The same rounds with every exchange between distinct ranks over NCCL (`Transport::Nccl`).
@@ -126,19 +121,14 @@ fn ll_matches_reference_on_1_2_and_4_gpus() {
 fn ll_over_nccl_matches_reference_on_2_and_4_gpus() {
     let base = seed();
     eprintln!("seed {base}");
-    let worlds: &[(usize, usize, DispatchDtype)] = &[
+    let worlds: &[World] = &[
         (7168, 256, DispatchDtype::Bf16),
         (7168, 256, DispatchDtype::Fp8 { round_scales: true }),
         (2048, 64, DispatchDtype::Fp8 { round_scales: false }),
     ];
-    for n in [2usize, 4] {
-        let Some(devices) = gpus(n, &format!("ll_over_nccl ({n} GPUs)")) else { continue };
-        for &(h, e, dt) in worlds {
-            let t = Instant::now();
-            check_world(&devices, h, e, dt, base, &Transport::Nccl);
-            eprintln!("ok: NCCL {n} GPUs H={h} E={e} {dt:?} ({:.1} s)", t.elapsed().as_secs_f64());
-        }
-    }
+    for_each_world("ll_over_nccl", &[2, 4], worlds, |devices, (h, e, dt)| {
+        check_world(devices, h, e, dt, base, &Transport::Nccl)
+    });
 }
 
 /// Two declared "hosts" of 2 GPUs: NVLink inside each, NCCL between them (run with

@@ -19,7 +19,7 @@ use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor};
 use epflow_kernels::{GpuRank, GpuWorld, Transport};
 
 mod common;
-use common::{gpus, launched, on_ranks, seed, shared_gpu_sms};
+use common::{World, for_each_world, gpus, launched, on_ranks, seed, shared_gpu_sms};
 
 /// One dispatch + identity experts + combine on `rank`, on a handle of `layout`.
 fn round(rank: &GpuRank, sc: &Scenario, layout: Layout, staged: bool) -> Result<(Report, Report), Error> {
@@ -120,7 +120,7 @@ fn check_world(
     }
 }
 
-const WORLDS: &[(usize, usize, DispatchDtype)] = &[
+const WORLDS: &[World] = &[
     (2048, 64, DispatchDtype::Bf16),
     (7168, 256, DispatchDtype::Bf16),
     (7168, 256, DispatchDtype::Fp8 { round_scales: true }),
@@ -131,14 +131,9 @@ const WORLDS: &[(usize, usize, DispatchDtype)] = &[
 fn rank_major_matches_reference_on_1_2_and_4_gpus() {
     let base = seed();
     eprintln!("seed {base}");
-    for n in [1usize, 2, 4] {
-        let Some(devices) = gpus(n, &format!("rank_major_matches_reference ({n} GPUs)")) else { continue };
-        for &(h, e, dt) in WORLDS {
-            let t = Instant::now();
-            check_world(&devices, h, e, dt, base, &Transport::Auto);
-            eprintln!("ok: {n} GPUs H={h} E={e} {dt:?} ({:.1} s)", t.elapsed().as_secs_f64());
-        }
-    }
+    for_each_world("rank_major_matches_reference", &[1, 2, 4], WORLDS, |devices, (h, e, dt)| {
+        check_world(devices, h, e, dt, base, &Transport::Auto)
+    });
 }
 
 #[test]

@@ -26,6 +26,24 @@ pub(crate) fn gpus(need: usize, test: &str) -> Option<Vec<usize>> {
     Some((0..need).collect())
 }
 
+/// One configuration a matrix test runs: hidden size, experts, dispatch type.
+pub(crate) type World = (usize, usize, epflow_core::DispatchDtype);
+
+/// Runs `check(devices, world)` for every world on each GPU count of `counts` (a count this
+/// machine lacks is skipped, with the reason printed), printing each world's time.
+#[allow(dead_code)]
+pub(crate) fn for_each_world(test: &str, counts: &[usize], worlds: &[World], check: impl Fn(&[usize], World)) {
+    for &n in counts {
+        let Some(devices) = gpus(n, &format!("{test} ({n} GPUs)")) else { continue };
+        for &world in worlds {
+            let t = std::time::Instant::now();
+            check(&devices, world);
+            let (h, e, dt) = world;
+            eprintln!("ok: {test}, {n} GPUs H={h} E={e} {dt:?} ({:.1} s)", t.elapsed().as_secs_f64());
+        }
+    }
+}
+
 /// `EPFLOW_TEST_SEED`, else the clock (print it so a failure can be replayed).
 pub(crate) fn seed() -> u64 {
     std::env::var("EPFLOW_TEST_SEED")
