@@ -22,7 +22,10 @@ use crate::stamp::{Pairing, Stamp};
 #[derive(Debug)]
 pub struct HandleCore {
     group_id: u64,
-    routing: Routing,
+    /// `(B, K)`.
+    shape: (usize, usize),
+    /// The validated routing, where the host holds it (`None` for handles built on a device).
+    routing: Option<Routing>,
     algorithm: Algorithm,
     layout: Layout,
     creation: Option<u64>,
@@ -44,8 +47,33 @@ impl HandleCore {
     /// that created it (high-throughput handle creation; `None` for low-latency handles, which
     /// are built locally).
     pub fn new(group_id: u64, routing: Routing, algorithm: Algorithm, creation: Option<u64>) -> Self {
+        let shape = (routing.num_tokens(), routing.top_k());
+        HandleCore::with_shape(group_id, shape, Some(routing), algorithm, creation)
+    }
+
+    /// A handle of group `group_id` whose routing of `num_tokens x top_k` was validated on a
+    /// device and stays there (a high-throughput handle built by kernels): the host never sees
+    /// `topk_idx`, and [`HandleCore::routing`] is `None`.
+    pub fn on_device(
+        group_id: u64,
+        num_tokens: usize,
+        top_k: usize,
+        algorithm: Algorithm,
+        creation: Option<u64>,
+    ) -> Self {
+        HandleCore::with_shape(group_id, (num_tokens, top_k), None, algorithm, creation)
+    }
+
+    fn with_shape(
+        group_id: u64,
+        shape: (usize, usize),
+        routing: Option<Routing>,
+        algorithm: Algorithm,
+        creation: Option<u64>,
+    ) -> Self {
         HandleCore {
             group_id,
+            shape,
             routing,
             algorithm,
             layout: Layout::ExpertMajor,
@@ -84,19 +112,20 @@ impl HandleCore {
         self.group_id
     }
 
-    /// The validated routing.
-    pub fn routing(&self) -> &Routing {
-        &self.routing
+    /// The validated routing, where the host holds it; `None` for a handle built on a device
+    /// (the GPU backend's high-throughput handles over NVLink), whose routing never leaves it.
+    pub fn routing(&self) -> Option<&Routing> {
+        self.routing.as_ref()
     }
 
     /// `B`.
     pub fn num_tokens(&self) -> usize {
-        self.routing.num_tokens()
+        self.shape.0
     }
 
     /// `K`.
     pub fn top_k(&self) -> usize {
-        self.routing.top_k()
+        self.shape.1
     }
 
     /// The number of the handle creation that made it (high-throughput).
@@ -177,8 +206,9 @@ pub trait RoutingHandle: Clone + Send + Sync + 'static {
     fn top_k(&self) -> usize {
         self.core().top_k()
     }
-    /// The validated routing.
-    fn routing(&self) -> &Routing {
+    /// The validated routing, where the host holds it: `None` for handles built on a device
+    /// (see [`HandleCore::routing`]).
+    fn routing(&self) -> Option<&Routing> {
         self.core().routing()
     }
     /// The receive layout of low-latency operations on the handle.

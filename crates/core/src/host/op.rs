@@ -271,6 +271,9 @@ impl HostOp {
                 // Rank-major: one pre-weighted row per rank reached, in the slot of the rank's
                 // first top-k entry, added with weight 1 (fma(1, x, acc) = acc + x).
                 let rank_major = handle.layout() == Layout::RankMajor;
+                let Some(routing) = handle.routing() else {
+                    return Err(self.internal("a host handle without its routing".into()));
+                };
                 let placement = ExpertPlacement::new(self.world.config.num_experts, self.world.num_ranks);
                 // where_[t * K + k] = (source, staged row) of that selection's expert output.
                 let mut where_: Vec<Option<(usize, usize)>> = vec![None; b * k_n];
@@ -289,9 +292,9 @@ impl HostOp {
                     acc.iter_mut().for_each(|a| *a = 0.0);
                     for k in 0..k_n {
                         let sends = if rank_major {
-                            handle.routing().first_of_its_rank(placement, t, k).is_some()
+                            routing.first_of_its_rank(placement, t, k).is_some()
                         } else {
-                            handle.routing().expert(t, k).is_some()
+                            routing.expert(t, k).is_some()
                         };
                         if !sends {
                             continue;
