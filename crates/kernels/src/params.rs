@@ -203,6 +203,48 @@ pub(crate) struct ExchangeParams {
 // (checked by the tests below and by a static_assert in ht.cu).
 unsafe impl DeviceRepr for ExchangeParams {}
 
+/// `struct HtPlanParams` of `ht.cu`: a high-throughput handle built on the device (the mark
+/// kernel, a thread per token, then the plan kernel: a block per destination and the receive
+/// block).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct HtPlanParams {
+    pub topk_in: u64,
+    pub topk: u64,
+    pub send_list: u64,
+    pub send_off: u64,
+    pub recv_base: u64,
+    pub recv_cnt: u64,
+    pub copy_ord: u64,
+    pub counts: u64,
+    pub scratch: u64,
+    pub hits: u64,
+    pub result: u64,
+    pub own: u64,
+    pub signals: u64,
+    pub status: u64,
+    pub peer_region: [u64; MAX_RANKS],
+    pub peer_signals: [u64; MAX_RANKS],
+    pub seq: u64,
+    pub timeout_ns: u64,
+    /// What every rank must agree on (the top-k).
+    pub stamp: u64,
+    pub rank: i32,
+    pub num_ranks: i32,
+    pub num_tokens: i32,
+    pub top_k: i32,
+    pub num_experts: i32,
+    pub num_local: i32,
+    pub channels: i32,
+    pub tokens_per_channel: i32,
+    pub words: i32,
+    pub cancelled: i32,
+}
+
+// SAFETY: `HtPlanParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
+// (checked by the tests below and by a static_assert in ht.cu).
+unsafe impl DeviceRepr for HtPlanParams {}
+
 /// `struct NcclHtParams` of `nccl.cu`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -264,6 +306,11 @@ mod tests {
         assert_eq!(offset_of!(ExchangeParams, stamp), 200);
         assert_eq!(offset_of!(ExchangeParams, seq), 168);
         assert_eq!(offset_of!(ExchangeParams, rank), 184);
+        assert_eq!(size_of::<HtPlanParams>(), 304);
+        assert_eq!(offset_of!(HtPlanParams, peer_region), 112);
+        assert_eq!(offset_of!(HtPlanParams, stamp), 256);
+        assert_eq!(offset_of!(HtPlanParams, rank), 264);
+        assert_eq!(offset_of!(HtPlanParams, cancelled), 300);
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! High-throughput dispatch/combine on GPUs (forward and backward) against the CPU reference,
-//! one process driving 2 or 4 GPUs. Without enough GPUs every test prints SKIPPED and passes:
-//! CI has no GPU; these run on the device machines (`scripts/device-pack.sh`).
+//! one process driving 1, 2 or 4 GPUs (`EPFLOW_TEST_DEVICES=0,0`: two ranks sharing one GPU).
+//! Without enough GPUs every test prints SKIPPED and passes: CI has no GPU; these run on the
+//! device machines (`scripts/device-pack.sh`). Handles are built on the device over NVLink
+//! (`EPFLOW_HT_HANDLE=host` runs the same tests on host-built ones).
 //!
 //! Inputs are fresh random data for every round (seed printed; `EPFLOW_TEST_SEED` replays),
 //! outputs are poisoned before every operation, and every output must match the reference bit
@@ -20,7 +22,7 @@ use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, bf16};
 use epflow_kernels::{GpuRank, GpuWorld, Transport, device_count};
 
 mod common;
-use common::{gpus, on_ranks, seed};
+use common::{gpus, on_ranks, seed, shared_gpu_sms};
 
 /// The references of one round: forward dispatch and combine of identity experts, backward
 /// dispatch of the tokens as gradients, and backward combine of those rows with random weight
@@ -150,7 +152,8 @@ fn check_world(
     base: u64,
     transport: &Transport,
 ) {
-    let config = GroupConfig::high_throughput(experts, hidden).with_dispatch_dtype(dtype);
+    let config =
+        GroupConfig::high_throughput(experts, hidden).with_dispatch_dtype(dtype).with_max_sms(shared_gpu_sms(devices));
     let ranks = GpuWorld::create_with(devices, config.clone(), transport.clone()).expect("create GPU group");
     for (i, &(tokens, top_k, kind, masked)) in cases.iter().enumerate() {
         let s = base.wrapping_add(i as u64 * 7919);
@@ -174,12 +177,12 @@ fn check_world(
 }
 
 #[test]
-fn ht_matches_reference_on_2_and_4_gpus() {
+fn ht_matches_reference_on_1_2_and_4_gpus() {
     let base = seed();
     eprintln!("seed {base}");
     let skewed = RoutingKind::Skewed;
     let uniform = RoutingKind::Uniform;
-    for n in [2usize, 4] {
+    for n in [1usize, 2, 4] {
         let Some(devices) = gpus(n, &format!("ht_matches_reference ({n} GPUs)")) else { continue };
         let bf16_cases = [
             (1, 8, uniform, 0),
@@ -187,7 +190,8 @@ fn ht_matches_reference_on_2_and_4_gpus() {
             (100, 8, skewed, 10),
             (4096, 8, uniform, 10),
             (4096, 8, skewed, 10),
-            (100, 4, RoutingKind::SingleRank(1), 0),
+            // Every token to the last rank's experts (on one GPU: its own).
+            (100, 4, RoutingKind::SingleRank(n - 1), 0),
             (16384, 8, uniform, 10),
         ];
         check_world(&devices, 7168, 256, DispatchDtype::Bf16, &bf16_cases, base, &Transport::Auto);
@@ -274,7 +278,7 @@ fn ht_many_iterations_with_fresh_routing() {
     let Some(devices) = gpus(n.max(2), "ht_many_iterations") else { return };
     let iters: u64 = std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(1000);
     let (hidden, experts, top_k) = (2048, 64, 8);
-    let config = GroupConfig::high_throughput(experts, hidden);
+    let config = GroupConfig::high_throughput(experts, hidden).with_max_sms(shared_gpu_sms(&devices));
     let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
     let base = seed();
     eprintln!("seed {base}, {iters} iterations on {} GPUs", devices.len());
@@ -294,13 +298,98 @@ fn ht_many_iterations_with_fresh_routing() {
     eprintln!("{iters} iterations, 0 mismatches ({:.1} s)", start.elapsed().as_secs_f64());
 }
 
-/// A small 2-GPU configuration for compute-sanitizer (memcheck, racecheck): forward and
-/// backward, BF16 and FP8, uneven and empty ranks.
+/// A small 1- and 2-GPU configuration for compute-sanitizer (memcheck, racecheck): handles
+/// built on the device, forward and backward, BF16 and FP8, uneven and empty ranks.
 #[test]
 fn ht_sanitizer_config() {
-    let Some(devices) = gpus(2, "ht_sanitizer_config") else { return };
+    for n in [1usize, 2] {
+        let Some(devices) = gpus(n, &format!("ht_sanitizer_config ({n} GPUs)")) else { continue };
+        let base = seed();
+        let cases = [(37, 4, RoutingKind::Uniform, 3), (5, 2, RoutingKind::Skewed, 1), (0, 2, RoutingKind::Uniform, 0)];
+        check_world(&devices, 1024, 8, DispatchDtype::Bf16, &cases, base, &Transport::Auto);
+        let fp8 = DispatchDtype::Fp8 { round_scales: false };
+        check_world(&devices, 1024, 8, fp8, &cases[..2], base ^ 1, &Transport::Auto);
+    }
+}
+
+/// An invalid routing on one rank (an expert out of range, then one chosen twice): that rank's
+/// handle creation fails with the validation error the host would name, its peers' with
+/// `PeerCancelled` at once (the device-built handle validates on the device and cancels the
+/// exchange), and the group stays usable: a full round on a valid routing follows.
+#[test]
+fn ht_invalid_routing_fails_creation_and_spares_the_group() {
     let base = seed();
-    let cases = [(37, 4, RoutingKind::Uniform, 3), (5, 2, RoutingKind::Skewed, 1), (0, 2, RoutingKind::Uniform, 0)];
-    check_world(&devices, 1024, 8, DispatchDtype::Bf16, &cases, base, &Transport::Auto);
-    check_world(&devices, 1024, 8, DispatchDtype::Fp8 { round_scales: false }, &cases[..2], base ^ 1, &Transport::Auto);
+    for n in [1usize, 2] {
+        let Some(devices) = gpus(n, &format!("ht_invalid_routing ({n} GPUs)")) else { continue };
+        let (hidden, experts, top_k, tokens) = (1024usize, 16usize, 4usize, 40usize);
+        let config = GroupConfig::high_throughput(experts, hidden).with_max_sms(shared_gpu_sms(&devices));
+        let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+        let sc = Scenario::generate(config.clone(), n, &[tokens], top_k, RoutingKind::Uniform, 0, base);
+        let bad_rank = n - 1;
+        let cases: [(usize, usize, i64, epflow_core::ValidationError); 2] = [
+            (
+                3,
+                1,
+                experts as i64 + 5,
+                epflow_core::ValidationError::ExpertIndexOutOfRange {
+                    token: 3,
+                    k: 1,
+                    index: experts as i64 + 5,
+                    num_experts: experts,
+                },
+            ),
+            (
+                7,
+                2,
+                -2,
+                epflow_core::ValidationError::ExpertIndexOutOfRange { token: 7, k: 2, index: -2, num_experts: experts },
+            ),
+        ];
+        for (token, k, value, want) in cases {
+            let results = on_ranks(&ranks, |rank| {
+                let mut idx = sc.ranks[rank.rank()].topk_idx.clone();
+                if rank.rank() == bad_rank {
+                    idx[token * top_k + k] = value;
+                }
+                let t = rank.upload(&HostTensor::topk_idx(tokens, top_k, idx))?;
+                blocking_handle(rank, &t).map(|_| ())
+            });
+            for (r, res) in results.into_iter().enumerate() {
+                match res {
+                    Err(Error::Validation(e)) if r == bad_rank => assert_eq!(e, want, "rank {r}"),
+                    Err(Error::PeerCancelled { peer, .. }) if r != bad_rank => assert_eq!(peer, bad_rank),
+                    other => panic!("rank {r}: {other:?} (want {want:?} on rank {bad_rank})"),
+                }
+            }
+        }
+        // An expert chosen twice in one row: the earlier slot is named.
+        let results = on_ranks(&ranks, |rank| {
+            let mut idx = sc.ranks[rank.rank()].topk_idx.clone();
+            if rank.rank() == bad_rank {
+                let e = idx[5 * top_k];
+                idx[5 * top_k + 3] = e;
+            }
+            let t = rank.upload(&HostTensor::topk_idx(tokens, top_k, idx))?;
+            blocking_handle(rank, &t).map(|_| ())
+        });
+        let first = sc.ranks[bad_rank].topk_idx[5 * top_k];
+        match &results[bad_rank] {
+            Err(Error::Validation(epflow_core::ValidationError::DuplicateExpert {
+                token,
+                expert,
+                first_k,
+                second_k,
+            })) => {
+                assert_eq!((*token, *expert as i64, *first_k, *second_k), (5, first, 0, 3));
+            }
+            other => panic!("rank {bad_rank}: {other:?}"),
+        }
+        // The group is not poisoned: a full round on valid routing.
+        let refs = references(&sc, base);
+        let all = on_ranks(&ranks, |rank| round(rank, &sc, &refs, false).expect("round after refusals"));
+        for rep in all.into_iter().flatten() {
+            assert!(rep.ok(), "{n} GPUs, after refusals: {rep:?}");
+        }
+        eprintln!("ok: ht_invalid_routing on {n} GPUs");
+    }
 }

@@ -25,6 +25,10 @@ pub(crate) struct Functions {
     pub ht_dispatch: CudaFunction,
     pub ht_combine: CudaFunction,
     pub ht_exchange: CudaFunction,
+    /// A high-throughput handle built on the device: the marks (a thread per token), then the
+    /// plan (a block per destination, and the receive block).
+    pub ht_plan_mark: CudaFunction,
+    pub ht_plan: CudaFunction,
     pub dequant_fp8: CudaFunction,
     pub spin: CudaFunction,
     pub nccl_ht_pack: CudaFunction,
@@ -64,6 +68,8 @@ impl Functions {
             ht_dispatch: f(&ht, "ep_ht_dispatch_kernel")?,
             ht_combine: f(&ht, "ep_ht_combine_kernel")?,
             ht_exchange: f(&ht, "ep_ht_exchange")?,
+            ht_plan_mark: f(&ht, "ep_ht_plan_mark")?,
+            ht_plan: f(&ht, "ep_ht_plan")?,
             dequant_fp8: f(&util, "ep_dequant_fp8_rows")?,
             spin: f(&util, "ep_spin")?,
             nccl_ht_pack: f(&nccl, "ep_nccl_ht_pack")?,

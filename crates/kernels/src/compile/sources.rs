@@ -28,11 +28,12 @@ pub const LL: KernelModule = KernelModule {
     ],
 };
 
-/// High-throughput dispatch and combine, and the count exchange of handle creation.
+/// High-throughput dispatch and combine, the count exchange of handle creation, and the handle
+/// built on the device (plan and receive layout).
 pub const HT: KernelModule = KernelModule {
     name: "ht",
     body: include_str!("../cuda/ht.cu"),
-    kernels: &["ep_ht_dispatch_kernel", "ep_ht_combine_kernel", "ep_ht_exchange"],
+    kernels: &["ep_ht_dispatch_kernel", "ep_ht_combine_kernel", "ep_ht_exchange", "ep_ht_plan_mark", "ep_ht_plan"],
 };
 
 /// The kernels around NCCL's grouped send/recv (the NCCL transport, `nccl.rs`).

@@ -615,3 +615,298 @@ extern "C" __global__ void __launch_bounds__(256) ep_ht_exchange(ExchangeParams 
                         mismatched);
     }
 }
+
+// ## Handles built on the device
+//
+// Over NVLink a high-throughput handle is built on the handle stream with no host copy of
+// `topk_idx` or of the plan: the host zeroes the scratch (one memset), then
+// - `ep_ht_plan_mark` (a thread per token) validates each row, copies it into the handle, marks
+//   the destinations it reaches (a bit per rank) and counts the selections per expert;
+// - `ep_ht_plan` runs R + 1 blocks: block d < R scans the marks for destination d (each thread a
+//   run of consecutive tokens, one block-wide scan), writes d's part of the send plan, and
+//   sends d the exchange message (rows per channel, then selections per local expert of d) with
+//   the arrival pair of exchange `seq`; block R waits for every source's message and builds the
+//   receive layout. Every block is resident (R + 1 <= 9 blocks), so block R may wait.
+// The send plan is strided: d's tokens start at send_list[d * B], so no block needs another's
+// count. What the host needs (the first invalid entry, N, rows per local expert) is written to
+// mapped host memory. The message format is the count exchange's (`ep_ht_exchange`).
+
+#define HT_PLAN_BLOCK 1024
+#define HT_PLAN_WARPS (HT_PLAN_BLOCK / 32)
+#define HT_MARK_BLOCK 256
+#define HT_MARK_HIST 4096  // experts counted in shared memory first (more: straight to global)
+
+struct HtPlanParams {
+    u64 topk_in;     // the caller's topk_idx [B x K] int64
+    u64 topk;        // the handle's copy [B x K] int64
+    u64 send_list;   // int32 [R][B]: destination d's tokens, ascending, from d * B
+    u64 send_off;    // int32 [R][C + 1]: absolute offsets into send_list
+    u64 recv_base;   // int32 [R][C]
+    u64 recv_cnt;    // int32 [R][C]
+    u64 copy_ord;    // int32 [B][R]
+    u64 counts;      // int32 [L]: rows received per local expert
+    u64 scratch;     // int32 [E + 1], zeroed by the host: selections per expert, then
+                     // 0x7fffffff - (first invalid entry t * K + k), or 0 if none
+    u64 hits;        // uint8 [B]: bit d = token t reaches rank d
+    u64 result;      // int64 [4 + L] (mapped host): first invalid entry t * K + k (or -1), its
+                     // value, the earlier k it repeats (or -1), N, then the rows per local expert
+    u64 own;         // this rank's exchange region
+    u64 signals;     // this rank's signal page
+    u64 status;      // this rank's status page (mapped host)
+    u64 peer_region[EP_MAX_RANKS];
+    u64 peer_signals[EP_MAX_RANKS];
+    u64 seq, timeout_ns;
+    u64 stamp;       // what every rank must agree on (the top-k)
+    int rank, num_ranks, num_tokens, top_k;
+    int num_experts, num_local, channels, tokens_per_channel;
+    int words, cancelled;
+};
+static_assert(sizeof(HtPlanParams) == 304, "HtPlanParams layout");
+
+// The first invalid entry of a row (its k, or K): out of [-1, E), or an expert already chosen.
+// Fully unrolled over EP_MAX_TOPK so the row stays in registers.
+__device__ __forceinline__ int plan_first_invalid(const long long (&row)[EP_MAX_TOPK], int K, int E) {
+    int first = K;
+#pragma unroll
+    for (int k = EP_MAX_TOPK - 1; k >= 0; --k) {
+        if (k >= K) continue;
+        const long long e = row[k];
+        bool bad = e < -1 || e >= E;
+#pragma unroll
+        for (int j = 0; j < k; ++j) bad |= e >= 0 && row[j] == e;
+        if (bad) first = k;
+    }
+    return first;
+}
+
+// A thread per token: validation, the handle's copy of the row, the ranks it reaches, and the
+// selections per expert (up to its first invalid entry).
+extern "C" __global__ void __launch_bounds__(HT_MARK_BLOCK) ep_ht_plan_mark(HtPlanParams p) {
+    __shared__ int hist[HT_MARK_HIST];
+    if (p.cancelled) return;
+    const int K = p.top_k, E = p.num_experts, L = p.num_local;
+    const bool shared_hist = E <= HT_MARK_HIST;
+    int* counts = reinterpret_cast<int*>(p.scratch);
+    if (shared_hist) {
+        for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
+    }
+    __syncthreads();
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < p.num_tokens) {
+        // Every load of the row in flight at once (unrolled), then the copy.
+        long long row[EP_MAX_TOPK];
+        const long long* in = reinterpret_cast<const long long*>(p.topk_in) + (size_t)t * K;
+        long long* copy = reinterpret_cast<long long*>(p.topk) + (size_t)t * K;
+#pragma unroll
+        for (int k = 0; k < EP_MAX_TOPK; ++k) row[k] = k < K ? in[k] : -1;
+#pragma unroll
+        for (int k = 0; k < EP_MAX_TOPK; ++k) {
+            if (k < K) copy[k] = row[k];
+        }
+        const int k_bad = plan_first_invalid(row, K, E);
+        if (k_bad < K) atomicMax(counts + E, 0x7fffffff - (t * K + k_bad));
+        unsigned mask = 0;
+#pragma unroll
+        for (int k = 0; k < EP_MAX_TOPK; ++k) {
+            const long long e = row[k];
+            if (k >= k_bad || e < 0) continue;
+            mask |= 1u << (int)(e / L);
+            atomicAdd(shared_hist ? hist + e : counts + e, 1);
+        }
+        reinterpret_cast<unsigned char*>(p.hits)[t] = (unsigned char)mask;
+    }
+    __syncthreads();
+    if (shared_hist) {
+        for (int e = threadIdx.x; e < E; e += blockDim.x) {
+            if (hist[e]) atomicAdd(counts + e, hist[e]);
+        }
+    }
+}
+
+// Exclusive prefix sum of `v` over the block (HT_PLAN_BLOCK threads); `*total` gets the sum.
+__device__ __forceinline__ int plan_block_scan(int v, int* warp_sums, int* total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(EP_FULL_MASK, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) warp_sums[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        int w = warp_sums[lane];
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(EP_FULL_MASK, w, o);
+            if (lane >= o) w += y;
+        }
+        warp_sums[lane] = w;  // inclusive
+    }
+    __syncthreads();
+    const int before = (warp == 0 ? 0 : warp_sums[warp - 1]) + x - v;
+    *total = warp_sums[HT_PLAN_WARPS - 1];
+    return before;
+}
+
+// Block d < R: destination d's send plan and message. Each thread takes a run of consecutive
+// tokens, so one block-wide scan orders all of them.
+__device__ __forceinline__ void plan_send(const HtPlanParams& p, int d, bool cancelled) {
+    __shared__ int warp_sums[32];
+    __shared__ int chan_start[HT_MAX_CHANNELS + 1];
+    const int R = p.num_ranks, B = p.num_tokens, C = p.channels, T = p.tokens_per_channel;
+    const int set = (int)(p.seq & 1);
+    if (!cancelled) {
+        const unsigned char* hits = reinterpret_cast<const unsigned char*>(p.hits);
+        int* list = reinterpret_cast<int*>(p.send_list) + (size_t)d * B;
+        int* copy_ord = reinterpret_cast<int*>(p.copy_ord);
+        // Passes of HT_PLAN_BLOCK x 16 tokens: warp w takes 512 consecutive tokens, lane j the
+        // tokens j, j + 32, ... of them, so every load and store of a warp is contiguous; the
+        // order within the warp comes from one ballot per 32 tokens.
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const u32 below = (1u << lane) - 1u;
+        int running = 0;
+        for (int base = 0; base < B; base += HT_PLAN_BLOCK * 16) {
+            const int w0 = base + warp * 512;
+            u32 ballots[16];
+            int warp_count = 0;
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                const int t = w0 + 32 * i + lane;
+                const bool hit = t < B && ((hits[t] >> d) & 1);
+                ballots[i] = __ballot_sync(EP_FULL_MASK, hit);
+                warp_count += __popc(ballots[i]);
+            }
+            int total;
+            const int before = plan_block_scan(lane == 0 ? warp_count : 0, warp_sums, &total);
+            const int first = running + __shfl_sync(EP_FULL_MASK, before, 0);
+            // The list, and each channel's first position (channel c starts at token c * T).
+            int acc = first;
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                const int t = w0 + 32 * i + lane;
+                const int pos = acc + __popc(ballots[i] & below);
+                if (t < B && t % T == 0) chan_start[t / T] = pos;
+                if ((ballots[i] >> lane) & 1u) list[pos] = t;
+                acc += __popc(ballots[i]);
+            }
+            __syncthreads();
+            acc = first;
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                const int t = w0 + 32 * i + lane;
+                const int pos = acc + __popc(ballots[i] & below);
+                if (t < B) copy_ord[(size_t)t * R + d] = (ballots[i] >> lane) & 1u ? pos - chan_start[t / T] : -1;
+                acc += __popc(ballots[i]);
+            }
+            running += total;
+            __syncthreads();  // warp_sums of the next pass
+        }
+        for (int c = threadIdx.x; c <= C; c += blockDim.x) {
+            if (c == C || c * T >= B) chan_start[c] = running;
+        }
+        __syncthreads();
+        int* send_off = reinterpret_cast<int*>(p.send_off) + d * (C + 1);
+        for (int c = threadIdx.x; c <= C; c += blockDim.x) send_off[c] = d * B + chan_start[c];
+        // The message to d: rows per channel, then selections per local expert of d.
+        const int* counts = reinterpret_cast<const int*>(p.scratch) + (size_t)d * p.num_local;
+        int* msg = reinterpret_cast<int*>(p.peer_region[d]) + (size_t)set * R * p.words + (size_t)p.rank * p.words;
+        for (int w = threadIdx.x; w < p.words; w += blockDim.x) {
+            msg[w] = w < C ? chan_start[w + 1] - chan_start[w] : counts[w - C];
+        }
+    }
+    // The block's writes, then one system fence and the release (cumulative through the
+    // barrier), rather than a fence per thread.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        signal_arrival(reinterpret_cast<u64*>(p.peer_signals[d]), 2, set, p.rank, p.seq, cancelled, p.stamp);
+    }
+}
+
+// Block R: waits for every source's message of exchange `seq`, then writes the receive layout,
+// N and the rows per local expert.
+__device__ __forceinline__ void plan_recv(const HtPlanParams& p) {
+    __shared__ u32 cancelled, mismatched;
+    __shared__ int failed;
+    __shared__ int warp_sums[32];
+    const int R = p.num_ranks, C = p.channels, L = p.num_local, set = (int)(p.seq & 1);
+    if (threadIdx.x == 0) {
+        cancelled = 0u;
+        mismatched = 0u;
+        failed = 0;
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < R) {
+        u64* sig = reinterpret_cast<u64*>(p.signals);
+        const u64 deadline = globaltimer_ns() + p.timeout_ns;
+        switch (wait_arrival(sig, 2, set, threadIdx.x, p.seq, p.stamp, deadline)) {
+            case EP_ARRIVAL_TIMEOUT:
+                report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, threadIdx.x, p.seq);
+                atomicExch(&failed, 1);
+                break;
+            case EP_ARRIVED_CANCELLED:
+                atomicOr(&cancelled, 1u << threadIdx.x);
+                break;
+            case EP_ARRIVED_MISMATCH:
+                atomicOr(&mismatched, 1u << threadIdx.x);
+                break;
+            default:
+                break;
+        }
+    }
+    __syncthreads();
+    if (failed) return;
+    const int* own = reinterpret_cast<const int*>(p.own) + (size_t)set * R * p.words;
+    long long* result = reinterpret_cast<long long*>(p.result);
+    if (!cancelled && !mismatched) {
+        // (source, channel) pairs in order, one per thread (R * C <= 8 * 64 <= HT_PLAN_BLOCK).
+        const int i = threadIdx.x;
+        const int c = i < R * C ? __ldcg(own + (size_t)(i / C) * p.words + i % C) : 0;
+        int n;
+        const int base = plan_block_scan(c > 0 ? c : 0, warp_sums, &n);
+        if (i < R * C) {
+            reinterpret_cast<int*>(p.recv_base)[i] = base;
+            reinterpret_cast<int*>(p.recv_cnt)[i] = c;
+        }
+        if (i == 0) result[3] = n;
+        int* counts = reinterpret_cast<int*>(p.counts);
+        for (int l = threadIdx.x; l < L; l += blockDim.x) {
+            int sum = 0;
+            for (int s = 0; s < R; ++s) sum += __ldcg(own + (size_t)s * p.words + C + l);
+            counts[l] = sum;
+            result[4 + l] = sum;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        publish_outcome(reinterpret_cast<u64*>(p.status), reinterpret_cast<u64*>(p.signals), 2, set, p.seq, cancelled,
+                        mismatched);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(HT_PLAN_BLOCK) ep_ht_plan(HtPlanParams p) {
+    // A routing that fails validation anywhere cancels the exchange (every block sees it alike).
+    const int K = p.top_k;
+    const int bad_inv = p.cancelled ? 0 : __ldcg(reinterpret_cast<const int*>(p.scratch) + p.num_experts);
+    const bool cancelled = p.cancelled || bad_inv != 0;
+    if ((int)blockIdx.x == p.num_ranks) {
+        plan_recv(p);
+        return;
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        long long* result = reinterpret_cast<long long*>(p.result);
+        if (!p.cancelled && bad_inv != 0) {
+            const int bad = 0x7fffffff - bad_inv;
+            const long long* row = reinterpret_cast<const long long*>(p.topk) + (size_t)(bad / K) * K;
+            const int k = bad % K;
+            int first = -1;
+            for (int j = 0; j < k; ++j) {
+                if (first < 0 && row[j] == row[k]) first = j;
+            }
+            result[1] = row[k];
+            result[2] = first;
+        }
+        result[0] = bad_inv == 0 ? -1 : 0x7fffffff - bad_inv;
+    }
+    plan_send(p, blockIdx.x, cancelled);
+}

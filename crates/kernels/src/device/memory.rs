@@ -128,6 +128,11 @@ impl PinnedBuffer {
         Ok(buf)
     }
 
+    /// Its size in bytes (a multiple of 8).
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
     /// The device address of the mapping.
     pub(crate) fn device_ptr(&self) -> u64 {
         self.device

@@ -1,6 +1,7 @@
-//! High-throughput operations (`cuda/ht.cu`, and `cuda/nccl.cu` over NCCL): the count exchange
-//! that creates a handle ([`exchange`]), starting dispatch and combine ([`start`]), the same over
-//! NCCL ([`nccl`]) and the launch geometry ([`geometry`]).
+//! High-throughput operations (`cuda/ht.cu`, and `cuda/nccl.cu` over NCCL): handles built on
+//! the device over NVLink ([`device`]) or by the host with a count exchange ([`exchange`]),
+//! starting dispatch and combine ([`start`]), the same over NCCL ([`nccl`]) and the launch
+//! geometry ([`geometry`]).
 //!
 //! ## Channels
 //!
@@ -12,6 +13,7 @@
 //! rank, then token, as the reference says). Rows stream through rings of fixed depth, so the
 //! group's buffers do not grow with the token count.
 
+pub(crate) mod device;
 pub(crate) mod exchange;
 pub(crate) mod geometry;
 pub(crate) mod nccl;

@@ -160,11 +160,27 @@ impl GpuOp {
             }),
             _ => None,
         };
+        // A handle built on the device: its routing was validated there (an invalid one went
+        // out as a cancellation); on any failure its memory goes back to the pools.
+        let invalid = match &mut kind {
+            Some(GpuOpKind::HtDeviceHandle(plan)) => {
+                let invalid = plan.invalid_routing(self.shared.config.num_experts);
+                let cancelled = self.state.is_cancelled() || self.refused.is_some();
+                if invalid.is_some() || cancelled {
+                    plan.recycle(&self.shared);
+                }
+                invalid
+            }
+            _ => None,
+        };
         if let Some(e) = self.refused.take() {
             return Err(e);
         }
         if self.state.is_cancelled() {
             return Ok(OpOutput::Cancelled);
+        }
+        if let Some(e) = invalid {
+            return Err(e.into());
         }
         self.peer_verdict()?;
         let elapsed = self.work.elapsed(!matches!(self.launch, super::Launch::Ll(_)));
@@ -174,6 +190,7 @@ impl GpuOp {
                 let received = received.ok_or_else(|| Error::Backend("count exchange without buffers".into()))??;
                 Ok(OpOutput::Handle(finish_handle(&self.shared, self.seq, routing, &plan, &received)?))
             }
+            Some(GpuOpKind::HtDeviceHandle(plan)) => Ok(OpOutput::Handle(plan.finish(&self.shared, self.seq)?)),
             Some(GpuOpKind::Dispatch { handle, opts }) => Ok(OpOutput::Dispatch(self.ll_dispatch(&handle, opts)?)),
             Some(GpuOpKind::Combine { handle, .. }) => Ok(OpOutput::Combine(self.ll_combine(&handle))),
             Some(GpuOpKind::HtDispatch { handle, pass, outputs: Some(boxed) }) => {

@@ -10,9 +10,10 @@ use epflow_core::protocol::Fence;
 
 use super::{GpuOp, GpuOpKind, stream_id, wait_unless_same};
 use crate::device::{StreamWork, cuda};
+use crate::ht::device::{HT_MARK_BLOCK, HT_PLAN_BLOCK};
 use crate::ht::geometry::ht_grid;
 use crate::ll::geometry::{LlKernel, ll_launch};
-use crate::params::{ExchangeParams, HtParams, LlParams, NcclHtParams};
+use crate::params::{ExchangeParams, HtParams, HtPlanParams, LlParams, NcclHtParams};
 use crate::rank::handle::GpuHandle;
 use crate::transport::nccl::{Xfer, issue};
 
@@ -25,6 +26,9 @@ pub(crate) enum Launch {
     Ht(HtParams),
     /// The count exchange of a high-throughput handle: one kernel.
     Exchange(ExchangeParams),
+    /// A high-throughput handle built on the device: the plan kernel (one block per
+    /// destination), then the receive kernel.
+    HtPlan(HtPlanParams),
     /// High-throughput dispatch or combine over NCCL: pack (dispatch) or arrival word, the
     /// group, the arrival check, and for combine the reduction.
     NcclHt { p: NcclHtParams, reduce: bool },
@@ -98,6 +102,19 @@ impl GpuOp {
             Launch::Exchange(mut p) => {
                 p.cancelled = cancelled;
                 self.launch_one(on, &f.ht_exchange, &p, (1, 256), "launch count exchange")?;
+            }
+            Launch::HtPlan(mut p) => {
+                p.cancelled = cancelled;
+                let scratch_words = p.num_experts.max(0) as usize + 1;
+                // SAFETY: the handle's scratch holds E + 1 words (`ht::device`), alive as long as
+                // the operation; ordered on its stream before the kernels that count into it.
+                unsafe { sys::cuMemsetD32Async(p.scratch, 0, scratch_words, on.cu_stream()) }
+                    .result()
+                    .map_err(|e| cuda("zero the handle scratch", e))?;
+                let marks = (p.num_tokens.max(1) as u32).div_ceil(HT_MARK_BLOCK);
+                self.launch_one(on, &f.ht_plan_mark, &p, (marks, HT_MARK_BLOCK), "launch handle marks")?;
+                let grid = p.num_ranks.max(1) as u32 + 1;
+                self.launch_one(on, &f.ht_plan, &p, (grid, HT_PLAN_BLOCK), "launch handle plan")?;
             }
             Launch::NcclHt { mut p, reduce } => {
                 p.cancelled = cancelled;

@@ -43,8 +43,10 @@ pub(crate) enum GpuOpKind {
     Dispatch { handle: GpuHandle, opts: DispatchOptions },
     /// Low-latency combine, pairing with dispatch `paired` on `handle`.
     Combine { handle: GpuHandle, paired: u64 },
-    /// The count exchange that creates a high-throughput handle.
+    /// The count exchange that creates a high-throughput handle (plan built on the host).
     HtHandle { routing: Routing, plan: ChannelPlan, bufs: Option<ExchangeBuffers> },
+    /// A high-throughput handle built on the device (`ep_ht_plan`, `ep_ht_plan_recv`).
+    HtDeviceHandle(Box<crate::ht::device::DevicePlan>),
     /// High-throughput dispatch.
     HtDispatch { handle: GpuHandle, pass: Pass, outputs: Option<Box<HtDispatchOutputs>> },
     /// High-throughput combine.
@@ -198,9 +200,11 @@ impl GpuOp {
     fn set(&self) -> usize {
         match &self.launch {
             Launch::Ll(p) => p.set as usize,
-            Launch::Ht(_) | Launch::Exchange(_) | Launch::NcclHt { .. } | Launch::NcclExchange { .. } => {
-                (self.seq % 2) as usize
-            }
+            Launch::Ht(_)
+            | Launch::Exchange(_)
+            | Launch::HtPlan(_)
+            | Launch::NcclHt { .. }
+            | Launch::NcclExchange { .. } => (self.seq % 2) as usize,
         }
     }
 
@@ -566,7 +570,7 @@ impl PendingOp for GpuOp {
             Launch::Ll(p) => (p.num_tokens as u64, p.hidden as u64),
             Launch::Ht(p) => (p.num_tokens as u64, p.hidden as u64),
             Launch::NcclHt { p, .. } => (p.num_tokens as u64, p.hidden as u64),
-            Launch::Exchange(_) | Launch::NcclExchange { .. } => (0, 0),
+            Launch::Exchange(_) | Launch::HtPlan(_) | Launch::NcclExchange { .. } => (0, 0),
         };
         (tokens * hidden * 2, tokens)
     }

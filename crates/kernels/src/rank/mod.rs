@@ -325,6 +325,13 @@ impl Backend for GpuRank {
             Algorithm::HighThroughput => {
                 let op = self.collective(Channel::Handle, None, Pass::Forward, |seq| {
                     validate_handle_options(&self.shared.config, opts)?;
+                    if ht::device::builds_on_device(&self.shared) {
+                        // The descriptor here; the values on the device, which cancels the
+                        // exchange (and fails this creation) if one is invalid.
+                        self.check_device(topk_idx, "topk_idx")?;
+                        check_topk_idx(&self.shared.config, topk_idx)?;
+                        return ht::device::start(&self.shared, seq, topk_idx);
+                    }
                     let (routing, _) = self.routing_of(topk_idx)?;
                     ht::start::handle(&self.shared, seq, routing)
                 })?;

@@ -1,0 +1,187 @@
+//! High-throughput handles built on the device (over NVLink), in three steps on the handle
+//! stream: a memset of the scratch; `ep_ht_plan_mark`, a thread per token, validates its row,
+//! copies it into the handle, marks the ranks it reaches and counts selections per expert;
+//! `ep_ht_plan`, a block per destination, scans the marks into that destination's send plan and
+//! sends it the count message, while one more block waits for every source's message and builds
+//! the receive layout. Neither `topk_idx` nor the plan crosses to the host: what the host learns
+//! (the first invalid entry, `N`, the rows per local expert) comes back in a few words of mapped
+//! memory when the operation completes.
+//!
+//! The device plan is the host's ([`epflow_core::routing::ChannelPlan`]) with one difference: the
+//! send list is strided, destination `d`'s tokens starting at `send_list[d * B]` (the offsets in
+//! `send_off` stay absolute), so no block waits for another's count. The message format is the
+//! count exchange's, so a rank building its handle on the host (`EPFLOW_HT_HANDLE=host`, or
+//! over NCCL) and one building it on the device agree.
+
+use std::sync::Arc;
+
+use epflow_core::handle::HandleCore;
+use epflow_core::ops::Pass;
+use epflow_core::protocol::Channel;
+use epflow_core::stamp::{Pairing, Stamp};
+use epflow_core::{Algorithm, Error, ValidationError};
+
+use crate::device::{DeviceBuffer, DeviceTensor, PinnedBuffer};
+use crate::op::{GpuOp, GpuOpKind, Launch};
+use crate::params::HtPlanParams;
+use crate::rank::handle::{GpuHandle, HandleOffsets, HtHandleInfo, take_pooled};
+use crate::rank::shared::{RankShared, peer_array};
+
+/// Threads of a block of `ep_ht_plan` (`HT_PLAN_BLOCK` in `ht.cu`).
+pub(crate) const HT_PLAN_BLOCK: u32 = 1024;
+
+/// Threads of a block of `ep_ht_plan_mark` (`HT_MARK_BLOCK` in `ht.cu`), one per token.
+pub(crate) const HT_MARK_BLOCK: u32 = 256;
+
+/// Words of the mapped result before the rows per local expert: the first invalid entry, its
+/// value, the earlier slot it repeats, `N`.
+const RESULT_HEAD: usize = 4;
+
+/// Whether this rank builds its high-throughput handles on the device: over NVLink, unless
+/// `EPFLOW_HT_HANDLE=host` asks for the host-built plan (kept for comparison and as a fallback).
+pub(crate) fn builds_on_device(s: &RankShared) -> bool {
+    s.nccl_all().is_none() && std::env::var("EPFLOW_HT_HANDLE").map_or(true, |v| v != "host")
+}
+
+/// A handle being built on the device: its memory, where the arrays lie, and the mapped words
+/// the receive kernel writes for the host.
+#[derive(Debug)]
+pub(crate) struct DevicePlan {
+    num_tokens: usize,
+    top_k: usize,
+    tokens_per_channel: usize,
+    off: HandleOffsets,
+    mem: Option<DeviceBuffer>,
+    result: Option<PinnedBuffer>,
+}
+
+/// The byte offsets of a device-built handle's arrays: the routing `[B x K]` i64, the strided
+/// send list `[R x B]`, `send_off [R x (C + 1)]`, `recv_base`/`recv_cnt [R x C]`, `copy_ord
+/// [B x R]`, the rows per local expert `[L]`, all i32; then the kernels' scratch: selections per
+/// expert and the first invalid entry (`[E + 1]` i32), and the marks (`[B]` bytes).
+fn device_offsets(b: usize, k: usize, r: usize, c: usize, l: usize) -> (HandleOffsets, usize, usize) {
+    let mut at = 0usize;
+    let mut next = |bytes: usize| {
+        let here = at.next_multiple_of(256);
+        at = here + bytes;
+        here
+    };
+    let _topk = next(b * k * 8);
+    let off = HandleOffsets {
+        send_list: next(r * b * 4),
+        send_off: next(r * (c + 1) * 4),
+        recv_base: next(r * c * 4),
+        recv_cnt: next(r * c * 4),
+        copy_ord: next(b * r * 4),
+        counts: next(l * 4),
+        end: 0,
+    };
+    let scratch = next((r * l + 1) * 4);
+    let hits = next(b);
+    (HandleOffsets { end: at, ..off }, scratch, hits)
+}
+
+/// Handle creation `seq` for `topk_idx` (`[B x K]` i64 on this rank's device, its descriptor
+/// already checked), built on the device.
+pub(crate) fn start(s: &Arc<RankShared>, seq: u64, topk_idx: &DeviceTensor) -> Result<GpuOp, Error> {
+    let l = s.layout.ht("a high-throughput handle")?;
+    let (b, k) = (topk_idx.desc().shape[0], topk_idx.desc().shape[1]);
+    let (r, c, local) = (s.num_ranks, l.channels, l.local_experts);
+    let tokens_per_channel = b.div_ceil(c.max(1)).max(1);
+    let (off, scratch, hits) = device_offsets(b, k, r, c, local);
+    let mem = take_pooled(&s.ctx, &s.handle_pool, off.end.max(1))?;
+    let result_bytes = (RESULT_HEAD + local) * 8;
+    let result = match s.plan_results.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+        Some(p) if p.bytes() >= result_bytes => p,
+        _ => PinnedBuffer::zeroed(&s.ctx, result_bytes)?,
+    };
+    let base = mem.ptr();
+    let at = |o: usize| base + o as u64;
+    let stamp = Stamp::new(k, Pass::Forward, Pairing::None);
+    let p = HtPlanParams {
+        topk_in: topk_idx.ptr(),
+        topk: base,
+        send_list: at(off.send_list),
+        send_off: at(off.send_off),
+        recv_base: at(off.recv_base),
+        recv_cnt: at(off.recv_cnt),
+        copy_ord: at(off.copy_ord),
+        counts: at(off.counts),
+        scratch: at(scratch),
+        hits: at(hits),
+        result: result.device_ptr(),
+        own: s.mem.exchange.ptr(),
+        signals: s.mem.signals.ptr(),
+        status: s.mem.status.device_ptr(),
+        peer_region: peer_array(&s.peers.exchange),
+        peer_signals: peer_array(&s.peers.signals),
+        seq,
+        timeout_ns: s.device_timeout_ns(),
+        stamp: stamp.encode(),
+        rank: s.rank as i32,
+        num_ranks: r as i32,
+        num_tokens: b as i32,
+        top_k: k as i32,
+        num_experts: s.config.num_experts as i32,
+        num_local: local as i32,
+        channels: c as i32,
+        tokens_per_channel: tokens_per_channel as i32,
+        words: l.exchange_words() as i32,
+        cancelled: 0,
+    };
+    let plan = DevicePlan { num_tokens: b, top_k: k, tokens_per_channel, off, mem: Some(mem), result: Some(result) };
+    let kind = GpuOpKind::HtDeviceHandle(Box::new(plan));
+    Ok(GpuOp::new(Arc::clone(s), Channel::Handle, seq, stamp, Launch::HtPlan(p), kind, &[topk_idx]))
+}
+
+impl DevicePlan {
+    /// The routing's first invalid entry, as [`epflow_core::routing::Routing::new`] would name it
+    /// (read after the kernels completed).
+    pub(crate) fn invalid_routing(&self, num_experts: usize) -> Option<ValidationError> {
+        let r = self.result.as_ref()?;
+        let pos = r.read_u64(0) as i64;
+        if pos < 0 {
+            return None;
+        }
+        let (token, k) = (pos as usize / self.top_k.max(1), pos as usize % self.top_k.max(1));
+        let value = r.read_u64(1) as i64;
+        let first = r.read_u64(2) as i64;
+        Some(if first < 0 {
+            ValidationError::ExpertIndexOutOfRange { token, k, index: value, num_experts }
+        } else {
+            ValidationError::DuplicateExpert { token, expert: value as usize, first_k: first as usize, second_k: k }
+        })
+    }
+
+    /// The handle the kernels built (after they completed with every source's message).
+    pub(crate) fn finish(mut self, s: &Arc<RankShared>, seq: u64) -> Result<GpuHandle, Error> {
+        let (mem, result) = match (self.mem.take(), self.result.take()) {
+            (Some(m), Some(r)) => (m, r),
+            _ => return Err(Error::Backend("a device-built handle finished twice".into())),
+        };
+        let local = s.layout.ht("a high-throughput handle")?.local_experts;
+        let num_recv = result.read_u64(3) as usize;
+        let counts: Vec<i32> = (0..local).map(|l| result.read_u64(RESULT_HEAD + l) as i32).collect();
+        s.plan_results.lock().unwrap_or_else(|e| e.into_inner()).push(result);
+        let info = HtHandleInfo {
+            tokens_per_channel: self.tokens_per_channel,
+            off: self.off,
+            send_blocks: Vec::new(),
+            recv_blocks: Vec::new(),
+            total_send: 0,
+        };
+        let core = HandleCore::on_device(s.group_id, self.num_tokens, self.top_k, Algorithm::HighThroughput, Some(seq))
+            .with_recv(num_recv, counts);
+        Ok(GpuHandle::new(core, mem, &s.handle_pool, Some(info), None))
+    }
+
+    /// Gives the memory back to the pools (the operation failed or was cancelled).
+    pub(crate) fn recycle(&mut self, s: &RankShared) {
+        if let Some(m) = self.mem.take() {
+            s.handle_pool.lock().unwrap_or_else(|e| e.into_inner()).push(m);
+        }
+        if let Some(r) = self.result.take() {
+            s.plan_results.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+        }
+    }
+}
