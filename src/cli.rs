@@ -190,6 +190,11 @@ pub(crate) struct BenchArgs {
     /// Operation timeout in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     pub timeout_ms: u64,
+    /// High-throughput: every iteration is one training step of a layer on a new routing: a new
+    /// handle, the forward dispatch and combine, then the backward pair on the same handle. The
+    /// handle time is reported beside dispatch and combine, and the whole step instead of D+C.
+    #[arg(long)]
+    pub fresh_routing: bool,
     /// Print one JSON object instead of the text report.
     #[arg(long)]
     pub json: bool,

@@ -30,6 +30,7 @@ fn bad_flags_exit_2_with_a_clear_error() {
         (&["bench", "--ranks", "0"], "num_ranks is 0"),
         (&["bench", "--iters", "0"], "--iters"),
         (&["bench", "--algorithm", "ht", "--staged"], "--staged"),
+        (&["bench", "--algorithm", "ll", "--fresh-routing"], "--fresh-routing is for --algorithm ht"),
         (&["bench", "--round-scales"], "--round-scales needs --dtype fp8"),
         (&["bench", "--tokens", "-3"], "unexpected argument"),
         (&["bench", "--no-such-flag"], "unexpected argument"),
@@ -132,6 +133,29 @@ fn small_ht_fp8_bench_validates_as_json() {
     assert_eq!(v["algorithm"], "ht");
     assert_eq!(v["dtype"], "fp8");
     assert!(v["dispatch"]["avg_us"].as_f64().unwrap() > 0.0);
+}
+
+/// `--fresh-routing`: a new routing and handle every iteration, the handle time beside
+/// dispatch and combine, and the training step (handle, forward pair, backward pair).
+#[test]
+fn fresh_routing_bench_reports_the_training_step() {
+    let args = ["bench", "--algorithm", "ht", "--ranks", "2", "--tokens", "48", "--hidden", "256", "--experts", "16"];
+    let (code, out, err) =
+        epflow(&[&args[..], &["--warmup", "1", "--iters", "4", "--validate", "--fresh-routing"]].concat());
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("Validation: PASSED"), "{out}");
+    assert!(out.contains("Training step (handle + forward D+C + backward D+C"), "{out}");
+    assert!(out.contains("Handle:"), "{out}");
+    let (code, out, err) =
+        epflow(&[&args[..], &["--warmup", "0", "--iters", "3", "--fresh-routing", "--json"]].concat());
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("one JSON object");
+    assert_eq!(v["fresh_routing"], true, "{out}");
+    // Each step holds its handle and both pairs, so the shortest step is at least the shortest
+    // handle plus the shortest forward dispatch and combine.
+    let (step, handle) = (v["total"]["min_us"].as_f64().unwrap(), v["handle"]["min_us"].as_f64().unwrap());
+    let (d, c) = (v["dispatch"]["min_us"].as_f64().unwrap(), v["combine"]["min_us"].as_f64().unwrap());
+    assert!(handle > 0.0 && step >= handle + d + c - 1e-6, "{out}");
 }
 
 /// Across hosts, `epflow launch` gives each process torchrun's variables (no NCCL needed to

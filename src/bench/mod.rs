@@ -132,6 +132,11 @@ pub(crate) fn config_from_args(args: &BenchArgs, ranks: usize) -> Result<(GroupC
     if args.layout == LayoutArg::RankMajor && args.algorithm == AlgorithmArg::Ht {
         return Err(BenchError::Usage("--layout rank-major is for --algorithm ll: high-throughput is flat".into()));
     }
+    if args.fresh_routing && args.algorithm != AlgorithmArg::Ht {
+        return Err(BenchError::Usage(
+            "--fresh-routing is for --algorithm ht: low-latency handles are built locally, without a collective".into(),
+        ));
+    }
     if args.layout == LayoutArg::RankMajor && args.backend == BackendArg::NcclEp {
         return Err(BenchError::Usage(
             "--layout rank-major runs on epflow's backends; the nccl-ep backend is expert-major".into(),
@@ -249,7 +254,13 @@ fn run_single_process(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     let sc =
         Scenario::generate(config.clone(), ranks, &[tokens], args.top_k, RoutingKind::Uniform, args.masked, args.seed);
     let refs = if args.validate { Some(references(&sc, args.layout.layout())?) } else { None };
-    let plan = LoopPlan { warmup: args.warmup, iters: args.iters, staged: args.staged, layout: args.layout.layout() };
+    let plan = LoopPlan {
+        warmup: args.warmup,
+        iters: args.iters,
+        staged: args.staged,
+        layout: args.layout.layout(),
+        fresh_routing: args.fresh_routing.then_some(args.masked),
+    };
     let barrier = Arc::new(SpinBarrier::new(ranks));
     let (backend, device, memory, results) = if args.backend == BackendArg::NcclEp {
         if args.hosts.is_some() {
@@ -409,6 +420,7 @@ pub(crate) fn summarise(
         validation,
         device_memory_bytes_per_rank: None,
         halves_us: (halves.iter().any(|&h| h > 0.0)).then(|| [halves[0], halves[1], halves[2], halves[3]]),
+        fresh_routing: args.fresh_routing,
         handle: results
             .iter()
             .any(|r| !r.handle.samples_us.is_empty())

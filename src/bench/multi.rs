@@ -14,7 +14,7 @@ use crate::cli::{BackendArg, BenchArgs};
 
 fn encode(r: &RankResult, iters: usize) -> Vec<f64> {
     let mut v = Vec::new();
-    v.extend(r.handle.samples_us.iter().copied().chain(std::iter::repeat(f64::NAN)).take(HANDLE_SAMPLES));
+    v.extend(r.handle.samples_us.iter().copied().chain(std::iter::repeat(f64::NAN)).take(HANDLE_SAMPLES.max(iters)));
     for t in [&r.dispatch, &r.combine, &r.total] {
         v.extend(t.samples_us.iter().copied().chain(std::iter::repeat(0.0)).take(iters));
         v.push(t.bytes as f64);
@@ -32,9 +32,11 @@ fn encode(r: &RankResult, iters: usize) -> Vec<f64> {
 }
 
 fn decode(v: &[f64], iters: usize) -> RankResult {
-    let handle =
-        RankTimes { samples_us: v[..HANDLE_SAMPLES].iter().copied().filter(|x| !x.is_nan()).collect(), bytes: 0 };
-    let mut i = HANDLE_SAMPLES;
+    let handle = RankTimes {
+        samples_us: v[..HANDLE_SAMPLES.max(iters)].iter().copied().filter(|x| !x.is_nan()).collect(),
+        bytes: 0,
+    };
+    let mut i = HANDLE_SAMPLES.max(iters);
     let mut times = |v: &[f64]| {
         let t = RankTimes { samples_us: v[i..i + iters].to_vec(), bytes: v[i + iters] as u64 };
         i += iters + 1;
@@ -89,7 +91,13 @@ pub(super) fn run(args: &BenchArgs, env: &LaunchEnv) -> Result<Option<BenchRepor
     let sc =
         Scenario::generate(config.clone(), ranks, &[tokens], args.top_k, RoutingKind::Uniform, args.masked, args.seed);
     let refs = if args.validate { Some(references(&sc, args.layout.layout())?) } else { None };
-    let plan = LoopPlan { warmup: args.warmup, iters: args.iters, staged: args.staged, layout: args.layout.layout() };
+    let plan = LoopPlan {
+        warmup: args.warmup,
+        iters: args.iters,
+        staged: args.staged,
+        layout: args.layout.layout(),
+        fresh_routing: args.fresh_routing.then_some(args.masked),
+    };
     let comm = env.communicator().map_err(run_err)?;
     let transport = super::transport_from_args(args, ranks)?;
     let rank = GpuWorld::join_with(&comm, config.clone(), transport).map_err(run_err)?;

@@ -4,9 +4,10 @@ use std::borrow::Cow;
 use std::time::Duration;
 
 use epflow_core::backend::{Backend, blocking_combine, blocking_dispatch, blocking_handle, blocking_handle_with};
+use epflow_core::handle::RoutingHandle;
 use epflow_core::ops::{
     CombineInputs, CombineOptions, CombineOutputs, DispatchInputs, DispatchOptions, DispatchOutputs, HandleOptions,
-    Layout,
+    Layout, Pass,
 };
 use epflow_core::reference::{HtDispatchResult, LlDispatchResult, RankMajorDispatchResult};
 use epflow_core::scenario::{Scenario, rank_major_identity_expert_outputs};
@@ -14,6 +15,7 @@ use epflow_core::verify::{
     Report, Tolerance, check_bf16, check_ht_dispatch, check_ll_dispatch, check_rank_major_dispatch, ht_rows_by_content,
     ll_rows_by_content,
 };
+use epflow_core::workload::{RoutingKind, RoutingSpec, random_topk_idx};
 use epflow_core::{Algorithm, Error, HostData, HostTensor};
 
 use super::stats::RankTimes;
@@ -98,6 +100,84 @@ pub(crate) struct LoopPlan {
     pub staged: bool,
     /// Low-latency receive layout of the handle.
     pub layout: Layout,
+    /// High-throughput `--fresh-routing`: every iteration is a training step on a new routing
+    /// (handle, forward pair, backward pair); `masked` entries of each routing are -1.
+    pub fresh_routing: Option<usize>,
+}
+
+/// Distinct routings a `--fresh-routing` run cycles through (uploaded before timing; each
+/// iteration still builds its handle from scratch).
+const FRESH_ROUTINGS: usize = 8;
+
+/// `--fresh-routing`: per iteration, a handle for a new routing, then the forward dispatch and
+/// combine (identity experts) and the backward dispatch and combine on that handle, each
+/// behind a barrier. Returns the handle times and the forward dispatch, forward combine and
+/// whole-step times.
+fn fresh_routing_steps<R: BenchRank>(
+    r: &R,
+    sc: &Scenario,
+    plan: &LoopPlan,
+    masked: usize,
+    inputs: DispatchInputs<'_, <R::B as Backend>::Tensor>,
+) -> Result<(RankTimes, [RankTimes; 3]), Error>
+where
+    <R::B as Backend>::Tensor: Clone,
+{
+    let b = r.backend();
+    let rank = b.rank();
+    let cfg = b.config();
+    let num_tokens = sc.ranks[rank].num_tokens;
+    let spec = RoutingSpec {
+        num_tokens,
+        top_k: sc.top_k,
+        num_experts: cfg.num_experts,
+        num_ranks: sc.num_ranks,
+        masked,
+        kind: RoutingKind::Uniform,
+    };
+    let routings = (0..FRESH_ROUTINGS)
+        .map(|i| {
+            let idx = random_topk_idx(&spec, 0xf7e5_0000 ^ i as u64, rank);
+            r.upload(&HostTensor::topk_idx(num_tokens, sc.top_k, idx))
+        })
+        .collect::<Result<Vec<_>, Error>>()?;
+    // Backward: the BF16 tokens stand for the output gradients.
+    let grads = r.upload(&sc.tokens(rank))?;
+    let (fwd_d, fwd_c) = (DispatchOptions::default(), CombineOptions::default());
+    let bwd_d = DispatchOptions { pass: Pass::Backward, ..DispatchOptions::default() };
+    let bwd_c = CombineOptions { pass: Pass::Backward };
+    let (mut handle_times, mut times) =
+        (RankTimes::default(), [RankTimes::default(), RankTimes::default(), RankTimes::default()]);
+    for i in 0..plan.warmup + plan.iters {
+        r.barrier();
+        let (h, th) = r.timed(|| blocking_handle(b, &routings[i % FRESH_ROUTINGS]))?;
+        let n = h.num_recv_tokens().unwrap_or(0);
+        r.barrier();
+        let (d, td) = r.timed(|| blocking_dispatch(b, &h, inputs, &fwd_d, false))?;
+        let experts = r.identity_experts(&d)?;
+        r.barrier();
+        let (c, tc) = r.timed(|| blocking_combine(b, &h, CombineInputs::new(&experts), &fwd_c, false))?;
+        drop(c);
+        drop(experts);
+        drop(d);
+        let weight_grads = r.upload(&HostTensor::topk_weights(n, sc.top_k, vec![0.5; n * sc.top_k]))?;
+        r.barrier();
+        let (gd, tbd) = r.timed(|| blocking_dispatch(b, &h, DispatchInputs::new(&grads), &bwd_d, false))?;
+        let rows = r.identity_experts(&gd)?;
+        r.barrier();
+        let (gc, tbc) =
+            r.timed(|| blocking_combine(b, &h, CombineInputs::new(&*rows).with_weights(&weight_grads), &bwd_c, false))?;
+        drop(gc);
+        drop(rows);
+        drop(gd);
+        if i >= plan.warmup {
+            handle_times.samples_us.push(th.as_secs_f64() * 1e6);
+            for (t, v) in times.iter_mut().zip([td, tc, th + td + tc + tbd + tbc]) {
+                t.samples_us.push(v.as_secs_f64() * 1e6);
+            }
+        }
+    }
+    Ok((handle_times, times))
 }
 
 /// Runs this rank's part: handle, optional validation round, warm-up, timed iterations.
@@ -234,6 +314,14 @@ where
         r.barrier();
         let d = dispatch()?;
         rank_major_input = Some(rank_major_sums(&*r.dispatch_to_host(&d)?)?);
+    }
+
+    if let (true, Some(masked)) = (ht, plan.fresh_routing) {
+        let (handle, [mut d, mut c, t]) = fresh_routing_steps(r, sc, plan, masked, inputs)?;
+        d.bytes = bench_bytes(sc, &cfg, rank, b.num_ranks()).unwrap_or(0);
+        c.bytes = d.bytes;
+        let halves = Default::default();
+        return Ok(RankResult { handle, dispatch: d, combine: c, total: t, halves, dispatch_check, combine_check });
     }
 
     let mut times = [RankTimes::default(), RankTimes::default(), RankTimes::default()];

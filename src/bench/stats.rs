@@ -97,6 +97,9 @@ pub(crate) struct BenchReport {
     pub halves_us: Option<[f64; 4]>,
     /// High-throughput: handle creation (the collective count exchange), host clock.
     pub handle: Option<OpSummary>,
+    /// `--fresh-routing`: every iteration created a handle for a new routing; `total` is the
+    /// training step (handle, forward pair, backward pair), dispatch and combine the forward ones.
+    pub fresh_routing: bool,
 }
 
 impl BenchReport {
@@ -124,11 +127,16 @@ impl BenchReport {
         println!("--- Host-observed performance ---");
         print_op(&format!("Dispatch ({dt}):"), &self.dispatch);
         print_op("Combine (BF16):", &self.combine);
-        print_op("Total (D+C):", &self.total);
+        if self.fresh_routing {
+            println!("Training step (handle + forward D+C + backward D+C, a new routing every step):");
+            print_op("", &self.total);
+        } else {
+            print_op("Total (D+C):", &self.total);
+        }
         if let Some(h) = &self.handle {
             println!(
-                "{:<18}avg={:.2} us, median={:.2} us (host clock, count exchange)",
-                "Handle:", h.avg_us, h.median_us
+                "{:<18}avg={:.2} us, min={:.2} us, median={:.2} us (host clock, collective)",
+                "Handle:", h.avg_us, h.min_us, h.median_us
             );
         }
         if let Some(h) = self.halves_us {
@@ -166,6 +174,9 @@ fn print_op(label: &str, s: &OpSummary) {
         "{label:<18}avg={:.2} us, min={:.2} us, max={:.2} us, median={:.2} us",
         s.avg_us, s.min_us, s.max_us, s.median_us
     );
+    if s.gbps_max == 0.0 {
+        return; // no bytes counted (the training step of --fresh-routing)
+    }
     println!(
         "{:<18}throughput: avg={:.2} GB/s, min={:.2} GB/s (rank {}), max={:.2} GB/s (rank {})",
         "", s.gbps_avg, s.gbps_min, s.gbps_min_rank, s.gbps_max, s.gbps_max_rank
