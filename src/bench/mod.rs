@@ -254,13 +254,7 @@ fn run_single_process(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     let sc =
         Scenario::generate(config.clone(), ranks, &[tokens], args.top_k, RoutingKind::Uniform, args.masked, args.seed);
     let refs = if args.validate { Some(references(&sc, args.layout.layout())?) } else { None };
-    let plan = LoopPlan {
-        warmup: args.warmup,
-        iters: args.iters,
-        staged: args.staged,
-        layout: args.layout.layout(),
-        fresh_routing: args.fresh_routing.then_some(args.masked),
-    };
+    let plan = LoopPlan::from_args(args);
     let barrier = Arc::new(SpinBarrier::new(ranks));
     let (backend, device, memory, results) = if args.backend == BackendArg::NcclEp {
         if args.hosts.is_some() {

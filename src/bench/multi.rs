@@ -91,13 +91,7 @@ pub(super) fn run(args: &BenchArgs, env: &LaunchEnv) -> Result<Option<BenchRepor
     let sc =
         Scenario::generate(config.clone(), ranks, &[tokens], args.top_k, RoutingKind::Uniform, args.masked, args.seed);
     let refs = if args.validate { Some(references(&sc, args.layout.layout())?) } else { None };
-    let plan = LoopPlan {
-        warmup: args.warmup,
-        iters: args.iters,
-        staged: args.staged,
-        layout: args.layout.layout(),
-        fresh_routing: args.fresh_routing.then_some(args.masked),
-    };
+    let plan = LoopPlan::from_args(args);
     let comm = env.communicator().map_err(run_err)?;
     let transport = super::transport_from_args(args, ranks)?;
     let rank = GpuWorld::join_with(&comm, config.clone(), transport).map_err(run_err)?;

@@ -105,6 +105,19 @@ pub(crate) struct LoopPlan {
     pub fresh_routing: Option<usize>,
 }
 
+impl LoopPlan {
+    /// The loop the flags ask for.
+    pub(crate) fn from_args(args: &crate::cli::BenchArgs) -> Self {
+        LoopPlan {
+            warmup: args.warmup,
+            iters: args.iters,
+            staged: args.staged,
+            layout: args.layout.layout(),
+            fresh_routing: args.fresh_routing.then_some(args.masked),
+        }
+    }
+}
+
 /// Distinct routings a `--fresh-routing` run cycles through (uploaded before timing; each
 /// iteration still builds its handle from scratch).
 const FRESH_ROUTINGS: usize = 8;
