@@ -26,8 +26,9 @@ pub(crate) enum Launch {
     Ht(HtParams),
     /// The count exchange of a high-throughput handle: one kernel.
     Exchange(ExchangeParams),
-    /// A high-throughput handle built on the device: the plan kernel (one block per
-    /// destination), then the receive kernel.
+    /// A high-throughput handle built on the device: a memset of the scratch, the mark kernel
+    /// (a thread per token), then the plan kernel (a block per destination, and the receive
+    /// block).
     HtPlan(HtPlanParams),
     /// High-throughput dispatch or combine over NCCL: pack (dispatch) or arrival word, the
     /// group, the arrival check, and for combine the reduction.

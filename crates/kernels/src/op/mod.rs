@@ -45,7 +45,7 @@ pub(crate) enum GpuOpKind {
     Combine { handle: GpuHandle, paired: u64 },
     /// The count exchange that creates a high-throughput handle (plan built on the host).
     HtHandle { routing: Routing, plan: ChannelPlan, bufs: Option<ExchangeBuffers> },
-    /// A high-throughput handle built on the device (`ep_ht_plan`, `ep_ht_plan_recv`).
+    /// A high-throughput handle built on the device (`ep_ht_plan_mark`, `ep_ht_plan`).
     HtDeviceHandle(Box<crate::ht::device::DevicePlan>),
     /// High-throughput dispatch.
     HtDispatch { handle: GpuHandle, pass: Pass, outputs: Option<Box<HtDispatchOutputs>> },

@@ -49,11 +49,13 @@ pub(crate) struct HtHandleInfo {
     pub(crate) tokens_per_channel: usize,
     /// Byte offsets of the arrays in the handle's device memory.
     pub(crate) off: HandleOffsets,
-    /// Per rank, `(first, rows)` of the block of the send plan that goes to it.
+    /// Per rank, `(first, rows)` of the block of the send plan that goes to it (host-built
+    /// handles; the NCCL transport needs them. Empty for handles built on the device).
     pub(crate) send_blocks: Vec<(usize, usize)>,
-    /// Per rank, `(first, rows)` of the block of the output that comes from it.
+    /// Per rank, `(first, rows)` of the block of the output that comes from it (host-built
+    /// handles; empty for handles built on the device).
     pub(crate) recv_blocks: Vec<(usize, usize)>,
-    /// Rows of the send plan (all destinations).
+    /// Rows of the send plan, all destinations (host-built handles; 0 for device-built ones).
     pub(crate) total_send: usize,
 }
 
