@@ -157,6 +157,41 @@ __device__ __forceinline__ void publish_outcome(u64* status, u64* page, int chan
     st_relaxed_sys(status + 1 + chan * EP_MAX_SETS + set, ((seq + 1) << 32) | ((u64)mismatched << 16) | cancelled);
 }
 
+// Waits for every source's arrival of operation `seq` on (chan, set), one thread per source
+// (threads < num_ranks); false on timeout (reported on the status page). Sets the masks of the
+// sources that sent a cancellation marker and of those whose stamp disagrees with this rank's.
+// Every thread of the block calls it; `cancelled`, `mismatched` and `timed_out` are the caller's
+// shared words. Ends with a barrier.
+__device__ __forceinline__ bool wait_all_sources(u64* signals, u64* status, int num_ranks, int chan, int set,
+                                                 u64 seq, u64 stamp, u64 timeout_ns, u32* cancelled,
+                                                 u32* mismatched, int* timed_out) {
+    if (threadIdx.x == 0) {
+        *cancelled = 0u;
+        *mismatched = 0u;
+        *timed_out = 0;
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < num_ranks) {
+        const u64 deadline = globaltimer_ns() + timeout_ns;
+        switch (wait_arrival(signals, chan, set, threadIdx.x, seq, stamp, deadline)) {
+            case EP_ARRIVAL_TIMEOUT:
+                report_error(status, EP_ERR_TIMEOUT_ARRIVAL, threadIdx.x, seq);
+                atomicExch(timed_out, 1);
+                break;
+            case EP_ARRIVED_CANCELLED:
+                atomicOr(cancelled, 1u << threadIdx.x);
+                break;
+            case EP_ARRIVED_MISMATCH:
+                atomicOr(mismatched, 1u << threadIdx.x);
+                break;
+            default:
+                break;
+        }
+    }
+    __syncthreads();
+    return *timed_out == 0;
+}
+
 // Waits until (*p >> 1) >= want (acquire); false on timeout.
 __device__ __forceinline__ bool wait_at_least(const u64* p, u64 want, u64 deadline) {
     while ((ld_acquire_sys(p) >> 1) < want) {

@@ -543,40 +543,6 @@ extern "C" __global__ void __launch_bounds__(HT_BLOCK) ep_ht_combine_kernel(HtPa
     }
 }
 
-// The wait of count exchange `seq` (channel 2, set `set`) for every source's arrival, one
-// thread per source: the cancelled and mismatched sources go into `*cancelled` and
-// `*mismatched` (shared), a timeout is reported on the status page. Every thread of the block
-// calls it; it returns (to all of them) whether some source timed out.
-__device__ __forceinline__ bool exchange_wait_sources(u64 signals, u64 status, int R, int set, u64 seq, u64 stamp,
-                                                      u64 timeout_ns, u32* cancelled, u32* mismatched) {
-    __shared__ int failed;
-    if (threadIdx.x == 0) {
-        *cancelled = 0u;
-        *mismatched = 0u;
-        failed = 0;
-    }
-    __syncthreads();
-    if ((int)threadIdx.x < R) {
-        const u64 deadline = globaltimer_ns() + timeout_ns;
-        switch (wait_arrival(reinterpret_cast<u64*>(signals), 2, set, threadIdx.x, seq, stamp, deadline)) {
-            case EP_ARRIVAL_TIMEOUT:
-                report_error(reinterpret_cast<u64*>(status), EP_ERR_TIMEOUT_ARRIVAL, threadIdx.x, seq);
-                atomicExch(&failed, 1);
-                break;
-            case EP_ARRIVED_CANCELLED:
-                atomicOr(cancelled, 1u << threadIdx.x);
-                break;
-            case EP_ARRIVED_MISMATCH:
-                atomicOr(mismatched, 1u << threadIdx.x);
-                break;
-            default:
-                break;
-        }
-    }
-    __syncthreads();
-    return failed != 0;
-}
-
 struct ExchangeParams {
     u64 msgs;        // int32 [R][words] (mapped host): this rank's message to each rank
     u64 out;         // int32 [R][words] (mapped host): the message of each source
@@ -612,7 +578,9 @@ extern "C" __global__ void __launch_bounds__(256) ep_ht_exchange(ExchangeParams 
         u64* peer = reinterpret_cast<u64*>(p.peer_signals[threadIdx.x]);
         signal_arrival(peer, 2, set, p.rank, p.seq, p.cancelled != 0, p.stamp);
     }
-    if (exchange_wait_sources(p.signals, p.status, R, set, p.seq, p.stamp, p.timeout_ns, &cancelled, &mismatched)) {
+    __shared__ int timed_out;
+    if (!wait_all_sources(reinterpret_cast<u64*>(p.signals), reinterpret_cast<u64*>(p.status), R, 2, set, p.seq,
+                          p.stamp, p.timeout_ns, &cancelled, &mismatched, &timed_out)) {
         return;
     }
     const int* own = reinterpret_cast<const int*>(p.own) + set * set_words;
@@ -838,7 +806,9 @@ __device__ __forceinline__ void plan_recv(const HtPlanParams& p) {
     __shared__ u32 cancelled, mismatched;
     __shared__ int warp_sums[32];
     const int R = p.num_ranks, C = p.channels, L = p.num_local, set = (int)(p.seq & 1);
-    if (exchange_wait_sources(p.signals, p.status, R, set, p.seq, p.stamp, p.timeout_ns, &cancelled, &mismatched)) {
+    __shared__ int timed_out;
+    if (!wait_all_sources(reinterpret_cast<u64*>(p.signals), reinterpret_cast<u64*>(p.status), R, 2, set, p.seq,
+                          p.stamp, p.timeout_ns, &cancelled, &mismatched, &timed_out)) {
         return;
     }
     const int* own = reinterpret_cast<const int*>(p.own) + (size_t)set * R * p.words;

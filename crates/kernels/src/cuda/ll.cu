@@ -181,38 +181,11 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p) {
     signal_sent(p, 0, dest, wpd, lane);
 }
 
-// Waits for every source's arrival of this operation; returns false on timeout. Sets the masks of
-// the sources that sent a cancellation marker and of those whose stamp disagrees with this
-// rank's (their data is skipped as a cancelled source's is, and the operation fails with a
-// mismatch). Threads < R wait; then a barrier.
-__device__ bool wait_all_sources(const LlParams& p, int chan, u32* cancelled_shared, u32* mismatched_shared,
-                                 int* timeout_shared) {
-    if (threadIdx.x == 0) {
-        *cancelled_shared = 0u;
-        *mismatched_shared = 0u;
-        *timeout_shared = 0;
-    }
-    __syncthreads();
-    if ((int)threadIdx.x < p.num_ranks) {
-        const u64 deadline = globaltimer_ns() + p.timeout_ns;
-        u64* sig = reinterpret_cast<u64*>(p.signals);
-        switch (wait_arrival(sig, chan, p.set, threadIdx.x, p.seq, p.stamp, deadline)) {
-            case EP_ARRIVAL_TIMEOUT:
-                report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, threadIdx.x, p.seq);
-                atomicExch(timeout_shared, 1);
-                break;
-            case EP_ARRIVED_CANCELLED:
-                atomicOr(cancelled_shared, 1u << threadIdx.x);
-                break;
-            case EP_ARRIVED_MISMATCH:
-                atomicOr(mismatched_shared, 1u << threadIdx.x);
-                break;
-            default:
-                break;
-        }
-    }
-    __syncthreads();
-    return *timeout_shared == 0;
+// Waits for every source's arrival of this operation (`wait_all_sources`); false on timeout.
+// Cancelled and mismatched sources' data is skipped; a mismatch fails the operation.
+__device__ bool ll_wait_all_sources(const LlParams& p, int chan, u32* cancelled, u32* mismatched, int* timed_out) {
+    return wait_all_sources(reinterpret_cast<u64*>(p.signals), reinterpret_cast<u64*>(p.status), p.num_ranks, chan,
+                            p.set, p.seq, p.stamp, p.timeout_ns, cancelled, mismatched, timed_out);
 }
 
 // The last block to finish returns the credits of this buffer set to every source and publishes
@@ -278,7 +251,7 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p) {
     __shared__ int warp_sums[16];
     __shared__ int total_shared;
     __shared__ int entry_slot[512];
-    if (!wait_all_sources(p, 0, &cancelled, &mismatched, &timed_out)) return;
+    if (!ll_wait_all_sources(p, 0, &cancelled, &mismatched, &timed_out)) return;
     // A cancelled operation only consumes what arrived: it writes neither the outputs (their
     // buffer set may still hold a live result) nor the handle's row map.
     if (p.cancelled) {
@@ -444,7 +417,7 @@ __device__ __forceinline__ void combine_send(const LlParams& p) {
 __device__ __forceinline__ void combine_recv(const LlParams& p) {
     __shared__ u32 cancelled, mismatched;
     __shared__ int timed_out;
-    if (!wait_all_sources(p, 1, &cancelled, &mismatched, &timed_out)) return;
+    if (!ll_wait_all_sources(p, 1, &cancelled, &mismatched, &timed_out)) return;
     const int K = p.top_k, H = p.hidden;
     const long long* idx = reinterpret_cast<const long long*>(p.topk_idx);
     const float* w = reinterpret_cast<const float*>(p.weights);

@@ -259,13 +259,19 @@ impl GpuRank {
         }
     }
 
+    /// Checks `topk_idx`'s device and descriptor (not its values).
+    fn check_topk_tensor(&self, topk_idx: &DeviceTensor) -> Result<(), Error> {
+        self.check_device(topk_idx, "topk_idx")?;
+        check_topk_idx(&self.shared.config, topk_idx)?;
+        Ok(())
+    }
+
     /// Copies `topk_idx` to the host (after its ready event) and validates it.
     fn routing_of(&self, topk_idx: &DeviceTensor) -> Result<(Routing, Vec<i64>), Error> {
         let s = &self.shared;
-        self.check_device(topk_idx, "topk_idx")?;
-        let d = topk_idx.desc();
         // The descriptor first (nothing is read from a tensor that fails it), then the values.
-        check_topk_idx(&s.config, d)?;
+        self.check_topk_tensor(topk_idx)?;
+        let d = topk_idx.desc();
         if let Some(e) = topk_idx.ready_event() {
             e.synchronize().map_err(|e| cuda("wait for topk_idx", e))?;
         }
@@ -328,8 +334,7 @@ impl Backend for GpuRank {
                     if ht::device::builds_on_device(&self.shared) {
                         // The descriptor here; the values on the device, which cancels the
                         // exchange (and fails this creation) if one is invalid.
-                        self.check_device(topk_idx, "topk_idx")?;
-                        check_topk_idx(&self.shared.config, topk_idx)?;
+                        self.check_topk_tensor(topk_idx)?;
                         return ht::device::start(&self.shared, seq, topk_idx);
                     }
                     let (routing, _) = self.routing_of(topk_idx)?;
