@@ -287,6 +287,17 @@ impl RankCore {
         self.seqs[channel.index()].fetch_add(1, Ordering::Relaxed)
     }
 
+    /// Takes the next `n` sequence numbers of `channel` at once (a captured step's replay);
+    /// returns the first.
+    pub fn take_seqs(&self, channel: Channel, n: u64) -> u64 {
+        self.seqs[channel.index()].fetch_add(n, Ordering::Relaxed)
+    }
+
+    /// The sequence number the next operation of `channel` will take.
+    pub fn peek_seq(&self, channel: Channel) -> u64 {
+        self.seqs[channel.index()].load(Ordering::Relaxed)
+    }
+
     /// Fails fast if the group is poisoned, or if `handle` belongs to another group.
     pub fn check_handle(&self, handle: &impl RoutingHandle) -> Result<()> {
         self.poison.check()?;

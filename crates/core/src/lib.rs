@@ -22,6 +22,8 @@
 //! - [`handle`]: what every backend's routing handle shares, and when a handle may be reused.
 //! - [`backend`]: the trait a backend implements so the async runtime can drive it, and the
 //!   protocol state every backend's rank holds.
+//! - [`graph`]: captured low-latency steps replayed as a whole (CUDA graphs on GPUs), and
+//!   their rules.
 //! - [`host`]: the host backend, `R` ranks in one process on host memory.
 //! - [`workload`]: seeded random inputs and routings in the style of NCCL EP's `ep_bench`.
 //! - [`scenario`]: a whole world's inputs with their reference results.
@@ -35,6 +37,7 @@ pub mod config;
 pub mod dtype;
 pub mod error;
 pub mod fp8;
+pub mod graph;
 pub mod handle;
 pub mod host;
 pub mod ops;

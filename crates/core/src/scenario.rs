@@ -279,3 +279,38 @@ pub fn rank_major_identity_expert_outputs(
     }
     HostTensor::new(crate::TensorTag::Tokens, &[rows, hidden], HostData::Bf16(out))
 }
+
+/// Identity experts for a low-latency expert-major combine, computed from the reference
+/// dispatch `d` alone (no backend output needed, e.g. to refill a captured step's expert-output
+/// buffer before the replay that dispatches): `[L x rows_per_expert x H]` BF16, expert `l`'s
+/// first `counts[l]` rows holding its received rows (FP8 dequantized), other rows zero.
+pub fn ll_reference_expert_outputs(d: &LlDispatchResult, rows_per_expert: usize, hidden: usize) -> HostTensor {
+    let l = d.experts.len();
+    let mut out = vec![bf16::ZERO; l * rows_per_expert * hidden];
+    for (le, rows) in d.experts.iter().enumerate() {
+        let y = identity_rows(rows, hidden);
+        let base = le * rows_per_expert * hidden;
+        out[base..base + y.len()].copy_from_slice(&y);
+    }
+    HostTensor::new(crate::TensorTag::Tokens, &[l, rows_per_expert, hidden], crate::tensor::HostData::Bf16(out))
+}
+
+/// Identity experts for a rank-major combine, from the reference rank-major dispatch `d` alone:
+/// `[R*M x H]` BF16, each source's received rows pre-reduced as
+/// [`rank_major_identity_expert_outputs`] does, other rows zero.
+pub fn rank_major_reference_expert_outputs(
+    d: &RankMajorDispatchResult,
+    max_tokens: usize,
+    hidden: usize,
+    top_k: usize,
+) -> HostTensor {
+    let rows = d.sources.len() * max_tokens;
+    let mut out = vec![bf16::ZERO; rows * hidden];
+    for (s, src) in d.sources.iter().enumerate() {
+        for (i, r) in (s * max_tokens..).take(d.counts()[s].max(0) as usize).enumerate() {
+            let (ri, rw) = (&d.idx[s][i * top_k..(i + 1) * top_k], &d.weights[s][i * top_k..(i + 1) * top_k]);
+            identity_expert_sum(src, i, ri, rw, &mut out[r * hidden..(r + 1) * hidden]);
+        }
+    }
+    HostTensor::new(crate::TensorTag::Tokens, &[rows, hidden], crate::tensor::HostData::Bf16(out))
+}

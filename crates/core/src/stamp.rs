@@ -11,6 +11,7 @@
 //! | low-latency dispatch, high-throughput handle creation | none: the operation number is enough |
 //! | low-latency combine | the dispatch whose received rows it sends back ([`Pairing::Dispatch`]) |
 //! | high-throughput dispatch and combine | the handle's creation number ([`Pairing::Handle`]) |
+//! | low-latency combine captured in a step ([`crate::graph`]) | the dispatch's place in the step ([`Pairing::Captured`]) |
 
 use std::fmt;
 
@@ -27,6 +28,10 @@ pub enum Pairing {
     /// High-throughput dispatch and combine: the number of the handle creation (on the handle
     /// channel) whose count exchange laid the rows out.
     Handle(u64),
+    /// Low-latency combine captured in a step ([`crate::graph`]): the place, among the step's
+    /// dispatches, of the dispatch it pairs with (the same in every replay, so the stamp is fixed
+    /// when the step is captured; an eager combine never agrees with it).
+    Captured(u64),
 }
 
 /// What a rank's side of one collective is, as its peers must see it.
@@ -69,6 +74,7 @@ impl Stamp {
             Pairing::None => (0u64, 0u64),
             Pairing::Dispatch(n) => (1, n.wrapping_add(1)),
             Pairing::Handle(n) => (2, n.wrapping_add(1)),
+            Pairing::Captured(n) => (3, n.wrapping_add(1)),
         };
         let number = number & ((1u64 << NUMBER_BITS) - 1);
         let rank_major = u64::from(self.layout == Layout::RankMajor);
@@ -87,6 +93,7 @@ impl Stamp {
         let pairing = match word >> 9 & 0x3 {
             1 => Pairing::Dispatch(number),
             2 => Pairing::Handle(number),
+            3 => Pairing::Captured(number),
             _ => Pairing::None,
         };
         let layout = if word >> 11 & 1 == 1 { Layout::RankMajor } else { Layout::ExpertMajor };
@@ -105,6 +112,7 @@ impl fmt::Display for Stamp {
             Pairing::None => {}
             Pairing::Dispatch(n) => write!(f, ", pairing with dispatch #{n}")?,
             Pairing::Handle(n) => write!(f, ", on the handle of handle creation #{n}")?,
+            Pairing::Captured(n) => write!(f, ", pairing with dispatch {n} of a captured step")?,
         }
         match self.layout {
             Layout::ExpertMajor => Ok(()),
@@ -125,6 +133,7 @@ mod tests {
             Stamp::new(1, Pass::Forward, Pairing::Dispatch(12_345_678)),
             Stamp::new(10, Pass::Backward, Pairing::Dispatch((1 << 52) - 2)),
             Stamp::new(16, Pass::Forward, Pairing::Dispatch(7)).with_layout(Layout::RankMajor),
+            Stamp::new(8, Pass::Forward, Pairing::Captured(2)),
         ] {
             assert_eq!(Stamp::decode(s.encode()), s, "{s}");
         }
@@ -135,6 +144,7 @@ mod tests {
             Stamp::new(8, Pass::Backward, Pairing::Dispatch(3)),
             Stamp::new(8, Pass::Forward, Pairing::Dispatch(4)),
             Stamp::new(8, Pass::Forward, Pairing::Handle(3)),
+            Stamp::new(8, Pass::Forward, Pairing::Captured(3)),
             Stamp::new(8, Pass::Forward, Pairing::None),
             Stamp::new(8, Pass::Forward, Pairing::Dispatch(3)).with_layout(Layout::RankMajor),
         ] {

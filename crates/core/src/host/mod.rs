@@ -33,6 +33,7 @@
 //! });
 //! ```
 
+mod graph;
 mod handle;
 mod mailbox;
 pub mod memory;
@@ -41,6 +42,7 @@ mod op;
 mod outputs;
 mod rank;
 
+pub use graph::{HostReplay, HostStep};
 pub use handle::HostHandle;
 pub use op::{HostOp, HostOpOutput};
 pub use outputs::{HostCombineOutput, HostDispatchOutput};
