@@ -24,6 +24,9 @@
 //! - `ht/`: high-throughput: the count exchange that creates a handle, starting dispatch and
 //!   combine, the same over NCCL, and the launch geometry.
 //! - `op/`: [`GpuOp`], the lifecycle of one operation; its launches; its output assembly.
+//! - `graph/`: captured low-latency steps (CUDA graphs): [`GpuRank::graph_handle`],
+//!   [`GpuRank::capture`] recording through a [`GpuCapture`], the [`GpuStep`] and its
+//!   [`GpuReplay`]s ([`epflow_core::graph::StepBackend`]).
 //!
 //! ### Transports and process setup
 //! - [`transport`]: [`Transport`], NVLink peers (peer access, CUDA IPC) and NCCL.
@@ -57,6 +60,7 @@
 pub mod compile;
 pub mod compute;
 pub mod device;
+mod graph;
 mod ht;
 mod layout;
 mod ll;
@@ -70,6 +74,7 @@ mod world;
 
 pub use compile::device_arch;
 pub use device::{DeviceTensor, StreamWork, device_count, sm_count};
+pub use graph::{CapturedSend, GpuCapture, GpuReplay, GpuStep};
 pub use op::{GpuOp, GpuOpOutput};
 pub use outputs::{GpuCombineOutput, GpuDispatchOutput, OutputTargets};
 pub use rank::GpuRank;

@@ -118,11 +118,39 @@ pub(crate) struct LlParams {
     /// Complete half: the pieces a received row is copied (dispatch) or summed (combine) in.
     pub recv_chunks: i32,
     pub pad0: i32,
+    /// A captured operation: the device address of its channel's base in the step's bases
+    /// (`seq` is then the operation's place in the step); 0 for operations the host numbers.
+    pub seq_base: u64,
+    /// A captured operation: the step's failure word (mapped host), or 0.
+    pub verdict: u64,
 }
 
 // SAFETY: `LlParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
 // (checked by the tests below and by a static_assert in ll.cu).
 unsafe impl DeviceRepr for LlParams {}
+
+/// `struct LlRouteParams` of `ll.cu`: a captured handle's routing, copied (and sanitized) from
+/// the caller's `topk_idx` buffer every replay.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct LlRouteParams {
+    /// The caller's `[B x K]` int64 buffer.
+    pub src: u64,
+    /// The handle's copy.
+    pub dst: u64,
+    /// The step's bases (device).
+    pub bases: u64,
+    /// The handle's report words (mapped host): replay + 1, entry, value, earlier k.
+    pub report: u64,
+    pub num_tokens: i32,
+    pub top_k: i32,
+    pub num_experts: i32,
+    pub pad: i32,
+}
+
+// SAFETY: `LlRouteParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
+// (checked by the tests below and by a static_assert in ll.cu).
+unsafe impl DeviceRepr for LlRouteParams {}
 
 /// `struct HtParams` of `ht.cu`.
 #[repr(C)]
@@ -336,7 +364,11 @@ mod tests {
 
     #[test]
     fn layout_matches_the_cuda_struct() {
-        assert_eq!(size_of::<LlParams>(), 400);
+        assert_eq!(size_of::<LlParams>(), 416);
+        assert_eq!(offset_of!(LlParams, seq_base), 400);
+        assert_eq!(offset_of!(LlParams, verdict), 408);
+        assert_eq!(size_of::<LlRouteParams>(), 48);
+        assert_eq!(offset_of!(LlRouteParams, num_tokens), 32);
         assert_eq!(offset_of!(LlParams, recv_chunks), 392);
         assert_eq!(offset_of!(LlParams, stamp), 368);
         assert_eq!(offset_of!(LlParams, rank_major), 316);

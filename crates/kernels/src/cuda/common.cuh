@@ -200,6 +200,22 @@ __device__ __forceinline__ bool wait_at_least(const u64* p, u64 want, u64 deadli
     return true;
 }
 
+// The first invalid entry of a row (its k, or K): out of [-1, E), or an expert already chosen.
+// Fully unrolled over EP_MAX_TOPK so the row stays in registers.
+__device__ __forceinline__ int topk_first_invalid(const long long (&row)[EP_MAX_TOPK], int K, int E) {
+    int first = K;
+#pragma unroll
+    for (int k = EP_MAX_TOPK - 1; k >= 0; --k) {
+        if (k >= K) continue;
+        const long long e = row[k];
+        bool bad = e < -1 || e >= E;
+#pragma unroll
+        for (int j = 0; j < k; ++j) bad |= e >= 0 && row[j] == e;
+        if (bad) first = k;
+    }
+    return first;
+}
+
 // Rounds a positive finite scale up to a power of two (as the CPU reference does).
 __device__ __forceinline__ float pow2_ceil(float s) {
     u32 b = __float_as_uint(s);

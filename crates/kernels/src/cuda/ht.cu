@@ -641,22 +641,6 @@ struct HtPlanParams {
 };
 static_assert(sizeof(HtPlanParams) == 304, "HtPlanParams layout");
 
-// The first invalid entry of a row (its k, or K): out of [-1, E), or an expert already chosen.
-// Fully unrolled over EP_MAX_TOPK so the row stays in registers.
-__device__ __forceinline__ int plan_first_invalid(const long long (&row)[EP_MAX_TOPK], int K, int E) {
-    int first = K;
-#pragma unroll
-    for (int k = EP_MAX_TOPK - 1; k >= 0; --k) {
-        if (k >= K) continue;
-        const long long e = row[k];
-        bool bad = e < -1 || e >= E;
-#pragma unroll
-        for (int j = 0; j < k; ++j) bad |= e >= 0 && row[j] == e;
-        if (bad) first = k;
-    }
-    return first;
-}
-
 // A thread per token: validation, the handle's copy of the row, the ranks it reaches, and the
 // selections per expert (up to its first invalid entry).
 extern "C" __global__ void __launch_bounds__(HT_MARK_BLOCK) ep_ht_plan_mark(HtPlanParams p) {
@@ -681,7 +665,7 @@ extern "C" __global__ void __launch_bounds__(HT_MARK_BLOCK) ep_ht_plan_mark(HtPl
         for (int k = 0; k < EP_MAX_TOPK; ++k) {
             if (k < K) copy[k] = row[k];
         }
-        const int k_bad = plan_first_invalid(row, K, E);
+        const int k_bad = topk_first_invalid(row, K, E);
         if (k_bad < K) atomicMax(counts + E, 0x7fffffff - (t * K + k_bad));
         unsigned mask = 0;
 #pragma unroll

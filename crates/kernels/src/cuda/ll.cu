@@ -50,9 +50,41 @@ struct LlParams {
     u64 out_idx;          // rank-major dispatch: [R*M x K] int32 local expert per top-k entry, or -1
     int recv_chunks;      // complete half: pieces a received row is copied (dispatch) or summed (combine) in
     int pad0;
+    // Operations captured in a CUDA graph (graph/ in epflow-kernels): the operation number is
+    // `seq` (the operation's place on its channel within the captured step) plus the channel's
+    // base, the u64 at `seq_base` in device memory, read when the kernel starts (the step advances
+    // it after every replay); `set` follows from it. 0 for operations the host numbers.
+    u64 seq_base;
+    u64 verdict;          // captured: the step's failure word (mapped host), or 0 (see `report_failure`)
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
-static_assert(sizeof(LlParams) == 400, "LlParams layout");
+static_assert(sizeof(LlParams) == 416, "LlParams layout");
+
+// The number and buffer set of the operation a launch runs: the host's, or for a captured
+// operation its offset plus the step's base in device memory (written by an earlier kernel of the
+// stream: the previous replay's advance, or a rebase). `dead`: a captured operation of a step
+// that already timed out on this rank (it does nothing, so a failed replay ends at once).
+struct OpNum {
+    u64 seq;
+    int set;
+    bool dead;
+};
+
+// The step's bases are [dispatch, combine, replay, failed]; `seq_base` points at the channel's.
+__device__ __forceinline__ u64* step_failed_flag(const LlParams& p, int chan) {
+    return reinterpret_cast<u64*>(p.seq_base) - chan + 3;
+}
+
+__device__ __forceinline__ OpNum op_num(const LlParams& p, int chan) {
+    if (!p.seq_base) return OpNum{p.seq, p.set, false};
+    const u64 seq = p.seq + __ldcg(reinterpret_cast<const u64*>(p.seq_base));
+    return OpNum{seq, (int)(seq % (u64)p.num_sets), __ldcg(step_failed_flag(p, chan)) != 0};
+}
+
+// A captured operation timed out: the step's later operations on this rank skip their work.
+__device__ __forceinline__ void mark_step_failed(const LlParams& p, int chan) {
+    if (p.seq_base) atomicExch(step_failed_flag(p, chan), 1ull);
+}
 
 #define EP_HDR_WEIGHTS 48  // byte offset of the rank-major weights in a dispatch message header
 
@@ -65,7 +97,7 @@ struct SendRole {
     int dest, j, wpd, lane;
 };
 
-__device__ __forceinline__ bool send_role(const LlParams& p, int chan, SendRole* r) {
+__device__ __forceinline__ bool send_role(const LlParams& p, const OpNum& n, int chan, SendRole* r) {
     r->lane = threadIdx.x & 31;
     const int warps = gridDim.x * (blockDim.x >> 5);
     const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -73,11 +105,12 @@ __device__ __forceinline__ bool send_role(const LlParams& p, int chan, SendRole*
     r->dest = gw / r->wpd;
     r->j = gw % r->wpd;
     if (r->dest >= p.num_ranks) return false;
-    if (p.seq >= (u64)p.num_sets && r->lane == 0 && !via_nccl(p, r->dest)) {
+    if (n.seq >= (u64)p.num_sets && r->lane == 0 && !via_nccl(p, r->dest)) {
         u64* sig = reinterpret_cast<u64*>(p.signals);
         const u64 deadline = globaltimer_ns() + p.timeout_ns;
-        if (!wait_at_least(sig_at(sig, EP_SIG_CONSUMED(chan), p.set, r->dest), p.seq + 1 - p.num_sets, deadline)) {
-            report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_CREDIT, r->dest, p.seq);
+        if (!wait_at_least(sig_at(sig, EP_SIG_CONSUMED(chan), n.set, r->dest), n.seq + 1 - p.num_sets, deadline)) {
+            report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_CREDIT, r->dest, n.seq);
+            mark_step_failed(p, chan);
         }
     }
     __syncwarp();
@@ -86,16 +119,16 @@ __device__ __forceinline__ bool send_role(const LlParams& p, int chan, SendRole*
 
 // Reports this warp done with destination `dest`; the last of the `wpd` warps signals it.
 // Every lane fences its own (possibly remote) stores first.
-__device__ __forceinline__ void signal_sent(const LlParams& p, int chan, int dest, int wpd, int lane) {
+__device__ __forceinline__ void signal_sent(const LlParams& p, const OpNum& n, int chan, int dest, int wpd, int lane) {
     __threadfence_system();
     __syncwarp();
     if (lane == 0) {
         u64* sig = reinterpret_cast<u64*>(p.signals);
-        u64* sent = sig_at(sig, EP_SIG_SENT(chan), p.set, dest);
+        u64* sent = sig_at(sig, EP_SIG_SENT(chan), n.set, dest);
         if (atom_add_acq_rel_gpu(sent, 1) == (u64)(wpd - 1)) {
             *sent = 0;
             u64* peer = reinterpret_cast<u64*>(p.peer_signals[dest]);
-            signal_arrival(peer, chan, p.set, p.rank, p.seq, p.cancelled != 0, p.stamp);
+            signal_arrival(peer, chan, n.set, p.rank, n.seq, p.cancelled != 0, p.stamp);
         }
     }
 }
@@ -105,9 +138,9 @@ __device__ __forceinline__ void signal_sent(const LlParams& p, int chan, int des
 // of 256 channels each, so many warps move one row). When all of them are done, the last one
 // signals d. Every lane fences its own stores before the warp reports, so the signal is ordered
 // after every payload store of every lane.
-__device__ __forceinline__ void dispatch_send(const LlParams& p) {
+__device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n) {
     SendRole role;
-    if (!send_role(p, 0, &role)) return;
+    if (!send_role(p, n, 0, &role)) return;
     const int lane = role.lane, dest = role.dest, j = role.j, wpd = role.wpd;
     const int K = p.top_k, H = p.hidden, L = p.num_local, C = p.chunks;
 
@@ -116,7 +149,7 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p) {
         const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(p.x);
         char* region = via_nccl(p, dest)
                            ? reinterpret_cast<char*>(p.nccl_out) + (size_t)dest * p.nccl_dest_bytes
-                           : reinterpret_cast<char*>(p.peer_recv[dest]) + (size_t)p.set * p.recv_set_bytes +
+                           : reinterpret_cast<char*>(p.peer_recv[dest]) + (size_t)n.set * p.recv_set_bytes +
                                  (size_t)p.rank * p.max_tokens * p.msg_bytes;
         const int width = H / C;  // channels per chunk
         for (int item = j; item < p.num_tokens * C; item += wpd) {
@@ -135,7 +168,7 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p) {
                         reinterpret_cast<const float*>(p.weights)[(size_t)t * K + lane];
                 }
                 if (lane == 0) {
-                    *reinterpret_cast<u64*>(msg) = p.seq + 1;
+                    *reinterpret_cast<u64*>(msg) = n.seq + 1;
                     *reinterpret_cast<int*>(msg + 8) = t;
                 }
             }
@@ -178,31 +211,42 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p) {
             }
         }
     }
-    signal_sent(p, 0, dest, wpd, lane);
+    signal_sent(p, n, 0, dest, wpd, lane);
 }
 
 // Waits for every source's arrival of this operation (`wait_all_sources`); false on timeout.
 // Cancelled and mismatched sources' data is skipped; a mismatch fails the operation.
-__device__ bool ll_wait_all_sources(const LlParams& p, int chan, u32* cancelled, u32* mismatched, int* timed_out) {
-    return wait_all_sources(reinterpret_cast<u64*>(p.signals), reinterpret_cast<u64*>(p.status), p.num_ranks, chan,
-                            p.set, p.seq, p.stamp, p.timeout_ns, cancelled, mismatched, timed_out);
+__device__ bool ll_wait_all_sources(const LlParams& p, const OpNum& n, int chan, u32* cancelled, u32* mismatched, int* timed_out) {
+    const bool ok = wait_all_sources(reinterpret_cast<u64*>(p.signals), reinterpret_cast<u64*>(p.status), p.num_ranks,
+                                     chan, n.set, n.seq, p.stamp, p.timeout_ns, cancelled, mismatched, timed_out);
+    if (!ok && threadIdx.x == 0) mark_step_failed(p, chan);
+    return ok;
+}
+
+// A captured operation that some source cancelled or mismatched: the first such operation of the
+// step is kept in its failure word, ((seq + 1) << 20) | chan << 16 | mismatched << 8 | cancelled
+// (the host reads it after the replay; the group is poisoned then).
+__device__ __forceinline__ void report_failure(const LlParams& p, const OpNum& n, int chan, u32 cancelled, u32 mismatched) {
+    const u64 word = ((n.seq + 1) << 20) | ((u64)chan << 16) | ((u64)(mismatched & 0xff) << 8) | (cancelled & 0xff);
+    atomicCAS_system(reinterpret_cast<u64*>(p.verdict), 0ull, word);
 }
 
 // The last block to finish returns the credits of this buffer set to every source and publishes
 // the cancellation and mismatch masks.
-__device__ void finish_receive(const LlParams& p, int chan, u32 cancelled, u32 mismatched) {
+__device__ void finish_receive(const LlParams& p, const OpNum& n, int chan, u32 cancelled, u32 mismatched) {
     __syncthreads();
     if (threadIdx.x == 0) {
         u64* sig = reinterpret_cast<u64*>(p.signals);
-        u64* done = sig_at(sig, EP_SIG_DONE, p.set, chan);
+        u64* done = sig_at(sig, EP_SIG_DONE, n.set, chan);
         __threadfence();
         if (atom_add_acq_rel_gpu(done, 1) == (u64)(gridDim.x - 1)) {
             *done = 0;
-            publish_outcome(reinterpret_cast<u64*>(p.status), sig, chan, p.set, p.seq, cancelled, mismatched);
+            publish_outcome(reinterpret_cast<u64*>(p.status), sig, chan, n.set, n.seq, cancelled, mismatched);
+            if (p.verdict && (cancelled | mismatched)) report_failure(p, n, chan, cancelled, mismatched);
             __threadfence_system();
             for (int s = 0; s < p.num_ranks; s++) {
                 u64* peer = reinterpret_cast<u64*>(p.peer_signals[s]);
-                st_release_sys(sig_at(peer, EP_SIG_CONSUMED(chan), p.set, p.rank), (p.seq + 1) << 1);
+                st_release_sys(sig_at(peer, EP_SIG_CONSUMED(chan), n.set, p.rank), (n.seq + 1) << 1);
             }
         }
     }
@@ -245,17 +289,17 @@ __device__ __forceinline__ int first_local_k(const char* msg, int K) {
 // task packs s's valid slots, in token order, into rows s*M.., with their weights and local
 // expert indices. Rows with row % splits == g are copied by this block; split 0 writes the
 // counters and the row map for combine.
-__device__ __forceinline__ void dispatch_recv(const LlParams& p) {
+__device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n) {
     __shared__ u32 cancelled, mismatched;
     __shared__ int timed_out;
     __shared__ int warp_sums[16];
     __shared__ int total_shared;
     __shared__ int entry_slot[512];
-    if (!ll_wait_all_sources(p, 0, &cancelled, &mismatched, &timed_out)) return;
+    if (!ll_wait_all_sources(p, n, 0, &cancelled, &mismatched, &timed_out)) return;
     // A cancelled operation only consumes what arrived: it writes neither the outputs (their
     // buffer set may still hold a live result) nor the handle's row map.
     if (p.cancelled) {
-        finish_receive(p, 0, cancelled, mismatched);
+        finish_receive(p, n, 0, cancelled, mismatched);
         return;
     }
     const u32 skip = cancelled | mismatched;
@@ -263,7 +307,7 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p) {
     const int R = p.num_ranks, M = p.max_tokens, K = p.top_k, H = p.hidden;
     const int RM = R * M;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    const char* recv = reinterpret_cast<const char*>(p.own_recv) + (size_t)p.set * p.recv_set_bytes;
+    const char* recv = reinterpret_cast<const char*>(p.own_recv) + (size_t)n.set * p.recv_set_bytes;
     int* row_of = reinterpret_cast<int*>(p.row_of);
     const size_t payload_bytes = p.fp8 ? (size_t)H : (size_t)H * 2;
     const bool rm = p.rank_major != 0;
@@ -281,7 +325,7 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p) {
         if (chunk + (int)threadIdx.x < span) {
             const int s = slot / M;
             const char* msg = recv + (size_t)slot * p.msg_bytes;
-            if (!((skip >> s) & 1u) && __ldcg(reinterpret_cast<const u64*>(msg)) == p.seq + 1) {
+            if (!((skip >> s) & 1u) && __ldcg(reinterpret_cast<const u64*>(msg)) == n.seq + 1) {
               if (rm) {
                 k_sel = first_local_k(msg, K);
               } else {
@@ -344,7 +388,7 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p) {
             const int slot = i / K, k = i % K;
             const char* msg = recv + (size_t)slot * p.msg_bytes;
             const bool valid =
-                !((skip >> (slot / M)) & 1u) && __ldcg(reinterpret_cast<const u64*>(msg)) == p.seq + 1;
+                !((skip >> (slot / M)) & 1u) && __ldcg(reinterpret_cast<const u64*>(msg)) == n.seq + 1;
             const bool sends = rm ? k == first_local_k(msg, K) : __ldcg(reinterpret_cast<const short*>(msg + 16) + k) >= 0;
             if (!valid || !sends) row_of[i] = -1;
         }
@@ -363,7 +407,7 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p) {
                 bool sel = false;
                 if (i < MK && src_ok) {
                     const char* msg = recv + ((size_t)s * M + i / K) * p.msg_bytes;
-                    sel = __ldcg(reinterpret_cast<const u64*>(msg)) == p.seq + 1 &&
+                    sel = __ldcg(reinterpret_cast<const u64*>(msg)) == n.seq + 1 &&
                           (rm ? i % K == first_local_k(msg, K)
                               : __ldcg(reinterpret_cast<const short*>(msg + 16) + i % K) >= 0);
                 }
@@ -376,15 +420,15 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p) {
             if (threadIdx.x == 0) reinterpret_cast<volatile int*>(p.nccl_counts)[s] = base;
         }
     }
-    finish_receive(p, 0, cancelled, mismatched);
+    finish_receive(p, n, 0, cancelled, mismatched);
 }
 
 // Combine send, on the expert side: every received (source s, token t, k) row of the expert
 // output goes back to s, at [t][k] of its receive region, split in `chunks` pieces. Warps are
 // split over sources as in dispatch.
-__device__ __forceinline__ void combine_send(const LlParams& p) {
+__device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) {
     SendRole role;
-    if (!send_role(p, 1, &role)) return;
+    if (!send_role(p, n, 1, &role)) return;
     const int lane = role.lane, dest = role.dest, j = role.j, wpd = role.wpd;
     const int K = p.top_k, H = p.hidden, M = p.max_tokens, C = p.chunks;
     if (!p.cancelled) {
@@ -393,7 +437,7 @@ __device__ __forceinline__ void combine_send(const LlParams& p) {
         const bool nccl = via_nccl(p, dest);
         const int* pack = reinterpret_cast<const int*>(p.nccl_pack) + (size_t)dest * M * K;
         char* region = nccl ? reinterpret_cast<char*>(p.nccl_out) + (size_t)dest * p.nccl_dest_bytes
-                            : reinterpret_cast<char*>(p.peer_recv[dest]) + (size_t)p.set * p.recv_set_bytes;
+                            : reinterpret_cast<char*>(p.peer_recv[dest]) + (size_t)n.set * p.recv_set_bytes;
         const int width = H / C;
         for (int item = j; item < M * K * C; item += wpd) {
             const int i = item / C, chunk = item % C;
@@ -405,7 +449,7 @@ __device__ __forceinline__ void combine_send(const LlParams& p) {
             warp_copy(dst, ex + (size_t)row * H + c, (size_t)width * 2, lane);
         }
     }
-    signal_sent(p, 1, dest, wpd, lane);
+    signal_sent(p, n, 1, dest, wpd, lane);
 }
 
 // Combine complete, on the source side: out[t] = bf16(sum over valid k, ascending, of
@@ -414,14 +458,14 @@ __device__ __forceinline__ void combine_send(const LlParams& p) {
 // Rows of one token whose loads the combine receive keeps in flight together.
 #define EP_COMBINE_BATCH 8
 
-__device__ __forceinline__ void combine_recv(const LlParams& p) {
+__device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) {
     __shared__ u32 cancelled, mismatched;
     __shared__ int timed_out;
-    if (!ll_wait_all_sources(p, 1, &cancelled, &mismatched, &timed_out)) return;
+    if (!ll_wait_all_sources(p, n, 1, &cancelled, &mismatched, &timed_out)) return;
     const int K = p.top_k, H = p.hidden;
     const long long* idx = reinterpret_cast<const long long*>(p.topk_idx);
     const float* w = reinterpret_cast<const float*>(p.weights);
-    const char* recv = reinterpret_cast<const char*>(p.own_recv) + (size_t)p.set * p.recv_set_bytes;
+    const char* recv = reinterpret_cast<const char*>(p.own_recv) + (size_t)n.set * p.recv_set_bytes;
     __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(p.out);
     const int* pos_of = reinterpret_cast<const int*>(p.nccl_pos);
     // Any cancelled or mismatched source (this rank's own cancellation included) leaves the
@@ -485,7 +529,7 @@ __device__ __forceinline__ void combine_recv(const LlParams& p) {
             }
         }
     }
-    finish_receive(p, 1, cancelled, mismatched);
+    finish_receive(p, n, 1, cancelled, mismatched);
 }
 
 // The kernels. Two launches (staged operations, and any operation whose grid cannot be all
@@ -495,15 +539,100 @@ __device__ __forceinline__ void combine_recv(const LlParams& p) {
 // one-launch grid has at most one block per SM, and its registers are bounded so that two blocks
 // fit on an SM: the other channel's one-launch kernel (ranks may interleave the channels
 // differently) always finds room beside a waiting one.
-extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(LlParams p) { dispatch_send(p); }
-extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p) { dispatch_recv(p); }
-extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_dispatch_kernel(LlParams p) {
-    dispatch_send(p);
-    dispatch_recv(p);
+extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(LlParams p) {
+    const OpNum n = op_num(p, 0);
+    if (!n.dead) dispatch_send(p, n);
 }
-extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_send(LlParams p) { combine_send(p); }
-extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv(LlParams p) { combine_recv(p); }
+extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p) {
+    const OpNum n = op_num(p, 0);
+    if (!n.dead) dispatch_recv(p, n);
+}
+extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_dispatch_kernel(LlParams p) {
+    const OpNum n = op_num(p, 0);
+    if (n.dead) return;
+    dispatch_send(p, n);
+    dispatch_recv(p, n);
+}
+extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_send(LlParams p) {
+    const OpNum n = op_num(p, 1);
+    if (!n.dead) combine_send(p, n);
+}
+extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv(LlParams p) {
+    const OpNum n = op_num(p, 1);
+    if (!n.dead) combine_recv(p, n);
+}
 extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_kernel(LlParams p) {
-    combine_send(p);
-    combine_recv(p);
+    const OpNum n = op_num(p, 1);
+    if (n.dead) return;
+    combine_send(p, n);
+    combine_recv(p, n);
+}
+
+// Captured steps (graph/ in epflow-kernels).
+//
+// `bases` is the step's [dispatch base, combine base, replay, failed] in device memory: the
+// numbers its operations add their offsets to, the replay's index, and whether an operation of
+// the step timed out on this rank (set by `mark_step_failed`; never cleared: the group is
+// poisoned). The step's last node advances them
+// (`rebase` 0: by its operations per channel, and one replay); a rebase before a replay whose
+// channels moved on without it (operations outside the step) sets them.
+extern "C" __global__ void ep_graph_bases(u64 bases, u64 dispatch, u64 combine, u64 replay, int rebase) {
+    u64* b = reinterpret_cast<u64*>(bases);
+    if (rebase) {
+        b[0] = dispatch;
+        b[1] = combine;
+        b[2] = replay;
+    } else {
+        b[0] += dispatch;
+        b[1] += combine;
+        b[2] += 1;
+    }
+}
+
+struct LlRouteParams {
+    u64 src;      // the caller's top-k buffer [B x K] int64, refilled before every replay
+    u64 dst;      // the handle's copy, which dispatch and combine read
+    u64 bases;    // the step's bases (the replay index is bases[2])
+    u64 report;   // mapped host: [replay + 1, token * K + k, value, earlier k or -1]
+    int num_tokens, top_k, num_experts, pad;
+};
+static_assert(sizeof(LlRouteParams) == 48, "LlRouteParams layout");
+
+// A captured handle's routing, every replay (one block): each token's row is copied into the
+// handle, the entries from its first invalid one on (outside [-1, E), or an expert the row named
+// before) as -1, so dispatch and combine agree on a defined routing. The first invalid entry of
+// the replay (lowest token, then k) is reported: its place, value and the earlier k naming the
+// same expert (-1: out of range), then, with release, the replay's index + 1.
+extern "C" __global__ void __launch_bounds__(1024) ep_ll_route(LlRouteParams p) {
+    __shared__ int first;
+    const int K = p.top_k, E = p.num_experts;
+    const long long* src = reinterpret_cast<const long long*>(p.src);
+    long long* dst = reinterpret_cast<long long*>(p.dst);
+    if (threadIdx.x == 0) first = 0x7fffffff;
+    __syncthreads();
+    for (int t = threadIdx.x; t < p.num_tokens; t += blockDim.x) {
+        long long row[EP_MAX_TOPK];
+#pragma unroll
+        for (int k = 0; k < EP_MAX_TOPK; ++k) row[k] = k < K ? src[(size_t)t * K + k] : -1;
+        const int k_bad = topk_first_invalid(row, K, E);
+#pragma unroll
+        for (int k = 0; k < EP_MAX_TOPK; ++k) {
+            if (k < K) dst[(size_t)t * K + k] = k < k_bad ? row[k] : -1;
+        }
+        if (k_bad < K) atomicMin(&first, t * K + k_bad);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && first != 0x7fffffff) {
+        const int t = first / K, k = first % K;
+        const long long e = src[first];
+        long long earlier = -1;
+        for (int j = k - 1; j >= 0; --j) {
+            if (e >= 0 && src[(size_t)t * K + j] == e) earlier = j;
+        }
+        u64* r = reinterpret_cast<u64*>(p.report);
+        st_relaxed_sys(r + 1, (u64)first);
+        st_relaxed_sys(r + 2, (u64)e);
+        st_relaxed_sys(r + 3, (u64)earlier);
+        st_release_sys(r, __ldcg(reinterpret_cast<const u64*>(p.bases) + 2) + 1);
+    }
 }

@@ -91,6 +91,17 @@ pub(crate) fn copy_to_host<T: Copy>(ctx: &CudaContext, src: u64, dst: &mut [T]) 
         .map_err(|e| cuda("copy to host", e))
 }
 
+/// Copies `src` to device address `dst` (synchronous: on the device when this returns).
+pub(crate) fn copy_from_host<T: Copy>(ctx: &Arc<CudaContext>, dst: u64, src: &[T]) -> Result<(), Error> {
+    bind(ctx)?;
+    let n = std::mem::size_of_val(src);
+    // SAFETY: `src` is valid for n bytes; the caller passes a device range of at least n bytes.
+    unsafe { sys::cuMemcpyHtoD_v2(dst, src.as_ptr() as *const c_void, n) }
+        .result()
+        .map_err(|e| cuda("copy to device", e))?;
+    finish_legacy_stream(ctx)
+}
+
 /// Pinned host memory mapped into the device's address space (the GPU writes it directly; the
 /// host reads it without a copy). Zeroed at allocation.
 #[derive(Debug)]

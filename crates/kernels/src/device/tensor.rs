@@ -9,7 +9,7 @@ use epflow_core::ops::TensorView;
 use epflow_core::{Error, HostData, HostTensor, TensorDesc};
 
 use super::consumers::Lease;
-use super::memory::{DeviceBuffer, copy_to_host};
+use super::memory::{DeviceBuffer, copy_from_host, copy_to_host};
 
 /// A tensor in the memory of one device: a descriptor, an address, what keeps the memory alive,
 /// and optionally an event after which the data is ready (the GPU backend makes its stream wait
@@ -156,6 +156,39 @@ impl DeviceTensor {
 
     pub(crate) fn keep_alive(&self) -> Option<Arc<dyn Any + Send + Sync>> {
         self.keep.clone()
+    }
+
+    /// Fills every byte of the tensor with `byte`, synchronously (a debugging aid: poisoned
+    /// outputs show rows an operation failed to write).
+    pub fn fill_bytes(&self, ctx: &Arc<cudarc::driver::CudaContext>, byte: u8) -> Result<(), Error> {
+        super::bind(ctx)?;
+        // SAFETY: the tensor's range of `size_bytes` is device memory of `ctx` (it was allocated
+        // or given with this descriptor); the fill is synchronous.
+        unsafe { cudarc::driver::sys::cuMemsetD8_v2(self.ptr, byte, self.desc.size_bytes()) }
+            .result()
+            .map_err(|e| super::cuda("fill", e))?;
+        super::memory::finish_legacy_stream(ctx)
+    }
+
+    /// Overwrites the tensor with `host` (same shape and type), synchronously: e.g. refills a
+    /// captured step's input buffer between replays (after the previous replay finished).
+    pub fn copy_from_host(&self, ctx: &Arc<cudarc::driver::CudaContext>, host: &HostTensor) -> Result<(), Error> {
+        if host.desc().shape != self.desc.shape || host.desc().dtype != self.desc.dtype {
+            return Err(Error::Unsupported(format!(
+                "copy of a {:?} {:?} host tensor into a {:?} {:?} device tensor",
+                host.desc().dtype,
+                host.desc().shape,
+                self.desc.dtype,
+                self.desc.shape
+            )));
+        }
+        match host.data() {
+            HostData::Bf16(v) => copy_from_host(ctx, self.ptr, v),
+            HostData::F32(v) => copy_from_host(ctx, self.ptr, v),
+            HostData::I32(v) => copy_from_host(ctx, self.ptr, v),
+            HostData::I64(v) => copy_from_host(ctx, self.ptr, v),
+            HostData::Fp8(v) => copy_from_host(ctx, self.ptr, v),
+        }
     }
 
     /// Copies the tensor to the host (synchronous; waits for the ready event first).

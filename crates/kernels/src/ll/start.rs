@@ -6,6 +6,7 @@ use std::sync::Arc;
 use epflow_core::handle::RoutingHandle;
 use epflow_core::ops::{CountsLocation, DispatchOptions, Layout, Pass};
 use epflow_core::protocol::Channel;
+use epflow_core::stamp::Stamp;
 use epflow_core::validate::{ValidCombine, ValidDispatch};
 use epflow_core::{DispatchDtype, Error};
 
@@ -116,15 +117,16 @@ fn nccl_xfers(
     Ok(xfers)
 }
 
-/// Dispatch `seq` of `inputs` on handle `h` (inputs validated).
-pub(crate) fn dispatch(
-    s: &Arc<RankShared>,
+/// The kernel parameters of dispatch `seq` of `inputs` on handle `h` (inputs validated), its
+/// buffer set and its stamp; NCCL staging not yet set.
+pub(crate) fn dispatch_params(
+    s: &RankShared,
     seq: u64,
     h: &GpuHandle,
-    inputs: ValidDispatch<'_, DeviceTensor>,
+    inputs: &ValidDispatch<'_, DeviceTensor>,
     opts: &DispatchOptions,
     into: Option<&OutputTargets>,
-) -> Result<GpuOp, Error> {
+) -> Result<(LlParams, usize, Stamp), Error> {
     let mut p = base_params(s, 0, h.ptr(), h.num_tokens(), h.top_k(), h.layout())?;
     p.x = inputs.tokens().ptr();
     p.weights = inputs.weights().map_or(0, DeviceTensor::ptr);
@@ -147,12 +149,47 @@ pub(crate) fn dispatch(
     }
     let stamp = h.core().dispatch_stamp(Pass::Forward);
     p.stamp = stamp.encode();
+    Ok((p, set, stamp))
+}
+
+/// Dispatch `seq` of `inputs` on handle `h` (inputs validated).
+pub(crate) fn dispatch(
+    s: &Arc<RankShared>,
+    seq: u64,
+    h: &GpuHandle,
+    inputs: ValidDispatch<'_, DeviceTensor>,
+    opts: &DispatchOptions,
+    into: Option<&OutputTargets>,
+) -> Result<GpuOp, Error> {
+    let (mut p, set, stamp) = dispatch_params(s, seq, h, &inputs, opts, into)?;
     let xfers = nccl_xfers(s, &mut p, Some(h), set, true)?;
     let kind = GpuOpKind::Dispatch { handle: h.clone(), opts: *opts };
     let mut op = GpuOp::new(Arc::clone(s), Channel::Dispatch, seq, stamp, Launch::Ll(p), kind, &inputs.tensors());
     op.set_xfers(xfers);
     op.set_targets(into.copied());
     Ok(op)
+}
+
+/// The kernel parameters of combine `seq` of `inputs` on handle `h` with `stamp` (inputs
+/// validated), and its buffer set; NCCL staging not yet set.
+pub(crate) fn combine_params(
+    s: &RankShared,
+    seq: u64,
+    h: &GpuHandle,
+    stamp: Stamp,
+    inputs: &ValidCombine<'_, DeviceTensor>,
+    into: Option<&OutputTargets>,
+) -> Result<(LlParams, usize), Error> {
+    let ValidCombine::LowLatency { expert_out, weights } = inputs else {
+        return Err(Error::Backend("a high-throughput combine in a low-latency group".into()));
+    };
+    let mut p = base_params(s, 1, h.ptr(), h.num_tokens(), h.top_k(), h.layout())?;
+    p.expert_out = expert_out.ptr();
+    p.weights = weights.map_or(0, DeviceTensor::ptr);
+    let set = number(s, &mut p, seq);
+    p.out = into.map_or(s.mem.comb_out[set].ptr(), |t| t.tokens);
+    p.stamp = stamp.encode();
+    Ok((p, set))
 }
 
 /// Combine `seq` of `inputs` on handle `h`, pairing with dispatch `paired` (inputs validated).
@@ -164,16 +201,8 @@ pub(crate) fn combine(
     inputs: ValidCombine<'_, DeviceTensor>,
     into: Option<&OutputTargets>,
 ) -> Result<GpuOp, Error> {
-    let ValidCombine::LowLatency { expert_out, weights } = inputs else {
-        return Err(Error::Backend("a high-throughput combine in a low-latency group".into()));
-    };
-    let mut p = base_params(s, 1, h.ptr(), h.num_tokens(), h.top_k(), h.layout())?;
-    p.expert_out = expert_out.ptr();
-    p.weights = weights.map_or(0, DeviceTensor::ptr);
-    let set = number(s, &mut p, seq);
-    p.out = into.map_or(s.mem.comb_out[set].ptr(), |t| t.tokens);
     let stamp = h.core().combine_stamp(Pass::Forward, paired);
-    p.stamp = stamp.encode();
+    let (mut p, set) = combine_params(s, seq, h, stamp, &inputs, into)?;
     let xfers = nccl_xfers(s, &mut p, Some(h), set, false)?;
     let kind = GpuOpKind::Combine { handle: h.clone(), paired };
     let mut op = GpuOp::new(Arc::clone(s), Channel::Combine, seq, stamp, Launch::Ll(p), kind, &inputs.tensors());

@@ -32,28 +32,7 @@ impl GpuOp {
     /// mismatch is not one: the operation that saw it reports it when it finishes, and poisons
     /// the group.
     pub(super) fn device_error(&self) -> Option<Error> {
-        let w = self.shared.mem.status.read_u64(status::ERROR);
-        if w == 0 || w & 0xff == status::MISMATCH {
-            return None;
-        }
-        let (code, peer, seq) = (w & 0xff, (w >> 8) & 0xff, w >> 16);
-        let waiting_for = match code {
-            status::TIMEOUT_ARRIVAL => format!("data from rank {peer} (operation #{seq} of the channel)"),
-            status::TIMEOUT_CREDIT => format!(
-                "buffer credits from rank {peer} (it has not consumed operation #{} of the channel)",
-                seq.saturating_sub(self.shared.config.buffer_sets as u64)
-            ),
-            status::TIMEOUT_RING => {
-                format!("ring space at rank {peer} (it stopped receiving operation #{seq} of the channel)")
-            }
-            _ => format!("device error code {code}"),
-        };
-        Some(Error::Timeout {
-            op: self.label(),
-            rank: self.shared.rank,
-            waiting_for,
-            after: self.shared.config.timeout,
-        })
+        self.shared.device_error(self.label())
     }
 
     /// The peers that cancelled or mismatched this operation (0 if the word is another

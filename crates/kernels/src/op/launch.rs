@@ -15,6 +15,7 @@ use crate::ht::geometry::ht_grid;
 use crate::ll::geometry::{LlKernel, ll_launch};
 use crate::params::{ExchangeParams, HtParams, HtPlanParams, LlParams, NcclHtParams};
 use crate::rank::handle::GpuHandle;
+use crate::rank::shared::RankShared;
 use crate::transport::nccl::{Xfer, issue};
 
 /// The kernel parameters of an operation.
@@ -39,7 +40,7 @@ pub(crate) enum Launch {
 
 /// Launches `f` with its one parameter block `p` on `on`; `cooperative`: every block of the grid
 /// is resident at once (the kernel's blocks wait for each other's work).
-fn launch<P: cudarc::driver::DeviceRepr>(
+pub(crate) fn launch<P: cudarc::driver::DeviceRepr>(
     on: &CudaStream,
     f: &CudaFunction,
     p: &P,
@@ -56,6 +57,23 @@ fn launch<P: cudarc::driver::DeviceRepr>(
     let launched = unsafe { if cooperative { builder.launch_cooperative(cfg) } else { builder.launch(cfg) } };
     launched.map_err(|e| cuda(&what(), e))?;
     Ok(())
+}
+
+/// Launches low-latency kernel `which` with parameters `p` (its geometry for this rank's SMs)
+/// on `on`: an operation's, or a captured step's.
+pub(crate) fn launch_ll_kernel(s: &RankShared, which: LlKernel, mut p: LlParams, on: &CudaStream) -> Result<(), Error> {
+    let sms = s.config.max_sms.map_or(s.num_sms, |m| (m as u32).min(s.num_sms)).max(1);
+    let geometry = ll_launch(which, &mut p, sms);
+    let f = &s.functions;
+    let k = match which {
+        LlKernel::DispatchSend => &f.dispatch_send,
+        LlKernel::DispatchRecv => &f.dispatch_recv,
+        LlKernel::CombineSend => &f.combine_send,
+        LlKernel::CombineRecv => &f.combine_recv,
+        LlKernel::DispatchOne => &f.dispatch_one,
+        LlKernel::CombineOne => &f.combine_one,
+    };
+    launch(on, k, &p, geometry, which.is_one_launch(), || format!("launch {which:?}"))
 }
 
 impl GpuOp {
@@ -176,23 +194,11 @@ impl GpuOp {
     /// Launches one kernel of a low-latency operation on `on` (its own stream, or a caller's for
     /// a stream-ordered receive).
     pub(super) fn launch_ll(&self, which: LlKernel, on: &CudaStream) -> Result<(), Error> {
-        let s = &self.shared;
         let Launch::Ll(mut p) = self.launch else {
             return Err(Error::Backend("not a low-latency operation".into()));
         };
         p.cancelled = i32::from(self.state.is_cancelled());
-        let sms = s.config.max_sms.map_or(s.num_sms, |m| (m as u32).min(s.num_sms)).max(1);
-        let geometry = ll_launch(which, &mut p, sms);
-        let f = &s.functions;
-        let k = match which {
-            LlKernel::DispatchSend => &f.dispatch_send,
-            LlKernel::DispatchRecv => &f.dispatch_recv,
-            LlKernel::CombineSend => &f.combine_send,
-            LlKernel::CombineRecv => &f.combine_recv,
-            LlKernel::DispatchOne => &f.dispatch_one,
-            LlKernel::CombineOne => &f.combine_one,
-        };
-        launch(on, k, &p, geometry, which.is_one_launch(), || format!("launch {which:?}"))
+        launch_ll_kernel(&self.shared, which, p, on)
     }
 
     /// The complete half of a low-latency operation, on `on`, after the fences of the buffer set

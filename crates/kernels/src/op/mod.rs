@@ -10,6 +10,8 @@
 mod finish;
 mod launch;
 
+pub(crate) use launch::{launch, launch_ll_kernel};
+
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;

@@ -30,6 +30,8 @@ pub(crate) struct GpuHandleState {
     pub(crate) ll_nccl: Option<LlNcclInfo>,
     /// Low-latency: who writes and who reads the row map, on the device.
     pub(crate) row_map: Mutex<RowMap>,
+    /// A handle of captured steps (`graph/`): its `topk_idx` buffer, outputs and report.
+    pub(crate) graph: Option<crate::graph::GraphHandle>,
 }
 
 /// What a low-latency handle knows about its NCCL peers.
@@ -119,6 +121,7 @@ impl GpuHandle {
             ht,
             ll_nccl,
             row_map: Mutex::default(),
+            graph: None,
         }))
     }
 

@@ -260,7 +260,7 @@ impl GpuRank {
     }
 
     /// Checks `topk_idx`'s device and descriptor (not its values).
-    fn check_topk_tensor(&self, topk_idx: &DeviceTensor) -> Result<(), Error> {
+    pub(crate) fn check_topk_tensor(&self, topk_idx: &DeviceTensor) -> Result<(), Error> {
         self.check_device(topk_idx, "topk_idx")?;
         check_topk_idx(&self.shared.config, topk_idx)?;
         Ok(())
@@ -424,6 +424,7 @@ impl GpuRank {
     ) -> Result<GpuOp, Error> {
         self.collective(Channel::Dispatch, Some(h), opts.pass, |seq| {
             self.core.check_handle(h)?;
+            refuse_graph_handle(h)?;
             let valid = validate_dispatch_inputs(&self.core.op_context(h), opts, &inputs)?;
             for t in valid.tensors() {
                 self.check_device(t, "a dispatch input")?;
@@ -444,6 +445,7 @@ impl GpuRank {
     ) -> Result<GpuOp, Error> {
         self.collective(Channel::Combine, Some(h), opts.pass, |seq| {
             self.core.check_handle(h)?;
+            refuse_graph_handle(h)?;
             let valid = validate_combine_inputs(&self.core.op_context(h), opts, &inputs)?;
             let paired = h.core().combine_dispatch(opts.pass)?;
             for t in valid.tensors() {
@@ -455,4 +457,15 @@ impl GpuRank {
             }
         })
     }
+}
+
+/// Eager operations refuse handles of captured steps (their routing is the step's, refilled by
+/// its replays).
+fn refuse_graph_handle(h: &GpuHandle) -> Result<(), Error> {
+    if h.is_graph_handle() {
+        return Err(Error::Unsupported(
+            "this handle belongs to captured steps (GpuRank::graph_handle): only their replays use it".into(),
+        ));
+    }
+    Ok(())
 }

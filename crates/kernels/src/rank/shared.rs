@@ -150,6 +150,29 @@ pub(crate) struct RankShared {
 }
 
 impl RankShared {
+    /// The first error the device reported on this rank (a timeout: the group must be
+    /// poisoned), as the error of operation `op`. A high-throughput mismatch is not one: the
+    /// operation that saw it reports it when it finishes, and poisons the group.
+    pub(crate) fn device_error(&self, op: String) -> Option<Error> {
+        let w = self.mem.status.read_u64(status::ERROR);
+        if w == 0 || w & 0xff == status::MISMATCH {
+            return None;
+        }
+        let (code, peer, seq) = (w & 0xff, (w >> 8) & 0xff, w >> 16);
+        let waiting_for = match code {
+            status::TIMEOUT_ARRIVAL => format!("data from rank {peer} (operation #{seq} of the channel)"),
+            status::TIMEOUT_CREDIT => format!(
+                "buffer credits from rank {peer} (it has not consumed operation #{} of the channel)",
+                seq.saturating_sub(self.config.buffer_sets as u64)
+            ),
+            status::TIMEOUT_RING => {
+                format!("ring space at rank {peer} (it stopped receiving operation #{seq} of the channel)")
+            }
+            _ => format!("device error code {code}"),
+        };
+        Some(Error::Timeout { op, rank: self.rank, waiting_for, after: self.config.timeout })
+    }
+
     /// The deadline of a wait on the device: 90 % of the group timeout, so the device reports
     /// its timeout (naming the peer) before the host's own deadline expires. Far from overflowing
     /// `%globaltimer` (the config bounds the timeout).

@@ -1,0 +1,135 @@
+//! Handles of captured steps: the routing comes from a `topk_idx` buffer that the caller refills
+//! before every replay, and the outputs are fixed buffers the handle owns.
+
+use std::sync::{Arc, Mutex};
+
+use epflow_core::handle::HandleCore;
+use epflow_core::ops::{CombineOptions, DispatchOptions, DispatchOutputs, HandleOptions};
+use epflow_core::validate::{combine_output_descs, dispatch_output_descs, validate_handle_options};
+use epflow_core::{Algorithm, Error, ValidationError};
+
+use crate::device::{DeviceTensor, PinnedBuffer};
+use crate::outputs::OutputTargets;
+use crate::rank::GpuRank;
+use crate::rank::handle::{GpuHandle, take_pooled};
+
+/// What a handle of captured steps holds beside an eager handle's memory.
+#[derive(Debug)]
+pub(crate) struct GraphHandle {
+    /// The caller's `[B x K]` int64 `topk_idx` buffer, read by the step's route kernel.
+    pub(crate) topk: DeviceTensor,
+    /// The route kernel's report (mapped host, 4 words): the replay's index + 1, then the first
+    /// invalid entry (`token * K + k`), its value, and the earlier k naming the same expert (or
+    /// -1: out of range).
+    pub(crate) report: PinnedBuffer,
+    /// The dispatch outputs (one dispatch per replay).
+    pub(crate) dispatched: DispatchOutputs<DeviceTensor>,
+    /// The combine output `[B x H]` BF16.
+    pub(crate) combined: DeviceTensor,
+    /// The step that captured the handle (a handle belongs to one step).
+    pub(crate) step: Mutex<Option<u64>>,
+}
+
+impl GraphHandle {
+    /// Where a dispatch on the handle writes.
+    pub(crate) fn dispatch_targets(&self) -> OutputTargets {
+        let d = &self.dispatched;
+        OutputTargets {
+            tokens: d.tokens.ptr(),
+            scales: d.scales.as_ref().map(DeviceTensor::ptr),
+            topk_weights: d.topk_weights.as_ref().map(DeviceTensor::ptr),
+            topk_idx: d.topk_idx.as_ref().map(DeviceTensor::ptr),
+            counts: d.counts.as_ref().map(DeviceTensor::ptr),
+        }
+    }
+
+    /// The validation error the route kernel reported for replay `replay`, if any. Reads the
+    /// report twice around its details: a report the next replay rewrote meanwhile still names
+    /// the entry's place, with the value unknown.
+    pub(crate) fn invalid_entry(&self, replay: u64, top_k: usize, num_experts: usize) -> Option<ValidationError> {
+        let r = &self.report;
+        if r.read_u64(0) != replay + 1 {
+            return None;
+        }
+        let (entry, value, earlier) = (r.read_u64(1) as usize, r.read_u64(2) as i64, r.read_u64(3) as i64);
+        let (token, k) = (entry / top_k.max(1), entry % top_k.max(1));
+        Some(match usize::try_from(earlier) {
+            Ok(first_k) if r.read_u64(0) == replay + 1 => {
+                ValidationError::DuplicateExpert { token, expert: value.max(0) as usize, first_k, second_k: k }
+            }
+            _ => ValidationError::ExpertIndexOutOfRange { token, k, index: value, num_experts },
+        })
+    }
+}
+
+impl GpuRank {
+    /// A low-latency handle for captured steps ([`GpuRank::capture`]): `topk_idx` is a `[B x K]`
+    /// int64 buffer on this rank's device that the caller refills before every replay (e.g. the
+    /// router's output, itself captured); every replay's dispatch and combine on the handle use
+    /// the routing it holds then. The handle owns its outputs: one dispatch's
+    /// ([`GpuRank::dispatch_output_descs`] with default options) and one combine's `[B x H]`,
+    /// overwritten by every replay.
+    ///
+    /// Nothing is read from `topk_idx` now: invalid entries are found on the device at each
+    /// replay (see [`epflow_core::graph`]). Eager operations refuse the handle. Call it before
+    /// the capture (it allocates memory, which a capture forbids).
+    pub fn graph_handle(&self, topk_idx: &DeviceTensor, opts: &HandleOptions) -> Result<GpuHandle, Error> {
+        self.core.poison().check()?;
+        let s = &self.shared;
+        if s.config.algorithm != Algorithm::LowLatency {
+            return Err(Error::Unsupported("captured steps hold low-latency operations only".into()));
+        }
+        validate_handle_options(&s.config, opts)?;
+        self.check_topk_tensor(topk_idx)?;
+        let (b, k) = (topk_idx.desc().shape[0], topk_idx.desc().shape[1]);
+        let l = s.layout.ll("a handle of captured steps")?;
+        let mem = take_pooled(&s.ctx, &s.handle_pool, l.handle_bytes())?;
+        let core = HandleCore::on_device(s.group_id, b, k, Algorithm::LowLatency, None).with_layout(opts.layout);
+        let mut handle = GpuHandle::new(core, mem, &s.handle_pool, None, None);
+        let ctx = self.core.op_context(&handle);
+        let alloc = |d| DeviceTensor::zeros(&s.ctx, s.device, d);
+        let d = dispatch_output_descs(&ctx, &DispatchOptions::default());
+        let dispatched = DispatchOutputs {
+            tokens: alloc(d.tokens)?,
+            scales: d.scales.map(alloc).transpose()?,
+            topk_weights: d.topk_weights.map(alloc).transpose()?,
+            topk_idx: d.topk_idx.map(alloc).transpose()?,
+            counts: d.counts.map(alloc).transpose()?,
+        };
+        let combined = alloc(combine_output_descs(&ctx, &CombineOptions::default()).tokens)?;
+        let graph = GraphHandle {
+            topk: topk_idx.clone(),
+            report: PinnedBuffer::zeroed(&s.ctx, 4 * 8)?,
+            dispatched,
+            combined,
+            step: Mutex::new(None),
+        };
+        let state = Arc::get_mut(&mut handle.0)
+            .ok_or_else(|| Error::Backend("a new handle is shared before it is returned".into()))?;
+        state.graph = Some(graph);
+        Ok(handle)
+    }
+}
+
+impl GpuHandle {
+    /// The captured-step part of the handle, if it is one ([`GpuRank::graph_handle`]).
+    pub(crate) fn graph(&self) -> Option<&GraphHandle> {
+        self.0.graph.as_ref()
+    }
+
+    /// Whether the handle is one of captured steps ([`GpuRank::graph_handle`]).
+    pub fn is_graph_handle(&self) -> bool {
+        self.0.graph.is_some()
+    }
+
+    /// A handle of captured steps: the tensors its step's dispatch writes (`None` for other
+    /// handles). Fixed buffers, overwritten by every replay.
+    pub fn graph_dispatch_outputs(&self) -> Option<&DispatchOutputs<DeviceTensor>> {
+        self.graph().map(|g| &g.dispatched)
+    }
+
+    /// A handle of captured steps: the tensor its step's combine writes, `[B x H]` BF16.
+    pub fn graph_combine_output(&self) -> Option<&DeviceTensor> {
+        self.graph().map(|g| &g.combined)
+    }
+}

@@ -1,0 +1,322 @@
+//! Captured steps on GPUs: low-latency dispatches and combines (and the caller's own kernels)
+//! recorded once as a CUDA graph and replayed every decode step ([`epflow_core::graph`] has the
+//! contract and its rules).
+//!
+//! - `handle.rs`: handles of captured steps ([`GpuRank::graph_handle`]): the routing from a
+//!   buffer the caller refills, fixed outputs, the route kernel's report.
+//! - `capture.rs`: [`GpuRank::capture`] and the [`GpuCapture`] its closure records through.
+//! - here: the [`GpuStep`], its launch ([`StepBackend::launch_step`]) and the [`GpuReplay`]
+//!   in flight.
+//!
+//! ## On the device
+//!
+//! A captured operation's kernels take its place on its channel within the step as `seq`, and
+//! the address of the channel's base in the step's device memory (`seq_base`); they add the two
+//! when they start, and derive the buffer set from the sum. The step's last node adds the
+//! step's operations per channel to the bases. A launch whose bases are not where the previous
+//! replay left them (eager operations or another step took numbers in between, or it is the
+//! first) enqueues a one-thread rebase kernel before the graph; replays launched back to back
+//! need nothing but `cuGraphLaunch`.
+
+mod capture;
+mod handle;
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaEvent, CudaGraph, CudaStream};
+use epflow_core::backend::Probe;
+use epflow_core::graph::{PendingReplay, StepBackend, StepCounts};
+use epflow_core::handle::RoutingHandle;
+use epflow_core::protocol::Channel;
+use epflow_core::stamp::Stamp;
+use epflow_core::{Error, Result};
+
+pub use self::capture::{CapturedSend, GpuCapture};
+pub(crate) use self::handle::GraphHandle;
+use crate::device::{DeviceBuffer, DeviceTensor, PinnedBuffer, bind, cuda};
+use crate::params::status;
+use crate::rank::GpuRank;
+use crate::rank::handle::GpuHandle;
+use crate::rank::shared::RankShared;
+
+/// A step's device state: the bases `[dispatch, combine, replay, failed]` (device) and the
+/// failure word of its operations (mapped host: the first operation a peer cancelled or
+/// mismatched, `((seq + 1) << 20) | chan << 16 | mismatched << 8 | cancelled`).
+#[derive(Debug)]
+pub(crate) struct StepMemory {
+    bases: DeviceBuffer,
+    failure: PinnedBuffer,
+}
+
+impl StepMemory {
+    fn new(s: &RankShared) -> Result<Self> {
+        Ok(StepMemory { bases: DeviceBuffer::zeroed(&s.ctx, 4 * 8)?, failure: PinnedBuffer::zeroed(&s.ctx, 8)? })
+    }
+
+    /// Enqueues `ep_graph_bases` on `on`: sets the bases to `(dispatch, combine, replay)`
+    /// (`rebase`), or advances them by the step's operations and one replay.
+    fn enqueue_bases(&self, s: &RankShared, on: &CudaStream, (d, c, r): (u64, u64, u64), rebase: bool) -> Result<()> {
+        let f = &s.functions.graph_bases;
+        let mut b = on.launch_builder(f);
+        let (bases, flag) = (self.bases.ptr(), i32::from(rebase));
+        cudarc::driver::PushKernelArg::arg(&mut b, &bases);
+        cudarc::driver::PushKernelArg::arg(&mut b, &d);
+        cudarc::driver::PushKernelArg::arg(&mut b, &c);
+        cudarc::driver::PushKernelArg::arg(&mut b, &r);
+        cudarc::driver::PushKernelArg::arg(&mut b, &flag);
+        let cfg = cudarc::driver::LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the arguments match `ep_graph_bases(u64, u64, u64, u64, int)`; `bases` holds
+        // the step's four words, alive as long as the step (which outlives its replays).
+        unsafe { b.launch(cfg) }.map_err(|e| cuda(if rebase { "launch rebase" } else { "launch advance" }, e))?;
+        Ok(())
+    }
+}
+
+/// One captured operation: its channel, its place there, its stamp, and its handle (index into
+/// the step's handles).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CapturedOp {
+    channel: Channel,
+    offset: u64,
+    stamp: Stamp,
+    handle: usize,
+}
+
+/// The CUDA graph of a step. `CudaGraph` holds raw driver handles: every use goes through the
+/// step's mutex.
+struct Graph(CudaGraph);
+
+// SAFETY: a CUDA graph exec may be launched from any thread with its context bound; the step
+// serializes every access (launch, destroy) behind a mutex.
+unsafe impl Send for Graph {}
+
+/// Where the step's bases were left, and how many replays were launched.
+#[derive(Debug, Default)]
+struct Launches {
+    /// The bases after the last replay (`None`: never launched).
+    next: Option<(u64, u64)>,
+    replays: u64,
+    last: Option<Arc<CudaEvent>>,
+}
+
+/// A captured step of one rank ([`GpuRank::capture`]): replay it with
+/// [`StepBackend::launch_step`] or `epflow_async::Group::replay`. Replays run on the capture
+/// stream, one after another; order the refills of its inputs and the reads of its outputs
+/// against that stream. Dropping the step waits for its last replay to finish on the device.
+pub struct GpuStep {
+    shared: Arc<RankShared>,
+    id: u64,
+    stream: Arc<CudaStream>,
+    graph: Mutex<Graph>,
+    mem: Arc<StepMemory>,
+    counts: StepCounts,
+    ops: Arc<[CapturedOp]>,
+    handles: Arc<[GpuHandle]>,
+    _keep: Vec<DeviceTensor>,
+    launches: Mutex<Launches>,
+}
+
+impl std::fmt::Debug for GpuStep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuStep")
+            .field("id", &self.id)
+            .field("rank", &self.shared.rank)
+            .field("dispatches", &self.counts.dispatches)
+            .field("combines", &self.counts.combines)
+            .finish()
+    }
+}
+
+impl GpuStep {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        rank: &GpuRank,
+        stream: &Arc<CudaStream>,
+        id: u64,
+        graph: CudaGraph,
+        mem: Arc<StepMemory>,
+        counts: StepCounts,
+        ops: Vec<CapturedOp>,
+        handles: Vec<GpuHandle>,
+        keep: Vec<DeviceTensor>,
+    ) -> Self {
+        GpuStep {
+            shared: Arc::clone(&rank.shared),
+            id,
+            stream: Arc::clone(stream),
+            graph: Mutex::new(Graph(graph)),
+            mem,
+            counts,
+            ops: ops.into(),
+            handles: handles.into(),
+            _keep: keep,
+            launches: Mutex::default(),
+        }
+    }
+
+    /// The step's number in this process.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Its low-latency dispatches and combines per replay.
+    pub fn counts(&self) -> StepCounts {
+        self.counts
+    }
+
+    /// Replays launched so far.
+    pub fn replays(&self) -> u64 {
+        self.launches.lock().unwrap_or_else(|e| e.into_inner()).replays
+    }
+}
+
+impl Drop for GpuStep {
+    fn drop(&mut self) {
+        let last = self.launches.lock().unwrap_or_else(|e| e.into_inner()).last.take();
+        if let Some(e) = last {
+            // The graph and its memory must outlive the replays on the device (whose waits all
+            // have deadlines).
+            if bind(&self.shared.ctx).is_ok() {
+                let _ = e.synchronize();
+            }
+        }
+    }
+}
+
+/// One replay in flight ([`StepBackend::launch_step`]).
+pub struct GpuReplay {
+    shared: Arc<RankShared>,
+    event: Arc<CudaEvent>,
+    mem: Arc<StepMemory>,
+    ops: Arc<[CapturedOp]>,
+    handles: Arc<[GpuHandle]>,
+    step: u64,
+    replay: u64,
+    bases: (u64, u64),
+}
+
+impl std::fmt::Debug for GpuReplay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.label())
+    }
+}
+
+impl GpuReplay {
+    /// The error of a failure word of the step's operations (a peer cancelled or mismatched).
+    fn failure(&self, word: u64) -> Error {
+        let (seq, chan) = ((word >> 20).wrapping_sub(1), ((word >> 16) & 0xf) as usize);
+        let (mismatched, cancelled) = ((word >> 8) & 0xff, word & 0xff);
+        let channel = if chan == 0 { Channel::Dispatch } else { Channel::Combine };
+        let base = if chan == 0 { self.bases.0 } else { self.bases.1 };
+        let op = format!("{channel} #{seq} ({} of step {})", self.label(), self.step);
+        if cancelled != 0 {
+            return Error::PeerCancelled { op, peer: cancelled.trailing_zeros() as usize };
+        }
+        let ours = self
+            .ops
+            .iter()
+            .find(|o| o.channel == channel && base + o.offset == seq)
+            .map_or_else(|| Stamp::decode(0), |o| o.stamp);
+        let set = (seq % self.shared.config.buffer_sets as u64) as usize;
+        let theirs = Stamp::decode(self.shared.mem.status.read_u64(status::stamp(chan, set)));
+        Error::PeerMismatch { op, peer: mismatched.trailing_zeros() as usize, ours, theirs }
+    }
+}
+
+impl PendingReplay for GpuReplay {
+    fn probe(&self) -> Box<dyn Probe> {
+        let (ctx, event) = (Arc::clone(&self.shared.ctx), Arc::clone(&self.event));
+        Box::new(move || bind(&ctx).is_err() || event.try_is_complete().unwrap_or(true))
+    }
+
+    fn finish(self) -> Result<()> {
+        let s = &self.shared;
+        if let Some(e) = s.device_error(self.label()) {
+            s.poison.poison(e.to_string());
+            return Err(e);
+        }
+        let word = self.mem.failure.read_u64(0);
+        if word != 0 {
+            let e = self.failure(word);
+            s.poison.poison(format!("{e} (captured work after it read its outputs)"));
+            return Err(e);
+        }
+        for h in self.handles.iter() {
+            if let Some(g) = h.graph() {
+                if let Some(v) = g.invalid_entry(self.replay, h.top_k(), s.config.num_experts) {
+                    return Err(v.into());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn label(&self) -> String {
+        format!("replay {} of step {}", self.replay, self.step)
+    }
+}
+
+impl StepBackend for GpuRank {
+    type Step = GpuStep;
+    type Replay = GpuReplay;
+
+    fn launch_step(&self, step: &GpuStep) -> Result<GpuReplay> {
+        self.core.poison().check()?;
+        let s = &self.shared;
+        if !Arc::ptr_eq(&step.shared, s) {
+            return Err(Error::Unsupported(format!("step {} was captured by another rank or group", step.id)));
+        }
+        let n = [step.counts.dispatches, step.counts.combines];
+        let channels = [Channel::Dispatch, Channel::Combine];
+        for (c, &count) in channels.iter().zip(&n) {
+            let next = self.core.peek_seq(*c);
+            let sent = s.turns[c.index()].load(Ordering::Acquire);
+            if count > 0 && sent != next {
+                return Err(Error::Unsupported(format!(
+                    "{c} #{sent} was started before this replay but is not sent yet: await (or send) it first"
+                )));
+            }
+        }
+        let mut launches = step.launches.lock().unwrap_or_else(|e| e.into_inner());
+        let graph = step.graph.lock().unwrap_or_else(|e| e.into_inner());
+        let bases = (self.core.take_seqs(Channel::Dispatch, n[0]), self.core.take_seqs(Channel::Combine, n[1]));
+        let replay = launches.replays;
+        let launched = (|| {
+            bind(&s.ctx)?;
+            if launches.next != Some(bases) {
+                step.mem.enqueue_bases(s, &step.stream, (bases.0, bases.1, replay), true)?;
+            }
+            graph.0.launch().map_err(|e| cuda("launch the step", e))?;
+            s.events.record(&step.stream).map_err(|e| cuda("record the replay", e))
+        })();
+        // The numbers are taken: the turns pass on even if the launch failed (the group is
+        // poisoned then, and later operations must not wait for these).
+        for (c, &count) in channels.iter().zip(&n) {
+            let base = if *c == Channel::Dispatch { bases.0 } else { bases.1 };
+            if count > 0 {
+                s.turns[c.index()].store(base + count, Ordering::Release);
+            }
+        }
+        let event = match launched {
+            Ok(e) => e,
+            Err(e) => {
+                s.poison.poison(format!("replay {replay} of step {} failed to launch: {e}", step.id));
+                return Err(e);
+            }
+        };
+        launches.next = Some((bases.0 + n[0], bases.1 + n[1]));
+        launches.replays += 1;
+        launches.last = Some(Arc::clone(&event));
+        Ok(GpuReplay {
+            shared: Arc::clone(s),
+            event,
+            mem: Arc::clone(&step.mem),
+            ops: Arc::clone(&step.ops),
+            handles: Arc::clone(&step.handles),
+            step: step.id,
+            replay,
+            bases,
+        })
+    }
+}

@@ -1,0 +1,350 @@
+//! Captured low-latency steps (CUDA graphs) on GPUs against the CPU reference: a step of
+//! dispatch + combine captured once, replayed with fresh inputs written into its buffers before
+//! every replay, outputs poisoned before every replay, both layouts, BF16 and FP8; replays mixed
+//! with eager operations; an invalid routing inside a replay; a peer that stops replaying; the
+//! capture rules' errors. Without enough GPUs every test prints SKIPPED and passes.
+//! `EPFLOW_TEST_DEVICES=0,0` runs two ranks on one GPU (a functional check).
+//! `EPFLOW_GPU_ITERS` sets the replays of the long test (default 200).
+
+use std::time::{Duration, Instant};
+
+use epflow_core::backend::{Backend, blocking_combine, blocking_dispatch, blocking_handle, blocking_handle_with};
+use epflow_core::graph::{PendingReplay, StepBackend};
+use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions, Layout};
+use epflow_core::scenario::{Scenario, ll_reference_expert_outputs, rank_major_reference_expert_outputs};
+use epflow_core::verify::{Report, Tolerance, check_bf16, check_ll_dispatch, check_rank_major_dispatch};
+use epflow_core::workload::RoutingKind;
+use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, ValidationError};
+use epflow_kernels::{DeviceTensor, GpuHandle, GpuRank, GpuReplay, GpuStep, GpuWorld};
+
+mod common;
+use common::{gpus, on_ranks, seed, shared_gpu_sms};
+
+/// Most tokens per rank of the groups here (a power of two: the expert-major outputs
+/// `[L x R*M x H]` are downloaded after every replay).
+const M: usize = 128;
+
+fn config(devices: &[usize], hidden: usize, experts: usize, dtype: DispatchDtype) -> GroupConfig {
+    config_m(devices, hidden, experts, dtype, M)
+}
+
+fn config_m(devices: &[usize], hidden: usize, experts: usize, dtype: DispatchDtype, m: usize) -> GroupConfig {
+    GroupConfig::low_latency(experts, m, hidden)
+        .with_dispatch_dtype(dtype)
+        .with_max_top_k(16)
+        .with_max_sms(shared_gpu_sms(devices))
+}
+
+/// Waits for a replay (spinning with short sleeps: tests need no reactor) and returns its
+/// verdict.
+fn settle(replay: GpuReplay) -> Result<(), Error> {
+    let probe = replay.probe();
+    while !probe.ready() {
+        std::thread::sleep(Duration::from_micros(50));
+    }
+    replay.finish()
+}
+
+/// The buffers of one rank's captured step, and the step.
+struct Captured {
+    topk: DeviceTensor,
+    x: DeviceTensor,
+    w: DeviceTensor,
+    y: DeviceTensor,
+    handle: GpuHandle,
+    step: GpuStep,
+}
+
+/// The expert outputs identity experts would return for rank `r` of `sc` (from the reference).
+fn expert_outputs(sc: &Scenario, r: usize, layout: Layout) -> HostTensor {
+    let (h, k, m) = (sc.config.hidden, sc.top_k, max_tokens(sc));
+    match layout {
+        Layout::ExpertMajor => {
+            ll_reference_expert_outputs(&sc.ll_dispatch_reference().unwrap()[r], sc.num_ranks * m, h)
+        }
+        Layout::RankMajor => rank_major_reference_expert_outputs(&sc.ll_rank_major_reference().unwrap()[r], m, h, k),
+    }
+}
+
+fn max_tokens(sc: &Scenario) -> usize {
+    sc.config.fixed_max_tokens().unwrap_or(M)
+}
+
+/// Captures dispatch + combine on `rank`, with buffers shaped after `sc`.
+fn capture(rank: &GpuRank, sc: &Scenario, layout: Layout) -> Result<Captured, Error> {
+    let r = rank.rank();
+    let topk = rank.upload(&sc.topk_idx(r))?;
+    let x = rank.upload(&sc.tokens(r))?;
+    let w = rank.upload(&sc.weights(r))?;
+    let y = rank.upload(&expert_outputs(sc, r, layout))?;
+    let handle = rank.graph_handle(&topk, &HandleOptions::with_layout(layout))?;
+    let stream = rank.context().new_stream().map_err(|e| Error::Backend(format!("new stream: {e}")))?;
+    let step = rank.capture(&stream, |cap| {
+        let dopts = DispatchOptions::default();
+        let cin = match layout {
+            Layout::RankMajor => {
+                cap.dispatch(&handle, DispatchInputs::new(&x).with_weights(&w), &dopts)?;
+                CombineInputs::new(&y)
+            }
+            Layout::ExpertMajor => {
+                // Staged: the complete half captured apart from the send half.
+                let half = cap.dispatch_send(&handle, DispatchInputs::new(&x), &dopts)?;
+                cap.complete_dispatch(half)?;
+                CombineInputs::new(&y).with_weights(&w)
+            }
+        };
+        cap.combine(&handle, cin, &CombineOptions::default())?;
+        Ok(())
+    })?;
+    Ok(Captured { topk, x, w, y, handle, step })
+}
+
+/// Writes `sc`'s inputs for rank `r` into the step's buffers and poisons its outputs.
+fn refill(rank: &GpuRank, c: &Captured, sc: &Scenario, layout: Layout) -> Result<(), Error> {
+    let (r, ctx) = (rank.rank(), rank.context());
+    c.topk.copy_from_host(ctx, &sc.topk_idx(r))?;
+    c.x.copy_from_host(ctx, &sc.tokens(r))?;
+    c.w.copy_from_host(ctx, &sc.weights(r))?;
+    c.y.copy_from_host(ctx, &expert_outputs(sc, r, layout))?;
+    let d = c.handle.graph_dispatch_outputs().expect("graph handle");
+    for t in [Some(&d.tokens), d.scales.as_ref(), d.topk_weights.as_ref(), d.topk_idx.as_ref(), d.counts.as_ref()]
+        .into_iter()
+        .flatten()
+        .chain(c.handle.graph_combine_output())
+    {
+        t.fill_bytes(ctx, 0xA5)?;
+    }
+    Ok(())
+}
+
+/// Checks the step's outputs on rank `r` against `sc`'s reference.
+fn check(rank: &GpuRank, c: &Captured, sc: &Scenario, layout: Layout) -> Result<(Report, Report), Error> {
+    let (r, ctx) = (rank.rank(), rank.context());
+    let (h, k, m) = (sc.config.hidden, sc.top_k, max_tokens(sc));
+    let d = c.handle.graph_dispatch_outputs().expect("graph handle");
+    let tokens = d.tokens.download(ctx)?;
+    let scales = d.scales.as_ref().map(|s| s.download(ctx)).transpose()?;
+    let scales = scales.as_ref().and_then(HostTensor::as_f32);
+    let counts = d.counts.as_ref().expect("counts").download(ctx)?;
+    let counts = counts.as_i32().unwrap_or_default();
+    let y = c.handle.graph_combine_output().expect("graph handle").download(ctx)?;
+    let (dr, want) = match layout {
+        Layout::ExpertMajor => {
+            let refs = sc.ll_dispatch_reference().unwrap();
+            let want = sc.ll_combine_identity_reference(&refs).unwrap();
+            (check_ll_dispatch(&refs[r], h, sc.num_ranks * m, tokens.data(), scales, counts), want)
+        }
+        Layout::RankMajor => {
+            let refs = sc.ll_rank_major_reference().unwrap();
+            let want = sc.ll_rank_major_combine_identity_reference(&refs).unwrap();
+            let gw = d.topk_weights.as_ref().expect("weights").download(ctx)?;
+            let gi = d.topk_idx.as_ref().expect("idx").download(ctx)?;
+            let (gw, gi) = (gw.as_f32().unwrap_or_default(), gi.as_i32().unwrap_or_default());
+            (check_rank_major_dispatch(&refs[r], h, m, k, tokens.data(), scales, gw, gi, counts), want)
+        }
+    };
+    let cr = check_bf16("combine", &want[r], y.as_bf16().unwrap_or_default(), Tolerance::Exact);
+    Ok((dr.context(&format!("rank {r} dispatch")), cr.context(&format!("rank {r} combine"))))
+}
+
+/// An eager dispatch + combine round on `rank` (checked), between replays.
+fn eager_round(rank: &GpuRank, sc: &Scenario) -> Result<Report, Error> {
+    let r = rank.rank();
+    let idx = rank.upload(&sc.topk_idx(r))?;
+    let handle = blocking_handle(rank, &idx)?;
+    let x = rank.upload(&sc.tokens(r))?;
+    let w = rank.upload(&sc.weights(r))?;
+    let refs = sc.ll_dispatch_reference().unwrap();
+    let want = sc.ll_combine_identity_reference(&refs).unwrap();
+    let y = rank.upload(&ll_reference_expert_outputs(&refs[r], sc.num_ranks * max_tokens(sc), sc.config.hidden))?;
+    drop(blocking_dispatch(rank, &handle, DispatchInputs::new(&x), &DispatchOptions::default(), false)?);
+    let out =
+        blocking_combine(rank, &handle, CombineInputs::new(&y).with_weights(&w), &CombineOptions::default(), true)?;
+    let got = out.to_host()?.tokens;
+    Ok(check_bf16("eager combine", &want[r], got.as_bf16().unwrap_or_default(), Tolerance::Exact))
+}
+
+/// `replays` replays on `devices` for each of `shapes` (tokens per rank, top-k) and both
+/// layouts, with fresh inputs each (every 7th expert-major one preceded by an eager round, so the
+/// step rebases); every output checked.
+fn replay_world(devices: &[usize], cfg: &GroupConfig, base: u64, replays: u64, shapes: &[(usize, usize)]) {
+    let ranks = GpuWorld::create(devices, cfg.clone()).expect("create GPU group");
+    let (hidden, experts, dtype) = (cfg.hidden, cfg.num_experts, cfg.dispatch_dtype);
+    for &(tokens, top_k) in shapes {
+        for layout in [Layout::ExpertMajor, Layout::RankMajor] {
+            let scenario = |i: u64| {
+                let s = base.wrapping_add(i * 7919 + tokens as u64 * 31 + top_k as u64);
+                let kind = if i % 5 == 4 { RoutingKind::Skewed } else { RoutingKind::Uniform };
+                Scenario::generate(cfg.clone(), devices.len(), &vec![tokens; devices.len()], top_k, kind, 3, s)
+            };
+            let what = format!(
+                "R={} H={hidden} E={experts} {dtype:?} tokens={tokens} top_k={top_k} {}",
+                devices.len(),
+                layout.name()
+            );
+            let t = Instant::now();
+            let first = scenario(0);
+            on_ranks(&ranks, |rank| {
+                let c = capture(rank, &first, layout).expect("capture");
+                for i in 0..replays {
+                    let sc = scenario(i);
+                    if i % 7 == 6 && layout == Layout::ExpertMajor {
+                        let e = eager_round(rank, &sc).expect("eager round");
+                        assert!(e.ok(), "{what} replay {i}: {e:?}");
+                    }
+                    refill(rank, &c, &sc, layout).expect("refill");
+                    settle(rank.launch_step(&c.step).expect("launch")).expect("replay");
+                    let (d, y) = check(rank, &c, &sc, layout).expect("check");
+                    assert!(d.ok() && y.ok(), "{what} replay {i} seed {base}: {d:?} {y:?}");
+                    if (i + 1) % 1000 == 0 && rank.rank() == 0 {
+                        eprintln!("  {what}: {} replays checked", i + 1);
+                    }
+                }
+                assert_eq!(c.step.replays(), replays);
+            });
+            eprintln!("ok: {what}: {replays} replays ({:.1} s)", t.elapsed().as_secs_f64());
+        }
+    }
+}
+
+#[test]
+fn graph_replays_match_reference_on_1_and_2_gpus() {
+    let base = seed();
+    eprintln!("seed {base}");
+    for n in [1usize, 2] {
+        let Some(devices) = gpus(n, &format!("graph_replays_match_reference ({n} GPUs)")) else { continue };
+        for (h, e, dt) in [
+            (7168usize, 32usize, DispatchDtype::Bf16),
+            (7168, 32, DispatchDtype::Fp8 { round_scales: true }),
+            (2048, 64, DispatchDtype::Fp8 { round_scales: false }),
+        ] {
+            replay_world(&devices, &config(&devices, h, e, dt), base, 12, &[(1, 8), (M, 8), (33, 16)]);
+        }
+    }
+}
+
+/// The replay target: `EPFLOW_GPU_ITERS` (default 200) replays with fresh inputs, both layouts,
+/// on 2 GPUs where there are (else 1).
+#[test]
+fn graph_many_replays_with_fresh_inputs() {
+    let base = seed();
+    eprintln!("seed {base}");
+    let iters: u64 = std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(200);
+    let n = if gpus(2, "graph_many_replays (2 GPUs)").is_some() { 2 } else { 1 };
+    let Some(devices) = gpus(n, "graph_many_replays") else { return };
+    let cfg = config_m(&devices, 2048, 16, DispatchDtype::Bf16, 32);
+    replay_world(&devices, &cfg, base, iters, &[(32, 8)]);
+}
+
+/// An out-of-range expert in one rank's buffer: that rank's replay reports it (the row's
+/// entries from there on dropped), the peers' replays succeed, the group stays usable.
+#[test]
+fn graph_invalid_routing_fails_the_replay_and_spares_the_group() {
+    let Some(devices) = gpus(2, "graph_invalid_routing").or_else(|| gpus(1, "graph_invalid_routing")) else { return };
+    let base = seed();
+    let cfg = config(&devices, 2048, 64, DispatchDtype::Bf16);
+    let ranks = GpuWorld::create(&devices, cfg.clone()).expect("create GPU group");
+    let sc =
+        |s| Scenario::generate(cfg.clone(), devices.len(), &vec![16; devices.len()], 4, RoutingKind::Uniform, 3, s);
+    let results = on_ranks(&ranks, |rank| {
+        let c = capture(rank, &sc(base), Layout::ExpertMajor).expect("capture");
+        let mut bad = sc(base + 1).topk_idx(rank.rank()).as_i64().unwrap_or_default().to_vec();
+        if rank.rank() == 0 {
+            bad[5 * 4 + 2] = 64;
+        }
+        c.topk.copy_from_host(rank.context(), &HostTensor::topk_idx(16, 4, bad)).expect("write");
+        let first = settle(rank.launch_step(&c.step).expect("launch"));
+        let good = sc(base + 2);
+        refill(rank, &c, &good, Layout::ExpertMajor).expect("refill");
+        settle(rank.launch_step(&c.step).expect("launch")).expect("the group stays usable");
+        let (d, y) = check(rank, &c, &good, Layout::ExpertMajor).expect("check");
+        assert!(d.ok() && y.ok(), "after the invalid replay: {d:?} {y:?}");
+        first
+    });
+    match &results[0] {
+        Err(Error::Validation(ValidationError::ExpertIndexOutOfRange { token: 5, k: 2, index: 64, .. })) => {}
+        other => panic!("rank 0: {other:?}"),
+    }
+    for (r, res) in results.iter().enumerate().skip(1) {
+        assert!(res.is_ok(), "rank {r}: {res:?}");
+    }
+}
+
+/// Rank 1 captures but never replays: rank 0's replay times out, poisons the group, and
+/// returns within twice the timeout; the rank's later launches fail fast.
+#[test]
+fn graph_peer_that_stops_replaying_times_out_without_hanging() {
+    let Some(devices) = gpus(2, "graph_peer_stops") else { return };
+    let cfg = config(&devices, 2048, 64, DispatchDtype::Bf16).with_timeout(Duration::from_secs(2));
+    let ranks = GpuWorld::create(&devices, cfg.clone()).expect("create GPU group");
+    let sc = Scenario::generate(cfg.clone(), 2, &[8, 8], 4, RoutingKind::Uniform, 3, seed());
+    let results = on_ranks(&ranks, |rank| {
+        let c = capture(rank, &sc, Layout::ExpertMajor).expect("capture");
+        if rank.rank() == 1 {
+            return Ok(Duration::ZERO);
+        }
+        let t = Instant::now();
+        let verdict = settle(rank.launch_step(&c.step).expect("launch"));
+        let after = t.elapsed();
+        assert!(matches!(rank.launch_step(&c.step), Err(Error::Poisoned { .. })));
+        verdict.map(|()| after)
+    });
+    match &results[0] {
+        Err(Error::Timeout { .. }) => {}
+        other => panic!("rank 0: {other:?}"),
+    }
+    assert!(rank_poisoned(&ranks[0]));
+}
+
+fn rank_poisoned(rank: &GpuRank) -> bool {
+    rank.core().poison().is_poisoned()
+}
+
+/// The capture rules' errors, on one GPU.
+#[test]
+fn graph_capture_rules_are_errors() {
+    let Some(devices) = gpus(1, "graph_capture_rules") else { return };
+    let cfg = config(&devices, 2048, 64, DispatchDtype::Bf16);
+    let ranks = GpuWorld::create(&devices, cfg.clone()).expect("create GPU group");
+    let rank = &ranks[0];
+    let sc = Scenario::generate(cfg.clone(), 1, &[8], 4, RoutingKind::Uniform, 3, seed());
+    let stream = rank.context().new_stream().unwrap();
+    let topk = rank.upload(&sc.topk_idx(0)).unwrap();
+    let x = rank.upload(&sc.tokens(0)).unwrap();
+    let w = rank.upload(&sc.weights(0)).unwrap();
+    let eager = blocking_handle_with(rank, &topk, &HandleOptions::default()).unwrap();
+    let graph = rank.graph_handle(&topk, &HandleOptions::default()).unwrap();
+    let dopts = DispatchOptions::default();
+    // An eager handle in a capture.
+    let e = rank.capture(&stream, |cap| cap.dispatch(&eager, DispatchInputs::new(&x), &dopts).map(drop)).unwrap_err();
+    assert!(matches!(e, Error::Unsupported(ref m) if m.contains("graph_handle")), "{e}");
+    // A graph handle in an eager operation.
+    let e = rank.start_dispatch(&graph, DispatchInputs::new(&x), &dopts).unwrap_err();
+    assert!(matches!(e, Error::Unsupported(ref m) if m.contains("captured steps")), "{e}");
+    // A combine before its dispatch.
+    let y = rank.upload(&expert_outputs(&sc, 0, Layout::ExpertMajor)).unwrap();
+    let e = rank
+        .capture(&stream, |cap| {
+            cap.combine(&graph, CombineInputs::new(&y).with_weights(&w), &CombineOptions::default()).map(drop)
+        })
+        .unwrap_err();
+    assert!(matches!(e, Error::Validation(ValidationError::CombineBeforeDispatch)), "{e}");
+    // A send half left open.
+    let e = rank
+        .capture(&stream, |cap| {
+            let _half = cap.dispatch_send(&graph, DispatchInputs::new(&x), &dopts)?;
+            Ok(())
+        })
+        .unwrap_err();
+    assert!(matches!(e, Error::Unsupported(ref m) if m.contains("complete half")), "{e}");
+    // The stream is usable after failed captures, and the rank still works eagerly.
+    let out = blocking_dispatch(rank, &eager, DispatchInputs::new(&x), &dopts, false).unwrap();
+    let want = sc.ll_dispatch_reference().unwrap()[0].counts();
+    assert_eq!(out.to_host().unwrap().counts.unwrap().as_i32().unwrap(), &want[..]);
+    // A high-throughput group captures nothing.
+    let ht = GpuWorld::create(&devices, GroupConfig::high_throughput(64, 2048)).expect("ht group");
+    let e = ht[0].capture(&stream, |_| Ok(())).unwrap_err();
+    assert!(matches!(e, Error::Unsupported(_)), "{e}");
+    let e = ht[0].graph_handle(&topk, &HandleOptions::default()).unwrap_err();
+    assert!(matches!(e, Error::Unsupported(_)), "{e}");
+}
