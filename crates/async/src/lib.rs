@@ -22,6 +22,8 @@
 //! - [`completion`]: [`Completion`] of stream-ordered operations, and [`CompletionMode`] (reactor
 //!   wakes or a bounded spin in the task).
 //! - [`reactor`]: the completion reactor thread, and [`reactor::wait_for`] for custom probes.
+//! - [`Group::replay`] ([`ReplayFuture`]): one replay of a captured step
+//!   ([`epflow_core::graph`]), awaited like any operation.
 //! - [`pipeline`]: runs a sequence of micro-batches through dispatch → experts → combine with
 //!   several in flight.
 //!
@@ -38,8 +40,10 @@ mod group;
 mod inbox;
 pub mod pipeline;
 pub mod reactor;
+mod replay;
 mod sync;
 mod wait;
 
 pub use completion::{Completion, CompletionMode};
 pub use group::{CompleteOn, Group, HandleFuture, OpFuture, SendOnly, Staged};
+pub use replay::ReplayFuture;
