@@ -195,6 +195,10 @@ pub(crate) struct BenchArgs {
     /// handle time is reported beside dispatch and combine, and the whole step instead of D+C.
     #[arg(long)]
     pub fresh_routing: bool,
+    /// Low-latency on GPUs: also capture dispatch + combine as one CUDA graph step and time its
+    /// replays (device time, CUDA events around each replay) beside the eager operations.
+    #[arg(long)]
+    pub graph: bool,
     /// Print one JSON object instead of the text report.
     #[arg(long)]
     pub json: bool,

@@ -3,11 +3,19 @@
 use std::borrow::Cow;
 use std::time::Duration;
 
-use epflow_core::ops::{CombineOutputs, DispatchOutputs};
+use epflow_core::backend::Backend;
+use epflow_core::graph::{PendingReplay, StepBackend};
+use epflow_core::ops::{
+    CombineInputs, CombineOptions, CombineOutputs, DispatchInputs, DispatchOptions, DispatchOutputs, HandleOptions,
+    Layout,
+};
+use epflow_core::scenario::{Scenario, ll_reference_expert_outputs, rank_major_reference_expert_outputs};
+use epflow_core::verify::{Report, Tolerance, check_bf16};
 use epflow_core::{Error, HostTensor};
 use epflow_kernels::{DeviceTensor, GpuCombineOutput, GpuDispatchOutput, GpuRank};
 
-use super::runner::BenchRank;
+use super::runner::{BenchRank, LoopPlan};
+use super::stats::RankTimes;
 
 /// A GPU rank with the world's barrier (`wait`: a spin barrier between threads, or an NCCL
 /// barrier between processes).
@@ -46,11 +54,102 @@ impl<W: Fn()> BenchRank for GpuBench<W> {
         (self.wait)();
     }
 
+    fn graph_replays(
+        &self,
+        sc: &Scenario,
+        plan: &LoopPlan,
+        want: Option<&[epflow_core::bf16]>,
+    ) -> Option<Result<(RankTimes, Option<Report>), Error>> {
+        Some(self.time_graph(sc, plan, want))
+    }
+
     fn dispatch_time(&self, out: &GpuDispatchOutput) -> Option<(Duration, Duration)> {
         out.elapsed_halves()
     }
 
     fn combine_time(&self, out: &GpuCombineOutput) -> Option<(Duration, Duration)> {
         out.elapsed_halves()
+    }
+}
+
+impl<W: Fn()> GpuBench<W> {
+    /// `--graph`: dispatch + combine of `sc` captured as one step (identity experts' outputs,
+    /// computed from the reference, in the combine's input buffer), replayed `plan`'s times
+    /// behind the barrier; device time of each replay from CUDA events around it on the step's
+    /// stream.
+    fn time_graph(
+        &self,
+        sc: &Scenario,
+        plan: &LoopPlan,
+        want: Option<&[epflow_core::bf16]>,
+    ) -> Result<(RankTimes, Option<Report>), Error> {
+        let rank = &self.rank;
+        let r = rank.rank();
+        let (m, h) = (rank.config().fixed_max_tokens().unwrap_or(0), rank.config().hidden);
+        let cuda = |what: &str, e: cudarc::driver::DriverError| Error::Backend(format!("{what}: {e}"));
+        let topk = rank.upload(&sc.topk_idx(r))?;
+        let x = rank.upload(&sc.tokens(r))?;
+        let w = rank.upload(&sc.weights(r))?;
+        let experts = match plan.layout {
+            Layout::ExpertMajor => {
+                ll_reference_expert_outputs(&sc.ll_dispatch_reference().map_err(Error::from)?[r], sc.num_ranks * m, h)
+            }
+            Layout::RankMajor => rank_major_reference_expert_outputs(
+                &sc.ll_rank_major_reference().map_err(Error::from)?[r],
+                m,
+                h,
+                sc.top_k,
+            ),
+        };
+        let y = rank.upload(&experts)?;
+        let handle = rank.graph_handle(&topk, &HandleOptions::with_layout(plan.layout))?;
+        let stream = rank.context().new_stream().map_err(|e| cuda("new stream", e))?;
+        let step = rank.capture(&stream, |cap| {
+            let dopts = DispatchOptions::default();
+            let cin = match plan.layout {
+                Layout::RankMajor => {
+                    cap.dispatch(&handle, DispatchInputs::new(&x).with_weights(&w), &dopts)?;
+                    CombineInputs::new(&y)
+                }
+                Layout::ExpertMajor => {
+                    cap.dispatch(&handle, DispatchInputs::new(&x), &dopts)?;
+                    CombineInputs::new(&y).with_weights(&w)
+                }
+            };
+            cap.combine(&handle, cin, &CombineOptions::default()).map(drop)
+        })?;
+        let (start, end) = (
+            rank.context()
+                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| cuda("event", e))?,
+            rank.context()
+                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| cuda("event", e))?,
+        );
+        let mut times = RankTimes::default();
+        let mut check = None;
+        for i in 0..plan.warmup + plan.iters {
+            (self.wait)();
+            start.record(&stream).map_err(|e| cuda("record", e))?;
+            let replay = rank.launch_step(&step)?;
+            end.record(&stream).map_err(|e| cuda("record", e))?;
+            let probe = replay.probe();
+            while !probe.ready() {
+                std::hint::spin_loop();
+            }
+            replay.finish()?;
+            let us = start.elapsed_ms(&end).map_err(|e| cuda("elapsed", e))? as f64 * 1e3;
+            if i == 0 {
+                if let Some(want) = want {
+                    let got = handle.graph_combine_output().map(|t| t.download(rank.context())).transpose()?;
+                    let got = got.as_ref().and_then(HostTensor::as_bf16).unwrap_or_default();
+                    check = Some(check_bf16("graph combine", want, got, Tolerance::Exact));
+                }
+            }
+            if i >= plan.warmup {
+                times.samples_us.push(us);
+            }
+        }
+        Ok((times, check))
     }
 }

@@ -132,6 +132,11 @@ pub(crate) fn config_from_args(args: &BenchArgs, ranks: usize) -> Result<(GroupC
     if args.layout == LayoutArg::RankMajor && args.algorithm == AlgorithmArg::Ht {
         return Err(BenchError::Usage("--layout rank-major is for --algorithm ll: high-throughput is flat".into()));
     }
+    if args.graph && (args.algorithm == AlgorithmArg::Ht || args.backend == BackendArg::NcclEp) {
+        return Err(BenchError::Usage(
+            "--graph captures epflow's low-latency operations: it needs --algorithm ll on an epflow backend".into(),
+        ));
+    }
     if args.fresh_routing && args.algorithm != AlgorithmArg::Ht {
         return Err(BenchError::Usage(
             "--fresh-routing is for --algorithm ht: low-latency handles are built locally, without a collective".into(),
@@ -415,6 +420,10 @@ pub(crate) fn summarise(
         device_memory_bytes_per_rank: None,
         halves_us: (halves.iter().any(|&h| h > 0.0)).then(|| [halves[0], halves[1], halves[2], halves[3]]),
         fresh_routing: args.fresh_routing,
+        graph: results
+            .iter()
+            .any(|r| !r.graph.samples_us.is_empty())
+            .then(|| OpSummary::from_ranks(&collect(|r| &r.graph))),
         handle: results
             .iter()
             .any(|r| !r.handle.samples_us.is_empty())

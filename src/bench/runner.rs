@@ -64,6 +64,17 @@ pub(crate) trait BenchRank {
     fn combine_time(&self, _out: &<Self::B as Backend>::CombineOutput) -> Option<(Duration, Duration)> {
         None
     }
+    /// `--graph`: captures dispatch + combine of `sc` as one step and times `plan`'s replays
+    /// (device time each); the first replay's combine is checked against `want` when given.
+    /// `None`: the backend captures no steps.
+    fn graph_replays(
+        &self,
+        _sc: &Scenario,
+        _plan: &LoopPlan,
+        _want: Option<&[epflow_core::bf16]>,
+    ) -> Option<Result<(RankTimes, Option<Report>), Error>> {
+        None
+    }
     /// Whether dispatch leaves rows in arrival order (NCCL EP: inside a low-latency expert, and
     /// across a high-throughput receive, whose top-k entries it also writes compactly), so
     /// validation finds each expected row by its content instead of by its position.
@@ -91,6 +102,8 @@ pub(crate) struct RankResult {
     pub halves: [Vec<f64>; 4],
     pub dispatch_check: Option<Report>,
     pub combine_check: Option<Report>,
+    /// `--graph`: device time (us) of each replay of the captured dispatch + combine step.
+    pub graph: RankTimes,
 }
 
 /// Settings of the loop.
@@ -103,6 +116,8 @@ pub(crate) struct LoopPlan {
     /// High-throughput `--fresh-routing`: every iteration is a training step on a new routing
     /// (handle, forward pair, backward pair); `masked` entries of each routing are -1.
     pub fresh_routing: Option<usize>,
+    /// Low-latency `--graph`: also time replays of a captured dispatch + combine step.
+    pub graph: bool,
 }
 
 impl LoopPlan {
@@ -114,6 +129,7 @@ impl LoopPlan {
             staged: args.staged,
             layout: args.layout.layout(),
             fresh_routing: args.fresh_routing.then_some(args.masked),
+            graph: args.graph,
         }
     }
 }
@@ -334,7 +350,17 @@ where
         d.bytes = bench_bytes(sc, &cfg, rank, b.num_ranks()).unwrap_or(0);
         c.bytes = d.bytes;
         let halves = Default::default();
-        return Ok(RankResult { handle, dispatch: d, combine: c, total: t, halves, dispatch_check, combine_check });
+        let graph = RankTimes::default();
+        return Ok(RankResult {
+            handle,
+            dispatch: d,
+            combine: c,
+            total: t,
+            halves,
+            dispatch_check,
+            combine_check,
+            graph,
+        });
     }
 
     let mut times = [RankTimes::default(), RankTimes::default(), RankTimes::default()];
@@ -376,12 +402,38 @@ where
             handle_times.samples_us.push(t.as_secs_f64() * 1e6);
         }
     }
+    let mut graph = RankTimes::default();
+    if plan.graph && !ht {
+        let want = refs.and_then(|refs| match refs {
+            References::Ll { combine, .. } | References::RankMajor { combine, .. } => Some(&combine[rank][..]),
+            References::Ht { .. } => None,
+        });
+        match r.graph_replays(sc, plan, want) {
+            Some(res) => {
+                let (g, check) = res?;
+                graph = g;
+                if let (Some(check), Some(c)) = (check, combine_check.as_mut()) {
+                    c.merge(check.context(&format!("rank {rank} graph replay combine")));
+                }
+            }
+            None => eprintln!("note: --graph: this backend captures no steps (GPU backend only)"),
+        }
+    }
     let bytes = bench_bytes(sc, &cfg, rank, b.num_ranks()).unwrap_or(0);
     let [mut d, mut c, mut t] = times;
     d.bytes = bytes;
     c.bytes = bytes;
     t.bytes = 2 * bytes;
-    Ok(RankResult { handle: handle_times, dispatch: d, combine: c, total: t, halves, dispatch_check, combine_check })
+    Ok(RankResult {
+        handle: handle_times,
+        dispatch: d,
+        combine: c,
+        total: t,
+        halves,
+        dispatch_check,
+        combine_check,
+        graph,
+    })
 }
 
 /// High-throughput handle creations timed per rank.

@@ -100,6 +100,8 @@ pub(crate) struct BenchReport {
     /// `--fresh-routing`: every iteration created a handle for a new routing; `total` is the
     /// training step (handle, forward pair, backward pair), dispatch and combine the forward ones.
     pub fresh_routing: bool,
+    /// `--graph`: device time of one replay of the captured dispatch + combine step.
+    pub graph: Option<OpSummary>,
 }
 
 impl BenchReport {
@@ -132,6 +134,13 @@ impl BenchReport {
             print_op("", &self.total);
         } else {
             print_op("Total (D+C):", &self.total);
+        }
+        if let Some(g) = &self.graph {
+            println!("Graph replay (D+C as one captured step; device time, CUDA events around each replay):");
+            print_op("", g);
+            if self.total.median_us > 0.0 {
+                println!("{:<18}replay median / eager D+C median = {:.2}", "", g.median_us / self.total.median_us);
+            }
         }
         if let Some(h) = &self.handle {
             println!(
