@@ -26,6 +26,17 @@
 //! ```sh
 //! cargo run --release --example moe_serving -- --micro-batches 1,2 --rate 100000 --seconds 5
 //! ```
+//!
+//! `--graph` (GPU, 1 or more ranks) measures decode-step latency instead: `--layers` layers of
+//! dispatch → expert GEMMs (`--expert-scale 0`: identity experts) → combine on `--batch` tokens
+//! per rank, each layer's output feeding the next, first awaited operation by operation (eager),
+//! then captured once as a CUDA graph (every layer's routing read from a buffer the router
+//! would refill) and replayed. It prints both medians, their ratio, and whether the two paths'
+//! final outputs agree bit for bit:
+//!
+//! ```text
+//! cargo run --release --example moe_serving -- --graph --layers 16 --batch 8 --rounds 200
+//! ```
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -58,6 +69,10 @@ struct Args {
     quiet: bool,
     /// `--devices 0,0`: the device of each GPU rank (two on one GPU is a functional check only).
     devices: Option<Vec<usize>>,
+    /// `--graph` (GPU): decode-step latency instead of serving: every layer's dispatch, expert
+    /// GEMM and combine awaited one after another (eager), then the whole step as one captured
+    /// CUDA graph replayed.
+    graph: bool,
 }
 
 impl Args {
@@ -70,8 +85,10 @@ impl Args {
             }
         };
         let gpus = epflow::kernels::device_count();
-        let backend = get("--backend")
-            .unwrap_or_else(|| if gpus >= 2 || get("--devices").is_some() { "gpu".into() } else { "host".into() });
+        let backend = get("--backend").unwrap_or_else(|| {
+            let graph = argv.iter().any(|a| a == "--graph") && gpus >= 1;
+            if gpus >= 2 || graph || get("--devices").is_some() { "gpu".into() } else { "host".into() }
+        });
         let micro_batches = get("--micro-batches")
             .unwrap_or_else(|| "2".into())
             .split(',')
@@ -95,6 +112,7 @@ impl Args {
             },
             check: argv.iter().any(|a| a == "--check"),
             quiet: argv.iter().any(|a| a == "--quiet"),
+            graph: argv.iter().any(|a| a == "--graph"),
             devices: match get("--devices") {
                 None => None,
                 Some(list) => Some(
@@ -109,7 +127,10 @@ impl Args {
         if a.rate <= 0.0 || a.seconds <= 0.0 || a.layers == 0 || a.rounds == 0 || a.expert_scale < 0.0 {
             return Err(Error::Unsupported("--rate, --seconds, --layers and --rounds must be positive".into()));
         }
-        if a.request_tokens == 0 || a.request_tokens > a.batch {
+        if a.graph && a.backend != "gpu" {
+            return Err(Error::Unsupported("--graph captures CUDA graphs: it needs --backend gpu".into()));
+        }
+        if !a.graph && (a.request_tokens == 0 || a.request_tokens > a.batch) {
             return Err(Error::Unsupported(format!(
                 "--request-tokens {} must be in 1..=--batch ({})",
                 a.request_tokens, a.batch
@@ -564,6 +585,7 @@ fn union(intervals: &mut [(f64, f64)]) -> f64 {
 fn main() {
     let argv: Vec<String> = std::env::args().collect();
     let result = Args::parse(&argv).and_then(|a| match a.backend.as_str() {
+        "gpu" if a.graph => gpu::decode_latency(&a),
         "gpu" => gpu::main(&a).map(|_| ()),
         "host" => host::main(&a).map(|_| ()),
         other => Err(Error::Unsupported(format!("--backend {other}: use gpu or host"))),
@@ -840,6 +862,189 @@ mod gpu {
         }
     }
 
+    /// `--graph`: decode-step latency, eager against a captured step, per rank on its own thread;
+    /// rank 0 prints.
+    pub(crate) fn decode_latency(a: &Args) -> Result<()> {
+        use epflow::core::graph::StepCounts;
+        use epflow::core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions};
+
+        let devices: Vec<usize> = match &a.devices {
+            Some(d) => d.clone(),
+            None => (0..epflow::kernels::device_count().min(8)).collect(),
+        };
+        let ranks = devices.len();
+        if ranks == 0 {
+            return Err(Error::Unsupported("--graph needs a GPU".into()));
+        }
+        let comm = epflow::kernels::compute::comm_sms_for(&devices, 2, COMM_SMS)?;
+        let config = GroupConfig::low_latency(EXPERTS, a.batch, HIDDEN).with_max_sms(Some(comm));
+        let spec = RoutingSpec {
+            num_tokens: a.batch,
+            top_k: TOP_K,
+            num_experts: EXPERTS,
+            num_ranks: ranks,
+            masked: 0,
+            kind: RoutingKind::Uniform,
+        };
+        let barrier = std::sync::Barrier::new(ranks);
+        let world = GpuWorld::create(&devices, config)?;
+        let results = std::thread::scope(|s| {
+            let hs: Vec<_> = world
+                .into_iter()
+                .map(|rank| {
+                    let barrier = &barrier;
+                    let spec = &spec;
+                    s.spawn(move || -> Result<(Vec<f64>, Vec<f64>, bool, StepCounts)> {
+                        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(err)?;
+                        let g = Group::new(rank);
+                        let r = g.rank();
+                        let rk = g.backend();
+                        let ctx = Arc::clone(rk.context());
+                        let scale = (3.0 / HIDDEN as f32).sqrt() / 2.0;
+                        let w: Vec<bf16> = random_tokens(HIDDEN, HIDDEN, 99, r)
+                            .iter()
+                            .map(|v| bf16::from_f32(v.to_f32() * scale))
+                            .collect();
+                        let w = rk.upload(&HostTensor::tokens(HIDDEN, HIDDEN, w))?;
+                        let x0 =
+                            rk.upload(&HostTensor::tokens(a.batch, HIDDEN, random_tokens(a.batch, HIDDEN, 70, r)))?;
+                        let mut topk = Vec::new();
+                        let mut weights = Vec::new();
+                        for layer in 0..a.layers {
+                            let idx = random_topk_idx(spec, 500 + layer as u64, r);
+                            topk.push(rk.upload(&HostTensor::topk_idx(a.batch, TOP_K, idx))?);
+                            let wk: Vec<f32> = random_weights(a.batch, TOP_K, 900 + layer as u64, r)
+                                .iter()
+                                .map(|v| v / TOP_K as f32)
+                                .collect();
+                            weights.push(rk.upload(&HostTensor::topk_weights(a.batch, TOP_K, wk))?);
+                        }
+                        let l = EXPERTS / ranks;
+                        let desc =
+                            TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[l, ranks * a.batch, HIDDEN]);
+                        let gemm_on = |stream: &Arc<CudaStream>| ExpertGemm::new(Arc::clone(stream));
+                        let identity = a.expert_scale == 0.0;
+                        // Eager: every operation awaited in turn, the GEMM on the lane stream.
+                        let lane = ctx.new_stream().map_err(err)?;
+                        let lane_gemm = gemm_on(&lane)?;
+                        let y = DeviceTensor::zeros(&ctx, rk.device(), desc.clone())?;
+                        let handles = rt.block_on(async {
+                            let mut hs = Vec::new();
+                            for t in &topk {
+                                hs.push(g.create_handle(t).await?);
+                            }
+                            Ok::<_, Error>(hs)
+                        })?;
+                        let eager_step = || -> Result<u64> {
+                            rt.block_on(async {
+                                let mut x = x0.clone();
+                                for (layer, h) in handles.iter().enumerate() {
+                                    let d = g.dispatch(h, DispatchInputs::new(&x)).await?;
+                                    let experts = if identity {
+                                        d.tokens().clone()
+                                    } else {
+                                        let ev = lane_gemm.padded(d.tokens(), &w, &y)?;
+                                        y.clone().ready_after(Arc::new(ev))
+                                    };
+                                    let c = g
+                                        .combine(h, CombineInputs::new(&experts).with_weights(&weights[layer]))
+                                        .await?;
+                                    x = c.tokens().clone();
+                                }
+                                let host = x.download(&ctx)?;
+                                Ok(fnv(host.as_bf16().unwrap_or_default().iter().map(|v| v.to_bits())))
+                            })
+                        };
+                        // Graph: the same step captured once.
+                        let cap_stream = ctx.new_stream().map_err(err)?;
+                        let cap_gemm = gemm_on(&cap_stream)?;
+                        let ys = (0..a.layers)
+                            .map(|_| DeviceTensor::zeros(&ctx, rk.device(), desc.clone()))
+                            .collect::<Result<Vec<_>>>()?;
+                        let ghandles = topk
+                            .iter()
+                            .map(|t| rk.graph_handle(t, &HandleOptions::default()))
+                            .collect::<Result<Vec<_>>>()?;
+                        let mut last = None;
+                        let step = rk.capture(&cap_stream, |cap| {
+                            let mut x = x0.clone();
+                            for (layer, h) in ghandles.iter().enumerate() {
+                                let d = cap.dispatch(h, DispatchInputs::new(&x), &DispatchOptions::default())?;
+                                let experts = if identity {
+                                    d.tokens
+                                } else {
+                                    cap_gemm.padded(&d.tokens, &w, &ys[layer])?;
+                                    ys[layer].clone()
+                                };
+                                let cin = CombineInputs::new(&experts).with_weights(&weights[layer]);
+                                x = cap.combine(h, cin, &CombineOptions::default())?;
+                            }
+                            last = Some(x);
+                            Ok(())
+                        })?;
+                        let out = last.ok_or_else(|| err("empty step"))?;
+                        let replay = || -> Result<u64> {
+                            rt.block_on(g.replay(&step))?;
+                            let host = out.download(&ctx)?;
+                            Ok(fnv(host.as_bf16().unwrap_or_default().iter().map(|v| v.to_bits())))
+                        };
+                        let (eager_digest, graph_digest) = (eager_step()?, replay()?);
+                        let time = |f: &dyn Fn() -> Result<()>| -> Result<Vec<f64>> {
+                            let mut v = Vec::new();
+                            for i in 0..a.rounds + 10 {
+                                barrier.wait();
+                                let t = std::time::Instant::now();
+                                f()?;
+                                if i >= 10 {
+                                    v.push(t.elapsed().as_secs_f64() * 1e6);
+                                }
+                            }
+                            v.sort_by(f64::total_cmp);
+                            Ok(v)
+                        };
+                        // Both timed with the final output's download and digest, as a server reads it.
+                        let eager = time(&|| eager_step().map(drop))?;
+                        let graph = time(&|| replay().map(drop))?;
+                        Ok((eager, graph, eager_digest == graph_digest, step.counts()))
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect::<Vec<_>>()
+        });
+        let mut all = Vec::new();
+        for r in results {
+            all.push(r?);
+        }
+        let (eager, graph, same, counts) = &all[0];
+        let med = |v: &[f64]| v[v.len() / 2];
+        let agree = all.iter().all(|r| r.2);
+        println!(
+            "moe_serving --graph: {ranks} rank(s), {} layers, {} tokens/rank, H={HIDDEN} E={EXPERTS} K={TOP_K}, experts: {}; {} dispatches + {} combines per step",
+            a.layers,
+            a.batch,
+            if a.expert_scale == 0.0 { "identity" } else { "one padded GEMM per layer" },
+            counts.dispatches,
+            counts.combines
+        );
+        println!(
+            "decode step (host clock, rank 0, {} steps after 10 warm-up): eager median {:.1} us (p90 {:.1}), graph median {:.1} us (p90 {:.1}): graph / eager = {:.2}",
+            eager.len(),
+            med(eager),
+            eager[eager.len() * 9 / 10],
+            med(graph),
+            graph[graph.len() * 9 / 10],
+            med(graph) / med(eager)
+        );
+        println!(
+            "final outputs of the two paths identical on every rank: {}",
+            if agree && *same { "yes" } else { "NO" }
+        );
+        if !agree {
+            return Err(err("the captured step's output differs from the eager step's"));
+        }
+        Ok(())
+    }
+
     pub(crate) fn main(a: &Args) -> Result<Vec<(usize, Report)>> {
         let devices: Vec<usize> = match &a.devices {
             Some(d) => d.clone(),
@@ -964,6 +1169,7 @@ mod tests {
         assert!(v(&["--rate", "abc"]).is_err());
         assert!(v(&["--request-tokens", "1000", "--batch", "32"]).is_err());
         assert!(v(&["--order", "sideways"]).is_err());
+        assert!(v(&["--backend", "host", "--graph"]).is_err());
     }
 
     #[test]

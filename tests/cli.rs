@@ -158,6 +158,28 @@ fn fresh_routing_bench_reports_the_training_step() {
     assert!(handle > 0.0 && step >= handle + d + c - 1e-6, "{out}");
 }
 
+/// `--graph`: the captured dispatch + combine step's replays beside the eager operations, its
+/// first replay validated with them; refused where nothing is captured.
+#[test]
+fn graph_bench_reports_replays_beside_eager_operations() {
+    let args = ["bench", "--algorithm", "ll", "--ranks", "2", "--tokens", "16", "--hidden", "256", "--experts", "16"];
+    for layout in ["expert-major", "rank-major"] {
+        let (code, out, err) = epflow(
+            &[&args[..], &["--warmup", "1", "--iters", "4", "--validate", "--graph", "--layout", layout]].concat(),
+        );
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains("Validation: PASSED"), "{out}");
+        assert!(out.contains("Graph replay (D+C as one captured step"), "{out}");
+    }
+    let (code, out, err) = epflow(&[&args[..], &["--warmup", "0", "--iters", "3", "--graph", "--json"]].concat());
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("one JSON object");
+    assert!(v["graph"]["median_us"].as_f64().unwrap() > 0.0, "{out}");
+    let (code, _, err) = epflow(&["bench", "--algorithm", "ht", "--ranks", "2", "--graph"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--graph"), "{err}");
+}
+
 /// Across hosts, `epflow launch` gives each process torchrun's variables (no NCCL needed to
 /// start them: the id is exchanged later, over TCP, by the processes themselves).
 #[test]

@@ -1,14 +1,22 @@
 //! The benchmark on the host backend: one thread per rank.
 
 use std::borrow::Cow;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
+use epflow_core::graph::{PendingReplay, StepBackend};
 use epflow_core::host::{HostCombineOutput, HostDispatchOutput, HostRank};
-use epflow_core::ops::{CombineOutputs, DispatchOutputs};
-use epflow_core::scenario::ll_identity_expert_outputs;
-use epflow_core::{Algorithm, Error, HostData, HostTensor, TensorTag};
+use epflow_core::ops::{
+    CombineInputs, CombineOptions, CombineOutputs, DispatchInputs, DispatchOptions, DispatchOutputs, HandleOptions,
+    Layout,
+};
+use epflow_core::scenario::{
+    Scenario, ll_identity_expert_outputs, ll_reference_expert_outputs, rank_major_reference_expert_outputs,
+};
+use epflow_core::verify::{Report, Tolerance, check_bf16};
+use epflow_core::{Algorithm, Error, HostData, HostTensor, TensorTag, bf16};
 
-use super::runner::BenchRank;
+use super::runner::{BenchRank, LoopPlan};
+use super::stats::RankTimes;
 
 /// A host rank with the world's barrier.
 pub(super) struct HostBench {
@@ -64,5 +72,63 @@ impl BenchRank for HostBench {
 
     fn barrier(&self) {
         self.barrier.wait();
+    }
+
+    fn graph_replays(
+        &self,
+        sc: &Scenario,
+        plan: &LoopPlan,
+        want: Option<&[bf16]>,
+    ) -> Option<Result<(RankTimes, Option<Report>), Error>> {
+        Some(self.time_graph(sc, plan, want))
+    }
+}
+
+impl HostBench {
+    /// `--graph` on the host backend: the step is the closure of dispatch and combine (expert
+    /// outputs from the reference, as on GPUs), replayed inside `launch_step`; host clock.
+    fn time_graph(
+        &self,
+        sc: &Scenario,
+        plan: &LoopPlan,
+        want: Option<&[bf16]>,
+    ) -> Result<(RankTimes, Option<Report>), Error> {
+        let rank = &self.rank;
+        let r = rank.rank();
+        let (m, h, k) = (rank.config().fixed_max_tokens().unwrap_or(0), rank.config().hidden, sc.top_k);
+        let layout = plan.layout;
+        let experts = match layout {
+            Layout::ExpertMajor => ll_reference_expert_outputs(&sc.ll_dispatch_reference()?[r], sc.num_ranks * m, h),
+            Layout::RankMajor => rank_major_reference_expert_outputs(&sc.ll_rank_major_reference()?[r], m, h, k),
+        };
+        let (topk, x, w) = (sc.topk_idx(r), sc.tokens(r), sc.weights(r));
+        let out = Arc::new(Mutex::new(Vec::new()));
+        let written = Arc::clone(&out);
+        let step = rank.capture(move |rank| {
+            let handle = rank.create_handle_with(&topk, &HandleOptions::with_layout(layout))?;
+            let (din, cin) = match layout {
+                Layout::RankMajor => (DispatchInputs::new(&x).with_weights(&w), CombineInputs::new(&experts)),
+                Layout::ExpertMajor => (DispatchInputs::new(&x), CombineInputs::new(&experts).with_weights(&w)),
+            };
+            drop(rank.dispatch(&handle, din, &DispatchOptions::default())?);
+            let y = rank.combine(&handle, cin, &CombineOptions::default())?;
+            *written.lock().unwrap_or_else(|e| e.into_inner()) = y.tokens().as_bf16().unwrap_or_default().to_vec();
+            Ok(())
+        })?;
+        let mut times = RankTimes::default();
+        let mut check = None;
+        for i in 0..plan.warmup + plan.iters {
+            self.barrier.wait();
+            let t = std::time::Instant::now();
+            rank.launch_step(&step)?.finish()?;
+            if i >= plan.warmup {
+                times.samples_us.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+            if let (0, Some(want)) = (i, want) {
+                let got = out.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                check = Some(check_bf16("graph combine", want, &got, Tolerance::Exact));
+            }
+        }
+        Ok((times, check))
     }
 }

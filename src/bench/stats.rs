@@ -100,7 +100,8 @@ pub(crate) struct BenchReport {
     /// `--fresh-routing`: every iteration created a handle for a new routing; `total` is the
     /// training step (handle, forward pair, backward pair), dispatch and combine the forward ones.
     pub fresh_routing: bool,
-    /// `--graph`: device time of one replay of the captured dispatch + combine step.
+    /// `--graph`: one replay of the captured dispatch + combine step (GPU: device time; host
+    /// backend: host clock).
     pub graph: Option<OpSummary>,
 }
 
