@@ -123,23 +123,27 @@ impl GpuRank {
                     cap.open
                 )));
             }
-            cap.advance()
+            cap.advance()?;
+            guard.1 = true;
+            let graph = stream
+                .end_capture(sys::CUgraphInstantiate_flags(0))
+                .map_err(|e| cuda("end capture (was other work left on a forked stream?)", e))?
+                .ok_or_else(|| Error::Unsupported("the capture recorded nothing".into()))?;
+            graph.upload().map_err(|e| cuda("upload the step", e))?;
+            Ok(graph)
         });
-        if let Err(e) = recorded {
-            // The step is not made: its handles are free for another capture.
-            for h in &cap.handles {
-                if let Some(g) = h.graph() {
-                    *g.step.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        let graph = match recorded {
+            Ok(graph) => graph,
+            Err(e) => {
+                // The step is not made: its handles are free for another capture.
+                for h in &cap.handles {
+                    if let Some(g) = h.graph() {
+                        *g.step.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                    }
                 }
+                return Err(e);
             }
-            return Err(e);
-        }
-        guard.1 = true;
-        let graph = stream
-            .end_capture(sys::CUgraphInstantiate_flags(0))
-            .map_err(|e| cuda("end capture (was other work left on a forked stream?)", e))?
-            .ok_or_else(|| Error::Unsupported("the capture recorded nothing".into()))?;
-        graph.upload().map_err(|e| cuda("upload the step", e))?;
+        };
         Ok(GpuStep::new(self, stream, cap.step, graph, cap.mem, cap.counts, cap.ops, cap.handles, cap.keep))
     }
 }
