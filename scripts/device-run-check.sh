@@ -44,16 +44,20 @@ if [ "$part" = all ] || [ "$part" = tests ]; then
   run gpu_ht 300 $P/gpu_ht
   EPFLOW_GPU_ITERS=${EPFLOW_LL_ITERS:-10000} run gpu_rank_major 400 $P/gpu_rank_major
   run gpu_disagreement 120 $P/gpu_disagreement
+  EPFLOW_GPU_ITERS=${EPFLOW_LL_ITERS:-10000} run gpu_graph 400 $P/gpu_graph
   run gpu_async 180 $P/gpu_async
   seed=$(date +%s%N)
   EPFLOW_TEST_SEED=$seed timeout 120 $P/epflow launch -n 2 -- $P/gpu_ll ll_one_process_per_gpu --nocapture --test-threads=1 >"$OUT/mp2.log" 2>&1
   echo "-- one process per GPU (gpu_ll): rc=$? ($(grep -c '^ok: ' "$OUT/mp2.log") ok lines)"; grep -E "panicked|FAILED" "$OUT/mp2.log" | head -3
   EPFLOW_TEST_SEED=$seed timeout 120 $P/epflow launch -n 2 -- $P/gpu_rank_major rank_major_one_process_per_gpu --nocapture --test-threads=1 >"$OUT/mp2-rm.log" 2>&1
   echo "-- one process per GPU (gpu_rank_major): rc=$? ($(grep -c '^ok: ' "$OUT/mp2-rm.log") ok lines)"; grep -E "panicked|FAILED" "$OUT/mp2-rm.log" | head -3
+  EPFLOW_TEST_SEED=$seed timeout 120 $P/epflow launch -n 2 -- $P/gpu_graph graph_one_process_per_gpu --nocapture --test-threads=1 >"$OUT/mp2-graph.log" 2>&1
+  echo "-- one process per GPU (gpu_graph): rc=$? ($(grep -c '^ok: ' "$OUT/mp2-graph.log") ok lines)"; grep -E "panicked|FAILED" "$OUT/mp2-graph.log" | head -3
 fi
 if [ "$part" = all ] || [ "$part" = sanitize ]; then
   echo "== compute-sanitizer (2 GPUs)"
   sanitize stream
+  sanitize graph
   sanitize ll
   sanitize rank-major
   sanitize ht

@@ -348,3 +348,30 @@ fn graph_capture_rules_are_errors() {
     let e = ht[0].graph_handle(&topk, &HandleOptions::default()).unwrap_err();
     assert!(matches!(e, Error::Unsupported(_)), "{e}");
 }
+
+/// One process per GPU (`EPFLOW_TEST_SEED=<n> epflow launch -n N -- gpu_graph
+/// graph_one_process_per_gpu`): every process joins the group, captures its step and replays it
+/// with fresh inputs, both layouts, each replay checked against the reference.
+#[test]
+fn graph_one_process_per_gpu() {
+    let Some((env, comm, base)) = common::launched("graph_one_process_per_gpu") else { return };
+    let n = env.world_size;
+    let iters: u64 = std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(200);
+    let cfg = GroupConfig::low_latency(16, 32, 2048).with_max_top_k(16);
+    let rank = GpuWorld::join(&comm, cfg.clone()).expect("join the GPU group");
+    for layout in [Layout::ExpertMajor, Layout::RankMajor] {
+        let scenario = |i: u64| {
+            Scenario::generate(cfg.clone(), n, &vec![32; n], 8, RoutingKind::Uniform, 3, base.wrapping_add(i * 7919))
+        };
+        let c = capture(&rank, &scenario(0), layout).expect("capture");
+        for i in 0..iters {
+            let sc = scenario(i);
+            refill(&rank, &c, &sc, layout).expect("refill");
+            settle(rank.launch_step(&c.step).expect("launch")).expect("replay");
+            let (d, y) = check(&rank, &c, &sc, layout).expect("check");
+            assert!(d.ok() && y.ok(), "rank {} of {n}, {} replay {i}: {d:?} {y:?}", env.rank, layout.name());
+        }
+        epflow_kernels::setup::bootstrap::barrier(&comm).expect("barrier");
+        eprintln!("ok: rank {} of {n}, one process per GPU, {}: {iters} replays", env.rank, layout.name());
+    }
+}
