@@ -11,24 +11,8 @@ use epflow_core::{Algorithm, Error, ValidationError};
 use crate::device::{DeviceTensor, PinnedBuffer};
 use crate::outputs::OutputTargets;
 use crate::rank::GpuRank;
+pub(crate) use crate::rank::handle::GraphHandle;
 use crate::rank::handle::{GpuHandle, take_pooled};
-
-/// What a handle of captured steps holds beside an eager handle's memory.
-#[derive(Debug)]
-pub(crate) struct GraphHandle {
-    /// The caller's `[B x K]` int64 `topk_idx` buffer, read by the step's route kernel.
-    pub(crate) topk: DeviceTensor,
-    /// The route kernel's report (mapped host, 4 words): the replay's index + 1, then the first
-    /// invalid entry (`token * K + k`), its value, and the earlier k naming the same expert (or
-    /// -1: out of range).
-    pub(crate) report: PinnedBuffer,
-    /// The dispatch outputs (one dispatch per replay).
-    pub(crate) dispatched: DispatchOutputs<DeviceTensor>,
-    /// The combine output `[B x H]` BF16.
-    pub(crate) combined: DeviceTensor,
-    /// The step that captured the handle (a handle belongs to one step).
-    pub(crate) step: Mutex<Option<u64>>,
-}
 
 impl GraphHandle {
     /// Where a dispatch on the handle writes.
@@ -112,16 +96,6 @@ impl GpuRank {
 }
 
 impl GpuHandle {
-    /// The captured-step part of the handle, if it is one ([`GpuRank::graph_handle`]).
-    pub(crate) fn graph(&self) -> Option<&GraphHandle> {
-        self.0.graph.as_ref()
-    }
-
-    /// Whether the handle is one of captured steps ([`GpuRank::graph_handle`]).
-    pub fn is_graph_handle(&self) -> bool {
-        self.0.graph.is_some()
-    }
-
     /// A handle of captured steps: the tensors its step's dispatch writes (`None` for other
     /// handles). Fixed buffers, overwritten by every replay.
     pub fn graph_dispatch_outputs(&self) -> Option<&DispatchOutputs<DeviceTensor>> {

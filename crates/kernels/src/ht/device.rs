@@ -15,44 +15,22 @@
 
 use std::sync::Arc;
 
-use epflow_core::handle::HandleCore;
+use epflow_core::Error;
 use epflow_core::ops::Pass;
 use epflow_core::protocol::Channel;
 use epflow_core::stamp::{Pairing, Stamp};
-use epflow_core::{Algorithm, Error, ValidationError};
 
-use crate::device::{DeviceBuffer, DeviceTensor, PinnedBuffer};
+use super::plan::{DevicePlan, RESULT_HEAD};
+use crate::device::{DeviceTensor, PinnedBuffer};
 use crate::op::{GpuOp, GpuOpKind, Launch};
 use crate::params::HtPlanParams;
-use crate::rank::handle::{GpuHandle, HandleOffsets, HtHandleInfo, take_pooled};
+use crate::rank::handle::{HandleOffsets, take_pooled};
 use crate::rank::shared::{RankShared, peer_array};
-
-/// Threads of a block of `ep_ht_plan` (`HT_PLAN_BLOCK` in `ht.cu`).
-pub(crate) const HT_PLAN_BLOCK: u32 = 1024;
-
-/// Threads of a block of `ep_ht_plan_mark` (`HT_MARK_BLOCK` in `ht.cu`), one per token.
-pub(crate) const HT_MARK_BLOCK: u32 = 256;
-
-/// Words of the mapped result before the rows per local expert: the first invalid entry, its
-/// value, the earlier slot it repeats, `N`.
-const RESULT_HEAD: usize = 4;
 
 /// Whether this rank builds its high-throughput handles on the device: over NVLink, unless
 /// `EPFLOW_HT_HANDLE=host` asks for the host-built plan (kept for comparison and as a fallback).
 pub(crate) fn builds_on_device(s: &RankShared) -> bool {
     s.nccl_all().is_none() && std::env::var("EPFLOW_HT_HANDLE").map_or(true, |v| v != "host")
-}
-
-/// A handle being built on the device: its memory, where the arrays lie, and the mapped words
-/// the receive kernel writes for the host.
-#[derive(Debug)]
-pub(crate) struct DevicePlan {
-    num_tokens: usize,
-    top_k: usize,
-    tokens_per_channel: usize,
-    off: HandleOffsets,
-    mem: Option<DeviceBuffer>,
-    result: Option<PinnedBuffer>,
 }
 
 /// The byte offsets of a device-built handle's arrays: the routing `[B x K]` i64, the strided
@@ -129,59 +107,7 @@ pub(crate) fn start(s: &Arc<RankShared>, seq: u64, topk_idx: &DeviceTensor) -> R
         words: l.exchange_words() as i32,
         cancelled: 0,
     };
-    let plan = DevicePlan { num_tokens: b, top_k: k, tokens_per_channel, off, mem: Some(mem), result: Some(result) };
+    let plan = DevicePlan::new(b, k, tokens_per_channel, off, mem, result);
     let kind = GpuOpKind::HtDeviceHandle(Box::new(plan));
     Ok(GpuOp::new(Arc::clone(s), Channel::Handle, seq, stamp, Launch::HtPlan(p), kind, &[topk_idx]))
-}
-
-impl DevicePlan {
-    /// The routing's first invalid entry, as [`epflow_core::routing::Routing::new`] would name it
-    /// (read after the kernels completed).
-    pub(crate) fn invalid_routing(&self, num_experts: usize) -> Option<ValidationError> {
-        let r = self.result.as_ref()?;
-        let pos = r.read_u64(0) as i64;
-        if pos < 0 {
-            return None;
-        }
-        let (token, k) = (pos as usize / self.top_k.max(1), pos as usize % self.top_k.max(1));
-        let value = r.read_u64(1) as i64;
-        let first = r.read_u64(2) as i64;
-        Some(if first < 0 {
-            ValidationError::ExpertIndexOutOfRange { token, k, index: value, num_experts }
-        } else {
-            ValidationError::DuplicateExpert { token, expert: value as usize, first_k: first as usize, second_k: k }
-        })
-    }
-
-    /// The handle the kernels built (after they completed with every source's message).
-    pub(crate) fn finish(mut self, s: &Arc<RankShared>, seq: u64) -> Result<GpuHandle, Error> {
-        let (mem, result) = match (self.mem.take(), self.result.take()) {
-            (Some(m), Some(r)) => (m, r),
-            _ => return Err(Error::Backend("a device-built handle finished twice".into())),
-        };
-        let local = s.layout.ht("a high-throughput handle")?.local_experts;
-        let num_recv = result.read_u64(3) as usize;
-        let counts: Vec<i32> = (0..local).map(|l| result.read_u64(RESULT_HEAD + l) as i32).collect();
-        s.plan_results.lock().unwrap_or_else(|e| e.into_inner()).push(result);
-        let info = HtHandleInfo {
-            tokens_per_channel: self.tokens_per_channel,
-            off: self.off,
-            send_blocks: Vec::new(),
-            recv_blocks: Vec::new(),
-            total_send: 0,
-        };
-        let core = HandleCore::on_device(s.group_id, self.num_tokens, self.top_k, Algorithm::HighThroughput, Some(seq))
-            .with_recv(num_recv, counts);
-        Ok(GpuHandle::new(core, mem, &s.handle_pool, Some(info), None))
-    }
-
-    /// Gives the memory back to the pools (the operation failed or was cancelled).
-    pub(crate) fn recycle(&mut self, s: &RankShared) {
-        if let Some(m) = self.mem.take() {
-            s.handle_pool.lock().unwrap_or_else(|e| e.into_inner()).push(m);
-        }
-        if let Some(r) = self.result.take() {
-            s.plan_results.lock().unwrap_or_else(|e| e.into_inner()).push(r);
-        }
-    }
 }

@@ -3,6 +3,12 @@
 
 use crate::params::HtParams;
 
+/// Threads of a block of `ep_ht_plan` (`HT_PLAN_BLOCK` in `ht.cu`).
+pub(crate) const HT_PLAN_BLOCK: u32 = 1024;
+
+/// Threads of a block of `ep_ht_plan_mark` (`HT_MARK_BLOCK` in `ht.cu`), one per token.
+pub(crate) const HT_MARK_BLOCK: u32 = 256;
+
 /// Threads per block of the high-throughput kernels (`HT_BLOCK` of `ht.cu`).
 const HT_BLOCK: u32 = 512;
 

@@ -10,8 +10,7 @@ use epflow_core::protocol::Fence;
 
 use super::{GpuOp, GpuOpKind, stream_id, wait_unless_same};
 use crate::device::{StreamWork, cuda};
-use crate::ht::device::{HT_MARK_BLOCK, HT_PLAN_BLOCK};
-use crate::ht::geometry::ht_grid;
+use crate::ht::geometry::{HT_MARK_BLOCK, HT_PLAN_BLOCK, ht_grid};
 use crate::ll::geometry::{LlKernel, ll_launch};
 use crate::params::{ExchangeParams, HtParams, HtPlanParams, LlParams, NcclHtParams};
 use crate::rank::handle::GpuHandle;

@@ -48,7 +48,7 @@ pub(crate) enum GpuOpKind {
     /// The count exchange that creates a high-throughput handle (plan built on the host).
     HtHandle { routing: Routing, plan: ChannelPlan, bufs: Option<ExchangeBuffers> },
     /// A high-throughput handle built on the device (`ep_ht_plan_mark`, `ep_ht_plan`).
-    HtDeviceHandle(Box<crate::ht::device::DevicePlan>),
+    HtDeviceHandle(Box<crate::ht::plan::DevicePlan>),
     /// High-throughput dispatch.
     HtDispatch { handle: GpuHandle, pass: Pass, outputs: Option<Box<HtDispatchOutputs>> },
     /// High-throughput combine.

@@ -6,9 +6,10 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaContext, CudaEvent};
 use epflow_core::Error;
 use epflow_core::handle::{HandleCore, RoutingHandle};
+use epflow_core::ops::DispatchOutputs;
 
-use crate::device::DeviceBuffer;
 use crate::device::cache::take_smallest;
+use crate::device::{DeviceBuffer, DeviceTensor, PinnedBuffer};
 
 /// A routing handle on the GPU backend: the validated routing and its device memory (a copy
 /// of `topk_idx`; low-latency: the row map dispatch writes for combine; high-throughput: the send
@@ -31,7 +32,24 @@ pub(crate) struct GpuHandleState {
     /// Low-latency: who writes and who reads the row map, on the device.
     pub(crate) row_map: Mutex<RowMap>,
     /// A handle of captured steps (`graph/`): its `topk_idx` buffer, outputs and report.
-    pub(crate) graph: Option<crate::graph::GraphHandle>,
+    pub(crate) graph: Option<GraphHandle>,
+}
+
+/// What a handle of captured steps (`graph/`) holds beside an eager handle's memory.
+#[derive(Debug)]
+pub(crate) struct GraphHandle {
+    /// The caller's `[B x K]` int64 `topk_idx` buffer, read by the step's route kernel.
+    pub(crate) topk: DeviceTensor,
+    /// The route kernel's report (mapped host, 4 words): the replay's index + 1, then the first
+    /// invalid entry (`token * K + k`), its value, and the earlier k naming the same expert (or
+    /// -1: out of range).
+    pub(crate) report: PinnedBuffer,
+    /// The dispatch outputs (one dispatch per replay).
+    pub(crate) dispatched: DispatchOutputs<DeviceTensor>,
+    /// The combine output `[B x H]` BF16.
+    pub(crate) combined: DeviceTensor,
+    /// The step that captured the handle (a handle belongs to one step).
+    pub(crate) step: Mutex<Option<u64>>,
 }
 
 /// What a low-latency handle knows about its NCCL peers.
@@ -106,6 +124,17 @@ impl Drop for GpuHandleState {
 }
 
 impl GpuHandle {
+    /// The captured-step part of the handle, if it is one (`GpuRank::graph_handle`).
+    pub(crate) fn graph(&self) -> Option<&GraphHandle> {
+        self.0.graph.as_ref()
+    }
+
+    /// Whether the handle is one of captured steps (`GpuRank::graph_handle`): only their
+    /// replays use it.
+    pub fn is_graph_handle(&self) -> bool {
+        self.0.graph.is_some()
+    }
+
     /// A handle around `core` with its device memory `mem` (from `pool`, where it returns).
     pub(crate) fn new(
         core: HandleCore,
