@@ -41,12 +41,14 @@ pub use epflow_nccl_ep as nccl_ep;
 
 /// The names a program using epflow needs, in one `use epflow::prelude::*;`: the group and its
 /// futures, the config, tensors and operation arguments, the handle trait (`num_recv_tokens`),
-/// the host backend, and the GPU backend's world, rank and tensors.
+/// the host backend, the GPU backend's world, rank and tensors, and captured steps
+/// (`StepBackend`, `GpuStep`; `Group::replay`).
 pub mod prelude {
     pub use epflow_async::{Group, Staged};
+    pub use epflow_core::graph::StepBackend;
     pub use epflow_core::handle::RoutingHandle;
     pub use epflow_core::host::{HostRank, HostWorld};
     pub use epflow_core::ops::{CombineInputs, CombineOptions, CountsLocation, DispatchInputs, DispatchOptions, Pass};
     pub use epflow_core::{Algorithm, DType, DispatchDtype, Error, GroupConfig, HostTensor, MaxTokens, Result, bf16};
-    pub use epflow_kernels::{DeviceTensor, GpuRank, GpuWorld, Transport};
+    pub use epflow_kernels::{DeviceTensor, GpuRank, GpuStep, GpuWorld, Transport};
 }
