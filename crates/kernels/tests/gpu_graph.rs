@@ -45,13 +45,48 @@ fn settle(replay: GpuReplay) -> Result<(), Error> {
     replay.finish()
 }
 
-/// The buffers of one rank's captured step, and the step.
-struct Captured {
+/// One micro-batch's buffers in a captured step: its inputs (refilled before every replay) and
+/// its handle (which owns the outputs).
+struct Side {
     topk: DeviceTensor,
     x: DeviceTensor,
     w: DeviceTensor,
     y: DeviceTensor,
     handle: GpuHandle,
+}
+
+impl Side {
+    /// Buffers shaped after rank `rank`'s part of `sc`, and a handle of `layout` on them.
+    fn new(rank: &GpuRank, sc: &Scenario, layout: Layout) -> Result<Self, Error> {
+        let r = rank.rank();
+        let topk = rank.upload(&sc.topk_idx(r))?;
+        let x = rank.upload(&sc.tokens(r))?;
+        let w = rank.upload(&sc.weights(r))?;
+        let y = rank.upload(&expert_outputs(sc, r, layout))?;
+        let handle = rank.graph_handle(&topk, &HandleOptions::with_layout(layout))?;
+        Ok(Side { topk, x, w, y, handle })
+    }
+
+    /// The dispatch inputs of `layout` (rank-major sends the weights with the tokens).
+    fn dispatch_inputs(&self, layout: Layout) -> DispatchInputs<'_, DeviceTensor> {
+        match layout {
+            Layout::RankMajor => DispatchInputs::new(&self.x).with_weights(&self.w),
+            Layout::ExpertMajor => DispatchInputs::new(&self.x),
+        }
+    }
+
+    /// The combine inputs of `layout` (expert-major applies the weights in combine).
+    fn combine_inputs(&self, layout: Layout) -> CombineInputs<'_, DeviceTensor> {
+        match layout {
+            Layout::RankMajor => CombineInputs::new(&self.y),
+            Layout::ExpertMajor => CombineInputs::new(&self.y).with_weights(&self.w),
+        }
+    }
+}
+
+/// One rank's captured step of one micro-batch, and its buffers.
+struct Captured {
+    side: Side,
     step: GpuStep,
 }
 
@@ -70,37 +105,29 @@ fn max_tokens(sc: &Scenario) -> usize {
     sc.config.fixed_max_tokens().unwrap_or(M)
 }
 
-/// Captures dispatch + combine on `rank`, with buffers shaped after `sc`.
+/// Captures dispatch + combine on `rank`, with buffers shaped after `sc` (expert-major: the
+/// staged form, rank-major: the synchronous one).
 fn capture(rank: &GpuRank, sc: &Scenario, layout: Layout) -> Result<Captured, Error> {
-    let r = rank.rank();
-    let topk = rank.upload(&sc.topk_idx(r))?;
-    let x = rank.upload(&sc.tokens(r))?;
-    let w = rank.upload(&sc.weights(r))?;
-    let y = rank.upload(&expert_outputs(sc, r, layout))?;
-    let handle = rank.graph_handle(&topk, &HandleOptions::with_layout(layout))?;
+    let side = Side::new(rank, sc, layout)?;
     let stream = rank.context().new_stream().map_err(|e| Error::Backend(format!("new stream: {e}")))?;
     let step = rank.capture(&stream, |cap| {
         let dopts = DispatchOptions::default();
-        let cin = match layout {
-            Layout::RankMajor => {
-                cap.dispatch(&handle, DispatchInputs::new(&x).with_weights(&w), &dopts)?;
-                CombineInputs::new(&y)
-            }
+        match layout {
+            Layout::RankMajor => drop(cap.dispatch(&side.handle, side.dispatch_inputs(layout), &dopts)?),
             Layout::ExpertMajor => {
                 // Staged: the complete half captured apart from the send half.
-                let half = cap.dispatch_send(&handle, DispatchInputs::new(&x), &dopts)?;
+                let half = cap.dispatch_send(&side.handle, side.dispatch_inputs(layout), &dopts)?;
                 cap.complete_dispatch(half)?;
-                CombineInputs::new(&y).with_weights(&w)
             }
-        };
-        cap.combine(&handle, cin, &CombineOptions::default())?;
+        }
+        cap.combine(&side.handle, side.combine_inputs(layout), &CombineOptions::default())?;
         Ok(())
     })?;
-    Ok(Captured { topk, x, w, y, handle, step })
+    Ok(Captured { side, step })
 }
 
 /// Writes `sc`'s inputs for rank `r` into the step's buffers and poisons its outputs.
-fn refill(rank: &GpuRank, c: &Captured, sc: &Scenario, layout: Layout) -> Result<(), Error> {
+fn refill(rank: &GpuRank, c: &Side, sc: &Scenario, layout: Layout) -> Result<(), Error> {
     let (r, ctx) = (rank.rank(), rank.context());
     c.topk.copy_from_host(ctx, &sc.topk_idx(r))?;
     c.x.copy_from_host(ctx, &sc.tokens(r))?;
@@ -118,7 +145,7 @@ fn refill(rank: &GpuRank, c: &Captured, sc: &Scenario, layout: Layout) -> Result
 }
 
 /// Checks the step's outputs on rank `r` against `sc`'s reference.
-fn check(rank: &GpuRank, c: &Captured, sc: &Scenario, layout: Layout) -> Result<(Report, Report), Error> {
+fn check(rank: &GpuRank, c: &Side, sc: &Scenario, layout: Layout) -> Result<(Report, Report), Error> {
     let (r, ctx) = (rank.rank(), rank.context());
     let (h, k, m) = (sc.config.hidden, sc.top_k, max_tokens(sc));
     let d = c.handle.graph_dispatch_outputs().expect("graph handle");
@@ -192,9 +219,9 @@ fn replay_world(devices: &[usize], cfg: &GroupConfig, base: u64, replays: u64, s
                         let e = eager_round(rank, &sc).expect("eager round");
                         assert!(e.ok(), "{what} replay {i}: {e:?}");
                     }
-                    refill(rank, &c, &sc, layout).expect("refill");
+                    refill(rank, &c.side, &sc, layout).expect("refill");
                     settle(rank.launch_step(&c.step).expect("launch")).expect("replay");
-                    let (d, y) = check(rank, &c, &sc, layout).expect("check");
+                    let (d, y) = check(rank, &c.side, &sc, layout).expect("check");
                     assert!(d.ok() && y.ok(), "{what} replay {i} seed {base}: {d:?} {y:?}");
                     if (i + 1) % 1000 == 0 && rank.rank() == 0 {
                         eprintln!("  {what}: {} replays checked", i + 1);
@@ -236,6 +263,54 @@ fn graph_many_replays_with_fresh_inputs() {
     replay_world(&devices, &cfg, base, iters, &[(32, 8)]);
 }
 
+/// Two micro-batches in one step, their halves interleaved as an overlapping server issues them
+/// (both dispatch sends, both receives, both combine sends, both receives), one expert-major and
+/// one rank-major; each checked against its own reference every replay.
+#[test]
+fn graph_two_micro_batches_interleaved_in_one_step() {
+    let Some(devices) = gpus(2, "graph_two_micro_batches").or_else(|| gpus(1, "graph_two_micro_batches")) else {
+        return;
+    };
+    let base = seed();
+    eprintln!("seed {base}");
+    let cfg = config(&devices, 2048, 32, DispatchDtype::Bf16);
+    let ranks = GpuWorld::create(&devices, cfg.clone()).expect("create GPU group");
+    let n = devices.len();
+    let sc = |i: u64, tokens: usize| {
+        Scenario::generate(cfg.clone(), n, &vec![tokens; n], 8, RoutingKind::Uniform, 3, base.wrapping_add(i))
+    };
+    let (la, lb) = (Layout::ExpertMajor, Layout::RankMajor);
+    on_ranks(&ranks, |rank| {
+        let (a, b) = (Side::new(rank, &sc(0, 24), la).expect("a"), Side::new(rank, &sc(1, 9), lb).expect("b"));
+        let stream = rank.context().new_stream().expect("stream");
+        let (dopts, copts) = (DispatchOptions::default(), CombineOptions::default());
+        let step = rank
+            .capture(&stream, |cap| {
+                let da = cap.dispatch_send(&a.handle, a.dispatch_inputs(la), &dopts)?;
+                let db = cap.dispatch_send(&b.handle, b.dispatch_inputs(lb), &dopts)?;
+                cap.complete_dispatch(da)?;
+                cap.complete_dispatch(db)?;
+                let ca = cap.combine_send(&a.handle, a.combine_inputs(la), &copts)?;
+                let cb = cap.combine_send(&b.handle, b.combine_inputs(lb), &copts)?;
+                cap.complete_combine(ca)?;
+                cap.complete_combine(cb)?;
+                Ok(())
+            })
+            .expect("capture");
+        assert_eq!((step.counts().dispatches, step.counts().combines), (2, 2));
+        for i in 0..20u64 {
+            let (sa, sb) = (sc(2 * i + 10, 24), sc(2 * i + 11, 9));
+            refill(rank, &a, &sa, la).expect("refill a");
+            refill(rank, &b, &sb, lb).expect("refill b");
+            settle(rank.launch_step(&step).expect("launch")).expect("replay");
+            for (side, s, l) in [(&a, &sa, la), (&b, &sb, lb)] {
+                let (d, y) = check(rank, side, s, l).expect("check");
+                assert!(d.ok() && y.ok(), "{} replay {i} seed {base}: {d:?} {y:?}", l.name());
+            }
+        }
+    });
+}
+
 /// An out-of-range expert in one rank's buffer: that rank's replay reports it (the row's
 /// entries from there on dropped), the peers' replays succeed, the group stays usable.
 #[test]
@@ -252,12 +327,12 @@ fn graph_invalid_routing_fails_the_replay_and_spares_the_group() {
         if rank.rank() == 0 {
             bad[5 * 4 + 2] = 64;
         }
-        c.topk.copy_from_host(rank.context(), &HostTensor::topk_idx(16, 4, bad)).expect("write");
+        c.side.topk.copy_from_host(rank.context(), &HostTensor::topk_idx(16, 4, bad)).expect("write");
         let first = settle(rank.launch_step(&c.step).expect("launch"));
         let good = sc(base + 2);
-        refill(rank, &c, &good, Layout::ExpertMajor).expect("refill");
+        refill(rank, &c.side, &good, Layout::ExpertMajor).expect("refill");
         settle(rank.launch_step(&c.step).expect("launch")).expect("the group stays usable");
-        let (d, y) = check(rank, &c, &good, Layout::ExpertMajor).expect("check");
+        let (d, y) = check(rank, &c.side, &good, Layout::ExpertMajor).expect("check");
         assert!(d.ok() && y.ok(), "after the invalid replay: {d:?} {y:?}");
         first
     });
@@ -366,9 +441,9 @@ fn graph_one_process_per_gpu() {
         let c = capture(&rank, &scenario(0), layout).expect("capture");
         for i in 0..iters {
             let sc = scenario(i);
-            refill(&rank, &c, &sc, layout).expect("refill");
+            refill(&rank, &c.side, &sc, layout).expect("refill");
             settle(rank.launch_step(&c.step).expect("launch")).expect("replay");
-            let (d, y) = check(&rank, &c, &sc, layout).expect("check");
+            let (d, y) = check(&rank, &c.side, &sc, layout).expect("check");
             assert!(d.ok() && y.ok(), "rank {} of {n}, {} replay {i}: {d:?} {y:?}", env.rank, layout.name());
         }
         epflow_kernels::setup::bootstrap::barrier(&comm).expect("barrier");
