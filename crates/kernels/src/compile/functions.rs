@@ -22,8 +22,8 @@ pub(crate) struct Functions {
     pub dispatch_one: CudaFunction,
     /// Low-latency combine in one launch.
     pub combine_one: CudaFunction,
-    /// A captured step's bases: advanced after every replay, or set before one (`graph/`).
-    pub graph_bases: CudaFunction,
+    /// A captured step's bases, set before a replay whose channels moved on (`graph/`).
+    pub graph_rebase: CudaFunction,
     /// A captured handle's routing, copied from the caller's buffer every replay.
     pub ll_route: CudaFunction,
     pub ht_dispatch: CudaFunction,
@@ -69,7 +69,7 @@ impl Functions {
             combine_recv: f(&ll, "ep_ll_combine_recv")?,
             dispatch_one: f(&ll, "ep_ll_dispatch_kernel")?,
             combine_one: f(&ll, "ep_ll_combine_kernel")?,
-            graph_bases: f(&ll, "ep_graph_bases")?,
+            graph_rebase: f(&ll, "ep_graph_rebase")?,
             ll_route: f(&ll, "ep_ll_route")?,
             ht_dispatch: f(&ht, "ep_ht_dispatch_kernel")?,
             ht_combine: f(&ht, "ep_ht_combine_kernel")?,

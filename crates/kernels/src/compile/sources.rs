@@ -25,7 +25,7 @@ pub const LL: KernelModule = KernelModule {
         "ep_ll_combine_send",
         "ep_ll_combine_recv",
         "ep_ll_combine_kernel",
-        "ep_graph_bases",
+        "ep_graph_rebase",
         "ep_ll_route",
     ],
 };

@@ -231,6 +231,19 @@ __device__ __forceinline__ void report_failure(const LlParams& p, const OpNum& n
     atomicCAS_system(reinterpret_cast<u64*>(p.verdict), 0ull, word);
 }
 
+// A captured operation whose receive is the step's last kernel (of ours): once its last block is
+// done, every kernel of this replay has read the bases (they run in the capture stream's order,
+// and this block is the last of the last one), so they move past the replay here, with no node
+// of their own. The step's bases are [dispatch, combine, replay, failed, dispatches, combines,
+// last]: `last` = (chan << 32 | place) + 1 of the step's last operation, written at capture.
+__device__ __forceinline__ void advance_step(const LlParams& p, int chan) {
+    u64* b = reinterpret_cast<u64*>(p.seq_base) - chan;
+    if (b[6] != ((((u64)chan) << 32) | p.seq) + 1) return;
+    b[0] += b[4];
+    b[1] += b[5];
+    b[2] += 1;
+}
+
 // The last block to finish returns the credits of this buffer set to every source and publishes
 // the cancellation and mismatch masks.
 __device__ void finish_receive(const LlParams& p, const OpNum& n, int chan, u32 cancelled, u32 mismatched) {
@@ -248,6 +261,7 @@ __device__ void finish_receive(const LlParams& p, const OpNum& n, int chan, u32 
                 u64* peer = reinterpret_cast<u64*>(p.peer_signals[s]);
                 st_release_sys(sig_at(peer, EP_SIG_CONSUMED(chan), n.set, p.rank), (n.seq + 1) << 1);
             }
+            if (p.seq_base) advance_step(p, chan);
         }
     }
 }
@@ -570,23 +584,17 @@ extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_kernel(LlPara
 
 // Captured steps (graph/ in epflow-kernels).
 //
-// `bases` is the step's [dispatch base, combine base, replay, failed] in device memory: the
-// numbers its operations add their offsets to, the replay's index, and whether an operation of
-// the step timed out on this rank (set by `mark_step_failed`; never cleared: the group is
-// poisoned). The step's last node advances them
-// (`rebase` 0: by its operations per channel, and one replay); a rebase before a replay whose
-// channels moved on without it (operations outside the step) sets them.
-extern "C" __global__ void ep_graph_bases(u64 bases, u64 dispatch, u64 combine, u64 replay, int rebase) {
+// `bases` is the step's [dispatch base, combine base, replay, failed, ...] in device memory (see
+// `advance_step`): the numbers its operations add their places to, the replay's index, and
+// whether an operation of the step timed out on this rank (set by `mark_step_failed`; never
+// cleared: the group is poisoned). The step's last operation advances them after each replay;
+// this one-thread kernel sets them before a replay whose channels moved on without the step
+// (operations outside it took numbers in between), or before the first.
+extern "C" __global__ void ep_graph_rebase(u64 bases, u64 dispatch, u64 combine, u64 replay) {
     u64* b = reinterpret_cast<u64*>(bases);
-    if (rebase) {
-        b[0] = dispatch;
-        b[1] = combine;
-        b[2] = replay;
-    } else {
-        b[0] += dispatch;
-        b[1] += combine;
-        b[2] += 1;
-    }
+    b[0] = dispatch;
+    b[1] = combine;
+    b[2] = replay;
 }
 
 struct LlRouteParams {

@@ -55,6 +55,8 @@ pub struct GpuCapture<'r> {
     handles: Vec<GpuHandle>,
     keep: Vec<DeviceTensor>,
     open: usize,
+    /// The last complete half (or one-launch operation) captured: its channel and place.
+    last: Option<(Channel, u64)>,
 }
 
 /// Ends a capture however the closure leaves (error or panic), so the stream is usable after.
@@ -115,6 +117,7 @@ impl GpuRank {
             handles: Vec::new(),
             keep: Vec::new(),
             open: 0,
+            last: None,
         };
         let recorded = f(&mut cap).and_then(|()| {
             if cap.open != 0 {
@@ -123,12 +126,13 @@ impl GpuRank {
                     cap.open
                 )));
             }
-            cap.advance()?;
+            let last = cap.last.ok_or_else(|| Error::Unsupported("the capture holds no operation".into()))?;
             guard.1 = true;
             let graph = stream
                 .end_capture(sys::CUgraphInstantiate_flags(0))
                 .map_err(|e| cuda("end capture (was other work left on a forked stream?)", e))?
                 .ok_or_else(|| Error::Unsupported("the capture recorded nothing".into()))?;
+            cap.mem.set_advance(cap.counts, last)?;
             graph.upload().map_err(|e| cuda("upload the step", e))?;
             Ok(graph)
         });
@@ -169,6 +173,7 @@ impl GpuCapture<'_> {
         }
         let p = self.record_dispatch(h, inputs, opts)?;
         launch_ll_kernel(&self.rank.shared, LlKernel::DispatchOne, p, &self.stream)?;
+        self.last = Some((Channel::Dispatch, p.seq));
         Ok(h.graph().ok_or_else(not_graph_handle)?.dispatched.clone())
     }
 
@@ -234,6 +239,7 @@ impl GpuCapture<'_> {
         }
         let p = self.record_combine(h, inputs, opts)?;
         launch_ll_kernel(&self.rank.shared, LlKernel::CombineOne, p, &self.stream)?;
+        self.last = Some((Channel::Combine, p.seq));
         Ok(h.graph().ok_or_else(not_graph_handle)?.combined.clone())
     }
 
@@ -296,6 +302,7 @@ impl GpuCapture<'_> {
         }
         launch_ll_kernel(&self.rank.shared, which, half.p, &self.stream)?;
         self.open -= 1;
+        self.last = Some((channel, half.p.seq));
         Ok(())
     }
 
@@ -356,12 +363,6 @@ impl GpuCapture<'_> {
         };
         let threads = (h.num_tokens().max(1) as u32).next_multiple_of(32).min(1024);
         launch(&self.stream, &s.functions.ll_route, &p, (1, threads), false, || "launch route".into())
-    }
-
-    /// The step's last node: advances the bases past this replay's operations.
-    fn advance(&self) -> Result<(), Error> {
-        let s = &self.rank.shared;
-        self.mem.enqueue_bases(s, &self.stream, (self.counts.dispatches, self.counts.combines, 0), false)
     }
 }
 

@@ -12,11 +12,11 @@
 //!
 //! A captured operation's kernels take its place on its channel within the step as `seq`, and
 //! the address of the channel's base in the step's device memory (`seq_base`); they add the two
-//! when they start, and derive the buffer set from the sum. The step's last node adds the
-//! step's operations per channel to the bases. A launch whose bases are not where the previous
-//! replay left them (eager operations or another step took numbers in between, or it is the
-//! first) enqueues a one-thread rebase kernel before the graph; replays launched back to back
-//! need nothing but `cuGraphLaunch`.
+//! when they start, and derive the buffer set from the sum. The last block of the step's last
+//! operation adds the step's operations per channel to the bases (no node of its own). A launch
+//! whose bases are not where the previous replay left them (eager operations or another step
+//! took numbers in between, or it is the first) enqueues a one-thread rebase kernel before the
+//! graph; replays launched back to back need nothing but `cuGraphLaunch`.
 
 mod capture;
 mod handle;
@@ -40,9 +40,13 @@ use crate::rank::GpuRank;
 use crate::rank::handle::GpuHandle;
 use crate::rank::shared::RankShared;
 
-/// A step's device state: the bases `[dispatch, combine, replay, failed]` (device) and the
-/// failure word of its operations (mapped host: the first operation a peer cancelled or
-/// mismatched, `((seq + 1) << 20) | chan << 16 | mismatched << 8 | cancelled`).
+/// Words of a step's bases: `[dispatch, combine, replay, failed, dispatches, combines, last]`
+/// (`advance_step` in `ll.cu`).
+const BASES_WORDS: usize = 7;
+
+/// A step's device state: the bases (device; see [`BASES_WORDS`]) and the failure word of its
+/// operations (mapped host: the first operation a peer cancelled or mismatched,
+/// `((seq + 1) << 20) | chan << 16 | mismatched << 8 | cancelled`).
 #[derive(Debug)]
 pub(crate) struct StepMemory {
     bases: DeviceBuffer,
@@ -51,24 +55,31 @@ pub(crate) struct StepMemory {
 
 impl StepMemory {
     fn new(s: &RankShared) -> Result<Self> {
-        Ok(StepMemory { bases: DeviceBuffer::zeroed(&s.ctx, 4 * 8)?, failure: PinnedBuffer::zeroed(&s.ctx, 8)? })
+        Ok(StepMemory {
+            bases: DeviceBuffer::zeroed(&s.ctx, BASES_WORDS * 8)?,
+            failure: PinnedBuffer::zeroed(&s.ctx, 8)?,
+        })
     }
 
-    /// Enqueues `ep_graph_bases` on `on`: sets the bases to `(dispatch, combine, replay)`
-    /// (`rebase`), or advances them by the step's operations and one replay.
-    fn enqueue_bases(&self, s: &RankShared, on: &CudaStream, (d, c, r): (u64, u64, u64), rebase: bool) -> Result<()> {
-        let f = &s.functions.graph_bases;
-        let mut b = on.launch_builder(f);
-        let (bases, flag) = (self.bases.ptr(), i32::from(rebase));
+    /// Tells the step's last operation to advance the bases after each replay: the step's
+    /// operations per channel, and which operation is last (synchronous; after the capture).
+    fn set_advance(&self, counts: StepCounts, last: (Channel, u64)) -> Result<()> {
+        let last = ((last.0.index() as u64) << 32 | last.1) + 1;
+        self.bases.write(4 * 8, &[counts.dispatches, counts.combines, last])
+    }
+
+    /// Enqueues `ep_graph_rebase` on `on`: sets the bases to `(dispatch, combine, replay)`.
+    fn enqueue_rebase(&self, s: &RankShared, on: &CudaStream, (d, c, r): (u64, u64, u64)) -> Result<()> {
+        let mut b = on.launch_builder(&s.functions.graph_rebase);
+        let bases = self.bases.ptr();
         cudarc::driver::PushKernelArg::arg(&mut b, &bases);
         cudarc::driver::PushKernelArg::arg(&mut b, &d);
         cudarc::driver::PushKernelArg::arg(&mut b, &c);
         cudarc::driver::PushKernelArg::arg(&mut b, &r);
-        cudarc::driver::PushKernelArg::arg(&mut b, &flag);
         let cfg = cudarc::driver::LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: the arguments match `ep_graph_bases(u64, u64, u64, u64, int)`; `bases` holds
-        // the step's four words, alive as long as the step (which outlives its replays).
-        unsafe { b.launch(cfg) }.map_err(|e| cuda(if rebase { "launch rebase" } else { "launch advance" }, e))?;
+        // SAFETY: the arguments match `ep_graph_rebase(u64, u64, u64, u64)`; `bases` holds the
+        // step's words, alive as long as the step (which outlives its replays).
+        unsafe { b.launch(cfg) }.map_err(|e| cuda("launch rebase", e))?;
         Ok(())
     }
 }
@@ -285,7 +296,7 @@ impl StepBackend for GpuRank {
         let launched = (|| {
             bind(&s.ctx)?;
             if launches.next != Some(bases) {
-                step.mem.enqueue_bases(s, &step.stream, (bases.0, bases.1, replay), true)?;
+                step.mem.enqueue_rebase(s, &step.stream, (bases.0, bases.1, replay))?;
             }
             graph.0.launch().map_err(|e| cuda("launch the step", e))?;
             s.events.record(&step.stream).map_err(|e| cuda("record the replay", e))
