@@ -345,6 +345,28 @@ fn graph_invalid_routing_fails_the_replay_and_spares_the_group() {
     }
 }
 
+/// Rank 0 replays its step where rank 1 runs the same collectives eagerly: the dispatches agree
+/// (same stamp), the combines do not (a captured combine pairs with its step's dispatch): rank 0's
+/// replay fails with the peer's mismatch and poisons its group, rank 1's combine names it too.
+#[test]
+fn graph_replay_against_an_eager_peer_is_a_mismatch() {
+    let Some(devices) = gpus(2, "graph_replay_against_eager") else { return };
+    let cfg = config(&devices, 2048, 64, DispatchDtype::Bf16);
+    let ranks = GpuWorld::create(&devices, cfg.clone()).expect("create GPU group");
+    let sc = Scenario::generate(cfg.clone(), 2, &[8, 8], 4, RoutingKind::Uniform, 3, seed());
+    let results = on_ranks(&ranks, |rank| {
+        if rank.rank() == 0 {
+            let c = capture(rank, &sc, Layout::ExpertMajor).expect("capture");
+            refill(rank, &c.side, &sc, Layout::ExpertMajor).expect("refill");
+            return settle(rank.launch_step(&c.step).expect("launch"));
+        }
+        eager_round(rank, &sc).map(drop)
+    });
+    assert!(matches!(results[0], Err(Error::PeerMismatch { peer: 1, .. })), "rank 0: {:?}", results[0]);
+    assert!(matches!(results[1], Err(Error::PeerMismatch { peer: 0, .. })), "rank 1: {:?}", results[1]);
+    assert!(rank_poisoned(&ranks[0]));
+}
+
 /// Rank 1 captures but never replays: rank 0's replay times out, poisons the group, and
 /// returns within twice the timeout; the rank's later launches fail fast.
 #[test]

@@ -70,7 +70,8 @@ struct OpNum {
     bool dead;
 };
 
-// The step's bases are [dispatch, combine, replay, failed]; `seq_base` points at the channel's.
+// The step's bases are [dispatch, combine, replay, failed, dispatches, combines, last] (see
+// `advance_step`); `seq_base` points at the channel's.
 __device__ __forceinline__ u64* step_failed_flag(const LlParams& p, int chan) {
     return reinterpret_cast<u64*>(p.seq_base) - chan + 3;
 }
@@ -223,12 +224,15 @@ __device__ bool ll_wait_all_sources(const LlParams& p, const OpNum& n, int chan,
     return ok;
 }
 
-// A captured operation that some source cancelled or mismatched: the first such operation of the
-// step is kept in its failure word, ((seq + 1) << 20) | chan << 16 | mismatched << 8 | cancelled
-// (the host reads it after the replay; the group is poisoned then).
+// A captured operation that some source cancelled or mismatched: the step's failure word (mapped
+// host) keeps the first one it saw, ((seq + 1) << 20) | chan << 16 | mismatched << 8 | cancelled
+// (the host reads it after the replay and poisons the group). Plain loads and stores: the
+// step's operations finish in stream order, and mapped memory takes no system atomics on every
+// platform.
 __device__ __forceinline__ void report_failure(const LlParams& p, const OpNum& n, int chan, u32 cancelled, u32 mismatched) {
     const u64 word = ((n.seq + 1) << 20) | ((u64)chan << 16) | ((u64)(mismatched & 0xff) << 8) | (cancelled & 0xff);
-    atomicCAS_system(reinterpret_cast<u64*>(p.verdict), 0ull, word);
+    u64* v = reinterpret_cast<u64*>(p.verdict);
+    if (ld_acquire_sys(v) == 0ull) st_relaxed_sys(v, word);
 }
 
 // A captured operation whose receive is the step's last kernel (of ours): once its last block is
