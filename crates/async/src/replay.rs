@@ -1,6 +1,49 @@
 //! Replays of captured steps ([`epflow_core::graph`]): [`Group::replay`] launches one and
 //! returns a [`ReplayFuture`] of its verdict, resolved through the reactor (or a spin, in
 //! [`CompletionMode::Spin`]) like every other wait of the group.
+//!
+//! On the host backend a step is the closure every replay runs (each rank on its own thread: a
+//! host replay runs inside the launch); on GPUs it is a CUDA graph
+//! (`epflow_kernels::GpuRank::capture`), and the same loop refills its input buffers instead.
+//!
+//! ```
+//! use std::sync::{Arc, Mutex};
+//! use epflow_async::Group;
+//! use epflow_core::host::HostWorld;
+//! use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions};
+//! use epflow_core::{GroupConfig, HostTensor, bf16};
+//!
+//! let ranks = HostWorld::create(2, GroupConfig::low_latency(4, 2, 128)).unwrap();
+//! std::thread::scope(|s| {
+//!     for rank in ranks {
+//!         s.spawn(move || {
+//!             let g = Group::new(rank);
+//!             // The caller's buffers: the tokens (refilled before each replay), the output.
+//!             let x = Arc::new(Mutex::new(HostTensor::tokens(2, 128, vec![bf16::ONE; 256])));
+//!             let y = Arc::new(Mutex::new(Vec::new()));
+//!             let (xs, ys) = (Arc::clone(&x), Arc::clone(&y));
+//!             let step = g
+//!                 .backend()
+//!                 .capture(move |rank| {
+//!                     let idx = HostTensor::topk_idx(2, 2, vec![0, 2, 1, 3]); // one expert per rank
+//!                     let w = HostTensor::topk_weights(2, 2, vec![0.5; 4]);
+//!                     let handle = rank.create_handle(&idx)?;
+//!                     let d = rank.dispatch(&handle, DispatchInputs::new(&xs.lock().unwrap()), &DispatchOptions::default())?;
+//!                     let experts = d.tokens().clone(); // identity experts
+//!                     let out = rank.combine(&handle, CombineInputs::new(&experts).with_weights(&w), &CombineOptions::default())?;
+//!                     *ys.lock().unwrap() = out.tokens().as_bf16().unwrap().to_vec();
+//!                     Ok(())
+//!                 })
+//!                 .unwrap();
+//!             for v in [1.0f32, 2.0, 3.0] {
+//!                 *x.lock().unwrap() = HostTensor::tokens(2, 128, vec![bf16::from_f32(v); 256]);
+//!                 futures::executor::block_on(g.replay(&step)).unwrap();
+//!                 assert!(y.lock().unwrap().iter().all(|o| o.to_f32() == v)); // 0.5 v + 0.5 v
+//!             }
+//!         });
+//!     }
+//! });
+//! ```
 
 use std::future::Future;
 use std::pin::Pin;

@@ -83,6 +83,32 @@ impl GpuRank {
     /// high-throughput or has NCCL peers ([`Error::Unsupported`]); an operation's arguments are
     /// invalid (the error of the eager operation); a send half is left without its complete
     /// half; CUDA refused the capture.
+    ///
+    /// ```no_run
+    /// # fn example(rank: &epflow_kernels::GpuRank, topk: &epflow_kernels::DeviceTensor,
+    /// #            x: &epflow_kernels::DeviceTensor, w: &epflow_kernels::DeviceTensor) -> epflow_core::Result<()> {
+    /// use epflow_core::backend::Probe;
+    /// use epflow_core::graph::{PendingReplay, StepBackend};
+    /// use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions};
+    ///
+    /// let h = rank.graph_handle(topk, &HandleOptions::default())?; // before the capture
+    /// let stream = rank.context().new_stream().map_err(|e| epflow_core::Error::Backend(e.to_string()))?;
+    /// let step = rank.capture(&stream, |cap| {
+    ///     let d = cap.dispatch(&h, DispatchInputs::new(x), &DispatchOptions::default())?;
+    ///     // Experts go here, enqueued on `cap.stream()`; identity experts: combine `d.tokens`.
+    ///     cap.combine(&h, CombineInputs::new(&d.tokens).with_weights(w), &CombineOptions::default())?;
+    ///     Ok(())
+    /// })?;
+    /// // Every decode step: refill `topk`, `x`, `w`, then replay (async: `group.replay(&step).await`).
+    /// let replay = rank.launch_step(&step)?;
+    /// let done = replay.probe();
+    /// while !done.ready() {
+    ///     std::hint::spin_loop();
+    /// }
+    /// replay.finish()?;
+    /// let y = h.graph_combine_output().expect("a graph handle"); // [B x H], this replay's
+    /// # let _ = y; Ok(()) }
+    /// ```
     pub fn capture(
         &self,
         stream: &Arc<CudaStream>,
