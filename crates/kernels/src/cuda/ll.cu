@@ -92,20 +92,23 @@ __device__ __forceinline__ void mark_step_failed(const LlParams& p, int chan) {
 __device__ __forceinline__ bool via_nccl(const LlParams& p, int r) { return (p.nccl_mask >> r) & 1; }
 
 // The role of one warp in a send kernel: destination `dest` is served by `wpd` warps, this one is
-// number `j` of them. Returns false for spare warps (they must not report). Lane 0 waits for the
-// destination's credit for this buffer set first (operation seq - S consumed).
+// number `j` of them, and `reporting` of them (those with work: `j < items`, at least one) signal
+// the destination when done. Returns false for spare warps and for those without items (they
+// neither wait for credits nor report: at one token, most of a one-launch grid). Lane 0 waits for
+// the destination's credit for this buffer set first (operation seq - S consumed).
 struct SendRole {
-    int dest, j, wpd, lane;
+    int dest, j, wpd, reporting, lane;
 };
 
-__device__ __forceinline__ bool send_role(const LlParams& p, const OpNum& n, int chan, SendRole* r) {
+__device__ __forceinline__ bool send_role(const LlParams& p, const OpNum& n, int chan, long long items, SendRole* r) {
     r->lane = threadIdx.x & 31;
     const int warps = gridDim.x * (blockDim.x >> 5);
     const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     r->wpd = warps / p.num_ranks;
     r->dest = gw / r->wpd;
     r->j = gw % r->wpd;
-    if (r->dest >= p.num_ranks) return false;
+    r->reporting = (int)(items < 1 ? 1 : (items < r->wpd ? items : r->wpd));
+    if (r->dest >= p.num_ranks || r->j >= r->reporting) return false;
     if (n.seq >= (u64)p.num_sets && r->lane == 0 && !via_nccl(p, r->dest)) {
         u64* sig = reinterpret_cast<u64*>(p.signals);
         const u64 deadline = globaltimer_ns() + p.timeout_ns;
@@ -118,15 +121,15 @@ __device__ __forceinline__ bool send_role(const LlParams& p, const OpNum& n, int
     return true;
 }
 
-// Reports this warp done with destination `dest`; the last of the `wpd` warps signals it.
+// Reports this warp done with destination `dest`; the last of its `reporting` warps signals it.
 // Every lane fences its own (possibly remote) stores first.
-__device__ __forceinline__ void signal_sent(const LlParams& p, const OpNum& n, int chan, int dest, int wpd, int lane) {
+__device__ __forceinline__ void signal_sent(const LlParams& p, const OpNum& n, int chan, int dest, int reporting, int lane) {
     __threadfence_system();
     __syncwarp();
     if (lane == 0) {
         u64* sig = reinterpret_cast<u64*>(p.signals);
         u64* sent = sig_at(sig, EP_SIG_SENT(chan), n.set, dest);
-        if (atom_add_acq_rel_gpu(sent, 1) == (u64)(wpd - 1)) {
+        if (atom_add_acq_rel_gpu(sent, 1) == (u64)(reporting - 1)) {
             *sent = 0;
             u64* peer = reinterpret_cast<u64*>(p.peer_signals[dest]);
             signal_arrival(peer, chan, n.set, p.rank, n.seq, p.cancelled != 0, p.stamp);
@@ -141,7 +144,7 @@ __device__ __forceinline__ void signal_sent(const LlParams& p, const OpNum& n, i
 // after every payload store of every lane.
 __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n) {
     SendRole role;
-    if (!send_role(p, n, 0, &role)) return;
+    if (!send_role(p, n, 0, (long long)p.num_tokens * p.chunks, &role)) return;
     const int lane = role.lane, dest = role.dest, j = role.j, wpd = role.wpd;
     const int K = p.top_k, H = p.hidden, L = p.num_local, C = p.chunks;
 
@@ -212,7 +215,7 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
             }
         }
     }
-    signal_sent(p, n, 0, dest, wpd, lane);
+    signal_sent(p, n, 0, dest, role.reporting, lane);
 }
 
 // Waits for every source's arrival of this operation (`wait_all_sources`); false on timeout.
@@ -446,7 +449,7 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
 // split over sources as in dispatch.
 __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) {
     SendRole role;
-    if (!send_role(p, n, 1, &role)) return;
+    if (!send_role(p, n, 1, (long long)p.max_tokens * p.top_k * p.chunks, &role)) return;
     const int lane = role.lane, dest = role.dest, j = role.j, wpd = role.wpd;
     const int K = p.top_k, H = p.hidden, M = p.max_tokens, C = p.chunks;
     if (!p.cancelled) {
@@ -467,7 +470,7 @@ __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) 
             warp_copy(dst, ex + (size_t)row * H + c, (size_t)width * 2, lane);
         }
     }
-    signal_sent(p, n, 1, dest, wpd, lane);
+    signal_sent(p, n, 1, dest, role.reporting, lane);
 }
 
 // Combine complete, on the source side: out[t] = bf16(sum over valid k, ascending, of
