@@ -1,7 +1,7 @@
 //! The checks at the API boundary, as `nccl_ep.h` states them: every struct (each headed by
 //! `size` and `magic`, [`ApiStruct`]) must have this
 //! library's `sizeof` and its `magic` [`ep::NCCL_EP_MAGIC`]; tensors carry
-//! [`ep::NCCL_EP_TENSOR_MAGIC`] (or [`crate::tensor::DYNAMIC_MAGIC`] when
+//! [`ep::NCCL_EP_TENSOR_MAGIC`] (or [`crate::owned::DYNAMIC_MAGIC`] when
 //! `ncclEpTensorAlloc` made them), a rank, a type, an address and sizes. Failures are
 //! `ncclInvalidArgument`.
 
@@ -165,7 +165,7 @@ pub(crate) unsafe fn tensor(p: *const ep::NcclEpTensor, what: &str) -> Res<Optio
     if size != want {
         return Err(Fail::arg(format!("{what}: ncclEpTensor_t.size is {size}, expected {want}")));
     }
-    if magic != ep::NCCL_EP_TENSOR_MAGIC && magic != crate::tensor::DYNAMIC_MAGIC {
+    if magic != ep::NCCL_EP_TENSOR_MAGIC && magic != crate::owned::DYNAMIC_MAGIC {
         return Err(Fail::arg(format!(
             "{what}: ncclEpTensor_t.magic is {magic:#x}: initialise it with NCCL_EP_TENSOR_INIT (or use ncclEpTensorAlloc)"
         )));
@@ -182,7 +182,7 @@ pub(crate) unsafe fn tensor(p: *const ep::NcclEpTensor, what: &str) -> Res<Optio
     if !t.win_hdl.is_null() {
         return Err(Fail::usage(format!("{what}: NCCL window tensors are not supported; pass a device pointer")));
     }
-    if magic == crate::tensor::DYNAMIC_MAGIC && !crate::tensor::sizes_intact(t) {
+    if magic == crate::owned::DYNAMIC_MAGIC && !crate::owned::sizes_intact(t) {
         return Err(Fail::arg(format!(
             "{what}: the sizes pointer of a tensor from ncclEpTensorAlloc was overwritten (write into its sizes array instead)"
         )));

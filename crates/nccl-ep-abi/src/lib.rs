@@ -13,7 +13,8 @@
 //!   own NCCL EP backend uses to refuse this library.
 //! - `status.rs`: `ncclResult_t` codes, log lines, panics caught at the boundary.
 //! - `check.rs`: the size/magic checks of every struct, and tensor descriptors.
-//! - `tensor.rs`: `ncclEpTensorAlloc` / `ncclEpTensorDestroy`.
+//! - `tensor.rs`: `ncclEpTensorAlloc` / `ncclEpTensorDestroy`; `owned.rs`: the layout of the
+//!   descriptors they make (which `check.rs` recognises).
 //! - `comm.rs`: the caller's `ncclComm_t` as epflow's bootstrap (through the caller's NCCL).
 //! - `group.rs`: a group: the epflow GPU rank, the config's shape, operations in flight.
 //! - `handle.rs`: handles: layout, top-k, routing.
@@ -39,6 +40,7 @@ mod group;
 mod handle;
 pub mod header;
 mod ops;
+mod owned;
 mod profile;
 mod status;
 mod tensor;

@@ -8,29 +8,8 @@ use std::ffi::c_uint;
 use nccl_ep_sys as ep;
 
 use crate::check;
+use crate::owned::{DYNAMIC_MAGIC, Owned, owner, sizes_intact};
 use crate::status::{Fail, Res};
-
-/// The `magic` of descriptors made by `ncclEpTensorAlloc` (NCCL EP's internal
-/// `NCCL_EP_TENSOR_ALLOC_DYNAMIC`).
-pub(crate) const DYNAMIC_MAGIC: c_uint = 0xBEEF_BEEF;
-
-/// A library-owned descriptor: the public part the caller sees, behind the `sizes` pointer the
-/// library gave it.
-#[repr(C)]
-struct Owned {
-    sizes_shadow: *mut usize,
-    public: ep::NcclEpTensor,
-}
-
-fn owner(t: *const ep::NcclEpTensor) -> *const Owned {
-    (t as *const u8).wrapping_sub(std::mem::offset_of!(Owned, public)) as *const Owned
-}
-
-/// Whether a [`DYNAMIC_MAGIC`] descriptor still has the `sizes` array it was given.
-pub(crate) fn sizes_intact(t: &ep::NcclEpTensor) -> bool {
-    // SAFETY: descriptors with DYNAMIC_MAGIC are only made by `alloc`, inside an `Owned`.
-    unsafe { (*owner(t)).sizes_shadow == t.sizes }
-}
 
 /// `ncclEpTensorAlloc`: a new descriptor of `ndim` dimensions of `datatype`, sizes copied from
 /// `sizes`, `data` null.
