@@ -123,34 +123,16 @@ pub(crate) struct LlParams {
     pub seq_base: u64,
     /// A captured operation: the step's failure word (mapped host), or 0.
     pub verdict: u64,
+    /// A captured dispatch: the caller's `[B x K]` int64 top-k buffer, sanitized row by row by
+    /// the send (`routed_entry` in `ll.cu`); 0 otherwise.
+    pub topk_src: u64,
+    /// A captured dispatch: the handle's report of invalid rows (mapped host).
+    pub route_report: u64,
 }
 
 // SAFETY: `LlParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
 // (checked by the tests below and by a static_assert in ll.cu).
 unsafe impl DeviceRepr for LlParams {}
-
-/// `struct LlRouteParams` of `ll.cu`: a captured handle's routing, copied (and sanitized) from
-/// the caller's `topk_idx` buffer every replay.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct LlRouteParams {
-    /// The caller's `[B x K]` int64 buffer.
-    pub src: u64,
-    /// The handle's copy.
-    pub dst: u64,
-    /// The step's bases (device).
-    pub bases: u64,
-    /// The handle's report words (mapped host): replay + 1, entry, value, earlier k.
-    pub report: u64,
-    pub num_tokens: i32,
-    pub top_k: i32,
-    pub num_experts: i32,
-    pub pad: i32,
-}
-
-// SAFETY: `LlRouteParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
-// (checked by the tests below and by a static_assert in ll.cu).
-unsafe impl DeviceRepr for LlRouteParams {}
 
 /// `struct HtParams` of `ht.cu`.
 #[repr(C)]
@@ -364,11 +346,11 @@ mod tests {
 
     #[test]
     fn layout_matches_the_cuda_struct() {
-        assert_eq!(size_of::<LlParams>(), 416);
+        assert_eq!(size_of::<LlParams>(), 432);
         assert_eq!(offset_of!(LlParams, seq_base), 400);
         assert_eq!(offset_of!(LlParams, verdict), 408);
-        assert_eq!(size_of::<LlRouteParams>(), 48);
-        assert_eq!(offset_of!(LlRouteParams, num_tokens), 32);
+        assert_eq!(offset_of!(LlParams, topk_src), 416);
+        assert_eq!(offset_of!(LlParams, route_report), 424);
         assert_eq!(offset_of!(LlParams, recv_chunks), 392);
         assert_eq!(offset_of!(LlParams, stamp), 368);
         assert_eq!(offset_of!(LlParams, rank_major), 316);

@@ -24,8 +24,6 @@ pub(crate) struct Functions {
     pub combine_one: CudaFunction,
     /// A captured step's bases, set before a replay whose channels moved on (`graph/`).
     pub graph_rebase: CudaFunction,
-    /// A captured handle's routing, copied from the caller's buffer every replay.
-    pub ll_route: CudaFunction,
     pub ht_dispatch: CudaFunction,
     pub ht_combine: CudaFunction,
     pub ht_exchange: CudaFunction,
@@ -70,7 +68,6 @@ impl Functions {
             dispatch_one: f(&ll, "ep_ll_dispatch_kernel")?,
             combine_one: f(&ll, "ep_ll_combine_kernel")?,
             graph_rebase: f(&ll, "ep_graph_rebase")?,
-            ll_route: f(&ll, "ep_ll_route")?,
             ht_dispatch: f(&ht, "ep_ht_dispatch_kernel")?,
             ht_combine: f(&ht, "ep_ht_combine_kernel")?,
             ht_exchange: f(&ht, "ep_ht_exchange")?,

@@ -26,7 +26,6 @@ pub const LL: KernelModule = KernelModule {
         "ep_ll_combine_recv",
         "ep_ll_combine_kernel",
         "ep_graph_rebase",
-        "ep_ll_route",
     ],
 };
 

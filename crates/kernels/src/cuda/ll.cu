@@ -56,9 +56,11 @@ struct LlParams {
     // it after every replay); `set` follows from it. 0 for operations the host numbers.
     u64 seq_base;
     u64 verdict;          // captured: the step's failure word (mapped host), or 0 (see `report_failure`)
+    u64 topk_src;         // captured dispatch: the caller's [B x K] int64 top-k buffer (see `routed_entry`), or 0
+    u64 route_report;     // captured dispatch: the handle's report of invalid rows (mapped host)
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
-static_assert(sizeof(LlParams) == 416, "LlParams layout");
+static_assert(sizeof(LlParams) == 432, "LlParams layout");
 
 // The number and buffer set of the operation a launch runs: the host's, or for a captured
 // operation its offset plus the step's base in device memory (written by an earlier kernel of the
@@ -137,6 +139,38 @@ __device__ __forceinline__ void signal_sent(const LlParams& p, const OpNum& n, i
     }
 }
 
+// A captured dispatch reads the caller's top-k buffer, refilled before every replay, instead of
+// the handle's copy. Every warp sanitizes the row it sends (one entry per lane < K, all lanes
+// call): the entries from the row's first invalid one on (outside [-1, E), or naming an expert
+// an earlier entry named) count as -1. The `owner` warp of the token (chunk 0 to rank 0) writes
+// the sanitized row into the handle, which combine reads, and reports an invalid row in the
+// handle's mapped report: value at [1 + B + t], then (replay + 1) << 16 | (earlier k + 1) << 8 |
+// k at [1 + t], then the replay + 1 at [0] (every reporter writes the same value).
+__device__ __forceinline__ long long routed_entry(const LlParams& p, long long e, int t, int lane, bool owner) {
+    const int K = p.top_k;
+    const long long E = (long long)p.num_local * p.num_ranks;
+    const bool in_row = lane < K;
+    const unsigned same = __match_any_sync(EP_FULL_MASK, in_row ? e : -2ll - lane);
+    const unsigned below = same & ((1u << lane) - 1u);
+    const bool bad = in_row && (e < -1 || e >= E || (e >= 0 && below != 0u));
+    const unsigned bad_lanes = __ballot_sync(EP_FULL_MASK, bad);
+    const int first = bad_lanes ? __ffs(bad_lanes) - 1 : K;
+    const long long r = lane < first ? e : -1;
+    if (owner) {
+        if (in_row) reinterpret_cast<long long*>(p.topk_idx)[(size_t)t * K + lane] = r;
+        if (bad_lanes != 0u && lane == first) {
+            u64* rep = reinterpret_cast<u64*>(p.route_report);
+            const u64 replay = __ldcg(reinterpret_cast<const u64*>(p.seq_base) + 2);
+            const int earlier = (e >= 0 && below != 0u) ? __ffs(below) - 1 : -1;
+            st_relaxed_sys(rep + 1 + p.num_tokens + t, (u64)e);
+            st_relaxed_sys(rep + 1 + t, ((replay + 1) << 16) | ((u64)(earlier + 1) << 8) | (u64)first);
+            __threadfence_system();
+            st_relaxed_sys(rep, replay + 1);
+        }
+    }
+    return r;
+}
+
 // Each destination rank is served by `warps / R` warps; warp j of destination d handles the
 // (token, chunk) items j, j + wpd, ... of d (a row is split into `chunks` equal pieces, a multiple
 // of 256 channels each, so many warps move one row). When all of them are done, the last one
@@ -149,7 +183,7 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
     const int K = p.top_k, H = p.hidden, L = p.num_local, C = p.chunks;
 
     if (!p.cancelled) {
-        const long long* idx = reinterpret_cast<const long long*>(p.topk_idx);
+        const long long* idx = reinterpret_cast<const long long*>(p.topk_src ? p.topk_src : p.topk_idx);
         const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(p.x);
         char* region = via_nccl(p, dest)
                            ? reinterpret_cast<char*>(p.nccl_out) + (size_t)dest * p.nccl_dest_bytes
@@ -158,11 +192,9 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
         const int width = H / C;  // channels per chunk
         for (int item = j; item < p.num_tokens * C; item += wpd) {
             const int t = item / C, chunk = item % C;
-            int le = -1;
-            if (lane < K) {
-                long long e = idx[(size_t)t * K + lane];
-                if (e >= 0 && (int)(e / L) == dest) le = (int)(e % L);
-            }
+            long long e = lane < K ? idx[(size_t)t * K + lane] : -1;
+            if (p.topk_src) e = routed_entry(p, e, t, lane, dest == 0 && chunk == 0);
+            const int le = (lane < K && e >= 0 && (int)(e / L) == dest) ? (int)(e % L) : -1;
             if (__ballot_sync(EP_FULL_MASK, le >= 0) == 0u) continue;
             char* msg = region + (size_t)t * p.msg_bytes;
             if (chunk == 0) {
@@ -602,52 +634,4 @@ extern "C" __global__ void ep_graph_rebase(u64 bases, u64 dispatch, u64 combine,
     b[0] = dispatch;
     b[1] = combine;
     b[2] = replay;
-}
-
-struct LlRouteParams {
-    u64 src;      // the caller's top-k buffer [B x K] int64, refilled before every replay
-    u64 dst;      // the handle's copy, which dispatch and combine read
-    u64 bases;    // the step's bases (the replay index is bases[2])
-    u64 report;   // mapped host: [replay + 1, token * K + k, value, earlier k or -1]
-    int num_tokens, top_k, num_experts, pad;
-};
-static_assert(sizeof(LlRouteParams) == 48, "LlRouteParams layout");
-
-// A captured handle's routing, every replay (one block): each token's row is copied into the
-// handle, the entries from its first invalid one on (outside [-1, E), or an expert the row named
-// before) as -1, so dispatch and combine agree on a defined routing. The first invalid entry of
-// the replay (lowest token, then k) is reported: its place, value and the earlier k naming the
-// same expert (-1: out of range), then, with release, the replay's index + 1.
-extern "C" __global__ void __launch_bounds__(1024) ep_ll_route(LlRouteParams p) {
-    __shared__ int first;
-    const int K = p.top_k, E = p.num_experts;
-    const long long* src = reinterpret_cast<const long long*>(p.src);
-    long long* dst = reinterpret_cast<long long*>(p.dst);
-    if (threadIdx.x == 0) first = 0x7fffffff;
-    __syncthreads();
-    for (int t = threadIdx.x; t < p.num_tokens; t += blockDim.x) {
-        long long row[EP_MAX_TOPK];
-#pragma unroll
-        for (int k = 0; k < EP_MAX_TOPK; ++k) row[k] = k < K ? src[(size_t)t * K + k] : -1;
-        const int k_bad = topk_first_invalid(row, K, E);
-#pragma unroll
-        for (int k = 0; k < EP_MAX_TOPK; ++k) {
-            if (k < K) dst[(size_t)t * K + k] = k < k_bad ? row[k] : -1;
-        }
-        if (k_bad < K) atomicMin(&first, t * K + k_bad);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0 && first != 0x7fffffff) {
-        const int t = first / K, k = first % K;
-        const long long e = src[first];
-        long long earlier = -1;
-        for (int j = k - 1; j >= 0; --j) {
-            if (e >= 0 && src[(size_t)t * K + j] == e) earlier = j;
-        }
-        u64* r = reinterpret_cast<u64*>(p.report);
-        st_relaxed_sys(r + 1, (u64)first);
-        st_relaxed_sys(r + 2, (u64)e);
-        st_relaxed_sys(r + 3, (u64)earlier);
-        st_release_sys(r, __ldcg(reinterpret_cast<const u64*>(p.bases) + 2) + 1);
-    }
 }

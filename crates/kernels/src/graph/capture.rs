@@ -19,9 +19,9 @@ use super::{CapturedOp, GpuStep, StepMemory};
 use crate::device::{DeviceTensor, bind, cuda};
 use crate::ll::geometry::LlKernel;
 use crate::ll::start::{combine_params, dispatch_params};
-use crate::op::{launch, launch_ll_kernel};
+use crate::op::launch_ll_kernel;
 use crate::outputs::OutputTargets;
-use crate::params::{LlParams, LlRouteParams};
+use crate::params::LlParams;
 use crate::rank::GpuRank;
 use crate::rank::handle::GpuHandle;
 
@@ -217,8 +217,7 @@ impl GpuCapture<'_> {
         Ok(CapturedSend { channel: Channel::Dispatch, p, handle: h.clone() })
     }
 
-    /// Checks and numbers a captured dispatch on `h` and enqueues its route kernel; returns
-    /// its kernel parameters.
+    /// Checks and numbers a captured dispatch on `h`; returns its kernel parameters.
     fn record_dispatch(
         &mut self,
         h: &GpuHandle,
@@ -239,7 +238,9 @@ impl GpuCapture<'_> {
         let targets = g.dispatch_targets();
         let (mut p, _, stamp) = dispatch_params(s, offset, h, &valid, opts, Some(&targets))?;
         self.number(&mut p, Channel::Dispatch);
-        self.route(h)?;
+        // The routing of each replay comes from the caller's buffer, sanitized by the send.
+        p.topk_src = g.topk.ptr();
+        p.route_report = g.report.device_ptr();
         self.ops.push(CapturedOp { channel: Channel::Dispatch, offset, stamp, handle: self.handle_index(h) });
         Ok(p)
     }
@@ -371,24 +372,6 @@ impl GpuCapture<'_> {
         p.verdict = self.mem.failure.device_ptr();
         p.set = 0;
         p.cancelled = 0;
-    }
-
-    /// Enqueues the route kernel of `h`: its routing for this replay, from the caller's buffer.
-    fn route(&self, h: &GpuHandle) -> Result<(), Error> {
-        let s = &self.rank.shared;
-        let g = h.graph().ok_or_else(not_graph_handle)?;
-        let p = LlRouteParams {
-            src: g.topk.ptr(),
-            dst: h.ptr(),
-            bases: self.mem.bases.ptr(),
-            report: g.report.device_ptr(),
-            num_tokens: h.num_tokens() as i32,
-            top_k: h.top_k() as i32,
-            num_experts: s.config.num_experts as i32,
-            pad: 0,
-        };
-        let threads = (h.num_tokens().max(1) as u32).next_multiple_of(32).min(1024);
-        launch(&self.stream, &s.functions.ll_route, &p, (1, threads), false, || "launch route".into())
     }
 }
 

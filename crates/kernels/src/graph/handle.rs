@@ -27,21 +27,22 @@ impl GraphHandle {
         }
     }
 
-    /// The validation error the route kernel reported for replay `replay`, if any. Reads the
-    /// report twice around its details: a report the next replay rewrote meanwhile still names
-    /// the entry's place, with the value unknown.
-    pub(crate) fn invalid_entry(&self, replay: u64, top_k: usize, num_experts: usize) -> Option<ValidationError> {
+    /// The validation error of replay `replay`'s first invalid row (lowest token), if it had
+    /// one.
+    pub(crate) fn invalid_entry(&self, replay: u64, num_experts: usize) -> Option<ValidationError> {
         let r = &self.report;
         if r.read_u64(0) != replay + 1 {
             return None;
         }
-        let (entry, value, earlier) = (r.read_u64(1) as usize, r.read_u64(2) as i64, r.read_u64(3) as i64);
-        let (token, k) = (entry / top_k.max(1), entry % top_k.max(1));
+        let b = self.topk.desc().shape[0];
+        let (token, w) = (0..b).map(|t| (t, r.read_u64(1 + t))).find(|(_, w)| w >> 16 == replay + 1)?;
+        let (k, earlier) = ((w & 0xff) as usize, ((w >> 8) & 0xff) as i64 - 1);
+        let value = r.read_u64(1 + b + token) as i64;
         Some(match usize::try_from(earlier) {
-            Ok(first_k) if r.read_u64(0) == replay + 1 => {
+            Ok(first_k) => {
                 ValidationError::DuplicateExpert { token, expert: value.max(0) as usize, first_k, second_k: k }
             }
-            _ => ValidationError::ExpertIndexOutOfRange { token, k, index: value, num_experts },
+            Err(_) => ValidationError::ExpertIndexOutOfRange { token, k, index: value, num_experts },
         })
     }
 }
@@ -83,7 +84,7 @@ impl GpuRank {
         let combined = alloc(combine_output_descs(&ctx, &CombineOptions::default()).tokens)?;
         let graph = GraphHandle {
             topk: topk_idx.clone(),
-            report: PinnedBuffer::zeroed(&s.ctx, 4 * 8)?,
+            report: PinnedBuffer::zeroed(&s.ctx, (1 + 2 * b.max(1)) * 8)?,
             dispatched,
             combined,
             step: Mutex::new(None),

@@ -3,7 +3,8 @@
 //! contract and its rules).
 //!
 //! - `handle.rs`: handles of captured steps ([`GpuRank::graph_handle`]): the routing from a
-//!   buffer the caller refills, fixed outputs, the route kernel's report.
+//!   buffer the caller refills (each captured dispatch sanitizes it), fixed outputs, the report
+//!   of invalid rows.
 //! - `capture.rs`: [`GpuRank::capture`] and the [`GpuCapture`] its closure records through.
 //! - here: the [`GpuStep`], its launch ([`StepBackend::launch_step`]) and the [`GpuReplay`]
 //!   in flight.
@@ -27,7 +28,6 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaEvent, CudaGraph, CudaStream};
 use epflow_core::backend::Probe;
 use epflow_core::graph::{PendingReplay, StepBackend, StepCounts};
-use epflow_core::handle::RoutingHandle;
 use epflow_core::protocol::Channel;
 use epflow_core::stamp::Stamp;
 use epflow_core::{Error, Result};
@@ -255,7 +255,7 @@ impl PendingReplay for GpuReplay {
         }
         for h in self.handles.iter() {
             if let Some(g) = h.graph() {
-                if let Some(v) = g.invalid_entry(self.replay, h.top_k(), s.config.num_experts) {
+                if let Some(v) = g.invalid_entry(self.replay, s.config.num_experts) {
                     return Err(v.into());
                 }
             }

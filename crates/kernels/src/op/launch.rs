@@ -39,7 +39,7 @@ pub(crate) enum Launch {
 
 /// Launches `f` with its one parameter block `p` on `on`; `cooperative`: every block of the grid
 /// is resident at once (the kernel's blocks wait for each other's work).
-pub(crate) fn launch<P: cudarc::driver::DeviceRepr>(
+fn launch<P: cudarc::driver::DeviceRepr>(
     on: &CudaStream,
     f: &CudaFunction,
     p: &P,

@@ -10,7 +10,7 @@
 mod finish;
 mod launch;
 
-pub(crate) use launch::{launch, launch_ll_kernel};
+pub(crate) use launch::launch_ll_kernel;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

@@ -38,11 +38,12 @@ pub(crate) struct GpuHandleState {
 /// What a handle of captured steps (`graph/`) holds beside an eager handle's memory.
 #[derive(Debug)]
 pub(crate) struct GraphHandle {
-    /// The caller's `[B x K]` int64 `topk_idx` buffer, read by the step's route kernel.
+    /// The caller's `[B x K]` int64 `topk_idx` buffer, read by the step's dispatch send.
     pub(crate) topk: DeviceTensor,
-    /// The route kernel's report (mapped host, 4 words): the replay's index + 1, then the first
-    /// invalid entry (`token * K + k`), its value, and the earlier k naming the same expert (or
-    /// -1: out of range).
+    /// The report of invalid rows (mapped host, `1 + 2B` words; written by the captured
+    /// dispatch's send, `routed_entry` in `ll.cu`): `[0]` the last replay with one + 1; per
+    /// token `t`, `[1 + t]` = (replay + 1) << 16 | (earlier k naming the same expert + 1) << 8 |
+    /// the row's first invalid k, and `[1 + B + t]` its value.
     pub(crate) report: PinnedBuffer,
     /// The dispatch outputs (one dispatch per replay).
     pub(crate) dispatched: DispatchOutputs<DeviceTensor>,
