@@ -759,6 +759,14 @@ mod gpu {
         reps: Mutex<usize>,
     }
 
+    /// Rank `r`'s expert weights `[H x H]` BF16, scaled so activations keep their size.
+    fn expert_weights(rk: &GpuRank, r: usize) -> Result<DeviceTensor> {
+        let scale = (3.0 / HIDDEN as f32).sqrt() / 2.0;
+        let w: Vec<bf16> =
+            random_tokens(HIDDEN, HIDDEN, 99, r).iter().map(|v| bf16::from_f32(v.to_f32() * scale)).collect();
+        rk.upload(&HostTensor::tokens(HIDDEN, HIDDEN, w))
+    }
+
     fn err(e: impl std::fmt::Debug) -> Error {
         Error::Backend(format!("{e:?}"))
     }
@@ -900,12 +908,7 @@ mod gpu {
                         let r = g.rank();
                         let rk = g.backend();
                         let ctx = Arc::clone(rk.context());
-                        let scale = (3.0 / HIDDEN as f32).sqrt() / 2.0;
-                        let w: Vec<bf16> = random_tokens(HIDDEN, HIDDEN, 99, r)
-                            .iter()
-                            .map(|v| bf16::from_f32(v.to_f32() * scale))
-                            .collect();
-                        let w = rk.upload(&HostTensor::tokens(HIDDEN, HIDDEN, w))?;
+                        let w = expert_weights(rk, r)?;
                         let x0 =
                             rk.upload(&HostTensor::tokens(a.batch, HIDDEN, random_tokens(a.batch, HIDDEN, 70, r)))?;
                         let mut topk = Vec::new();
@@ -1074,10 +1077,7 @@ mod gpu {
                 let r = g.rank();
                 let rk = g.backend();
                 let ctx = Arc::clone(rk.context());
-                let scale = (3.0 / HIDDEN as f32).sqrt() / 2.0;
-                let w: Vec<bf16> =
-                    random_tokens(HIDDEN, HIDDEN, 99, r).iter().map(|v| bf16::from_f32(v.to_f32() * scale)).collect();
-                let w = rk.upload(&HostTensor::tokens(HIDDEN, HIDDEN, w))?;
+                let w = expert_weights(rk, r)?;
                 let l = EXPERTS / gpus;
                 let desc = TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[l, gpus * a.batch, HIDDEN]);
                 let out =

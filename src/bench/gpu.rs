@@ -9,7 +9,7 @@ use epflow_core::ops::{
     CombineInputs, CombineOptions, CombineOutputs, DispatchInputs, DispatchOptions, DispatchOutputs, HandleOptions,
     Layout,
 };
-use epflow_core::scenario::{Scenario, ll_reference_expert_outputs, rank_major_reference_expert_outputs};
+use epflow_core::scenario::Scenario;
 use epflow_core::verify::{Report, Tolerance, check_bf16};
 use epflow_core::{Error, HostTensor};
 use epflow_kernels::{DeviceTensor, GpuCombineOutput, GpuDispatchOutput, GpuRank};
@@ -85,22 +85,11 @@ impl<W: Fn()> GpuBench<W> {
     ) -> Result<(RankTimes, Option<Report>), Error> {
         let rank = &self.rank;
         let r = rank.rank();
-        let (m, h) = (rank.config().fixed_max_tokens().unwrap_or(0), rank.config().hidden);
         let cuda = |what: &str, e: cudarc::driver::DriverError| Error::Backend(format!("{what}: {e}"));
         let topk = rank.upload(&sc.topk_idx(r))?;
         let x = rank.upload(&sc.tokens(r))?;
         let w = rank.upload(&sc.weights(r))?;
-        let experts = match plan.layout {
-            Layout::ExpertMajor => {
-                ll_reference_expert_outputs(&sc.ll_dispatch_reference().map_err(Error::from)?[r], sc.num_ranks * m, h)
-            }
-            Layout::RankMajor => rank_major_reference_expert_outputs(
-                &sc.ll_rank_major_reference().map_err(Error::from)?[r],
-                m,
-                h,
-                sc.top_k,
-            ),
-        };
+        let experts = sc.ll_reference_expert_outputs(r, plan.layout)?;
         let y = rank.upload(&experts)?;
         let handle = rank.graph_handle(&topk, &HandleOptions::with_layout(plan.layout))?;
         let stream = rank.context().new_stream().map_err(|e| cuda("new stream", e))?;

@@ -9,9 +9,7 @@ use epflow_core::ops::{
     CombineInputs, CombineOptions, CombineOutputs, DispatchInputs, DispatchOptions, DispatchOutputs, HandleOptions,
     Layout,
 };
-use epflow_core::scenario::{
-    Scenario, ll_identity_expert_outputs, ll_reference_expert_outputs, rank_major_reference_expert_outputs,
-};
+use epflow_core::scenario::{Scenario, ll_identity_expert_outputs};
 use epflow_core::verify::{Report, Tolerance, check_bf16};
 use epflow_core::{Algorithm, Error, HostData, HostTensor, TensorTag, bf16};
 
@@ -95,12 +93,8 @@ impl HostBench {
     ) -> Result<(RankTimes, Option<Report>), Error> {
         let rank = &self.rank;
         let r = rank.rank();
-        let (m, h, k) = (rank.config().fixed_max_tokens().unwrap_or(0), rank.config().hidden, sc.top_k);
         let layout = plan.layout;
-        let experts = match layout {
-            Layout::ExpertMajor => ll_reference_expert_outputs(&sc.ll_dispatch_reference()?[r], sc.num_ranks * m, h),
-            Layout::RankMajor => rank_major_reference_expert_outputs(&sc.ll_rank_major_reference()?[r], m, h, k),
-        };
+        let experts = sc.ll_reference_expert_outputs(r, layout)?;
         let (topk, x, w) = (sc.topk_idx(r), sc.tokens(r), sc.weights(r));
         let out = Arc::new(Mutex::new(Vec::new()));
         let written = Arc::clone(&out);

@@ -311,6 +311,20 @@ pub enum ValidationError {
     },
 }
 
+impl ValidationError {
+    /// The error of an invalid `topk_idx` entry found on a device (the host copy is never
+    /// made): `topk_idx[token][k] = value`, a repeat of slot `earlier` when given (the value is
+    /// then the repeated expert), else out of `[-1, num_experts)`.
+    pub fn invalid_topk_entry(token: usize, k: usize, value: i64, earlier: Option<usize>, num_experts: usize) -> Self {
+        match earlier {
+            Some(first_k) => {
+                ValidationError::DuplicateExpert { token, expert: value.max(0) as usize, first_k, second_k: k }
+            }
+            None => ValidationError::ExpertIndexOutOfRange { token, k, index: value, num_experts },
+        }
+    }
+}
+
 /// The runtime error of every epflow operation.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 #[non_exhaustive]

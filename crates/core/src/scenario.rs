@@ -6,6 +6,7 @@ use half::bf16;
 use crate::config::{DispatchDtype, GroupConfig};
 use crate::error::ValidationError;
 use crate::fp8;
+use crate::ops::Layout;
 use crate::reference::{self, HtDispatchResult, LlDispatchResult, RankMajorDispatchResult, Rows, TokensRef};
 use crate::routing::Routing;
 use crate::tensor::HostTensor;
@@ -161,6 +162,22 @@ impl Scenario {
             }
         };
         Ok(reference::ll_combine_rank_major(&self.config, &routings, &layouts, &row))
+    }
+
+    /// The low-latency combine input identity experts would give rank `rank` under `layout`,
+    /// from the reference dispatch alone ([`ll_reference_expert_outputs`],
+    /// [`rank_major_reference_expert_outputs`]): what a caller writes into a captured step's
+    /// expert-output buffer before the replay that dispatches.
+    pub fn ll_reference_expert_outputs(&self, rank: usize, layout: Layout) -> Result<HostTensor, ValidationError> {
+        let (m, h) = (self.config.fixed_max_tokens().unwrap_or(0), self.config.hidden);
+        Ok(match layout {
+            Layout::ExpertMajor => {
+                ll_reference_expert_outputs(&self.ll_dispatch_reference()?[rank], self.num_ranks * m, h)
+            }
+            Layout::RankMajor => {
+                rank_major_reference_expert_outputs(&self.ll_rank_major_reference()?[rank], m, h, self.top_k)
+            }
+        })
     }
 
     fn tokens_refs(&self) -> Vec<TokensRef<'_>> {

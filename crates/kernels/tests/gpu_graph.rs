@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use epflow_core::backend::{Backend, blocking_combine, blocking_dispatch, blocking_handle, blocking_handle_with};
 use epflow_core::graph::{PendingReplay, StepBackend};
 use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions, Layout};
-use epflow_core::scenario::{Scenario, ll_reference_expert_outputs, rank_major_reference_expert_outputs};
+use epflow_core::scenario::Scenario;
 use epflow_core::verify::{Report, Tolerance, check_bf16, check_ll_dispatch, check_rank_major_dispatch};
 use epflow_core::workload::RoutingKind;
 use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, ValidationError};
@@ -92,13 +92,7 @@ struct Captured {
 
 /// The expert outputs identity experts would return for rank `r` of `sc` (from the reference).
 fn expert_outputs(sc: &Scenario, r: usize, layout: Layout) -> HostTensor {
-    let (h, k, m) = (sc.config.hidden, sc.top_k, max_tokens(sc));
-    match layout {
-        Layout::ExpertMajor => {
-            ll_reference_expert_outputs(&sc.ll_dispatch_reference().unwrap()[r], sc.num_ranks * m, h)
-        }
-        Layout::RankMajor => rank_major_reference_expert_outputs(&sc.ll_rank_major_reference().unwrap()[r], m, h, k),
-    }
+    sc.ll_reference_expert_outputs(r, layout).expect("a valid scenario")
 }
 
 fn max_tokens(sc: &Scenario) -> usize {
@@ -183,7 +177,7 @@ fn eager_round(rank: &GpuRank, sc: &Scenario) -> Result<Report, Error> {
     let w = rank.upload(&sc.weights(r))?;
     let refs = sc.ll_dispatch_reference().unwrap();
     let want = sc.ll_combine_identity_reference(&refs).unwrap();
-    let y = rank.upload(&ll_reference_expert_outputs(&refs[r], sc.num_ranks * max_tokens(sc), sc.config.hidden))?;
+    let y = rank.upload(&expert_outputs(sc, r, Layout::ExpertMajor))?;
     drop(blocking_dispatch(rank, &handle, DispatchInputs::new(&x), &DispatchOptions::default(), false)?);
     let out =
         blocking_combine(rank, &handle, CombineInputs::new(&y).with_weights(&w), &CombineOptions::default(), true)?;

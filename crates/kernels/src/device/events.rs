@@ -11,6 +11,13 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError};
 
+/// Whether `event` (of `ctx`) has completed, for a probe the reactor polls: also true when the
+/// context can no longer be bound or the query fails, so that the waiter goes on to read the
+/// verdict (which names the failure) instead of waiting for ever.
+pub(crate) fn event_done(ctx: &CudaContext, event: &CudaEvent) -> bool {
+    super::bind(ctx).is_err() || event.try_is_complete().unwrap_or(true)
+}
+
 /// Events kept at most; beyond that, events are created and destroyed as before.
 const MAX_POOLED: usize = 256;
 

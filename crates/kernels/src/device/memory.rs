@@ -62,12 +62,8 @@ impl DeviceBuffer {
         if offset + n > self.bytes {
             return Err(Error::Backend(format!("write of {n} B at {offset} past a {} B buffer", self.bytes)));
         }
-        bind(&self.ctx)?;
-        // SAFETY: the range [offset, offset + n) lies inside the allocation; `src` is valid for n bytes.
-        unsafe { sys::cuMemcpyHtoD_v2(self.ptr + offset as u64, src.as_ptr() as *const c_void, n) }
-            .result()
-            .map_err(|e| cuda("copy to device", e))?;
-        finish_legacy_stream(&self.ctx)
+        // The range [offset, offset + n) lies inside the allocation (checked above).
+        copy_from_host(&self.ctx, self.ptr + offset as u64, src)
     }
 }
 

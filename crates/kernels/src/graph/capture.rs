@@ -46,14 +46,14 @@ pub struct CapturedSend {
 /// returns. Nothing runs during the capture: each replay runs it all.
 #[derive(Debug)]
 pub struct GpuCapture<'r> {
-    rank: &'r GpuRank,
-    stream: Arc<CudaStream>,
-    mem: Arc<StepMemory>,
-    step: u64,
-    counts: StepCounts,
-    ops: Vec<CapturedOp>,
-    handles: Vec<GpuHandle>,
-    keep: Vec<DeviceTensor>,
+    pub(super) rank: &'r GpuRank,
+    pub(super) stream: Arc<CudaStream>,
+    pub(super) mem: Arc<StepMemory>,
+    pub(super) step: u64,
+    pub(super) counts: StepCounts,
+    pub(super) ops: Vec<CapturedOp>,
+    pub(super) handles: Vec<GpuHandle>,
+    pub(super) keep: Vec<DeviceTensor>,
     open: usize,
     /// The last complete half (or one-launch operation) captured: its channel and place.
     last: Option<(Channel, u64)>,
@@ -174,7 +174,7 @@ impl GpuRank {
                 return Err(e);
             }
         };
-        Ok(GpuStep::new(self, stream, cap.step, graph, cap.mem, cap.counts, cap.ops, cap.handles, cap.keep))
+        Ok(GpuStep::new(cap, graph))
     }
 }
 

@@ -38,12 +38,7 @@ impl GraphHandle {
         let (token, w) = (0..b).map(|t| (t, r.read_u64(1 + t))).find(|(_, w)| w >> 16 == replay + 1)?;
         let (k, earlier) = ((w & 0xff) as usize, ((w >> 8) & 0xff) as i64 - 1);
         let value = r.read_u64(1 + b + token) as i64;
-        Some(match usize::try_from(earlier) {
-            Ok(first_k) => {
-                ValidationError::DuplicateExpert { token, expert: value.max(0) as usize, first_k, second_k: k }
-            }
-            Err(_) => ValidationError::ExpertIndexOutOfRange { token, k, index: value, num_experts },
-        })
+        Some(ValidationError::invalid_topk_entry(token, k, value, usize::try_from(earlier).ok(), num_experts))
     }
 }
 

@@ -34,7 +34,7 @@ use epflow_core::{Error, Result};
 
 pub use self::capture::{CapturedSend, GpuCapture};
 pub(crate) use self::handle::GraphHandle;
-use crate::device::{DeviceBuffer, DeviceTensor, PinnedBuffer, bind, cuda};
+use crate::device::{DeviceBuffer, DeviceTensor, PinnedBuffer, bind, cuda, event_done};
 use crate::params::status;
 use crate::rank::GpuRank;
 use crate::rank::handle::GpuHandle;
@@ -140,28 +140,18 @@ impl std::fmt::Debug for GpuStep {
 }
 
 impl GpuStep {
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        rank: &GpuRank,
-        stream: &Arc<CudaStream>,
-        id: u64,
-        graph: CudaGraph,
-        mem: Arc<StepMemory>,
-        counts: StepCounts,
-        ops: Vec<CapturedOp>,
-        handles: Vec<GpuHandle>,
-        keep: Vec<DeviceTensor>,
-    ) -> Self {
+    /// The step a finished capture recorded as `graph`.
+    fn new(cap: GpuCapture<'_>, graph: CudaGraph) -> Self {
         GpuStep {
-            shared: Arc::clone(&rank.shared),
-            id,
-            stream: Arc::clone(stream),
+            shared: Arc::clone(&cap.rank.shared),
+            id: cap.step,
+            stream: cap.stream,
             graph: Mutex::new(Graph(graph)),
-            mem,
-            counts,
-            ops: ops.into(),
-            handles: handles.into(),
-            _keep: keep,
+            mem: cap.mem,
+            counts: cap.counts,
+            ops: cap.ops.into(),
+            handles: cap.handles.into(),
+            _keep: cap.keep,
             launches: Mutex::default(),
         }
     }
@@ -238,7 +228,7 @@ impl GpuReplay {
 impl PendingReplay for GpuReplay {
     fn probe(&self) -> Box<dyn Probe> {
         let (ctx, event) = (Arc::clone(&self.shared.ctx), Arc::clone(&self.event));
-        Box::new(move || bind(&ctx).is_err() || event.try_is_complete().unwrap_or(true))
+        Box::new(move || event_done(&ctx, &event))
     }
 
     fn finish(self) -> Result<()> {

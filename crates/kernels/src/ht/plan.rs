@@ -50,13 +50,8 @@ impl DevicePlan {
             return None;
         }
         let (token, k) = (pos as usize / self.top_k.max(1), pos as usize % self.top_k.max(1));
-        let value = r.read_u64(1) as i64;
-        let first = r.read_u64(2) as i64;
-        Some(if first < 0 {
-            ValidationError::ExpertIndexOutOfRange { token, k, index: value, num_experts }
-        } else {
-            ValidationError::DuplicateExpert { token, expert: value as usize, first_k: first as usize, second_k: k }
-        })
+        let (value, first) = (r.read_u64(1) as i64, r.read_u64(2) as i64);
+        Some(ValidationError::invalid_topk_entry(token, k, value, usize::try_from(first).ok(), num_experts))
     }
 
     /// The handle the kernels built (after they completed with every source's message).

@@ -561,7 +561,7 @@ impl PendingOp for GpuOp {
                 return true;
             }
             match &done {
-                Some(e) => bind(&shared.ctx).is_err() || e.try_is_complete().unwrap_or(true),
+                Some(e) => crate::device::event_done(&shared.ctx, e),
                 None => true,
             }
         })
