@@ -45,7 +45,11 @@ impl<W: Fn()> BenchRank for NcclEpBench<W> {
     }
 
     fn combine_to_host<'a>(&self, out: &'a NcclEpCombineOutput) -> Result<Cow<'a, CombineOutputs<HostTensor>>, Error> {
-        Ok(Cow::Owned(CombineOutputs { tokens: out.tokens().download(self.rank.context())?, topk_weights: None }))
+        Ok(Cow::Owned(CombineOutputs {
+            tokens: out.tokens().download(self.rank.context())?,
+            topk_weights: None,
+            masked: None,
+        }))
     }
 
     fn identity_experts<'a>(&self, out: &'a NcclEpDispatchOutput) -> Result<Cow<'a, DeviceTensor>, Error> {

@@ -138,7 +138,24 @@ impl<B: Backend> OpDriver<B> {
         self.wait = None;
         match outcome {
             WaitOutcome::Ready => Poll::Ready(Ok(())),
-            WaitOutcome::TimedOut => Poll::Ready(Err(self.timeout_error(kind))),
+            WaitOutcome::TimedOut => {
+                // Rank masking: the ranks this operation waits for are masked, and it goes on
+                // without them (a fresh deadline for the check that follows).
+                if kind != WaitKind::Slot {
+                    match self.step(PendingOp::mask_missing) {
+                        Ok(true) => {
+                            self.phase_start = Instant::now();
+                            return Poll::Ready(Ok(()));
+                        }
+                        Ok(false) => {}
+                        Err(e) => {
+                            self.stage = Stage::Done;
+                            return Poll::Ready(Err(self.fail(e)));
+                        }
+                    }
+                }
+                Poll::Ready(Err(self.timeout_error(kind)))
+            }
             WaitOutcome::Failed => {
                 self.stage = Stage::Done;
                 let r = reactor();
@@ -373,6 +390,11 @@ impl<B: Backend> Job for Detached<B> {
                 true
             }
             Ok(false) if Instant::now() < self.deadline => false,
+            // Rank masking: go on without the ranks it waits for.
+            Ok(false) if matches!(op.mask_missing(), Ok(true)) => {
+                self.deadline = deadline_after(Instant::now(), self.backend.config().timeout);
+                false
+            }
             Ok(false) => {
                 let op = self.op.take();
                 let (label, waiting) = op.as_ref().map(|o| (o.label(), o.waiting_for())).unwrap_or_default();

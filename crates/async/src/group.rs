@@ -58,6 +58,10 @@ impl<B: Backend> Group<B> {
         &self.backend
     }
 
+    pub(crate) fn backend_arc(&self) -> &Arc<B> {
+        &self.backend
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.backend.rank()

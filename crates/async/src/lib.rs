@@ -24,11 +24,15 @@
 //! - [`reactor`]: the completion reactor thread, and [`reactor::wait_for`] for custom probes.
 //! - [`Group::replay`] ([`ReplayFuture`]): one replay of a captured step
 //!   ([`epflow_core::graph`]), awaited like any operation.
+//! - Rank masking ([`epflow_core::mask`]): [`Group::masked_ranks`], [`Group::mask`],
+//!   [`Group::unmask_all`] ([`UnmaskFuture`]) and [`Group::mask_events`] ([`MaskEvents`], a
+//!   stream a server task awaits).
 //! - [`pipeline`]: runs a sequence of micro-batches through dispatch → experts → combine with
 //!   several in flight.
 //!
 //! Guarantees: every wait has the group's timeout (then [`epflow_core::Error::Timeout`] and the
-//! group is poisoned: later operations fail fast with [`epflow_core::Error::Poisoned`]); a new
+//! group is poisoned: later operations fail fast with [`epflow_core::Error::Poisoned`]; with
+//! rank masking the ranks waited for are masked instead, and the operation goes on without them); a new
 //! operation waits for a free buffer set instead of overwriting one whose outputs are alive;
 //! dropping any future at any point frees nothing still in use and leaves no peer waiting.
 #![forbid(unsafe_code)]
@@ -38,6 +42,7 @@ pub mod completion;
 mod driver;
 mod group;
 mod inbox;
+mod mask;
 pub mod pipeline;
 pub mod reactor;
 mod replay;
@@ -46,4 +51,5 @@ mod wait;
 
 pub use completion::{Completion, CompletionMode};
 pub use group::{CompleteOn, Group, HandleFuture, OpFuture, SendOnly, Staged};
+pub use mask::{MaskEvents, UnmaskFuture};
 pub use replay::ReplayFuture;

@@ -29,7 +29,8 @@ use std::time::{Duration, Instant};
 
 use crate::config::GroupConfig;
 use crate::error::{Error, Result};
-use crate::handle::RoutingHandle;
+use crate::handle::{HandleCore, RoutingHandle};
+use crate::mask::{MaskedRanks, RankSet};
 use crate::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions, TensorView};
 use crate::protocol::{Channel, Poison, SlotGuard, SlotPool, deadline_after, op_label, wait_until};
 use crate::validate::OpContext;
@@ -204,6 +205,15 @@ pub trait PendingOp: Send + 'static {
     }
     /// What the operation is waiting for, for timeout errors (e.g. `"data from ranks [3]"`).
     fn waiting_for(&self) -> String;
+    /// A wait of this operation ran past the group's timeout. In a group with
+    /// [`GroupConfig::rank_masking`], a backend whose driver detects dead ranks (the host
+    /// backend) masks the ranks the operation waits for and returns `true`: the driver then
+    /// waits again, and the operation completes without them. `false` (the default, and GPU
+    /// operations, whose kernels mask at their own deadline): the wait fails with
+    /// [`Error::Timeout`].
+    fn mask_missing(&mut self) -> Result<bool> {
+        Ok(false)
+    }
     /// A label like `"dispatch #3"`.
     fn label(&self) -> String {
         op_label(self.channel(), self.seq())
@@ -243,13 +253,23 @@ pub struct RankCore {
     poison: Arc<Poison>,
     slots: [Arc<SlotPool>; 3],
     seqs: [AtomicU64; 3],
+    mask_epoch: AtomicU64,
 }
 
 impl RankCore {
     /// Rank `rank` of `num_ranks` in group `group_id` (unique in the process), with `config`.
     pub fn new(rank: usize, num_ranks: usize, group_id: u64, config: GroupConfig) -> Self {
         let slots = Channel::ALL.map(|c| SlotPool::new(c, config.buffer_sets));
-        RankCore { rank, num_ranks, group_id, config, poison: Arc::default(), slots, seqs: Default::default() }
+        RankCore {
+            rank,
+            num_ranks,
+            group_id,
+            config,
+            poison: Arc::default(),
+            slots,
+            seqs: Default::default(),
+            mask_epoch: AtomicU64::new(0),
+        }
     }
 
     /// This rank.
@@ -296,6 +316,36 @@ impl RankCore {
     /// The sequence number the next operation of `channel` will take.
     pub fn peek_seq(&self, channel: Channel) -> u64 {
         self.seqs[channel.index()].load(Ordering::Relaxed)
+    }
+
+    /// Moves every channel's next sequence number to `next` (`unmask_all`, with no operation in
+    /// flight: the numbers every rank agreed on), and starts the next mask epoch.
+    pub fn rejoin_at(&self, next: [u64; 3]) {
+        for (s, n) in self.seqs.iter().zip(next) {
+            s.store(n, Ordering::Relaxed);
+        }
+        self.mask_epoch.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The number of completed `unmask_all` calls ([`crate::mask`]).
+    pub fn mask_epoch(&self) -> u64 {
+        self.mask_epoch.load(Ordering::Acquire)
+    }
+
+    /// Records on `handle` that a dispatch starts in this mask epoch (see
+    /// [`RankCore::check_mask_epoch`]).
+    pub fn note_dispatch_epoch(&self, handle: &HandleCore) {
+        handle.record_mask_epoch(self.mask_epoch());
+    }
+
+    /// Refuses a combine on `handle` if its last dispatch started before the last
+    /// `unmask_all`: ranks that rejoined do not hold that dispatch ([`Error::StaleMaskEpoch`]).
+    pub fn check_mask_epoch(&self, handle: &HandleCore, op: impl FnOnce() -> String) -> Result<()> {
+        let now = self.mask_epoch();
+        match handle.mask_epoch() {
+            Some(dispatched) if dispatched != now => Err(Error::StaleMaskEpoch { op: op(), dispatched, now }),
+            _ => Ok(()),
+        }
     }
 
     /// Fails fast if the group is poisoned, or if `handle` belongs to another group.
@@ -348,6 +398,24 @@ pub trait Backend: Send + Sync + 'static {
     /// The slots of a channel.
     fn slot_pool(&self, channel: Channel) -> &Arc<SlotPool> {
         self.core().slot_pool(channel)
+    }
+    /// This rank's view of the group's mask ([`crate::mask`]): empty, epoch 0, in a group
+    /// without [`GroupConfig::rank_masking`].
+    fn masked_ranks(&self) -> MaskedRanks {
+        MaskedRanks { ranks: RankSet::new(), epoch: self.core().mask_epoch() }
+    }
+    /// Masks `ranks` on every rank, as a timeout would (an application's decision, e.g. from a
+    /// health check): later operations skip them. Any rank may call it, alone; it returns once
+    /// the bits are in every rank's word. Groups without rank masking refuse it.
+    fn mask_ranks(&self, ranks: &RankSet) -> Result<()> {
+        let _ = ranks;
+        Err(Error::Unsupported("mask_ranks needs a group with rank_masking".into()))
+    }
+    /// Clears the mask of every rank: a collective of every rank, the masked ones included,
+    /// with no operation in flight on any of them ([`crate::mask`], "Recovery"). Blocks until
+    /// every rank has arrived, or fails with [`Error::Timeout`] after the group's timeout.
+    fn unmask_all(&self) -> Result<()> {
+        Err(Error::Unsupported("unmask_all needs a group with rank_masking".into()))
     }
     /// Validates `topk_idx` and creates a handle (collective for high-throughput).
     ///
@@ -406,6 +474,26 @@ fn timeout_error<O: PendingOp>(op: &O, after: Duration) -> Error {
     Error::Timeout { op: op.label(), rank: op.rank(), waiting_for: op.waiting_for(), after }
 }
 
+/// Waits (bounded by `timeout`) until `ready(op)`. At the deadline the operation may mask the
+/// ranks it waits for ([`PendingOp::mask_missing`], rank masking): then it waits again, with a
+/// fresh deadline (each `true` masked a rank that was not masked before, so this ends).
+/// `Ok(false)`: timed out.
+pub fn wait_masking<O: PendingOp>(
+    op: &mut O,
+    timeout: Duration,
+    mut ready: impl FnMut(&mut O) -> Result<bool>,
+) -> Result<bool> {
+    loop {
+        let deadline = deadline_after(Instant::now(), timeout);
+        if wait_until(deadline, || ready(op))? {
+            return Ok(true);
+        }
+        if !op.mask_missing()? {
+            return Ok(false);
+        }
+    }
+}
+
 /// Blocking send half: takes the slot, waits for credits (bounded by `timeout`), sends, and
 /// returns the operation ready for [`complete_blocking`].
 ///
@@ -431,9 +519,9 @@ pub fn send_blocking<O: PendingOp>(
     } else {
         None
     };
-    let deadline = deadline_after(Instant::now(), timeout);
     let label = op.label();
-    let ready = poison.track(guarded(poison, || label.clone(), || wait_until(deadline, || op.poll_send_ready())))?;
+    let ready =
+        poison.track(guarded(poison, || label.clone(), || wait_masking(&mut op, timeout, O::poll_send_ready)))?;
     if !ready {
         return poison.track(Err(timeout_error(&op, timeout)));
     }
@@ -445,8 +533,7 @@ pub fn send_blocking<O: PendingOp>(
 pub fn complete_blocking<O: PendingOp>(mut op: O, poison: &Poison, timeout: Duration) -> Result<O::Output> {
     let label = op.label();
     poison.track(guarded(poison, || label.clone(), || op.start_complete()))?;
-    let deadline = deadline_after(Instant::now(), timeout);
-    let done = poison.track(guarded(poison, || label.clone(), || wait_until(deadline, || op.poll_complete())))?;
+    let done = poison.track(guarded(poison, || label.clone(), || wait_masking(&mut op, timeout, O::poll_complete)))?;
     if !done {
         return poison.track(Err(timeout_error(&op, timeout)));
     }
@@ -488,9 +575,8 @@ pub fn detach<O: PendingOp>(op: O, timeout: Duration, poison: Arc<Poison>) {
 }
 
 fn finish_abandoned<O: PendingOp>(mut op: O, timeout: Duration) -> Result<()> {
-    let deadline = deadline_after(Instant::now(), timeout);
     if !op.is_sent() {
-        if !wait_until(deadline, || op.poll_send_ready())? {
+        if !wait_masking(&mut op, timeout, O::poll_send_ready)? {
             return Err(timeout_error(&op, timeout));
         }
         op.send(None)?;

@@ -128,6 +128,12 @@ pub struct GroupConfig {
     /// Longest time any wait of an operation may take before it fails with
     /// [`crate::Error::Timeout`] and poisons the group (default 10 s).
     pub timeout: Duration,
+    /// Low-latency only: a peer that misses the timeout is *masked* instead of poisoning the
+    /// group (default off). The operation that waited for it completes with what arrived,
+    /// every later operation skips it, and tokens whose experts live on a masked rank get a
+    /// zero contribution, counted per token in [`crate::ops::CombineOutputs::masked`]. See
+    /// [`crate::mask`] for the rules and the recovery steps.
+    pub rank_masking: bool,
 }
 
 impl GroupConfig {
@@ -143,6 +149,7 @@ impl GroupConfig {
             max_top_k: 8,
             max_sms: None,
             timeout: DEFAULT_TIMEOUT,
+            rank_masking: false,
         }
     }
 
@@ -188,6 +195,12 @@ impl GroupConfig {
     /// Replaces the operation timeout.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// Turns rank masking on or off ([`GroupConfig::rank_masking`]; low-latency groups only).
+    pub fn with_rank_masking(mut self, on: bool) -> Self {
+        self.rank_masking = on;
         self
     }
 
@@ -256,6 +269,9 @@ impl GroupConfig {
         }
         if self.timeout > MAX_TIMEOUT {
             return Err(ConfigError::TimeoutTooLong { timeout: self.timeout, max: MAX_TIMEOUT });
+        }
+        if self.rank_masking && self.algorithm != Algorithm::LowLatency {
+            return Err(ConfigError::MaskingNeedsLowLatency);
         }
         let too_large = |what: &'static str, value: usize, max: usize| {
             Err(ConfigError::TooLarge { what, detail: format!("{value} is more than the supported {max}") })

@@ -25,6 +25,11 @@ pub fn human_bytes(bytes: u128) -> String {
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ConfigError {
+    /// Rank masking was asked for on a high-throughput group.
+    #[error(
+        "rank_masking is a low-latency option: high-throughput rings cannot skip a rank's rows, so a high-throughput group poisons on a timeout"
+    )]
+    MaskingNeedsLowLatency,
     /// The group has no ranks.
     #[error("num_ranks is 0: a group needs at least one rank")]
     ZeroRanks,
@@ -420,6 +425,31 @@ pub enum Error {
         bytes: u128,
         /// Physical memory plus swap.
         available: u128,
+    },
+    /// The group masked this rank (its peers stopped waiting for it: see [`crate::mask`]). It
+    /// sends nothing and waits for nothing until every rank, this one included, has called
+    /// `unmask_all`.
+    #[error(
+        "{op}: the group masked rank {rank} (a peer gave up waiting for it); call unmask_all on every rank to rejoin"
+    )]
+    RankMasked {
+        /// The operation that was refused.
+        op: String,
+        /// This rank.
+        rank: usize,
+    },
+    /// A combine whose handle's last dispatch ran before the group's last `unmask_all`: the
+    /// ranks that rejoined do not hold that dispatch. Dispatch again on the handle.
+    #[error(
+        "{op}: the handle's last dispatch ran before the last unmask_all (mask epoch {dispatched}, now {now}); dispatch again before combining"
+    )]
+    StaleMaskEpoch {
+        /// The combine.
+        op: String,
+        /// The mask epoch of the dispatch.
+        dispatched: u64,
+        /// The group's mask epoch now.
+        now: u64,
     },
     /// This backend cannot do what was asked.
     #[error("unsupported: {0}")]

@@ -33,6 +33,8 @@ pub struct HandleCore {
     recv: Option<(usize, Vec<i32>)>,
     /// Per pass (forward, backward): 1 + the number of the latest completed dispatch; 0 = none.
     last_dispatch: [AtomicU64; 2],
+    /// 1 + the mask epoch ([`crate::mask`]) in which the latest dispatch started; 0 = none.
+    mask_epoch: AtomicU64,
 }
 
 fn pass_index(pass: Pass) -> usize {
@@ -80,6 +82,7 @@ impl HandleCore {
             creation,
             recv: None,
             last_dispatch: Default::default(),
+            mask_epoch: AtomicU64::new(0),
         }
     }
 
@@ -140,6 +143,16 @@ impl HandleCore {
         } else {
             Err(ValidationError::ForeignHandle { handle_group: self.group_id, group: group_id })
         }
+    }
+
+    /// Records that a dispatch on this handle starts in mask epoch `epoch` ([`crate::mask`]).
+    pub fn record_mask_epoch(&self, epoch: u64) {
+        self.mask_epoch.store(epoch + 1, Ordering::Release);
+    }
+
+    /// The mask epoch in which the latest dispatch on this handle started, if any.
+    pub fn mask_epoch(&self) -> Option<u64> {
+        self.mask_epoch.load(Ordering::Acquire).checked_sub(1)
     }
 
     /// Records that dispatch `seq` (of `pass`) produced its outputs on this handle. The latest

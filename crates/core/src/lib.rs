@@ -22,6 +22,8 @@
 //! - [`handle`]: what every backend's routing handle shares, and when a handle may be reused.
 //! - [`backend`]: the trait a backend implements so the async runtime can drive it, and the
 //!   protocol state every backend's rank holds.
+//! - [`mask`]: rank masking — a low-latency group that skips a dead rank instead of poisoning,
+//!   how the survivors agree, and how the group recovers.
 //! - [`graph`]: captured low-latency steps replayed as a whole (CUDA graphs on GPUs), and
 //!   their rules.
 //! - [`host`]: the host backend, `R` ranks in one process on host memory.
@@ -40,6 +42,7 @@ pub mod fp8;
 pub mod graph;
 pub mod handle;
 pub mod host;
+pub mod mask;
 pub mod ops;
 pub mod protocol;
 pub mod reference;

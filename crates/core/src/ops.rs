@@ -221,4 +221,8 @@ pub struct CombineOutputs<T> {
     pub tokens: T,
     /// Top-k weight gradients `[B x K]` (HT backward).
     pub topk_weights: Option<T>,
+    /// Groups with rank masking ([`crate::GroupConfig::rank_masking`]): per token, the number
+    /// of its top-k entries whose expert lives on a masked rank and so contributed zero, `[B]`
+    /// int32 ([`crate::mask`]). `None` otherwise (and when a caller's own outputs leave it out).
+    pub masked: Option<T>,
 }

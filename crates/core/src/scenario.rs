@@ -6,6 +6,7 @@ use half::bf16;
 use crate::config::{DispatchDtype, GroupConfig};
 use crate::error::ValidationError;
 use crate::fp8;
+use crate::mask::{self, RankSet};
 use crate::ops::Layout;
 use crate::reference::{self, HtDispatchResult, LlDispatchResult, RankMajorDispatchResult, Rows, TokensRef};
 use crate::routing::Routing;
@@ -178,6 +179,29 @@ impl Scenario {
                 rank_major_reference_expert_outputs(&self.ll_rank_major_reference()?[rank], m, h, self.top_k)
             }
         })
+    }
+
+    /// The scenario a group with `masked` ranks serves ([`crate::mask`]): the masked ranks
+    /// send nothing (every entry of theirs is `-1`), and every entry naming an expert on a
+    /// masked rank is `-1`. Its references are what the survivors must produce.
+    pub fn without_ranks(&self, masked: &RankSet) -> Scenario {
+        let local = self.config.local_experts(self.num_ranks);
+        let mut out = self.clone();
+        for (r, inputs) in out.ranks.iter_mut().enumerate() {
+            inputs.topk_idx = if masked.contains(r) {
+                vec![-1; inputs.topk_idx.len()]
+            } else {
+                mask::without_masked_experts(&inputs.topk_idx, local, masked)
+            };
+        }
+        out
+    }
+
+    /// Rank `r`'s per-token count of top-k entries on `masked` ranks (the combine's
+    /// [`crate::ops::CombineOutputs::masked`]).
+    pub fn masked_entries(&self, r: usize, masked: &RankSet) -> Vec<i32> {
+        let local = self.config.local_experts(self.num_ranks);
+        mask::masked_entries(&self.ranks[r].topk_idx, self.top_k, local, masked)
     }
 
     fn tokens_refs(&self) -> Vec<TokensRef<'_>> {

@@ -22,6 +22,9 @@ pub enum TensorTag {
     RecvExpertCountsDevice,
     /// Per-local-expert receive counters, int32 `[L]`, in (pinned) host memory.
     RecvExpertCountsHost,
+    /// Per token, the top-k entries on masked ranks, int32 `[B]` (rank masking; epflow's own,
+    /// NCCL EP has no such tag).
+    MaskedEntries,
 }
 
 /// Shape, strides (in elements), element type and tag of a tensor.

@@ -604,6 +604,7 @@ pub fn combine_output_descs(ctx: &OpContext<'_>, opts: &CombineOptions) -> Combi
         tokens: TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[b, ctx.config.hidden]),
         topk_weights: (ctx.config.algorithm == Algorithm::HighThroughput && opts.pass == Pass::Backward)
             .then(|| TensorDesc::contiguous(TensorTag::TopkWeights, DType::F32, &[b, ctx.top_k])),
+        masked: ctx.config.rank_masking.then(|| TensorDesc::contiguous(TensorTag::MaskedEntries, DType::I32, &[b])),
     }
 }
 
@@ -621,7 +622,18 @@ pub fn validate_combine_outputs<T: TensorView>(
         want.topk_weights.as_ref(),
         "backward combine writes the top-k weight gradients",
         "only high-throughput backward combine writes weights",
-    )
+    )?;
+    // Optional even with masking: a caller may leave the per-token counts out.
+    if outputs.masked.is_some() || want.masked.is_none() {
+        check_against(
+            "combine output masked",
+            outputs.masked.as_ref(),
+            want.masked.as_ref(),
+            "",
+            "only groups with rank masking count masked entries",
+        )?;
+    }
+    Ok(())
 }
 
 /// Checks handle options against the group: high-throughput handles are flat, so

@@ -551,6 +551,7 @@ fn cases() -> Vec<Case> {
                 let outs = CombineOutputs {
                     tokens: TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[3, H]),
                     topk_weights: Some(TensorDesc::contiguous(TensorTag::TopkWeights, DType::F32, &[3, K])),
+                    masked: None,
                 };
                 Error::Validation(validate_combine_outputs(&ctx, &CombineOptions::default(), &outs).unwrap_err())
             }),

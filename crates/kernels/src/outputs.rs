@@ -36,6 +36,9 @@ pub struct OutputTargets {
     /// Low-latency dispatch: the receive counters (per local expert, or per source rank for
     /// rank-major handles).
     pub counts: Option<u64>,
+    /// Combine with rank masking: the per-token counts of entries on masked ranks, `[B]` int32
+    /// (`None`: not written).
+    pub masked: Option<u64>,
 }
 
 /// A low-latency buffer set on loan to an operation's outputs: the set is released when the
@@ -241,7 +244,7 @@ impl GpuCombineOutput {
     /// [`GpuDispatchOutput::record_stream`]).
     pub fn record_stream(&self, stream: &Arc<CudaStream>) {
         let o = &self.outputs;
-        record_views([Some(&o.tokens), o.topk_weights.as_ref()].into_iter().flatten(), stream);
+        record_views([Some(&o.tokens), o.topk_weights.as_ref(), o.masked.as_ref()].into_iter().flatten(), stream);
     }
 
     /// Tokens `[B x H]` BF16 in the original order.
@@ -252,6 +255,12 @@ impl GpuCombineOutput {
     /// High-throughput backward: the top-k weight gradients `[B x K]` fp32.
     pub fn topk_weights(&self) -> Option<&DeviceTensor> {
         self.outputs.topk_weights.as_ref()
+    }
+
+    /// Rank masking: per token, its top-k entries on masked ranks (they contributed zero),
+    /// `[B]` int32 in device memory, written by the complete half ([`epflow_core::mask`]).
+    pub fn masked(&self) -> Option<&DeviceTensor> {
+        self.outputs.masked.as_ref()
     }
 
     /// Device time from before the send half to after the complete half (with timing on).
@@ -269,6 +278,7 @@ impl GpuCombineOutput {
         Ok(CombineOutputs {
             tokens: self.outputs.tokens.download(&self.ctx)?,
             topk_weights: self.outputs.topk_weights.as_ref().map(|t| t.download(&self.ctx)).transpose()?,
+            masked: self.outputs.masked.as_ref().map(|t| t.download(&self.ctx)).transpose()?,
         })
     }
 }

@@ -13,7 +13,7 @@ pub(crate) const MAX_SETS: usize = 16;
 /// (arrival word, stamp) (see `common.cuh`).
 pub(crate) const ARRIVAL_WORDS: usize = 3 * MAX_SETS * MAX_RANKS * 2;
 /// `u64` arrays after the arrival pairs, each `[set][rank]` (see `common.cuh`).
-pub(crate) const SIG_ARRAYS: usize = 10;
+pub(crate) const SIG_ARRAYS: usize = 11;
 /// Words of the arrival pairs and the arrays.
 pub(crate) const SIG_ARRAY_WORDS: usize = ARRIVAL_WORDS + SIG_ARRAYS * MAX_SETS * MAX_RANKS;
 /// Largest number of high-throughput channels (block pairs) of a kernel.
@@ -40,7 +40,11 @@ pub(crate) mod status {
     use super::MAX_SETS;
 
     /// Words of the page.
-    pub(crate) const WORDS: usize = 1 + 6 * MAX_SETS;
+    pub(crate) const WORDS: usize = REJOIN + 3;
+    /// The mask word this rank's kernels last saw (rank masking; `EP_STATUS_MASK`).
+    pub(crate) const MASK: usize = 1 + 6 * MAX_SETS;
+    /// After `ep_mask_rejoin`: the next operation number of each channel (`EP_STATUS_REJOIN`).
+    pub(crate) const REJOIN: usize = MASK + 1;
     /// The first error: `code | peer << 8 | seq << 16`, 0 for none.
     pub(crate) const ERROR: usize = 0;
     /// A source did not arrive in time.
@@ -51,8 +55,11 @@ pub(crate) mod status {
     pub(crate) const TIMEOUT_RING: u64 = 3;
     /// A high-throughput source's stamp disagreed (the rings' positions now disagree).
     pub(crate) const MISMATCH: u64 = 4;
+    /// `unmask_all`: a rank did not come to the meeting in time (`peer` is the first missing).
+    pub(crate) const REJOIN_TIMEOUT: u64 = 5;
 
-    /// The outcome word of (channel, set): `(seq + 1) << 32 | mismatched << 16 | cancelled`.
+    /// The outcome word of (channel, set): `(seq + 1) << 32 | mismatched << 16 | absent << 8 |
+    /// cancelled` (absent: the sources a masking group skipped).
     pub(crate) const fn outcome(chan: usize, set: usize) -> usize {
         1 + chan * MAX_SETS + set
     }
@@ -117,7 +124,8 @@ pub(crate) struct LlParams {
     pub out_idx: u64,
     /// Complete half: the pieces a received row is copied (dispatch) or summed (combine) in.
     pub recv_chunks: i32,
-    pub pad0: i32,
+    /// 1: rank masking ([`epflow_core::mask`]).
+    pub masking: i32,
     /// A captured operation: the device address of its channel's base in the step's bases
     /// (`seq` is then the operation's place in the step); 0 for operations the host numbers.
     pub seq_base: u64,
@@ -128,7 +136,31 @@ pub(crate) struct LlParams {
     pub topk_src: u64,
     /// A captured dispatch: the handle's report of invalid rows (mapped host).
     pub route_report: u64,
+    /// A combine with masking: `[B]` int32, per token its top-k entries on absent ranks (or 0).
+    pub masked_out: u64,
 }
+
+/// `struct MaskParams` of `ll.cu` (`ep_mask_spread`, `ep_mask_rejoin`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct MaskParams {
+    pub signals: u64,
+    pub status: u64,
+    pub peer_signals: [u64; MAX_RANKS],
+    /// `ep_mask_spread`: the ranks to mask (bit `r` = rank `r`).
+    pub bits: u64,
+    /// `ep_mask_rejoin`: the number of this `unmask_all` (1, 2, ...).
+    pub epoch: u64,
+    /// `ep_mask_rejoin`: this rank's next operation number per channel.
+    pub next: [u64; 3],
+    pub timeout_ns: u64,
+    pub rank: i32,
+    pub num_ranks: i32,
+}
+
+// SAFETY: `MaskParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
+// (checked by the tests below and by a static_assert in ll.cu).
+unsafe impl DeviceRepr for MaskParams {}
 
 // SAFETY: `LlParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
 // (checked by the tests below and by a static_assert in ll.cu).
@@ -337,16 +369,24 @@ mod tests {
     fn signal_and_status_pages_match_common_cuh() {
         // EP_ARRIVAL_WORDS, EP_SIG_ARRAY_WORDS, EP_STATUS_STAMPS of common.cuh.
         assert_eq!(ARRIVAL_WORDS, 768);
-        assert_eq!(SIG_ARRAY_WORDS, 768 + 10 * 16 * 8);
+        assert_eq!(SIG_ARRAY_WORDS, 768 + 11 * 16 * 8);
         assert_eq!(arrival_offset(1, 2, 3), ((16 + 2) * 8 + 3) * 16);
         assert_eq!(status::stamp(0, 0), 49);
         assert_eq!(status::outcome(2, 15), 48);
-        assert_eq!(status::WORDS, 97);
+        assert_eq!(status::MASK, 97);
+        assert_eq!(status::REJOIN, 98);
+        assert_eq!(status::WORDS, 101);
     }
 
     #[test]
     fn layout_matches_the_cuda_struct() {
-        assert_eq!(size_of::<LlParams>(), 432);
+        assert_eq!(size_of::<LlParams>(), 440);
+        assert_eq!(offset_of!(LlParams, masking), 396);
+        assert_eq!(offset_of!(LlParams, masked_out), 432);
+        assert_eq!(size_of::<MaskParams>(), 136);
+        assert_eq!(offset_of!(MaskParams, bits), 80);
+        assert_eq!(offset_of!(MaskParams, next), 96);
+        assert_eq!(offset_of!(MaskParams, rank), 128);
         assert_eq!(offset_of!(LlParams, seq_base), 400);
         assert_eq!(offset_of!(LlParams, verdict), 408);
         assert_eq!(offset_of!(LlParams, topk_src), 416);

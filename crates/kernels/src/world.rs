@@ -43,6 +43,7 @@ impl GpuWorld {
         let layout = Layout::new(&config, num_ranks)?;
         let ctxs = devices.iter().map(|&d| context(d)).collect::<Result<Vec<_>, _>>()?;
         let masks = (0..num_ranks).map(|r| transport.nccl_mask(r, num_ranks, None)).collect::<Result<Vec<_>, _>>()?;
+        refuse_masking_over_nccl(&config, &masks)?;
         let layout = layout.for_transport(masks.iter().any(|&m| m != 0));
         let nvlink_pairs: Vec<(usize, usize)> = (0..num_ranks)
             .flat_map(|a| (0..num_ranks).map(move |b| (a, b)))
@@ -127,6 +128,7 @@ impl GpuWorld {
         let mask = transport.nccl_mask(rank, num_ranks, Some(&hosts))?;
         // Every rank learns every mask (rank 0's ids serve the NCCL communicators).
         let masks = bootstrap::all_gather_u64(comm, &[u64::from(mask)])?;
+        refuse_masking_over_nccl(&config, &masks)?;
         let layout = layout.for_transport(masks.iter().any(|&m| m != 0));
         let nccl = if masks.iter().any(|&m| m != 0) {
             let ids = if rank == 0 { new_ids()? } else { [0u64; 48] };
@@ -191,6 +193,17 @@ struct Placement {
     group_id: u64,
     /// Another rank of the group runs on the same GPU.
     shares_gpu: bool,
+}
+
+/// Rank masking needs every peer over NVLink: a rank masks a peer by storing into its signal
+/// page, and NCCL peers' pages are not mapped (every rank refuses alike, so no one waits).
+fn refuse_masking_over_nccl<M: Copy + Into<u64>>(config: &GroupConfig, masks: &[M]) -> Result<(), Error> {
+    if config.rank_masking && masks.iter().any(|&m| m.into() != 0) {
+        return Err(Error::Unsupported(
+            "rank_masking needs every peer over NVLink (the mask is stored into peers' signal pages); this group reaches some over NCCL".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Loads the kernels, creates the streams and assembles a rank around its memory and its view

@@ -87,6 +87,11 @@ impl NcclEpWorld {
     pub fn create(devices: &[usize], config: GroupConfig) -> Result<Vec<NcclEpRank>, Error> {
         let num_ranks = devices.len();
         config.validate(num_ranks)?;
+        if config.rank_masking {
+            return Err(Error::Unsupported(
+                "the NCCL EP backend does not mask ranks (use the GPU backend, or NCCL EP's own enable_mask)".into(),
+            ));
+        }
         if config.dispatch_dtype.is_fp8() {
             return Err(Error::Unsupported(
                 "the NCCL EP backend dispatches BF16 (NCCL EP 0.1 reserves the low-latency FP8 scales)".into(),

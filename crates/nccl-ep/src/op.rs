@@ -248,7 +248,7 @@ impl NcclEpOp {
         // output holds the buffer set's slot, as the GPU backend's outputs do.
         let tokens = unsafe { DeviceTensor::from_raw(s.sets[self.set].combined.ptr(), s.device, desc) };
         Ok(NcclEpCombineOutput {
-            outputs: CombineOutputs { tokens, topk_weights: None },
+            outputs: CombineOutputs { tokens, topk_weights: None, masked: None },
             elapsed: self.elapsed(),
             _slot: self.state.take_slot(),
         })

@@ -49,6 +49,12 @@ impl Cell {
         self.lock().take()
     }
 
+    /// Sets the credit as if every operation before `next` had been consumed (`unmask_all`,
+    /// with the cell quiet).
+    pub(crate) fn reset_credit(&self, next: u64) {
+        self.consumed.store(next, Ordering::Release);
+    }
+
     /// Returns the credit: the sender may reuse this cell and its staging buffer.
     pub(crate) fn release(&self, seq: u64) {
         self.consumed.store(seq + 1, Ordering::Release);

@@ -36,6 +36,7 @@
 mod graph;
 mod handle;
 mod mailbox;
+mod mask;
 pub mod memory;
 mod messages;
 mod op;
@@ -65,4 +66,6 @@ pub struct HostWorldShared {
     pub(crate) num_ranks: usize,
     pub(crate) group_id: u64,
     pub(crate) mailboxes: Mailboxes,
+    /// Every rank's mask word ([`crate::mask`]).
+    pub(crate) masks: mask::HostMasks,
 }

@@ -15,6 +15,7 @@ use crate::config::{Algorithm, DispatchDtype};
 use crate::error::{Error, Result};
 use crate::fp8;
 use crate::handle::HandleCore;
+use crate::mask::RankSet;
 use crate::ops::{CombineOptions, CombineOutputs, DispatchOptions, DispatchOutputs, Layout, Pass};
 use crate::protocol::{Channel, SlotGuard, op_label};
 use crate::routing::{ExpertPlacement, HtRecvLayout, LlRecvLayout, RankRecvLayout, Routing, SendPlan};
@@ -65,6 +66,34 @@ pub struct HostOp {
 pub type HostOpOutput = OpOutput<HostHandle, HostDispatchOutput, HostCombineOutput>;
 
 impl HostOp {
+    /// Whether this rank's mask word holds `peer`, or this rank itself (then it waits for no
+    /// one: its result is [`Error::RankMasked`]). Never without rank masking.
+    fn masked(&self, peer: usize) -> bool {
+        let m = &self.world.masks;
+        m.holds(self.rank, peer) || m.holds(self.rank, self.rank)
+    }
+
+    /// Whether `dest` has returned the credit for this operation's buffer set, or is masked.
+    fn credit_from(&self, dest: usize) -> bool {
+        let mb = &self.world.mailboxes;
+        self.masked(dest) || mb.cell(dest, self.channel, self.seq, self.rank).has_credit(self.seq, mb.sets())
+    }
+
+    /// Whether `src`'s message of this operation is in, or `src` is masked.
+    fn arrival_from(&self, src: usize) -> bool {
+        self.masked(src) || self.world.mailboxes.cell(self.rank, self.channel, self.seq, src).has_arrived(self.seq)
+    }
+
+    /// The message a masked source stands in with: data agreeing with this operation, carrying
+    /// nothing (its rows are absent; combine counts its entries in `masked`).
+    fn absent_message(&self) -> Message {
+        let body = match &self.work {
+            Some(HostOpKind::Combine { .. }) => Body::LlCombine { entries: Vec::new() },
+            _ => Body::Dispatch { copies: Vec::new() },
+        };
+        Message::Data { stamp: self.stamp, body }
+    }
+
     fn ranks_where(&self, pred: impl Fn(usize) -> bool) -> Vec<usize> {
         (0..self.world.num_ranks).filter(|&r| pred(r)).collect()
     }
@@ -257,6 +286,7 @@ impl HostOp {
         opts: CombineOptions,
         weights: &[f32],
         msgs: &[&Body],
+        absent: &RankSet,
     ) -> Result<HostCombineOutput> {
         let h = self.world.config.hidden;
         let (b, k_n) = (handle.num_tokens(), handle.top_k());
@@ -265,6 +295,7 @@ impl HostOp {
             return Err(self.internal("combine outputs are BF16".into()));
         };
         let mut out_w = descs.topk_weights.as_ref().map(|_| vec![0f32; b * k_n]);
+        let mut masked = descs.masked.as_ref().map(|d| self.output(d)).transpose()?;
         let payloads = self.staged_payloads();
         match self.world.config.algorithm {
             Algorithm::LowLatency => {
@@ -288,9 +319,16 @@ impl HostOp {
                     }
                 }
                 let mut acc = vec![0f32; h];
+                let local = self.world.config.local_experts(self.world.num_ranks);
                 for t in 0..b {
                     acc.iter_mut().for_each(|a| *a = 0.0);
+                    // Entries on masked ranks contribute zero; the token's count says how many.
+                    let mut lost = 0;
                     for k in 0..k_n {
+                        if routing.expert(t, k).is_some_and(|e| absent.contains(e / local.max(1))) {
+                            lost += 1;
+                            continue;
+                        }
                         let sends = if rank_major {
                             routing.first_of_its_rank(placement, t, k).is_some()
                         } else {
@@ -312,6 +350,9 @@ impl HostOp {
                     }
                     for (o, a) in out[t * h..(t + 1) * h].iter_mut().zip(&acc) {
                         *o = bf16::from_f32(*a);
+                    }
+                    if let Some(HostData::I32(m)) = masked.as_mut() {
+                        m[t] = lost;
                     }
                 }
             }
@@ -354,6 +395,7 @@ impl HostOp {
             outputs: CombineOutputs {
                 tokens: HostTensor::tokens(b, h, out),
                 topk_weights: out_w.map(|w| HostTensor::topk_weights(b, k_n, w)),
+                masked: masked.zip(descs.masked.as_ref()).map(|(m, d)| HostTensor::new(d.tag, &d.shape, m)),
             },
             recycle: self.recycle(),
             _slot: self.state.take_slot(),
@@ -362,12 +404,25 @@ impl HostOp {
 
     /// Takes every peer's message, produces the result, and returns the credits (also after an
     /// error). Runs once.
+    ///
+    /// Rank masking: the sources masked now are absent, whether or not their message came (so
+    /// no output mixes a masked rank's data with its absence).
     fn take_result(&mut self) -> Result<HostOpOutput> {
         let (mb, r) = (&self.world.mailboxes, self.world.num_ranks);
+        let absent = self.world.masks.view(self.rank);
         let msgs: Vec<Message> = (0..r)
-            .map(|s| mb.cell(self.rank, self.channel, self.seq, s).take().unwrap_or(Message::Cancelled))
+            .map(|s| {
+                let m = mb.cell(self.rank, self.channel, self.seq, s).take();
+                if absent.contains(s) { self.absent_message() } else { m.unwrap_or(Message::Cancelled) }
+            })
             .collect();
-        let result = if self.state.is_cancelled() { Ok(OpOutput::Cancelled) } else { self.produce(&msgs) };
+        let result = if absent.contains(self.rank) {
+            Err(Error::RankMasked { op: self.label(), rank: self.rank })
+        } else if self.state.is_cancelled() {
+            Ok(OpOutput::Cancelled)
+        } else {
+            self.produce(&msgs, &absent)
+        };
         // Done reading the senders' staging buffers: return every credit, also after an error.
         for s in 0..r {
             self.world.mailboxes.cell(self.rank, self.channel, self.seq, s).release(self.seq);
@@ -375,7 +430,7 @@ impl HostOp {
         result
     }
 
-    fn produce(&mut self, msgs: &[Message]) -> Result<HostOpOutput> {
+    fn produce(&mut self, msgs: &[Message], absent: &RankSet) -> Result<HostOpOutput> {
         let mut bodies = Vec::with_capacity(msgs.len());
         for (peer, m) in msgs.iter().enumerate() {
             match m {
@@ -401,7 +456,7 @@ impl HostOp {
                 Ok(OpOutput::Dispatch(self.finish_dispatch(&handle, opts, &bodies)?))
             }
             HostOpKind::Combine { handle, opts, weights } => {
-                Ok(OpOutput::Combine(self.finish_combine(&handle, opts, &weights, &bodies)?))
+                Ok(OpOutput::Combine(self.finish_combine(&handle, opts, &weights, &bodies, absent)?))
             }
         }
     }
@@ -420,10 +475,7 @@ impl PendingOp for HostOp {
     }
 
     fn poll_send_ready(&mut self) -> Result<bool> {
-        let sets = self.world.mailboxes.sets();
-        Ok(self.state.is_sent()
-            || (0..self.world.num_ranks)
-                .all(|d| self.world.mailboxes.cell(d, self.channel, self.seq, self.rank).has_credit(self.seq, sets)))
+        Ok(self.state.is_sent() || (0..self.world.num_ranks).all(|d| self.credit_from(d)))
     }
 
     fn send(&mut self, slot: Option<SlotGuard>) -> Result<()> {
@@ -439,6 +491,9 @@ impl PendingOp for HostOp {
             }
         }
         for d in 0..self.world.num_ranks {
+            if self.masked(d) {
+                continue; // A masked rank gets nothing.
+            }
             let msg = if self.state.is_cancelled() {
                 Message::Cancelled
             } else {
@@ -471,8 +526,7 @@ impl PendingOp for HostOp {
         let mut all = true;
         for src in 0..self.world.num_ranks {
             if !self.arrived[src] {
-                self.arrived[src] =
-                    self.world.mailboxes.cell(self.rank, self.channel, self.seq, src).has_arrived(self.seq);
+                self.arrived[src] = self.arrival_from(src);
                 all &= self.arrived[src];
             }
         }
@@ -497,7 +551,11 @@ impl PendingOp for HostOp {
         let (world, channel, seq, rank) = (Arc::clone(&self.world), self.channel, self.seq, self.rank);
         Box::new(move || {
             let sets = world.mailboxes.sets();
-            (0..world.num_ranks).all(|d| world.mailboxes.cell(d, channel, seq, rank).has_credit(seq, sets))
+            (0..world.num_ranks).all(|d| {
+                world.masks.holds(rank, d)
+                    || world.masks.holds(rank, rank)
+                    || world.mailboxes.cell(d, channel, seq, rank).has_credit(seq, sets)
+            })
         })
     }
 
@@ -507,7 +565,13 @@ impl PendingOp for HostOp {
             return Box::new(|| true);
         }
         let (world, channel, seq, rank) = (Arc::clone(&self.world), self.channel, self.seq, self.rank);
-        Box::new(move || (0..world.num_ranks).all(|s| world.mailboxes.cell(rank, channel, seq, s).has_arrived(seq)))
+        Box::new(move || {
+            (0..world.num_ranks).all(|s| {
+                world.masks.holds(rank, s)
+                    || world.masks.holds(rank, rank)
+                    || world.mailboxes.cell(rank, channel, seq, s).has_arrived(seq)
+            })
+        })
     }
 
     fn traffic(&self) -> (u64, u64) {
@@ -532,18 +596,29 @@ impl PendingOp for HostOp {
 
     fn waiting_for(&self) -> String {
         if !self.state.is_sent() {
-            let sets = self.world.mailboxes.sets();
-            let missing = self.ranks_where(|d| {
-                !self.world.mailboxes.cell(d, self.channel, self.seq, self.rank).has_credit(self.seq, sets)
-            });
+            let missing = self.ranks_where(|d| !self.credit_from(d));
             format!(
                 "buffer credits from ranks {missing:?} (they have not consumed {} #{})",
                 self.channel,
-                self.seq.saturating_sub(sets as u64)
+                self.seq.saturating_sub(self.world.mailboxes.sets() as u64)
             )
         } else {
-            let missing = self.ranks_where(|s| !self.arrived[s]);
+            let missing = self.ranks_where(|s| !self.arrived[s] && !self.arrival_from(s));
             format!("data from ranks {missing:?}")
         }
+    }
+
+    /// Masks the ranks this operation still waits for (credits before its send, data after),
+    /// in every rank's word; `true` if there were any.
+    fn mask_missing(&mut self) -> Result<bool> {
+        if !self.world.config.rank_masking {
+            return Ok(false);
+        }
+        let missing: RankSet = if !self.state.is_sent() {
+            self.ranks_where(|d| !self.credit_from(d)).into_iter().collect()
+        } else {
+            self.ranks_where(|s| !self.arrived[s] && !self.arrival_from(s)).into_iter().collect()
+        };
+        Ok(self.world.masks.detect(self.rank, &missing))
     }
 }

@@ -197,6 +197,12 @@ impl HostCombineOutput {
         self.outputs.topk_weights.as_ref()
     }
 
+    /// Rank masking: per token, its top-k entries on masked ranks (they contributed zero),
+    /// `[B]` ([`crate::mask`]). `None` in groups without rank masking.
+    pub fn masked(&self) -> Option<&[i32]> {
+        self.outputs.masked.as_ref().and_then(HostTensor::as_i32)
+    }
+
     /// All outputs as tensors.
     pub fn outputs(&self) -> &CombineOutputs<HostTensor> {
         &self.outputs
@@ -205,9 +211,10 @@ impl HostCombineOutput {
 
 impl Drop for HostCombineOutput {
     fn drop(&mut self) {
-        self.recycle.give(&mut self.outputs.tokens);
-        if let Some(w) = self.outputs.topk_weights.as_mut() {
-            self.recycle.give(w);
+        let o = &mut self.outputs;
+        self.recycle.give(&mut o.tokens);
+        for t in [&mut o.topk_weights, &mut o.masked].into_iter().flatten() {
+            self.recycle.give(t);
         }
     }
 }

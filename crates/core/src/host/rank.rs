@@ -21,6 +21,7 @@ use crate::backend::{
 use crate::config::{Algorithm, GroupConfig};
 use crate::error::{ConfigError, Error, Result, ValidationError};
 use crate::handle::{HandleCore, RoutingHandle};
+use crate::mask::{MaskedRanks, RankSet};
 use crate::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions, Layout, Pass};
 use crate::protocol::{Channel, Poison};
 use crate::routing::{ExpertPlacement, SendPlan};
@@ -41,8 +42,13 @@ impl HostWorld {
     pub fn create(num_ranks: usize, config: GroupConfig) -> Result<Vec<HostRank>, ConfigError> {
         config.validate(num_ranks)?;
         let group_id = NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed);
-        let world =
-            Arc::new(HostWorldShared { mailboxes: Mailboxes::new(&config, num_ranks), group_id, num_ranks, config });
+        let world = Arc::new(HostWorldShared {
+            mailboxes: Mailboxes::new(&config, num_ranks),
+            masks: super::mask::HostMasks::new(num_ranks),
+            group_id,
+            num_ranks,
+            config,
+        });
         Ok((0..num_ranks)
             .map(|rank| HostRank {
                 world: Arc::clone(&world),
@@ -189,10 +195,22 @@ impl HostRank {
         detach(op, self.world.config.timeout, Arc::clone(self.core.poison()));
     }
 
+    /// [`Error::RankMasked`] if the group masked this rank: it neither sends nor waits (and
+    /// takes no sequence number) until `unmask_all`.
+    fn check_not_masked(&self, channel: Channel) -> Result<()> {
+        let me = self.core.rank();
+        if self.world.masks.holds(me, me) {
+            let op = crate::protocol::op_label(channel, self.core.peek_seq(channel));
+            return Err(Error::RankMasked { op, rank: me });
+        }
+        Ok(())
+    }
+
     /// Runs `start` (which validates and creates an operation of `channel`); if it fails for a
     /// reason other than a poisoned group, the collective still goes ahead as a cancellation.
     fn collective<T>(&self, channel: Channel, start: impl FnOnce() -> Result<T>) -> Result<T> {
         self.core.poison().check()?;
+        self.check_not_masked(channel)?;
         let r = start();
         if let Err(e) = &r {
             if !matches!(e, Error::Poisoned { .. }) {
@@ -399,6 +417,7 @@ impl HostRank {
         self.core.check_handle(handle)?;
         validate_dispatch_inputs(&self.core.op_context(handle), opts, &inputs)?;
         let stamp = handle.0.core.dispatch_stamp(opts.pass);
+        self.core.note_dispatch_epoch(&handle.0.core);
         let (outgoing, staged) = self.dispatch_messages(handle, &inputs, opts.pass, stamp);
         let work = HostOpKind::Dispatch { handle: handle.clone(), opts: *opts };
         Ok(self.new_op(Channel::Dispatch, Some(work), stamp, outgoing, Some(staged)))
@@ -407,6 +426,9 @@ impl HostRank {
     fn prepare_combine(&self, handle: &HostHandle, inputs: CombineInputs<'_>, opts: &CombineOptions) -> Result<HostOp> {
         self.core.check_handle(handle)?;
         validate_combine_inputs(&self.core.op_context(handle), opts, &inputs)?;
+        self.core.check_mask_epoch(&handle.0.core, || {
+            crate::protocol::op_label(Channel::Combine, self.core.peek_seq(Channel::Combine))
+        })?;
         let (outgoing, staged, stamp) = self.combine_messages(handle, &inputs, opts.pass)?;
         // Expert-major low-latency combine applies the weights on arrival; rank-major and
         // high-throughput combines sum pre-weighted rows (no weights).
@@ -416,6 +438,16 @@ impl HostRank {
         };
         let work = HostOpKind::Combine { handle: handle.clone(), opts: *opts, weights };
         Ok(self.new_op(Channel::Combine, Some(work), stamp, outgoing, Some(staged)))
+    }
+}
+
+impl HostRank {
+    fn check_masking(&self, what: &str) -> Result<()> {
+        if self.world.config.rank_masking {
+            Ok(())
+        } else {
+            Err(Error::Unsupported(format!("{what} needs a group with rank_masking (GroupConfig::with_rank_masking)")))
+        }
     }
 }
 
@@ -429,6 +461,27 @@ impl Backend for HostRank {
 
     fn core(&self) -> &RankCore {
         &self.core
+    }
+
+    fn masked_ranks(&self) -> MaskedRanks {
+        MaskedRanks { ranks: self.world.masks.view(self.core.rank()), epoch: self.core.mask_epoch() }
+    }
+
+    fn mask_ranks(&self, ranks: &RankSet) -> Result<()> {
+        self.check_masking("mask_ranks")?;
+        if let Some(r) = ranks.iter().find(|&r| r >= self.world.num_ranks) {
+            return Err(Error::Unsupported(format!(
+                "mask_ranks: rank {r} is not in this group of {}",
+                self.world.num_ranks
+            )));
+        }
+        self.world.masks.mask(ranks);
+        Ok(())
+    }
+
+    fn unmask_all(&self) -> Result<()> {
+        self.check_masking("unmask_all")?;
+        super::mask::unmask_all(&self.world, &self.core)
     }
 
     fn start_handle(&self, topk_idx: &HostTensor, opts: &HandleOptions) -> Result<HandleCreation<HostHandle, HostOp>> {

@@ -24,6 +24,10 @@ pub(crate) struct Functions {
     pub combine_one: CudaFunction,
     /// A captured step's bases, set before a replay whose channels moved on (`graph/`).
     pub graph_rebase: CudaFunction,
+    /// Rank masking: ORs ranks into every rank's mask word (`mask.rs`).
+    pub mask_spread: CudaFunction,
+    /// Rank masking: `unmask_all`'s meeting and reset (`mask.rs`).
+    pub mask_rejoin: CudaFunction,
     pub ht_dispatch: CudaFunction,
     pub ht_combine: CudaFunction,
     pub ht_exchange: CudaFunction,
@@ -68,6 +72,8 @@ impl Functions {
             dispatch_one: f(&ll, "ep_ll_dispatch_kernel")?,
             combine_one: f(&ll, "ep_ll_combine_kernel")?,
             graph_rebase: f(&ll, "ep_graph_rebase")?,
+            mask_spread: f(&ll, "ep_mask_spread")?,
+            mask_rejoin: f(&ll, "ep_mask_rejoin")?,
             ht_dispatch: f(&ht, "ep_ht_dispatch_kernel")?,
             ht_combine: f(&ht, "ep_ht_combine_kernel")?,
             ht_exchange: f(&ht, "ep_ht_exchange")?,

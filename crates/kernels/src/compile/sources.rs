@@ -26,6 +26,8 @@ pub const LL: KernelModule = KernelModule {
         "ep_ll_combine_recv",
         "ep_ll_combine_kernel",
         "ep_graph_rebase",
+        "ep_mask_spread",
+        "ep_mask_rejoin",
     ],
 };
 

@@ -15,13 +15,19 @@ typedef unsigned int u32;
 // [0] = the first error (0 = none): code | peer << 8 | seq << 16;
 // [1 + chan * EP_MAX_SETS + set] = of the last completed operation of (channel, set):
 //     (seq + 1) << 32 | mismatched sources << 16 | cancelled sources;
-// [1 + 3 * EP_MAX_SETS + chan * EP_MAX_SETS + set] = the stamp of its lowest mismatched source.
+// [1 + 3 * EP_MAX_SETS + chan * EP_MAX_SETS + set] = the stamp of its lowest mismatched source;
+// [EP_STATUS_MASK] = the mask word this rank's kernels last saw (rank masking, see below);
+// [EP_STATUS_REJOIN + chan] = the next operation number of each channel after `ep_mask_rejoin`.
+// Outcome bits 8..15 are the sources the operation treated as absent (masked).
 // Channels: 0 dispatch, 1 combine, 2 handle (the high-throughput count exchange).
 #define EP_ERR_TIMEOUT_ARRIVAL 1ull
 #define EP_ERR_TIMEOUT_CREDIT 2ull
 #define EP_ERR_TIMEOUT_RING 3ull
 #define EP_ERR_MISMATCH 4ull
+#define EP_ERR_REJOIN 5ull
 #define EP_STATUS_STAMPS (1 + 3 * EP_MAX_SETS)
+#define EP_STATUS_MASK (1 + 6 * EP_MAX_SETS)
+#define EP_STATUS_REJOIN (EP_STATUS_MASK + 1)
 
 // The signal page of a rank starts with the arrival pairs, [chan][set][source] x {arrival,
 // stamp}: a sender writes its stamp (what the ranks must agree on: top-k, pass, handle or
@@ -34,12 +40,24 @@ typedef unsigned int u32;
 #define EP_SIG_DONE 6                   // local: blocks done receiving, [set][chan]
 #define EP_SIG_ABORT(chan) (7 + (chan)) // high-throughput, [seq % 2][peer]: seq + 1 once that peer's
                                         // receiver saw this rank's stamp mismatch (stop sending to it)
-#define EP_SIG_ARRAYS 10
+#define EP_SIG_MASK 10             // rank masking: see `mask_area`
+#define EP_SIG_ARRAYS 11
 #define EP_SIG_ARRAY_WORDS (EP_ARRIVAL_WORDS + EP_SIG_ARRAYS * EP_MAX_SETS * EP_MAX_RANKS)
 
 __device__ __forceinline__ u64* sig_at(u64* page, int array, int set, int rank) {
     return page + EP_ARRIVAL_WORDS + ((size_t)array * EP_MAX_SETS + set) * EP_MAX_RANKS + rank;
 }
+
+// Rank masking (epflow_core::mask). A rank's mask area (one array of its signal page):
+// [0] the mask word: bit r = rank r is masked (peers OR bits in over NVLink; never cleared but by
+//     `ep_mask_rejoin`);
+// [EP_MASK_DECISION + chan * EP_MAX_SETS + set] the absent sources of the operation of (chan, set)
+//     the first block to finish waiting decided: (seq + 1) << 8 | absent;
+// [EP_MASK_REJOIN + r * 5 + i] `ep_mask_rejoin`'s meeting board: rank r's epoch (i = 0), its next
+//     operation numbers (1..3), the epoch it has reset for (4).
+#define EP_MASK_DECISION 8
+#define EP_MASK_REJOIN 40
+__device__ __forceinline__ u64* mask_area(u64* page) { return page + EP_ARRIVAL_WORDS + (size_t)EP_SIG_MASK * EP_MAX_SETS * EP_MAX_RANKS; }
 
 __device__ __forceinline__ u64* arrival_at(u64* page, int chan, int set, int rank) {
     return page + (((size_t)chan * EP_MAX_SETS + set) * EP_MAX_RANKS + rank) * 2;

@@ -49,7 +49,7 @@ struct LlParams {
     u64 out_weights;      // rank-major dispatch: [R*M x K] fp32 received weights
     u64 out_idx;          // rank-major dispatch: [R*M x K] int32 local expert per top-k entry, or -1
     int recv_chunks;      // complete half: pieces a received row is copied (dispatch) or summed (combine) in
-    int pad0;
+    int masking;          // 1: rank masking (epflow_core::mask): a peer that misses the deadline is masked
     // Operations captured in a CUDA graph (graph/ in epflow-kernels): the operation number is
     // `seq` (the operation's place on its channel within the captured step) plus the channel's
     // base, the u64 at `seq_base` in device memory, read when the kernel starts (the step advances
@@ -58,9 +58,10 @@ struct LlParams {
     u64 verdict;          // captured: the step's failure word (mapped host), or 0 (see `report_failure`)
     u64 topk_src;         // captured dispatch: the caller's [B x K] int64 top-k buffer (see `routed_entry`), or 0
     u64 route_report;     // captured dispatch: the handle's report of invalid rows (mapped host)
+    u64 masked_out;       // combine with masking: [B] int32, per token its top-k entries on absent ranks, or 0
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
-static_assert(sizeof(LlParams) == 432, "LlParams layout");
+static_assert(sizeof(LlParams) == 440, "LlParams layout");
 
 // The number and buffer set of the operation a launch runs: the host's, or for a captured
 // operation its offset plus the step's base in device memory (written by an earlier kernel of the
@@ -89,9 +90,51 @@ __device__ __forceinline__ void mark_step_failed(const LlParams& p, int chan) {
     if (p.seq_base) atomicExch(step_failed_flag(p, chan), 1ull);
 }
 
+__device__ __forceinline__ bool via_nccl(const LlParams& p, int r) { return (p.nccl_mask >> r) & 1; }
+
+// Rank masking (epflow_core::mask): this rank's mask word (0 without masking).
+__device__ __forceinline__ u64 mask_word(const LlParams& p) {
+    return p.masking ? ld_acquire_sys(mask_area(reinterpret_cast<u64*>(p.signals))) : 0ull;
+}
+
+// Masks `bits` on every rank: ORs them into this rank's word, then into every peer's (the masked
+// ranks' own included, so they learn it), and mirrors this rank's word for its host. A rank that
+// finds itself masked masks no one (a slow rank never masks the survivors that gave up on it).
+__device__ void spread_mask(const LlParams& p, u64 bits) {
+    u64* own = mask_area(reinterpret_cast<u64*>(p.signals));
+    if ((ld_acquire_sys(own) >> p.rank) & 1ull) return;
+    atomicOr(own, bits);
+    for (int r = 0; r < p.num_ranks; r++) {
+        if (r != p.rank) atomicOr_system(mask_area(reinterpret_cast<u64*>(p.peer_signals[r])), bits);
+    }
+    __threadfence_system();
+    st_relaxed_sys(reinterpret_cast<u64*>(p.status) + EP_STATUS_MASK, ld_acquire_sys(own));
+}
+
+// Waits (lane 0) for destination `dest`'s credit for this operation's set. With masking it stops
+// when `dest` is masked (by a peer, or here at the deadline) and returns true: skip `dest`.
+__device__ bool wait_credit(const LlParams& p, const OpNum& n, int chan, int dest) {
+    if (n.seq < (u64)p.num_sets || via_nccl(p, dest)) return false;
+    const u64* c = sig_at(reinterpret_cast<u64*>(p.signals), EP_SIG_CONSUMED(chan), n.set, dest);
+    const u64 want = n.seq + 1 - p.num_sets;
+    const u64 deadline = globaltimer_ns() + p.timeout_ns;
+    while ((ld_acquire_sys(c) >> 1) < want) {
+        if ((mask_word(p) >> dest) & 1ull) return true;
+        if (globaltimer_ns() > deadline) {
+            if (p.masking) {
+                spread_mask(p, 1ull << dest);
+                return true;
+            }
+            report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_CREDIT, dest, n.seq);
+            mark_step_failed(p, chan);
+            return false;
+        }
+    }
+    return false;
+}
+
 #define EP_HDR_WEIGHTS 48  // byte offset of the rank-major weights in a dispatch message header
 
-__device__ __forceinline__ bool via_nccl(const LlParams& p, int r) { return (p.nccl_mask >> r) & 1; }
 
 // The role of one warp in a send kernel: destination `dest` is served by `wpd` warps, this one is
 // number `j` of them, and `reporting` of them (those with work: `j < items`, at least one) signal
@@ -100,6 +143,7 @@ __device__ __forceinline__ bool via_nccl(const LlParams& p, int r) { return (p.n
 // the destination's credit for this buffer set first (operation seq - S consumed).
 struct SendRole {
     int dest, j, wpd, reporting, lane;
+    bool skip;  // masking: `dest` (or this rank) is masked: no payload, no signal
 };
 
 __device__ __forceinline__ bool send_role(const LlParams& p, const OpNum& n, int chan, long long items, SendRole* r) {
@@ -111,15 +155,13 @@ __device__ __forceinline__ bool send_role(const LlParams& p, const OpNum& n, int
     r->j = gw % r->wpd;
     r->reporting = (int)(items < 1 ? 1 : (items < r->wpd ? items : r->wpd));
     if (r->dest >= p.num_ranks || r->j >= r->reporting) return false;
-    if (n.seq >= (u64)p.num_sets && r->lane == 0 && !via_nccl(p, r->dest)) {
-        u64* sig = reinterpret_cast<u64*>(p.signals);
-        const u64 deadline = globaltimer_ns() + p.timeout_ns;
-        if (!wait_at_least(sig_at(sig, EP_SIG_CONSUMED(chan), n.set, r->dest), n.seq + 1 - p.num_sets, deadline)) {
-            report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_CREDIT, r->dest, n.seq);
-            mark_step_failed(p, chan);
-        }
+    int skip = 0;
+    if (r->lane == 0) {
+        const u64 m = mask_word(p);
+        skip = (int)(((m >> p.rank) | (m >> r->dest)) & 1ull);
+        if (!skip) skip = wait_credit(p, n, chan, r->dest);
     }
-    __syncwarp();
+    r->skip = __shfl_sync(EP_FULL_MASK, skip, 0) != 0;
     return true;
 }
 
@@ -133,8 +175,11 @@ __device__ __forceinline__ void signal_sent(const LlParams& p, const OpNum& n, i
         u64* sent = sig_at(sig, EP_SIG_SENT(chan), n.set, dest);
         if (atom_add_acq_rel_gpu(sent, 1) == (u64)(reporting - 1)) {
             *sent = 0;
-            u64* peer = reinterpret_cast<u64*>(p.peer_signals[dest]);
-            signal_arrival(peer, chan, n.set, p.rank, n.seq, p.cancelled != 0, p.stamp);
+            const u64 m = mask_word(p);
+            if (!(((m >> p.rank) | (m >> dest)) & 1ull)) {
+                u64* peer = reinterpret_cast<u64*>(p.peer_signals[dest]);
+                signal_arrival(peer, chan, n.set, p.rank, n.seq, p.cancelled != 0, p.stamp);
+            }
         }
     }
 }
@@ -182,7 +227,7 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
     const int lane = role.lane, dest = role.dest, j = role.j, wpd = role.wpd;
     const int K = p.top_k, H = p.hidden, L = p.num_local, C = p.chunks;
 
-    if (!p.cancelled) {
+    if (!p.cancelled && !role.skip) {
         const long long* idx = reinterpret_cast<const long long*>(p.topk_src ? p.topk_src : p.topk_idx);
         const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(p.x);
         char* region = via_nccl(p, dest)
@@ -250,9 +295,66 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
     signal_sent(p, n, 0, dest, role.reporting, lane);
 }
 
+// With masking: one thread per source waits for its arrival until it arrives, is masked (by a
+// peer, or here at the deadline: `spread_mask`), or this rank is masked. Then the first block of
+// the operation to get past its waits decides the absent sources for every block: the mask as it
+// stands then (it holds every source that block gave up on, so every source it leaves present
+// has arrived). Every thread of the block calls it; ends with a barrier.
+__device__ void wait_sources_masked(const LlParams& p, const OpNum& n, int chan, u32* cancelled, u32* mismatched,
+                                    u32* absent) {
+    u64* sig = reinterpret_cast<u64*>(p.signals);
+    if (threadIdx.x == 0) {
+        *cancelled = 0u;
+        *mismatched = 0u;
+    }
+    const int s = threadIdx.x;
+    if (s < p.num_ranks) {
+        const u64 m0 = mask_word(p);
+        bool gave_up = ((m0 >> p.rank) | (m0 >> s)) & 1ull;
+        const u64* a = arrival_at(sig, chan, n.set, s);
+        const u64 deadline = globaltimer_ns() + p.timeout_ns;
+        while (!gave_up && !arrival_is(ld_acquire_sys(a), n.seq)) {
+            if ((mask_word(p) >> s) & 1ull) {
+                gave_up = true;
+            } else if (globaltimer_ns() > deadline) {
+                spread_mask(p, 1ull << s);
+                gave_up = true;
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u64* d = mask_area(sig) + EP_MASK_DECISION + chan * EP_MAX_SETS + n.set;
+        const u64 mine = ((n.seq + 1) << 8) | (mask_word(p) & 0xffull);
+        u64 cur = ld_acquire_sys(d);
+        while ((cur >> 8) != n.seq + 1) {
+            const u64 prev = atomicCAS(d, cur, mine);
+            cur = prev == cur ? mine : prev;
+        }
+        *absent = (u32)(cur & 0xffull);
+    }
+    __syncthreads();
+    if (s < p.num_ranks && !((*absent >> s) & 1u)) {
+        // Present: it arrived (for the deciding block, so here too; the deadline only guards).
+        const u64 deadline = globaltimer_ns() + p.timeout_ns;
+        const int v = wait_arrival(sig, chan, n.set, s, n.seq, p.stamp, deadline);
+        if (v == EP_ARRIVED_CANCELLED) atomicOr(cancelled, 1u << s);
+        if (v == EP_ARRIVED_MISMATCH) atomicOr(mismatched, 1u << s);
+        if (v == EP_ARRIVAL_TIMEOUT) report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, s, n.seq);
+    }
+    __syncthreads();
+}
+
 // Waits for every source's arrival of this operation (`wait_all_sources`); false on timeout.
-// Cancelled and mismatched sources' data is skipped; a mismatch fails the operation.
-__device__ bool ll_wait_all_sources(const LlParams& p, const OpNum& n, int chan, u32* cancelled, u32* mismatched, int* timed_out) {
+// Cancelled and mismatched sources' data is skipped; a mismatch fails the operation. With
+// masking (`wait_sources_masked`) it never fails: `absent` gets the sources to skip.
+__device__ bool ll_wait_all_sources(const LlParams& p, const OpNum& n, int chan, u32* cancelled, u32* mismatched,
+                                    int* timed_out, u32* absent) {
+    if (p.masking) {
+        wait_sources_masked(p, n, chan, cancelled, mismatched, absent);
+        return true;
+    }
+    if (threadIdx.x == 0) *absent = 0u;
     const bool ok = wait_all_sources(reinterpret_cast<u64*>(p.signals), reinterpret_cast<u64*>(p.status), p.num_ranks,
                                      chan, n.set, n.seq, p.stamp, p.timeout_ns, cancelled, mismatched, timed_out);
     if (!ok && threadIdx.x == 0) mark_step_failed(p, chan);
@@ -285,7 +387,7 @@ __device__ __forceinline__ void advance_step(const LlParams& p, int chan) {
 
 // The last block to finish returns the credits of this buffer set to every source and publishes
 // the cancellation and mismatch masks.
-__device__ void finish_receive(const LlParams& p, const OpNum& n, int chan, u32 cancelled, u32 mismatched) {
+__device__ void finish_receive(const LlParams& p, const OpNum& n, int chan, u32 cancelled, u32 mismatched, u32 absent) {
     __syncthreads();
     if (threadIdx.x == 0) {
         u64* sig = reinterpret_cast<u64*>(p.signals);
@@ -293,10 +395,13 @@ __device__ void finish_receive(const LlParams& p, const OpNum& n, int chan, u32 
         __threadfence();
         if (atom_add_acq_rel_gpu(done, 1) == (u64)(gridDim.x - 1)) {
             *done = 0;
-            publish_outcome(reinterpret_cast<u64*>(p.status), sig, chan, n.set, n.seq, cancelled, mismatched);
+            if (p.masking) st_relaxed_sys(reinterpret_cast<u64*>(p.status) + EP_STATUS_MASK, mask_word(p));
+            publish_outcome(reinterpret_cast<u64*>(p.status), sig, chan, n.set, n.seq, cancelled | (absent << 8),
+                            mismatched);
             if (p.verdict && (cancelled | mismatched)) report_failure(p, n, chan, cancelled, mismatched);
             __threadfence_system();
             for (int s = 0; s < p.num_ranks; s++) {
+                if ((absent >> s) & 1u) continue;  // masked: no credit (it may be gone; rejoin resets them)
                 u64* peer = reinterpret_cast<u64*>(p.peer_signals[s]);
                 st_release_sys(sig_at(peer, EP_SIG_CONSUMED(chan), n.set, p.rank), (n.seq + 1) << 1);
             }
@@ -343,19 +448,20 @@ __device__ __forceinline__ int first_local_k(const char* msg, int K) {
 // expert indices. Rows with row % splits == g are copied by this block; split 0 writes the
 // counters and the row map for combine.
 __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n) {
-    __shared__ u32 cancelled, mismatched;
+    __shared__ u32 cancelled, mismatched, absent;
     __shared__ int timed_out;
     __shared__ int warp_sums[16];
     __shared__ int total_shared;
     __shared__ int entry_slot[512];
-    if (!ll_wait_all_sources(p, n, 0, &cancelled, &mismatched, &timed_out)) return;
+    if (!ll_wait_all_sources(p, n, 0, &cancelled, &mismatched, &timed_out, &absent)) return;
     // A cancelled operation only consumes what arrived: it writes neither the outputs (their
-    // buffer set may still hold a live result) nor the handle's row map.
-    if (p.cancelled) {
-        finish_receive(p, n, 0, cancelled, mismatched);
+    // buffer set may still hold a live result) nor the handle's row map. Nor does one of a rank
+    // the group masked (its host reports `RankMasked`).
+    if (p.cancelled || ((absent >> p.rank) & 1u)) {
+        finish_receive(p, n, 0, cancelled, mismatched, absent);
         return;
     }
-    const u32 skip = cancelled | mismatched;
+    const u32 skip = cancelled | mismatched | absent;
     const int G = p.splits;
     const int R = p.num_ranks, M = p.max_tokens, K = p.top_k, H = p.hidden;
     const int RM = R * M;
@@ -473,7 +579,7 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
             if (threadIdx.x == 0) reinterpret_cast<volatile int*>(p.nccl_counts)[s] = base;
         }
     }
-    finish_receive(p, n, 0, cancelled, mismatched);
+    finish_receive(p, n, 0, cancelled, mismatched, absent);
 }
 
 // Combine send, on the expert side: every received (source s, token t, k) row of the expert
@@ -484,7 +590,7 @@ __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) 
     if (!send_role(p, n, 1, (long long)p.max_tokens * p.top_k * p.chunks, &role)) return;
     const int lane = role.lane, dest = role.dest, j = role.j, wpd = role.wpd;
     const int K = p.top_k, H = p.hidden, M = p.max_tokens, C = p.chunks;
-    if (!p.cancelled) {
+    if (!p.cancelled && !role.skip) {
         const int* row_of = reinterpret_cast<const int*>(p.row_of) + (size_t)dest * M * K;
         const __nv_bfloat16* ex = reinterpret_cast<const __nv_bfloat16*>(p.expert_out);
         const bool nccl = via_nccl(p, dest);
@@ -512,9 +618,9 @@ __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) 
 #define EP_COMBINE_BATCH 8
 
 __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) {
-    __shared__ u32 cancelled, mismatched;
+    __shared__ u32 cancelled, mismatched, absent;
     __shared__ int timed_out;
-    if (!ll_wait_all_sources(p, n, 1, &cancelled, &mismatched, &timed_out)) return;
+    if (!ll_wait_all_sources(p, n, 1, &cancelled, &mismatched, &timed_out, &absent)) return;
     const int K = p.top_k, H = p.hidden;
     const long long* idx = reinterpret_cast<const long long*>(p.topk_idx);
     const float* w = reinterpret_cast<const float*>(p.weights);
@@ -522,8 +628,9 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
     __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(p.out);
     const int* pos_of = reinterpret_cast<const int*>(p.nccl_pos);
     // Any cancelled or mismatched source (this rank's own cancellation included) leaves the
-    // output unwritten: the operation has no result.
-    if ((cancelled | mismatched) == 0u) {
+    // output unwritten: the operation has no result; so does this rank being masked. Entries on
+    // absent (masked) ranks contribute zero, counted per token in `masked_out`.
+    if ((cancelled | mismatched) == 0u && !((absent >> p.rank) & 1u)) {
         // Block b handles piece b % C of tokens b / C, b / C + used / C, ... (C = recv_chunks; the
         // blocks past the last whole group of C, in a one-launch grid sized for the send, idle).
         const int C = p.recv_chunks;
@@ -534,8 +641,13 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
             // The entries whose rows arrive, once per token (K <= 16): every valid k, or in
             // rank-major only each rank's first.
             unsigned used = 0u;
+            int lost = 0;
             for (int k = 0; k < K; k++) {
                 const long long e = idx[(size_t)t * K + k];
+                if (e >= 0 && ((absent >> (int)(e / p.num_local)) & 1u)) {
+                    lost++;
+                    continue;
+                }
                 bool first = e >= 0;
                 for (int i = 0; first && p.rank_major && i < k; i++) {
                     const long long f = idx[(size_t)t * K + i];
@@ -543,6 +655,7 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
                 }
                 if (first) used |= 1u << k;
             }
+            if (p.masked_out && part == 0 && threadIdx.x == 0) reinterpret_cast<int*>(p.masked_out)[t] = lost;
             for (int c = part * width + threadIdx.x * 8; c < (part + 1) * width; c += blockDim.x * 8) {
                 float acc[8];
 #pragma unroll
@@ -582,7 +695,7 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
             }
         }
     }
-    finish_receive(p, n, 1, cancelled, mismatched);
+    finish_receive(p, n, 1, cancelled, mismatched, absent);
 }
 
 // The kernels. Two launches (staged operations, and any operation whose grid cannot be all
@@ -634,4 +747,83 @@ extern "C" __global__ void ep_graph_rebase(u64 bases, u64 dispatch, u64 combine,
     b[0] = dispatch;
     b[1] = combine;
     b[2] = replay;
+}
+
+// Rank masking from the host (epflow_core::mask; `mask.rs` in epflow-kernels). One thread each.
+struct MaskParams {
+    u64 signals;                     // this rank's signal page
+    u64 status;                      // this rank's status page (mapped host)
+    u64 peer_signals[EP_MAX_RANKS];  // every rank's signal page
+    u64 bits;                        // ep_mask_spread: the ranks to mask
+    u64 epoch;                       // ep_mask_rejoin: the number of this unmask_all (1, 2, ...)
+    u64 next[3];                     // ep_mask_rejoin: this rank's next operation number per channel
+    u64 timeout_ns;
+    int rank, num_ranks;
+};
+static_assert(sizeof(MaskParams) == 136, "MaskParams layout");
+
+// `GpuRank::mask_ranks`: ORs `bits` into every rank's word (this one's first) and mirrors it.
+extern "C" __global__ void ep_mask_spread(MaskParams m) {
+    u64* own = mask_area(reinterpret_cast<u64*>(m.signals));
+    atomicOr(own, m.bits);
+    for (int r = 0; r < m.num_ranks; r++) {
+        if (r != m.rank) atomicOr_system(mask_area(reinterpret_cast<u64*>(m.peer_signals[r])), m.bits);
+    }
+    __threadfence_system();
+    st_relaxed_sys(reinterpret_cast<u64*>(m.status) + EP_STATUS_MASK, ld_acquire_sys(own));
+}
+
+// Waits until board word `i` of every rank in this rank's mask area reaches `epoch`; false (and
+// the first missing rank reported) at the deadline.
+__device__ bool rejoin_meet(const MaskParams& m, u64* area, int i, u64 deadline) {
+    for (int r = 0; r < m.num_ranks; r++) {
+        while (ld_acquire_sys(area + EP_MASK_REJOIN + r * 5 + i) < m.epoch) {
+            if (globaltimer_ns() > deadline) {
+                report_error(reinterpret_cast<u64*>(m.status), EP_ERR_REJOIN, r, m.epoch);
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
+// `GpuRank::unmask_all` (every rank, no operation in flight): post this rank's next operation
+// numbers on every rank's board and meet; take the largest of each channel; set every credit of
+// this rank's page as if every operation before it had been consumed, clear the local counters
+// and the mask word, and tell the host the numbers; meet again (nobody sends before every rank has
+// reset, so no credit written for a new operation is overwritten).
+extern "C" __global__ void ep_mask_rejoin(MaskParams m) {
+    u64* page = reinterpret_cast<u64*>(m.signals);
+    u64* area = mask_area(page);
+    u64* status = reinterpret_cast<u64*>(m.status);
+    const u64 deadline = globaltimer_ns() + m.timeout_ns;
+    for (int r = 0; r < m.num_ranks; r++) {
+        u64* b = mask_area(reinterpret_cast<u64*>(m.peer_signals[r])) + EP_MASK_REJOIN + m.rank * 5;
+        for (int c = 0; c < 3; c++) st_relaxed_sys(b + 1 + c, m.next[c]);
+        st_release_sys(b, m.epoch);
+    }
+    if (!rejoin_meet(m, area, 0, deadline)) return;
+    u64 next[3] = {0, 0, 0};
+    for (int r = 0; r < m.num_ranks; r++) {
+        for (int c = 0; c < 3; c++) next[c] = max(next[c], ld_acquire_sys(area + EP_MASK_REJOIN + r * 5 + 1 + c));
+    }
+    for (int c = 0; c < 3; c++) {
+        for (int set = 0; set < EP_MAX_SETS; set++) {
+            for (int r = 0; r < EP_MAX_RANKS; r++) {
+                *sig_at(page, EP_SIG_CONSUMED(c), set, r) = next[c] << 1;
+                *sig_at(page, EP_SIG_SENT(c), set, r) = 0ull;
+            }
+        }
+    }
+    for (int set = 0; set < EP_MAX_SETS; set++) {
+        for (int c = 0; c < 3; c++) *sig_at(page, EP_SIG_DONE, set, c) = 0ull;
+    }
+    *area = 0ull;
+    for (int c = 0; c < 3; c++) st_relaxed_sys(status + EP_STATUS_REJOIN + c, next[c]);
+    st_relaxed_sys(status + EP_STATUS_MASK, 0ull);
+    __threadfence_system();
+    for (int r = 0; r < m.num_ranks; r++) {
+        st_release_sys(mask_area(reinterpret_cast<u64*>(m.peer_signals[r])) + EP_MASK_REJOIN + m.rank * 5 + 4, m.epoch);
+    }
+    rejoin_meet(m, area, 4, deadline);
 }

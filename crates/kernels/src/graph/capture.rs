@@ -308,8 +308,7 @@ impl GpuCapture<'_> {
         self.keep.extend(valid.tensors().into_iter().cloned());
         let offset = self.counts.add_combine();
         let stamp = Stamp::new(h.top_k(), opts.pass, Pairing::Captured(paired)).with_layout(h.layout());
-        let targets =
-            OutputTargets { tokens: g.combined.ptr(), scales: None, topk_weights: None, topk_idx: None, counts: None };
+        let targets = OutputTargets { tokens: g.combined.ptr(), ..OutputTargets::default() };
         let (mut p, _) = combine_params(s, offset, h, stamp, &valid, Some(&targets))?;
         self.number(&mut p, Channel::Combine);
         self.ops.push(CapturedOp { channel: Channel::Combine, offset, stamp, handle: index });

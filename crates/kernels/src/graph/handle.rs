@@ -24,6 +24,7 @@ impl GraphHandle {
             topk_weights: d.topk_weights.as_ref().map(DeviceTensor::ptr),
             topk_idx: d.topk_idx.as_ref().map(DeviceTensor::ptr),
             counts: d.counts.as_ref().map(DeviceTensor::ptr),
+            masked: None,
         }
     }
 

@@ -248,7 +248,8 @@ pub(crate) fn combine(
     p.out_weights = topk_weights.as_ref().map_or(0, DeviceTensor::ptr);
     let over_nccl = s.nccl_all().map(|_| nccl_combine(s, h, &p)).transpose()?;
     let launch = over_nccl.as_ref().map_or(Launch::Ht(p), |(np, _, _)| Launch::NcclHt { p: *np, reduce: true });
-    let kind = GpuOpKind::HtCombine { outputs: Some(epflow_core::ops::CombineOutputs { tokens, topk_weights }) };
+    let kind =
+        GpuOpKind::HtCombine { outputs: Some(epflow_core::ops::CombineOutputs { tokens, topk_weights, masked: None }) };
     let tensors = inputs.map(|i| i.tensors()).unwrap_or_default();
     let op = GpuOp::new(Arc::clone(s), Channel::Combine, seq, stamp, launch, kind, &tensors);
     Ok(assemble(op, over_nccl, fill, fences, inputs.is_none()))

@@ -47,6 +47,7 @@ fn base_params(
         fp8: i32::from(l.fp8 && channel == 0),
         round_scales: i32::from(matches!(s.config.dispatch_dtype, DispatchDtype::Fp8 { round_scales: true })),
         rank_major: i32::from(rank_major),
+        masking: i32::from(s.config.rank_masking),
         ..LlParams::default()
     };
     let (own, peers) = s.recv_regions(channel == 0);
@@ -188,6 +189,9 @@ pub(crate) fn combine_params(
     p.weights = weights.map_or(0, DeviceTensor::ptr);
     let set = number(s, &mut p, seq);
     p.out = into.map_or(s.mem.comb_out[set].ptr(), |t| t.tokens);
+    if s.config.rank_masking {
+        p.masked_out = into.map_or(Some(s.mem.comb_masked[set].ptr()), |t| t.masked).unwrap_or(0);
+    }
     p.stamp = stamp.encode();
     Ok((p, set))
 }

@@ -23,6 +23,8 @@ use crate::rank::handle::GpuHandle;
 struct Outcome {
     cancelled: u32,
     mismatched: u32,
+    /// Rank masking: the sources the operation skipped (this rank's own bit: the group masked it).
+    absent: u32,
     /// The stamp of the lowest mismatched peer.
     theirs: Stamp,
 }
@@ -42,10 +44,13 @@ impl GpuOp {
         let (chan, set) = (self.chan(), self.set());
         let word = st.read_u64(status::outcome(chan, set));
         let ours = word >> 32 == self.seq + 1;
-        let (cancelled, mismatched) =
-            if ours { ((word & 0xffff) as u32, ((word >> 16) & 0xffff) as u32) } else { (0, 0) };
+        let (cancelled, absent, mismatched) = if ours {
+            ((word & 0xff) as u32, ((word >> 8) & 0xff) as u32, ((word >> 16) & 0xffff) as u32)
+        } else {
+            (0, 0, 0)
+        };
         let theirs = Stamp::decode(if mismatched != 0 { st.read_u64(status::stamp(chan, set)) } else { 0 });
-        Outcome { cancelled, mismatched, theirs }
+        Outcome { cancelled, mismatched, absent, theirs }
     }
 
     /// The host saw this low-latency operation finish: later operations on its handle need not
@@ -85,6 +90,10 @@ impl GpuOp {
     /// high-throughput mismatch also poisons the group: the two ranks' rings disagree).
     pub(super) fn peer_verdict(&self) -> Result<(), Error> {
         let outcome = self.outcome();
+        let me = self.shared.rank;
+        if (outcome.absent >> me) & 1 == 1 {
+            return Err(Error::RankMasked { op: self.label(), rank: me });
+        }
         if outcome.cancelled != 0 {
             return Err(Error::PeerCancelled { op: self.label(), peer: outcome.cancelled.trailing_zeros() as usize });
         }
@@ -234,8 +243,13 @@ impl GpuOp {
             TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[handle.num_tokens(), s.config.hidden]),
             &lease,
         );
+        let masked = s.config.rank_masking.then(|| {
+            let desc = TensorDesc::contiguous(TensorTag::MaskedEntries, DType::I32, &[handle.num_tokens()]);
+            let ptr = self.targets.map_or(Some(s.mem.comb_masked[set].ptr()), |t| t.masked);
+            ptr.map(|p| self.view(p, desc, &lease))
+        });
         GpuCombineOutput {
-            outputs: CombineOutputs { tokens, topk_weights: None },
+            outputs: CombineOutputs { tokens, topk_weights: None, masked: masked.flatten() },
             elapsed: self.work.elapsed(false),
             ctx: Arc::clone(&s.ctx),
         }

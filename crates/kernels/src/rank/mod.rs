@@ -3,8 +3,10 @@
 //!
 //! - [`shared`]: what every operation of the rank shares (streams, kernels, memory, peers).
 //! - [`handle`]: routing handles and what they learnt.
+//! - `mask`: rank masking ([`epflow_core::mask`]): the host's view, `mask_ranks`, `unmask_all`.
 
 pub(crate) mod handle;
+mod mask;
 pub(crate) mod shared;
 
 use std::sync::Arc;
@@ -13,9 +15,10 @@ use std::sync::atomic::Ordering;
 use cudarc::driver::{CudaContext, CudaStream};
 use epflow_core::backend::{Backend, HandleCreation, PendingOp, RankCore, detach};
 use epflow_core::handle::{HandleCore, RoutingHandle};
+use epflow_core::mask::{MaskedRanks, RankSet};
 use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions, Layout, Pass};
 use epflow_core::ops::{CombineOutputs, DispatchOutputs};
-use epflow_core::protocol::Channel;
+use epflow_core::protocol::{Channel, op_label};
 use epflow_core::routing::{CombinePositions, ExpertPlacement, Routing};
 use epflow_core::validate::{
     check_topk_idx, combine_output_descs, dispatch_output_descs, routing_from_tensor, validate_combine_inputs,
@@ -223,6 +226,7 @@ impl GpuRank {
         start: impl FnOnce(u64) -> Result<GpuOp, Error>,
     ) -> Result<GpuOp, Error> {
         self.core.poison().check()?;
+        self.check_not_masked(channel)?;
         let seq = self.core.next_seq(channel);
         let result = start(seq);
         if result.is_err() {
@@ -314,6 +318,18 @@ impl Backend for GpuRank {
 
     fn core(&self) -> &RankCore {
         &self.core
+    }
+
+    fn masked_ranks(&self) -> MaskedRanks {
+        self.mask_view()
+    }
+
+    fn mask_ranks(&self, ranks: &RankSet) -> Result<(), Error> {
+        self.mask_ranks_now(ranks)
+    }
+
+    fn unmask_all(&self) -> Result<(), Error> {
+        self.unmask_all_now()
     }
 
     fn start_handle(
@@ -429,6 +445,7 @@ impl GpuRank {
             for t in valid.tensors() {
                 self.check_device(t, "a dispatch input")?;
             }
+            self.core.note_dispatch_epoch(h.core());
             match self.shared.config.algorithm {
                 Algorithm::LowLatency => ll::start::dispatch(&self.shared, seq, h, valid, opts, into),
                 Algorithm::HighThroughput => ht::start::dispatch(&self.shared, seq, h, Some(valid), opts, into),
@@ -448,6 +465,7 @@ impl GpuRank {
             refuse_graph_handle(h)?;
             let valid = validate_combine_inputs(&self.core.op_context(h), opts, &inputs)?;
             let paired = h.core().combine_dispatch(opts.pass)?;
+            self.core.check_mask_epoch(h.core(), || op_label(Channel::Combine, seq))?;
             for t in valid.tensors() {
                 self.check_device(t, "a combine input")?;
             }

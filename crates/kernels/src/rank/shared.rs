@@ -33,6 +33,8 @@ pub(crate) struct RankMemory {
     /// ([`crate::layout::LlLayout::rank_major_topk_bytes`]).
     pub(crate) disp_topk: Vec<DeviceBuffer>,
     pub(crate) comb_out: Vec<DeviceBuffer>,
+    /// Rank masking: per set, the combine's per-token counts of entries on masked ranks `[M]`.
+    pub(crate) comb_masked: Vec<DeviceBuffer>,
 }
 
 impl RankMemory {
@@ -55,6 +57,7 @@ impl RankMemory {
             host_counts: Vec::new(),
             disp_topk: Vec::new(),
             comb_out: Vec::new(),
+            comb_masked: Vec::new(),
         };
         let Layout::Ll(l) = layout else { return Ok(mem) };
         let sets = l.sets;
@@ -65,6 +68,7 @@ impl RankMemory {
             (0..sets).map(|_| PinnedBuffer::zeroed(ctx, l.counts_len() * 4)).collect::<Result<Vec<_>, _>>()?;
         mem.disp_topk = per_set(sets, l.rank_major_topk_bytes())?;
         mem.comb_out = per_set(sets, l.combine_out_bytes())?;
+        mem.comb_masked = per_set(sets, l.max_tokens.max(1) * 4)?;
         Ok(mem)
     }
 }
@@ -171,6 +175,12 @@ impl RankShared {
             _ => format!("device error code {code}"),
         };
         Some(Error::Timeout { op, rank: self.rank, waiting_for, after: self.config.timeout })
+    }
+
+    /// Rank masking: the mask word this rank's kernels last saw (bit `r` = rank `r`), read
+    /// from the mapped status page.
+    pub(crate) fn mask_mirror(&self) -> u64 {
+        self.mem.status.read_u64(status::MASK)
     }
 
     /// The deadline of a wait on the device: 90 % of the group timeout, so the device reports

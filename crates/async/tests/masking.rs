@@ -1,0 +1,99 @@
+//! Rank masking through the async API: a rank stops calling; the survivors' awaited
+//! operations go on without it (the driver masks at the timeout instead of poisoning), their
+//! mask-event streams report it, the results match the reference without it (staged and
+//! synchronous), and after `unmask_all` (awaited on every rank) the full group is exact again.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{E, H, K, M, on_tokio_ranks};
+use epflow_async::Group;
+use epflow_core::host::HostRank;
+use epflow_core::mask::RankSet;
+use epflow_core::ops::{CombineInputs, DispatchInputs};
+use epflow_core::scenario::Scenario;
+use epflow_core::verify::{Tolerance, check_bf16, check_exact, check_ll_dispatch};
+use epflow_core::workload::RoutingKind;
+use epflow_core::{Error, GroupConfig};
+use futures::StreamExt;
+use tokio::sync::Barrier;
+
+const RANKS: usize = 4;
+const TIMEOUT: Duration = Duration::from_millis(150);
+
+fn config() -> GroupConfig {
+    GroupConfig::low_latency(E, M, H).with_rank_masking(true).with_timeout(TIMEOUT)
+}
+
+/// One expert-major dispatch and combine (staged when `staged`) against the reference of the
+/// group without `masked`.
+async fn round(g: &Group<HostRank>, seed: u64, masked: &RankSet, staged: bool) {
+    let r = g.rank();
+    let full = Scenario::generate(config(), RANKS, &[M, 3, 6, 2], K, RoutingKind::Uniform, 1, seed);
+    let sc = full.without_ranks(masked);
+    let h = g.create_handle(&full.topk_idx(r)).await.unwrap();
+    let x = full.tokens(r);
+    let out = if staged {
+        g.dispatch(&h, DispatchInputs::new(&x)).send_only().await.unwrap().await.unwrap()
+    } else {
+        g.dispatch(&h, DispatchInputs::new(&x)).await.unwrap()
+    };
+    let refs = sc.ll_dispatch_reference().unwrap();
+    let rep = check_ll_dispatch(&refs[r], H, RANKS * M, out.tokens().data(), None, out.counts().unwrap());
+    assert!(rep.ok(), "seed {seed} rank {r} dispatch: {rep:?}");
+    drop(out);
+    let y = sc.ll_reference_expert_outputs(r, epflow_core::ops::Layout::ExpertMajor).unwrap();
+    let w = full.weights(r);
+    let f = g.combine(&h, CombineInputs::new(&y).with_weights(&w));
+    let out = if staged { f.send_only().await.unwrap().await.unwrap() } else { f.await.unwrap() };
+    let want = sc.ll_combine_identity_reference(&refs).unwrap();
+    let rep = check_bf16("combine", &want[r], out.tokens().as_bf16().unwrap(), Tolerance::Exact);
+    assert!(rep.ok(), "seed {seed} rank {r} combine: {rep:?}");
+    let lost = full.masked_entries(r, masked);
+    assert!(check_exact("masked", &lost, out.masked().unwrap(), |a, b| a == b).ok(), "seed {seed} rank {r}");
+}
+
+#[test]
+fn awaited_operations_mask_a_silent_rank_and_report_it() {
+    let dead = 1;
+    let gone: RankSet = [dead].into_iter().collect();
+    let back = Arc::new(Barrier::new(RANKS));
+    on_tokio_ranks(RANKS, config(), back, move |g, back| async move {
+        let me = g.rank();
+        let none = RankSet::new();
+        let mut events = g.mask_events();
+        round(&g, 1, &none, false).await;
+        if me != dead {
+            let t = Instant::now();
+            round(&g, 2, &gone, true).await;
+            assert!(t.elapsed() < 3 * TIMEOUT, "rank {me}: {:?}", t.elapsed());
+            let e = tokio::time::timeout(Duration::from_secs(5), events.next()).await.unwrap().unwrap();
+            assert_eq!((e.added, e.unmasked), (gone, false));
+            for seed in 3..40 {
+                round(&g, seed, &gone, seed % 2 == 0).await;
+            }
+            assert!(!g.is_poisoned());
+        }
+        back.wait().await;
+        if me == dead {
+            let sc = Scenario::generate(config(), RANKS, &[M], K, RoutingKind::Uniform, 0, 9);
+            let h = g.create_handle(&sc.topk_idx(me)).await.unwrap();
+            let x = sc.tokens(me);
+            assert!(matches!(g.dispatch(&h, DispatchInputs::new(&x)).await, Err(Error::RankMasked { .. })));
+        }
+        g.unmask_all().await.unwrap();
+        let e = tokio::time::timeout(Duration::from_secs(5), events.next()).await.unwrap().unwrap();
+        assert!(e.unmasked && e.now.ranks.is_empty() && e.now.epoch == 1, "{e:?}");
+        for seed in 100..110 {
+            round(&g, seed, &none, seed % 2 == 1).await;
+        }
+        // The application masks a rank without waiting for a timeout; every rank sees it.
+        if me == 0 {
+            g.mask(2).unwrap();
+        }
+        let e = tokio::time::timeout(Duration::from_secs(5), events.next()).await.unwrap().unwrap();
+        assert_eq!(e.added.to_vec(), vec![2]);
+    });
+}

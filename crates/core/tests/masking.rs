@@ -1,0 +1,225 @@
+//! Rank masking on the host backend ([`epflow_core::mask`]): a rank stops calling mid-run; the
+//! survivors' next operation completes after the timeout (no poison, no hang), and every later
+//! operation — expert-major and rank-major, fresh random inputs each time, over 1,000
+//! iterations — matches the reference computed without the masked rank's experts, with the
+//! per-token counts of the entries it lost. Then the rank comes back: its first operation is
+//! refused (`RankMasked`), every rank calls `unmask_all`, and results are bit-exact with the full
+//! group again. Plus: the rules of the mask agreement as a property test, and the refusals.
+
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use epflow_core::backend::Backend;
+use epflow_core::host::{HostRank, HostWorld};
+use epflow_core::mask::{RankSet, SharedMask, detect};
+use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions, Layout};
+use epflow_core::scenario::Scenario;
+use epflow_core::verify::{Report, Tolerance, check_bf16, check_exact, check_ll_dispatch, check_rank_major_dispatch};
+use epflow_core::workload::RoutingKind;
+use epflow_core::{ConfigError, Error, GroupConfig, HostTensor};
+use proptest::prelude::*;
+
+const RANKS: usize = 4;
+const EXPERTS: usize = 16;
+const MAX_TOKENS: usize = 8;
+const HIDDEN: usize = 128;
+const TOP_K: usize = 4;
+const TIMEOUT: Duration = Duration::from_millis(200);
+
+fn config() -> GroupConfig {
+    GroupConfig::low_latency(EXPERTS, MAX_TOKENS, HIDDEN).with_rank_masking(true).with_timeout(TIMEOUT)
+}
+
+/// Iteration `i`'s inputs: a fresh seed, uneven token counts, both layouts in turn.
+fn scenario(i: u64) -> (Scenario, Layout) {
+    let tokens = [MAX_TOKENS, 5, 1, 7];
+    let sc = Scenario::generate(config(), RANKS, &tokens, TOP_K, RoutingKind::Uniform, 1, 1000 + i);
+    (sc, if i % 2 == 0 { Layout::ExpertMajor } else { Layout::RankMajor })
+}
+
+fn assert_ok(report: Report, what: &str) {
+    assert!(report.ok(), "{what}: {} of {} mismatched; first: {:?}", report.mismatched, report.checked, report.first);
+}
+
+/// One dispatch and combine of rank `rank` on iteration `i`'s inputs, checked against the
+/// reference of the group without `masked` (identity experts; the combine input comes from the
+/// reference, so a wrong dispatch cannot hide a wrong combine). Returns how long it took.
+fn round(rank: &HostRank, i: u64, masked: &RankSet) -> Duration {
+    let start = Instant::now();
+    let r = rank.rank();
+    let (full, layout) = scenario(i);
+    let sc = full.without_ranks(masked);
+    let what = format!("iteration {i} ({layout:?}) rank {r} masked {masked:?}");
+    let handle = rank.create_handle_with(&full.topk_idx(r), &HandleOptions::with_layout(layout)).unwrap();
+    let (x, w) = (full.tokens(r), full.weights(r));
+    // Rank-major dispatch carries the weights (the expert side applies them); expert-major
+    // combine takes them.
+    let rank_major = layout == Layout::RankMajor;
+    let inputs = if rank_major { DispatchInputs::new(&x).with_weights(&w) } else { DispatchInputs::new(&x) };
+    let out = rank.dispatch(&handle, inputs, &DispatchOptions::default()).unwrap();
+    let counts = out.counts().unwrap().to_vec();
+    let report = match layout {
+        Layout::ExpertMajor => {
+            let refs = sc.ll_dispatch_reference().unwrap();
+            check_ll_dispatch(&refs[r], HIDDEN, RANKS * MAX_TOKENS, out.tokens().data(), None, &counts)
+        }
+        Layout::RankMajor => {
+            let refs = sc.ll_rank_major_reference().unwrap();
+            let weights = out.topk_weights().and_then(HostTensor::as_f32).unwrap();
+            let idx = out.topk_idx().and_then(HostTensor::as_i32).unwrap();
+            check_rank_major_dispatch(
+                &refs[r],
+                HIDDEN,
+                MAX_TOKENS,
+                TOP_K,
+                out.tokens().data(),
+                None,
+                weights,
+                idx,
+                &counts,
+            )
+        }
+    };
+    assert_ok(report, &format!("{what}: dispatch"));
+    drop(out);
+    let expert_out = sc.ll_reference_expert_outputs(r, layout).unwrap();
+    let want = match layout {
+        Layout::ExpertMajor => sc.ll_combine_identity_reference(&sc.ll_dispatch_reference().unwrap()).unwrap(),
+        Layout::RankMajor => {
+            sc.ll_rank_major_combine_identity_reference(&sc.ll_rank_major_reference().unwrap()).unwrap()
+        }
+    };
+    let cin =
+        if rank_major { CombineInputs::new(&expert_out) } else { CombineInputs::new(&expert_out).with_weights(&w) };
+    let y = rank.combine(&handle, cin, &CombineOptions::default()).unwrap();
+    assert_ok(check_bf16("combine", &want[r], y.tokens().as_bf16().unwrap(), Tolerance::Exact), &what);
+    let lost = full.masked_entries(r, masked);
+    assert_ok(check_exact("masked entries", &lost, y.masked().unwrap(), |a, b| a == b), &what);
+    start.elapsed()
+}
+
+#[test]
+fn survivors_serve_without_a_rank_that_stopped_then_welcome_it_back() {
+    const BEFORE: u64 = 20;
+    const MASKED: u64 = 1000;
+    const AFTER: u64 = 20;
+    let dead = 3;
+    let gone: RankSet = [dead].into_iter().collect();
+    let none = RankSet::new();
+    let survivors_done = Barrier::new(RANKS);
+    let results = HostWorld::run(RANKS, config(), |rank| {
+        let me = rank.rank();
+        for i in 0..BEFORE {
+            round(rank, i, &none);
+        }
+        let mut first_masked = Duration::ZERO;
+        if me != dead {
+            // The rank stopped calling: the next operation waits for it until the timeout,
+            // masks it, and completes without it.
+            first_masked = round(rank, BEFORE, &gone);
+            assert_eq!(rank.masked_ranks().ranks, gone);
+            for i in BEFORE + 1..BEFORE + MASKED {
+                round(rank, i, &gone);
+            }
+            assert!(!rank.is_poisoned());
+        }
+        survivors_done.wait();
+        if me == dead {
+            // Back: the group masked it, so it must not wait for peers that no longer wait for it.
+            assert!(rank.masked_ranks().ranks.contains(dead));
+            let h = rank.create_handle(&scenario(0).0.topk_idx(me)).unwrap();
+            let x = scenario(0).0.tokens(me);
+            match rank.dispatch(&h, DispatchInputs::new(&x), &DispatchOptions::default()) {
+                Err(Error::RankMasked { rank, .. }) => assert_eq!(rank, dead),
+                other => panic!("a masked rank's dispatch must be refused, got {:?}", other.map(|_| ())),
+            }
+        }
+        rank.unmask_all().unwrap();
+        assert_eq!(rank.masked_ranks().ranks, none);
+        assert_eq!(rank.masked_ranks().epoch, 1);
+        for i in 0..AFTER {
+            round(rank, 5000 + i, &none);
+        }
+        first_masked
+    })
+    .unwrap();
+    for (r, took) in results.into_iter().enumerate().filter(|&(r, _)| r != dead) {
+        // Not a performance claim (those are `moe_serving --kill-rank`'s): a bound that a hang
+        // or a second timeout would break.
+        assert!(took >= TIMEOUT && took < 3 * TIMEOUT, "rank {r}: the masking round took {took:?}");
+    }
+}
+
+#[test]
+fn a_mask_set_by_one_rank_spares_the_others_their_timeout() {
+    let results = HostWorld::run(RANKS, config().with_timeout(Duration::from_secs(20)), |rank| {
+        if rank.rank() == 0 {
+            rank.mask_ranks(&[2].into_iter().collect()).unwrap();
+        }
+        if rank.rank() == 2 {
+            return Duration::ZERO;
+        }
+        // Ranks 1 and 3 may start before rank 0 has masked: they stop waiting when it does.
+        round(rank, 7, &[2].into_iter().collect())
+    })
+    .unwrap();
+    assert!(results.iter().all(|&t| t < Duration::from_secs(10)), "{results:?}");
+}
+
+#[test]
+fn combines_after_unmask_need_a_fresh_dispatch_and_groups_without_masking_refuse() {
+    HostWorld::run(2, config(), |rank| {
+        let (sc, _) = scenario(1);
+        let sc = Scenario { num_ranks: 2, ranks: sc.ranks[..2].to_vec(), ..sc };
+        let r = rank.rank();
+        let h = rank.create_handle(&sc.topk_idx(r)).unwrap();
+        let x = sc.tokens(r);
+        drop(rank.dispatch(&h, DispatchInputs::new(&x), &DispatchOptions::default()).unwrap());
+        let y = sc.ll_reference_expert_outputs(r, Layout::ExpertMajor).unwrap();
+        rank.unmask_all().unwrap();
+        let w = sc.weights(r);
+        match rank.combine(&h, CombineInputs::new(&y).with_weights(&w), &CombineOptions::default()) {
+            Err(Error::StaleMaskEpoch { dispatched: 0, now: 1, .. }) => {}
+            other => panic!("expected StaleMaskEpoch, got {:?}", other.map(|_| ())),
+        }
+    })
+    .unwrap();
+    let plain = HostWorld::create(2, GroupConfig::low_latency(EXPERTS, MAX_TOKENS, HIDDEN)).unwrap();
+    assert!(matches!(plain[0].unmask_all(), Err(Error::Unsupported(_))));
+    assert!(matches!(plain[0].mask_ranks(&[1].into_iter().collect()), Err(Error::Unsupported(_))));
+    assert!(plain[0].masked_ranks().ranks.is_empty());
+    let ht = GroupConfig::high_throughput(EXPERTS, HIDDEN).with_rank_masking(true);
+    assert_eq!(ht.validate(2), Err(ConfigError::MaskingNeedsLowLatency));
+}
+
+proptest! {
+    /// Any order of detections (rank `me` gives up on `target`) and application masks: the
+    /// survivors' words end equal (they agree), each contains every rank a survivor detected,
+    /// every masked rank's own word names it (it learns it), and no rank that was masked when it
+    /// detected masked anyone.
+    #[test]
+    fn survivors_agree_on_the_mask(events in prop::collection::vec((0usize..6, 0usize..6, any::<bool>()), 1..40)) {
+        let words: Vec<SharedMask> = (0..6).map(|_| SharedMask::default()).collect();
+        let mut expected = RankSet::new();
+        for &(me, target, by_app) in &events {
+            let set: RankSet = [target].into_iter().collect();
+            if by_app {
+                epflow_core::mask::spread(&words, &set);
+                expected.insert(target);
+            } else {
+                let was_masked = words[me].contains(me);
+                let masked = detect(&words, me, &set);
+                prop_assert_eq!(masked, !was_masked);
+                if masked {
+                    expected.insert(target);
+                }
+            }
+        }
+        for (r, w) in words.iter().enumerate() {
+            prop_assert_eq!(w.load(), expected, "rank {}", r);
+        }
+        for r in expected.iter() {
+            prop_assert!(words[r].contains(r));
+        }
+    }
+}

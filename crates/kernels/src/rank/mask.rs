@@ -1,0 +1,115 @@
+//! Rank masking on GPUs ([`epflow_core::mask`]): the mask word in each rank's signal page (peers
+//! OR bits into it over NVLink), its mirror in the mapped status page that the host reads, and
+//! the two kernels the host launches: `ep_mask_spread` (an application's mask) and
+//! `ep_mask_rejoin` (`unmask_all`). The kernels of the operations mask at their own deadline
+//! (`ll.cu`: `spread_mask`, `wait_sources_masked`).
+
+use std::sync::atomic::Ordering;
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use epflow_core::Error;
+use epflow_core::mask::{MaskedRanks, RankSet};
+use epflow_core::protocol::{Channel, op_label};
+
+use super::GpuRank;
+use super::shared::peer_array;
+use crate::device::{bind, cuda};
+use crate::params::{MaskParams, status};
+
+impl GpuRank {
+    /// The rank's view: the mirror its kernels last wrote, and the epoch.
+    pub(super) fn mask_view(&self) -> MaskedRanks {
+        let bits = if self.shared.config.rank_masking { self.shared.mask_mirror() } else { 0 };
+        MaskedRanks { ranks: RankSet::from_low_bits(bits), epoch: self.core.mask_epoch() }
+    }
+
+    fn check_masking(&self, what: &str) -> Result<(), Error> {
+        if !self.shared.config.rank_masking {
+            return Err(Error::Unsupported(format!(
+                "{what} needs a group with rank_masking (GroupConfig::with_rank_masking)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// [`Error::RankMasked`] if the group masked this rank: the operation is refused before it
+    /// takes a number (its kernels would neither send nor wait).
+    pub(super) fn check_not_masked(&self, channel: Channel) -> Result<(), Error> {
+        let me = self.shared.rank;
+        if self.shared.config.rank_masking && (self.shared.mask_mirror() >> me) & 1 == 1 {
+            return Err(Error::RankMasked { op: op_label(channel, self.core.peek_seq(channel)), rank: me });
+        }
+        Ok(())
+    }
+
+    fn mask_params(&self) -> MaskParams {
+        let s = &self.shared;
+        MaskParams {
+            signals: s.mem.signals.ptr(),
+            status: s.mem.status.device_ptr(),
+            peer_signals: peer_array(&s.peers.signals),
+            timeout_ns: s.device_timeout_ns(),
+            rank: s.rank as i32,
+            num_ranks: s.num_ranks as i32,
+            ..MaskParams::default()
+        }
+    }
+
+    /// Runs one thread of `f` with `m` on the handle stream and waits for it.
+    fn run_mask_kernel(&self, f: &cudarc::driver::CudaFunction, m: MaskParams, what: &str) -> Result<(), Error> {
+        let s = &self.shared;
+        bind(&s.ctx)?;
+        let stream = &s.streams[Channel::Handle.index()];
+        let mut b = stream.launch_builder(f);
+        b.arg(&m);
+        let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: `m` matches `struct MaskParams` of ll.cu byte for byte (params.rs tests); every
+        // address in it is this rank's signal page, its mapped status page or a peer's mapped
+        // signal page, all alive as long as the rank.
+        unsafe { b.launch(cfg) }.map_err(|e| cuda(what, e))?;
+        stream.synchronize().map_err(|e| cuda(what, e))
+    }
+
+    pub(super) fn mask_ranks_now(&self, ranks: &RankSet) -> Result<(), Error> {
+        self.check_masking("mask_ranks")?;
+        let s = &self.shared;
+        if let Some(r) = ranks.iter().find(|&r| r >= s.num_ranks) {
+            return Err(Error::Unsupported(format!("mask_ranks: rank {r} is not in this group of {}", s.num_ranks)));
+        }
+        let m = MaskParams { bits: ranks.low_bits(), ..self.mask_params() };
+        self.run_mask_kernel(&s.functions.mask_spread, m, "mask ranks")
+    }
+
+    /// `unmask_all` (see [`epflow_core::mask`], "Recovery"): waits for this rank's streams,
+    /// then `ep_mask_rejoin` meets every rank on the device, agrees on the next operation
+    /// numbers and resets the credits and the mask; the host then numbers from there.
+    pub(super) fn unmask_all_now(&self) -> Result<(), Error> {
+        self.check_masking("unmask_all")?;
+        self.core.poison().check()?;
+        let s = &self.shared;
+        bind(&s.ctx)?;
+        for st in &s.streams {
+            st.synchronize().map_err(|e| cuda("wait for operations before unmask_all", e))?;
+        }
+        let epoch = self.core.mask_epoch() + 1;
+        let m = MaskParams { epoch, next: Channel::ALL.map(|c| self.core.peek_seq(c)), ..self.mask_params() };
+        self.run_mask_kernel(&s.functions.mask_rejoin, m, "unmask_all")?;
+        let err = s.mem.status.read_u64(status::ERROR);
+        if err & 0xff == status::REJOIN_TIMEOUT {
+            let e = Error::Timeout {
+                op: format!("unmask_all #{epoch}"),
+                rank: s.rank,
+                waiting_for: format!("rank {} to come to unmask_all", (err >> 8) & 0xff),
+                after: s.config.timeout,
+            };
+            s.poison.poison(e.to_string());
+            return Err(e);
+        }
+        let next = [0, 1, 2].map(|c| s.mem.status.read_u64(status::REJOIN + c));
+        for (turn, n) in s.turns.iter().zip(next) {
+            turn.store(n, Ordering::Release);
+        }
+        self.core.rejoin_at(next);
+        Ok(())
+    }
+}

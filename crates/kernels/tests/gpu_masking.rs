@@ -1,0 +1,158 @@
+//! Rank masking on GPUs ([`epflow_core::mask`]) against the CPU reference: the last rank of the
+//! group stops calling; the survivors' next operation completes after the device deadline
+//! (timed and printed), with no poison; every later operation, both layouts, two launches and
+//! one, fresh inputs each time and outputs poisoned first, matches the reference computed without
+//! the stopped rank's experts, with the per-token counts of lost entries. The stopped rank comes
+//! back: its first operation is refused (`RankMasked`); every rank runs `unmask_all`; the full
+//! group is bit-exact again. Without enough GPUs every test prints SKIPPED and passes.
+//! `EPFLOW_TEST_DEVICES=0,0` (or `0,0,0`) runs the ranks on one GPU (a functional check).
+//! `EPFLOW_GPU_ITERS` sets the masked iterations (default 200).
+
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use epflow_core::backend::{Backend, blocking_combine, blocking_dispatch, blocking_handle_with};
+use epflow_core::mask::RankSet;
+use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions, Layout};
+use epflow_core::scenario::Scenario;
+use epflow_core::verify::{Report, Tolerance, check_bf16, check_exact, check_ll_dispatch, check_rank_major_dispatch};
+use epflow_core::workload::RoutingKind;
+use epflow_core::{Error, GroupConfig, HostTensor};
+use epflow_kernels::{GpuRank, GpuWorld};
+
+mod common;
+use common::{gpus, on_ranks, seed, shared_gpu_sms};
+
+const M: usize = 32;
+const H: usize = 1024;
+const K: usize = 4;
+const TIMEOUT: Duration = Duration::from_secs(2);
+
+fn config(devices: &[usize]) -> GroupConfig {
+    GroupConfig::low_latency(8 * devices.len(), M, H)
+        .with_rank_masking(true)
+        .with_timeout(TIMEOUT)
+        .with_max_sms(shared_gpu_sms(devices))
+}
+
+fn assert_ok(report: Report, what: &str) {
+    assert!(report.ok(), "{what}: {} of {} mismatched; first: {:?}", report.mismatched, report.checked, report.first);
+}
+
+/// One dispatch and combine of `rank` on `full`'s inputs, checked against the reference of the
+/// group without `masked`; the combine input comes from that reference. Returns how long the
+/// dispatch took.
+fn round(rank: &GpuRank, full: &Scenario, masked: &RankSet, layout: Layout, staged: bool) -> Duration {
+    let r = rank.rank();
+    let sc = full.without_ranks(masked);
+    let what = format!("rank {r} {layout:?} staged={staged} masked={masked:?}");
+    rank.fill_output_buffers(0xA5).unwrap();
+    let topk = rank.upload(&full.topk_idx(r)).unwrap();
+    let (x, w) = (rank.upload(&full.tokens(r)).unwrap(), rank.upload(&full.weights(r)).unwrap());
+    let h = blocking_handle_with(rank, &topk, &HandleOptions::with_layout(layout)).unwrap();
+    let rm = layout == Layout::RankMajor;
+    let inputs = if rm { DispatchInputs::new(&x).with_weights(&w) } else { DispatchInputs::new(&x) };
+    let t = Instant::now();
+    let out = blocking_dispatch(rank, &h, inputs, &DispatchOptions::default(), staged).unwrap();
+    let took = t.elapsed();
+    let host = out.to_host().unwrap();
+    let counts = host.counts.as_ref().and_then(HostTensor::as_i32).unwrap();
+    let report = if rm {
+        let refs = sc.ll_rank_major_reference().unwrap();
+        let weights = host.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap();
+        let idx = host.topk_idx.as_ref().and_then(HostTensor::as_i32).unwrap();
+        check_rank_major_dispatch(&refs[r], H, M, K, host.tokens.data(), None, weights, idx, counts)
+    } else {
+        let n = full.num_ranks;
+        check_ll_dispatch(&sc.ll_dispatch_reference().unwrap()[r], H, n * M, host.tokens.data(), None, counts)
+    };
+    assert_ok(report, &format!("{what}: dispatch"));
+    drop(out);
+    let y = rank.upload(&sc.ll_reference_expert_outputs(r, layout).unwrap()).unwrap();
+    let cin = if rm { CombineInputs::new(&y) } else { CombineInputs::new(&y).with_weights(&w) };
+    let out = blocking_combine(rank, &h, cin, &CombineOptions::default(), staged).unwrap().to_host().unwrap();
+    let want = if rm {
+        sc.ll_rank_major_combine_identity_reference(&sc.ll_rank_major_reference().unwrap()).unwrap()
+    } else {
+        sc.ll_combine_identity_reference(&sc.ll_dispatch_reference().unwrap()).unwrap()
+    };
+    assert_ok(check_bf16("combine", &want[r], out.tokens.as_bf16().unwrap(), Tolerance::Exact), &what);
+    let lost = full.masked_entries(r, masked);
+    let got = out.masked.as_ref().and_then(HostTensor::as_i32).unwrap();
+    assert_ok(check_exact("masked entries", &lost, got, |a, b| a == b), &what);
+    took
+}
+
+fn scenario(config: &GroupConfig, n: usize, seed: u64) -> Scenario {
+    let tokens: Vec<usize> = [M, 17, 1, 30, 9, 24, 5, 12].into_iter().take(n).collect();
+    Scenario::generate(config.clone(), n, &tokens, K, RoutingKind::Uniform, 1, seed)
+}
+
+fn survivors_go_on(n: usize) {
+    let test = format!("gpu_masking ({n} ranks)");
+    let Some(devices) = gpus(n, &test) else { return };
+    let iters: u64 = std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(200);
+    let base = seed();
+    eprintln!("{test}: seed {base} (EPFLOW_TEST_SEED replays it), {iters} masked iterations");
+    let config = config(&devices);
+    let ranks = GpuWorld::create(&devices, config.clone()).unwrap();
+    let dead = n - 1;
+    let gone: RankSet = [dead].into_iter().collect();
+    let none = RankSet::new();
+    let back = Barrier::new(n);
+    let layout_of = |i: u64| if i % 2 == 0 { Layout::ExpertMajor } else { Layout::RankMajor };
+    let took = on_ranks(&ranks, |rank| {
+        let me = rank.rank();
+        for i in 0..4 {
+            round(rank, &scenario(&config, n, base + i), &none, layout_of(i), i % 3 == 0);
+        }
+        let mut first = Duration::ZERO;
+        if me != dead {
+            first = round(rank, &scenario(&config, n, base + 4), &gone, Layout::ExpertMajor, false);
+            for i in 5..5 + iters {
+                round(rank, &scenario(&config, n, base + i), &gone, layout_of(i), i % 3 == 0);
+            }
+            assert_eq!(rank.masked_ranks().ranks, gone, "rank {me}");
+            assert!(!rank.poison().is_poisoned());
+        }
+        back.wait();
+        if me == dead {
+            let sc = scenario(&config, n, base);
+            let topk = rank.upload(&sc.topk_idx(me)).unwrap();
+            let x = rank.upload(&sc.tokens(me)).unwrap();
+            let h = blocking_handle_with(rank, &topk, &HandleOptions::default()).unwrap();
+            match blocking_dispatch(rank, &h, DispatchInputs::new(&x), &DispatchOptions::default(), false) {
+                Err(Error::RankMasked { rank, .. }) => assert_eq!(rank, dead),
+                other => panic!("a masked rank's dispatch must be refused, got {:?}", other.map(|_| ())),
+            }
+        }
+        rank.unmask_all().unwrap();
+        assert_eq!(rank.masked_ranks().ranks, none);
+        for i in 0..6 {
+            round(rank, &scenario(&config, n, base + 10_000 + i), &none, layout_of(i), i % 3 == 1);
+        }
+        first
+    });
+    for (r, t) in took.iter().enumerate().filter(|&(r, _)| r != dead) {
+        eprintln!("{test}: rank {r}'s first operation without rank {dead} took {t:?} (timeout {TIMEOUT:?})");
+        assert!(*t < TIMEOUT + Duration::from_millis(500), "rank {r}: {t:?}");
+    }
+    eprintln!("ok: {test}");
+}
+
+#[test]
+fn survivors_of_two_go_on() {
+    survivors_go_on(2);
+}
+
+#[test]
+fn survivors_of_three_go_on() {
+    survivors_go_on(3);
+}
+
+#[test]
+fn masking_is_refused_over_nccl() {
+    let Some(devices) = gpus(2, "masking_is_refused_over_nccl") else { return };
+    let err = GpuWorld::create_with(&devices, config(&devices), epflow_kernels::Transport::Nccl).unwrap_err();
+    assert!(matches!(err, Error::Unsupported(_)), "{err}");
+}
