@@ -27,6 +27,18 @@
 //! cargo run --release --example moe_serving -- --micro-batches 1,2 --rate 100000 --seconds 5
 //! ```
 //!
+//! `--kill-rank R --at SECONDS` (a single `--micro-batches` setting): rank `R` stops calling at
+//! `SECONDS` (it leaves the example's scheduling votes, as a dead process would drop out of a
+//! server's coordinator). The group runs with rank masking (`GroupConfig::with_rank_masking`,
+//! timeout `--kill-timeout` ms, default 500): the survivors' next operation masks it and they keep
+//! serving. The run reports the throughput before and after, the longest stall of the
+//! survivors, and the requests affected (a token of theirs had a top-k entry on the dead rank:
+//! the combine's per-token `masked` counts):
+//!
+//! ```text
+//! cargo run --release --example moe_serving -- --kill-rank 3 --at 2 --seconds 5
+//! ```
+//!
 //! `--graph` (GPU, 1 or more ranks) measures decode-step latency instead: `--layers` layers of
 //! dispatch → expert GEMMs (`--expert-scale 0`: identity experts) → combine on `--batch` tokens
 //! per rank, each layer's output feeding the next, first awaited operation by operation (eager),
@@ -73,6 +85,10 @@ struct Args {
     /// GEMM and combine awaited one after another (eager), then the whole step as one captured
     /// CUDA graph replayed.
     graph: bool,
+    /// `--kill-rank R --at SECONDS`: rank `R` stops calling at `SECONDS` (rank masking on).
+    kill: Option<(usize, f64)>,
+    /// `--kill-timeout` ms: the group timeout with `--kill-rank` (after it the dead rank is masked).
+    kill_timeout: Duration,
 }
 
 impl Args {
@@ -113,6 +129,15 @@ impl Args {
             check: argv.iter().any(|a| a == "--check"),
             quiet: argv.iter().any(|a| a == "--quiet"),
             graph: argv.iter().any(|a| a == "--graph"),
+            kill: match (get("--kill-rank"), get("--at")) {
+                (Some(r), at) => Some((
+                    r.parse().map_err(|_| Error::Unsupported(format!("--kill-rank {r}: a rank number")))?,
+                    at.map_or(Ok(1.0), |s| s.parse().map_err(|_| Error::Unsupported(format!("--at {s}: seconds"))))?,
+                )),
+                (None, Some(_)) => return Err(Error::Unsupported("--at needs --kill-rank".into())),
+                (None, None) => None,
+            },
+            kill_timeout: Duration::from_millis(num("--kill-timeout", 500.0)? as u64),
             devices: match get("--devices") {
                 None => None,
                 Some(list) => Some(
@@ -130,6 +155,14 @@ impl Args {
         if a.graph && a.backend != "gpu" {
             return Err(Error::Unsupported("--graph captures CUDA graphs: it needs --backend gpu".into()));
         }
+        if let Some((_, at)) = a.kill {
+            if a.graph || a.check || a.micro_batches.len() != 1 || !(0.0..a.seconds).contains(&at) {
+                return Err(Error::Unsupported(
+                    "--kill-rank needs one --micro-batches setting, no --graph or --check, and --at within --seconds"
+                        .into(),
+                ));
+            }
+        }
         if !a.graph && (a.request_tokens == 0 || a.request_tokens > a.batch) {
             return Err(Error::Unsupported(format!(
                 "--request-tokens {} must be in 1..=--batch ({})",
@@ -137,6 +170,14 @@ impl Args {
             )));
         }
         Ok(a)
+    }
+
+    /// The group config with rank masking on and the kill timeout, under `--kill-rank`.
+    fn masking(&self, config: epflow::core::GroupConfig) -> epflow::core::GroupConfig {
+        match self.kill {
+            Some(_) => config.with_rank_masking(true).with_timeout(self.kill_timeout),
+            None => config,
+        }
     }
 }
 
@@ -182,6 +223,9 @@ trait Engine {
     fn seconds(&self, start: &Mark, m: &Mark) -> f64;
     /// A digest of a final output (downloads it).
     fn digest(&self, out: &<Self::B as Backend>::CombineOutput) -> Result<u64>;
+    /// Rank masking: per token of a combine output, its top-k entries on masked ranks
+    /// (downloads them).
+    fn masked(&self, out: &<Self::B as Backend>::CombineOutput) -> Result<Vec<i32>>;
 }
 
 /// FNV-1a over 16-bit words.
@@ -192,27 +236,48 @@ fn fnv(words: impl Iterator<Item = u16>) -> u64 {
 /// The decision every rank takes together at a chunk boundary.
 #[derive(Debug)]
 struct Votes {
-    /// Per round: the highest vote (0 stop, 1 idle, 2 run).
-    votes: Mutex<Vec<usize>>,
-    barrier: tokio::sync::Barrier,
+    /// Per round: the highest vote (0 stop, 1 idle, 2 run) and how many ranks voted; and how
+    /// many ranks still vote.
+    state: Mutex<(Vec<(usize, usize)>, usize)>,
+    changed: tokio::sync::Notify,
 }
 
 impl Votes {
     fn new(ranks: usize) -> Self {
-        Votes { votes: Mutex::default(), barrier: tokio::sync::Barrier::new(ranks) }
+        Votes { state: Mutex::new((Vec::new(), ranks)), changed: tokio::sync::Notify::new() }
     }
 
-    /// Every rank's `vote` for round `round`; returns the highest.
+    fn lock(&self) -> std::sync::MutexGuard<'_, (Vec<(usize, usize)>, usize)> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Every voting rank's `vote` for round `round`; returns the highest.
     async fn decide(&self, round: usize, vote: usize) -> usize {
         {
-            let mut v = self.votes.lock().unwrap_or_else(|e| e.into_inner());
-            if v.len() <= round {
-                v.resize(round + 1, 0);
+            let mut st = self.lock();
+            if st.0.len() <= round {
+                st.0.resize(round + 1, (0, 0));
             }
-            v[round] = v[round].max(vote);
+            let v = &mut st.0[round];
+            *v = (v.0.max(vote), v.1 + 1);
         }
-        self.barrier.wait().await;
-        self.votes.lock().unwrap_or_else(|e| e.into_inner())[round]
+        self.changed.notify_waiters();
+        loop {
+            let changed = self.changed.notified();
+            {
+                let st = self.lock();
+                if st.0[round].1 >= st.1 {
+                    return st.0[round].0;
+                }
+            }
+            changed.await;
+        }
+    }
+
+    /// A rank stops voting (`--kill-rank`: it stopped calling).
+    fn leave(&self) {
+        self.lock().1 -= 1;
+        self.changed.notify_waiters();
     }
 }
 
@@ -234,6 +299,8 @@ struct Served {
     chunks: usize,
     /// Requests still queued at the end.
     left: usize,
+    /// Requests whose tokens lost a top-k entry to a masked rank (`--kill-rank`).
+    affected: usize,
     /// The start mark, and the host's clock when it was taken.
     start: Option<(Mark, Instant)>,
 }
@@ -271,6 +338,14 @@ fn place(i: usize, m: usize, layers: usize, chunk_base: u64) -> (usize, usize, u
     (lane, layer, chunk_base + (round * m + lane) as u64)
 }
 
+/// When a rank stops serving: `until` (every rank), or `kill_at` (`--kill-rank`: this rank
+/// stops calling then, and its peers mask it).
+#[derive(Clone, Copy)]
+struct Stop {
+    until: Instant,
+    kill_at: Option<Instant>,
+}
+
 /// Serves on one rank with `m` micro-batches in flight until the time is up.
 async fn serve<E: Engine>(
     e: &E,
@@ -278,9 +353,10 @@ async fn serve<E: Engine>(
     m: usize,
     votes: &Votes,
     queue: &mpsc::Receiver<Request>,
-    until: Instant,
+    stop: Stop,
     progress: Option<&AtomicUsize>,
 ) -> Result<Served> {
+    let Stop { until, kill_at } = stop;
     let layers = a.layers;
     let steps = m * layers * a.rounds;
     let per_chunk = (m * a.rounds) as u64;
@@ -292,6 +368,11 @@ async fn serve<E: Engine>(
     loop {
         while let Ok(r) = queue.try_recv() {
             backlog.push(r);
+        }
+        if kill_at.is_some_and(|k| Instant::now() >= k) {
+            // This rank stops calling: its peers will mask it.
+            votes.leave();
+            return Ok(served);
         }
         let vote = if Instant::now() >= until {
             0
@@ -313,12 +394,35 @@ async fn serve<E: Engine>(
         let open: Mutex<BTreeMap<u64, (Mark, Vec<Request>)>> = Mutex::default();
         let finished: Mutex<Vec<Batch>> = Mutex::default();
         let digests: Mutex<BTreeMap<u64, u64>> = Mutex::default();
+        // `--kill-rank`: per micro-batch, which tokens lost an entry to a masked rank.
+        let lost: Mutex<BTreeMap<u64, Vec<bool>>> = Mutex::default();
+        let affected = AtomicUsize::new(0);
+        let note_masked = |mb: u64, out: &<E::B as Backend>::CombineOutput| -> Result<()> {
+            if a.kill.is_some() {
+                let m = e.masked(out)?;
+                let mut l = lost.lock().unwrap_or_else(|x| x.into_inner());
+                let row = l.entry(mb).or_insert_with(|| vec![false; m.len()]);
+                row.iter_mut().zip(&m).for_each(|(r, &c)| *r |= c > 0);
+            }
+            Ok(())
+        };
         let finish = |mb: u64, lane: usize, out: &<E::B as Backend>::CombineOutput| -> Result<()> {
             let end = e.mark(lane)?;
             if a.check {
                 digests.lock().unwrap_or_else(|x| x.into_inner()).insert(mb, e.digest(out)?);
             }
+            note_masked(mb, out)?;
             if let Some((start, reqs)) = open.lock().unwrap_or_else(|x| x.into_inner()).remove(&mb) {
+                // A request is affected if one of its tokens lost an entry in any layer.
+                if let Some(row) = lost.lock().unwrap_or_else(|x| x.into_inner()).remove(&mb) {
+                    let mut first = 0;
+                    for q in &reqs {
+                        if row.get(first..first + q.tokens).is_some_and(|t| t.iter().any(|&x| x)) {
+                            affected.fetch_add(1, Ordering::Relaxed);
+                        }
+                        first += q.tokens;
+                    }
+                }
                 finished.lock().unwrap_or_else(|x| x.into_inner()).push((mb, start, end, reqs));
             }
             Ok(())
@@ -327,6 +431,9 @@ async fn serve<E: Engine>(
         let input = |i: usize, prev: Option<<E::B as Backend>::CombineOutput>| {
             let (lane, layer, mb) = place(i, m, layers, base);
             if layer > 0 {
+                if let Some(out) = &prev {
+                    note_masked(mb, out)?;
+                }
                 return e.input(mb, layer, prev);
             }
             if let Some(out) = &prev {
@@ -366,6 +473,7 @@ async fn serve<E: Engine>(
         served.batches.extend(finished.into_inner().unwrap_or_else(|x| x.into_inner()));
         served.digests.extend(digests.into_inner().unwrap_or_else(|x| x.into_inner()));
         served.chunks += 1;
+        served.affected += affected.into_inner();
         if let Some(p) = progress {
             let done: usize = served.batches.iter().map(|b| b.3.len()).sum();
             p.store(done, Ordering::Relaxed);
@@ -485,7 +593,19 @@ fn run<E: Engine + Sync>(engines: &[E], a: &Args) -> Result<Vec<(usize, Report)>
                     s.spawn(move || {
                         let (rx, dropped) = arrivals(a.rate / ranks as f64, a.request_tokens, until, 17 + r as u64);
                         let rt = rt()?;
-                        let served = rt.block_on(serve(e, a, m, votes, &rx, until, (r == 0).then_some(progress)))?;
+                        let kill_at = a
+                            .kill
+                            .filter(|&(k, _)| k == r)
+                            .map(|(_, at)| until - Duration::from_secs_f64(a.seconds - at));
+                        let served = rt.block_on(serve(
+                            e,
+                            a,
+                            m,
+                            votes,
+                            &rx,
+                            Stop { until, kill_at },
+                            (r == 0).then_some(progress),
+                        ))?;
                         let serial =
                             if a.check { Some(rt.block_on(serial_digests(e, a, m, served.chunks))?) } else { None };
                         Ok((served, dropped.load(Ordering::Relaxed), serial))
@@ -498,8 +618,26 @@ fn run<E: Engine + Sync>(engines: &[E], a: &Args) -> Result<Vec<(usize, Report)>
         let mut latencies = Vec::new();
         let (mut tokens, mut requests, mut left, mut dropped, mut busy) = (0usize, 0usize, 0usize, 0usize, 0.0f64);
         let mut serving_wall = 0.0f64;
+        // `--kill-rank`: the survivors' tokens finished before and after the kill, their
+        // longest gap between two finished micro-batches after it, and the affected requests.
+        let (mut before, mut after, mut stall, mut affected) = (0usize, 0usize, 0.0f64, 0usize);
         for (r, (res, e)) in results.into_iter().zip(engines).enumerate() {
             let (served, drop_count, serial) = res?;
+            if let Some((dead, at)) = a.kill {
+                if r != dead {
+                    let (start, _) = served.start.as_ref().ok_or_else(|| Error::Backend("no start mark".into()))?;
+                    let mut ends: Vec<f64> = served.batches.iter().map(|b| e.seconds(start, &b.2)).collect();
+                    ends.sort_by(f64::total_cmp);
+                    for (b, end) in served.batches.iter().zip(served.batches.iter().map(|b| e.seconds(start, &b.2))) {
+                        let t: usize = b.3.iter().map(|q| q.tokens).sum();
+                        if end < at { before += t } else { after += t }
+                    }
+                    let later: Vec<f64> = ends.iter().copied().filter(|&x| x >= at).collect();
+                    let gap = ends.windows(2).filter(|w| w[1] >= at).map(|w| w[1] - w[0]).fold(0.0, f64::max);
+                    stall = stall.max(gap.max(later.first().map_or(0.0, |f| f - at)));
+                    affected += served.affected;
+                }
+            }
             let (start, start_host) = served.start.as_ref().ok_or_else(|| Error::Backend("no start mark".into()))?;
             let mut intervals: Vec<(f64, f64)> = Vec::new();
             let mut end_max = 0.0f64;
@@ -529,6 +667,16 @@ fn run<E: Engine + Sync>(engines: &[E], a: &Args) -> Result<Vec<(usize, Report)>
                 }
                 println!("  rank {r}: {} micro-batch outputs bit-identical to the serial run's", serial.len());
             }
+        }
+        if let Some((dead, at)) = a.kill {
+            let masked = engines.iter().map(|e| e.group().masked_ranks().ranks.to_vec()).collect::<Vec<_>>();
+            println!(
+                "  rank {dead} stopped at {at:.1} s: survivors served {:.0} tokens/s before, {:.0} tokens/s after; longest stall after it {:.1} ms (timeout {} ms); {affected} requests affected (a token lost a top-k entry); masked ranks seen by each rank {masked:?}",
+                before as f64 / at.max(1e-9),
+                after as f64 / (serving_wall - at).max(1e-9),
+                stall * 1e3,
+                a.kill_timeout.as_millis(),
+            );
         }
         latencies.sort_by(f64::total_cmp);
         let report = Report {
@@ -674,12 +822,16 @@ mod host {
             let t = out.tokens().as_bf16().ok_or_else(|| Error::Backend("tokens not BF16".into()))?;
             Ok(fnv(t.iter().map(|v| v.to_bits())))
         }
+
+        fn masked(&self, out: &HostCombineOutput) -> Result<Vec<i32>> {
+            Ok(out.masked().map(<[i32]>::to_vec).unwrap_or_default())
+        }
     }
 
     /// The host world's engines for `a` (`buffer_sets` at least the largest `--micro-batches`).
     pub(crate) fn engines(a: &Args) -> Result<Vec<HostEngine>> {
         let sets = a.micro_batches.iter().copied().max().unwrap_or(2).max(2);
-        let config = GroupConfig::low_latency(EXPERTS, a.batch, HIDDEN).with_buffer_sets(sets);
+        let config = a.masking(GroupConfig::low_latency(EXPERTS, a.batch, HIDDEN).with_buffer_sets(sets));
         let spec = RoutingSpec {
             num_tokens: a.batch,
             top_k: TOP_K,
@@ -867,6 +1019,15 @@ mod gpu {
             let t = out.to_host()?;
             let v = t.tokens.as_bf16().ok_or_else(|| err("tokens not BF16"))?;
             Ok(fnv(v.iter().map(|x| x.to_bits())))
+        }
+
+        fn masked(&self, out: &GpuCombineOutput) -> Result<Vec<i32>> {
+            match out.masked() {
+                Some(m) => {
+                    Ok(m.download(self.g.backend().context())?.as_i32().map(<[i32]>::to_vec).unwrap_or_default())
+                }
+                None => Ok(Vec::new()),
+            }
         }
     }
 
@@ -1061,7 +1222,9 @@ mod gpu {
         }
         let sets = a.micro_batches.iter().copied().max().unwrap_or(2).max(2);
         let comm = epflow::kernels::compute::comm_sms_for(&devices, sets, COMM_SMS)?;
-        let config = GroupConfig::low_latency(EXPERTS, a.batch, HIDDEN).with_max_sms(Some(comm)).with_buffer_sets(sets);
+        let config = a.masking(
+            GroupConfig::low_latency(EXPERTS, a.batch, HIDDEN).with_max_sms(Some(comm)).with_buffer_sets(sets),
+        );
         let spec = RoutingSpec {
             num_tokens: a.batch,
             top_k: TOP_K,

@@ -61,8 +61,18 @@ impl Functions {
             ctx.load_module(Ptx::from_binary(compile(&NCCL, &arch)?)).map_err(|e| cuda("load nccl module", e))?;
         let util =
             ctx.load_module(Ptx::from_binary(compile(&UTIL, &arch)?)).map_err(|e| cuda("load util module", e))?;
+        // Loaded now, not at their first launch: with CUDA's lazy loading (the default), loading a
+        // kernel may wait for the kernels already running in the context, and with several ranks
+        // in one process those may be another rank's receive, spinning for this rank's send —
+        // which then starts only at that receive's deadline.
         let f = |m: &Arc<cudarc::driver::CudaModule>, name: &str| {
-            m.load_function(name).map_err(|e| cuda(&format!("find kernel {name}"), e))
+            let func = m.load_function(name).map_err(|e| cuda(&format!("find kernel {name}"), e))?;
+            // SAFETY: `func` is a live function handle of a module of this context (the caller
+            // bound it: `build_rank`).
+            unsafe { cudarc::driver::sys::cuFuncLoad(func.cu_function()) }
+                .result()
+                .map_err(|e| cuda(&format!("load kernel {name}"), e))?;
+            Ok::<_, Error>(func)
         };
         Ok(Functions {
             dispatch_send: f(&ll, "ep_ll_dispatch_send")?,

@@ -102,9 +102,11 @@ __device__ __forceinline__ void st_na_int4(void* p, int4 v) {
 }
 
 // Records the first error in the host-visible status page: code | peer << 8 | seq << 16 (later
-// errors, often consequences of the first, are dropped).
+// errors, often consequences of the first, are dropped). Plain loads and stores: the page is
+// mapped host memory, which takes no system-scope atomics on every platform (compute-sanitizer
+// reports them); two errors at the same moment may leave either.
 __device__ __forceinline__ void report_error(u64* status, u64 code, int peer, u64 seq) {
-    atomicCAS_system(status, 0ull, code | ((u64)peer << 8) | (seq << 16));
+    if (ld_acquire_sys(status) == 0ull) st_relaxed_sys(status, code | ((u64)peer << 8) | (seq << 16));
 }
 
 // An arrival word: ((seq + 1) mod 2^40) << 24 | tag << 1 | cancelled. The tag is the part of the
