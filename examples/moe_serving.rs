@@ -626,12 +626,17 @@ fn run<E: Engine + Sync>(engines: &[E], a: &Args) -> Result<Vec<(usize, Report)>
             if let Some((dead, at)) = a.kill {
                 if r != dead {
                     let (start, _) = served.start.as_ref().ok_or_else(|| Error::Backend("no start mark".into()))?;
-                    let mut ends: Vec<f64> = served.batches.iter().map(|b| e.seconds(start, &b.2)).collect();
-                    ends.sort_by(f64::total_cmp);
-                    for (b, end) in served.batches.iter().zip(served.batches.iter().map(|b| e.seconds(start, &b.2))) {
-                        let t: usize = b.3.iter().map(|q| q.tokens).sum();
-                        if end < at { before += t } else { after += t }
+                    let mut ends = Vec::with_capacity(served.batches.len());
+                    for b in &served.batches {
+                        let (end, t) = (e.seconds(start, &b.2), b.3.iter().map(|q| q.tokens).sum::<usize>());
+                        if end < at {
+                            before += t
+                        } else {
+                            after += t
+                        }
+                        ends.push(end);
                     }
+                    ends.sort_by(f64::total_cmp);
                     let later: Vec<f64> = ends.iter().copied().filter(|&x| x >= at).collect();
                     let gap = ends.windows(2).filter(|w| w[1] >= at).map(|w| w[1] - w[0]).fold(0.0, f64::max);
                     stall = stall.max(gap.max(later.first().map_or(0.0, |f| f - at)));

@@ -46,6 +46,12 @@ impl HostMasks {
         self.words[rank].contains(other)
     }
 
+    /// Whether `rank` neither sends to nor waits for `peer`: its word holds `peer`, or `rank`
+    /// itself (a masked rank waits for no one; its operations end in `RankMasked`).
+    pub(crate) fn skips(&self, rank: usize, peer: usize) -> bool {
+        self.holds(rank, peer) || self.holds(rank, rank)
+    }
+
     /// Masks `ranks` in every rank's word ([`spread`]): an application's decision.
     pub(crate) fn mask(&self, ranks: &RankSet) {
         spread(&self.words, ranks);

@@ -66,11 +66,10 @@ pub struct HostOp {
 pub type HostOpOutput = OpOutput<HostHandle, HostDispatchOutput, HostCombineOutput>;
 
 impl HostOp {
-    /// Whether this rank's mask word holds `peer`, or this rank itself (then it waits for no
-    /// one: its result is [`Error::RankMasked`]). Never without rank masking.
+    /// Whether this rank skips `peer` (masked, or this rank is: its result is then
+    /// [`Error::RankMasked`]). Never without rank masking.
     fn masked(&self, peer: usize) -> bool {
-        let m = &self.world.masks;
-        m.holds(self.rank, peer) || m.holds(self.rank, self.rank)
+        self.world.masks.skips(self.rank, peer)
     }
 
     /// Whether `dest` has returned the credit for this operation's buffer set, or is masked.
@@ -552,9 +551,7 @@ impl PendingOp for HostOp {
         Box::new(move || {
             let sets = world.mailboxes.sets();
             (0..world.num_ranks).all(|d| {
-                world.masks.holds(rank, d)
-                    || world.masks.holds(rank, rank)
-                    || world.mailboxes.cell(d, channel, seq, rank).has_credit(seq, sets)
+                world.masks.skips(rank, d) || world.mailboxes.cell(d, channel, seq, rank).has_credit(seq, sets)
             })
         })
     }
@@ -566,11 +563,8 @@ impl PendingOp for HostOp {
         }
         let (world, channel, seq, rank) = (Arc::clone(&self.world), self.channel, self.seq, self.rank);
         Box::new(move || {
-            (0..world.num_ranks).all(|s| {
-                world.masks.holds(rank, s)
-                    || world.masks.holds(rank, rank)
-                    || world.mailboxes.cell(rank, channel, seq, s).has_arrived(seq)
-            })
+            (0..world.num_ranks)
+                .all(|s| world.masks.skips(rank, s) || world.mailboxes.cell(rank, channel, seq, s).has_arrived(seq))
         })
     }
 

@@ -212,14 +212,6 @@ __device__ __forceinline__ bool wait_all_sources(u64* signals, u64* status, int 
     return *timed_out == 0;
 }
 
-// Waits until (*p >> 1) >= want (acquire); false on timeout.
-__device__ __forceinline__ bool wait_at_least(const u64* p, u64 want, u64 deadline) {
-    while ((ld_acquire_sys(p) >> 1) < want) {
-        if (globaltimer_ns() > deadline) return false;
-    }
-    return true;
-}
-
 // The first invalid entry of a row (its k, or K): out of [-1, E), or an expert already chosen.
 // Fully unrolled over EP_MAX_TOPK so the row stays in registers.
 __device__ __forceinline__ int topk_first_invalid(const long long (&row)[EP_MAX_TOPK], int K, int E) {

@@ -97,18 +97,23 @@ __device__ __forceinline__ u64 mask_word(const LlParams& p) {
     return p.masking ? ld_acquire_sys(mask_area(reinterpret_cast<u64*>(p.signals))) : 0ull;
 }
 
-// Masks `bits` on every rank: ORs them into this rank's word, then into every peer's (the masked
-// ranks' own included, so they learn it), and mirrors this rank's word for its host. A rank that
-// finds itself masked masks no one (a slow rank never masks the survivors that gave up on it).
-__device__ void spread_mask(const LlParams& p, u64 bits) {
-    u64* own = mask_area(reinterpret_cast<u64*>(p.signals));
-    if ((ld_acquire_sys(own) >> p.rank) & 1ull) return;
+// ORs `bits` into this rank's mask word, then into every peer's (the masked ranks' own included,
+// so they learn it), and mirrors this rank's word in its status page for its host.
+__device__ void mask_everywhere(u64 signals, const u64* peer_signals, u64 status, int rank, int num_ranks, u64 bits) {
+    u64* own = mask_area(reinterpret_cast<u64*>(signals));
     atomicOr(own, bits);
-    for (int r = 0; r < p.num_ranks; r++) {
-        if (r != p.rank) atomicOr_system(mask_area(reinterpret_cast<u64*>(p.peer_signals[r])), bits);
+    for (int r = 0; r < num_ranks; r++) {
+        if (r != rank) atomicOr_system(mask_area(reinterpret_cast<u64*>(peer_signals[r])), bits);
     }
     __threadfence_system();
-    st_relaxed_sys(reinterpret_cast<u64*>(p.status) + EP_STATUS_MASK, ld_acquire_sys(own));
+    st_relaxed_sys(reinterpret_cast<u64*>(status) + EP_STATUS_MASK, ld_acquire_sys(own));
+}
+
+// This rank gave up on the ranks of `bits`: masks them everywhere, unless this rank finds itself
+// masked — then it masks no one (a slow rank never masks the survivors that gave up on it).
+__device__ void spread_mask(const LlParams& p, u64 bits) {
+    if ((ld_acquire_sys(mask_area(reinterpret_cast<u64*>(p.signals))) >> p.rank) & 1ull) return;
+    mask_everywhere(p.signals, p.peer_signals, p.status, p.rank, p.num_ranks, bits);
 }
 
 // Waits (lane 0) for destination `dest`'s credit for this operation's set. With masking it stops
@@ -764,13 +769,7 @@ static_assert(sizeof(MaskParams) == 136, "MaskParams layout");
 
 // `GpuRank::mask_ranks`: ORs `bits` into every rank's word (this one's first) and mirrors it.
 extern "C" __global__ void ep_mask_spread(MaskParams m) {
-    u64* own = mask_area(reinterpret_cast<u64*>(m.signals));
-    atomicOr(own, m.bits);
-    for (int r = 0; r < m.num_ranks; r++) {
-        if (r != m.rank) atomicOr_system(mask_area(reinterpret_cast<u64*>(m.peer_signals[r])), m.bits);
-    }
-    __threadfence_system();
-    st_relaxed_sys(reinterpret_cast<u64*>(m.status) + EP_STATUS_MASK, ld_acquire_sys(own));
+    mask_everywhere(m.signals, m.peer_signals, m.status, m.rank, m.num_ranks, m.bits);
 }
 
 // Waits until board word `i` of every rank in this rank's mask area reaches `epoch`; false (and
