@@ -51,6 +51,9 @@ if [ "$part" = all ] || [ "$part" = tests ]; then
   echo "-- one process per GPU (gpu_ll): rc=$? ($(grep -c '^ok: ' "$OUT/mp2.log") ok lines)"; grep -E "panicked|FAILED" "$OUT/mp2.log" | head -3
   EPFLOW_TEST_SEED=$seed timeout 120 $P/epflow launch -n 2 -- $P/gpu_rank_major rank_major_one_process_per_gpu --nocapture --test-threads=1 >"$OUT/mp2-rm.log" 2>&1
   echo "-- one process per GPU (gpu_rank_major): rc=$? ($(grep -c '^ok: ' "$OUT/mp2-rm.log") ok lines)"; grep -E "panicked|FAILED" "$OUT/mp2-rm.log" | head -3
+  EPFLOW_GPU_ITERS=1000 run gpu_masking 240 $P/gpu_masking
+  EPFLOW_TEST_SEED=$seed EPFLOW_GPU_ITERS=1000 timeout 240 $P/epflow launch -n 2 -- $P/gpu_masking masking_one_process_per_gpu --nocapture --test-threads=1 >"$OUT/mp2-masking.log" 2>&1
+  echo "-- one process per GPU, a process exits (gpu_masking): rc=$? ($(grep -c '^ok: ' "$OUT/mp2-masking.log") ok lines)"; grep -E "panicked|FAILED|took" "$OUT/mp2-masking.log" | head -3
   EPFLOW_TEST_SEED=$seed timeout 120 $P/epflow launch -n 2 -- $P/gpu_graph graph_one_process_per_gpu --nocapture --test-threads=1 >"$OUT/mp2-graph.log" 2>&1
   echo "-- one process per GPU (gpu_graph): rc=$? ($(grep -c '^ok: ' "$OUT/mp2-graph.log") ok lines)"; grep -E "panicked|FAILED" "$OUT/mp2-graph.log" | head -3
 fi
@@ -61,6 +64,7 @@ if [ "$part" = all ] || [ "$part" = sanitize ]; then
   sanitize ll
   sanitize rank-major
   sanitize ht
+  sanitize mask
 fi
 if [ "$part" = all ] || [ "$part" = ab ]; then
   echo "== epflow bench --validate: baseline (.device-base) vs this build, alternated"

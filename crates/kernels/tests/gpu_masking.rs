@@ -4,7 +4,8 @@
 //! one, fresh inputs each time and outputs poisoned first, matches the reference computed without
 //! the stopped rank's experts, with the per-token counts of lost entries. The stopped rank comes
 //! back: its first operation is refused (`RankMasked`); every rank runs `unmask_all`; the full
-//! group is bit-exact again. Without enough GPUs every test prints SKIPPED and passes.
+//! group is bit-exact again. `masking_one_process_per_gpu` (under `epflow launch`) kills a
+//! rank's process instead. Without enough GPUs every test prints SKIPPED and passes.
 //! `EPFLOW_TEST_DEVICES=0,0` (or `0,0,0`) runs the ranks on one GPU (a functional check).
 //! `EPFLOW_GPU_ITERS` sets the masked iterations (default 200), `EPFLOW_MASK_TIMEOUT_MS` the
 //! group timeout (default 2000), `EPFLOW_MASK_STAGED` = `all`/`none` which operations are
@@ -207,4 +208,48 @@ fn masking_is_refused_over_nccl() {
     let Some(devices) = gpus(2, "masking_is_refused_over_nccl") else { return };
     let err = GpuWorld::create_with(&devices, config(&devices), epflow_kernels::Transport::Nccl).unwrap_err();
     assert!(matches!(err, Error::Unsupported(_)), "{err}");
+}
+
+/// One process per GPU, a process that dies: run under `epflow launch -n N -- gpu_masking
+/// masking_one_process_per_gpu` with the same `EPFLOW_TEST_SEED` in every process. After four
+/// full rounds and a barrier, the last rank's process exits on the spot (`std::process::exit`,
+/// no destructors: its GPU context goes with the process, as in a crash; exit status 0 so that
+/// `epflow launch` leaves the survivors running). The survivors' next operation completes at the
+/// device deadline (timed, printed, and held to the timeout + 500 ms), then `EPFLOW_GPU_ITERS`
+/// (default 1,000) operations, both layouts, staged and not, match the reference computed
+/// without the dead rank's experts, with no poison.
+#[test]
+fn masking_one_process_per_gpu() {
+    let Some((env, comm, base)) = common::launched("masking_one_process_per_gpu") else { return };
+    let n = env.world_size;
+    let me = env.rank;
+    let iters: u64 = std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(1000);
+    let config = GroupConfig::low_latency(8 * n, M, H).with_rank_masking(true).with_timeout(timeout());
+    let rank = GpuWorld::join(&comm, config.clone()).expect("join the GPU group");
+    let dead = n - 1;
+    let gone: RankSet = [dead].into_iter().collect();
+    let none = RankSet::new();
+    let layout_of = |i: u64| if i % 2 == 0 { Layout::ExpertMajor } else { Layout::RankMajor };
+    let bufs = Bufs::new(&rank, &scenario(&config, n, base));
+    for i in 0..4 {
+        round(&rank, &bufs, &scenario(&config, n, base + i), &none, layout_of(i), staged(i));
+    }
+    epflow_kernels::setup::bootstrap::barrier(&comm).expect("barrier");
+    if me == dead {
+        eprintln!("rank {me}: process exits now");
+        std::process::exit(0);
+    }
+    let first = round(&rank, &bufs, &scenario(&config, n, base + 4), &gone, Layout::ExpertMajor, false);
+    eprintln!("rank {me}: first operation without rank {dead} took {first:?} (timeout {:?})", timeout());
+    let t = Instant::now();
+    for i in 5..5 + iters {
+        round(&rank, &bufs, &scenario(&config, n, base + i), &gone, layout_of(i), staged(i));
+        if i % 250 == 0 {
+            eprintln!("rank {me}: {} masked iterations, {:?}", i - 4, t.elapsed());
+        }
+    }
+    assert_eq!(rank.masked_ranks().ranks, gone, "rank {me}");
+    assert!(!rank.poison().is_poisoned());
+    assert!(first < timeout() + Duration::from_millis(500), "rank {me}: {first:?}");
+    eprintln!("ok: rank {me} of {n}: {iters} masked iterations after rank {dead}'s process exited, 0 mismatches");
 }
