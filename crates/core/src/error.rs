@@ -298,9 +298,10 @@ pub enum ValidationError {
         /// Group id used.
         group: u64,
     },
-    /// Combine was called on a handle with no completed dispatch of the same pass.
+    /// Combine was called on a handle with no completed dispatch (low-latency: no forward
+    /// dispatch; high-throughput: none of either pass).
     #[error(
-        "combine needs a completed dispatch of the same pass on the same handle (it sends the expert outputs back along that dispatch's rows); call dispatch first"
+        "combine needs a completed dispatch on the same handle (it sends the expert outputs back along that dispatch's rows); call dispatch first"
     )]
     CombineBeforeDispatch,
     /// A low-latency combine would have sent its rows along a layout that a later dispatch on the

@@ -5,10 +5,13 @@
 //! ## Reuse
 //!
 //! A handle may serve any number of dispatch/combine pairs, one after the other (`epflow bench`
-//! reuses one): a combine pairs with the **latest dispatch of the same pass on the handle that
-//! completed before the combine started**. Ranks that pair differently (one reuses a handle while
-//! a peer routes anew, or two handles combined in swapped order) get
-//! [`crate::Error::PeerMismatch`] from the combine, never another dispatch's rows.
+//! reuses one): a low-latency combine pairs with the **latest dispatch on the handle that
+//! completed before the combine started**. A high-throughput combine sends along the handle's
+//! rows, which both passes share: it needs a completed dispatch of either pass on the handle, so
+//! a backward combine may follow the forward pair directly (NCCL EP's cached mode). Ranks that
+//! pair differently (one reuses a handle while a peer routes anew, or two handles combined in
+//! swapped order) get [`crate::Error::PeerMismatch`] from the combine, never another dispatch's
+//! rows.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -189,10 +192,15 @@ impl HandleCore {
         Stamp::new(self.top_k(), pass, self.pairing(dispatch)).with_layout(self.layout)
     }
 
-    /// The dispatch a combine of `pass` started now pairs with: the latest completed one, or
-    /// [`ValidationError::CombineBeforeDispatch`].
+    /// The dispatch a combine of `pass` started now pairs with: the latest completed one of the
+    /// same pass (low-latency), or of either pass (high-throughput, whose rows are the handle's),
+    /// or [`ValidationError::CombineBeforeDispatch`].
     pub fn combine_dispatch(&self, pass: Pass) -> Result<u64, ValidationError> {
-        self.last_dispatch(pass).ok_or(ValidationError::CombineBeforeDispatch)
+        let latest = match self.algorithm {
+            Algorithm::LowLatency => self.last_dispatch(pass),
+            Algorithm::HighThroughput => self.last_dispatch(Pass::Forward).max(self.last_dispatch(Pass::Backward)),
+        };
+        latest.ok_or(ValidationError::CombineBeforeDispatch)
     }
 }
 
@@ -279,5 +287,21 @@ mod tests {
         h.record_dispatch(Pass::Forward, 0);
         assert_eq!(h.dispatch_stamp(Pass::Backward), Stamp::new(2, Pass::Backward, Pairing::Handle(3)));
         assert_eq!(h.combine_stamp(Pass::Forward, 0), Stamp::new(2, Pass::Forward, Pairing::Handle(3)));
+    }
+
+    #[test]
+    fn a_high_throughput_combine_pairs_with_a_dispatch_of_either_pass() {
+        let h = core(Algorithm::HighThroughput, Some(3));
+        for pass in [Pass::Forward, Pass::Backward] {
+            assert_eq!(h.combine_dispatch(pass), Err(ValidationError::CombineBeforeDispatch));
+        }
+        h.record_dispatch(Pass::Forward, 5);
+        assert_eq!(h.combine_dispatch(Pass::Backward), Ok(5));
+        h.record_dispatch(Pass::Backward, 6);
+        assert_eq!(h.combine_dispatch(Pass::Forward), Ok(6));
+        // Low-latency has one pass: a backward combine never pairs.
+        let l = core(Algorithm::LowLatency, None);
+        l.record_dispatch(Pass::Forward, 1);
+        assert_eq!(l.combine_dispatch(Pass::Backward), Err(ValidationError::CombineBeforeDispatch));
     }
 }

@@ -173,7 +173,7 @@ fn high_throughput_dispatches_on_different_handles_fail_with_a_mismatch() {
 }
 
 #[test]
-fn high_throughput_combine_needs_a_dispatch_of_the_same_pass() {
+fn high_throughput_combine_needs_a_dispatch() {
     HostWorld::run(2, ht(2), |rank| {
         let r = rank.rank();
         let h = rank.create_handle(&idx(r, 4, 2)).unwrap();
@@ -181,13 +181,16 @@ fn high_throughput_combine_needs_a_dispatch_of_the_same_pass() {
         let y = tokens(n, 1.0);
         let err = rank.combine(&h, CombineInputs::new(&y), &CombineOptions::default()).unwrap_err();
         assert_eq!(err, Error::Validation(ValidationError::CombineBeforeDispatch));
-        // The peer's combine saw this rank's cancellation at once.
-        let (x, w) = (tokens(4, 1.0), weights(4, 2));
-        drop(rank.dispatch(&h, DispatchInputs::new(&x).with_weights(&w), &DispatchOptions::default()).unwrap());
+        // The peer's combine saw this rank's cancellation at once; so for a backward one.
         let bwd = CombineOptions { pass: Pass::Backward };
         let gw = HostTensor::topk_weights(n, 2, vec![0.0; n * 2]);
         let err = rank.combine(&h, CombineInputs::new(&y).with_weights(&gw), &bwd).unwrap_err();
         assert_eq!(err, Error::Validation(ValidationError::CombineBeforeDispatch));
+        // After a forward dispatch, combines of both passes pair with the handle's rows (the
+        // values are checked in host_matches_reference).
+        let (x, w) = (tokens(4, 1.0), weights(4, 2));
+        drop(rank.dispatch(&h, DispatchInputs::new(&x).with_weights(&w), &DispatchOptions::default()).unwrap());
+        assert!(rank.combine(&h, CombineInputs::new(&y).with_weights(&gw), &bwd).is_ok());
         assert!(rank.combine(&h, CombineInputs::new(&y), &CombineOptions::default()).is_ok());
     })
     .unwrap();

@@ -143,6 +143,30 @@ fn ht_round(rank: &HostRank, sc: &Scenario) -> Vec<(String, Report)> {
         check_bf16("combine", &want[r], y.tokens().as_bf16().unwrap(), Tolerance::OneUlp),
     ));
 
+    // Weight gradients: twice the received weights (any values work; these are deterministic).
+    let wg: Vec<Vec<f32>> = refs.iter().map(|d| d.topk_weights.iter().map(|v| v * 2.0 + 0.25).collect()).collect();
+    let wg_t = HostTensor::topk_weights(n, TOP_K, wg[r].clone());
+    let wrefs: Vec<&[f32]> = wg.iter().map(Vec::as_slice).collect();
+    let copts = CombineOptions { pass: Pass::Backward };
+
+    // NCCL EP's cached mode: a backward combine right after the forward pair, with no backward
+    // dispatch (a high-throughput combine pairs with the handle's rows, of either pass).
+    let cached = rank.combine(&handle, CombineInputs::new(&experts).with_weights(&wg_t), &copts).unwrap();
+    let rows: Vec<Vec<bf16>> = refs.iter().map(|d| identity_rows(&d.tokens, h)).collect();
+    let want_cached = reference::ht_combine(&sc.config, &routings, &grefs_rows(&rows), Some(&wrefs));
+    reports.push((
+        "backward combine after a forward dispatch".into(),
+        check_bf16("grads", &want_cached[r].0, cached.tokens().as_bf16().unwrap(), Tolerance::OneUlp),
+    ));
+    let mut cw = Report::default();
+    let got_w = cached.topk_weights().unwrap().as_f32().unwrap();
+    cw.merge(epflow_core::verify::check_exact("weight grads", want_cached[r].1.as_ref().unwrap(), got_w, |a, b| {
+        a.to_bits() == b.to_bits()
+    }));
+    reports.push(("backward combine after a forward dispatch, weights".into(), cw));
+    // Results hold their buffer set (two per channel): give these back.
+    drop((y, cached));
+
     // Backward: output gradients go out, input and weight gradients come back.
     let grads: Vec<Vec<bf16>> =
         sc.ranks.iter().enumerate().map(|(i, ri)| random_tokens(ri.num_tokens, h, 777, i)).collect();
@@ -156,12 +180,7 @@ fn ht_round(rank: &HostRank, sc: &Scenario) -> Vec<(String, Report)> {
         check_bf16("grads", &want_bwd[r], gout.tokens().as_bf16().unwrap(), Tolerance::Exact),
     ));
 
-    // Weight gradients: twice the received weights (any values work; these are deterministic).
-    let wg: Vec<Vec<f32>> = refs.iter().map(|d| d.topk_weights.iter().map(|v| v * 2.0 + 0.25).collect()).collect();
-    let wg_t = HostTensor::topk_weights(n, TOP_K, wg[r].clone());
-    let copts = CombineOptions { pass: Pass::Backward };
     let gy = rank.combine(&handle, CombineInputs::new(gout.tokens()).with_weights(&wg_t), &copts).unwrap();
-    let wrefs: Vec<&[f32]> = wg.iter().map(Vec::as_slice).collect();
     let want_c = reference::ht_combine(&sc.config, &routings, &grefs_rows(&want_bwd), Some(&wrefs));
     reports.push((
         "backward combine".into(),

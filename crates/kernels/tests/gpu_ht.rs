@@ -15,7 +15,7 @@ use std::time::Instant;
 use epflow_core::backend::{Backend, blocking_combine, blocking_dispatch, blocking_handle};
 use epflow_core::ops::{CombineInputs, CombineOptions, CountsLocation, DispatchInputs, DispatchOptions, Pass};
 use epflow_core::reference::{HtDispatchResult, ht_combine, ht_dispatch_backward};
-use epflow_core::scenario::Scenario;
+use epflow_core::scenario::{Scenario, identity_rows};
 use epflow_core::verify::{Report, Tolerance, check_bf16, check_exact, check_ht_dispatch};
 use epflow_core::workload::{RoutingKind, random_weights};
 use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, bf16};
@@ -26,10 +26,12 @@ use common::{gpus, on_ranks, seed, shared_gpu_sms};
 
 /// The references of one round: forward dispatch and combine of identity experts, backward
 /// dispatch of the tokens as gradients, and backward combine of those rows with random weight
-/// gradients.
+/// gradients; `cached_combine`: a backward combine of the identity experts' rows right after the
+/// forward pair (NCCL EP's cached mode).
 struct Refs {
     fwd: Vec<HtDispatchResult>,
     fwd_combine: Vec<Vec<bf16>>,
+    cached_combine: Vec<(Vec<bf16>, Option<Vec<f32>>)>,
     bwd_dispatch: Vec<Vec<bf16>>,
     weight_grads: Vec<Vec<f32>>,
     bwd_combine: Vec<(Vec<bf16>, Option<Vec<f32>>)>,
@@ -46,7 +48,10 @@ fn references(sc: &Scenario, seed: u64) -> Refs {
     let outs: Vec<&[bf16]> = bwd_dispatch.iter().map(Vec::as_slice).collect();
     let wg: Vec<&[f32]> = weight_grads.iter().map(Vec::as_slice).collect();
     let bwd_combine = ht_combine(&sc.config, &routings, &outs, Some(&wg));
-    Refs { fwd, fwd_combine, bwd_dispatch, weight_grads, bwd_combine }
+    let rows: Vec<Vec<bf16>> = fwd.iter().map(|d| identity_rows(&d.tokens, sc.config.hidden)).collect();
+    let rows: Vec<&[bf16]> = rows.iter().map(Vec::as_slice).collect();
+    let cached_combine = ht_combine(&sc.config, &routings, &rows, Some(&wg));
+    Refs { fwd, fwd_combine, cached_combine, bwd_dispatch, weight_grads, bwd_combine }
 }
 
 /// One forward and one backward dispatch/combine pair on one handle; returns the reports.
@@ -113,6 +118,25 @@ fn round(rank: &GpuRank, sc: &Scenario, refs: &Refs, counts_on_host: bool) -> Re
         yh.tokens.as_bf16().unwrap_or_default(),
         Tolerance::Exact,
     ));
+
+    // NCCL EP's cached mode: a backward combine of the same rows right after the forward pair,
+    // with no backward dispatch in between.
+    let wg = rank.upload(&HostTensor::topk_weights(n, sc.top_k, refs.weight_grads[r].clone()))?;
+    let copts = CombineOptions { pass: Pass::Backward };
+    let cy = blocking_combine(rank, &h, CombineInputs::new(&experts).with_weights(&wg), &copts, false)?.to_host()?;
+    let (want_x, want_w) = &refs.cached_combine[r];
+    reports.push(check_bf16(
+        "cached backward combine",
+        want_x,
+        cy.tokens.as_bf16().unwrap_or_default(),
+        Tolerance::Exact,
+    ));
+    reports.push(check_exact(
+        "cached backward weight gradients",
+        want_w.as_deref().unwrap_or_default(),
+        cy.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap_or_default(),
+        |a: f32, b: f32| a.to_bits() == b.to_bits(),
+    ));
     drop((y, experts, out));
 
     // Backward dispatch: the tokens (BF16) as output gradients.
@@ -128,8 +152,6 @@ fn round(rank: &GpuRank, sc: &Scenario, refs: &Refs, counts_on_host: bool) -> Re
     ));
 
     // Backward combine of those rows with weight gradients [N x K].
-    let wg = rank.upload(&HostTensor::topk_weights(n, sc.top_k, refs.weight_grads[r].clone()))?;
-    let copts = CombineOptions { pass: Pass::Backward };
     let gy = blocking_combine(rank, &h, CombineInputs::new(gd.tokens()).with_weights(&wg), &copts, false)?;
     let gyh = gy.to_host()?;
     let (want_x, want_w) = &refs.bwd_combine[r];

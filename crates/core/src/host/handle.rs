@@ -8,7 +8,7 @@ use crate::routing::{HtRecvLayout, LlRecvLayout, RankRecvLayout, SendPlan};
 /// A routing handle on the host backend: one rank's validated routing, its send plan, and the
 /// receive layouts learnt by collectives. Cheap to clone. It serves any number of
 /// dispatch/combine pairs (forward and, for high-throughput, backward); a combine pairs with
-/// the latest completed dispatch of the same pass ([`crate::handle`]).
+/// the latest completed dispatch (of either pass in high-throughput, [`crate::handle`]).
 #[derive(Clone, Debug)]
 pub struct HostHandle(pub(crate) Arc<HostHandleState>);
 

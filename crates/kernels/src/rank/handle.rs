@@ -14,8 +14,8 @@ use crate::device::{DeviceBuffer, DeviceTensor, PinnedBuffer};
 /// A routing handle on the GPU backend: the validated routing and its device memory (a copy
 /// of `topk_idx`; low-latency: the row map dispatch writes for combine; high-throughput: the send
 /// plan and the receive layout learnt by the count exchange). Cheap to clone. It serves any
-/// number of dispatch/combine pairs; a combine pairs with the latest completed dispatch of the
-/// same pass ([`epflow_core::handle`]).
+/// number of dispatch/combine pairs; a combine pairs with the latest completed dispatch (of
+/// either pass in high-throughput, [`epflow_core::handle`]).
 #[derive(Clone, Debug)]
 pub struct GpuHandle(pub(crate) Arc<GpuHandleState>);
 
