@@ -244,7 +244,8 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
             const int t = item / C, chunk = item % C;
             long long e = lane < K ? idx[(size_t)t * K + lane] : -1;
             if (p.topk_src) e = routed_entry(p, e, t, lane, dest == 0 && chunk == 0);
-            const int le = (lane < K && e >= 0 && (int)(e / L) == dest) ? (int)(e % L) : -1;
+            // 32-bit: a routed expert is below E (validated, or sanitized by `routed_entry`).
+            const int le = (lane < K && e >= 0 && (int)e / L == dest) ? (int)e % L : -1;
             if (__ballot_sync(EP_FULL_MASK, le >= 0) == 0u) continue;
             char* msg = region + (size_t)t * p.msg_bytes;
             if (chunk == 0) {
@@ -438,12 +439,22 @@ __device__ __forceinline__ int block_rank_of_flag(bool flag, int* warp_sums, int
     return warp_sums[warp] + __popc(ballot & ((1u << lane) - 1u));
 }
 
-// The first top-k entry of a received message that names a local expert (-1: none).
-__device__ __forceinline__ int first_local_k(const char* msg, int K) {
-    for (int k = 0; k < K; k++) {
-        if (__ldcg(reinterpret_cast<const short*>(msg + 16) + k) >= 0) return k;
+// The top-k entries of a received message whose rows come back in combine, as bits (bit k:
+// entry k): expert-major, every entry naming a local expert; rank-major, the first of them only
+// (the slot its rank's pre-reduced row returns in). The header's local experts (16-bit, bytes
+// 16..48) are read 8 per 16-byte load, not one dependent load per entry.
+__device__ __forceinline__ u32 returned_entries(const char* msg, int K, bool rank_major) {
+    const int4 a = ld_cg_int4(msg + 16);
+    const int4 b = K > 8 ? ld_cg_int4(msg + 32) : make_int4(-1, -1, -1, -1);
+    const short* la = reinterpret_cast<const short*>(&a);
+    const short* lb = reinterpret_cast<const short*>(&b);
+    u32 bits = 0u;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        if (j < K && la[j] >= 0) bits |= 1u << j;
+        if (j + 8 < K && lb[j] >= 0) bits |= 1u << (j + 8);
     }
-    return -1;
+    return rank_major ? bits & (0u - bits) : bits;
 }
 
 // Task (group q, split g) of Q * splits (each block takes tasks blockIdx, blockIdx + gridDim, ...).
@@ -491,7 +502,7 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
             const char* msg = recv + (size_t)slot * p.msg_bytes;
             if (!((skip >> s) & 1u) && __ldcg(reinterpret_cast<const u64*>(msg)) == n.seq + 1) {
               if (rm) {
-                k_sel = first_local_k(msg, K);
+                k_sel = __ffs(returned_entries(msg, K, true)) - 1;
               } else {
                 // The selections' local experts, 8 per 16-byte load (inside the 128-byte header).
                 for (int k0 = 0; k0 < K; k0 += 8) {
@@ -545,16 +556,18 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
     }
     __syncthreads();
     }
-    // Block 0 marks every (source, token, k) that names no local expert of this operation
-    // (rank-major: every k but the first local one, whose slot the row returns in).
+    // Block 0 marks every (source, token, k) whose row does not come back in combine: a slot of
+    // this operation that did not arrive, or an entry naming no local expert (rank-major: every k
+    // but the first local one, whose slot the row returns in). A thread per slot.
     if (blockIdx.x == 0) {
-        for (int i = threadIdx.x; i < RM * K; i += blockDim.x) {
-            const int slot = i / K, k = i % K;
+        for (int slot = threadIdx.x; slot < RM; slot += blockDim.x) {
             const char* msg = recv + (size_t)slot * p.msg_bytes;
             const bool valid =
                 !((skip >> (slot / M)) & 1u) && __ldcg(reinterpret_cast<const u64*>(msg)) == n.seq + 1;
-            const bool sends = rm ? k == first_local_k(msg, K) : __ldcg(reinterpret_cast<const short*>(msg + 16) + k) >= 0;
-            if (!valid || !sends) row_of[i] = -1;
+            const u32 back = valid ? returned_entries(msg, K, rm) : 0u;
+            for (int k = 0; k < K; k++) {
+                if (!((back >> k) & 1u)) row_of[(size_t)slot * K + k] = -1;
+            }
         }
     }
     // The last block numbers, per NCCL source, its (token, k) rows in ascending order: the order
@@ -572,8 +585,7 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
                 if (i < MK && src_ok) {
                     const char* msg = recv + ((size_t)s * M + i / K) * p.msg_bytes;
                     sel = __ldcg(reinterpret_cast<const u64*>(msg)) == n.seq + 1 &&
-                          (rm ? i % K == first_local_k(msg, K)
-                              : __ldcg(reinterpret_cast<const short*>(msg + 16) + i % K) >= 0);
+                          ((returned_entries(msg, K, rm) >> (i % K)) & 1u);
                 }
                 int chunk_total;
                 const int pos = block_rank_of_flag(sel, warp_sums, &total_shared, &chunk_total);
@@ -643,23 +655,21 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
         const int part = blockIdx.x % C;
         const int used_blocks = (int)gridDim.x / C * C;
         for (int t = blockIdx.x / C; blockIdx.x < used_blocks && t < p.num_tokens; t += used_blocks / C) {
-            // The entries whose rows arrive, once per token (K <= 16): every valid k, or in
-            // rank-major only each rank's first.
-            unsigned used = 0u;
-            int lost = 0;
-            for (int k = 0; k < K; k++) {
-                const long long e = idx[(size_t)t * K + k];
-                if (e >= 0 && ((absent >> (int)(e / p.num_local)) & 1u)) {
-                    lost++;
-                    continue;
-                }
-                bool first = e >= 0;
-                for (int i = 0; first && p.rank_major && i < k; i++) {
-                    const long long f = idx[(size_t)t * K + i];
-                    if (f >= 0 && f / p.num_local == e / p.num_local) first = false;
-                }
-                if (first) used |= 1u << k;
+            // The entries whose rows arrive, once per token, a lane per entry (K <= 16; every warp
+            // works them out, all lanes call): every valid k on a present rank, or in rank-major
+            // only each rank's first; `lost`: the valid k on absent (masked) ranks. One load and a
+            // 32-bit division per lane (a routed expert is below E), not K dependent loads.
+            const int lane = threadIdx.x & 31;
+            const int e = lane < K ? (int)idx[(size_t)t * K + lane] : -1;
+            const int er = e >= 0 ? e / p.num_local : -1;
+            const bool gone = er >= 0 && ((absent >> er) & 1u);
+            const bool arrives = er >= 0 && !gone;
+            unsigned used = __ballot_sync(EP_FULL_MASK, arrives);
+            if (p.rank_major) {
+                const unsigned same = __match_any_sync(EP_FULL_MASK, arrives ? er : -1 - lane);
+                used = __ballot_sync(EP_FULL_MASK, arrives && __ffs(same) - 1 == lane);
             }
+            const int lost = __popc(__ballot_sync(EP_FULL_MASK, gone));
             if (p.masked_out && part == 0 && threadIdx.x == 0) reinterpret_cast<int*>(p.masked_out)[t] = lost;
             for (int c = part * width + threadIdx.x * 8; c < (part + 1) * width; c += blockDim.x * 8) {
                 float acc[8];
