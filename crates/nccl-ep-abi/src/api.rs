@@ -8,6 +8,8 @@
 use std::ffi::{c_int, c_uint};
 use std::sync::Arc;
 
+use epflow_core::{DType, Error, HostData, HostTensor, TensorDesc, TensorTag};
+use epflow_kernels::DeviceTensor;
 use nccl_ep_sys as ep;
 
 use crate::check;
@@ -328,53 +330,86 @@ pub unsafe extern "C" fn ncclEpComplete(
     })
 }
 
-fn no_masks(what: &str) -> Res<()> {
-    Err(Fail::usage(format!(
-        "{what}: rank masking is not implemented by epflow's NCCL EP library (groups cannot enable_mask); \
-         a failed rank fails the group, which ncclEpGetAsyncError reports"
-    )))
-}
-
-/// `ncclEpMaskQuery`: `ncclInvalidUsage` (no rank masking).
+/// `ncclEpMaskQuery`: writes, per rank, 1 (active) or 0 (masked) into the caller's device
+/// `int[nRanks]` `mask_status`, in `stream`'s order (it waits for the stream's earlier work, then
+/// copies this rank's view of the mask). Needs `enable_mask`.
 ///
 /// # Safety
 ///
-/// None beyond the API's: nothing is dereferenced.
+/// `ep_group` live; `mask_status` a device pointer to `nRanks` ints on the group's GPU;
+/// `stream` live.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclEpMaskQuery(
     ep_group: ep::NcclEpGroup,
-    _mask_status: *mut c_int,
-    _stream: ep::CudaStream,
+    mask_status: *mut c_int,
+    stream: ep::CudaStream,
 ) -> ep::NcclResult {
-    entry("ncclEpMaskQuery", || group(ep_group).and_then(|_| no_masks("ncclEpMaskQuery")))
+    entry("ncclEpMaskQuery", || {
+        let g = group(ep_group)?;
+        g.require_masking("ncclEpMaskQuery")?;
+        out_ptr(mask_status, "mask_status")?;
+        let status = g.mask_status();
+        // SAFETY: the caller's live stream (contract).
+        let st = unsafe { g.stream(stream) };
+        st.synchronize().map_err(|e| Fail::from(Error::Backend(format!("ncclEpMaskQuery: stream: {e}"))))?;
+        let desc = TensorDesc::contiguous(TensorTag::MaskedEntries, DType::I32, &[status.len()]);
+        // SAFETY: `mask_status` holds `nRanks` ints on the group's GPU (contract).
+        let out = unsafe { DeviceTensor::from_raw(mask_status as u64, g.rank.device(), desc.clone()) };
+        let host = HostTensor::new(desc.tag, &desc.shape, HostData::I32(status));
+        out.copy_from_host(g.rank.context(), &host).map_err(Fail::from)
+    })
 }
 
-/// `ncclEpMaskUpdate`: `ncclInvalidUsage` (no rank masking).
+/// `ncclEpMaskUpdate`: masks, on every rank, the ranks at 0 in the host `int[nRanks]` `mask`
+/// (1: active); later operations skip them. It acts at once (not in `stream`'s order). A masked
+/// rank cannot be marked active again here (`ncclInvalidUsage`): `ncclEpMaskClean` does that.
+/// Needs `enable_mask`.
 ///
 /// # Safety
 ///
-/// None beyond the API's: nothing is dereferenced.
+/// `ep_group` live; `mask` readable for `nRanks` ints.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclEpMaskUpdate(
     ep_group: ep::NcclEpGroup,
-    _mask: *const c_int,
+    mask: *const c_int,
     _stream: ep::CudaStream,
 ) -> ep::NcclResult {
-    entry("ncclEpMaskUpdate", || group(ep_group).and_then(|_| no_masks("ncclEpMaskUpdate")))
+    entry("ncclEpMaskUpdate", || {
+        let g = group(ep_group)?;
+        g.require_masking("ncclEpMaskUpdate")?;
+        if mask.is_null() {
+            return Err(Fail::arg("mask is NULL"));
+        }
+        // SAFETY: readable for nRanks ints (contract; checked non-null).
+        let update = unsafe { std::slice::from_raw_parts(mask, g.shape.num_ranks) };
+        g.mask_update(update)
+    })
 }
 
-/// `ncclEpMaskClean`: `ncclInvalidUsage` (no rank masking).
+/// `ncclEpMaskClean`: clears the mask of every rank. In epflow it is a collective of **every**
+/// rank of the group, the masked ones included (NCCL EP's is the survivors'), with no operation
+/// in flight; it returns once all have met (or fails after the group's timeout), and the full
+/// group is bit-exact again. It leaves the `ncclEpGetAsyncError` flag as it is. Needs
+/// `enable_mask`.
 ///
 /// # Safety
 ///
-/// None beyond the API's: nothing is dereferenced.
+/// `ep_group` live; `stream` live.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn ncclEpMaskClean(ep_group: ep::NcclEpGroup, _stream: ep::CudaStream) -> ep::NcclResult {
-    entry("ncclEpMaskClean", || group(ep_group).and_then(|_| no_masks("ncclEpMaskClean")))
+pub unsafe extern "C" fn ncclEpMaskClean(ep_group: ep::NcclEpGroup, stream: ep::CudaStream) -> ep::NcclResult {
+    entry("ncclEpMaskClean", || {
+        let g = group(ep_group)?;
+        g.require_masking("ncclEpMaskClean")?;
+        // SAFETY: the caller's live stream (contract).
+        let st = unsafe { g.stream(stream) };
+        st.synchronize().map_err(|e| Fail::from(Error::Backend(format!("ncclEpMaskClean: stream: {e}"))))?;
+        g.mask_clean()
+    })
 }
 
 /// `ncclEpGetAsyncError`: 1 once the group failed (a timeout, a failed peer; every later call
-/// then returns `ncclRemoteError`), until `ncclEpErrorClear`. Works without `enable_mask`.
+/// then returns `ncclRemoteError`), or with `enable_mask` once a timeout masked a rank, until
+/// `ncclEpErrorClear`. Works without `enable_mask` too.
 ///
 /// # Safety
 ///
@@ -390,7 +425,8 @@ pub unsafe extern "C" fn ncclEpGetAsyncError(ep_group: ep::NcclEpGroup, error_ou
     })
 }
 
-/// `ncclEpErrorClear`: re-arms `ncclEpGetAsyncError` (a failed group stays failed).
+/// `ncclEpErrorClear`: re-arms `ncclEpGetAsyncError` (a failed group stays failed, masked ranks
+/// stay masked).
 ///
 /// # Safety
 ///

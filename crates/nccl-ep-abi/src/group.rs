@@ -16,6 +16,7 @@ use epflow_kernels::{GpuOp, GpuRank, GpuWorld, Transport};
 use nccl_ep_sys as ep;
 
 use crate::comm::CallerComm;
+use crate::mask::{self, MaskFlag};
 use crate::profile::Profile;
 use crate::status::{Fail, Res, warn};
 
@@ -54,6 +55,8 @@ pub(crate) struct Group {
     error_cleared: AtomicBool,
     /// The error already logged.
     error_logged: AtomicBool,
+    /// With `enable_mask`: the asynchronous error flag of masking ([`MaskFlag`]).
+    mask_flag: Mutex<MaskFlag>,
     /// Host time per phase of low-latency calls (`EPFLOW_ABI_PROFILE=1`).
     pub(crate) profile: Profile,
 }
@@ -95,12 +98,8 @@ fn group_config(c: &ep::NcclEpGroupConfig, num_ranks: usize) -> Res<(GroupConfig
     if c.alloc.alloc_fn.is_some() != c.alloc.free_fn.is_some() {
         return Err(Fail::usage("config.alloc: give both alloc_fn and free_fn, or neither"));
     }
-    if c.enable_mask != 0 {
-        return Err(Fail::usage(
-            "config.enable_mask: rank masking is not implemented by epflow's NCCL EP library yet; create the group \
-             with enable_mask = 0 (a failed rank then fails every later call with ncclRemoteError, and \
-             ncclEpGetAsyncError reports it)",
-        ));
+    if c.enable_mask != 0 && algorithm != Algorithm::LowLatency {
+        return Err(Fail::usage("config.enable_mask: rank masking is for low-latency groups (as in NCCL EP)"));
     }
     let hidden = c.max_token_bytes as usize / 2;
     let max_tokens = c.max_dispatch_tokens_per_rank as usize;
@@ -119,7 +118,8 @@ fn group_config(c: &ep::NcclEpGroupConfig, num_ranks: usize) -> Res<(GroupConfig
     .with_dispatch_dtype(DispatchDtype::Bf16)
     .with_max_top_k(epflow_core::config::MAX_TOP_K)
     .with_max_sms(max_sms)
-    .with_timeout(timeout);
+    .with_timeout(timeout)
+    .with_rank_masking(c.enable_mask != 0);
     let max_recv = match (algorithm, c.max_recv_tokens_per_rank) {
         (Algorithm::HighThroughput, 0) => {
             return Err(Fail::arg("config.max_recv_tokens_per_rank is 0: high-throughput groups need it"));
@@ -169,6 +169,7 @@ impl Group {
             in_flight: Mutex::new(VecDeque::new()),
             error_cleared: AtomicBool::new(false),
             error_logged: AtomicBool::new(false),
+            mask_flag: Mutex::new(MaskFlag::default()),
             profile: Profile::from_env(),
         }))
     }
@@ -246,7 +247,8 @@ impl Group {
     }
 
     /// `ncclEpGetAsyncError`: 1 once the group failed (and `ncclEpErrorClear` was not called
-    /// since), else 0.
+    /// since), or, with `enable_mask`, once a timeout masked a rank (until `ncclEpErrorClear`);
+    /// else 0.
     pub(crate) fn async_error(&self) -> i32 {
         let _ = self.settle(false);
         let failed = self.rank.core().poison().is_poisoned();
@@ -255,12 +257,59 @@ impl Group {
                 warn(&format!("the group failed: {e}"));
             }
         }
-        i32::from(failed && !self.error_cleared.load(Ordering::Relaxed))
+        let masked = self.masking() && self.flag().poll(&self.rank.masked_ranks().ranks);
+        i32::from((failed && !self.error_cleared.load(Ordering::Relaxed)) || masked)
     }
 
-    /// `ncclEpErrorClear`: re-arms the flag (the group stays failed: epflow does not mask).
+    /// `ncclEpErrorClear`: re-arms the flag (a failed group stays failed; masked ranks stay
+    /// masked).
     pub(crate) fn clear_error(&self) {
         self.error_cleared.store(true, Ordering::Relaxed);
+        if self.masking() {
+            self.flag().clear(&self.rank.masked_ranks().ranks);
+        }
+    }
+
+    fn flag(&self) -> std::sync::MutexGuard<'_, MaskFlag> {
+        self.mask_flag.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the group was created with `enable_mask`.
+    pub(crate) fn masking(&self) -> bool {
+        self.rank.core().config().rank_masking
+    }
+
+    /// Refuses a mask call on a group without `enable_mask`.
+    pub(crate) fn require_masking(&self, what: &str) -> Res<()> {
+        if self.masking() {
+            Ok(())
+        } else {
+            Err(Fail::usage(format!("{what}: the group was created with enable_mask = 0")))
+        }
+    }
+
+    /// `ncclEpMaskQuery`'s values: per rank, 1 active, 0 masked (this rank's view).
+    pub(crate) fn mask_status(&self) -> Vec<i32> {
+        mask::status_of(&self.rank.masked_ranks().ranks, self.shape.num_ranks)
+    }
+
+    /// `ncclEpMaskUpdate`: masks the ranks at 0 on every rank ([`mask::ranks_to_mask`]).
+    pub(crate) fn mask_update(&self, update: &[i32]) -> Res<()> {
+        let ranks = mask::ranks_to_mask(update, &self.rank.masked_ranks().ranks)?;
+        if !ranks.is_empty() {
+            self.flag().masked_by_update(&ranks);
+            self.rank.mask_ranks(&ranks)?;
+        }
+        Ok(())
+    }
+
+    /// `ncclEpMaskClean`: waits for this rank's operations, then epflow's `unmask_all` (a
+    /// collective of every rank, the masked ones included; bounded by the group's timeout).
+    pub(crate) fn mask_clean(&self) -> Res<()> {
+        self.settle(true)?;
+        self.rank.unmask_all()?;
+        self.flag().cleaned();
+        Ok(())
     }
 
     /// `ncclEpGroupDestroy`: waits for every operation, then for every rank (collective), so no
@@ -334,7 +383,8 @@ mod tests {
         assert_eq!(code(ep::NcclEpGroupConfig { num_experts: 0, ..ll() }), ep::NCCL_INVALID_ARGUMENT);
         assert_eq!(code(ep::NcclEpGroupConfig { max_token_bytes: 7, ..ll() }), ep::NCCL_INVALID_ARGUMENT);
         assert_eq!(code(ep::NcclEpGroupConfig { max_dispatch_tokens_per_rank: 0, ..ll() }), ep::NCCL_INVALID_USAGE);
-        assert_eq!(code(ep::NcclEpGroupConfig { enable_mask: 1, ..ll() }), ep::NCCL_INVALID_USAGE);
+        let ht = ep::NcclEpGroupConfig { algorithm: ep::NCCL_EP_ALGO_HIGH_THROUGHPUT, max_recv_tokens_per_rank: 1024, ..ll() };
+        assert_eq!(code(ep::NcclEpGroupConfig { enable_mask: 1, ..ht }), ep::NCCL_INVALID_USAGE);
         assert_eq!(code(ep::NcclEpGroupConfig { num_experts: 15, ..ll() }), ep::NCCL_INVALID_USAGE);
         let ht = ep::NcclEpGroupConfig { algorithm: ep::NCCL_EP_ALGO_HIGH_THROUGHPUT, ..ll() };
         assert_eq!(code(ht), ep::NCCL_INVALID_ARGUMENT);

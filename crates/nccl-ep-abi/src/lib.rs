@@ -18,17 +18,18 @@
 //! - `comm.rs`: the caller's `ncclComm_t` as epflow's bootstrap (through the caller's NCCL).
 //! - `group.rs`: a group: the epflow GPU rank, the config's shape, operations in flight.
 //! - `handle.rs`: handles: layout, top-k, routing.
+//! - `mask.rs`: the active mask (`enable_mask`, the mask calls) on epflow's rank masking.
 //! - `ops.rs`: dispatch, combine and complete on the caller's stream and tensors.
 //! - `profile.rs`: `EPFLOW_ABI_PROFILE=1`, host time per phase of low-latency calls.
 //! - [`header`]: the C header, generated.
 //!
 //! ## What is implemented
 //!
-//! Low-latency, expert-major and rank-major layouts, `send_only` + `ncclEpComplete`;
-//! high-throughput, flat layout, forward and backward. The caller's `ncclComm_t` bootstraps
-//! the group (one process per GPU; ranks on one host share memory over NVLink, other hosts go
-//! through NCCL). Operations run on the caller's stream and write the caller's tensors.
-//! Refused with `ncclInvalidUsage` and a log line: rank masking (`enable_mask`, the mask calls),
+//! Low-latency, expert-major and rank-major layouts, `send_only` + `ncclEpComplete`, the
+//! active mask (`enable_mask`, NVLink peers); high-throughput, flat layout, forward and
+//! backward. The caller's `ncclComm_t` bootstraps the group (one process per GPU; ranks on one
+//! host share memory over NVLink, other hosts go through NCCL). Operations run on the caller's
+//! stream and write the caller's tensors. Refused with `ncclInvalidUsage` and a log line:
 //! high-throughput expert-major, FP8, NCCL window tensors, CUDA graph capture.
 
 #![warn(missing_docs)]
@@ -39,6 +40,7 @@ mod comm;
 mod group;
 mod handle;
 pub mod header;
+mod mask;
 mod ops;
 mod owned;
 mod profile;

@@ -38,10 +38,13 @@ impl From<Error> for Fail {
     /// `ncclInternalError`.
     fn from(e: Error) -> Self {
         let code = match &e {
-            Error::Config(_) | Error::Validation(_) | Error::Unsupported(_) | Error::SlotsBusy { .. } => {
-                ep::NCCL_INVALID_USAGE
-            }
+            Error::Config(_)
+            | Error::Validation(_)
+            | Error::Unsupported(_)
+            | Error::SlotsBusy { .. }
+            | Error::StaleMaskEpoch { .. } => ep::NCCL_INVALID_USAGE,
             Error::Timeout { .. }
+            | Error::RankMasked { .. }
             | Error::Poisoned { .. }
             | Error::PeerCancelled { .. }
             | Error::PeerMismatch { .. } => ep::NCCL_REMOTE_ERROR,
