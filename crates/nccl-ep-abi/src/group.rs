@@ -374,6 +374,9 @@ mod tests {
         };
         let (config, shape) = group_config(&ht, 2).unwrap();
         assert_eq!((config.algorithm, shape.max_recv), (Algorithm::HighThroughput, 4096));
+        assert!(!config.rank_masking);
+        let (config, _) = group_config(&ep::NcclEpGroupConfig { enable_mask: 1, ..ll() }, 2).unwrap();
+        assert!(config.rank_masking, "enable_mask makes a group with rank masking");
     }
 
     #[test]
@@ -383,8 +386,13 @@ mod tests {
         assert_eq!(code(ep::NcclEpGroupConfig { num_experts: 0, ..ll() }), ep::NCCL_INVALID_ARGUMENT);
         assert_eq!(code(ep::NcclEpGroupConfig { max_token_bytes: 7, ..ll() }), ep::NCCL_INVALID_ARGUMENT);
         assert_eq!(code(ep::NcclEpGroupConfig { max_dispatch_tokens_per_rank: 0, ..ll() }), ep::NCCL_INVALID_USAGE);
-        let ht = ep::NcclEpGroupConfig { algorithm: ep::NCCL_EP_ALGO_HIGH_THROUGHPUT, max_recv_tokens_per_rank: 1024, ..ll() };
-        assert_eq!(code(ep::NcclEpGroupConfig { enable_mask: 1, ..ht }), ep::NCCL_INVALID_USAGE);
+        let masked_ht = ep::NcclEpGroupConfig {
+            algorithm: ep::NCCL_EP_ALGO_HIGH_THROUGHPUT,
+            max_recv_tokens_per_rank: 1024,
+            enable_mask: 1,
+            ..ll()
+        };
+        assert_eq!(code(masked_ht), ep::NCCL_INVALID_USAGE);
         assert_eq!(code(ep::NcclEpGroupConfig { num_experts: 15, ..ll() }), ep::NCCL_INVALID_USAGE);
         let ht = ep::NcclEpGroupConfig { algorithm: ep::NCCL_EP_ALGO_HIGH_THROUGHPUT, ..ll() };
         assert_eq!(code(ht), ep::NCCL_INVALID_ARGUMENT);
