@@ -8,13 +8,13 @@
 use std::ffi::{c_int, c_uint};
 use std::sync::Arc;
 
-use epflow_core::{DType, Error, HostData, HostTensor, TensorDesc, TensorTag};
+use epflow_core::{DType, HostData, HostTensor, TensorDesc, TensorTag};
 use epflow_kernels::DeviceTensor;
 use nccl_ep_sys as ep;
 
 use crate::check;
 use crate::group::Group;
-use crate::handle::{HANDLE_MEM_BYTES, Handle, layout_of};
+use crate::handle::{HANDLE_MEM_BYTES, Handle, layout_of, sync_stream};
 use crate::status::{Fail, Res, entry, warn};
 
 /// Marks this library as epflow's (see [`ep::EPFLOW_MARKER`]): NCCL EP's version code.
@@ -349,9 +349,7 @@ pub unsafe extern "C" fn ncclEpMaskQuery(
         g.require_masking("ncclEpMaskQuery")?;
         out_ptr(mask_status, "mask_status")?;
         let status = g.mask_status();
-        // SAFETY: the caller's live stream (contract).
-        let st = unsafe { g.stream(stream) };
-        st.synchronize().map_err(|e| Fail::from(Error::Backend(format!("ncclEpMaskQuery: stream: {e}"))))?;
+        sync_stream(stream, "ncclEpMaskQuery")?;
         let desc = TensorDesc::contiguous(TensorTag::MaskedEntries, DType::I32, &[status.len()]);
         // SAFETY: `mask_status` holds `nRanks` ints on the group's GPU (contract).
         let out = unsafe { DeviceTensor::from_raw(mask_status as u64, g.rank.device(), desc.clone()) };
@@ -400,9 +398,7 @@ pub unsafe extern "C" fn ncclEpMaskClean(ep_group: ep::NcclEpGroup, stream: ep::
     entry("ncclEpMaskClean", || {
         let g = group(ep_group)?;
         g.require_masking("ncclEpMaskClean")?;
-        // SAFETY: the caller's live stream (contract).
-        let st = unsafe { g.stream(stream) };
-        st.synchronize().map_err(|e| Fail::from(Error::Backend(format!("ncclEpMaskClean: stream: {e}"))))?;
+        sync_stream(stream, "ncclEpMaskClean")?;
         g.mask_clean()
     })
 }
