@@ -138,6 +138,13 @@ pub(crate) struct LlParams {
     pub route_report: u64,
     /// A combine with masking: `[B]` int32, per token its top-k entries on absent ranks (or 0).
     pub masked_out: u64,
+    /// The handle's return list: `[R x M x K]` int32, per source the entries `t * K + k` whose
+    /// rows go back in combine, packed from 0 (written by the dispatch receive, read by the
+    /// combine send).
+    pub ret_list: u64,
+    /// The handle's return list starts: `[R + 1]` int32, source `s`'s entries are
+    /// `ret_list[start[s]..start[s + 1]]`.
+    pub ret_start: u64,
 }
 
 /// `struct MaskParams` of `ll.cu` (`ep_mask_spread`, `ep_mask_rejoin`).
@@ -380,7 +387,9 @@ mod tests {
 
     #[test]
     fn layout_matches_the_cuda_struct() {
-        assert_eq!(size_of::<LlParams>(), 440);
+        assert_eq!(size_of::<LlParams>(), 456);
+        assert_eq!(offset_of!(LlParams, ret_list), 440);
+        assert_eq!(offset_of!(LlParams, ret_start), 448);
         assert_eq!(offset_of!(LlParams, masking), 396);
         assert_eq!(offset_of!(LlParams, masked_out), 432);
         assert_eq!(size_of::<MaskParams>(), 136);

@@ -59,9 +59,14 @@ struct LlParams {
     u64 topk_src;         // captured dispatch: the caller's [B x K] int64 top-k buffer (see `routed_entry`), or 0
     u64 route_report;     // captured dispatch: the handle's report of invalid rows (mapped host)
     u64 masked_out;       // combine with masking: [B] int32, per token its top-k entries on absent ranks, or 0
+    // The handle's return list (written by the dispatch receive's block 0, read by the combine
+    // send): per source s, in (token, k) order, the entries t * K + k whose rows come back, at
+    // ret_list[ret_start[s] .. ret_start[s + 1]]; so combine's warps share out only real rows.
+    u64 ret_list;         // [R x M x K] int32
+    u64 ret_start;        // [R + 1] int32
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
-static_assert(sizeof(LlParams) == 440, "LlParams layout");
+static_assert(sizeof(LlParams) == 456, "LlParams layout");
 
 // The number and buffer set of the operation a launch runs: the host's, or for a captured
 // operation its offset plus the step's base in device memory (written by an earlier kernel of the
@@ -150,6 +155,12 @@ struct SendRole {
     int dest, j, wpd, reporting, lane;
     bool skip;  // masking: `dest` (or this rank) is masked: no payload, no signal
 };
+
+// The destination rank this warp of a send kernel serves (num_ranks or more: a spare warp).
+__device__ __forceinline__ int send_dest(const LlParams& p) {
+    const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    return gw / (gridDim.x * (blockDim.x >> 5) / p.num_ranks);
+}
 
 __device__ __forceinline__ bool send_role(const LlParams& p, const OpNum& n, int chan, long long items, SendRole* r) {
     r->lane = threadIdx.x & 31;
@@ -427,14 +438,19 @@ __device__ void finish_receive(const LlParams& p, const OpNum& n, int chan, u32 
     }
 }
 
-// Block-wide exclusive scan of one flag per thread: returns this thread's position among the
-// flagged threads of the block (in thread order) and sets `*total` to their number. Every thread
+// Block-wide exclusive sum of one count per thread: returns the sum of the counts of the
+// threads before this one (in thread order) and sets `*total` to the block's sum. Every thread
 // of the block calls it; `warp_sums` holds a word per warp. Callers synchronize the block before
 // calling it again (the next call overwrites `warp_sums`).
-__device__ __forceinline__ int block_rank_of_flag(bool flag, int* warp_sums, int* total_shared, int* total) {
+__device__ __forceinline__ int block_exclusive_sum(int v, int* warp_sums, int* total_shared, int* total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    const unsigned ballot = __ballot_sync(EP_FULL_MASK, flag);
-    if (lane == 0) warp_sums[warp] = __popc(ballot);
+    int incl = v;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int o = __shfl_up_sync(EP_FULL_MASK, incl, d);
+        if (lane >= d) incl += o;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
     __syncthreads();
     if (threadIdx.x == 0) {
         int acc = 0;
@@ -447,7 +463,13 @@ __device__ __forceinline__ int block_rank_of_flag(bool flag, int* warp_sums, int
     }
     __syncthreads();
     *total = *total_shared;
-    return warp_sums[warp] + __popc(ballot & ((1u << lane) - 1u));
+    return warp_sums[warp] + incl - v;
+}
+
+// Block-wide exclusive scan of one flag per thread: this thread's position among the flagged
+// threads of the block, as `block_exclusive_sum` (same calling rules).
+__device__ __forceinline__ int block_rank_of_flag(bool flag, int* warp_sums, int* total_shared, int* total) {
+    return block_exclusive_sum(flag ? 1 : 0, warp_sums, total_shared, total);
 }
 
 // The top-k entries of a received message whose rows come back in combine, as bits (bit k:
@@ -569,17 +591,34 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
     }
     // Block 0 marks every (source, token, k) whose row does not come back in combine: a slot of
     // this operation that did not arrive, or an entry naming no local expert (rank-major: every k
-    // but the first local one, whose slot the row returns in). A thread per slot.
+    // but the first local one, whose slot the row returns in). A thread per slot; the entries
+    // that do come back go, in (source, token, k) order, into the return list, whose per-source
+    // starts the first slot of each source writes (`ret_list`).
     if (blockIdx.x == 0) {
-        for (int slot = threadIdx.x; slot < RM; slot += blockDim.x) {
-            const char* msg = recv + (size_t)slot * p.msg_bytes;
-            const bool valid =
-                !((skip >> (slot / M)) & 1u) && __ldcg(reinterpret_cast<const u64*>(msg)) == n.seq + 1;
-            const u32 back = valid ? returned_entries(msg, K, rm) : 0u;
-            for (int k = 0; k < K; k++) {
-                if (!((back >> k) & 1u)) row_of[(size_t)slot * K + k] = -1;
+        int* list = reinterpret_cast<int*>(p.ret_list);
+        int* start = reinterpret_cast<int*>(p.ret_start);
+        int base = 0;
+        for (int chunk = 0; chunk < RM; chunk += blockDim.x) {
+            const int slot = chunk + threadIdx.x;
+            u32 back = 0u;
+            if (slot < RM) {
+                const char* msg = recv + (size_t)slot * p.msg_bytes;
+                const bool valid =
+                    !((skip >> (slot / M)) & 1u) && __ldcg(reinterpret_cast<const u64*>(msg)) == n.seq + 1;
+                back = valid ? returned_entries(msg, K, rm) : 0u;
+                for (int k = 0; k < K; k++) {
+                    if (!((back >> k) & 1u)) row_of[(size_t)slot * K + k] = -1;
+                }
             }
+            int chunk_total;
+            int pos = base + block_exclusive_sum(__popc(back), warp_sums, &total_shared, &chunk_total);
+            if (slot < RM && slot % M == 0) start[slot / M] = pos;
+            const int t_k = (slot % M) * K;
+            for (u32 b = back; b != 0u; b &= b - 1u) list[pos++] = t_k + __ffs(b) - 1;
+            base += chunk_total;
+            __syncthreads();
         }
+        if (threadIdx.x == 0) start[R] = base;
     }
     // The last block numbers, per NCCL source, its (token, k) rows in ascending order: the order
     // combine packs them in, and the one the source expects (nccl.rs).
@@ -612,24 +651,31 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
 
 // Combine send, on the expert side: every received (source s, token t, k) row of the expert
 // output goes back to s, at [t][k] of its receive region, split in `chunks` pieces. Warps are
-// split over sources as in dispatch.
+// split over sources as in dispatch; a source's warps share out the entries of its return list
+// (only rows that go back: the row map's -1 entries take no warp's turn, so no warp gets more
+// than its share when the routing clusters).
 __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) {
+    const int C = p.chunks;
+    const int d = send_dest(p);
+    const int* start = reinterpret_cast<const int*>(p.ret_start);
+    const int first = d < p.num_ranks ? __ldcg(start + d) : 0;
+    const int count = d < p.num_ranks ? __ldcg(start + d + 1) - first : 0;
     SendRole role;
-    if (!send_role(p, n, 1, (long long)p.max_tokens * p.top_k * p.chunks, &role)) return;
+    if (!send_role(p, n, 1, (long long)count * C, &role)) return;
     const int lane = role.lane, dest = role.dest, j = role.j, wpd = role.wpd;
-    const int K = p.top_k, H = p.hidden, M = p.max_tokens, C = p.chunks;
+    const int K = p.top_k, H = p.hidden, M = p.max_tokens;
     if (!p.cancelled && !role.skip) {
         const int* row_of = reinterpret_cast<const int*>(p.row_of) + (size_t)dest * M * K;
+        const int* list = reinterpret_cast<const int*>(p.ret_list) + first;
         const __nv_bfloat16* ex = reinterpret_cast<const __nv_bfloat16*>(p.expert_out);
         const bool nccl = via_nccl(p, dest);
         const int* pack = reinterpret_cast<const int*>(p.nccl_pack) + (size_t)dest * M * K;
         char* region = nccl ? reinterpret_cast<char*>(p.nccl_out) + (size_t)dest * p.nccl_dest_bytes
                             : reinterpret_cast<char*>(p.peer_recv[dest]) + (size_t)n.set * p.recv_set_bytes;
         const int width = H / C;
-        for (int item = j; item < M * K * C; item += wpd) {
-            const int i = item / C, chunk = item % C;
+        for (int item = j; item < count * C; item += wpd) {
+            const int i = __ldcg(list + item / C), chunk = item % C;
             const int row = __ldcg(row_of + i);
-            if (row < 0) continue;
             const int c = chunk * width;
             char* dst = region + ((size_t)i * H + c) * 2;
             if (nccl) dst = region + ((size_t)__ldcg(pack + i) * H + c) * 2;
@@ -745,7 +791,9 @@ extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_dispatch_kernel(LlPar
     dispatch_send(p, n);
     dispatch_recv(p, n);
 }
-extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_send(LlParams p) {
+// The combine send is held to two blocks per SM (62 registers for sm_90, no spills; left to
+// itself ptxas takes 82), so a send block leaves room on its SM for another operation's receive.
+extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_send(LlParams p) {
     const OpNum n = op_num(p, 1);
     if (!n.dead) combine_send(p, n);
 }

@@ -40,8 +40,7 @@ const WARPS_PER_SM: u32 = 16;
 /// its two halves' grids (at most `sms` blocks, one per SM, so a cooperative launch keeps every
 /// block resident); each half loops over its work whatever the grid.
 pub(crate) fn ll_launch(which: LlKernel, p: &mut LlParams, sms: u32) -> (u32, u32) {
-    let (b, r, k, m, h) =
-        (p.num_tokens.max(1) as u32, p.num_ranks as u32, p.top_k as u32, p.max_tokens as u32, p.hidden as usize);
+    let (b, r, k, h) = (p.num_tokens.max(1) as u32, p.num_ranks as u32, p.top_k as u32, p.hidden as usize);
     let target_warps = sms * WARPS_PER_SM;
     match which {
         LlKernel::DispatchSend => {
@@ -58,9 +57,14 @@ pub(crate) fn ll_launch(which: LlKernel, p: &mut LlParams, sms: u32) -> (u32, u3
             (((groups.max(1) * p.splits) as u32).clamp(1, sms), BLOCK_THREADS)
         }
         LlKernel::CombineSend => {
-            p.chunks = row_chunks(h, target_warps / (b * k).max(1)) as i32;
-            let items = r * m * k * p.chunks as u32;
-            (items.div_ceil(4 * 16).clamp(1, sms), BLOCK_THREADS)
+            // Rows going back per (source, token): up to K in expert-major, one in rank-major
+            // (its pre-reduced row). The warps share out the return list's real rows only, so
+            // the grid aims at one piece per warp for sources with as many tokens as this rank
+            // (any other count is still covered: the warps loop) and may use every SM.
+            let rows = if p.rank_major != 0 { 1 } else { k };
+            p.chunks = row_chunks(h, target_warps / (b * rows).max(1)) as i32;
+            let items = r * b * rows * p.chunks as u32;
+            (items.div_ceil(16).clamp(1, sms), BLOCK_THREADS)
         }
         LlKernel::CombineRecv => {
             p.recv_chunks = if h % 32 == 0 { 4 } else { 1 };
@@ -131,14 +135,20 @@ mod tests {
         // A block per local expert.
         assert_eq!(ll_launch(LlKernel::DispatchRecv, &mut p, 132), (128, 512));
         assert_eq!((p.recv_chunks, p.splits), (4, 1));
-        // 2112 warps over 1024 (token, k) rows: 2 pieces each; 2 x 128 x 8 x 2 items, 4 per warp.
-        assert_eq!(ll_launch(LlKernel::CombineSend, &mut p, 132), (64, 512));
+        // 2112 warps over 1024 (token, k) rows: 2 pieces each; 2 x 128 x 8 x 2 items, a warp
+        // each up to every SM.
+        assert_eq!(ll_launch(LlKernel::CombineSend, &mut p, 132), (132, 512));
         assert_eq!(p.chunks, 2);
+        // Rank-major: one row per (token, rank), in 14 pieces.
+        let mut q = LlParams { rank_major: 1, ..params(128) };
+        assert_eq!(ll_launch(LlKernel::CombineSend, &mut q, 132), (132, 512));
+        assert_eq!(q.chunks, 14);
         assert_eq!(ll_launch(LlKernel::CombineRecv, &mut p, 132), (132, 256));
         // One token: rows cut finely, small grids.
         let mut p = params(1);
         assert_eq!(ll_launch(LlKernel::DispatchSend, &mut p, 132), (4, 512));
         assert_eq!(p.chunks, 28);
+        assert_eq!(ll_launch(LlKernel::CombineSend, &mut p, 132), (28, 512));
         assert_eq!(ll_launch(LlKernel::CombineRecv, &mut p, 132), (4, 256));
         // A bound on SMs bounds every grid.
         let mut p = params(128);
@@ -168,11 +178,10 @@ mod tests {
         assert_eq!((p.chunks, p.recv_chunks, p.splits), (7, 4, 1));
         assert_eq!(ll_launch(LlKernel::CombineOne, &mut p, 132), (132, 512));
         assert_eq!((p.chunks, p.recv_chunks), (2, 4));
-        // One token: the combine send walks every (token, k) slot of the row map, so its grid
-        // (and the one launch's) stays wide; the dispatch's follows its receive (a block per
-        // local expert).
+        // One token: the combine's grid follows its send (8 rows in 28 pieces, a warp each); the
+        // dispatch's follows its receive (a block per local expert).
         let mut p = params(1);
-        assert_eq!(ll_launch(LlKernel::CombineOne, &mut p, 132), (132, 512));
+        assert_eq!(ll_launch(LlKernel::CombineOne, &mut p, 132), (28, 512));
         assert_eq!(p.recv_chunks, 4);
         assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132), (128, 512));
         // Fewer SMs than a combine receive group: rows are summed whole.

@@ -48,6 +48,8 @@ fn base_params(
         round_scales: i32::from(matches!(s.config.dispatch_dtype, DispatchDtype::Fp8 { round_scales: true })),
         rank_major: i32::from(rank_major),
         masking: i32::from(s.config.rank_masking),
+        ret_list: handle_ptr + l.return_list_offset() as u64,
+        ret_start: handle_ptr + l.return_start_offset() as u64,
         ..LlParams::default()
     };
     let (own, peers) = s.recv_regions(channel == 0);
