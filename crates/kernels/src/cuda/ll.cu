@@ -472,20 +472,34 @@ __device__ __forceinline__ int block_rank_of_flag(bool flag, int* warp_sums, int
     return block_exclusive_sum(flag ? 1 : 0, warp_sums, total_shared, total);
 }
 
+// The header words of a received message that the receive reads: the operation number and the
+// local expert per top-k entry (16-bit, bytes 16..48, 8 per 16-byte load), all loaded together
+// (the header is always readable: no load waits for another's value).
+struct MsgHead {
+    u64 seq;
+    int4 a, b;
+};
+
+__device__ __forceinline__ MsgHead load_head(const char* msg, int K) {
+    MsgHead h;
+    h.seq = __ldcg(reinterpret_cast<const u64*>(msg));
+    h.a = ld_cg_int4(msg + 16);
+    h.b = K > 8 ? ld_cg_int4(msg + 32) : make_int4(-1, -1, -1, -1);
+    return h;
+}
+
 // The top-k entries of a received message whose rows come back in combine, as bits (bit k:
 // entry k): expert-major, every entry naming a local expert; rank-major, the first of them only
-// (the slot its rank's pre-reduced row returns in). The header's local experts (16-bit, bytes
-// 16..48) are read 8 per 16-byte load, not one dependent load per entry.
-__device__ __forceinline__ u32 returned_entries(const char* msg, int K, bool rank_major) {
-    const int4 a = ld_cg_int4(msg + 16);
-    const int4 b = K > 8 ? ld_cg_int4(msg + 32) : make_int4(-1, -1, -1, -1);
-    const short* la = reinterpret_cast<const short*>(&a);
-    const short* lb = reinterpret_cast<const short*>(&b);
+// (the slot its rank's pre-reduced row returns in). With `le` >= 0: the entries naming local
+// expert `le` instead.
+__device__ __forceinline__ u32 head_entries(const MsgHead& h, int K, bool rank_major, int le = -1) {
+    const short* la = reinterpret_cast<const short*>(&h.a);
+    const short* lb = reinterpret_cast<const short*>(&h.b);
     u32 bits = 0u;
 #pragma unroll
     for (int j = 0; j < 8; j++) {
-        if (j < K && la[j] >= 0) bits |= 1u << j;
-        if (j + 8 < K && lb[j] >= 0) bits |= 1u << (j + 8);
+        if (j < K && (le < 0 ? la[j] >= 0 : la[j] == le)) bits |= 1u << j;
+        if (j + 8 < K && (le < 0 ? lb[j] >= 0 : lb[j] == le)) bits |= 1u << (j + 8);
     }
     return rank_major ? bits & (0u - bits) : bits;
 }
@@ -532,21 +546,11 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
         int k_sel = -1;
         if (chunk + (int)threadIdx.x < span) {
             const int s = slot / M;
-            const char* msg = recv + (size_t)slot * p.msg_bytes;
-            if (!((skip >> s) & 1u) && __ldcg(reinterpret_cast<const u64*>(msg)) == n.seq + 1) {
-              if (rm) {
-                k_sel = __ffs(returned_entries(msg, K, true)) - 1;
-              } else {
-                // The selections' local experts, 8 per 16-byte load (inside the 128-byte header).
-                for (int k0 = 0; k0 < K; k0 += 8) {
-                    const int4 v = ld_cg_int4(msg + 16 + k0 * 2);
-                    const short* les = reinterpret_cast<const short*>(&v);
-#pragma unroll
-                    for (int j = 0; j < 8; j++) {
-                        if (k0 + j < K && les[j] == le) k_sel = k0 + j;
-                    }
-                }
-              }
+            const MsgHead h = load_head(recv + (size_t)slot * p.msg_bytes, K);
+            if (!((skip >> s) & 1u) && h.seq == n.seq + 1) {
+                // Rank-major: the slot's first local entry; expert-major: the entry naming
+                // expert `le` (top-k entries name distinct experts).
+                k_sel = __ffs(head_entries(h, K, rm, le)) - 1;
             }
         }
         int chunk_total;
@@ -602,10 +606,9 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
             const int slot = chunk + threadIdx.x;
             u32 back = 0u;
             if (slot < RM) {
-                const char* msg = recv + (size_t)slot * p.msg_bytes;
-                const bool valid =
-                    !((skip >> (slot / M)) & 1u) && __ldcg(reinterpret_cast<const u64*>(msg)) == n.seq + 1;
-                back = valid ? returned_entries(msg, K, rm) : 0u;
+                const MsgHead h = load_head(recv + (size_t)slot * p.msg_bytes, K);
+                const bool valid = !((skip >> (slot / M)) & 1u) && h.seq == n.seq + 1;
+                back = valid ? head_entries(h, K, rm) : 0u;
                 for (int k = 0; k < K; k++) {
                     if (!((back >> k) & 1u)) row_of[(size_t)slot * K + k] = -1;
                 }
@@ -633,9 +636,8 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
                 const int i = chunk + threadIdx.x;
                 bool sel = false;
                 if (i < MK && src_ok) {
-                    const char* msg = recv + ((size_t)s * M + i / K) * p.msg_bytes;
-                    sel = __ldcg(reinterpret_cast<const u64*>(msg)) == n.seq + 1 &&
-                          ((returned_entries(msg, K, rm) >> (i % K)) & 1u);
+                    const MsgHead h = load_head(recv + ((size_t)s * M + i / K) * p.msg_bytes, K);
+                    sel = h.seq == n.seq + 1 && ((head_entries(h, K, rm) >> (i % K)) & 1u);
                 }
                 int chunk_total;
                 const int pos = block_rank_of_flag(sel, warp_sums, &total_shared, &chunk_total);
@@ -705,13 +707,18 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
     // output unwritten: the operation has no result; so does this rank being masked. Entries on
     // absent (masked) ranks contribute zero, counted per token in `masked_out`.
     if ((cancelled | mismatched) == 0u && !((absent >> p.rank) & 1u)) {
-        // Block b handles piece b % C of tokens b / C, b / C + used / C, ... (C = recv_chunks; the
-        // blocks past the last whole group of C, in a one-launch grid sized for the send, idle).
+        // Items (token t, piece `part` of C = recv_chunks): an item takes `tpi` threads, its
+        // piece's 8-channel groups rounded up to whole warps (at most the block), so a block
+        // works on `ipb` items at once (a 512-thread one-launch block: two 1792-channel pieces,
+        // not one with half its threads idle); item i goes to block (i / ipb) % grid.
         const int C = p.recv_chunks;
         const int width = H / C;
-        const int part = blockIdx.x % C;
-        const int used_blocks = (int)gridDim.x / C * C;
-        for (int t = blockIdx.x / C; blockIdx.x < used_blocks && t < p.num_tokens; t += used_blocks / C) {
+        const int tpi = min((int)blockDim.x, (width / 8 + 31) / 32 * 32);
+        const int ipb = (int)blockDim.x / tpi;
+        const int sub = (int)threadIdx.x / tpi, tid = (int)threadIdx.x % tpi;
+        const int items = p.num_tokens * C;
+        for (int item = blockIdx.x * ipb + sub; sub < ipb && item < items; item += gridDim.x * ipb) {
+            const int t = item / C, part = item % C;
             // The entries whose rows arrive, once per token, a lane per entry (K <= 16; every warp
             // works them out, all lanes call): every valid k on a present rank, or in rank-major
             // only each rank's first; `lost`: the valid k on absent (masked) ranks. One load and a
@@ -727,8 +734,8 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
                 used = __ballot_sync(EP_FULL_MASK, arrives && __ffs(same) - 1 == lane);
             }
             const int lost = __popc(__ballot_sync(EP_FULL_MASK, gone));
-            if (p.masked_out && part == 0 && threadIdx.x == 0) reinterpret_cast<int*>(p.masked_out)[t] = lost;
-            for (int c = part * width + threadIdx.x * 8; c < (part + 1) * width; c += blockDim.x * 8) {
+            if (p.masked_out && part == 0 && tid == 0) reinterpret_cast<int*>(p.masked_out)[t] = lost;
+            for (int c = part * width + tid * 8; c < (part + 1) * width; c += tpi * 8) {
                 float acc[8];
 #pragma unroll
                 for (int i = 0; i < 8; i++) acc[i] = 0.f;

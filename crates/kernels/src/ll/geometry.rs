@@ -78,7 +78,8 @@ pub(crate) fn ll_launch(which: LlKernel, p: &mut LlParams, sms: u32) -> (u32, u3
                 (LlKernel::CombineSend, LlKernel::CombineRecv)
             };
             let grid = ll_launch(send, p, sms).0.max(ll_launch(recv, p, sms).0).clamp(1, sms.max(1));
-            // The combine receive works in groups of `recv_chunks` blocks: at least one group.
+            // Fewer blocks than pieces per row: rows are summed whole (every block still takes
+            // its share of the (token, piece) items, as many as fit its threads at once).
             if grid < p.recv_chunks as u32 {
                 p.recv_chunks = 1;
             }
