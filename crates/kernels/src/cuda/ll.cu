@@ -156,19 +156,18 @@ struct SendRole {
     bool skip;  // masking: `dest` (or this rank) is masked: no payload, no signal
 };
 
+// This warp's number in a send kernel's grid, and the warps each destination rank gets.
+__device__ __forceinline__ int send_warp() { return blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); }
+__device__ __forceinline__ int warps_per_dest(const LlParams& p) { return gridDim.x * (blockDim.x >> 5) / p.num_ranks; }
+
 // The destination rank this warp of a send kernel serves (num_ranks or more: a spare warp).
-__device__ __forceinline__ int send_dest(const LlParams& p) {
-    const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    return gw / (gridDim.x * (blockDim.x >> 5) / p.num_ranks);
-}
+__device__ __forceinline__ int send_dest(const LlParams& p) { return send_warp() / warps_per_dest(p); }
 
 __device__ __forceinline__ bool send_role(const LlParams& p, const OpNum& n, int chan, long long items, SendRole* r) {
     r->lane = threadIdx.x & 31;
-    const int warps = gridDim.x * (blockDim.x >> 5);
-    const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    r->wpd = warps / p.num_ranks;
-    r->dest = gw / r->wpd;
-    r->j = gw % r->wpd;
+    r->wpd = warps_per_dest(p);
+    r->dest = send_dest(p);
+    r->j = send_warp() % r->wpd;
     r->reporting = (int)(items < 1 ? 1 : (items < r->wpd ? items : r->wpd));
     if (r->dest >= p.num_ranks || r->j >= r->reporting) return false;
     int skip = 0;
