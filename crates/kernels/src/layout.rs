@@ -2,6 +2,7 @@
 //! low-latency groups, [`HtLayout`] for high-throughput ones.
 
 use epflow_core::config::FP8_BLOCK;
+use epflow_core::protocol::Channel;
 use epflow_core::{Algorithm, Error, GroupConfig};
 
 use crate::params::{HDR_BYTES, HT_MAX_CHANNELS, HT_MAX_WARPS, MAX_RANKS, SIGNAL_PAGE_BYTES};
@@ -103,6 +104,27 @@ pub(crate) const HT_ITEMS_PER_FENCE: usize = 4;
 /// round (combine); at most the ring depth.
 pub(crate) const HT_BATCH: usize = 16;
 
+/// Sending warps per remote destination of a high-throughput dispatch on `num_ranks` ranks: the
+/// block's 16 warps less about `16 / (2 R)` that copy this rank's own rows (HBM to HBM, no ring),
+/// shared by the `R - 1` peers. 2 ranks: 12 remote + 4 own (NVLink is the slow side); 4 ranks:
+/// 4 per peer + 4 own; 8 ranks: 2 per peer + 2 own. The own-copy warps are the rest
+/// (`ht.cu`'s `ht_send_role` computes them the same way).
+pub(crate) fn dispatch_send_warps(num_ranks: usize) -> usize {
+    if num_ranks <= 1 {
+        return HT_MAX_WARPS;
+    }
+    ((HT_MAX_WARPS - HT_MAX_WARPS / (2 * num_ranks)) / (num_ranks - 1)).max(1)
+}
+
+/// Sending warps per remote destination of a high-throughput combine: all 16 warps of the block
+/// shared by the `R - 1` peers (2 ranks: 16; 4 ranks: 5; 8 ranks: 2).
+pub(crate) fn combine_send_warps(num_ranks: usize) -> usize {
+    if num_ranks <= 1 {
+        return HT_MAX_WARPS;
+    }
+    (HT_MAX_WARPS / (num_ranks - 1)).max(1)
+}
+
 /// Buffer sizes of one rank of a high-throughput group. Every buffer is bounded by the config
 /// alone — none grows with the number of tokens — because data moves through rings of fixed
 /// depth; only the outputs of each operation are sized by its token counts.
@@ -122,8 +144,12 @@ pub(crate) struct HtLayout {
     pub channels: usize,
     /// Slots per ring.
     pub depth: usize,
-    /// Sending warps per destination (16 warps per block shared by the ranks).
+    /// Sending warps per remote destination of a dispatch (the block's other warps copy the rows
+    /// for this rank itself): [`dispatch_send_warps`].
     pub warps_per_dest: usize,
+    /// Sending warps per remote destination of a combine (every warp of the block sends: the
+    /// receiver reads this rank's own rows in place): [`combine_send_warps`].
+    pub combine_warps_per_dest: usize,
     /// Byte offset of the FP8 scales in a slot.
     pub off_scales: usize,
     /// Byte offset of the top-k weights in a slot.
@@ -156,13 +182,19 @@ impl HtLayout {
             fp8,
             channels: (sms / 2).clamp(1, HT_MAX_CHANNELS),
             depth: HT_RING_DEPTH,
-            warps_per_dest: (HT_MAX_WARPS / num_ranks.max(1)).max(1),
+            warps_per_dest: dispatch_send_warps(num_ranks),
+            combine_warps_per_dest: combine_send_warps(num_ranks),
             off_scales,
             off_weights,
             off_idx,
             slot_bytes: (off_idx + 4 * k).next_multiple_of(16),
             rings: true,
         }
+    }
+
+    /// Sending warps per remote destination of a `chan` kernel (`HtParams::warps_per_dest`).
+    pub(crate) fn send_warps(&self, chan: Channel) -> usize {
+        if chan == Channel::Dispatch { self.warps_per_dest } else { self.combine_warps_per_dest }
     }
 
     /// Bytes of one ring.
@@ -386,13 +418,21 @@ mod tests {
         let cfg = GroupConfig::high_throughput(256, 7168);
         let l = HtLayout::new(&cfg, 4);
         assert_eq!(l.channels, DEFAULT_HT_SMS / 2);
-        assert_eq!(l.warps_per_dest, 4);
+        assert_eq!((l.warps_per_dest, l.combine_warps_per_dest), (4, 5));
         assert_eq!(l.slot_bytes, 14336 + 32 + 32);
         assert_eq!(l.exchange_words(), 32 + 64);
         // Rings for both channels, ~236 MB: a 4096- or 16384-token dispatch uses the same.
         assert!(l.total_bytes() < 250_000_000, "{} B", l.total_bytes());
         let l8 = HtLayout::new(&cfg, 8);
-        assert_eq!(l8.warps_per_dest, 2);
+        assert_eq!((l8.warps_per_dest, l8.combine_warps_per_dest), (2, 2));
+        let l2 = HtLayout::new(&cfg, 2);
+        assert_eq!((l2.warps_per_dest, l2.combine_warps_per_dest), (12, 16));
+        // Every remote warp count fits the subtail residues, and the warps fit the block.
+        for r in 1..=MAX_RANKS {
+            let (d, c) = (dispatch_send_warps(r), combine_send_warps(r));
+            assert!(d <= HT_MAX_WARPS && c <= HT_MAX_WARPS, "{r} ranks");
+            assert!(r == 1 || (d * (r - 1) < HT_MAX_WARPS && c * (r - 1) <= HT_MAX_WARPS), "{r} ranks");
+        }
         let fp8 =
             HtLayout::new(&cfg.clone().with_dispatch_dtype(epflow_core::DispatchDtype::Fp8 { round_scales: false }), 4);
         assert_eq!(fp8.off_weights, 14336 + 224);

@@ -29,7 +29,9 @@ pub(crate) struct Functions {
     /// Rank masking: `unmask_all`'s meeting and reset (`mask.rs`).
     pub mask_rejoin: CudaFunction,
     pub ht_dispatch: CudaFunction,
-    pub ht_combine: CudaFunction,
+    /// High-throughput combine for up to 8, 4 and 2 ranks (`ht.cu`: the smaller the bound, the
+    /// more loads each receiving lane keeps in flight): see [`Functions::ht_combine_for`].
+    pub ht_combine: [CudaFunction; 3],
     pub ht_exchange: CudaFunction,
     /// A high-throughput handle built on the device: the marks (a thread per token), then the
     /// plan (a block per destination, and the receive block).
@@ -85,7 +87,11 @@ impl Functions {
             mask_spread: f(&ll, "ep_mask_spread")?,
             mask_rejoin: f(&ll, "ep_mask_rejoin")?,
             ht_dispatch: f(&ht, "ep_ht_dispatch_kernel")?,
-            ht_combine: f(&ht, "ep_ht_combine_kernel")?,
+            ht_combine: [
+                f(&ht, "ep_ht_combine_kernel")?,
+                f(&ht, "ep_ht_combine_kernel_4ranks")?,
+                f(&ht, "ep_ht_combine_kernel_2ranks")?,
+            ],
             ht_exchange: f(&ht, "ep_ht_exchange")?,
             ht_plan_mark: f(&ht, "ep_ht_plan_mark")?,
             ht_plan: f(&ht, "ep_ht_plan")?,
@@ -95,5 +101,17 @@ impl Functions {
             nccl_arrivals: f(&nccl, "ep_nccl_arrivals")?,
             nccl_ht_reduce: f(&nccl, "ep_nccl_ht_reduce")?,
         })
+    }
+}
+
+impl Functions {
+    /// The high-throughput combine kernel for a group of `num_ranks` ranks: the one of the
+    /// smallest rank bound (2, 4, 8) that covers it.
+    pub(crate) fn ht_combine_for(&self, num_ranks: usize) -> &CudaFunction {
+        match num_ranks {
+            0..=2 => &self.ht_combine[2],
+            3..=4 => &self.ht_combine[1],
+            _ => &self.ht_combine[0],
+        }
     }
 }

@@ -36,7 +36,15 @@ pub const LL: KernelModule = KernelModule {
 pub const HT: KernelModule = KernelModule {
     name: "ht",
     body: include_str!("../cuda/ht.cu"),
-    kernels: &["ep_ht_dispatch_kernel", "ep_ht_combine_kernel", "ep_ht_exchange", "ep_ht_plan_mark", "ep_ht_plan"],
+    kernels: &[
+        "ep_ht_dispatch_kernel",
+        "ep_ht_combine_kernel",
+        "ep_ht_combine_kernel_4ranks",
+        "ep_ht_combine_kernel_2ranks",
+        "ep_ht_exchange",
+        "ep_ht_plan_mark",
+        "ep_ht_plan",
+    ],
 };
 
 /// The kernels around NCCL's grouped send/recv (the NCCL transport, `nccl.rs`).

@@ -197,13 +197,30 @@ __device__ __forceinline__ void ht_copy_scales(float* dst, const float* src, int
     for (int i = lane; i < cols; i += 32) dst[i] = __ldcg(src + i);
 }
 
-// One sending warp: the items of destination `dest` with op-local index i = j, j + W, ...
-// `write(i, slot)` fills a ring slot.
+// The role of sending warp `warp`: its destination and its index j among that destination's
+// warps (-1: idle). A dispatch's first S warps copy this rank's own rows (S = 16 - W (R - 1),
+// the warps the W per remote destination leave: layout.rs `dispatch_send_warps`); a combine
+// has no own-copy warps (the receiver reads those rows in place), so all its warps send. Then
+// W warps per remote destination, in ascending rank order.
+struct HtSendRole {
+    int dest, j, warps;
+};
+__device__ __forceinline__ HtSendRole ht_send_role(const HtParams& p, int warp) {
+    const int W = p.warps_per_dest, R = p.num_ranks;
+    const int own = R == 1 ? HT_WARPS : p.chan == 0 ? HT_WARPS - W * (R - 1) : 0;
+    if (warp < own) return {p.rank, warp, own};
+    const int q = (warp - own) / W;
+    if (q >= R - 1) return {-1, -1, 0};
+    return {q < p.rank ? q : q + 1, (warp - own) % W, W};
+}
+
+// One sending warp: the items of its destination `dest` with op-local index i = j, j + W, ...
 __device__ void ht_send(const HtParams& p, int c) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int W = p.warps_per_dest, R = p.num_ranks, C = p.channels;
-    const int dest = warp / W, j = warp % W;
-    if (dest >= R) return;
+    const int R = p.num_ranks, C = p.channels;
+    const HtSendRole role = ht_send_role(p, warp);
+    const int dest = role.dest, j = role.j, W = role.warps;
+    if (dest < 0 || dest >= R) return;
     u64* sig = reinterpret_cast<u64*>(p.signals);
     const u64 pos0 = *ht_prod(sig, p.chan, c, dest, p.seq);
     const int* send_off = reinterpret_cast<const int*>(p.send_off);
@@ -391,9 +408,61 @@ __device__ void ht_dispatch_recv(const HtParams& p, int c) {
     ht_publish_mask(p, c, cancelled, mismatched);
 }
 
+// Sums token t's copies (ascending destination rank, fp32 from 0, rounded to BF16 once) over
+// channels [c0, c1) of its row into `orow`. NR bounds the ranks and G is the number of 256-channel
+// groups a lane loads before it adds any: NR * G loads of 16 bytes in flight per lane (16 for
+// every NR, so the register cost is the same: 2 ranks keep 8 groups in flight, 8 ranks 2).
+// This rank's copy is row `local_row0 + ord` of the expert output (`lrow` is that output at
+// `local_row0`); a peer's is its slot in this rank's ring.
+template <int NR, int G>
+__device__ __forceinline__ void ht_combine_span(const HtParams& p, int c, int t, const u64* pos, u32 cancelled,
+                                                const __nv_bfloat16* lrow, __nv_bfloat16* orow, int c0, int c1,
+                                                int lane) {
+    const int R = p.num_ranks;
+    const char* src[NR];
+#pragma unroll
+    for (int d = 0; d < NR; d++) {
+        const int o = (d < R && !((cancelled >> d) & 1u)) ? reinterpret_cast<const int*>(p.copy_ord)[(size_t)t * R + d]
+                                                          : -1;
+        src[d] = o < 0 ? nullptr
+                 : d == p.rank ? reinterpret_cast<const char*>(lrow + (size_t)o * p.hidden)
+                               : ht_slot(p.own_ring, p, c, d, pos[d] + (u64)o);
+    }
+    for (int ch = c0 + lane * 8; ch < c1; ch += 256 * G) {
+        int4 raw[G][NR];
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+#pragma unroll
+            for (int d = 0; d < NR; d++) {
+                if (src[d] != nullptr && ch + 256 * g < c1) raw[g][d] = ld_cg_int4(src[d] + (size_t)(ch + 256 * g) * 2);
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            if (ch + 256 * g >= c1) continue;
+            float acc[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[i] = 0.f;
+#pragma unroll
+            for (int d = 0; d < NR; d++) {
+                if (src[d] == nullptr) continue;
+                const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw[g][d]);
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[i] = __fadd_rn(acc[i], __bfloat162float(b[i]));
+            }
+            __nv_bfloat16 o[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) o[i] = __float2bfloat16_rn(acc[i]);
+            *reinterpret_cast<int4*>(orow + ch + 256 * g) = *reinterpret_cast<int4*>(o);
+        }
+    }
+}
+
 // Combine receiver of channel c: for each batch of `batch` tokens, waits for their copies, then
 // sums them (ascending destination rank) into the output; backward also picks each k's weight
-// gradient from the copy of the rank that owns expert k.
+// gradient from the copy of the rank that owns expert k. NR (at least the ranks) and G as in
+// `ht_combine_span`.
+template <int NR, int G>
 __device__ void ht_combine_recv(const HtParams& p, int c) {
     __shared__ u32 cancelled, mismatched;
     __shared__ int failed;
@@ -449,48 +518,10 @@ __device__ void ht_combine_recv(const HtParams& p, int c) {
         if (!p.cancelled) {
             for (int q = warp; q < (te - tb) * parts; q += HT_WARPS) {
                 const int t = tb + q / parts, part = q % parts;
-                int ord[EP_MAX_RANKS];
-#pragma unroll
-                for (int d = 0; d < EP_MAX_RANKS; d++) {
-                    ord[d] = (d < R && !((cancelled >> d) & 1u)) ? copy_ord[(size_t)t * R + d] : -1;
-                }
-                const char* src[EP_MAX_RANKS];
-#pragma unroll
-                for (int d = 0; d < EP_MAX_RANKS; d++) {
-                    src[d] = ord[d] < 0 ? nullptr
-                             : d == p.rank ? reinterpret_cast<const char*>(local + ((size_t)local_row0 + ord[d]) * H)
-                                           : ht_slot(p.own_ring, p, c, d, pos[d] + (u64)ord[d]);
-                }
-                // Two 8-channel groups per lane and step: every copy's loads are in flight together.
-                for (int ch = part * width + lane * 8; ch < (part + 1) * width; ch += 512) {
-                    const int ch2 = ch + 256;
-                    const bool two = ch2 < (part + 1) * width;
-                    int4 raw[2][EP_MAX_RANKS];
-#pragma unroll
-                    for (int d = 0; d < EP_MAX_RANKS; d++) {
-                        if (src[d] == nullptr) continue;
-                        raw[0][d] = ld_cg_int4(src[d] + (size_t)ch * 2);
-                        if (two) raw[1][d] = ld_cg_int4(src[d] + (size_t)ch2 * 2);
-                    }
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        if (h == 1 && !two) break;
-                        float acc[8];
-#pragma unroll
-                        for (int i = 0; i < 8; i++) acc[i] = 0.f;
-#pragma unroll
-                        for (int d = 0; d < EP_MAX_RANKS; d++) {
-                            if (src[d] == nullptr) continue;
-                            const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw[h][d]);
-#pragma unroll
-                            for (int i = 0; i < 8; i++) acc[i] = __fadd_rn(acc[i], __bfloat162float(b[i]));
-                        }
-                        __nv_bfloat16 o[8];
-#pragma unroll
-                        for (int i = 0; i < 8; i++) o[i] = __float2bfloat16_rn(acc[i]);
-                        *reinterpret_cast<int4*>(out + (size_t)t * H + (h ? ch2 : ch)) = *reinterpret_cast<int4*>(o);
-                    }
-                }
+                const __nv_bfloat16* lrow = local + (size_t)local_row0 * H;
+                __nv_bfloat16* orow = out + (size_t)t * H;
+                const int c0 = part * width, c1 = c0 + width;
+                ht_combine_span<NR, G>(p, c, t, pos, cancelled, lrow, orow, c0, c1, lane);
                 if (p.backward && part == 0 && lane < K) {
                     const long long e = reinterpret_cast<const long long*>(p.topk_idx)[(size_t)t * K + lane];
                     float w = 0.f;
@@ -534,13 +565,28 @@ extern "C" __global__ void __launch_bounds__(HT_BLOCK) ep_ht_dispatch_kernel(HtP
 }
 
 // High-throughput combine (forward or backward), one launch: blocks [0, C) send, [C, 2C) receive.
-extern "C" __global__ void __launch_bounds__(HT_BLOCK) ep_ht_combine_kernel(HtParams p) {
+// One kernel per bound on the ranks, so that the receiver's loads in flight fill the registers
+// the smaller bound leaves (the host picks the smallest that covers the group).
+template <int NR, int G>
+__device__ __forceinline__ void ht_combine(const HtParams& p) {
     ht_signal_start(p);
     if ((int)blockIdx.x < p.channels) {
         ht_send(p, blockIdx.x);
     } else {
-        ht_combine_recv(p, blockIdx.x - p.channels);
+        ht_combine_recv<NR, G>(p, blockIdx.x - p.channels);
     }
+}
+// Up to 8 ranks (EP_MAX_RANKS).
+extern "C" __global__ void __launch_bounds__(HT_BLOCK) ep_ht_combine_kernel(HtParams p) {
+    ht_combine<EP_MAX_RANKS, 2>(p);
+}
+// Up to 4 ranks.
+extern "C" __global__ void __launch_bounds__(HT_BLOCK) ep_ht_combine_kernel_4ranks(HtParams p) {
+    ht_combine<4, 4>(p);
+}
+// Up to 2 ranks.
+extern "C" __global__ void __launch_bounds__(HT_BLOCK) ep_ht_combine_kernel_2ranks(HtParams p) {
+    ht_combine<2, 8>(p);
 }
 
 struct ExchangeParams {

@@ -94,7 +94,7 @@ fn ht_params(s: &RankShared, chan: Channel, h: &GpuHandle, seq: u64, stamp: Stam
         num_tokens: h.num_tokens() as i32,
         channels: l.channels as i32,
         depth: l.depth as i32,
-        warps_per_dest: l.warps_per_dest as i32,
+        warps_per_dest: l.send_warps(chan) as i32,
         chan: chan.index() as i32,
         row_bytes: (2 * l.hidden) as i32,
         off_scales: l.off_scales as i32,
@@ -103,7 +103,7 @@ fn ht_params(s: &RankShared, chan: Channel, h: &GpuHandle, seq: u64, stamp: Stam
         tokens_per_channel: info.tokens_per_channel as i32,
         batch: HT_BATCH.min(l.depth) as i32,
         // A warp's group must fit in the ring behind the oldest unwritten item: (U - 1) W < depth.
-        items_per_fence: HT_ITEMS_PER_FENCE.clamp(1, (l.depth - 1) / l.warps_per_dest + 1) as i32,
+        items_per_fence: HT_ITEMS_PER_FENCE.clamp(1, (l.depth - 1) / l.send_warps(chan) + 1) as i32,
         stamp: stamp.encode(),
         ..HtParams::default()
     })

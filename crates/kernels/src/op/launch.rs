@@ -114,7 +114,7 @@ impl GpuOp {
         match self.launch {
             Launch::Ht(mut p) => {
                 p.cancelled = cancelled;
-                let k = if p.chan == 0 { &f.ht_dispatch } else { &f.ht_combine };
+                let k = if p.chan == 0 { &f.ht_dispatch } else { f.ht_combine_for(p.num_ranks as usize) };
                 self.launch_one(on, k, &p, ht_grid(&p), "launch ht kernel")?;
             }
             Launch::Exchange(mut p) => {
