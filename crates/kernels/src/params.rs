@@ -145,6 +145,10 @@ pub(crate) struct LlParams {
     /// The handle's return list starts: `[R + 1]` int32, source `s`'s entries are
     /// `ret_list[start[s]..start[s + 1]]`.
     pub ret_start: u64,
+    /// 1: `EPFLOW_LL_TRACE=1`, the kernels print block 0's phase times every 64th operation
+    /// (`trace_at` in `ll.cu`); a diagnostic.
+    pub trace: i32,
+    pub pad: i32,
 }
 
 /// `struct MaskParams` of `ll.cu` (`ep_mask_spread`, `ep_mask_rejoin`).
@@ -387,7 +391,8 @@ mod tests {
 
     #[test]
     fn layout_matches_the_cuda_struct() {
-        assert_eq!(size_of::<LlParams>(), 456);
+        assert_eq!(size_of::<LlParams>(), 464);
+        assert_eq!(offset_of!(LlParams, trace), 456);
         assert_eq!(offset_of!(LlParams, ret_list), 440);
         assert_eq!(offset_of!(LlParams, ret_start), 448);
         assert_eq!(offset_of!(LlParams, masking), 396);

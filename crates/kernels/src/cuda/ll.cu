@@ -64,9 +64,11 @@ struct LlParams {
     // ret_list[ret_start[s] .. ret_start[s + 1]]; so combine's warps share out only real rows.
     u64 ret_list;         // [R x M x K] int32
     u64 ret_start;        // [R + 1] int32
+    int trace;            // 1: `EPFLOW_LL_TRACE` (see `trace_at`)
+    int pad;
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
-static_assert(sizeof(LlParams) == 456, "LlParams layout");
+static_assert(sizeof(LlParams) == 464, "LlParams layout");
 
 // The number and buffer set of the operation a launch runs: the host's, or for a captured
 // operation its offset plus the step's base in device memory (written by an earlier kernel of the
@@ -88,6 +90,28 @@ __device__ __forceinline__ OpNum op_num(const LlParams& p, int chan) {
     if (!p.seq_base) return OpNum{p.seq, p.set, false};
     const u64 seq = p.seq + __ldcg(reinterpret_cast<const u64*>(p.seq_base));
     return OpNum{seq, (int)(seq % (u64)p.num_sets), __ldcg(step_failed_flag(p, chan)) != 0};
+}
+
+// `EPFLOW_LL_TRACE=1` (a diagnostic, off by default): block 0's thread 0 stamps the global
+// timer at the kernel's entry (0), after its send part (1), once every source arrived (2) and
+// when its receive work is done (3), per channel; the last block to finish prints them every
+// 64th operation, relative to the entry (of the send kernel, in the two-launch form), with the
+// end after the credits. One set of stamps per GPU (a module global): ranks sharing a GPU mix.
+__device__ u64 ep_ll_trace[2][4];
+
+__device__ __forceinline__ void trace_at(const LlParams& p, int chan, int i) {
+    if (p.trace && blockIdx.x == 0 && threadIdx.x == 0) ep_ll_trace[chan][i] = globaltimer_ns();
+}
+
+// The last block's report of the stamps (out of line: the printf's frame stays off the kernels).
+__device__ __noinline__ void trace_print(int rank, int chan, u64 seq) {
+    const u64 end = globaltimer_ns();
+    const volatile u64* t = ep_ll_trace[chan];
+    const u64 t0 = t[0];
+    printf("EPFLOW_LL_TRACE rank %d %s seq %llu: block 0 sent %.2f, all arrived %.2f, received %.2f, end %.2f us "
+           "after the entry\n",
+           rank, chan == 0 ? "dispatch" : "combine", (unsigned long long)seq, (t[1] - t0) * 1e-3, (t[2] - t0) * 1e-3,
+           (t[3] - t0) * 1e-3, (end - t0) * 1e-3);
 }
 
 // A captured operation timed out: the step's later operations on this rank skip their work.
@@ -433,6 +457,7 @@ __device__ void finish_receive(const LlParams& p, const OpNum& n, int chan, u32 
                 st_release_sys(sig_at(peer, EP_SIG_CONSUMED(chan), n.set, p.rank), (n.seq + 1) << 1);
             }
             if (p.seq_base) advance_step(p, chan);
+            if (p.trace && n.seq % 64 == 0) trace_print(p.rank, chan, n.seq);
         }
     }
 }
@@ -516,6 +541,7 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
     __shared__ int total_shared;
     __shared__ int entry_slot[512];
     if (!ll_wait_all_sources(p, n, 0, &cancelled, &mismatched, &timed_out, &absent)) return;
+    trace_at(p, 0, 2);
     // A cancelled operation only consumes what arrived: it writes neither the outputs (their
     // buffer set may still hold a live result) nor the handle's row map. Nor does one of a rank
     // the group masked (its host reports `RankMasked`).
@@ -647,6 +673,7 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
             if (threadIdx.x == 0) reinterpret_cast<volatile int*>(p.nccl_counts)[s] = base;
         }
     }
+    trace_at(p, 0, 3);
     finish_receive(p, n, 0, cancelled, mismatched, absent);
 }
 
@@ -696,6 +723,7 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
     __shared__ u32 cancelled, mismatched, absent;
     __shared__ int timed_out;
     if (!ll_wait_all_sources(p, n, 1, &cancelled, &mismatched, &timed_out, &absent)) return;
+    trace_at(p, 1, 2);
     const int K = p.top_k, H = p.hidden;
     const long long* idx = reinterpret_cast<const long long*>(p.topk_idx);
     const float* w = reinterpret_cast<const float*>(p.weights);
@@ -773,6 +801,7 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
             }
         }
     }
+    trace_at(p, 1, 3);
     finish_receive(p, n, 1, cancelled, mismatched, absent);
 }
 
@@ -784,8 +813,10 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
 // fit on an SM: the other channel's one-launch kernel (ranks may interleave the channels
 // differently) always finds room beside a waiting one.
 extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(LlParams p) {
+    trace_at(p, 0, 0);
     const OpNum n = op_num(p, 0);
     if (!n.dead) dispatch_send(p, n);
+    trace_at(p, 0, 1);
 }
 extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p) {
     const OpNum n = op_num(p, 0);
@@ -794,14 +825,18 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p
 extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_dispatch_kernel(LlParams p) {
     const OpNum n = op_num(p, 0);
     if (n.dead) return;
+    trace_at(p, 0, 0);
     dispatch_send(p, n);
+    trace_at(p, 0, 1);
     dispatch_recv(p, n);
 }
 // The combine send is held to two blocks per SM (62 registers for sm_90, no spills; left to
 // itself ptxas takes 82), so a send block leaves room on its SM for another operation's receive.
 extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_send(LlParams p) {
+    trace_at(p, 1, 0);
     const OpNum n = op_num(p, 1);
     if (!n.dead) combine_send(p, n);
+    trace_at(p, 1, 1);
 }
 extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv(LlParams p) {
     const OpNum n = op_num(p, 1);
@@ -810,7 +845,9 @@ extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv(LlParams p)
 extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_kernel(LlParams p) {
     const OpNum n = op_num(p, 1);
     if (n.dead) return;
+    trace_at(p, 1, 0);
     combine_send(p, n);
+    trace_at(p, 1, 1);
     combine_recv(p, n);
 }
 

@@ -50,6 +50,7 @@ fn base_params(
         masking: i32::from(s.config.rank_masking),
         ret_list: handle_ptr + l.return_list_offset() as u64,
         ret_start: handle_ptr + l.return_start_offset() as u64,
+        trace: i32::from(trace_on()),
         ..LlParams::default()
     };
     let (own, peers) = s.recv_regions(channel == 0);
@@ -64,6 +65,13 @@ fn base_params(
         p.nccl_dest_bytes = if channel == 0 { l.max_tokens * l.msg_bytes } else { l.combine_recv_set_bytes() } as u64;
     }
     Ok(p)
+}
+
+/// Whether `EPFLOW_LL_TRACE=1` asks the low-latency kernels to print their phase times (read
+/// once per process).
+fn trace_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("EPFLOW_LL_TRACE").is_ok_and(|v| v == "1"))
 }
 
 /// Sets the sequence number and buffer set of operation `seq`.
