@@ -108,10 +108,10 @@ __device__ __noinline__ void trace_print(int rank, int chan, u64 seq) {
     const u64 end = globaltimer_ns();
     const volatile u64* t = ep_ll_trace[chan];
     const u64 t0 = t[0];
-    printf("EPFLOW_LL_TRACE rank %d %s seq %llu: block 0 sent %.2f, all arrived %.2f, received %.2f, end %.2f us "
-           "after the entry\n",
-           rank, chan == 0 ? "dispatch" : "combine", (unsigned long long)seq, (t[1] - t0) * 1e-3, (t[2] - t0) * 1e-3,
-           (t[3] - t0) * 1e-3, (end - t0) * 1e-3);
+    printf("EPFLOW_LL_TRACE rank %d %s seq %llu: entry at %.2f us (global timer mod 1 s: compare ranks), block 0 "
+           "sent %.2f, all arrived %.2f, received %.2f, end %.2f us after the entry\n",
+           rank, chan == 0 ? "dispatch" : "combine", (unsigned long long)seq, (double)(t0 % 1000000000ull) * 1e-3,
+           (t[1] - t0) * 1e-3, (t[2] - t0) * 1e-3, (t[3] - t0) * 1e-3, (end - t0) * 1e-3);
 }
 
 // A captured operation timed out: the step's later operations on this rank skip their work.
