@@ -116,6 +116,28 @@ pub(crate) fn dispatch_send_warps(num_ranks: usize) -> usize {
     ((HT_MAX_WARPS - HT_MAX_WARPS / (2 * num_ranks)) / (num_ranks - 1)).max(1)
 }
 
+/// A tuning override of the high-throughput layout, `EPFLOW_HT_<name>` clamped to `[lo, hi]`
+/// (for measuring, e.g. `benches/NOTES.md`; the defaults are the measured choice):
+/// `EPFLOW_HT_DEPTH` (ring slots, 16-1024), `EPFLOW_HT_BATCH` (receive batch, at most the
+/// depth), `EPFLOW_HT_DISPATCH_WARPS` and
+/// `EPFLOW_HT_COMBINE_WARPS` (sending warps per remote destination, at most what the block's 16
+/// leave: one own-copy warp for a dispatch). Every rank of a group must set the same values.
+pub(crate) fn ht_tuning(name: &str, lo: usize, hi: usize) -> Option<usize> {
+    let v: usize = std::env::var(format!("EPFLOW_HT_{name}")).ok()?.trim().parse().ok()?;
+    Some(v.clamp(lo, hi.max(lo)))
+}
+
+/// The most sending warps per remote destination a dispatch can have: one warp stays for the
+/// rank's own rows.
+fn max_dispatch_warps(num_ranks: usize) -> usize {
+    if num_ranks <= 1 { HT_MAX_WARPS } else { (HT_MAX_WARPS - 1) / (num_ranks - 1) }
+}
+
+/// The most sending warps per remote destination a combine can have.
+fn max_combine_warps(num_ranks: usize) -> usize {
+    if num_ranks <= 1 { HT_MAX_WARPS } else { HT_MAX_WARPS / (num_ranks - 1) }
+}
+
 /// Sending warps per remote destination of a high-throughput combine: all 16 warps of the block
 /// shared by the `R - 1` peers (2 ranks: 16; 4 ranks: 5; 8 ranks: 2).
 pub(crate) fn combine_send_warps(num_ranks: usize) -> usize {
@@ -144,6 +166,9 @@ pub(crate) struct HtLayout {
     pub channels: usize,
     /// Slots per ring.
     pub depth: usize,
+    /// Items a receiving block takes per source per round (dispatch) and tokens it combines per
+    /// round (combine): [`HT_BATCH`], at most the depth.
+    pub batch: usize,
     /// Sending warps per remote destination of a dispatch (the block's other warps copy the rows
     /// for this rank itself): [`dispatch_send_warps`].
     pub warps_per_dest: usize,
@@ -174,6 +199,7 @@ impl HtLayout {
         let off_weights = (off_scales + if fp8 { 4 * (h / FP8_BLOCK) } else { 0 }).next_multiple_of(16);
         let off_idx = (off_weights + 4 * k).next_multiple_of(16);
         let sms = config.max_sms.unwrap_or(DEFAULT_HT_SMS);
+        let depth = ht_tuning("DEPTH", 16, 1024).unwrap_or(HT_RING_DEPTH);
         HtLayout {
             num_ranks,
             hidden: h,
@@ -181,9 +207,12 @@ impl HtLayout {
             max_top_k: k,
             fp8,
             channels: (sms / 2).clamp(1, HT_MAX_CHANNELS),
-            depth: HT_RING_DEPTH,
-            warps_per_dest: dispatch_send_warps(num_ranks),
-            combine_warps_per_dest: combine_send_warps(num_ranks),
+            depth,
+            batch: ht_tuning("BATCH", 1, depth).unwrap_or(HT_BATCH.min(depth)),
+            warps_per_dest: ht_tuning("DISPATCH_WARPS", 1, max_dispatch_warps(num_ranks))
+                .unwrap_or_else(|| dispatch_send_warps(num_ranks)),
+            combine_warps_per_dest: ht_tuning("COMBINE_WARPS", 1, max_combine_warps(num_ranks))
+                .unwrap_or_else(|| combine_send_warps(num_ranks)),
             off_scales,
             off_weights,
             off_idx,
