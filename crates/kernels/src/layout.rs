@@ -104,16 +104,21 @@ pub(crate) const HT_ITEMS_PER_FENCE: usize = 4;
 /// round (combine); at most the ring depth.
 pub(crate) const HT_BATCH: usize = 16;
 
-/// Sending warps per remote destination of a high-throughput dispatch on `num_ranks` ranks: the
-/// block's 16 warps less about `16 / (2 R)` that copy this rank's own rows (HBM to HBM, no ring),
-/// shared by the `R - 1` peers. 2 ranks: 12 remote + 4 own (NVLink is the slow side); 4 ranks:
-/// 4 per peer + 4 own; 8 ranks: 2 per peer + 2 own. The own-copy warps are the rest
-/// (`ht.cu`'s `ht_send_role` computes them the same way).
+/// Sending warps per remote destination of a high-throughput dispatch on `num_ranks` ranks:
+/// `16 / R`; the rest of the block's 16 warps (`16 - W (R - 1)`, at least `16 / R`) copy this
+/// rank's own rows (HBM to HBM, no ring). Measured on 2 x H200 at 4096 tokens (benches/NOTES.md
+/// item 37): 12 warps to the peer instead of 8 made the dispatch slower (244 against 218 us at
+/// 64 SMs): more warps per ring wait longer for its in-order ready prefix.
 pub(crate) fn dispatch_send_warps(num_ranks: usize) -> usize {
-    if num_ranks <= 1 {
-        return HT_MAX_WARPS;
-    }
-    ((HT_MAX_WARPS - HT_MAX_WARPS / (2 * num_ranks)) / (num_ranks - 1)).max(1)
+    (HT_MAX_WARPS / num_ranks.max(1)).max(1)
+}
+
+/// Sending warps per remote destination of a high-throughput combine: `16 / R` as the dispatch
+/// (the block's own-row warps idle: the receiver reads those rows in place). Measured on 2 x
+/// H200 (item 37): 16 warps to the one peer made the combine slower (292 against 221 us at 64
+/// SMs), 4 faster only at 128 SMs (203 against 210 us).
+pub(crate) fn combine_send_warps(num_ranks: usize) -> usize {
+    dispatch_send_warps(num_ranks)
 }
 
 /// A tuning override of the high-throughput layout, `EPFLOW_HT_<name>` clamped to `[lo, hi]`
@@ -136,15 +141,6 @@ fn max_dispatch_warps(num_ranks: usize) -> usize {
 /// The most sending warps per remote destination a combine can have.
 fn max_combine_warps(num_ranks: usize) -> usize {
     if num_ranks <= 1 { HT_MAX_WARPS } else { HT_MAX_WARPS / (num_ranks - 1) }
-}
-
-/// Sending warps per remote destination of a high-throughput combine: all 16 warps of the block
-/// shared by the `R - 1` peers (2 ranks: 16; 4 ranks: 5; 8 ranks: 2).
-pub(crate) fn combine_send_warps(num_ranks: usize) -> usize {
-    if num_ranks <= 1 {
-        return HT_MAX_WARPS;
-    }
-    (HT_MAX_WARPS / (num_ranks - 1)).max(1)
 }
 
 /// Buffer sizes of one rank of a high-throughput group. Every buffer is bounded by the config
@@ -172,8 +168,8 @@ pub(crate) struct HtLayout {
     /// Sending warps per remote destination of a dispatch (the block's other warps copy the rows
     /// for this rank itself): [`dispatch_send_warps`].
     pub warps_per_dest: usize,
-    /// Sending warps per remote destination of a combine (every warp of the block sends: the
-    /// receiver reads this rank's own rows in place): [`combine_send_warps`].
+    /// Sending warps per remote destination of a combine (the receiver reads this rank's own
+    /// rows in place, so no warp copies them): [`combine_send_warps`].
     pub combine_warps_per_dest: usize,
     /// Byte offset of the FP8 scales in a slot.
     pub off_scales: usize,
@@ -447,7 +443,7 @@ mod tests {
         let cfg = GroupConfig::high_throughput(256, 7168);
         let l = HtLayout::new(&cfg, 4);
         assert_eq!(l.channels, DEFAULT_HT_SMS / 2);
-        assert_eq!((l.warps_per_dest, l.combine_warps_per_dest), (4, 5));
+        assert_eq!((l.warps_per_dest, l.combine_warps_per_dest), (4, 4));
         assert_eq!(l.slot_bytes, 14336 + 32 + 32);
         assert_eq!(l.exchange_words(), 32 + 64);
         // Rings for both channels, ~236 MB: a 4096- or 16384-token dispatch uses the same.
@@ -455,7 +451,7 @@ mod tests {
         let l8 = HtLayout::new(&cfg, 8);
         assert_eq!((l8.warps_per_dest, l8.combine_warps_per_dest), (2, 2));
         let l2 = HtLayout::new(&cfg, 2);
-        assert_eq!((l2.warps_per_dest, l2.combine_warps_per_dest), (12, 16));
+        assert_eq!((l2.warps_per_dest, l2.combine_warps_per_dest), (8, 8));
         // Every remote warp count fits the subtail residues, and the warps fit the block.
         for r in 1..=MAX_RANKS {
             let (d, c) = (dispatch_send_warps(r), combine_send_warps(r));

@@ -199,9 +199,10 @@ __device__ __forceinline__ void ht_copy_scales(float* dst, const float* src, int
 
 // The role of sending warp `warp`: its destination and its index j among that destination's
 // warps (-1: idle). A dispatch's first S warps copy this rank's own rows (S = 16 - W (R - 1),
-// the warps the W per remote destination leave: layout.rs `dispatch_send_warps`); a combine
-// has no own-copy warps (the receiver reads those rows in place), so all its warps send. Then
-// W warps per remote destination, in ascending rank order.
+// the warps the W per remote destination leave); a combine has no own-copy warps (the receiver
+// reads those rows in place). Then W warps per remote destination, in ascending rank order; the
+// rest idle. W is the layout's per kernel (layout.rs `dispatch_send_warps`,
+// `combine_send_warps`).
 struct HtSendRole {
     int dest, j, warps;
 };
