@@ -71,7 +71,12 @@ pub(crate) enum BenchError {
 /// flags.
 pub(crate) fn main(args: &BenchArgs) -> ExitCode {
     let args = &resolve_algorithm(args);
-    match run(args) {
+    let result = run(args);
+    // `EPFLOW_HOST_STEPS=1`: the host time of each step of the operations' sends (all ranks).
+    for line in epflow_kernels::device::host_steps::report() {
+        eprintln!("{line}");
+    }
+    match result {
         Ok(None) => ExitCode::SUCCESS,
         Ok(Some(report)) => {
             if args.json {

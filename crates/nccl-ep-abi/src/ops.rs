@@ -14,6 +14,7 @@ use epflow_core::handle::RoutingHandle;
 use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, Layout, Pass};
 use epflow_core::protocol::Channel;
 use epflow_core::{Algorithm, DType, Error, TensorDesc, TensorTag};
+use epflow_kernels::device::host_steps::Steps;
 use epflow_kernels::{DeviceTensor, GpuHandle, GpuOp, OutputTargets};
 use nccl_ep_sys as ep;
 
@@ -64,19 +65,24 @@ fn issue(
     staged: bool,
     timer: &mut Timer<'_>,
 ) -> Res<Option<GpuOp>> {
+    let mut steps = Steps::start();
     op.send_on(stream)?;
     if !staged {
         // Both halves on `stream`, back to back: one launch where the rank can.
         op.will_complete_at_once();
     }
     let rank = &g.rank;
+    steps.step("abi: send_on");
     let op = send_blocking(op, rank.slot_pool(channel), rank.poison(), g.timeout())?;
+    // Includes the operation's own send steps (timed apart as `send: ...` and `launch: ...`).
+    steps.step("abi: send_blocking (slot, turn, the op's send)");
     timer.next();
     if staged {
         timer.next();
         return Ok(Some(op));
     }
     complete(g, op, stream)?;
+    steps.step("abi: complete");
     timer.next();
     Ok(None)
 }

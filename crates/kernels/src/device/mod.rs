@@ -1,11 +1,12 @@
 //! The CUDA edge: the driver and its contexts, device and pinned memory, device tensors, the
-//! cache of output buffers, recycled events, and what every stream-ordered operation does
-//! around its launches.
+//! cache of output buffers, recycled events, what every stream-ordered operation does around its
+//! launches, and the host-step diagnostic (`EPFLOW_HOST_STEPS`).
 
 pub(crate) mod cache;
 pub(crate) mod consumers;
 mod context;
 mod events;
+pub mod host_steps;
 mod memory;
 mod stream_work;
 mod tensor;

@@ -9,6 +9,7 @@ use epflow_core::Error;
 use epflow_core::protocol::Fence;
 
 use super::{GpuOp, GpuOpKind, stream_id, wait_unless_same};
+use crate::device::host_steps::Steps;
 use crate::device::{StreamWork, cuda};
 use crate::ht::geometry::{HT_MARK_BLOCK, HT_PLAN_BLOCK, ht_grid};
 use crate::ll::geometry::{LlKernel, ll_launch};
@@ -205,7 +206,7 @@ impl GpuOp {
     pub(super) fn launch_recv(&mut self, on: &Arc<CudaStream>) -> Result<Arc<CudaEvent>, Error> {
         let fences = self.state.take_fences();
         let which = if self.chan() == 0 { LlKernel::DispatchRecv } else { LlKernel::CombineRecv };
-        self.launch_completing(on, which, fences)
+        self.launch_completing(on, which, fences, &mut Steps::start())
     }
 
     /// Launches `which`, a complete half or a one-launch kernel (then the end of the send half
@@ -218,9 +219,11 @@ impl GpuOp {
         on: &Arc<CudaStream>,
         which: LlKernel,
         fences: Vec<Fence>,
+        steps: &mut Steps,
     ) -> Result<Arc<CudaEvent>, Error> {
         let fences: Vec<Arc<CudaEvent>> = fences.into_iter().filter_map(|f| f.downcast::<CudaEvent>().ok()).collect();
         StreamWork::wait_on(on, &fences)?;
+        steps.step(if fences.is_empty() { "launch: no buffer-set fence" } else { "launch: buffer-set fence waits" });
         let handle = match (&self.kind, self.state.is_cancelled()) {
             (Some(GpuOpKind::Dispatch { handle, .. }), false) => Some(handle.clone()),
             _ => None,
@@ -231,11 +234,14 @@ impl GpuOp {
                 wait_unless_same(on, reader, map.reader_stream, "wait for the previous combine")?;
             }
         }
+        steps.step("launch: row map wait");
         self.launch_ll(which, on)?;
+        steps.step(if which.is_one_launch() { "launch: one-launch kernel" } else { "launch: receive kernel" });
         if which.is_one_launch() {
             self.work.end_send()?;
         }
         let done = self.work.end_complete_on(on)?;
+        steps.step("launch: end events");
         if let Some(map) = &mut map {
             map.writer = Some(self.seq);
             map.writer_event = Some(Arc::clone(&done));

@@ -29,6 +29,7 @@ pub(crate) use launch::Launch;
 use crate::ll::geometry::LlKernel;
 
 use crate::device::cache::CachedBuffer;
+use crate::device::host_steps::Steps;
 use crate::device::{DeviceTensor, StreamWork, bind, cuda};
 use crate::outputs::{GpuCombineOutput, GpuDispatchOutput, OutputTargets, SetLease};
 use crate::rank::handle::GpuHandle;
@@ -389,9 +390,12 @@ impl PendingOp for GpuOp {
             return Ok(());
         }
         let s = Arc::clone(&self.shared);
+        let mut steps = Steps::start();
         let result = (|| {
             self.work.begin_send(s.timing.load(Ordering::Relaxed) && !self.state.is_cancelled())?;
+            steps.step("send: bind, input waits, fences, start event");
             let reader = self.claim_row_map()?;
+            steps.step("send: row map claim");
             match self.launch {
                 Launch::Ll(_) if self.one_launch() => {
                     // Both halves: the kernel writes the buffer set, so it waits for the set's
@@ -399,12 +403,13 @@ impl PendingOp for GpuOp {
                     let which = if self.chan() == 0 { LlKernel::DispatchOne } else { LlKernel::CombineOne };
                     let fences = slot.as_mut().map(SlotGuard::take_fences).unwrap_or_default();
                     let on = Arc::clone(self.work.stream());
-                    self.launch_completing(&on, which, fences)?;
+                    self.launch_completing(&on, which, fences, &mut steps)?;
                     self.one_launched = true;
                     self.completing = true;
                     if let Some(h) = reader {
                         self.reader = Some(self.record_reader(&h)?);
                     }
+                    steps.step("send: reader event");
                     // `launch_completing` marked the end of the send half.
                     return Ok(());
                 }
@@ -412,6 +417,7 @@ impl PendingOp for GpuOp {
                     let which = if self.chan() == 0 { LlKernel::DispatchSend } else { LlKernel::CombineSend };
                     let on = Arc::clone(self.work.stream());
                     self.launch_ll(which, &on)?;
+                    steps.step("send: send-kernel launch");
                     if let Some(h) = reader {
                         self.reader = Some(self.record_reader(&h)?);
                     }

@@ -1,0 +1,86 @@
+//! `EPFLOW_HOST_STEPS=1`, a diagnostic: the host time of the steps a low-latency operation's send
+//! takes before and after its launch (binding, input waits, fences, the row map, the launch, the
+//! event records), summed per step over the process and printed by [`report`] (`epflow bench`
+//! at its end, `libnccl_ep.so` when a group is destroyed). Events timed around a launch on an
+//! idle stream count this host time, so it is part of every host-observed figure.
+//!
+//! Off (the default) a step costs one relaxed load.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::Instant;
+
+/// 0: not read yet, 1: off, 2: on.
+static STATE: AtomicU8 = AtomicU8::new(0);
+/// Per step: (total nanoseconds, count), by name.
+static TOTALS: Mutex<BTreeMap<&'static str, (u128, u64)>> = Mutex::new(BTreeMap::new());
+
+fn on() -> bool {
+    match STATE.load(Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("EPFLOW_HOST_STEPS").is_ok_and(|v| v == "1");
+            STATE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+            on
+        }
+        s => s == 2,
+    }
+}
+
+/// A stopwatch over consecutive steps of one call; inert when the diagnostic is off.
+#[derive(Debug)]
+pub struct Steps {
+    last: Option<Instant>,
+}
+
+impl Steps {
+    /// Starts timing now (if `EPFLOW_HOST_STEPS=1`).
+    pub fn start() -> Self {
+        Steps { last: on().then(Instant::now) }
+    }
+
+    /// Charges the time since the previous step (or the start) to `step`.
+    pub fn step(&mut self, step: &'static str) {
+        let Some(last) = self.last else { return };
+        let now = Instant::now();
+        let mut totals = TOTALS.lock().unwrap_or_else(|e| e.into_inner());
+        let t = totals.entry(step).or_default();
+        t.0 += (now - last).as_nanos();
+        t.1 += 1;
+        drop(totals);
+        // The bookkeeping above is charged to no step.
+        self.last = Some(Instant::now());
+    }
+}
+
+/// One line per step timed so far: its mean host time in microseconds and its count (empty when
+/// the diagnostic is off or nothing was timed).
+pub fn report() -> Vec<String> {
+    if !on() {
+        return Vec::new();
+    }
+    let totals = TOTALS.lock().unwrap_or_else(|e| e.into_inner());
+    totals
+        .iter()
+        .map(|(step, (ns, n))| {
+            format!("EPFLOW_HOST_STEPS {step}: {:.2} us mean over {n}", *ns as f64 / 1e3 / *n as f64)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn off_by_default_records_nothing() {
+        // The test environment does not set EPFLOW_HOST_STEPS.
+        if std::env::var("EPFLOW_HOST_STEPS").is_ok() {
+            return;
+        }
+        let mut s = Steps::start();
+        s.step("never");
+        assert!(report().is_empty());
+        assert!(TOTALS.lock().unwrap().get("never").is_none());
+    }
+}
