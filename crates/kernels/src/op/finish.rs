@@ -12,7 +12,7 @@ use epflow_core::stamp::Stamp;
 use epflow_core::validate::{OpContext, dispatch_output_descs};
 use epflow_core::{Algorithm, DType, Error, TensorDesc, TensorTag};
 
-use super::{GpuOp, GpuOpKind, GpuOpOutput};
+use super::{GpuOp, GpuOpKind, GpuOpOutput, Launch};
 use crate::device::{DeviceTensor, Lease};
 use crate::ht::exchange::{finish_handle, received_messages, recycle_exchange};
 use crate::outputs::{GpuCombineOutput, GpuDispatchOutput, SetLease};
@@ -35,6 +35,18 @@ impl GpuOp {
     /// the group.
     pub(super) fn device_error(&self) -> Option<Error> {
         self.shared.device_error(self.label())
+    }
+
+    /// Whether the device may have finished this operation as far as its outcome word tells:
+    /// for a low-latency operation whose receive was enqueued, whether the last block published
+    /// this operation's outcome (mapped host memory, read without a driver call); `true` for
+    /// everything else (the completion event decides).
+    pub(super) fn outcome_published(&self) -> bool {
+        if !matches!(self.launch, Launch::Ll(_)) || !self.completing || self.uses_nccl() {
+            return true;
+        }
+        let word = self.shared.mem.status.read_u64(status::outcome(self.chan(), self.set()));
+        word >> 32 == self.seq + 1
     }
 
     /// The peers that cancelled or mismatched this operation (0 if the word is another
