@@ -26,6 +26,18 @@ impl LlKernel {
     pub(crate) fn is_one_launch(self) -> bool {
         matches!(self, LlKernel::DispatchOne | LlKernel::CombineOne)
     }
+
+    /// Its launch's name in the `EPFLOW_HOST_STEPS` diagnostic.
+    pub(crate) fn step_name(self) -> &'static str {
+        match self {
+            LlKernel::DispatchSend => "launch: dispatch send kernel",
+            LlKernel::DispatchRecv => "launch: dispatch receive kernel",
+            LlKernel::CombineSend => "launch: combine send kernel",
+            LlKernel::CombineRecv => "launch: combine receive kernel",
+            LlKernel::DispatchOne => "launch: dispatch one-launch kernel",
+            LlKernel::CombineOne => "launch: combine one-launch kernel",
+        }
+    }
 }
 
 /// Threads per block of the send kernels and the dispatch receive kernel.

@@ -236,7 +236,7 @@ impl GpuOp {
         }
         steps.step("launch: row map wait");
         self.launch_ll(which, on)?;
-        steps.step(if which.is_one_launch() { "launch: one-launch kernel" } else { "launch: receive kernel" });
+        steps.step(which.step_name());
         if which.is_one_launch() {
             self.work.end_send()?;
         }

@@ -421,7 +421,7 @@ impl PendingOp for GpuOp {
                     let which = if self.chan() == 0 { LlKernel::DispatchSend } else { LlKernel::CombineSend };
                     let on = Arc::clone(self.work.stream());
                     self.launch_ll(which, &on)?;
-                    steps.step("send: send-kernel launch");
+                    steps.step(which.step_name());
                     if let Some(h) = reader {
                         self.reader = Some(self.record_reader(&h)?);
                     }
