@@ -22,6 +22,37 @@ pub(crate) enum Command {
     /// Start N processes on this host, one per GPU, with RANK, WORLD_SIZE, LOCAL_RANK and the
     /// NCCL unique id (EPFLOW_NCCL_ID) in their environment.
     Launch(LaunchArgs),
+    /// Diagnostics on one GPU.
+    #[command(subcommand)]
+    Diag(DiagCommand),
+}
+
+/// `epflow diag` subcommands.
+#[derive(Clone, Debug, Subcommand)]
+pub(crate) enum DiagCommand {
+    /// The host time of launching each low-latency kernel alone, as a device no-op (GPU idle, and
+    /// back to back): which kernels are expensive to launch (benches/NOTES.md item 39).
+    Launch(DiagLaunchArgs),
+}
+
+/// `epflow diag launch` flags.
+#[derive(Clone, Debug, clap::Args)]
+pub(crate) struct DiagLaunchArgs {
+    /// The GPU.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// Tokens per rank the grids are sized for.
+    #[arg(long, default_value_t = 1)]
+    pub tokens: usize,
+    /// Launches timed per kernel and mode.
+    #[arg(long, default_value_t = 500)]
+    pub iters: usize,
+    /// Hidden size of the group (its kernels' geometry).
+    #[arg(long, default_value_t = 7168)]
+    pub hidden: usize,
+    /// Experts of the group.
+    #[arg(long, default_value_t = 256)]
+    pub experts: usize,
 }
 
 /// `epflow launch` flags.

@@ -3,6 +3,7 @@
 mod bench;
 mod cli;
 mod compile;
+mod diag;
 mod launch;
 
 use std::process::ExitCode;
@@ -15,5 +16,6 @@ fn main() -> ExitCode {
         cli::Command::Bench(args) => bench::main(&args),
         cli::Command::Compile(args) => compile::main(&args),
         cli::Command::Launch(args) => launch::main(&args),
+        cli::Command::Diag(cli::DiagCommand::Launch(args)) => diag::launch(&args),
     }
 }

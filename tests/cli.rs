@@ -38,6 +38,8 @@ fn bad_flags_exit_2_with_a_clear_error() {
         (&["bench", "--backend", "host", "--hosts", "2"], "--hosts needs the GPU backend"),
         (&["bench", "--backend", "nccl-epp"], "invalid value 'nccl-epp'"),
         (&["launch", "-n", "0", "--", "true"], "-n must be at least 1"),
+        (&["diag", "launch", "--iters", "0"], "--tokens and --iters must be at least 1"),
+        (&["diag", "launch", "--tokens", "0"], "--tokens and --iters must be at least 1"),
         (&["launch", "-n", "2", "--nnodes", "2", "--", "true"], "needs --master-addr"),
         (&["launch", "-n", "2", "--nnodes", "2", "--node-rank", "2", "--", "true"], "--node-rank (2) must be below"),
         (&["launch", "-n", "1", "--master-addr", "h", "--master-port", "0", "--", "true"], "not a port number"),

@@ -77,7 +77,7 @@ pub use device::{DeviceTensor, StreamWork, device_count, sm_count};
 pub use graph::{CapturedSend, GpuCapture, GpuReplay, GpuStep};
 pub use op::{GpuOp, GpuOpOutput};
 pub use outputs::{GpuCombineOutput, GpuDispatchOutput, OutputTargets};
-pub use rank::GpuRank;
 pub use rank::handle::GpuHandle;
+pub use rank::{GpuRank, LaunchCost};
 pub use transport::Transport;
 pub use world::GpuWorld;

@@ -309,6 +309,41 @@ fn sanitizer_rounds(devices: &[usize]) {
     }
 }
 
+/// `GpuRank::ll_launch_costs` (`epflow diag launch`) times every low-latency kernel as a device
+/// no-op, and leaves the group as it found it: synchronous and staged rounds right after still
+/// match the reference.
+#[test]
+fn ll_launch_costs_time_every_kernel_and_change_nothing() {
+    let Some(devices) = gpus(1, "ll_launch_costs") else { return };
+    let config = GroupConfig::low_latency(16, 16, 1024);
+    let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+    let costs = ranks[0].ll_launch_costs(1, 20).expect("launch costs");
+    let names: Vec<&str> = costs.iter().map(|c| c.kernel).collect();
+    assert_eq!(
+        names,
+        [
+            "ep_ll_dispatch_send",
+            "ep_ll_dispatch_recv",
+            "ep_ll_dispatch_kernel",
+            "ep_ll_combine_send",
+            "ep_ll_combine_recv",
+            "ep_ll_combine_kernel"
+        ]
+    );
+    for c in &costs {
+        assert!(c.idle_us.is_finite() && c.idle_us > 0.0 && c.queued_us.is_finite() && c.queued_us > 0.0, "{c:?}");
+        eprintln!("{}: {:.2} us idle, {:.2} us queued", c.kernel, c.idle_us, c.queued_us);
+    }
+    assert!(ranks[0].ll_launch_costs(1, 0).is_err());
+    for i in 0..2 {
+        let sc = Scenario::generate(config.clone(), 1, &[16], 4, RoutingKind::Uniform, 3, seed() + i);
+        let refs = sc.ll_dispatch_reference().unwrap();
+        let want = sc.ll_combine_identity_reference(&refs).unwrap();
+        let (d, c) = round(&ranks[0], &sc, &refs, &want, i == 1).expect("round");
+        assert!(d.ok() && c.ok(), "{d:?} {c:?}");
+    }
+}
+
 /// One process per GPU: run under `epflow launch -n N -- gpu_ll ll_one_process_per_gpu` with the
 /// same `EPFLOW_TEST_SEED` in every process. Each process checks its own rank.
 #[test]

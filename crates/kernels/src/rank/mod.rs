@@ -6,6 +6,8 @@
 //! - `mask`: rank masking ([`epflow_core::mask`]): the host's view, `mask_ranks`, `unmask_all`.
 
 pub(crate) mod handle;
+mod launch_cost;
+pub use launch_cost::LaunchCost;
 mod mask;
 pub(crate) mod shared;
 

@@ -1,0 +1,45 @@
+//! `epflow diag`: diagnostics on one GPU.
+
+use std::process::ExitCode;
+
+use epflow_core::GroupConfig;
+use epflow_kernels::{GpuWorld, device_count};
+
+use crate::cli::DiagLaunchArgs;
+
+/// `epflow diag launch`: a one-rank low-latency group on `--device`, then the mean host time of
+/// launching each of its kernels as a device no-op ([`epflow_kernels::GpuRank::ll_launch_costs`]).
+/// Exit code 1 without a GPU or on a CUDA failure, 2 on bad flags.
+pub(crate) fn launch(args: &DiagLaunchArgs) -> ExitCode {
+    if args.tokens == 0 || args.iters == 0 {
+        eprintln!("error: --tokens and --iters must be at least 1");
+        return ExitCode::from(2);
+    }
+    let gpus = device_count();
+    if args.device >= gpus {
+        eprintln!("error: --device {}: this machine has {gpus} CUDA device(s)", args.device);
+        return ExitCode::from(if gpus == 0 { 1 } else { 2 });
+    }
+    let config = GroupConfig::low_latency(args.experts, args.tokens, args.hidden);
+    let result = GpuWorld::create(&[args.device], config).and_then(|mut ranks| {
+        let rank = ranks.pop().ok_or_else(|| epflow_core::Error::Unsupported("no rank created".into()))?;
+        rank.ll_launch_costs(args.tokens, args.iters)
+    });
+    match result {
+        Ok(costs) => {
+            println!(
+                "launch host time per call, device {}, {} token(s), H={}, {} launches each (kernels are no-ops):",
+                args.device, args.tokens, args.hidden, args.iters
+            );
+            println!("{:<24} {:>10} {:>14}", "kernel", "idle (us)", "queued (us)");
+            for c in costs {
+                println!("{:<24} {:>10.2} {:>14.2}", c.kernel, c.idle_us, c.queued_us);
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
