@@ -478,10 +478,10 @@ impl PendingOp for GpuOp {
             return Err(e);
         }
         // Until the receive's last block published the outcome word its kernel cannot have
-        // ended: skip the driver call. With several ranks in one process, back-to-back event
-        // queries from one rank's thread slowed another rank's launches (12-15 us per launch
-        // against ~4, benches/NOTES.md item 38). Every 16th poll asks the driver anyway, so a
-        // path that never publishes (none known) still completes.
+        // ended: skip the driver call (a wait makes fewer driver calls; benches/NOTES.md item
+        // 40: it did not shorten other ranks' launches, the slow one is the dispatch receive's
+        // own, item 39). Every 16th poll asks the driver anyway, so a path that never publishes
+        // (none known) still completes.
         if !self.outcome_published() {
             self.quiet_polls = self.quiet_polls.wrapping_add(1);
             if self.quiet_polls % 16 != 0 {
