@@ -10,6 +10,7 @@ use epflow_core::Error;
 use super::nvrtc::compile;
 use super::sources::{HT, LL, NCCL, UTIL};
 use crate::device::cuda;
+use crate::ll::geometry::LlKernel;
 
 /// Every kernel epflow launches, loaded into one context.
 #[derive(Debug, Clone)]
@@ -80,12 +81,12 @@ impl Functions {
             Ok::<_, Error>(func)
         };
         Ok(Functions {
-            dispatch_send: f(&ll, "ep_ll_dispatch_send")?,
-            dispatch_recv: f(&ll, "ep_ll_dispatch_recv")?,
-            combine_send: f(&ll, "ep_ll_combine_send")?,
-            combine_recv: f(&ll, "ep_ll_combine_recv")?,
-            dispatch_one: f(&ll, "ep_ll_dispatch_kernel")?,
-            combine_one: f(&ll, "ep_ll_combine_kernel")?,
+            dispatch_send: f(&ll, LlKernel::DispatchSend.function_name())?,
+            dispatch_recv: f(&ll, LlKernel::DispatchRecv.function_name())?,
+            combine_send: f(&ll, LlKernel::CombineSend.function_name())?,
+            combine_recv: f(&ll, LlKernel::CombineRecv.function_name())?,
+            dispatch_one: f(&ll, LlKernel::DispatchOne.function_name())?,
+            combine_one: f(&ll, LlKernel::CombineOne.function_name())?,
             graph_rebase: f(&ll, "ep_graph_rebase")?,
             mask_spread: f(&ll, "ep_mask_spread")?,
             mask_rejoin: f(&ll, "ep_mask_rejoin")?,

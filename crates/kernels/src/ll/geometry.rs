@@ -27,6 +27,33 @@ impl LlKernel {
         matches!(self, LlKernel::DispatchOne | LlKernel::CombineOne)
     }
 
+    /// Every low-latency kernel, in the order `epflow diag launch` reports them.
+    pub(crate) const ALL: [LlKernel; 6] = [
+        LlKernel::DispatchSend,
+        LlKernel::DispatchRecv,
+        LlKernel::DispatchOne,
+        LlKernel::CombineSend,
+        LlKernel::CombineRecv,
+        LlKernel::CombineOne,
+    ];
+
+    /// The `extern "C"` name of its function in `ll.cu`.
+    pub(crate) fn function_name(self) -> &'static str {
+        match self {
+            LlKernel::DispatchSend => "ep_ll_dispatch_send",
+            LlKernel::DispatchRecv => "ep_ll_dispatch_recv",
+            LlKernel::CombineSend => "ep_ll_combine_send",
+            LlKernel::CombineRecv => "ep_ll_combine_recv",
+            LlKernel::DispatchOne => "ep_ll_dispatch_kernel",
+            LlKernel::CombineOne => "ep_ll_combine_kernel",
+        }
+    }
+
+    /// Whether it belongs to a combine (channel 1) rather than a dispatch.
+    pub(crate) fn is_combine(self) -> bool {
+        matches!(self, LlKernel::CombineSend | LlKernel::CombineRecv | LlKernel::CombineOne)
+    }
+
     /// Its launch's name in the `EPFLOW_HOST_STEPS` diagnostic.
     pub(crate) fn step_name(self) -> &'static str {
         match self {
@@ -114,6 +141,14 @@ pub(crate) fn row_chunks(hidden: usize, want: u32) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_kernel_names_a_function_of_the_ll_module() {
+        for k in LlKernel::ALL {
+            assert!(crate::compile::sources::LL.kernels.contains(&k.function_name()), "{k:?}");
+            assert_eq!(k.is_combine(), k.function_name().contains("combine"), "{k:?}");
+        }
+    }
 
     #[test]
     fn rows_split_in_whole_256_channel_pieces() {

@@ -30,16 +30,6 @@ pub struct LaunchCost {
     pub queued_us: f64,
 }
 
-/// The kernels timed, with their names.
-const KERNELS: [(LlKernel, &str); 6] = [
-    (LlKernel::DispatchSend, "ep_ll_dispatch_send"),
-    (LlKernel::DispatchRecv, "ep_ll_dispatch_recv"),
-    (LlKernel::DispatchOne, "ep_ll_dispatch_kernel"),
-    (LlKernel::CombineSend, "ep_ll_combine_send"),
-    (LlKernel::CombineRecv, "ep_ll_combine_recv"),
-    (LlKernel::CombineOne, "ep_ll_combine_kernel"),
-];
-
 impl GpuRank {
     /// Launches each low-latency kernel `iters` times as a device no-op on this rank's dispatch
     /// stream, `tokens` tokens per rank for the grid (as an operation of that size would get
@@ -58,9 +48,9 @@ impl GpuRank {
         bases.write(3 * 8, &[1u64])?;
         let stream = &s.streams[0];
         let sync = || stream.synchronize().map_err(|e| cuda("synchronize", e));
-        let mut out = Vec::with_capacity(KERNELS.len());
-        for (which, kernel) in KERNELS {
-            let chan = u64::from(matches!(which, LlKernel::CombineSend | LlKernel::CombineRecv | LlKernel::CombineOne));
+        let mut out = Vec::with_capacity(LlKernel::ALL.len());
+        for which in LlKernel::ALL {
+            let chan = u64::from(which.is_combine());
             let p = LlParams {
                 seq_base: bases.ptr() + 8 * chan,
                 num_ranks: s.num_ranks as i32,
@@ -90,7 +80,7 @@ impl GpuRank {
             let queued = t.elapsed().as_secs_f64();
             sync()?;
             let us = |total: f64| total * 1e6 / iters as f64;
-            out.push(LaunchCost { kernel, idle_us: us(idle), queued_us: us(queued) });
+            out.push(LaunchCost { kernel: which.function_name(), idle_us: us(idle), queued_us: us(queued) });
         }
         Ok(out)
     }
