@@ -31,9 +31,24 @@ pub(crate) fn launch(args: &DiagLaunchArgs) -> ExitCode {
                 "launch host time per call, device {}, {} token(s), H={}, {} launches each (kernels are no-ops):",
                 args.device, args.tokens, args.hidden, args.iters
             );
-            println!("{:<24} {:>10} {:>14}", "kernel", "idle (us)", "queued (us)");
+            println!(
+                "host us per launch; after a wait for the other stream's event: seen passed / not seen / queried first / pending"
+            );
+            println!(
+                "{:<24} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}",
+                "kernel", "idle", "queued", "seen", "unseen", "queried", "pending"
+            );
             for c in costs {
-                println!("{:<24} {:>10.2} {:>14.2}", c.kernel, c.idle_us, c.queued_us);
+                println!(
+                    "{:<24} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
+                    c.kernel,
+                    c.idle_us,
+                    c.queued_us,
+                    c.after_wait_us,
+                    c.after_unobserved_wait_us,
+                    c.after_queried_wait_us,
+                    c.after_pending_wait_us
+                );
             }
             ExitCode::SUCCESS
         }

@@ -331,8 +331,20 @@ fn ll_launch_costs_time_every_kernel_and_change_nothing() {
         ]
     );
     for c in &costs {
-        assert!(c.idle_us.is_finite() && c.idle_us > 0.0 && c.queued_us.is_finite() && c.queued_us > 0.0, "{c:?}");
-        eprintln!("{}: {:.2} us idle, {:.2} us queued", c.kernel, c.idle_us, c.queued_us);
+        for us in [
+            c.idle_us,
+            c.queued_us,
+            c.after_wait_us,
+            c.after_unobserved_wait_us,
+            c.after_queried_wait_us,
+            c.after_pending_wait_us,
+        ] {
+            assert!(us.is_finite() && us > 0.0, "{c:?}");
+        }
+        eprintln!(
+            "{}: {:.2} us idle, {:.2} us queued, {:.2} us after a wait",
+            c.kernel, c.idle_us, c.queued_us, c.after_wait_us
+        );
     }
     assert!(ranks[0].ll_launch_costs(1, 0).is_err());
     for i in 0..2 {

@@ -5,6 +5,8 @@
 //! `EPFLOW_CUDA_INCLUDE`, then `$CUDA_HOME/include`, `$CUDA_PATH/include`, `/usr/local/cuda/include`.
 //! The cache directory is `EPFLOW_KERNEL_CACHE`, else `$XDG_CACHE_HOME/epflow/kernels`, else
 //! `~/.cache/epflow/kernels`; a cache that cannot be written is skipped, never an error.
+//! `EPFLOW_KERNEL_SOURCE_DIR` replaces the built-in sources with a folder's
+//! ([`super::sources::source_override_dir`]).
 
 use std::ffi::{CStr, CString, c_char};
 use std::path::PathBuf;
@@ -73,7 +75,11 @@ pub fn compile(module: &KernelModule, arch: &str) -> Result<Vec<u8>, Error> {
     let include = cuda_include_dir().ok_or_else(|| {
         Error::Unsupported("CUDA headers not found: set EPFLOW_CUDA_INCLUDE or CUDA_HOME (cuda_fp8.h is needed)".into())
     })?;
-    let src = module.source();
+    let overrides = super::sources::source_override_dir();
+    if let Some(dir) = &overrides {
+        tracing::warn!(dir = %dir.display(), module = module.name, "EPFLOW_KERNEL_SOURCE_DIR: kernel sources from a folder");
+    }
+    let src = module.source_from(overrides.as_deref())?;
     let opts = options(arch, &include);
     let key = fnv1a(&[src.as_bytes(), opts.join(" ").as_bytes(), nvrtc_version().as_bytes()]);
     let path = cache_dir().map(|d| d.join(format!("{}-{arch}-{key:016x}.cubin", module.name)));

@@ -7,12 +7,12 @@
 //! item 39 found the dispatch receive's launch at 13-24 µs of host time against 3.4-5.6 µs for
 //! every other low-latency kernel, inside real operations.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use epflow_core::Error;
 
 use super::GpuRank;
-use crate::device::{DeviceBuffer, bind, cuda};
+use crate::device::{DeviceBuffer, bind, cuda, wait_event};
 use crate::ll::geometry::LlKernel;
 use crate::op::launch_ll_kernel;
 use crate::params::LlParams;
@@ -28,12 +28,30 @@ pub struct LaunchCost {
     /// Mean host microseconds per launch call issued back to back (the GPU still busy with the
     /// previous ones).
     pub queued_us: f64,
+    /// Mean host microseconds per launch call with the GPU idle, made right after the stream
+    /// was told to wait for an event of the other channel's stream (already passed), as an
+    /// operation that waits for its inputs or fences does. The wait call itself is not counted.
+    pub after_wait_us: f64,
+    /// As `after_wait_us`, but the host never observed the event's completion: it was recorded
+    /// on the other stream, the host slept 50 µs (the idle GPU passed it meanwhile) and the
+    /// stream was told to wait for it without a query, as a buffer-set fence used to be.
+    pub after_unobserved_wait_us: f64,
+    /// As `after_unobserved_wait_us`, through the library's wait (`wait_event`: a query first,
+    /// no wait for a passed event); the query's host time is counted.
+    pub after_queried_wait_us: f64,
+    /// The other stream busy for 200 µs (a spin kernel), then an event recorded there, this
+    /// stream told to wait for it, and the launch: a real cross-stream dependency. The wait
+    /// call itself is not counted.
+    pub after_pending_wait_us: f64,
 }
 
 impl GpuRank {
-    /// Launches each low-latency kernel `iters` times as a device no-op on this rank's dispatch
-    /// stream, `tokens` tokens per rank for the grid (as an operation of that size would get
-    /// it), and returns the mean host time of the launch calls, GPU idle and back to back.
+    /// Launches each low-latency kernel `iters` times as a device no-op on its channel's stream
+    /// (the dispatch's or the combine's, as an operation would), `tokens` tokens per rank for the
+    /// grid (as an operation of that size would get it), and returns the mean host time of the
+    /// launch calls: GPU idle, back to back, and after waits for the other stream (an event the
+    /// host saw pass, one it did not, the same through the library's query-first wait, and a
+    /// pending one).
     /// Local to this rank: no peer takes part. Errors: CUDA failures, `iters == 0`.
     pub fn ll_launch_costs(&self, tokens: usize, iters: usize) -> Result<Vec<LaunchCost>, Error> {
         if iters == 0 {
@@ -46,11 +64,11 @@ impl GpuRank {
         // launch that points at them is dead on arrival (channel c's base is word c).
         let bases = DeviceBuffer::zeroed(&s.ctx, 8 * 8)?;
         bases.write(3 * 8, &[1u64])?;
-        let stream = &s.streams[0];
-        let sync = || stream.synchronize().map_err(|e| cuda("synchronize", e));
         let mut out = Vec::with_capacity(LlKernel::ALL.len());
         for which in LlKernel::ALL {
             let chan = u64::from(which.is_combine());
+            let (stream, other) = (&s.streams[chan as usize], &s.streams[1 - chan as usize]);
+            let sync = || stream.synchronize().map_err(|e| cuda("synchronize", e));
             let p = LlParams {
                 seq_base: bases.ptr() + 8 * chan,
                 num_ranks: s.num_ranks as i32,
@@ -79,8 +97,50 @@ impl GpuRank {
             }
             let queued = t.elapsed().as_secs_f64();
             sync()?;
+            let mut after_wait = 0.0;
+            for _ in 0..iters {
+                let e = other.record_event(None).map_err(|e| cuda("record event", e))?;
+                other.synchronize().map_err(|e| cuda("synchronize", e))?;
+                stream.wait(&e).map_err(|e| cuda("wait for an event", e))?;
+                let t = Instant::now();
+                launch_ll_kernel(s, which, p, stream)?;
+                after_wait += t.elapsed().as_secs_f64();
+                sync()?;
+            }
+            let (mut unobserved, mut queried, mut pending) = (0.0, 0.0, 0.0);
+            for _ in 0..iters {
+                let e = other.record_event(None).map_err(|e| cuda("record event", e))?;
+                std::thread::sleep(Duration::from_micros(50));
+                stream.wait(&e).map_err(|e| cuda("wait for an event", e))?;
+                let t = Instant::now();
+                launch_ll_kernel(s, which, p, stream)?;
+                unobserved += t.elapsed().as_secs_f64();
+                sync()?;
+                let e = other.record_event(None).map_err(|e| cuda("record event", e))?;
+                std::thread::sleep(Duration::from_micros(50));
+                let t = Instant::now();
+                wait_event(stream, &e).map_err(|e| cuda("wait for an event", e))?;
+                launch_ll_kernel(s, which, p, stream)?;
+                queried += t.elapsed().as_secs_f64();
+                sync()?;
+                self.delay_on(other, Duration::from_micros(200))?;
+                let e = other.record_event(None).map_err(|e| cuda("record event", e))?;
+                stream.wait(&e).map_err(|e| cuda("wait for an event", e))?;
+                let t = Instant::now();
+                launch_ll_kernel(s, which, p, stream)?;
+                pending += t.elapsed().as_secs_f64();
+                sync()?;
+            }
             let us = |total: f64| total * 1e6 / iters as f64;
-            out.push(LaunchCost { kernel: which.function_name(), idle_us: us(idle), queued_us: us(queued) });
+            out.push(LaunchCost {
+                kernel: which.function_name(),
+                idle_us: us(idle),
+                queued_us: us(queued),
+                after_wait_us: us(after_wait),
+                after_unobserved_wait_us: us(unobserved),
+                after_queried_wait_us: us(queried),
+                after_pending_wait_us: us(pending),
+            });
         }
         Ok(out)
     }
