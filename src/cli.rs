@@ -33,6 +33,11 @@ pub(crate) enum DiagCommand {
     /// The host time of launching each low-latency kernel alone, as a device no-op (GPU idle, and
     /// back to back): which kernels are expensive to launch (benches/NOTES.md item 39).
     Launch(DiagLaunchArgs),
+    /// Real low-latency operations on one GPU in several sequences (pairs, dispatches alone,
+    /// combines alone, after host sleeps, and no-op launches right after them), with each
+    /// launch's host time: what the operations around a launch add to it (benches/NOTES.md
+    /// item 42). Same flags as `launch`.
+    Ops(DiagLaunchArgs),
 }
 
 /// `epflow diag launch` flags.

@@ -17,5 +17,6 @@ fn main() -> ExitCode {
         cli::Command::Compile(args) => compile::main(&args),
         cli::Command::Launch(args) => launch::main(&args),
         cli::Command::Diag(cli::DiagCommand::Launch(args)) => diag::launch(&args),
+        cli::Command::Diag(cli::DiagCommand::Ops(args)) => diag::ops(&args),
     }
 }

@@ -366,6 +366,12 @@ where
     let mut times = [RankTimes::default(), RankTimes::default(), RankTimes::default()];
     let mut halves: [Vec<f64>; 4] = Default::default();
     for i in 0..plan.warmup + plan.iters {
+        if i == plan.warmup && rank == 0 {
+            // `EPFLOW_HOST_STEPS` counts the timed iterations only: the warm-up's first launch of
+            // each kernel loads it (milliseconds), which once made the dispatch's launch look
+            // ~15 µs slow in a mean over a few hundred (benches/NOTES.md item 42).
+            epflow_kernels::device::host_steps::take();
+        }
         r.barrier();
         let (d, td) = r.timed(dispatch)?;
         let dh = r.dispatch_time(&d);

@@ -36,7 +36,7 @@ use cudarc::driver::{CudaEvent, CudaStream};
 use epflow_core::{DType, Error};
 
 use crate::device::DeviceTensor;
-use crate::device::{bind, cuda, wait_event};
+use crate::device::{bind, cuda};
 
 /// cuBLAS on one stream.
 #[derive(Debug)]
@@ -126,7 +126,7 @@ impl ExpertGemm {
     fn begin(&self, x: &DeviceTensor) -> Result<(), Error> {
         bind(self.stream.context())?;
         if let Some(e) = x.ready_event() {
-            wait_event(&self.stream, e).map_err(|e| cuda("wait for input", e))?;
+            self.stream.wait(e).map_err(|e| cuda("wait for input", e))?;
         }
         Ok(())
     }

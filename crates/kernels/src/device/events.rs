@@ -18,26 +18,6 @@ pub(crate) fn event_done(ctx: &CudaContext, event: &CudaEvent) -> bool {
     super::bind(ctx).is_err() || event.try_is_complete().unwrap_or(true)
 }
 
-/// Makes `stream` wait on the device for `event`, unless a query finds it already passed: then
-/// the wait would order nothing, and skipping it keeps the next launch on `stream` cheap. A
-/// stream told to wait for an event whose completion the driver has not yet observed (a fence
-/// recorded on another stream and never queried) makes that next launch cost 12-20 µs of host
-/// time instead of ~4 (benches/NOTES.md item 42). `EPFLOW_WAIT_ALWAYS=1` waits without the query
-/// (the old behaviour, for comparison). Returns whether a wait was enqueued.
-pub(crate) fn wait_event(stream: &CudaStream, event: &CudaEvent) -> Result<bool, DriverError> {
-    if !wait_always() && event.try_is_complete()? {
-        return Ok(false);
-    }
-    stream.wait(event)?;
-    Ok(true)
-}
-
-/// `EPFLOW_WAIT_ALWAYS=1`, read once.
-fn wait_always() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("EPFLOW_WAIT_ALWAYS").is_ok_and(|v| v == "1"))
-}
-
 /// Events kept at most; beyond that, events are created and destroyed as before.
 const MAX_POOLED: usize = 256;
 

@@ -53,6 +53,22 @@ impl Steps {
     }
 }
 
+/// Turns the diagnostic on for the rest of the process, whatever `EPFLOW_HOST_STEPS` says (for
+/// `epflow diag ops`, which reads the steps itself).
+pub fn enable() {
+    STATE.store(2, Ordering::Relaxed);
+}
+
+/// The steps timed so far, as (step, mean host microseconds, count), and forgets them: the next
+/// call sees only what was timed in between. Empty when the diagnostic is off.
+pub fn take() -> Vec<(&'static str, f64, u64)> {
+    if !on() {
+        return Vec::new();
+    }
+    let totals = std::mem::take(&mut *TOTALS.lock().unwrap_or_else(|e| e.into_inner()));
+    totals.into_iter().map(|(step, (ns, n))| (step, ns as f64 / 1e3 / n.max(1) as f64, n)).collect()
+}
+
 /// One line per step timed so far: its mean host time in microseconds and its count (empty when
 /// the diagnostic is off or nothing was timed).
 pub fn report() -> Vec<String> {

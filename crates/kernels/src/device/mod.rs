@@ -15,7 +15,7 @@ pub(crate) use consumers::Lease;
 pub(crate) use context::{bind, cuda, pci_key};
 pub use context::{context, device_count, driver_present, sm_count};
 pub use events::EventPool;
-pub(crate) use events::{event_done, wait_event};
+pub(crate) use events::event_done;
 pub use memory::DeviceBuffer;
 pub(crate) use memory::{PinnedBuffer, copy_to_host};
 pub use stream_work::StreamWork;

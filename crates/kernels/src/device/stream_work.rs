@@ -12,7 +12,7 @@ use epflow_core::Error;
 
 use super::consumers::Lease;
 use super::context::{bind, cuda};
-use super::events::{EventPool, wait_event};
+use super::events::EventPool;
 use super::tensor::DeviceTensor;
 
 /// The stream-ordered part of one operation.
@@ -112,7 +112,7 @@ impl StreamWork {
     /// Makes `stream` wait on the device for `events` (the fences of memory it is about to write).
     pub fn wait_on(stream: &CudaStream, events: &[Arc<CudaEvent>]) -> Result<(), Error> {
         for e in events {
-            wait_event(stream, e).map_err(|e| cuda("wait for a fence", e))?;
+            stream.wait(e).map_err(|e| cuda("wait for a fence", e))?;
         }
         Ok(())
     }
@@ -127,7 +127,7 @@ impl StreamWork {
     pub fn begin_send(&mut self, timing: bool) -> Result<(), Error> {
         bind(&self.ctx)?;
         for e in &self.waits {
-            wait_event(&self.stream, e).map_err(|e| cuda("wait for an input", e))?;
+            self.stream.wait(e).map_err(|e| cuda("wait for an input", e))?;
         }
         Self::wait_on(&self.stream, &self.fences)?;
         self.fences.clear();

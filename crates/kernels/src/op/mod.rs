@@ -30,7 +30,7 @@ use crate::ll::geometry::LlKernel;
 
 use crate::device::cache::CachedBuffer;
 use crate::device::host_steps::Steps;
-use crate::device::{DeviceTensor, StreamWork, bind, cuda, wait_event};
+use crate::device::{DeviceTensor, StreamWork, bind, cuda};
 use crate::outputs::{GpuCombineOutput, GpuDispatchOutput, OutputTargets, SetLease};
 use crate::rank::handle::GpuHandle;
 use crate::rank::shared::{ExchangeBuffers, RankShared};
@@ -361,7 +361,7 @@ pub(crate) fn wait_unless_same(
     if stream_id(on) == recorded_on {
         return Ok(());
     }
-    wait_event(on, event).map(drop).map_err(|e| cuda(what, e))
+    on.wait(event).map_err(|e| cuda(what, e))
 }
 
 /// Declares `stream` a consumer of the outputs in `out`.

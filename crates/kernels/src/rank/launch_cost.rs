@@ -12,10 +12,11 @@ use std::time::{Duration, Instant};
 use epflow_core::Error;
 
 use super::GpuRank;
-use crate::device::{DeviceBuffer, bind, cuda, wait_event};
+use crate::device::{DeviceBuffer, bind, cuda};
 use crate::ll::geometry::LlKernel;
 use crate::op::launch_ll_kernel;
 use crate::params::LlParams;
+use crate::rank::shared::RankShared;
 
 /// The host time of launching one low-latency kernel, as [`GpuRank::ll_launch_costs`] measured it.
 #[derive(Clone, Debug, PartialEq)]
@@ -36,9 +37,6 @@ pub struct LaunchCost {
     /// on the other stream, the host slept 50 µs (the idle GPU passed it meanwhile) and the
     /// stream was told to wait for it without a query, as a buffer-set fence used to be.
     pub after_unobserved_wait_us: f64,
-    /// As `after_unobserved_wait_us`, through the library's wait (`wait_event`: a query first,
-    /// no wait for a passed event); the query's host time is counted.
-    pub after_queried_wait_us: f64,
     /// The other stream busy for 200 µs (a spin kernel), then an event recorded there, this
     /// stream told to wait for it, and the launch: a real cross-stream dependency. The wait
     /// call itself is not counted.
@@ -50,8 +48,7 @@ impl GpuRank {
     /// (the dispatch's or the combine's, as an operation would), `tokens` tokens per rank for the
     /// grid (as an operation of that size would get it), and returns the mean host time of the
     /// launch calls: GPU idle, back to back, and after waits for the other stream (an event the
-    /// host saw pass, one it did not, the same through the library's query-first wait, and a
-    /// pending one).
+    /// host saw pass, one it did not, and a pending one).
     /// Local to this rank: no peer takes part. Errors: CUDA failures, `iters == 0`.
     pub fn ll_launch_costs(&self, tokens: usize, iters: usize) -> Result<Vec<LaunchCost>, Error> {
         if iters == 0 {
@@ -59,27 +56,13 @@ impl GpuRank {
         }
         let s = &self.shared;
         bind(&s.ctx)?;
-        let cfg = &s.config;
-        // A step's bases `[dispatch, combine, replay, failed, ...]` with `failed` set: every
-        // launch that points at them is dead on arrival (channel c's base is word c).
-        let bases = DeviceBuffer::zeroed(&s.ctx, 8 * 8)?;
-        bases.write(3 * 8, &[1u64])?;
+        let bases = dead_step_bases(s)?;
         let mut out = Vec::with_capacity(LlKernel::ALL.len());
         for which in LlKernel::ALL {
-            let chan = u64::from(which.is_combine());
-            let (stream, other) = (&s.streams[chan as usize], &s.streams[1 - chan as usize]);
+            let chan = usize::from(which.is_combine());
+            let (stream, other) = (&s.streams[chan], &s.streams[1 - chan]);
             let sync = || stream.synchronize().map_err(|e| cuda("synchronize", e));
-            let p = LlParams {
-                seq_base: bases.ptr() + 8 * chan,
-                num_ranks: s.num_ranks as i32,
-                max_tokens: cfg.fixed_max_tokens().unwrap_or(tokens).max(tokens) as i32,
-                num_tokens: tokens as i32,
-                hidden: cfg.hidden as i32,
-                top_k: cfg.max_top_k as i32,
-                num_local: cfg.local_experts(s.num_ranks) as i32,
-                num_sets: cfg.buffer_sets as i32,
-                ..LlParams::default()
-            };
+            let p = noop_params(s, &bases, which, tokens);
             // One launch first: any one-time cost (module state, local memory) stays out.
             launch_ll_kernel(s, which, p, stream)?;
             sync()?;
@@ -107,7 +90,7 @@ impl GpuRank {
                 after_wait += t.elapsed().as_secs_f64();
                 sync()?;
             }
-            let (mut unobserved, mut queried, mut pending) = (0.0, 0.0, 0.0);
+            let (mut unobserved, mut pending) = (0.0, 0.0);
             for _ in 0..iters {
                 let e = other.record_event(None).map_err(|e| cuda("record event", e))?;
                 std::thread::sleep(Duration::from_micros(50));
@@ -115,13 +98,6 @@ impl GpuRank {
                 let t = Instant::now();
                 launch_ll_kernel(s, which, p, stream)?;
                 unobserved += t.elapsed().as_secs_f64();
-                sync()?;
-                let e = other.record_event(None).map_err(|e| cuda("record event", e))?;
-                std::thread::sleep(Duration::from_micros(50));
-                let t = Instant::now();
-                wait_event(stream, &e).map_err(|e| cuda("wait for an event", e))?;
-                launch_ll_kernel(s, which, p, stream)?;
-                queried += t.elapsed().as_secs_f64();
                 sync()?;
                 self.delay_on(other, Duration::from_micros(200))?;
                 let e = other.record_event(None).map_err(|e| cuda("record event", e))?;
@@ -138,10 +114,55 @@ impl GpuRank {
                 queued_us: us(queued),
                 after_wait_us: us(after_wait),
                 after_unobserved_wait_us: us(unobserved),
-                after_queried_wait_us: us(queried),
                 after_pending_wait_us: us(pending),
             });
         }
         Ok(out)
+    }
+
+    /// Launches the low-latency kernel named `function` (`ep_ll_...`) once as a device no-op on
+    /// its channel's stream, as [`GpuRank::ll_launch_costs`] does, and returns the launch call's
+    /// host microseconds (the stream is synchronized before returning, not counted). For
+    /// `epflow diag ops`: the cost of a launch right after real operations.
+    pub fn ll_noop_launch_us(&self, function: &str, tokens: usize) -> Result<f64, Error> {
+        let which = LlKernel::ALL
+            .into_iter()
+            .find(|k| k.function_name() == function)
+            .ok_or_else(|| Error::Unsupported(format!("no low-latency kernel named {function}")))?;
+        let s = &self.shared;
+        bind(&s.ctx)?;
+        let bases = dead_step_bases(s)?;
+        let stream = &s.streams[usize::from(which.is_combine())];
+        let p = noop_params(s, &bases, which, tokens);
+        let t = Instant::now();
+        launch_ll_kernel(s, which, p, stream)?;
+        let us = t.elapsed().as_secs_f64() * 1e6;
+        stream.synchronize().map_err(|e| cuda("synchronize", e))?;
+        Ok(us)
+    }
+}
+
+/// A step's bases `[dispatch, combine, replay, failed, ...]` with `failed` set: every launch that
+/// points at them is dead on arrival (channel c's base is word c).
+fn dead_step_bases(s: &RankShared) -> Result<DeviceBuffer, Error> {
+    let bases = DeviceBuffer::zeroed(&s.ctx, 8 * 8)?;
+    bases.write(3 * 8, &[1u64])?;
+    Ok(bases)
+}
+
+/// Parameters of `which` for `tokens` tokens that make it a device no-op (`bases` from
+/// [`dead_step_bases`]).
+fn noop_params(s: &RankShared, bases: &DeviceBuffer, which: LlKernel, tokens: usize) -> LlParams {
+    let cfg = &s.config;
+    LlParams {
+        seq_base: bases.ptr() + 8 * u64::from(which.is_combine()),
+        num_ranks: s.num_ranks as i32,
+        max_tokens: cfg.fixed_max_tokens().unwrap_or(tokens).max(tokens) as i32,
+        num_tokens: tokens as i32,
+        hidden: cfg.hidden as i32,
+        top_k: cfg.max_top_k as i32,
+        num_local: cfg.local_experts(s.num_ranks) as i32,
+        num_sets: cfg.buffer_sets as i32,
+        ..LlParams::default()
     }
 }

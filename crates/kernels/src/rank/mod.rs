@@ -30,7 +30,7 @@ use epflow_core::{Algorithm, Error, TensorDesc};
 
 use self::handle::{GpuHandle, LlNcclInfo, take_pooled};
 use self::shared::RankShared;
-use crate::device::{DeviceTensor, bind, copy_to_host, cuda, wait_event};
+use crate::device::{DeviceTensor, bind, copy_to_host, cuda};
 use crate::op::GpuOp;
 use crate::outputs::OutputTargets;
 use crate::{ht, ll};
@@ -140,7 +140,7 @@ impl GpuRank {
         let s = &self.shared;
         bind(&s.ctx)?;
         for e in [src.ready_event(), dst.ready_event()].into_iter().flatten() {
-            wait_event(stream, e).map_err(|e| cuda("wait for tensor", e))?;
+            stream.wait(e).map_err(|e| cuda("wait for tensor", e))?;
         }
         src.record_stream(stream);
         // SAFETY: both are device ranges of `size_bytes` in this context (checked sizes); the
