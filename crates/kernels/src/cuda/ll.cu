@@ -193,7 +193,11 @@ __device__ __forceinline__ bool send_role(const LlParams& p, const OpNum& n, int
     r->dest = send_dest(p);
     r->j = send_warp() % r->wpd;
     r->reporting = (int)(items < 1 ? 1 : (items < r->wpd ? items : r->wpd));
-    if (r->dest >= p.num_ranks || r->j >= r->reporting) return false;
+    return r->dest < p.num_ranks && r->j < r->reporting;
+}
+
+// Lane 0 waits for the role's destination's credit (all lanes call); sets `skip`.
+__device__ __forceinline__ void role_wait_credit(const LlParams& p, const OpNum& n, int chan, SendRole* r) {
     int skip = 0;
     if (r->lane == 0) {
         const u64 m = mask_word(p);
@@ -201,15 +205,17 @@ __device__ __forceinline__ bool send_role(const LlParams& p, const OpNum& n, int
         if (!skip) skip = wait_credit(p, n, chan, r->dest);
     }
     r->skip = __shfl_sync(EP_FULL_MASK, skip, 0) != 0;
-    return true;
 }
 
 // Reports this warp done with destination `dest`; the last of its `reporting` warps signals it.
-// Every lane fences its own (possibly remote) stores first.
+// The warp's stores (possibly remote) are ordered before the report by one system-scope fence of
+// lane 0 after a warp barrier.
 __device__ __forceinline__ void signal_sent(const LlParams& p, const OpNum& n, int chan, int dest, int reporting, int lane) {
-    __threadfence_system();
+    // The warp barrier orders every lane's stores before lane 0's; its system-scope release
+    // fence is cumulative over them (one fence per warp, not one per lane).
     __syncwarp();
     if (lane == 0) {
+        asm volatile("fence.acq_rel.sys;" ::: "memory");
         u64* sig = reinterpret_cast<u64*>(p.signals);
         u64* sent = sig_at(sig, EP_SIG_SENT(chan), n.set, dest);
         if (atom_add_acq_rel_gpu(sent, 1) == (u64)(reporting - 1)) {
@@ -263,13 +269,17 @@ __device__ __forceinline__ long long routed_entry(const LlParams& p, long long e
 // Each destination rank is served by `warps / R` warps; warp j of destination d handles the
 // (token, chunk) items j, j + wpd, ... of d (a row is split into `chunks` equal pieces, a multiple
 // of 256 channels each, so many warps move one row). When all of them are done, the last one
-// signals d. Every lane fences its own stores before the warp reports, so the signal is ordered
-// after every payload store of every lane.
+// signals d. Each warp fences its stores before it reports (`signal_sent`), so the signal is
+// ordered after every payload store of every lane.
 __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n) {
     SendRole role;
     if (!send_role(p, n, 0, (long long)p.num_tokens * p.chunks, &role)) return;
     const int lane = role.lane, dest = role.dest, j = role.j, wpd = role.wpd;
     const int K = p.top_k, H = p.hidden, L = p.num_local, C = p.chunks;
+    // The first item's routing row is loaded before the credit wait (its latency overlaps it).
+    const long long* idx0 = reinterpret_cast<const long long*>(p.topk_src ? p.topk_src : p.topk_idx);
+    const long long e_first = (lane < K && j < p.num_tokens * C) ? idx0[(size_t)(j / C) * K + lane] : -1;
+    role_wait_credit(p, n, 0, &role);
 
     if (!p.cancelled && !role.skip) {
         const long long* idx = reinterpret_cast<const long long*>(p.topk_src ? p.topk_src : p.topk_idx);
@@ -281,7 +291,7 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
         const int width = H / C;  // channels per chunk
         for (int item = j; item < p.num_tokens * C; item += wpd) {
             const int t = item / C, chunk = item % C;
-            long long e = lane < K ? idx[(size_t)t * K + lane] : -1;
+            long long e = item == j ? e_first : (lane < K ? idx[(size_t)t * K + lane] : -1);
             if (p.topk_src) e = routed_entry(p, e, t, lane, dest == 0 && chunk == 0);
             // 32-bit: a routed expert is below E (validated, or sanitized by `routed_entry`).
             const int le = (lane < K && e >= 0 && (int)e / L == dest) ? (int)e % L : -1;
@@ -446,11 +456,13 @@ __device__ void finish_receive(const LlParams& p, const OpNum& n, int chan, u32 
         __threadfence();
         if (atom_add_acq_rel_gpu(done, 1) == (u64)(gridDim.x - 1)) {
             *done = 0;
+            // The host's words, then the credits (each a system-scope release, ordered after the
+            // words and after every block's reads of this set, which came before through `done`):
+            // no later operation on this set can publish before this one.
             if (p.masking) st_relaxed_sys(reinterpret_cast<u64*>(p.status) + EP_STATUS_MASK, mask_word(p));
             publish_outcome(reinterpret_cast<u64*>(p.status), sig, chan, n.set, n.seq, cancelled | (absent << 8),
                             mismatched);
             if (p.verdict && (cancelled | mismatched)) report_failure(p, n, chan, cancelled, mismatched);
-            __threadfence_system();
             for (int s = 0; s < p.num_ranks; s++) {
                 if ((absent >> s) & 1u) continue;  // masked: no credit (it may be gone; rejoin resets them)
                 u64* peer = reinterpret_cast<u64*>(p.peer_signals[s]);
@@ -692,9 +704,13 @@ __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) 
     if (!send_role(p, n, 1, (long long)count * C, &role)) return;
     const int lane = role.lane, dest = role.dest, j = role.j, wpd = role.wpd;
     const int K = p.top_k, H = p.hidden, M = p.max_tokens;
+    const int* row_of = reinterpret_cast<const int*>(p.row_of) + (size_t)dest * M * K;
+    const int* list = reinterpret_cast<const int*>(p.ret_list) + first;
+    // The first item's entry and row are loaded before the credit wait (their latency overlaps it).
+    const int i_first = j < count * C ? __ldcg(list + j / C) : 0;
+    const int row_first = j < count * C ? __ldcg(row_of + i_first) : 0;
+    role_wait_credit(p, n, 1, &role);
     if (!p.cancelled && !role.skip) {
-        const int* row_of = reinterpret_cast<const int*>(p.row_of) + (size_t)dest * M * K;
-        const int* list = reinterpret_cast<const int*>(p.ret_list) + first;
         const __nv_bfloat16* ex = reinterpret_cast<const __nv_bfloat16*>(p.expert_out);
         const bool nccl = via_nccl(p, dest);
         const int* pack = reinterpret_cast<const int*>(p.nccl_pack) + (size_t)dest * M * K;
@@ -702,8 +718,8 @@ __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) 
                             : reinterpret_cast<char*>(p.peer_recv[dest]) + (size_t)n.set * p.recv_set_bytes;
         const int width = H / C;
         for (int item = j; item < count * C; item += wpd) {
-            const int i = __ldcg(list + item / C), chunk = item % C;
-            const int row = __ldcg(row_of + i);
+            const int i = item == j ? i_first : __ldcg(list + item / C), chunk = item % C;
+            const int row = item == j ? row_first : __ldcg(row_of + i);
             const int c = chunk * width;
             char* dst = region + ((size_t)i * H + c) * 2;
             if (nccl) dst = region + ((size_t)__ldcg(pack + i) * H + c) * 2;
