@@ -31,7 +31,8 @@ pub(crate) enum Command {
 #[derive(Clone, Debug, Subcommand)]
 pub(crate) enum DiagCommand {
     /// The host time of launching each low-latency kernel alone, as a device no-op (GPU idle, and
-    /// back to back): which kernels are expensive to launch (benches/NOTES.md item 39).
+    /// back to back, and after waits for another stream's event): what a launch costs by itself
+    /// (benches/NOTES.md item 42).
     Launch(DiagLaunchArgs),
     /// Real low-latency operations on one GPU in several sequences (pairs, dispatches alone,
     /// combines alone, after host sleeps, and no-op launches right after them), with each

@@ -478,10 +478,9 @@ impl PendingOp for GpuOp {
             return Err(e);
         }
         // Until the receive's last block published the outcome word its kernel cannot have
-        // ended: skip the driver call (a wait makes fewer driver calls; benches/NOTES.md item
-        // 40: it did not shorten other ranks' launches, the slow one is the dispatch receive's
-        // own, item 39). Every 16th poll asks the driver anyway, so a path that never publishes
-        // (none known) still completes.
+        // ended: skip the driver call (fewer driver calls; benches/NOTES.md item 40 measured no
+        // change in the launches beside it). Every 16th poll asks the driver anyway, so a path
+        // that never publishes (none known) still completes.
         if !self.outcome_published() {
             self.quiet_polls = self.quiet_polls.wrapping_add(1);
             if self.quiet_polls % 16 != 0 {

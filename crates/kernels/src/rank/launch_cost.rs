@@ -3,9 +3,9 @@
 //!
 //! Every launch is a no-op on the device: its parameters name a captured step whose failure word
 //! is set, so the kernel sees itself `dead` (`op_num` in `ll.cu`) and returns before it reads or
-//! writes anything else. What remains is the driver's work for that function: benches/NOTES.md
-//! item 39 found the dispatch receive's launch at 13-24 µs of host time against 3.4-5.6 µs for
-//! every other low-latency kernel, inside real operations.
+//! writes anything else. What remains is the driver's work for that function: 3-6 µs for every
+//! low-latency kernel on an H200 (benches/NOTES.md item 42, which also shows that item 39's
+//! "slow dispatch launch" was the warm-up's first launches counted in a mean).
 
 use std::time::{Duration, Instant};
 
