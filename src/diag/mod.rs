@@ -2,8 +2,9 @@
 
 use std::process::ExitCode;
 
+use epflow_core::Error;
 use epflow_core::GroupConfig;
-use epflow_kernels::{GpuWorld, device_count};
+use epflow_kernels::{GpuRank, GpuWorld, device_count};
 
 use crate::cli::DiagLaunchArgs;
 
@@ -14,20 +15,10 @@ pub(crate) use ops::ops;
 /// launching each of its kernels as a device no-op ([`epflow_kernels::GpuRank::ll_launch_costs`]).
 /// Exit code 1 without a GPU or on a CUDA failure, 2 on bad flags.
 pub(crate) fn launch(args: &DiagLaunchArgs) -> ExitCode {
-    if args.tokens == 0 || args.iters == 0 {
-        eprintln!("error: --tokens and --iters must be at least 1");
-        return ExitCode::from(2);
+    if let Some(code) = refuse(args) {
+        return code;
     }
-    let gpus = device_count();
-    if args.device >= gpus {
-        eprintln!("error: --device {}: this machine has {gpus} CUDA device(s)", args.device);
-        return ExitCode::from(if gpus == 0 { 1 } else { 2 });
-    }
-    let config = GroupConfig::low_latency(args.experts, args.tokens, args.hidden);
-    let result = GpuWorld::create(&[args.device], config).and_then(|mut ranks| {
-        let rank = ranks.pop().ok_or_else(|| epflow_core::Error::Unsupported("no rank created".into()))?;
-        rank.ll_launch_costs(args.tokens, args.iters)
-    });
+    let result = one_rank(args).and_then(|rank| rank.ll_launch_costs(args.tokens, args.iters));
     match result {
         Ok(costs) => {
             println!(
@@ -54,4 +45,25 @@ pub(crate) fn launch(args: &DiagLaunchArgs) -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+/// The flag checks of every `epflow diag` command: `None` when `--tokens`, `--iters` and
+/// `--device` are usable, else the exit code (2 on bad flags, 1 without a GPU), after a message.
+fn refuse(args: &DiagLaunchArgs) -> Option<ExitCode> {
+    if args.tokens == 0 || args.iters == 0 {
+        eprintln!("error: --tokens and --iters must be at least 1");
+        return Some(ExitCode::from(2));
+    }
+    let gpus = device_count();
+    if args.device >= gpus {
+        eprintln!("error: --device {}: this machine has {gpus} CUDA device(s)", args.device);
+        return Some(ExitCode::from(if gpus == 0 { 1 } else { 2 }));
+    }
+    None
+}
+
+/// A one-rank low-latency group on `--device`, sized by `--experts`, `--tokens` and `--hidden`.
+fn one_rank(args: &DiagLaunchArgs) -> Result<GpuRank, Error> {
+    let config = GroupConfig::low_latency(args.experts, args.tokens, args.hidden);
+    GpuWorld::create(&[args.device], config)?.pop().ok_or_else(|| Error::Unsupported("no rank created".into()))
 }

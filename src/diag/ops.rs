@@ -6,13 +6,13 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use epflow_core::backend::{blocking_combine, blocking_dispatch, blocking_handle};
+use epflow_core::Error;
+use epflow_core::backend::{Backend, blocking_combine, blocking_dispatch, blocking_handle};
 use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions};
 use epflow_core::scenario::Scenario;
 use epflow_core::workload::RoutingKind;
-use epflow_core::{Error, GroupConfig};
+use epflow_kernels::GpuRank;
 use epflow_kernels::device::host_steps;
-use epflow_kernels::{GpuRank, GpuWorld, device_count};
 
 use crate::cli::DiagLaunchArgs;
 
@@ -76,17 +76,12 @@ impl Seq {
 }
 
 /// `epflow diag ops`: a one-rank low-latency group on `--device`; every [`Seq`] `--iters` times,
-/// without and then with the operations' timing events (as `epflow bench` has them), printing its launches' mean host time (and the no-op launch's, where there is one). Exit code
-/// 1 without a GPU or on a failure, 2 on bad flags.
+/// without and then with the operations' timing events (as `epflow bench` has them), printing
+/// its launches' mean host time (and the no-op launch's, where there is one). Exit code 1 without
+/// a GPU or on a failure, 2 on bad flags.
 pub(crate) fn ops(args: &DiagLaunchArgs) -> ExitCode {
-    if args.tokens == 0 || args.iters == 0 {
-        eprintln!("error: --tokens and --iters must be at least 1");
-        return ExitCode::from(2);
-    }
-    let gpus = device_count();
-    if args.device >= gpus {
-        eprintln!("error: --device {}: this machine has {gpus} CUDA device(s)", args.device);
-        return ExitCode::from(if gpus == 0 { 1 } else { 2 });
+    if let Some(code) = super::refuse(args) {
+        return code;
     }
     host_steps::enable();
     match run(args) {
@@ -99,10 +94,8 @@ pub(crate) fn ops(args: &DiagLaunchArgs) -> ExitCode {
 }
 
 fn run(args: &DiagLaunchArgs) -> Result<(), Error> {
-    let config = GroupConfig::low_latency(args.experts, args.tokens, args.hidden);
-    let rank = GpuWorld::create(&[args.device], config.clone())?
-        .pop()
-        .ok_or_else(|| Error::Unsupported("no rank created".into()))?;
+    let rank = super::one_rank(args)?;
+    let config = rank.config().clone();
     let top_k = config.max_top_k.min(8);
     let sc = Scenario::generate(config, 1, &[args.tokens], top_k, RoutingKind::Uniform, 0, 1);
     let x = rank.upload(&sc.tokens(0))?;
