@@ -446,8 +446,20 @@ __device__ __forceinline__ void advance_step(const LlParams& p, int chan) {
     b[2] += 1;
 }
 
-// The last block to finish returns the credits of this buffer set to every source and publishes
-// the cancellation and mismatch masks.
+// Block 0 publishes the operation's outcome (the cancelled, mismatched and absent sources, for the
+// host) as soon as its wait judged the sources: every block judges them alike. Written this early,
+// the host's word is out long before the credits, whose system-scope release must order it (so no
+// later operation on this set can publish before this one) and no longer waits for it.
+__device__ __forceinline__ void publish_early(const LlParams& p, const OpNum& n, int chan, u32 cancelled, u32 mismatched,
+                                              u32 absent) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        publish_outcome(reinterpret_cast<u64*>(p.status), reinterpret_cast<u64*>(p.signals), chan, n.set, n.seq,
+                        cancelled | (absent << 8), mismatched);
+    }
+}
+
+// The last block to finish returns the credits of this buffer set to every source (after block
+// 0's `publish_early`, through `done`).
 __device__ void finish_receive(const LlParams& p, const OpNum& n, int chan, u32 cancelled, u32 mismatched, u32 absent) {
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -457,11 +469,9 @@ __device__ void finish_receive(const LlParams& p, const OpNum& n, int chan, u32 
         if (atom_add_acq_rel_gpu(done, 1) == (u64)(gridDim.x - 1)) {
             *done = 0;
             // The host's words, then the credits (each a system-scope release, ordered after the
-            // words and after every block's reads of this set, which came before through `done`):
-            // no later operation on this set can publish before this one.
+            // words, block 0's outcome among them, and after every block's reads of this set,
+            // which came before through `done`).
             if (p.masking) st_relaxed_sys(reinterpret_cast<u64*>(p.status) + EP_STATUS_MASK, mask_word(p));
-            publish_outcome(reinterpret_cast<u64*>(p.status), sig, chan, n.set, n.seq, cancelled | (absent << 8),
-                            mismatched);
             if (p.verdict && (cancelled | mismatched)) report_failure(p, n, chan, cancelled, mismatched);
             for (int s = 0; s < p.num_ranks; s++) {
                 if ((absent >> s) & 1u) continue;  // masked: no credit (it may be gone; rejoin resets them)
@@ -553,6 +563,7 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
     __shared__ int total_shared;
     __shared__ int entry_slot[512];
     if (!ll_wait_all_sources(p, n, 0, &cancelled, &mismatched, &timed_out, &absent)) return;
+    publish_early(p, n, 0, cancelled, mismatched, absent);
     trace_at(p, 0, 2);
     // A cancelled operation only consumes what arrived: it writes neither the outputs (their
     // buffer set may still hold a live result) nor the handle's row map. Nor does one of a rank
@@ -739,6 +750,7 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
     __shared__ u32 cancelled, mismatched, absent;
     __shared__ int timed_out;
     if (!ll_wait_all_sources(p, n, 1, &cancelled, &mismatched, &timed_out, &absent)) return;
+    publish_early(p, n, 1, cancelled, mismatched, absent);
     trace_at(p, 1, 2);
     const int K = p.top_k, H = p.hidden;
     const long long* idx = reinterpret_cast<const long long*>(p.topk_idx);
