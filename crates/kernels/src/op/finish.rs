@@ -38,8 +38,9 @@ impl GpuOp {
     }
 
     /// Whether the device may have finished this operation as far as its outcome word tells:
-    /// for a low-latency operation whose receive was enqueued, whether the last block published
-    /// this operation's outcome (mapped host memory, read without a driver call); `true` for
+    /// for a low-latency operation whose receive was enqueued, whether its block 0 published
+    /// this operation's outcome (mapped host memory, read without a driver call; written once
+    /// every source arrived, a few µs before the kernel ends); `true` for
     /// everything else (the completion event decides).
     pub(super) fn outcome_published(&self) -> bool {
         if !matches!(self.launch, Launch::Ll(_)) || !self.completing || self.uses_nccl() {

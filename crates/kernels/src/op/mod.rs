@@ -477,8 +477,8 @@ impl PendingOp for GpuOp {
         if let Some(e) = self.device_error() {
             return Err(e);
         }
-        // Until the receive's last block published the outcome word its kernel cannot have
-        // ended: skip the driver call (fewer driver calls; benches/NOTES.md item 40 measured no
+        // Until the receive's block 0 published the outcome word (once every source arrived)
+        // its kernel cannot have ended: skip the driver call (fewer driver calls; benches/NOTES.md item 40 measured no
         // change in the launches beside it). Every 16th poll asks the driver anyway, so a path
         // that never publishes (none known) still completes.
         if !self.outcome_published() {
