@@ -11,8 +11,8 @@ use epflow_core::backend::{Backend, blocking_combine, blocking_dispatch, blockin
 use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions};
 use epflow_core::scenario::Scenario;
 use epflow_core::workload::RoutingKind;
-use epflow_kernels::GpuRank;
 use epflow_kernels::device::host_steps;
+use epflow_kernels::{GpuDispatchOutput, GpuRank};
 
 use crate::cli::DiagLaunchArgs;
 
@@ -104,6 +104,10 @@ fn run(args: &DiagLaunchArgs) -> Result<(), Error> {
     let handle = blocking_handle(&rank, &idx)?;
     let (dopts, copts) = (DispatchOptions::default(), CombineOptions::default());
     let dispatch = || blocking_dispatch(&rank, &handle, DispatchInputs::new(&x), &dopts, false);
+    let combine = |d: &GpuDispatchOutput| -> Result<(), Error> {
+        let cin = CombineInputs::new(d.tokens()).with_weights(&w);
+        blocking_combine(&rank, &handle, cin, &copts, false).map(drop)
+    };
     println!(
         "real low-latency operations on one rank, device {}, {} token(s), H={}, {} iterations per sequence; \
          host us per launch call (mean)",
@@ -130,15 +134,11 @@ fn run(args: &DiagLaunchArgs) -> Result<(), Error> {
                 _ => {}
             }
             match (seq, &kept) {
-                (Seq::Combine, Some(d)) => {
-                    let cin = CombineInputs::new(d.tokens()).with_weights(&w);
-                    drop(blocking_combine(&rank, &handle, cin, &copts, false)?);
-                }
+                (Seq::Combine, Some(d)) => combine(d)?,
                 _ => {
                     let d = dispatch()?;
                     if matches!(seq, Seq::Pair | Seq::PairAfterSleep | Seq::NoopAfterPair) {
-                        let cin = CombineInputs::new(d.tokens()).with_weights(&w);
-                        drop(blocking_combine(&rank, &handle, cin, &copts, false)?);
+                        combine(&d)?;
                     }
                     drop(d);
                 }

@@ -276,13 +276,12 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
     if (!send_role(p, n, 0, (long long)p.num_tokens * p.chunks, &role)) return;
     const int lane = role.lane, dest = role.dest, j = role.j, wpd = role.wpd;
     const int K = p.top_k, H = p.hidden, L = p.num_local, C = p.chunks;
+    const long long* idx = reinterpret_cast<const long long*>(p.topk_src ? p.topk_src : p.topk_idx);
     // The first item's routing row is loaded before the credit wait (its latency overlaps it).
-    const long long* idx0 = reinterpret_cast<const long long*>(p.topk_src ? p.topk_src : p.topk_idx);
-    const long long e_first = (lane < K && j < p.num_tokens * C) ? idx0[(size_t)(j / C) * K + lane] : -1;
+    const long long e_first = (lane < K && j < p.num_tokens * C) ? idx[(size_t)(j / C) * K + lane] : -1;
     role_wait_credit(p, n, 0, &role);
 
     if (!p.cancelled && !role.skip) {
-        const long long* idx = reinterpret_cast<const long long*>(p.topk_src ? p.topk_src : p.topk_idx);
         const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(p.x);
         char* region = via_nccl(p, dest)
                            ? reinterpret_cast<char*>(p.nccl_out) + (size_t)dest * p.nccl_dest_bytes

@@ -66,7 +66,12 @@ pub fn take() -> Vec<(&'static str, f64, u64)> {
         return Vec::new();
     }
     let totals = std::mem::take(&mut *TOTALS.lock().unwrap_or_else(|e| e.into_inner()));
-    totals.into_iter().map(|(step, (ns, n))| (step, ns as f64 / 1e3 / n.max(1) as f64, n)).collect()
+    means(&totals)
+}
+
+/// Per step of `totals`: (step, mean host microseconds, count).
+fn means(totals: &BTreeMap<&'static str, (u128, u64)>) -> Vec<(&'static str, f64, u64)> {
+    totals.iter().map(|(&step, &(ns, n))| (step, ns as f64 / 1e3 / n.max(1) as f64, n)).collect()
 }
 
 /// One line per step timed so far: its mean host time in microseconds and its count (empty when
@@ -75,13 +80,8 @@ pub fn report() -> Vec<String> {
     if !on() {
         return Vec::new();
     }
-    let totals = TOTALS.lock().unwrap_or_else(|e| e.into_inner());
-    totals
-        .iter()
-        .map(|(step, (ns, n))| {
-            format!("EPFLOW_HOST_STEPS {step}: {:.2} us mean over {n}", *ns as f64 / 1e3 / *n as f64)
-        })
-        .collect()
+    let totals = means(&TOTALS.lock().unwrap_or_else(|e| e.into_inner()));
+    totals.into_iter().map(|(step, us, n)| format!("EPFLOW_HOST_STEPS {step}: {us:.2} us mean over {n}")).collect()
 }
 
 #[cfg(test)]

@@ -80,32 +80,32 @@ impl GpuRank {
             }
             let queued = t.elapsed().as_secs_f64();
             sync()?;
-            let mut after_wait = 0.0;
-            for _ in 0..iters {
+            // One launch after `stream` was told to wait for an event of `other`: its host seconds.
+            let after = |wait: OtherEvent| -> Result<f64, Error> {
+                if wait == OtherEvent::Pending {
+                    self.delay_on(other, Duration::from_micros(200))?;
+                }
                 let e = other.record_event(None).map_err(|e| cuda("record event", e))?;
-                other.synchronize().map_err(|e| cuda("synchronize", e))?;
+                match wait {
+                    OtherEvent::Seen => other.synchronize().map_err(|e| cuda("synchronize", e))?,
+                    OtherEvent::Unseen => std::thread::sleep(Duration::from_micros(50)),
+                    OtherEvent::Pending => {}
+                }
                 stream.wait(&e).map_err(|e| cuda("wait for an event", e))?;
                 let t = Instant::now();
                 launch_ll_kernel(s, which, p, stream)?;
-                after_wait += t.elapsed().as_secs_f64();
+                let secs = t.elapsed().as_secs_f64();
                 sync()?;
+                Ok(secs)
+            };
+            let mut after_wait = 0.0;
+            for _ in 0..iters {
+                after_wait += after(OtherEvent::Seen)?;
             }
             let (mut unobserved, mut pending) = (0.0, 0.0);
             for _ in 0..iters {
-                let e = other.record_event(None).map_err(|e| cuda("record event", e))?;
-                std::thread::sleep(Duration::from_micros(50));
-                stream.wait(&e).map_err(|e| cuda("wait for an event", e))?;
-                let t = Instant::now();
-                launch_ll_kernel(s, which, p, stream)?;
-                unobserved += t.elapsed().as_secs_f64();
-                sync()?;
-                self.delay_on(other, Duration::from_micros(200))?;
-                let e = other.record_event(None).map_err(|e| cuda("record event", e))?;
-                stream.wait(&e).map_err(|e| cuda("wait for an event", e))?;
-                let t = Instant::now();
-                launch_ll_kernel(s, which, p, stream)?;
-                pending += t.elapsed().as_secs_f64();
-                sync()?;
+                unobserved += after(OtherEvent::Unseen)?;
+                pending += after(OtherEvent::Pending)?;
             }
             let us = |total: f64| total * 1e6 / iters as f64;
             out.push(LaunchCost {
@@ -140,6 +140,17 @@ impl GpuRank {
         stream.synchronize().map_err(|e| cuda("synchronize", e))?;
         Ok(us)
     }
+}
+
+/// The event of the other channel's stream a timed launch waits for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum OtherEvent {
+    /// Recorded on an idle stream, which the host then synchronized.
+    Seen,
+    /// Recorded on an idle stream; the host slept 50 µs (the GPU passed it) without asking.
+    Unseen,
+    /// Recorded behind a 200 µs spin kernel: still pending at the launch.
+    Pending,
 }
 
 /// A step's bases `[dispatch, combine, replay, failed, ...]` with `failed` set: every launch that
