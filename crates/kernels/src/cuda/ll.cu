@@ -215,16 +215,19 @@ __device__ __forceinline__ void signal_sent(const LlParams& p, const OpNum& n, i
     // fence is cumulative over them (one fence per warp, not one per lane).
     __syncwarp();
     if (lane == 0) {
+        u64* peer = reinterpret_cast<u64*>(p.peer_signals[dest]);
+        u64* pair = arrival_at(peer, chan, n.set, p.rank);
+        // The whole stamp (the word after the arrival word) goes out with this warp's payload,
+        // under the same fence, so the arrival word's release waits for no store of its own.
+        const u64 m0 = mask_word(p);
+        if (!(((m0 >> p.rank) | (m0 >> dest)) & 1ull)) st_relaxed_sys(pair + 1, p.stamp);
         asm volatile("fence.acq_rel.sys;" ::: "memory");
         u64* sig = reinterpret_cast<u64*>(p.signals);
         u64* sent = sig_at(sig, EP_SIG_SENT(chan), n.set, dest);
         if (atom_add_acq_rel_gpu(sent, 1) == (u64)(reporting - 1)) {
             *sent = 0;
             const u64 m = mask_word(p);
-            if (!(((m >> p.rank) | (m >> dest)) & 1ull)) {
-                u64* peer = reinterpret_cast<u64*>(p.peer_signals[dest]);
-                signal_arrival(peer, chan, n.set, p.rank, n.seq, p.cancelled != 0, p.stamp);
-            }
+            if (!(((m >> p.rank) | (m >> dest)) & 1ull)) st_release_sys(pair, arrival_word(n.seq, p.cancelled != 0, p.stamp));
         }
     }
 }
@@ -472,10 +475,14 @@ __device__ void finish_receive(const LlParams& p, const OpNum& n, int chan, u32 
             // which came before through `done`).
             if (p.masking) st_relaxed_sys(reinterpret_cast<u64*>(p.status) + EP_STATUS_MASK, mask_word(p));
             if (p.verdict && (cancelled | mismatched)) report_failure(p, n, chan, cancelled, mismatched);
+            // One release fence for all the credits (with the relaxed stores after it, a release
+            // pattern each): a release store per credit would wait for the previous credit's
+            // store to reach its peer, a round trip over NVLink per source.
+            asm volatile("fence.acq_rel.sys;" ::: "memory");
             for (int s = 0; s < p.num_ranks; s++) {
                 if ((absent >> s) & 1u) continue;  // masked: no credit (it may be gone; rejoin resets them)
                 u64* peer = reinterpret_cast<u64*>(p.peer_signals[s]);
-                st_release_sys(sig_at(peer, EP_SIG_CONSUMED(chan), n.set, p.rank), (n.seq + 1) << 1);
+                st_relaxed_sys(sig_at(peer, EP_SIG_CONSUMED(chan), n.set, p.rank), (n.seq + 1) << 1);
             }
             if (p.seq_base) advance_step(p, chan);
             if (p.trace && n.seq % 64 == 0) trace_print(p.rank, chan, n.seq);
