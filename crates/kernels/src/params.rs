@@ -139,12 +139,12 @@ pub(crate) struct LlParams {
     /// A combine with masking: `[B]` int32, per token its top-k entries on absent ranks (or 0).
     pub masked_out: u64,
     /// The handle's return list: `[R x M x K]` int32, per source the entries `t * K + k` whose
-    /// rows go back in combine, packed from 0 (written by the dispatch receive, read by the
-    /// combine send).
+    /// rows go back in combine, source `s`'s from `s * M * K` on (written by the dispatch
+    /// receive, read by the combine send).
     pub ret_list: u64,
-    /// The handle's return list starts: `[R + 1]` int32, source `s`'s entries are
-    /// `ret_list[start[s]..start[s + 1]]`.
-    pub ret_start: u64,
+    /// The handle's return list counts: `[R]` int32, source `s`'s entries are
+    /// `ret_list[s * M * K..][..count[s]]`.
+    pub ret_count: u64,
     /// 1: `EPFLOW_LL_TRACE=1`, the kernels print block 0's phase times every 64th operation
     /// (`trace_at` in `ll.cu`); a diagnostic.
     pub trace: i32,
@@ -394,7 +394,7 @@ mod tests {
         assert_eq!(size_of::<LlParams>(), 464);
         assert_eq!(offset_of!(LlParams, trace), 456);
         assert_eq!(offset_of!(LlParams, ret_list), 440);
-        assert_eq!(offset_of!(LlParams, ret_start), 448);
+        assert_eq!(offset_of!(LlParams, ret_count), 448);
         assert_eq!(offset_of!(LlParams, masking), 396);
         assert_eq!(offset_of!(LlParams, masked_out), 432);
         assert_eq!(size_of::<MaskParams>(), 136);

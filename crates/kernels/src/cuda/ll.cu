@@ -61,9 +61,11 @@ struct LlParams {
     u64 masked_out;       // combine with masking: [B] int32, per token its top-k entries on absent ranks, or 0
     // The handle's return list (written by the dispatch receive's block 0, read by the combine
     // send): per source s, in (token, k) order, the entries t * K + k whose rows come back, at
-    // ret_list[ret_start[s] .. ret_start[s + 1]]; so combine's warps share out only real rows.
+    // ret_list[s * M * K ..][0 .. ret_count[s]] (a fixed place per source, so a combine warp
+    // loads its first entry without waiting for the count); combine's warps share out only real
+    // rows.
     u64 ret_list;         // [R x M x K] int32
-    u64 ret_start;        // [R + 1] int32
+    u64 ret_count;        // [R] int32 (room for R + 1)
     int trace;            // 1: `EPFLOW_LL_TRACE` (see `trace_at`)
     int pad;
 };
@@ -650,11 +652,11 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
     // Block 0 marks every (source, token, k) whose row does not come back in combine: a slot of
     // this operation that did not arrive, or an entry naming no local expert (rank-major: every k
     // but the first local one, whose slot the row returns in). A thread per slot; the entries
-    // that do come back go, in (source, token, k) order, into the return list, whose per-source
-    // starts the first slot of each source writes (`ret_list`).
+    // that do come back go, in (token, k) order, into their source's part of the return list
+    // (`ret_list`), and their number into `ret_count`.
     if (blockIdx.x == 0) {
+        __shared__ int src_start[EP_MAX_RANKS + 1];
         int* list = reinterpret_cast<int*>(p.ret_list);
-        int* start = reinterpret_cast<int*>(p.ret_start);
         int base = 0;
         for (int chunk = 0; chunk < RM; chunk += blockDim.x) {
             const int slot = chunk + threadIdx.x;
@@ -669,13 +671,23 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
             }
             int chunk_total;
             int pos = base + block_exclusive_sum(__popc(back), warp_sums, &total_shared, &chunk_total);
-            if (slot < RM && slot % M == 0) start[slot / M] = pos;
-            const int t_k = (slot % M) * K;
-            for (u32 b = back; b != 0u; b &= b - 1u) list[pos++] = t_k + __ffs(b) - 1;
+            // The first slot of each source records where the source starts in the block's
+            // numbering (this chunk or an earlier one: slots come in order).
+            if (slot < RM && slot % M == 0) src_start[slot / M] = pos;
+            __syncthreads();
+            if (slot < RM) {
+                const int s = slot / M;
+                int* at = list + (size_t)s * M * K + (pos - src_start[s]);
+                const int t_k = (slot % M) * K;
+                for (u32 b = back; b != 0u; b &= b - 1u) *at++ = t_k + __ffs(b) - 1;
+            }
             base += chunk_total;
             __syncthreads();
         }
-        if (threadIdx.x == 0) start[R] = base;
+        if ((int)threadIdx.x < R) {
+            const int s = threadIdx.x;
+            reinterpret_cast<int*>(p.ret_count)[s] = (s + 1 < R ? src_start[s + 1] : base) - src_start[s];
+        }
     }
     // The last block numbers, per NCCL source, its (token, k) rows in ascending order: the order
     // combine packs them in, and the one the source expects (nccl.rs).
@@ -714,17 +726,19 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
 __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) {
     const int C = p.chunks;
     const int d = send_dest(p);
-    const int* start = reinterpret_cast<const int*>(p.ret_start);
-    const int first = d < p.num_ranks ? __ldcg(start + d) : 0;
-    const int count = d < p.num_ranks ? __ldcg(start + d + 1) - first : 0;
+    const int K = p.top_k, H = p.hidden, M = p.max_tokens;
+    const bool serves = d < p.num_ranks;
+    const int* list = reinterpret_cast<const int*>(p.ret_list) + (size_t)(serves ? d : 0) * M * K;
+    // The source's count and this warp's first entry load together (the entry's place does not
+    // depend on the count; it is used only if the count covers it), then its row, all before the
+    // credit wait (their latency overlaps it).
+    const int j0 = send_warp() % warps_per_dest(p);
+    const int count = serves ? __ldcg(reinterpret_cast<const int*>(p.ret_count) + d) : 0;
+    const int i_first = serves && j0 / C < M * K ? __ldcg(list + j0 / C) : 0;
     SendRole role;
     if (!send_role(p, n, 1, (long long)count * C, &role)) return;
     const int lane = role.lane, dest = role.dest, j = role.j, wpd = role.wpd;
-    const int K = p.top_k, H = p.hidden, M = p.max_tokens;
     const int* row_of = reinterpret_cast<const int*>(p.row_of) + (size_t)dest * M * K;
-    const int* list = reinterpret_cast<const int*>(p.ret_list) + first;
-    // The first item's entry and row are loaded before the credit wait (their latency overlaps it).
-    const int i_first = j < count * C ? __ldcg(list + j / C) : 0;
     const int row_first = j < count * C ? __ldcg(row_of + i_first) : 0;
     role_wait_credit(p, n, 1, &role);
     if (!p.cancelled && !role.skip) {

@@ -49,7 +49,7 @@ fn base_params(
         rank_major: i32::from(rank_major),
         masking: i32::from(s.config.rank_masking),
         ret_list: handle_ptr + l.return_list_offset() as u64,
-        ret_start: handle_ptr + l.return_start_offset() as u64,
+        ret_count: handle_ptr + l.return_count_offset() as u64,
         trace: i32::from(trace_on()),
         ..LlParams::default()
     };
