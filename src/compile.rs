@@ -7,8 +7,9 @@ use epflow_kernels::device_count;
 
 use crate::cli::CompileArgs;
 
-/// Compiles every module for `--arch` (default: the first GPU's, else sm_90); exit code 1 if
-/// one fails, 2 without NVRTC or the CUDA headers.
+/// Compiles every module for `--arch` (default: the first GPU's, else sm_90), with the files of
+/// `EPFLOW_KERNEL_SOURCE_DIR` replacing the built-in ones (as the library does at run time);
+/// exit code 1 if one fails, 2 without NVRTC or the CUDA headers.
 pub(crate) fn main(args: &CompileArgs) -> ExitCode {
     let arch = match &args.arch {
         Some(a) => a.clone(),
@@ -34,10 +35,17 @@ pub(crate) fn main(args: &CompileArgs) -> ExitCode {
         eprintln!("error: CUDA headers not found: set EPFLOW_CUDA_INCLUDE or CUDA_HOME");
         return ExitCode::from(2);
     };
+    let overrides = sources::source_override_dir();
+    if let Some(dir) = &overrides {
+        println!("kernel sources from {} where present (EPFLOW_KERNEL_SOURCE_DIR)", dir.display());
+    }
     let mut failed = false;
     for m in sources::ALL {
         let t = std::time::Instant::now();
-        match nvrtc::compile_uncached(m.name, &m.source(), &nvrtc::options(&arch, &include)) {
+        let compiled = m
+            .source_from(overrides.as_deref())
+            .and_then(|src| nvrtc::compile_uncached(m.name, &src, &nvrtc::options(&arch, &include)));
+        match compiled {
             Ok(cubin) => println!(
                 "compiled {}.cu for {arch}: {} B CUBIN, kernels {:?} ({} ms)",
                 m.name,
