@@ -519,25 +519,27 @@ pub fn send_blocking<O: PendingOp>(
     } else {
         None
     };
-    let label = op.label();
-    let ready =
-        poison.track(guarded(poison, || label.clone(), || wait_masking(&mut op, timeout, O::poll_send_ready)))?;
+    // The label is formatted only if a panic needs it (this path runs for every operation).
+    let (channel, seq) = (op.channel(), op.seq());
+    let label = || op_label(channel, seq);
+    let ready = poison.track(guarded(poison, label, || wait_masking(&mut op, timeout, O::poll_send_ready)))?;
     if !ready {
         return poison.track(Err(timeout_error(&op, timeout)));
     }
-    poison.track(guarded(poison, || label, || op.send(slot)))?;
+    poison.track(guarded(poison, label, || op.send(slot)))?;
     Ok(op)
 }
 
 /// Blocking complete half: starts it, waits (bounded by `timeout`), finishes.
 pub fn complete_blocking<O: PendingOp>(mut op: O, poison: &Poison, timeout: Duration) -> Result<O::Output> {
-    let label = op.label();
-    poison.track(guarded(poison, || label.clone(), || op.start_complete()))?;
-    let done = poison.track(guarded(poison, || label.clone(), || wait_masking(&mut op, timeout, O::poll_complete)))?;
+    let (channel, seq) = (op.channel(), op.seq());
+    let label = || op_label(channel, seq);
+    poison.track(guarded(poison, label, || op.start_complete()))?;
+    let done = poison.track(guarded(poison, label, || wait_masking(&mut op, timeout, O::poll_complete)))?;
     if !done {
         return poison.track(Err(timeout_error(&op, timeout)));
     }
-    poison.track(guarded(poison, || label, || op.finish()))
+    poison.track(guarded(poison, label, || op.finish()))
 }
 
 /// Runs an operation to its result, blocking.

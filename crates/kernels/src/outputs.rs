@@ -47,18 +47,30 @@ pub struct OutputTargets {
 pub(crate) struct SetLease {
     slot: Mutex<Option<SlotGuard>>,
     consumers: Consumers,
+    /// The operation's completion event, when no view reads the set (every output is in the
+    /// caller's memory, NCCL EP's preallocated tensors): then nothing reads the set after the
+    /// operation's kernels, and that event is the set's one fence, whatever streams consume the
+    /// views (no event is recorded on them at the release).
+    done: Mutex<Option<Arc<CudaEvent>>>,
 }
 
 impl SetLease {
     /// The lease of `slot`; its fences come from `events`.
     pub(crate) fn new(events: &Arc<EventPool>, slot: Option<SlotGuard>) -> Arc<Self> {
-        Arc::new(SetLease { slot: Mutex::new(slot), consumers: Consumers::new(events) })
+        Arc::new(SetLease { slot: Mutex::new(slot), consumers: Consumers::new(events), done: Mutex::new(None) })
+    }
+
+    /// No view reads the set: `done`, the operation's completion event, fences its release.
+    pub(crate) fn fence_with(&self, done: &Arc<CudaEvent>) {
+        *self.done.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(done));
     }
 }
 
 impl Lease for SetLease {
     fn add_consumer(&self, stream: &Arc<CudaStream>) {
-        self.consumers.add(stream);
+        if self.done.lock().unwrap_or_else(|e| e.into_inner()).is_none() {
+            self.consumers.add(stream);
+        }
     }
 }
 
@@ -66,6 +78,10 @@ impl Drop for SetLease {
     fn drop(&mut self) {
         let slot = self.slot.get_mut().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(mut slot) = slot {
+            if let Some(done) = self.done.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+                slot.fence(done as Fence);
+                return;
+            }
             for f in self.consumers.fences() {
                 slot.fence(f as Fence);
             }

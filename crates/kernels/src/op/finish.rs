@@ -215,6 +215,13 @@ impl GpuOp {
         let lease = self.set_lease();
         // The shapes of the handle's layout (expert-major or rank-major), as validation has them.
         let descs = dispatch_output_descs(&OpContext::new(&s.config, s.num_ranks, handle), &opts);
+        // Every view in the caller's memory: the set is read by nothing after this operation.
+        let in_caller = self.targets.is_some_and(|t| {
+            (descs.scales.is_none() || t.scales.is_some())
+                && (descs.topk_weights.is_none() || t.topk_weights.is_some())
+                && (descs.topk_idx.is_none() || t.topk_idx.is_some())
+                && t.counts.is_some()
+        });
         let t = self.targets.unwrap_or_default();
         let topk = s.mem.disp_topk[set].ptr();
         let at = |target: Option<u64>, own: u64| target.unwrap_or(own);
@@ -237,6 +244,9 @@ impl GpuOp {
             for d in n.peers(s.num_ranks) {
                 rows[d] = counts[d].max(0) as usize;
             }
+        }
+        if let (true, Some(done)) = (in_caller, self.work.done()) {
+            lease.fence_with(done);
         }
         handle.0.core.record_dispatch(opts.pass, self.seq);
         Ok(GpuDispatchOutput {
@@ -261,6 +271,10 @@ impl GpuOp {
             let ptr = self.targets.map_or(Some(s.mem.comb_masked[set].ptr()), |t| t.masked);
             ptr.map(|p| self.view(p, desc, &lease))
         });
+        // The caller's memory holds every view (NCCL EP's tensors): see `ll_dispatch`.
+        if let (true, Some(done)) = (self.targets.is_some(), self.work.done()) {
+            lease.fence_with(done);
+        }
         GpuCombineOutput {
             outputs: CombineOutputs { tokens, topk_weights: None, masked: masked.flatten() },
             elapsed: self.work.elapsed(false),

@@ -244,17 +244,26 @@ impl GpuOp {
 
     /// After a combine's send kernel: records the handle's reader event (the next dispatch
     /// receive on the handle waits for it); returns this reader's number.
-    fn record_reader(&self, handle: &GpuHandle) -> Result<u64, Error> {
+    fn record_reader(&self, handle: &GpuHandle, after: Option<&Arc<cudarc::driver::CudaEvent>>) -> Result<u64, Error> {
         let mut map = handle.row_map();
-        let event = match &map.reader_event {
+        let event = match after {
+            // Recorded on this stream right after the reads already (a one-launch combine's
+            // completion event): a second event there would only add a step to the stream.
             Some(e) => Arc::clone(e),
             None => {
-                let e = Arc::new(self.shared.ctx.new_event(None).map_err(|e| cuda("create event", e))?);
-                map.reader_event = Some(Arc::clone(&e));
+                let e = match &map.reader_own {
+                    Some(e) => Arc::clone(e),
+                    None => {
+                        let e = Arc::new(self.shared.ctx.new_event(None).map_err(|e| cuda("create event", e))?);
+                        map.reader_own = Some(Arc::clone(&e));
+                        e
+                    }
+                };
+                e.record(self.work.stream()).map_err(|e| cuda("record event", e))?;
                 e
             }
         };
-        event.record(self.work.stream()).map_err(|e| cuda("record event", e))?;
+        map.reader_event = Some(event);
         map.reader_stream = stream_id(self.work.stream());
         map.readers_sent += 1;
         Ok(map.readers_sent)
@@ -407,11 +416,11 @@ impl PendingOp for GpuOp {
                     let which = if self.chan() == 0 { LlKernel::DispatchOne } else { LlKernel::CombineOne };
                     let fences = slot.as_mut().map(SlotGuard::take_fences).unwrap_or_default();
                     let on = Arc::clone(self.work.stream());
-                    self.launch_completing(&on, which, fences, &mut steps)?;
+                    let done = self.launch_completing(&on, which, fences, &mut steps)?;
                     self.one_launched = true;
                     self.completing = true;
                     if let Some(h) = reader {
-                        self.reader = Some(self.record_reader(&h)?);
+                        self.reader = Some(self.record_reader(&h, Some(&done))?);
                     }
                     steps.step("send: reader event");
                     // `launch_completing` marked the end of the send half.
@@ -423,7 +432,7 @@ impl PendingOp for GpuOp {
                     self.launch_ll(which, &on)?;
                     steps.step(which.step_name());
                     if let Some(h) = reader {
-                        self.reader = Some(self.record_reader(&h)?);
+                        self.reader = Some(self.record_reader(&h, None)?);
                     }
                     if self.uses_nccl() {
                         self.issue_xfers()?;

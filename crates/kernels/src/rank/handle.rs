@@ -106,8 +106,11 @@ pub(crate) struct RowMap {
     pub(crate) writer_event: Option<Arc<CudaEvent>>,
     /// The stream that receive kernel ran on (a combine sent on the same one needs no wait).
     pub(crate) writer_stream: usize,
-    /// One event, re-recorded after every combine send that reads the map.
+    /// An event after the last combine send that read the map: the combine's completion event
+    /// when it ran as one launch, else `reader_own`.
     pub(crate) reader_event: Option<Arc<CudaEvent>>,
+    /// The map's own event, re-recorded after every combine send of two launches.
+    pub(crate) reader_own: Option<Arc<CudaEvent>>,
     /// The stream of the last combine send recorded in `reader_event`.
     pub(crate) reader_stream: usize,
     /// Combine sends recorded so far, and the number of the last one the host saw finish:
