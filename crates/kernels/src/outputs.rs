@@ -15,7 +15,7 @@ use epflow_core::protocol::{Fence, SlotGuard};
 use epflow_core::{Error, HostData, HostTensor};
 
 use crate::device::consumers::Consumers;
-use crate::device::{DeviceTensor, EventPool, Lease, copy_to_host};
+use crate::device::{DeviceTensor, EventPool, Lease, StreamFence, copy_to_host};
 
 /// Device memory the caller owns, which an operation writes its outputs into instead of its
 /// buffer set (low-latency) or cached memory (high-throughput): NCCL EP's preallocated output
@@ -51,7 +51,7 @@ pub(crate) struct SetLease {
     /// caller's memory, NCCL EP's preallocated tensors): then nothing reads the set after the
     /// operation's kernels, and that event is the set's one fence, whatever streams consume the
     /// views (no event is recorded on them at the release).
-    done: Mutex<Option<Arc<CudaEvent>>>,
+    done: Mutex<Option<StreamFence>>,
 }
 
 impl SetLease {
@@ -60,9 +60,10 @@ impl SetLease {
         Arc::new(SetLease { slot: Mutex::new(slot), consumers: Consumers::new(events), done: Mutex::new(None) })
     }
 
-    /// No view reads the set: `done`, the operation's completion event, fences its release.
-    pub(crate) fn fence_with(&self, done: &Arc<CudaEvent>) {
-        *self.done.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(done));
+    /// No view reads the set: `done`, the operation's completion event (recorded on the stream
+    /// `stream`, a [`crate::device::stream_id`]), fences its release.
+    pub(crate) fn fence_with(&self, done: &Arc<CudaEvent>, stream: usize) {
+        *self.done.lock().unwrap_or_else(|e| e.into_inner()) = Some(StreamFence { event: Arc::clone(done), stream });
     }
 }
 
@@ -79,11 +80,11 @@ impl Drop for SetLease {
         let slot = self.slot.get_mut().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(mut slot) = slot {
             if let Some(done) = self.done.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
-                slot.fence(done as Fence);
+                slot.fence(Arc::new(done) as Fence);
                 return;
             }
-            for f in self.consumers.fences() {
-                slot.fence(f as Fence);
+            for f in self.consumers.stream_fences() {
+                slot.fence(Arc::new(f) as Fence);
             }
         }
     }

@@ -266,10 +266,8 @@ __device__ __forceinline__ long long routed_entry(const LlParams& p, long long e
     return r;
 }
 
-// Pieces of 256 channels whose loads an FP8 dispatch send keeps in flight together (3: no spills
-// in either send kernel for sm_90; at 4 ptxas spills the two-launch send at 64 registers, at 2
-// the one-launch kernel).
-#define EP_FP8_BATCH 3
+// Passes of 512 channels (16 per lane) whose loads an FP8 dispatch send keeps in flight together.
+#define EP_FP8_BATCH 1
 
 // Each destination rank is served by `warps / R` warps; warp j of destination d handles the
 // (token, chunk) items j, j + wpd, ... of d (a row is split into `chunks` equal pieces, a multiple
@@ -319,38 +317,51 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
                 warp_copy(payload + (size_t)c_begin * 2, row + c_begin, (size_t)width * 2, lane);
             } else {
                 float* scales = reinterpret_cast<float*>(payload + H);
-                // EP_FP8_BATCH pieces of 256 channels per pass: their loads are issued together,
-                // then each is quantized and stored (one load in flight per lane made the FP8
-                // send latency-bound, slower than the BF16 copy of twice the bytes).
-                for (int c00 = c_begin; c00 < c_end; c00 += 256 * EP_FP8_BATCH) {
-                    int4 raw[EP_FP8_BATCH];
+                // Passes of 512 channels, 16 per lane: two 16-byte loads and one 16-byte FP8 store
+                // per lane (the width of the BF16 copy's stores; 8-byte stores made the FP8 send
+                // slower than the BF16 copy of twice the bytes); a 128-channel scale block is 8
+                // lanes. EP_FP8_BATCH passes' loads are issued together, then each is quantized
+                // and stored. Chunks are multiples of 256 channels: a pass's lanes are active in
+                // whole groups of 8.
+                for (int c00 = c_begin; c00 < c_end; c00 += 512 * EP_FP8_BATCH) {
+                    int4 raw[2 * EP_FP8_BATCH];
 #pragma unroll
                     for (int u = 0; u < EP_FP8_BATCH; u++) {
-                        const int c = c00 + u * 256 + lane * 8;
-                        raw[u] = c < c_end ? ld_cg_int4(row + c) : make_int4(0, 0, 0, 0);
+                        const int c = c00 + u * 512 + lane * 16;
+                        const bool in = c < c_end;
+                        raw[2 * u] = in ? ld_cg_int4(row + c) : make_int4(0, 0, 0, 0);
+                        raw[2 * u + 1] = in ? ld_cg_int4(row + c + 8) : make_int4(0, 0, 0, 0);
                     }
 #pragma unroll
                     for (int u = 0; u < EP_FP8_BATCH; u++) {
-                        const int c = c00 + u * 256 + lane * 8;
+                        const int c = c00 + u * 512 + lane * 16;
                         const bool active = c < c_end;
+                        const __nv_bfloat16* lo = reinterpret_cast<const __nv_bfloat16*>(&raw[2 * u]);
+                        const __nv_bfloat16* hi = reinterpret_cast<const __nv_bfloat16*>(&raw[2 * u + 1]);
                         float amax = 0.f;
-                        const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw[u]);
 #pragma unroll
-                        for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(__bfloat162float(b[i])));
+                        for (int i = 0; i < 8; i++) amax = fmaxf(amax, fmaxf(fabsf(__bfloat162float(lo[i])), fabsf(__bfloat162float(hi[i]))));
 #pragma unroll
-                        for (int m = 8; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(EP_FULL_MASK, amax, m));
+                        for (int m = 4; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(EP_FULL_MASK, amax, m));
                         if (active) {
                             float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
                             if (p.round_scales) scale = pow2_ceil(scale);
                             const float inv = __fdiv_rn(1.0f, scale);
-                            unsigned char q[8];
+                            u32 w[4];
 #pragma unroll
-                            for (int i = 0; i < 8; i++) {
-                                q[i] = (unsigned char)__nv_cvt_float_to_fp8(__fmul_rn(__bfloat162float(b[i]), inv),
-                                                                            __NV_SATFINITE, __NV_E4M3);
+                            for (int q = 0; q < 4; q++) {
+                                u32 word = 0u;
+#pragma unroll
+                                for (int i = 0; i < 4; i++) {
+                                    const int k = q * 4 + i;
+                                    const float v = __bfloat162float(k < 8 ? lo[k] : hi[k - 8]);
+                                    const u32 byte = (u32)__nv_cvt_float_to_fp8(__fmul_rn(v, inv), __NV_SATFINITE, __NV_E4M3);
+                                    word |= byte << (8 * i);
+                                }
+                                w[q] = word;
                             }
-                            *reinterpret_cast<uint2*>(payload + c) = *reinterpret_cast<uint2*>(q);
-                            if ((lane & 15) == 0) scales[c / 128] = scale;
+                            st_na_int4(payload + c, make_int4((int)w[0], (int)w[1], (int)w[2], (int)w[3]));
+                            if ((lane & 7) == 0) scales[c / 128] = scale;
                         }
                     }
                 }
@@ -632,12 +643,22 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
                 reinterpret_cast<int*>(p.out_idx)[out_row * K + lane] =
                     (int)__ldcg(reinterpret_cast<const short*>(msg + 16) + lane);
             }
+            // FP8: the row's scales (part 0) load before the payload copy and store after it, so
+            // their latency overlaps the copy's instead of following it.
+            const int cols = H / 128;
+            const bool scales_here = p.fp8 && part == 0;
+            const float* ssrc = reinterpret_cast<const float*>(payload + H);
+            float s0 = 0.f, s1 = 0.f;
+            if (scales_here) {
+                if (lane < cols) s0 = __ldcg(ssrc + lane);
+                if (lane + 32 < cols) s1 = __ldcg(ssrc + lane + 32);
+            }
             warp_copy(reinterpret_cast<char*>(p.out) + out_row * payload_bytes + part * piece, payload + part * piece, piece, lane);
-            if (p.fp8 && part == 0) {
-                const int cols = H / 128;
-                const float* src = reinterpret_cast<const float*>(payload + H);
+            if (scales_here) {
                 float* dst = reinterpret_cast<float*>(p.out_scales) + out_row * cols;
-                for (int c = lane; c < cols; c += 32) dst[c] = __ldcg(src + c);
+                if (lane < cols) dst[lane] = s0;
+                if (lane + 32 < cols) dst[lane + 32] = s1;
+                for (int c = lane + 64; c < cols; c += 32) dst[c] = __ldcg(ssrc + c);
             }
         }
         base += chunk_total;

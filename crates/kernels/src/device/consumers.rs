@@ -42,6 +42,11 @@ impl Consumers {
     /// At release: an event after everything each consumer stream has enqueued so far. If an
     /// event cannot be recorded, that stream is synchronized instead (nothing then to wait for).
     pub(crate) fn fences(&self) -> Vec<Arc<CudaEvent>> {
+        self.stream_fences().into_iter().map(|f| f.event).collect()
+    }
+
+    /// As [`Consumers::fences`], each with the stream it was recorded on.
+    pub(crate) fn stream_fences(&self) -> Vec<StreamFence> {
         let streams = std::mem::take(&mut *self.streams.lock().unwrap_or_else(|e| e.into_inner()));
         if streams.is_empty() || bind(self.events.context()).is_err() {
             return Vec::new();
@@ -49,7 +54,7 @@ impl Consumers {
         streams
             .iter()
             .filter_map(|s| match self.events.record(s) {
-                Ok(e) => Some(e),
+                Ok(event) => Some(StreamFence { event, stream: stream_id(s) }),
                 Err(_) => {
                     let _ = s.synchronize();
                     None
@@ -57,4 +62,20 @@ impl Consumers {
             })
             .collect()
     }
+}
+
+/// A stream's identity (its raw handle), for "same stream, no wait" checks.
+pub(crate) fn stream_id(stream: &CudaStream) -> usize {
+    stream.cu_stream() as usize
+}
+
+/// A fence event with the stream it was recorded on ([`stream_id`]): work enqueued later on
+/// that same stream is already ordered after it and needs no wait (a buffer set's next
+/// operation on the caller's stream, in `libnccl_ep.so`).
+#[derive(Clone, Debug)]
+pub(crate) struct StreamFence {
+    /// The event, recorded after the memory's last reader.
+    pub(crate) event: Arc<CudaEvent>,
+    /// Where it was recorded.
+    pub(crate) stream: usize,
 }

@@ -11,7 +11,7 @@ mod memory;
 mod stream_work;
 mod tensor;
 
-pub(crate) use consumers::Lease;
+pub(crate) use consumers::{Lease, StreamFence, stream_id};
 pub(crate) use context::{bind, cuda, pci_key};
 pub use context::{context, device_count, driver_present, sm_count};
 pub use events::EventPool;

@@ -29,6 +29,8 @@ pub struct StreamWork {
     leases: Vec<Arc<dyn Lease>>,
     timing: Option<[CudaEvent; 3]>,
     done: Option<Arc<CudaEvent>>,
+    /// The stream `done` was recorded on ([`super::stream_id`]).
+    done_stream: usize,
     /// Where the events without timing come from (else each is created and destroyed).
     events: Option<Arc<EventPool>>,
 }
@@ -56,6 +58,7 @@ impl StreamWork {
             leases: inputs.iter().filter_map(|t| t.lease().cloned()).collect(),
             timing: None,
             done: None,
+            done_stream: 0,
             events: None,
         }
     }
@@ -181,12 +184,18 @@ impl StreamWork {
         }
         let done = self.record_on(stream)?;
         self.done = Some(Arc::clone(&done));
+        self.done_stream = super::stream_id(stream);
         Ok(done)
     }
 
     /// The completion event, once the complete half was enqueued.
     pub fn done(&self) -> Option<&Arc<CudaEvent>> {
         self.done.as_ref()
+    }
+
+    /// The stream the completion event was recorded on ([`super::stream_id`]; 0 before it was).
+    pub(crate) fn done_stream(&self) -> usize {
+        self.done_stream
     }
 
     /// Whether the completion event has passed (`false` before [`StreamWork::end_complete`]).

@@ -246,7 +246,7 @@ impl GpuOp {
             }
         }
         if let (true, Some(done)) = (in_caller, self.work.done()) {
-            lease.fence_with(done);
+            lease.fence_with(done, self.work.done_stream());
         }
         handle.0.core.record_dispatch(opts.pass, self.seq);
         Ok(GpuDispatchOutput {
@@ -273,7 +273,7 @@ impl GpuOp {
         });
         // The caller's memory holds every view (NCCL EP's tensors): see `ll_dispatch`.
         if let (true, Some(done)) = (self.targets.is_some(), self.work.done()) {
-            lease.fence_with(done);
+            lease.fence_with(done, self.work.done_stream());
         }
         GpuCombineOutput {
             outputs: CombineOutputs { tokens, topk_weights: None, masked: masked.flatten() },

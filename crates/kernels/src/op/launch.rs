@@ -8,9 +8,9 @@ use cudarc::driver::{CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKern
 use epflow_core::Error;
 use epflow_core::protocol::Fence;
 
-use super::{GpuOp, GpuOpKind, stream_id, wait_unless_same};
+use super::{GpuOp, GpuOpKind, wait_unless_same};
 use crate::device::host_steps::Steps;
-use crate::device::{StreamWork, cuda};
+use crate::device::{StreamFence, StreamWork, cuda, stream_id};
 use crate::ht::geometry::{HT_MARK_BLOCK, HT_PLAN_BLOCK, ht_grid};
 use crate::ll::geometry::{LlKernel, ll_launch};
 use crate::params::{ExchangeParams, HtParams, HtPlanParams, LlParams, NcclHtParams};
@@ -221,7 +221,14 @@ impl GpuOp {
         fences: Vec<Fence>,
         steps: &mut Steps,
     ) -> Result<Arc<CudaEvent>, Error> {
-        let fences: Vec<Arc<CudaEvent>> = fences.into_iter().filter_map(|f| f.downcast::<CudaEvent>().ok()).collect();
+        // A fence recorded on `on` itself (the caller's stream, where the set's previous
+        // operation completed) is already behind us in stream order: no wait for it.
+        let fences: Vec<Arc<CudaEvent>> = fences
+            .into_iter()
+            .filter_map(|f| f.downcast::<StreamFence>().ok())
+            .filter(|f| f.stream != stream_id(on))
+            .map(|f| Arc::clone(&f.event))
+            .collect();
         StreamWork::wait_on(on, &fences)?;
         steps.step(if fences.is_empty() { "launch: no buffer-set fence" } else { "launch: buffer-set fence waits" });
         let handle = match (&self.kind, self.state.is_cancelled()) {

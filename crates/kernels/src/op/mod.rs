@@ -30,7 +30,7 @@ use crate::ll::geometry::LlKernel;
 
 use crate::device::cache::CachedBuffer;
 use crate::device::host_steps::Steps;
-use crate::device::{DeviceTensor, StreamWork, bind, cuda};
+use crate::device::{DeviceTensor, StreamWork, bind, cuda, stream_id};
 use crate::outputs::{GpuCombineOutput, GpuDispatchOutput, OutputTargets, SetLease};
 use crate::rank::handle::GpuHandle;
 use crate::rank::shared::{ExchangeBuffers, RankShared};
@@ -352,11 +352,6 @@ impl GpuOp {
         record_output_stream(&out, stream);
         Ok(out)
     }
-}
-
-/// A stream's identity (its raw handle), for "same stream, no wait" checks.
-pub(crate) fn stream_id(stream: &CudaStream) -> usize {
-    stream.cu_stream() as usize
 }
 
 /// Makes `on` wait for `event`, recorded on the stream `recorded_on` ([`stream_id`]); nothing
