@@ -304,7 +304,7 @@ fn run_single_process(args: &BenchArgs) -> Result<BenchReport, BenchError> {
             .map(|rank| {
                 rank.set_timing(true);
                 let b = Arc::clone(&barrier);
-                gpu::GpuBench { rank, wait: move || b.wait() }
+                gpu::GpuBench::new(rank, move || b.wait())
             })
             .collect();
         (label, format!("{ranks} x {name}, one process"), memory, run_ranks(benches, &sc, refs.as_ref(), &plan)?)

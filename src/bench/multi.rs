@@ -107,7 +107,7 @@ pub(super) fn run(args: &BenchArgs, env: &LaunchEnv) -> Result<Option<BenchRepor
     };
     let memory = rank.device_memory_bytes() as u64;
     let name = rank.context().name().unwrap_or_default();
-    let bench = super::gpu::GpuBench { rank, wait: || barrier(&comm).expect("NCCL barrier") };
+    let bench = super::gpu::GpuBench::new(rank, || barrier(&comm).expect("NCCL barrier"));
     let result = run_rank(&bench, &sc, refs.as_ref(), &plan).map_err(run_err)?;
     for c in [&result.dispatch_check, &result.combine_check].into_iter().flatten() {
         if let Some(f) = &c.first {

@@ -475,13 +475,16 @@ __device__ __forceinline__ void publish_early(const LlParams& p, const OpNum& n,
 
 // The last block to finish returns the credits of this buffer set to every source (after block
 // 0's `publish_early`, through `done`).
-__device__ void finish_receive(const LlParams& p, const OpNum& n, int chan, u32 cancelled, u32 mismatched, u32 absent) {
+// `blocks`: the blocks of the grid that take part in the receive (the first ones).
+__device__ void finish_receive(const LlParams& p, const OpNum& n, int chan, u32 cancelled, u32 mismatched, u32 absent,
+                               int blocks) {
     __syncthreads();
     if (threadIdx.x == 0) {
         u64* sig = reinterpret_cast<u64*>(p.signals);
         u64* done = sig_at(sig, EP_SIG_DONE, n.set, chan);
-        __threadfence();
-        if (atom_add_acq_rel_gpu(done, 1) == (u64)(gridDim.x - 1)) {
+        // The barrier above and the release of the add order every thread's reads and writes of
+        // this block before it (the release is cumulative).
+        if (atom_add_acq_rel_gpu(done, 1) == (u64)(blocks - 1)) {
             *done = 0;
             // The host's words, then the credits (each a system-scope release, ordered after the
             // words, block 0's outcome among them, and after every block's reads of this set,
@@ -588,7 +591,7 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
     // buffer set may still hold a live result) nor the handle's row map. Nor does one of a rank
     // the group masked (its host reports `RankMasked`).
     if (p.cancelled || ((absent >> p.rank) & 1u)) {
-        finish_receive(p, n, 0, cancelled, mismatched, absent);
+        finish_receive(p, n, 0, cancelled, mismatched, absent, gridDim.x);
         return;
     }
     const u32 skip = cancelled | mismatched | absent;
@@ -670,12 +673,13 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
     }
     __syncthreads();
     }
-    // Block 0 marks every (source, token, k) whose row does not come back in combine: a slot of
-    // this operation that did not arrive, or an entry naming no local expert (rank-major: every k
-    // but the first local one, whose slot the row returns in). A thread per slot; the entries
-    // that do come back go, in (token, k) order, into their source's part of the return list
-    // (`ret_list`), and their number into `ret_count`.
-    if (blockIdx.x == 0) {
+    // One block marks every (source, token, k) whose row does not come back in combine: a slot
+    // of this operation that did not arrive, or an entry naming no local expert (rank-major:
+    // every k but the first local one, whose slot the row returns in). A thread per slot; the
+    // entries that do come back go, in (token, k) order, into their source's part of the return
+    // list (`ret_list`), and their number into `ret_count`. The grid's last block when it has no
+    // task above (so this runs beside the copies, not after block 0's), else block 0.
+    if ((int)blockIdx.x == ((int)gridDim.x > Q * G ? (int)gridDim.x - 1 : 0)) {
         __shared__ int src_start[EP_MAX_RANKS + 1];
         int* list = reinterpret_cast<int*>(p.ret_list);
         int base = 0;
@@ -736,7 +740,7 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
         }
     }
     trace_at(p, 0, 3);
-    finish_receive(p, n, 0, cancelled, mismatched, absent);
+    finish_receive(p, n, 0, cancelled, mismatched, absent, gridDim.x);
 }
 
 // Combine send, on the expert side: every received (source s, token t, k) row of the expert
@@ -790,6 +794,19 @@ __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) 
 __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) {
     __shared__ u32 cancelled, mismatched, absent;
     __shared__ int timed_out;
+    // Items (token t, piece `part` of C = recv_chunks): an item takes `tpi` threads, its piece's
+    // 8-channel groups rounded up to whole warps (at most the block), so a block works on `ipb`
+    // items at once (a 512-thread one-launch block: two 1792-channel pieces, not one with half its
+    // threads idle); item i goes to block (i / ipb) % grid. Only the blocks with items take part
+    // (at least block 0): the others neither wait nor count themselves done (at one token, most
+    // of the grid leaves here).
+    const int C = p.recv_chunks;
+    const int width = p.hidden / C;
+    const int tpi = min((int)blockDim.x, (width / 8 + 31) / 32 * 32);
+    const int ipb = (int)blockDim.x / tpi;
+    const int items = p.num_tokens * C;
+    const int blocks = max(1, min((int)gridDim.x, (items + ipb - 1) / ipb));
+    if ((int)blockIdx.x >= blocks) return;
     if (!ll_wait_all_sources(p, n, 1, &cancelled, &mismatched, &timed_out, &absent)) return;
     publish_early(p, n, 1, cancelled, mismatched, absent);
     trace_at(p, 1, 2);
@@ -803,17 +820,8 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
     // output unwritten: the operation has no result; so does this rank being masked. Entries on
     // absent (masked) ranks contribute zero, counted per token in `masked_out`.
     if ((cancelled | mismatched) == 0u && !((absent >> p.rank) & 1u)) {
-        // Items (token t, piece `part` of C = recv_chunks): an item takes `tpi` threads, its
-        // piece's 8-channel groups rounded up to whole warps (at most the block), so a block
-        // works on `ipb` items at once (a 512-thread one-launch block: two 1792-channel pieces,
-        // not one with half its threads idle); item i goes to block (i / ipb) % grid.
-        const int C = p.recv_chunks;
-        const int width = H / C;
-        const int tpi = min((int)blockDim.x, (width / 8 + 31) / 32 * 32);
-        const int ipb = (int)blockDim.x / tpi;
         const int sub = (int)threadIdx.x / tpi, tid = (int)threadIdx.x % tpi;
-        const int items = p.num_tokens * C;
-        for (int item = blockIdx.x * ipb + sub; sub < ipb && item < items; item += gridDim.x * ipb) {
+        for (int item = blockIdx.x * ipb + sub; sub < ipb && item < items; item += blocks * ipb) {
             const int t = item / C, part = item % C;
             // The entries whose rows arrive, once per token, a lane per entry (K <= 16; every warp
             // works them out, all lanes call): every valid k on a present rank, or in rank-major
@@ -871,7 +879,7 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
         }
     }
     trace_at(p, 1, 3);
-    finish_receive(p, n, 1, cancelled, mismatched, absent);
+    finish_receive(p, n, 1, cancelled, mismatched, absent, blocks);
 }
 
 // The kernels. Two launches (staged operations, and any operation whose grid cannot be all

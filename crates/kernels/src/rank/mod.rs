@@ -174,13 +174,36 @@ impl GpuRank {
         DeviceTensor::upload(&self.shared.ctx, self.shared.device, t)
     }
 
-    /// Dequantizes FP8 rows (`[rows x H]` + scales `[rows x H/128]`) into a new BF16 tensor.
+    /// Dequantizes FP8 rows (`[rows x H]` + scales `[rows x H/128]`) into a new BF16 tensor
+    /// (allocated here; see [`GpuRank::dequantize_fp8_into`] for a buffer kept across calls).
     pub fn dequantize_fp8(&self, q: &DeviceTensor, scales: &DeviceTensor) -> Result<DeviceTensor, Error> {
-        let rows: usize = q.desc().shape[..q.desc().shape.len() - 1].iter().product();
-        let h = self.shared.config.hidden;
         let mut desc = q.desc().clone();
         desc.dtype = epflow_core::DType::Bf16;
         let out = DeviceTensor::zeros(&self.shared.ctx, self.shared.device, desc)?;
+        self.dequantize_fp8_into(q, scales, &out)?;
+        Ok(out)
+    }
+
+    /// Dequantizes FP8 rows (`[rows x H]` + scales `[rows x H/128]`) into `out`, a BF16 tensor of
+    /// `q`'s shape on this rank's device, on the dispatch channel's stream; returns when done.
+    /// The caller makes sure that no queued work still reads `out`. Errors: `out` of another shape, type or device; CUDA failures.
+    pub fn dequantize_fp8_into(
+        &self,
+        q: &DeviceTensor,
+        scales: &DeviceTensor,
+        out: &DeviceTensor,
+    ) -> Result<(), Error> {
+        self.check_device(out, "dequantize output")?;
+        if out.desc().dtype != epflow_core::DType::Bf16 || out.desc().shape != q.desc().shape {
+            return Err(Error::Unsupported(format!(
+                "dequantize_fp8_into: the output must be BF16 of shape {:?}, got {:?} {:?}",
+                q.desc().shape,
+                out.desc().dtype,
+                out.desc().shape
+            )));
+        }
+        let rows: usize = q.desc().shape[..q.desc().shape.len() - 1].iter().product();
+        let h = self.shared.config.hidden;
         let stream = &self.shared.streams[0];
         let (qp, sp, op, r, hh) = (q.ptr(), scales.ptr(), out.ptr(), rows as u64, h as i32);
         let blocks = (self.shared.num_sms * 4).max(1);
@@ -188,7 +211,8 @@ impl GpuRank {
             cudarc::driver::LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         use cudarc::driver::PushKernelArg;
         // SAFETY: the arguments match `ep_dequant_fp8_rows(u64, u64, u64, u64, int)`; the three
-        // buffers hold rows x H bytes, rows x H/128 floats and rows x H BF16 values.
+        // buffers hold rows x H bytes, rows x H/128 floats and rows x H BF16 values (`out` was
+        // checked to have `q`'s shape).
         unsafe {
             stream
                 .launch_builder(&self.shared.functions.dequant_fp8)
@@ -200,8 +224,7 @@ impl GpuRank {
                 .launch(cfg)
         }
         .map_err(|e| cuda("launch dequantize", e))?;
-        stream.synchronize().map_err(|e| cuda("dequantize", e))?;
-        Ok(out)
+        stream.synchronize().map_err(|e| cuda("dequantize", e))
     }
 
     fn check_device(&self, t: &DeviceTensor, what: &str) -> Result<(), Error> {
