@@ -108,7 +108,9 @@ __device__ __forceinline__ u64 ht_ready_end(const HtParams& p, int c, int src) {
     return end;
 }
 
-// Copies `bytes` (a multiple of 16) with one warp, 8 vectors in flight per lane.
+// Copies `bytes` (a multiple of 16) with one warp, 8 vectors in flight per lane, the rest one
+// vector at a time: the combine's send (the tail batch of `warp_copy_n`, which the dispatch
+// uses, costs the combine kernel ~150 bytes of spills at its 128 registers).
 __device__ __forceinline__ void warp_copy8(void* dst, const void* src, size_t bytes, int lane) {
     const size_t n = bytes / 16;
     const char* s = reinterpret_cast<const char*>(src);
@@ -192,9 +194,14 @@ __device__ __forceinline__ void ht_copy_meta(const HtParams& p, int t, int dest,
     }
 }
 
-// FP8 scales of a row: H / 128 floats.
+// FP8 scales of a row: H / 128 floats; 16 bytes per lane when the row's scales are whole
+// 16-byte vectors at 16-byte addresses (every row's are when H is a multiple of 512).
 __device__ __forceinline__ void ht_copy_scales(float* dst, const float* src, int cols, int lane) {
-    for (int i = lane; i < cols; i += 32) dst[i] = __ldcg(src + i);
+    if (cols % 4 == 0 && ((reinterpret_cast<size_t>(dst) | reinterpret_cast<size_t>(src)) & 15) == 0) {
+        for (int i = lane; i < cols / 4; i += 32) st_na_int4(dst + 4 * i, ld_cg_int4(src + 4 * i));
+    } else {
+        for (int i = lane; i < cols; i += 32) dst[i] = __ldcg(src + i);
+    }
 }
 
 // The role of sending warp `warp`: its destination and its index j among that destination's
@@ -216,6 +223,9 @@ __device__ __forceinline__ HtSendRole ht_send_role(const HtParams& p, int warp) 
 }
 
 // One sending warp: the items of its destination `dest` with op-local index i = j, j + W, ...
+// DISPATCH: the dispatch kernel's (p.chan == 0), a compile-time choice, so that neither kernel
+// carries the other's copy loop in its registers.
+template <bool DISPATCH>
 __device__ void ht_send(const HtParams& p, int c) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int R = p.num_ranks, C = p.channels;
@@ -225,21 +235,21 @@ __device__ void ht_send(const HtParams& p, int c) {
     u64* sig = reinterpret_cast<u64*>(p.signals);
     const u64 pos0 = *ht_prod(sig, p.chan, c, dest, p.seq);
     const int* send_off = reinterpret_cast<const int*>(p.send_off);
-    const int n = p.chan == 0 ? send_off[dest * (C + 1) + c + 1] - send_off[dest * (C + 1) + c]
+    const int n = DISPATCH ? send_off[dest * (C + 1) + c + 1] - send_off[dest * (C + 1) + c]
                               : reinterpret_cast<const int*>(p.recv_cnt)[dest * C + c];
     if (j == 0 && lane == 0) *ht_prod(sig, p.chan, c, dest, p.seq + 1) = pos0 + (u64)n;
-    const int* list = reinterpret_cast<const int*>(p.send_list) + (p.chan == 0 ? send_off[dest * (C + 1) + c] : 0);
+    const int* list = reinterpret_cast<const int*>(p.send_list) + (DISPATCH ? send_off[dest * (C + 1) + c] : 0);
     const int cols = p.hidden / 128;
 
     if (dest == p.rank) {
         // Dispatch to this rank: straight into the output rows. Combine: the receiver reads them.
-        if (p.chan != 0 || p.cancelled) return;
+        if (!DISPATCH || p.cancelled) return;
         const int row0 = reinterpret_cast<const int*>(p.recv_base)[p.rank * C + c];
         for (int i = j; i < n; i += W) {
             const int t = list[i];
             const size_t row = (size_t)row0 + i;
-            warp_copy8(reinterpret_cast<char*>(p.out) + row * p.row_bytes,
-                       reinterpret_cast<const char*>(p.x) + (size_t)t * p.row_bytes, p.row_bytes, lane);
+            warp_copy_n<8>(reinterpret_cast<char*>(p.out) + row * p.row_bytes,
+                           reinterpret_cast<const char*>(p.x) + (size_t)t * p.row_bytes, p.row_bytes, lane);
             if (p.fp8) {
                 ht_copy_scales(reinterpret_cast<float*>(p.out_scales) + row * cols,
                                reinterpret_cast<const float*>(p.x_scales) + (size_t)t * cols, cols, lane);
@@ -286,9 +296,9 @@ __device__ void ht_send(const HtParams& p, int c) {
         for (int i = i0; i <= last; i += W) {
         const u64 g = pos0 + (u64)i;
         char* slot = ht_slot(p.peer_ring[dest], p, c, p.rank, g);
-        if (p.chan == 0) {
+        if (DISPATCH) {
             const int t = list[i];
-            warp_copy8(slot, reinterpret_cast<const char*>(p.x) + (size_t)t * p.row_bytes, p.row_bytes, lane);
+            warp_copy_n<8>(slot, reinterpret_cast<const char*>(p.x) + (size_t)t * p.row_bytes, p.row_bytes, lane);
             if (p.fp8) {
                 ht_copy_scales(reinterpret_cast<float*>(slot + p.off_scales),
                                reinterpret_cast<const float*>(p.x_scales) + (size_t)t * cols, cols, lane);
@@ -384,7 +394,7 @@ __device__ void ht_dispatch_recv(const HtParams& p, int c) {
                 const u64 g = pos[s] + (u64)done[s] + (u64)k;
                 const size_t row = (size_t)base[s] + done[s] + k;
                 const char* slot = ht_slot(p.own_ring, p, c, s, g);
-                warp_copy8(reinterpret_cast<char*>(p.out) + row * p.row_bytes, slot, p.row_bytes, lane);
+                warp_copy_n<8>(reinterpret_cast<char*>(p.out) + row * p.row_bytes, slot, p.row_bytes, lane);
                 if (p.fp8) {
                     ht_copy_scales(reinterpret_cast<float*>(p.out_scales) + row * cols,
                                    reinterpret_cast<const float*>(slot + p.off_scales), cols, lane);
@@ -559,7 +569,7 @@ __device__ void ht_combine_recv(const HtParams& p, int c) {
 extern "C" __global__ void __launch_bounds__(HT_BLOCK) ep_ht_dispatch_kernel(HtParams p) {
     ht_signal_start(p);
     if ((int)blockIdx.x < p.channels) {
-        ht_send(p, blockIdx.x);
+        ht_send<true>(p, blockIdx.x);
     } else {
         ht_dispatch_recv(p, blockIdx.x - p.channels);
     }
@@ -572,7 +582,7 @@ template <int NR, int G>
 __device__ __forceinline__ void ht_combine(const HtParams& p) {
     ht_signal_start(p);
     if ((int)blockIdx.x < p.channels) {
-        ht_send(p, blockIdx.x);
+        ht_send<false>(p, blockIdx.x);
     } else {
         ht_combine_recv<NR, G>(p, blockIdx.x - p.channels);
     }

@@ -656,7 +656,8 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
                 if (lane < cols) s0 = __ldcg(ssrc + lane);
                 if (lane + 32 < cols) s1 = __ldcg(ssrc + lane + 32);
             }
-            warp_copy(reinterpret_cast<char*>(p.out) + out_row * payload_bytes + part * piece, payload + part * piece, piece, lane);
+            warp_copy_n<4>(reinterpret_cast<char*>(p.out) + out_row * payload_bytes + part * piece, payload + part * piece, piece,
+                           lane);
             if (scales_here) {
                 float* dst = reinterpret_cast<float*>(p.out_scales) + out_row * cols;
                 if (lane < cols) dst[lane] = s0;
