@@ -128,6 +128,9 @@ __device__ __forceinline__ u64 mask_word(const LlParams& p) {
     return p.masking ? ld_acquire_sys(mask_area(reinterpret_cast<u64*>(p.signals))) : 0ull;
 }
 
+// Whether mask word `m` masks rank `a` or rank `b` (a pair that exchanges nothing).
+__device__ __forceinline__ bool either_masked(u64 m, int a, int b) { return ((m >> a) | (m >> b)) & 1ull; }
+
 // ORs `bits` into this rank's mask word, then into every peer's (the masked ranks' own included,
 // so they learn it), and mirrors this rank's word in its status page for its host.
 __device__ void mask_everywhere(u64 signals, const u64* peer_signals, u64 status, int rank, int num_ranks, u64 bits) {
@@ -186,14 +189,16 @@ struct SendRole {
 __device__ __forceinline__ int send_warp() { return blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); }
 __device__ __forceinline__ int warps_per_dest(const LlParams& p) { return gridDim.x * (blockDim.x >> 5) / p.num_ranks; }
 
-// The destination rank this warp of a send kernel serves (num_ranks or more: a spare warp).
+// The destination rank this warp of a send kernel serves (num_ranks or more: a spare warp), and
+// its number among that destination's warps.
 __device__ __forceinline__ int send_dest(const LlParams& p) { return send_warp() / warps_per_dest(p); }
+__device__ __forceinline__ int send_j(const LlParams& p) { return send_warp() % warps_per_dest(p); }
 
 __device__ __forceinline__ bool send_role(const LlParams& p, const OpNum& n, int chan, long long items, SendRole* r) {
     r->lane = threadIdx.x & 31;
     r->wpd = warps_per_dest(p);
     r->dest = send_dest(p);
-    r->j = send_warp() % r->wpd;
+    r->j = send_j(p);
     r->reporting = (int)(items < 1 ? 1 : (items < r->wpd ? items : r->wpd));
     return r->dest < p.num_ranks && r->j < r->reporting;
 }
@@ -203,7 +208,7 @@ __device__ __forceinline__ void role_wait_credit(const LlParams& p, const OpNum&
     int skip = 0;
     if (r->lane == 0) {
         const u64 m = mask_word(p);
-        skip = (int)(((m >> p.rank) | (m >> r->dest)) & 1ull);
+        skip = (int)either_masked(m, p.rank, r->dest);
         if (!skip) skip = wait_credit(p, n, chan, r->dest);
     }
     r->skip = __shfl_sync(EP_FULL_MASK, skip, 0) != 0;
@@ -222,14 +227,14 @@ __device__ __forceinline__ void signal_sent(const LlParams& p, const OpNum& n, i
         // The whole stamp (the word after the arrival word) goes out with this warp's payload,
         // under the same fence, so the arrival word's release waits for no store of its own.
         const u64 m0 = mask_word(p);
-        if (!(((m0 >> p.rank) | (m0 >> dest)) & 1ull)) st_relaxed_sys(pair + 1, p.stamp);
+        if (!either_masked(m0, p.rank, dest)) st_relaxed_sys(pair + 1, p.stamp);
         asm volatile("fence.acq_rel.sys;" ::: "memory");
         u64* sig = reinterpret_cast<u64*>(p.signals);
         u64* sent = sig_at(sig, EP_SIG_SENT(chan), n.set, dest);
         if (atom_add_acq_rel_gpu(sent, 1) == (u64)(reporting - 1)) {
             *sent = 0;
             const u64 m = mask_word(p);
-            if (!(((m >> p.rank) | (m >> dest)) & 1ull)) st_release_sys(pair, arrival_word(n.seq, p.cancelled != 0, p.stamp));
+            if (!either_masked(m, p.rank, dest)) st_release_sys(pair, arrival_word(n.seq, p.cancelled != 0, p.stamp));
         }
     }
 }
@@ -386,7 +391,7 @@ __device__ void wait_sources_masked(const LlParams& p, const OpNum& n, int chan,
     const int s = threadIdx.x;
     if (s < p.num_ranks) {
         const u64 m0 = mask_word(p);
-        bool gave_up = ((m0 >> p.rank) | (m0 >> s)) & 1ull;
+        bool gave_up = either_masked(m0, p.rank, s);
         const u64* a = arrival_at(sig, chan, n.set, s);
         const u64 deadline = globaltimer_ns() + p.timeout_ns;
         while (!gave_up && !arrival_is(ld_acquire_sys(a), n.seq)) {
@@ -758,7 +763,7 @@ __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) 
     // The source's count and this warp's first entry load together (the entry's place does not
     // depend on the count; it is used only if the count covers it), then its row, all before the
     // credit wait (their latency overlaps it).
-    const int j0 = send_warp() % warps_per_dest(p);
+    const int j0 = send_j(p);
     const int count = serves ? __ldcg(reinterpret_cast<const int*>(p.ret_count) + d) : 0;
     const int i_first = serves && j0 / C < M * K ? __ldcg(list + j0 / C) : 0;
     SendRole role;
