@@ -222,12 +222,14 @@ impl GpuOp {
         steps: &mut Steps,
     ) -> Result<Arc<CudaEvent>, Error> {
         // A fence recorded on `on` itself (the caller's stream, where the set's previous
-        // operation completed) is already behind us in stream order: no wait for it.
+        // operation completed) is already behind us in stream order: no wait for it. A plain
+        // event is always waited for.
         let fences: Vec<Arc<CudaEvent>> = fences
             .into_iter()
-            .filter_map(|f| f.downcast::<StreamFence>().ok())
-            .filter(|f| f.stream != stream_id(on))
-            .map(|f| Arc::clone(&f.event))
+            .filter_map(|f| match f.downcast::<StreamFence>() {
+                Ok(f) => (f.stream != stream_id(on)).then(|| Arc::clone(&f.event)),
+                Err(f) => f.downcast::<CudaEvent>().ok(),
+            })
             .collect();
         StreamWork::wait_on(on, &fences)?;
         steps.step(if fences.is_empty() { "launch: no buffer-set fence" } else { "launch: buffer-set fence waits" });

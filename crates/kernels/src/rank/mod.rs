@@ -186,7 +186,8 @@ impl GpuRank {
 
     /// Dequantizes FP8 rows (`[rows x H]` + scales `[rows x H/128]`) into `out`, a BF16 tensor of
     /// `q`'s shape on this rank's device, on the dispatch channel's stream; returns when done.
-    /// The caller makes sure that no queued work still reads `out`. Errors: `out` of another shape, type or device; CUDA failures.
+    /// The caller makes sure that no queued work still reads `out`. Errors: `out` of another
+    /// shape, type or device; CUDA failures.
     pub fn dequantize_fp8_into(
         &self,
         q: &DeviceTensor,
