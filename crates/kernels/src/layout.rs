@@ -360,9 +360,9 @@ impl LlLayout {
     /// Per-handle device memory: the `topk_idx` copy `[M x K]` int64, the row map
     /// `[R x M x K]` int32, for NCCL peers the combine pack map `[R x M x K]` and the
     /// combine positions `[M x K]` int32 (see `nccl.rs`), and the return list `[R x M x K]`
-    /// int32 with its per-source counts (room for `[R + 1]` int32; `ret_list` in `ll.cu`).
+    /// int32 with its per-source counts `[R]` int32 (`ret_list` in `ll.cu`).
     pub(crate) fn handle_bytes(&self) -> usize {
-        self.return_count_offset() + (self.num_ranks + 1) * 4
+        self.return_count_offset() + self.num_ranks * 4
     }
 
     /// Offset of the return list inside a handle's memory.
