@@ -591,6 +591,161 @@ fn finish_abandoned<O: PendingOp>(mut op: O, timeout: Duration) -> Result<()> {
     }
 }
 
+/// An operation whose outputs were handed out in stream order ([`complete_on_blocking`]): the
+/// blocking counterpart of the async `Completion`. [`InStreamOrder::settle`] waits for the
+/// device and returns the verdict; dropping it unsettled detaches the wait (a failure still
+/// poisons the group).
+pub struct InStreamOrder<O: PendingOp> {
+    op: Option<O>,
+    poison: Arc<Poison>,
+    timeout: Duration,
+}
+
+impl<O: PendingOp> InStreamOrder<O> {
+    /// Waits (bounded by the group's timeout) until the device has finished the operation, and
+    /// returns its verdict. A failure poisons the group: work enqueued on the outputs read bad
+    /// data.
+    pub fn settle(mut self) -> Result<()> {
+        let Some(mut op) = self.op.take() else { return Ok(()) };
+        let result = settle_op(&mut op, self.timeout);
+        if let Err(e) = &result {
+            self.poison.poison(format!(
+                "{}, completed in stream order, failed after its outputs were handed out: {e}",
+                op.label()
+            ));
+        }
+        result
+    }
+}
+
+fn settle_op<O: PendingOp>(op: &mut O, timeout: Duration) -> Result<()> {
+    let probe = op.complete_probe();
+    if !wait_until(deadline_after(Instant::now(), timeout), || Ok(probe.ready()))? {
+        return Err(timeout_error(op, timeout));
+    }
+    if !op.poll_complete()? {
+        return Err(Error::Backend(format!("{}: completion probe ready, operation not complete", op.label())));
+    }
+    op.verdict()
+}
+
+impl<O: PendingOp> Drop for InStreamOrder<O> {
+    fn drop(&mut self) {
+        let Some(mut op) = self.op.take() else { return };
+        let (poison, timeout) = (Arc::clone(&self.poison), self.timeout);
+        let label = op.label();
+        // The outputs are out: only the verdict is left, on a thread (never block a drop).
+        let spawned = std::thread::Builder::new().name("epflow-settle".into()).spawn(move || {
+            if let Err(e) = settle_op(&mut op, timeout) {
+                poison.poison(format!("{label}, completed in stream order, failed: {e}"));
+            }
+        });
+        if spawned.is_err() {
+            self.poison.poison("no thread to settle an operation completed in stream order".to_string());
+        }
+    }
+}
+
+impl<O: PendingOp> std::fmt::Debug for InStreamOrder<O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InStreamOrder").field("op", &self.op.as_ref().map(PendingOp::label)).finish()
+    }
+}
+
+/// Blocking stream-ordered completion, as the async `complete_on` futures do: orders the
+/// operation after the work enqueued on `stream` so far ([`PendingOp::order_after`]: the
+/// producers of its inputs), sends it (slot, credits), then returns its outputs, usable by work
+/// enqueued on `stream` from now on, as soon as the backend hands them out (the GPU backend: at
+/// once, for the operations it can order on the device; others once they finished on the
+/// host), and the operation to [`InStreamOrder::settle`].
+pub fn complete_on_blocking<O: PendingOp>(
+    mut op: O,
+    slots: &Arc<SlotPool>,
+    poison: &Arc<Poison>,
+    timeout: Duration,
+    stream: &O::Stream,
+    order: StreamOrder,
+) -> Result<(O::Output, InStreamOrder<O>)> {
+    let (channel, seq) = (op.channel(), op.seq());
+    let label = || op_label(channel, seq);
+    if !op.is_sent() {
+        if let Err(e) = guarded(poison, label, || op.order_after(stream)) {
+            // Not sent: the peers get a cancellation instead of waiting for data.
+            op.cancel();
+            detach(op, timeout, Arc::clone(poison));
+            return Err(e);
+        }
+        op = send_blocking(op, slots, poison, timeout)?;
+    }
+    let deadline = deadline_after(Instant::now(), timeout);
+    loop {
+        if let Some(out) = poison.track(guarded(poison, label, || op.complete_on(stream, order)))? {
+            return Ok((out, InStreamOrder { op: Some(op), poison: Arc::clone(poison), timeout }));
+        }
+        let probe = op.complete_probe();
+        if !wait_until(deadline, || Ok(probe.ready()))? {
+            return poison.track(Err(timeout_error(&op, timeout)));
+        }
+    }
+}
+
+/// A handle created in stream order, and its creation to settle (`None`: built at once).
+pub type HandleInStreamOrder<B> = (<B as Backend>::Handle, Option<InStreamOrder<<B as Backend>::Op>>);
+
+/// Creates a handle in `stream`'s order on any backend (see `HandleFuture::complete_on` in
+/// epflow-async): the handle, and the creation to settle (`None`: a low-latency handle, built
+/// at once).
+pub fn blocking_handle_on<B: Backend>(
+    b: &B,
+    topk_idx: &B::Tensor,
+    opts: &HandleOptions,
+    stream: &B::Stream,
+) -> Result<HandleInStreamOrder<B>> {
+    match b.start_handle(topk_idx, opts)? {
+        HandleCreation::Ready(h) => Ok((h, None)),
+        HandleCreation::Collective(op) => {
+            let pool = b.slot_pool(Channel::Handle);
+            match complete_on_blocking(op, pool, b.poison(), b.config().timeout, stream, StreamOrder::Ordered)? {
+                (OpOutput::Handle(h), settle) => Ok((h, Some(settle))),
+                _ => Err(no_result("handle creation")),
+            }
+        }
+    }
+}
+
+/// Dispatch in `stream`'s order on any backend, blocking until it is enqueued (see
+/// [`complete_on_blocking`]).
+pub fn blocking_dispatch_on<B: Backend>(
+    b: &B,
+    handle: &B::Handle,
+    inputs: DispatchInputs<'_, B::Tensor>,
+    opts: &DispatchOptions,
+    stream: &B::Stream,
+) -> Result<(B::DispatchOutput, InStreamOrder<B::Op>)> {
+    let op = b.start_dispatch(handle, inputs, opts)?;
+    let (pool, timeout) = (b.slot_pool(Channel::Dispatch), b.config().timeout);
+    match complete_on_blocking(op, pool, b.poison(), timeout, stream, StreamOrder::Ordered)? {
+        (OpOutput::Dispatch(d), settle) => Ok((d, settle)),
+        _ => Err(no_result("dispatch")),
+    }
+}
+
+/// Combine in `stream`'s order on any backend; see [`blocking_dispatch_on`].
+pub fn blocking_combine_on<B: Backend>(
+    b: &B,
+    handle: &B::Handle,
+    inputs: CombineInputs<'_, B::Tensor>,
+    opts: &CombineOptions,
+    stream: &B::Stream,
+) -> Result<(B::CombineOutput, InStreamOrder<B::Op>)> {
+    let op = b.start_combine(handle, inputs, opts)?;
+    let (pool, timeout) = (b.slot_pool(Channel::Combine), b.config().timeout);
+    match complete_on_blocking(op, pool, b.poison(), timeout, stream, StreamOrder::Ordered)? {
+        (OpOutput::Combine(c), settle) => Ok((c, settle)),
+        _ => Err(no_result("combine")),
+    }
+}
+
 fn no_result(what: &str) -> Error {
     Error::Backend(format!("{what} was cancelled and has no result"))
 }

@@ -290,6 +290,12 @@ pub enum ValidationError {
         /// `"low-latency"` or `"high-throughput"`.
         algorithm: &'static str,
     },
+    /// [`crate::ops::RecvRows::Bound`] in a group without a fixed `max_tokens_per_rank`: there
+    /// is no bound to size the received tensors by.
+    #[error(
+        "RecvRows::Bound sizes received tensors by R x max_tokens_per_rank, but this group's max_tokens_per_rank is Auto: create the group with a fixed max_tokens_per_rank, or use RecvRows::Exact"
+    )]
+    RecvRowsNeedFixedMaxTokens,
     /// The handle belongs to another group.
     #[error("the handle was created by group {handle_group} and cannot be used with group {group}")]
     ForeignHandle {

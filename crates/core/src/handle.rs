@@ -13,11 +13,12 @@
 //! swapped order) get [`crate::Error::PeerMismatch`] from the combine, never another dispatch's
 //! rows.
 
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::config::Algorithm;
 use crate::error::ValidationError;
-use crate::ops::{Layout, Pass};
+use crate::ops::{Layout, Pass, RecvRows};
 use crate::routing::Routing;
 use crate::stamp::{Pairing, Stamp};
 
@@ -32,8 +33,11 @@ pub struct HandleCore {
     algorithm: Algorithm,
     layout: Layout,
     creation: Option<u64>,
-    /// High-throughput: `N` and the rows per local expert, from handle creation.
-    recv: Option<(usize, Vec<i32>)>,
+    /// High-throughput: `N` and the rows per local expert, from handle creation (set once,
+    /// possibly after the handle was handed out: [`RecvRows::Bound`]).
+    recv: OnceLock<(usize, Vec<i32>)>,
+    /// High-throughput [`RecvRows::Bound`]: the rows of the handle's received tensors.
+    recv_bound: Option<usize>,
     /// Per pass (forward, backward): 1 + the number of the latest completed dispatch; 0 = none.
     last_dispatch: [AtomicU64; 2],
     /// 1 + the mask epoch ([`crate::mask`]) in which the latest dispatch started; 0 = none.
@@ -83,7 +87,8 @@ impl HandleCore {
             algorithm,
             layout: Layout::ExpertMajor,
             creation,
-            recv: None,
+            recv: OnceLock::new(),
+            recv_bound: None,
             last_dispatch: Default::default(),
             mask_epoch: AtomicU64::new(0),
         }
@@ -103,14 +108,34 @@ impl HandleCore {
 
     /// With what handle creation learnt (high-throughput): `num_recv` rows this rank receives,
     /// `expert_counts` of them per local expert (`[L]`).
-    pub fn with_recv(mut self, num_recv: usize, expert_counts: Vec<i32>) -> Self {
+    pub fn with_recv(self, num_recv: usize, expert_counts: Vec<i32>) -> Self {
         self.set_recv(num_recv, expert_counts);
         self
     }
 
-    /// Sets what handle creation learnt (see [`HandleCore::with_recv`]).
-    pub fn set_recv(&mut self, num_recv: usize, expert_counts: Vec<i32>) {
-        self.recv = Some((num_recv, expert_counts));
+    /// Sets what handle creation learnt (see [`HandleCore::with_recv`]); a handle created in
+    /// stream order learns it when its creation completes. The first value stays: later calls
+    /// do nothing.
+    pub fn set_recv(&self, num_recv: usize, expert_counts: Vec<i32>) {
+        let _ = self.recv.set((num_recv, expert_counts));
+    }
+
+    /// With received tensors of `bound` rows whatever `N` is ([`RecvRows::Bound`]; the backend
+    /// computed `bound` from the config).
+    pub fn with_recv_bound(mut self, bound: usize) -> Self {
+        self.recv_bound = Some(bound);
+        self
+    }
+
+    /// The rows of the handle's received tensors ([`RecvRows`]).
+    pub fn recv_rows_kind(&self) -> RecvRows {
+        if self.recv_bound.is_some() { RecvRows::Bound } else { RecvRows::Exact }
+    }
+
+    /// High-throughput: the rows of the handle's received tensors: the bound
+    /// ([`RecvRows::Bound`]), else `N` once known.
+    pub fn recv_rows(&self) -> Option<usize> {
+        self.recv_bound.or_else(|| self.recv.get().map(|r| r.0))
     }
 
     /// The group that created the handle.
@@ -212,12 +237,21 @@ pub trait RoutingHandle: Clone + Send + Sync + 'static {
     /// High-throughput: `N`, the rows this rank receives (NCCL EP's
     /// `ncclEpHandleGetNumRecvTokens`), known once the handle exists. `None` for low-latency
     /// handles.
+    ///
+    /// A handle created in stream order with [`RecvRows::Bound`] learns it when its creation
+    /// completes (await the creation's completion first); `None` until then.
     fn num_recv_tokens(&self) -> Option<usize> {
-        self.core().recv.as_ref().map(|r| r.0)
+        self.core().recv.get().map(|r| r.0)
     }
-    /// High-throughput: rows this rank receives per local expert (`[L]`).
+    /// High-throughput: rows this rank receives per local expert (`[L]`); like
+    /// [`RoutingHandle::num_recv_tokens`], `None` until handle creation completed.
     fn recv_expert_counts(&self) -> Option<&[i32]> {
-        self.core().recv.as_ref().map(|r| r.1.as_slice())
+        self.core().recv.get().map(|r| r.1.as_slice())
+    }
+    /// High-throughput: the rows of the tensors operations on the handle receive (dispatch
+    /// outputs, combine inputs): `N`, or the group's bound for a [`RecvRows::Bound`] handle.
+    fn recv_rows(&self) -> Option<usize> {
+        self.core().recv_rows()
     }
     /// `B`, tokens this rank routes.
     fn num_tokens(&self) -> usize {
@@ -279,6 +313,19 @@ mod tests {
         assert_eq!((h.num_tokens(), h.top_k()), (2, 2));
         let l = Handle(std::sync::Arc::new(core(Algorithm::LowLatency, None)));
         assert_eq!((l.num_recv_tokens(), l.recv_expert_counts()), (None, None));
+    }
+
+    #[test]
+    fn bound_handles_have_bound_rows_and_learn_n_once() {
+        let h = Handle(std::sync::Arc::new(core(Algorithm::HighThroughput, Some(0)).with_recv_bound(8)));
+        assert_eq!((h.recv_rows(), h.num_recv_tokens(), h.core().recv_rows_kind()), (Some(8), None, RecvRows::Bound));
+        h.core().set_recv(5, vec![3, 2]);
+        h.core().set_recv(6, vec![6, 0]);
+        assert_eq!((h.recv_rows(), h.num_recv_tokens(), h.recv_expert_counts()), (Some(8), Some(5), Some(&[3, 2][..])));
+        let e = Handle(std::sync::Arc::new(core(Algorithm::HighThroughput, Some(1))));
+        assert_eq!((e.recv_rows(), e.core().recv_rows_kind()), (None, RecvRows::Exact));
+        e.core().set_recv(4, vec![4, 0]);
+        assert_eq!(e.recv_rows(), Some(4));
     }
 
     #[test]

@@ -9,7 +9,7 @@ use crate::error::ValidationError;
 use crate::handle::RoutingHandle;
 use crate::ops::{
     CombineInputs, CombineOptions, CombineOutputs, CountsLocation, DispatchInputs, DispatchOptions, DispatchOutputs,
-    Layout, Pass, TensorView,
+    Layout, Pass, RecvRows, TensorView,
 };
 use crate::routing::Routing;
 use crate::tensor::{TensorDesc, TensorTag};
@@ -25,7 +25,8 @@ pub struct OpContext<'a> {
     pub num_tokens: usize,
     /// `K`.
     pub top_k: usize,
-    /// `N`, rows this rank receives (high-throughput; from the handle).
+    /// High-throughput: the rows of received tensors, `N` or the bound of a
+    /// [`crate::ops::RecvRows::Bound`] handle ([`RoutingHandle::recv_rows`]).
     pub num_recv: usize,
     /// The handle's low-latency receive layout.
     pub layout: Layout,
@@ -39,7 +40,7 @@ impl<'a> OpContext<'a> {
             num_ranks,
             num_tokens: handle.core().num_tokens(),
             top_k: handle.core().top_k(),
-            num_recv: handle.num_recv_tokens().unwrap_or(0),
+            num_recv: handle.recv_rows().unwrap_or(0),
             layout: handle.core().layout(),
         }
     }
@@ -568,7 +569,7 @@ pub fn validate_combine_inputs<'a, T: TensorView + ?Sized>(
                 inputs.tokens,
                 TensorTag::Tokens,
                 DType::Bf16,
-                (n, "the handle's receive count"),
+                (n, "the handle's receive rows"),
                 (h, "hidden"),
             )?;
             match (pass, inputs.topk_weights) {
@@ -587,7 +588,7 @@ pub fn validate_combine_inputs<'a, T: TensorView + ?Sized>(
                         w,
                         TensorTag::TopkWeights,
                         DType::F32,
-                        (n, "the handle's receive count"),
+                        (n, "the handle's receive rows"),
                         (ctx.top_k, "top_k"),
                     )?;
                     Ok(ValidCombine::Backward { grads: inputs.tokens, weight_grads: w })
@@ -637,15 +638,30 @@ pub fn validate_combine_outputs<T: TensorView>(
 }
 
 /// Checks handle options against the group: high-throughput handles are flat, so
-/// [`Layout::RankMajor`] is low-latency only.
+/// [`Layout::RankMajor`] is low-latency only; [`RecvRows::Bound`] is high-throughput only (a
+/// low-latency handle's outputs are always sized by the bound) and needs a fixed
+/// `max_tokens_per_rank`.
 pub fn validate_handle_options(config: &GroupConfig, opts: &crate::ops::HandleOptions) -> Result<(), ValidationError> {
-    match (config.algorithm, opts.layout) {
-        (Algorithm::HighThroughput, Layout::RankMajor) => Err(ValidationError::UnsupportedForAlgorithm {
+    match (config.algorithm, opts.layout, opts.recv_rows) {
+        (Algorithm::HighThroughput, Layout::RankMajor, _) => Err(ValidationError::UnsupportedForAlgorithm {
             what: "the rank-major layout",
             algorithm: algorithm_name(config.algorithm),
         }),
+        (Algorithm::LowLatency, _, RecvRows::Bound) => Err(ValidationError::UnsupportedForAlgorithm {
+            what: "RecvRows::Bound (low-latency outputs are always sized by the bound)",
+            algorithm: algorithm_name(config.algorithm),
+        }),
+        (Algorithm::HighThroughput, _, RecvRows::Bound) if config.fixed_max_tokens().is_none() => {
+            Err(ValidationError::RecvRowsNeedFixedMaxTokens)
+        }
         _ => Ok(()),
     }
+}
+
+/// The rows of a [`RecvRows::Bound`] handle's received tensors in a group of `num_ranks` with
+/// `config` (validated by [`validate_handle_options`]): `R x max_tokens_per_rank`.
+pub fn recv_bound(config: &GroupConfig, num_ranks: usize) -> usize {
+    num_ranks * config.fixed_max_tokens().unwrap_or(0)
 }
 
 /// Checks that staged (send-only) execution is allowed for the group's algorithm.

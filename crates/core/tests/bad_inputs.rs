@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use epflow_core::host::{HostHandle, HostRank, HostWorld};
 use epflow_core::ops::{
-    CombineInputs, CombineOptions, CombineOutputs, DispatchInputs, DispatchOptions, DispatchOutputs, Pass,
+    CombineInputs, CombineOptions, CombineOutputs, DispatchInputs, DispatchOptions, DispatchOutputs, HandleOptions,
+    Pass, RecvRows,
 };
 use epflow_core::validate::{OpContext, validate_combine_outputs, validate_dispatch_outputs};
 use epflow_core::{
@@ -483,8 +484,8 @@ fn cases() -> Vec<Case> {
                 let x = tokens(h.num_recv_tokens().unwrap() + 1, H);
                 rank.combine(&h, CombineInputs::new(&x), &CombineOptions::default()).unwrap_err()
             }),
-            |e| matches!(e, V(VE::TokenCountMismatch { reference: "the handle's receive count", .. })),
-            "receive count",
+            |e| matches!(e, V(VE::TokenCountMismatch { reference: "the handle's receive rows", .. })),
+            "receive rows",
         ),
         (
             "LL dispatch outputs without counts",
@@ -570,6 +571,38 @@ fn cases() -> Vec<Case> {
             }),
             |e| matches!(e, Error::SlotsBusy { channel: "dispatch", buffer_sets: 2 }),
             "drop an earlier result",
+        ),
+        (
+            "received rows by the bound on a low-latency handle",
+            Box::new(|| {
+                let opts = HandleOptions::default().with_recv_rows(RecvRows::Bound);
+                one_rank(ll()).create_handle_with(&idx(3), &opts).unwrap_err()
+            }),
+            |e| matches!(e, V(VE::UnsupportedForAlgorithm { .. })),
+            "RecvRows::Bound",
+        ),
+        (
+            "received rows by the bound without a fixed max_tokens_per_rank",
+            Box::new(|| {
+                let opts = HandleOptions::default().with_recv_rows(RecvRows::Bound);
+                one_rank(ht(DispatchDtype::Bf16)).create_handle_with(&idx(3), &opts).unwrap_err()
+            }),
+            |e| matches!(e, V(VE::RecvRowsNeedFixedMaxTokens)),
+            "fixed max_tokens_per_rank",
+        ),
+        (
+            "a combine input of N rows on a handle whose received tensors have the bound's",
+            Box::new(|| {
+                let opts = HandleOptions::default().with_recv_rows(RecvRows::Bound);
+                let rank = one_rank(ht(DispatchDtype::Bf16).with_max_tokens(MaxTokens::Fixed(M)));
+                let h = rank.create_handle_with(&idx(3), &opts).unwrap();
+                let (x, w) = (tokens(3, H), weights(3, K));
+                let d = rank.dispatch(&h, DispatchInputs::new(&x).with_weights(&w), &DispatchOptions::default());
+                assert_eq!(d.unwrap().tokens().desc().shape, vec![M, H]);
+                rank.combine(&h, CombineInputs::new(&tokens(3, H)), &CombineOptions::default()).unwrap_err()
+            }),
+            |e| matches!(e, V(VE::TokenCountMismatch { expected: M, got: 3, .. })),
+            "receive rows",
         ),
     ]
 }

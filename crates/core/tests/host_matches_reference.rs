@@ -4,12 +4,12 @@
 
 use epflow_core::handle::RoutingHandle;
 use epflow_core::host::{HostRank, HostWorld};
-use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, Pass};
+use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions, Pass, RecvRows};
 use epflow_core::reference;
 use epflow_core::scenario::{Scenario, identity_rows, ll_identity_expert_outputs};
 use epflow_core::verify::{Report, Tolerance, check_bf16, check_ht_dispatch, check_ll_dispatch};
 use epflow_core::workload::{RoutingKind, random_tokens};
-use epflow_core::{DispatchDtype, GroupConfig, HostTensor, MaxTokens, bf16};
+use epflow_core::{DispatchDtype, GroupConfig, HostData, HostTensor, MaxTokens, bf16};
 
 const HIDDEN: usize = 256;
 const EXPERTS: usize = 32;
@@ -102,15 +102,39 @@ fn low_latency_routing_to_one_rank_and_skew() {
     }
 }
 
-fn ht_round(rank: &HostRank, sc: &Scenario) -> Vec<(String, Report)> {
+/// The first `n` rows (of `cols` elements) of `d`: what a [`RecvRows::Bound`] output holds
+/// beyond its bound rows is not compared.
+fn head(d: &HostData, n: usize, cols: usize) -> HostData {
+    let e = n * cols;
+    match d {
+        HostData::Bf16(v) => HostData::Bf16(v[..e].to_vec()),
+        HostData::F32(v) => HostData::F32(v[..e].to_vec()),
+        HostData::I32(v) => HostData::I32(v[..e].to_vec()),
+        HostData::I64(v) => HostData::I64(v[..e].to_vec()),
+        HostData::Fp8(v) => HostData::Fp8(v[..e].to_vec()),
+    }
+}
+
+/// `rows` rows of `cols` values: `v` (whole rows), then zeros.
+fn padded<T: Copy + Default>(mut v: Vec<T>, rows: usize, cols: usize) -> Vec<T> {
+    v.resize(rows * cols, T::default());
+    v
+}
+
+fn ht_round(rank: &HostRank, sc: &Scenario, recv_rows: RecvRows) -> Vec<(String, Report)> {
     let r = rank.rank();
     let h = HIDDEN;
     let refs = sc.ht_dispatch_reference().unwrap();
     let routings = sc.routings().unwrap();
-    let handle = rank.create_handle(&sc.topk_idx(r)).unwrap();
+    let opts = HandleOptions::default().with_recv_rows(recv_rows);
+    let handle = rank.create_handle_with(&sc.topk_idx(r), &opts).unwrap();
     let n = handle.num_recv_tokens().unwrap();
     assert_eq!(n, refs[r].layout.num_rows(), "rank {r}: receive count from the handle");
     assert_eq!(handle.recv_expert_counts().unwrap(), refs[r].layout.expert_counts());
+    // The rows of received tensors: N, or the group's bound R x M.
+    let rows = handle.recv_rows().unwrap();
+    let bound = sc.num_ranks * MAX_TOKENS;
+    assert_eq!(rows, if recv_rows == RecvRows::Bound { bound } else { n }, "rank {r}: received rows");
     let mut reports = Vec::new();
 
     // Forward dispatch.
@@ -122,20 +146,23 @@ fn ht_round(rank: &HostRank, sc: &Scenario) -> Vec<(String, Report)> {
         None => DispatchInputs::new(&bf).with_weights(&w),
     };
     let out = rank.dispatch(&handle, inputs, &DispatchOptions::default()).unwrap();
+    assert_eq!(out.tokens().desc().shape[0], rows, "rank {r}: dispatch output rows");
+    let cols = sc.config.scale_cols();
+    let scales = out.scales().map(|s| head(s.data(), n, cols));
     reports.push((
         "forward dispatch".into(),
         check_ht_dispatch(
             &refs[r],
-            out.tokens().data(),
-            out.scales().and_then(HostTensor::as_f32),
-            out.topk_weights().unwrap().as_f32().unwrap(),
-            out.topk_idx().unwrap().as_i64().unwrap(),
+            &head(out.tokens().data(), n, h),
+            scales.as_ref().and_then(|s| if let HostData::F32(v) = s { Some(v.as_slice()) } else { None }),
+            &out.topk_weights().unwrap().as_f32().unwrap()[..n * TOP_K],
+            &out.topk_idx().unwrap().as_i64().unwrap()[..n * TOP_K],
             out.counts().unwrap(),
         ),
     ));
 
     // Forward combine of identity experts.
-    let experts = HostTensor::tokens(n, h, identity_rows(&refs[r].tokens, h));
+    let experts = HostTensor::tokens(rows, h, padded(identity_rows(&refs[r].tokens, h), rows, h));
     let y = rank.combine(&handle, CombineInputs::new(&experts), &CombineOptions::default()).unwrap();
     let want = sc.ht_combine_identity_reference(&refs).unwrap();
     reports.push((
@@ -145,7 +172,7 @@ fn ht_round(rank: &HostRank, sc: &Scenario) -> Vec<(String, Report)> {
 
     // Weight gradients: twice the received weights (any values work; these are deterministic).
     let wg: Vec<Vec<f32>> = refs.iter().map(|d| d.topk_weights.iter().map(|v| v * 2.0 + 0.25).collect()).collect();
-    let wg_t = HostTensor::topk_weights(n, TOP_K, wg[r].clone());
+    let wg_t = HostTensor::topk_weights(rows, TOP_K, padded(wg[r].clone(), rows, TOP_K));
     let wrefs: Vec<&[f32]> = wg.iter().map(Vec::as_slice).collect();
     let copts = CombineOptions { pass: Pass::Backward };
 
@@ -177,7 +204,7 @@ fn ht_round(rank: &HostRank, sc: &Scenario) -> Vec<(String, Report)> {
     let want_bwd = reference::ht_dispatch_backward(&sc.config, &routings, &grefs);
     reports.push((
         "backward dispatch".into(),
-        check_bf16("grads", &want_bwd[r], gout.tokens().as_bf16().unwrap(), Tolerance::Exact),
+        check_bf16("grads", &want_bwd[r], &gout.tokens().as_bf16().unwrap()[..n * h], Tolerance::Exact),
     ));
 
     let gy = rank.combine(&handle, CombineInputs::new(gout.tokens()).with_weights(&wg_t), &copts).unwrap();
@@ -216,9 +243,17 @@ fn high_throughput_matches_reference() {
                     6,
                     7 * num_ranks as u64,
                 );
-                for reports in HostWorld::run(num_ranks, config, |rank| ht_round(rank, &sc)).unwrap() {
-                    for (what, rep) in reports {
-                        assert!(rep.ok(), "HT R={num_ranks} {dtype:?} {max_tokens:?} {what}: {rep:?}");
+                // A bound needs a fixed max_tokens_per_rank (`RecvRows::Bound` is refused otherwise).
+                let recv_rows: &[RecvRows] = match max_tokens {
+                    MaxTokens::Auto => &[RecvRows::Exact],
+                    MaxTokens::Fixed(_) => &[RecvRows::Exact, RecvRows::Bound],
+                };
+                for &rows in recv_rows {
+                    for reports in HostWorld::run(num_ranks, config.clone(), |rank| ht_round(rank, &sc, rows)).unwrap()
+                    {
+                        for (what, rep) in reports {
+                            assert!(rep.ok(), "HT R={num_ranks} {dtype:?} {max_tokens:?} {rows:?} {what}: {rep:?}");
+                        }
                     }
                 }
             }
@@ -242,4 +277,89 @@ fn many_staged_rounds_with_fresh_routing_stay_correct() {
         }
     })
     .unwrap();
+}
+
+/// A training step in stream order (`blocking_handle_on` and friends, what
+/// `HandleFuture::complete_on` / `OpFuture::complete_on` do in async): a `RecvRows::Bound`
+/// handle on a fresh routing each step, the forward pair and the backward pair enqueued before
+/// anything is settled, then every verdict; the first N rows of each received tensor and the
+/// combined tokens against the reference.
+#[test]
+fn stream_ordered_training_steps_with_fresh_routing() {
+    use epflow_core::backend::{blocking_combine_on, blocking_dispatch_on, blocking_handle_on};
+    use epflow_core::host::HostStream;
+    for num_ranks in [1, 2, 4] {
+        let config = GroupConfig::high_throughput(EXPERTS, HIDDEN).with_max_tokens(MaxTokens::Fixed(MAX_TOKENS));
+        for step in 0..4u64 {
+            let sc = Scenario::generate(
+                config.clone(),
+                num_ranks,
+                &tokens_per_rank(num_ranks),
+                TOP_K,
+                RoutingKind::Uniform,
+                3,
+                1000 + 31 * step + num_ranks as u64,
+            );
+            let refs = sc.ht_dispatch_reference().unwrap();
+            let want = sc.ht_combine_identity_reference(&refs).unwrap();
+            let routings = sc.routings().unwrap();
+            let grads: Vec<&[bf16]> = sc.ranks.iter().map(|r| r.tokens.as_slice()).collect();
+            let want_bwd = reference::ht_dispatch_backward(&sc.config, &routings, &grads);
+            let wg: Vec<Vec<f32>> = refs.iter().map(|d| vec![0.5; d.layout.num_rows() * TOP_K]).collect();
+            let wrefs: Vec<&[f32]> = wg.iter().map(Vec::as_slice).collect();
+            let want_c = reference::ht_combine(&sc.config, &routings, &grefs_rows(&want_bwd), Some(&wrefs));
+            let reports = HostWorld::run(num_ranks, config.clone(), |rank| {
+                let r = rank.rank();
+                let (h, s) = (HIDDEN, HostStream);
+                let opts = HandleOptions::default().with_recv_rows(RecvRows::Bound);
+                let (handle, created) = blocking_handle_on(rank, &sc.topk_idx(r), &opts, &s).unwrap();
+                let rows = handle.recv_rows().unwrap();
+                let (x, w) = (sc.tokens(r), sc.weights(r));
+                let (d, ds) = blocking_dispatch_on(
+                    rank,
+                    &handle,
+                    DispatchInputs::new(&x).with_weights(&w),
+                    &Default::default(),
+                    &s,
+                )
+                .unwrap();
+                let (y, ys) =
+                    blocking_combine_on(rank, &handle, CombineInputs::new(d.tokens()), &Default::default(), &s)
+                        .unwrap();
+                let bopts = DispatchOptions { pass: Pass::Backward, ..Default::default() };
+                let (gd, gds) = blocking_dispatch_on(rank, &handle, DispatchInputs::new(&x), &bopts, &s).unwrap();
+                let wg_t = HostTensor::topk_weights(rows, TOP_K, padded(wg[r].clone(), rows, TOP_K));
+                let copts = CombineOptions { pass: Pass::Backward };
+                let (gy, gys) =
+                    blocking_combine_on(rank, &handle, CombineInputs::new(gd.tokens()).with_weights(&wg_t), &copts, &s)
+                        .unwrap();
+                for settle in [ds, ys, gds, gys] {
+                    settle.settle().unwrap();
+                }
+                if let Some(c) = created {
+                    c.settle().unwrap();
+                }
+                let n = handle.num_recv_tokens().unwrap();
+                assert_eq!((n, rows), (refs[r].layout.num_rows(), num_ranks * MAX_TOKENS));
+                let mut rep = check_bf16("combine", &want[r], y.tokens().as_bf16().unwrap(), Tolerance::OneUlp);
+                rep.merge(check_bf16(
+                    "backward dispatch",
+                    &want_bwd[r],
+                    &gd.tokens().as_bf16().unwrap()[..n * h],
+                    Tolerance::Exact,
+                ));
+                rep.merge(check_bf16(
+                    "backward combine",
+                    &want_c[r].0,
+                    gy.tokens().as_bf16().unwrap(),
+                    Tolerance::OneUlp,
+                ));
+                rep
+            })
+            .unwrap();
+            for rep in reports {
+                assert!(rep.ok() && rep.checked > 0, "R={num_ranks} step {step}: {rep:?}");
+            }
+        }
+    }
 }

@@ -26,9 +26,11 @@ use crate::validate::{OpContext, combine_output_descs, dispatch_output_descs};
 /// What the operation produces once its messages are in.
 #[derive(Debug)]
 pub(crate) enum HostOpKind {
+    /// `recv_bound`: the rows of received tensors of a `RecvRows::Bound` handle.
     Handle {
         routing: Routing,
         plan: SendPlan,
+        recv_bound: Option<usize>,
     },
     Dispatch {
         handle: HostHandle,
@@ -122,7 +124,13 @@ impl HostOp {
         self.buffers.take_output(self.channel, self.state.slot_set().unwrap_or(0), desc)
     }
 
-    fn finish_handle(&self, routing: Routing, plan: SendPlan, msgs: &[&Body]) -> Result<HostHandle> {
+    fn finish_handle(
+        &self,
+        routing: Routing,
+        plan: SendPlan,
+        recv_bound: Option<usize>,
+        msgs: &[&Body],
+    ) -> Result<HostHandle> {
         let l = self.world.config.local_experts(self.world.num_ranks);
         let mut plans = Vec::with_capacity(msgs.len());
         for (src, m) in msgs.iter().enumerate() {
@@ -132,8 +140,11 @@ impl HostOp {
             }
         }
         let layout = HtRecvLayout::from_received(l, plans);
-        let core = HandleCore::new(self.world.group_id, routing, Algorithm::HighThroughput, Some(self.seq))
+        let mut core = HandleCore::new(self.world.group_id, routing, Algorithm::HighThroughput, Some(self.seq))
             .with_recv(layout.num_rows(), layout.expert_counts().to_vec());
+        if let Some(bound) = recv_bound {
+            core = core.with_recv_bound(bound);
+        }
         Ok(HostHandle::new(core, plan, Some(layout)))
     }
 
@@ -230,9 +241,11 @@ impl HostOp {
                 counts
             }
             Algorithm::HighThroughput => {
-                let n = descs.tokens.shape[0];
+                // `rows`: N, or the bound of a `RecvRows::Bound` handle (rows N.. stay zero, -1).
+                let rows = descs.tokens.shape[0];
+                let n = handle.num_recv_tokens().unwrap_or(rows);
                 let forward = opts.pass == Pass::Forward;
-                let (mut w, mut i) = (vec![0f32; n * k_n], vec![-1i64; n * k_n]);
+                let (mut w, mut i) = (vec![0f32; rows * k_n], vec![-1i64; rows * k_n]);
                 let mut row = 0;
                 for &(s, copies) in &received {
                     for copy in copies {
@@ -261,8 +274,8 @@ impl HostOp {
                     return Err(self.internal(format!("{row} rows arrived, the handle expects {n}")));
                 }
                 if forward {
-                    topk_w = Some(HostTensor::topk_weights(n, k_n, w));
-                    topk_i = Some(HostTensor::topk_idx(n, k_n, i));
+                    topk_w = Some(HostTensor::topk_weights(rows, k_n, w));
+                    topk_i = Some(HostTensor::topk_idx(rows, k_n, i));
                 }
                 handle.recv_expert_counts().map(<[i32]>::to_vec).unwrap_or_default()
             }
@@ -450,7 +463,9 @@ impl HostOp {
             }
         }
         match self.work.take().ok_or_else(|| self.internal("finished twice".into()))? {
-            HostOpKind::Handle { routing, plan } => Ok(OpOutput::Handle(self.finish_handle(routing, plan, &bodies)?)),
+            HostOpKind::Handle { routing, plan, recv_bound } => {
+                Ok(OpOutput::Handle(self.finish_handle(routing, plan, recv_bound, &bodies)?))
+            }
             HostOpKind::Dispatch { handle, opts } => {
                 Ok(OpOutput::Dispatch(self.finish_dispatch(&handle, opts, &bodies)?))
             }

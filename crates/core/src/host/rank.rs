@@ -22,13 +22,16 @@ use crate::config::{Algorithm, GroupConfig};
 use crate::error::{ConfigError, Error, Result, ValidationError};
 use crate::handle::{HandleCore, RoutingHandle};
 use crate::mask::{MaskedRanks, RankSet};
-use crate::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions, Layout, Pass};
+use crate::ops::{
+    CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions, Layout, Pass, RecvRows,
+};
 use crate::protocol::{Channel, Poison};
 use crate::routing::{ExpertPlacement, SendPlan};
 use crate::stamp::{Pairing, Stamp};
 use crate::tensor::{HostData, HostTensor};
 use crate::validate::{
-    routing_from_tensor, validate_combine_inputs, validate_dispatch_inputs, validate_handle_options, validate_staged,
+    recv_bound, routing_from_tensor, validate_combine_inputs, validate_dispatch_inputs, validate_handle_options,
+    validate_staged,
 };
 
 static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1);
@@ -507,7 +510,8 @@ impl Backend for HostRank {
                         Some(Message::Data { stamp, body: Body::HandlePlan { copies: plan.copies_to(d).to_vec() } })
                     })
                     .collect();
-                let work = HostOpKind::Handle { routing, plan };
+                let recv_bound = (opts.recv_rows == RecvRows::Bound).then(|| recv_bound(cfg, self.world.num_ranks));
+                let work = HostOpKind::Handle { routing, plan, recv_bound };
                 Ok(HandleCreation::Collective(self.new_op(Channel::Handle, Some(work), stamp, outgoing, None)))
             }),
         }
