@@ -169,6 +169,74 @@ pub struct HandleFuture<B: Backend> {
     state: HandleState<B>,
 }
 
+impl<B: Backend> HandleFuture<B> {
+    /// Orders the creation's kernels after the work enqueued on `stream` so far, on the device
+    /// (the producer of `topk_idx`, say: the router's top-k). No host wait. Low-latency handles
+    /// are built on the host when created and ignore it.
+    pub fn after(mut self, stream: &B::Stream) -> Self {
+        if let HandleState::Op(d) = &mut self.state {
+            if let Err(e) = d.order_after(stream) {
+                self.state = HandleState::Failed(Some(e));
+            }
+        }
+        self
+    }
+
+    /// Stream-ordered creation (high-throughput): resolves once the creation's kernels are
+    /// enqueued, with the handle and a [`Completion`] that resolves when the device has built it
+    /// (its verdict: an invalid routing anywhere, a peer's cancellation or a timeout fail it and
+    /// poison the group, as any stream-ordered completion). Operations started on the handle
+    /// are ordered after its kernels on the device, and `stream` waits for them too; nothing
+    /// waits on the host. Its received tensors must not depend on `N`: create it with
+    /// [`epflow_core::ops::RecvRows::Bound`], and read [`RoutingHandle::num_recv_tokens`] after
+    /// the completion resolved (`None` before).
+    ///
+    /// With `RecvRows::Exact`, or where the handle is built on the host (the host backend, the
+    /// NCCL transport, `EPFLOW_HT_HANDLE=host`), it resolves once the handle exists, with
+    /// `stream` ordered after it: the same semantics, without the overlap. Low-latency handles
+    /// are built at once.
+    ///
+    /// [`RoutingHandle::num_recv_tokens`]: epflow_core::handle::RoutingHandle::num_recv_tokens
+    pub fn complete_on(self, stream: &B::Stream) -> HandleOn<'_, B> {
+        HandleOn { state: Some(self.state), stream }
+    }
+}
+
+/// The future of [`HandleFuture::complete_on`]: the handle and its creation's [`Completion`].
+pub struct HandleOn<'s, B: Backend> {
+    state: Option<HandleState<B>>,
+    stream: &'s B::Stream,
+}
+
+impl<B: Backend> Unpin for HandleOn<'_, B> {}
+
+impl<B: Backend> Future for HandleOn<'_, B> {
+    type Output = Result<(B::Handle, Completion)>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let out = match this.state.as_mut().ok_or_else(|| Error::Backend("polled again".into()))? {
+            HandleState::Ready(h) => {
+                h.take().ok_or_else(|| Error::Backend("handle already taken".into())).map(|h| (h, Completion::done()))
+            }
+            HandleState::Failed(e) => Err(e.take().unwrap_or_else(|| Error::Backend("polled again".into()))),
+            HandleState::Op(d) => match ready!(d.poll_complete_on(cx, this.stream, StreamOrder::Ordered)) {
+                Ok((OpOutput::Handle(h), completion)) => Ok((h, completion)),
+                Ok(_) => Err(cancelled()),
+                Err(e) => Err(e),
+            },
+        };
+        this.state = None;
+        Poll::Ready(out)
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for HandleOn<'_, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HandleOn").finish_non_exhaustive()
+    }
+}
+
 impl<B: Backend> Unpin for HandleFuture<B> {}
 
 impl<B: Backend> Future for HandleFuture<B> {
@@ -220,6 +288,18 @@ impl<B: Backend, T> OpFuture<B, T> {
             }
         }
         self
+    }
+
+    /// Runs the whole operation in `stream`'s order (the synchronous form without the host
+    /// wait): resolves once it is enqueued, with the outputs (usable by work enqueued on
+    /// `stream` from now on) and a [`Completion`] with its verdict (a failure poisons the
+    /// group). The operation runs on its own stream, `stream` waits for it
+    /// ([`StreamOrder::Ordered`]). High-throughput operations on the GPU backend complete this
+    /// way without the host; others resolve once the host saw them finish, with `stream`
+    /// ordered after them. For low-latency receive placement choices, use
+    /// [`OpFuture::send_only`] and [`Staged::complete_with`].
+    pub fn complete_on(self, stream: &B::Stream) -> CompleteOn<'_, B, T> {
+        CompleteOn { driver: self.driver, extract: self.extract, stream, order: StreamOrder::Ordered }
     }
 
     /// Tags the operation's trace spans with a micro-batch index.
@@ -322,13 +402,14 @@ impl<B: Backend, T> Staged<B, T> {
 
     /// Stream-ordered completion with the placement `order`.
     pub fn complete_with(self, stream: &B::Stream, order: StreamOrder) -> CompleteOn<'_, B, T> {
-        CompleteOn { driver: Some(self.driver), extract: self.extract, stream, order }
+        CompleteOn { driver: Ok(self.driver), extract: self.extract, stream, order }
     }
 }
 
 /// The future of [`Staged::complete_on`]: the outputs and their [`Completion`].
 pub struct CompleteOn<'s, B: Backend, T> {
-    driver: Option<OpDriver<B>>,
+    /// `Err`: the operation failed to start (its error, taken once).
+    driver: std::result::Result<OpDriver<B>, Option<Error>>,
     extract: fn(Output<B>) -> Result<T>,
     stream: &'s B::Stream,
     order: StreamOrder,
@@ -341,10 +422,13 @@ impl<B: Backend, T> Future for CompleteOn<'_, B, T> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        let d = this.driver.as_mut().ok_or_else(|| Error::Backend("polled again".into()))?;
-        let (output, completion) = ready!(d.poll_complete_on(cx, this.stream, this.order))?;
-        this.driver = None;
-        Poll::Ready((this.extract)(output).map(|t| (t, completion)))
+        let d = match &mut this.driver {
+            Ok(d) => d,
+            Err(e) => return Poll::Ready(Err(e.take().unwrap_or_else(|| Error::Backend("polled again".into())))),
+        };
+        let out = ready!(d.poll_complete_on(cx, this.stream, this.order));
+        this.driver = Err(None);
+        Poll::Ready(out.and_then(|(output, completion)| (this.extract)(output).map(|t| (t, completion))))
     }
 }
 

@@ -18,7 +18,8 @@
 //!
 //! - [`Group`]: one rank's group; `create_handle`, `dispatch`, `combine` return futures.
 //! - [`OpFuture`], [`SendOnly`], [`Staged`], [`HandleFuture`]: the futures;
-//!   [`Staged::complete_on`] ([`CompleteOn`]) completes in a caller's stream order.
+//!   [`Staged::complete_on`] and [`OpFuture::complete_on`] ([`CompleteOn`]) complete in a
+//!   caller's stream order, [`HandleFuture::complete_on`] ([`HandleOn`]) creates a handle in it.
 //! - [`completion`]: [`Completion`] of stream-ordered operations, and [`CompletionMode`] (reactor
 //!   wakes or a bounded spin in the task).
 //! - [`reactor`]: the completion reactor thread, and [`reactor::wait_for`] for custom probes.
@@ -50,6 +51,6 @@ mod sync;
 mod wait;
 
 pub use completion::{Completion, CompletionMode};
-pub use group::{CompleteOn, Group, HandleFuture, OpFuture, SendOnly, Staged};
+pub use group::{CompleteOn, Group, HandleFuture, HandleOn, OpFuture, SendOnly, Staged};
 pub use mask::{MaskEvents, UnmaskFuture};
 pub use replay::ReplayFuture;
