@@ -262,7 +262,7 @@ fn build_rank(
         outputs: OutputCache::new(&events),
         events,
         exchange_pool: Mutex::new(Vec::new()),
-        plan_results: Mutex::new(Vec::new()),
+        plan_results: Arc::default(),
         output_fill: Default::default(),
         timing: Default::default(),
         one_launch,

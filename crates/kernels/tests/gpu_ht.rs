@@ -10,15 +10,22 @@
 //! and the backward weight gradients.
 
 use epflow_core::handle::RoutingHandle;
+use std::sync::Arc;
 use std::time::Instant;
 
-use epflow_core::backend::{Backend, blocking_combine, blocking_dispatch, blocking_handle};
-use epflow_core::ops::{CombineInputs, CombineOptions, CountsLocation, DispatchInputs, DispatchOptions, Pass};
+use cudarc::driver::CudaStream;
+use epflow_core::backend::{
+    Backend, blocking_combine, blocking_combine_on, blocking_dispatch, blocking_dispatch_on, blocking_handle,
+    blocking_handle_on,
+};
+use epflow_core::ops::{
+    CombineInputs, CombineOptions, CountsLocation, DispatchInputs, DispatchOptions, HandleOptions, Pass, RecvRows,
+};
 use epflow_core::reference::{HtDispatchResult, ht_combine, ht_dispatch_backward};
 use epflow_core::scenario::{Scenario, identity_rows};
 use epflow_core::verify::{Report, Tolerance, check_bf16, check_exact, check_ht_dispatch};
 use epflow_core::workload::{RoutingKind, random_weights};
-use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, bf16};
+use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, MaxTokens, bf16};
 use epflow_kernels::{GpuRank, GpuWorld, Transport, device_count};
 
 mod common;
@@ -414,4 +421,230 @@ fn ht_invalid_routing_fails_creation_and_spares_the_group() {
         }
         eprintln!("ok: ht_invalid_routing on {n} GPUs");
     }
+}
+
+/// One training step in stream order on a fresh routing (issue 17): a `RecvRows::Bound` handle
+/// created in stream order, the forward dispatch, the forward combine of identity experts
+/// (BF16: the dispatch output itself), the backward dispatch and the backward combine, all
+/// enqueued on `stream` before anything is settled or any `N` is known on the host; then every
+/// verdict, and the first `N` rows of each received tensor and the combined outputs against the
+/// reference. Outputs are poisoned first.
+fn stream_step(rank: &GpuRank, sc: &Scenario, refs: &Refs, stream: &Arc<CudaStream>) -> Result<Vec<Report>, Error> {
+    let r = rank.rank();
+    rank.fill_output_buffers(0xA5)?;
+    let idx = rank.upload(&sc.topk_idx(r))?;
+    let opts = HandleOptions::default().with_recv_rows(RecvRows::Bound);
+    let (h, created) = blocking_handle_on(rank, &idx, &opts, stream)?;
+    let rows = h.recv_rows().unwrap_or(0);
+    let bf16_tokens = sc.tokens_fp8(r).is_none();
+    let w = rank.upload(&sc.weights(r))?;
+    let (x, scales) = match sc.tokens_fp8(r) {
+        Some((q, s)) => (rank.upload(&q)?, Some(rank.upload(&s)?)),
+        None => (rank.upload(&sc.tokens(r))?, None),
+    };
+    let mut inputs = DispatchInputs::new(&x).with_weights(&w);
+    if let Some(s) = &scales {
+        inputs = inputs.with_scales(s);
+    }
+    let want = &refs.fwd[r];
+    let n = want.layout.num_rows();
+    let mut wg = refs.weight_grads[r].clone();
+    wg.resize(rows * sc.top_k, 0.0);
+    let wg = rank.upload(&HostTensor::topk_weights(rows, sc.top_k, wg))?;
+    let g = rank.upload(&sc.tokens(r))?;
+    // Everything enqueued, nothing settled.
+    let (out, ds) = blocking_dispatch_on(rank, &h, inputs, &DispatchOptions::default(), stream)?;
+    let fwd = if bf16_tokens {
+        Some(blocking_combine_on(rank, &h, CombineInputs::new(out.tokens()), &CombineOptions::default(), stream)?)
+    } else {
+        None
+    };
+    let bwd = DispatchOptions { pass: Pass::Backward, ..DispatchOptions::default() };
+    let (gd, gds) = blocking_dispatch_on(rank, &h, DispatchInputs::new(&g), &bwd, stream)?;
+    let copts = CombineOptions { pass: Pass::Backward };
+    let (gy, gys) = blocking_combine_on(rank, &h, CombineInputs::new(gd.tokens()).with_weights(&wg), &copts, stream)?;
+    if let Some(c) = created {
+        c.settle()?;
+    }
+    ds.settle()?;
+    let mut reports = vec![
+        check_exact(
+            "received rows (the bound)",
+            &[sc.num_ranks * sc.config.fixed_max_tokens().unwrap_or(0)],
+            &[rows],
+            |a, b| a == b,
+        ),
+        check_exact("num_recv_tokens", &[n], &[h.num_recv_tokens().unwrap_or(usize::MAX)], |a, b| a == b),
+    ];
+    let host = out.to_host()?;
+    let h_cols = sc.config.hidden;
+    let tokens = match host.tokens.data() {
+        epflow_core::HostData::Bf16(v) => epflow_core::HostData::Bf16(v[..n * h_cols].to_vec()),
+        epflow_core::HostData::Fp8(v) => epflow_core::HostData::Fp8(v[..n * h_cols].to_vec()),
+        other => other.clone(),
+    };
+    let cols = sc.config.scale_cols();
+    let scales_h = host.scales.as_ref().and_then(HostTensor::as_f32).map(|s| &s[..n * cols]);
+    let k = sc.top_k;
+    reports.push(check_ht_dispatch(
+        want,
+        &tokens,
+        scales_h,
+        &host.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap_or_default()[..n * k],
+        &host.topk_idx.as_ref().and_then(HostTensor::as_i64).unwrap_or_default()[..n * k],
+        host.counts.as_ref().and_then(HostTensor::as_i32).unwrap_or_default(),
+    ));
+    if let Some((y, ys)) = fwd {
+        ys.settle()?;
+        let yh = y.to_host()?;
+        reports.push(check_bf16(
+            "forward combine",
+            &refs.fwd_combine[r],
+            yh.tokens.as_bf16().unwrap_or_default(),
+            Tolerance::Exact,
+        ));
+    }
+    gds.settle()?;
+    gys.settle()?;
+    let gdh = gd.to_host()?;
+    reports.push(check_bf16(
+        "backward dispatch",
+        &refs.bwd_dispatch[r],
+        &gdh.tokens.as_bf16().unwrap_or_default()[..n * h_cols],
+        Tolerance::Exact,
+    ));
+    let gyh = gy.to_host()?;
+    let (want_x, want_w) = &refs.bwd_combine[r];
+    reports.push(check_bf16("backward combine", want_x, gyh.tokens.as_bf16().unwrap_or_default(), Tolerance::Exact));
+    reports.push(check_exact(
+        "backward weight gradients",
+        want_w.as_deref().unwrap_or_default(),
+        gyh.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap_or_default(),
+        |a: f32, b: f32| a.to_bits() == b.to_bits(),
+    ));
+    Ok(reports.into_iter().map(|rep| rep.context(&format!("rank {r}"))).collect())
+}
+
+/// Issue 17: training steps in stream order with a fresh routing and a fresh `RecvRows::Bound`
+/// handle each, BF16 and FP8, uniform and skewed routing, uneven token counts (a rank with 1),
+/// `EPFLOW_GPU_ITERS` steps per dtype (default 200): 0 mismatches.
+#[test]
+fn ht_stream_ordered_steps_with_fresh_handles() {
+    let n = device_count().min(4);
+    let Some(devices) = gpus(n.max(2), "ht_stream_ordered_steps") else { return };
+    let iters: u64 = std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(200);
+    let (hidden, experts, top_k, max_tokens) = (2048, 64, 8, 512);
+    let base = seed();
+    for dtype in [DispatchDtype::Bf16, DispatchDtype::Fp8 { round_scales: false }] {
+        let config = GroupConfig::high_throughput(experts, hidden)
+            .with_dispatch_dtype(dtype)
+            .with_max_tokens(MaxTokens::Fixed(max_tokens))
+            .with_max_sms(shared_gpu_sms(&devices));
+        let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+        let streams: Vec<Arc<CudaStream>> = ranks.iter().map(|r| r.context().new_stream().expect("stream")).collect();
+        eprintln!("seed {base}, {iters} stream-ordered steps on {} GPUs, {dtype:?}", devices.len());
+        let start = Instant::now();
+        for it in 0..iters {
+            let tokens = [300usize, 97, 512, 1][(it % 4) as usize];
+            let kind = if it % 3 == 0 { RoutingKind::Skewed } else { RoutingKind::Uniform };
+            let s = base ^ (it * 0x9e37_79b9) ^ 0x17;
+            let sc = Scenario::generate(
+                config.clone(),
+                devices.len(),
+                &[tokens, 200, 1, 256],
+                top_k,
+                kind,
+                10.min(tokens),
+                s,
+            );
+            let refs = references(&sc, s);
+            let all = on_ranks(&ranks, |rank| stream_step(rank, &sc, &refs, &streams[rank.rank()]).expect("step"));
+            for rep in all.into_iter().flatten() {
+                assert!(rep.ok(), "{dtype:?} step {it} seed {s}: {rep:?}");
+            }
+        }
+        eprintln!("ok: {iters} stream-ordered steps, {dtype:?}, 0 mismatches ({:.1} s)", start.elapsed().as_secs_f64());
+    }
+}
+
+/// A stream-ordered creation that fails on the device (an invalid routing on the last rank):
+/// the handles were handed out and a dispatch and combine enqueued on them on every rank; the
+/// plan kernels leave an empty plan, so those move nothing and end (no hang); the creation's
+/// verdict names the error (the invalid entry on that rank, `PeerCancelled` elsewhere), the
+/// operations on the handle fail, and the group is poisoned (outputs had been handed out).
+#[test]
+fn ht_stream_ordered_failed_creation_moves_nothing() {
+    let Some(devices) = gpus(2, "ht_stream_ordered_failed_creation") else { return };
+    let (hidden, experts, top_k, tokens) = (1024usize, 16usize, 4usize, 40usize);
+    let config = GroupConfig::high_throughput(experts, hidden)
+        .with_max_tokens(MaxTokens::Fixed(64))
+        .with_max_sms(shared_gpu_sms(&devices));
+    let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+    let n = devices.len();
+    let sc = Scenario::generate(config.clone(), n, &[tokens], top_k, RoutingKind::Uniform, 0, seed());
+    let bad_rank = n - 1;
+    let start = Instant::now();
+    let results = on_ranks(&ranks, |rank| {
+        let stream = rank.context().new_stream().expect("stream");
+        let mut idx = sc.ranks[rank.rank()].topk_idx.clone();
+        if rank.rank() == bad_rank {
+            idx[3 * top_k + 1] = experts as i64 + 5;
+        }
+        let t = rank.upload(&HostTensor::topk_idx(tokens, top_k, idx)).expect("upload");
+        let opts = HandleOptions::default().with_recv_rows(RecvRows::Bound);
+        let (h, created) = blocking_handle_on(rank, &t, &opts, &stream).expect("handed out");
+        let (x, w) = (rank.upload(&sc.tokens(0)).expect("x"), rank.upload(&sc.weights(0)).expect("w"));
+        let inputs = DispatchInputs::new(&x).with_weights(&w);
+        let (d, ds) = blocking_dispatch_on(rank, &h, inputs, &DispatchOptions::default(), &stream).expect("enqueued");
+        let (_c, cs) =
+            blocking_combine_on(rank, &h, CombineInputs::new(d.tokens()), &CombineOptions::default(), &stream)
+                .expect("enqueued");
+        let created = created.expect("a collective").settle();
+        (created, ds.settle(), cs.settle(), rank.poison().is_poisoned())
+    });
+    for (r, (created, d, c, poisoned)) in results.into_iter().enumerate() {
+        match &created {
+            Err(Error::Validation(epflow_core::ValidationError::ExpertIndexOutOfRange { token: 3, k: 1, .. }))
+                if r == bad_rank => {}
+            Err(Error::PeerCancelled { peer, .. }) if r != bad_rank && *peer == bad_rank => {}
+            other => panic!("rank {r}: creation {other:?}"),
+        }
+        assert!(d.is_err() && c.is_err(), "rank {r}: dispatch {d:?}, combine {c:?}");
+        assert!(poisoned, "rank {r}: not poisoned");
+    }
+    eprintln!("ok: failed stream-ordered creation, every rank done in {:.2} s", start.elapsed().as_secs_f64());
+}
+
+/// A peer that never creates its handle while this rank creates one in stream order and
+/// enqueues a dispatch on it (timeout 2 s): the creation times out on the device and leaves an
+/// empty plan, the dispatch on it times out waiting for the absent peer, both verdicts are
+/// errors within the bound (two timeouts, one after the other), the group is poisoned, and
+/// nothing hangs.
+#[test]
+fn ht_stream_ordered_creation_with_an_absent_peer_times_out() {
+    let Some(devices) = gpus(2, "ht_stream_ordered_absent_peer") else { return };
+    let timeout = std::time::Duration::from_secs(2);
+    let config = GroupConfig::high_throughput(16, 1024)
+        .with_max_tokens(MaxTokens::Fixed(64))
+        .with_max_sms(shared_gpu_sms(&devices))
+        .with_timeout(timeout);
+    let ranks = GpuWorld::create(&devices[..2], config.clone()).expect("create GPU group");
+    let sc = Scenario::generate(config, 2, &[40], 4, RoutingKind::Uniform, 0, seed());
+    let rank = &ranks[0];
+    let stream = rank.context().new_stream().expect("stream");
+    let start = Instant::now();
+    let t = rank.upload(&sc.topk_idx(0)).expect("upload");
+    let opts = HandleOptions::default().with_recv_rows(RecvRows::Bound);
+    let (h, created) = blocking_handle_on(rank, &t, &opts, &stream).expect("handed out");
+    let (x, w) = (rank.upload(&sc.tokens(0)).expect("x"), rank.upload(&sc.weights(0)).expect("w"));
+    let inputs = DispatchInputs::new(&x).with_weights(&w);
+    let dispatched = blocking_dispatch_on(rank, &h, inputs, &DispatchOptions::default(), &stream);
+    let created = created.expect("a collective").settle();
+    let d = dispatched.and_then(|(_, ds)| ds.settle());
+    let took = start.elapsed();
+    eprintln!("absent peer: creation {created:?}, dispatch {d:?}, after {took:?}");
+    assert!(matches!(created, Err(Error::Timeout { .. })), "creation: {created:?}");
+    assert!(d.is_err(), "dispatch: {d:?}");
+    assert!(took < 3 * timeout, "took {took:?} with a {timeout:?} timeout");
+    assert!(rank.poison().is_poisoned(), "not poisoned");
 }

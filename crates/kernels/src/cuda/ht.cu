@@ -665,6 +665,13 @@ extern "C" __global__ void __launch_bounds__(256) ep_ht_exchange(ExchangeParams 
 // The send plan is strided: d's tokens start at send_list[d * B], so no block needs another's
 // count. What the host needs (the first invalid entry, N, rows per local expert) is written to
 // mapped host memory. The message format is the count exchange's (`ep_ht_exchange`).
+//
+// A handle may be used before the host has seen it built (stream-ordered creation): operations
+// on it are enqueued behind these kernels. So a failed creation (an invalid routing anywhere,
+// a cancellation, a mismatch, a timeout) leaves an empty plan behind, which moves nothing and
+// advances no ring: block R waits for the send blocks to finish (`done`, a scratch word) and
+// writes zero rows to and from every rank over whatever they wrote. Success is the word
+// result[4] = seq + 1, written last (the host zeroes it before the launch).
 
 #define HT_PLAN_BLOCK 1024
 #define HT_PLAN_WARPS (HT_PLAN_BLOCK / 32)
@@ -680,11 +687,13 @@ struct HtPlanParams {
     u64 recv_cnt;    // int32 [R][C]
     u64 copy_ord;    // int32 [B][R]
     u64 counts;      // int32 [L]: rows received per local expert
-    u64 scratch;     // int32 [E + 1], zeroed by the host: selections per expert, then
-                     // 0x7fffffff - (first invalid entry t * K + k), or 0 if none
+    u64 scratch;     // int32 [E + 2], zeroed by the host: selections per expert, then
+                     // 0x7fffffff - (first invalid entry t * K + k), or 0 if none, then the
+                     // send blocks done
     u64 hits;        // uint8 [B]: bit d = token t reaches rank d
-    u64 result;      // int64 [4 + L] (mapped host): first invalid entry t * K + k (or -1), its
-                     // value, the earlier k it repeats (or -1), N, then the rows per local expert
+    u64 result;      // int64 [5 + L] (mapped host): first invalid entry t * K + k (or -1), its
+                     // value, the earlier k it repeats (or -1), N, seq + 1 once built, then the
+                     // rows per local expert
     u64 own;         // this rank's exchange region
     u64 signals;     // this rank's signal page
     u64 status;      // this rank's status page (mapped host)
@@ -838,7 +847,34 @@ __device__ __forceinline__ void plan_send(const HtPlanParams& p, int d, bool can
     if (threadIdx.x == 0) {
         __threadfence_system();
         signal_arrival(reinterpret_cast<u64*>(p.peer_signals[d]), 2, set, p.rank, p.seq, cancelled, p.stamp);
+        // Done with the plan's arrays (block R may overwrite them with an empty plan).
+        atomicAdd(reinterpret_cast<int*>(p.scratch) + p.num_experts + 1, 1);
     }
+}
+
+// Block R, after a failed exchange: once every send block is done with the arrays, an empty
+// plan over them (nothing to or from any rank, no routed entry), so operations enqueued on the
+// handle move nothing.
+__device__ __forceinline__ void plan_empty(const HtPlanParams& p) {
+    const int R = p.num_ranks, B = p.num_tokens, C = p.channels;
+    if (threadIdx.x == 0) {
+        const int* done = reinterpret_cast<const int*>(p.scratch) + p.num_experts + 1;
+        while (atomicAdd(const_cast<int*>(done), 0) < R) {
+        }
+    }
+    __syncthreads();
+    int* send_off = reinterpret_cast<int*>(p.send_off);
+    for (int i = threadIdx.x; i < R * (C + 1); i += blockDim.x) send_off[i] = (i / (C + 1)) * B;
+    for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
+        reinterpret_cast<int*>(p.recv_base)[i] = 0;
+        reinterpret_cast<int*>(p.recv_cnt)[i] = 0;
+    }
+    int* copy_ord = reinterpret_cast<int*>(p.copy_ord);
+    for (size_t i = threadIdx.x; i < (size_t)B * R; i += blockDim.x) copy_ord[i] = -1;
+    for (int l = threadIdx.x; l < p.num_local; l += blockDim.x) reinterpret_cast<int*>(p.counts)[l] = 0;
+    // The handle's routing too (a backward combine reads it): no entry names an expert.
+    long long* topk = reinterpret_cast<long long*>(p.topk);
+    for (size_t i = threadIdx.x; i < (size_t)B * p.top_k; i += blockDim.x) topk[i] = -1;
 }
 
 // Block R: waits for every source's message of exchange `seq`, then writes the receive layout,
@@ -848,12 +884,15 @@ __device__ __forceinline__ void plan_recv(const HtPlanParams& p) {
     __shared__ int warp_sums[32];
     const int R = p.num_ranks, C = p.channels, L = p.num_local, set = (int)(p.seq & 1);
     __shared__ int timed_out;
-    if (!wait_all_sources(reinterpret_cast<u64*>(p.signals), reinterpret_cast<u64*>(p.status), R, 2, set, p.seq,
-                          p.stamp, p.timeout_ns, &cancelled, &mismatched, &timed_out)) {
-        return;
-    }
+    const bool arrived = wait_all_sources(reinterpret_cast<u64*>(p.signals), reinterpret_cast<u64*>(p.status), R, 2,
+                                          set, p.seq, p.stamp, p.timeout_ns, &cancelled, &mismatched, &timed_out);
     const int* own = reinterpret_cast<const int*>(p.own) + (size_t)set * R * p.words;
     long long* result = reinterpret_cast<long long*>(p.result);
+    if (!arrived) {
+        plan_empty(p);  // timed out: no outcome (the host reads the status page's error)
+        return;
+    }
+    if (cancelled || mismatched) plan_empty(p);
     if (!cancelled && !mismatched) {
         // (source, channel) pairs in order, one per thread (R * C <= 8 * 64 <= HT_PLAN_BLOCK).
         const int i = threadIdx.x;
@@ -870,12 +909,16 @@ __device__ __forceinline__ void plan_recv(const HtPlanParams& p) {
             int sum = 0;
             for (int s = 0; s < R; ++s) sum += __ldcg(own + (size_t)s * p.words + C + l);
             counts[l] = sum;
-            result[4 + l] = sum;
+            result[5 + l] = sum;
         }
     }
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence_system();
+        if (!cancelled && !mismatched) {
+            result[4] = (long long)p.seq + 1;  // built (after every array and word above)
+            __threadfence_system();
+        }
         publish_outcome(reinterpret_cast<u64*>(p.status), reinterpret_cast<u64*>(p.signals), 2, set, p.seq, cancelled,
                         mismatched);
     }

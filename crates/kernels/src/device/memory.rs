@@ -153,6 +153,13 @@ impl PinnedBuffer {
         unsafe { std::ptr::read_volatile((self.host as *const u64).add(i)) }
     }
 
+    /// Writes word `i` (a `u64`; the device sees it in kernels launched afterwards).
+    pub(crate) fn write_u64(&self, i: usize, v: u64) {
+        assert!(i < self.bytes / 8, "pinned write out of range");
+        // SAFETY: index checked; a volatile aligned word write of memory the device may read.
+        unsafe { std::ptr::write_volatile((self.host as *mut u64).add(i), v) };
+    }
+
     /// Writes `v` from the start (the device sees it in kernels launched afterwards).
     pub(crate) fn write_i32s(&self, v: &[i32]) {
         assert!(v.len() * 4 <= self.bytes, "pinned write out of range");

@@ -36,7 +36,7 @@ pub(crate) fn builds_on_device(s: &RankShared) -> bool {
 /// The byte offsets of a device-built handle's arrays: the routing `[B x K]` i64, the strided
 /// send list `[R x B]`, `send_off [R x (C + 1)]`, `recv_base`/`recv_cnt [R x C]`, `copy_ord
 /// [B x R]`, the rows per local expert `[L]`, all i32; then the kernels' scratch: selections per
-/// expert and the first invalid entry (`[E + 1]` i32), and the marks (`[B]` bytes).
+/// expert, the first invalid entry and the send blocks done (`[E + 2]` i32), and the marks (`[B]` bytes).
 fn device_offsets(b: usize, k: usize, r: usize, c: usize, l: usize) -> (HandleOffsets, usize, usize) {
     let mut at = 0usize;
     let mut next = |bytes: usize| {
@@ -54,14 +54,22 @@ fn device_offsets(b: usize, k: usize, r: usize, c: usize, l: usize) -> (HandleOf
         counts: next(l * 4),
         end: 0,
     };
-    let scratch = next((r * l + 1) * 4);
+    let scratch = next((r * l + 2) * 4);
     let hits = next(b);
     (HandleOffsets { end: at, ..off }, scratch, hits)
 }
 
 /// Handle creation `seq` for `topk_idx` (`[B x K]` i64 on this rank's device, its descriptor
 /// already checked), built on the device.
-pub(crate) fn start(s: &Arc<RankShared>, seq: u64, topk_idx: &DeviceTensor) -> Result<GpuOp, Error> {
+///
+/// `recv_bound`: the received rows of a `RecvRows::Bound` handle (which may be handed out before
+/// the device built it, `GpuOp::complete_on`).
+pub(crate) fn start(
+    s: &Arc<RankShared>,
+    seq: u64,
+    topk_idx: &DeviceTensor,
+    recv_bound: Option<usize>,
+) -> Result<GpuOp, Error> {
     let l = s.layout.ht("a high-throughput handle")?;
     let (b, k) = (topk_idx.desc().shape[0], topk_idx.desc().shape[1]);
     let (r, c, local) = (s.num_ranks, l.channels, l.local_experts);
@@ -107,7 +115,7 @@ pub(crate) fn start(s: &Arc<RankShared>, seq: u64, topk_idx: &DeviceTensor) -> R
         words: l.exchange_words() as i32,
         cancelled: 0,
     };
-    let plan = DevicePlan::new(b, k, tokens_per_channel, off, mem, result);
+    let plan = DevicePlan::new(b, k, tokens_per_channel, off, mem, result, recv_bound);
     let kind = GpuOpKind::HtDeviceHandle(Box::new(plan));
     Ok(GpuOp::new(Arc::clone(s), Channel::Handle, seq, stamp, Launch::HtPlan(p), kind, &[topk_idx]))
 }

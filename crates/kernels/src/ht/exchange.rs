@@ -51,13 +51,15 @@ fn push_i32s(bytes: &mut Vec<u8>, v: &[i32]) -> usize {
 }
 
 /// Builds the handle of count exchange `seq` once it has delivered `received`: the routing,
-/// the send plan and the receive layout, in one device buffer.
+/// the send plan and the receive layout, in one device buffer; `recv_bound`: the received rows
+/// of a `RecvRows::Bound` handle.
 pub(crate) fn finish_handle(
     shared: &Arc<RankShared>,
     seq: u64,
     routing: Routing,
     plan: &ChannelPlan,
     received: &[i32],
+    recv_bound: Option<usize>,
 ) -> Result<GpuHandle, Error> {
     let layout = shared.layout.ht("a high-throughput handle")?;
     let (r, c) = (shared.num_ranks, layout.channels);
@@ -81,7 +83,10 @@ pub(crate) fn finish_handle(
         recv_blocks: recv.recv_blocks(r, c),
         total_send: plan.send_list.len(),
     };
-    let core = HandleCore::new(shared.group_id, routing, Algorithm::HighThroughput, Some(seq))
+    let mut core = HandleCore::new(shared.group_id, routing, Algorithm::HighThroughput, Some(seq))
         .with_recv(recv.num_recv, recv.expert_counts);
+    if let Some(b) = recv_bound {
+        core = core.with_recv_bound(b);
+    }
     Ok(GpuHandle::new(core, mem, &shared.handle_pool, Some(info), None))
 }

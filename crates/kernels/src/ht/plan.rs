@@ -2,18 +2,36 @@
 //! its arrays lie, and the mapped words its receive kernel writes for the host; what the
 //! operation finishes into.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
+use cudarc::driver::CudaEvent;
 use epflow_core::handle::HandleCore;
 use epflow_core::{Algorithm, Error, ValidationError};
 
 use crate::device::{DeviceBuffer, PinnedBuffer};
-use crate::rank::handle::{GpuHandle, HandleOffsets, HtHandleInfo};
+use crate::rank::handle::{GpuHandle, HandleOffsets, HtHandleInfo, StreamCreation};
 use crate::rank::shared::RankShared;
 
 /// Words of the mapped result before the rows per local expert: the first invalid entry, its
-/// value, the earlier slot it repeats, `N`.
-pub(crate) const RESULT_HEAD: usize = 4;
+/// value, the earlier slot it repeats, `N`, and `seq + 1` once the handle is built.
+pub(crate) const RESULT_HEAD: usize = 5;
+/// The result's word holding `N`.
+pub(crate) const RESULT_N: usize = 3;
+/// The result's word the plan kernel sets to `seq + 1` once the handle is built (after every
+/// array; zeroed before the launch).
+pub(crate) const RESULT_BUILT: usize = 4;
+
+/// The routing's first invalid entry in a plan's mapped `result`, as
+/// [`epflow_core::routing::Routing::new`] would name it (read after the kernels completed).
+pub(crate) fn invalid_routing_in(r: &PinnedBuffer, top_k: usize, num_experts: usize) -> Option<ValidationError> {
+    let pos = r.read_u64(0) as i64;
+    if pos < 0 {
+        return None;
+    }
+    let (token, k) = (pos as usize / top_k.max(1), pos as usize % top_k.max(1));
+    let (value, first) = (r.read_u64(1) as i64, r.read_u64(2) as i64);
+    Some(ValidationError::invalid_topk_entry(token, k, value, usize::try_from(first).ok(), num_experts))
+}
 
 /// A handle being built on the device: its memory, where the arrays lie, and the mapped words
 /// the receive kernel writes for the host.
@@ -25,11 +43,14 @@ pub(crate) struct DevicePlan {
     off: HandleOffsets,
     mem: Option<DeviceBuffer>,
     result: Option<PinnedBuffer>,
+    /// `RecvRows::Bound`: the rows of the handle's received tensors.
+    recv_bound: Option<usize>,
 }
 
 impl DevicePlan {
     /// The plan of a `num_tokens x top_k` routing in `mem`, its arrays at `off`, the kernels'
-    /// words for the host in `result`.
+    /// words for the host in `result` (its "built" word zeroed here, before the launch);
+    /// `recv_bound`: the received rows of a `RecvRows::Bound` handle.
     pub(crate) fn new(
         num_tokens: usize,
         top_k: usize,
@@ -37,21 +58,65 @@ impl DevicePlan {
         off: HandleOffsets,
         mem: DeviceBuffer,
         result: PinnedBuffer,
+        recv_bound: Option<usize>,
     ) -> Self {
-        DevicePlan { num_tokens, top_k, tokens_per_channel, off, mem: Some(mem), result: Some(result) }
+        result.write_u64(RESULT_BUILT, 0);
+        DevicePlan { num_tokens, top_k, tokens_per_channel, off, mem: Some(mem), result: Some(result), recv_bound }
     }
 
     /// The routing's first invalid entry, as [`epflow_core::routing::Routing::new`] would name it
     /// (read after the kernels completed).
     pub(crate) fn invalid_routing(&self, num_experts: usize) -> Option<ValidationError> {
-        let r = self.result.as_ref()?;
-        let pos = r.read_u64(0) as i64;
-        if pos < 0 {
-            return None;
+        invalid_routing_in(self.result.as_ref()?, self.top_k, num_experts)
+    }
+
+    /// Whether the handle's received tensors have the bound's rows (`RecvRows::Bound`): only
+    /// then may it be handed out before the device built it.
+    pub(crate) fn has_bound(&self) -> bool {
+        self.recv_bound.is_some()
+    }
+
+    fn core(&self, s: &RankShared, seq: u64) -> HandleCore {
+        let core = HandleCore::on_device(s.group_id, self.num_tokens, self.top_k, Algorithm::HighThroughput, Some(seq));
+        match self.recv_bound {
+            Some(b) => core.with_recv_bound(b),
+            None => core,
         }
-        let (token, k) = (pos as usize / self.top_k.max(1), pos as usize % self.top_k.max(1));
-        let (value, first) = (r.read_u64(1) as i64, r.read_u64(2) as i64);
-        Some(ValidationError::invalid_topk_entry(token, k, value, usize::try_from(first).ok(), num_experts))
+    }
+
+    fn info(&self) -> HtHandleInfo {
+        HtHandleInfo {
+            tokens_per_channel: self.tokens_per_channel,
+            off: self.off,
+            send_blocks: Vec::new(),
+            recv_blocks: Vec::new(),
+            total_send: 0,
+        }
+    }
+
+    /// The handle, handed out before the device built it (stream-ordered creation `seq`, whose
+    /// kernels end at `built`): it keeps the mapped result, which its operations and the
+    /// creation's verdict read.
+    pub(crate) fn stream_handle(
+        &mut self,
+        s: &Arc<RankShared>,
+        seq: u64,
+        built: Arc<CudaEvent>,
+    ) -> Result<GpuHandle, Error> {
+        let (mem, result) = match (self.mem.take(), self.result.take()) {
+            (Some(m), Some(r)) => (m, r),
+            _ => return Err(Error::Backend("a device-built handle handed out twice".into())),
+        };
+        let local = s.layout.ht("a high-throughput handle")?.local_experts;
+        let creation = StreamCreation {
+            seq,
+            built,
+            result: Some(result),
+            results_pool: Arc::clone(&s.plan_results),
+            local,
+            failed: OnceLock::new(),
+        };
+        Ok(GpuHandle::in_stream_order(self.core(s, seq), mem, &s.handle_pool, self.info(), creation))
     }
 
     /// The handle the kernels built (after they completed with every source's message).
@@ -61,19 +126,11 @@ impl DevicePlan {
             _ => return Err(Error::Backend("a device-built handle finished twice".into())),
         };
         let local = s.layout.ht("a high-throughput handle")?.local_experts;
-        let num_recv = result.read_u64(3) as usize;
+        let num_recv = result.read_u64(RESULT_N) as usize;
         let counts: Vec<i32> = (0..local).map(|l| result.read_u64(RESULT_HEAD + l) as i32).collect();
         s.plan_results.lock().unwrap_or_else(|e| e.into_inner()).push(result);
-        let info = HtHandleInfo {
-            tokens_per_channel: self.tokens_per_channel,
-            off: self.off,
-            send_blocks: Vec::new(),
-            recv_blocks: Vec::new(),
-            total_send: 0,
-        };
-        let core = HandleCore::on_device(s.group_id, self.num_tokens, self.top_k, Algorithm::HighThroughput, Some(seq))
-            .with_recv(num_recv, counts);
-        Ok(GpuHandle::new(core, mem, &s.handle_pool, Some(info), None))
+        let core = self.core(s, seq).with_recv(num_recv, counts);
+        Ok(GpuHandle::new(core, mem, &s.handle_pool, Some(self.info()), None))
     }
 
     /// Gives the memory back to the pools (the operation failed or was cancelled).

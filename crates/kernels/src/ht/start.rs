@@ -109,8 +109,14 @@ fn ht_params(s: &RankShared, chan: Channel, h: &GpuHandle, seq: u64, stamp: Stam
     })
 }
 
-/// The count exchange `seq` that creates a handle for `routing`.
-pub(crate) fn handle(s: &Arc<RankShared>, seq: u64, routing: Routing) -> Result<GpuOp, Error> {
+/// The count exchange `seq` that creates a handle for `routing`; `recv_bound`: the received rows
+/// of a `RecvRows::Bound` handle.
+pub(crate) fn handle(
+    s: &Arc<RankShared>,
+    seq: u64,
+    routing: Routing,
+    recv_bound: Option<usize>,
+) -> Result<GpuOp, Error> {
     let l = s.layout.ht("a high-throughput handle")?;
     let placement = ExpertPlacement::new(s.config.num_experts, s.num_ranks);
     let plan = ChannelPlan::new(&routing, placement, l.channels);
@@ -154,7 +160,7 @@ pub(crate) fn handle(s: &Arc<RankShared>, seq: u64, routing: Routing) -> Result<
         bufs.msgs.write_i32s(&msgs);
         Launch::NcclExchange { row_bytes: row * 4 }
     };
-    let kind = GpuOpKind::HtHandle { routing, plan, bufs: Some(bufs) };
+    let kind = GpuOpKind::HtHandle { routing, plan, bufs: Some(bufs), recv_bound };
     Ok(GpuOp::new(Arc::clone(s), Channel::Handle, seq, stamp, launch, kind, &[]))
 }
 
@@ -200,17 +206,18 @@ pub(crate) fn dispatch(
     p.out_weights = topk_weights.as_ref().map_or(0, DeviceTensor::ptr);
     p.out_idx = topk_idx.as_ref().map_or(0, DeviceTensor::ptr);
     let info = h.ht()?;
-    let expert_counts = h.recv_expert_counts().unwrap_or_default();
+    let local = s.config.local_experts(s.num_ranks);
     let counts = (opts.pass == Pass::Forward).then(|| {
         DeviceTensor::view(
             h.ptr() + info.off.counts as u64,
             s.device,
-            TensorDesc::contiguous(TensorTag::RecvExpertCountsDevice, DType::I32, &[expert_counts.len()]),
+            TensorDesc::contiguous(TensorTag::RecvExpertCountsDevice, DType::I32, &[local]),
             Arc::clone(&h.0) as Arc<dyn std::any::Any + Send + Sync>,
         )
     });
-    let host_counts =
-        (opts.pass == Pass::Forward && opts.counts_location == CountsLocation::Host).then(|| expert_counts.to_vec());
+    // Host counters: the handle's, read when the operation finishes (a handle created in stream
+    // order learns them then).
+    let host_counts = (opts.pass == Pass::Forward && opts.counts_location == CountsLocation::Host).then(Vec::new);
     let over_nccl = s.nccl_all().map(|_| nccl_dispatch(s, h, &p)).transpose()?;
     let outputs = epflow_core::ops::DispatchOutputs { tokens, scales, topk_weights, topk_idx, counts };
     let launch = over_nccl.as_ref().map_or(Launch::Ht(p), |(np, _, _)| Launch::NcclHt { p: *np, reduce: false });
@@ -218,7 +225,7 @@ pub(crate) fn dispatch(
         GpuOpKind::HtDispatch { handle: h.clone(), pass: opts.pass, outputs: Some(Box::new((outputs, host_counts))) };
     let tensors = inputs.map(|i| i.tensors()).unwrap_or_default();
     let op = GpuOp::new(Arc::clone(s), Channel::Dispatch, seq, stamp, launch, kind, &tensors);
-    Ok(assemble(op, over_nccl, fill, fences, inputs.is_none()))
+    Ok(assemble(op, over_nccl, fill, with_built(fences, h), inputs.is_none()))
 }
 
 /// Combine `seq` on handle `h`; `inputs` validated, or `None` for a cancellation.
@@ -248,11 +255,20 @@ pub(crate) fn combine(
     p.out_weights = topk_weights.as_ref().map_or(0, DeviceTensor::ptr);
     let over_nccl = s.nccl_all().map(|_| nccl_combine(s, h, &p)).transpose()?;
     let launch = over_nccl.as_ref().map_or(Launch::Ht(p), |(np, _, _)| Launch::NcclHt { p: *np, reduce: true });
-    let kind =
-        GpuOpKind::HtCombine { outputs: Some(epflow_core::ops::CombineOutputs { tokens, topk_weights, masked: None }) };
+    let kind = GpuOpKind::HtCombine {
+        handle: h.clone(),
+        outputs: Some(epflow_core::ops::CombineOutputs { tokens, topk_weights, masked: None }),
+    };
     let tensors = inputs.map(|i| i.tensors()).unwrap_or_default();
     let op = GpuOp::new(Arc::clone(s), Channel::Combine, seq, stamp, launch, kind, &tensors);
-    Ok(assemble(op, over_nccl, fill, fences, inputs.is_none()))
+    Ok(assemble(op, over_nccl, fill, with_built(fences, h), inputs.is_none()))
+}
+
+/// The fences a kernel on `h` waits for: its outputs' memory's, and, on a handle created in
+/// stream order, the creation's kernels (which write the plan it reads).
+fn with_built(mut fences: Vec<Arc<CudaEvent>>, h: &GpuHandle) -> Vec<Arc<CudaEvent>> {
+    fences.extend(h.built_event());
+    fences
 }
 
 /// Output views (one per output asked for), the bytes to fill with the debug byte (if any), and

@@ -129,13 +129,45 @@ impl GpuOp {
     /// peers' verdict (the row map settles too).
     pub(super) fn stream_verdict(&mut self) -> Result<(), Error> {
         self.settle_row_map();
-        self.peer_verdict()
+        match &self.kind {
+            Some(GpuOpKind::HtStreamHandle(h)) => {
+                let h = h.clone();
+                let verdict = self.stream_handle_verdict(&h);
+                if let Err(e) = &verdict {
+                    h.set_creation_error(e);
+                }
+                verdict
+            }
+            Some(GpuOpKind::HtDispatch { handle, .. } | GpuOpKind::HtCombine { handle, .. }) => {
+                let handle = handle.clone();
+                self.peer_verdict()?;
+                handle.check_built(&self.label())
+            }
+            _ => self.peer_verdict(),
+        }
     }
 
-    /// The outputs of a low-latency operation whose receive is enqueued but may not have run
-    /// (stream-ordered completion).
+    /// A handle created in stream order, once its kernels ended: this rank's routing as the
+    /// device judged it, the peers' verdict, and what it receives.
+    fn stream_handle_verdict(&self, h: &GpuHandle) -> Result<(), Error> {
+        if let Some(e) = h.creation_invalid_routing(self.shared.config.num_experts) {
+            return Err(e.into());
+        }
+        self.peer_verdict()?;
+        if h.settle_recv() {
+            Ok(())
+        } else {
+            Err(Error::Backend(format!("{}: the device did not build the handle", self.label())))
+        }
+    }
+
+    /// The outputs of an operation whose kernels are enqueued but may not have run
+    /// (stream-ordered completion): a low-latency one's, a high-throughput dispatch's or
+    /// combine's, or a handle built on the device.
     pub(super) fn stream_outputs(&mut self) -> Result<GpuOpOutput, Error> {
-        match &self.kind {
+        let (channel, seq) = (self.channel, self.seq);
+        let twice = move || Error::Backend(format!("{} finished twice", op_label(channel, seq)));
+        match &mut self.kind {
             Some(GpuOpKind::Dispatch { handle, opts }) => {
                 let (handle, opts) = (handle.clone(), *opts);
                 Ok(OpOutput::Dispatch(self.ll_dispatch(&handle, opts)?))
@@ -143,6 +175,24 @@ impl GpuOp {
             Some(GpuOpKind::Combine { handle, .. }) => {
                 let handle = handle.clone();
                 Ok(OpOutput::Combine(self.ll_combine(&handle)))
+            }
+            Some(GpuOpKind::HtDeviceHandle(_)) => {
+                let Some(GpuOpKind::HtDeviceHandle(mut plan)) = self.kind.take() else { unreachable!() };
+                let built = self.work.done().cloned().ok_or_else(|| Error::Backend("no completion event".into()))?;
+                let h = plan.stream_handle(&self.shared, self.seq, built)?;
+                self.kind = Some(GpuOpKind::HtStreamHandle(h.clone()));
+                Ok(OpOutput::Handle(h))
+            }
+            Some(GpuOpKind::HtDispatch { handle, pass, outputs }) => {
+                let (outputs, _) = *outputs.take().ok_or_else(twice)?;
+                handle.0.core.record_dispatch(*pass, self.seq);
+                let ctx = Arc::clone(&self.shared.ctx);
+                Ok(OpOutput::Dispatch(GpuDispatchOutput { outputs, host_counts: None, elapsed: None, ctx }))
+            }
+            Some(GpuOpKind::HtCombine { outputs, .. }) => {
+                let outputs = outputs.take().ok_or_else(twice)?;
+                let ctx = Arc::clone(&self.shared.ctx);
+                Ok(OpOutput::Combine(GpuCombineOutput { outputs, elapsed: None, ctx }))
             }
             _ => Err(Error::Backend(format!("{} cannot complete in stream order", self.label()))),
         }
@@ -187,19 +237,23 @@ impl GpuOp {
         let elapsed = self.work.elapsed(!matches!(self.launch, super::Launch::Ll(_)));
         let ctx = Arc::clone(&self.shared.ctx);
         match kind {
-            Some(GpuOpKind::HtHandle { routing, plan, .. }) => {
+            Some(GpuOpKind::HtHandle { routing, plan, recv_bound, .. }) => {
                 let received = received.ok_or_else(|| Error::Backend("count exchange without buffers".into()))??;
-                Ok(OpOutput::Handle(finish_handle(&self.shared, self.seq, routing, &plan, &received)?))
+                Ok(OpOutput::Handle(finish_handle(&self.shared, self.seq, routing, &plan, &received, recv_bound)?))
             }
             Some(GpuOpKind::HtDeviceHandle(plan)) => Ok(OpOutput::Handle(plan.finish(&self.shared, self.seq)?)),
             Some(GpuOpKind::Dispatch { handle, opts }) => Ok(OpOutput::Dispatch(self.ll_dispatch(&handle, opts)?)),
             Some(GpuOpKind::Combine { handle, .. }) => Ok(OpOutput::Combine(self.ll_combine(&handle))),
             Some(GpuOpKind::HtDispatch { handle, pass, outputs: Some(boxed) }) => {
+                handle.check_built(&self.label())?;
                 let (outputs, host_counts) = *boxed;
+                // Host counters: the handle's (known now, also for one created in stream order).
+                let host_counts = host_counts.map(|_| handle.recv_expert_counts().unwrap_or_default().to_vec());
                 handle.0.core.record_dispatch(pass, self.seq);
                 Ok(OpOutput::Dispatch(GpuDispatchOutput { outputs, host_counts, elapsed, ctx }))
             }
-            Some(GpuOpKind::HtCombine { outputs: Some(outputs) }) => {
+            Some(GpuOpKind::HtCombine { handle, outputs: Some(outputs) }) => {
+                handle.check_built(&self.label())?;
                 Ok(OpOutput::Combine(GpuCombineOutput { outputs, elapsed, ctx }))
             }
             Some(GpuOpKind::Cancellation) => Ok(OpOutput::Cancelled),

@@ -124,8 +124,8 @@ impl GpuOp {
             }
             Launch::HtPlan(mut p) => {
                 p.cancelled = cancelled;
-                let scratch_words = p.num_experts.max(0) as usize + 1;
-                // SAFETY: the handle's scratch holds E + 1 words (`ht::device`), alive as long as
+                let scratch_words = p.num_experts.max(0) as usize + 2;
+                // SAFETY: the handle's scratch holds E + 2 words (`ht::device`), alive as long as
                 // the operation; ordered on its stream before the kernels that count into it.
                 unsafe { sys::cuMemsetD32Async(p.scratch, 0, scratch_words, on.cu_stream()) }
                     .result()

@@ -46,14 +46,18 @@ pub(crate) enum GpuOpKind {
     Dispatch { handle: GpuHandle, opts: DispatchOptions },
     /// Low-latency combine, pairing with dispatch `paired` on `handle`.
     Combine { handle: GpuHandle, paired: u64 },
-    /// The count exchange that creates a high-throughput handle (plan built on the host).
-    HtHandle { routing: Routing, plan: ChannelPlan, bufs: Option<ExchangeBuffers> },
+    /// The count exchange that creates a high-throughput handle (plan built on the host);
+    /// `recv_bound`: the received rows of a `RecvRows::Bound` handle.
+    HtHandle { routing: Routing, plan: ChannelPlan, bufs: Option<ExchangeBuffers>, recv_bound: Option<usize> },
     /// A high-throughput handle built on the device (`ep_ht_plan_mark`, `ep_ht_plan`).
     HtDeviceHandle(Box<crate::ht::plan::DevicePlan>),
+    /// A handle built on the device and handed out in stream order before it was built
+    /// (`complete_on`): its verdict settles it.
+    HtStreamHandle(GpuHandle),
     /// High-throughput dispatch.
     HtDispatch { handle: GpuHandle, pass: Pass, outputs: Option<Box<HtDispatchOutputs>> },
     /// High-throughput combine.
-    HtCombine { outputs: Option<CombineOutputs<DeviceTensor>> },
+    HtCombine { handle: GpuHandle, outputs: Option<CombineOutputs<DeviceTensor>> },
     /// A cancellation only (this rank's arguments failed validation): no result.
     Cancellation,
 }
@@ -271,18 +275,24 @@ impl GpuOp {
 
     /// Whether the complete half can run in a caller's stream order without the host: a
     /// low-latency operation with data (not a cancellation, no NCCL peers: their row counts are
-    /// read on the host), whose counters stay on the device.
+    /// read on the host), whose counters stay on the device; a high-throughput dispatch or
+    /// combine over NVLink (one kernel, launched at the send) with its counters on the device;
+    /// a high-throughput handle built on the device with `RecvRows::Bound`.
     fn stream_orderable(&self) -> bool {
         let host_counts = matches!(
             &self.kind,
             Some(GpuOpKind::Dispatch { opts, .. }) if opts.counts_location == epflow_core::ops::CountsLocation::Host
         );
-        matches!(self.launch, Launch::Ll(_))
-            && matches!(self.kind, Some(GpuOpKind::Dispatch { .. } | GpuOpKind::Combine { .. }))
-            && !self.state.is_cancelled()
-            && self.refused.is_none()
-            && !self.uses_nccl()
-            && !host_counts
+        let ht_host_counts =
+            matches!(&self.kind, Some(GpuOpKind::HtDispatch { outputs: Some(o), .. }) if o.1.is_some());
+        let kernels = match (&self.launch, &self.kind) {
+            (Launch::Ll(_), Some(GpuOpKind::Dispatch { .. } | GpuOpKind::Combine { .. })) => !host_counts,
+            (Launch::Ht(_), Some(GpuOpKind::HtDispatch { .. } | GpuOpKind::HtCombine { .. })) => !ht_host_counts,
+            // A handle built on the device whose received tensors do not depend on N.
+            (Launch::HtPlan(_), Some(GpuOpKind::HtDeviceHandle(plan))) => plan.has_bound(),
+            _ => false,
+        };
+        kernels && !self.state.is_cancelled() && self.refused.is_none() && !self.uses_nccl()
     }
 
     /// Whether this operation runs both low-latency halves as one cooperative launch: the
@@ -530,6 +540,14 @@ impl PendingOp for GpuOp {
             }
             record_output_stream(&out, stream);
             return Ok(Some(out));
+        }
+        if !matches!(self.launch, Launch::Ll(_)) {
+            // High-throughput: the one kernel (or the handle's kernels) went out at the send;
+            // the caller's stream waits for its completion event.
+            self.start_complete()?;
+            let done = self.work.done().cloned().ok_or_else(|| Error::Backend("no completion event".into()))?;
+            stream.wait(&done).map_err(|e| cuda("order the caller's stream", e))?;
+            return self.stream_outputs_after(&done, stream).map(Some);
         }
         if self.one_launched {
             // Both halves ran as one launch on the operation's stream (the caller's, for a send

@@ -1,7 +1,7 @@
 //! [`GpuHandle`]: a routing handle of the GPU backend, its device memory, and what it learnt
 //! from collectives (the high-throughput count exchange; the low-latency NCCL row counts).
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaEvent};
 use epflow_core::Error;
@@ -33,6 +33,37 @@ pub(crate) struct GpuHandleState {
     pub(crate) row_map: Mutex<RowMap>,
     /// A handle of captured steps (`graph/`): its `topk_idx` buffer, outputs and report.
     pub(crate) graph: Option<GraphHandle>,
+    /// A high-throughput handle handed out before its creation completed (stream order).
+    pub(crate) creation: Option<StreamCreation>,
+}
+
+/// A high-throughput handle handed out in stream order, before the device had built it
+/// (`HandleFuture::complete_on` with `RecvRows::Bound`): what operations on it wait for, and
+/// where the creation's outcome lies. The plan kernels leave an empty plan behind a failed
+/// creation (`ht.cu`, `plan_empty`), so operations enqueued on it move nothing; each checks
+/// the outcome when it finishes.
+#[derive(Debug)]
+pub(crate) struct StreamCreation {
+    /// The creation's number on the handle channel.
+    pub(crate) seq: u64,
+    /// Recorded after the creation's kernels: every operation on the handle waits for it on
+    /// the device before its kernel.
+    pub(crate) built: Arc<CudaEvent>,
+    /// The mapped words of the plan kernels (`ht::plan`), until the handle is dropped; then
+    /// back to `results_pool`.
+    pub(crate) result: Option<PinnedBuffer>,
+    pub(crate) results_pool: Arc<Mutex<Vec<PinnedBuffer>>>,
+    /// Local experts (the rows per local expert follow the result's head).
+    pub(crate) local: usize,
+    /// The creation's error, once its verdict was read (a reactor job reads it).
+    pub(crate) failed: OnceLock<Error>,
+}
+
+impl StreamCreation {
+    /// Whether the device built the handle (read once the kernels ended: after `built`).
+    fn built_ok(&self) -> bool {
+        self.result.as_ref().is_some_and(|r| r.read_u64(crate::ht::plan::RESULT_BUILT) == self.seq + 1)
+    }
 }
 
 /// What a handle of captured steps (`graph/`) holds beside an eager handle's memory.
@@ -124,6 +155,11 @@ impl Drop for GpuHandleState {
         if let Some(m) = self.mem.take() {
             self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(m);
         }
+        if let Some(c) = &mut self.creation {
+            if let Some(r) = c.result.take() {
+                c.results_pool.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+            }
+        }
     }
 }
 
@@ -155,7 +191,77 @@ impl GpuHandle {
             ll_nccl,
             row_map: Mutex::default(),
             graph: None,
+            creation: None,
         }))
+    }
+
+    /// A high-throughput handle handed out before the device built it ([`StreamCreation`]).
+    pub(crate) fn in_stream_order(
+        core: HandleCore,
+        mem: DeviceBuffer,
+        pool: &Arc<Mutex<Vec<DeviceBuffer>>>,
+        ht: HtHandleInfo,
+        creation: StreamCreation,
+    ) -> Self {
+        GpuHandle(Arc::new(GpuHandleState {
+            core,
+            mem: Some(mem),
+            pool: Arc::clone(pool),
+            ht: Some(ht),
+            ll_nccl: None,
+            row_map: Mutex::default(),
+            graph: None,
+            creation: Some(creation),
+        }))
+    }
+
+    /// The event an operation on a handle created in stream order waits for (its creation's
+    /// kernels); `None` for every other handle.
+    pub(crate) fn built_event(&self) -> Option<Arc<CudaEvent>> {
+        self.0.creation.as_ref().map(|c| Arc::clone(&c.built))
+    }
+
+    /// An operation on a handle created in stream order, finished: `Ok` if the device built
+    /// the handle, else the creation's error (the operation ran on an empty plan and moved
+    /// nothing). Also records `N` on the handle. Always `Ok` for other handles.
+    pub(crate) fn check_built(&self, op: &str) -> Result<(), Error> {
+        let Some(c) = &self.0.creation else { return Ok(()) };
+        if c.built_ok() {
+            self.settle_recv();
+            return Ok(());
+        }
+        Err(c.failed.get().cloned().unwrap_or_else(|| {
+            Error::Backend(format!(
+                "{op} ran on the handle of creation #{}, which failed on the device (its completion has the reason; the group is poisoned): it moved nothing",
+                c.seq
+            ))
+        }))
+    }
+
+    /// Records what a handle created in stream order receives (`N`, the rows per local expert)
+    /// once the device built it; `false` if it has not (failed, or not finished).
+    pub(crate) fn settle_recv(&self) -> bool {
+        let Some(c) = &self.0.creation else { return true };
+        let Some(r) = c.result.as_ref().filter(|_| c.built_ok()) else { return false };
+        let head = crate::ht::plan::RESULT_HEAD;
+        let counts = (0..c.local).map(|l| r.read_u64(head + l) as i32).collect();
+        self.0.core.set_recv(r.read_u64(crate::ht::plan::RESULT_N) as usize, counts);
+        true
+    }
+
+    /// The routing's first invalid entry as the device found it, for a handle created in stream
+    /// order (read once its kernels ended).
+    pub(crate) fn creation_invalid_routing(&self, num_experts: usize) -> Option<epflow_core::ValidationError> {
+        let r = self.0.creation.as_ref()?.result.as_ref()?;
+        crate::ht::plan::invalid_routing_in(r, self.0.core.top_k(), num_experts)
+    }
+
+    /// Records the error of a handle creation in stream order (its verdict), for the
+    /// operations on it.
+    pub(crate) fn set_creation_error(&self, e: &Error) {
+        if let Some(c) = &self.0.creation {
+            let _ = c.failed.set(e.clone());
+        }
     }
 
     /// The device address of the handle's memory.

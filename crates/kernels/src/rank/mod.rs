@@ -18,13 +18,15 @@ use cudarc::driver::{CudaContext, CudaStream};
 use epflow_core::backend::{Backend, HandleCreation, PendingOp, RankCore, detach};
 use epflow_core::handle::{HandleCore, RoutingHandle};
 use epflow_core::mask::{MaskedRanks, RankSet};
-use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions, Layout, Pass};
+use epflow_core::ops::{
+    CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions, Layout, Pass, RecvRows,
+};
 use epflow_core::ops::{CombineOutputs, DispatchOutputs};
 use epflow_core::protocol::{Channel, op_label};
 use epflow_core::routing::{CombinePositions, ExpertPlacement, Routing};
 use epflow_core::validate::{
-    check_topk_idx, combine_output_descs, dispatch_output_descs, routing_from_tensor, validate_combine_inputs,
-    validate_dispatch_inputs, validate_handle_options,
+    check_topk_idx, combine_output_descs, dispatch_output_descs, recv_bound, routing_from_tensor,
+    validate_combine_inputs, validate_dispatch_inputs, validate_handle_options,
 };
 use epflow_core::{Algorithm, Error, TensorDesc};
 
@@ -276,7 +278,7 @@ impl GpuRank {
             (Algorithm::LowLatency, _) => ll::start::cancellation(s, channel, seq, handle),
             (Algorithm::HighThroughput, Channel::Handle) => {
                 let routing = Routing::new(Vec::new(), 0, 1, s.config.num_experts).ok()?;
-                let mut op = ht::start::handle(s, seq, routing).ok()?;
+                let mut op = ht::start::handle(s, seq, routing, None).ok()?;
                 op.cancel();
                 Some(op)
             }
@@ -373,14 +375,16 @@ impl Backend for GpuRank {
             Algorithm::HighThroughput => {
                 let op = self.collective(Channel::Handle, None, Pass::Forward, |seq| {
                     validate_handle_options(&self.shared.config, opts)?;
+                    let bound = (opts.recv_rows == RecvRows::Bound)
+                        .then(|| recv_bound(&self.shared.config, self.shared.num_ranks));
                     if ht::device::builds_on_device(&self.shared) {
                         // The descriptor here; the values on the device, which cancels the
                         // exchange (and fails this creation) if one is invalid.
                         self.check_topk_tensor(topk_idx)?;
-                        return ht::device::start(&self.shared, seq, topk_idx);
+                        return ht::device::start(&self.shared, seq, topk_idx, bound);
                     }
                     let (routing, _) = self.routing_of(topk_idx)?;
-                    ht::start::handle(&self.shared, seq, routing)
+                    ht::start::handle(&self.shared, seq, routing, bound)
                 })?;
                 Ok(HandleCreation::Collective(op))
             }

@@ -136,7 +136,7 @@ pub(crate) struct RankShared {
     /// High-throughput: staging buffers of the count exchange, recycled.
     pub(crate) exchange_pool: Mutex<Vec<ExchangeBuffers>>,
     /// High-throughput: the mapped words a handle built on the device reports in, recycled.
-    pub(crate) plan_results: Mutex<Vec<PinnedBuffer>>,
+    pub(crate) plan_results: Arc<Mutex<Vec<PinnedBuffer>>>,
     /// High-throughput: 0, or 1 + the byte every output is filled with before its kernel runs
     /// ([`crate::GpuRank::fill_output_buffers`]).
     pub(crate) output_fill: AtomicU32,
