@@ -47,6 +47,14 @@ impl<W: Fn()> BenchRank for GpuBench<W> {
         self.rank.upload(t)
     }
 
+    fn dispatch_tokens<'a>(&self, out: &'a GpuDispatchOutput) -> &'a DeviceTensor {
+        out.tokens()
+    }
+
+    fn step_stream(&self) -> Option<std::sync::Arc<cudarc::driver::CudaStream>> {
+        self.rank.context().new_stream().ok()
+    }
+
     fn dispatch_to_host<'a>(&self, out: &'a GpuDispatchOutput) -> Result<Cow<'a, DispatchOutputs<HostTensor>>, Error> {
         Ok(Cow::Owned(out.to_host()?))
     }

@@ -33,6 +33,14 @@ impl BenchRank for HostBench {
         Ok(t.clone())
     }
 
+    fn dispatch_tokens<'a>(&self, out: &'a HostDispatchOutput) -> &'a HostTensor {
+        out.tokens()
+    }
+
+    fn step_stream(&self) -> Option<epflow_core::host::HostStream> {
+        Some(epflow_core::host::HostStream)
+    }
+
     fn dispatch_to_host<'a>(&self, out: &'a HostDispatchOutput) -> Result<Cow<'a, DispatchOutputs<HostTensor>>, Error> {
         Ok(Cow::Borrowed(out.outputs()))
     }

@@ -167,6 +167,11 @@ pub(crate) fn config_from_args(args: &BenchArgs, ranks: usize) -> Result<(GroupC
     }
     let config = match args.algorithm {
         AlgorithmArg::Ll | AlgorithmArg::Auto => GroupConfig::low_latency(args.experts, tokens, args.hidden),
+        // --fresh-routing also times the step in stream order, whose handles size received
+        // tensors by the bound R x max_tokens_per_rank (RecvRows::Bound).
+        AlgorithmArg::Ht if args.fresh_routing => {
+            GroupConfig::high_throughput(args.experts, args.hidden).with_max_tokens(MaxTokens::Fixed(tokens))
+        }
         AlgorithmArg::Ht => GroupConfig::high_throughput(args.experts, args.hidden),
     }
     .with_dispatch_dtype(dtype)
@@ -429,6 +434,10 @@ pub(crate) fn summarise(
             .iter()
             .any(|r| !r.graph.samples_us.is_empty())
             .then(|| OpSummary::from_ranks(&collect(|r| &r.graph))),
+        stream_step: results
+            .iter()
+            .any(|r| !r.stream_step.samples_us.is_empty())
+            .then(|| OpSummary::from_ranks(&collect(|r| &r.stream_step))),
         handle: results
             .iter()
             .any(|r| !r.handle.samples_us.is_empty())

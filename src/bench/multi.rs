@@ -22,7 +22,9 @@ fn encode(r: &RankResult, iters: usize) -> Vec<f64> {
     for h in &r.halves {
         v.push(if h.is_empty() { 0.0 } else { h.iter().sum::<f64>() / h.len() as f64 });
     }
-    v.extend(r.graph.samples_us.iter().copied().chain(std::iter::repeat(f64::NAN)).take(iters));
+    for t in [&r.graph, &r.stream_step] {
+        v.extend(t.samples_us.iter().copied().chain(std::iter::repeat(f64::NAN)).take(iters));
+    }
     for c in [&r.dispatch_check, &r.combine_check] {
         match c {
             Some(rep) => v.extend([1.0, rep.checked as f64, rep.mismatched as f64, rep.max_abs_diff]),
@@ -51,8 +53,12 @@ fn decode(v: &[f64], iters: usize) -> RankResult {
         }
     }
     i += 4;
-    let graph = RankTimes { samples_us: v[i..i + iters].iter().copied().filter(|x| !x.is_nan()).collect(), bytes: 0 };
-    i += iters;
+    let mut optional = || {
+        let t = RankTimes { samples_us: v[i..i + iters].iter().copied().filter(|x| !x.is_nan()).collect(), bytes: 0 };
+        i += iters;
+        t
+    };
+    let (graph, stream_step) = (optional(), optional());
     let check = |j: usize| {
         (v[j] > 0.0).then(|| Report {
             checked: v[j + 1] as u64,
@@ -70,6 +76,7 @@ fn decode(v: &[f64], iters: usize) -> RankResult {
         dispatch_check: check(i),
         combine_check: check(i + 4),
         graph,
+        stream_step,
     }
 }
 

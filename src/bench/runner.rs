@@ -3,11 +3,14 @@
 use std::borrow::Cow;
 use std::time::Duration;
 
-use epflow_core::backend::{Backend, blocking_combine, blocking_dispatch, blocking_handle, blocking_handle_with};
+use epflow_core::backend::{
+    Backend, blocking_combine, blocking_combine_on, blocking_dispatch, blocking_dispatch_on, blocking_handle,
+    blocking_handle_on, blocking_handle_with,
+};
 use epflow_core::handle::RoutingHandle;
 use epflow_core::ops::{
     CombineInputs, CombineOptions, CombineOutputs, DispatchInputs, DispatchOptions, DispatchOutputs, HandleOptions,
-    Layout, Pass,
+    Layout, Pass, RecvRows,
 };
 use epflow_core::reference::{HtDispatchResult, LlDispatchResult, RankMajorDispatchResult};
 use epflow_core::scenario::{Scenario, rank_major_identity_expert_outputs};
@@ -46,6 +49,8 @@ pub(crate) trait BenchRank {
     ) -> Result<Cow<'a, <Self::B as Backend>::Tensor>, Error>
     where
         <Self::B as Backend>::Tensor: Clone;
+    /// The received tokens of a dispatch (`[rows x H]`).
+    fn dispatch_tokens<'a>(&self, out: &'a <Self::B as Backend>::DispatchOutput) -> &'a <Self::B as Backend>::Tensor;
     /// Waits until every rank reaches this point.
     fn barrier(&self);
     /// Runs `f` and measures it on the host clock.
@@ -73,6 +78,12 @@ pub(crate) trait BenchRank {
         _plan: &LoopPlan,
         _want: Option<&[epflow_core::bf16]>,
     ) -> Option<Result<(RankTimes, Option<Report>), Error>> {
+        None
+    }
+    /// A stream of this rank to order a `--fresh-routing` training step on (stream-ordered
+    /// handle creation, dispatch and combine); `None`: the backend has no stream-ordered
+    /// operations (NCCL EP's), the step is only timed as blocking operations.
+    fn step_stream(&self) -> Option<<Self::B as Backend>::Stream> {
         None
     }
     /// Whether dispatch leaves rows in arrival order (NCCL EP: inside a low-latency expert, and
@@ -104,6 +115,9 @@ pub(crate) struct RankResult {
     pub combine_check: Option<Report>,
     /// `--graph`: device time (us) of each replay of the captured dispatch + combine step.
     pub graph: RankTimes,
+    /// `--fresh-routing`: the training step in stream order (host clock from the barrier to
+    /// the last verdict).
+    pub stream_step: RankTimes,
 }
 
 /// Settings of the loop.
@@ -207,6 +221,80 @@ where
         }
     }
     Ok((handle_times, times))
+}
+
+/// `--fresh-routing` in stream order, as a trainer enqueues a layer's communication: per
+/// iteration (after a barrier), a `RecvRows::Bound` handle for a new routing created in stream
+/// order, the forward dispatch, the forward combine, the backward dispatch and the backward
+/// combine on that handle, each enqueued on `stream` behind the previous one with no host wait
+/// in between (the host never learns `N` first); then every verdict. Returns the host time
+/// from the barrier to the last verdict. The forward combine sends the dispatched rows back
+/// (BF16; for FP8 a kept `[bound x H]` BF16 buffer stands for the experts' outputs, ordered
+/// after the dispatch through `stream`).
+fn stream_ordered_steps<R: BenchRank>(
+    r: &R,
+    sc: &Scenario,
+    plan: &LoopPlan,
+    masked: usize,
+    inputs: DispatchInputs<'_, <R::B as Backend>::Tensor>,
+    stream: &<R::B as Backend>::Stream,
+) -> Result<RankTimes, Error>
+where
+    <R::B as Backend>::Tensor: Clone,
+{
+    let b = r.backend();
+    let (rank, cfg) = (b.rank(), b.config());
+    let num_tokens = sc.ranks[rank].num_tokens;
+    let spec = RoutingSpec {
+        num_tokens,
+        top_k: sc.top_k,
+        num_experts: cfg.num_experts,
+        num_ranks: sc.num_ranks,
+        masked,
+        kind: RoutingKind::Uniform,
+    };
+    let routings = (0..FRESH_ROUTINGS)
+        .map(|i| {
+            r.upload(&HostTensor::topk_idx(num_tokens, sc.top_k, random_topk_idx(&spec, 0xf7e5_0000 ^ i as u64, rank)))
+        })
+        .collect::<Result<Vec<_>, Error>>()?;
+    let bound = epflow_core::validate::recv_bound(cfg, b.num_ranks());
+    let h = cfg.hidden;
+    let grads = r.upload(&sc.tokens(rank))?;
+    let weight_grads = r.upload(&HostTensor::topk_weights(bound, sc.top_k, vec![0.5; bound * sc.top_k]))?;
+    let kept = match cfg.dispatch_dtype.is_fp8() {
+        true => Some(r.upload(&HostTensor::tokens(bound, h, vec![epflow_core::bf16::ZERO; bound * h]))?),
+        false => None,
+    };
+    let hopts = HandleOptions::default().with_recv_rows(RecvRows::Bound);
+    let bwd_d = DispatchOptions { pass: Pass::Backward, ..DispatchOptions::default() };
+    let bwd_c = CombineOptions { pass: Pass::Backward };
+    let mut times = RankTimes::default();
+    for i in 0..plan.warmup + plan.iters {
+        r.barrier();
+        let start = std::time::Instant::now();
+        let (handle, created) = blocking_handle_on(b, &routings[i % FRESH_ROUTINGS], &hopts, stream)?;
+        let (d, ds) = blocking_dispatch_on(b, &handle, inputs, &DispatchOptions::default(), stream)?;
+        let dispatched = r.dispatch_tokens(&d);
+        let experts = kept.as_ref().unwrap_or(dispatched);
+        let (c, cs) = blocking_combine_on(b, &handle, CombineInputs::new(experts), &CombineOptions::default(), stream)?;
+        let (gd, gds) = blocking_dispatch_on(b, &handle, DispatchInputs::new(&grads), &bwd_d, stream)?;
+        let rows = r.dispatch_tokens(&gd);
+        let (gc, gcs) =
+            blocking_combine_on(b, &handle, CombineInputs::new(rows).with_weights(&weight_grads), &bwd_c, stream)?;
+        if let Some(c) = created {
+            c.settle()?;
+        }
+        for settle in [ds, cs, gds, gcs] {
+            settle.settle()?;
+        }
+        let t = start.elapsed();
+        drop((c, gc, d, gd));
+        if i >= plan.warmup {
+            times.samples_us.push(t.as_secs_f64() * 1e6);
+        }
+    }
+    Ok(times)
 }
 
 /// Runs this rank's part: handle, optional validation round, warm-up, timed iterations.
@@ -347,6 +435,10 @@ where
 
     if let (true, Some(masked)) = (ht, plan.fresh_routing) {
         let (handle, [mut d, mut c, t]) = fresh_routing_steps(r, sc, plan, masked, inputs)?;
+        let stream_step = match (r.step_stream(), cfg.fixed_max_tokens()) {
+            (Some(s), Some(_)) => stream_ordered_steps(r, sc, plan, masked, inputs, &s)?,
+            _ => RankTimes::default(),
+        };
         d.bytes = bench_bytes(sc, &cfg, rank, b.num_ranks()).unwrap_or(0);
         c.bytes = d.bytes;
         let halves = Default::default();
@@ -360,6 +452,7 @@ where
             dispatch_check,
             combine_check,
             graph,
+            stream_step,
         });
     }
 
@@ -439,6 +532,7 @@ where
         dispatch_check,
         combine_check,
         graph,
+        stream_step: RankTimes::default(),
     })
 }
 

@@ -103,6 +103,9 @@ pub(crate) struct BenchReport {
     /// `--graph`: one replay of the captured dispatch + combine step (GPU: device time; host
     /// backend: host clock).
     pub graph: Option<OpSummary>,
+    /// `--fresh-routing`: the training step in stream order (handle, forward pair, backward
+    /// pair enqueued with no host wait between them; host clock to the last verdict).
+    pub stream_step: Option<OpSummary>,
 }
 
 impl BenchReport {
@@ -131,8 +134,16 @@ impl BenchReport {
         print_op(&format!("Dispatch ({dt}):"), &self.dispatch);
         print_op("Combine (BF16):", &self.combine);
         if self.fresh_routing {
-            println!("Training step (handle + forward D+C + backward D+C, a new routing every step):");
+            println!(
+                "Training step (handle + forward D+C + backward D+C, a new routing every step; the sum of the five\n  operations, each awaited behind a barrier):"
+            );
             print_op("", &self.total);
+            if let Some(s) = &self.stream_step {
+                println!(
+                    "Training step in stream order (the same five enqueued on one stream with no host wait between\n  them, RecvRows::Bound handle; host clock from the barrier to the last verdict):"
+                );
+                print_op("", s);
+            }
         } else {
             print_op("Total (D+C):", &self.total);
         }
