@@ -15,7 +15,7 @@ use epflow_core::verify::{Report, Tolerance, check_bf16};
 use epflow_core::{Error, HostTensor};
 use epflow_kernels::{DeviceTensor, GpuCombineOutput, GpuDispatchOutput, GpuRank};
 
-use super::runner::{BenchRank, LoopPlan};
+use super::runner::{BenchRank, DeviceClock, LoopPlan};
 use super::stats::RankTimes;
 
 /// A GPU rank with the world's barrier (`wait`: a spin barrier between threads, or an NCCL
@@ -27,6 +27,25 @@ pub(super) struct GpuBench<W: Fn()> {
     /// server's experts write into fixed buffers): allocating and freeing this buffer per
     /// iteration (470 MB at 128 tokens, expert-major) made the next operations slower.
     dequantized: Mutex<Option<DeviceTensor>>,
+}
+
+/// Two CUDA events on a stream ([`DeviceClock`]).
+struct EventClock {
+    stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    start: cudarc::driver::CudaEvent,
+    end: cudarc::driver::CudaEvent,
+}
+
+impl DeviceClock for EventClock {
+    fn stop(&mut self) -> Result<(), Error> {
+        self.end.record(&self.stream).map_err(|e| Error::Backend(format!("record: {e}")))
+    }
+
+    fn elapsed_us(&self) -> Result<f64, Error> {
+        self.end.synchronize().map_err(|e| Error::Backend(format!("event: {e}")))?;
+        let ms = self.start.elapsed_ms(&self.end).map_err(|e| Error::Backend(format!("elapsed: {e}")))?;
+        Ok(f64::from(ms) * 1e3)
+    }
 }
 
 impl<W: Fn()> GpuBench<W> {
@@ -53,6 +72,19 @@ impl<W: Fn()> BenchRank for GpuBench<W> {
 
     fn step_stream(&self) -> Option<std::sync::Arc<cudarc::driver::CudaStream>> {
         self.rank.context().new_stream().ok()
+    }
+
+    fn start_device_clock(
+        &self,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+        busy: Duration,
+    ) -> Result<Option<Box<dyn DeviceClock>>, Error> {
+        self.rank.delay_on(stream, busy)?;
+        let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let event = || self.rank.context().new_event(timed).map_err(|e| Error::Backend(format!("event: {e}")));
+        let (start, end) = (event()?, event()?);
+        start.record(stream).map_err(|e| Error::Backend(format!("record: {e}")))?;
+        Ok(Some(Box::new(EventClock { stream: std::sync::Arc::clone(stream), start, end })))
     }
 
     fn dispatch_to_host<'a>(&self, out: &'a GpuDispatchOutput) -> Result<Cow<'a, DispatchOutputs<HostTensor>>, Error> {

@@ -86,6 +86,16 @@ pub(crate) trait BenchRank {
     fn step_stream(&self) -> Option<<Self::B as Backend>::Stream> {
         None
     }
+    /// Before a stream-ordered step: keeps `stream` busy for `busy` (a spin kernel standing
+    /// for the previous layer's compute, so the host enqueues the step while the device works,
+    /// as in training) and starts a device clock behind it; `None` where there is no device.
+    fn start_device_clock(
+        &self,
+        _stream: &<Self::B as Backend>::Stream,
+        _busy: Duration,
+    ) -> Result<Option<Box<dyn DeviceClock>>, Error> {
+        Ok(None)
+    }
     /// Whether dispatch leaves rows in arrival order (NCCL EP: inside a low-latency expert, and
     /// across a high-throughput receive, whose top-k entries it also writes compactly), so
     /// validation finds each expected row by its content instead of by its position.
@@ -93,6 +103,19 @@ pub(crate) trait BenchRank {
         false
     }
 }
+
+/// A device clock on a stream (CUDA events): started behind the work enqueued there,
+/// stopped behind the work enqueued until [`DeviceClock::stop`].
+pub(crate) trait DeviceClock {
+    /// Marks the end on the stream the clock started on.
+    fn stop(&mut self) -> Result<(), Error>;
+    /// Microseconds between the marks (after the stream reached the end).
+    fn elapsed_us(&self) -> Result<f64, Error>;
+}
+
+/// The spin before a stream-ordered step ([`BenchRank::start_device_clock`]): longer than the
+/// host takes to enqueue the step, shorter than the step.
+const STEP_LEAD: Duration = Duration::from_micros(300);
 
 /// The reference results of the benchmark's scenario.
 pub(crate) enum References {
@@ -118,6 +141,9 @@ pub(crate) struct RankResult {
     /// `--fresh-routing`: the training step in stream order (host clock from the barrier to
     /// the last verdict).
     pub stream_step: RankTimes,
+    /// `--fresh-routing`: the same step's device time (CUDA events around it, the host
+    /// enqueueing it behind a spin).
+    pub stream_step_device: RankTimes,
 }
 
 /// Settings of the loop.
@@ -228,9 +254,11 @@ where
 /// order, the forward dispatch, the forward combine, the backward dispatch and the backward
 /// combine on that handle, each enqueued on `stream` behind the previous one with no host wait
 /// in between (the host never learns `N` first); then every verdict. Returns the host time
-/// from the barrier to the last verdict. The forward combine sends the dispatched rows back
-/// (BF16; for FP8 a kept `[bound x H]` BF16 buffer stands for the experts' outputs, ordered
-/// after the dispatch through `stream`).
+/// from the barrier to the last verdict and, where the backend has a device clock, the device
+/// time of the five operations: the host enqueues them behind a spin kernel (the previous
+/// layer's compute in a trainer), so the device does not wait for the host's launches. The
+/// forward combine sends the dispatched rows back (BF16; for FP8 a kept `[bound x H]` BF16
+/// buffer stands for the experts' outputs, ordered after the dispatch through `stream`).
 fn stream_ordered_steps<R: BenchRank>(
     r: &R,
     sc: &Scenario,
@@ -238,7 +266,7 @@ fn stream_ordered_steps<R: BenchRank>(
     masked: usize,
     inputs: DispatchInputs<'_, <R::B as Backend>::Tensor>,
     stream: &<R::B as Backend>::Stream,
-) -> Result<RankTimes, Error>
+) -> Result<[RankTimes; 2], Error>
 where
     <R::B as Backend>::Tensor: Clone,
 {
@@ -269,10 +297,11 @@ where
     let hopts = HandleOptions::default().with_recv_rows(RecvRows::Bound);
     let bwd_d = DispatchOptions { pass: Pass::Backward, ..DispatchOptions::default() };
     let bwd_c = CombineOptions { pass: Pass::Backward };
-    let mut times = RankTimes::default();
+    let (mut times, mut device) = (RankTimes::default(), RankTimes::default());
     for i in 0..plan.warmup + plan.iters {
         r.barrier();
         let start = std::time::Instant::now();
+        let mut clock = r.start_device_clock(stream, STEP_LEAD)?;
         let (handle, created) = blocking_handle_on(b, &routings[i % FRESH_ROUTINGS], &hopts, stream)?;
         let (d, ds) = blocking_dispatch_on(b, &handle, inputs, &DispatchOptions::default(), stream)?;
         let dispatched = r.dispatch_tokens(&d);
@@ -282,6 +311,9 @@ where
         let rows = r.dispatch_tokens(&gd);
         let (gc, gcs) =
             blocking_combine_on(b, &handle, CombineInputs::new(rows).with_weights(&weight_grads), &bwd_c, stream)?;
+        if let Some(c) = clock.as_mut() {
+            c.stop()?;
+        }
         if let Some(c) = created {
             c.settle()?;
         }
@@ -292,9 +324,12 @@ where
         drop((c, gc, d, gd));
         if i >= plan.warmup {
             times.samples_us.push(t.as_secs_f64() * 1e6);
+            if let Some(c) = &clock {
+                device.samples_us.push(c.elapsed_us()?);
+            }
         }
     }
-    Ok(times)
+    Ok([times, device])
 }
 
 /// Runs this rank's part: handle, optional validation round, warm-up, timed iterations.
@@ -435,9 +470,9 @@ where
 
     if let (true, Some(masked)) = (ht, plan.fresh_routing) {
         let (handle, [mut d, mut c, t]) = fresh_routing_steps(r, sc, plan, masked, inputs)?;
-        let stream_step = match (r.step_stream(), cfg.fixed_max_tokens()) {
+        let [stream_step, stream_step_device] = match (r.step_stream(), cfg.fixed_max_tokens()) {
             (Some(s), Some(_)) => stream_ordered_steps(r, sc, plan, masked, inputs, &s)?,
-            _ => RankTimes::default(),
+            _ => Default::default(),
         };
         d.bytes = bench_bytes(sc, &cfg, rank, b.num_ranks()).unwrap_or(0);
         c.bytes = d.bytes;
@@ -453,6 +488,7 @@ where
             combine_check,
             graph,
             stream_step,
+            stream_step_device,
         });
     }
 
@@ -533,6 +569,7 @@ where
         combine_check,
         graph,
         stream_step: RankTimes::default(),
+        stream_step_device: RankTimes::default(),
     })
 }
 

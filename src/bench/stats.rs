@@ -106,6 +106,9 @@ pub(crate) struct BenchReport {
     /// `--fresh-routing`: the training step in stream order (handle, forward pair, backward
     /// pair enqueued with no host wait between them; host clock to the last verdict).
     pub stream_step: Option<OpSummary>,
+    /// `--fresh-routing`: the stream-ordered step's device time (CUDA events around the five
+    /// operations, enqueued behind a spin kernel).
+    pub stream_step_device: Option<OpSummary>,
 }
 
 impl BenchReport {
@@ -141,6 +144,12 @@ impl BenchReport {
             if let Some(s) = &self.stream_step {
                 println!(
                     "Training step in stream order (the same five enqueued on one stream with no host wait between\n  them, RecvRows::Bound handle; host clock from the barrier to the last verdict):"
+                );
+                print_op("", s);
+            }
+            if let Some(s) = &self.stream_step_device {
+                println!(
+                    "Training step in stream order, device time (CUDA events before the handle and after the backward\n  combine; the host enqueued the five behind a 300 us spin kernel, as behind a previous layer):"
                 );
                 print_op("", s);
             }

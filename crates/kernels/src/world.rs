@@ -267,6 +267,7 @@ fn build_rank(
         timing: Default::default(),
         one_launch,
         turns: Default::default(),
+        last_launch: Default::default(),
         nccl,
     });
     Ok(GpuRank { shared, core })

@@ -99,6 +99,21 @@ impl GpuOp {
     /// count exchange.
     pub(super) fn launch_single(&self) -> Result<(), Error> {
         let s = &self.shared;
+        // One channel's kernels in operation order on the device, whatever streams they run on
+        // (a caller's, for an operation in stream order): behind the previous one if it ran on
+        // another stream.
+        let mut last = s.last_launch[self.chan()].lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = last.as_ref() {
+            wait_unless_same(self.work.stream(), &f.event, f.stream, "order after the channel's last kernel")?;
+        }
+        self.launch_kernels()?;
+        *last = Some(StreamFence { event: self.work.record_now()?, stream: stream_id(self.work.stream()) });
+        Ok(())
+    }
+
+    /// The kernels of [`GpuOp::launch_single`].
+    fn launch_kernels(&self) -> Result<(), Error> {
+        let s = &self.shared;
         let cancelled = i32::from(self.state.is_cancelled());
         if let (Some((ptr, bytes)), false) = (self.fill, self.state.is_cancelled()) {
             let byte = s.output_fill.load(Ordering::Relaxed);

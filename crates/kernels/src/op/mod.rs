@@ -511,10 +511,18 @@ impl PendingOp for GpuOp {
         self.finish_kind()
     }
 
-    /// Makes the caller's stream wait for this operation's send half; before the send only.
+    /// Orders this operation's send half after the work enqueued on the caller's stream so far;
+    /// before the send only. A high-throughput kernel (dispatch, combine, a handle built on the
+    /// device) then simply runs on that stream (no event between the streams; the channel's
+    /// previous kernel, if it ran elsewhere, is waited for at the launch); others make their
+    /// stream wait for an event there.
     fn order_after(&mut self, stream: &Arc<CudaStream>) -> Result<(), Error> {
         if self.state.is_sent() {
             return Err(Error::Backend(format!("{} was already sent: too late to order it", self.label())));
+        }
+        if matches!(self.launch, Launch::Ht(_) | Launch::HtPlan(_)) {
+            self.work.set_stream(stream);
+            return Ok(());
         }
         self.work.order_after(stream)
     }
@@ -546,7 +554,7 @@ impl PendingOp for GpuOp {
             // the caller's stream waits for its completion event.
             self.start_complete()?;
             let done = self.work.done().cloned().ok_or_else(|| Error::Backend("no completion event".into()))?;
-            stream.wait(&done).map_err(|e| cuda("order the caller's stream", e))?;
+            wait_unless_same(stream, &done, stream_id(self.work.stream()), "order the caller's stream")?;
             return self.stream_outputs_after(&done, stream).map(Some);
         }
         if self.one_launched {

@@ -10,7 +10,7 @@ use epflow_core::{Algorithm, Error, GroupConfig};
 
 use crate::compile::Functions;
 use crate::device::cache::OutputCache;
-use crate::device::{DeviceBuffer, EventPool, PinnedBuffer, bind};
+use crate::device::{DeviceBuffer, EventPool, PinnedBuffer, StreamFence, bind};
 use crate::layout::Layout;
 use crate::params::{MAX_RANKS, SIGNAL_PAGE_BYTES, arrival_offset, status};
 use crate::transport::nccl::{NcclShared, Xfer};
@@ -149,6 +149,11 @@ pub(crate) struct RankShared {
     pub(crate) one_launch: bool,
     /// Per channel, the next operation allowed to send (sends go out in operation order).
     pub(crate) turns: [AtomicU64; 3],
+    /// Per channel, the last high-throughput kernel launched (an event after it, with its
+    /// stream): a kernel launched on another stream (a caller's, in stream order) waits for it,
+    /// so one channel's kernels never overlap on the device (their ring positions follow each
+    /// other).
+    pub(crate) last_launch: [Mutex<Option<StreamFence>>; 3],
     /// The NCCL transport, when some peer uses it.
     pub(crate) nccl: Option<NcclShared>,
 }
