@@ -33,18 +33,25 @@ pub(super) struct GpuBench<W: Fn()> {
 struct EventClock {
     stream: std::sync::Arc<cudarc::driver::CudaStream>,
     start: cudarc::driver::CudaEvent,
+    lap: cudarc::driver::CudaEvent,
     end: cudarc::driver::CudaEvent,
 }
 
 impl DeviceClock for EventClock {
+    fn lap(&mut self) -> Result<(), Error> {
+        self.lap.record(&self.stream).map_err(|e| Error::Backend(format!("record: {e}")))
+    }
+
     fn stop(&mut self) -> Result<(), Error> {
         self.end.record(&self.stream).map_err(|e| Error::Backend(format!("record: {e}")))
     }
 
-    fn elapsed_us(&self) -> Result<f64, Error> {
+    fn elapsed_us(&self) -> Result<(f64, f64), Error> {
         self.end.synchronize().map_err(|e| Error::Backend(format!("event: {e}")))?;
-        let ms = self.start.elapsed_ms(&self.end).map_err(|e| Error::Backend(format!("elapsed: {e}")))?;
-        Ok(f64::from(ms) * 1e3)
+        let us = |to: &cudarc::driver::CudaEvent| {
+            self.start.elapsed_ms(to).map(|ms| f64::from(ms) * 1e3).map_err(|e| Error::Backend(format!("elapsed: {e}")))
+        };
+        Ok((us(&self.end)?, us(&self.lap)?))
     }
 }
 
@@ -84,7 +91,8 @@ impl<W: Fn()> BenchRank for GpuBench<W> {
         let event = || self.rank.context().new_event(timed).map_err(|e| Error::Backend(format!("event: {e}")));
         let (start, end) = (event()?, event()?);
         start.record(stream).map_err(|e| Error::Backend(format!("record: {e}")))?;
-        Ok(Some(Box::new(EventClock { stream: std::sync::Arc::clone(stream), start, end })))
+        let lap = event()?;
+        Ok(Some(Box::new(EventClock { stream: std::sync::Arc::clone(stream), start, lap, end })))
     }
 
     fn dispatch_to_host<'a>(&self, out: &'a GpuDispatchOutput) -> Result<Cow<'a, DispatchOutputs<HostTensor>>, Error> {

@@ -442,6 +442,10 @@ pub(crate) fn summarise(
             .iter()
             .any(|r| !r.stream_step_device.samples_us.is_empty())
             .then(|| OpSummary::from_ranks(&collect(|r| &r.stream_step_device))),
+        stream_handle_device: results
+            .iter()
+            .any(|r| !r.stream_handle_device.samples_us.is_empty())
+            .then(|| OpSummary::from_ranks(&collect(|r| &r.stream_handle_device))),
         handle: results
             .iter()
             .any(|r| !r.handle.samples_us.is_empty())

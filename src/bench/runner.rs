@@ -107,10 +107,13 @@ pub(crate) trait BenchRank {
 /// A device clock on a stream (CUDA events): started behind the work enqueued there,
 /// stopped behind the work enqueued until [`DeviceClock::stop`].
 pub(crate) trait DeviceClock {
+    /// Marks the end of the first part (the handle's creation) on the clock's stream.
+    fn lap(&mut self) -> Result<(), Error>;
     /// Marks the end on the stream the clock started on.
     fn stop(&mut self) -> Result<(), Error>;
-    /// Microseconds between the marks (after the stream reached the end).
-    fn elapsed_us(&self) -> Result<f64, Error>;
+    /// Microseconds from the start to the end, and to the lap (after the stream reached the
+    /// end).
+    fn elapsed_us(&self) -> Result<(f64, f64), Error>;
 }
 
 /// The spin before a stream-ordered step ([`BenchRank::start_device_clock`]): longer than the
@@ -144,6 +147,9 @@ pub(crate) struct RankResult {
     /// `--fresh-routing`: the same step's device time (CUDA events around it, the host
     /// enqueueing it behind a spin).
     pub stream_step_device: RankTimes,
+    /// `--fresh-routing`: the device time of the step's handle creation (from the step's start
+    /// to after the plan kernels).
+    pub stream_handle_device: RankTimes,
 }
 
 /// Settings of the loop.
@@ -266,7 +272,7 @@ fn stream_ordered_steps<R: BenchRank>(
     masked: usize,
     inputs: DispatchInputs<'_, <R::B as Backend>::Tensor>,
     stream: &<R::B as Backend>::Stream,
-) -> Result<[RankTimes; 2], Error>
+) -> Result<[RankTimes; 3], Error>
 where
     <R::B as Backend>::Tensor: Clone,
 {
@@ -297,12 +303,15 @@ where
     let hopts = HandleOptions::default().with_recv_rows(RecvRows::Bound);
     let bwd_d = DispatchOptions { pass: Pass::Backward, ..DispatchOptions::default() };
     let bwd_c = CombineOptions { pass: Pass::Backward };
-    let (mut times, mut device) = (RankTimes::default(), RankTimes::default());
+    let (mut times, mut device, mut handle_device) = (RankTimes::default(), RankTimes::default(), RankTimes::default());
     for i in 0..plan.warmup + plan.iters {
         r.barrier();
         let start = std::time::Instant::now();
         let mut clock = r.start_device_clock(stream, STEP_LEAD)?;
         let (handle, created) = blocking_handle_on(b, &routings[i % FRESH_ROUTINGS], &hopts, stream)?;
+        if let Some(c) = clock.as_mut() {
+            c.lap()?;
+        }
         let (d, ds) = blocking_dispatch_on(b, &handle, inputs, &DispatchOptions::default(), stream)?;
         let dispatched = r.dispatch_tokens(&d);
         let experts = kept.as_ref().unwrap_or(dispatched);
@@ -325,11 +334,13 @@ where
         if i >= plan.warmup {
             times.samples_us.push(t.as_secs_f64() * 1e6);
             if let Some(c) = &clock {
-                device.samples_us.push(c.elapsed_us()?);
+                let (total, handle) = c.elapsed_us()?;
+                device.samples_us.push(total);
+                handle_device.samples_us.push(handle);
             }
         }
     }
-    Ok([times, device])
+    Ok([times, device, handle_device])
 }
 
 /// Runs this rank's part: handle, optional validation round, warm-up, timed iterations.
@@ -470,7 +481,7 @@ where
 
     if let (true, Some(masked)) = (ht, plan.fresh_routing) {
         let (handle, [mut d, mut c, t]) = fresh_routing_steps(r, sc, plan, masked, inputs)?;
-        let [stream_step, stream_step_device] = match (r.step_stream(), cfg.fixed_max_tokens()) {
+        let [stream_step, stream_step_device, stream_handle_device] = match (r.step_stream(), cfg.fixed_max_tokens()) {
             (Some(s), Some(_)) => stream_ordered_steps(r, sc, plan, masked, inputs, &s)?,
             _ => Default::default(),
         };
@@ -489,6 +500,7 @@ where
             graph,
             stream_step,
             stream_step_device,
+            stream_handle_device,
         });
     }
 
@@ -570,6 +582,7 @@ where
         graph,
         stream_step: RankTimes::default(),
         stream_step_device: RankTimes::default(),
+        stream_handle_device: RankTimes::default(),
     })
 }
 

@@ -109,6 +109,8 @@ pub(crate) struct BenchReport {
     /// `--fresh-routing`: the stream-ordered step's device time (CUDA events around the five
     /// operations, enqueued behind a spin kernel).
     pub stream_step_device: Option<OpSummary>,
+    /// `--fresh-routing`: the device time of that step's handle creation.
+    pub stream_handle_device: Option<OpSummary>,
 }
 
 impl BenchReport {
@@ -141,17 +143,24 @@ impl BenchReport {
                 "Training step (handle + forward D+C + backward D+C, a new routing every step; the sum of the five\n  operations, each awaited behind a barrier):"
             );
             print_op("", &self.total);
-            if let Some(s) = &self.stream_step {
-                println!(
-                    "Training step in stream order (the same five enqueued on one stream with no host wait between\n  them, RecvRows::Bound handle; host clock from the barrier to the last verdict):"
-                );
-                print_op("", s);
-            }
-            if let Some(s) = &self.stream_step_device {
-                println!(
-                    "Training step in stream order, device time (CUDA events before the handle and after the backward\n  combine; the host enqueued the five behind a 300 us spin kernel, as behind a previous layer):"
-                );
-                print_op("", s);
+            // On a device, its clock (the host clock would count the spin ahead of the step).
+            match (&self.stream_step_device, &self.stream_step) {
+                (Some(s), _) => {
+                    println!(
+                        "Training step in stream order, device time (the same five enqueued on one stream with no host\n  wait between them, RecvRows::Bound handle, behind a 300 us spin kernel as behind a previous\n  layer; CUDA events before the handle and after the backward combine):"
+                    );
+                    print_op("", s);
+                    if let Some(h) = &self.stream_handle_device {
+                        print_op("  of it, handle:", h);
+                    }
+                }
+                (None, Some(s)) => {
+                    println!(
+                        "Training step in stream order (the same five enqueued with no host wait between them,\n  RecvRows::Bound handle; host clock from the barrier to the last verdict):"
+                    );
+                    print_op("", s);
+                }
+                (None, None) => {}
             }
         } else {
             print_op("Total (D+C):", &self.total);
