@@ -104,21 +104,27 @@ pub(crate) const HT_ITEMS_PER_FENCE: usize = 4;
 /// round (combine); at most the ring depth.
 pub(crate) const HT_BATCH: usize = 16;
 
-/// Sending warps per remote destination of a high-throughput dispatch on `num_ranks` ranks:
-/// `16 / R`; the rest of the block's 16 warps (`16 - W (R - 1)`, at least `16 / R`) copy this
-/// rank's own rows (HBM to HBM, no ring). Measured on 2 x H200 at 4096 tokens (benches/NOTES.md
-/// item 37): 12 warps to the peer instead of 8 made the dispatch slower (244 against 218 us at
-/// 64 SMs): more warps per ring wait longer for its in-order ready prefix.
-pub(crate) fn dispatch_send_warps(num_ranks: usize) -> usize {
+/// Sending warps per remote destination of a high-throughput dispatch on `num_ranks` ranks with
+/// `channels` channels: `16 / R`, except 6 on 2 ranks with 64 channels (128 SMs) or more; the
+/// rest of the block's 16 warps (`16 - W (R - 1)`, at least `16 / R`) copy this rank's own rows
+/// (HBM to HBM, no ring). Measured on 2 x H200 at 4096 tokens (benches/NOTES.md items 37 and
+/// 60): 12 warps to the peer instead of 8 made the dispatch slower (244 against 218 us at 64
+/// SMs): more warps per ring wait longer for its in-order ready prefix; at 132 SMs 6 warps are
+/// faster than 8 (196-198 against 204-205 us BF16, 118.5-119.1 against 121.9-124.9 FP8), at 64
+/// SMs level (BF16) or slower (FP8), 4 slower at both.
+pub(crate) fn dispatch_send_warps(num_ranks: usize, channels: usize) -> usize {
+    if num_ranks == 2 && channels >= 64 {
+        return 6;
+    }
     (HT_MAX_WARPS / num_ranks.max(1)).max(1)
 }
 
-/// Sending warps per remote destination of a high-throughput combine: `16 / R` as the dispatch
-/// (the block's own-row warps idle: the receiver reads those rows in place). Measured on 2 x
-/// H200 (item 37): 16 warps to the one peer made the combine slower (292 against 221 us at 64
-/// SMs), 4 faster only at 128 SMs (203 against 210 us).
+/// Sending warps per remote destination of a high-throughput combine: `16 / R` (the block's
+/// own-row warps idle: the receiver reads those rows in place). Measured on 2 x H200 (items 37
+/// and 60): 16 warps to the one peer made the combine slower (292 against 221 us at 64 SMs), 4
+/// faster only at 128 SMs (203 against 210 us), 6 slower at 64 SMs (229 against 226 us).
 pub(crate) fn combine_send_warps(num_ranks: usize) -> usize {
-    dispatch_send_warps(num_ranks)
+    (HT_MAX_WARPS / num_ranks.max(1)).max(1)
 }
 
 /// A tuning override of the high-throughput layout, `EPFLOW_HT_<name>` clamped to `[lo, hi]`
@@ -195,6 +201,7 @@ impl HtLayout {
         let off_weights = (off_scales + if fp8 { 4 * (h / FP8_BLOCK) } else { 0 }).next_multiple_of(16);
         let off_idx = (off_weights + 4 * k).next_multiple_of(16);
         let sms = config.max_sms.unwrap_or(DEFAULT_HT_SMS);
+        let channels = (sms / 2).clamp(1, HT_MAX_CHANNELS);
         let depth = ht_tuning("DEPTH", 16, 1024).unwrap_or(HT_RING_DEPTH);
         HtLayout {
             num_ranks,
@@ -202,11 +209,11 @@ impl HtLayout {
             local_experts: config.local_experts(num_ranks),
             max_top_k: k,
             fp8,
-            channels: (sms / 2).clamp(1, HT_MAX_CHANNELS),
+            channels,
             depth,
             batch: ht_tuning("BATCH", 1, depth).unwrap_or(HT_BATCH.min(depth)),
             warps_per_dest: ht_tuning("DISPATCH_WARPS", 1, max_dispatch_warps(num_ranks))
-                .unwrap_or_else(|| dispatch_send_warps(num_ranks)),
+                .unwrap_or_else(|| dispatch_send_warps(num_ranks, channels)),
             combine_warps_per_dest: ht_tuning("COMBINE_WARPS", 1, max_combine_warps(num_ranks))
                 .unwrap_or_else(|| combine_send_warps(num_ranks)),
             off_scales,
@@ -452,9 +459,11 @@ mod tests {
         assert_eq!((l8.warps_per_dest, l8.combine_warps_per_dest), (2, 2));
         let l2 = HtLayout::new(&cfg, 2);
         assert_eq!((l2.warps_per_dest, l2.combine_warps_per_dest), (8, 8));
+        let wide = HtLayout::new(&cfg.clone().with_max_sms(Some(132)), 2);
+        assert_eq!((wide.channels, wide.warps_per_dest, wide.combine_warps_per_dest), (64, 6, 8));
         // Every remote warp count fits the subtail residues, and the warps fit the block.
-        for r in 1..=MAX_RANKS {
-            let (d, c) = (dispatch_send_warps(r), combine_send_warps(r));
+        for (r, ch) in (1..=MAX_RANKS).flat_map(|r| [(r, 1), (r, 32), (r, HT_MAX_CHANNELS)]) {
+            let (d, c) = (dispatch_send_warps(r, ch), combine_send_warps(r));
             assert!(d <= HT_MAX_WARPS && c <= HT_MAX_WARPS, "{r} ranks");
             assert!(r == 1 || (d * (r - 1) < HT_MAX_WARPS && c * (r - 1) <= HT_MAX_WARPS), "{r} ranks");
         }
