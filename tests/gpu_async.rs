@@ -150,3 +150,74 @@ fn high_throughput_futures(transport: &Transport) {
         }
     });
 }
+
+/// High-throughput in a caller's stream order through the async API: a `RecvRows::Bound`
+/// handle from `HandleFuture::complete_on`, then dispatch and combine through
+/// `OpFuture::complete_on` on the same stream, before any completion is awaited (NVLink and
+/// NCCL: over NCCL the handle is built on the host and the futures resolve once it exists).
+#[test]
+fn high_throughput_in_stream_order_on_gpus_matches_the_reference() {
+    for transport in [Transport::Auto, Transport::Nccl] {
+        ht_stream_ordered_futures(&transport);
+    }
+}
+
+fn ht_stream_ordered_futures(transport: &Transport) {
+    use epflow::core::ops::{HandleOptions, RecvRows};
+    let config = GroupConfig::high_throughput(32, 2048).with_max_tokens(epflow::core::MaxTokens::Fixed(300));
+    let test = format!("high_throughput_in_stream_order ({transport:?})");
+    let Some((groups, rt)) = two_gpu_groups(&config, &test, transport) else { return };
+    rt.block_on(async {
+        for round in 0..20u64 {
+            let sc = Scenario::generate(config.clone(), 2, &[300, 41], 8, RoutingKind::Skewed, 5, 191 + round);
+            let refs = sc.ht_dispatch_reference().unwrap();
+            let want = sc.ht_combine_identity_reference(&refs).unwrap();
+            let work = groups.iter().map(|g| {
+                let (sc, refs, want) = (&sc, &refs, &want);
+                async move {
+                    let r = g.rank();
+                    let b = g.backend();
+                    let stream = b.context().new_stream().unwrap();
+                    let idx = b.upload(&sc.topk_idx(r)).unwrap();
+                    let opts = HandleOptions::default().with_recv_rows(RecvRows::Bound);
+                    let (h, created) = g.create_handle_with(&idx, &opts).complete_on(&stream).await.unwrap();
+                    assert_eq!(h.recv_rows(), Some(600));
+                    let x = b.upload(&sc.tokens(r)).unwrap();
+                    let w = b.upload(&sc.weights(r)).unwrap();
+                    let inputs = DispatchInputs::new(&x).with_weights(&w);
+                    let (out, dd) = g.dispatch(&h, inputs).after(&stream).complete_on(&stream).await.unwrap();
+                    let (y, yd) = g
+                        .combine(&h, CombineInputs::new(out.tokens()))
+                        .after(&stream)
+                        .complete_on(&stream)
+                        .await
+                        .unwrap();
+                    for done in [created, dd, yd] {
+                        done.await.unwrap();
+                    }
+                    let n = refs[r].layout.num_rows();
+                    assert_eq!(h.num_recv_tokens(), Some(n));
+                    let host = out.to_host().unwrap();
+                    let tokens = match host.tokens.data() {
+                        epflow::core::HostData::Bf16(v) => epflow::core::HostData::Bf16(v[..n * 2048].to_vec()),
+                        other => other.clone(),
+                    };
+                    let rep = check_ht_dispatch(
+                        &refs[r],
+                        &tokens,
+                        None,
+                        &host.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap()[..n * 8],
+                        &host.topk_idx.as_ref().and_then(HostTensor::as_i64).unwrap()[..n * 8],
+                        host.counts.as_ref().and_then(HostTensor::as_i32).unwrap(),
+                    );
+                    assert!(rep.ok(), "{transport:?} round {round} rank {r}: {rep:?}");
+                    let got = y.to_host().unwrap();
+                    let rep = check_bf16("combine", &want[r], got.tokens.as_bf16().unwrap(), Tolerance::Exact);
+                    assert!(rep.ok(), "{transport:?} round {round} rank {r}: {rep:?}");
+                }
+            });
+            futures::future::join_all(work).await;
+        }
+    });
+    eprintln!("ok: high-throughput in stream order ({transport:?}), 20 rounds");
+}

@@ -248,3 +248,61 @@ fn run_on_streams_equals_run_and_serial() {
         assert_eq!(results[0], results[2], "depth {depth}: stream-ordered differs from serial");
     }
 }
+
+/// High-throughput in stream order: a `RecvRows::Bound` handle from `HandleFuture::complete_on`
+/// (with `after`), then the forward and backward pairs through `OpFuture::complete_on`, all
+/// enqueued before any completion is awaited; the combined tokens and the first `N` rows of the
+/// backward dispatch match the reference, and `N` is known once the creation's completion
+/// resolved.
+#[test]
+fn high_throughput_training_step_in_stream_order() {
+    use epflow_core::handle::RoutingHandle;
+    use epflow_core::ops::{CombineOptions, DispatchOptions, HandleOptions, Pass, RecvRows};
+    use epflow_core::{GroupConfig, MaxTokens, reference};
+    let (ranks, m) = (4, 24);
+    let config = GroupConfig::high_throughput(32, H).with_max_tokens(MaxTokens::Fixed(m));
+    let scs: Arc<Vec<Scenario>> = Arc::new(
+        (0..3)
+            .map(|i| Scenario::generate(config.clone(), ranks, &[m, 17, 0, 5], 4, RoutingKind::Uniform, 2, 900 + i))
+            .collect(),
+    );
+    on_tokio_ranks(ranks, config, scs, |g, scs| async move {
+        let r = g.rank();
+        for (i, sc) in scs.iter().enumerate() {
+            let refs = sc.ht_dispatch_reference().unwrap();
+            let want = sc.ht_combine_identity_reference(&refs).unwrap();
+            let routings = sc.routings().unwrap();
+            let grads: Vec<&[epflow_core::bf16]> = sc.ranks.iter().map(|x| x.tokens.as_slice()).collect();
+            let want_bwd = reference::ht_dispatch_backward(&sc.config, &routings, &grads);
+            let opts = HandleOptions::default().with_recv_rows(RecvRows::Bound);
+            let idx = sc.topk_idx(r);
+            let (h, created) =
+                g.create_handle_with(&idx, &opts).after(&HostStream).complete_on(&HostStream).await.unwrap();
+            let rows = h.recv_rows().unwrap();
+            assert_eq!(rows, ranks * m);
+            let (x, w) = (sc.tokens(r), sc.weights(r));
+            let (d, dd) =
+                g.dispatch(&h, DispatchInputs::new(&x).with_weights(&w)).complete_on(&HostStream).await.unwrap();
+            let (y, yd) = g.combine(&h, CombineInputs::new(d.tokens())).complete_on(&HostStream).await.unwrap();
+            let bwd = DispatchOptions { pass: Pass::Backward, ..DispatchOptions::default() };
+            let (gd, gdd) = g.dispatch_with(&h, DispatchInputs::new(&x), &bwd).complete_on(&HostStream).await.unwrap();
+            let wg = HostTensor::topk_weights(rows, 4, vec![0.25; rows * 4]);
+            let copts = CombineOptions { pass: Pass::Backward };
+            let (_gy, gyd) = g
+                .combine_with(&h, CombineInputs::new(gd.tokens()).with_weights(&wg), &copts)
+                .complete_on(&HostStream)
+                .await
+                .unwrap();
+            for done in [created, dd, yd, gdd, gyd] {
+                done.await.unwrap();
+            }
+            let n = h.num_recv_tokens().unwrap();
+            assert_eq!(n, refs[r].layout.num_rows(), "rank {r} round {i}");
+            let rep = check_bf16("combine", &want[r], y.tokens().as_bf16().unwrap(), Tolerance::OneUlp);
+            assert!(rep.ok(), "rank {r} round {i}: {rep:?}");
+            let got = &gd.tokens().as_bf16().unwrap()[..n * H];
+            let rep = check_bf16("backward dispatch", &want_bwd[r], got, Tolerance::Exact);
+            assert!(rep.ok(), "rank {r} round {i}: {rep:?}");
+        }
+    });
+}
