@@ -48,7 +48,10 @@ pub mod prelude {
     pub use epflow_core::graph::StepBackend;
     pub use epflow_core::handle::RoutingHandle;
     pub use epflow_core::host::{HostRank, HostWorld};
-    pub use epflow_core::ops::{CombineInputs, CombineOptions, CountsLocation, DispatchInputs, DispatchOptions, Pass};
+    pub use epflow_core::ops::{
+        CombineInputs, CombineOptions, CountsLocation, DispatchInputs, DispatchOptions, HandleOptions, Layout, Pass,
+        RecvRows,
+    };
     pub use epflow_core::{Algorithm, DType, DispatchDtype, Error, GroupConfig, HostTensor, MaxTokens, Result, bf16};
     pub use epflow_kernels::{DeviceTensor, GpuRank, GpuStep, GpuWorld, Transport};
 }
