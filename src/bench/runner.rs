@@ -184,6 +184,28 @@ impl LoopPlan {
 /// iteration still builds its handle from scratch).
 const FRESH_ROUTINGS: usize = 8;
 
+/// The [`FRESH_ROUTINGS`] routings of this rank a `--fresh-routing` run cycles through (uniform,
+/// `masked` entries -1), uploaded.
+fn fresh_routings<R: BenchRank>(r: &R, sc: &Scenario, masked: usize) -> Result<Vec<<R::B as Backend>::Tensor>, Error> {
+    let b = r.backend();
+    let (rank, cfg) = (b.rank(), b.config());
+    let num_tokens = sc.ranks[rank].num_tokens;
+    let spec = RoutingSpec {
+        num_tokens,
+        top_k: sc.top_k,
+        num_experts: cfg.num_experts,
+        num_ranks: sc.num_ranks,
+        masked,
+        kind: RoutingKind::Uniform,
+    };
+    (0..FRESH_ROUTINGS)
+        .map(|i| {
+            let idx = random_topk_idx(&spec, 0xf7e5_0000 ^ i as u64, rank);
+            r.upload(&HostTensor::topk_idx(num_tokens, sc.top_k, idx))
+        })
+        .collect()
+}
+
 /// `--fresh-routing`: per iteration, a handle for a new routing, then the forward dispatch and
 /// combine (identity experts) and the backward dispatch and combine on that handle, each
 /// behind a barrier. Returns the handle times and the forward dispatch, forward combine and
@@ -200,22 +222,7 @@ where
 {
     let b = r.backend();
     let rank = b.rank();
-    let cfg = b.config();
-    let num_tokens = sc.ranks[rank].num_tokens;
-    let spec = RoutingSpec {
-        num_tokens,
-        top_k: sc.top_k,
-        num_experts: cfg.num_experts,
-        num_ranks: sc.num_ranks,
-        masked,
-        kind: RoutingKind::Uniform,
-    };
-    let routings = (0..FRESH_ROUTINGS)
-        .map(|i| {
-            let idx = random_topk_idx(&spec, 0xf7e5_0000 ^ i as u64, rank);
-            r.upload(&HostTensor::topk_idx(num_tokens, sc.top_k, idx))
-        })
-        .collect::<Result<Vec<_>, Error>>()?;
+    let routings = fresh_routings(r, sc, masked)?;
     // Backward: the BF16 tokens stand for the output gradients.
     let grads = r.upload(&sc.tokens(rank))?;
     let (fwd_d, fwd_c) = (DispatchOptions::default(), CombineOptions::default());
@@ -278,20 +285,7 @@ where
 {
     let b = r.backend();
     let (rank, cfg) = (b.rank(), b.config());
-    let num_tokens = sc.ranks[rank].num_tokens;
-    let spec = RoutingSpec {
-        num_tokens,
-        top_k: sc.top_k,
-        num_experts: cfg.num_experts,
-        num_ranks: sc.num_ranks,
-        masked,
-        kind: RoutingKind::Uniform,
-    };
-    let routings = (0..FRESH_ROUTINGS)
-        .map(|i| {
-            r.upload(&HostTensor::topk_idx(num_tokens, sc.top_k, random_topk_idx(&spec, 0xf7e5_0000 ^ i as u64, rank)))
-        })
-        .collect::<Result<Vec<_>, Error>>()?;
+    let routings = fresh_routings(r, sc, masked)?;
     let bound = epflow_core::validate::recv_bound(cfg, b.num_ranks());
     let h = cfg.hidden;
     let grads = r.upload(&sc.tokens(rank))?;

@@ -61,6 +61,34 @@ fn references(sc: &Scenario, seed: u64) -> Refs {
     Refs { fwd, fwd_combine, cached_combine, bwd_dispatch, weight_grads, bwd_combine }
 }
 
+/// A rank's forward dispatch inputs on its device: tokens (BF16, or FP8 with their scales) and
+/// top-k weights.
+struct ForwardInputs {
+    x: epflow_kernels::DeviceTensor,
+    w: epflow_kernels::DeviceTensor,
+    scales: Option<epflow_kernels::DeviceTensor>,
+}
+
+impl ForwardInputs {
+    fn upload(rank: &GpuRank, sc: &Scenario) -> Result<Self, Error> {
+        let r = rank.rank();
+        let w = rank.upload(&sc.weights(r))?;
+        let (x, scales) = match sc.tokens_fp8(r) {
+            Some((q, s)) => (rank.upload(&q)?, Some(rank.upload(&s)?)),
+            None => (rank.upload(&sc.tokens(r))?, None),
+        };
+        Ok(ForwardInputs { x, w, scales })
+    }
+
+    fn inputs(&self) -> DispatchInputs<'_, epflow_kernels::DeviceTensor> {
+        let inputs = DispatchInputs::new(&self.x).with_weights(&self.w);
+        match &self.scales {
+            Some(s) => inputs.with_scales(s),
+            None => inputs,
+        }
+    }
+}
+
 /// One forward and one backward dispatch/combine pair on one handle; returns the reports.
 fn round(rank: &GpuRank, sc: &Scenario, refs: &Refs, counts_on_host: bool) -> Result<Vec<Report>, Error> {
     let r = rank.rank();
@@ -79,15 +107,8 @@ fn round(rank: &GpuRank, sc: &Scenario, refs: &Refs, counts_on_host: bool) -> Re
     ));
 
     // Forward dispatch.
-    let w = rank.upload(&sc.weights(r))?;
-    let (x, scales) = match sc.tokens_fp8(r) {
-        Some((q, s)) => (rank.upload(&q)?, Some(rank.upload(&s)?)),
-        None => (rank.upload(&sc.tokens(r))?, None),
-    };
-    let mut inputs = DispatchInputs::new(&x).with_weights(&w);
-    if let Some(s) = &scales {
-        inputs = inputs.with_scales(s);
-    }
+    let fwd = ForwardInputs::upload(rank, sc)?;
+    let inputs = fwd.inputs();
     let opts = DispatchOptions {
         counts_location: if counts_on_host { CountsLocation::Host } else { CountsLocation::Device },
         ..DispatchOptions::default()
@@ -160,16 +181,24 @@ fn round(rank: &GpuRank, sc: &Scenario, refs: &Refs, counts_on_host: bool) -> Re
 
     // Backward combine of those rows with weight gradients [N x K].
     let gy = blocking_combine(rank, &h, CombineInputs::new(gd.tokens()).with_weights(&wg), &copts, false)?;
-    let gyh = gy.to_host()?;
-    let (want_x, want_w) = &refs.bwd_combine[r];
-    reports.push(check_bf16("backward combine", want_x, gyh.tokens.as_bf16().unwrap_or_default(), Tolerance::Exact));
+    check_backward_combine(&mut reports, &refs.bwd_combine[r], &gy.to_host()?);
+    Ok(reports.into_iter().map(|rep| rep.context(&format!("rank {r}"))).collect())
+}
+
+/// The backward combine's tokens and weight gradients against `want`, bit for bit.
+fn check_backward_combine(
+    reports: &mut Vec<Report>,
+    want: &(Vec<bf16>, Option<Vec<f32>>),
+    got: &epflow_core::ops::CombineOutputs<HostTensor>,
+) {
+    let (want_x, want_w) = want;
+    reports.push(check_bf16("backward combine", want_x, got.tokens.as_bf16().unwrap_or_default(), Tolerance::Exact));
     reports.push(check_exact(
         "backward weight gradients",
         want_w.as_deref().unwrap_or_default(),
-        gyh.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap_or_default(),
+        got.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap_or_default(),
         |a: f32, b: f32| a.to_bits() == b.to_bits(),
     ));
-    Ok(reports.into_iter().map(|rep| rep.context(&format!("rank {r}"))).collect())
 }
 
 fn check_world(
@@ -437,15 +466,8 @@ fn stream_step(rank: &GpuRank, sc: &Scenario, refs: &Refs, stream: &Arc<CudaStre
     let (h, created) = blocking_handle_on(rank, &idx, &opts, stream)?;
     let rows = h.recv_rows().unwrap_or(0);
     let bf16_tokens = sc.tokens_fp8(r).is_none();
-    let w = rank.upload(&sc.weights(r))?;
-    let (x, scales) = match sc.tokens_fp8(r) {
-        Some((q, s)) => (rank.upload(&q)?, Some(rank.upload(&s)?)),
-        None => (rank.upload(&sc.tokens(r))?, None),
-    };
-    let mut inputs = DispatchInputs::new(&x).with_weights(&w);
-    if let Some(s) = &scales {
-        inputs = inputs.with_scales(s);
-    }
+    let fwd_inputs = ForwardInputs::upload(rank, sc)?;
+    let inputs = fwd_inputs.inputs();
     let want = &refs.fwd[r];
     let n = want.layout.num_rows();
     let mut wg = refs.weight_grads[r].clone();
@@ -513,15 +535,7 @@ fn stream_step(rank: &GpuRank, sc: &Scenario, refs: &Refs, stream: &Arc<CudaStre
         &gdh.tokens.as_bf16().unwrap_or_default()[..n * h_cols],
         Tolerance::Exact,
     ));
-    let gyh = gy.to_host()?;
-    let (want_x, want_w) = &refs.bwd_combine[r];
-    reports.push(check_bf16("backward combine", want_x, gyh.tokens.as_bf16().unwrap_or_default(), Tolerance::Exact));
-    reports.push(check_exact(
-        "backward weight gradients",
-        want_w.as_deref().unwrap_or_default(),
-        gyh.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap_or_default(),
-        |a: f32, b: f32| a.to_bits() == b.to_bits(),
-    ));
+    check_backward_combine(&mut reports, &refs.bwd_combine[r], &gy.to_host()?);
     Ok(reports.into_iter().map(|rep| rep.context(&format!("rank {r}"))).collect())
 }
 
