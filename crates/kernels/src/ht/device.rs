@@ -20,7 +20,8 @@ use epflow_core::ops::Pass;
 use epflow_core::protocol::Channel;
 use epflow_core::stamp::{Pairing, Stamp};
 
-use super::plan::{DevicePlan, RESULT_HEAD};
+use super::plan::DevicePlan;
+use super::result::RESULT_HEAD;
 use crate::device::{DeviceTensor, PinnedBuffer};
 use crate::op::{GpuOp, GpuOpKind, Launch};
 use crate::params::HtPlanParams;

@@ -1,5 +1,5 @@
 //! High-throughput operations (`cuda/ht.cu`, and `cuda/nccl.cu` over NCCL): handles built on
-//! the device over NVLink ([`device`], its state in [`plan`]) or by the host with a count exchange ([`exchange`]),
+//! the device over NVLink ([`device`], its state in [`plan`], the words it reports in [`result`]) or by the host with a count exchange ([`exchange`]),
 //! starting dispatch and combine ([`start`]), the same over NCCL ([`nccl`]) and the launch
 //! geometry ([`geometry`]).
 //!
@@ -18,4 +18,5 @@ pub(crate) mod exchange;
 pub(crate) mod geometry;
 pub(crate) mod nccl;
 pub(crate) mod plan;
+pub(crate) mod result;
 pub(crate) mod start;

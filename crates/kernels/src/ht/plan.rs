@@ -1,6 +1,6 @@
 //! A high-throughput handle being built on the device ([`super::device`]): its memory, where
-//! its arrays lie, and the mapped words its receive kernel writes for the host; what the
-//! operation finishes into.
+//! its arrays lie, and the mapped words its receive kernel writes for the host
+//! ([`super::result`]); what the operation finishes into.
 
 use std::sync::{Arc, OnceLock};
 
@@ -8,30 +8,10 @@ use cudarc::driver::CudaEvent;
 use epflow_core::handle::HandleCore;
 use epflow_core::{Algorithm, Error, ValidationError};
 
+use super::result::{RESULT_BUILT, RESULT_HEAD, RESULT_N, invalid_routing_in};
 use crate::device::{DeviceBuffer, PinnedBuffer};
 use crate::rank::handle::{GpuHandle, HandleOffsets, HtHandleInfo, StreamCreation};
 use crate::rank::shared::RankShared;
-
-/// Words of the mapped result before the rows per local expert: the first invalid entry, its
-/// value, the earlier slot it repeats, `N`, and `seq + 1` once the handle is built.
-pub(crate) const RESULT_HEAD: usize = 5;
-/// The result's word holding `N`.
-pub(crate) const RESULT_N: usize = 3;
-/// The result's word the plan kernel sets to `seq + 1` once the handle is built (after every
-/// array; zeroed before the launch).
-pub(crate) const RESULT_BUILT: usize = 4;
-
-/// The routing's first invalid entry in a plan's mapped `result`, as
-/// [`epflow_core::routing::Routing::new`] would name it (read after the kernels completed).
-pub(crate) fn invalid_routing_in(r: &PinnedBuffer, top_k: usize, num_experts: usize) -> Option<ValidationError> {
-    let pos = r.read_u64(0) as i64;
-    if pos < 0 {
-        return None;
-    }
-    let (token, k) = (pos as usize / top_k.max(1), pos as usize % top_k.max(1));
-    let (value, first) = (r.read_u64(1) as i64, r.read_u64(2) as i64);
-    Some(ValidationError::invalid_topk_entry(token, k, value, usize::try_from(first).ok(), num_experts))
-}
 
 /// A handle being built on the device: its memory, where the arrays lie, and the mapped words
 /// the receive kernel writes for the host.

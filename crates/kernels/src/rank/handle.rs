@@ -62,7 +62,7 @@ pub(crate) struct StreamCreation {
 impl StreamCreation {
     /// Whether the device built the handle (read once the kernels ended: after `built`).
     fn built_ok(&self) -> bool {
-        self.result.as_ref().is_some_and(|r| r.read_u64(crate::ht::plan::RESULT_BUILT) == self.seq + 1)
+        self.result.as_ref().is_some_and(|r| r.read_u64(crate::ht::result::RESULT_BUILT) == self.seq + 1)
     }
 }
 
@@ -243,9 +243,9 @@ impl GpuHandle {
     pub(crate) fn settle_recv(&self) -> bool {
         let Some(c) = &self.0.creation else { return true };
         let Some(r) = c.result.as_ref().filter(|_| c.built_ok()) else { return false };
-        let head = crate::ht::plan::RESULT_HEAD;
+        let head = crate::ht::result::RESULT_HEAD;
         let counts = (0..c.local).map(|l| r.read_u64(head + l) as i32).collect();
-        self.0.core.set_recv(r.read_u64(crate::ht::plan::RESULT_N) as usize, counts);
+        self.0.core.set_recv(r.read_u64(crate::ht::result::RESULT_N) as usize, counts);
         true
     }
 
@@ -253,7 +253,7 @@ impl GpuHandle {
     /// order (read once its kernels ended).
     pub(crate) fn creation_invalid_routing(&self, num_experts: usize) -> Option<epflow_core::ValidationError> {
         let r = self.0.creation.as_ref()?.result.as_ref()?;
-        crate::ht::plan::invalid_routing_in(r, self.0.core.top_k(), num_experts)
+        crate::ht::result::invalid_routing_in(r, self.0.core.top_k(), num_experts)
     }
 
     /// Records the error of a handle creation in stream order (its verdict), for the
