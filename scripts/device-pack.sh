@@ -18,7 +18,7 @@ cp target/release/epflow "$out/"
 mkdir -p "$out/nccl-ep"
 cp target/release/libnccl_ep.so "$out/nccl-ep/"
 ln -s libnccl_ep.so "$out/nccl-ep/libnccl_ep.so.0"
-for ex in ${EPFLOW_PACK_EXAMPLES:-two_batch_overlap nvlink_ceiling moe_serving}; do
+for ex in ${EPFLOW_PACK_EXAMPLES:-two_batch_overlap nvlink_ceiling moe_serving training_step}; do
     [ -f "target/release/examples/$ex" ] && cp "target/release/examples/$ex" "$out/"
 done
 # Test and bench executables: cargo prints their paths as JSON.
