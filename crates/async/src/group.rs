@@ -294,7 +294,8 @@ impl<B: Backend, T> OpFuture<B, T> {
     /// wait): resolves once it is enqueued, with the outputs (usable by work enqueued on
     /// `stream` from now on) and a [`Completion`] with its verdict (a failure poisons the
     /// group). The operation runs on its own stream, `stream` waits for it
-    /// ([`StreamOrder::Ordered`]). High-throughput operations on the GPU backend complete this
+    /// ([`StreamOrder::Ordered`]); ordered with [`OpFuture::after`] on the same stream, a
+    /// high-throughput kernel runs on `stream` itself. High-throughput operations on the GPU backend complete this
     /// way without the host; others resolve once the host saw them finish, with `stream`
     /// ordered after them. For low-latency receive placement choices, use
     /// [`OpFuture::send_only`] and [`Staged::complete_with`].
