@@ -73,10 +73,6 @@ impl<W: Fn()> BenchRank for GpuBench<W> {
         self.rank.upload(t)
     }
 
-    fn dispatch_tokens<'a>(&self, out: &'a GpuDispatchOutput) -> &'a DeviceTensor {
-        out.tokens()
-    }
-
     fn step_stream(&self) -> Option<std::sync::Arc<cudarc::driver::CudaStream>> {
         self.rank.context().new_stream().ok()
     }

@@ -33,10 +33,6 @@ impl BenchRank for HostBench {
         Ok(t.clone())
     }
 
-    fn dispatch_tokens<'a>(&self, out: &'a HostDispatchOutput) -> &'a HostTensor {
-        out.tokens()
-    }
-
     fn step_stream(&self) -> Option<epflow_core::host::HostStream> {
         Some(epflow_core::host::HostStream)
     }

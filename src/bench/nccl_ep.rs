@@ -28,10 +28,6 @@ impl<W: Fn()> BenchRank for NcclEpBench<W> {
         self.rank.upload(t)
     }
 
-    fn dispatch_tokens<'a>(&self, out: &'a NcclEpDispatchOutput) -> &'a DeviceTensor {
-        &out.outputs().tokens
-    }
-
     fn dispatch_to_host<'a>(
         &self,
         out: &'a NcclEpDispatchOutput,

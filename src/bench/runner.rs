@@ -49,8 +49,6 @@ pub(crate) trait BenchRank {
     ) -> Result<Cow<'a, <Self::B as Backend>::Tensor>, Error>
     where
         <Self::B as Backend>::Tensor: Clone;
-    /// The received tokens of a dispatch (`[rows x H]`).
-    fn dispatch_tokens<'a>(&self, out: &'a <Self::B as Backend>::DispatchOutput) -> &'a <Self::B as Backend>::Tensor;
     /// Waits until every rank reaches this point.
     fn barrier(&self);
     /// Runs `f` and measures it on the host clock.
@@ -307,13 +305,17 @@ where
             c.lap()?;
         }
         let (d, ds) = blocking_dispatch_on(b, &handle, inputs, &DispatchOptions::default(), stream)?;
-        let dispatched = r.dispatch_tokens(&d);
-        let experts = kept.as_ref().unwrap_or(dispatched);
-        let (c, cs) = blocking_combine_on(b, &handle, CombineInputs::new(experts), &CombineOptions::default(), stream)?;
+        // BF16 rows: the identity experts borrow them (FP8 ones would be dequantized on the host).
+        let experts = match &kept {
+            Some(k) => Cow::Borrowed(k),
+            None => r.identity_experts(&d)?,
+        };
+        let (c, cs) =
+            blocking_combine_on(b, &handle, CombineInputs::new(&*experts), &CombineOptions::default(), stream)?;
         let (gd, gds) = blocking_dispatch_on(b, &handle, DispatchInputs::new(&grads), &bwd_d, stream)?;
-        let rows = r.dispatch_tokens(&gd);
+        let rows = r.identity_experts(&gd)?;
         let (gc, gcs) =
-            blocking_combine_on(b, &handle, CombineInputs::new(rows).with_weights(&weight_grads), &bwd_c, stream)?;
+            blocking_combine_on(b, &handle, CombineInputs::new(&*rows).with_weights(&weight_grads), &bwd_c, stream)?;
         if let Some(c) = clock.as_mut() {
             c.stop()?;
         }
@@ -324,7 +326,8 @@ where
             settle.settle()?;
         }
         let t = start.elapsed();
-        drop((c, gc, d, gd));
+        drop((c, gc, experts, rows));
+        drop((d, gd));
         if i >= plan.warmup {
             times.samples_us.push(t.as_secs_f64() * 1e6);
             if let Some(c) = &clock {
