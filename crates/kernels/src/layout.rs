@@ -97,9 +97,15 @@ impl Layout {
 pub(crate) const DEFAULT_HT_SMS: usize = 64;
 /// Ring slots per (channel, source, destination).
 pub(crate) const HT_RING_DEPTH: usize = 64;
-/// Items a sending warp writes between two system fences (and subtail updates).
-/// (Measured on 4 x H200 at 48 SMs: 1 → 644 us, 2 → 565 us, 4 → 533 us for a 4096-token dispatch.)
-pub(crate) const HT_ITEMS_PER_FENCE: usize = 4;
+/// Items a sending warp of a dispatch writes between two system fences (and subtail updates).
+/// (Measured on 4 x H200 at 48 SMs: 1 → 644 us, 2 → 565 us, 4 → 533 us for a 4096-token
+/// dispatch; on 2 x H200 at 132 SMs 2 / 4 / 8 → 202-204 / 196-198 / 208-209 us, benches/NOTES.md
+/// item 64.)
+pub(crate) const HT_DISPATCH_ITEMS_PER_FENCE: usize = 4;
+/// Items a sending warp of a combine writes between two system fences (2 x H200, 4096 tokens,
+/// 132 SMs: 1 / 2 / 3 / 4 / 8 → 206-208 / 198-200 / 206 / 207-210 / 238 us; 64 SMs level at 2 and
+/// 4, 270 at 1; item 64). Measured on 2 GPUs only.
+pub(crate) const HT_COMBINE_ITEMS_PER_FENCE: usize = 2;
 /// Items a receiving block takes from one ring per round (dispatch), and tokens it combines per
 /// round (combine); at most the ring depth.
 pub(crate) const HT_BATCH: usize = 16;
@@ -130,9 +136,11 @@ pub(crate) fn combine_send_warps(num_ranks: usize) -> usize {
 /// A tuning override of the high-throughput layout, `EPFLOW_HT_<name>` clamped to `[lo, hi]`
 /// (for measuring, e.g. `benches/NOTES.md`; the defaults are the measured choice):
 /// `EPFLOW_HT_DEPTH` (ring slots, 16-1024), `EPFLOW_HT_BATCH` (receive batch, at most the
-/// depth), `EPFLOW_HT_DISPATCH_WARPS` and
-/// `EPFLOW_HT_COMBINE_WARPS` (sending warps per remote destination, at most what the block's 16
-/// leave: one own-copy warp for a dispatch). Every rank of a group must set the same values.
+/// depth), `EPFLOW_HT_DISPATCH_ITEMS_PER_FENCE` and `EPFLOW_HT_COMBINE_ITEMS_PER_FENCE` (items
+/// a sending warp writes per fence, at most what fits in the ring), `EPFLOW_HT_DISPATCH_WARPS`
+/// and `EPFLOW_HT_COMBINE_WARPS` (sending warps per remote destination, at most what the
+/// block's 16 leave: one own-copy warp for a dispatch). Every rank of a group must set the same
+/// values.
 pub(crate) fn ht_tuning(name: &str, lo: usize, hi: usize) -> Option<usize> {
     let v: usize = std::env::var(format!("EPFLOW_HT_{name}")).ok()?.trim().parse().ok()?;
     Some(v.clamp(lo, hi.max(lo)))
@@ -171,6 +179,11 @@ pub(crate) struct HtLayout {
     /// Items a receiving block takes per source per round (dispatch) and tokens it combines per
     /// round (combine): [`HT_BATCH`], at most the depth.
     pub batch: usize,
+    /// Items a sending warp of a dispatch writes between two system fences (and subtail
+    /// updates): [`HT_DISPATCH_ITEMS_PER_FENCE`] (at most what fits in the ring, `ht::start`).
+    pub items_per_fence: usize,
+    /// The same for a combine: [`HT_COMBINE_ITEMS_PER_FENCE`].
+    pub combine_items_per_fence: usize,
     /// Sending warps per remote destination of a dispatch (the block's other warps copy the rows
     /// for this rank itself): [`dispatch_send_warps`].
     pub warps_per_dest: usize,
@@ -212,6 +225,9 @@ impl HtLayout {
             channels,
             depth,
             batch: ht_tuning("BATCH", 1, depth).unwrap_or(HT_BATCH.min(depth)),
+            items_per_fence: ht_tuning("DISPATCH_ITEMS_PER_FENCE", 1, depth).unwrap_or(HT_DISPATCH_ITEMS_PER_FENCE),
+            combine_items_per_fence: ht_tuning("COMBINE_ITEMS_PER_FENCE", 1, depth)
+                .unwrap_or(HT_COMBINE_ITEMS_PER_FENCE),
             warps_per_dest: ht_tuning("DISPATCH_WARPS", 1, max_dispatch_warps(num_ranks))
                 .unwrap_or_else(|| dispatch_send_warps(num_ranks, channels)),
             combine_warps_per_dest: ht_tuning("COMBINE_WARPS", 1, max_combine_warps(num_ranks))
@@ -227,6 +243,11 @@ impl HtLayout {
     /// Sending warps per remote destination of a `chan` kernel (`HtParams::warps_per_dest`).
     pub(crate) fn send_warps(&self, chan: Channel) -> usize {
         if chan == Channel::Dispatch { self.warps_per_dest } else { self.combine_warps_per_dest }
+    }
+
+    /// Items a sending warp of a `chan` kernel writes per fence, before the ring's bound.
+    pub(crate) fn items_per_fence(&self, chan: Channel) -> usize {
+        if chan == Channel::Dispatch { self.items_per_fence } else { self.combine_items_per_fence }
     }
 
     /// Bytes of one ring.

@@ -17,7 +17,6 @@ use cudarc::driver::CudaEvent;
 use crate::device::PinnedBuffer;
 use crate::device::cache::CachedBuffer;
 use crate::device::{DeviceTensor, Lease};
-use crate::layout::HT_ITEMS_PER_FENCE;
 use crate::op::{GpuOp, GpuOpKind, Launch};
 use crate::outputs::OutputTargets;
 use crate::params::{ExchangeParams, HtParams, NcclHtParams};
@@ -103,7 +102,7 @@ fn ht_params(s: &RankShared, chan: Channel, h: &GpuHandle, seq: u64, stamp: Stam
         tokens_per_channel: info.tokens_per_channel as i32,
         batch: l.batch as i32,
         // A warp's group must fit in the ring behind the oldest unwritten item: (U - 1) W < depth.
-        items_per_fence: HT_ITEMS_PER_FENCE.clamp(1, (l.depth - 1) / l.send_warps(chan) + 1) as i32,
+        items_per_fence: l.items_per_fence(chan).clamp(1, (l.depth - 1) / l.send_warps(chan) + 1) as i32,
         stamp: stamp.encode(),
         ..HtParams::default()
     })
