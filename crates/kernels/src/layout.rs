@@ -17,8 +17,10 @@ pub(crate) enum Layout {
 }
 
 impl Layout {
-    /// The layout of `config` on `num_ranks` ranks (the config must be valid).
-    pub(crate) fn new(config: &GroupConfig, num_ranks: usize) -> Result<Self, Error> {
+    /// The layout of `config` on `num_ranks` ranks (the config must be valid) whose GPUs have
+    /// at least `device_sms` SMs each (a high-throughput kernel's blocks must all be resident:
+    /// its channels are cut to `device_sms / 2` block pairs).
+    pub(crate) fn new(config: &GroupConfig, num_ranks: usize, device_sms: usize) -> Result<Self, Error> {
         if num_ranks > MAX_RANKS {
             return Err(Error::Unsupported(format!(
                 "the NVLink kernels support up to {MAX_RANKS} ranks, not {num_ranks}"
@@ -26,7 +28,7 @@ impl Layout {
         }
         Ok(match config.algorithm {
             Algorithm::LowLatency => Layout::Ll(LlLayout::new(config, num_ranks)?),
-            Algorithm::HighThroughput => Layout::Ht(HtLayout::new(config, num_ranks)),
+            Algorithm::HighThroughput => Layout::Ht(HtLayout::new(config, num_ranks, device_sms)),
         })
     }
 
@@ -205,15 +207,18 @@ pub(crate) struct HtLayout {
 }
 
 impl HtLayout {
-    /// The layout of `config` on `num_ranks` ranks (at most 8).
-    pub(crate) fn new(config: &GroupConfig, num_ranks: usize) -> Self {
+    /// The layout of `config` on `num_ranks` ranks (at most 8) on GPUs of `device_sms` SMs: one
+    /// channel (a sending and a receiving block) per two of the config's SMs, at most half the
+    /// GPU's (every block of a kernel must be resident: receiving blocks wait for sending ones)
+    /// and at most [`HT_MAX_CHANNELS`].
+    pub(crate) fn new(config: &GroupConfig, num_ranks: usize, device_sms: usize) -> Self {
         let h = config.hidden;
         let k = config.max_top_k;
         let fp8 = config.dispatch_dtype.is_fp8();
         let off_scales = 2 * h;
         let off_weights = (off_scales + if fp8 { 4 * (h / FP8_BLOCK) } else { 0 }).next_multiple_of(16);
         let off_idx = (off_weights + 4 * k).next_multiple_of(16);
-        let sms = config.max_sms.unwrap_or(DEFAULT_HT_SMS);
+        let sms = config.max_sms.unwrap_or(DEFAULT_HT_SMS).min(device_sms);
         let channels = (sms / 2).clamp(1, HT_MAX_CHANNELS);
         let depth = ht_tuning("DEPTH", 16, 1024).unwrap_or(HT_RING_DEPTH);
         HtLayout {
@@ -435,6 +440,9 @@ impl LlLayout {
 mod tests {
     use super::*;
 
+    /// SMs of an H100 or H200.
+    const H200_SMS: usize = 132;
+
     #[test]
     fn reference_config_fits_in_half_of_nccl_ep() {
         // NCCL EP's LL group took 2.39 GB per GPU at 128 tokens (4 GPUs) and 4.23 GB at 256.
@@ -463,41 +471,47 @@ mod tests {
     #[test]
     fn too_many_ranks_is_an_error() {
         assert!(LlLayout::new(&GroupConfig::low_latency(256, 128, 7168), 16).is_err());
-        assert!(Layout::new(&GroupConfig::high_throughput(256, 7168), 16).is_err());
+        assert!(Layout::new(&GroupConfig::high_throughput(256, 7168), 16, H200_SMS).is_err());
     }
 
     #[test]
     fn ht_buffers_do_not_depend_on_tokens() {
         let cfg = GroupConfig::high_throughput(256, 7168);
-        let l = HtLayout::new(&cfg, 4);
+        let l = HtLayout::new(&cfg, 4, H200_SMS);
         assert_eq!(l.channels, DEFAULT_HT_SMS / 2);
         assert_eq!((l.warps_per_dest, l.combine_warps_per_dest), (4, 4));
         assert_eq!(l.slot_bytes, 14336 + 32 + 32);
         assert_eq!(l.exchange_words(), 32 + 64);
         // Rings for both channels, ~236 MB: a 4096- or 16384-token dispatch uses the same.
         assert!(l.total_bytes() < 250_000_000, "{} B", l.total_bytes());
-        let l8 = HtLayout::new(&cfg, 8);
+        let l8 = HtLayout::new(&cfg, 8, H200_SMS);
         assert_eq!((l8.warps_per_dest, l8.combine_warps_per_dest), (2, 2));
-        let l2 = HtLayout::new(&cfg, 2);
+        let l2 = HtLayout::new(&cfg, 2, H200_SMS);
         assert_eq!((l2.warps_per_dest, l2.combine_warps_per_dest), (8, 8));
-        let wide = HtLayout::new(&cfg.clone().with_max_sms(Some(132)), 2);
-        assert_eq!((wide.channels, wide.warps_per_dest, wide.combine_warps_per_dest), (64, 6, 8));
+        let wide = HtLayout::new(&cfg.clone().with_max_sms(Some(132)), 2, H200_SMS);
+        assert_eq!((wide.channels, wide.warps_per_dest, wide.combine_warps_per_dest), (66, 6, 8));
         // Every remote warp count fits the subtail residues, and the warps fit the block.
         for (r, ch) in (1..=MAX_RANKS).flat_map(|r| [(r, 1), (r, 32), (r, HT_MAX_CHANNELS)]) {
             let (d, c) = (dispatch_send_warps(r, ch), combine_send_warps(r));
             assert!(d <= HT_MAX_WARPS && c <= HT_MAX_WARPS, "{r} ranks");
             assert!(r == 1 || (d * (r - 1) < HT_MAX_WARPS && c * (r - 1) <= HT_MAX_WARPS), "{r} ranks");
         }
-        let fp8 =
-            HtLayout::new(&cfg.clone().with_dispatch_dtype(epflow_core::DispatchDtype::Fp8 { round_scales: false }), 4);
+        let fp8 = HtLayout::new(
+            &cfg.clone().with_dispatch_dtype(epflow_core::DispatchDtype::Fp8 { round_scales: false }),
+            4,
+            H200_SMS,
+        );
         assert_eq!(fp8.off_weights, 14336 + 224);
-        assert_eq!(HtLayout::new(&cfg.clone().with_max_sms(Some(1000)), 2).channels, HT_MAX_CHANNELS);
-        assert_eq!(HtLayout::new(&cfg.clone().with_max_sms(Some(1)), 2).channels, 1);
+        // The channels: half the config's SMs, at most half the GPU's, at most HT_MAX_CHANNELS.
+        assert_eq!(HtLayout::new(&cfg.clone().with_max_sms(Some(1000)), 2, H200_SMS).channels, 66);
+        assert_eq!(HtLayout::new(&cfg.clone().with_max_sms(Some(1000)), 2, 1000).channels, HT_MAX_CHANNELS);
+        assert_eq!(HtLayout::new(&cfg.clone().with_max_sms(Some(96)), 2, 78).channels, 39);
+        assert_eq!(HtLayout::new(&cfg.clone().with_max_sms(Some(1)), 2, H200_SMS).channels, 1);
         // Over NCCL: no rings, a few kilobytes of exchange and signals.
-        let Layout::Ht(nccl) = Layout::new(&cfg, 4).unwrap().for_transport(true) else { unreachable!() };
+        let Layout::Ht(nccl) = Layout::new(&cfg, 4, H200_SMS).unwrap().for_transport(true) else { unreachable!() };
         assert_eq!(nccl.ring_region_bytes(), 0);
         assert!(nccl.total_bytes() < 1 << 20, "{} B", nccl.total_bytes());
-        let ll = Layout::new(&GroupConfig::low_latency(256, 128, 7168), 4).unwrap();
+        let ll = Layout::new(&GroupConfig::low_latency(256, 128, 7168), 4, H200_SMS).unwrap();
         assert_eq!(ll.for_transport(true), ll);
     }
 }

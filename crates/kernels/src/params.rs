@@ -17,7 +17,7 @@ pub(crate) const SIG_ARRAYS: usize = 11;
 /// Words of the arrival pairs and the arrays.
 pub(crate) const SIG_ARRAY_WORDS: usize = ARRIVAL_WORDS + SIG_ARRAYS * MAX_SETS * MAX_RANKS;
 /// Largest number of high-throughput channels (block pairs) of a kernel.
-pub(crate) const HT_MAX_CHANNELS: usize = 64;
+pub(crate) const HT_MAX_CHANNELS: usize = 128;
 /// Largest number of sending warps per destination in the high-throughput kernels.
 pub(crate) const HT_MAX_WARPS: usize = 16;
 /// Words of the high-throughput ring counters after the arrays (see `ht.cu`): subtails
@@ -346,6 +346,22 @@ unsafe impl DeviceRepr for NcclHtParams {}
 mod tests {
     use super::*;
     use std::mem::{offset_of, size_of};
+
+    /// The value of `#define name <value>` in `source`.
+    fn define(source: &str, name: &str) -> usize {
+        let prefix = format!("#define {name} ");
+        let line = source.lines().find_map(|l| l.strip_prefix(&prefix)).unwrap_or_else(|| panic!("no {name}"));
+        line.trim().parse().unwrap_or_else(|_| panic!("{name}: {line}"))
+    }
+
+    #[test]
+    fn limits_match_the_cuda_defines() {
+        use crate::compile::sources::{COMMON, HT};
+        assert_eq!(define(COMMON, "EP_MAX_RANKS"), MAX_RANKS);
+        assert_eq!(define(COMMON, "EP_MAX_SETS"), MAX_SETS);
+        assert_eq!(define(HT.body, "HT_MAX_CHANNELS"), HT_MAX_CHANNELS);
+        assert_eq!(define(HT.body, "HT_MAX_WARPS"), HT_MAX_WARPS);
+    }
 
     #[test]
     fn ht_layouts_match_the_cuda_structs() {

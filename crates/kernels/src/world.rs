@@ -10,7 +10,7 @@ use epflow_core::{Error, GroupConfig};
 
 use crate::compile::Functions;
 use crate::device::cache::OutputCache;
-use crate::device::{DeviceBuffer, EventPool, bind, context, cuda, pci_key};
+use crate::device::{DeviceBuffer, EventPool, bind, context, cuda, pci_key, sm_count};
 use crate::layout::Layout;
 use crate::rank::GpuRank;
 use crate::rank::shared::{Peers, RankMemory, RankShared};
@@ -40,8 +40,9 @@ impl GpuWorld {
     pub fn create_with(devices: &[usize], config: GroupConfig, transport: Transport) -> Result<Vec<GpuRank>, Error> {
         let num_ranks = devices.len();
         config.validate(num_ranks)?;
-        let layout = Layout::new(&config, num_ranks)?;
         let ctxs = devices.iter().map(|&d| context(d)).collect::<Result<Vec<_>, _>>()?;
+        let device_sms = devices.iter().map(|&d| sm_count(d)).collect::<Result<Vec<_>, _>>()?;
+        let layout = Layout::new(&config, num_ranks, device_sms.into_iter().min().unwrap_or(1))?;
         let masks = (0..num_ranks).map(|r| transport.nccl_mask(r, num_ranks, None)).collect::<Result<Vec<_>, _>>()?;
         refuse_masking_over_nccl(&config, &masks)?;
         let layout = layout.for_transport(masks.iter().any(|&m| m != 0));
@@ -117,14 +118,19 @@ impl GpuWorld {
     ) -> Result<GpuRank, Error> {
         let (rank, num_ranks) = (comm.rank(), comm.world_size());
         config.validate(num_ranks)?;
-        let layout = Layout::new(&config, num_ranks)?;
         let ctx = Arc::clone(comm.context());
         bind(&ctx)?;
-        // Every rank's (host, GPU): ranks on one host with the same PCI location share a GPU.
-        let places = bootstrap::all_gather_u64(comm, &[host_id(), pci_key(&ctx)?])?;
-        let hosts: Vec<u64> = places.iter().step_by(2).copied().collect();
+        // Every rank's (host, GPU, SMs): ranks on one host with the same PCI location share a
+        // GPU; the layout fits the GPU with the fewest SMs, so every rank builds the same one.
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| cuda("query SMs", e))? as u64;
+        let places = bootstrap::all_gather_u64(comm, &[host_id(), pci_key(&ctx)?, sms])?;
+        let hosts: Vec<u64> = places.iter().step_by(3).copied().collect();
         let shares_gpu =
-            (0..num_ranks).any(|r| r != rank && places[2 * r..2 * r + 2] == places[2 * rank..2 * rank + 2]);
+            (0..num_ranks).any(|r| r != rank && places[3 * r..3 * r + 2] == places[3 * rank..3 * rank + 2]);
+        let device_sms = places.iter().skip(2).step_by(3).min().copied().unwrap_or(1) as usize;
+        let layout = Layout::new(&config, num_ranks, device_sms)?;
         let mask = transport.nccl_mask(rank, num_ranks, Some(&hosts))?;
         // Every rank learns every mask (rank 0's ids serve the NCCL communicators).
         let masks = bootstrap::all_gather_u64(comm, &[u64::from(mask)])?;

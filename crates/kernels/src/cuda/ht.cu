@@ -33,7 +33,7 @@
 // [this rank] into the source's page, which makes the source's warps sending here stop waiting
 // for ring space. The two ranks' ring positions then disagree: the host poisons the group.
 
-#define HT_MAX_CHANNELS 64
+#define HT_MAX_CHANNELS 128
 #define HT_MAX_WARPS 16
 #define HT_BLOCK 512
 #define HT_WARPS (HT_BLOCK / 32)
@@ -894,7 +894,7 @@ __device__ __forceinline__ void plan_recv(const HtPlanParams& p) {
     }
     if (cancelled || mismatched) plan_empty(p);
     if (!cancelled && !mismatched) {
-        // (source, channel) pairs in order, one per thread (R * C <= 8 * 64 <= HT_PLAN_BLOCK).
+        // (source, channel) pairs in order, one per thread (R * C <= 8 * 128 = HT_PLAN_BLOCK).
         const int i = threadIdx.x;
         const int c = i < R * C ? __ldcg(own + (size_t)(i / C) * p.words + i % C) : 0;
         int n;
