@@ -795,21 +795,85 @@ __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) 
 // Combine complete, on the source side: out[t] = bf16(sum over valid k, ascending, of
 // fma(w[t][k], x[t][k], acc)) in fp32, exactly as the CPU reference. Rank-major: the k that are
 // their rank's first entry only, with weight 1 (fma(1, x, acc) = acc + x).
-// Rows of one token whose loads the combine receive keeps in flight together.
-#define EP_COMBINE_BATCH 8
+//
+// Each thread sums G 8-channel groups of a piece at once, B rows' loads of each in flight before
+// the first FMA (the loads are independent; the sum still runs in ascending k, as the reference
+// does). G = 1, B = 8, except rank-major on at most 2 ranks (at most 2 rows a token): G = 2,
+// B = 2, so half the threads cover a piece and twice the pieces are summed at once (at 128
+// tokens on 132 blocks, one round instead of two; B = 4 would spill in the one-launch kernel).
+template <int G, int B>
+__device__ __forceinline__ void combine_rows(const LlParams& p, int t, int c0, int step, int end, unsigned used,
+                                             const char* recv, __nv_bfloat16* out) {
+    const int K = p.top_k, H = p.hidden;
+    const int* pos_of = reinterpret_cast<const int*>(p.nccl_pos);
+    const float* w = reinterpret_cast<const float*>(p.weights);
+    for (int c = c0; c < end; c += step * G) {
+        float acc[G][8];
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[g][i] = 0.f;
+        }
+        unsigned left = used;
+        while (true) {
+            int4 raw[G][B];
+            float wk[B];
+            unsigned slots = 0u;  // bit j: slot j holds a row
+#pragma unroll
+            for (int j = 0; j < B; j++) {
+                const int k = left ? __ffs(left) - 1 : -1;
+                if (left) left &= left - 1u;
+                if (k >= 0) slots |= 1u << j;
+                wk[j] = k < 0 ? 0.f : p.rank_major ? 1.f : w[(size_t)t * K + k];
+#pragma unroll
+                for (int g = 0; g < G; g++) {
+                    raw[g][j] = make_int4(0, 0, 0, 0);
+                    const int cg = c + g * step;
+                    if (k >= 0 && cg < end) {
+                        const int pos = p.nccl_pos ? pos_of[(size_t)t * K + k] : -1;
+                        const char* row = pos >= 0 ? reinterpret_cast<const char*>(p.nccl_in) + (size_t)pos * H * 2
+                                                   : recv + ((size_t)t * K + k) * H * 2;
+                        raw[g][j] = ld_cg_int4(row + (size_t)cg * 2);
+                    }
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < B; j++) {
+                if (!((slots >> j) & 1u)) continue;
+#pragma unroll
+                for (int g = 0; g < G; g++) {
+                    const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw[g][j]);
+#pragma unroll
+                    for (int i = 0; i < 8; i++) acc[g][i] = fmaf(wk[j], __bfloat162float(b[i]), acc[g][i]);
+                }
+            }
+            if (!left) break;
+        }
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            const int cg = c + g * step;
+            if (cg >= end) continue;
+            __nv_bfloat16 o[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) o[i] = __float2bfloat16_rn(acc[g][i]);
+            *reinterpret_cast<int4*>(out + (size_t)t * H + cg) = *reinterpret_cast<int4*>(o);
+        }
+    }
+}
 
 __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) {
     __shared__ u32 cancelled, mismatched, absent;
     __shared__ int timed_out;
     // Items (token t, piece `part` of C = recv_chunks): an item takes `tpi` threads, its piece's
-    // 8-channel groups rounded up to whole warps (at most the block), so a block works on `ipb`
-    // items at once (a 512-thread one-launch block: two 1792-channel pieces, not one with half its
-    // threads idle); item i goes to block (i / ipb) % grid. Only the blocks with items take part
-    // (at least block 0): the others neither wait nor count themselves done (at one token, most
-    // of the grid leaves here).
+    // 8-channel groups over G (groups a thread sums at once) rounded up to whole warps (at most
+    // the block), so a block works on `ipb` items at once; item i goes to block (i / ipb) % grid.
+    // Only the blocks with items take part (at least block 0): the others neither wait nor count
+    // themselves done (at one token, most of the grid leaves here).
     const int C = p.recv_chunks;
     const int width = p.hidden / C;
-    const int tpi = min((int)blockDim.x, (width / 8 + 31) / 32 * 32);
+    const bool pairs = p.rank_major && p.num_ranks <= 2;  // combine_rows<2, 2>
+    const int G = pairs ? 2 : 1;
+    const int tpi = min((int)blockDim.x, ((width / 8 + G - 1) / G + 31) / 32 * 32);
     const int ipb = (int)blockDim.x / tpi;
     const int items = p.num_tokens * C;
     const int blocks = max(1, min((int)gridDim.x, (items + ipb - 1) / ipb));
@@ -817,12 +881,10 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
     if (!ll_wait_all_sources(p, n, 1, &cancelled, &mismatched, &timed_out, &absent)) return;
     publish_early(p, n, 1, cancelled, mismatched, absent);
     trace_at(p, 1, 2);
-    const int K = p.top_k, H = p.hidden;
+    const int K = p.top_k;
     const long long* idx = reinterpret_cast<const long long*>(p.topk_idx);
-    const float* w = reinterpret_cast<const float*>(p.weights);
     const char* recv = reinterpret_cast<const char*>(p.own_recv) + (size_t)n.set * p.recv_set_bytes;
     __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(p.out);
-    const int* pos_of = reinterpret_cast<const int*>(p.nccl_pos);
     // Any cancelled or mismatched source (this rank's own cancellation included) leaves the
     // output unwritten: the operation has no result; so does this rank being masked. Entries on
     // absent (masked) ranks contribute zero, counted per token in `masked_out`.
@@ -846,42 +908,11 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
             }
             const int lost = __popc(__ballot_sync(EP_FULL_MASK, gone));
             if (p.masked_out && part == 0 && tid == 0) reinterpret_cast<int*>(p.masked_out)[t] = lost;
-            for (int c = part * width + tid * 8; c < (part + 1) * width; c += tpi * 8) {
-                float acc[8];
-#pragma unroll
-                for (int i = 0; i < 8; i++) acc[i] = 0.f;
-                // Up to EP_COMBINE_BATCH rows' loads in flight before the first FMA (the loads are
-                // independent; the sum still runs in ascending k, as the reference does).
-                for (int k0 = 0; k0 < K; k0 += EP_COMBINE_BATCH) {
-                    int4 raw[EP_COMBINE_BATCH];
-                    float wk[EP_COMBINE_BATCH];
-                    bool use[EP_COMBINE_BATCH];
-#pragma unroll
-                    for (int j = 0; j < EP_COMBINE_BATCH; j++) {
-                        const int k = k0 + j;
-                        use[j] = k < K && ((used >> k) & 1u);
-                        wk[j] = 0.f;
-                        raw[j] = make_int4(0, 0, 0, 0);
-                        if (use[j]) {
-                            wk[j] = p.rank_major ? 1.f : w[(size_t)t * K + k];
-                            const int pos = p.nccl_pos ? pos_of[(size_t)t * K + k] : -1;
-                            const char* row = pos >= 0 ? reinterpret_cast<const char*>(p.nccl_in) + (size_t)pos * H * 2
-                                                       : recv + ((size_t)t * K + k) * H * 2;
-                            raw[j] = ld_cg_int4(row + (size_t)c * 2);
-                        }
-                    }
-#pragma unroll
-                    for (int j = 0; j < EP_COMBINE_BATCH; j++) {
-                        if (!use[j]) continue;
-                        const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw[j]);
-#pragma unroll
-                        for (int i = 0; i < 8; i++) acc[i] = fmaf(wk[j], __bfloat162float(b[i]), acc[i]);
-                    }
-                }
-                __nv_bfloat16 o[8];
-#pragma unroll
-                for (int i = 0; i < 8; i++) o[i] = __float2bfloat16_rn(acc[i]);
-                *reinterpret_cast<int4*>(out + (size_t)t * H + c) = *reinterpret_cast<int4*>(o);
+            const int c0 = part * width + tid * 8, end = (part + 1) * width;
+            if (pairs) {
+                combine_rows<2, 2>(p, t, c0, tpi * 8, end, used, recv, out);
+            } else {
+                combine_rows<1, 8>(p, t, c0, tpi * 8, end, used, recv, out);
             }
         }
     }
