@@ -1,11 +1,15 @@
 //! The NVLink all-to-all ceiling of this machine, for judging the high-throughput kernels: every
-//! GPU copies `--mb` MB to every other GPU at once with the copy engines (`cuMemcpyDtoDAsync`
-//! between peer-mapped buffers, one stream per pair), and the example prints the time and the
-//! ingress bandwidth per GPU. High-throughput dispatch at the reference config moves ~53 MB per
-//! pair on 4 GPUs.
+//! GPU copies `--mb` MB to every other GPU at once, and the example prints the time and the
+//! ingress bandwidth per GPU. By default with the copy engines (`cuMemcpyDtoDAsync` between
+//! peer-mapped buffers, one stream per pair); with `--sms N`, with SM loads and stores instead
+//! (`GpuRank::sm_copy`: N blocks of 512 threads per GPU, shared out over its peers, as the
+//! high-throughput kernels' sending warps store), and with `--local` also a copy of the same size
+//! within each GPU at the same time on its own N blocks (a dispatch also copies its own rows and
+//! the received ones in HBM). High-throughput dispatch at the reference config moves ~53 MB per
+//! pair on 4 GPUs, ~58 MB on 2.
 //!
 //! ```sh
-//! cargo run --release --example nvlink_ceiling [-- --mb 53 --iters 20]
+//! cargo run --release --example nvlink_ceiling [-- --mb 56 --iters 20 --sms 132 --local]
 //! ```
 
 use std::time::Instant;
@@ -25,7 +29,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         eprintln!("SKIPPED: needs 2 or more GPUs, this machine has {n}");
         return Ok(());
     }
-    let (mb, iters) = (arg("--mb", 53), arg("--iters", 20));
+    let (mb, iters, sms) = (arg("--mb", 53), arg("--iters", 20), arg("--sms", 0));
+    let local = std::env::args().any(|a| a == "--local");
     let bytes = mb << 20;
     let devices: Vec<usize> = (0..n.min(8)).collect();
     // A group only to open the contexts and enable peer access between every pair.
@@ -36,6 +41,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // dst[d] holds one region per source.
     let dst: Vec<DeviceBuffer> =
         ranks.iter().map(|k| DeviceBuffer::zeroed(k.context(), bytes * r)).collect::<Result<_, _>>()?;
+    // SM copies: each peer's share of the N blocks (at least one each).
+    let peer_blocks = (sms / (r - 1).max(1)).max(1) as u32;
     let streams: Vec<Vec<_>> = ranks
         .iter()
         .map(|k| (0..r).map(|_| k.context().new_stream()).collect::<Result<Vec<_>, _>>())
@@ -46,6 +53,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for s in 0..r {
             ranks[s].context().bind_to_thread()?;
             for d in (0..r).filter(|&d| d != s) {
+                if sms > 0 {
+                    // SAFETY: both buffers live until the end of main, after every stream is
+                    // synchronized; each (source, peer) pair has its own destination region.
+                    unsafe { ranks[s].sm_copy(&streams[s][d], &dst[d], s * bytes, &src[s], bytes, peer_blocks)? };
+                    continue;
+                }
                 let to = dst[d].ptr() + (s * bytes) as u64;
                 // SAFETY: both ranges are live cuMemAlloc allocations of `bytes` (peer access is
                 // enabled between every pair); the copy is ordered on its own stream.
@@ -53,6 +66,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     cudarc::driver::sys::cuMemcpyDtoDAsync_v2(to, src[s].ptr(), bytes, streams[s][d].cu_stream())
                 }
                 .result()?;
+            }
+            if local && sms > 0 {
+                // The own region of this GPU's destination buffer, on the stream of pair (s, s).
+                // SAFETY: as above; region s of dst[s] is written by nothing else.
+                unsafe { ranks[s].sm_copy(&streams[s][s], &dst[s], s * bytes, &src[s], bytes, sms as u32)? };
             }
         }
         for ss in &streams {
@@ -67,8 +85,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     times.sort_by(f64::total_cmp);
     let med = times[times.len() / 2];
     let ingress = (r - 1) as f64 * bytes as f64 / med / 1e9;
+    let how = match (sms, local) {
+        (0, _) => "copy engines".to_string(),
+        (n, false) => format!("SM stores, {n} blocks per GPU"),
+        (n, true) => format!("SM stores, {n} blocks per GPU, with a local copy of {mb} MB on {n} more"),
+    };
     println!(
-        "{r} GPUs, {mb} MB to every peer: median {:.1} us per all-to-all, {ingress:.1} GB/s ingress per GPU (copy engines)",
+        "{r} GPUs, {mb} MB to every peer: median {:.1} us per all-to-all, {ingress:.1} GB/s ingress per GPU ({how})",
         med * 1e6
     );
     Ok(())

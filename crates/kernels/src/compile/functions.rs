@@ -43,6 +43,8 @@ pub(crate) struct Functions {
     pub ht_plan: CudaFunction,
     pub dequant_fp8: CudaFunction,
     pub spin: CudaFunction,
+    /// The SM-store copy probe (`GpuRank::sm_copy`).
+    pub sm_copy: CudaFunction,
     pub nccl_ht_pack: CudaFunction,
     pub nccl_arrivals: CudaFunction,
     pub nccl_ht_reduce: CudaFunction,
@@ -102,6 +104,7 @@ impl Functions {
             ht_plan: f(&ht, "ep_ht_plan")?,
             dequant_fp8: f(&util, "ep_dequant_fp8_rows")?,
             spin: f(&util, "ep_spin")?,
+            sm_copy: f(&util, "ep_sm_copy")?,
             nccl_ht_pack: f(&nccl, "ep_nccl_ht_pack")?,
             nccl_arrivals: f(&nccl, "ep_nccl_arrivals")?,
             nccl_ht_reduce: f(&nccl, "ep_nccl_ht_reduce")?,

@@ -59,8 +59,11 @@ pub const NCCL: KernelModule = KernelModule {
 };
 
 /// Small utilities (FP8 dequantization; a spin kernel that holds a stream, for tests).
-pub const UTIL: KernelModule =
-    KernelModule { name: "util", body: include_str!("../cuda/util.cu"), kernels: &["ep_dequant_fp8_rows", "ep_spin"] };
+pub const UTIL: KernelModule = KernelModule {
+    name: "util",
+    body: include_str!("../cuda/util.cu"),
+    kernels: &["ep_dequant_fp8_rows", "ep_spin", "ep_sm_copy"],
+};
 
 /// Every module.
 pub const ALL: &[KernelModule] = &[LL, HT, NCCL, UTIL];

@@ -27,3 +27,28 @@ extern "C" __global__ void ep_spin(u64 ns) {
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
     }
 }
+
+// Copies `bytes` (a multiple of 16) from `src` to `dst` (local or a peer's, over NVLink) with
+// SM loads and stores: each warp moves 4 KB at a time, 8 vectors in flight per lane, as the
+// high-throughput kernels' sending warps do. A probe of the SM-store ceiling (`nvlink_ceiling
+// --sms`), not part of any operation.
+extern "C" __global__ void __launch_bounds__(512) ep_sm_copy(u64 dst, u64 src, u64 bytes) {
+    const u64 n = bytes / 16;
+    const u64 lane = threadIdx.x & 31;
+    const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
+    const char* s = reinterpret_cast<const char*>(src);
+    char* d = reinterpret_cast<char*>(dst);
+    for (u64 base = ((u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 256; base < n; base += warps * 256) {
+        int4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const u64 i = base + 32 * u + lane;
+            if (i < n) v[u] = ld_cg_int4(s + i * 16);
+        }
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const u64 i = base + 32 * u + lane;
+            if (i < n) st_na_int4(d + i * 16, v[u]);
+        }
+    }
+}

@@ -5,6 +5,7 @@
 //! - [`handle`]: routing handles and what they learnt.
 //! - `mask`: rank masking ([`epflow_core::mask`]): the host's view, `mask_ranks`, `unmask_all`.
 
+mod copy_probe;
 pub(crate) mod handle;
 mod launch_cost;
 pub use launch_cost::LaunchCost;
