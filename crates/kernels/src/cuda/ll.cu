@@ -636,13 +636,17 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
             if (g == 0) row_of[(size_t)slot * K + k_sel] = (int)group_base + base + pos;
         }
         __syncthreads();
-        // Rows with row % G == g are this block's; each is copied in `recv_chunks` pieces by as many warps.
+        // Rows with row % G == g are this block's: e0, e0 + G, ... of the chunk. Each is copied
+        // in `recv_chunks` pieces, and the block's (row, piece) items are dealt out to its warps
+        // in turn (not every item of the chunk, skipping others' rows: that left all of a block's
+        // rows to a few warps, one after another; 9 us at 128 tokens, benches/NOTES.md item 68).
         const int C = p.recv_chunks;
         const size_t piece = payload_bytes / C;
-        for (int item = warp; item < chunk_total * C; item += nwarps) {
-            const int e = item / C, part = item % C;
+        const int e0 = ((g - base % G) % G + G) % G;
+        const int mine = e0 < chunk_total ? (chunk_total - 1 - e0) / G + 1 : 0;
+        for (int item = warp; item < mine * C; item += nwarps) {
+            const int e = e0 + (item / C) * G, part = item % C;
             const int row = base + e;
-            if (row % G != g) continue;
             const char* msg = recv + (size_t)entry_slot[e] * p.msg_bytes;
             const char* payload = msg + EP_HDR_BYTES;
             const size_t out_row = group_base + row;
