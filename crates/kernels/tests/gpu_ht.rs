@@ -26,6 +26,7 @@ use epflow_core::scenario::{Scenario, identity_rows};
 use epflow_core::verify::{Report, Tolerance, check_bf16, check_exact, check_ht_dispatch};
 use epflow_core::workload::{RoutingKind, random_weights};
 use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, MaxTokens, bf16};
+use epflow_kernels::device::DeviceBuffer;
 use epflow_kernels::{GpuRank, GpuWorld, Transport, device_count};
 
 mod common;
@@ -661,4 +662,34 @@ fn ht_stream_ordered_creation_with_an_absent_peer_times_out() {
     assert!(d.is_err(), "dispatch: {d:?}");
     assert!(took < 3 * timeout, "took {took:?} with a {timeout:?} timeout");
     assert!(rank.poison().is_poisoned(), "not poisoned");
+}
+
+/// `GpuRank::sm_copy` (the SM-store probe of `examples/nvlink_ceiling --sms`) moves exactly its
+/// bytes, into this GPU's buffer and into a peer's, at an offset, with any block count; a range
+/// outside a buffer is refused.
+#[test]
+fn sm_copy_moves_the_bytes() {
+    let Some(devices) = gpus(2, "sm_copy_moves_the_bytes") else { return };
+    let ranks = GpuWorld::create(&devices, GroupConfig::high_throughput(16, 1024)).expect("group");
+    let bytes = (3 << 20) + 16 * 37; // not a multiple of a warp's 4 KB
+    let data: Vec<u8> = (0..bytes).map(|i| (i * 131 + (i >> 9)) as u8).collect();
+    let src = DeviceBuffer::zeroed(ranks[0].context(), bytes).expect("src");
+    src.write(0, &data).expect("upload");
+    let local = DeviceBuffer::zeroed(ranks[0].context(), bytes + 4096).expect("local");
+    let peer = DeviceBuffer::zeroed(ranks[1].context(), bytes + 4096).expect("peer");
+    let stream = ranks[0].context().new_stream().expect("stream");
+    for (dst, blocks) in [(&local, 1u32), (&peer, 7), (&peer, 132)] {
+        let poison = vec![0xa5u8; bytes + 4096];
+        dst.write(0, &poison).expect("poison");
+        // SAFETY: both buffers live past the synchronize below; nothing else writes `dst`.
+        unsafe { ranks[0].sm_copy(&stream, dst, 4096, &src, bytes, blocks) }.expect("sm_copy");
+        stream.synchronize().expect("sync");
+        let mut back = vec![0u8; bytes + 4096];
+        dst.read(0, &mut back).expect("read back");
+        assert!(back[..4096].iter().all(|&b| b == 0xa5), "{blocks} blocks: bytes before the range written");
+        assert!(back[4096..] == data[..], "{blocks} blocks: the copied bytes differ");
+    }
+    // SAFETY: refused before any launch (the range does not fit).
+    let err = unsafe { ranks[0].sm_copy(&stream, &local, 8192, &src, bytes, 4) };
+    assert!(matches!(err, Err(Error::Unsupported(m)) if m.contains("does not fit")));
 }

@@ -65,6 +65,17 @@ impl DeviceBuffer {
         // The range [offset, offset + n) lies inside the allocation (checked above).
         copy_from_host(&self.ctx, self.ptr + offset as u64, src)
     }
+
+    /// Copies the buffer's bytes at `offset` into `dst` (synchronous; synchronize the streams
+    /// that write the range first).
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), Error> {
+        let n = std::mem::size_of_val(dst);
+        if offset.checked_add(n).is_none_or(|end| end > self.bytes) {
+            return Err(Error::Backend(format!("read of {n} B at {offset} past a {} B buffer", self.bytes)));
+        }
+        // The range [offset, offset + n) lies inside the allocation (checked above).
+        copy_to_host(&self.ctx, self.ptr + offset as u64, dst)
+    }
 }
 
 impl Drop for DeviceBuffer {
