@@ -21,8 +21,10 @@ impl GpuRank {
     ///
     /// # Safety
     ///
-    /// `src` and `dst` must stay allocated until the copy is done (synchronize `stream` before
-    /// dropping either), and nothing else may write the destination range meanwhile.
+    /// `dst` must be this rank's or a peer's of the same group (another GPU's memory without
+    /// peer access faults the kernel); `src` and `dst` must stay allocated until the copy is done
+    /// (synchronize `stream` before dropping either), and nothing else may write the destination
+    /// range meanwhile.
     pub unsafe fn sm_copy(
         &self,
         stream: &CudaStream,
