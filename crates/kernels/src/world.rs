@@ -4,13 +4,12 @@
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::sys;
 use epflow_core::backend::RankCore;
 use epflow_core::{Error, GroupConfig};
 
 use crate::compile::Functions;
 use crate::device::cache::OutputCache;
-use crate::device::{DeviceBuffer, EventPool, bind, context, cuda, pci_key, sm_count};
+use crate::device::{DeviceBuffer, EventPool, bind, context, cuda, pci_key, sm_count_of};
 use crate::layout::Layout;
 use crate::rank::GpuRank;
 use crate::rank::shared::{Peers, RankMemory, RankShared};
@@ -41,7 +40,7 @@ impl GpuWorld {
         let num_ranks = devices.len();
         config.validate(num_ranks)?;
         let ctxs = devices.iter().map(|&d| context(d)).collect::<Result<Vec<_>, _>>()?;
-        let device_sms = devices.iter().map(|&d| sm_count(d)).collect::<Result<Vec<_>, _>>()?;
+        let device_sms = ctxs.iter().map(|c| sm_count_of(c)).collect::<Result<Vec<_>, _>>()?;
         let layout = Layout::new(&config, num_ranks, device_sms.into_iter().min().unwrap_or(1))?;
         let masks = (0..num_ranks).map(|r| transport.nccl_mask(r, num_ranks, None)).collect::<Result<Vec<_>, _>>()?;
         refuse_masking_over_nccl(&config, &masks)?;
@@ -122,10 +121,7 @@ impl GpuWorld {
         bind(&ctx)?;
         // Every rank's (host, GPU, SMs): ranks on one host with the same PCI location share a
         // GPU; the layout fits the GPU with the fewest SMs, so every rank builds the same one.
-        let sms = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| cuda("query SMs", e))? as u64;
-        let places = bootstrap::all_gather_u64(comm, &[host_id(), pci_key(&ctx)?, sms])?;
+        let places = bootstrap::all_gather_u64(comm, &[host_id(), pci_key(&ctx)?, sm_count_of(&ctx)? as u64])?;
         let hosts: Vec<u64> = places.iter().step_by(3).copied().collect();
         let shares_gpu =
             (0..num_ranks).any(|r| r != rank && places[3 * r..3 * r + 2] == places[3 * rank..3 * rank + 2]);
@@ -237,9 +233,7 @@ fn build_rank(
         Layout::Ll(l) => Some(DeviceBuffer::zeroed(ctx, l.handle_bytes())?),
         Layout::Ht(_) => None,
     };
-    let num_sms = ctx
-        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .map_err(|e| cuda("query SMs", e))? as u32;
+    let num_sms = sm_count_of(ctx)? as u32;
     // One launch per synchronous low-latency operation needs every block of its grid (at most
     // one per SM) resident at once, with room beside it for the other channel's (two per SM).
     let fits = |f: &cudarc::driver::CudaFunction| {

@@ -21,7 +21,11 @@ pub fn device_count() -> usize {
 
 /// Number of streaming multiprocessors of device `ordinal`.
 pub fn sm_count(ordinal: usize) -> Result<usize, Error> {
-    let ctx = context(ordinal)?;
+    sm_count_of(&*context(ordinal)?)
+}
+
+/// Number of streaming multiprocessors of `ctx`'s device.
+pub(crate) fn sm_count_of(ctx: &CudaContext) -> Result<usize, Error> {
     ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .map(|n| n.max(0) as usize)
         .map_err(|e| cuda("query SMs", e))
