@@ -5,7 +5,7 @@ use epflow_core::config::FP8_BLOCK;
 use epflow_core::protocol::Channel;
 use epflow_core::{Algorithm, Error, GroupConfig};
 
-use crate::params::{HDR_BYTES, HT_MAX_CHANNELS, HT_MAX_WARPS, MAX_RANKS, SIGNAL_PAGE_BYTES};
+use crate::params::{HDR_BYTES, HT_MAX_CHANNELS, HT_MAX_WARPS, LL_TAG_TOKENS, MAX_RANKS, SIGNAL_PAGE_BYTES};
 
 /// The buffers of a group, by algorithm.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,7 +78,7 @@ impl Layout {
     /// Combine receive region bytes (LL: every buffer set; HT: every ring).
     pub(crate) fn combine_recv_bytes(&self) -> usize {
         match self {
-            Layout::Ll(l) => l.combine_recv_set_bytes() * l.sets,
+            Layout::Ll(l) => (l.combine_recv_set_bytes() + l.combine_tagged_set_bytes()) * l.sets,
             Layout::Ht(h) => h.ring_region_bytes(),
         }
     }
@@ -356,6 +356,19 @@ impl LlLayout {
     /// Combine receive region, one set: a BF16 row per (token, k).
     pub(crate) fn combine_recv_set_bytes(&self) -> usize {
         self.max_tokens * self.max_top_k * self.hidden * 2
+    }
+
+    /// Tokens whose rank-major combine rows fit the tagged area: `min(LL_TAG_TOKENS, M)`.
+    pub(crate) fn tag_capacity(&self) -> usize {
+        LL_TAG_TOKENS.min(self.max_tokens)
+    }
+
+    /// The combine's tagged area, one set (after every set's plain region): per (token, source
+    /// rank) one tagged row, 8-byte pairs of two BF16 channels and a tag (`4 H` bytes), for
+    /// `tag_capacity()` tokens. Only tagged rows are ever written there, and the receiver clears
+    /// what it read (see `EP_TAG_TOKENS` in `ll.cu`).
+    pub(crate) fn combine_tagged_set_bytes(&self) -> usize {
+        self.tag_capacity() * self.num_ranks * self.hidden * 4
     }
 
     /// Dispatch output tokens, one set: `[L x R*M x H]`.

@@ -16,6 +16,10 @@ pub(crate) const ARRIVAL_WORDS: usize = 3 * MAX_SETS * MAX_RANKS * 2;
 pub(crate) const SIG_ARRAYS: usize = 11;
 /// Words of the arrival pairs and the arrays.
 pub(crate) const SIG_ARRAY_WORDS: usize = ARRIVAL_WORDS + SIG_ARRAYS * MAX_SETS * MAX_RANKS;
+/// Most tokens of a low-latency rank-major combine that may take tagged rows (flags in the
+/// payload, `EP_TAG_TOKENS` in `ll.cu`): the combine receive region has room for that many
+/// tokens' tagged rows per buffer set (see `LlLayout::combine_tagged_set_bytes`).
+pub(crate) const LL_TAG_TOKENS: usize = 32;
 /// Largest number of high-throughput channels (block pairs) of a kernel.
 pub(crate) const HT_MAX_CHANNELS: usize = 128;
 /// Largest number of sending warps per destination in the high-throughput kernels.
@@ -148,7 +152,10 @@ pub(crate) struct LlParams {
     /// 1: `EPFLOW_LL_TRACE=1`, the kernels print block 0's phase times every 64th operation
     /// (`trace_at` in `ll.cu`); a diagnostic.
     pub trace: i32,
-    pub pad: i32,
+    /// Rank-major: this rank's combine takes tagged rows (flags in the payload) from NVLink peers
+    /// when it has at most this many tokens (0: never; at most `LL_TAG_TOKENS` and `max_tokens`).
+    /// The token owner decides, and tells each destination in its dispatch messages.
+    pub tag_tokens: i32,
 }
 
 /// `struct MaskParams` of `ll.cu` (`ep_mask_spread`, `ep_mask_rejoin`).
@@ -176,6 +183,15 @@ unsafe impl DeviceRepr for MaskParams {}
 // SAFETY: `LlParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
 // (checked by the tests below and by a static_assert in ll.cu).
 unsafe impl DeviceRepr for LlParams {}
+
+impl LlParams {
+    /// Whether this rank's operation uses tagged combine rows: its dispatch asks for them, its
+    /// combine receives them (then the `_tagged` combine kernels run). Mirrors `wants_tagged` in
+    /// `ll.cu` field for field: the two must agree.
+    pub(crate) fn tagged_rows(&self) -> bool {
+        self.rank_major != 0 && self.nccl_mask == 0 && self.tag_tokens > 0 && self.num_tokens <= self.tag_tokens
+    }
+}
 
 /// `struct HtParams` of `ht.cu`.
 #[repr(C)]
@@ -355,10 +371,21 @@ mod tests {
     }
 
     #[test]
+    fn tagged_rows_only_for_small_rank_major_combines_over_nvlink() {
+        let p = LlParams { rank_major: 1, num_tokens: 32, tag_tokens: 32, ..LlParams::default() };
+        assert!(p.tagged_rows());
+        assert!(!LlParams { num_tokens: 33, ..p }.tagged_rows());
+        assert!(!LlParams { rank_major: 0, ..p }.tagged_rows());
+        assert!(!LlParams { nccl_mask: 2, ..p }.tagged_rows());
+        assert!(!LlParams { tag_tokens: 0, num_tokens: 0, ..p }.tagged_rows());
+    }
+
+    #[test]
     fn limits_match_the_cuda_defines() {
-        use crate::compile::sources::{COMMON, HT};
+        use crate::compile::sources::{COMMON, HT, LL};
         assert_eq!(define(COMMON, "EP_MAX_RANKS"), MAX_RANKS);
         assert_eq!(define(COMMON, "EP_MAX_SETS"), MAX_SETS);
+        assert_eq!(define(LL.body, "EP_TAG_TOKENS"), LL_TAG_TOKENS);
         assert_eq!(define(HT.body, "HT_MAX_CHANNELS"), HT_MAX_CHANNELS);
         assert_eq!(define(HT.body, "HT_MAX_WARPS"), HT_MAX_WARPS);
     }

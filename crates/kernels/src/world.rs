@@ -240,7 +240,11 @@ fn build_rank(
         f.occupancy_max_active_blocks_per_multiprocessor(512, 0, None).is_ok_and(|n| n >= 2)
     };
     let allowed = std::env::var("EPFLOW_ONE_LAUNCH").map_or(true, |v| v != "0");
-    let one_launch = allowed && !place.shares_gpu && fits(&functions.dispatch_one) && fits(&functions.combine_one);
+    let one_launch = allowed
+        && !place.shares_gpu
+        && fits(&functions.dispatch_one)
+        && fits(&functions.combine_one)
+        && fits(&functions.combine_one_tagged);
     let events = EventPool::new(ctx);
     let core = RankCore::new(place.rank, place.num_ranks, place.group_id, config.clone());
     let shared = Arc::new(RankShared {

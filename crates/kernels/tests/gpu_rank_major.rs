@@ -152,8 +152,9 @@ fn rank_major_over_nccl_matches_reference() {
     }
 }
 
-/// `EPFLOW_GPU_ITERS` (default 10,000) staged rounds with a fresh routing and handle each,
-/// every combine checked; dispatch checked in full every 1,000th round.
+/// `EPFLOW_GPU_ITERS` (default 10,000) staged rounds with a fresh routing and handle each, and
+/// token counts that change every round (tagged and fenced combines in turn), every combine
+/// checked; dispatch checked in full every 1,000th round.
 #[test]
 fn rank_major_many_staged_iterations_with_fresh_routing() {
     let n = epflow_kernels::device_count().min(4);
@@ -175,10 +176,19 @@ fn rank_major_many_staged_iterations_with_fresh_routing() {
         let r = rank.rank();
         let mut bad = 0u64;
         for it in 0..iters {
+            // Token counts change every round, on both sides of the tagged-rows threshold (a
+            // combine of at most 32 tokens takes its rows tagged, a larger one fenced), so each
+            // rank's combine area sees both kinds of operation in turn.
+            let per_rank: Vec<usize> = (0..devices.len() as u64)
+                .map(|r| {
+                    let v = it.wrapping_mul(7).wrapping_add(r * 13) as usize;
+                    if (it + r) % 2 == 0 { 1 + v % 32 } else { 33 + v % (max_tokens - 32) }
+                })
+                .collect();
             let sc = Scenario::generate(
                 config.clone(),
                 devices.len(),
-                &[max_tokens, 97, 128, 33],
+                &per_rank,
                 top_k,
                 RoutingKind::Uniform,
                 10,

@@ -19,10 +19,14 @@ pub(crate) struct Functions {
     pub dispatch_recv: CudaFunction,
     pub combine_send: CudaFunction,
     pub combine_recv: CudaFunction,
+    /// The combine complete half for tagged rows (`LlParams::tagged_rows`).
+    pub combine_recv_tagged: CudaFunction,
     /// Low-latency dispatch in one launch (send, then receive; launched cooperatively).
     pub dispatch_one: CudaFunction,
     /// Low-latency combine in one launch.
     pub combine_one: CudaFunction,
+    /// Low-latency combine in one launch, for tagged rows.
+    pub combine_one_tagged: CudaFunction,
     /// A captured step's bases, set before a replay whose channels moved on (`graph/`).
     pub graph_rebase: CudaFunction,
     /// Rank masking: ORs ranks into every rank's mask word (`mask.rs`).
@@ -87,8 +91,10 @@ impl Functions {
             dispatch_recv: f(&ll, LlKernel::DispatchRecv.function_name())?,
             combine_send: f(&ll, LlKernel::CombineSend.function_name())?,
             combine_recv: f(&ll, LlKernel::CombineRecv.function_name())?,
+            combine_recv_tagged: f(&ll, LlKernel::CombineRecv.tagged_function_name().unwrap_or_default())?,
             dispatch_one: f(&ll, LlKernel::DispatchOne.function_name())?,
             combine_one: f(&ll, LlKernel::CombineOne.function_name())?,
+            combine_one_tagged: f(&ll, LlKernel::CombineOne.tagged_function_name().unwrap_or_default())?,
             graph_rebase: f(&ll, "ep_graph_rebase")?,
             mask_spread: f(&ll, "ep_mask_spread")?,
             mask_rejoin: f(&ll, "ep_mask_rejoin")?,

@@ -101,6 +101,23 @@ __device__ __forceinline__ void st_na_int4(void* p, int4 v) {
                  : "memory");
 }
 
+// Flags in the payload (the low-latency combine's tagged rows, ll.cu): a 16-byte unit is two
+// 8-byte pairs {data word, tag}, stored and loaded as one vector (volatile, as NCCL's LL protocol
+// does); the receiver checks both tags, so it never needs a fence or a count ahead of the data.
+__device__ __forceinline__ void st_volatile_tagged(void* p, u32 d0, u32 d1, u32 tag) {
+    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(d0), "r"(tag), "r"(d1), "r"(tag)
+                 : "memory");
+}
+
+__device__ __forceinline__ int4 ld_volatile_int4(const void* p) {
+    int4 v;
+    asm volatile("ld.volatile.global.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+
 // Records the first error in the host-visible status page: code | peer << 8 | seq << 16 (later
 // errors, often consequences of the first, are dropped). Plain loads and stores: the page is
 // mapped host memory, which takes no system-scope atomics on every platform (compute-sanitizer

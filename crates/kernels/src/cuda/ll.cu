@@ -2,11 +2,13 @@
 // kernels (staged operations) or as one (the synchronous form; see the kernels at the end).
 //
 // Dispatch message (one per token and destination rank), in the receiver's region for this
-// sender, slot = token index:  [u64 seq+1][i32 token][i32 pad][i16 local expert per k, -1 if the
+// sender, slot = token index:  [u64 seq+1][i32 token][i32 1: the sender's combine wants tagged
+// rows (`wants_tagged`), else 0][i16 local expert per k, -1 if the
 // k-th expert is elsewhere (bytes 16..48)][rank-major: f32 weight per k (bytes 48..112)][pad to
 // 128 B][payload: BF16 row, or FP8 row + fp32 scales].
 // Combine message (one per token and expert; rank-major: one per token and rank reached, in the
-// slot of the rank's first top-k entry): the BF16 row, in the source rank's region at [token][k].
+// slot of the rank's first top-k entry): the BF16 row, in the source rank's region at [token][k];
+// or, tagged (see EP_TAG_TOKENS), in the source rank's tagged area at [token][sending rank].
 //
 // Layouts (epflow_core::ops::Layout): expert-major packs a row per (token, local expert) into
 // [L x R*M x H]; rank-major packs a row per (source, token) into [R*M x H] with the weights and
@@ -67,7 +69,7 @@ struct LlParams {
     u64 ret_list;         // [R x M x K] int32
     u64 ret_count;        // [R] int32
     int trace;            // 1: `EPFLOW_LL_TRACE` (see `trace_at`)
-    int pad;
+    int tag_tokens;       // rank-major: most tokens of a combine that takes tagged rows (0: none; see EP_TAG_TOKENS)
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
 static_assert(sizeof(LlParams) == 464, "LlParams layout");
@@ -173,6 +175,66 @@ __device__ bool wait_credit(const LlParams& p, const OpNum& n, int chan, int des
 }
 
 #define EP_HDR_WEIGHTS 48  // byte offset of the rank-major weights in a dispatch message header
+
+// Tagged combine rows (flags in the payload; rank-major only). A token owner whose combine has at
+// most `tag_tokens` tokens (and no peer reached through NCCL) asks for its rows back tagged, in
+// word 3 of each dispatch message: the expert side then sends each row as 8-byte pairs {two BF16
+// channels, the operation's tag} into the owner's tagged area, and signals its arrival at once,
+// before the payload: no system-scope fence, no count of its warps, no release after the payload
+// (about 3 us of a 1-token combine's send, benches/NOTES.md items 69 and 72). The receiver takes
+// a pair once its tag matches, and clears what it read before it returns its credits, so the
+// area only ever holds zeros and the rows of the operation in flight: no stale pair can carry a
+// matching tag. Twice the bytes over NVLink: at more tokens the fenced form is faster. The
+// area after every set's plain region holds min(EP_TAG_TOKENS, M) tokens x R rows of 4 H bytes
+// per set (epflow-kernels layout.rs). Rank masking sets `tag_tokens` to 0.
+#define EP_TAG_TOKENS 32
+#define EP_RET_TAGGED (1 << 30)  // `ret_count` bit: the source asked for tagged rows
+
+// Whether this rank's operations on this handle use tagged combine rows (the token owner's
+// choice: its dispatch sends ask for them, its combine receive reads them).
+__device__ __forceinline__ bool wants_tagged(const LlParams& p) {
+    return p.rank_major && p.nccl_mask == 0 && p.tag_tokens > 0 && p.num_tokens <= p.tag_tokens;
+}
+
+// The tag of operation `seq` (never 0: the cleared area's value).
+__device__ __forceinline__ u32 op_tag(u64 seq) {
+    const u32 t = (u32)(seq + 1);
+    return t ? t : 1u;
+}
+
+// The tagged row of (token t, sending rank r) of buffer set `set` in the combine receive region
+// at `region` (after every set's plain part of `recv_set_bytes`).
+__device__ __forceinline__ char* tagged_row(const LlParams& p, u64 region, int set, int t, int r) {
+    const size_t row = (size_t)p.hidden * 4, cap = (size_t)min(EP_TAG_TOKENS, p.max_tokens);
+    return reinterpret_cast<char*>(region) + (size_t)p.num_sets * p.recv_set_bytes +
+           ((size_t)set * cap * p.num_ranks + (size_t)t * p.num_ranks + r) * row;
+}
+
+// Copies `bytes` (a multiple of 16) of BF16 channels with one warp as tagged pairs (2 x `bytes`
+// at `dst`), 2 source vectors in flight per lane (4 spill in the one-launch combine kernel; the
+// tagged rows are small).
+__device__ __forceinline__ void warp_copy_tagged(char* dst, const char* src, size_t bytes, int lane, u32 tag) {
+    const size_t n = bytes / 16;
+    for (size_t i = lane; i < n; i += 64) {
+        const int4 a = ld_cg_int4(src + i * 16);
+        const bool two = i + 32 < n;
+        const int4 b = two ? ld_cg_int4(src + (i + 32) * 16) : make_int4(0, 0, 0, 0);
+        st_volatile_tagged(dst + i * 32, (u32)a.x, (u32)a.y, tag);
+        st_volatile_tagged(dst + i * 32 + 16, (u32)a.z, (u32)a.w, tag);
+        if (two) {
+            st_volatile_tagged(dst + (i + 32) * 32, (u32)b.x, (u32)b.y, tag);
+            st_volatile_tagged(dst + (i + 32) * 32 + 16, (u32)b.z, (u32)b.w, tag);
+        }
+    }
+}
+
+// A tagged send's arrival, before its payload: the arrival word and the whole stamp in one
+// 16-byte relaxed store (nothing before it needs ordering: the tags guard the payload).
+__device__ __forceinline__ void signal_now(const LlParams& p, const OpNum& n, int chan, int dest) {
+    u64* pair = arrival_at(reinterpret_cast<u64*>(p.peer_signals[dest]), chan, n.set, p.rank);
+    const u64 a = arrival_word(n.seq, p.cancelled != 0, p.stamp);
+    asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(pair), "l"(a), "l"(p.stamp) : "memory");
+}
 
 
 // The role of one warp in a send kernel: destination `dest` is served by `wpd` warps, this one is
@@ -314,6 +376,7 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
                 if (lane == 0) {
                     *reinterpret_cast<u64*>(msg) = n.seq + 1;
                     *reinterpret_cast<int*>(msg + 8) = t;
+                    *reinterpret_cast<int*>(msg + 12) = wants_tagged(p) ? 1 : 0;
                 }
             }
             char* payload = msg + EP_HDR_BYTES;
@@ -546,17 +609,20 @@ __device__ __forceinline__ int block_rank_of_flag(bool flag, int* warp_sums, int
     return block_exclusive_sum(flag ? 1 : 0, warp_sums, total_shared, total);
 }
 
-// The header words of a received message that the receive reads: the operation number and the
-// local expert per top-k entry (16-bit, bytes 16..48, 8 per 16-byte load), all loaded together
+// The header words of a received message that the receive reads: the operation number, the
+// tagged-rows request and the local expert per top-k entry (16-bit, bytes 16..48, 8 per 16-byte load), all loaded together
 // (the header is always readable: no load waits for another's value).
 struct MsgHead {
     u64 seq;
+    int tagged;  // the sender's combine wants tagged rows
     int4 a, b;
 };
 
 __device__ __forceinline__ MsgHead load_head(const char* msg, int K) {
     MsgHead h;
-    h.seq = __ldcg(reinterpret_cast<const u64*>(msg));
+    const int4 w = ld_cg_int4(msg);
+    h.seq = (u64)(u32)w.x | ((u64)(u32)w.y << 32);
+    h.tagged = w.w;
     h.a = ld_cg_int4(msg + 16);
     h.b = K > 8 ? ld_cg_int4(msg + 32) : make_int4(-1, -1, -1, -1);
     return h;
@@ -692,6 +758,9 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
     // task above (so this runs beside the copies, not after block 0's), else block 0.
     if ((int)blockIdx.x == ((int)gridDim.x > Q * G ? (int)gridDim.x - 1 : 0)) {
         __shared__ int src_start[EP_MAX_RANKS + 1];
+        __shared__ int src_tagged[EP_MAX_RANKS];
+        if ((int)threadIdx.x < R) src_tagged[threadIdx.x] = 0;
+        __syncthreads();
         int* list = reinterpret_cast<int*>(p.ret_list);
         int base = 0;
         for (int chunk = 0; chunk < RM; chunk += blockDim.x) {
@@ -701,6 +770,7 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
                 const MsgHead h = load_head(recv + (size_t)slot * p.msg_bytes, K);
                 const bool valid = !((skip >> (slot / M)) & 1u) && h.seq == n.seq + 1;
                 back = valid ? head_entries(h, K, rm) : 0u;
+                if (valid && h.tagged == 1) src_tagged[slot / M] = 1;  // every such slot agrees
                 for (int k = 0; k < K; k++) {
                     if (!((back >> k) & 1u)) row_of[(size_t)slot * K + k] = -1;
                 }
@@ -722,7 +792,8 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
         }
         if ((int)threadIdx.x < R) {
             const int s = threadIdx.x;
-            reinterpret_cast<int*>(p.ret_count)[s] = (s + 1 < R ? src_start[s + 1] : base) - src_start[s];
+            reinterpret_cast<int*>(p.ret_count)[s] =
+                ((s + 1 < R ? src_start[s + 1] : base) - src_start[s]) | (src_tagged[s] ? EP_RET_TAGGED : 0);
         }
     }
     // The last block numbers, per NCCL source, its (token, k) rows in ascending order: the order
@@ -758,7 +829,9 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
 // output goes back to s, at [t][k] of its receive region, split in `chunks` pieces. Warps are
 // split over sources as in dispatch; a source's warps share out the entries of its return list
 // (only rows that go back: the row map's -1 entries take no warp's turn, so no warp gets more
-// than its share when the routing clusters).
+// than its share when the routing clusters). A source that asked for tagged rows (its count's
+// EP_RET_TAGGED bit) gets them in its tagged area, and its arrival before them (`signal_now`);
+// so does one that gets no rows (nothing to order).
 __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) {
     const int C = p.chunks;
     const int d = send_dest(p);
@@ -769,7 +842,9 @@ __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) 
     // depend on the count; it is used only if the count covers it), then its row, all before the
     // credit wait (their latency overlaps it).
     const int j0 = send_j(p);
-    const int count = serves ? __ldcg(reinterpret_cast<const int*>(p.ret_count) + d) : 0;
+    const int raw_count = serves ? __ldcg(reinterpret_cast<const int*>(p.ret_count) + d) : 0;
+    const int count = raw_count & ~EP_RET_TAGGED;
+    const bool tagged = (raw_count & EP_RET_TAGGED) != 0;
     const int i_first = serves && j0 / C < M * K ? __ldcg(list + j0 / C) : 0;
     SendRole role;
     if (!send_role(p, n, 1, (long long)count * C, &role)) return;
@@ -777,6 +852,8 @@ __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) 
     const int* row_of = reinterpret_cast<const int*>(p.row_of) + (size_t)dest * M * K;
     const int row_first = j < count * C ? __ldcg(row_of + i_first) : 0;
     role_wait_credit(p, n, 1, &role);
+    const bool early = tagged || (count == 0 && !p.masking && !via_nccl(p, dest));
+    if (early && j == 0 && lane == 0 && !role.skip) signal_now(p, n, 1, dest);
     if (!p.cancelled && !role.skip) {
         const __nv_bfloat16* ex = reinterpret_cast<const __nv_bfloat16*>(p.expert_out);
         const bool nccl = via_nccl(p, dest);
@@ -788,12 +865,18 @@ __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) 
             const int i = item == j ? i_first : __ldcg(list + item / C), chunk = item % C;
             const int row = item == j ? row_first : __ldcg(row_of + i);
             const int c = chunk * width;
+            const __nv_bfloat16* src = ex + (size_t)row * H + c;
+            if (tagged) {
+                char* dst = tagged_row(p, p.peer_recv[dest], n.set, i / K, p.rank) + (size_t)c * 4;
+                warp_copy_tagged(dst, reinterpret_cast<const char*>(src), (size_t)width * 2, lane, op_tag(n.seq));
+                continue;
+            }
             char* dst = region + ((size_t)i * H + c) * 2;
             if (nccl) dst = region + ((size_t)__ldcg(pack + i) * H + c) * 2;
-            warp_copy(dst, ex + (size_t)row * H + c, (size_t)width * 2, lane);
+            warp_copy(dst, src, (size_t)width * 2, lane);
         }
     }
-    signal_sent(p, n, 1, dest, role.reporting, lane);
+    if (!early) signal_sent(p, n, 1, dest, role.reporting, lane);
 }
 
 // Combine complete, on the source side: out[t] = bf16(sum over valid k, ascending, of
@@ -865,6 +948,76 @@ __device__ __forceinline__ void combine_rows(const LlParams& p, int t, int c0, i
     }
 }
 
+// Tagged rank-major rows (see EP_TAG_TOKENS): for each 8-channel group c = c0, c0 + step, ... <
+// end of token t, the rows of `used` (bit k: its rank's first entry; nibble k of `ranks`: that
+// rank) in ascending k, two rows' loads in flight, each group taken once its four tags match and
+// then cleared; summed as `combine_rows` does (weight 1) and written when `write`. False when a
+// row stops arriving (its source signalled, then never sent it): the error is reported.
+__device__ bool combine_rows_tagged(const LlParams& p, const OpNum& n, int t, int c0, int step, int end, unsigned used,
+                                    u64 ranks, bool write, __nv_bfloat16* out) {
+    const u32 tag = op_tag(n.seq);
+    u64 deadline = 0;
+    for (int c = c0; c < end; c += step) {
+        float acc[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc[i] = 0.f;
+        for (unsigned left = used; left;) {
+            char* at[2];
+            int4 lo[2], hi[2];
+            int src[2], rows = 0;
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                at[j] = nullptr;
+                src[j] = 0;
+                if (!left) continue;
+                const int k = __ffs(left) - 1;
+                left &= left - 1u;
+                src[j] = (int)((ranks >> (4 * k)) & 15ull);
+                at[j] = tagged_row(p, p.own_recv, n.set, t, src[j]) + (size_t)c * 4;
+                lo[j] = ld_volatile_int4(at[j]);
+                hi[j] = ld_volatile_int4(at[j] + 16);
+                rows = j + 1;
+            }
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                if (j >= rows) continue;
+                while ((u32)lo[j].y != tag || (u32)lo[j].w != tag || (u32)hi[j].y != tag || (u32)hi[j].w != tag) {
+                    const u64 now = globaltimer_ns();
+                    if (deadline == 0) deadline = now + p.timeout_ns;
+                    if (now > deadline) {
+                        report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, src[j], n.seq);
+                        mark_step_failed(p, 1);
+                        return false;
+                    }
+                    lo[j] = ld_volatile_int4(at[j]);
+                    hi[j] = ld_volatile_int4(at[j] + 16);
+                }
+                // A BF16 is the high half of its fp32: channel 2q in the low half of word q.
+                const u32 w[4] = {(u32)lo[j].x, (u32)lo[j].z, (u32)hi[j].x, (u32)hi[j].z};
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    acc[2 * q] += __uint_as_float(w[q] << 16);
+                    acc[2 * q + 1] += __uint_as_float(w[q] & 0xffff0000u);
+                }
+                st_na_int4(at[j], make_int4(0, 0, 0, 0));
+                st_na_int4(at[j] + 16, make_int4(0, 0, 0, 0));
+            }
+        }
+        if (write) {
+            __nv_bfloat16 o[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) o[i] = __float2bfloat16_rn(acc[i]);
+            *reinterpret_cast<int4*>(out + (size_t)t * p.hidden + c) = *reinterpret_cast<int4*>(o);
+        }
+    }
+    return true;
+}
+
+// TAGGED: the receive of a combine that takes tagged rows (`wants_tagged`; the host launches the
+// `_tagged` kernels exactly then, epflow-kernels params.rs `LlParams::tagged_rows`). Its own
+// instantiation, so the plain kernels keep their registers (the tagged loop in the same kernel
+// made the one-launch combine spill 352 B and cost expert-major 128 tokens 7 us).
+template <bool TAGGED>
 __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) {
     __shared__ u32 cancelled, mismatched, absent;
     __shared__ int timed_out;
@@ -875,7 +1028,8 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
     // themselves done (at one token, most of the grid leaves here).
     const int C = p.recv_chunks;
     const int width = p.hidden / C;
-    const bool pairs = p.rank_major && p.num_ranks <= 2;  // combine_rows<2, 2>
+    constexpr bool tagged = TAGGED;
+    const bool pairs = p.rank_major && p.num_ranks <= 2 && !tagged;  // combine_rows<2, 2>
     const int G = pairs ? 2 : 1;
     const int tpi = min((int)blockDim.x, ((width / 8 + G - 1) / G + 31) / 32 * 32);
     const int ipb = (int)blockDim.x / tpi;
@@ -891,8 +1045,12 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
     __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(p.out);
     // Any cancelled or mismatched source (this rank's own cancellation included) leaves the
     // output unwritten: the operation has no result; so does this rank being masked. Entries on
-    // absent (masked) ranks contribute zero, counted per token in `masked_out`.
-    if ((cancelled | mismatched) == 0u && !((absent >> p.rank) & 1u)) {
+    // absent (masked) ranks contribute zero, counted per token in `masked_out`. Tagged rows of
+    // the other sources are still taken and cleared (the area must hold no stale row).
+    const bool clean = (cancelled | mismatched) == 0u && !((absent >> p.rank) & 1u);
+    const u32 unsent = cancelled | mismatched;  // tagged: sources whose rows never come
+    bool ok = true;  // false once a tagged row timed out (reported; the group is poisoned)
+    if (clean || tagged) {
         const int sub = (int)threadIdx.x / tpi, tid = (int)threadIdx.x % tpi;
         for (int item = blockIdx.x * ipb + sub; sub < ipb && item < items; item += blocks * ipb) {
             const int t = item / C, part = item % C;
@@ -903,6 +1061,18 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
             const int lane = threadIdx.x & 31;
             const int e = lane < K ? (int)idx[(size_t)t * K + lane] : -1;
             const int er = e >= 0 ? e / p.num_local : -1;
+            if constexpr (TAGGED) {
+                // Rank-major, no masking: each rank reached sends its row once (at its first k).
+                const bool comes = er >= 0 && !((unsent >> er) & 1u);
+                const unsigned same = __match_any_sync(EP_FULL_MASK, comes ? er : -1 - lane);
+                const unsigned used = __ballot_sync(EP_FULL_MASK, comes && __ffs(same) - 1 == lane);
+                const u32 nib = comes ? (u32)er << (4 * (lane & 7)) : 0u;
+                const u64 ranks = (u64)__reduce_or_sync(EP_FULL_MASK, lane < 8 ? nib : 0u) |
+                                  ((u64)__reduce_or_sync(EP_FULL_MASK, lane >= 8 ? nib : 0u) << 32);
+                const int c0 = part * width + tid * 8, end = (part + 1) * width;
+                if (ok && !combine_rows_tagged(p, n, t, c0, tpi * 8, end, used, ranks, clean, out)) ok = false;
+                continue;
+            }
             const bool gone = er >= 0 && ((absent >> er) & 1u);
             const bool arrives = er >= 0 && !gone;
             unsigned used = __ballot_sync(EP_FULL_MASK, arrives);
@@ -959,7 +1129,11 @@ extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_send(LlParams
 }
 extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv(LlParams p) {
     const OpNum n = op_num(p, 1);
-    if (!n.dead) combine_recv(p, n);
+    if (!n.dead) combine_recv<false>(p, n);
+}
+extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv_tagged(LlParams p) {
+    const OpNum n = op_num(p, 1);
+    if (!n.dead) combine_recv<true>(p, n);
 }
 extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_kernel(LlParams p) {
     const OpNum n = op_num(p, 1);
@@ -967,7 +1141,15 @@ extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_kernel(LlPara
     trace_at(p, 1, 0);
     combine_send(p, n);
     trace_at(p, 1, 1);
-    combine_recv(p, n);
+    combine_recv<false>(p, n);
+}
+extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_kernel_tagged(LlParams p) {
+    const OpNum n = op_num(p, 1);
+    if (n.dead) return;
+    trace_at(p, 1, 0);
+    combine_send(p, n);
+    trace_at(p, 1, 1);
+    combine_recv<true>(p, n);
 }
 
 // Captured steps (graph/ in epflow-kernels).

@@ -49,6 +49,16 @@ impl LlKernel {
         }
     }
 
+    /// The `extern "C"` name of its variant for a combine that takes tagged rows
+    /// ([`LlParams::tagged_rows`]): the combine's complete half and one-launch kernel only.
+    pub(crate) fn tagged_function_name(self) -> Option<&'static str> {
+        match self {
+            LlKernel::CombineRecv => Some("ep_ll_combine_recv_tagged"),
+            LlKernel::CombineOne => Some("ep_ll_combine_kernel_tagged"),
+            _ => None,
+        }
+    }
+
     /// Whether it belongs to a combine (channel 1) rather than a dispatch.
     pub(crate) fn is_combine(self) -> bool {
         matches!(self, LlKernel::CombineSend | LlKernel::CombineRecv | LlKernel::CombineOne)

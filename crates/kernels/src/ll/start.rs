@@ -13,7 +13,7 @@ use epflow_core::{DispatchDtype, Error};
 use crate::device::DeviceTensor;
 use crate::op::{GpuOp, GpuOpKind, Launch};
 use crate::outputs::OutputTargets;
-use crate::params::LlParams;
+use crate::params::{LL_TAG_TOKENS, LlParams};
 use crate::rank::handle::GpuHandle;
 use crate::rank::shared::{RankShared, peer_array};
 use crate::transport::nccl::Xfer;
@@ -51,6 +51,7 @@ fn base_params(
         ret_list: handle_ptr + l.return_list_offset() as u64,
         ret_count: handle_ptr + l.return_count_offset() as u64,
         trace: i32::from(trace_on()),
+        tag_tokens: if rank_major && !s.config.rank_masking { tag_tokens().min(l.tag_capacity()) as i32 } else { 0 },
         ..LlParams::default()
     };
     let (own, peers) = s.recv_regions(channel == 0);
@@ -72,6 +73,17 @@ fn base_params(
 fn trace_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("EPFLOW_LL_TRACE").is_ok_and(|v| v == "1"))
+}
+
+/// The most tokens for which this rank's rank-major combines take tagged rows (`tag_tokens` in
+/// `LlParams`): `LL_TAG_TOKENS`, or `EPFLOW_LL_TAG_TOKENS` (0 turns tagged rows off; read once per
+/// process). Each token owner decides for its own combines and says so in its dispatch messages,
+/// so ranks need not agree on it.
+fn tag_tokens() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("EPFLOW_LL_TAG_TOKENS").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(LL_TAG_TOKENS)
+    })
 }
 
 /// Sets the sequence number and buffer set of operation `seq`.

@@ -65,12 +65,15 @@ pub(crate) fn launch_ll_kernel(s: &RankShared, which: LlKernel, mut p: LlParams,
     let sms = s.config.max_sms.map_or(s.num_sms, |m| (m as u32).min(s.num_sms)).max(1);
     let geometry = ll_launch(which, &mut p, sms);
     let f = &s.functions;
+    let tagged = p.tagged_rows();
     let k = match which {
         LlKernel::DispatchSend => &f.dispatch_send,
         LlKernel::DispatchRecv => &f.dispatch_recv,
         LlKernel::CombineSend => &f.combine_send,
+        LlKernel::CombineRecv if tagged => &f.combine_recv_tagged,
         LlKernel::CombineRecv => &f.combine_recv,
         LlKernel::DispatchOne => &f.dispatch_one,
+        LlKernel::CombineOne if tagged => &f.combine_one_tagged,
         LlKernel::CombineOne => &f.combine_one,
     };
     launch(on, k, &p, geometry, which.is_one_launch(), || format!("launch {which:?}"))
