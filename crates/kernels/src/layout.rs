@@ -363,9 +363,10 @@ impl LlLayout {
         LL_TAG_TOKENS.min(self.max_tokens)
     }
 
-    /// The combine's tagged area, one set (after every set's plain region): per (token, source
-    /// rank) one tagged row, 8-byte pairs of two BF16 channels and a tag (`4 H` bytes), for
-    /// `tag_capacity()` tokens. Only tagged rows are ever written there, and the receiver clears
+    /// The combine's tagged area, one set (after every set's plain region): `tag_capacity() * R`
+    /// tagged rows of 8-byte pairs of two BF16 channels and a tag (`4 H` bytes): rank-major, a
+    /// row per (token, source rank); expert-major, per (token, k) for `tag_capacity() * R / K`
+    /// tokens. Only tagged rows are ever written there, and the receiver clears
     /// what it read (see `EP_TAG_TOKENS` in `ll.cu`).
     pub(crate) fn combine_tagged_set_bytes(&self) -> usize {
         self.tag_capacity() * self.num_ranks * self.hidden * 4

@@ -18,7 +18,8 @@ pub(crate) const SIG_ARRAYS: usize = 11;
 pub(crate) const SIG_ARRAY_WORDS: usize = ARRIVAL_WORDS + SIG_ARRAYS * MAX_SETS * MAX_RANKS;
 /// Most tokens of a low-latency rank-major combine that may take tagged rows (flags in the
 /// payload, `EP_TAG_TOKENS` in `ll.cu`): the combine receive region has room for that many
-/// tokens' tagged rows per buffer set (see `LlLayout::combine_tagged_set_bytes`).
+/// tokens' tagged rows, R per token, per buffer set (see `LlLayout::combine_tagged_set_bytes`);
+/// an expert-major combine fits `LL_TAG_TOKENS * R / K` tokens there.
 pub(crate) const LL_TAG_TOKENS: usize = 32;
 /// Largest number of high-throughput channels (block pairs) of a kernel.
 pub(crate) const HT_MAX_CHANNELS: usize = 128;
@@ -152,9 +153,10 @@ pub(crate) struct LlParams {
     /// 1: `EPFLOW_LL_TRACE=1`, the kernels print block 0's phase times every 64th operation
     /// (`trace_at` in `ll.cu`); a diagnostic.
     pub trace: i32,
-    /// Rank-major: this rank's combine takes tagged rows (flags in the payload) from NVLink peers
-    /// when it has at most this many tokens (0: never; at most `LL_TAG_TOKENS` and `max_tokens`).
-    /// The token owner decides, and tells each destination in its dispatch messages.
+    /// This rank's combine takes tagged rows (flags in the payload) from NVLink peers when it has
+    /// at most this many tokens (rank-major) or `tag_tokens * R / K` (expert-major); 0: never;
+    /// at most `LL_TAG_TOKENS` and `max_tokens` (see [`LlParams::tagged_rows`]). The token owner
+    /// decides, and tells each destination in its dispatch messages.
     pub tag_tokens: i32,
 }
 
@@ -186,10 +188,18 @@ unsafe impl DeviceRepr for LlParams {}
 
 impl LlParams {
     /// Whether this rank's operation uses tagged combine rows: its dispatch asks for them, its
-    /// combine receives them (then the `_tagged` combine kernels run). Mirrors `wants_tagged` in
-    /// `ll.cu` field for field: the two must agree.
+    /// combine receives them (then the `_tagged` combine kernels run). Rank-major: at most
+    /// `tag_tokens` tokens; expert-major: at most `tag_tokens * R` rows of `K` per token (the
+    /// tagged area's rows). Mirrors `wants_tagged` in `ll.cu` field for field: the two must agree.
     pub(crate) fn tagged_rows(&self) -> bool {
-        self.rank_major != 0 && self.nccl_mask == 0 && self.tag_tokens > 0 && self.num_tokens <= self.tag_tokens
+        if self.nccl_mask != 0 || self.tag_tokens <= 0 {
+            return false;
+        }
+        if self.rank_major != 0 {
+            self.num_tokens <= self.tag_tokens
+        } else {
+            self.num_tokens * self.top_k <= self.tag_tokens * self.num_ranks
+        }
     }
 }
 
@@ -372,12 +382,15 @@ mod tests {
 
     #[test]
     fn tagged_rows_only_for_small_rank_major_combines_over_nvlink() {
-        let p = LlParams { rank_major: 1, num_tokens: 32, tag_tokens: 32, ..LlParams::default() };
+        let p =
+            LlParams { rank_major: 1, num_tokens: 32, tag_tokens: 32, num_ranks: 2, top_k: 8, ..LlParams::default() };
         assert!(p.tagged_rows());
         assert!(!LlParams { num_tokens: 33, ..p }.tagged_rows());
-        assert!(!LlParams { rank_major: 0, ..p }.tagged_rows());
         assert!(!LlParams { nccl_mask: 2, ..p }.tagged_rows());
         assert!(!LlParams { tag_tokens: 0, num_tokens: 0, ..p }.tagged_rows());
+        // Expert-major: K rows per token in the area's 32 x 2 rows.
+        assert!(LlParams { rank_major: 0, num_tokens: 8, ..p }.tagged_rows());
+        assert!(!LlParams { rank_major: 0, num_tokens: 9, ..p }.tagged_rows());
     }
 
     #[test]

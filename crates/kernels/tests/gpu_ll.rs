@@ -166,6 +166,9 @@ fn identity_combine(tokens: &[bf16], idx: &[i64], w: &[f32], hidden: usize, top_
     out
 }
 
+/// `EPFLOW_GPU_ITERS` (default 10,000) staged rounds with a fresh routing and handle each, and
+/// token counts that change every round (tagged and fenced combines in turn), every combine
+/// checked.
 #[test]
 fn ll_many_staged_iterations_with_fresh_routing() {
     let n = device_count().min(4);
@@ -181,10 +184,24 @@ fn ll_many_staged_iterations_with_fresh_routing() {
         let r = epflow_core::backend::Backend::rank(rank);
         let mut bad = 0u64;
         for it in 0..iters {
+            // Token counts change every round, on both sides of the tagged-rows threshold (an
+            // expert-major combine of at most 32 x R / K tokens takes its rows tagged, a larger one
+            // fenced), so each rank's combine area sees both kinds of operation in turn.
+            let tagged_most = 32 * devices.len() / top_k;
+            let per_rank: Vec<usize> = (0..devices.len() as u64)
+                .map(|r| {
+                    let v = it.wrapping_mul(7).wrapping_add(r * 13) as usize;
+                    if (it + r) % 2 == 0 {
+                        1 + v % tagged_most
+                    } else {
+                        tagged_most + 1 + v % (max_tokens - tagged_most)
+                    }
+                })
+                .collect();
             let sc = Scenario::generate(
                 config.clone(),
                 devices.len(),
-                &[max_tokens, 97, 128, 33],
+                &per_rank,
                 top_k,
                 RoutingKind::Uniform,
                 10,

@@ -8,7 +8,8 @@
 // 128 B][payload: BF16 row, or FP8 row + fp32 scales].
 // Combine message (one per token and expert; rank-major: one per token and rank reached, in the
 // slot of the rank's first top-k entry): the BF16 row, in the source rank's region at [token][k];
-// or, tagged (see EP_TAG_TOKENS), in the source rank's tagged area at [token][sending rank].
+// or, tagged (see EP_TAG_TOKENS), in the source rank's tagged area at [token][sending rank]
+// (rank-major) or [token][k] (expert-major).
 //
 // Layouts (epflow_core::ops::Layout): expert-major packs a row per (token, local expert) into
 // [L x R*M x H]; rank-major packs a row per (source, token) into [R*M x H] with the weights and
@@ -176,8 +177,9 @@ __device__ bool wait_credit(const LlParams& p, const OpNum& n, int chan, int des
 
 #define EP_HDR_WEIGHTS 48  // byte offset of the rank-major weights in a dispatch message header
 
-// Tagged combine rows (flags in the payload; rank-major only). A token owner whose combine has at
-// most `tag_tokens` tokens (and no peer reached through NCCL) asks for its rows back tagged, in
+// Tagged combine rows (flags in the payload). A token owner whose combine's rows fit its tagged
+// area (`wants_tagged`: rank-major, at most `tag_tokens` tokens; expert-major, at most
+// `tag_tokens` x R rows of K per token) and that reaches no peer through NCCL asks for its rows back tagged, in
 // word 3 of each dispatch message: the expert side then sends each row as 8-byte pairs {two BF16
 // channels, the operation's tag} into the owner's tagged area, and signals its arrival at once,
 // before the payload: no system-scope fence, no count of its warps, no release after the payload
@@ -185,15 +187,17 @@ __device__ bool wait_credit(const LlParams& p, const OpNum& n, int chan, int des
 // a pair once its tag matches, and clears what it read before it returns its credits, so the
 // area only ever holds zeros and the rows of the operation in flight: no stale pair can carry a
 // matching tag. Twice the bytes over NVLink: at more tokens the fenced form is faster. The
-// area after every set's plain region holds min(EP_TAG_TOKENS, M) tokens x R rows of 4 H bytes
-// per set (epflow-kernels layout.rs). Rank masking sets `tag_tokens` to 0.
+// area after every set's plain region holds min(EP_TAG_TOKENS, M) x R rows of 4 H bytes per set
+// (epflow-kernels layout.rs): rank-major row t * R + r (token t, sending rank r), expert-major
+// row t * K + k. Rank masking sets `tag_tokens` to 0.
 #define EP_TAG_TOKENS 32
 #define EP_RET_TAGGED (1 << 30)  // `ret_count` bit: the source asked for tagged rows
 
 // Whether this rank's operations on this handle use tagged combine rows (the token owner's
 // choice: its dispatch sends ask for them, its combine receive reads them).
 __device__ __forceinline__ bool wants_tagged(const LlParams& p) {
-    return p.rank_major && p.nccl_mask == 0 && p.tag_tokens > 0 && p.num_tokens <= p.tag_tokens;
+    if (p.nccl_mask != 0 || p.tag_tokens <= 0) return false;
+    return p.rank_major ? p.num_tokens <= p.tag_tokens : p.num_tokens * p.top_k <= p.tag_tokens * p.num_ranks;
 }
 
 // The tag of operation `seq` (never 0: the cleared area's value).
@@ -202,12 +206,12 @@ __device__ __forceinline__ u32 op_tag(u64 seq) {
     return t ? t : 1u;
 }
 
-// The tagged row of (token t, sending rank r) of buffer set `set` in the combine receive region
-// at `region` (after every set's plain part of `recv_set_bytes`).
-__device__ __forceinline__ char* tagged_row(const LlParams& p, u64 region, int set, int t, int r) {
-    const size_t row = (size_t)p.hidden * 4, cap = (size_t)min(EP_TAG_TOKENS, p.max_tokens);
+// Tagged row `row` (rank-major t * R + r, expert-major t * K + k) of buffer set `set` in the
+// combine receive region at `region` (after every set's plain part of `recv_set_bytes`).
+__device__ __forceinline__ char* tagged_row(const LlParams& p, u64 region, int set, int row) {
+    const size_t bytes = (size_t)p.hidden * 4, cap = (size_t)min(EP_TAG_TOKENS, p.max_tokens);
     return reinterpret_cast<char*>(region) + (size_t)p.num_sets * p.recv_set_bytes +
-           ((size_t)set * cap * p.num_ranks + (size_t)t * p.num_ranks + r) * row;
+           ((size_t)set * cap * p.num_ranks + row) * bytes;
 }
 
 // Copies `bytes` (a multiple of 16) of BF16 channels with one warp as tagged pairs (2 x `bytes`
@@ -867,7 +871,8 @@ __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) 
             const int c = chunk * width;
             const __nv_bfloat16* src = ex + (size_t)row * H + c;
             if (tagged) {
-                char* dst = tagged_row(p, p.peer_recv[dest], n.set, i / K, p.rank) + (size_t)c * 4;
+                const int slot = p.rank_major ? i / K * p.num_ranks + p.rank : i;
+                char* dst = tagged_row(p, p.peer_recv[dest], n.set, slot) + (size_t)c * 4;
                 warp_copy_tagged(dst, reinterpret_cast<const char*>(src), (size_t)width * 2, lane, op_tag(n.seq));
                 continue;
             }
@@ -948,14 +953,16 @@ __device__ __forceinline__ void combine_rows(const LlParams& p, int t, int c0, i
     }
 }
 
-// Tagged rank-major rows (see EP_TAG_TOKENS): for each 8-channel group c = c0, c0 + step, ... <
-// end of token t, the rows of `used` (bit k: its rank's first entry; nibble k of `ranks`: that
-// rank) in ascending k, two rows' loads in flight, each group taken once its four tags match and
-// then cleared; summed as `combine_rows` does (weight 1) and written when `write`. False when a
-// row stops arriving (its source signalled, then never sent it): the error is reported.
+// Tagged rows (see EP_TAG_TOKENS): for each 8-channel group c = c0, c0 + step, ... < end of
+// token t, the rows of `used` (bit k: entry k's row; rank-major, each rank's first entry only;
+// nibble k of `ranks`: entry k's rank) in ascending k, two rows' loads in flight, each group
+// taken once its four tags match and then cleared; summed exactly as `combine_rows` does and
+// written when `write`. False when a row stops arriving (its source signalled, then never sent
+// it): the error is reported.
 __device__ bool combine_rows_tagged(const LlParams& p, const OpNum& n, int t, int c0, int step, int end, unsigned used,
                                     u64 ranks, bool write, __nv_bfloat16* out) {
     const u32 tag = op_tag(n.seq);
+    const float* w = reinterpret_cast<const float*>(p.weights);
     u64 deadline = 0;
     for (int c = c0; c < end; c += step) {
         float acc[8];
@@ -964,16 +971,20 @@ __device__ bool combine_rows_tagged(const LlParams& p, const OpNum& n, int t, in
         for (unsigned left = used; left;) {
             char* at[2];
             int4 lo[2], hi[2];
+            float wk[2];
             int src[2], rows = 0;
 #pragma unroll
             for (int j = 0; j < 2; j++) {
                 at[j] = nullptr;
                 src[j] = 0;
+                wk[j] = 0.f;
                 if (!left) continue;
                 const int k = __ffs(left) - 1;
                 left &= left - 1u;
                 src[j] = (int)((ranks >> (4 * k)) & 15ull);
-                at[j] = tagged_row(p, p.own_recv, n.set, t, src[j]) + (size_t)c * 4;
+                wk[j] = p.rank_major ? 1.f : w[(size_t)t * p.top_k + k];
+                const int slot = p.rank_major ? t * p.num_ranks + src[j] : t * p.top_k + k;
+                at[j] = tagged_row(p, p.own_recv, n.set, slot) + (size_t)c * 4;
                 lo[j] = ld_volatile_int4(at[j]);
                 hi[j] = ld_volatile_int4(at[j] + 16);
                 rows = j + 1;
@@ -993,11 +1004,11 @@ __device__ bool combine_rows_tagged(const LlParams& p, const OpNum& n, int t, in
                     hi[j] = ld_volatile_int4(at[j] + 16);
                 }
                 // A BF16 is the high half of its fp32: channel 2q in the low half of word q.
-                const u32 w[4] = {(u32)lo[j].x, (u32)lo[j].z, (u32)hi[j].x, (u32)hi[j].z};
+                const u32 v[4] = {(u32)lo[j].x, (u32)lo[j].z, (u32)hi[j].x, (u32)hi[j].z};
 #pragma unroll
                 for (int q = 0; q < 4; q++) {
-                    acc[2 * q] += __uint_as_float(w[q] << 16);
-                    acc[2 * q + 1] += __uint_as_float(w[q] & 0xffff0000u);
+                    acc[2 * q] = fmaf(wk[j], __uint_as_float(v[q] << 16), acc[2 * q]);
+                    acc[2 * q + 1] = fmaf(wk[j], __uint_as_float(v[q] & 0xffff0000u), acc[2 * q + 1]);
                 }
                 st_na_int4(at[j], make_int4(0, 0, 0, 0));
                 st_na_int4(at[j] + 16, make_int4(0, 0, 0, 0));
@@ -1062,10 +1073,14 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
             const int e = lane < K ? (int)idx[(size_t)t * K + lane] : -1;
             const int er = e >= 0 ? e / p.num_local : -1;
             if constexpr (TAGGED) {
-                // Rank-major, no masking: each rank reached sends its row once (at its first k).
+                // No masking: every valid entry's row comes (rank-major: each rank's once, at its
+                // first k) unless its source cancelled or mismatched.
                 const bool comes = er >= 0 && !((unsent >> er) & 1u);
-                const unsigned same = __match_any_sync(EP_FULL_MASK, comes ? er : -1 - lane);
-                const unsigned used = __ballot_sync(EP_FULL_MASK, comes && __ffs(same) - 1 == lane);
+                unsigned used = __ballot_sync(EP_FULL_MASK, comes);
+                if (p.rank_major) {
+                    const unsigned same = __match_any_sync(EP_FULL_MASK, comes ? er : -1 - lane);
+                    used = __ballot_sync(EP_FULL_MASK, comes && __ffs(same) - 1 == lane);
+                }
                 const u32 nib = comes ? (u32)er << (4 * (lane & 7)) : 0u;
                 const u64 ranks = (u64)__reduce_or_sync(EP_FULL_MASK, lane < 8 ? nib : 0u) |
                                   ((u64)__reduce_or_sync(EP_FULL_MASK, lane >= 8 ? nib : 0u) << 32);

@@ -51,7 +51,7 @@ fn base_params(
         ret_list: handle_ptr + l.return_list_offset() as u64,
         ret_count: handle_ptr + l.return_count_offset() as u64,
         trace: i32::from(trace_on()),
-        tag_tokens: if rank_major && !s.config.rank_masking { tag_tokens().min(l.tag_capacity()) as i32 } else { 0 },
+        tag_tokens: if s.config.rank_masking { 0 } else { tag_tokens().min(l.tag_capacity()) as i32 },
         ..LlParams::default()
     };
     let (own, peers) = s.recv_regions(channel == 0);
@@ -76,7 +76,7 @@ fn trace_on() -> bool {
 }
 
 /// The most tokens for which this rank's rank-major combines take tagged rows (`tag_tokens` in
-/// `LlParams`): `LL_TAG_TOKENS`, or `EPFLOW_LL_TAG_TOKENS` (0 turns tagged rows off; read once per
+/// `LlParams`; expert-major combines fit `R / K` as many): `LL_TAG_TOKENS`, or `EPFLOW_LL_TAG_TOKENS` (0 turns tagged rows off; read once per
 /// process). Each token owner decides for its own combines and says so in its dispatch messages,
 /// so ranks need not agree on it.
 fn tag_tokens() -> usize {
