@@ -70,7 +70,7 @@ struct LlParams {
     u64 ret_list;         // [R x M x K] int32
     u64 ret_count;        // [R] int32
     int trace;            // 1: `EPFLOW_LL_TRACE` (see `trace_at`)
-    int tag_tokens;       // rank-major: most tokens of a combine that takes tagged rows (0: none; see EP_TAG_TOKENS)
+    int tag_tokens;       // most tokens of a combine that takes tagged rows (0: none; see `wants_tagged`, EP_TAG_TOKENS)
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
 static_assert(sizeof(LlParams) == 464, "LlParams layout");
@@ -179,17 +179,17 @@ __device__ bool wait_credit(const LlParams& p, const OpNum& n, int chan, int des
 
 // Tagged combine rows (flags in the payload). A token owner whose combine's rows fit its tagged
 // area (`wants_tagged`: rank-major, at most `tag_tokens` tokens; expert-major, at most
-// `tag_tokens` x R rows of K per token) and that reaches no peer through NCCL asks for its rows back tagged, in
-// word 3 of each dispatch message: the expert side then sends each row as 8-byte pairs {two BF16
-// channels, the operation's tag} into the owner's tagged area, and signals its arrival at once,
-// before the payload: no system-scope fence, no count of its warps, no release after the payload
-// (about 3 us of a 1-token combine's send, benches/NOTES.md items 69 and 72). The receiver takes
-// a pair once its tag matches, and clears what it read before it returns its credits, so the
-// area only ever holds zeros and the rows of the operation in flight: no stale pair can carry a
-// matching tag. Twice the bytes over NVLink: at more tokens the fenced form is faster. The
-// area after every set's plain region holds min(EP_TAG_TOKENS, M) x R rows of 4 H bytes per set
-// (epflow-kernels layout.rs): rank-major row t * R + r (token t, sending rank r), expert-major
-// row t * K + k. Rank masking sets `tag_tokens` to 0.
+// `tag_tokens` x R rows of K per token) and that reaches no peer through NCCL asks for its rows
+// back tagged, in word 3 of each dispatch message: the expert side then sends each row as 8-byte
+// pairs {two BF16 channels, the operation's tag} into the owner's tagged area, and signals its
+// arrival at once, before the payload: no system-scope fence, no count of its warps, no release
+// after the payload (about 3 us of a 1-token combine's send, benches/NOTES.md items 69 and 72).
+// The receiver takes a pair once its tag matches, and clears what it read before it returns its
+// credits, so the area only ever holds zeros and the rows of the operation in flight: no stale
+// pair can carry a matching tag. Twice the bytes over NVLink: at more tokens the fenced form is
+// faster. The area after every set's plain region holds min(EP_TAG_TOKENS, M) x R rows of 4 H
+// bytes per set (epflow-kernels layout.rs): rank-major row t * R + r (token t, sending rank r),
+// expert-major row t * K + k. Rank masking sets `tag_tokens` to 0.
 #define EP_TAG_TOKENS 32
 #define EP_RET_TAGGED (1 << 30)  // `ret_count` bit: the source asked for tagged rows
 
@@ -614,8 +614,8 @@ __device__ __forceinline__ int block_rank_of_flag(bool flag, int* warp_sums, int
 }
 
 // The header words of a received message that the receive reads: the operation number, the
-// tagged-rows request and the local expert per top-k entry (16-bit, bytes 16..48, 8 per 16-byte load), all loaded together
-// (the header is always readable: no load waits for another's value).
+// tagged-rows request and the local expert per top-k entry (16-bit, bytes 16..48, 8 per 16-byte
+// load), all loaded together (the header is always readable: no load waits for another's value).
 struct MsgHead {
     u64 seq;
     int tagged;  // the sender's combine wants tagged rows
@@ -1150,22 +1150,17 @@ extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv_tagged(LlPa
     const OpNum n = op_num(p, 1);
     if (!n.dead) combine_recv<true>(p, n);
 }
-extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_kernel(LlParams p) {
+template <bool TAGGED>
+__device__ __forceinline__ void combine_one(const LlParams& p) {
     const OpNum n = op_num(p, 1);
     if (n.dead) return;
     trace_at(p, 1, 0);
     combine_send(p, n);
     trace_at(p, 1, 1);
-    combine_recv<false>(p, n);
+    combine_recv<TAGGED>(p, n);
 }
-extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_kernel_tagged(LlParams p) {
-    const OpNum n = op_num(p, 1);
-    if (n.dead) return;
-    trace_at(p, 1, 0);
-    combine_send(p, n);
-    trace_at(p, 1, 1);
-    combine_recv<true>(p, n);
-}
+extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_kernel(LlParams p) { combine_one<false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_kernel_tagged(LlParams p) { combine_one<true>(p); }
 
 // Captured steps (graph/ in epflow-kernels).
 //
