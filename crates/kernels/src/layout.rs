@@ -366,8 +366,8 @@ impl LlLayout {
     /// The combine's tagged area, one set (after every set's plain region): `tag_capacity() * R`
     /// tagged rows of 8-byte pairs of two BF16 channels and a tag (`4 H` bytes): rank-major, a
     /// row per (token, source rank); expert-major, per (token, k) for `tag_capacity() * R / K`
-    /// tokens. Only tagged rows are ever written there, and the receiver clears
-    /// what it read (see `EP_TAG_TOKENS` in `ll.cu`).
+    /// tokens. Only tagged rows are ever written there, and the receiver clears what it read (see
+    /// `EP_TAG_TOKENS` in `ll.cu`).
     pub(crate) fn combine_tagged_set_bytes(&self) -> usize {
         self.tag_capacity() * self.num_ranks * self.hidden * 4
     }

@@ -381,7 +381,7 @@ mod tests {
     }
 
     #[test]
-    fn tagged_rows_only_for_small_rank_major_combines_over_nvlink() {
+    fn tagged_rows_only_for_small_combines_over_nvlink() {
         let p =
             LlParams { rank_major: 1, num_tokens: 32, tag_tokens: 32, num_ranks: 2, top_k: 8, ..LlParams::default() };
         assert!(p.tagged_rows());

@@ -76,9 +76,10 @@ fn trace_on() -> bool {
 }
 
 /// The most tokens for which this rank's rank-major combines take tagged rows (`tag_tokens` in
-/// `LlParams`; expert-major combines fit `R / K` as many): `LL_TAG_TOKENS`, or `EPFLOW_LL_TAG_TOKENS` (0 turns tagged rows off; read once per
-/// process). Each token owner decides for its own combines and says so in its dispatch messages,
-/// so ranks need not agree on it.
+/// `LlParams`; expert-major combines fit `R / K` as many): `LL_TAG_TOKENS`, or
+/// `EPFLOW_LL_TAG_TOKENS` (0 turns tagged rows off; read once per process). Each token owner
+/// decides for its own combines and says so in its dispatch messages, so ranks need not agree
+/// on it.
 fn tag_tokens() -> usize {
     static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *N.get_or_init(|| {
