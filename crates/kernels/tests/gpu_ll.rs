@@ -17,7 +17,7 @@ use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, bf16};
 use epflow_kernels::{GpuRank, GpuWorld, Transport, device_count};
 
 mod common;
-use common::{World, for_each_world, gpus, launched, on_ranks, seed};
+use common::{World, counts_across, for_each_world, gpus, launched, on_ranks, seed};
 
 /// One dispatch + identity experts + combine on every rank; returns (dispatch, combine) reports.
 fn round(
@@ -184,20 +184,8 @@ fn ll_many_staged_iterations_with_fresh_routing() {
         let r = epflow_core::backend::Backend::rank(rank);
         let mut bad = 0u64;
         for it in 0..iters {
-            // Token counts change every round, on both sides of the tagged-rows threshold (an
-            // expert-major combine of at most 32 x R / K tokens takes its rows tagged, a larger one
-            // fenced), so each rank's combine area sees both kinds of operation in turn.
-            let tagged_most = 32 * devices.len() / top_k;
-            let per_rank: Vec<usize> = (0..devices.len() as u64)
-                .map(|r| {
-                    let v = it.wrapping_mul(7).wrapping_add(r * 13) as usize;
-                    if (it + r) % 2 == 0 {
-                        1 + v % tagged_most
-                    } else {
-                        tagged_most + 1 + v % (max_tokens - tagged_most)
-                    }
-                })
-                .collect();
+            // An expert-major combine of at most 32 x R / K tokens takes its rows tagged.
+            let per_rank = counts_across(it, devices.len(), 32 * devices.len() / top_k, max_tokens);
             let sc = Scenario::generate(
                 config.clone(),
                 devices.len(),

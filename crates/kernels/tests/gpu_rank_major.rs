@@ -19,7 +19,7 @@ use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor};
 use epflow_kernels::{GpuRank, GpuWorld, Transport};
 
 mod common;
-use common::{World, for_each_world, gpus, launched, on_ranks, seed, shared_gpu_sms};
+use common::{World, counts_across, for_each_world, gpus, launched, on_ranks, seed, shared_gpu_sms};
 
 /// One dispatch + identity experts + combine on `rank`, on a handle of `layout`.
 fn round(rank: &GpuRank, sc: &Scenario, layout: Layout, staged: bool) -> Result<(Report, Report), Error> {
@@ -176,15 +176,8 @@ fn rank_major_many_staged_iterations_with_fresh_routing() {
         let r = rank.rank();
         let mut bad = 0u64;
         for it in 0..iters {
-            // Token counts change every round, on both sides of the tagged-rows threshold (a
-            // combine of at most 32 tokens takes its rows tagged, a larger one fenced), so each
-            // rank's combine area sees both kinds of operation in turn.
-            let per_rank: Vec<usize> = (0..devices.len() as u64)
-                .map(|r| {
-                    let v = it.wrapping_mul(7).wrapping_add(r * 13) as usize;
-                    if (it + r) % 2 == 0 { 1 + v % 32 } else { 33 + v % (max_tokens - 32) }
-                })
-                .collect();
+            // A rank-major combine of at most 32 tokens takes its rows tagged.
+            let per_rank = counts_across(it, devices.len(), 32, max_tokens);
             let sc = Scenario::generate(
                 config.clone(),
                 devices.len(),

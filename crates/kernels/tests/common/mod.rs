@@ -91,3 +91,16 @@ pub(crate) fn launched(test: &str) -> Option<(epflow_kernels::setup::bootstrap::
         .expect("set EPFLOW_TEST_SEED in every process");
     Some((env, comm, base))
 }
+
+/// Token counts of round `it` of a soak on `ranks` ranks, on both sides of `threshold` (the most
+/// tokens whose combine takes tagged rows): in turn at most `threshold` and above it, up to
+/// `max_tokens`, so each rank's combine area sees both kinds of operation.
+#[allow(dead_code)]
+pub(crate) fn counts_across(it: u64, ranks: usize, threshold: usize, max_tokens: usize) -> Vec<usize> {
+    (0..ranks as u64)
+        .map(|r| {
+            let v = it.wrapping_mul(7).wrapping_add(r * 13) as usize;
+            if (it + r) % 2 == 0 { 1 + v % threshold } else { threshold + 1 + v % (max_tokens - threshold) }
+        })
+        .collect()
+}
