@@ -70,7 +70,7 @@ impl Layout {
     /// Dispatch receive region bytes (LL: every buffer set; HT: every ring).
     pub(crate) fn dispatch_recv_bytes(&self) -> usize {
         match self {
-            Layout::Ll(l) => l.dispatch_recv_set_bytes() * l.sets,
+            Layout::Ll(l) => (l.dispatch_recv_set_bytes() + l.dispatch_tagged_set_bytes()) * l.sets,
             Layout::Ht(h) => h.ring_region_bytes(),
         }
     }
@@ -351,6 +351,15 @@ impl LlLayout {
     /// Dispatch receive region, one set: a slot per (source rank, token).
     pub(crate) fn dispatch_recv_set_bytes(&self) -> usize {
         self.num_ranks * self.max_tokens * self.msg_bytes
+    }
+
+    /// The dispatch's tagged area, one set (after every set's plain region): `tag_capacity()`
+    /// tagged messages (`2 * msg_bytes`: every 4-byte word as an 8-byte pair {word, tag}) per
+    /// source rank. Only tagged messages are written there; a set's tags grow from one operation
+    /// to the next, and the operation before the 32-bit tag wraps clears it (see `sends_tagged`
+    /// in `ll.cu`).
+    pub(crate) fn dispatch_tagged_set_bytes(&self) -> usize {
+        self.tag_capacity() * self.num_ranks * 2 * self.msg_bytes
     }
 
     /// Combine receive region, one set: a BF16 row per (token, k).

@@ -19,7 +19,8 @@ pub(crate) const SIG_ARRAY_WORDS: usize = ARRIVAL_WORDS + SIG_ARRAYS * MAX_SETS 
 /// Most tokens of a low-latency rank-major combine that may take tagged rows (flags in the
 /// payload, `EP_TAG_TOKENS` in `ll.cu`): the combine receive region has room for that many
 /// tokens' tagged rows, R per token, per buffer set (see `LlLayout::combine_tagged_set_bytes`);
-/// an expert-major combine fits `LL_TAG_TOKENS * R / K` tokens there.
+/// an expert-major combine fits `LL_TAG_TOKENS * R / K` tokens there. Also the most tokens of a
+/// dispatch sent as tagged messages (`LlLayout::dispatch_tagged_set_bytes`).
 pub(crate) const LL_TAG_TOKENS: usize = 32;
 /// Largest number of high-throughput channels (block pairs) of a kernel.
 pub(crate) const HT_MAX_CHANNELS: usize = 128;
@@ -158,6 +159,11 @@ pub(crate) struct LlParams {
     /// at most `LL_TAG_TOKENS` and `max_tokens` (see [`LlParams::tagged_rows`]). The token owner
     /// decides, and tells each destination in its dispatch messages.
     pub tag_tokens: i32,
+    /// This rank's dispatch goes out as tagged messages (flags in the payload; `sends_tagged` in
+    /// `ll.cu`) when it has at most this many tokens and no NCCL peer; 0: never; at most
+    /// `LL_TAG_TOKENS` and `max_tokens`. The sender decides; its arrival word tells each
+    /// receiver.
+    pub tag_dispatch_tokens: i32,
 }
 
 /// `struct MaskParams` of `ll.cu` (`ep_mask_spread`, `ep_mask_rejoin`).
@@ -200,6 +206,17 @@ impl LlParams {
         } else {
             self.num_tokens * self.top_k <= self.tag_tokens * self.num_ranks
         }
+    }
+
+    /// Whether this rank's dispatch goes out as tagged messages (then the one-launch form runs
+    /// `ep_ll_dispatch_kernel_tagged`): no NCCL peer, at most `tag_dispatch_tokens` tokens and
+    /// at most the tagged area's `min(LL_TAG_TOKENS, max_tokens)`. Mirrors `sends_tagged` in
+    /// `ll.cu` field for field: the two must agree.
+    pub(crate) fn sends_tagged(&self) -> bool {
+        self.nccl_mask == 0
+            && self.tag_dispatch_tokens > 0
+            && self.num_tokens <= self.tag_dispatch_tokens
+            && self.num_tokens as usize <= LL_TAG_TOKENS.min(self.max_tokens.max(0) as usize)
     }
 }
 
@@ -381,6 +398,23 @@ mod tests {
     }
 
     #[test]
+    fn tagged_dispatch_only_for_small_dispatches_over_nvlink() {
+        let p = LlParams { num_tokens: 32, tag_dispatch_tokens: 32, max_tokens: 128, ..LlParams::default() };
+        assert!(p.sends_tagged());
+        assert!(LlParams { num_tokens: 0, ..p }.sends_tagged());
+        assert!(!LlParams { num_tokens: 33, ..p }.sends_tagged());
+        assert!(!LlParams { tag_dispatch_tokens: 8, num_tokens: 9, ..p }.sends_tagged());
+        assert!(!LlParams { nccl_mask: 2, ..p }.sends_tagged());
+        assert!(!LlParams { tag_dispatch_tokens: 0, num_tokens: 0, ..p }.sends_tagged());
+        // Never past the tagged area's capacity, whatever the threshold says.
+        assert!(!LlParams { tag_dispatch_tokens: 64, num_tokens: 40, ..p }.sends_tagged());
+        assert!(!LlParams { max_tokens: 4, num_tokens: 5, ..p }.sends_tagged());
+        // The combine's choice is separate.
+        assert!(!LlParams { tag_tokens: 0, ..p }.tagged_rows());
+        assert!(LlParams { tag_tokens: 0, ..p }.sends_tagged());
+    }
+
+    #[test]
     fn tagged_rows_only_for_small_combines_over_nvlink() {
         let p =
             LlParams { rank_major: 1, num_tokens: 32, tag_tokens: 32, num_ranks: 2, top_k: 8, ..LlParams::default() };
@@ -447,8 +481,10 @@ mod tests {
 
     #[test]
     fn layout_matches_the_cuda_struct() {
-        assert_eq!(size_of::<LlParams>(), 464);
+        assert_eq!(size_of::<LlParams>(), 472);
         assert_eq!(offset_of!(LlParams, trace), 456);
+        assert_eq!(offset_of!(LlParams, tag_tokens), 460);
+        assert_eq!(offset_of!(LlParams, tag_dispatch_tokens), 464);
         assert_eq!(offset_of!(LlParams, ret_list), 440);
         assert_eq!(offset_of!(LlParams, ret_count), 448);
         assert_eq!(offset_of!(LlParams, masking), 396);

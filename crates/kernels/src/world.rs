@@ -243,6 +243,7 @@ fn build_rank(
     let one_launch = allowed
         && !place.shares_gpu
         && fits(&functions.dispatch_one)
+        && fits(&functions.dispatch_one_tagged)
         && fits(&functions.combine_one)
         && fits(&functions.combine_one_tagged);
     let events = EventPool::new(ctx);

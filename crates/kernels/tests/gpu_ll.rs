@@ -68,7 +68,9 @@ fn check_world(
     let config = GroupConfig::low_latency(experts, max_tokens, hidden).with_dispatch_dtype(dtype);
     let ranks = GpuWorld::create_with(devices, config.clone(), transport.clone()).expect("create GPU group");
     let mut round_no = 0u64;
-    for tokens in [1usize, 7, 128, 256] {
+    // 1 and 7 tokens: every rank's dispatch goes out as tagged messages; 40: the last rank's 21
+    // only (one receive takes both forms); 128 and 256: none.
+    for tokens in [1usize, 7, 40, 128, 256] {
         for top_k in [1usize, 4, 8] {
             let kinds: &[RoutingKind] = if tokens == 128 && top_k == 4 {
                 &[RoutingKind::Uniform, RoutingKind::SingleRank(1 % devices.len())]

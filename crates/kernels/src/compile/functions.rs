@@ -23,6 +23,8 @@ pub(crate) struct Functions {
     pub combine_recv_tagged: CudaFunction,
     /// Low-latency dispatch in one launch (send, then receive; launched cooperatively).
     pub dispatch_one: CudaFunction,
+    /// Low-latency dispatch in one launch, sent as tagged messages (`LlParams::sends_tagged`).
+    pub dispatch_one_tagged: CudaFunction,
     /// Low-latency combine in one launch.
     pub combine_one: CudaFunction,
     /// Low-latency combine in one launch, for tagged rows.
@@ -93,6 +95,7 @@ impl Functions {
             combine_recv: f(&ll, LlKernel::CombineRecv.function_name())?,
             combine_recv_tagged: f(&ll, LlKernel::CombineRecv.tagged_function_name().unwrap_or_default())?,
             dispatch_one: f(&ll, LlKernel::DispatchOne.function_name())?,
+            dispatch_one_tagged: f(&ll, LlKernel::DispatchOne.tagged_function_name().unwrap_or_default())?,
             combine_one: f(&ll, LlKernel::CombineOne.function_name())?,
             combine_one_tagged: f(&ll, LlKernel::CombineOne.tagged_function_name().unwrap_or_default())?,
             graph_rebase: f(&ll, "ep_graph_rebase")?,

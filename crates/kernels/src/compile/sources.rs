@@ -26,6 +26,7 @@ pub const LL: KernelModule = KernelModule {
         "ep_ll_dispatch_send",
         "ep_ll_dispatch_recv",
         "ep_ll_dispatch_kernel",
+        "ep_ll_dispatch_kernel_tagged",
         "ep_ll_combine_send",
         "ep_ll_combine_recv",
         "ep_ll_combine_recv_tagged",

@@ -126,14 +126,17 @@ __device__ __forceinline__ void report_error(u64* status, u64 code, int peer, u6
     if (ld_acquire_sys(status) == 0ull) st_relaxed_sys(status, code | ((u64)peer << 8) | (seq << 16));
 }
 
-// An arrival word: ((seq + 1) mod 2^40) << 24 | tag << 1 | cancelled. The tag is the part of the
-// sender's stamp a receiver checks on its fast path, in the same load that sees the arrival:
-// top-k (5 bits), pass (1), pairing kind (2), layout (1) and the low 14 bits of the pairing number. The whole
-// stamp is the word after it (read only to report a mismatch). Operations 2^40 apart on one
-// channel and set would look alike; none is ever outstanding that long.
-#define EP_ARRIVAL_SEQ_SHIFT 24
-#define EP_ARRIVAL_SEQ_MASK ((1ull << 40) - 1)
+// An arrival word: ((seq + 1) mod 2^34) << 30 | sent << 24 | tag << 1 | cancelled. The tag is the
+// part of the sender's stamp a receiver checks on its fast path, in the same load that sees the
+// arrival: top-k (5 bits), pass (1), pairing kind (2), layout (1) and the low 14 bits of the
+// pairing number. `sent` (6 bits) is 0, or for a low-latency dispatch sent as tagged messages
+// (ll.cu, `sends_tagged`) its number of tokens + 1: the arrival then comes before the messages.
+// The whole stamp is the word after it (read only to report a mismatch). Operations 2^34 apart
+// on one channel and set would look alike; none is ever outstanding that long.
+#define EP_ARRIVAL_SEQ_SHIFT 30
+#define EP_ARRIVAL_SEQ_MASK ((1ull << 34) - 1)
 #define EP_ARRIVAL_TAG_MASK ((1ull << 23) - 1)
+#define EP_ARRIVAL_SENT_SHIFT 24
 
 __device__ __forceinline__ u64 stamp_tag(u64 stamp) {
     return (stamp & 31ull) | (((stamp >> 8) & 1ull) << 5) | (((stamp >> 9) & 3ull) << 6) |
@@ -143,6 +146,10 @@ __device__ __forceinline__ u64 stamp_tag(u64 stamp) {
 __device__ __forceinline__ u64 arrival_word(u64 seq, bool cancelled, u64 stamp) {
     return (((seq + 1) & EP_ARRIVAL_SEQ_MASK) << EP_ARRIVAL_SEQ_SHIFT) | (stamp_tag(stamp) << 1) | (u64)cancelled;
 }
+
+// The tokens of a tagged dispatch that arrival word `v` announces, or -1 (messages in the plain
+// form, ordered before the arrival).
+__device__ __forceinline__ int arrival_tagged_tokens(u64 v) { return (int)((v >> EP_ARRIVAL_SENT_SHIFT) & 63ull) - 1; }
 
 // Whether arrival word `v` is operation `seq`'s.
 __device__ __forceinline__ bool arrival_is(u64 v, u64 seq) {
@@ -171,15 +178,16 @@ __device__ __forceinline__ int arrival_verdict(u64 v, u64 stamp) {
 }
 
 // Receiver side: waits (acquire, until `deadline`) for source `src`'s arrival of operation
-// `seq` in this rank's page, and judges it against `stamp`.
+// `seq` in this rank's page, and judges it against `stamp`; `*word` gets the arrival word.
 __device__ __forceinline__ int wait_arrival(u64* page, int chan, int set, int src, u64 seq, u64 stamp,
-                                            u64 deadline) {
+                                            u64 deadline, u64* word = nullptr) {
     u64* a = arrival_at(page, chan, set, src);
     u64 v = ld_acquire_sys(a);
     while (!arrival_is(v, seq)) {
         if (globaltimer_ns() > deadline) return EP_ARRIVAL_TIMEOUT;
         v = ld_acquire_sys(a);
     }
+    if (word) *word = v;
     return arrival_verdict(v, stamp);
 }
 
@@ -198,10 +206,11 @@ __device__ __forceinline__ void publish_outcome(u64* status, u64* page, int chan
 // (threads < num_ranks); false on timeout (reported on the status page). Sets the masks of the
 // sources that sent a cancellation marker and of those whose stamp disagrees with this rank's.
 // Every thread of the block calls it; `cancelled`, `mismatched` and `timed_out` are the caller's
-// shared words. Ends with a barrier.
+// shared words; so is `sent` if given: per source, the tokens of a tagged low-latency dispatch its
+// arrival word announces, or -1 (`arrival_tagged_tokens`). Ends with a barrier.
 __device__ __forceinline__ bool wait_all_sources(u64* signals, u64* status, int num_ranks, int chan, int set,
                                                  u64 seq, u64 stamp, u64 timeout_ns, u32* cancelled,
-                                                 u32* mismatched, int* timed_out) {
+                                                 u32* mismatched, int* timed_out, int* sent = nullptr) {
     if (threadIdx.x == 0) {
         *cancelled = 0u;
         *mismatched = 0u;
@@ -210,7 +219,10 @@ __device__ __forceinline__ bool wait_all_sources(u64* signals, u64* status, int 
     __syncthreads();
     if ((int)threadIdx.x < num_ranks) {
         const u64 deadline = globaltimer_ns() + timeout_ns;
-        switch (wait_arrival(signals, chan, set, threadIdx.x, seq, stamp, deadline)) {
+        u64 word = 0ull;
+        const int verdict = wait_arrival(signals, chan, set, threadIdx.x, seq, stamp, deadline, &word);
+        if (sent) sent[threadIdx.x] = arrival_tagged_tokens(word);
+        switch (verdict) {
             case EP_ARRIVAL_TIMEOUT:
                 report_error(status, EP_ERR_TIMEOUT_ARRIVAL, threadIdx.x, seq);
                 atomicExch(timed_out, 1);

@@ -5,7 +5,10 @@
 // sender, slot = token index:  [u64 seq+1][i32 token][i32 1: the sender's combine wants tagged
 // rows (`wants_tagged`), else 0][i16 local expert per k, -1 if the
 // k-th expert is elsewhere (bytes 16..48)][rank-major: f32 weight per k (bytes 48..112)][pad to
-// 128 B][payload: BF16 row, or FP8 row + fp32 scales].
+// 128 B][payload: BF16 row, or FP8 row + fp32 scales]. Tagged (a dispatch of at most
+// EP_TAG_TOKENS tokens, `sends_tagged`): the same message with each 4-byte word as an 8-byte
+// pair {word, tag}, in the receiver's tagged dispatch area at [sender][token], one for every
+// token (a token routed elsewhere sends only its header, every local expert -1).
 // Combine message (one per token and expert; rank-major: one per token and rank reached, in the
 // slot of the rank's first top-k entry): the BF16 row, in the source rank's region at [token][k];
 // or, tagged (see EP_TAG_TOKENS), in the source rank's tagged area at [token][sending rank]
@@ -71,9 +74,10 @@ struct LlParams {
     u64 ret_count;        // [R] int32
     int trace;            // 1: `EPFLOW_LL_TRACE` (see `trace_at`)
     int tag_tokens;       // most tokens of a combine that takes tagged rows (0: none; see `wants_tagged`, EP_TAG_TOKENS)
+    int tag_dispatch_tokens;  // most tokens of a dispatch sent as tagged messages (0: none; see `sends_tagged`)
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
-static_assert(sizeof(LlParams) == 464, "LlParams layout");
+static_assert(sizeof(LlParams) == 472, "LlParams layout");
 
 // The number and buffer set of the operation a launch runs: the host's, or for a captured
 // operation its offset plus the step's base in device memory (written by an earlier kernel of the
@@ -233,11 +237,119 @@ __device__ __forceinline__ void warp_copy_tagged(char* dst, const char* src, siz
 }
 
 // A tagged send's arrival, before its payload: the arrival word and the whole stamp in one
-// 16-byte relaxed store (nothing before it needs ordering: the tags guard the payload).
-__device__ __forceinline__ void signal_now(const LlParams& p, const OpNum& n, int chan, int dest) {
+// 16-byte relaxed store (nothing before it needs ordering: the tags guard the payload). A tagged
+// dispatch's word carries its number of tokens (`tokens` >= 0, see `arrival_tagged_tokens`).
+__device__ __forceinline__ void signal_now(const LlParams& p, const OpNum& n, int chan, int dest, int tokens = -1) {
     u64* pair = arrival_at(reinterpret_cast<u64*>(p.peer_signals[dest]), chan, n.set, p.rank);
-    const u64 a = arrival_word(n.seq, p.cancelled != 0, p.stamp);
+    const u64 a = arrival_word(n.seq, p.cancelled != 0, p.stamp) | ((u64)(tokens + 1) << EP_ARRIVAL_SENT_SHIFT);
     asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(pair), "l"(a), "l"(p.stamp) : "memory");
+}
+
+// Tagged dispatch messages (flags in the payload, as the tagged combine rows). A dispatch of at
+// most `tag_dispatch_tokens` tokens (<= min(EP_TAG_TOKENS, M); no peer through NCCL, no rank
+// masking) writes its messages with every 4-byte word as an 8-byte pair {word, tag} into each
+// destination's tagged dispatch area, [set][sender][token] after every set's plain region, one
+// message per token (a token routed elsewhere: its header only, every local expert -1), and
+// signals its arrival first, with its number of tokens in the arrival word: no system-scope
+// fence, no count of the warps, no release after the payload (benches/NOTES.md item 75). The
+// receiver waits for each 16-byte vector's tags as it reads it. The area is never cleared per
+// operation: a buffer set's tags only grow from one operation to the next (what is left there
+// carries an older tag), until the 32-bit tag wraps; the operation before the wrap clears the
+// set's area before it returns its credits (`finish_receive`).
+__device__ __forceinline__ bool sends_tagged(const LlParams& p) {
+    return p.nccl_mask == 0 && p.tag_dispatch_tokens > 0 && p.num_tokens <= p.tag_dispatch_tokens &&
+           p.num_tokens <= min(EP_TAG_TOKENS, p.max_tokens);
+}
+static_assert(EP_TAG_TOKENS + 1 < 64, "a tagged dispatch's tokens + 1 fit the arrival word's 6 bits");
+
+// One buffer set's tagged dispatch area: min(EP_TAG_TOKENS, M) messages of 2 x `msg_bytes` per
+// source.
+__device__ __forceinline__ size_t tagged_dispatch_set_bytes(const LlParams& p) {
+    return (size_t)min(EP_TAG_TOKENS, p.max_tokens) * p.num_ranks * 2 * p.msg_bytes;
+}
+
+// Source `src`'s tagged message for token `t` in buffer set `set` of the dispatch receive region
+// at `region`.
+__device__ __forceinline__ char* tagged_msg(const LlParams& p, u64 region, int set, int src, int t) {
+    const size_t cap = (size_t)min(EP_TAG_TOKENS, p.max_tokens);
+    return reinterpret_cast<char*>(region) + (size_t)p.num_sets * p.recv_set_bytes +
+           (size_t)set * tagged_dispatch_set_bytes(p) + ((size_t)src * cap + t) * 2 * p.msg_bytes;
+}
+
+// Writes a tagged message's header: words 0..11 of the plain header (operation number, token
+// `t`, the combine's tagged-rows request, the local experts), and for rank-major words 12..27
+// (the weights), as pairs. Lane k < K holds entry k's local expert `le` (-1: elsewhere; -1 on
+// lanes >= K too) and weight `wt`. Every lane calls.
+__device__ __forceinline__ void put_head_tagged(char* msg, const LlParams& p, const OpNum& n, int t, int le, float wt,
+                                                int lane, u32 tag) {
+    const int a = min(31, max(0, 2 * (lane - 4)));
+    const u32 lo = (u32)__shfl_sync(EP_FULL_MASK, le, a), hi = (u32)__shfl_sync(EP_FULL_MASK, le, min(31, a + 1));
+    const float w = __shfl_sync(EP_FULL_MASK, wt, max(0, lane - 12));
+    u32 word = __float_as_uint(w);
+    if (lane < 12) word = (lo & 0xffffu) | (hi << 16);
+    if (lane == 0) word = (u32)(n.seq + 1);
+    if (lane == 1) word = (u32)((n.seq + 1) >> 32);
+    if (lane == 2) word = (u32)t;
+    if (lane == 3) word = wants_tagged(p) ? 1u : 0u;
+    const u32 w0 = __shfl_sync(EP_FULL_MASK, word, (2 * lane) & 31);
+    const u32 w1 = __shfl_sync(EP_FULL_MASK, word, (2 * lane + 1) & 31);
+    if (lane < (p.rank_major ? 14 : 6)) st_volatile_tagged(msg + 16 * lane, w0, w1, tag);
+}
+
+// Whether the four pairs of 32 tagged bytes (`lo`, `hi`: 16 plain bytes) all carry `tag`.
+__device__ __forceinline__ bool tags_are(int4 lo, int4 hi, u32 tag) {
+    return (u32)lo.y == tag && (u32)lo.w == tag && (u32)hi.y == tag && (u32)hi.w == tag;
+}
+
+// Waits until the 32 tagged bytes at `at` (loaded into `lo`, `hi`) carry `tag`, reloading them;
+// false at `deadline` (global timer ns; the receive's, so a reader that gave up once gives up at
+// once after).
+__device__ __forceinline__ bool await_tags(const char* at, u32 tag, u64 deadline, int4* lo, int4* hi) {
+    while (!tags_are(*lo, *hi, tag)) {
+        if (globaltimer_ns() > deadline) return false;
+        *lo = ld_volatile_int4(at);
+        *hi = ld_volatile_int4(at + 16);
+    }
+    return true;
+}
+
+// The 16 plain bytes of a tagged vector pair.
+__device__ __forceinline__ int4 untag(int4 lo, int4 hi) { return make_int4(lo.x, lo.z, hi.x, hi.z); }
+
+// The plain 4-byte word of the tagged pair at `at`, once it carries `tag` (see `await_tags`).
+__device__ __forceinline__ bool ld_tagged_word(const char* at, u32 tag, u64 deadline, u32* word) {
+    uint2 v;
+    asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(at) : "memory");
+    while (v.y != tag) {
+        if (globaltimer_ns() > deadline) return false;
+        asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(at) : "memory");
+    }
+    *word = v.x;
+    return true;
+}
+
+// Copies `bytes` (a multiple of 16) of plain bytes from tagged message bytes at `src` (2 x
+// `bytes`) to `dst` with one warp, two vectors in flight per lane, each stored once its tags
+// match (`await_tags`); false if one did not by the deadline.
+__device__ __forceinline__ bool warp_copy_untag(char* dst, const char* src, size_t bytes, int lane, u32 tag,
+                                                u64 deadline) {
+    const size_t n = bytes / 16;
+    for (size_t i = lane; i < n; i += 64) {
+        const bool two = i + 32 < n;
+        int4 a0 = ld_volatile_int4(src + i * 32), a1 = ld_volatile_int4(src + i * 32 + 16);
+        int4 b0 = make_int4(0, 0, 0, 0), b1 = b0;
+        if (two) {
+            b0 = ld_volatile_int4(src + (i + 32) * 32);
+            b1 = ld_volatile_int4(src + (i + 32) * 32 + 16);
+        }
+        if (!await_tags(src + i * 32, tag, deadline, &a0, &a1)) return false;
+        st_na_int4(dst + i * 16, untag(a0, a1));
+        if (two) {
+            if (!await_tags(src + (i + 32) * 32, tag, deadline, &b0, &b1)) return false;
+            st_na_int4(dst + (i + 32) * 16, untag(b0, b1));
+        }
+    }
+    return true;
 }
 
 
@@ -341,11 +453,117 @@ __device__ __forceinline__ long long routed_entry(const LlParams& p, long long e
 // (1: at 2 the one-launch dispatch kernel spills, 24 B stored / 52 B loaded, sm_90, NVRTC 13.0.88).
 #define EP_FP8_BATCH 1
 
+// Writes piece [c_begin, c_begin + width) of token row `row` into a dispatch message's payload
+// at `payload`: BF16, or FP8 with its scales. TAGGED: as pairs carrying `tag` (`payload` is the
+// tagged payload, twice the plain bytes at twice the offsets).
+template <bool TAGGED>
+__device__ __forceinline__ void dispatch_payload(const LlParams& p, char* payload, const __nv_bfloat16* row,
+                                                 int c_begin, int width, int lane, u32 tag) {
+    const int H = p.hidden, c_end = c_begin + width;
+    if (!p.fp8) {
+        if (TAGGED) {
+            warp_copy_tagged(payload + (size_t)c_begin * 4, reinterpret_cast<const char*>(row + c_begin),
+                             (size_t)width * 2, lane, tag);
+        } else {
+            warp_copy(payload + (size_t)c_begin * 2, row + c_begin, (size_t)width * 2, lane);
+        }
+        return;
+    }
+    float* scales = reinterpret_cast<float*>(payload + H);
+    // Passes of 512 channels, 16 per lane: two 16-byte loads and one 16-byte FP8 store
+    // per lane (the width of the BF16 copy's stores; 8-byte stores made the FP8 send
+    // slower than the BF16 copy of twice the bytes); a 128-channel scale block is 8
+    // lanes. EP_FP8_BATCH passes' loads are issued together, then each is quantized
+    // and stored. Chunks are multiples of 256 channels: a pass's lanes are active in
+    // whole groups of 8.
+    for (int c00 = c_begin; c00 < c_end; c00 += 512 * EP_FP8_BATCH) {
+        int4 raw[2 * EP_FP8_BATCH];
+#pragma unroll
+        for (int u = 0; u < EP_FP8_BATCH; u++) {
+            const int c = c00 + u * 512 + lane * 16;
+            const bool in = c < c_end;
+            raw[2 * u] = in ? ld_cg_int4(row + c) : make_int4(0, 0, 0, 0);
+            raw[2 * u + 1] = in ? ld_cg_int4(row + c + 8) : make_int4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < EP_FP8_BATCH; u++) {
+            const int c = c00 + u * 512 + lane * 16;
+            const bool active = c < c_end;
+            const __nv_bfloat16* lo = reinterpret_cast<const __nv_bfloat16*>(&raw[2 * u]);
+            const __nv_bfloat16* hi = reinterpret_cast<const __nv_bfloat16*>(&raw[2 * u + 1]);
+            float amax = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                amax = fmaxf(amax, fmaxf(fabsf(__bfloat162float(lo[i])), fabsf(__bfloat162float(hi[i]))));
+            }
+#pragma unroll
+            for (int m = 4; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(EP_FULL_MASK, amax, m));
+            if (active) {
+                float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
+                if (p.round_scales) scale = pow2_ceil(scale);
+                const float inv = __fdiv_rn(1.0f, scale);
+                u32 w[4];
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    u32 word = 0u;
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const int k = q * 4 + i;
+                        const float v = __bfloat162float(k < 8 ? lo[k] : hi[k - 8]);
+                        const u32 byte = (u32)__nv_cvt_float_to_fp8(__fmul_rn(v, inv), __NV_SATFINITE, __NV_E4M3);
+                        word |= byte << (8 * i);
+                    }
+                    w[q] = word;
+                }
+                if (TAGGED) {
+                    st_volatile_tagged(payload + 2 * c, w[0], w[1], tag);
+                    st_volatile_tagged(payload + 2 * c + 16, w[2], w[3], tag);
+                    if ((lane & 7) == 0) {
+                        asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};" ::"l"(payload + 2 * H + 8 * (c / 128)),
+                                     "r"(__float_as_uint(scale)), "r"(tag)
+                                     : "memory");
+                    }
+                } else {
+                    st_na_int4(payload + c, make_int4((int)w[0], (int)w[1], (int)w[2], (int)w[3]));
+                    if ((lane & 7) == 0) scales[c / 128] = scale;
+                }
+            }
+        }
+    }
+}
+
+// A tagged dispatch's item (token `t`, piece `chunk`) for destination `dest`: the header with
+// piece 0 (every token has one), the payload piece if the token is `routed` there (lane k < K
+// holds entry k's local expert there, `le`).
+__device__ __forceinline__ void send_tagged_item(const LlParams& p, const OpNum& n, int dest, int t, int chunk, int le,
+                                                 bool routed, int lane) {
+    const int K = p.top_k, H = p.hidden, width = H / p.chunks;
+    const u32 tag = op_tag(n.seq);
+    char* msg = tagged_msg(p, p.peer_recv[dest], n.set, p.rank, t);
+    if (chunk == 0) {
+        const float* w = reinterpret_cast<const float*>(p.weights);
+        const float wt = p.rank_major && lane < K ? w[(size_t)t * K + lane] : 0.f;
+        put_head_tagged(msg, p, n, t, le, wt, lane, tag);
+    }
+    if (routed) {
+        const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(p.x);
+        dispatch_payload<true>(p, msg + 2 * EP_HDR_BYTES, x + (size_t)t * H, chunk * width, width, lane, tag);
+    }
+}
+
 // Each destination rank is served by `warps / R` warps; warp j of destination d handles the
 // (token, chunk) items j, j + wpd, ... of d (a row is split into `chunks` equal pieces, a multiple
 // of 256 channels each, so many warps move one row). When all of them are done, the last one
 // signals d. Each warp fences its stores before it reports (`signal_sent`), so the signal is
-// ordered after every payload store of every lane.
+// ordered after every payload store of every lane. Tagged (`sends_tagged`): the first warp of
+// each destination signals at once, and the messages go out as pairs.
+// SEND: which form the kernel sends in (`SEND_ANY`: as `sends_tagged` says; the one-launch
+// kernels are compiled for one form each, picked by the host's mirror `LlParams::sends_tagged`:
+// with both sends inlined, the plain one-launch kernel spilled 170 B instead of 20).
+#define SEND_ANY 0
+#define SEND_PLAIN 1
+#define SEND_TAGGED 2
+template <int SEND>
 __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n) {
     SendRole role;
     if (!send_role(p, n, 0, (long long)p.num_tokens * p.chunks, &role)) return;
@@ -355,6 +573,8 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
     // The first item's routing row is loaded before the credit wait (its latency overlaps it).
     const long long e_first = (lane < K && j < p.num_tokens * C) ? idx[(size_t)(j / C) * K + lane] : -1;
     role_wait_credit(p, n, 0, &role);
+    const bool tagged = SEND == SEND_TAGGED || (SEND == SEND_ANY && sends_tagged(p));
+    if (tagged && j == 0 && lane == 0 && !role.skip) signal_now(p, n, 0, dest, p.num_tokens);
 
     if (!p.cancelled && !role.skip) {
         const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(p.x);
@@ -369,7 +589,12 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
             if (p.topk_src) e = routed_entry(p, e, t, lane, dest == 0 && chunk == 0);
             // 32-bit: a routed expert is below E (validated, or sanitized by `routed_entry`).
             const int le = (lane < K && e >= 0 && (int)e / L == dest) ? (int)e % L : -1;
-            if (__ballot_sync(EP_FULL_MASK, le >= 0) == 0u) continue;
+            const bool routed = __ballot_sync(EP_FULL_MASK, le >= 0) != 0u;
+            if (tagged) {
+                send_tagged_item(p, n, dest, t, chunk, le, routed, lane);
+                continue;
+            }
+            if (!routed) continue;
             char* msg = region + (size_t)t * p.msg_bytes;
             if (chunk == 0) {
                 if (lane < K) reinterpret_cast<short*>(msg + 16)[lane] = (short)le;
@@ -383,65 +608,10 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
                     *reinterpret_cast<int*>(msg + 12) = wants_tagged(p) ? 1 : 0;
                 }
             }
-            char* payload = msg + EP_HDR_BYTES;
-            const __nv_bfloat16* row = x + (size_t)t * H;
-            const int c_begin = chunk * width, c_end = c_begin + width;
-            if (!p.fp8) {
-                warp_copy(payload + (size_t)c_begin * 2, row + c_begin, (size_t)width * 2, lane);
-            } else {
-                float* scales = reinterpret_cast<float*>(payload + H);
-                // Passes of 512 channels, 16 per lane: two 16-byte loads and one 16-byte FP8 store
-                // per lane (the width of the BF16 copy's stores; 8-byte stores made the FP8 send
-                // slower than the BF16 copy of twice the bytes); a 128-channel scale block is 8
-                // lanes. EP_FP8_BATCH passes' loads are issued together, then each is quantized
-                // and stored. Chunks are multiples of 256 channels: a pass's lanes are active in
-                // whole groups of 8.
-                for (int c00 = c_begin; c00 < c_end; c00 += 512 * EP_FP8_BATCH) {
-                    int4 raw[2 * EP_FP8_BATCH];
-#pragma unroll
-                    for (int u = 0; u < EP_FP8_BATCH; u++) {
-                        const int c = c00 + u * 512 + lane * 16;
-                        const bool in = c < c_end;
-                        raw[2 * u] = in ? ld_cg_int4(row + c) : make_int4(0, 0, 0, 0);
-                        raw[2 * u + 1] = in ? ld_cg_int4(row + c + 8) : make_int4(0, 0, 0, 0);
-                    }
-#pragma unroll
-                    for (int u = 0; u < EP_FP8_BATCH; u++) {
-                        const int c = c00 + u * 512 + lane * 16;
-                        const bool active = c < c_end;
-                        const __nv_bfloat16* lo = reinterpret_cast<const __nv_bfloat16*>(&raw[2 * u]);
-                        const __nv_bfloat16* hi = reinterpret_cast<const __nv_bfloat16*>(&raw[2 * u + 1]);
-                        float amax = 0.f;
-#pragma unroll
-                        for (int i = 0; i < 8; i++) amax = fmaxf(amax, fmaxf(fabsf(__bfloat162float(lo[i])), fabsf(__bfloat162float(hi[i]))));
-#pragma unroll
-                        for (int m = 4; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(EP_FULL_MASK, amax, m));
-                        if (active) {
-                            float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
-                            if (p.round_scales) scale = pow2_ceil(scale);
-                            const float inv = __fdiv_rn(1.0f, scale);
-                            u32 w[4];
-#pragma unroll
-                            for (int q = 0; q < 4; q++) {
-                                u32 word = 0u;
-#pragma unroll
-                                for (int i = 0; i < 4; i++) {
-                                    const int k = q * 4 + i;
-                                    const float v = __bfloat162float(k < 8 ? lo[k] : hi[k - 8]);
-                                    const u32 byte = (u32)__nv_cvt_float_to_fp8(__fmul_rn(v, inv), __NV_SATFINITE, __NV_E4M3);
-                                    word |= byte << (8 * i);
-                                }
-                                w[q] = word;
-                            }
-                            st_na_int4(payload + c, make_int4((int)w[0], (int)w[1], (int)w[2], (int)w[3]));
-                            if ((lane & 7) == 0) scales[c / 128] = scale;
-                        }
-                    }
-                }
-            }
+            dispatch_payload<false>(p, msg + EP_HDR_BYTES, x + (size_t)t * H, chunk * width, width, lane, 0u);
         }
     }
-    signal_sent(p, n, 0, dest, role.reporting, lane);
+    if (!tagged) signal_sent(p, n, 0, dest, role.reporting, lane);
 }
 
 // With masking: one thread per source waits for its arrival until it arrives, is masked (by a
@@ -497,15 +667,18 @@ __device__ void wait_sources_masked(const LlParams& p, const OpNum& n, int chan,
 // Waits for every source's arrival of this operation (`wait_all_sources`); false on timeout.
 // Cancelled and mismatched sources' data is skipped; a mismatch fails the operation. With
 // masking (`wait_sources_masked`) it never fails: `absent` gets the sources to skip.
+// `sent` (shared, or null): per source, the tokens of a tagged dispatch, or -1 (see
+// `wait_all_sources`; never tagged with masking).
 __device__ bool ll_wait_all_sources(const LlParams& p, const OpNum& n, int chan, u32* cancelled, u32* mismatched,
-                                    int* timed_out, u32* absent) {
+                                    int* timed_out, u32* absent, int* sent = nullptr) {
     if (p.masking) {
+        if (sent && (int)threadIdx.x < p.num_ranks) sent[threadIdx.x] = -1;
         wait_sources_masked(p, n, chan, cancelled, mismatched, absent);
         return true;
     }
     if (threadIdx.x == 0) *absent = 0u;
     const bool ok = wait_all_sources(reinterpret_cast<u64*>(p.signals), reinterpret_cast<u64*>(p.status), p.num_ranks,
-                                     chan, n.set, n.seq, p.stamp, p.timeout_ns, cancelled, mismatched, timed_out);
+                                     chan, n.set, n.seq, p.stamp, p.timeout_ns, cancelled, mismatched, timed_out, sent);
     if (!ok && threadIdx.x == 0) mark_step_failed(p, chan);
     return ok;
 }
@@ -546,36 +719,59 @@ __device__ __forceinline__ void publish_early(const LlParams& p, const OpNum& n,
     }
 }
 
+// `sig_at(.., EP_SIG_DONE, set, EP_DONE_LANDED)`: the blocks of a dispatch's one-launch kernel
+// done with `land_tagged` (the array's entries 0..2 are the channels' `done` counts).
+#define EP_DONE_LANDED 3
+
+// The last block's thread 0, once every block is `done`: resets the count, writes the host's words,
+// then returns the credits of this buffer set to every source.
+__device__ __forceinline__ void return_credits(const LlParams& p, const OpNum& n, int chan, u32 cancelled,
+                                               u32 mismatched, u32 absent, u64* done) {
+    *done = 0;
+    if (chan == 0) done[EP_DONE_LANDED - chan] = 0;  // `land_tagged`'s meeting
+    // The host's words, then the credits (each a system-scope release, ordered after the
+    // words, block 0's outcome among them, and after every block's reads of this set,
+    // which came before through `done`).
+    if (p.masking) st_relaxed_sys(reinterpret_cast<u64*>(p.status) + EP_STATUS_MASK, mask_word(p));
+    if (p.verdict && (cancelled | mismatched)) report_failure(p, n, chan, cancelled, mismatched);
+    // One release fence for all the credits (with the relaxed stores after it, a release
+    // pattern each): a release store per credit would wait for the previous credit's
+    // store to reach its peer, a round trip over NVLink per source.
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+    for (int s = 0; s < p.num_ranks; s++) {
+        if ((absent >> s) & 1u) continue;  // masked: no credit (it may be gone; rejoin resets them)
+        u64* peer = reinterpret_cast<u64*>(p.peer_signals[s]);
+        st_relaxed_sys(sig_at(peer, EP_SIG_CONSUMED(chan), n.set, p.rank), (n.seq + 1) << 1);
+    }
+    if (p.seq_base) advance_step(p, chan);
+    if (p.trace && n.seq % 64 == 0) trace_print(p.rank, chan, n.seq);
+}
+
 // The last block to finish returns the credits of this buffer set to every source (after block
 // 0's `publish_early`, through `done`).
-// `blocks`: the blocks of the grid that take part in the receive (the first ones).
+// `blocks`: the blocks of the grid that take part in the receive (the first ones). A dispatch
+// whose buffer set's next operation has a smaller tag (the 32-bit tag wraps) first clears the
+// set's tagged dispatch area, with the whole last block (see `sends_tagged`).
 __device__ void finish_receive(const LlParams& p, const OpNum& n, int chan, u32 cancelled, u32 mismatched, u32 absent,
                                int blocks) {
     __syncthreads();
-    if (threadIdx.x == 0) {
-        u64* sig = reinterpret_cast<u64*>(p.signals);
-        u64* done = sig_at(sig, EP_SIG_DONE, n.set, chan);
-        // The barrier above and the release of the add order every thread's reads and writes of
-        // this block before it (the release is cumulative).
-        if (atom_add_acq_rel_gpu(done, 1) == (u64)(blocks - 1)) {
-            *done = 0;
-            // The host's words, then the credits (each a system-scope release, ordered after the
-            // words, block 0's outcome among them, and after every block's reads of this set,
-            // which came before through `done`).
-            if (p.masking) st_relaxed_sys(reinterpret_cast<u64*>(p.status) + EP_STATUS_MASK, mask_word(p));
-            if (p.verdict && (cancelled | mismatched)) report_failure(p, n, chan, cancelled, mismatched);
-            // One release fence for all the credits (with the relaxed stores after it, a release
-            // pattern each): a release store per credit would wait for the previous credit's
-            // store to reach its peer, a round trip over NVLink per source.
-            asm volatile("fence.acq_rel.sys;" ::: "memory");
-            for (int s = 0; s < p.num_ranks; s++) {
-                if ((absent >> s) & 1u) continue;  // masked: no credit (it may be gone; rejoin resets them)
-                u64* peer = reinterpret_cast<u64*>(p.peer_signals[s]);
-                st_relaxed_sys(sig_at(peer, EP_SIG_CONSUMED(chan), n.set, p.rank), (n.seq + 1) << 1);
-            }
-            if (p.seq_base) advance_step(p, chan);
-            if (p.trace && n.seq % 64 == 0) trace_print(p.rank, chan, n.seq);
-        }
+    u64* done = sig_at(reinterpret_cast<u64*>(p.signals), EP_SIG_DONE, n.set, chan);
+    if (chan == 0 && op_tag(n.seq + (u64)p.num_sets) <= op_tag(n.seq)) {
+        __shared__ int last;
+        if (threadIdx.x == 0) last = atom_add_acq_rel_gpu(done, 1) == (u64)(blocks - 1);
+        __syncthreads();
+        if (!last) return;
+        char* area = tagged_msg(p, p.own_recv, n.set, 0, 0);
+        const size_t vectors = tagged_dispatch_set_bytes(p) / 16;
+        for (size_t i = threadIdx.x; i < vectors; i += blockDim.x) st_na_int4(area + i * 16, make_int4(0, 0, 0, 0));
+        __syncthreads();  // the clearing before thread 0's release of the credits
+        if (threadIdx.x == 0) return_credits(p, n, chan, cancelled, mismatched, absent, done);
+        return;
+    }
+    // The barrier above and the release of the add order every thread's reads and writes of
+    // this block before it (the release is cumulative).
+    if (threadIdx.x == 0 && atom_add_acq_rel_gpu(done, 1) == (u64)(blocks - 1)) {
+        return_credits(p, n, chan, cancelled, mismatched, absent, done);
     }
 }
 
@@ -632,6 +828,42 @@ __device__ __forceinline__ MsgHead load_head(const char* msg, int K) {
     return h;
 }
 
+// A tagged message's header words 0..11 (see `load_head`), each 16-byte part once its tags match
+// (`await_tags`); false at the deadline.
+__device__ __forceinline__ bool load_head_tagged(const char* msg, int K, u32 tag, u64 deadline, MsgHead* h) {
+    int4 v[6];
+#pragma unroll
+    for (int i = 0; i < 6; i++) v[i] = i < 4 || K > 8 ? ld_volatile_int4(msg + 16 * i) : make_int4(0, 0, 0, 0);
+    bool ok = await_tags(msg, tag, deadline, &v[0], &v[1]);
+    ok = ok && await_tags(msg + 32, tag, deadline, &v[2], &v[3]);
+    if (K > 8) ok = ok && await_tags(msg + 64, tag, deadline, &v[4], &v[5]);
+    const int4 w = untag(v[0], v[1]);
+    h->seq = (u64)(u32)w.x | ((u64)(u32)w.y << 32);
+    h->tagged = w.w;
+    h->a = untag(v[2], v[3]);
+    h->b = K > 8 ? untag(v[4], v[5]) : make_int4(-1, -1, -1, -1);
+    return ok;
+}
+
+// The header of source s = slot / M's message for token t = slot % M of this operation, if it
+// sent one. `tokens` < 0: a plain dispatch, the slot of the receive region at `recv` (this
+// operation's if its number says so). Otherwise a tagged one of `tokens` tokens: every t below
+// has a message in the tagged area, waited for; one that never comes is reported (a timeout:
+// its source signalled, then stopped) and counts as not sent.
+__device__ __forceinline__ bool slot_head(const LlParams& p, const OpNum& n, const char* recv, int slot, int tokens,
+                                          u64 deadline, MsgHead* h) {
+    if (tokens < 0) {
+        *h = load_head(recv + (size_t)slot * p.msg_bytes, p.top_k);
+        return h->seq == n.seq + 1;
+    }
+    const int s = slot / p.max_tokens, t = slot % p.max_tokens;
+    if (t >= tokens) return false;
+    if (load_head_tagged(tagged_msg(p, p.own_recv, n.set, s, t), p.top_k, op_tag(n.seq), deadline, h)) return true;
+    report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, s, n.seq);
+    mark_step_failed(p, 0);
+    return false;
+}
+
 // The top-k entries of a received message whose rows come back in combine, as bits (bit k:
 // entry k): expert-major, every entry naming a local expert; rank-major, the first of them only
 // (the slot its rank's pre-reduced row returns in). With `le` >= 0: the entries naming local
@@ -648,29 +880,52 @@ __device__ __forceinline__ u32 head_entries(const MsgHead& h, int K, bool rank_m
     return rank_major ? bits & (0u - bits) : bits;
 }
 
-// Task (group q, split g) of Q * splits (each block takes tasks blockIdx, blockIdx + gridDim, ...).
-// Expert-major: q is local expert l; the task finds, in (source, token) order, the received
-// slots that chose l and packs them into rows 0.. of expert l. Rank-major: q is source s; the
-// task packs s's valid slots, in token order, into rows s*M.., with their weights and local
-// expert indices. Rows with row % splits == g are copied by this block; split 0 writes the
-// counters and the row map for combine.
-__device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n) {
-    __shared__ u32 cancelled, mismatched, absent;
-    __shared__ int timed_out;
-    __shared__ int warp_sums[16];
-    __shared__ int total_shared;
-    __shared__ int entry_slot[512];
-    if (!ll_wait_all_sources(p, n, 0, &cancelled, &mismatched, &timed_out, &absent)) return;
-    publish_early(p, n, 0, cancelled, mismatched, absent);
-    trace_at(p, 0, 2);
-    // A cancelled operation only consumes what arrived: it writes neither the outputs (their
-    // buffer set may still hold a live result) nor the handle's row map. Nor does one of a rank
-    // the group masked (its host reports `RankMasked`).
-    if (p.cancelled || ((absent >> p.rank) & 1u)) {
-        finish_receive(p, n, 0, cancelled, mismatched, absent, gridDim.x);
-        return;
+// The tagged counterpart of a received row's copy in `dispatch_recv`: piece `part` (of `piece`
+// plain bytes) of source s = slot / M's tagged message for token t = slot % M into output row
+// `out_row`, and with part 0 the rank-major weights and local experts and the FP8 scales, each
+// word once its tags match. False when one never came (reported: its source stopped mid-send).
+__device__ __forceinline__ bool copy_tagged_piece(const LlParams& p, const OpNum& n, int slot, size_t out_row, int part,
+                                                  size_t piece, int lane, u64 deadline) {
+    const u32 tag = op_tag(n.seq);
+    const int K = p.top_k, H = p.hidden, s = slot / p.max_tokens;
+    const char* msg = tagged_msg(p, p.own_recv, n.set, s, slot % p.max_tokens);
+    const size_t payload_bytes = p.fp8 ? (size_t)H : (size_t)H * 2;
+    bool ok = true;
+    if (p.rank_major && part == 0 && lane < K) {
+        u32 w = 0u, pair = 0u;
+        ok = ld_tagged_word(msg + 2 * (EP_HDR_WEIGHTS + 4 * lane), tag, deadline, &w);
+        ok = ok && ld_tagged_word(msg + 2 * (16 + 4 * (lane / 2)), tag, deadline, &pair);
+        reinterpret_cast<float*>(p.out_weights)[out_row * K + lane] = __uint_as_float(w);
+        const u32 half = (lane & 1) ? pair >> 16 : pair;
+        reinterpret_cast<int*>(p.out_idx)[out_row * K + lane] = (int)(short)(unsigned short)half;
     }
-    const u32 skip = cancelled | mismatched | absent;
+    const char* payload = msg + 2 * EP_HDR_BYTES;
+    ok = ok && warp_copy_untag(reinterpret_cast<char*>(p.out) + out_row * payload_bytes + part * piece,
+                               payload + 2 * part * piece, piece, lane, tag, deadline);
+    if (p.fp8 && part == 0) {
+        const int cols = H / 128;
+        float* dst = reinterpret_cast<float*>(p.out_scales) + out_row * cols;
+        for (int c = lane; ok && c < cols; c += 32) {
+            u32 v = 0u;
+            ok = ld_tagged_word(payload + 2 * (H + 4 * c), tag, deadline, &v);
+            dst[c] = __uint_as_float(v);
+        }
+    }
+    if (!ok) {
+        report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, s, n.seq);
+        mark_step_failed(p, 0);
+    }
+    return ok;
+}
+
+// The receive's work once every source arrived (see `dispatch_recv`). TAGGED: some source sent
+// tagged messages (`tagged_tokens[s]` >= 0): their headers and payloads are read from the tagged
+// area as their tags say they came; `skip`: the sources whose data is not taken.
+template <bool TAGGED>
+__device__ __forceinline__ void dispatch_recv_tasks(const LlParams& p, const OpNum& n, u32 skip,
+                                                    const int* tagged_tokens, u64 tag_deadline, int* warp_sums,
+                                                    int* entry_slot) {
+    int& total_shared = warp_sums[16];
     const int G = p.splits;
     const int R = p.num_ranks, M = p.max_tokens, K = p.top_k, H = p.hidden;
     const int RM = R * M;
@@ -692,8 +947,9 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
         int k_sel = -1;
         if (chunk + (int)threadIdx.x < span) {
             const int s = slot / M;
-            const MsgHead h = load_head(recv + (size_t)slot * p.msg_bytes, K);
-            if (!((skip >> s) & 1u) && h.seq == n.seq + 1) {
+            MsgHead h;
+            const bool sent = slot_head(p, n, recv, slot, TAGGED ? tagged_tokens[s] : -1, tag_deadline, &h);
+            if (!((skip >> s) & 1u) && sent) {
                 // Rank-major: the slot's first local entry; expert-major: the entry naming
                 // expert `le` (top-k entries name distinct experts).
                 k_sel = __ffs(head_entries(h, K, rm, le)) - 1;
@@ -717,9 +973,14 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
         for (int item = warp; item < mine * C; item += nwarps) {
             const int e = e0 + (item / C) * G, part = item % C;
             const int row = base + e;
-            const char* msg = recv + (size_t)entry_slot[e] * p.msg_bytes;
-            const char* payload = msg + EP_HDR_BYTES;
+            const int slot = entry_slot[e];
             const size_t out_row = group_base + row;
+            if (TAGGED && tagged_tokens[slot / M] >= 0) {
+                copy_tagged_piece(p, n, slot, out_row, part, piece, lane, tag_deadline);
+                continue;
+            }
+            const char* msg = recv + (size_t)slot * p.msg_bytes;
+            const char* payload = msg + EP_HDR_BYTES;
             if (rm && part == 0 && lane < K) {
                 reinterpret_cast<float*>(p.out_weights)[out_row * K + lane] =
                     __ldcg(reinterpret_cast<const float*>(msg + EP_HDR_WEIGHTS) + lane);
@@ -771,8 +1032,9 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
             const int slot = chunk + threadIdx.x;
             u32 back = 0u;
             if (slot < RM) {
-                const MsgHead h = load_head(recv + (size_t)slot * p.msg_bytes, K);
-                const bool valid = !((skip >> (slot / M)) & 1u) && h.seq == n.seq + 1;
+                MsgHead h;
+                const bool valid = !((skip >> (slot / M)) & 1u) &&
+                                   slot_head(p, n, recv, slot, TAGGED ? tagged_tokens[slot / M] : -1, tag_deadline, &h);
                 back = valid ? head_entries(h, K, rm) : 0u;
                 if (valid && h.tagged == 1) src_tagged[slot / M] = 1;  // every such slot agrees
                 for (int k = 0; k < K; k++) {
@@ -825,9 +1087,116 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
             if (threadIdx.x == 0) reinterpret_cast<volatile int*>(p.nccl_counts)[s] = base;
         }
     }
+}
+
+// Task (group q, split g) of Q * splits (each block takes tasks blockIdx, blockIdx + gridDim, ...).
+// Expert-major: q is local expert l; the task finds, in (source, token) order, the received
+// slots that chose l and packs them into rows 0.. of expert l. Rank-major: q is source s; the
+// task packs s's valid slots, in token order, into rows s*M.., with their weights and local
+// expert indices. Rows with row % splits == g are copied by this block; split 0 writes the
+// counters and the row map for combine.
+//
+// The plain one-launch dispatch kernel's way with tagged sources (a peer sent tagged, this rank
+// plain: rare, and the plain path must keep its registers): every block copies its share of the
+// tagged messages into their plain slots, as the source would have written them (the header,
+// and the payload of a token routed here), each 16 bytes once its tags match; then the grid meets
+// (every block of a one-launch kernel is resident; the count is reset with the credits) and the
+// plain tasks run. Items are (source, token, quarter of the payload), a warp each. A message
+// or a block that never comes is reported at the deadline.
+__device__ void land_tagged(const LlParams& p, const OpNum& n, u32 skip, const int* tagged_tokens, u64 deadline) {
+    const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5, K = p.top_k, M = p.max_tokens;
+    const u32 tag = op_tag(n.seq);
+    const size_t vecs = (p.fp8 ? (size_t)p.hidden + 4 * (p.hidden / 128) : (size_t)p.hidden * 2) / 16;
+    const int units = p.rank_major ? 7 : 3;  // 16-byte units of the header the sender wrote
+    char* recv = reinterpret_cast<char*>(p.own_recv) + (size_t)n.set * p.recv_set_bytes;
+    bool ok = true;
+    for (int s = 0; s < p.num_ranks; s++) {
+        const int tokens = tagged_tokens[s];
+        if (tokens < 0 || ((skip >> s) & 1u)) continue;
+        for (int item = blockIdx.x * nwarps + (threadIdx.x >> 5); ok && item < tokens * 4; item += gridDim.x * nwarps) {
+            const int t = item / 4, q = item % 4;
+            const char* msg = tagged_msg(p, p.own_recv, n.set, s, t);
+            char* plain = recv + ((size_t)s * M + t) * p.msg_bytes;
+            int4 lo = make_int4(0, 0, 0, 0), hi = lo;
+            if (lane < units) {
+                lo = ld_volatile_int4(msg + 32 * lane);
+                hi = ld_volatile_int4(msg + 32 * lane + 16);
+                ok = await_tags(msg + 32 * lane, tag, deadline, &lo, &hi);
+            }
+            const int4 v = untag(lo, hi);
+            if (q == 0 && lane < units && ok) st_na_int4(plain + 16 * lane, v);
+            // Lanes 1 and 2 hold the local expert of entries 0..7 and 8..15.
+            const short* le = reinterpret_cast<const short*>(&v);
+            bool mine = false;
+            for (int j = 0; j < 8; j++) mine |= (lane == 1 || lane == 2) && (lane - 1) * 8 + j < K && le[j] >= 0;
+            ok = __all_sync(EP_FULL_MASK, ok);
+            if (!ok || !__any_sync(EP_FULL_MASK, mine)) continue;
+            const size_t v0 = vecs * q / 4, v1 = vecs * (q + 1) / 4;
+            ok = warp_copy_untag(plain + EP_HDR_BYTES + v0 * 16, msg + 2 * EP_HDR_BYTES + v0 * 32, (v1 - v0) * 16, lane,
+                                 tag, deadline);
+            ok = __all_sync(EP_FULL_MASK, ok);
+        }
+        if (!ok) break;
+    }
+    if (!ok && lane == 0) {
+        report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, p.rank, n.seq);
+        mark_step_failed(p, 0);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u64* met = sig_at(reinterpret_cast<u64*>(p.signals), EP_SIG_DONE, n.set, EP_DONE_LANDED);
+        atom_add_acq_rel_gpu(met, 1);
+        while (ld_acquire_sys(met) < (u64)gridDim.x) {
+            if (globaltimer_ns() > deadline) {
+                report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, p.rank, n.seq);
+                mark_step_failed(p, 0);
+                break;
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// The receive reads tagged sources' messages (`sends_tagged`) through `dispatch_recv_tasks<true>`,
+// compiled beside the plain `<false>`, which the operations without them run. LAND (the plain
+// one-launch kernel): tagged messages are first copied into their plain slots (`land_tagged`),
+// then `<false>` runs, so that kernel carries no tagged task loop (with it, inlined or called,
+// expert-major 128-token dispatches took 2-4 us longer; with `land_tagged` 1-2 us, benches/NOTES.md
+// item 75).
+template <bool LAND>
+__device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n) {
+    __shared__ u32 cancelled, mismatched, absent;
+    __shared__ int timed_out;
+    __shared__ int tagged_tokens[EP_MAX_RANKS];  // per source: the tokens of a tagged dispatch, or -1
+    __shared__ u64 tag_deadline;                 // the waits for tagged messages give up then
+    __shared__ int warp_sums[17];                // a word per warp, then the block's total (block scans)
+    __shared__ int entry_slot[512];
+    // Two timeouts from now: the arrivals' wait, then the tagged messages' (the deadline is set
+    // before the wait so that no load or barrier follows it).
+    if (threadIdx.x == 0) tag_deadline = globaltimer_ns() + 2 * p.timeout_ns;
+    if (!ll_wait_all_sources(p, n, 0, &cancelled, &mismatched, &timed_out, &absent, tagged_tokens)) return;
+    publish_early(p, n, 0, cancelled, mismatched, absent);
+    trace_at(p, 0, 2);
+    // A cancelled operation only consumes what arrived: it writes neither the outputs (their
+    // buffer set may still hold a live result) nor the handle's row map. Nor does one of a rank
+    // the group masked (its host reports `RankMasked`).
+    if (p.cancelled || ((absent >> p.rank) & 1u)) {
+        finish_receive(p, n, 0, cancelled, mismatched, absent, gridDim.x);
+        return;
+    }
+    const u32 skip = cancelled | mismatched | absent;
+    bool any_tagged = false;
+    for (int s = 0; s < p.num_ranks; s++) any_tagged |= tagged_tokens[s] >= 0 && !((skip >> s) & 1u);
+    if (any_tagged && LAND) land_tagged(p, n, skip, tagged_tokens, tag_deadline);
+    if (any_tagged && !LAND) {
+        dispatch_recv_tasks<true>(p, n, skip, tagged_tokens, tag_deadline, warp_sums, entry_slot);
+    } else {
+        dispatch_recv_tasks<false>(p, n, skip, tagged_tokens, tag_deadline, warp_sums, entry_slot);
+    }
     trace_at(p, 0, 3);
     finish_receive(p, n, 0, cancelled, mismatched, absent, gridDim.x);
 }
+
 
 // Combine send, on the expert side: every received (source s, token t, k) row of the expert
 // output goes back to s, at [t][k] of its receive region, split in `chunks` pieces. Warps are
@@ -1119,21 +1488,26 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
 extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(LlParams p) {
     trace_at(p, 0, 0);
     const OpNum n = op_num(p, 0);
-    if (!n.dead) dispatch_send(p, n);
+    if (!n.dead) dispatch_send<SEND_ANY>(p, n);
     trace_at(p, 0, 1);
 }
 extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p) {
     const OpNum n = op_num(p, 0);
-    if (!n.dead) dispatch_recv(p, n);
+    if (!n.dead) dispatch_recv<false>(p, n);
 }
-extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_dispatch_kernel(LlParams p) {
+// TAGGED: this rank sends tagged messages (`LlParams::sends_tagged`, the host's mirror of
+// `sends_tagged`): `ep_ll_dispatch_kernel_tagged`.
+template <bool TAGGED>
+__device__ __forceinline__ void dispatch_one(const LlParams& p) {
     const OpNum n = op_num(p, 0);
     if (n.dead) return;
     trace_at(p, 0, 0);
-    dispatch_send(p, n);
+    dispatch_send<TAGGED ? SEND_TAGGED : SEND_PLAIN>(p, n);
     trace_at(p, 0, 1);
-    dispatch_recv(p, n);
+    dispatch_recv<!TAGGED>(p, n);
 }
+extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_dispatch_kernel(LlParams p) { dispatch_one<false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_dispatch_kernel_tagged(LlParams p) { dispatch_one<true>(p); }
 // The combine send is held to two blocks per SM (62 registers for sm_90, no spills; left to
 // itself ptxas takes 82), so a send block leaves room on its SM for another operation's receive.
 extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_send(LlParams p) {

@@ -49,10 +49,13 @@ impl LlKernel {
         }
     }
 
-    /// The `extern "C"` name of its variant for a combine that takes tagged rows
-    /// ([`LlParams::tagged_rows`]): the combine's complete half and one-launch kernel only.
+    /// The `extern "C"` name of its variant for tagged messages: a combine that takes tagged
+    /// rows ([`LlParams::tagged_rows`]; the complete half and the one-launch kernel), a one-launch
+    /// dispatch sent as tagged messages ([`LlParams::sends_tagged`]). The dispatch's two-launch
+    /// kernels handle both forms.
     pub(crate) fn tagged_function_name(self) -> Option<&'static str> {
         match self {
+            LlKernel::DispatchOne => Some("ep_ll_dispatch_kernel_tagged"),
             LlKernel::CombineRecv => Some("ep_ll_combine_recv_tagged"),
             LlKernel::CombineOne => Some("ep_ll_combine_kernel_tagged"),
             _ => None,
