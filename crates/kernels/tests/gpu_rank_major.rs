@@ -83,7 +83,9 @@ fn check_world(
     let config = GroupConfig::low_latency(experts, max_tokens, hidden).with_dispatch_dtype(dtype).with_max_top_k(16);
     let ranks = GpuWorld::create_with(devices, config.clone(), transport.clone()).expect("create GPU group");
     let mut round_no = 0u64;
-    for tokens in [1usize, 7, 128, 256] {
+    // 1 and 7 tokens: every rank's dispatch goes out as tagged messages; 40: the last rank's 21
+    // only (one receive takes both forms); 128 and 256: none.
+    for tokens in [1usize, 7, 40, 128, 256] {
         for top_k in [1usize, 4, 8, 10, 16] {
             let kinds: &[RoutingKind] = if tokens == 128 && top_k == 4 {
                 &[RoutingKind::Uniform, RoutingKind::SingleRank(1 % devices.len()), RoutingKind::Skewed]
@@ -238,6 +240,34 @@ fn rank_major_many_staged_iterations_with_fresh_routing() {
         start.elapsed().as_secs_f64()
     );
     assert!(mismatches.iter().all(|&m| m == 0), "{mismatches:?}");
+}
+
+/// Tagged dispatch messages and combine rows carry the operation's number as a 32-bit tag, which
+/// wraps every 2^32 operations of a channel (`sends_tagged` and `op_tag` in `ll.cu`: the last
+/// operations of a buffer set before the wrap clear its tagged dispatch area). Every rank is
+/// renumbered to just below the wrap, then rounds cross it: both layouts, synchronous and staged,
+/// every dispatch and combine tagged, against the reference bit for bit.
+#[test]
+fn tagged_messages_across_the_tag_wrap() {
+    let Some(devices) = gpus(2, "tagged_messages_across_the_tag_wrap") else { return };
+    let config = GroupConfig::low_latency(64, 32, 2048);
+    let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+    let start = (1u64 << 32) - 6;
+    on_ranks(&ranks, |rank| rank.renumber_operations(start).expect("renumber"));
+    let base = seed();
+    eprintln!("tagged_messages_across_the_tag_wrap: operations {start}.., seed {base}");
+    for i in 0..16u64 {
+        let layout = if i % 2 == 0 { Layout::RankMajor } else { Layout::ExpertMajor };
+        // At most 32 tokens: tagged dispatches; K = 4 on 2 ranks: tagged combines up to 16 tokens.
+        let per_rank = [1 + (i as usize * 5) % 16, 1 + (i as usize * 3) % 16];
+        let sc = Scenario::generate(config.clone(), 2, &per_rank, 4, RoutingKind::Uniform, 3, base.wrapping_add(i));
+        let staged = i % 3 == 0;
+        for (d, c) in on_ranks(&ranks, |rank| round(rank, &sc, layout, staged).expect("round")) {
+            let what = format!("round {i} (operation {}) {} staged={staged}", start + i, layout.name());
+            assert!(d.ok() && d.checked > 0, "{what}: {d:?}");
+            assert!(c.ok(), "{what}: {c:?}");
+        }
+    }
 }
 
 /// Rank-major combine of identity experts for rank `r`, computed from its own inputs: per token,

@@ -85,21 +85,38 @@ impl GpuRank {
     /// numbers and resets the credits and the mask; the host then numbers from there.
     pub(super) fn unmask_all_now(&self) -> Result<(), Error> {
         self.check_masking("unmask_all")?;
+        let next = Channel::ALL.map(|c| self.core.peek_seq(c));
+        self.meet_and_renumber(next, "unmask_all")
+    }
+
+    /// Test support for the low-latency tagged areas, whose 32-bit tags wrap every 2^32
+    /// operations of a channel (`sends_tagged` in `ll.cu`): moves every channel of the group to
+    /// operation number `next`, through `unmask_all`'s meeting on the device. Every rank calls
+    /// it with the same `next`, with no operation in flight and before any handle exists; a
+    /// number below a channel's current one leaves that channel where it is.
+    #[doc(hidden)]
+    pub fn renumber_operations(&self, next: u64) -> Result<(), Error> {
+        self.meet_and_renumber([next; 3], "renumber_operations")
+    }
+
+    /// `ep_mask_rejoin` with this rank's proposed next numbers `next` (every rank takes the
+    /// largest), then the host numbers from there.
+    fn meet_and_renumber(&self, next: [u64; 3], what: &str) -> Result<(), Error> {
         self.core.poison().check()?;
         let s = &self.shared;
         bind(&s.ctx)?;
         for st in &s.streams {
-            st.synchronize().map_err(|e| cuda("wait for operations before unmask_all", e))?;
+            st.synchronize().map_err(|e| cuda(&format!("wait for operations before {what}"), e))?;
         }
         let epoch = self.core.mask_epoch() + 1;
-        let m = MaskParams { epoch, next: Channel::ALL.map(|c| self.core.peek_seq(c)), ..self.mask_params() };
-        self.run_mask_kernel(&s.functions.mask_rejoin, m, "unmask_all")?;
+        let m = MaskParams { epoch, next, ..self.mask_params() };
+        self.run_mask_kernel(&s.functions.mask_rejoin, m, what)?;
         let err = s.mem.status.read_u64(status::ERROR);
         if err & 0xff == status::REJOIN_TIMEOUT {
             let e = Error::Timeout {
-                op: format!("unmask_all #{epoch}"),
+                op: format!("{what} #{epoch}"),
                 rank: s.rank,
-                waiting_for: format!("rank {} to come to unmask_all", (err >> 8) & 0xff),
+                waiting_for: format!("rank {} to come to {what}", (err >> 8) & 0xff),
                 after: s.config.timeout,
             };
             s.poison.poison(e.to_string());
