@@ -449,7 +449,9 @@ impl LlLayout {
     /// Device bytes of the whole group on one rank (every set), excluding handles.
     pub(crate) fn total_bytes(&self) -> usize {
         let per_set = self.dispatch_recv_set_bytes()
+            + self.dispatch_tagged_set_bytes()
             + self.combine_recv_set_bytes()
+            + self.combine_tagged_set_bytes()
             + self.dispatch_out_bytes()
             + self.dispatch_scales_bytes()
             + self.counts_len() * 4
@@ -483,6 +485,20 @@ mod tests {
         .unwrap();
         assert_eq!(fp8.msg_bytes, 128 + 7168 + 224);
         assert!(fp8.total_bytes() < l.total_bytes());
+    }
+
+    #[test]
+    fn group_memory_counts_the_tagged_areas_and_stays_within_1_gb_at_the_issue_config() {
+        // Issue 15: at most 1.0 GB per rank at 128 tokens on 2 ranks (H=7168, E=256, K=8).
+        let config = GroupConfig::low_latency(256, 128, 7168).with_max_top_k(8);
+        let l = LlLayout::new(&config, 2).unwrap();
+        let layout = Layout::Ll(l);
+        let tagged = (l.dispatch_tagged_set_bytes() + l.combine_tagged_set_bytes()) * l.sets;
+        assert_eq!(l.dispatch_tagged_set_bytes(), 32 * 2 * 2 * (128 + 14336));
+        assert_eq!(l.combine_tagged_set_bytes(), 32 * 2 * 7168 * 4);
+        assert!(layout.dispatch_recv_bytes() + layout.combine_recv_bytes() < l.total_bytes());
+        assert!(l.total_bytes() > tagged);
+        assert!(l.total_bytes() <= 1_000_000_000, "{} B", l.total_bytes());
     }
 
     #[test]
