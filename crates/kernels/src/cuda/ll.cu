@@ -1110,10 +1110,12 @@ __device__ void land_tagged(const LlParams& p, const OpNum& n, u32 skip, const i
     const int units = p.rank_major ? 7 : 3;  // 16-byte units of the header the sender wrote
     char* recv = reinterpret_cast<char*>(p.own_recv) + (size_t)n.set * p.recv_set_bytes;
     bool ok = true;
-    for (int s = 0; s < p.num_ranks; s++) {
+    int s = 0;  // the source whose message did not come, once !ok
+    for (; s < p.num_ranks; s++) {
         const int tokens = tagged_tokens[s];
         if (tokens < 0 || ((skip >> s) & 1u)) continue;
-        for (int item = blockIdx.x * nwarps + (threadIdx.x >> 5); ok && item < tokens * 4; item += gridDim.x * nwarps) {
+        const int first = blockIdx.x * nwarps + (threadIdx.x >> 5);
+        for (int item = first; ok && item < tokens * 4; item += gridDim.x * nwarps) {
             const int t = item / 4, q = item % 4;
             const char* msg = tagged_msg(p, p.own_recv, n.set, s, t);
             char* plain = recv + ((size_t)s * M + t) * p.msg_bytes;
@@ -1132,18 +1134,20 @@ __device__ void land_tagged(const LlParams& p, const OpNum& n, u32 skip, const i
             ok = __all_sync(EP_FULL_MASK, ok);
             if (!ok || !__any_sync(EP_FULL_MASK, mine)) continue;
             const size_t v0 = vecs * q / 4, v1 = vecs * (q + 1) / 4;
-            ok = warp_copy_untag(plain + EP_HDR_BYTES + v0 * 16, msg + 2 * EP_HDR_BYTES + v0 * 32, (v1 - v0) * 16, lane,
-                                 tag, deadline);
+            ok = warp_copy_untag(plain + EP_HDR_BYTES + v0 * 16, msg + 2 * EP_HDR_BYTES + v0 * 32, (v1 - v0) * 16,
+                                 lane, tag, deadline);
             ok = __all_sync(EP_FULL_MASK, ok);
         }
         if (!ok) break;
     }
     if (!ok && lane == 0) {
-        report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, p.rank, n.seq);
+        report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, s, n.seq);
         mark_step_failed(p, 0);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
+        // A block that gave up on a message (reported above) still comes; this wait ends at the
+        // deadline only if one of this grid's blocks gave up before the receive.
         u64* met = sig_at(reinterpret_cast<u64*>(p.signals), EP_SIG_DONE, n.set, EP_DONE_LANDED);
         atom_add_acq_rel_gpu(met, 1);
         while (ld_acquire_sys(met) < (u64)gridDim.x) {
