@@ -948,8 +948,11 @@ __device__ __forceinline__ void dispatch_recv_tasks(const LlParams& p, const OpN
         if (chunk + (int)threadIdx.x < span) {
             const int s = slot / M;
             MsgHead h;
-            const bool sent = slot_head(p, n, recv, slot, TAGGED ? tagged_tokens[s] : -1, tag_deadline, &h);
-            if (!((skip >> s) & 1u) && sent) {
+            // A skipped source's tagged messages are not waited for (a cancelled one sends none).
+            const bool skipped = (skip >> s) & 1u;
+            const int tokens = TAGGED && !skipped ? tagged_tokens[s] : -1;
+            const bool sent = slot_head(p, n, recv, slot, tokens, tag_deadline, &h);
+            if (!skipped && sent) {
                 // Rank-major: the slot's first local entry; expert-major: the entry naming
                 // expert `le` (top-k entries name distinct experts).
                 k_sel = __ffs(head_entries(h, K, rm, le)) - 1;
