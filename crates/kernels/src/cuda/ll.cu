@@ -128,6 +128,14 @@ __device__ __forceinline__ void mark_step_failed(const LlParams& p, int chan) {
     if (p.seq_base) atomicExch(step_failed_flag(p, chan), 1ull);
 }
 
+// Tagged data (a dispatch message, a combine row, or a block of `land_tagged`'s meeting) that
+// never came by the deadline, from `src`: reported like a missing arrival, the captured step
+// marked failed.
+__device__ __forceinline__ void report_lost(const LlParams& p, const OpNum& n, int chan, int src) {
+    report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, src, n.seq);
+    mark_step_failed(p, chan);
+}
+
 __device__ __forceinline__ bool via_nccl(const LlParams& p, int r) { return (p.nccl_mask >> r) & 1; }
 
 // Rank masking (epflow_core::mask): this rank's mask word (0 without masking).
@@ -859,8 +867,7 @@ __device__ __forceinline__ bool slot_head(const LlParams& p, const OpNum& n, con
     const int s = slot / p.max_tokens, t = slot % p.max_tokens;
     if (t >= tokens) return false;
     if (load_head_tagged(tagged_msg(p, p.own_recv, n.set, s, t), p.top_k, op_tag(n.seq), deadline, h)) return true;
-    report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, s, n.seq);
-    mark_step_failed(p, 0);
+    report_lost(p, n, 0, s);
     return false;
 }
 
@@ -911,10 +918,7 @@ __device__ __forceinline__ bool copy_tagged_piece(const LlParams& p, const OpNum
             dst[c] = __uint_as_float(v);
         }
     }
-    if (!ok) {
-        report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, s, n.seq);
-        mark_step_failed(p, 0);
-    }
+    if (!ok) report_lost(p, n, 0, s);
     return ok;
 }
 
@@ -1144,8 +1148,7 @@ __device__ void land_tagged(const LlParams& p, const OpNum& n, u32 skip, const i
         if (!ok) break;
     }
     if (!ok && lane == 0) {
-        report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, s, n.seq);
-        mark_step_failed(p, 0);
+        report_lost(p, n, 0, s);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -1155,8 +1158,7 @@ __device__ void land_tagged(const LlParams& p, const OpNum& n, u32 skip, const i
         atom_add_acq_rel_gpu(met, 1);
         while (ld_acquire_sys(met) < (u64)gridDim.x) {
             if (globaltimer_ns() > deadline) {
-                report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, p.rank, n.seq);
-                mark_step_failed(p, 0);
+                report_lost(p, n, 0, p.rank);
                 break;
             }
         }
@@ -1372,8 +1374,7 @@ __device__ bool combine_rows_tagged(const LlParams& p, const OpNum& n, int t, in
                     const u64 now = globaltimer_ns();
                     if (deadline == 0) deadline = now + p.timeout_ns;
                     if (now > deadline) {
-                        report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, src[j], n.seq);
-                        mark_step_failed(p, 1);
+                        report_lost(p, n, 1, src[j]);
                         return false;
                     }
                     lo[j] = ld_volatile_int4(at[j]);
