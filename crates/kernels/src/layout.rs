@@ -32,6 +32,21 @@ impl Layout {
         })
     }
 
+    /// The layout for a group whose high-throughput dispatches write rows straight into the
+    /// receivers' outputs (`direct`: every rank in one process, none over NCCL;
+    /// `EPFLOW_HT_DIRECT=0` turns it off): [`HtLayout::direct`], and its sending warps per peer.
+    pub(crate) fn with_direct_dispatch(self, direct: bool) -> Self {
+        match self {
+            Layout::Ht(h) if direct && h.rings => Layout::Ht(HtLayout {
+                direct: true,
+                warps_per_dest: ht_tuning("DISPATCH_WARPS", 1, max_dispatch_warps(h.num_ranks))
+                    .unwrap_or_else(|| dispatch_send_warps(h.num_ranks, h.channels, true)),
+                ..h
+            }),
+            other => other,
+        }
+    }
+
     /// The layout for a group whose ranks reach some peers through NCCL (`any_nccl`):
     /// high-throughput then runs every exchange over NCCL, so its NVLink rings are not
     /// allocated. Low-latency mixes both per peer and keeps its buffers.
@@ -111,17 +126,25 @@ pub(crate) const HT_COMBINE_ITEMS_PER_FENCE: usize = 2;
 /// Items a receiving block takes from one ring per round (dispatch), and tokens it combines per
 /// round (combine); at most the ring depth.
 pub(crate) const HT_BATCH: usize = 16;
+/// Direct dispatch (rows written into the receiver's outputs, [`HtLayout::direct`]) is used for a
+/// (source, channel) pair carrying at least this many rows; fewer go through the ring, which
+/// needs no round trip before the first row (the sender waits for the receiver's addresses).
+/// 2 x H200, 132 SMs (benches/NOTES.md item 77): 4096 tokens (~60 rows per pair) 187-192 against
+/// 198-202 us through the rings; 1 token, every pair direct, 22.3 against 17.6-18.0 us.
+pub(crate) const HT_DIRECT_MIN_ROWS: usize = 8;
 
 /// Sending warps per remote destination of a high-throughput dispatch on `num_ranks` ranks with
-/// `channels` channels: `16 / R`, except 6 on 2 ranks with 64 channels (128 SMs) or more; the
-/// rest of the block's 16 warps (`16 - W (R - 1)`, at least `16 / R`) copy this rank's own rows
-/// (HBM to HBM, no ring). Measured on 2 x H200 at 4096 tokens (benches/NOTES.md items 37 and
-/// 60): 12 warps to the peer instead of 8 made the dispatch slower (244 against 218 us at 64
-/// SMs): more warps per ring wait longer for its in-order ready prefix; at 132 SMs 6 warps are
-/// faster than 8 (196-198 against 204-205 us BF16, 118.5-119.1 against 121.9-124.9 FP8), at 64
-/// SMs level (BF16) or slower (FP8), 4 slower at both.
-pub(crate) fn dispatch_send_warps(num_ranks: usize, channels: usize) -> usize {
-    if num_ranks == 2 && channels >= 64 {
+/// `channels` channels: `16 / R`, except 6 on 2 ranks with 64 channels (128 SMs) or more, or with
+/// direct dispatch (`direct`); the rest of the block's 16 warps (`16 - W (R - 1)`, at least
+/// `16 / R`) copy this rank's own rows (HBM to HBM, no ring). Measured on 2 x H200 at 4096 tokens
+/// (benches/NOTES.md items 37, 60 and 77): 12 warps to the peer instead of 8 made the dispatch
+/// slower (244 against 218 us at 64 SMs): more warps per ring wait longer for its in-order ready
+/// prefix; at 132 SMs 6 warps are faster than 8 (196-198 against 204-205 us BF16, 118.5-119.1
+/// against 121.9-124.9 FP8), at 64 SMs level (BF16) or slower (FP8), 4 slower at both. Direct,
+/// at 64 SMs 6 warps 195-197 against 8 warps 205-206 us; at 132 SMs 4, 6 and 8 level (189-191),
+/// 10 192, 12 201.
+pub(crate) fn dispatch_send_warps(num_ranks: usize, channels: usize, direct: bool) -> usize {
+    if num_ranks == 2 && (channels >= 64 || direct) {
         return 6;
     }
     (HT_MAX_WARPS / num_ranks.max(1)).max(1)
@@ -141,8 +164,9 @@ pub(crate) fn combine_send_warps(num_ranks: usize) -> usize {
 /// depth), `EPFLOW_HT_DISPATCH_ITEMS_PER_FENCE` and `EPFLOW_HT_COMBINE_ITEMS_PER_FENCE` (items
 /// a sending warp writes per fence, at most what fits in the ring), `EPFLOW_HT_DISPATCH_WARPS`
 /// and `EPFLOW_HT_COMBINE_WARPS` (sending warps per remote destination, at most what the
-/// block's 16 leave: one own-copy warp for a dispatch). Every rank of a group must set the same
-/// values.
+/// block's 16 leave: one own-copy warp for a dispatch), `EPFLOW_HT_DIRECT_MIN_ROWS` (the rows of a
+/// (source, channel) pair from which a dispatch writes them directly, at least 1). Every rank of
+/// a group must set the same values.
 pub(crate) fn ht_tuning(name: &str, lo: usize, hi: usize) -> Option<usize> {
     let v: usize = std::env::var(format!("EPFLOW_HT_{name}")).ok()?.trim().parse().ok()?;
     Some(v.clamp(lo, hi.max(lo)))
@@ -192,6 +216,12 @@ pub(crate) struct HtLayout {
     /// Sending warps per remote destination of a combine (the receiver reads this rank's own
     /// rows in place, so no warp copies them): [`combine_send_warps`].
     pub combine_warps_per_dest: usize,
+    /// Whether dispatches write rows straight into the receivers' outputs (`direct` in
+    /// `ht.cu`; [`Layout::with_direct_dispatch`]): the same on every rank.
+    pub direct: bool,
+    /// Rows of a (source, channel) pair from which a direct dispatch writes them into the
+    /// receiver's outputs: [`HT_DIRECT_MIN_ROWS`].
+    pub direct_min_rows: usize,
     /// Byte offset of the FP8 scales in a slot.
     pub off_scales: usize,
     /// Byte offset of the top-k weights in a slot.
@@ -234,9 +264,11 @@ impl HtLayout {
             combine_items_per_fence: ht_tuning("COMBINE_ITEMS_PER_FENCE", 1, depth)
                 .unwrap_or(HT_COMBINE_ITEMS_PER_FENCE),
             warps_per_dest: ht_tuning("DISPATCH_WARPS", 1, max_dispatch_warps(num_ranks))
-                .unwrap_or_else(|| dispatch_send_warps(num_ranks, channels)),
+                .unwrap_or_else(|| dispatch_send_warps(num_ranks, channels, false)),
             combine_warps_per_dest: ht_tuning("COMBINE_WARPS", 1, max_combine_warps(num_ranks))
                 .unwrap_or_else(|| combine_send_warps(num_ranks)),
+            direct: false,
+            direct_min_rows: ht_tuning("DIRECT_MIN_ROWS", 1, i32::MAX as usize).unwrap_or(HT_DIRECT_MIN_ROWS),
             off_scales,
             off_weights,
             off_idx,
@@ -531,7 +563,7 @@ mod tests {
         assert_eq!((wide.channels, wide.warps_per_dest, wide.combine_warps_per_dest), (66, 6, 8));
         // Every remote warp count fits the subtail residues, and the warps fit the block.
         for (r, ch) in (1..=MAX_RANKS).flat_map(|r| [(r, 1), (r, 32), (r, HT_MAX_CHANNELS)]) {
-            let (d, c) = (dispatch_send_warps(r, ch), combine_send_warps(r));
+            let (d, c) = (dispatch_send_warps(r, ch, false), combine_send_warps(r));
             assert!(d <= HT_MAX_WARPS && c <= HT_MAX_WARPS, "{r} ranks");
             assert!(r == 1 || (d * (r - 1) < HT_MAX_WARPS && c * (r - 1) <= HT_MAX_WARPS), "{r} ranks");
         }
@@ -552,5 +584,28 @@ mod tests {
         assert!(nccl.total_bytes() < 1 << 20, "{} B", nccl.total_bytes());
         let ll = Layout::new(&GroupConfig::low_latency(256, 128, 7168), 4, H200_SMS).unwrap();
         assert_eq!(ll.for_transport(true), ll);
+    }
+
+    #[test]
+    fn direct_dispatch_needs_the_rings_and_takes_six_warps_on_two_ranks() {
+        let cfg = GroupConfig::high_throughput(256, 7168);
+        let ht = |l: Layout| match l {
+            Layout::Ht(h) => h,
+            Layout::Ll(_) => unreachable!(),
+        };
+        let plain = ht(Layout::new(&cfg, 2, H200_SMS).unwrap());
+        assert!(!plain.direct);
+        assert_eq!((plain.channels, plain.warps_per_dest), (32, 8));
+        let direct = ht(Layout::new(&cfg, 2, H200_SMS).unwrap().with_direct_dispatch(true));
+        assert!(direct.direct);
+        assert_eq!((direct.warps_per_dest, direct.combine_warps_per_dest), (6, 8));
+        assert_eq!(direct.direct_min_rows, HT_DIRECT_MIN_ROWS);
+        // Four ranks keep 16 / R; over NCCL (no rings) nothing is direct; off stays off.
+        assert_eq!(ht(Layout::new(&cfg, 4, H200_SMS).unwrap().with_direct_dispatch(true)).warps_per_dest, 4);
+        let over_nccl = Layout::new(&cfg, 2, H200_SMS).unwrap().for_transport(true).with_direct_dispatch(true);
+        assert!(!ht(over_nccl).direct);
+        assert_eq!(ht(Layout::new(&cfg, 2, H200_SMS).unwrap().with_direct_dispatch(false)), plain);
+        let ll = Layout::new(&GroupConfig::low_latency(256, 128, 7168), 2, H200_SMS).unwrap();
+        assert_eq!(ll.with_direct_dispatch(true), ll);
     }
 }

@@ -15,19 +15,21 @@ use std::time::Instant;
 
 use cudarc::driver::CudaStream;
 use epflow_core::backend::{
-    Backend, blocking_combine, blocking_combine_on, blocking_dispatch, blocking_dispatch_on, blocking_handle,
-    blocking_handle_on,
+    Backend, OpOutput, blocking_combine, blocking_combine_on, blocking_dispatch, blocking_dispatch_on, blocking_handle,
+    blocking_handle_on, run_blocking,
 };
 use epflow_core::ops::{
-    CombineInputs, CombineOptions, CountsLocation, DispatchInputs, DispatchOptions, HandleOptions, Pass, RecvRows,
+    CombineInputs, CombineOptions, CountsLocation, DispatchInputs, DispatchOptions, DispatchOutputs, HandleOptions,
+    Pass, RecvRows,
 };
+use epflow_core::protocol::Channel;
 use epflow_core::reference::{HtDispatchResult, ht_combine, ht_dispatch_backward};
 use epflow_core::scenario::{Scenario, identity_rows};
 use epflow_core::verify::{Report, Tolerance, check_bf16, check_exact, check_ht_dispatch};
 use epflow_core::workload::{RoutingKind, random_weights};
-use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, MaxTokens, bf16};
+use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, MaxTokens, TensorDesc, bf16};
 use epflow_kernels::device::DeviceBuffer;
-use epflow_kernels::{GpuRank, GpuWorld, Transport, device_count};
+use epflow_kernels::{DeviceTensor, GpuHandle, GpuRank, GpuWorld, OutputTargets, Transport, device_count};
 
 mod common;
 use common::{gpus, on_ranks, seed, shared_gpu_sms};
@@ -282,6 +284,96 @@ fn ht_matches_reference_on_1_2_and_4_gpus() {
             base ^ 3,
             &Transport::Auto,
         );
+    }
+}
+
+/// A forward dispatch on `h` into caller memory (each buffer poisoned first), run to its end;
+/// the outputs on the host.
+fn dispatch_into_caller_memory(
+    rank: &GpuRank,
+    h: &GpuHandle,
+    inputs: DispatchInputs<'_, DeviceTensor>,
+) -> Result<DispatchOutputs<HostTensor>, Error> {
+    let opts = DispatchOptions::default();
+    let descs = rank.dispatch_output_descs(h, &opts);
+    let alloc = |d: &TensorDesc| -> Result<DeviceBuffer, Error> {
+        let b = DeviceBuffer::zeroed(rank.context(), d.size_bytes().max(1))?;
+        b.write(0, &vec![0xA5u8; d.size_bytes()])?;
+        Ok(b)
+    };
+    let tokens = alloc(&descs.tokens)?;
+    let scales = descs.scales.as_ref().map(alloc).transpose()?;
+    let weights = descs.topk_weights.as_ref().map(alloc).transpose()?;
+    let idx = descs.topk_idx.as_ref().map(alloc).transpose()?;
+    let into = OutputTargets {
+        tokens: tokens.ptr(),
+        scales: scales.as_ref().map(DeviceBuffer::ptr),
+        topk_weights: weights.as_ref().map(DeviceBuffer::ptr),
+        topk_idx: idx.as_ref().map(DeviceBuffer::ptr),
+        ..OutputTargets::default()
+    };
+    // SAFETY: every address is a buffer of this rank's device holding the tensor its descriptor
+    // describes; the buffers live until this function returns, after the operation completed.
+    let op = unsafe { rank.start_dispatch_into(h, inputs, &opts, &into)? };
+    match run_blocking(op, rank.slot_pool(Channel::Dispatch), rank.poison(), rank.config().timeout)? {
+        OpOutput::Dispatch(d) => d.to_host(),
+        _ => Err(Error::Backend("dispatch returned another output".into())),
+    }
+}
+
+/// Direct dispatch (one process: sources write rows straight into a receiver's own outputs)
+/// beside receivers whose outputs are in caller memory (their sources fall back to the rings),
+/// in one group and in turn (each rank's outputs in caller memory or not, operation after
+/// operation, so ring positions run on across both paths): rows, scales, weights, indices and
+/// counts against the reference, bit for bit.
+#[test]
+fn ht_direct_and_ring_receivers_in_one_group() {
+    let Some(devices) = gpus(2, "ht_direct_and_ring_receivers_in_one_group") else { return };
+    let base = seed();
+    eprintln!("seed {base}");
+    for dtype in [DispatchDtype::Bf16, DispatchDtype::Fp8 { round_scales: false }] {
+        let config =
+            GroupConfig::high_throughput(256, 7168).with_dispatch_dtype(dtype).with_max_sms(shared_gpu_sms(&devices));
+        let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+        let cases = [(4096, RoutingKind::Uniform), (100, RoutingKind::Skewed), (1, RoutingKind::Uniform)];
+        for (i, &(tokens, kind)) in cases.iter().enumerate() {
+            // Bit r: rank r's outputs are in caller memory.
+            for caller in [0b01u32, 0b10, 0b11, 0b00, 0b01] {
+                let s = base.wrapping_add((i * 8 + caller as usize) as u64 * 7919);
+                let sc = Scenario::generate(config.clone(), 2, &[tokens, tokens / 2 + 1], 8, kind, tokens.min(10), s);
+                let want = sc.ht_dispatch_reference().unwrap();
+                let reports = on_ranks(&ranks, |rank| {
+                    let r = rank.rank();
+                    rank.fill_output_buffers(0xA5).expect("poison");
+                    let idx = rank.upload(&sc.topk_idx(r)).expect("upload");
+                    let h = blocking_handle(rank, &idx).expect("handle");
+                    let fwd = ForwardInputs::upload(rank, &sc).expect("inputs");
+                    let host = if caller >> r & 1 == 1 {
+                        dispatch_into_caller_memory(rank, &h, fwd.inputs())
+                    } else {
+                        blocking_dispatch(rank, &h, fwd.inputs(), &DispatchOptions::default(), false)
+                            .and_then(|o| o.to_host())
+                    }
+                    .expect("dispatch");
+                    check_ht_dispatch(
+                        &want[r],
+                        host.tokens.data(),
+                        host.scales.as_ref().and_then(HostTensor::as_f32),
+                        host.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap_or_default(),
+                        host.topk_idx.as_ref().and_then(HostTensor::as_i64).unwrap_or_default(),
+                        host.counts.as_ref().and_then(HostTensor::as_i32).unwrap_or_default(),
+                    )
+                    .context(&format!("rank {r}"))
+                });
+                for rep in reports {
+                    assert!(
+                        rep.ok(),
+                        "{dtype:?} tokens={tokens} {kind:?} caller memory mask {caller:#b} seed={s}: {rep:?}"
+                    );
+                }
+            }
+            eprintln!("ok: {dtype:?} tokens={tokens} {kind:?}");
+        }
     }
 }
 

@@ -19,6 +19,16 @@
 // Dispatch: items are the copies (token, destination) of the channel, written into the output
 // rows [recv_base[source][c], + recv_cnt[source][c]) of the receiver in order. Copies to this
 // rank itself are written straight to the output by the sender warps.
+// Direct dispatch (`direct` > 0: ranks of one process, whose peers' memory every rank
+// addresses), for a (source, channel) pair of at least `direct` rows (both sides know the count
+// from the handle): the receiving block of channel c first tells the source where its rows go
+// (`ht_direct`: the addresses of its first output row, scales, weights and indices, then the
+// operation number), and the source writes its rows there instead of into the ring: no ring space
+// to wait for, and no copy out of the ring. Its warps still publish their final subtails, which
+// is what the receiver waits for, and the receiver still returns the ring positions (head), so
+// the rings' numbering goes on as if the items had passed through them. A receiver whose
+// outputs peers may not reach (`direct_out` 0: caller memory, a buffer allocated for this
+// operation) or that was cancelled publishes a null address: that source uses the ring.
 // Combine (the reverse): the expert side sends those rows back; the token side's receiver walks
 // its channel's tokens in order, summing each token's copies in ascending destination rank
 // (fp32, from 0, rounded to BF16 once), copies on this rank read directly from the expert output.
@@ -66,9 +76,12 @@ struct HtParams {
     int chan, row_bytes, off_scales, off_weights;
     int off_idx, tokens_per_channel, batch, items_per_fence;
     u64 stamp;        // what every rank must agree on (epflow_core::stamp), checked per source
+    int direct;       // dispatch: 0, or the rows of a (source, channel) pair from which the group writes them
+                      // into the receiver's outputs (the same on every rank)
+    int direct_out;   // dispatch with `direct`: this rank's outputs take direct writes in this operation
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
-static_assert(sizeof(HtParams) == 376, "HtParams layout");
+static_assert(sizeof(HtParams) == 384, "HtParams layout");
 
 // Ring counters, after the arrays of the signal page: subtail [chan][c][peer][residue] (written by
 // the peer), head [chan][c][peer] (written by the peer), and this rank's own positions,
@@ -90,6 +103,15 @@ __device__ __forceinline__ u64* ht_prod(u64* page, int chan, int c, int peer, u6
 __device__ __forceinline__ u64* ht_cons(u64* page, int chan, int c, int peer, u64 parity) {
     return page + EP_SIG_ARRAY_WORDS + HT_SUBTAIL_WORDS + 3 * HT_PEER_WORDS +
            (((size_t)chan * HT_MAX_CHANNELS + c) * EP_MAX_RANKS + peer) * 2 + (parity & 1);
+}
+
+// Direct dispatch: what the receiver of channel c tells source `peer` (in the source's page):
+// [0] the operation number + 1 (released last), [1] the address of the source's first output row
+// (0: use the ring), [2] of its first row's scales, [3] weights, [4] indices.
+#define HT_DIRECT_SLOT 8
+__device__ __forceinline__ u64* ht_direct(u64* page, int c, int peer) {
+    return page + EP_SIG_ARRAY_WORDS + HT_SUBTAIL_WORDS + 5 * HT_PEER_WORDS +
+           ((size_t)c * EP_MAX_RANKS + peer) * HT_DIRECT_SLOT;
 }
 
 __device__ __forceinline__ char* ht_slot(u64 ring_base, const HtParams& p, int c, int src, u64 g) {
@@ -222,6 +244,62 @@ __device__ __forceinline__ HtSendRole ht_send_role(const HtParams& p, int warp) 
     return {q < p.rank ? q : q + 1, (warp - own) % W, W};
 }
 
+// Direct dispatch, one sending warp of destination `dest` (see the top of the file): waits for
+// the receiver's addresses, writes the warp's rows i = j, j + W, ... of `list` (`n` rows, the
+// first at ring position `pos0`) there, then publishes the warp's final subtail. False, having
+// written nothing, when the receiver asked for the ring instead.
+__device__ bool ht_send_direct(const HtParams& p, int c, int dest, int j, int W, int n, u64 pos0, const int* list) {
+    const int lane = threadIdx.x & 31;
+    u64* sig = reinterpret_cast<u64*>(p.signals);
+    const u64* slot = ht_direct(sig, c, dest);
+    u64 addr[4] = {0, 0, 0, 0};
+    int fail = 0;
+    if (lane == 0) {
+        const u64* abort = sig_at(sig, EP_SIG_ABORT(p.chan), (int)(p.seq & 1), dest);
+        const u64 deadline = globaltimer_ns() + p.timeout_ns;
+        while (ld_acquire_sys(slot) != p.seq + 1) {
+            if (ld_acquire_sys(abort) == p.seq + 1) {
+                fail = 1;  // the receiver skips this rank's rows (a mismatch it reported)
+                break;
+            }
+            if (globaltimer_ns() > deadline) {
+                report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_RING, dest, p.seq);
+                fail = 1;
+                break;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) addr[u] = fail ? 0 : ld_acquire_sys(slot + 1 + u);
+    }
+    if (__shfl_sync(EP_FULL_MASK, fail, 0)) return true;
+#pragma unroll
+    for (int u = 0; u < 4; u++) addr[u] = __shfl_sync(EP_FULL_MASK, addr[u], 0);
+    if (addr[0] == 0) return false;
+    const int cols = p.hidden / 128, K = p.top_k;
+    for (int i = j; i < n; i += W) {
+        const int t = list[i];
+        warp_copy_n<8>(reinterpret_cast<char*>(addr[0]) + (size_t)i * p.row_bytes,
+                       reinterpret_cast<const char*>(p.x) + (size_t)t * p.row_bytes, p.row_bytes, lane);
+        if (p.fp8) {
+            ht_copy_scales(reinterpret_cast<float*>(addr[1]) + (size_t)i * cols,
+                           reinterpret_cast<const float*>(p.x_scales) + (size_t)t * cols, cols, lane);
+        }
+        if (!p.backward) {
+            ht_copy_meta(p, t, dest, lane, reinterpret_cast<float*>(addr[2]) + (size_t)i * K, nullptr,
+                         reinterpret_cast<long long*>(addr[3]) + (size_t)i * K);
+        }
+    }
+    __threadfence_system();
+    __syncwarp();
+    if (lane == 0) {
+        // Every item of residue r below the end counts as written (the cancelled sender's rule).
+        const u64 r = (pos0 + (u64)j) % (u64)W, end = pos0 + (u64)n;
+        st_release_sys(ht_subtail(reinterpret_cast<u64*>(p.peer_signals[dest]), p.chan, c, p.rank, (int)r),
+                       (end + (u64)W - 1 - r) / (u64)W);
+    }
+    return true;
+}
+
 // One sending warp: the items of its destination `dest` with op-local index i = j, j + W, ...
 // DISPATCH: the dispatch kernel's (p.chan == 0), a compile-time choice, so that neither kernel
 // carries the other's copy loop in its registers.
@@ -270,6 +348,7 @@ __device__ void ht_send(const HtParams& p, int c) {
         if (lane == 0) st_release_sys(ht_subtail(peer_sig, p.chan, c, p.rank, (int)r), (end + (u64)W - 1 - r) / (u64)W);
         return;
     }
+    if (DISPATCH && p.direct > 0 && n >= p.direct && ht_send_direct(p, c, dest, j, W, n, pos0, list)) return;
     const u64* head = ht_head(sig, p.chan, c, dest);
     const u64 deadline = globaltimer_ns() + p.timeout_ns;
     const int K = p.top_k, U = p.items_per_fence;
@@ -332,10 +411,14 @@ __device__ void ht_dispatch_recv(const HtParams& p, int c) {
     __shared__ u64 pos[EP_MAX_RANKS];
     __shared__ int left[EP_MAX_RANKS], take[EP_MAX_RANKS], base[EP_MAX_RANKS], done[EP_MAX_RANKS];
     __shared__ int round_items, any_left;
+    __shared__ u32 direct;  // sources writing their rows straight into this rank's outputs
     if (!ht_wait_starts(p, &cancelled, &mismatched, &failed)) return;
     const int R = p.num_ranks, C = p.channels, K = p.top_k;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u64* sig = reinterpret_cast<u64*>(p.signals);
+    const int cols = p.hidden / 128;
+    if (threadIdx.x == 0) direct = 0u;
+    __syncthreads();
     if ((int)threadIdx.x < R) {
         const int s = threadIdx.x;
         const int cnt = s == p.rank ? 0 : reinterpret_cast<const int*>(p.recv_cnt)[s * C + c];
@@ -344,10 +427,22 @@ __device__ void ht_dispatch_recv(const HtParams& p, int c) {
         left[s] = cnt;
         base[s] = reinterpret_cast<const int*>(p.recv_base)[s * C + c];
         done[s] = 0;
+        if (p.direct > 0 && cnt >= p.direct && !((cancelled >> s) & 1u)) {
+            // Where source s's rows of this channel go (null: into the ring). With a direct
+            // source, this block only waits for its subtails.
+            const bool d = p.direct_out != 0;
+            u64* slot = ht_direct(reinterpret_cast<u64*>(p.peer_signals[s]), c, p.rank);
+            const u64 row0 = (u64)base[s];
+            slot[1] = d ? p.out + row0 * (u64)p.row_bytes : 0;
+            slot[2] = d && p.fp8 ? p.out_scales + row0 * (u64)cols * 4 : 0;
+            slot[3] = d && !p.backward ? p.out_weights + row0 * (u64)K * 4 : 0;
+            slot[4] = d && !p.backward ? p.out_idx + row0 * (u64)K * 8 : 0;
+            st_release_sys(slot, p.seq + 1);
+            if (d) atomicOr(&direct, 1u << s);
+        }
     }
     __syncthreads();
     const u64 deadline = globaltimer_ns() + p.timeout_ns;
-    const int cols = p.hidden / 128;
     while (true) {
         if ((int)threadIdx.x < R) {
             const int s = threadIdx.x;
@@ -359,7 +454,7 @@ __device__ void ht_dispatch_recv(const HtParams& p, int c) {
                     const u64 end = ht_ready_end(p, c, s);
                     const u64 at = pos[s] + (u64)done[s];
                     const u64 avail = end > at ? end - at : 0;
-                    const u64 cap = (u64)min(left[s], p.batch);
+                    const u64 cap = (u64)((direct >> s) & 1u ? left[s] : min(left[s], p.batch));
                     t = (int)(avail < cap ? avail : cap);
                 }
             }
@@ -390,7 +485,7 @@ __device__ void ht_dispatch_recv(const HtParams& p, int c) {
                     k -= take[s];
                     s++;
                 }
-                if ((cancelled >> s) & 1u) continue;
+                if (((cancelled | direct) >> s) & 1u) continue;
                 const u64 g = pos[s] + (u64)done[s] + (u64)k;
                 const size_t row = (size_t)base[s] + done[s] + k;
                 const char* slot = ht_slot(p.own_ring, p, c, s, g);

@@ -34,6 +34,8 @@ pub(crate) struct OutputCache {
 #[derive(Debug)]
 pub(crate) struct CachedBuffer {
     buf: Option<DeviceBuffer>,
+    /// Allocated by this `take` (not reused).
+    fresh: bool,
     /// The previous readers' fences: writers of this buffer wait for them.
     fences: Vec<Arc<CudaEvent>>,
     consumers: Consumers,
@@ -49,11 +51,12 @@ impl OutputCache {
 
     /// The smallest free buffer of at least `bytes`, or a new one (rounded up to 2 MiB).
     pub(crate) fn take(self: &Arc<Self>, bytes: usize) -> Result<CachedBuffer, Error> {
-        let (buf, fences) = match take_smallest(&self.free, bytes, |(b, _)| b.bytes()) {
-            Some(f) => f,
-            None => (DeviceBuffer::zeroed(&self.ctx, bytes.max(1).next_multiple_of(GRANULE))?, Vec::new()),
+        let ((buf, fences), fresh) = match take_smallest(&self.free, bytes, |(b, _)| b.bytes()) {
+            Some(f) => (f, false),
+            None => ((DeviceBuffer::zeroed(&self.ctx, bytes.max(1).next_multiple_of(GRANULE))?, Vec::new()), true),
         };
-        Ok(CachedBuffer { buf: Some(buf), fences, consumers: Consumers::new(&self.events), cache: Arc::clone(self) })
+        let consumers = Consumers::new(&self.events);
+        Ok(CachedBuffer { buf: Some(buf), fresh, fences, consumers, cache: Arc::clone(self) })
     }
 }
 
@@ -69,6 +72,11 @@ impl CachedBuffer {
     /// The device address.
     pub(crate) fn ptr(&self) -> u64 {
         self.buf.as_ref().map_or(0, DeviceBuffer::ptr)
+    }
+
+    /// Whether this loan allocated the buffer (it served no earlier operation).
+    pub(crate) fn fresh(&self) -> bool {
+        self.fresh
     }
 
     /// The fences of the buffer's previous readers: work writing it waits for them.

@@ -198,9 +198,16 @@ pub(crate) fn dispatch(
         (descs.topk_weights.clone(), t.topk_weights),
         (descs.topk_idx.clone(), t.topk_idx),
     ];
-    let ([tokens, scales, topk_weights, topk_idx], fill, fences) = output_views(s, outputs, into.is_some())?;
+    let ([tokens, scales, topk_weights, topk_idx], fill, fences, reused) = output_views(s, outputs, into.is_some())?;
     let tokens = tokens.ok_or_else(|| Error::Backend("no token output".into()))?;
     p.out = tokens.ptr();
+    // Direct dispatch (`ht.cu`): peers write this rank's outputs when they are a cached buffer
+    // that served an earlier operation (caller memory may not be reachable from peers, and a
+    // buffer allocated now may be newer than the peers' kernels already running, which
+    // compute-sanitizer flags) and this rank takes the data (not cancelled).
+    let l = s.layout.ht("a high-throughput dispatch")?;
+    p.direct = if l.direct { l.direct_min_rows as i32 } else { 0 };
+    p.direct_out = i32::from(l.direct && reused && inputs.is_some());
     p.out_scales = scales.as_ref().map_or(0, DeviceTensor::ptr);
     p.out_weights = topk_weights.as_ref().map_or(0, DeviceTensor::ptr);
     p.out_idx = topk_idx.as_ref().map_or(0, DeviceTensor::ptr);
@@ -248,7 +255,7 @@ pub(crate) fn combine(
     }
     let t = into.copied().unwrap_or_default();
     let outputs = [(Some(descs.tokens.clone()), Some(t.tokens)), (descs.topk_weights.clone(), t.topk_weights)];
-    let ([tokens, topk_weights], fill, fences) = output_views(s, outputs, into.is_some())?;
+    let ([tokens, topk_weights], fill, fences, _) = output_views(s, outputs, into.is_some())?;
     let tokens = tokens.ok_or_else(|| Error::Backend("no token output".into()))?;
     p.out = tokens.ptr();
     p.out_weights = topk_weights.as_ref().map_or(0, DeviceTensor::ptr);
@@ -270,9 +277,10 @@ fn with_built(mut fences: Vec<Arc<CudaEvent>>, h: &GpuHandle) -> Vec<Arc<CudaEve
     fences
 }
 
-/// Output views (one per output asked for), the bytes to fill with the debug byte (if any), and
-/// the fences the writing kernel waits for.
-type Views<const N: usize> = ([Option<DeviceTensor>; N], Option<(u64, usize)>, Vec<Arc<CudaEvent>>);
+/// Output views (one per output asked for), the bytes to fill with the debug byte (if any), the
+/// fences the writing kernel waits for, and whether they are a cached buffer that served an
+/// earlier operation.
+type Views<const N: usize> = ([Option<DeviceTensor>; N], Option<(u64, usize)>, Vec<Arc<CudaEvent>>, bool);
 
 /// Views of the `outputs` that have a descriptor (each with the caller's address, if any): in
 /// one cached buffer (with the bytes to fill in debug mode and the fences of its previous
@@ -288,7 +296,7 @@ fn output_views<const N: usize>(
     }
     let (present, addrs): (Vec<TensorDesc>, Vec<Option<u64>>) =
         outputs.iter().filter_map(|(d, a)| d.clone().map(|d| (d, *a))).unzip();
-    let (views, fill, fences) = if external {
+    let (views, fill, fences, reused) = if external {
         let keep: Arc<dyn std::any::Any + Send + Sync> = Arc::new(());
         let views = present
             .into_iter()
@@ -299,17 +307,17 @@ fn output_views<const N: usize>(
                 Ok(DeviceTensor::view(ptr, s.device, d, Arc::clone(&keep)))
             })
             .collect::<Result<Vec<_>, Error>>()?;
-        (views, None, Vec::new())
+        (views, None, Vec::new(), false)
     } else {
         let plan = OutputPlan::new(present);
         let buf = s.outputs.take(plan.bytes)?;
-        let fill = (buf.ptr(), plan.bytes);
+        let (fill, reused) = ((buf.ptr(), plan.bytes), !buf.fresh());
         let (views, fences) = plan.views(s, buf);
-        (views, Some(fill), fences)
+        (views, Some(fill), fences, reused)
     };
     let mut views = views.into_iter();
     let slots = std::array::from_fn(|i| outputs[i].0.as_ref().and_then(|_| views.next()));
-    Ok((slots, fill, fences))
+    Ok((slots, fill, fences, reused))
 }
 
 /// The last touches of a high-throughput operation: its NCCL exchange and staging (if any), the
