@@ -42,19 +42,19 @@ pub(crate) fn main(args: &CompileArgs) -> ExitCode {
     let mut failed = false;
     for m in sources::ALL {
         let t = std::time::Instant::now();
+        let files = m.files.iter().map(|(f, _)| *f).collect::<Vec<_>>().join(" + ");
         let compiled = m
             .source_from(overrides.as_deref())
             .and_then(|src| nvrtc::compile_uncached(m.name, &src, &nvrtc::options(&arch, &include)));
         match compiled {
             Ok(cubin) => println!(
-                "compiled {}.cu for {arch}: {} B CUBIN, kernels {:?} ({} ms)",
-                m.name,
+                "compiled {files} for {arch}: {} B CUBIN, kernels {:?} ({} ms)",
                 cubin.len(),
                 m.kernels,
                 t.elapsed().as_millis()
             ),
             Err(e) => {
-                eprintln!("FAILED {}.cu for {arch}: {e}", m.name);
+                eprintln!("FAILED {files} for {arch}: {e}");
                 failed = true;
             }
         }

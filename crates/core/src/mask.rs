@@ -228,7 +228,7 @@ pub fn spread(words: &[SharedMask], ranks: &RankSet) {
 /// Rank `me` gave up waiting for `ranks`: it masks them everywhere ([`spread`]), unless the
 /// group has masked `me` already — a rank that finds itself masked masks no one, so a slow
 /// rank that the survivors gave up on never masks the survivors back. Returns whether it
-/// masked. The rule both backends follow (the GPU kernels' `spread_mask` in `ll.cu`).
+/// masked. The rule both backends follow (the GPU kernels' `spread_mask` in `ll_base.cuh`).
 pub fn detect(words: &[SharedMask], me: usize, ranks: &RankSet) -> bool {
     if words.get(me).is_some_and(|w| w.contains(me)) || ranks.is_empty() {
         return false;

@@ -389,7 +389,7 @@ impl LlLayout {
     /// tagged messages (`2 * msg_bytes`: every 4-byte word as an 8-byte pair {word, tag}) per
     /// source rank. Only tagged messages are written there; a set's tags grow from one operation
     /// to the next, and the operation before the 32-bit tag wraps clears it (see `sends_tagged`
-    /// in `ll.cu`).
+    /// in `ll_tagged.cuh`).
     pub(crate) fn dispatch_tagged_set_bytes(&self) -> usize {
         self.tag_capacity() * self.num_ranks * 2 * self.msg_bytes
     }
@@ -408,7 +408,7 @@ impl LlLayout {
     /// tagged rows of 8-byte pairs of two BF16 channels and a tag (`4 H` bytes): rank-major, a
     /// row per (token, source rank); expert-major, per (token, k) for `tag_capacity() * R / K`
     /// tokens. Only tagged rows are ever written there, and the receiver clears what it read (see
-    /// `EP_TAG_TOKENS` in `ll.cu`).
+    /// `EP_TAG_TOKENS` in `ll_tagged.cuh`).
     pub(crate) fn combine_tagged_set_bytes(&self) -> usize {
         self.tag_capacity() * self.num_ranks * self.hidden * 4
     }
@@ -448,7 +448,7 @@ impl LlLayout {
     /// Per-handle device memory: the `topk_idx` copy `[M x K]` int64, the row map
     /// `[R x M x K]` int32, for NCCL peers the combine pack map `[R x M x K]` and the
     /// combine positions `[M x K]` int32 (see `nccl.rs`), and the return list `[R x M x K]`
-    /// int32 with its per-source counts `[R]` int32 (`ret_list` in `ll.cu`).
+    /// int32 with its per-source counts `[R]` int32 (`ret_list` in `ll_base.cuh`).
     pub(crate) fn handle_bytes(&self) -> usize {
         self.return_count_offset() + self.num_ranks * 4
     }

@@ -1,4 +1,4 @@
-//! The kernels' by-value parameter blocks, mirrored byte for byte from `cuda/ll.cu`,
+//! The kernels' by-value parameter blocks, mirrored byte for byte from `cuda/ll_base.cuh`, `cuda/ll.cu`,
 //! `cuda/ht.cu` and `cuda/nccl.cu`, and the layout of the signal and status pages they share.
 
 use cudarc::driver::DeviceRepr;
@@ -17,7 +17,7 @@ pub(crate) const SIG_ARRAYS: usize = 11;
 /// Words of the arrival pairs and the arrays.
 pub(crate) const SIG_ARRAY_WORDS: usize = ARRIVAL_WORDS + SIG_ARRAYS * MAX_SETS * MAX_RANKS;
 /// Most tokens of a low-latency rank-major combine that may take tagged rows (flags in the
-/// payload, `EP_TAG_TOKENS` in `ll.cu`): the combine receive region has room for that many
+/// payload, `EP_TAG_TOKENS` in `ll_tagged.cuh`): the combine receive region has room for that many
 /// tokens' tagged rows, R per token, per buffer set (see `LlLayout::combine_tagged_set_bytes`);
 /// an expert-major combine fits `LL_TAG_TOKENS * R / K` tokens there. Also the most tokens of a
 /// dispatch sent as tagged messages (`LlLayout::dispatch_tagged_set_bytes`).
@@ -78,7 +78,7 @@ pub(crate) mod status {
     }
 }
 
-/// `struct LlParams` of `ll.cu`.
+/// `struct LlParams` of `ll_base.cuh`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct LlParams {
@@ -140,7 +140,7 @@ pub(crate) struct LlParams {
     /// A captured operation: the step's failure word (mapped host), or 0.
     pub verdict: u64,
     /// A captured dispatch: the caller's `[B x K]` int64 top-k buffer, sanitized row by row by
-    /// the send (`routed_entry` in `ll.cu`); 0 otherwise.
+    /// the send (`routed_entry` in `ll_send.cuh`); 0 otherwise.
     pub topk_src: u64,
     /// A captured dispatch: the handle's report of invalid rows (mapped host).
     pub route_report: u64,
@@ -154,7 +154,7 @@ pub(crate) struct LlParams {
     /// `ret_list[s * M * K..][..count[s]]`.
     pub ret_count: u64,
     /// 1: `EPFLOW_LL_TRACE=1`, the kernels print block 0's phase times every 64th operation
-    /// (`trace_at` in `ll.cu`); a diagnostic.
+    /// (`trace_at` in `ll_base.cuh`); a diagnostic.
     pub trace: i32,
     /// This rank's combine takes tagged rows (flags in the payload) from NVLink peers when it has
     /// at most this many tokens (rank-major) or `tag_tokens * R / K` (expert-major); 0: never;
@@ -162,7 +162,7 @@ pub(crate) struct LlParams {
     /// decides, and tells each destination in its dispatch messages.
     pub tag_tokens: i32,
     /// This rank's dispatch goes out as tagged messages (flags in the payload; `sends_tagged` in
-    /// `ll.cu`) when it has at most this many tokens and no NCCL peer; 0: never; at most
+    /// `ll_tagged.cuh`) when it has at most this many tokens and no NCCL peer; 0: never; at most
     /// `LL_TAG_TOKENS` and `max_tokens`. The sender decides; its arrival word tells each
     /// receiver.
     pub tag_dispatch_tokens: i32,
@@ -191,14 +191,14 @@ pub(crate) struct MaskParams {
 unsafe impl DeviceRepr for MaskParams {}
 
 // SAFETY: `LlParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
-// (checked by the tests below and by a static_assert in ll.cu).
+// (checked by the tests below and by a static_assert in ll_base.cuh).
 unsafe impl DeviceRepr for LlParams {}
 
 impl LlParams {
     /// Whether this rank's operation uses tagged combine rows: its dispatch asks for them, its
     /// combine receives them (then the `_tagged` combine kernels run). Rank-major: at most
     /// `tag_tokens` tokens; expert-major: at most `tag_tokens * R` rows of `K` per token (the
-    /// tagged area's rows). Mirrors `wants_tagged` in `ll.cu` field for field: the two must agree.
+    /// tagged area's rows). Mirrors `wants_tagged` in `ll_tagged.cuh` field for field: the two must agree.
     pub(crate) fn tagged_rows(&self) -> bool {
         if self.nccl_mask != 0 || self.tag_tokens <= 0 {
             return false;
@@ -213,7 +213,7 @@ impl LlParams {
     /// Whether this rank's dispatch goes out as tagged messages (then the one-launch form runs
     /// `ep_ll_dispatch_kernel_tagged`): no NCCL peer, at most `tag_dispatch_tokens` tokens and
     /// at most the tagged area's `min(LL_TAG_TOKENS, max_tokens)`. Mirrors `sends_tagged` in
-    /// `ll.cu` field for field: the two must agree.
+    /// `ll_tagged.cuh` field for field: the two must agree.
     pub(crate) fn sends_tagged(&self) -> bool {
         self.nccl_mask == 0
             && self.tag_dispatch_tokens > 0
@@ -442,9 +442,9 @@ mod tests {
         use crate::compile::sources::{COMMON, HT, LL};
         assert_eq!(define(COMMON, "EP_MAX_RANKS"), MAX_RANKS);
         assert_eq!(define(COMMON, "EP_MAX_SETS"), MAX_SETS);
-        assert_eq!(define(LL.body, "EP_TAG_TOKENS"), LL_TAG_TOKENS);
-        assert_eq!(define(HT.body, "HT_MAX_CHANNELS"), HT_MAX_CHANNELS);
-        assert_eq!(define(HT.body, "HT_MAX_WARPS"), HT_MAX_WARPS);
+        assert_eq!(define(&LL.body(), "EP_TAG_TOKENS"), LL_TAG_TOKENS);
+        assert_eq!(define(&HT.body(), "HT_MAX_CHANNELS"), HT_MAX_CHANNELS);
+        assert_eq!(define(&HT.body(), "HT_MAX_WARPS"), HT_MAX_WARPS);
     }
 
     #[test]

@@ -9,8 +9,9 @@ use epflow_core::Error;
 pub struct KernelModule {
     /// Short name (also the cache file prefix).
     pub name: &'static str,
-    /// The `.cu` file.
-    pub body: &'static str,
+    /// Its files as (file name, text), compiled in this order after `common.cuh` as one unit:
+    /// one `.cu` file, or (low-latency) `.cuh` parts before it.
+    pub files: &'static [(&'static str, &'static str)],
     /// The `extern "C"` kernels it defines.
     pub kernels: &'static [&'static str],
 }
@@ -21,7 +22,14 @@ pub const COMMON: &str = include_str!("../cuda/common.cuh");
 /// Low-latency dispatch and combine.
 pub const LL: KernelModule = KernelModule {
     name: "ll",
-    body: include_str!("../cuda/ll.cu"),
+    files: &[
+        ("ll_base.cuh", include_str!("../cuda/ll_base.cuh")),
+        ("ll_tagged.cuh", include_str!("../cuda/ll_tagged.cuh")),
+        ("ll_send.cuh", include_str!("../cuda/ll_send.cuh")),
+        ("ll_receive.cuh", include_str!("../cuda/ll_receive.cuh")),
+        ("ll_combine.cuh", include_str!("../cuda/ll_combine.cuh")),
+        ("ll.cu", include_str!("../cuda/ll.cu")),
+    ],
     kernels: &[
         "ep_ll_dispatch_send",
         "ep_ll_dispatch_recv",
@@ -42,7 +50,7 @@ pub const LL: KernelModule = KernelModule {
 /// built on the device (plan and receive layout).
 pub const HT: KernelModule = KernelModule {
     name: "ht",
-    body: include_str!("../cuda/ht.cu"),
+    files: &[("ht.cu", include_str!("../cuda/ht.cu"))],
     kernels: &[
         "ep_ht_dispatch_kernel",
         "ep_ht_combine_kernel",
@@ -57,14 +65,14 @@ pub const HT: KernelModule = KernelModule {
 /// The kernels around NCCL's grouped send/recv (the NCCL transport, `nccl.rs`).
 pub const NCCL: KernelModule = KernelModule {
     name: "nccl",
-    body: include_str!("../cuda/nccl.cu"),
+    files: &[("nccl.cu", include_str!("../cuda/nccl.cu"))],
     kernels: &["ep_nccl_ht_pack", "ep_nccl_arrivals", "ep_nccl_ht_reduce"],
 };
 
 /// Small utilities (FP8 dequantization; a spin kernel that holds a stream, for tests).
 pub const UTIL: KernelModule = KernelModule {
     name: "util",
-    body: include_str!("../cuda/util.cu"),
+    files: &[("util.cu", include_str!("../cuda/util.cu"))],
     kernels: &["ep_dequant_fp8_rows", "ep_spin", "ep_sm_copy"],
 };
 
@@ -72,14 +80,19 @@ pub const UTIL: KernelModule = KernelModule {
 pub const ALL: &[KernelModule] = &[LL, HT, NCCL, UTIL];
 
 impl KernelModule {
-    /// The full source NVRTC compiles: the common helpers, then the module.
-    pub fn source(&self) -> String {
-        format!("{COMMON}\n{}", self.body)
+    /// The module's own text: its files, in order.
+    pub fn body(&self) -> String {
+        self.files.iter().map(|(_, text)| *text).collect()
     }
 
-    /// The source as [`KernelModule::source`], with `dir/common.cuh` and `dir/<name>.cu`
-    /// replacing the built-in files where they exist (`EPFLOW_KERNEL_SOURCE_DIR`, see
-    /// [`source_override_dir`]). Errors name a file that exists but cannot be read.
+    /// The full source NVRTC compiles: the common helpers, then the module's files.
+    pub fn source(&self) -> String {
+        format!("{COMMON}\n{}", self.body())
+    }
+
+    /// The source as [`KernelModule::source`], with `dir/common.cuh` and each of the module's
+    /// files in `dir` replacing the built-in one where it exists (`EPFLOW_KERNEL_SOURCE_DIR`,
+    /// see [`source_override_dir`]). Errors name a file that exists but cannot be read.
     pub fn source_from(&self, dir: Option<&Path>) -> Result<String, Error> {
         let Some(dir) = dir else { return Ok(self.source()) };
         let read = |file: &str, builtin: &'static str| -> Result<String, Error> {
@@ -90,14 +103,22 @@ impl KernelModule {
             std::fs::read_to_string(&path)
                 .map_err(|e| Error::Unsupported(format!("EPFLOW_KERNEL_SOURCE_DIR: {}: {e}", path.display())))
         };
-        Ok(format!("{}\n{}", read("common.cuh", COMMON)?, read(&format!("{}.cu", self.name), self.body)?))
+        let mut src = read("common.cuh", COMMON)?;
+        src.push('\n');
+        for (file, text) in self.files {
+            src.push_str(&read(file, text)?);
+        }
+        Ok(src)
     }
 }
 
-/// `EPFLOW_KERNEL_SOURCE_DIR`: a folder of `.cu` files (`ll.cu`, `ht.cu`, `nccl.cu`, `util.cu`,
-/// `common.cuh`) that replace the built-in ones at run time, for kernel work without rebuilding
-/// the library (each missing file keeps the built-in one). The kernels must keep their names and
-/// parameter blocks. A development tool: unset in production.
+/// `EPFLOW_KERNEL_SOURCE_DIR`: a folder of kernel files (`common.cuh`, the low-latency parts
+/// `ll_base.cuh`, `ll_tagged.cuh`, `ll_send.cuh`, `ll_receive.cuh`, `ll_combine.cuh` and `ll.cu`,
+/// `ht.cu`, `nccl.cu`, `util.cu`) that replace the built-in ones at run time, for kernel work
+/// without rebuilding the library (each missing file keeps the built-in one, so a part replaced
+/// must still fit the parts around it; a whole low-latency unit in one `ll.cu` goes with empty
+/// `ll_*.cuh` files). The kernels must keep their names and parameter blocks. A development tool:
+/// unset in production.
 pub fn source_override_dir() -> Option<PathBuf> {
     std::env::var_os("EPFLOW_KERNEL_SOURCE_DIR").filter(|v| !v.is_empty()).map(PathBuf::from)
 }
@@ -111,8 +132,12 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("epflow-src-override-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("ll.cu"), "// replaced ll\n").unwrap();
+        std::fs::write(dir.join("ll_send.cuh"), "// replaced send\n").unwrap();
         let ll = LL.source_from(Some(&dir)).unwrap();
         assert!(ll.starts_with(COMMON) && ll.ends_with("// replaced ll\n"), "ll keeps common.cuh, takes the file");
+        let (base, tagged) = (LL.files[0].1, LL.files[1].1);
+        assert!(ll.contains(&format!("{base}{tagged}// replaced send\n")), "the parts stay in order");
+        assert!(!ll.contains(LL.files[2].1) && ll.contains(LL.files[3].1), "only the files present are replaced");
         assert_eq!(HT.source_from(Some(&dir)).unwrap(), HT.source(), "no ht.cu there: the built-in one");
         assert_eq!(LL.source_from(None).unwrap(), LL.source());
         std::fs::remove_dir_all(&dir).unwrap();

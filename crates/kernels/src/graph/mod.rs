@@ -41,7 +41,7 @@ use crate::rank::handle::GpuHandle;
 use crate::rank::shared::RankShared;
 
 /// Words of a step's bases: `[dispatch, combine, replay, failed, dispatches, combines, last]`
-/// (`advance_step` in `ll.cu`).
+/// (`advance_step` in `ll_receive.cuh`).
 const BASES_WORDS: usize = 7;
 
 /// A step's device state: the bases (device; see [`BASES_WORDS`]) and the failure word of its

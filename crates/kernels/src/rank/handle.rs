@@ -72,7 +72,7 @@ pub(crate) struct GraphHandle {
     /// The caller's `[B x K]` int64 `topk_idx` buffer, read by the step's dispatch send.
     pub(crate) topk: DeviceTensor,
     /// The report of invalid rows (mapped host, `1 + 2B` words; written by the captured
-    /// dispatch's send, `routed_entry` in `ll.cu`): `[0]` the last replay with one + 1; per
+    /// dispatch's send, `routed_entry` in `ll_send.cuh`): `[0]` the last replay with one + 1; per
     /// token `t`, `[1 + t]` = (replay + 1) << 16 | (earlier k naming the same expert + 1) << 8 |
     /// the row's first invalid k, and `[1 + B + t]` its value.
     pub(crate) report: PinnedBuffer,

@@ -2,7 +2,7 @@
 //! OR bits into it over NVLink), its mirror in the mapped status page that the host reads, and
 //! the two kernels the host launches: `ep_mask_spread` (an application's mask) and
 //! `ep_mask_rejoin` (`unmask_all`). The kernels of the operations mask at their own deadline
-//! (`ll.cu`: `spread_mask`, `wait_sources_masked`).
+//! (`ll_base.cuh`: `spread_mask`; `ll_receive.cuh`: `wait_sources_masked`).
 
 use std::sync::atomic::Ordering;
 
@@ -90,7 +90,7 @@ impl GpuRank {
     }
 
     /// Test support for the low-latency tagged areas, whose 32-bit tags wrap every 2^32
-    /// operations of a channel (`sends_tagged` in `ll.cu`): moves every channel of the group to
+    /// operations of a channel (`sends_tagged` in `ll_tagged.cuh`): moves every channel of the group to
     /// operation number `next`, through `unmask_all`'s meeting on the device. Every rank calls
     /// it with the same `next`, with no operation in flight and before any handle exists; a
     /// number below a channel's current one leaves that channel where it is.
