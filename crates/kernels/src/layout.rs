@@ -217,7 +217,7 @@ pub(crate) struct HtLayout {
     /// rows in place, so no warp copies them): [`combine_send_warps`].
     pub combine_warps_per_dest: usize,
     /// Whether dispatches write rows straight into the receivers' outputs (`direct` in
-    /// `ht.cu`; [`Layout::with_direct_dispatch`]): the same on every rank.
+    /// `ht_send.cuh`; [`Layout::with_direct_dispatch`]): the same on every rank.
     pub direct: bool,
     /// Rows of a (source, channel) pair from which a direct dispatch writes them into the
     /// receiver's outputs: [`HT_DIRECT_MIN_ROWS`].

@@ -53,7 +53,7 @@
 //! receiving block returns the credits. Timeouts and outcomes are reported in host-mapped
 //! memory, never by `trap`.
 //!
-//! High-throughput operations (`cuda/ht.cu`) stream rows through a ring per (channel, source)
+//! High-throughput operations (`cuda/ht.cu` and its parts) stream rows through a ring per (channel, source)
 //! in each receiver's memory, with per-warp tails and a head per ring as flow control, so buffers
 //! stay bounded whatever the token count; handle creation exchanges the counts (collective).
 

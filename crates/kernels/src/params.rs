@@ -1,5 +1,5 @@
 //! The kernels' by-value parameter blocks, mirrored byte for byte from `cuda/ll_base.cuh`, `cuda/ll.cu`,
-//! `cuda/ht.cu` and `cuda/nccl.cu`, and the layout of the signal and status pages they share.
+//! `cuda/ht_rings.cuh`, `cuda/ht_handle.cuh` and `cuda/nccl.cu`, and the layout of the signal and status pages they share.
 
 use cudarc::driver::DeviceRepr;
 
@@ -26,7 +26,7 @@ pub(crate) const LL_TAG_TOKENS: usize = 32;
 pub(crate) const HT_MAX_CHANNELS: usize = 128;
 /// Largest number of sending warps per destination in the high-throughput kernels.
 pub(crate) const HT_MAX_WARPS: usize = 16;
-/// Words of the high-throughput ring counters after the arrays (see `ht.cu`): subtails
+/// Words of the high-throughput ring counters after the arrays (see `ht_rings.cuh`): subtails
 /// `[2][C][R][W]`, heads `[2][C][R]`, the producer and consumer positions `[2][C][R][2]`, and the
 /// direct dispatch's addresses `[C][R][8]` (`ht_direct`).
 pub(crate) const HT_COUNTER_WORDS: usize = 2 * HT_MAX_CHANNELS * MAX_RANKS * HT_MAX_WARPS
@@ -222,7 +222,7 @@ impl LlParams {
     }
 }
 
-/// `struct HtParams` of `ht.cu`.
+/// `struct HtParams` of `ht_rings.cuh`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct HtParams {
@@ -281,10 +281,10 @@ pub(crate) struct HtParams {
 }
 
 // SAFETY: `HtParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
-// (checked by the tests below and by a static_assert in ht.cu).
+// (checked by the tests below and by a static_assert in ht_rings.cuh).
 unsafe impl DeviceRepr for HtParams {}
 
-/// `struct ExchangeParams` of `ht.cu`.
+/// `struct ExchangeParams` of `ht_handle.cuh`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct ExchangeParams {
@@ -306,10 +306,10 @@ pub(crate) struct ExchangeParams {
 }
 
 // SAFETY: `ExchangeParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
-// (checked by the tests below and by a static_assert in ht.cu).
+// (checked by the tests below and by a static_assert in ht_handle.cuh).
 unsafe impl DeviceRepr for ExchangeParams {}
 
-/// `struct HtPlanParams` of `ht.cu`: a high-throughput handle built on the device (the mark
+/// `struct HtPlanParams` of `ht_handle.cuh`: a high-throughput handle built on the device (the mark
 /// kernel, a thread per token, then the plan kernel: a block per destination and the receive
 /// block).
 #[repr(C)]
@@ -348,7 +348,7 @@ pub(crate) struct HtPlanParams {
 }
 
 // SAFETY: `HtPlanParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
-// (checked by the tests below and by a static_assert in ht.cu).
+// (checked by the tests below and by a static_assert in ht_handle.cuh).
 unsafe impl DeviceRepr for HtPlanParams {}
 
 /// `struct NcclHtParams` of `nccl.cu`.

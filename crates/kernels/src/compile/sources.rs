@@ -50,7 +50,13 @@ pub const LL: KernelModule = KernelModule {
 /// built on the device (plan and receive layout).
 pub const HT: KernelModule = KernelModule {
     name: "ht",
-    files: &[("ht.cu", include_str!("../cuda/ht.cu"))],
+    files: &[
+        ("ht_rings.cuh", include_str!("../cuda/ht_rings.cuh")),
+        ("ht_send.cuh", include_str!("../cuda/ht_send.cuh")),
+        ("ht_receive.cuh", include_str!("../cuda/ht_receive.cuh")),
+        ("ht.cu", include_str!("../cuda/ht.cu")),
+        ("ht_handle.cuh", include_str!("../cuda/ht_handle.cuh")),
+    ],
     kernels: &[
         "ep_ht_dispatch_kernel",
         "ep_ht_combine_kernel",
@@ -114,10 +120,11 @@ impl KernelModule {
 
 /// `EPFLOW_KERNEL_SOURCE_DIR`: a folder of kernel files (`common.cuh`, the low-latency parts
 /// `ll_base.cuh`, `ll_tagged.cuh`, `ll_send.cuh`, `ll_receive.cuh`, `ll_combine.cuh` and `ll.cu`,
-/// `ht.cu`, `nccl.cu`, `util.cu`) that replace the built-in ones at run time, for kernel work
+/// the high-throughput parts `ht_rings.cuh`, `ht_send.cuh`, `ht_receive.cuh`, `ht.cu` and
+/// `ht_handle.cuh`, `nccl.cu`, `util.cu`) that replace the built-in ones at run time, for kernel work
 /// without rebuilding the library (each missing file keeps the built-in one, so a part replaced
-/// must still fit the parts around it; a whole low-latency unit in one `ll.cu` goes with empty
-/// `ll_*.cuh` files). The kernels must keep their names and parameter blocks. A development tool:
+/// must still fit the parts around it; a whole unit in one `ll.cu` or `ht.cu` goes with empty
+/// `.cuh` parts). The kernels must keep their names and parameter blocks. A development tool:
 /// unset in production.
 pub fn source_override_dir() -> Option<PathBuf> {
     std::env::var_os("EPFLOW_KERNEL_SOURCE_DIR").filter(|v| !v.is_empty()).map(PathBuf::from)
@@ -138,7 +145,11 @@ mod tests {
         let (base, tagged) = (LL.files[0].1, LL.files[1].1);
         assert!(ll.contains(&format!("{base}{tagged}// replaced send\n")), "the parts stay in order");
         assert!(!ll.contains(LL.files[2].1) && ll.contains(LL.files[3].1), "only the files present are replaced");
-        assert_eq!(HT.source_from(Some(&dir)).unwrap(), HT.source(), "no ht.cu there: the built-in one");
+        assert_eq!(
+            HT.source_from(Some(&dir)).unwrap(),
+            HT.source(),
+            "no high-throughput file there: the built-in ones"
+        );
         assert_eq!(LL.source_from(None).unwrap(), LL.source());
         std::fs::remove_dir_all(&dir).unwrap();
     }

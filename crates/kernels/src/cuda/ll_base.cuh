@@ -4,7 +4,7 @@
 // operation numbers, the trace, rank masking and credit waits.
 //
 // epflow low-latency dispatch and combine: a send half and a complete half, launched as two
-// kernels (staged operations) or as one (the synchronous form; see the kernels at the end).
+// kernels (staged operations) or as one (the synchronous form; see the kernels in ll.cu).
 //
 // Dispatch message (one per token and destination rank), in the receiver's region for this
 // sender, slot = token index:  [u64 seq+1][i32 token][i32 1: the sender's combine wants tagged

@@ -3,13 +3,13 @@
 
 use crate::params::HtParams;
 
-/// Threads of a block of `ep_ht_plan` (`HT_PLAN_BLOCK` in `ht.cu`).
+/// Threads of a block of `ep_ht_plan` (`HT_PLAN_BLOCK` in `ht_handle.cuh`).
 pub(crate) const HT_PLAN_BLOCK: u32 = 1024;
 
-/// Threads of a block of `ep_ht_plan_mark` (`HT_MARK_BLOCK` in `ht.cu`), one per token.
+/// Threads of a block of `ep_ht_plan_mark` (`HT_MARK_BLOCK` in `ht_handle.cuh`), one per token.
 pub(crate) const HT_MARK_BLOCK: u32 = 256;
 
-/// Threads per block of the high-throughput kernels (`HT_BLOCK` of `ht.cu`).
+/// Threads per block of the high-throughput kernels (`HT_BLOCK` of `ht_rings.cuh`).
 const HT_BLOCK: u32 = 512;
 
 /// The grid and block of a high-throughput kernel.

@@ -1,4 +1,4 @@
-//! High-throughput operations (`cuda/ht.cu`, and `cuda/nccl.cu` over NCCL): handles built on
+//! High-throughput operations (`cuda/ht.cu` and its `ht_*.cuh` parts, and `cuda/nccl.cu` over NCCL): handles built on
 //! the device over NVLink ([`device`], its state in [`plan`], the words it reports in [`result`]) or by the host with a count exchange ([`exchange`]),
 //! starting dispatch and combine ([`start`]), the same over NCCL ([`nccl`]) and the launch
 //! geometry ([`geometry`]).

@@ -201,7 +201,7 @@ pub(crate) fn dispatch(
     let ([tokens, scales, topk_weights, topk_idx], fill, fences, reused) = output_views(s, outputs, into.is_some())?;
     let tokens = tokens.ok_or_else(|| Error::Backend("no token output".into()))?;
     p.out = tokens.ptr();
-    // Direct dispatch (`ht.cu`): peers write this rank's outputs when they are a cached buffer
+    // Direct dispatch (`ht_send.cuh`, `ht_receive.cuh`): peers write this rank's outputs when they are a cached buffer
     // that served an earlier operation (caller memory may not be reachable from peers, and a
     // buffer allocated now may be newer than the peers' kernels already running, which
     // compute-sanitizer flags) and this rank takes the data (not cancelled).

@@ -40,7 +40,7 @@ pub(crate) struct GpuHandleState {
 /// A high-throughput handle handed out in stream order, before the device had built it
 /// (`HandleFuture::complete_on` with `RecvRows::Bound`): what operations on it wait for, and
 /// where the creation's outcome lies. The plan kernels leave an empty plan behind a failed
-/// creation (`ht.cu`, `plan_empty`), so operations enqueued on it move nothing; each checks
+/// creation (`ht_handle.cuh`, `plan_empty`), so operations enqueued on it move nothing; each checks
 /// the outcome when it finishes.
 #[derive(Debug)]
 pub(crate) struct StreamCreation {

@@ -1,0 +1,179 @@
+// epflow high-throughput kernels, part 2 of 5 (after ht_rings.cuh): the sending warps (their
+// roles, the ring sends and the direct dispatch).
+
+// The role of sending warp `warp`: its destination and its index j among that destination's
+// warps (-1: idle). A dispatch's first S warps copy this rank's own rows (S = 16 - W (R - 1),
+// the warps the W per remote destination leave); a combine has no own-copy warps (the receiver
+// reads those rows in place). Then W warps per remote destination, in ascending rank order; the
+// rest idle. W is the layout's per kernel (layout.rs `dispatch_send_warps`,
+// `combine_send_warps`).
+struct HtSendRole {
+    int dest, j, warps;
+};
+__device__ __forceinline__ HtSendRole ht_send_role(const HtParams& p, int warp) {
+    const int W = p.warps_per_dest, R = p.num_ranks;
+    const int own = R == 1 ? HT_WARPS : p.chan == 0 ? HT_WARPS - W * (R - 1) : 0;
+    if (warp < own) return {p.rank, warp, own};
+    const int q = (warp - own) / W;
+    if (q >= R - 1) return {-1, -1, 0};
+    return {q < p.rank ? q : q + 1, (warp - own) % W, W};
+}
+
+// Direct dispatch, one sending warp of destination `dest` (see ht_rings.cuh): waits for
+// the receiver's addresses, writes the warp's rows i = j, j + W, ... of `list` (`n` rows, the
+// first at ring position `pos0`) there, then publishes the warp's final subtail. False, having
+// written nothing, when the receiver asked for the ring instead.
+__device__ bool ht_send_direct(const HtParams& p, int c, int dest, int j, int W, int n, u64 pos0, const int* list) {
+    const int lane = threadIdx.x & 31;
+    u64* sig = reinterpret_cast<u64*>(p.signals);
+    const u64* slot = ht_direct(sig, c, dest);
+    u64 addr[4] = {0, 0, 0, 0};
+    int fail = 0;
+    if (lane == 0) {
+        const u64* abort = sig_at(sig, EP_SIG_ABORT(p.chan), (int)(p.seq & 1), dest);
+        const u64 deadline = globaltimer_ns() + p.timeout_ns;
+        while (ld_acquire_sys(slot) != p.seq + 1) {
+            if (ld_acquire_sys(abort) == p.seq + 1) {
+                fail = 1;  // the receiver skips this rank's rows (a mismatch it reported)
+                break;
+            }
+            if (globaltimer_ns() > deadline) {
+                report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_RING, dest, p.seq);
+                fail = 1;
+                break;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) addr[u] = fail ? 0 : ld_acquire_sys(slot + 1 + u);
+    }
+    if (__shfl_sync(EP_FULL_MASK, fail, 0)) return true;
+#pragma unroll
+    for (int u = 0; u < 4; u++) addr[u] = __shfl_sync(EP_FULL_MASK, addr[u], 0);
+    if (addr[0] == 0) return false;
+    const int cols = p.hidden / 128, K = p.top_k;
+    for (int i = j; i < n; i += W) {
+        const int t = list[i];
+        warp_copy_n<8>(reinterpret_cast<char*>(addr[0]) + (size_t)i * p.row_bytes,
+                       reinterpret_cast<const char*>(p.x) + (size_t)t * p.row_bytes, p.row_bytes, lane);
+        if (p.fp8) {
+            ht_copy_scales(reinterpret_cast<float*>(addr[1]) + (size_t)i * cols,
+                           reinterpret_cast<const float*>(p.x_scales) + (size_t)t * cols, cols, lane);
+        }
+        if (!p.backward) {
+            ht_copy_meta(p, t, dest, lane, reinterpret_cast<float*>(addr[2]) + (size_t)i * K, nullptr,
+                         reinterpret_cast<long long*>(addr[3]) + (size_t)i * K);
+        }
+    }
+    __threadfence_system();
+    __syncwarp();
+    if (lane == 0) {
+        // Every item of residue r below the end counts as written (the cancelled sender's rule).
+        const u64 r = (pos0 + (u64)j) % (u64)W, end = pos0 + (u64)n;
+        st_release_sys(ht_subtail(reinterpret_cast<u64*>(p.peer_signals[dest]), p.chan, c, p.rank, (int)r),
+                       (end + (u64)W - 1 - r) / (u64)W);
+    }
+    return true;
+}
+
+// One sending warp: the items of its destination `dest` with op-local index i = j, j + W, ...
+// DISPATCH: the dispatch kernel's (p.chan == 0), a compile-time choice, so that neither kernel
+// carries the other's copy loop in its registers.
+template <bool DISPATCH>
+__device__ void ht_send(const HtParams& p, int c) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int R = p.num_ranks, C = p.channels;
+    const HtSendRole role = ht_send_role(p, warp);
+    const int dest = role.dest, j = role.j, W = role.warps;
+    if (dest < 0 || dest >= R) return;
+    u64* sig = reinterpret_cast<u64*>(p.signals);
+    const u64 pos0 = *ht_prod(sig, p.chan, c, dest, p.seq);
+    const int* send_off = reinterpret_cast<const int*>(p.send_off);
+    const int n = DISPATCH ? send_off[dest * (C + 1) + c + 1] - send_off[dest * (C + 1) + c]
+                              : reinterpret_cast<const int*>(p.recv_cnt)[dest * C + c];
+    if (j == 0 && lane == 0) *ht_prod(sig, p.chan, c, dest, p.seq + 1) = pos0 + (u64)n;
+    const int* list = reinterpret_cast<const int*>(p.send_list) + (DISPATCH ? send_off[dest * (C + 1) + c] : 0);
+    const int cols = p.hidden / 128;
+
+    if (dest == p.rank) {
+        // Dispatch to this rank: straight into the output rows. Combine: the receiver reads them.
+        if (!DISPATCH || p.cancelled) return;
+        const int row0 = reinterpret_cast<const int*>(p.recv_base)[p.rank * C + c];
+        for (int i = j; i < n; i += W) {
+            const int t = list[i];
+            const size_t row = (size_t)row0 + i;
+            warp_copy_n<8>(reinterpret_cast<char*>(p.out) + row * p.row_bytes,
+                           reinterpret_cast<const char*>(p.x) + (size_t)t * p.row_bytes, p.row_bytes, lane);
+            if (p.fp8) {
+                ht_copy_scales(reinterpret_cast<float*>(p.out_scales) + row * cols,
+                               reinterpret_cast<const float*>(p.x_scales) + (size_t)t * cols, cols, lane);
+            }
+            if (!p.backward) {
+                ht_copy_meta(p, t, dest, lane, reinterpret_cast<float*>(p.out_weights) + row * p.top_k, nullptr,
+                             reinterpret_cast<long long*>(p.out_idx) + row * p.top_k);
+            }
+        }
+        return;
+    }
+
+    u64* peer_sig = reinterpret_cast<u64*>(p.peer_signals[dest]);
+    if (p.cancelled) {
+        // No data: the final subtail of this warp's residue, at once.
+        const u64 r = (pos0 + (u64)j) % (u64)W;
+        const u64 end = pos0 + (u64)n;
+        if (lane == 0) st_release_sys(ht_subtail(peer_sig, p.chan, c, p.rank, (int)r), (end + (u64)W - 1 - r) / (u64)W);
+        return;
+    }
+    if (DISPATCH && p.direct > 0 && n >= p.direct && ht_send_direct(p, c, dest, j, W, n, pos0, list)) return;
+    const u64* head = ht_head(sig, p.chan, c, dest);
+    const u64 deadline = globaltimer_ns() + p.timeout_ns;
+    const int K = p.top_k, U = p.items_per_fence;
+    // Groups of U items (i0, i0 + W, ...): written back to back, then one fence and one subtail.
+    for (int i0 = j; i0 < n; i0 += W * U) {
+        const int last = min(i0 + (U - 1) * W, i0 + (n - 1 - i0) / W * W);
+        const u64 g_last = pos0 + (u64)last;
+        int fail = 0;
+        if (lane == 0) {
+            const u64* abort = sig_at(sig, EP_SIG_ABORT(p.chan), (int)(p.seq & 1), dest);
+            while (ld_acquire_sys(head) + (u64)p.depth <= g_last) {
+                if (ld_acquire_sys(abort) == p.seq + 1) {
+                    fail = 1;  // the receiver skips this rank's rows (a mismatch it reported)
+                    break;
+                }
+                if (globaltimer_ns() > deadline) {
+                    report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_RING, dest, p.seq);
+                    fail = 1;
+                    break;
+                }
+            }
+        }
+        if (__shfl_sync(EP_FULL_MASK, fail, 0)) return;
+        for (int i = i0; i <= last; i += W) {
+        const u64 g = pos0 + (u64)i;
+        char* slot = ht_slot(p.peer_ring[dest], p, c, p.rank, g);
+        if (DISPATCH) {
+            const int t = list[i];
+            warp_copy_n<8>(slot, reinterpret_cast<const char*>(p.x) + (size_t)t * p.row_bytes, p.row_bytes, lane);
+            if (p.fp8) {
+                ht_copy_scales(reinterpret_cast<float*>(slot + p.off_scales),
+                               reinterpret_cast<const float*>(p.x_scales) + (size_t)t * cols, cols, lane);
+            }
+            if (!p.backward) {
+                ht_copy_meta(p, t, dest, lane, reinterpret_cast<float*>(slot + p.off_weights),
+                             reinterpret_cast<int*>(slot + p.off_idx), nullptr);
+            }
+        } else {
+            const size_t row = (size_t)reinterpret_cast<const int*>(p.recv_base)[dest * C + c] + i;
+            warp_copy8(slot, reinterpret_cast<const char*>(p.x) + row * p.row_bytes, p.row_bytes, lane);
+            if (p.backward && lane < K) {
+                reinterpret_cast<float*>(slot + p.off_weights)[lane] =
+                    reinterpret_cast<const float*>(p.weights)[row * K + lane];
+            }
+        }
+        }
+        __threadfence_system();
+        __syncwarp();
+        if (lane == 0) {
+            st_release_sys(ht_subtail(peer_sig, p.chan, c, p.rank, (int)(g_last % (u64)W)), g_last / (u64)W + 1);
+        }
+    }
+}
