@@ -1,5 +1,6 @@
-//! The kernels' by-value parameter blocks, mirrored byte for byte from `cuda/ll_base.cuh`, `cuda/ll.cu`,
-//! `cuda/ht_rings.cuh`, `cuda/ht_handle.cuh` and `cuda/nccl.cu`, and the layout of the signal and status pages they share.
+//! The kernels' by-value parameter blocks, mirrored byte for byte from `cuda/ll_base.cuh`,
+//! `cuda/ll.cu`, `cuda/ht_rings.cuh`, `cuda/ht_handle.cuh` and `cuda/nccl.cu`, and the layout of
+//! the signal and status pages they share.
 
 use cudarc::driver::DeviceRepr;
 

@@ -36,8 +36,8 @@ pub(crate) struct Functions {
     /// Rank masking: `unmask_all`'s meeting and reset (`mask.rs`).
     pub mask_rejoin: CudaFunction,
     pub ht_dispatch: CudaFunction,
-    /// High-throughput combine for up to 8, 4 and 2 ranks (`ht_receive.cuh`: the smaller the bound, the
-    /// more loads each receiving lane keeps in flight): see [`Functions::ht_combine_for`].
+    /// High-throughput combine for up to 8, 4 and 2 ranks (`ht_receive.cuh`: the smaller the bound,
+    /// the more loads each receiving lane keeps in flight): see [`Functions::ht_combine_for`].
     pub ht_combine: [CudaFunction; 3],
     /// `EPFLOW_HT_COMBINE_RANKS` (a tuning aid, read at load): the smallest rank bound
     /// [`Functions::ht_combine_for`] picks, e.g. `8` runs the general kernel on 2 ranks.

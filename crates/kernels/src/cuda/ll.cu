@@ -2,6 +2,7 @@
 // and rank-masking kernels. NVRTC compiles common.cuh and the six parts in order as one unit
 // (epflow-kernels compile/sources.rs).
 
+// The kernels. Two launches (staged operations, and any operation whose grid cannot be all
 // resident): the send half, then the complete half. One launch (the synchronous form, launched
 // cooperatively so every block is resident): each block sends its share, then takes its receive
 // tasks; a block waiting for arrivals never keeps a sender of this kernel off the GPU. A

@@ -278,5 +278,3 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
     trace_at(p, 1, 3);
     finish_receive(p, n, 1, cancelled, mismatched, absent, blocks);
 }
-
-// The kernels. Two launches (staged operations, and any operation whose grid cannot be all

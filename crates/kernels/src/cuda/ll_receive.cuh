@@ -584,5 +584,3 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
     trace_at(p, 0, 3);
     finish_receive(p, n, 0, cancelled, mismatched, absent, gridDim.x);
 }
-
-

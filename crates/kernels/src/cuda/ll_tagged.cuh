@@ -171,5 +171,3 @@ __device__ __forceinline__ bool warp_copy_untag(char* dst, const char* src, size
     }
     return true;
 }
-
-

@@ -89,11 +89,11 @@ impl GpuRank {
         self.meet_and_renumber(next, "unmask_all")
     }
 
-    /// Test support for the low-latency tagged areas, whose 32-bit tags wrap every 2^32
-    /// operations of a channel (`sends_tagged` in `ll_tagged.cuh`): moves every channel of the group to
-    /// operation number `next`, through `unmask_all`'s meeting on the device. Every rank calls
-    /// it with the same `next`, with no operation in flight and before any handle exists; a
-    /// number below a channel's current one leaves that channel where it is.
+    /// Test support for the low-latency tagged areas, whose 32-bit tags wrap every 2^32 operations
+    /// of a channel (`sends_tagged` in `ll_tagged.cuh`): moves every channel of the group to
+    /// operation number `next`, through `unmask_all`'s meeting on the device. Every rank calls it
+    /// with the same `next`, with no operation in flight and before any handle exists; a number
+    /// below a channel's current one leaves that channel where it is.
     #[doc(hidden)]
     pub fn renumber_operations(&self, next: u64) -> Result<(), Error> {
         self.meet_and_renumber([next; 3], "renumber_operations")
