@@ -32,13 +32,16 @@ impl Layout {
         })
     }
 
-    /// The layout for a group whose high-throughput dispatches write rows straight into the
-    /// receivers' outputs (`direct`: every rank in one process, none over NCCL;
-    /// `EPFLOW_HT_DIRECT=0` turns it off): [`HtLayout::direct`], and its sending warps per peer.
-    pub(crate) fn with_direct_dispatch(self, direct: bool) -> Self {
+    /// The layout for a group whose high-throughput kernels reach their peers' memory (`direct`:
+    /// every rank in one process, none over NCCL; `EPFLOW_HT_DIRECT=0` turns it off): dispatches
+    /// write rows straight into the receivers' outputs ([`HtLayout::direct`], with its sending
+    /// warps per peer), and combines read the expert outputs in place
+    /// ([`HtLayout::pull_combine`], `EPFLOW_HT_PULL=0` turns that off).
+    pub(crate) fn with_direct_access(self, direct: bool) -> Self {
         match self {
             Layout::Ht(h) if direct && h.rings => Layout::Ht(HtLayout {
                 direct: true,
+                pull_combine: ht_tuning("PULL", 0, 1) != Some(0),
                 warps_per_dest: ht_tuning("DISPATCH_WARPS", 1, max_dispatch_warps(h.num_ranks))
                     .unwrap_or_else(|| dispatch_send_warps(h.num_ranks, h.channels, true)),
                 ..h
@@ -217,10 +220,14 @@ pub(crate) struct HtLayout {
     /// rows in place, so no warp copies them): [`combine_send_warps`].
     pub combine_warps_per_dest: usize,
     /// Whether dispatches write rows straight into the receivers' outputs (`direct` in
-    /// `ht_send.cuh`; [`Layout::with_direct_dispatch`]): the same on every rank.
+    /// `ht_send.cuh`; [`Layout::with_direct_access`]): the same on every rank.
     pub direct: bool,
+    /// Whether combines read the expert side's rows in place, over NVLink, rather than through
+    /// the rings (pull combine in `ht_rings.cuh`, for the pairs a direct dispatch would take;
+    /// only with `direct`): the same on every rank.
+    pub pull_combine: bool,
     /// Rows of a (source, channel) pair from which a direct dispatch writes them into the
-    /// receiver's outputs: [`HT_DIRECT_MIN_ROWS`].
+    /// receiver's outputs, and a pull combine reads them in place: [`HT_DIRECT_MIN_ROWS`].
     pub direct_min_rows: usize,
     /// Byte offset of the FP8 scales in a slot.
     pub off_scales: usize,
@@ -268,6 +275,7 @@ impl HtLayout {
             combine_warps_per_dest: ht_tuning("COMBINE_WARPS", 1, max_combine_warps(num_ranks))
                 .unwrap_or_else(|| combine_send_warps(num_ranks)),
             direct: false,
+            pull_combine: false,
             direct_min_rows: ht_tuning("DIRECT_MIN_ROWS", 1, i32::MAX as usize).unwrap_or(HT_DIRECT_MIN_ROWS),
             off_scales,
             off_weights,
@@ -587,25 +595,27 @@ mod tests {
     }
 
     #[test]
-    fn direct_dispatch_needs_the_rings_and_takes_six_warps_on_two_ranks() {
+    fn direct_access_needs_the_rings_and_takes_six_dispatch_warps_on_two_ranks() {
         let cfg = GroupConfig::high_throughput(256, 7168);
         let ht = |l: Layout| match l {
             Layout::Ht(h) => h,
             Layout::Ll(_) => unreachable!(),
         };
         let plain = ht(Layout::new(&cfg, 2, H200_SMS).unwrap());
-        assert!(!plain.direct);
+        assert!(!plain.direct && !plain.pull_combine);
         assert_eq!((plain.channels, plain.warps_per_dest), (32, 8));
-        let direct = ht(Layout::new(&cfg, 2, H200_SMS).unwrap().with_direct_dispatch(true));
+        let direct = ht(Layout::new(&cfg, 2, H200_SMS).unwrap().with_direct_access(true));
         assert!(direct.direct);
+        // Pull combine is on unless EPFLOW_HT_PULL=0.
+        assert_eq!(direct.pull_combine, std::env::var("EPFLOW_HT_PULL").map_or(true, |v| v.trim() != "0"));
         assert_eq!((direct.warps_per_dest, direct.combine_warps_per_dest), (6, 8));
         assert_eq!(direct.direct_min_rows, HT_DIRECT_MIN_ROWS);
         // Four ranks keep 16 / R; over NCCL (no rings) nothing is direct; off stays off.
-        assert_eq!(ht(Layout::new(&cfg, 4, H200_SMS).unwrap().with_direct_dispatch(true)).warps_per_dest, 4);
-        let over_nccl = Layout::new(&cfg, 2, H200_SMS).unwrap().for_transport(true).with_direct_dispatch(true);
-        assert!(!ht(over_nccl).direct);
-        assert_eq!(ht(Layout::new(&cfg, 2, H200_SMS).unwrap().with_direct_dispatch(false)), plain);
+        assert_eq!(ht(Layout::new(&cfg, 4, H200_SMS).unwrap().with_direct_access(true)).warps_per_dest, 4);
+        let over_nccl = Layout::new(&cfg, 2, H200_SMS).unwrap().for_transport(true).with_direct_access(true);
+        assert!(!ht(over_nccl).direct && !ht(over_nccl).pull_combine);
+        assert_eq!(ht(Layout::new(&cfg, 2, H200_SMS).unwrap().with_direct_access(false)), plain);
         let ll = Layout::new(&GroupConfig::low_latency(256, 128, 7168), 2, H200_SMS).unwrap();
-        assert_eq!(ll.with_direct_dispatch(true), ll);
+        assert_eq!(ll.with_direct_access(true), ll);
     }
 }

@@ -28,11 +28,11 @@ pub(crate) const HT_MAX_CHANNELS: usize = 128;
 /// Largest number of sending warps per destination in the high-throughput kernels.
 pub(crate) const HT_MAX_WARPS: usize = 16;
 /// Words of the high-throughput ring counters after the arrays (see `ht_rings.cuh`): subtails
-/// `[2][C][R][W]`, heads `[2][C][R]`, the producer and consumer positions `[2][C][R][2]`, and the
-/// direct dispatch's addresses `[C][R][8]` (`ht_direct`).
+/// `[2][C][R][W]`, heads `[2][C][R]`, the producer and consumer positions `[2][C][R][2]`, the
+/// addresses of direct dispatch and pull combine `[2][C][R][8]` (`ht_direct`).
 pub(crate) const HT_COUNTER_WORDS: usize = 2 * HT_MAX_CHANNELS * MAX_RANKS * HT_MAX_WARPS
     + 2 * HT_MAX_CHANNELS * MAX_RANKS * 5
-    + HT_MAX_CHANNELS * MAX_RANKS * 8;
+    + 2 * HT_MAX_CHANNELS * MAX_RANKS * 8;
 /// Bytes of a rank's signal page.
 pub(crate) const SIGNAL_PAGE_BYTES: usize = (SIG_ARRAY_WORDS + HT_COUNTER_WORDS) * 8;
 
@@ -271,14 +271,15 @@ pub(crate) struct HtParams {
     pub items_per_fence: i32,
     /// What every rank must agree on ([`epflow_core::stamp::Stamp::encode`]).
     pub stamp: u64,
-    /// Dispatch: 0, or the rows of a (source, channel) pair from which the group writes them
-    /// straight into the receiver's outputs (the same on every rank; `RankShared::ht_direct`,
-    /// `HtLayout::direct_min_rows`).
+    /// 0, or the rows of a (source, channel) pair from which a dispatch writes them straight
+    /// into the receiver's outputs and a combine reads them in place from the expert side's
+    /// output (the same on every rank; `HtLayout::direct_min_rows`).
     pub direct: i32,
-    /// Dispatch with `direct`: 1 when this rank's outputs take direct writes in this operation
+    /// With `direct`. Dispatch: 1 when this rank's outputs take direct writes in this operation
     /// (a cached output buffer that served an earlier operation, and not cancelled); 0 asks its
-    /// sources for the ring.
-    pub direct_out: i32,
+    /// sources for the ring. Combine: 1 when peers may read this rank's expert outputs (and
+    /// weight gradients) in place (memory epflow allocated); 0 sends them through the rings.
+    pub direct_mem: i32,
 }
 
 // SAFETY: `HtParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
@@ -453,6 +454,7 @@ mod tests {
         assert_eq!(size_of::<HtParams>(), 384);
         assert_eq!(offset_of!(HtParams, stamp), 368);
         assert_eq!(offset_of!(HtParams, direct), 376);
+        assert_eq!(offset_of!(HtParams, direct_mem), 380);
         assert_eq!(offset_of!(HtParams, peer_ring), 128);
         assert_eq!(offset_of!(HtParams, seq), 256);
         assert_eq!(offset_of!(HtParams, rank), 288);

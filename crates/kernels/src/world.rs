@@ -45,10 +45,11 @@ impl GpuWorld {
         let masks = (0..num_ranks).map(|r| transport.nccl_mask(r, num_ranks, None)).collect::<Result<Vec<_>, _>>()?;
         refuse_masking_over_nccl(&config, &masks)?;
         let any_nccl = masks.iter().any(|&m| m != 0);
-        // Every rank is in this process: with peer access, kernels reach the outputs peers
-        // allocate, so high-throughput dispatches may write rows straight into them.
+        // Every rank is in this process: with peer access, kernels reach the memory peers
+        // allocate, so high-throughput dispatches may write rows straight into their outputs
+        // and combines read their expert outputs in place.
         let direct = !any_nccl && std::env::var("EPFLOW_HT_DIRECT").map_or(true, |v| v != "0");
-        let layout = layout.for_transport(any_nccl).with_direct_dispatch(direct);
+        let layout = layout.for_transport(any_nccl).with_direct_access(direct);
         let nvlink_pairs: Vec<(usize, usize)> = (0..num_ranks)
             .flat_map(|a| (0..num_ranks).map(move |b| (a, b)))
             .filter(|&(a, b)| a != b && masks[a] >> b & 1 == 0)

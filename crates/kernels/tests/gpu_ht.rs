@@ -377,6 +377,65 @@ fn ht_direct_and_ring_receivers_in_one_group() {
     }
 }
 
+/// A view of `t`'s memory that epflow counts as caller memory (`DeviceTensor::from_raw`): a
+/// combine reading it sends its rows through the rings instead of letting peers pull them.
+fn as_caller_memory(t: &DeviceTensor) -> DeviceTensor {
+    // SAFETY: `t`'s memory holds `t.desc()` on `t.device()`; the callers keep `t` alive until
+    // every operation reading the view has completed (they block on each).
+    unsafe { DeviceTensor::from_raw(t.ptr(), t.device(), t.desc().clone()) }
+}
+
+/// Pull combine (one process: a token's rank reads its copies in place from the expert side's
+/// output) beside ranks whose expert outputs are caller memory (their rows go through the
+/// rings), in one group and in turn: the
+/// forward combine and the backward combine with weight gradients against the reference, bit for
+/// bit, each rank's inputs in caller memory or not, operation after operation.
+#[test]
+fn ht_pull_and_ring_combine_in_one_group() {
+    let Some(devices) = gpus(2, "ht_pull_and_ring_combine_in_one_group") else { return };
+    let base = seed();
+    eprintln!("seed {base}");
+    let config = GroupConfig::high_throughput(256, 7168).with_max_sms(shared_gpu_sms(&devices));
+    let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+    let cases = [(4096, RoutingKind::Uniform), (100, RoutingKind::Skewed), (1, RoutingKind::Uniform)];
+    for (i, &(tokens, kind)) in cases.iter().enumerate() {
+        // Bit r: rank r's expert outputs and weight gradients are caller memory.
+        for caller in [0b01u32, 0b10, 0b11, 0b00, 0b01] {
+            let s = base.wrapping_add((i * 8 + caller as usize) as u64 * 104_729);
+            let sc = Scenario::generate(config.clone(), 2, &[tokens, tokens / 2 + 1], 8, kind, tokens.min(10), s);
+            let refs = references(&sc, s);
+            let reports = on_ranks(&ranks, |rank| -> Result<Vec<Report>, Error> {
+                let r = rank.rank();
+                rank.fill_output_buffers(0xA5)?;
+                let idx = rank.upload(&sc.topk_idx(r))?;
+                let h = blocking_handle(rank, &idx)?;
+                let fwd = ForwardInputs::upload(rank, &sc)?;
+                let out = blocking_dispatch(rank, &h, fwd.inputs(), &DispatchOptions::default(), false)?;
+                let caller_mem = caller >> r & 1 == 1;
+                let experts = if caller_mem { as_caller_memory(out.tokens()) } else { out.tokens().clone() };
+                let y = blocking_combine(rank, &h, CombineInputs::new(&experts), &CombineOptions::default(), false)?;
+                let mut reports = vec![check_bf16(
+                    "forward combine",
+                    &refs.fwd_combine[r],
+                    y.to_host()?.tokens.as_bf16().unwrap_or_default(),
+                    Tolerance::Exact,
+                )];
+                let n = refs.fwd[r].layout.num_rows();
+                let wg = rank.upload(&HostTensor::topk_weights(n, sc.top_k, refs.weight_grads[r].clone()))?;
+                let wg = if caller_mem { as_caller_memory(&wg) } else { wg.clone() };
+                let copts = CombineOptions { pass: Pass::Backward };
+                let cy = blocking_combine(rank, &h, CombineInputs::new(&experts).with_weights(&wg), &copts, false)?;
+                check_backward_combine(&mut reports, &refs.cached_combine[r], &cy.to_host()?);
+                Ok(reports.into_iter().map(|rep| rep.context(&format!("rank {r}"))).collect())
+            });
+            for rep in reports.into_iter().flat_map(|r| r.expect("round")) {
+                assert!(rep.ok(), "tokens={tokens} {kind:?} caller memory mask {caller:#b} seed={s}: {rep:?}");
+            }
+        }
+        eprintln!("ok: tokens={tokens} {kind:?}");
+    }
+}
+
 /// The same rounds over NCCL (`Transport::Nccl`: handle exchange, dispatch and combine).
 #[test]
 fn ht_over_nccl_matches_reference_on_2_and_4_gpus() {

@@ -12,6 +12,7 @@ extern "C" __global__ void __launch_bounds__(HT_BLOCK) ep_ht_dispatch_kernel(HtP
 }
 
 // High-throughput combine (forward or backward), one launch: blocks [0, C) send, [C, 2C) receive.
+// With pull combine a sending block, once its offers are out, waits until its readers are done.
 // One kernel per bound on the ranks, so that the receiver's loads in flight fill the registers
 // the smaller bound leaves (the host picks the smallest that covers the group).
 template <int NR, int G>
@@ -19,6 +20,8 @@ __device__ __forceinline__ void ht_combine(const HtParams& p) {
     ht_signal_start(p);
     if ((int)blockIdx.x < p.channels) {
         ht_send<false>(p, blockIdx.x);
+        __syncthreads();
+        ht_await_readers(p, blockIdx.x);
     } else {
         ht_combine_recv<NR, G>(p, blockIdx.x - p.channels);
     }

@@ -28,8 +28,8 @@ __device__ void ht_dispatch_recv(const HtParams& p, int c) {
         if (p.direct > 0 && cnt >= p.direct && !((cancelled >> s) & 1u)) {
             // Where source s's rows of this channel go (null: into the ring). With a direct
             // source, this block only waits for its subtails.
-            const bool d = p.direct_out != 0;
-            u64* slot = ht_direct(reinterpret_cast<u64*>(p.peer_signals[s]), c, p.rank);
+            const bool d = p.direct_mem != 0;
+            u64* slot = ht_direct(reinterpret_cast<u64*>(p.peer_signals[s]), p.chan, c, p.rank);
             const u64 row0 = (u64)base[s];
             slot[1] = d ? p.out + row0 * (u64)p.row_bytes : 0;
             slot[2] = d && p.fp8 ? p.out_scales + row0 * (u64)cols * 4 : 0;
@@ -117,20 +117,22 @@ __device__ void ht_dispatch_recv(const HtParams& p, int c) {
 // groups a lane loads before it adds any: NR * G loads of 16 bytes in flight per lane (16 for
 // every NR, so the register cost is the same: 2 ranks keep 8 groups in flight, 8 ranks 2).
 // This rank's copy is row `local_row0 + ord` of the expert output (`lrow` is that output at
-// `local_row0`); a peer's is its slot in this rank's ring.
+// `local_row0`); a peer's is row `ord` at `pull[d]` in the peer's expert output (pull combine),
+// or else its slot in this rank's ring (`pos`: the rings' first positions).
 template <int NR, int G>
-__device__ __forceinline__ void ht_combine_span(const HtParams& p, int c, int t, const u64* pos, u32 cancelled,
-                                                const __nv_bfloat16* lrow, __nv_bfloat16* orow, int c0, int c1,
-                                                int lane) {
+__device__ __forceinline__ void ht_combine_span(const HtParams& p, int c, int t, const u64* pos, const u64* pull,
+                                                u32 cancelled, const __nv_bfloat16* lrow, __nv_bfloat16* orow,
+                                                int c0, int c1, int lane) {
     const int R = p.num_ranks;
     const char* src[NR];
 #pragma unroll
     for (int d = 0; d < NR; d++) {
         const int o = (d < R && !((cancelled >> d) & 1u)) ? reinterpret_cast<const int*>(p.copy_ord)[(size_t)t * R + d]
                                                           : -1;
-        src[d] = o < 0 ? nullptr
-                 : d == p.rank ? reinterpret_cast<const char*>(lrow + (size_t)o * p.hidden)
-                               : ht_slot(p.own_ring, p, c, d, pos[d] + (u64)o);
+        src[d] = o < 0          ? nullptr
+                 : d == p.rank  ? reinterpret_cast<const char*>(lrow + (size_t)o * p.hidden)
+                 : pull[d] != 0 ? reinterpret_cast<const char*>(pull[d]) + (size_t)o * p.hidden * 2
+                                : ht_slot(p.own_ring, p, c, d, pos[d] + (u64)o);
     }
     for (int ch = c0 + lane * 8; ch < c1; ch += 256 * G) {
         int4 raw[G][NR];
@@ -162,40 +164,98 @@ __device__ __forceinline__ void ht_combine_span(const HtParams& p, int c, int t,
     }
 }
 
-// Combine receiver of channel c: for each batch of `batch` tokens, waits for their copies, then
-// sums them (ascending destination rank) into the output; backward also picks each k's weight
-// gradient from the copy of the rank that owns expert k. NR (at least the ranks) and G as in
-// `ht_combine_span`.
+// Tokens [tb, te) of channel c summed into the output by the block's warps (a quarter row per
+// warp where H allows; `ht_combine_span`); backward also picks each k's weight gradient from the
+// copy of the rank that owns expert k (`pull_w[d]`: a pulled peer's gradients, in place).
 template <int NR, int G>
-__device__ void ht_combine_recv(const HtParams& p, int c) {
-    __shared__ u32 cancelled, mismatched;
-    __shared__ int failed;
-    __shared__ u64 pos[EP_MAX_RANKS];
-    __shared__ int need[EP_MAX_RANKS], prev[EP_MAX_RANKS];
-    if (!ht_wait_starts(p, &cancelled, &mismatched, &failed)) return;
-    const int R = p.num_ranks, C = p.channels, K = p.top_k, H = p.hidden, L = p.num_local;
+__device__ __forceinline__ void ht_combine_tokens(const HtParams& p, int c, int tb, int te, const u64* pos,
+                                                  const u64* pull, const u64* pull_w, u32 cancelled, int local_row0) {
+    const int R = p.num_ranks, K = p.top_k, H = p.hidden, L = p.num_local;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    u64* sig = reinterpret_cast<u64*>(p.signals);
-    const int* send_off = reinterpret_cast<const int*>(p.send_off);
     const int* copy_ord = reinterpret_cast<const int*>(p.copy_ord);
-    if ((int)threadIdx.x < R) {
-        const int d = threadIdx.x;
-        const int total = d == p.rank ? 0 : send_off[d * (C + 1) + c + 1] - send_off[d * (C + 1) + c];
-        pos[d] = *ht_cons(sig, p.chan, c, d, p.seq);
-        *ht_cons(sig, p.chan, c, d, p.seq + 1) = pos[d] + (u64)total;
-        prev[d] = 0;
-    }
-    __syncthreads();
-    const u64 deadline = globaltimer_ns() + p.timeout_ns;
-    const int local_row0 = reinterpret_cast<const int*>(p.recv_base)[p.rank * C + c];
-    const __nv_bfloat16* local = reinterpret_cast<const __nv_bfloat16*>(p.x);
+    const __nv_bfloat16* lrow = reinterpret_cast<const __nv_bfloat16*>(p.x) + (size_t)local_row0 * H;
     __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(p.out);
     const int parts = (H % 32 == 0) ? 4 : 1;
     const int width = H / parts;
+    for (int q = warp; q < (te - tb) * parts; q += HT_WARPS) {
+        const int t = tb + q / parts, part = q % parts;
+        const int c0 = part * width, c1 = c0 + width;
+        ht_combine_span<NR, G>(p, c, t, pos, pull, cancelled, lrow, out + (size_t)t * H, c0, c1, lane);
+        if (p.backward && part == 0 && lane < K) {
+            const long long e = reinterpret_cast<const long long*>(p.topk_idx)[(size_t)t * K + lane];
+            float w = 0.f;
+            if (e >= 0) {
+                const int d = (int)(e / L);
+                const int o = copy_ord[(size_t)t * R + d];
+                if (d == p.rank) {
+                    w = reinterpret_cast<const float*>(p.weights)[((size_t)local_row0 + o) * K + lane];
+                } else if (pull[d] != 0) {
+                    w = __ldcg(reinterpret_cast<const float*>(pull_w[d]) + (size_t)o * K + lane);
+                } else if (!((cancelled >> d) & 1u)) {
+                    w = __ldcg(reinterpret_cast<const float*>(ht_slot(p.own_ring, p, c, d, pos[d] + (u64)o) +
+                                                              p.off_weights) + lane);
+                }
+            }
+            reinterpret_cast<float*>(p.out_weights)[(size_t)t * K + lane] = w;
+        }
+    }
+}
+
+// Combine receiver of channel c: for each batch of `batch` tokens, waits for their copies, then
+// sums them (ascending destination rank) into the output. Pulled sources (`ht_direct`) need no
+// wait: their rows are read in place, and their heads go out once, at the end. NR (at least the
+// ranks) and G as in `ht_combine_span`.
+template <int NR, int G>
+__device__ void ht_combine_recv(const HtParams& p, int c) {
+    __shared__ u32 cancelled, mismatched;
+    __shared__ int failed, ring;
+    __shared__ u64 pos[EP_MAX_RANKS], pull[EP_MAX_RANKS], pull_w[EP_MAX_RANKS];
+    __shared__ int need[EP_MAX_RANKS], prev[EP_MAX_RANKS], total[EP_MAX_RANKS];
+    if (!ht_wait_starts(p, &cancelled, &mismatched, &failed)) return;
+    const int R = p.num_ranks, C = p.channels;
+    u64* sig = reinterpret_cast<u64*>(p.signals);
+    const int* send_off = reinterpret_cast<const int*>(p.send_off);
+    const int* copy_ord = reinterpret_cast<const int*>(p.copy_ord);
+    const u64 deadline = globaltimer_ns() + p.timeout_ns;
+    if ((int)threadIdx.x < R) {
+        const int d = threadIdx.x;
+        const int n = d == p.rank ? 0 : send_off[d * (C + 1) + c + 1] - send_off[d * (C + 1) + c];
+        total[d] = n;
+        pos[d] = *ht_cons(sig, p.chan, c, d, p.seq);
+        *ht_cons(sig, p.chan, c, d, p.seq + 1) = pos[d] + (u64)n;
+        prev[d] = 0;
+        pull[d] = pull_w[d] = 0;
+        if (d != p.rank && p.direct > 0 && n >= p.direct && !p.cancelled && !((cancelled >> d) & 1u)) {
+            // Where source d's rows are (null: the ring): it offers them at its start.
+            const u64* slot = ht_direct(sig, p.chan, c, d);
+            while (ld_acquire_sys(slot) != p.seq + 1) {
+                if (globaltimer_ns() > deadline) {
+                    report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, d, p.seq);
+                    atomicExch(&failed, 1);
+                    break;
+                }
+            }
+            if (!failed) {
+                pull[d] = ld_acquire_sys(slot + 1);
+                pull_w[d] = ld_acquire_sys(slot + 2);
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int r = 0;
+        for (int d = 0; d < R; d++) r += d != p.rank && total[d] > 0 && !((cancelled >> d) & 1u) && pull[d] == 0;
+        ring = r;
+    }
+    __syncthreads();
+    if (failed) return;
+    const int local_row0 = reinterpret_cast<const int*>(p.recv_base)[p.rank * C + c];
     const int t_begin = min(c * p.tokens_per_channel, p.num_tokens);
     const int t_end = min(t_begin + p.tokens_per_channel, p.num_tokens);
-    for (int tb = t_begin; tb < t_end; tb += p.batch) {
-        const int te = min(tb + p.batch, t_end);
+    // Without a ring source, the channel's tokens are one batch.
+    const int step = ring > 0 ? p.batch : max(t_end - t_begin, 1);
+    for (int tb = t_begin; tb < t_end; tb += step) {
+        const int te = min(tb + step, t_end);
         if ((int)threadIdx.x < R) {
             const int d = threadIdx.x;
             int n = prev[d];
@@ -207,7 +267,7 @@ __device__ void ht_combine_recv(const HtParams& p, int c) {
                 }
             }
             need[d] = n;
-            if (d != p.rank && n > prev[d] && !((cancelled >> d) & 1u)) {
+            if (d != p.rank && n > prev[d] && !((cancelled >> d) & 1u) && pull[d] == 0) {
                 while (ht_ready_end(p, c, d) < pos[d] + (u64)n) {
                     if (globaltimer_ns() > deadline) {
                         report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, d, p.seq);
@@ -219,41 +279,23 @@ __device__ void ht_combine_recv(const HtParams& p, int c) {
         }
         __syncthreads();
         if (failed) return;
-        if (!p.cancelled) {
-            for (int q = warp; q < (te - tb) * parts; q += HT_WARPS) {
-                const int t = tb + q / parts, part = q % parts;
-                const __nv_bfloat16* lrow = local + (size_t)local_row0 * H;
-                __nv_bfloat16* orow = out + (size_t)t * H;
-                const int c0 = part * width, c1 = c0 + width;
-                ht_combine_span<NR, G>(p, c, t, pos, cancelled, lrow, orow, c0, c1, lane);
-                if (p.backward && part == 0 && lane < K) {
-                    const long long e = reinterpret_cast<const long long*>(p.topk_idx)[(size_t)t * K + lane];
-                    float w = 0.f;
-                    if (e >= 0) {
-                        const int d = (int)(e / L);
-                        const int o = copy_ord[(size_t)t * R + d];
-                        if (d == p.rank) {
-                            w = reinterpret_cast<const float*>(p.weights)[((size_t)local_row0 + o) * K + lane];
-                        } else if (!((cancelled >> d) & 1u)) {
-                            w = __ldcg(reinterpret_cast<const float*>(ht_slot(p.own_ring, p, c, d, pos[d] + (u64)o) +
-                                                                      p.off_weights) + lane);
-                        }
-                    }
-                    reinterpret_cast<float*>(p.out_weights)[(size_t)t * K + lane] = w;
-                }
-            }
-        }
+        if (!p.cancelled) ht_combine_tokens<NR, G>(p, c, tb, te, pos, pull, pull_w, cancelled, local_row0);
         __syncthreads();
         if ((int)threadIdx.x < R) {
             const int d = threadIdx.x;
             if (need[d] > prev[d]) {
                 prev[d] = need[d];
-                if (d != p.rank) {
+                if (d != p.rank && pull[d] == 0) {
                     st_release_sys(ht_head(reinterpret_cast<u64*>(p.peer_signals[d]), p.chan, c, p.rank),
                                    pos[d] + (u64)need[d]);
                 }
             }
         }
+    }
+    if ((int)threadIdx.x < R && pull[threadIdx.x] != 0) {
+        // Every row of a pulled source is read: its expert output may go.
+        const int d = threadIdx.x;
+        st_release_sys(ht_head(reinterpret_cast<u64*>(p.peer_signals[d]), p.chan, c, p.rank), pos[d] + (u64)total[d]);
     }
     ht_publish_mask(p, c, cancelled, mismatched);
 }

@@ -35,6 +35,12 @@
 // Combine (the reverse): the expert side sends those rows back; the token side's receiver walks
 // its channel's tokens in order, summing each token's copies in ascending destination rank
 // (fp32, from 0, rounded to BF16 once), copies on this rank read directly from the expert output.
+// Pull combine (`direct` > 0, the same pairs as a direct dispatch): the expert side's sending
+// block tells the token side where its rows of the channel lie in its expert output (`ht_direct`
+// of the combine channel in the token side's page: the addresses of the first row and of its
+// weight gradients, then the operation number; null: the ring), publishes its final subtails at
+// once and, at the end, waits until the token side has read them (its head at the end, released
+// once). The token side's receiver reads those rows in place over NVLink: no ring, no copy.
 //
 // Cancellation and timeouts: at its start every kernel signals its arrival pair (chan, seq % 2)
 // (`signal_arrival`: the stamp, then the arrival word) to every receiver; a cancelled sender writes no data and
@@ -81,7 +87,8 @@ struct HtParams {
     u64 stamp;        // what every rank must agree on (epflow_core::stamp), checked per source
     int direct;       // dispatch: 0, or the rows of a (source, channel) pair from which the group writes them
                       // into the receiver's outputs (the same on every rank)
-    int direct_out;   // dispatch with `direct`: this rank's outputs take direct writes in this operation
+    int direct_mem;   // with `direct`: dispatch, this rank's outputs take direct writes in this operation;
+                      // combine, peers may read this rank's expert outputs (and weight gradients) in place
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
 static_assert(sizeof(HtParams) == 384, "HtParams layout");
@@ -108,13 +115,16 @@ __device__ __forceinline__ u64* ht_cons(u64* page, int chan, int c, int peer, u6
            (((size_t)chan * HT_MAX_CHANNELS + c) * EP_MAX_RANKS + peer) * 2 + (parity & 1);
 }
 
-// Direct dispatch: what the receiver of channel c tells source `peer` (in the source's page):
-// [0] the operation number + 1 (released last), [1] the address of the source's first output row
-// (0: use the ring), [2] of its first row's scales, [3] weights, [4] indices.
+// Direct dispatch (chan 0): what the receiver of channel c tells source `peer` (in the source's
+// page): [0] the operation number + 1 (released last), [1] the address of the source's first
+// output row (0: use the ring), [2] of its first row's scales, [3] weights, [4] indices.
+// Pull combine (chan 1): what expert-side rank `peer` tells the token side of channel c (in the
+// token side's page): [0] as above, [1] the address of the first of its expert-output rows for
+// this channel (0: use the ring), [2] of that row's weight gradients (backward).
 #define HT_DIRECT_SLOT 8
-__device__ __forceinline__ u64* ht_direct(u64* page, int c, int peer) {
+__device__ __forceinline__ u64* ht_direct(u64* page, int chan, int c, int peer) {
     return page + EP_SIG_ARRAY_WORDS + HT_SUBTAIL_WORDS + 5 * HT_PEER_WORDS +
-           ((size_t)c * EP_MAX_RANKS + peer) * HT_DIRECT_SLOT;
+           (((size_t)chan * HT_MAX_CHANNELS + c) * EP_MAX_RANKS + peer) * HT_DIRECT_SLOT;
 }
 
 __device__ __forceinline__ char* ht_slot(u64 ring_base, const HtParams& p, int c, int src, u64 g) {

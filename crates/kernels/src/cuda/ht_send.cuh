@@ -26,7 +26,7 @@ __device__ __forceinline__ HtSendRole ht_send_role(const HtParams& p, int warp) 
 __device__ bool ht_send_direct(const HtParams& p, int c, int dest, int j, int W, int n, u64 pos0, const int* list) {
     const int lane = threadIdx.x & 31;
     u64* sig = reinterpret_cast<u64*>(p.signals);
-    const u64* slot = ht_direct(sig, c, dest);
+    const u64* slot = ht_direct(sig, p.chan, c, dest);
     u64 addr[4] = {0, 0, 0, 0};
     int fail = 0;
     if (lane == 0) {
@@ -73,6 +73,53 @@ __device__ bool ht_send_direct(const HtParams& p, int c, int dest, int j, int W,
                        (end + (u64)W - 1 - r) / (u64)W);
     }
     return true;
+}
+
+// Pull combine, one sending warp of destination `dest` (see ht_rings.cuh) with `n` rows, the
+// first at ring position `pos0`: warp 0 tells `dest` where the rows are in this rank's expert
+// output (null: the ring); with the rows offered, every warp publishes its final subtail (no
+// data goes through the ring) and `ht_await_readers` later waits until `dest` has read them.
+// False when this rank's expert outputs are not readable by peers (the ring then carries them).
+__device__ bool ht_offer_rows(const HtParams& p, int c, int dest, int j, int W, int n, u64 pos0) {
+    const int lane = threadIdx.x & 31;
+    const bool offer = p.direct_mem != 0;
+    u64* peer_sig = reinterpret_cast<u64*>(p.peer_signals[dest]);
+    if (j == 0 && lane == 0) {
+        u64* slot = ht_direct(peer_sig, p.chan, c, p.rank);
+        const u64 row0 = (u64)reinterpret_cast<const int*>(p.recv_base)[dest * p.channels + c];
+        slot[1] = offer ? p.x + row0 * (u64)p.row_bytes : 0;
+        slot[2] = offer && p.backward ? p.weights + row0 * (u64)p.top_k * 4 : 0;
+        st_release_sys(slot, p.seq + 1);
+    }
+    if (!offer) return false;
+    if (lane == 0) {
+        const u64 r = (pos0 + (u64)j) % (u64)W, end = pos0 + (u64)n;
+        st_release_sys(ht_subtail(peer_sig, p.chan, c, p.rank, (int)r), (end + (u64)W - 1 - r) / (u64)W);
+    }
+    return true;
+}
+
+// Pull combine, the sending block of channel c after its sends:
+// waits until every destination it offered rows to has read them (their head at the end), so
+// that the expert output outlives their reads. A destination that skips this rank (a mismatch)
+// sets the abort word instead.
+__device__ void ht_await_readers(const HtParams& p, int c) {
+    const int dest = threadIdx.x;
+    if (dest >= p.num_ranks || dest == p.rank || p.cancelled || p.direct <= 0 || p.direct_mem == 0) return;
+    const int n = reinterpret_cast<const int*>(p.recv_cnt)[dest * p.channels + c];
+    if (n < p.direct) return;
+    u64* sig = reinterpret_cast<u64*>(p.signals);
+    const u64 end = *ht_prod(sig, p.chan, c, dest, p.seq) + (u64)n;
+    const u64* head = ht_head(sig, p.chan, c, dest);
+    const u64* abort = sig_at(sig, EP_SIG_ABORT(p.chan), (int)(p.seq & 1), dest);
+    const u64 deadline = globaltimer_ns() + p.timeout_ns;
+    while (ld_acquire_sys(head) < end) {
+        if (ld_acquire_sys(abort) == p.seq + 1) return;
+        if (globaltimer_ns() > deadline) {
+            report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_RING, dest, p.seq);
+            return;
+        }
+    }
 }
 
 // One sending warp: the items of its destination `dest` with op-local index i = j, j + W, ...
@@ -124,6 +171,7 @@ __device__ void ht_send(const HtParams& p, int c) {
         return;
     }
     if (DISPATCH && p.direct > 0 && n >= p.direct && ht_send_direct(p, c, dest, j, W, n, pos0, list)) return;
+    if (!DISPATCH && p.direct > 0 && n >= p.direct && ht_offer_rows(p, c, dest, j, W, n, pos0)) return;
     const u64* head = ht_head(sig, p.chan, c, dest);
     const u64 deadline = globaltimer_ns() + p.timeout_ns;
     const int K = p.top_k, U = p.items_per_fence;

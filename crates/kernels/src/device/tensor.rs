@@ -24,6 +24,10 @@ pub struct DeviceTensor {
     keep: Option<Arc<dyn Any + Send + Sync>>,
     lease: Option<Arc<dyn Lease>>,
     ready: Option<Arc<CudaEvent>>,
+    /// Whether epflow allocated the memory (`cuMemAlloc` in the device's context): then, in a
+    /// one-process group, kernels of peer GPUs reach it (peer access covers every such
+    /// allocation). Caller memory may come from allocators peer access does not cover.
+    epflow_memory: bool,
 }
 
 impl fmt::Debug for DeviceTensor {
@@ -57,13 +61,29 @@ impl DeviceTensor {
             HostData::I64(v) => buf.write(0, v)?,
             HostData::Fp8(v) => buf.write(0, v)?,
         }
-        Ok(DeviceTensor { desc: d, ptr: buf.ptr(), device, keep: Some(Arc::new(buf)), lease: None, ready: None })
+        Ok(DeviceTensor {
+            desc: d,
+            ptr: buf.ptr(),
+            device,
+            keep: Some(Arc::new(buf)),
+            lease: None,
+            ready: None,
+            epflow_memory: true,
+        })
     }
 
     /// A zero-filled tensor of `desc` on `device`.
     pub fn zeros(ctx: &Arc<cudarc::driver::CudaContext>, device: usize, desc: TensorDesc) -> Result<Self, Error> {
         let buf = DeviceBuffer::zeroed(ctx, desc.size_bytes())?;
-        Ok(DeviceTensor { desc, ptr: buf.ptr(), device, keep: Some(Arc::new(buf)), lease: None, ready: None })
+        Ok(DeviceTensor {
+            desc,
+            ptr: buf.ptr(),
+            device,
+            keep: Some(Arc::new(buf)),
+            lease: None,
+            ready: None,
+            epflow_memory: true,
+        })
     }
 
     /// A view of memory someone else owns (a framework's tensor, say).
@@ -74,15 +94,16 @@ impl DeviceTensor {
     /// `device`, laid out as `desc` says, valid until every operation that reads or writes this
     /// tensor has completed.
     pub unsafe fn from_raw(ptr: u64, device: usize, desc: TensorDesc) -> Self {
-        DeviceTensor { desc, ptr, device, keep: None, lease: None, ready: None }
+        DeviceTensor { desc, ptr, device, keep: None, lease: None, ready: None, epflow_memory: false }
     }
 
-    /// A view into memory kept alive by `keep`.
+    /// A view into memory kept alive by `keep` (counted as caller memory: see
+    /// [`DeviceTensor::epflow_memory`]).
     pub(crate) fn view(ptr: u64, device: usize, desc: TensorDesc, keep: Arc<dyn Any + Send + Sync>) -> Self {
-        DeviceTensor { desc, ptr, device, keep: Some(keep), lease: None, ready: None }
+        DeviceTensor { desc, ptr, device, keep: Some(keep), lease: None, ready: None, epflow_memory: false }
     }
 
-    /// A view into leased output memory (kept alive by `keep`).
+    /// A view into leased output memory (kept alive by `keep`), which epflow allocated.
     pub(crate) fn leased(
         ptr: u64,
         device: usize,
@@ -90,7 +111,7 @@ impl DeviceTensor {
         keep: Arc<dyn Any + Send + Sync>,
         lease: Arc<dyn Lease>,
     ) -> Self {
-        DeviceTensor { desc, ptr, device, keep: Some(keep), lease: Some(lease), ready: None }
+        DeviceTensor { desc, ptr, device, keep: Some(keep), lease: Some(lease), ready: None, epflow_memory: true }
     }
 
     /// Declares that work enqueued on `stream` (until this tensor's memory is released) reads
@@ -101,6 +122,13 @@ impl DeviceTensor {
         if let Some(l) = &self.lease {
             l.add_consumer(stream);
         }
+    }
+
+    /// Whether epflow allocated this tensor's memory ([`DeviceTensor::upload`],
+    /// [`DeviceTensor::zeros`], an epflow output): in a one-process group, peers' kernels may
+    /// read it in place (the pull combine of high-throughput). `from_raw` memory is not.
+    pub(crate) fn epflow_memory(&self) -> bool {
+        self.epflow_memory
     }
 
     /// The output lease of this view, if it is one.

@@ -207,7 +207,7 @@ pub(crate) fn dispatch(
     // compute-sanitizer flags) and this rank takes the data (not cancelled).
     let l = s.layout.ht("a high-throughput dispatch")?;
     p.direct = if l.direct { l.direct_min_rows as i32 } else { 0 };
-    p.direct_out = i32::from(l.direct && reused && inputs.is_some());
+    p.direct_mem = i32::from(l.direct && reused && inputs.is_some());
     p.out_scales = scales.as_ref().map_or(0, DeviceTensor::ptr);
     p.out_weights = topk_weights.as_ref().map_or(0, DeviceTensor::ptr);
     p.out_idx = topk_idx.as_ref().map_or(0, DeviceTensor::ptr);
@@ -249,9 +249,18 @@ pub(crate) fn combine(
     let stamp = h.core().combine_stamp(opts.pass, paired);
     let mut p = ht_params(s, Channel::Combine, h, seq, stamp)?;
     p.backward = i32::from(opts.pass == Pass::Backward);
+    // Pull combine (`ht_rings.cuh`): peers read this rank's expert outputs (and weight
+    // gradients) in place when epflow allocated them (caller memory may not be reachable).
+    let l = s.layout.ht("a high-throughput combine")?;
+    if l.pull_combine {
+        p.direct = l.direct_min_rows as i32;
+    }
     if let Some(inputs) = inputs {
         p.x = inputs.tokens().ptr();
         p.weights = inputs.weights().map_or(0, DeviceTensor::ptr);
+        p.direct_mem = i32::from(
+            l.pull_combine && inputs.tokens().epflow_memory() && inputs.weights().is_none_or(|w| w.epflow_memory()),
+        );
     }
     let t = into.copied().unwrap_or_default();
     let outputs = [(Some(descs.tokens.clone()), Some(t.tokens)), (descs.topk_weights.clone(), t.topk_weights)];
