@@ -213,3 +213,45 @@ fn gpu_ht_dispatches_on_different_handles_fail_promptly_and_poison() {
         assert!(rank.core().poison().is_poisoned(), "the rings disagree: the group is poisoned");
     });
 }
+
+/// A high-throughput combine whose inputs fail validation on one rank: that rank's combine fails
+/// with the validation error, its peer's with `PeerCancelled` at once, nothing is poisoned, and
+/// a full round follows bit for bit. On one process the peer's pairs are pulled (the valid
+/// rank offers its expert outputs in place) and the cancelled rank's are not: both paths end.
+#[test]
+fn gpu_ht_combine_validation_failure_cancels_the_collective() {
+    let config = GroupConfig::high_throughput(E, H).with_max_tokens(MaxTokens::Fixed(256)).with_timeout(TIMEOUT);
+    let Some(ranks) = world("gpu_ht_combine_validation_failure", &config) else { return };
+    let sc = Scenario::generate(config.clone(), 2, &[256, 200], 4, RoutingKind::Uniform, 0, seed());
+    let refs = sc.ht_dispatch_reference().unwrap();
+    let want = sc.ht_combine_identity_reference(&refs).unwrap();
+    on_ranks(&ranks, |rank| {
+        let r = rank.rank();
+        let h = handle(rank, &sc);
+        let x = rank.upload(&sc.tokens(r)).unwrap();
+        let w = rank.upload(&sc.weights(r)).unwrap();
+        let dispatch = || {
+            blocking_dispatch(rank, &h, DispatchInputs::new(&x).with_weights(&w), &DispatchOptions::default(), false)
+                .unwrap()
+        };
+        let out = dispatch();
+        let bad = rank.upload(&HostTensor::tokens(1, H, vec![epflow_core::bf16::ONE; H])).unwrap();
+        let experts = if r == 1 { &bad } else { out.tokens() };
+        let t = Instant::now();
+        let err =
+            blocking_combine(rank, &h, CombineInputs::new(experts), &CombineOptions::default(), false).unwrap_err();
+        assert!(t.elapsed() < PROMPT, "rank {r} waited {:?}", t.elapsed());
+        match r {
+            1 => assert!(matches!(err, Error::Validation(_)), "{err}"),
+            _ => assert!(matches!(err, Error::PeerCancelled { peer: 1, .. }), "{err}"),
+        }
+        assert!(!rank.core().poison().is_poisoned());
+        drop(out);
+        rank.fill_output_buffers(0xA5).unwrap();
+        let out = dispatch();
+        let y =
+            blocking_combine(rank, &h, CombineInputs::new(out.tokens()), &CombineOptions::default(), false).unwrap();
+        let c = check_bf16("combine", &want[r], y.to_host().unwrap().tokens.as_bf16().unwrap(), Tolerance::Exact);
+        assert!(c.ok(), "rank {r} combine after the cancelled one: {c:?}");
+    });
+}
