@@ -10,11 +10,30 @@ __device__ void ht_dispatch_recv(const HtParams& p, int c) {
     __shared__ int left[EP_MAX_RANKS], take[EP_MAX_RANKS], base[EP_MAX_RANKS], done[EP_MAX_RANKS];
     __shared__ int round_items, any_left;
     __shared__ u32 direct;  // sources writing their rows straight into this rank's outputs
-    if (!ht_wait_starts(p, &cancelled, &mismatched, &failed)) return;
     const int R = p.num_ranks, C = p.channels, K = p.top_k;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u64* sig = reinterpret_cast<u64*>(p.signals);
     const int cols = p.hidden / 128;
+    const bool direct_out = p.direct_mem != 0;
+    if ((int)threadIdx.x < R) {
+        // Where source s's rows of this channel go (null: into the ring), told before the
+        // sources' starts are checked, so that a source's first row waits for one signal, not a
+        // round trip: the stamp beside the addresses keeps a source that runs another operation
+        // from writing (a cancelled source writes nothing anyway).
+        const int s = threadIdx.x;
+        const int cnt = s == p.rank ? 0 : reinterpret_cast<const int*>(p.recv_cnt)[s * C + c];
+        if (p.direct > 0 && cnt >= p.direct) {
+            u64* slot = ht_direct(reinterpret_cast<u64*>(p.peer_signals[s]), p.chan, c, p.rank);
+            const u64 row0 = (u64)reinterpret_cast<const int*>(p.recv_base)[s * C + c];
+            slot[1] = direct_out ? p.out + row0 * (u64)p.row_bytes : 0;
+            slot[2] = direct_out && p.fp8 ? p.out_scales + row0 * (u64)cols * 4 : 0;
+            slot[3] = direct_out && !p.backward ? p.out_weights + row0 * (u64)K * 4 : 0;
+            slot[4] = direct_out && !p.backward ? p.out_idx + row0 * (u64)K * 8 : 0;
+            slot[5] = p.stamp;
+            st_release_sys(slot, p.seq + 1);
+        }
+    }
+    if (!ht_wait_starts(p, &cancelled, &mismatched, &failed)) return;
     if (threadIdx.x == 0) direct = 0u;
     __syncthreads();
     if ((int)threadIdx.x < R) {
@@ -25,19 +44,8 @@ __device__ void ht_dispatch_recv(const HtParams& p, int c) {
         left[s] = cnt;
         base[s] = reinterpret_cast<const int*>(p.recv_base)[s * C + c];
         done[s] = 0;
-        if (p.direct > 0 && cnt >= p.direct && !((cancelled >> s) & 1u)) {
-            // Where source s's rows of this channel go (null: into the ring). With a direct
-            // source, this block only waits for its subtails.
-            const bool d = p.direct_mem != 0;
-            u64* slot = ht_direct(reinterpret_cast<u64*>(p.peer_signals[s]), p.chan, c, p.rank);
-            const u64 row0 = (u64)base[s];
-            slot[1] = d ? p.out + row0 * (u64)p.row_bytes : 0;
-            slot[2] = d && p.fp8 ? p.out_scales + row0 * (u64)cols * 4 : 0;
-            slot[3] = d && !p.backward ? p.out_weights + row0 * (u64)K * 4 : 0;
-            slot[4] = d && !p.backward ? p.out_idx + row0 * (u64)K * 8 : 0;
-            st_release_sys(slot, p.seq + 1);
-            if (d) atomicOr(&direct, 1u << s);
-        }
+        // A direct source writes its rows itself: this block only waits for its subtails.
+        if (p.direct > 0 && cnt >= p.direct && direct_out && !((cancelled >> s) & 1u)) atomicOr(&direct, 1u << s);
     }
     __syncthreads();
     const u64 deadline = globaltimer_ns() + p.timeout_ns;

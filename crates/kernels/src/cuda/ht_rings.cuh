@@ -25,12 +25,13 @@
 // Direct dispatch (`direct` > 0: ranks of one process, whose peers' memory every rank
 // addresses), for a (source, channel) pair of at least `direct` rows (both sides know the count
 // from the handle): the receiving block of channel c first tells the source where its rows go
-// (`ht_direct`: the addresses of its first output row, scales, weights and indices, then the
-// operation number), and the source writes its rows there instead of into the ring: no ring space
+// (`ht_direct`: the addresses of its first output row, scales, weights and indices and its stamp,
+// then the operation number; at its start, before it waits for the sources' starts), and the
+// source, if the stamps agree, writes its rows there instead of into the ring: no ring space
 // to wait for, and no copy out of the ring. Its warps still publish their final subtails, which
 // is what the receiver waits for, and the receiver still returns the ring positions (head), so
 // the rings' numbering goes on as if the items had passed through them. A receiver whose
-// outputs peers may not reach (`direct_out` 0: caller memory, a buffer allocated for this
+// outputs peers may not reach (`direct_mem` 0: caller memory, a buffer allocated for this
 // operation) or that was cancelled publishes a null address: that source uses the ring.
 // Combine (the reverse): the expert side sends those rows back; the token side's receiver walks
 // its channel's tokens in order, summing each token's copies in ascending destination rank
@@ -117,7 +118,9 @@ __device__ __forceinline__ u64* ht_cons(u64* page, int chan, int c, int peer, u6
 
 // Direct dispatch (chan 0): what the receiver of channel c tells source `peer` (in the source's
 // page): [0] the operation number + 1 (released last), [1] the address of the source's first
-// output row (0: use the ring), [2] of its first row's scales, [3] weights, [4] indices.
+// output row (0: use the ring), [2] of its first row's scales, [3] weights, [4] indices, [5] the
+// receiver's stamp (written at the receiver's start, before it checks the sources': a source
+// whose stamp differs writes nothing).
 // Pull combine (chan 1): what expert-side rank `peer` tells the token side of channel c (in the
 // token side's page): [0] as above, [1] the address of the first of its expert-output rows for
 // this channel (0: use the ring), [2] of that row's weight gradients (backward).

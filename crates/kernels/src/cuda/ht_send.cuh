@@ -43,6 +43,8 @@ __device__ bool ht_send_direct(const HtParams& p, int c, int dest, int j, int W,
                 break;
             }
         }
+        // A receiver running another operation (a mismatch it reports) gets nothing.
+        if (!fail && ld_acquire_sys(slot + 5) != p.stamp) fail = 1;
 #pragma unroll
         for (int u = 0; u < 4; u++) addr[u] = fail ? 0 : ld_acquire_sys(slot + 1 + u);
     }
