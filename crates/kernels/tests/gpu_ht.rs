@@ -11,7 +11,7 @@
 
 use epflow_core::handle::RoutingHandle;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaStream;
 use epflow_core::backend::{
@@ -32,7 +32,7 @@ use epflow_kernels::device::DeviceBuffer;
 use epflow_kernels::{DeviceTensor, GpuHandle, GpuRank, GpuWorld, OutputTargets, Transport, device_count};
 
 mod common;
-use common::{gpus, on_ranks, seed, shared_gpu_sms};
+use common::{TimedBarrier, gpus, on_ranks, seed, shared_gpu_sms};
 
 /// The references of one round: forward dispatch and combine of identity experts, backward
 /// dispatch of the tokens as gradients, and backward combine of those rows with random weight
@@ -93,7 +93,16 @@ impl ForwardInputs {
 }
 
 /// One forward and one backward dispatch/combine pair on one handle; returns the reports.
-fn round(rank: &GpuRank, sc: &Scenario, refs: &Refs, counts_on_host: bool) -> Result<Vec<Report>, Error> {
+/// `combines`: every rank waits there, once its combine inputs exist, before the first combine
+/// (a combine reads its peers' expert outputs in place, and compute-sanitizer flags reads of
+/// memory allocated after the reading kernel was launched, though the GPU reaches it).
+fn round(
+    rank: &GpuRank,
+    sc: &Scenario,
+    refs: &Refs,
+    counts_on_host: bool,
+    combines: &TimedBarrier,
+) -> Result<Vec<Report>, Error> {
     let r = rank.rank();
     rank.fill_output_buffers(0xA5)?;
     let idx = rank.upload(&sc.topk_idx(r))?;
@@ -141,6 +150,10 @@ fn round(rank: &GpuRank, sc: &Scenario, refs: &Refs, counts_on_host: bool) -> Re
         Some(s) => rank.dequantize_fp8(out.tokens(), s)?,
         None => out.tokens().clone(),
     };
+    let wg = rank.upload(&HostTensor::topk_weights(n, sc.top_k, refs.weight_grads[r].clone()))?;
+    if !combines.wait(Duration::from_secs(60)) {
+        return Err(Error::Backend(format!("rank {r}: a peer never reached the combines")));
+    }
     let y = blocking_combine(rank, &h, CombineInputs::new(&experts), &CombineOptions::default(), false)?;
     let yh = y.to_host()?;
     reports.push(check_bf16(
@@ -152,7 +165,6 @@ fn round(rank: &GpuRank, sc: &Scenario, refs: &Refs, counts_on_host: bool) -> Re
 
     // NCCL EP's cached mode: a backward combine of the same rows right after the forward pair,
     // with no backward dispatch in between.
-    let wg = rank.upload(&HostTensor::topk_weights(n, sc.top_k, refs.weight_grads[r].clone()))?;
     let copts = CombineOptions { pass: Pass::Backward };
     let cy = blocking_combine(rank, &h, CombineInputs::new(&experts).with_weights(&wg), &copts, false)?.to_host()?;
     let (want_x, want_w) = &refs.cached_combine[r];
@@ -224,7 +236,8 @@ fn check_world(
         let sc = Scenario::generate(config.clone(), devices.len(), &per_rank, top_k, kind, masked.min(tokens), s);
         let refs = references(&sc, s);
         let t = Instant::now();
-        let all = on_ranks(&ranks, |rank| round(rank, &sc, &refs, i % 2 == 1).expect("round"));
+        let combines = TimedBarrier::new(ranks.len());
+        let all = on_ranks(&ranks, |rank| round(rank, &sc, &refs, i % 2 == 1, &combines).expect("round"));
         let what = format!(
             "R={} H={hidden} E={experts} {dtype:?} tokens={tokens} top_k={top_k} {kind:?} masked={masked} {transport:?} \
              seed={s}",
@@ -500,7 +513,8 @@ fn ht_many_iterations_with_fresh_routing() {
         let sc =
             Scenario::generate(config.clone(), devices.len(), &[tokens, 200, 64, 256], top_k, kind, 10.min(tokens), s);
         let refs = references(&sc, s);
-        let all = on_ranks(&ranks, |rank| round(rank, &sc, &refs, it % 2 == 0).expect("round"));
+        let combines = TimedBarrier::new(ranks.len());
+        let all = on_ranks(&ranks, |rank| round(rank, &sc, &refs, it % 2 == 0, &combines).expect("round"));
         for rep in all.into_iter().flatten() {
             assert!(rep.ok(), "iteration {it} seed {s}: {rep:?}");
         }
@@ -596,7 +610,8 @@ fn ht_invalid_routing_fails_creation_and_spares_the_group() {
         }
         // The group is not poisoned: a full round on valid routing.
         let refs = references(&sc, base);
-        let all = on_ranks(&ranks, |rank| round(rank, &sc, &refs, false).expect("round after refusals"));
+        let combines = TimedBarrier::new(ranks.len());
+        let all = on_ranks(&ranks, |rank| round(rank, &sc, &refs, false, &combines).expect("round after refusals"));
         for rep in all.into_iter().flatten() {
             assert!(rep.ok(), "{n} GPUs, after refusals: {rep:?}");
         }

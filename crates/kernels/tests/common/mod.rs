@@ -1,7 +1,8 @@
 //! Helpers the GPU test files share: which GPUs to use (or why the test is skipped), the seed,
-//! and running a closure on every rank's thread.
+//! running a closure on every rank's thread, and a barrier between those threads.
 
-use std::time::SystemTime;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, SystemTime};
 
 use epflow_kernels::{GpuRank, device_count};
 
@@ -103,4 +104,36 @@ pub(crate) fn counts_across(it: u64, ranks: usize, threshold: usize, max_tokens:
             if (it + r) % 2 == 0 { 1 + v % threshold } else { threshold + 1 + v % (max_tokens - threshold) }
         })
         .collect()
+}
+
+/// A barrier between the rank threads of `on_ranks` whose wait gives up after a timeout, so a
+/// rank that failed before reaching it fails the test instead of hanging its peers.
+#[allow(dead_code)] // not every test file uses it
+pub(crate) struct TimedBarrier {
+    ranks: usize,
+    /// Threads waiting, and the generation (bumped when all arrive).
+    state: Mutex<(usize, u64)>,
+    all_here: Condvar,
+}
+
+#[allow(dead_code)]
+impl TimedBarrier {
+    pub(crate) fn new(ranks: usize) -> Self {
+        TimedBarrier { ranks, state: Mutex::new((0, 0)), all_here: Condvar::new() }
+    }
+
+    /// Waits until every rank arrived (true) or `timeout` passed (false).
+    pub(crate) fn wait(&self, timeout: Duration) -> bool {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let generation = s.1;
+        s.0 += 1;
+        if s.0 == self.ranks {
+            *s = (0, generation + 1);
+            self.all_here.notify_all();
+            return true;
+        }
+        let (_s, waited) =
+            self.all_here.wait_timeout_while(s, timeout, |s| s.1 == generation).unwrap_or_else(|e| e.into_inner());
+        !waited.timed_out()
+    }
 }
