@@ -61,32 +61,24 @@ impl DeviceTensor {
             HostData::I64(v) => buf.write(0, v)?,
             HostData::Fp8(v) => buf.write(0, v)?,
         }
-        Ok(DeviceTensor {
-            desc: d,
-            ptr: buf.ptr(),
-            device,
-            keep: Some(Arc::new(buf)),
-            lease: None,
-            ready: None,
-            epflow_memory: true,
-        })
+        Ok(Self::owning(d, device, buf))
     }
 
     /// A zero-filled tensor of `desc` on `device`.
     pub fn zeros(ctx: &Arc<cudarc::driver::CudaContext>, device: usize, desc: TensorDesc) -> Result<Self, Error> {
         let buf = DeviceBuffer::zeroed(ctx, desc.size_bytes())?;
-        Ok(DeviceTensor {
-            desc,
-            ptr: buf.ptr(),
-            device,
-            keep: Some(Arc::new(buf)),
-            lease: None,
-            ready: None,
-            epflow_memory: true,
-        })
+        Ok(Self::owning(desc, device, buf))
     }
 
-    /// A view of memory someone else owns (a framework's tensor, say).
+    /// A tensor of `desc` in `buf`, which epflow allocated and this tensor keeps.
+    fn owning(desc: TensorDesc, device: usize, buf: DeviceBuffer) -> Self {
+        let ptr = buf.ptr();
+        DeviceTensor { desc, ptr, device, keep: Some(Arc::new(buf)), lease: None, ready: None, epflow_memory: true }
+    }
+
+    /// A view of memory someone else owns (a framework's tensor, say). Peers' kernels do not
+    /// read it in place (a high-throughput combine sends its rows through the rings: the
+    /// allocator may be one peer access does not cover).
     ///
     /// # Safety
     ///
