@@ -400,9 +400,9 @@ fn as_caller_memory(t: &DeviceTensor) -> DeviceTensor {
 
 /// Pull combine (one process: a token's rank reads its copies in place from the expert side's
 /// output) beside ranks whose expert outputs are caller memory (their rows go through the
-/// rings), in one group and in turn: the
-/// forward combine and the backward combine with weight gradients against the reference, bit for
-/// bit, each rank's inputs in caller memory or not, operation after operation.
+/// rings), in one group and in turn: the forward combine and the backward combine with weight
+/// gradients against the reference, bit for bit, each rank's inputs in caller memory or not,
+/// operation after operation.
 #[test]
 fn ht_pull_and_ring_combine_in_one_group() {
     let Some(devices) = gpus(2, "ht_pull_and_ring_combine_in_one_group") else { return };
