@@ -101,10 +101,9 @@ __device__ bool ht_offer_rows(const HtParams& p, int c, int dest, int j, int W, 
     return true;
 }
 
-// Pull combine, the sending block of channel c after its sends:
-// waits until every destination it offered rows to has read them (their head at the end), so
-// that the expert output outlives their reads. A destination that skips this rank (a mismatch)
-// sets the abort word instead.
+// Pull combine, the sending block of channel c after its sends: waits until every destination
+// it offered rows to has read them (their head at the end), so that the expert output outlives
+// their reads. A destination that skips this rank (a mismatch) sets the abort word instead.
 __device__ void ht_await_readers(const HtParams& p, int c) {
     const int dest = threadIdx.x;
     if (dest >= p.num_ranks || dest == p.rank || p.cancelled || p.direct <= 0 || p.direct_mem == 0) return;
