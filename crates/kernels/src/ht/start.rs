@@ -201,10 +201,11 @@ pub(crate) fn dispatch(
     let ([tokens, scales, topk_weights, topk_idx], fill, fences, reused) = output_views(s, outputs, into.is_some())?;
     let tokens = tokens.ok_or_else(|| Error::Backend("no token output".into()))?;
     p.out = tokens.ptr();
-    // Direct dispatch (`ht_send.cuh`, `ht_receive.cuh`): peers write this rank's outputs when they are a cached buffer
-    // that served an earlier operation (caller memory may not be reachable from peers, and a
-    // buffer allocated now may be newer than the peers' kernels already running, which
-    // compute-sanitizer flags) and this rank takes the data (not cancelled).
+    // Direct dispatch (`ht_send.cuh`, `ht_receive.cuh`): peers write this rank's outputs when
+    // they are a cached buffer that served an earlier operation (caller memory may not be
+    // reachable from peers, and a buffer allocated now may be newer than the peers' kernels
+    // already running, which compute-sanitizer flags) and this rank takes the data (not
+    // cancelled).
     let l = s.layout.ht("a high-throughput dispatch")?;
     p.direct = if l.direct { l.direct_min_rows as i32 } else { 0 };
     p.direct_mem = i32::from(l.direct && reused && inputs.is_some());
