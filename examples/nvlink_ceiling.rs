@@ -5,11 +5,14 @@
 //! (`GpuRank::sm_copy`: N blocks of 512 threads per GPU, shared out over its peers, as the
 //! high-throughput kernels' sending warps store), and with `--local` also a copy of the same size
 //! within each GPU at the same time on its own N blocks (a dispatch also copies its own rows and
-//! the received ones in HBM). High-throughput dispatch at the reference config moves ~53 MB per
+//! the received ones in HBM). With `--tma` (and `--sms N`), the N blocks per GPU move the bytes
+//! with the Tensor Memory Accelerator's bulk copies instead (`GpuRank::tma_copy`: one issuing
+//! thread per block, `--stages` shared-memory buffers of `--chunk` bytes, default 14 of 14336 B,
+//! a 7168-wide BF16 row each); `--local` then copies locally with bulk copies too. High-throughput dispatch at the reference config moves ~53 MB per
 //! pair on 4 GPUs, ~58 MB on 2.
 //!
 //! ```sh
-//! cargo run --release --example nvlink_ceiling [-- --mb 56 --iters 20 --sms 132 --local]
+//! cargo run --release --example nvlink_ceiling [-- --mb 56 --iters 20 --sms 132 --local --tma]
 //! ```
 
 use std::time::Instant;
@@ -31,6 +34,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let (mb, iters, sms) = (arg("--mb", 53), arg("--iters", 20), arg("--sms", 0));
     let local = std::env::args().any(|a| a == "--local");
+    let tma = std::env::args().any(|a| a == "--tma");
+    let (chunk, stages) = (arg("--chunk", 14336) as u32, arg("--stages", 14) as u32);
     let bytes = mb << 20;
     let devices: Vec<usize> = (0..n.min(8)).collect();
     // A group only to open the contexts and enable peer access between every pair.
@@ -38,6 +43,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let r = ranks.len();
     let src: Vec<DeviceBuffer> =
         ranks.iter().map(|k| DeviceBuffer::zeroed(k.context(), bytes)).collect::<Result<_, _>>()?;
+    // A pattern per source (word i of source s: i * 2654435761 + s), checked after the runs.
+    let pattern = |s: usize| -> Vec<u32> {
+        (0..bytes / 4).map(|i| (i as u32).wrapping_mul(2654435761).wrapping_add(s as u32)).collect()
+    };
+    for (s, b) in src.iter().enumerate() {
+        b.write(0, &pattern(s))?;
+    }
     // dst[d] holds one region per source.
     let dst: Vec<DeviceBuffer> =
         ranks.iter().map(|k| DeviceBuffer::zeroed(k.context(), bytes * r)).collect::<Result<_, _>>()?;
@@ -56,7 +68,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 if sms > 0 {
                     // SAFETY: both buffers live until the end of main, after every stream is
                     // synchronized; each (source, peer) pair has its own destination region.
-                    unsafe { ranks[s].sm_copy(&streams[s][d], &dst[d], s * bytes, &src[s], bytes, peer_blocks)? };
+                    unsafe {
+                        if tma {
+                            ranks[s].tma_copy(
+                                &streams[s][d],
+                                &dst[d],
+                                s * bytes,
+                                &src[s],
+                                bytes,
+                                peer_blocks,
+                                chunk,
+                                stages,
+                            )?
+                        } else {
+                            ranks[s].sm_copy(&streams[s][d], &dst[d], s * bytes, &src[s], bytes, peer_blocks)?
+                        }
+                    };
                     continue;
                 }
                 let to = dst[d].ptr() + (s * bytes) as u64;
@@ -70,7 +97,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             if local && sms > 0 {
                 // The own region of this GPU's destination buffer, on the stream of pair (s, s).
                 // SAFETY: as above; region s of dst[s] is written by nothing else.
-                unsafe { ranks[s].sm_copy(&streams[s][s], &dst[s], s * bytes, &src[s], bytes, sms as u32)? };
+                unsafe {
+                    if tma {
+                        ranks[s].tma_copy(
+                            &streams[s][s],
+                            &dst[s],
+                            s * bytes,
+                            &src[s],
+                            bytes,
+                            sms as u32,
+                            chunk,
+                            stages,
+                        )?
+                    } else {
+                        ranks[s].sm_copy(&streams[s][s], &dst[s], s * bytes, &src[s], bytes, sms as u32)?
+                    }
+                };
             }
         }
         for ss in &streams {
@@ -82,13 +124,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             times.push(t.elapsed().as_secs_f64());
         }
     }
+    // Every region that was written must hold its source's pattern.
+    let mut got = vec![0u8; bytes];
+    for (d, b) in dst.iter().enumerate() {
+        for s in (0..r).filter(|&s| s != d || (local && sms > 0)) {
+            b.read(s * bytes, &mut got)?;
+            let want: Vec<u8> = pattern(s).iter().flat_map(|w| w.to_le_bytes()).collect();
+            if got != want {
+                return Err(format!("GPU {d}'s copy from GPU {s} differs from its source").into());
+            }
+        }
+    }
     times.sort_by(f64::total_cmp);
     let med = times[times.len() / 2];
     let ingress = (r - 1) as f64 * bytes as f64 / med / 1e9;
+    let kind = if tma { format!("bulk copies ({stages} x {chunk} B)") } else { "SM stores".to_string() };
     let how = match (sms, local) {
         (0, _) => "copy engines".to_string(),
-        (n, false) => format!("SM stores, {n} blocks per GPU"),
-        (n, true) => format!("SM stores, {n} blocks per GPU, with a local copy of {mb} MB on {n} more"),
+        (n, false) => format!("{kind}, {n} blocks per GPU"),
+        (n, true) => format!("{kind}, {n} blocks per GPU, with a local copy of {mb} MB on {n} more"),
     };
     println!(
         "{r} GPUs, {mb} MB to every peer: median {:.1} us per all-to-all, {ingress:.1} GB/s ingress per GPU ({how})",

@@ -51,6 +51,8 @@ pub(crate) struct Functions {
     pub spin: CudaFunction,
     /// The SM-store copy probe (`GpuRank::sm_copy`).
     pub sm_copy: CudaFunction,
+    /// The bulk-copy (TMA) probe (`GpuRank::tma_copy`).
+    pub tma_copy: CudaFunction,
     pub nccl_ht_pack: CudaFunction,
     pub nccl_arrivals: CudaFunction,
     pub nccl_ht_reduce: CudaFunction,
@@ -114,6 +116,7 @@ impl Functions {
             dequant_fp8: f(&util, "ep_dequant_fp8_rows")?,
             spin: f(&util, "ep_spin")?,
             sm_copy: f(&util, "ep_sm_copy")?,
+            tma_copy: f(&util, "ep_tma_copy")?,
             nccl_ht_pack: f(&nccl, "ep_nccl_ht_pack")?,
             nccl_arrivals: f(&nccl, "ep_nccl_arrivals")?,
             nccl_ht_reduce: f(&nccl, "ep_nccl_ht_reduce")?,

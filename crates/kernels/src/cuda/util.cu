@@ -52,3 +52,60 @@ extern "C" __global__ void __launch_bounds__(512) ep_sm_copy(u64 dst, u64 src, u
         }
     }
 }
+
+// Copies `bytes` (a multiple of 16) from `src` to `dst` (local or a peer's) with the Tensor
+// Memory Accelerator: thread 0 of each block moves the block's chunks (chunk k of the copy goes
+// to block k % gridDim.x) global -> shared -> global with bulk asynchronous copies, through
+// `stages` (2..=TMA_MAX_STAGES) buffers of `chunk` bytes (a multiple of 16) of dynamic shared
+// memory, keeping stages - 1 loads ahead of its stores. A probe of what bulk copies reach with
+// few SMs (`nvlink_ceiling --tma`), not part of any operation.
+#define TMA_MAX_STAGES 32
+__device__ __forceinline__ void tma_load(u32 smem, const char* src, u32 size, u32 bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(size) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem),
+                 "l"(src), "r"(size), "r"(bar)
+                 : "memory");
+}
+__device__ __forceinline__ void tma_wait(u32 bar, u32 parity) {
+    u32 done = 0;
+    while (!done) {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    }
+}
+__device__ __forceinline__ void tma_store(char* dst, u32 smem, u32 size) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem), "r"(size) : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+extern "C" __global__ void ep_tma_copy(u64 dst, u64 src, u64 bytes, u32 chunk, u32 stages) {
+    extern __shared__ __align__(128) unsigned char tma_buf[];
+    __shared__ __align__(8) u64 bar[TMA_MAX_STAGES];
+    if (threadIdx.x != 0 || stages < 2 || stages > TMA_MAX_STAGES) return;
+    const u64 chunks = (bytes + chunk - 1) / chunk;
+    const u64 mine = chunks > blockIdx.x ? (chunks - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+    const u32 buf0 = (u32)__cvta_generic_to_shared(tma_buf), bar0 = (u32)__cvta_generic_to_shared(bar);
+    for (u32 s = 0; s < stages; s++) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + 8 * s) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    const char* s_ = reinterpret_cast<const char*>(src);
+    char* d_ = reinterpret_cast<char*>(dst);
+    auto off = [&](u64 k) { return (blockIdx.x + k * gridDim.x) * (u64)chunk; };
+    auto size = [&](u64 k) { return (u32)min((u64)chunk, bytes - off(k)); };
+    const u64 ahead = stages - 1;
+    for (u64 k = 0; k < min(ahead, mine); k++) tma_load(buf0 + (u32)(k % stages) * chunk, s_ + off(k), size(k), bar0 + 8 * (u32)(k % stages));
+    for (u64 k = 0; k < mine; k++) {
+        const u32 st = (u32)(k % stages);
+        tma_wait(bar0 + 8 * st, (u32)((k / stages) & 1));
+        tma_store(d_ + off(k), buf0 + st * chunk, size(k));
+        const u64 nk = k + ahead;
+        if (nk < mine) {
+            if (k >= 1) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+            const u32 ns = (u32)(nk % stages);
+            tma_load(buf0 + ns * chunk, s_ + off(nk), size(nk), bar0 + 8 * ns);
+        }
+    }
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
