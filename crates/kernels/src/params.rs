@@ -29,10 +29,10 @@ pub(crate) const HT_MAX_CHANNELS: usize = 128;
 pub(crate) const HT_MAX_WARPS: usize = 16;
 /// Words of the high-throughput ring counters after the arrays (see `ht_rings.cuh`): subtails
 /// `[2][C][R][W]`, heads `[2][C][R]`, the producer and consumer positions `[2][C][R][2]`, the
-/// addresses of direct dispatch and pull combine `[2][C][R][8]` (`ht_direct`).
+/// addresses of direct dispatch and pull combine `[2][C][R][16]` (`ht_direct`).
 pub(crate) const HT_COUNTER_WORDS: usize = 2 * HT_MAX_CHANNELS * MAX_RANKS * HT_MAX_WARPS
     + 2 * HT_MAX_CHANNELS * MAX_RANKS * 5
-    + 2 * HT_MAX_CHANNELS * MAX_RANKS * 8;
+    + 2 * HT_MAX_CHANNELS * MAX_RANKS * 16;
 /// Bytes of a rank's signal page.
 pub(crate) const SIGNAL_PAGE_BYTES: usize = (SIG_ARRAY_WORDS + HT_COUNTER_WORDS) * 8;
 

@@ -859,3 +859,36 @@ fn sm_copy_moves_the_bytes() {
     let err = unsafe { ranks[0].sm_copy(&stream, &local, 8192, &src, bytes, 4) };
     assert!(matches!(err, Err(Error::Unsupported(m)) if m.contains("does not fit")));
 }
+
+/// `GpuRank::tma_copy` (the bulk-copy probe of `examples/nvlink_ceiling --tma`) moves exactly its
+/// bytes, into this GPU's buffer and into a peer's, at an offset, with a partial last chunk, any
+/// block count and any stage count; chunks and stages out of range are refused.
+#[test]
+fn tma_copy_moves_the_bytes() {
+    let Some(devices) = gpus(2, "tma_copy_moves_the_bytes") else { return };
+    let ranks = GpuWorld::create(&devices, GroupConfig::high_throughput(16, 1024)).expect("group");
+    let bytes = (3 << 20) + 16 * 37; // not a multiple of the chunk
+    let data: Vec<u8> = (0..bytes).map(|i| (i * 131 + (i >> 9)) as u8).collect();
+    let src = DeviceBuffer::zeroed(ranks[0].context(), bytes).expect("src");
+    src.write(0, &data).expect("upload");
+    let local = DeviceBuffer::zeroed(ranks[0].context(), bytes + 4096).expect("local");
+    let peer = DeviceBuffer::zeroed(ranks[1].context(), bytes + 4096).expect("peer");
+    let stream = ranks[0].context().new_stream().expect("stream");
+    for (dst, blocks, chunk, stages) in [(&local, 1u32, 14336u32, 14u32), (&peer, 7, 4096, 2), (&peer, 132, 28672, 7)] {
+        let poison = vec![0xa5u8; bytes + 4096];
+        dst.write(0, &poison).expect("poison");
+        // SAFETY: both buffers live past the synchronize below; nothing else writes `dst`.
+        unsafe { ranks[0].tma_copy(&stream, dst, 4096, &src, bytes, blocks, chunk, stages) }.expect("tma_copy");
+        stream.synchronize().expect("sync");
+        let mut back = vec![0u8; bytes + 4096];
+        dst.read(0, &mut back).expect("read back");
+        let what = format!("{blocks} blocks, {stages} x {chunk} B");
+        assert!(back[..4096].iter().all(|&b| b == 0xa5), "{what}: bytes before the range written");
+        assert!(back[4096..] == data[..], "{what}: the copied bytes differ");
+    }
+    for (chunk, stages) in [(4100u32, 4u32), (4096, 1), (4096, 33)] {
+        // SAFETY: refused before any launch (chunk or stages out of range).
+        let err = unsafe { ranks[0].tma_copy(&stream, &local, 0, &src, 4096, 2, chunk, stages) };
+        assert!(matches!(err, Err(Error::Unsupported(m)) if m.contains("stages")), "{chunk} B x {stages}");
+    }
+}

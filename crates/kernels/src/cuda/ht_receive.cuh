@@ -25,12 +25,12 @@ __device__ void ht_dispatch_recv(const HtParams& p, int c) {
         if (p.direct > 0 && cnt >= p.direct) {
             u64* slot = ht_direct(reinterpret_cast<u64*>(p.peer_signals[s]), p.chan, c, p.rank);
             const u64 row0 = (u64)reinterpret_cast<const int*>(p.recv_base)[s * C + c];
-            slot[1] = direct_out ? p.out + row0 * (u64)p.row_bytes : 0;
-            slot[2] = direct_out && p.fp8 ? p.out_scales + row0 * (u64)cols * 4 : 0;
-            slot[3] = direct_out && !p.backward ? p.out_weights + row0 * (u64)K * 4 : 0;
-            slot[4] = direct_out && !p.backward ? p.out_idx + row0 * (u64)K * 8 : 0;
-            slot[5] = p.stamp;
-            st_release_sys(slot, p.seq + 1);
+            const u32 tag = ht_slot_tag(p.seq);
+            ht_put_tagged(slot, 0, direct_out ? p.out + row0 * (u64)p.row_bytes : 0, tag);
+            ht_put_tagged(slot, 1, direct_out && p.fp8 ? p.out_scales + row0 * (u64)cols * 4 : 0, tag);
+            ht_put_tagged(slot, 2, direct_out && !p.backward ? p.out_weights + row0 * (u64)K * 4 : 0, tag);
+            ht_put_tagged(slot, 3, direct_out && !p.backward ? p.out_idx + row0 * (u64)K * 8 : 0, tag);
+            ht_put_tagged(slot, 4, p.stamp, tag);
         }
     }
     if (!ht_wait_starts(p, &cancelled, &mismatched, &failed)) return;
@@ -234,9 +234,17 @@ __device__ void ht_combine_recv(const HtParams& p, int c) {
         prev[d] = 0;
         pull[d] = pull_w[d] = 0;
         if (d != p.rank && p.direct > 0 && n >= p.direct && !p.cancelled && !((cancelled >> d) & 1u)) {
-            // Where source d's rows are (null: the ring): it offers them at its start.
+            // Where source d's rows are (null: the ring): it offers them at its start, in tagged
+            // words with its stamp (a differing stamp is a stale slot: a source running another
+            // operation was skipped above).
             const u64* slot = ht_direct(sig, p.chan, c, d);
-            while (ld_acquire_sys(slot) != p.seq + 1) {
+            const u32 tag = ht_slot_tag(p.seq);
+            u32 h[6];
+            while (true) {
+                bool all = true;
+#pragma unroll
+                for (int w = 0; w < 6; w++) all &= ht_get_tagged(slot, w, tag, &h[w]);
+                if (all && (((u64)h[5] << 32) | h[4]) == p.stamp) break;
                 if (globaltimer_ns() > deadline) {
                     report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, d, p.seq);
                     atomicExch(&failed, 1);
@@ -244,8 +252,8 @@ __device__ void ht_combine_recv(const HtParams& p, int c) {
                 }
             }
             if (!failed) {
-                pull[d] = ld_acquire_sys(slot + 1);
-                pull_w[d] = ld_acquire_sys(slot + 2);
+                pull[d] = ((u64)h[1] << 32) | h[0];
+                pull_w[d] = ((u64)h[3] << 32) | h[2];
             }
         }
     }

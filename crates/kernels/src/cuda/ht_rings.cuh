@@ -26,9 +26,9 @@
 // addresses), for a (source, channel) pair of at least `direct` rows (both sides know the count
 // from the handle): the receiving block of channel c first tells the source where its rows go
 // (`ht_direct`: the addresses of its first output row, scales, weights and indices and its stamp,
-// then the operation number; at its start, before it waits for the sources' starts), and the
-// source, if the stamps agree, writes its rows there instead of into the ring: no ring space
-// to wait for, and no copy out of the ring. Its warps still publish their final subtails, which
+// each word tagged with the operation number; at its start, before it waits for the sources'
+// starts), and the source, if the stamps agree, writes its rows there instead of into the ring:
+// no ring space to wait for, and no copy out of the ring. Its warps still publish their final subtails, which
 // is what the receiver waits for, and the receiver still returns the ring positions (head), so
 // the rings' numbering goes on as if the items had passed through them. A receiver whose
 // outputs peers may not reach (`direct_mem` 0: caller memory, a buffer allocated for this
@@ -39,7 +39,7 @@
 // Pull combine (`direct` > 0, the same pairs as a direct dispatch): the expert side's sending
 // block tells the token side where its rows of the channel lie in its expert output (`ht_direct`
 // of the combine channel in the token side's page: the addresses of the first row and of its
-// weight gradients, then the operation number; null: the ring), publishes its final subtails at
+// weight gradients, tagged; null: the ring), publishes its final subtails at
 // once and, at the end, waits until the token side has read them (its head at the end, released
 // once). The token side's receiver reads those rows in place over NVLink: no ring, no copy.
 //
@@ -117,17 +117,38 @@ __device__ __forceinline__ u64* ht_cons(u64* page, int chan, int c, int peer, u6
 }
 
 // Direct dispatch (chan 0): what the receiver of channel c tells source `peer` (in the source's
-// page): [0] the operation number + 1 (released last), [1] the address of the source's first
-// output row (0: use the ring), [2] of its first row's scales, [3] weights, [4] indices, [5] the
-// receiver's stamp (written at the receiver's start, before it checks the sources': a source
-// whose stamp differs writes nothing).
+// page), as tagged values (`ht_put_tagged`): [0] the address of the source's first output row
+// (0: use the ring), [1] of its first row's scales, [2] weights, [3] indices, [4] the receiver's
+// stamp (written at the receiver's start, before it checks the sources': a source whose stamp
+// differs writes nothing).
 // Pull combine (chan 1): what expert-side rank `peer` tells the token side of channel c (in the
-// token side's page): [0] as above, [1] the address of the first of its expert-output rows for
-// this channel (0: use the ring), [2] of that row's weight gradients (backward).
-#define HT_DIRECT_SLOT 8
+// token side's page): [0] the address of the first of its expert-output rows for this channel
+// (0: use the ring), [1] of that row's weight gradients (backward), [2] its stamp.
+#define HT_DIRECT_SLOT 16
 __device__ __forceinline__ u64* ht_direct(u64* page, int chan, int c, int peer) {
     return page + EP_SIG_ARRAY_WORDS + HT_SUBTAIL_WORDS + 5 * HT_PEER_WORDS +
            (((size_t)chan * HT_MAX_CHANNELS + c) * EP_MAX_RANKS + peer) * HT_DIRECT_SLOT;
+}
+
+// The tag of operation `seq`'s direct-slot words: the low 32 bits of seq + 1.
+__device__ __forceinline__ u32 ht_slot_tag(u64 seq) { return (u32)(seq + 1); }
+
+// Writes value i of a direct slot as two words {32-bit half, tag} (low half first), each with a
+// relaxed store and no fence: every word says by its tag whether it is this operation's, so no
+// release orders them (a system-scope release at a kernel's start took 3-5 us under the other
+// blocks' copies, benches/NOTES.md item 87). A stale word passes for this operation's only 2^32
+// operations later, from a handle that has not used the pair since: its stamp differs, which
+// the reader checks.
+__device__ __forceinline__ void ht_put_tagged(u64* slot, int i, u64 v, u32 tag) {
+    st_relaxed_sys(slot + 2 * i, ((u64)tag << 32) | (v & 0xffffffffull));
+    st_relaxed_sys(slot + 2 * i + 1, ((u64)tag << 32) | (v >> 32));
+}
+
+// Word w of a direct slot: true, with its half in *half, once it carries `tag`.
+__device__ __forceinline__ bool ht_get_tagged(const u64* slot, int w, u32 tag, u32* half) {
+    const u64 x = ld_acquire_sys(slot + w);
+    *half = (u32)x;
+    return (u32)(x >> 32) == tag;
 }
 
 __device__ __forceinline__ char* ht_slot(u64 ring_base, const HtParams& p, int c, int src, u64 g) {

@@ -27,30 +27,38 @@ __device__ bool ht_send_direct(const HtParams& p, int c, int dest, int j, int W,
     const int lane = threadIdx.x & 31;
     u64* sig = reinterpret_cast<u64*>(p.signals);
     const u64* slot = ht_direct(sig, p.chan, c, dest);
-    u64 addr[4] = {0, 0, 0, 0};
+    // Lane w < 10 waits for word w of the slot (five tagged values: four addresses, the stamp);
+    // lane 0 watches the abort word and the deadline. A slot whose stamp differs is a stale one
+    // (another handle's, 2^32 operations ago): a receiver running another operation with this
+    // number reports the mismatch and sets the abort word instead.
+    const u32 tag = ht_slot_tag(p.seq);
+    u32 half = 0;
+    bool have = lane >= 10;
     int fail = 0;
-    if (lane == 0) {
-        const u64* abort = sig_at(sig, EP_SIG_ABORT(p.chan), (int)(p.seq & 1), dest);
-        const u64 deadline = globaltimer_ns() + p.timeout_ns;
-        while (ld_acquire_sys(slot) != p.seq + 1) {
+    const u64* abort = sig_at(sig, EP_SIG_ABORT(p.chan), (int)(p.seq & 1), dest);
+    const u64 deadline = globaltimer_ns() + p.timeout_ns;
+    while (true) {
+        if (!have) have = ht_get_tagged(slot, lane, tag, &half);
+        if (__all_sync(EP_FULL_MASK, have)) {
+            const u64 stamp = ((u64)__shfl_sync(EP_FULL_MASK, half, 9) << 32) | __shfl_sync(EP_FULL_MASK, half, 8);
+            if (stamp == p.stamp) break;
+            have = lane >= 10;
+        }
+        if (lane == 0) {
             if (ld_acquire_sys(abort) == p.seq + 1) {
                 fail = 1;  // the receiver skips this rank's rows (a mismatch it reported)
-                break;
-            }
-            if (globaltimer_ns() > deadline) {
+            } else if (globaltimer_ns() > deadline) {
                 report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_RING, dest, p.seq);
                 fail = 1;
-                break;
             }
         }
-        // A receiver running another operation (a mismatch it reports) gets nothing.
-        if (!fail && ld_acquire_sys(slot + 5) != p.stamp) fail = 1;
-#pragma unroll
-        for (int u = 0; u < 4; u++) addr[u] = fail ? 0 : ld_acquire_sys(slot + 1 + u);
+        if (__shfl_sync(EP_FULL_MASK, fail, 0)) return true;
     }
-    if (__shfl_sync(EP_FULL_MASK, fail, 0)) return true;
+    u64 addr[4];
 #pragma unroll
-    for (int u = 0; u < 4; u++) addr[u] = __shfl_sync(EP_FULL_MASK, addr[u], 0);
+    for (int u = 0; u < 4; u++) {
+        addr[u] = ((u64)__shfl_sync(EP_FULL_MASK, half, 2 * u + 1) << 32) | __shfl_sync(EP_FULL_MASK, half, 2 * u);
+    }
     if (addr[0] == 0) return false;
     const int cols = p.hidden / 128, K = p.top_k;
     for (int i = j; i < n; i += W) {
@@ -70,8 +78,9 @@ __device__ bool ht_send_direct(const HtParams& p, int c, int dest, int j, int W,
     __syncwarp();
     if (lane == 0) {
         // Every item of residue r below the end counts as written (the cancelled sender's rule).
+        // The system fence above and this strong store are the release (no second fence).
         const u64 r = (pos0 + (u64)j) % (u64)W, end = pos0 + (u64)n;
-        st_release_sys(ht_subtail(reinterpret_cast<u64*>(p.peer_signals[dest]), p.chan, c, p.rank, (int)r),
+        st_relaxed_sys(ht_subtail(reinterpret_cast<u64*>(p.peer_signals[dest]), p.chan, c, p.rank, (int)r),
                        (end + (u64)W - 1 - r) / (u64)W);
     }
     return true;
@@ -89,9 +98,10 @@ __device__ bool ht_offer_rows(const HtParams& p, int c, int dest, int j, int W, 
     if (j == 0 && lane == 0) {
         u64* slot = ht_direct(peer_sig, p.chan, c, p.rank);
         const u64 row0 = (u64)reinterpret_cast<const int*>(p.recv_base)[dest * p.channels + c];
-        slot[1] = offer ? p.x + row0 * (u64)p.row_bytes : 0;
-        slot[2] = offer && p.backward ? p.weights + row0 * (u64)p.top_k * 4 : 0;
-        st_release_sys(slot, p.seq + 1);
+        const u32 tag = ht_slot_tag(p.seq);
+        ht_put_tagged(slot, 0, offer ? p.x + row0 * (u64)p.row_bytes : 0, tag);
+        ht_put_tagged(slot, 1, offer && p.backward ? p.weights + row0 * (u64)p.top_k * 4 : 0, tag);
+        ht_put_tagged(slot, 2, p.stamp, tag);
     }
     if (!offer) return false;
     if (lane == 0) {
@@ -222,7 +232,8 @@ __device__ void ht_send(const HtParams& p, int c) {
         __threadfence_system();
         __syncwarp();
         if (lane == 0) {
-            st_release_sys(ht_subtail(peer_sig, p.chan, c, p.rank, (int)(g_last % (u64)W)), g_last / (u64)W + 1);
+            // The fence above and this strong store are the release.
+            st_relaxed_sys(ht_subtail(peer_sig, p.chan, c, p.rank, (int)(g_last % (u64)W)), g_last / (u64)W + 1);
         }
     }
 }
