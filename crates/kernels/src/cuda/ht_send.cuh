@@ -19,6 +19,19 @@ __device__ __forceinline__ HtSendRole ht_send_role(const HtParams& p, int warp) 
     return {q < p.rank ? q : q + 1, (warp - own) % W, W};
 }
 
+// One check of a sending warp's wait on destination `dest` (ring space, a receiver's addresses,
+// its reads): true, stop waiting, once `dest` has set this operation's abort word (it skips this
+// rank's rows: a mismatch it reported) or the deadline has passed (reported as a ring timeout).
+__device__ __forceinline__ bool ht_send_gives_up(const HtParams& p, int dest, u64 deadline) {
+    const u64* abort = sig_at(reinterpret_cast<u64*>(p.signals), EP_SIG_ABORT(p.chan), (int)(p.seq & 1), dest);
+    if (ld_acquire_sys(abort) == p.seq + 1) return true;
+    if (globaltimer_ns() > deadline) {
+        report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_RING, dest, p.seq);
+        return true;
+    }
+    return false;
+}
+
 // Direct dispatch, one sending warp of destination `dest` (see ht_rings.cuh): waits for
 // the receiver's addresses, writes the warp's rows i = j, j + W, ... of `list` (`n` rows, the
 // first at ring position `pos0`) there, then publishes the warp's final subtail. False, having
@@ -35,7 +48,6 @@ __device__ bool ht_send_direct(const HtParams& p, int c, int dest, int j, int W,
     u32 half = 0;
     bool have = lane >= 10;
     int fail = 0;
-    const u64* abort = sig_at(sig, EP_SIG_ABORT(p.chan), (int)(p.seq & 1), dest);
     const u64 deadline = globaltimer_ns() + p.timeout_ns;
     while (true) {
         if (!have) have = ht_get_tagged(slot, lane, tag, &half);
@@ -44,14 +56,7 @@ __device__ bool ht_send_direct(const HtParams& p, int c, int dest, int j, int W,
             if (stamp == p.stamp) break;
             have = lane >= 10;
         }
-        if (lane == 0) {
-            if (ld_acquire_sys(abort) == p.seq + 1) {
-                fail = 1;  // the receiver skips this rank's rows (a mismatch it reported)
-            } else if (globaltimer_ns() > deadline) {
-                report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_RING, dest, p.seq);
-                fail = 1;
-            }
-        }
+        if (lane == 0) fail = ht_send_gives_up(p, dest, deadline);
         if (__shfl_sync(EP_FULL_MASK, fail, 0)) return true;
     }
     u64 addr[4];
@@ -122,14 +127,9 @@ __device__ void ht_await_readers(const HtParams& p, int c) {
     u64* sig = reinterpret_cast<u64*>(p.signals);
     const u64 end = *ht_prod(sig, p.chan, c, dest, p.seq) + (u64)n;
     const u64* head = ht_head(sig, p.chan, c, dest);
-    const u64* abort = sig_at(sig, EP_SIG_ABORT(p.chan), (int)(p.seq & 1), dest);
     const u64 deadline = globaltimer_ns() + p.timeout_ns;
     while (ld_acquire_sys(head) < end) {
-        if (ld_acquire_sys(abort) == p.seq + 1) return;
-        if (globaltimer_ns() > deadline) {
-            report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_RING, dest, p.seq);
-            return;
-        }
+        if (ht_send_gives_up(p, dest, deadline)) return;
     }
 }
 
@@ -192,14 +192,8 @@ __device__ void ht_send(const HtParams& p, int c) {
         const u64 g_last = pos0 + (u64)last;
         int fail = 0;
         if (lane == 0) {
-            const u64* abort = sig_at(sig, EP_SIG_ABORT(p.chan), (int)(p.seq & 1), dest);
             while (ld_acquire_sys(head) + (u64)p.depth <= g_last) {
-                if (ld_acquire_sys(abort) == p.seq + 1) {
-                    fail = 1;  // the receiver skips this rank's rows (a mismatch it reported)
-                    break;
-                }
-                if (globaltimer_ns() > deadline) {
-                    report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_RING, dest, p.seq);
+                if (ht_send_gives_up(p, dest, deadline)) {
                     fail = 1;
                     break;
                 }
