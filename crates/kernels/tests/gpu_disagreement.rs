@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use epflow_core::backend::{
     Backend, HandleCreation, OpOutput, blocking_combine, blocking_dispatch, blocking_handle, run_blocking,
 };
+use epflow_core::handle::RoutingHandle;
 use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions};
 use epflow_core::protocol::Channel;
 use epflow_core::scenario::Scenario;
@@ -209,7 +210,12 @@ fn gpu_ht_dispatches_on_different_handles_fail_promptly_and_poison() {
                 .unwrap_err();
         eprintln!("rank {r}: {err} after {:?}", t.elapsed());
         assert!(t.elapsed() < PROMPT, "rank {r} waited {:?}", t.elapsed());
-        assert!(matches!(err, Error::PeerMismatch { .. }), "rank {r}: {err}");
+        // The report names the peer's handle: its stamp word, written without a fence, is read
+        // once it agrees with the arrival word (`ht_publish_mask`).
+        let Error::PeerMismatch { ours, theirs, .. } = &err else { panic!("rank {r}: {err}") };
+        let other = if r == 0 { &hb } else { &ha };
+        assert_eq!(ours.pairing, Pairing::Handle(h.core().creation().expect("created")), "{err}");
+        assert_eq!(theirs.pairing, Pairing::Handle(other.core().creation().expect("created")), "{err}");
         assert!(rank.core().poison().is_poisoned(), "the rings disagree: the group is poisoned");
     });
 }
