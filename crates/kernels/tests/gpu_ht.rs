@@ -830,33 +830,61 @@ fn ht_stream_ordered_creation_with_an_absent_peer_times_out() {
     assert!(rank.poison().is_poisoned(), "not poisoned");
 }
 
+/// What the copy-probe tests share: a group of 2 GPUs, `BYTES` of patterned data on GPU 0, a
+/// destination on GPU 0 and one on GPU 1 (4 KB longer: the copies go to offset 4096), a stream.
+struct CopyProbe {
+    ranks: Vec<GpuRank>,
+    data: Vec<u8>,
+    src: DeviceBuffer,
+    local: DeviceBuffer,
+    peer: DeviceBuffer,
+    stream: Arc<CudaStream>,
+}
+
+impl CopyProbe {
+    /// Not a multiple of a warp's 4 KB nor of a bulk copy's chunk.
+    const BYTES: usize = (3 << 20) + 16 * 37;
+
+    fn new(test: &str) -> Option<Self> {
+        let devices = gpus(2, test)?;
+        let ranks = GpuWorld::create(&devices, GroupConfig::high_throughput(16, 1024)).expect("group");
+        let data: Vec<u8> = (0..Self::BYTES).map(|i| (i * 131 + (i >> 9)) as u8).collect();
+        let src = DeviceBuffer::zeroed(ranks[0].context(), Self::BYTES).expect("src");
+        src.write(0, &data).expect("upload");
+        let local = DeviceBuffer::zeroed(ranks[0].context(), Self::BYTES + 4096).expect("local");
+        let peer = DeviceBuffer::zeroed(ranks[1].context(), Self::BYTES + 4096).expect("peer");
+        let stream = ranks[0].context().new_stream().expect("stream");
+        Some(CopyProbe { ranks, data, src, local, peer, stream })
+    }
+
+    /// Poisons `dst`, runs `copy` (which enqueues a copy of `src` to `dst` at 4096 on the stream),
+    /// then checks that exactly the copied range holds the data.
+    fn check(&self, dst: &DeviceBuffer, what: &str, copy: impl FnOnce()) {
+        dst.write(0, &vec![0xa5u8; Self::BYTES + 4096]).expect("poison");
+        copy();
+        self.stream.synchronize().expect("sync");
+        let mut back = vec![0u8; Self::BYTES + 4096];
+        dst.read(0, &mut back).expect("read back");
+        assert!(back[..4096].iter().all(|&b| b == 0xa5), "{what}: bytes before the range written");
+        assert!(back[4096..] == self.data[..], "{what}: the copied bytes differ");
+    }
+}
+
 /// `GpuRank::sm_copy` (the SM-store probe of `examples/nvlink_ceiling --sms`) moves exactly its
 /// bytes, into this GPU's buffer and into a peer's, at an offset, with any block count; a range
 /// outside a buffer is refused.
 #[test]
 fn sm_copy_moves_the_bytes() {
-    let Some(devices) = gpus(2, "sm_copy_moves_the_bytes") else { return };
-    let ranks = GpuWorld::create(&devices, GroupConfig::high_throughput(16, 1024)).expect("group");
-    let bytes = (3 << 20) + 16 * 37; // not a multiple of a warp's 4 KB
-    let data: Vec<u8> = (0..bytes).map(|i| (i * 131 + (i >> 9)) as u8).collect();
-    let src = DeviceBuffer::zeroed(ranks[0].context(), bytes).expect("src");
-    src.write(0, &data).expect("upload");
-    let local = DeviceBuffer::zeroed(ranks[0].context(), bytes + 4096).expect("local");
-    let peer = DeviceBuffer::zeroed(ranks[1].context(), bytes + 4096).expect("peer");
-    let stream = ranks[0].context().new_stream().expect("stream");
-    for (dst, blocks) in [(&local, 1u32), (&peer, 7), (&peer, 132)] {
-        let poison = vec![0xa5u8; bytes + 4096];
-        dst.write(0, &poison).expect("poison");
-        // SAFETY: both buffers live past the synchronize below; nothing else writes `dst`.
-        unsafe { ranks[0].sm_copy(&stream, dst, 4096, &src, bytes, blocks) }.expect("sm_copy");
-        stream.synchronize().expect("sync");
-        let mut back = vec![0u8; bytes + 4096];
-        dst.read(0, &mut back).expect("read back");
-        assert!(back[..4096].iter().all(|&b| b == 0xa5), "{blocks} blocks: bytes before the range written");
-        assert!(back[4096..] == data[..], "{blocks} blocks: the copied bytes differ");
+    let Some(t) = CopyProbe::new("sm_copy_moves_the_bytes") else { return };
+    let bytes = CopyProbe::BYTES;
+    for (dst, blocks) in [(&t.local, 1u32), (&t.peer, 7), (&t.peer, 132)] {
+        t.check(dst, &format!("{blocks} blocks"), || {
+            // SAFETY: both buffers live past `check`'s synchronize; nothing else writes `dst`.
+            unsafe { t.ranks[0].sm_copy(&t.stream, dst, 4096, &t.src, bytes, blocks) }.expect("sm_copy");
+        });
     }
     // SAFETY: refused before any launch (the range does not fit).
-    let err = unsafe { ranks[0].sm_copy(&stream, &local, 8192, &src, bytes, 4) };
+    let err = unsafe { t.ranks[0].sm_copy(&t.stream, &t.local, 8192, &t.src, bytes, 4) };
     assert!(matches!(err, Err(Error::Unsupported(m)) if m.contains("does not fit")));
 }
 
@@ -865,30 +893,20 @@ fn sm_copy_moves_the_bytes() {
 /// block count and any stage count; chunks and stages out of range are refused.
 #[test]
 fn tma_copy_moves_the_bytes() {
-    let Some(devices) = gpus(2, "tma_copy_moves_the_bytes") else { return };
-    let ranks = GpuWorld::create(&devices, GroupConfig::high_throughput(16, 1024)).expect("group");
-    let bytes = (3 << 20) + 16 * 37; // not a multiple of the chunk
-    let data: Vec<u8> = (0..bytes).map(|i| (i * 131 + (i >> 9)) as u8).collect();
-    let src = DeviceBuffer::zeroed(ranks[0].context(), bytes).expect("src");
-    src.write(0, &data).expect("upload");
-    let local = DeviceBuffer::zeroed(ranks[0].context(), bytes + 4096).expect("local");
-    let peer = DeviceBuffer::zeroed(ranks[1].context(), bytes + 4096).expect("peer");
-    let stream = ranks[0].context().new_stream().expect("stream");
-    for (dst, blocks, chunk, stages) in [(&local, 1u32, 14336u32, 14u32), (&peer, 7, 4096, 2), (&peer, 132, 28672, 7)] {
-        let poison = vec![0xa5u8; bytes + 4096];
-        dst.write(0, &poison).expect("poison");
-        // SAFETY: both buffers live past the synchronize below; nothing else writes `dst`.
-        unsafe { ranks[0].tma_copy(&stream, dst, 4096, &src, bytes, blocks, chunk, stages) }.expect("tma_copy");
-        stream.synchronize().expect("sync");
-        let mut back = vec![0u8; bytes + 4096];
-        dst.read(0, &mut back).expect("read back");
-        let what = format!("{blocks} blocks, {stages} x {chunk} B");
-        assert!(back[..4096].iter().all(|&b| b == 0xa5), "{what}: bytes before the range written");
-        assert!(back[4096..] == data[..], "{what}: the copied bytes differ");
+    let Some(t) = CopyProbe::new("tma_copy_moves_the_bytes") else { return };
+    let bytes = CopyProbe::BYTES;
+    for (dst, blocks, chunk, stages) in
+        [(&t.local, 1u32, 14336u32, 14u32), (&t.peer, 7, 4096, 2), (&t.peer, 132, 28672, 7)]
+    {
+        t.check(dst, &format!("{blocks} blocks, {stages} x {chunk} B"), || {
+            // SAFETY: both buffers live past `check`'s synchronize; nothing else writes `dst`.
+            unsafe { t.ranks[0].tma_copy(&t.stream, dst, 4096, &t.src, bytes, blocks, chunk, stages) }
+                .expect("tma_copy");
+        });
     }
     for (chunk, stages) in [(4100u32, 4u32), (4096, 1), (4096, 33)] {
         // SAFETY: refused before any launch (chunk or stages out of range).
-        let err = unsafe { ranks[0].tma_copy(&stream, &local, 0, &src, 4096, 2, chunk, stages) };
+        let err = unsafe { t.ranks[0].tma_copy(&t.stream, &t.local, 0, &t.src, 4096, 2, chunk, stages) };
         assert!(matches!(err, Err(Error::Unsupported(m)) if m.contains("stages")), "{chunk} B x {stages}");
     }
 }
