@@ -17,9 +17,10 @@
 
 use std::time::Instant;
 
+use cudarc::driver::CudaStream;
 use epflow::core::GroupConfig;
 use epflow_kernels::device::DeviceBuffer;
-use epflow_kernels::{GpuWorld, device_count};
+use epflow_kernels::{BulkStages, CopyRange, GpuRank, GpuWorld, device_count};
 
 fn arg(name: &str, default: usize) -> usize {
     let args: Vec<String> = std::env::args().collect();
@@ -59,6 +60,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .iter()
         .map(|k| (0..r).map(|_| k.context().new_stream()).collect::<Result<Vec<_>, _>>())
         .collect::<Result<_, _>>()?;
+    let shape = BulkStages { chunk, stages };
+    // `copy` with SM stores or bulk copies on `blocks` blocks of `rank`, on `stream`.
+    let probe = |rank: &GpuRank, stream: &CudaStream, copy: CopyRange<'_>, blocks: u32| {
+        // SAFETY: every buffer lives until the end of main, after every stream is synchronized;
+        // each (source, destination) pair has its own region of the destination buffer.
+        unsafe { if tma { rank.tma_copy(stream, copy, blocks, shape) } else { rank.sm_copy(stream, copy, blocks) } }
+    };
     let mut times = Vec::with_capacity(iters);
     for it in 0..iters + 3 {
         let t = Instant::now();
@@ -66,24 +74,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ranks[s].context().bind_to_thread()?;
             for d in (0..r).filter(|&d| d != s) {
                 if sms > 0 {
-                    // SAFETY: both buffers live until the end of main, after every stream is
-                    // synchronized; each (source, peer) pair has its own destination region.
-                    unsafe {
-                        if tma {
-                            ranks[s].tma_copy(
-                                &streams[s][d],
-                                &dst[d],
-                                s * bytes,
-                                &src[s],
-                                bytes,
-                                peer_blocks,
-                                chunk,
-                                stages,
-                            )?
-                        } else {
-                            ranks[s].sm_copy(&streams[s][d], &dst[d], s * bytes, &src[s], bytes, peer_blocks)?
-                        }
-                    };
+                    let copy = CopyRange { dst: &dst[d], dst_offset: s * bytes, src: &src[s], bytes };
+                    probe(&ranks[s], &streams[s][d], copy, peer_blocks)?;
                     continue;
                 }
                 let to = dst[d].ptr() + (s * bytes) as u64;
@@ -96,23 +88,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             if local && sms > 0 {
                 // The own region of this GPU's destination buffer, on the stream of pair (s, s).
-                // SAFETY: as above; region s of dst[s] is written by nothing else.
-                unsafe {
-                    if tma {
-                        ranks[s].tma_copy(
-                            &streams[s][s],
-                            &dst[s],
-                            s * bytes,
-                            &src[s],
-                            bytes,
-                            sms as u32,
-                            chunk,
-                            stages,
-                        )?
-                    } else {
-                        ranks[s].sm_copy(&streams[s][s], &dst[s], s * bytes, &src[s], bytes, sms as u32)?
-                    }
-                };
+                let copy = CopyRange { dst: &dst[s], dst_offset: s * bytes, src: &src[s], bytes };
+                probe(&ranks[s], &streams[s][s], copy, sms as u32)?;
             }
         }
         for ss in &streams {

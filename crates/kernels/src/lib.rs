@@ -78,6 +78,6 @@ pub use graph::{CapturedSend, GpuCapture, GpuReplay, GpuStep};
 pub use op::{GpuOp, GpuOpOutput};
 pub use outputs::{GpuCombineOutput, GpuDispatchOutput, OutputTargets};
 pub use rank::handle::GpuHandle;
-pub use rank::{GpuRank, LaunchCost};
+pub use rank::{BulkStages, CopyRange, GpuRank, LaunchCost};
 pub use transport::Transport;
 pub use world::GpuWorld;

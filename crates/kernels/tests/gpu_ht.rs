@@ -29,7 +29,9 @@ use epflow_core::verify::{Report, Tolerance, check_bf16, check_exact, check_ht_d
 use epflow_core::workload::{RoutingKind, random_weights};
 use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, MaxTokens, TensorDesc, bf16};
 use epflow_kernels::device::DeviceBuffer;
-use epflow_kernels::{DeviceTensor, GpuHandle, GpuRank, GpuWorld, OutputTargets, Transport, device_count};
+use epflow_kernels::{
+    BulkStages, CopyRange, DeviceTensor, GpuHandle, GpuRank, GpuWorld, OutputTargets, Transport, device_count,
+};
 
 mod common;
 use common::{TimedBarrier, gpus, on_ranks, seed, shared_gpu_sms};
@@ -857,6 +859,11 @@ impl CopyProbe {
         Some(CopyProbe { ranks, data, src, local, peer, stream })
     }
 
+    /// `bytes` of the source into `dst` at `dst_offset`.
+    fn range<'a>(&'a self, dst: &'a DeviceBuffer, dst_offset: usize, bytes: usize) -> CopyRange<'a> {
+        CopyRange { dst, dst_offset, src: &self.src, bytes }
+    }
+
     /// Poisons `dst`, runs `copy` (which enqueues a copy of `src` to `dst` at 4096 on the stream),
     /// then checks that exactly the copied range holds the data.
     fn check(&self, dst: &DeviceBuffer, what: &str, copy: impl FnOnce()) {
@@ -880,11 +887,11 @@ fn sm_copy_moves_the_bytes() {
     for (dst, blocks) in [(&t.local, 1u32), (&t.peer, 7), (&t.peer, 132)] {
         t.check(dst, &format!("{blocks} blocks"), || {
             // SAFETY: both buffers live past `check`'s synchronize; nothing else writes `dst`.
-            unsafe { t.ranks[0].sm_copy(&t.stream, dst, 4096, &t.src, bytes, blocks) }.expect("sm_copy");
+            unsafe { t.ranks[0].sm_copy(&t.stream, t.range(dst, 4096, bytes), blocks) }.expect("sm_copy");
         });
     }
     // SAFETY: refused before any launch (the range does not fit).
-    let err = unsafe { t.ranks[0].sm_copy(&t.stream, &t.local, 8192, &t.src, bytes, 4) };
+    let err = unsafe { t.ranks[0].sm_copy(&t.stream, t.range(&t.local, 8192, bytes), 4) };
     assert!(matches!(err, Err(Error::Unsupported(m)) if m.contains("does not fit")));
 }
 
@@ -900,13 +907,14 @@ fn tma_copy_moves_the_bytes() {
     {
         t.check(dst, &format!("{blocks} blocks, {stages} x {chunk} B"), || {
             // SAFETY: both buffers live past `check`'s synchronize; nothing else writes `dst`.
-            unsafe { t.ranks[0].tma_copy(&t.stream, dst, 4096, &t.src, bytes, blocks, chunk, stages) }
+            unsafe { t.ranks[0].tma_copy(&t.stream, t.range(dst, 4096, bytes), blocks, BulkStages { chunk, stages }) }
                 .expect("tma_copy");
         });
     }
     for (chunk, stages) in [(4100u32, 4u32), (4096, 1), (4096, 33)] {
         // SAFETY: refused before any launch (chunk or stages out of range).
-        let err = unsafe { t.ranks[0].tma_copy(&t.stream, &t.local, 0, &t.src, 4096, 2, chunk, stages) };
+        let err =
+            unsafe { t.ranks[0].tma_copy(&t.stream, t.range(&t.local, 0, 4096), 2, BulkStages { chunk, stages }) };
         assert!(matches!(err, Err(Error::Unsupported(m)) if m.contains("stages")), "{chunk} B x {stages}");
     }
 }

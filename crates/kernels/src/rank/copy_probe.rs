@@ -15,31 +15,46 @@ const SM_COPY_BLOCK: u32 = 512;
 /// The most shared-memory buffers `ep_tma_copy` takes (its `TMA_MAX_STAGES`).
 const TMA_MAX_STAGES: u32 = 32;
 
+/// One copy of the probes: `bytes` (a multiple of 16) of `src`, this rank's buffer, into `dst`,
+/// this rank's or a peer's of the same group, at byte `dst_offset` (a multiple of 16).
+#[derive(Clone, Copy, Debug)]
+pub struct CopyRange<'a> {
+    /// Where the bytes go.
+    pub dst: &'a DeviceBuffer,
+    /// Byte offset in `dst`.
+    pub dst_offset: usize,
+    /// Where they come from (from its start).
+    pub src: &'a DeviceBuffer,
+    /// How many.
+    pub bytes: usize,
+}
+
+/// How each block of [`GpuRank::tma_copy`] moves its chunks: `chunk` bytes (a multiple of 16) at
+/// a time through `stages` (2..=32) shared-memory buffers, `chunk * stages` bytes of dynamic
+/// shared memory per block (at most the device's opt-in limit, 227 KB on H100 / H200).
+#[derive(Clone, Copy, Debug)]
+pub struct BulkStages {
+    /// Bytes per bulk copy.
+    pub chunk: u32,
+    /// Shared-memory buffers per block.
+    pub stages: u32,
+}
+
 impl GpuRank {
-    /// Copies `bytes` (a multiple of 16) from `src` to `dst` at byte `dst_offset`, with `blocks`
-    /// blocks of 512 threads of SM loads and stores (each warp 4 KB at a time, 8 vectors in
-    /// flight per lane), enqueued on `stream` (of this rank's context); returns once enqueued.
-    /// `src` is this rank's; `dst` is this rank's or a peer's of the same group (peer access
-    /// is enabled between the group's GPUs). Errors: a range outside a buffer, a size that is
-    /// not a multiple of 16, `src` on another device; CUDA failures.
+    /// Copies `copy` with `blocks` blocks of 512 threads of SM loads and stores (each warp 4 KB
+    /// at a time, 8 vectors in flight per lane), enqueued on `stream` (of this rank's context);
+    /// returns once enqueued. Peer access is enabled between the group's GPUs. Errors: a range
+    /// outside a buffer, a size or offset that is not a multiple of 16, a source on another
+    /// device; CUDA failures.
     ///
     /// # Safety
     ///
-    /// `dst` must be this rank's or a peer's of the same group (another GPU's memory without
-    /// peer access faults the kernel); `src` and `dst` must stay allocated until the copy is done
+    /// `copy.dst` must be this rank's or a peer's of the same group (another GPU's memory without
+    /// peer access faults the kernel); both buffers must stay allocated until the copy is done
     /// (synchronize `stream` before dropping either), and nothing else may write the destination
     /// range meanwhile.
-    pub unsafe fn sm_copy(
-        &self,
-        stream: &CudaStream,
-        dst: &DeviceBuffer,
-        dst_offset: usize,
-        src: &DeviceBuffer,
-        bytes: usize,
-        blocks: u32,
-    ) -> Result<(), Error> {
-        self.check_copy("sm_copy", dst, dst_offset, src, bytes)?;
-        let (d, s, n) = (dst.ptr() + dst_offset as u64, src.ptr(), bytes as u64);
+    pub unsafe fn sm_copy(&self, stream: &CudaStream, copy: CopyRange<'_>, blocks: u32) -> Result<(), Error> {
+        let (d, s, n) = self.check_copy("sm_copy", copy)?;
         let cfg =
             LaunchConfig { grid_dim: (blocks.max(1), 1, 1), block_dim: (SM_COPY_BLOCK, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: the arguments match `ep_sm_copy(u64, u64, u64)`; both ranges lie inside live
@@ -51,31 +66,24 @@ impl GpuRank {
         Ok(())
     }
 
-    /// Copies `bytes` (a multiple of 16) from `src` to `dst` at byte `dst_offset` with `blocks`
-    /// blocks whose one issuing thread each moves chunks of `chunk` bytes (a multiple of 16)
-    /// global -> shared -> global with the Tensor Memory Accelerator's bulk copies, through
-    /// `stages` (2..=32) shared-memory buffers (`chunk * stages` bytes of
-    /// dynamic shared memory per block, at most the device's opt-in limit, 227 KB on H100 /
-    /// H200), keeping `stages - 1` loads ahead of its stores. Enqueued on `stream`; returns
-    /// once enqueued. Needs sm_90 or later. Errors and safety as [`GpuRank::sm_copy`], plus a
-    /// `chunk` or `stages` out of range.
+    /// Copies `copy` with `blocks` blocks whose one issuing thread each moves chunks global ->
+    /// shared -> global with the Tensor Memory Accelerator's bulk copies, as `shape` says,
+    /// keeping `stages - 1` loads ahead of its stores. Enqueued on `stream`; returns once
+    /// enqueued. Needs sm_90 or later. Errors as [`GpuRank::sm_copy`], plus a chunk or a stage
+    /// count out of range.
     ///
     /// # Safety
     ///
     /// As [`GpuRank::sm_copy`].
-    #[allow(clippy::too_many_arguments)]
     pub unsafe fn tma_copy(
         &self,
         stream: &CudaStream,
-        dst: &DeviceBuffer,
-        dst_offset: usize,
-        src: &DeviceBuffer,
-        bytes: usize,
+        copy: CopyRange<'_>,
         blocks: u32,
-        chunk: u32,
-        stages: u32,
+        shape: BulkStages,
     ) -> Result<(), Error> {
-        self.check_copy("tma_copy", dst, dst_offset, src, bytes)?;
+        let (d, s, n) = self.check_copy("tma_copy", copy)?;
+        let BulkStages { chunk, stages } = shape;
         if chunk == 0 || chunk % 16 != 0 || !(2..=TMA_MAX_STAGES).contains(&stages) {
             return Err(Error::Unsupported(format!(
                 "tma_copy: chunks of {chunk} B (a multiple of 16) through {stages} stages (2..={TMA_MAX_STAGES})"
@@ -87,7 +95,6 @@ impl GpuRank {
         let f = &self.shared.functions.tma_copy;
         f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
             .map_err(|e| cuda("tma_copy: shared memory", e))?;
-        let (d, s, n) = (dst.ptr() + dst_offset as u64, src.ptr(), bytes as u64);
         let cfg = LaunchConfig { grid_dim: (blocks.max(1), 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: smem };
         // SAFETY: the arguments match `ep_tma_copy(u64, u64, u64, u32, u32)`; both ranges lie
         // inside live allocations (checked above) and are 16-byte aligned (allocations are
@@ -98,15 +105,10 @@ impl GpuRank {
         Ok(())
     }
 
-    /// The checks both probes share: sizes, ranges and the source's device.
-    fn check_copy(
-        &self,
-        what: &str,
-        dst: &DeviceBuffer,
-        dst_offset: usize,
-        src: &DeviceBuffer,
-        bytes: usize,
-    ) -> Result<(), Error> {
+    /// The checks both probes share (sizes, ranges, the source's device); the destination
+    /// address, the source address and the byte count.
+    fn check_copy(&self, what: &str, c: CopyRange<'_>) -> Result<(u64, u64, u64), Error> {
+        let CopyRange { dst, dst_offset, src, bytes } = c;
         if bytes % 16 != 0
             || dst_offset % 16 != 0
             || bytes > src.bytes()
@@ -121,6 +123,6 @@ impl GpuRank {
         if !std::sync::Arc::ptr_eq(src.context(), &self.shared.ctx) {
             return Err(Error::Unsupported(format!("{what}: the source must be this rank's buffer")));
         }
-        Ok(())
+        Ok((dst.ptr() + dst_offset as u64, src.ptr(), bytes as u64))
     }
 }

@@ -6,6 +6,7 @@
 //! - `mask`: rank masking ([`epflow_core::mask`]): the host's view, `mask_ranks`, `unmask_all`.
 
 mod copy_probe;
+pub use copy_probe::{BulkStages, CopyRange};
 pub(crate) mod handle;
 mod launch_cost;
 pub use launch_cost::LaunchCost;
