@@ -28,9 +28,9 @@
 // (`ht_direct`: the addresses of its first output row, scales, weights and indices and its stamp,
 // each word tagged with the operation number; at its start, before it waits for the sources'
 // starts), and the source, if the stamps agree, writes its rows there instead of into the ring:
-// no ring space to wait for, and no copy out of the ring. Its warps still publish their final subtails, which
-// is what the receiver waits for, and the receiver still returns the ring positions (head), so
-// the rings' numbering goes on as if the items had passed through them. A receiver whose
+// no ring space to wait for, and no copy out of the ring. Its warps still publish their final
+// subtails, which is what the receiver waits for, and the receiver still returns the ring
+// positions (head), so the rings' numbering goes on as if the items had passed through them. A receiver whose
 // outputs peers may not reach (`direct_mem` 0: caller memory, a buffer allocated for this
 // operation) or that was cancelled publishes a null address: that source uses the ring.
 // Combine (the reverse): the expert side sends those rows back; the token side's receiver walks
@@ -39,9 +39,8 @@
 // Pull combine (`direct` > 0, the same pairs as a direct dispatch): the expert side's sending
 // block tells the token side where its rows of the channel lie in its expert output (`ht_direct`
 // of the combine channel in the token side's page: the addresses of the first row and of its
-// weight gradients, tagged; null: the ring), publishes its final subtails at
-// once and, at the end, waits until the token side has read them (its head at the end, released
-// once). The token side's receiver reads those rows in place over NVLink: no ring, no copy.
+// weight gradients, tagged; null: the ring), publishes its final subtails at once and, at the
+// end, waits until the token side has read them (its head at the end, released once). The token side's receiver reads those rows in place over NVLink: no ring, no copy.
 //
 // Cancellation and timeouts: at its start every kernel signals its arrival pair (chan, seq % 2)
 // (`signal_arrival`: the stamp, then the arrival word) to every receiver; a cancelled sender writes no data and
@@ -136,9 +135,11 @@ __device__ __forceinline__ u32 ht_slot_tag(u64 seq) { return (u32)(seq + 1); }
 // Writes value i of a direct slot as two words {32-bit half, tag} (low half first), each with a
 // relaxed store and no fence: every word says by its tag whether it is this operation's, so no
 // release orders them (a system-scope release at a kernel's start took 3-5 us under the other
-// blocks' copies, benches/NOTES.md item 87). A stale word passes for this operation's only 2^32
-// operations later, from a handle that has not used the pair since: its stamp differs, which
-// the reader checks.
+// blocks' copies, benches/NOTES.md item 87), and none is needed for what the reader then
+// touches: the writer's outputs or expert outputs were last written or read by kernels that
+// finished before the writer's kernel, which writes these words, started. A stale word passes
+// for this operation's only 2^32 operations later, from a handle that has not used the pair
+// since: its stamp differs, which the reader checks.
 __device__ __forceinline__ void ht_put_tagged(u64* slot, int i, u64 v, u32 tag) {
     st_relaxed_sys(slot + 2 * i, ((u64)tag << 32) | (v & 0xffffffffull));
     st_relaxed_sys(slot + 2 * i + 1, ((u64)tag << 32) | (v >> 32));
