@@ -8,8 +8,9 @@
 //! the received ones in HBM). With `--tma` (and `--sms N`), the N blocks per GPU move the bytes
 //! with the Tensor Memory Accelerator's bulk copies instead (`GpuRank::tma_copy`: one issuing
 //! thread per block, `--stages` shared-memory buffers of `--chunk` bytes, default 14 of 14336 B,
-//! a 7168-wide BF16 row each); `--local` then copies locally with bulk copies too. High-throughput dispatch at the reference config moves ~53 MB per
-//! pair on 4 GPUs, ~58 MB on 2.
+//! a 7168-wide BF16 row each); `--local` then copies locally with bulk copies too. Every copied
+//! region is checked against its source at the end. High-throughput dispatch at the reference
+//! config moves ~53 MB per pair on 4 GPUs, ~58 MB on 2.
 //!
 //! ```sh
 //! cargo run --release --example nvlink_ceiling [-- --mb 56 --iters 20 --sms 132 --local --tma]
