@@ -27,12 +27,15 @@ pub(crate) const LL_TAG_TOKENS: usize = 32;
 pub(crate) const HT_MAX_CHANNELS: usize = 128;
 /// Largest number of sending warps per destination in the high-throughput kernels.
 pub(crate) const HT_MAX_WARPS: usize = 16;
+/// Words of one direct-dispatch or pull-combine slot (`HT_DIRECT_SLOT` of `ht_rings.cuh`: five
+/// tagged 64-bit values, two words each, padded).
+pub(crate) const HT_DIRECT_SLOT: usize = 16;
 /// Words of the high-throughput ring counters after the arrays (see `ht_rings.cuh`): subtails
 /// `[2][C][R][W]`, heads `[2][C][R]`, the producer and consumer positions `[2][C][R][2]`, the
-/// addresses of direct dispatch and pull combine `[2][C][R][16]` (`ht_direct`).
+/// addresses of direct dispatch and pull combine `[2][C][R][HT_DIRECT_SLOT]` (`ht_direct`).
 pub(crate) const HT_COUNTER_WORDS: usize = 2 * HT_MAX_CHANNELS * MAX_RANKS * HT_MAX_WARPS
     + 2 * HT_MAX_CHANNELS * MAX_RANKS * 5
-    + 2 * HT_MAX_CHANNELS * MAX_RANKS * 16;
+    + 2 * HT_MAX_CHANNELS * MAX_RANKS * HT_DIRECT_SLOT;
 /// Bytes of a rank's signal page.
 pub(crate) const SIGNAL_PAGE_BYTES: usize = (SIG_ARRAY_WORDS + HT_COUNTER_WORDS) * 8;
 
@@ -441,12 +444,14 @@ mod tests {
 
     #[test]
     fn limits_match_the_cuda_defines() {
-        use crate::compile::sources::{COMMON, HT, LL};
+        use crate::compile::sources::{COMMON, HT, LL, UTIL};
         assert_eq!(define(COMMON, "EP_MAX_RANKS"), MAX_RANKS);
         assert_eq!(define(COMMON, "EP_MAX_SETS"), MAX_SETS);
         assert_eq!(define(&LL.body(), "EP_TAG_TOKENS"), LL_TAG_TOKENS);
         assert_eq!(define(&HT.body(), "HT_MAX_CHANNELS"), HT_MAX_CHANNELS);
         assert_eq!(define(&HT.body(), "HT_MAX_WARPS"), HT_MAX_WARPS);
+        assert_eq!(define(&HT.body(), "HT_DIRECT_SLOT"), HT_DIRECT_SLOT);
+        assert_eq!(define(&UTIL.body(), "TMA_MAX_STAGES"), crate::rank::TMA_MAX_STAGES as usize);
     }
 
     #[test]

@@ -13,7 +13,7 @@ use crate::device::{DeviceBuffer, cuda};
 /// Threads per block of `ep_sm_copy` (its `__launch_bounds__`).
 const SM_COPY_BLOCK: u32 = 512;
 /// The most shared-memory buffers `ep_tma_copy` takes (its `TMA_MAX_STAGES`).
-const TMA_MAX_STAGES: u32 = 32;
+pub(crate) const TMA_MAX_STAGES: u32 = 32;
 
 /// One copy of the probes: `bytes` (a multiple of 16) of `src`, this rank's buffer, into `dst`,
 /// this rank's or a peer's of the same group, at byte `dst_offset` (a multiple of 16).

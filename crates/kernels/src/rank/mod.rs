@@ -6,6 +6,8 @@
 //! - `mask`: rank masking ([`epflow_core::mask`]): the host's view, `mask_ranks`, `unmask_all`.
 
 mod copy_probe;
+#[cfg(test)]
+pub(crate) use copy_probe::TMA_MAX_STAGES;
 pub use copy_probe::{BulkStages, CopyRange};
 pub(crate) mod handle;
 mod launch_cost;
