@@ -42,8 +42,7 @@ impl Layout {
             Layout::Ht(h) if direct && h.rings => Layout::Ht(HtLayout {
                 direct: true,
                 pull_combine: ht_tuning("PULL", 0, 1) != Some(0),
-                warps_per_dest: ht_tuning("DISPATCH_WARPS", 1, max_dispatch_warps(h.num_ranks))
-                    .unwrap_or_else(|| dispatch_send_warps(h.num_ranks, h.channels, true)),
+                warps_per_dest: dispatch_warps(h.num_ranks, h.channels, true),
                 ..h
             }),
             other => other,
@@ -175,6 +174,13 @@ pub(crate) fn ht_tuning(name: &str, lo: usize, hi: usize) -> Option<usize> {
     Some(v.clamp(lo, hi.max(lo)))
 }
 
+/// Sending warps per remote destination of a dispatch: `EPFLOW_HT_DISPATCH_WARPS` (at most
+/// [`max_dispatch_warps`]), else [`dispatch_send_warps`].
+fn dispatch_warps(num_ranks: usize, channels: usize, direct: bool) -> usize {
+    ht_tuning("DISPATCH_WARPS", 1, max_dispatch_warps(num_ranks))
+        .unwrap_or_else(|| dispatch_send_warps(num_ranks, channels, direct))
+}
+
 /// The most sending warps per remote destination a dispatch can have: one warp stays for the
 /// rank's own rows.
 fn max_dispatch_warps(num_ranks: usize) -> usize {
@@ -270,8 +276,7 @@ impl HtLayout {
             items_per_fence: ht_tuning("DISPATCH_ITEMS_PER_FENCE", 1, depth).unwrap_or(HT_DISPATCH_ITEMS_PER_FENCE),
             combine_items_per_fence: ht_tuning("COMBINE_ITEMS_PER_FENCE", 1, depth)
                 .unwrap_or(HT_COMBINE_ITEMS_PER_FENCE),
-            warps_per_dest: ht_tuning("DISPATCH_WARPS", 1, max_dispatch_warps(num_ranks))
-                .unwrap_or_else(|| dispatch_send_warps(num_ranks, channels, false)),
+            warps_per_dest: dispatch_warps(num_ranks, channels, false),
             combine_warps_per_dest: ht_tuning("COMBINE_WARPS", 1, max_combine_warps(num_ranks))
                 .unwrap_or_else(|| combine_send_warps(num_ranks)),
             direct: false,
