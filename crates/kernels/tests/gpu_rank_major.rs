@@ -243,8 +243,8 @@ fn rank_major_many_staged_iterations_with_fresh_routing() {
 }
 
 /// Tagged dispatch messages and combine rows carry the operation's number as a 32-bit tag, which
-/// wraps every 2^32 operations of a channel (`sends_tagged` and `op_tag` in `ll_tagged.cuh`: the last
-/// operations of a buffer set before the wrap clear its tagged dispatch area). Every rank is
+/// wraps every 2^32 operations of a channel (`sends_tagged` and `op_tag` in `ll_tagged.cuh`: the
+/// last operations of a buffer set before the wrap clear its tagged dispatch area). Every rank is
 /// renumbered to just below the wrap, then rounds cross it: both layouts, synchronous and staged,
 /// every dispatch and combine tagged, against the reference bit for bit.
 #[test]

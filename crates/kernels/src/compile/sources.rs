@@ -121,10 +121,10 @@ impl KernelModule {
 /// `EPFLOW_KERNEL_SOURCE_DIR`: a folder of kernel files (`common.cuh`, the low-latency parts
 /// `ll_base.cuh`, `ll_tagged.cuh`, `ll_send.cuh`, `ll_receive.cuh`, `ll_combine.cuh` and `ll.cu`,
 /// the high-throughput parts `ht_rings.cuh`, `ht_send.cuh`, `ht_receive.cuh`, `ht.cu` and
-/// `ht_handle.cuh`, `nccl.cu`, `util.cu`) that replace the built-in ones at run time, for kernel work
-/// without rebuilding the library (each missing file keeps the built-in one, so a part replaced
-/// must still fit the parts around it; a whole unit in one `ll.cu` or `ht.cu` goes with empty
-/// `.cuh` parts). The kernels must keep their names and parameter blocks. A development tool:
+/// `ht_handle.cuh`, `nccl.cu`, `util.cu`) that replace the built-in ones at run time, for kernel
+/// work without rebuilding the library (each missing file keeps the built-in one, so a part
+/// replaced must still fit the parts around it; a whole unit in one `ll.cu` or `ht.cu` goes with
+/// empty `.cuh` parts). The kernels must keep their names and parameter blocks. A development tool:
 /// unset in production.
 pub fn source_override_dir() -> Option<PathBuf> {
     std::env::var_os("EPFLOW_KERNEL_SOURCE_DIR").filter(|v| !v.is_empty()).map(PathBuf::from)

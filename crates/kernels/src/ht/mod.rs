@@ -1,7 +1,7 @@
-//! High-throughput operations (`cuda/ht.cu` and its `ht_*.cuh` parts, and `cuda/nccl.cu` over NCCL): handles built on
-//! the device over NVLink ([`device`], its state in [`plan`], the words it reports in [`result`]) or by the host with a count exchange ([`exchange`]),
-//! starting dispatch and combine ([`start`]), the same over NCCL ([`nccl`]) and the launch
-//! geometry ([`geometry`]).
+//! High-throughput operations (`cuda/ht.cu` and its `ht_*.cuh` parts, and `cuda/nccl.cu` over
+//! NCCL): handles built on the device over NVLink ([`device`], its state in [`plan`], the words it
+//! reports in [`result`]) or by the host with a count exchange ([`exchange`]), starting dispatch
+//! and combine ([`start`]), the same over NCCL ([`nccl`]) and the launch geometry ([`geometry`]).
 //!
 //! ## Channels
 //!

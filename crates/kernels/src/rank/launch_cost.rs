@@ -1,11 +1,11 @@
 //! [`GpuRank::ll_launch_costs`]: the host time of launching each low-latency kernel alone, with
 //! nothing else of an operation around it (a diagnostic: `epflow diag launch`).
 //!
-//! Every launch is a no-op on the device: its parameters name a captured step whose failure word
-//! is set, so the kernel sees itself `dead` (`op_num` in `ll_base.cuh`) and returns before it reads or
+//! Every launch is a no-op on the device: its parameters name a captured step whose failure word is
+//! set, so the kernel sees itself `dead` (`op_num` in `ll_base.cuh`) and returns before it reads or
 //! writes anything else. What remains is the driver's work for that function: 3-6 µs for every
-//! low-latency kernel on an H200 (benches/NOTES.md item 42, which also shows that item 39's
-//! "slow dispatch launch" was the warm-up's first launches counted in a mean).
+//! low-latency kernel on an H200 (benches/NOTES.md item 42, which also shows that item 39's "slow
+//! dispatch launch" was the warm-up's first launches counted in a mean).
 
 use std::time::{Duration, Instant};
 
