@@ -7,9 +7,10 @@
 //! spinning: only the fences the dropped outputs left keep its receive from overwriting what the
 //! consumer has not copied yet. The snapshots are checked bit for bit against the CPU reference.
 //!
-//! Iterations alternate the placements: `complete_ordered` (the receive on the group's stream,
-//! the consumer on the caller's), and `complete_on` with the consumer on a *second* stream
-//! declared with `record_stream`. Skipped (loudly) without 2 GPUs (`EPFLOW_TEST_DEVICES=0,0` runs
+//! Iterations cycle through three placements: `complete_ordered` (the receive on the group's
+//! stream, the consumer on the caller's), `complete_on` with the consumer on a *second* stream
+//! declared with `record_stream`, and the whole operation in the caller's stream order
+//! (`OpFuture::complete_on`: send and receive in one launch) with the consumer on the caller's. Skipped (loudly) without 2 GPUs (`EPFLOW_TEST_DEVICES=0,0` runs
 //! two ranks on one GPU, a functional check); `EPFLOW_GPU_ITERS` sets the
 //! count (default 1000). The one-process-per-GPU variant runs under
 //! `epflow launch -n 2 -- gpu_stream_order stream_order_one_process_per_gpu` with the same
@@ -144,12 +145,15 @@ async fn delayed_consumer(g: &Group<GpuRank>, n: usize, iters: u64, base: u64) -
         inputs.push((idx, x.clone(), w.clone()));
         // A consumer 20-120 us slow, varying.
         let delay = Duration::from_micros(20 + (it.wrapping_mul(2_654_435_761) >> 7) % 100);
-        let ordered = it % 2 == 0;
-        let consumer = if ordered { &caller } else { &second };
-        let staged = g.dispatch(&h, DispatchInputs::new(&x)).send_only().await.expect("dispatch send");
-        let (d, _done) = if ordered {
+        let (ordered, whole) = (it % 3 == 0, it % 3 == 2);
+        let consumer = if ordered || whole { &caller } else { &second };
+        let (d, _done) = if whole {
+            g.dispatch(&h, DispatchInputs::new(&x)).after(&caller).complete_on(&caller).await.expect("dispatch")
+        } else if ordered {
+            let staged = g.dispatch(&h, DispatchInputs::new(&x)).send_only().await.expect("dispatch send");
             staged.complete_ordered(&caller).await.expect("dispatch complete")
         } else {
+            let staged = g.dispatch(&h, DispatchInputs::new(&x)).send_only().await.expect("dispatch send");
             let out = staged.complete_on(&caller).await.expect("dispatch complete");
             out.0.record_stream(&second);
             out
@@ -158,16 +162,18 @@ async fn delayed_consumer(g: &Group<GpuRank>, n: usize, iters: u64, base: u64) -
         snap.copied.clear();
         snap.copied.push(rank.copy_on(consumer, d.tokens(), &snap.dispatch).expect("copy"));
         snap.copied.push(rank.copy_on(consumer, d.counts().expect("counts"), &snap.counts).expect("copy"));
-        let combine = g
-            .combine(&h, CombineInputs::new(d.tokens()).with_weights(&w))
-            .after(&caller)
-            .send_only()
-            .await
-            .expect("combine send");
-        drop(d);
-        let (y, _done) = if ordered {
+        let combine = g.combine(&h, CombineInputs::new(d.tokens()).with_weights(&w)).after(&caller);
+        let (y, _done) = if whole {
+            let out = combine.complete_on(&caller).await.expect("combine");
+            drop(d);
+            out
+        } else if ordered {
+            let combine = combine.send_only().await.expect("combine send");
+            drop(d);
             combine.complete_ordered(&caller).await.expect("combine complete")
         } else {
+            let combine = combine.send_only().await.expect("combine send");
+            drop(d);
             let out = combine.complete_on(&caller).await.expect("combine complete");
             out.0.record_stream(&second);
             out

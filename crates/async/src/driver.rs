@@ -299,13 +299,20 @@ impl<B: Backend> OpDriver<B> {
 
     /// Drives the operation to its send half, then completes it in stream order on `stream`:
     /// the outputs at once (GPU backends) or once the data is in (the host backend), and a
-    /// [`Completion`] a reactor job settles when the device has finished.
+    /// [`Completion`] a reactor job settles when the device has finished. Not sent yet, the
+    /// backend is told that the complete half follows at once (one launch on GPUs).
     pub(crate) fn poll_complete_on(
         &mut self,
         cx: &mut Context<'_>,
         stream: &B::Stream,
         order: StreamOrder,
     ) -> Poll<Result<(Output<B>, Completion)>> {
+        if matches!(self.stage, Stage::Slot | Stage::Credits) {
+            // Not sent yet: the complete half follows the send in stream order at once.
+            if let Some(op) = self.op.as_mut() {
+                op.will_complete_at_once();
+            }
+        }
         ready!(self.poll_sent(cx))?;
         if self.stage == Stage::Sent {
             self.phase_start = Instant::now();

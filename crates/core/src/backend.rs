@@ -161,9 +161,11 @@ pub trait PendingOp: Send + 'static {
     /// [`PendingOp::send`] sends a cancellation marker instead of data.
     fn cancel(&mut self);
     /// Says, before [`PendingOp::send`], that the complete half will start right after the send
-    /// half, on the same stream: the synchronous form, with no work of the caller's between
-    /// them. A backend may then run both halves as one unit (the GPU backend: one kernel launch
-    /// instead of two). [`PendingOp::start_complete`] must still be called. The default ignores it.
+    /// half, on the same stream, with no work of the caller's between them: the synchronous
+    /// form, and a whole operation completed in stream order ([`complete_on_blocking`] on an
+    /// operation not yet sent). A backend may then run both halves as one unit (the GPU backend:
+    /// one kernel launch instead of two). [`PendingOp::start_complete`] (or
+    /// [`PendingOp::complete_on`]) must still be called. The default ignores it.
     fn will_complete_at_once(&mut self) {}
     /// Starts the complete half (a GPU backend launches its receive kernel here). Calling it
     /// again does nothing.
@@ -657,7 +659,9 @@ impl<O: PendingOp> std::fmt::Debug for InStreamOrder<O> {
 /// producers of its inputs), sends it (slot, credits), then returns its outputs, usable by work
 /// enqueued on `stream` from now on, as soon as the backend hands them out (the GPU backend: at
 /// once, for the operations it can order on the device; others once they finished on the
-/// host), and the operation to [`InStreamOrder::settle`].
+/// host), and the operation to [`InStreamOrder::settle`]. An operation not yet sent is told
+/// that its complete half follows at once ([`PendingOp::will_complete_at_once`]: the GPU
+/// backend runs a low-latency one as one launch).
 pub fn complete_on_blocking<O: PendingOp>(
     mut op: O,
     slots: &Arc<SlotPool>,
@@ -675,6 +679,8 @@ pub fn complete_on_blocking<O: PendingOp>(
             detach(op, timeout, Arc::clone(poison));
             return Err(e);
         }
+        // The complete half follows at once: both halves may go out as one unit.
+        op.will_complete_at_once();
         op = send_blocking(op, slots, poison, timeout)?;
     }
     let deadline = deadline_after(Instant::now(), timeout);

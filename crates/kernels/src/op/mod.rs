@@ -1,7 +1,7 @@
 //! [`GpuOp`]: one GPU operation as a [`PendingOp`]. Low-latency: the send half is one kernel
-//! launch, the complete half another; in the synchronous form
-//! ([`PendingOp::will_complete_at_once`]) both halves are one cooperative launch when the rank
-//! can (see [`GpuOp::one_launch`]). High-throughput dispatch and combine, and the count
+//! launch, the complete half another; in the synchronous form and in a whole operation
+//! completed in stream order ([`PendingOp::will_complete_at_once`]) both halves are one
+//! cooperative launch when the rank can (see [`GpuOp::one_launch`]). High-throughput dispatch and combine, and the count
 //! exchange of handle creation, are one launch each (the send half), whose end is the
 //! completion. A CUDA event after the last launch is the completion signal.
 //!
@@ -296,7 +296,7 @@ impl GpuOp {
     }
 
     /// Whether this operation runs both low-latency halves as one cooperative launch: the
-    /// synchronous form was asked for, it carries data to and from NVLink peers only (an NCCL
+    /// synchronous form (or a whole operation in stream order) was asked for, it carries data to and from NVLink peers only (an NCCL
     /// exchange runs between the halves), and the rank allows it
     /// ([`crate::rank::shared::RankShared::one_launch`]). Decided at the send.
     fn one_launch(&self) -> bool {
