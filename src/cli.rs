@@ -236,6 +236,13 @@ pub(crate) struct BenchArgs {
     /// replays (device time, CUDA events around each replay) beside the eager operations.
     #[arg(long)]
     pub graph: bool,
+    /// Low-latency on GPUs: also time dispatch and combine queued ahead of the device: each
+    /// iteration enqueues the pair in stream order (one launch each) behind a 100 us spin
+    /// kernel, so the device never waits for the host's launches; device time from CUDA events
+    /// between them (the kernels and the gaps between them: comparable to NCCL EP's CUPTI
+    /// kernel column, not to the eager or host-observed times).
+    #[arg(long)]
+    pub queued: bool,
     /// Print one JSON object instead of the text report.
     #[arg(long)]
     pub json: bool,

@@ -182,6 +182,24 @@ fn graph_bench_reports_replays_beside_eager_operations() {
     assert!(err.contains("--graph"), "{err}");
 }
 
+/// `--queued` on the host backend: the eager report stands, the note says that there is no
+/// device clock and the JSON report has no queued times; refused for high-throughput.
+#[test]
+fn queued_bench_needs_a_device_clock() {
+    let args = ["bench", "--backend", "host", "--ranks", "2", "--tokens", "8", "--hidden", "256", "--experts", "16"];
+    let (code, out, err) = epflow(&[&args[..], &["--warmup", "0", "--iters", "2", "--validate", "--queued"]].concat());
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("Validation: PASSED"), "{out}");
+    assert!(err.contains("--queued: this backend has no device clock"), "{err}");
+    let (code, out, err) = epflow(&[&args[..], &["--warmup", "0", "--iters", "2", "--queued", "--json"]].concat());
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("one JSON object");
+    assert!(v["queued"].is_null(), "{out}");
+    let (code, _, err) = epflow(&["bench", "--algorithm", "ht", "--ranks", "2", "--queued"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--queued"), "{err}");
+}
+
 /// Across hosts, `epflow launch` gives each process torchrun's variables (no NCCL needed to
 /// start them: the id is exchanged later, over TCP, by the processes themselves).
 #[test]

@@ -142,6 +142,12 @@ pub(crate) fn config_from_args(args: &BenchArgs, ranks: usize) -> Result<(GroupC
             "--graph captures epflow's low-latency operations: it needs --algorithm ll on an epflow backend".into(),
         ));
     }
+    if args.queued && (args.algorithm == AlgorithmArg::Ht || args.backend == BackendArg::NcclEp) {
+        return Err(BenchError::Usage(
+            "--queued times epflow's low-latency operations in stream order: it needs --algorithm ll on an epflow backend"
+                .into(),
+        ));
+    }
     if args.fresh_routing && args.algorithm != AlgorithmArg::Ht {
         return Err(BenchError::Usage(
             "--fresh-routing is for --algorithm ht: low-latency handles are built locally, without a collective".into(),
@@ -446,6 +452,9 @@ pub(crate) fn summarise(
             .iter()
             .any(|r| !r.stream_handle_device.samples_us.is_empty())
             .then(|| OpSummary::from_ranks(&collect(|r| &r.stream_handle_device))),
+        queued: results.iter().any(|r| !r.queued[0].samples_us.is_empty()).then(|| {
+            [OpSummary::from_ranks(&collect(|r| &r.queued[0])), OpSummary::from_ranks(&collect(|r| &r.queued[1]))]
+        }),
         handle: results
             .iter()
             .any(|r| !r.handle.samples_us.is_empty())

@@ -22,7 +22,7 @@ fn encode(r: &RankResult, iters: usize) -> Vec<f64> {
     for h in &r.halves {
         v.push(if h.is_empty() { 0.0 } else { h.iter().sum::<f64>() / h.len() as f64 });
     }
-    for t in [&r.graph, &r.stream_step, &r.stream_step_device, &r.stream_handle_device] {
+    for t in [&r.graph, &r.stream_step, &r.stream_step_device, &r.stream_handle_device, &r.queued[0], &r.queued[1]] {
         v.extend(t.samples_us.iter().copied().chain(std::iter::repeat(f64::NAN)).take(iters));
     }
     for c in [&r.dispatch_check, &r.combine_check] {
@@ -60,6 +60,7 @@ fn decode(v: &[f64], iters: usize) -> RankResult {
     };
     let (graph, stream_step, stream_step_device, stream_handle_device) =
         (optional(), optional(), optional(), optional());
+    let queued = [optional(), optional()];
     let check = |j: usize| {
         (v[j] > 0.0).then(|| Report {
             checked: v[j + 1] as u64,
@@ -80,6 +81,7 @@ fn decode(v: &[f64], iters: usize) -> RankResult {
         stream_step,
         stream_step_device,
         stream_handle_device,
+        queued,
     }
 }
 

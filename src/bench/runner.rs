@@ -105,7 +105,8 @@ pub(crate) trait BenchRank {
 /// A device clock on a stream (CUDA events): started behind the work enqueued there,
 /// stopped behind the work enqueued until [`DeviceClock::stop`].
 pub(crate) trait DeviceClock {
-    /// Marks the end of the first part (the handle's creation) on the clock's stream.
+    /// Marks the end of the first part (a step's handle creation, a queued pair's dispatch) on
+    /// the clock's stream.
     fn lap(&mut self) -> Result<(), Error>;
     /// Marks the end on the stream the clock started on.
     fn stop(&mut self) -> Result<(), Error>;
@@ -148,6 +149,9 @@ pub(crate) struct RankResult {
     /// `--fresh-routing`: the device time of the step's handle creation (from the step's start
     /// to after the plan kernels).
     pub stream_handle_device: RankTimes,
+    /// Low-latency `--queued`: device time of the dispatch and of the combine, enqueued in
+    /// stream order behind a spin kernel ([`queued_pairs`]).
+    pub queued: [RankTimes; 2],
 }
 
 /// Settings of the loop.
@@ -162,6 +166,8 @@ pub(crate) struct LoopPlan {
     pub fresh_routing: Option<usize>,
     /// Low-latency `--graph`: also time replays of a captured dispatch + combine step.
     pub graph: bool,
+    /// Low-latency `--queued`: also time dispatch and combine enqueued ahead of the device.
+    pub queued: bool,
 }
 
 impl LoopPlan {
@@ -174,6 +180,7 @@ impl LoopPlan {
             layout: args.layout.layout(),
             fresh_routing: args.fresh_routing.then_some(args.masked),
             graph: args.graph,
+            queued: args.queued,
         }
     }
 }
@@ -340,6 +347,68 @@ where
     Ok([times, device, handle_device])
 }
 
+/// The spin ahead of a `--queued` pair: longer than the host takes to enqueue a dispatch and a
+/// combine (tens of microseconds), short beside the loop.
+const QUEUED_LEAD: Duration = Duration::from_micros(100);
+
+/// Low-latency `--queued`: per iteration (after a barrier), the dispatch and the combine
+/// enqueued on `stream` in stream order (each a whole operation: one launch on GPUs), behind a
+/// spin kernel, so that the device reaches them with both already queued and never waits for
+/// the host's launches; then both verdicts. Returns the device time of the dispatch (from the
+/// end of the spin to after it) and of the combine (from there to after the combine): the
+/// operations' own device time and the gap between the kernels, what NCCL EP's CUPTI kernel
+/// column counts without the gaps. The combine's input is `fixed` (rank-major sums, or a kept
+/// buffer standing for an FP8 dispatch's experts), else the identity experts' view of the
+/// dispatched rows; `weights` are the combine's top-k weights (expert-major). Empty times where
+/// the backend has no device clock.
+fn queued_pairs<R: BenchRank>(
+    r: &R,
+    plan: &LoopPlan,
+    stream: &<R::B as Backend>::Stream,
+    handle: &<R::B as Backend>::Handle,
+    inputs: DispatchInputs<'_, <R::B as Backend>::Tensor>,
+    fixed: Option<&<R::B as Backend>::Tensor>,
+    weights: Option<&<R::B as Backend>::Tensor>,
+) -> Result<[RankTimes; 2], Error>
+where
+    <R::B as Backend>::Tensor: Clone,
+{
+    let b = r.backend();
+    let (dopts, copts) = (DispatchOptions::default(), CombineOptions::default());
+    let mut times = [RankTimes::default(), RankTimes::default()];
+    for i in 0..plan.warmup + plan.iters {
+        r.barrier();
+        let Some(mut clock) = r.start_device_clock(stream, QUEUED_LEAD)? else {
+            if b.rank() == 0 {
+                eprintln!("note: --queued: this backend has no device clock (GPU backend only)");
+            }
+            return Ok(Default::default());
+        };
+        let (d, ds) = blocking_dispatch_on(b, handle, inputs, &dopts, stream)?;
+        clock.lap()?;
+        let y = match fixed {
+            Some(t) => Cow::Borrowed(t),
+            None => r.identity_experts(&d)?,
+        };
+        let mut cin = CombineInputs::new(&*y);
+        if let Some(w) = weights {
+            cin = cin.with_weights(w);
+        }
+        let (c, cs) = blocking_combine_on(b, handle, cin, &copts, stream)?;
+        clock.stop()?;
+        ds.settle()?;
+        cs.settle()?;
+        let (total, disp) = clock.elapsed_us()?;
+        drop((c, y));
+        drop(d);
+        if i >= plan.warmup {
+            times[0].samples_us.push(disp);
+            times[1].samples_us.push(total - disp);
+        }
+    }
+    Ok(times)
+}
+
 /// Runs this rank's part: handle, optional validation round, warm-up, timed iterations.
 pub(crate) fn run_rank<R: BenchRank>(
     r: &R,
@@ -498,6 +567,7 @@ where
             stream_step,
             stream_step_device,
             stream_handle_device,
+            queued: Default::default(),
         });
     }
 
@@ -534,6 +604,22 @@ where
                     h.push(v.as_secs_f64() * 1e6);
                 }
             }
+        }
+    }
+    let mut queued = [RankTimes::default(), RankTimes::default()];
+    if plan.queued && !ht {
+        match r.step_stream() {
+            Some(stream) => {
+                // An FP8 dispatch's identity experts are dequantized once, outside the timing.
+                let kept = match (&rank_major_input, cfg.dispatch_dtype.is_fp8()) {
+                    (None, true) => Some(r.identity_experts(&dispatch()?)?.into_owned()),
+                    _ => None,
+                };
+                let fixed = rank_major_input.as_ref().or(kept.as_ref());
+                let w = (!rank_major).then_some(&weights);
+                queued = queued_pairs(r, plan, &stream, &handle, inputs, fixed, w)?;
+            }
+            None => eprintln!("note: --queued: this backend has no streams to enqueue on (GPU backend only)"),
         }
     }
     // High-throughput handles are collective (a count exchange): time their creation too.
@@ -580,6 +666,7 @@ where
         stream_step: RankTimes::default(),
         stream_step_device: RankTimes::default(),
         stream_handle_device: RankTimes::default(),
+        queued,
     })
 }
 

@@ -111,6 +111,9 @@ pub(crate) struct BenchReport {
     pub stream_step_device: Option<OpSummary>,
     /// `--fresh-routing`: the device time of that step's handle creation.
     pub stream_handle_device: Option<OpSummary>,
+    /// Low-latency `--queued`: device time of dispatch and of combine, each enqueued in stream
+    /// order ahead of the device (behind a spin kernel).
+    pub queued: Option<[OpSummary; 2]>,
 }
 
 impl BenchReport {
@@ -171,6 +174,13 @@ impl BenchReport {
             if self.total.median_us > 0.0 {
                 println!("{:<18}replay median / eager D+C median = {:.2}", "", g.median_us / self.total.median_us);
             }
+        }
+        if let Some([d, c]) = &self.queued {
+            println!(
+                "\n--- Queued ahead of the device (--queued: dispatch and combine enqueued in stream order, one launch\n    each, behind a 100 us spin kernel; CUDA events between them: kernels and the gaps between them) ---"
+            );
+            print_op(&format!("Dispatch ({dt}):"), d);
+            print_op("Combine (BF16):", c);
         }
         if let Some(h) = &self.handle {
             println!(
