@@ -103,8 +103,13 @@ pub(crate) fn ll_launch(which: LlKernel, p: &mut LlParams, sms: u32) -> (u32, u3
             let payload = if p.fp8 != 0 { h } else { 2 * h };
             p.recv_chunks = if payload % 64 == 0 { 4 } else { 1 };
             // Tasks (group, split): a group is a local expert, or a source rank in rank-major,
-            // whose rows need more blocks each (up to 64 splits of a source's block).
-            let (groups, most) = if p.rank_major != 0 { (p.num_ranks, 64) } else { (p.num_local, 4) };
+            // whose rows need more blocks each: up to 64 splits of a source's rows, and no more
+            // than this rank's tokens (other sources' counts are alike in a decode step), but at
+            // least 8, so that a source with many more rows still spreads over blocks. A split
+            // takes every splits-th row: splits beyond a source's rows only add blocks that wait
+            // and leave (at one token the one-launch grid was one per SM).
+            let (groups, most) =
+                if p.rank_major != 0 { (p.num_ranks, (b as i32).clamp(8, 64)) } else { (p.num_local, 4) };
             p.splits = (sms as i32 / groups.max(1)).clamp(1, most);
             (((groups.max(1) * p.splits) as u32).clamp(1, sms), BLOCK_THREADS)
         }
@@ -229,6 +234,15 @@ mod tests {
         assert_eq!(p.splits, 64);
         assert_eq!(ll_launch(LlKernel::DispatchRecv, &mut p, 32), (32, 512));
         assert_eq!(p.splits, 16);
+        // Few tokens: splits follow them, down to 8 per source; at one token the one-launch
+        // dispatch takes 16 blocks (its send needs 4), not one per SM.
+        for (tokens, splits) in [(1, 8), (8, 8), (20, 20), (64, 64)] {
+            let mut p = LlParams { rank_major: 1, ..params(tokens) };
+            assert_eq!(ll_launch(LlKernel::DispatchRecv, &mut p, 132), (2 * splits as u32, 512), "{tokens}");
+            assert_eq!(p.splits, splits);
+        }
+        let mut p = LlParams { rank_major: 1, ..params(1) };
+        assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132), (16, 512));
     }
 
     #[test]
