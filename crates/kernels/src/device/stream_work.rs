@@ -20,6 +20,9 @@ pub struct StreamWork {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     waits: Vec<Arc<CudaEvent>>,
+    /// Events of [`StreamWork::order_after`], with the stream each was recorded on: waited for
+    /// unless the work runs on that stream by then.
+    after: Vec<(Arc<CudaEvent>, usize)>,
     /// Fences of memory the work writes (its previous readers): waited for even when the
     /// inputs are released.
     fences: Vec<Arc<CudaEvent>>,
@@ -53,6 +56,7 @@ impl StreamWork {
             ctx: Arc::clone(ctx),
             stream: Arc::clone(stream),
             waits: inputs.iter().filter_map(|t| t.ready_event().cloned()).collect(),
+            after: Vec::new(),
             fences: Vec::new(),
             keep: inputs.iter().filter_map(|t| t.keep_alive()).collect(),
             leases: inputs.iter().filter_map(|t| t.lease().cloned()).collect(),
@@ -93,16 +97,18 @@ impl StreamWork {
     /// them go.
     pub fn release_inputs(&mut self) {
         self.waits.clear();
+        self.after.clear();
         self.keep.clear();
         self.leases.clear();
     }
 
     /// Orders the send half after the work enqueued on `stream` so far: an event recorded there
-    /// now is waited for (released with the inputs).
+    /// now is waited for (released with the inputs), unless the work was moved onto `stream`
+    /// ([`StreamWork::set_stream`]), where stream order has it.
     pub fn order_after(&mut self, stream: &CudaStream) -> Result<(), Error> {
         bind(&self.ctx)?;
         let e = self.record_on(stream)?;
-        self.waits.push(e);
+        self.after.push((e, super::stream_id(stream)));
         Ok(())
     }
 
@@ -131,6 +137,10 @@ impl StreamWork {
         bind(&self.ctx)?;
         for e in &self.waits {
             self.stream.wait(e).map_err(|e| cuda("wait for an input", e))?;
+        }
+        let here = super::stream_id(&self.stream);
+        for (e, _) in self.after.iter().filter(|(_, on)| *on != here) {
+            self.stream.wait(e).map_err(|e| cuda("wait for the caller's stream", e))?;
         }
         Self::wait_on(&self.stream, &self.fences)?;
         self.fences.clear();

@@ -30,7 +30,7 @@ use crate::ll::geometry::LlKernel;
 
 use crate::device::cache::CachedBuffer;
 use crate::device::host_steps::Steps;
-use crate::device::{DeviceTensor, StreamWork, bind, cuda, stream_id};
+use crate::device::{DeviceTensor, StreamFence, StreamWork, bind, cuda, stream_id};
 use crate::outputs::{GpuCombineOutput, GpuDispatchOutput, OutputTargets, SetLease};
 use crate::rank::handle::GpuHandle;
 use crate::rank::shared::{ExchangeBuffers, RankShared};
@@ -95,8 +95,12 @@ pub struct GpuOp {
     scratch: Vec<CachedBuffer>,
     /// Low-latency: caller-owned memory the outputs are written into (their views address it).
     targets: Option<OutputTargets>,
-    /// The complete half follows the send at once, on the same stream (the synchronous form).
+    /// The complete half follows the send at once, on the same stream (the synchronous form,
+    /// or a whole operation in stream order).
     at_once: bool,
+    /// Low-latency: the caller's stream the send half was ordered after
+    /// ([`PendingOp::order_after`]); a one-launch kernel runs there.
+    caller: Option<Arc<CudaStream>>,
     /// Both halves went out as one launch.
     one_launched: bool,
     /// Completion polls that found the outcome word not yet published (see
@@ -145,6 +149,7 @@ impl GpuOp {
             scratch: Vec::new(),
             targets: None,
             at_once: false,
+            caller: None,
             one_launched: false,
             quiet_polls: 0,
         }
@@ -409,6 +414,13 @@ impl PendingOp for GpuOp {
         }
         let s = Arc::clone(&self.shared);
         let mut steps = Steps::start();
+        if let (true, Some(caller)) = (self.one_launch(), self.caller.take()) {
+            // A whole operation in stream order: its one kernel runs on the caller's stream
+            // itself, not on the channel's behind an event of the caller's and with the caller's
+            // stream waiting for its end (two waits between streams on the device; benches/NOTES.md
+            // item 93).
+            self.work.set_stream(&caller);
+        }
         let result = (|| {
             self.work.begin_send(s.timing.load(Ordering::Relaxed) && !self.state.is_cancelled())?;
             steps.step("send: bind, input waits, fences, start event");
@@ -421,7 +433,15 @@ impl PendingOp for GpuOp {
                     let which = if self.chan() == 0 { LlKernel::DispatchOne } else { LlKernel::CombineOne };
                     let fences = slot.as_mut().map(SlotGuard::take_fences).unwrap_or_default();
                     let on = Arc::clone(self.work.stream());
+                    // One channel's one-launch grids never overlap (see `RankShared::last_launch`):
+                    // behind the previous one if it ran on another stream.
+                    let mut last = s.last_launch[self.chan()].lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some(f) = last.as_ref() {
+                        wait_unless_same(&on, &f.event, f.stream, "order after the channel's last one-launch kernel")?;
+                    }
                     let done = self.launch_completing(&on, which, fences, &mut steps)?;
+                    *last = Some(StreamFence { event: Arc::clone(&done), stream: stream_id(&on) });
+                    drop(last);
                     self.one_launched = true;
                     self.completing = true;
                     if let Some(h) = reader {
@@ -514,8 +534,9 @@ impl PendingOp for GpuOp {
     /// Orders this operation's send half after the work enqueued on the caller's stream so far;
     /// before the send only. A high-throughput kernel (dispatch, combine, a handle built on the
     /// device) then simply runs on that stream (no event between the streams; the channel's
-    /// previous kernel, if it ran elsewhere, is waited for at the launch); others make their
-    /// stream wait for an event there.
+    /// previous kernel, if it ran elsewhere, is waited for at the launch), and so does a
+    /// low-latency operation sent as one launch; others make their stream wait for an event
+    /// there.
     fn order_after(&mut self, stream: &Arc<CudaStream>) -> Result<(), Error> {
         if self.state.is_sent() {
             return Err(Error::Backend(format!("{} was already sent: too late to order it", self.label())));
@@ -523,6 +544,11 @@ impl PendingOp for GpuOp {
         if matches!(self.launch, Launch::Ht(_) | Launch::HtPlan(_)) {
             self.work.set_stream(stream);
             return Ok(());
+        }
+        // Low-latency: the channel's stream waits for the caller's, unless the send finds that
+        // both halves go out as one launch, which then runs on the caller's stream itself.
+        if matches!(self.launch, Launch::Ll(_)) {
+            self.caller = Some(Arc::clone(stream));
         }
         self.work.order_after(stream)
     }

@@ -149,10 +149,11 @@ pub(crate) struct RankShared {
     pub(crate) one_launch: bool,
     /// Per channel, the next operation allowed to send (sends go out in operation order).
     pub(crate) turns: [AtomicU64; 3],
-    /// Per channel, the last high-throughput kernel launched (an event after it, with its
-    /// stream): a kernel launched on another stream (a caller's, in stream order) waits for it,
-    /// so one channel's kernels never overlap on the device (their ring positions follow each
-    /// other).
+    /// Per channel, the last kernel launched that must not overlap another of the channel (an
+    /// event after it, with its stream): a high-throughput kernel (their ring positions follow
+    /// each other), or a low-latency one-launch kernel (its cooperative grid, one block per SM,
+    /// is sized to fit beside one grid of the other channel, not of its own). Such a kernel
+    /// launched on another stream (a caller's, in stream order) waits for it.
     pub(crate) last_launch: [Mutex<Option<StreamFence>>; 3],
     /// The NCCL transport, when some peer uses it.
     pub(crate) nccl: Option<NcclShared>,
