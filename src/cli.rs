@@ -237,7 +237,7 @@ pub(crate) struct BenchArgs {
     #[arg(long)]
     pub graph: bool,
     /// Low-latency on GPUs: also time dispatch and combine queued ahead of the device: each
-    /// iteration enqueues the pair in stream order (one launch each) behind a 100 us spin
+    /// iteration enqueues the pair in stream order (one launch each) behind a 1 ms spin
     /// kernel, so the device never waits for the host's launches; device time from CUDA events
     /// between them (the kernels and the gaps between them: comparable to NCCL EP's CUPTI
     /// kernel column, not to the eager or host-observed times).

@@ -53,6 +53,10 @@ impl DeviceClock for EventClock {
         };
         Ok((us(&self.end)?, us(&self.lap)?))
     }
+
+    fn started(&self) -> Result<bool, Error> {
+        self.start.try_is_complete().map_err(|e| Error::Backend(format!("event: {e}")))
+    }
 }
 
 impl<W: Fn()> GpuBench<W> {

@@ -177,7 +177,7 @@ impl BenchReport {
         }
         if let Some([d, c]) = &self.queued {
             println!(
-                "\n--- Queued ahead of the device (--queued: dispatch and combine enqueued in stream order, one launch\n    each, behind a 100 us spin kernel; CUDA events between them: kernels and the gaps between them) ---"
+                "\n--- Queued ahead of the device (--queued: dispatch and combine enqueued in stream order, one launch\n    each, behind a 1 ms spin kernel; CUDA events between them: kernels and the gaps between them) ---"
             );
             print_op(&format!("Dispatch ({dt}):"), d);
             print_op("Combine (BF16):", c);
