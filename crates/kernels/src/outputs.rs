@@ -15,7 +15,7 @@ use epflow_core::protocol::{Fence, SlotGuard};
 use epflow_core::{Error, HostData, HostTensor};
 
 use crate::device::consumers::Consumers;
-use crate::device::{DeviceTensor, EventPool, Lease, StreamFence, copy_to_host};
+use crate::device::{DeviceTensor, EventPool, Lease, OpTiming, StreamFence, copy_to_host};
 
 /// Device memory the caller owns, which an operation writes its outputs into instead of its
 /// buffer set (low-latency) or cached memory (high-throughput): NCCL EP's preallocated output
@@ -136,7 +136,7 @@ fn rows_to_host(ctx: &CudaContext, t: &DeviceTensor, counts: &[i32]) -> Result<H
 pub struct GpuDispatchOutput {
     pub(crate) outputs: DispatchOutputs<DeviceTensor>,
     pub(crate) host_counts: Option<Vec<i32>>,
-    pub(crate) elapsed: Option<(Duration, Duration)>,
+    pub(crate) elapsed: Option<OpTiming>,
     pub(crate) ctx: Arc<CudaContext>,
 }
 
@@ -198,14 +198,16 @@ impl GpuDispatchOutput {
         self.host_counts.as_deref()
     }
 
-    /// Device time from before the send half to after the complete half (with timing on).
+    /// Device time from before the send half to after the complete half (with timing on);
+    /// waits until the device has finished the operation.
     pub fn elapsed(&self) -> Option<Duration> {
-        self.elapsed.map(|(a, b)| a + b)
+        self.elapsed_halves().map(|(a, b)| a + b)
     }
 
-    /// Device times of the send half and of the complete half (with timing on).
+    /// Device times of the send half and of the complete half (with timing on); waits until
+    /// the device has finished the operation.
     pub fn elapsed_halves(&self) -> Option<(Duration, Duration)> {
-        self.elapsed
+        self.elapsed.as_ref()?.halves()
     }
 
     /// All outputs as tensors.
@@ -246,7 +248,7 @@ impl GpuDispatchOutput {
 #[derive(Debug)]
 pub struct GpuCombineOutput {
     pub(crate) outputs: CombineOutputs<DeviceTensor>,
-    pub(crate) elapsed: Option<(Duration, Duration)>,
+    pub(crate) elapsed: Option<OpTiming>,
     pub(crate) ctx: Arc<CudaContext>,
 }
 
@@ -280,14 +282,16 @@ impl GpuCombineOutput {
         self.outputs.masked.as_ref()
     }
 
-    /// Device time from before the send half to after the complete half (with timing on).
+    /// Device time from before the send half to after the complete half (with timing on);
+    /// waits until the device has finished the operation.
     pub fn elapsed(&self) -> Option<Duration> {
-        self.elapsed.map(|(a, b)| a + b)
+        self.elapsed_halves().map(|(a, b)| a + b)
     }
 
-    /// Device times of the send half and of the complete half (with timing on).
+    /// Device times of the send half and of the complete half (with timing on); waits until
+    /// the device has finished the operation.
     pub fn elapsed_halves(&self) -> Option<(Duration, Duration)> {
-        self.elapsed
+        self.elapsed.as_ref()?.halves()
     }
 
     /// Copies the outputs to the host (synchronous).

@@ -18,5 +18,5 @@ pub use events::EventPool;
 pub(crate) use events::event_done;
 pub use memory::DeviceBuffer;
 pub(crate) use memory::{PinnedBuffer, copy_to_host};
-pub use stream_work::StreamWork;
+pub use stream_work::{OpTiming, StreamWork};
 pub use tensor::DeviceTensor;

@@ -15,6 +15,34 @@ use super::context::{bind, cuda};
 use super::events::EventPool;
 use super::tensor::DeviceTensor;
 
+/// The timing events of one operation (before the send half, between the halves, after the
+/// complete half), read on demand.
+#[derive(Clone)]
+pub struct OpTiming {
+    events: Arc<[CudaEvent; 3]>,
+    one_launch: bool,
+}
+
+impl OpTiming {
+    /// Device time of the send half and of the complete half; waits until the device has
+    /// passed the last event (the operation's end). `None` if an event cannot be read.
+    pub fn halves(&self) -> Option<(Duration, Duration)> {
+        let [a, m, b] = &*self.events;
+        let d =
+            |x: &CudaEvent, y: &CudaEvent| x.elapsed_ms(y).ok().map(|ms| Duration::from_secs_f64(f64::from(ms) / 1e3));
+        if self.one_launch {
+            return Some((d(a, m)?, Duration::ZERO));
+        }
+        Some((d(a, m)?, d(m, b)?))
+    }
+}
+
+impl std::fmt::Debug for OpTiming {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpTiming").field("one_launch", &self.one_launch).finish_non_exhaustive()
+    }
+}
+
 /// The stream-ordered part of one operation.
 pub struct StreamWork {
     ctx: Arc<CudaContext>,
@@ -30,7 +58,7 @@ pub struct StreamWork {
     /// Leases of inputs that are epflow outputs: released (with this stream as a consumer) once
     /// the send half is enqueued.
     leases: Vec<Arc<dyn Lease>>,
-    timing: Option<[CudaEvent; 3]>,
+    timing: Option<Arc<[CudaEvent; 3]>>,
     done: Option<Arc<CudaEvent>>,
     /// The stream `done` was recorded on ([`super::stream_id`]).
     done_stream: usize,
@@ -147,7 +175,7 @@ impl StreamWork {
         if timing {
             let events = [self.event(true)?, self.event(true)?, self.event(true)?];
             events[0].record(&self.stream).map_err(|e| cuda("record event", e))?;
-            self.timing = Some(events);
+            self.timing = Some(Arc::new(events));
         }
         Ok(())
     }
@@ -215,16 +243,18 @@ impl StreamWork {
         done.try_is_complete().map_err(|e| cuda("query completion", e))
     }
 
-    /// Device time of the send half and of the complete half, with timing on. `one_launch`:
-    /// nothing runs in the complete half (it is all counted in the send half).
+    /// Device time of the send half and of the complete half, with timing on (waits for the
+    /// work's end on the device). `one_launch`: nothing runs in the complete half (it is all
+    /// counted in the send half).
     pub fn elapsed(&self, one_launch: bool) -> Option<(Duration, Duration)> {
-        let [a, m, b] = self.timing.as_ref()?;
-        let d =
-            |x: &CudaEvent, y: &CudaEvent| x.elapsed_ms(y).ok().map(|ms| Duration::from_secs_f64(f64::from(ms) / 1e3));
-        if one_launch {
-            return Some((d(a, m)?, Duration::ZERO));
-        }
-        Some((d(a, m)?, d(m, b)?))
+        self.timing(one_launch)?.halves()
+    }
+
+    /// The timing events, with timing on, to read later ([`OpTiming::halves`]): reading them
+    /// waits for the work's end, which a stream-ordered completion must not do when it hands
+    /// out its outputs. `one_launch` as in [`StreamWork::elapsed`].
+    pub fn timing(&self, one_launch: bool) -> Option<OpTiming> {
+        self.timing.as_ref().map(|events| OpTiming { events: Arc::clone(events), one_launch })
     }
 
     /// Blocks until the work's device part is done: the completion event, else everything

@@ -234,7 +234,7 @@ impl GpuOp {
             return Err(e.into());
         }
         self.peer_verdict()?;
-        let elapsed = self.work.elapsed(!matches!(self.launch, super::Launch::Ll(_)));
+        let elapsed = self.work.timing(!matches!(self.launch, super::Launch::Ll(_)));
         let ctx = Arc::clone(&self.shared.ctx);
         match kind {
             Some(GpuOpKind::HtHandle { routing, plan, recv_bound, .. }) => {
@@ -306,7 +306,7 @@ impl GpuOp {
         Ok(GpuDispatchOutput {
             outputs: DispatchOutputs { tokens, scales, topk_weights, topk_idx, counts: Some(counts) },
             host_counts,
-            elapsed: self.work.elapsed(false),
+            elapsed: self.work.timing(false),
             ctx: Arc::clone(&s.ctx),
         })
     }
@@ -331,7 +331,7 @@ impl GpuOp {
         }
         GpuCombineOutput {
             outputs: CombineOutputs { tokens, topk_weights: None, masked: masked.flatten() },
-            elapsed: self.work.elapsed(false),
+            elapsed: self.work.timing(false),
             ctx: Arc::clone(&s.ctx),
         }
     }
