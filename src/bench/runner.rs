@@ -381,16 +381,21 @@ where
     let (dopts, copts) = (DispatchOptions::default(), CombineOptions::default());
     let mut times = [RankTimes::default(), RankTimes::default()];
     let mut late = 0;
+    // Host time (us) to enqueue the clock, the dispatch and the combine, per timed iteration.
+    let mut enqueue: [Vec<f64>; 3] = Default::default();
     for i in 0..plan.warmup + plan.iters {
         r.barrier();
+        let t0 = std::time::Instant::now();
         let Some(mut clock) = r.start_device_clock(stream, QUEUED_LEAD)? else {
             if b.rank() == 0 {
                 eprintln!("note: --queued: this backend has no device clock (GPU backend only)");
             }
             return Ok(Default::default());
         };
+        let t1 = std::time::Instant::now();
         let (d, ds) = blocking_dispatch_on(b, handle, inputs, &dopts, stream)?;
         clock.lap()?;
+        let t2 = std::time::Instant::now();
         let y = match fixed {
             Some(t) => Cow::Borrowed(t),
             None => r.identity_experts(&d)?,
@@ -402,6 +407,7 @@ where
         let (c, cs) = blocking_combine_on(b, handle, cin, &copts, stream)?;
         clock.stop()?;
         let was_late = clock.started()?;
+        let t3 = std::time::Instant::now();
         ds.settle()?;
         cs.settle()?;
         let (total, disp) = clock.elapsed_us()?;
@@ -411,14 +417,27 @@ where
             times[0].samples_us.push(disp);
             times[1].samples_us.push(total - disp);
             late += usize::from(was_late);
+            for (v, (a, z)) in enqueue.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3)]) {
+                v.push((z - a).as_secs_f64() * 1e6);
+            }
         }
     }
     if late > 0 {
+        let med = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v.get(v.len() / 2).copied().unwrap_or(0.0)
+        };
+        let [c, d, k] = &mut enqueue;
         eprintln!(
             "warning: --queued, rank {}: in {late} of {} iterations the device reached the pair before the host had \
-             enqueued it (those times include the host's lag)",
+             enqueued it (those times include the host's lag); host enqueue medians: clock {:.1} us, dispatch {:.1} \
+             us, combine {:.1} us, lead {} us",
             b.rank(),
-            plan.iters
+            plan.iters,
+            med(c),
+            med(d),
+            med(k),
+            QUEUED_LEAD.as_micros()
         );
     }
     Ok(times)
