@@ -455,6 +455,12 @@ pub(crate) fn summarise(
         queued: results.iter().any(|r| !r.queued[0].samples_us.is_empty()).then(|| {
             [OpSummary::from_ranks(&collect(|r| &r.queued[0])), OpSummary::from_ranks(&collect(|r| &r.queued[1]))]
         }),
+        host_clock: results.iter().any(|r| !r.host_clock[0].samples_us.is_empty()).then(|| {
+            [
+                OpSummary::from_ranks(&collect(|r| &r.host_clock[0])),
+                OpSummary::from_ranks(&collect(|r| &r.host_clock[1])),
+            ]
+        }),
         handle: results
             .iter()
             .any(|r| !r.handle.samples_us.is_empty())

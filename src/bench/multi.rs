@@ -22,7 +22,16 @@ fn encode(r: &RankResult, iters: usize) -> Vec<f64> {
     for h in &r.halves {
         v.push(if h.is_empty() { 0.0 } else { h.iter().sum::<f64>() / h.len() as f64 });
     }
-    for t in [&r.graph, &r.stream_step, &r.stream_step_device, &r.stream_handle_device, &r.queued[0], &r.queued[1]] {
+    for t in [
+        &r.graph,
+        &r.stream_step,
+        &r.stream_step_device,
+        &r.stream_handle_device,
+        &r.queued[0],
+        &r.queued[1],
+        &r.host_clock[0],
+        &r.host_clock[1],
+    ] {
         v.extend(t.samples_us.iter().copied().chain(std::iter::repeat(f64::NAN)).take(iters));
     }
     for c in [&r.dispatch_check, &r.combine_check] {
@@ -61,6 +70,7 @@ fn decode(v: &[f64], iters: usize) -> RankResult {
     let (graph, stream_step, stream_step_device, stream_handle_device) =
         (optional(), optional(), optional(), optional());
     let queued = [optional(), optional()];
+    let host_clock = [optional(), optional()];
     let check = |j: usize| {
         (v[j] > 0.0).then(|| Report {
             checked: v[j + 1] as u64,
@@ -82,6 +92,7 @@ fn decode(v: &[f64], iters: usize) -> RankResult {
         stream_step_device,
         stream_handle_device,
         queued,
+        host_clock,
     }
 }
 
@@ -141,4 +152,49 @@ pub(super) fn run(args: &BenchArgs, env: &LaunchEnv) -> Result<Option<BenchRepor
         };
     }
     Ok(Some(report))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn times(v: &[f64]) -> RankTimes {
+        RankTimes { samples_us: v.to_vec(), bytes: 0 }
+    }
+
+    /// What rank 0 gathers is what each rank measured: every optional series comes back in its
+    /// own field (they travel as one flat vector, in a fixed order).
+    #[test]
+    fn a_rank_result_survives_the_gather() {
+        let iters = 3;
+        let r = RankResult {
+            handle: times(&[9.0]),
+            dispatch: RankTimes { samples_us: vec![1.0, 2.0, 3.0], bytes: 64 },
+            combine: RankTimes { samples_us: vec![4.0, 5.0, 6.0], bytes: 64 },
+            total: RankTimes { samples_us: vec![5.0, 7.0, 9.0], bytes: 128 },
+            halves: [vec![1.5], vec![], vec![2.5], vec![]],
+            dispatch_check: Some(Report { checked: 10, mismatched: 0, first: None, max_abs_diff: 0.0 }),
+            combine_check: None,
+            graph: times(&[]),
+            stream_step: times(&[11.0, 12.0, 13.0]),
+            stream_step_device: times(&[]),
+            stream_handle_device: times(&[]),
+            queued: [times(&[21.0, 22.0, 23.0]), times(&[31.0, 32.0, 33.0])],
+            host_clock: [times(&[41.0, 42.0, 43.0]), times(&[51.0, 52.0, 53.0])],
+        };
+        let back = decode(&encode(&r, iters), iters);
+        assert_eq!(back.handle.samples_us, [9.0]);
+        assert_eq!((back.dispatch.samples_us.as_slice(), back.dispatch.bytes), (&[1.0, 2.0, 3.0][..], 64));
+        assert_eq!(back.combine.samples_us, [4.0, 5.0, 6.0]);
+        assert_eq!((back.total.samples_us.as_slice(), back.total.bytes), (&[5.0, 7.0, 9.0][..], 128));
+        assert_eq!(back.halves, [vec![1.5], vec![], vec![2.5], vec![]]);
+        assert!(back.graph.samples_us.is_empty());
+        assert_eq!(back.stream_step.samples_us, [11.0, 12.0, 13.0]);
+        assert_eq!(back.queued[0].samples_us, [21.0, 22.0, 23.0]);
+        assert_eq!(back.queued[1].samples_us, [31.0, 32.0, 33.0]);
+        assert_eq!(back.host_clock[0].samples_us, [41.0, 42.0, 43.0]);
+        assert_eq!(back.host_clock[1].samples_us, [51.0, 52.0, 53.0]);
+        assert_eq!(back.dispatch_check.map(|c| (c.checked, c.mismatched)), Some((10, 0)));
+        assert!(back.combine_check.is_none());
+    }
 }

@@ -155,6 +155,10 @@ pub(crate) struct RankResult {
     /// Low-latency `--queued`: device time of the dispatch and of the combine, enqueued in
     /// stream order behind a spin kernel ([`queued_pairs`]).
     pub queued: [RankTimes; 2],
+    /// Where `dispatch` and `combine` are device times: the host clock around the same
+    /// blocking dispatch and combine (until the host saw each finish), as ep_bench's
+    /// host-observed figures; empty otherwise.
+    pub host_clock: [RankTimes; 2],
 }
 
 /// Settings of the loop.
@@ -350,9 +354,8 @@ where
     Ok([times, device, handle_device])
 }
 
-/// The spin ahead of a `--queued` pair: longer than the host takes to enqueue a dispatch and a
-/// combine. 100 us was not (benches/NOTES.md item 93): the device finished the dispatch before
-/// the host had enqueued the combine, and both times counted the host's lag.
+/// The spin ahead of a `--queued` pair: far longer than the host takes to enqueue a dispatch
+/// and a combine (tens of microseconds each; the warning below says when it was not).
 const QUEUED_LEAD: Duration = Duration::from_millis(1);
 
 /// Low-latency `--queued`: per iteration (after a barrier), the dispatch and the combine
@@ -602,10 +605,12 @@ where
             stream_step_device,
             stream_handle_device,
             queued: Default::default(),
+            host_clock: Default::default(),
         });
     }
 
     let mut times = [RankTimes::default(), RankTimes::default(), RankTimes::default()];
+    let mut host_clock = [RankTimes::default(), RankTimes::default()];
     let mut halves: [Vec<f64>; 4] = Default::default();
     for i in 0..plan.warmup + plan.iters {
         if i == plan.warmup && rank == 0 {
@@ -615,23 +620,28 @@ where
             epflow_kernels::device::host_steps::take();
         }
         r.barrier();
-        let (d, td) = r.timed(dispatch)?;
+        let (d, td_host) = r.timed(dispatch)?;
         let dh = r.dispatch_time(&d);
-        let td = dh.map_or(td, |(a, b)| a + b);
+        let td = dh.map_or(td_host, |(a, b)| a + b);
         let experts = match &rank_major_input {
             Some(t) => Cow::Borrowed(t),
             None => r.identity_experts(&d)?,
         };
         r.barrier();
-        let (c, tc) = r.timed(|| combine(&experts))?;
+        let (c, tc_host) = r.timed(|| combine(&experts))?;
         let ch = r.combine_time(&c);
-        let tc = ch.map_or(tc, |(a, b)| a + b);
+        let tc = ch.map_or(tc_host, |(a, b)| a + b);
         drop(c);
         drop(experts);
         drop(d);
         if i >= plan.warmup {
             for (t, v) in times.iter_mut().zip([td, tc, td + tc]) {
                 t.samples_us.push(v.as_secs_f64() * 1e6);
+            }
+            for (t, (v, device)) in host_clock.iter_mut().zip([(td_host, dh.is_some()), (tc_host, ch.is_some())]) {
+                if device {
+                    t.samples_us.push(v.as_secs_f64() * 1e6);
+                }
             }
             for (h, v) in halves.iter_mut().zip([dh.map(|x| x.0), dh.map(|x| x.1), ch.map(|x| x.0), ch.map(|x| x.1)]) {
                 if let Some(v) = v {
@@ -701,6 +711,7 @@ where
         stream_step_device: RankTimes::default(),
         stream_handle_device: RankTimes::default(),
         queued,
+        host_clock,
     })
 }
 
