@@ -15,7 +15,7 @@ use epflow_core::verify::{Report, Tolerance, check_bf16};
 use epflow_core::{Error, HostTensor};
 use epflow_kernels::{DeviceTensor, GpuCombineOutput, GpuDispatchOutput, GpuRank};
 
-use super::runner::{BenchRank, DeviceClock, LoopPlan};
+use super::rank::{BenchRank, DeviceClock, LoopPlan};
 use super::stats::RankTimes;
 
 /// A GPU rank with the world's barrier (`wait`: a spin barrier between threads, or an NCCL

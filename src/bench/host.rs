@@ -13,7 +13,7 @@ use epflow_core::scenario::{Scenario, ll_identity_expert_outputs};
 use epflow_core::verify::{Report, Tolerance, check_bf16};
 use epflow_core::{Algorithm, Error, HostData, HostTensor, TensorTag, bf16};
 
-use super::runner::{BenchRank, LoopPlan};
+use super::rank::{BenchRank, LoopPlan};
 use super::stats::RankTimes;
 
 /// A host rank with the world's barrier.

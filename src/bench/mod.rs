@@ -5,8 +5,11 @@ mod gpu;
 mod host;
 mod multi;
 mod nccl_ep;
+mod queued;
+pub(crate) mod rank;
 pub(crate) mod runner;
 pub(crate) mod stats;
+mod training;
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -22,7 +25,8 @@ use epflow_core::{DispatchDtype, GroupConfig, MaxTokens};
 
 use crate::cli::{AlgorithmArg, BackendArg, BenchArgs, DtypeArg, LayoutArg};
 use epflow_kernels::Transport;
-use runner::{LoopPlan, RankResult, References, run_rank};
+use rank::LoopPlan;
+use runner::{RankResult, References, run_rank};
 use stats::{BenchReport, OpSummary, Validation};
 
 /// A barrier whose waiters spin (yielding now and then): ranks leave it within a microsecond of
@@ -343,7 +347,7 @@ pub(crate) fn transport_from_args(args: &BenchArgs, ranks: usize) -> Result<Tran
 }
 
 /// Runs every rank on its own thread.
-fn run_ranks<R: runner::BenchRank + Send + Sync>(
+fn run_ranks<R: rank::BenchRank + Send + Sync>(
     benches: Vec<R>,
     sc: &Scenario,
     refs: Option<&References>,

@@ -7,7 +7,8 @@ use epflow_core::workload::RoutingKind;
 use epflow_kernels::GpuWorld;
 use epflow_kernels::setup::bootstrap::{LaunchEnv, all_gather, barrier};
 
-use super::runner::{HANDLE_SAMPLES, LoopPlan, RankResult, run_rank};
+use super::rank::LoopPlan;
+use super::runner::{HANDLE_SAMPLES, RankResult, run_rank};
 use super::stats::{BenchReport, RankTimes};
 use super::{BenchError, check_host_memory, config_from_args, references, summarise};
 use crate::cli::{BackendArg, BenchArgs};

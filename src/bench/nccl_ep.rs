@@ -9,7 +9,7 @@ use epflow_core::{Error, HostTensor};
 use epflow_kernels::DeviceTensor;
 use epflow_nccl_ep::{NcclEpCombineOutput, NcclEpDispatchOutput, NcclEpRank};
 
-use super::runner::BenchRank;
+use super::rank::BenchRank;
 
 /// An NCCL EP rank with the world's barrier.
 pub(super) struct NcclEpBench<W: Fn()> {

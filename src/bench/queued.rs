@@ -1,0 +1,104 @@
+//! Low-latency `--queued`: dispatch and combine enqueued in stream order ahead of the device,
+//! timed on the device.
+
+use std::borrow::Cow;
+use std::time::Duration;
+
+use epflow_core::Error;
+use epflow_core::backend::{Backend, blocking_combine_on, blocking_dispatch_on};
+use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions};
+
+use super::rank::{BenchRank, LoopPlan};
+use super::stats::RankTimes;
+
+/// The spin ahead of a `--queued` pair: far longer than the host takes to enqueue a dispatch
+/// and a combine (tens of microseconds each; the warning below says when it was not).
+const QUEUED_LEAD: Duration = Duration::from_millis(1);
+
+/// Low-latency `--queued`: per iteration (after a barrier), the dispatch and the combine
+/// enqueued on `stream` in stream order (each a whole operation: one launch on GPUs), behind a
+/// spin kernel, so that the device reaches them with both already queued and never waits for
+/// the host's launches; then both verdicts. Returns the device time of the dispatch (from the
+/// end of the spin to after it) and of the combine (from there to after the combine): the
+/// operations' own device time and the gap between the kernels, what NCCL EP's CUPTI kernel
+/// column counts without the gaps. The combine's input is `fixed` (rank-major sums, or a kept
+/// buffer standing for an FP8 dispatch's experts), else the identity experts' view of the
+/// dispatched rows; `weights` are the combine's top-k weights (expert-major). Empty times where
+/// the backend has no device clock.
+pub(super) fn queued_pairs<R: BenchRank>(
+    r: &R,
+    plan: &LoopPlan,
+    stream: &<R::B as Backend>::Stream,
+    handle: &<R::B as Backend>::Handle,
+    inputs: DispatchInputs<'_, <R::B as Backend>::Tensor>,
+    fixed: Option<&<R::B as Backend>::Tensor>,
+    weights: Option<&<R::B as Backend>::Tensor>,
+) -> Result<[RankTimes; 2], Error>
+where
+    <R::B as Backend>::Tensor: Clone,
+{
+    let b = r.backend();
+    let (dopts, copts) = (DispatchOptions::default(), CombineOptions::default());
+    let mut times = [RankTimes::default(), RankTimes::default()];
+    let mut late = 0;
+    // Host time (us) to enqueue the clock, the dispatch and the combine, per timed iteration.
+    let mut enqueue: [Vec<f64>; 3] = Default::default();
+    for i in 0..plan.warmup + plan.iters {
+        r.barrier();
+        let t0 = std::time::Instant::now();
+        let Some(mut clock) = r.start_device_clock(stream, QUEUED_LEAD)? else {
+            if b.rank() == 0 {
+                eprintln!("note: --queued: this backend has no device clock (GPU backend only)");
+            }
+            return Ok(Default::default());
+        };
+        let t1 = std::time::Instant::now();
+        let (d, ds) = blocking_dispatch_on(b, handle, inputs, &dopts, stream)?;
+        clock.lap()?;
+        let t2 = std::time::Instant::now();
+        let y = match fixed {
+            Some(t) => Cow::Borrowed(t),
+            None => r.identity_experts(&d)?,
+        };
+        let mut cin = CombineInputs::new(&*y);
+        if let Some(w) = weights {
+            cin = cin.with_weights(w);
+        }
+        let (c, cs) = blocking_combine_on(b, handle, cin, &copts, stream)?;
+        clock.stop()?;
+        let was_late = clock.started()?;
+        let t3 = std::time::Instant::now();
+        ds.settle()?;
+        cs.settle()?;
+        let (total, disp) = clock.elapsed_us()?;
+        drop((c, y));
+        drop(d);
+        if i >= plan.warmup {
+            times[0].samples_us.push(disp);
+            times[1].samples_us.push(total - disp);
+            late += usize::from(was_late);
+            for (v, (a, z)) in enqueue.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3)]) {
+                v.push((z - a).as_secs_f64() * 1e6);
+            }
+        }
+    }
+    if late > 0 {
+        let med = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v.get(v.len() / 2).copied().unwrap_or(0.0)
+        };
+        let [c, d, k] = &mut enqueue;
+        eprintln!(
+            "warning: --queued, rank {}: in {late} of {} iterations the device reached the pair before the host had \
+             enqueued it (those times include the host's lag); host enqueue medians: clock {:.1} us, dispatch {:.1} \
+             us, combine {:.1} us, lead {} us",
+            b.rank(),
+            plan.iters,
+            med(c),
+            med(d),
+            med(k),
+            QUEUED_LEAD.as_micros()
+        );
+    }
+    Ok(times)
+}
