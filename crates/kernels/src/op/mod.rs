@@ -1,9 +1,9 @@
 //! [`GpuOp`]: one GPU operation as a [`PendingOp`]. Low-latency: the send half is one kernel
 //! launch, the complete half another; in the synchronous form and in a whole operation
 //! completed in stream order ([`PendingOp::will_complete_at_once`]) both halves are one
-//! cooperative launch when the rank can (see [`GpuOp::one_launch`]). High-throughput dispatch and combine, and the count
-//! exchange of handle creation, are one launch each (the send half), whose end is the
-//! completion. A CUDA event after the last launch is the completion signal.
+//! cooperative launch when the rank can (see [`GpuOp::one_launch`]). High-throughput dispatch
+//! and combine, and the count exchange of handle creation, are one launch each (the send half),
+//! whose end is the completion. A CUDA event after the last launch is the completion signal.
 //!
 //! The lifecycle lives here; [`launch`] holds the launches, [`finish`] the output assembly.
 
@@ -301,9 +301,9 @@ impl GpuOp {
     }
 
     /// Whether this operation runs both low-latency halves as one cooperative launch: the
-    /// synchronous form (or a whole operation in stream order) was asked for, it carries data to and from NVLink peers only (an NCCL
-    /// exchange runs between the halves), and the rank allows it
-    /// ([`crate::rank::shared::RankShared::one_launch`]). Decided at the send.
+    /// synchronous form (or a whole operation in stream order) was asked for, it carries data
+    /// to and from NVLink peers only (an NCCL exchange runs between the halves), and the rank
+    /// allows it ([`crate::rank::shared::RankShared::one_launch`]). Decided at the send.
     fn one_launch(&self) -> bool {
         self.at_once
             && self.shared.one_launch
@@ -417,8 +417,8 @@ impl PendingOp for GpuOp {
         if let (true, Some(caller)) = (self.one_launch(), self.caller.take()) {
             // A whole operation in stream order: its one kernel runs on the caller's stream
             // itself, not on the channel's behind an event of the caller's and with the caller's
-            // stream waiting for its end (two waits between streams on the device; benches/NOTES.md
-            // item 93).
+            // stream waiting for its end (two waits between streams on the device, measured at
+            // 0.5-1 us of a combine: benches/NOTES.md item 93).
             self.work.set_stream(&caller);
         }
         let result = (|| {
