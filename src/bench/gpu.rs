@@ -77,6 +77,10 @@ impl<W: Fn()> BenchRank for GpuBench<W> {
         self.rank.upload(t)
     }
 
+    fn set_op_timing(&self, on: bool) {
+        self.rank.set_timing(on);
+    }
+
     fn step_stream(&self) -> Option<std::sync::Arc<cudarc::driver::CudaStream>> {
         self.rank.context().new_stream().ok()
     }

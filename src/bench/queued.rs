@@ -23,8 +23,8 @@ const QUEUED_LEAD: Duration = Duration::from_millis(1);
 /// operations' own device time and the gap between the kernels, what NCCL EP's CUPTI kernel
 /// column counts without the gaps. The combine's input is `fixed` (rank-major sums, or a kept
 /// buffer standing for an FP8 dispatch's experts), else the identity experts' view of the
-/// dispatched rows; `weights` are the combine's top-k weights (expert-major). Empty times where
-/// the backend has no device clock.
+/// dispatched rows; `weights` are the combine's top-k weights (expert-major). The operations'
+/// own timing events are off meanwhile. Empty times where the backend has no device clock.
 pub(super) fn queued_pairs<R: BenchRank>(
     r: &R,
     plan: &LoopPlan,
@@ -41,6 +41,10 @@ where
     let (dopts, copts) = (DispatchOptions::default(), CombineOptions::default());
     let mut times = [RankTimes::default(), RankTimes::default()];
     let mut late = 0;
+    // Only the clock's events on the stream between the spin and the pair's end; the
+    // operations' own timing comes back on however this returns.
+    r.set_op_timing(false);
+    let _restore = OpTimingBack(r);
     // Host time (us) to enqueue the clock, the dispatch and the combine, per timed iteration.
     let mut enqueue: [Vec<f64>; 3] = Default::default();
     for i in 0..plan.warmup + plan.iters {
@@ -101,4 +105,13 @@ where
         );
     }
     Ok(times)
+}
+
+/// Turns the operations' own timing back on when dropped ([`BenchRank::set_op_timing`]).
+struct OpTimingBack<'a, R: BenchRank>(&'a R);
+
+impl<R: BenchRank> Drop for OpTimingBack<'_, R> {
+    fn drop(&mut self) {
+        self.0.set_op_timing(true);
+    }
 }

@@ -67,6 +67,10 @@ pub(crate) trait BenchRank {
     ) -> Option<Result<(RankTimes, Option<Report>), Error>> {
         None
     }
+    /// Turns the operations' own timing events (the eager loop's device times) on or off: a
+    /// loop timed by a [`DeviceClock`] keeps them off the stream it measures. The default
+    /// does nothing (no events to record).
+    fn set_op_timing(&self, _on: bool) {}
     /// A stream of this rank to order a `--fresh-routing` training step on (stream-ordered
     /// handle creation, dispatch and combine); `None`: the backend has no stream-ordered
     /// operations (NCCL EP's), the step is only timed as blocking operations.
