@@ -12,14 +12,13 @@ grep -E "^(test |ok: |seed|[0-9]+ staged|rank [0-9]+:)|FAILED|panicked" "$OUT/gp
 timeout 120 $P/gpu_async --nocapture >"$OUT/gpu_async.log" 2>&1; echo "gpu_async rc=$?"; grep -E "^test " "$OUT/gpu_async.log"
 echo "== compute-sanitizer (2 GPUs)"
 sanitize ll
-echo "== benchmarks"
-bench() { echo "-- epflow bench $*"; timeout 90 $P/epflow bench --validate "$@" 2>&1 | grep -E "^(Dispatch|Combine|Total|Device memory|Validation|  *throughput)|send half" ; }
-bench --ranks 4
-bench --ranks 4 --staged
-bench --ranks 4 --tokens 32
-bench --ranks 4 --tokens 1
-bench --ranks 4 --dtype fp8
-bench --ranks 4 --dtype fp8 --round-scales
-bench --ranks 2
-bench --ranks 2 --tokens 32
-bench --ranks 4 --tokens 256
+echo "== benchmarks (the eager loop's device time, the host clock, and --queued: the pair queued ahead of the device)"
+bench() { echo "-- epflow bench $*"; timeout 90 $P/epflow bench --validate "$@" 2>&1 | grep -E "^(Dispatch|Combine|Total|Device memory|Validation|---)|send half|warning" ; }
+for tokens in 1 32 128; do
+  bench --ranks "$n" --tokens $tokens --queued
+  bench --ranks "$n" --tokens $tokens --queued --layout rank-major
+done
+bench --ranks "$n" --staged
+bench --ranks "$n" --dtype fp8 --queued
+bench --ranks "$n" --dtype fp8 --round-scales
+bench --ranks "$n" --tokens 256
