@@ -79,6 +79,12 @@ fn fp8_tokens(b: usize) -> HostTensor {
 
 type Case = (&'static str, Box<dyn Fn() -> Error>, fn(&Error) -> bool, &'static str);
 
+/// The context of an operation of 3 tokens on a one-rank group of `config` that receives
+/// `num_recv` rows (output checks).
+fn three_tokens(config: &GroupConfig, num_recv: usize) -> OpContext<'_> {
+    OpContext { config, num_ranks: 1, num_tokens: 3, top_k: K, num_recv, layout: Default::default() }
+}
+
 fn cfg(c: GroupConfig, ranks: usize) -> Error {
     Error::Config(c.validate(ranks).unwrap_err())
 }
@@ -491,14 +497,7 @@ fn cases() -> Vec<Case> {
             "LL dispatch outputs without counts",
             Box::new(|| {
                 let c = ll();
-                let ctx = OpContext {
-                    config: &c,
-                    num_ranks: 1,
-                    num_tokens: 3,
-                    top_k: K,
-                    num_recv: 0,
-                    layout: Default::default(),
-                };
+                let ctx = three_tokens(&c, 0);
                 let outs = DispatchOutputs {
                     tokens: TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[E, M, H]),
                     scales: None,
@@ -515,14 +514,7 @@ fn cases() -> Vec<Case> {
             "HT dispatch outputs with int32 topk_idx",
             Box::new(|| {
                 let c = ht(DispatchDtype::Bf16);
-                let ctx = OpContext {
-                    config: &c,
-                    num_ranks: 1,
-                    num_tokens: 3,
-                    top_k: K,
-                    num_recv: 3,
-                    layout: Default::default(),
-                };
+                let ctx = three_tokens(&c, 3);
                 let outs = DispatchOutputs {
                     tokens: TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[3, H]),
                     scales: None,
@@ -541,14 +533,7 @@ fn cases() -> Vec<Case> {
             "LL combine outputs with weights",
             Box::new(|| {
                 let c = ll();
-                let ctx = OpContext {
-                    config: &c,
-                    num_ranks: 1,
-                    num_tokens: 3,
-                    top_k: K,
-                    num_recv: 0,
-                    layout: Default::default(),
-                };
+                let ctx = three_tokens(&c, 0);
                 let outs = CombineOutputs {
                     tokens: TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[3, H]),
                     topk_weights: Some(TensorDesc::contiguous(TensorTag::TopkWeights, DType::F32, &[3, K])),
