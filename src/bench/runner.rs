@@ -27,6 +27,7 @@ pub(crate) enum References {
 }
 
 /// What one rank measured.
+#[derive(Default)]
 pub(crate) struct RankResult {
     /// High-throughput: handle creation (the collective count exchange), host clock.
     pub handle: RankTimes,
@@ -202,22 +203,17 @@ where
         };
         d.bytes = bench_bytes(sc, &cfg, rank, b.num_ranks()).unwrap_or(0);
         c.bytes = d.bytes;
-        let halves = Default::default();
-        let graph = RankTimes::default();
         return Ok(RankResult {
             handle,
             dispatch: d,
             combine: c,
             total: t,
-            halves,
             dispatch_check,
             combine_check,
-            graph,
             stream_step,
             stream_step_device,
             stream_handle_device,
-            queued: Default::default(),
-            host_clock: Default::default(),
+            ..Default::default()
         });
     }
 
@@ -319,11 +315,9 @@ where
         dispatch_check,
         combine_check,
         graph,
-        stream_step: RankTimes::default(),
-        stream_step_device: RankTimes::default(),
-        stream_handle_device: RankTimes::default(),
         queued,
         host_clock,
+        ..Default::default()
     })
 }
 
