@@ -68,7 +68,7 @@ if [ "$part" = all ] || [ "$part" = sanitize ]; then
 fi
 if [ "$part" = all ] || [ "$part" = ab ]; then
   echo "== epflow bench --validate: baseline (.device-base) vs this build, alternated"
-  summary() { grep -E "^(Dispatch|Combine) \(|^Handle|^Validation" | sed -E 's/, min=[^,]*, max=[^,]*//; s/ *\(.*avg=/ avg=/' | tr '\n' ' '; }
+  summary() { grep -E "^(Dispatch|Combine) \(|^--- [A-Z][a-z]+|^Handle|^Validation" | sed -E 's/^--- ([^(,]*[^(, ]).*/[\1]/; s/, min=[^,]*, max=[^,]*//; s/ *\(.*avg=/ avg=/' | tr '\n' ' '; }
   ab=("" "--tokens 32" "--tokens 1" "--staged" "--dtype fp8" "--algorithm ht" "--algorithm ht --dtype fp8"
       "--layout rank-major" "--layout rank-major --tokens 1" "--layout rank-major --dtype fp8")
   # EPFLOW_AB_SHORT=1: the regression targets only (low-latency 128 tokens, staged, high-throughput).

@@ -21,7 +21,7 @@ EP_BENCH=${EP_BENCH:-$NCCL_BUILD/test/nccl_ep/ep_bench}
 echo "== $(nvidia-smi -L | wc -l) GPUs: $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)"
 # The lines of a run's output that carry its figures, on one line.
 summary() {
-  grep -E "^(Dispatch|Combine|Total)|^Handle|^Training|^ +avg=|^Validation|^Device memory|send half|replay median|kernel=|validation" |
+  grep -E "^(Dispatch|Combine|Total)|^---|^Handle|^Training|^ +avg=|^Validation|^Device memory|send half|replay median|kernel=|validation" |
     grep -v throughput | sed -E 's/, min=[^,]*, max=[^,]*//' | tr -s ' ' | tr '\n' '|'
 }
 n=0

@@ -12,7 +12,7 @@ done
 echo "== compute-sanitizer (2 GPUs, final kernels)"
 sanitize
 echo "== benchmarks, one process per GPU"
-bench() { echo "-- epflow launch -n $1 -- epflow bench ${*:2}"; timeout 120 $P/epflow launch -n "$1" -- $P/epflow bench --validate "${@:2}" 2>&1 | grep -E "^(epflow bench|Dispatch|Combine|Device memory|Validation)|send half|error" ; }
+bench() { echo "-- epflow launch -n $1 -- epflow bench ${*:2}"; timeout 120 $P/epflow launch -n "$1" -- $P/epflow bench --validate "${@:2}" 2>&1 | grep -E "^(epflow bench|Dispatch|Combine|Device memory|Validation|---)|send half|error" ; }
 bench 4
 bench 4 --tokens 1
 bench 4 --tokens 32
