@@ -10,9 +10,9 @@
 //! Iterations cycle through three placements: `complete_ordered` (the receive on the group's
 //! stream, the consumer on the caller's), `complete_on` with the consumer on a *second* stream
 //! declared with `record_stream`, and the whole operation in the caller's stream order
-//! (`OpFuture::complete_on`: send and receive in one launch) with the consumer on the caller's. Skipped (loudly) without 2 GPUs (`EPFLOW_TEST_DEVICES=0,0` runs
-//! two ranks on one GPU, a functional check); `EPFLOW_GPU_ITERS` sets the
-//! count (default 1000). The one-process-per-GPU variant runs under
+//! (`OpFuture::complete_on`: send and receive in one launch) with the consumer on the caller's.
+//! Skipped (loudly) without 2 GPUs (`EPFLOW_TEST_DEVICES=0,0` runs two ranks on one GPU, a
+//! functional check); `EPFLOW_GPU_ITERS` sets the count (default 1000). The one-process-per-GPU variant runs under
 //! `epflow launch -n 2 -- gpu_stream_order stream_order_one_process_per_gpu` with the same
 //! `EPFLOW_TEST_SEED` in every process.
 
