@@ -9,7 +9,7 @@ use epflow_core::backend::{Backend, blocking_combine_on, blocking_dispatch_on};
 use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions};
 
 use super::rank::{BenchRank, LoopPlan};
-use super::stats::RankTimes;
+use super::stats::{OpSummary, RankTimes};
 
 /// The spin ahead of a `--queued` pair: far longer than the host takes to enqueue a dispatch
 /// and a combine (tens of microseconds each; the warning below says when it was not).
@@ -46,7 +46,7 @@ where
     r.set_op_timing(false);
     let _restore = OpTimingBack(r);
     // Host time (us) to enqueue the clock, the dispatch and the combine, per timed iteration.
-    let mut enqueue: [Vec<f64>; 3] = Default::default();
+    let mut enqueue: [RankTimes; 3] = Default::default();
     for i in 0..plan.warmup + plan.iters {
         r.barrier();
         let t0 = std::time::Instant::now();
@@ -82,16 +82,13 @@ where
             times[1].samples_us.push(total - disp);
             late += usize::from(was_late);
             for (v, (a, z)) in enqueue.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3)]) {
-                v.push((z - a).as_secs_f64() * 1e6);
+                v.samples_us.push((z - a).as_secs_f64() * 1e6);
             }
         }
     }
     if late > 0 {
-        let med = |v: &mut Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v.get(v.len() / 2).copied().unwrap_or(0.0)
-        };
-        let [c, d, k] = &mut enqueue;
+        let med = |t: &RankTimes| OpSummary::from_ranks(std::slice::from_ref(t)).median_us;
+        let [c, d, k] = &enqueue;
         eprintln!(
             "warning: --queued, rank {}: in {late} of {} iterations the device reached the pair before the host had \
              enqueued it (those times include the host's lag); host enqueue medians: clock {:.1} us, dispatch {:.1} \
