@@ -91,6 +91,9 @@ impl<W: Fn()> BenchRank for GpuBench<W> {
         busy: Duration,
     ) -> Result<Option<Box<dyn DeviceClock>>, Error> {
         self.rank.delay_on(stream, busy)?;
+        if self.rank.nccl_peers() == 0 {
+            self.rank.meet_on(stream)?;
+        }
         let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let event = || self.rank.context().new_event(timed).map_err(|e| Error::Backend(format!("event: {e}")));
         let (start, end) = (event()?, event()?);

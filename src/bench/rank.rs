@@ -79,7 +79,9 @@ pub(crate) trait BenchRank {
     }
     /// Before a stream-ordered step: keeps `stream` busy for `busy` (a spin kernel standing
     /// for the previous layer's compute, so the host enqueues the step while the device works,
-    /// as in training) and starts a device clock behind it; `None` where there is no device.
+    /// as in training), then (every peer on NVLink) the ranks meet on the device, so that their
+    /// spins, enqueued at different host times, do not end apart; then starts a device clock
+    /// there. Collective (every rank calls it alike); `None` where there is no device.
     fn start_device_clock(
         &self,
         _stream: &<Self::B as Backend>::Stream,

@@ -69,6 +69,8 @@ pub(crate) mod status {
     pub(crate) const MISMATCH: u64 = 4;
     /// `unmask_all`: a rank did not come to the meeting in time (`peer` is the first missing).
     pub(crate) const REJOIN_TIMEOUT: u64 = 5;
+    /// `GpuRank::meet_on`: a rank did not come to the meeting in time (`seq` is its number).
+    pub(crate) const MEET_TIMEOUT: u64 = 6;
 
     /// The outcome word of (channel, set): `(seq + 1) << 32 | mismatched << 16 | absent << 8 |
     /// cancelled` (absent: the sources a masking group skipped).

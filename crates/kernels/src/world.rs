@@ -278,6 +278,7 @@ fn build_rank(
         one_launch,
         turns: Default::default(),
         last_launch: Default::default(),
+        meetings: Default::default(),
         nccl,
     });
     Ok(GpuRank { shared, core })

@@ -289,6 +289,66 @@ fn absent_rank_times_out(transport: &Transport) {
     }
 }
 
+/// `GpuRank::meet_on`: a rank's stream passes its meeting only once every rank came to it, meeting
+/// after meeting (rank 0 comes 200 ms late each time, behind a spin kernel).
+#[test]
+fn ll_meeting_holds_every_rank_until_the_last_comes() {
+    let Some(devices) = gpus(2, "ll_meeting_holds_every_rank_until_the_last_comes") else { return };
+    let config = GroupConfig::low_latency(16, 32, 2048);
+    let ranks = GpuWorld::create(&devices, config).expect("create GPU group");
+    let late = Duration::from_millis(200);
+    let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    for meeting in 1..=3 {
+        // Enqueued one rank after the other from this thread: rank 0's spin is ahead of rank
+        // 1's meeting by far less than `late`.
+        let mut waits = Vec::new();
+        for rank in &ranks {
+            let stream = rank.stream(epflow_core::protocol::Channel::Dispatch);
+            if epflow_core::backend::Backend::rank(rank) == 0 {
+                rank.delay_on(stream, late).expect("spin");
+            }
+            let (a, b) = (rank.context().new_event(timed).unwrap(), rank.context().new_event(timed).unwrap());
+            a.record(stream).unwrap();
+            rank.meet_on(stream).expect("meet");
+            b.record(stream).unwrap();
+            waits.push((a, b));
+        }
+        let (a, b) = &waits[1];
+        b.synchronize().unwrap();
+        let waited = Duration::from_secs_f32(a.elapsed_ms(b).unwrap() / 1e3);
+        eprintln!("meeting {meeting}: rank 1 waited {waited:?} for rank 0");
+        assert!(waited > late * 3 / 4 && waited < late * 3, "{waited:?}");
+        waits[0].1.synchronize().unwrap();
+    }
+}
+
+/// A rank that never comes to a meeting: the others' meeting kernels give up at the deadline and
+/// their next operation fails with a timeout naming the meeting; nothing hangs.
+#[test]
+fn ll_meeting_without_a_rank_times_out() {
+    let Some(devices) = gpus(2, "ll_meeting_without_a_rank_times_out") else { return };
+    let timeout = Duration::from_secs(2);
+    let config = GroupConfig::low_latency(16, 32, 2048).with_timeout(timeout);
+    let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+    let sc = Scenario::generate(config, devices.len(), &[32], 4, RoutingKind::Uniform, 0, seed());
+    let rank = &ranks[1];
+    let t = Instant::now();
+    let stream = rank.stream(epflow_core::protocol::Channel::Dispatch);
+    rank.meet_on(stream).expect("meet");
+    stream.synchronize().expect("the meeting ends at its deadline");
+    let met = t.elapsed();
+    let idx = rank.upload(&sc.topk_idx(1)).unwrap();
+    let h = blocking_handle(rank, &idx).unwrap();
+    let x = rank.upload(&sc.tokens(1)).unwrap();
+    let err = blocking_dispatch(rank, &h, DispatchInputs::new(&x), &DispatchOptions::default(), false).unwrap_err();
+    eprintln!("gave up after {met:?}; then {err}");
+    assert!(met > timeout / 2 && met < timeout + Duration::from_secs(1), "{met:?}");
+    assert!(
+        matches!(err, Error::Timeout { ref waiting_for, .. } if waiting_for.contains("rank 0 to come to meeting #1")),
+        "{err}"
+    );
+}
+
 /// A small 2-GPU run for compute-sanitizer (memcheck, racecheck).
 #[test]
 fn ll_sanitizer_config() {

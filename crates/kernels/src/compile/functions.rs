@@ -35,6 +35,8 @@ pub(crate) struct Functions {
     pub mask_spread: CudaFunction,
     /// Rank masking: `unmask_all`'s meeting and reset (`mask.rs`).
     pub mask_rejoin: CudaFunction,
+    /// The ranks' meeting on the device in stream order (`meet.rs`).
+    pub meet: CudaFunction,
     pub ht_dispatch: CudaFunction,
     /// High-throughput combine for up to 8, 4 and 2 ranks (`ht_receive.cuh`: the smaller the bound,
     /// the more loads each receiving lane keeps in flight): see [`Functions::ht_combine_for`].
@@ -103,6 +105,7 @@ impl Functions {
             graph_rebase: f(&ll, "ep_graph_rebase")?,
             mask_spread: f(&ll, "ep_mask_spread")?,
             mask_rejoin: f(&ll, "ep_mask_rejoin")?,
+            meet: f(&ll, "ep_meet")?,
             ht_dispatch: f(&ht, "ep_ht_dispatch_kernel")?,
             ht_combine: [
                 f(&ht, "ep_ht_combine_kernel")?,

@@ -43,6 +43,7 @@ pub const LL: KernelModule = KernelModule {
         "ep_graph_rebase",
         "ep_mask_spread",
         "ep_mask_rejoin",
+        "ep_meet",
     ],
 };
 

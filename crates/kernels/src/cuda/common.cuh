@@ -25,6 +25,7 @@ typedef unsigned int u32;
 #define EP_ERR_TIMEOUT_RING 3ull
 #define EP_ERR_MISMATCH 4ull
 #define EP_ERR_REJOIN 5ull
+#define EP_ERR_MEET 6ull
 #define EP_STATUS_STAMPS (1 + 3 * EP_MAX_SETS)
 #define EP_STATUS_MASK (1 + 6 * EP_MAX_SETS)
 #define EP_STATUS_REJOIN (EP_STATUS_MASK + 1)
@@ -54,9 +55,12 @@ __device__ __forceinline__ u64* sig_at(u64* page, int array, int set, int rank) 
 // [EP_MASK_DECISION + chan * EP_MAX_SETS + set] the absent sources of the operation of (chan, set)
 //     the first block to finish waiting decided: (seq + 1) << 8 | absent;
 // [EP_MASK_REJOIN + r * 5 + i] `ep_mask_rejoin`'s meeting board: rank r's epoch (i = 0), its next
-//     operation numbers (1..3), the epoch it has reset for (4).
+//     operation numbers (1..3), the epoch it has reset for (4);
+// [EP_MASK_MEET + r] `ep_meet`'s board: the last meeting rank r came to (1, 2, ...).
 #define EP_MASK_DECISION 8
 #define EP_MASK_REJOIN 40
+#define EP_MASK_MEET (EP_MASK_REJOIN + 5 * EP_MAX_RANKS)
+static_assert(EP_MASK_MEET + EP_MAX_RANKS <= EP_MAX_SETS * EP_MAX_RANKS, "the mask area holds the meeting board");
 __device__ __forceinline__ u64* mask_area(u64* page) { return page + EP_ARRIVAL_WORDS + (size_t)EP_SIG_MASK * EP_MAX_SETS * EP_MAX_RANKS; }
 
 __device__ __forceinline__ u64* arrival_at(u64* page, int chan, int set, int rank) {

@@ -88,6 +88,25 @@ struct MaskParams {
 };
 static_assert(sizeof(MaskParams) == 136, "MaskParams layout");
 
+// `GpuRank::meet_on` (every rank, the same number of times): meeting number `epoch`. This rank's
+// board word on every rank goes to `epoch`, then it waits until every rank's word on its own
+// board has (a masked rank is not waited for). At the deadline it reports the first missing rank.
+extern "C" __global__ void ep_meet(MaskParams m) {
+    u64* area = mask_area(reinterpret_cast<u64*>(m.signals));
+    for (int r = 0; r < m.num_ranks; r++) {
+        st_release_sys(mask_area(reinterpret_cast<u64*>(m.peer_signals[r])) + EP_MASK_MEET + m.rank, m.epoch);
+    }
+    const u64 deadline = globaltimer_ns() + m.timeout_ns;
+    for (int r = 0; r < m.num_ranks; r++) {
+        while (ld_acquire_sys(area + EP_MASK_MEET + r) < m.epoch && !((ld_acquire_sys(area) >> r) & 1ull)) {
+            if (globaltimer_ns() > deadline) {
+                report_error(reinterpret_cast<u64*>(m.status), EP_ERR_MEET, r, m.epoch);
+                return;
+            }
+        }
+    }
+}
+
 // `GpuRank::mask_ranks`: ORs `bits` into every rank's word (this one's first) and mirrors it.
 extern "C" __global__ void ep_mask_spread(MaskParams m) {
     mask_everywhere(m.signals, m.peer_signals, m.status, m.rank, m.num_ranks, m.bits);

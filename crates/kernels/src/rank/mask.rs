@@ -42,7 +42,7 @@ impl GpuRank {
         Ok(())
     }
 
-    fn mask_params(&self) -> MaskParams {
+    pub(super) fn mask_params(&self) -> MaskParams {
         let s = &self.shared;
         MaskParams {
             signals: s.mem.signals.ptr(),

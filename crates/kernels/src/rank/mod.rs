@@ -13,6 +13,7 @@ pub(crate) mod handle;
 mod launch_cost;
 pub use launch_cost::LaunchCost;
 mod mask;
+mod meet;
 pub(crate) mod shared;
 
 use std::sync::Arc;

@@ -156,6 +156,9 @@ pub(crate) struct RankShared {
     /// launched on another stream (a caller's, in stream order) waits for it. Captured steps'
     /// replays (`graph/`) do not take part.
     pub(crate) last_launch: [Mutex<Option<StreamFence>>; 3],
+    /// The meetings this rank has called ([`crate::GpuRank::meet_on`]): the next one's number
+    /// is one more.
+    pub(crate) meetings: AtomicU64,
     /// The NCCL transport, when some peer uses it.
     pub(crate) nccl: Option<NcclShared>,
 }
@@ -176,6 +179,7 @@ impl RankShared {
                 "buffer credits from rank {peer} (it has not consumed operation #{} of the channel)",
                 seq.saturating_sub(self.config.buffer_sets as u64)
             ),
+            status::MEET_TIMEOUT => format!("rank {peer} to come to meeting #{seq} (GpuRank::meet_on)"),
             status::TIMEOUT_RING => {
                 format!("ring space at rank {peer} (it stopped receiving operation #{seq} of the channel)")
             }
