@@ -276,25 +276,45 @@ __device__ __forceinline__ bool copy_tagged_piece(const LlParams& p, const OpNum
     const int K = p.top_k, H = p.hidden, s = slot / p.max_tokens;
     const char* msg = tagged_msg(p, p.own_recv, n.set, s, slot % p.max_tokens);
     const size_t payload_bytes = p.fp8 ? (size_t)H : (size_t)H * 2;
-    bool ok = true;
-    if (p.rank_major && part == 0 && lane < K) {
-        u32 w = 0u, pair = 0u;
-        ok = ld_tagged_word(msg + 2 * (EP_HDR_WEIGHTS + 4 * lane), tag, deadline, &w);
-        ok = ok && ld_tagged_word(msg + 2 * (16 + 4 * (lane / 2)), tag, deadline, &pair);
-        reinterpret_cast<float*>(p.out_weights)[out_row * K + lane] = __uint_as_float(w);
-        const u32 half = (lane & 1) ? pair >> 16 : pair;
-        reinterpret_cast<int*>(p.out_idx)[out_row * K + lane] = (int)(short)(unsigned short)half;
+    // The part-0 warp's header words (rank-major weights and local experts) and FP8 scales
+    // (two per lane; more come after) are loaded before the payload and awaited after it: their
+    // round trips overlap the payload's instead of preceding or following it.
+    const bool head = p.rank_major && part == 0 && lane < K;
+    const char* w_at = msg + 2 * (EP_HDR_WEIGHTS + 4 * lane);
+    const char* le_at = msg + 2 * (16 + 4 * (lane / 2));
+    uint2 w = make_uint2(0u, 0u), le = w;
+    if (head) {
+        w = ld_tagged_pair(w_at);
+        le = ld_tagged_pair(le_at);
     }
     const char* payload = msg + 2 * EP_HDR_BYTES;
-    ok = ok && warp_copy_untag(reinterpret_cast<char*>(p.out) + out_row * payload_bytes + part * piece,
-                               payload + 2 * part * piece, piece, lane, tag, deadline);
-    if (p.fp8 && part == 0) {
-        const int cols = H / 128;
+    const int cols = H / 128;
+    const bool scales = p.fp8 && part == 0;
+    uint2 s0 = make_uint2(0u, 0u), s1 = s0;
+    if (scales && lane < cols) s0 = ld_tagged_pair(payload + 2 * (H + 4 * lane));
+    if (scales && lane + 32 < cols) s1 = ld_tagged_pair(payload + 2 * (H + 4 * (lane + 32)));
+    bool ok = warp_copy_untag(reinterpret_cast<char*>(p.out) + out_row * payload_bytes + part * piece,
+                              payload + 2 * part * piece, piece, lane, tag, deadline);
+    if (head) {
+        ok = ok && await_word(w_at, tag, deadline, &w) && await_word(le_at, tag, deadline, &le);
+        reinterpret_cast<float*>(p.out_weights)[out_row * K + lane] = __uint_as_float(w.x);
+        const u32 half = (lane & 1) ? le.x >> 16 : le.x;
+        reinterpret_cast<int*>(p.out_idx)[out_row * K + lane] = (int)(short)(unsigned short)half;
+    }
+    if (scales) {
         float* dst = reinterpret_cast<float*>(p.out_scales) + out_row * cols;
-        for (int c = lane; ok && c < cols; c += 32) {
-            u32 v = 0u;
-            ok = ld_tagged_word(payload + 2 * (H + 4 * c), tag, deadline, &v);
-            dst[c] = __uint_as_float(v);
+        if (lane < cols) {
+            ok = ok && await_word(payload + 2 * (H + 4 * lane), tag, deadline, &s0);
+            dst[lane] = __uint_as_float(s0.x);
+        }
+        if (lane + 32 < cols) {
+            ok = ok && await_word(payload + 2 * (H + 4 * (lane + 32)), tag, deadline, &s1);
+            dst[lane + 32] = __uint_as_float(s1.x);
+        }
+        for (int c = lane + 64; ok && c < cols; c += 32) {
+            uint2 v = ld_tagged_pair(payload + 2 * (H + 4 * c));
+            ok = await_word(payload + 2 * (H + 4 * c), tag, deadline, &v);
+            dst[c] = __uint_as_float(v.x);
         }
     }
     if (!ok) report_lost(p, n, 0, s);

@@ -136,15 +136,20 @@ __device__ __forceinline__ bool await_tags(const char* at, u32 tag, u64 deadline
 // The 16 plain bytes of a tagged vector pair.
 __device__ __forceinline__ int4 untag(int4 lo, int4 hi) { return make_int4(lo.x, lo.z, hi.x, hi.z); }
 
-// The plain 4-byte word of the tagged pair at `at`, once it carries `tag` (see `await_tags`).
-__device__ __forceinline__ bool ld_tagged_word(const char* at, u32 tag, u64 deadline, u32* word) {
+// The tagged pair {word, tag} at `at`, loaded now (`await_word` waits for its tag).
+__device__ __forceinline__ uint2 ld_tagged_pair(const char* at) {
     uint2 v;
     asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(at) : "memory");
-    while (v.y != tag) {
+    return v;
+}
+
+// Waits until the tagged pair at `at` (loaded into `v`) carries `tag`, reloading it; false at
+// `deadline` (see `await_tags`). Its loads issued early, a pair's wait overlaps other loads'.
+__device__ __forceinline__ bool await_word(const char* at, u32 tag, u64 deadline, uint2* v) {
+    while (v->y != tag) {
         if (globaltimer_ns() > deadline) return false;
-        asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(at) : "memory");
+        *v = ld_tagged_pair(at);
     }
-    *word = v.x;
     return true;
 }
 

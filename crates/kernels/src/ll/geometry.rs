@@ -101,7 +101,6 @@ pub(crate) fn ll_launch(which: LlKernel, p: &mut LlParams, sms: u32) -> (u32, u3
         }
         LlKernel::DispatchRecv => {
             let payload = if p.fp8 != 0 { h } else { 2 * h };
-            p.recv_chunks = if payload % 64 == 0 { 4 } else { 1 };
             // Tasks (group, split): a group is a local expert, or a source rank in rank-major,
             // whose rows need more blocks each: up to 64 splits of a source's rows, and no more
             // than this rank's tokens (other sources' counts are alike in a decode step), but at
@@ -111,7 +110,21 @@ pub(crate) fn ll_launch(which: LlKernel, p: &mut LlParams, sms: u32) -> (u32, u3
             let (groups, most) =
                 if p.rank_major != 0 { (p.num_ranks, (b as i32).clamp(8, 64)) } else { (p.num_local, 4) };
             p.splits = (sms as i32 / groups.max(1)).clamp(1, most);
-            (((groups.max(1) * p.splits) as u32).clamp(1, sms), BLOCK_THREADS)
+            // The rows a task copies (rank-major: its share of a source's rows; expert-major: an
+            // expert's expected rows, b K / L over all sources, its share of them) share the
+            // block's warps in pieces: enough pieces that every warp has one (at one to two rows
+            // a task, a warp's piece is then one round of loads, not four in turn), at least 4,
+            // at most a piece per warp, each a whole number of 16-byte vectors.
+            let rows = if p.rank_major != 0 {
+                b.div_ceil(p.splits as u32)
+            } else {
+                (b * k).div_ceil(p.num_local.max(1) as u32 * p.splits as u32)
+            };
+            p.recv_chunks = recv_pieces(payload, rows.max(1));
+            // One block more than the tasks where the SMs allow: it builds the return list
+            // beside the copies (else block 0 does, after its own).
+            let tasks = (groups.max(1) * p.splits) as u32;
+            ((tasks + 1).clamp(1, sms), BLOCK_THREADS)
         }
         LlKernel::CombineSend => {
             // Rows going back per (source, token): up to K in expert-major, one in rank-major
@@ -135,14 +148,28 @@ pub(crate) fn ll_launch(which: LlKernel, p: &mut LlParams, sms: u32) -> (u32, u3
                 (LlKernel::CombineSend, LlKernel::CombineRecv)
             };
             let grid = ll_launch(send, p, sms).0.max(ll_launch(recv, p, sms).0).clamp(1, sms.max(1));
-            // Fewer blocks than pieces per row: rows are summed whole (every block still takes
-            // its share of the (token, piece) items, as many as fit its threads at once).
-            if grid < p.recv_chunks as u32 {
+            // A combine with fewer blocks than pieces per row: rows are summed whole (every block
+            // still takes its share of the (token, piece) items, as many as fit its threads at
+            // once). A dispatch's pieces are its blocks' warps' and need no blocks.
+            if which == LlKernel::CombineOne && grid < p.recv_chunks as u32 {
                 p.recv_chunks = 1;
             }
             (grid, BLOCK_THREADS)
         }
     }
+}
+
+/// Into how many pieces a dispatch receive's warps copy a received row of `payload` bytes when a
+/// task copies about `rows` rows: the largest power of two with rows x pieces <= the block's
+/// warps, at least 4 and at most a piece per warp, halved until a piece is whole 16-byte vectors.
+pub(crate) fn recv_pieces(payload: usize, rows: u32) -> i32 {
+    let warps = BLOCK_THREADS / 32;
+    let most = (warps / rows.max(1)).clamp(4, warps);
+    let mut c = 1u32 << (31 - most.leading_zeros());
+    while c > 1 && payload % (16 * c as usize) != 0 {
+        c /= 2;
+    }
+    c as i32
 }
 
 /// Into how many pieces to split a row of `hidden` channels so that about `want` warps share it:
@@ -198,8 +225,8 @@ mod tests {
         // 2112 warps over 256 (token, rank) items: rows in 7 pieces of 4 units, 112 blocks.
         assert_eq!(ll_launch(LlKernel::DispatchSend, &mut p, 132), (112, 512));
         assert_eq!(p.chunks, 7);
-        // A block per local expert.
-        assert_eq!(ll_launch(LlKernel::DispatchRecv, &mut p, 132), (128, 512));
+        // A block per local expert (8 rows each, in 4 pieces), and one for the return list.
+        assert_eq!(ll_launch(LlKernel::DispatchRecv, &mut p, 132), (129, 512));
         assert_eq!((p.recv_chunks, p.splits), (4, 1));
         // 2112 warps over 1024 (token, k) rows: 2 pieces each; 2 x 128 x 8 x 2 items, a warp
         // each up to every SM.
@@ -228,37 +255,47 @@ mod tests {
         ] {
             assert!(ll_launch(k, &mut p, 24).0 <= 24, "{k:?}");
         }
-        // Rank-major receive: a task per (source, split), 64 splits of each source's rows.
+        // Rank-major receive: a task per (source, split), 64 splits of each source's rows (2
+        // rows a task, in 8 pieces), and the return list's block.
         let mut p = LlParams { rank_major: 1, ..params(128) };
-        assert_eq!(ll_launch(LlKernel::DispatchRecv, &mut p, 132), (128, 512));
-        assert_eq!(p.splits, 64);
+        assert_eq!(ll_launch(LlKernel::DispatchRecv, &mut p, 132), (129, 512));
+        assert_eq!((p.splits, p.recv_chunks), (64, 8));
+        // No SM left for the list: block 0 builds it.
         assert_eq!(ll_launch(LlKernel::DispatchRecv, &mut p, 32), (32, 512));
-        assert_eq!(p.splits, 16);
-        // Few tokens: splits follow them, down to 8 per source; at one token the one-launch
-        // dispatch takes 16 blocks (its send needs 4), not one per SM.
+        assert_eq!((p.splits, p.recv_chunks), (16, 4));
+        // Few tokens: splits follow them, down to 8 per source, a row a task in a piece per
+        // warp; at one token the one-launch dispatch takes 17 blocks (its send needs 4), not one
+        // per SM.
         for (tokens, splits) in [(1, 8), (8, 8), (20, 20), (64, 64)] {
             let mut p = LlParams { rank_major: 1, ..params(tokens) };
-            assert_eq!(ll_launch(LlKernel::DispatchRecv, &mut p, 132), (2 * splits as u32, 512), "{tokens}");
-            assert_eq!(p.splits, splits);
+            assert_eq!(ll_launch(LlKernel::DispatchRecv, &mut p, 132), (2 * splits as u32 + 1, 512), "{tokens}");
+            assert_eq!((p.splits, p.recv_chunks), (splits, 16), "{tokens}");
         }
         let mut p = LlParams { rank_major: 1, ..params(1) };
-        assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132), (16, 512));
+        assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132), (17, 512));
     }
 
     #[test]
     fn one_launch_grids_cover_both_halves_on_at_most_one_block_per_sm() {
         // 128 tokens: the larger of the two halves' grids, both halves' fields set.
         let mut p = params(128);
-        assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132), (128, 512));
+        assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132), (129, 512));
         assert_eq!((p.chunks, p.recv_chunks, p.splits), (7, 4, 1));
         assert_eq!(ll_launch(LlKernel::CombineOne, &mut p, 132), (132, 512));
         assert_eq!((p.chunks, p.recv_chunks), (2, 4));
         // One token: the combine's grid follows its send (8 rows in 28 pieces, a warp each); the
-        // dispatch's follows its receive (a block per local expert).
+        // dispatch's follows its receive (a block per local expert, at most a row each, copied
+        // in a piece per warp, and the list's block).
         let mut p = params(1);
         assert_eq!(ll_launch(LlKernel::CombineOne, &mut p, 132), (28, 512));
         assert_eq!(p.recv_chunks, 4);
-        assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132), (128, 512));
+        assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132), (129, 512));
+        assert_eq!(p.recv_chunks, 16);
+        // FP8 rows (7168 bytes) too are cut in 16 whole-vector pieces; an odd payload in fewer.
+        assert_eq!(recv_pieces(7168, 1), 16);
+        assert_eq!(recv_pieces(7168, 3), 4);
+        assert_eq!(recv_pieces(16 * 6, 1), 2);
+        assert_eq!(recv_pieces(16 * 7, 1), 1);
         // Fewer SMs than a combine receive group: rows are summed whole.
         for sms in 1..=3 {
             let (grid, _) = ll_launch(LlKernel::CombineOne, &mut p, sms);
