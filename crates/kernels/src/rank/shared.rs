@@ -153,8 +153,8 @@ pub(crate) struct RankShared {
     /// event after it, with its stream): a high-throughput kernel (their ring positions follow
     /// each other), or a low-latency one-launch kernel (its cooperative grid, one block per SM,
     /// is sized to fit beside one grid of the other channel, not of its own). Such a kernel
-    /// launched on another stream (a caller's, in stream order) waits for it. Captured steps'
-    /// replays (`graph/`) do not take part.
+    /// launched on another stream (a caller's, in stream order) waits for it; so does a
+    /// captured step's replay (`graph/`), as a whole, for each channel it uses, and becomes it.
     pub(crate) last_launch: [Mutex<Option<StreamFence>>; 3],
     /// The meetings this rank has called ([`crate::GpuRank::meet_on`]): the next one's number
     /// is one more.
