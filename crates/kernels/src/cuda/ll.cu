@@ -28,7 +28,7 @@ __device__ __forceinline__ void dispatch_one(const LlParams& p) {
     trace_at(p, 0, 0);
     dispatch_send<TAGGED ? SEND_TAGGED : SEND_PLAIN>(p, n);
     trace_at(p, 0, 1);
-    dispatch_recv<!TAGGED>(p, n);
+    dispatch_recv<!TAGGED, TAGGED>(p, n);
 }
 extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_dispatch_kernel(LlParams p) { dispatch_one<false>(p); }
 extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_dispatch_kernel_tagged(LlParams p) { dispatch_one<true>(p); }

@@ -108,10 +108,12 @@ __device__ __forceinline__ OpNum op_num(const LlParams& p, int chan) {
 
 // `EPFLOW_LL_TRACE=1` (a diagnostic, off by default): block 0's thread 0 stamps the global
 // timer at the kernel's entry (0), after its send part (1), once every source arrived (2) and
-// when its receive work is done (3), per channel; the last block to finish prints them every
-// 64th operation, relative to the entry (of the send kernel, in the two-launch form), with the
-// end after the credits. One set of stamps per GPU (a module global): ranks sharing a GPU mix.
-__device__ u64 ep_ll_trace[2][4];
+// when its receive work is done (3), per channel; block 0 also when its `done` count returned
+// (4), and the last block when it starts returning the credits (5). The last block to finish
+// prints them every 64th operation, relative to the entry (of the send kernel, in the
+// two-launch form), with the end after the credits. One set of stamps per GPU (a module global):
+// ranks sharing a GPU mix.
+__device__ u64 ep_ll_trace[2][6];
 
 __device__ __forceinline__ void trace_at(const LlParams& p, int chan, int i) {
     if (p.trace && blockIdx.x == 0 && threadIdx.x == 0) ep_ll_trace[chan][i] = globaltimer_ns();
@@ -122,10 +124,14 @@ __device__ __noinline__ void trace_print(int rank, int chan, u64 seq) {
     const u64 end = globaltimer_ns();
     const volatile u64* t = ep_ll_trace[chan];
     const u64 t0 = t[0];
+    // A stamp this operation did not write (older than its entry) prints as -1.
+    double us[6];
+    for (int i = 1; i < 6; i++) us[i] = t[i] >= t0 ? (t[i] - t0) * 1e-3 : -1.0;
     printf("EPFLOW_LL_TRACE rank %d %s seq %llu: entry at %.2f us (global timer mod 1 s: compare ranks), block 0 "
-           "sent %.2f, all arrived %.2f, received %.2f, end %.2f us after the entry\n",
+           "sent %.2f, all arrived %.2f, received %.2f, done-add %.2f; last block's credits %.2f, end %.2f us after "
+           "the entry\n",
            rank, chan == 0 ? "dispatch" : "combine", (unsigned long long)seq, (double)(t0 % 1000000000ull) * 1e-3,
-           (t[1] - t0) * 1e-3, (t[2] - t0) * 1e-3, (t[3] - t0) * 1e-3, (end - t0) * 1e-3);
+           us[1], us[2], us[3], us[4], us[5], (end - t0) * 1e-3);
 }
 
 // A captured operation timed out: the step's later operations on this rank skip their work.

@@ -114,6 +114,7 @@ __device__ __forceinline__ void publish_early(const LlParams& p, const OpNum& n,
 // then returns the credits of this buffer set to every source.
 __device__ __forceinline__ void return_credits(const LlParams& p, const OpNum& n, int chan, u32 cancelled,
                                                u32 mismatched, u32 absent, u64* done) {
+    if (p.trace) ep_ll_trace[chan][5] = globaltimer_ns();
     *done = 0;
     if (chan == 0) done[EP_DONE_LANDED - chan] = 0;  // `land_tagged`'s meeting
     // The host's words, then the credits (each a system-scope release, ordered after the
@@ -157,8 +158,10 @@ __device__ void finish_receive(const LlParams& p, const OpNum& n, int chan, u32 
     }
     // The barrier above and the release of the add order every thread's reads and writes of
     // this block before it (the release is cumulative).
-    if (threadIdx.x == 0 && atom_add_acq_rel_gpu(done, 1) == (u64)(blocks - 1)) {
-        return_credits(p, n, chan, cancelled, mismatched, absent, done);
+    if (threadIdx.x == 0) {
+        const bool last = atom_add_acq_rel_gpu(done, 1) == (u64)(blocks - 1);
+        trace_at(p, chan, 4);
+        if (last) return_credits(p, n, chan, cancelled, mismatched, absent, done);
     }
 }
 
@@ -570,8 +573,9 @@ __device__ void land_tagged(const LlParams& p, const OpNum& n, u32 skip, const i
 // one-launch kernel): tagged messages are first copied into their plain slots (`land_tagged`),
 // then `<false>` runs, so that kernel carries no tagged task loop (with it, inlined or called,
 // expert-major 128-token dispatches took 2-4 us longer; with `land_tagged` 1-2 us, benches/NOTES.md
-// item 75).
-template <bool LAND>
+// item 75). TAGGED_ONLY (the tagged one-launch kernel, whose rank sends at a few tokens): only
+// `<true>`, which takes plain sources too, so that kernel carries one task loop, not two.
+template <bool LAND, bool TAGGED_ONLY = false>
 __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n) {
     __shared__ u32 cancelled, mismatched, absent;
     __shared__ int timed_out;
@@ -596,7 +600,7 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
     bool any_tagged = false;
     for (int s = 0; s < p.num_ranks; s++) any_tagged |= tagged_tokens[s] >= 0 && !((skip >> s) & 1u);
     if (any_tagged && LAND) land_tagged(p, n, skip, tagged_tokens, tag_deadline);
-    if (any_tagged && !LAND) {
+    if (TAGGED_ONLY || (any_tagged && !LAND)) {
         dispatch_recv_tasks<true>(p, n, skip, tagged_tokens, tag_deadline, warp_sums, entry_slot);
     } else {
         dispatch_recv_tasks<false>(p, n, skip, tagged_tokens, tag_deadline, warp_sums, entry_slot);
