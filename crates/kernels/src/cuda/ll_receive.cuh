@@ -95,9 +95,9 @@ __device__ __forceinline__ void advance_step(const LlParams& p, int chan) {
 }
 
 // Block 0 publishes the operation's outcome (the cancelled, mismatched and absent sources, for the
-// host) as soon as its wait judged the sources: every block judges them alike. Written this early,
-// the host's word is out long before the credits, whose system-scope release must order it (so no
-// later operation on this set can publish before this one) and no longer waits for it.
+// host) as soon as its wait judged the sources: every block judges them alike. The host reads it
+// while polling and after the kernel completed; no later operation on this set runs on this rank
+// before this one's verdict was read (its buffer set's lease), so nothing else orders it.
 __device__ __forceinline__ void publish_early(const LlParams& p, const OpNum& n, int chan, u32 cancelled, u32 mismatched,
                                               u32 absent) {
     if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -117,15 +117,20 @@ __device__ __forceinline__ void return_credits(const LlParams& p, const OpNum& n
     if (p.trace) ep_ll_trace[chan][5] = globaltimer_ns();
     *done = 0;
     if (chan == 0) done[EP_DONE_LANDED - chan] = 0;  // `land_tagged`'s meeting
-    // The host's words, then the credits (each a system-scope release, ordered after the
-    // words, block 0's outcome among them, and after every block's reads of this set,
-    // which came before through `done`).
+    // The host's words (read by the host once the kernel completed: no order with the credits
+    // needed; nor for block 0's outcome word, as no later operation on this set runs on this
+    // rank before this one's verdict was read, its buffer set's lease).
     if (p.masking) st_relaxed_sys(reinterpret_cast<u64*>(p.status) + EP_STATUS_MASK, mask_word(p));
     if (p.verdict && (cancelled | mismatched)) report_failure(p, n, chan, cancelled, mismatched);
-    // One release fence for all the credits (with the relaxed stores after it, a release
-    // pattern each): a release store per credit would wait for the previous credit's
-    // store to reach its peer, a round trip over NVLink per source.
-    asm volatile("fence.acq_rel.sys;" ::: "memory");
+    // One release fence for all the credits, with the relaxed stores after it: it orders every
+    // block's reads of this set, and its clearing of tagged areas there (all before each block's
+    // gpu-scope release add of `done`, which this thread acquired), before the credits. GPU scope
+    // is enough: a source's next writes into this set land in this GPU's memory through its L2,
+    // where those reads and stores were performed, so no read sees such a write and no clearing
+    // store lands after one. A system-scope fence here waited ~1.5 us for this
+    // GPU's outstanding stores to the host and to peers, at the end of every operation
+    // (benches/NOTES.md item 104).
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
     for (int s = 0; s < p.num_ranks; s++) {
         if ((absent >> s) & 1u) continue;  // masked: no credit (it may be gone; rejoin resets them)
         u64* peer = reinterpret_cast<u64*>(p.peer_signals[s]);
