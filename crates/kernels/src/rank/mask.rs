@@ -6,7 +6,7 @@
 
 use std::sync::atomic::Ordering;
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
 use epflow_core::Error;
 use epflow_core::mask::{MaskedRanks, RankSet};
 use epflow_core::protocol::{Channel, op_label};
@@ -55,18 +55,31 @@ impl GpuRank {
         }
     }
 
-    /// Runs one thread of `f` with `m` on the handle stream and waits for it.
-    fn run_mask_kernel(&self, f: &cudarc::driver::CudaFunction, m: MaskParams, what: &str) -> Result<(), Error> {
-        let s = &self.shared;
-        bind(&s.ctx)?;
-        let stream = &s.streams[Channel::Handle.index()];
+    /// Enqueues one thread of `f` (a kernel of `ll.cu` taking a `MaskParams`) with `m` on
+    /// `stream`, of this rank's context.
+    pub(super) fn launch_mask_kernel(
+        &self,
+        f: &cudarc::driver::CudaFunction,
+        m: MaskParams,
+        stream: &CudaStream,
+        what: &str,
+    ) -> Result<(), Error> {
+        bind(&self.shared.ctx)?;
         let mut b = stream.launch_builder(f);
         b.arg(&m);
         let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: `m` matches `struct MaskParams` of ll.cu byte for byte (params.rs tests); every
         // address in it is this rank's signal page, its mapped status page or a peer's mapped
-        // signal page, all alive as long as the rank.
+        // signal page, all alive as long as the rank, which frees its memory only after
+        // synchronizing its context (`RankMemory`'s drop; the kernels end by their deadline).
         unsafe { b.launch(cfg) }.map_err(|e| cuda(what, e))?;
+        Ok(())
+    }
+
+    /// Runs one thread of `f` with `m` on the handle stream and waits for it.
+    fn run_mask_kernel(&self, f: &cudarc::driver::CudaFunction, m: MaskParams, what: &str) -> Result<(), Error> {
+        let stream = &self.shared.streams[Channel::Handle.index()];
+        self.launch_mask_kernel(f, m, stream, what)?;
         stream.synchronize().map_err(|e| cuda(what, e))
     }
 

@@ -3,11 +3,11 @@
 
 use std::sync::atomic::Ordering;
 
-use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::CudaStream;
 use epflow_core::Error;
 
 use super::GpuRank;
-use crate::device::{bind, cuda};
+use crate::device::bind;
 use crate::params::MaskParams;
 
 impl GpuRank {
@@ -34,14 +34,6 @@ impl GpuRank {
         bind(&s.ctx)?;
         let epoch = s.meetings.fetch_add(1, Ordering::Relaxed) + 1;
         let m = MaskParams { epoch, ..self.mask_params() };
-        let mut b = stream.launch_builder(&s.functions.meet);
-        b.arg(&m);
-        let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: `m` matches `struct MaskParams` of ll.cu byte for byte (params.rs tests); its
-        // addresses are this rank's signal page, its mapped status page and the peers' mapped
-        // signal pages; the rank frees its memory only after synchronizing its context
-        // (`RankMemory`'s drop), which waits for this kernel too (it ends by its deadline).
-        unsafe { b.launch(cfg) }.map_err(|e| cuda("launch the ranks' meeting", e))?;
-        Ok(())
+        self.launch_mask_kernel(&s.functions.meet, m, stream, "launch the ranks' meeting")
     }
 }
