@@ -41,11 +41,14 @@ __device__ __forceinline__ void role_wait_credit(const LlParams& p, const OpNum&
 }
 
 // Reports this warp done with destination `dest`; the last of its `reporting` warps signals it.
-// The warp's stores (possibly remote) are ordered before the report by one system-scope fence of
-// lane 0 after a warp barrier.
+// The warp's stores (possibly remote) are ordered before the report by one fence of lane 0 after
+// a warp barrier: system scope; GPU scope when `dest` is this rank itself, whose stores all stay in
+// this GPU (its own receive region and signal page, read by this GPU's receive), and so is the
+// arrival word's release then (system scope cost ~1 us more at the end of every warp's send,
+// benches/NOTES.md item 105).
 __device__ __forceinline__ void signal_sent(const LlParams& p, const OpNum& n, int chan, int dest, int reporting, int lane) {
-    // The warp barrier orders every lane's stores before lane 0's; its system-scope release
-    // fence is cumulative over them (one fence per warp, not one per lane).
+    // The warp barrier orders every lane's stores before lane 0's; its release fence is
+    // cumulative over them (one fence per warp, not one per lane).
     __syncwarp();
     if (lane == 0) {
         u64* peer = reinterpret_cast<u64*>(p.peer_signals[dest]);
@@ -54,13 +57,25 @@ __device__ __forceinline__ void signal_sent(const LlParams& p, const OpNum& n, i
         // under the same fence, so the arrival word's release waits for no store of its own.
         const u64 m0 = mask_word(p);
         if (!either_masked(m0, p.rank, dest)) st_relaxed_sys(pair + 1, p.stamp);
-        asm volatile("fence.acq_rel.sys;" ::: "memory");
+        const bool own = dest == p.rank;
+        if (own) {
+            asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        } else {
+            asm volatile("fence.acq_rel.sys;" ::: "memory");
+        }
         u64* sig = reinterpret_cast<u64*>(p.signals);
         u64* sent = sig_at(sig, EP_SIG_SENT(chan), n.set, dest);
         if (atom_add_acq_rel_gpu(sent, 1) == (u64)(reporting - 1)) {
             *sent = 0;
             const u64 m = mask_word(p);
-            if (!either_masked(m, p.rank, dest)) st_release_sys(pair, arrival_word(n.seq, p.cancelled != 0, p.stamp));
+            if (!either_masked(m, p.rank, dest)) {
+                const u64 word = arrival_word(n.seq, p.cancelled != 0, p.stamp);
+                if (own) {
+                    st_release_gpu(pair, word);
+                } else {
+                    st_release_sys(pair, word);
+                }
+            }
         }
     }
 }
