@@ -44,8 +44,8 @@ __device__ __forceinline__ void role_wait_credit(const LlParams& p, const OpNum&
 // The warp's stores (possibly remote) are ordered before the report by one fence of lane 0 after
 // a warp barrier: system scope; GPU scope when `dest` is this rank itself, whose stores all stay in
 // this GPU (its own receive region and signal page, read by this GPU's receive), and so is the
-// arrival word's release then (system scope cost ~1 us more at the end of every warp's send,
-// benches/NOTES.md item 105).
+// arrival word's release then (at 128 tokens a rank's block sending to itself was done ~4.9 us
+// earlier with them; benches/NOTES.md item 105).
 __device__ __forceinline__ void signal_sent(const LlParams& p, const OpNum& n, int chan, int dest, int reporting, int lane) {
     // The warp barrier orders every lane's stores before lane 0's; its release fence is
     // cumulative over them (one fence per warp, not one per lane).
