@@ -41,28 +41,24 @@ __device__ __forceinline__ void role_wait_credit(const LlParams& p, const OpNum&
 }
 
 // Reports this warp done with destination `dest`; the last of its `reporting` warps signals it.
-// The warp's stores (possibly remote) are ordered before the report by one fence of lane 0 after
-// a warp barrier: system scope; GPU scope when `dest` is this rank itself, whose stores all stay in
-// this GPU (its own receive region and signal page, read by this GPU's receive), and so is the
-// arrival word's release then (at 128 tokens a rank's block sending to itself was done ~4.9 us
-// earlier with them; benches/NOTES.md item 105).
+// Only that last report is a system-scope release. Each warp's stores (possibly remote) are
+// ordered before its report by the warp barrier and lane 0's GPU-scope acq_rel add of the count
+// (every reporting warp is on this GPU); the last warp's add acquires every earlier one, and its
+// release of the arrival word, at system scope, is cumulative over all of their stores (PTX
+// causality order is transitive across scopes), so the receiver that acquires the word sees every
+// payload. GPU scope for that release too when `dest` is this rank itself, whose stores all stay
+// in this GPU. A system fence per warp cost 2-2.5 us per 128-token operation (benches/NOTES.md
+// items 105 and 108).
 __device__ __forceinline__ void signal_sent(const LlParams& p, const OpNum& n, int chan, int dest, int reporting, int lane) {
-    // The warp barrier orders every lane's stores before lane 0's; its release fence is
-    // cumulative over them (one fence per warp, not one per lane).
     __syncwarp();
     if (lane == 0) {
         u64* peer = reinterpret_cast<u64*>(p.peer_signals[dest]);
         u64* pair = arrival_at(peer, chan, n.set, p.rank);
         // The whole stamp (the word after the arrival word) goes out with this warp's payload,
-        // under the same fence, so the arrival word's release waits for no store of its own.
+        // before its report, so the arrival word's release waits for no store of its own.
         const u64 m0 = mask_word(p);
         if (!either_masked(m0, p.rank, dest)) st_relaxed_sys(pair + 1, p.stamp);
         const bool own = dest == p.rank;
-        if (own) {
-            asm volatile("fence.acq_rel.gpu;" ::: "memory");
-        } else {
-            asm volatile("fence.acq_rel.sys;" ::: "memory");
-        }
         u64* sig = reinterpret_cast<u64*>(p.signals);
         u64* sent = sig_at(sig, EP_SIG_SENT(chan), n.set, dest);
         if (atom_add_acq_rel_gpu(sent, 1) == (u64)(reporting - 1)) {
