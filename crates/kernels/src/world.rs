@@ -241,16 +241,16 @@ fn build_rank(
     let num_sms = sm_count_of(ctx)? as u32;
     // One launch per synchronous low-latency operation needs every block of its grid (at most
     // one per SM) resident at once, with room beside it for the other channel's (two per SM).
-    let fits = |f: &cudarc::driver::CudaFunction| {
-        f.occupancy_max_active_blocks_per_multiprocessor(512, 0, None).is_ok_and(|n| n >= 2)
+    let fits = |f: &cudarc::driver::CudaFunction, threads: u32| {
+        f.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None).is_ok_and(|n| n >= 2)
     };
     let allowed = std::env::var("EPFLOW_ONE_LAUNCH").map_or(true, |v| v != "0");
     let one_launch = allowed
         && !place.shares_gpu
-        && fits(&functions.dispatch_one)
-        && fits(&functions.dispatch_one_tagged)
-        && fits(&functions.combine_one)
-        && fits(&functions.combine_one_tagged);
+        && fits(&functions.dispatch_one, 512)
+        && fits(&functions.dispatch_one_tagged, crate::ll::geometry::TAGGED_DISPATCH_THREADS)
+        && fits(&functions.combine_one, 512)
+        && fits(&functions.combine_one_tagged, 512);
     let events = EventPool::new(ctx);
     let core = RankCore::new(place.rank, place.num_ranks, place.group_id, config.clone());
     let shared = Arc::new(RankShared {

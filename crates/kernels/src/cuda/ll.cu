@@ -8,7 +8,9 @@
 // tasks; a block waiting for arrivals never keeps a sender of this kernel off the GPU. A
 // one-launch grid has at most one block per SM, and its registers are bounded so that two blocks
 // fit on an SM: the other channel's one-launch kernel (ranks may interleave the channels
-// differently) always finds room beside a waiting one.
+// differently) always finds room beside a waiting one. The tagged dispatch kernel runs in blocks
+// of 256 threads (epflow-kernels ll/geometry.rs `TAGGED_DISPATCH_THREADS`), so it has 128
+// registers: at 512 threads and 64 it spilled ~200 bytes on the receive's path.
 extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(LlParams p) {
     trace_at(p, 0, 0);
     const OpNum n = op_num(p, 0);
@@ -31,7 +33,7 @@ __device__ __forceinline__ void dispatch_one(const LlParams& p) {
     dispatch_recv<!TAGGED, TAGGED>(p, n);
 }
 extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_dispatch_kernel(LlParams p) { dispatch_one<false>(p); }
-extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_dispatch_kernel_tagged(LlParams p) { dispatch_one<true>(p); }
+extern "C" __global__ void __launch_bounds__(256, 2) ep_ll_dispatch_kernel_tagged(LlParams p) { dispatch_one<true>(p); }
 // The combine send is held to two blocks per SM (62 registers for sm_90, no spills; left to
 // itself ptxas takes 82), so a send block leaves room on its SM for another operation's receive.
 extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_send(LlParams p) {

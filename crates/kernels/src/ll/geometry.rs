@@ -84,20 +84,40 @@ impl LlKernel {
 const BLOCK_THREADS: u32 = 512;
 /// Threads per block of the combine receive kernel.
 const COMBINE_RECV_THREADS: u32 = 256;
-/// Warps per SM the send kernels aim at: enough bytes in flight for NVLink.
-const WARPS_PER_SM: u32 = 16;
+/// Threads per block of the one-launch dispatch kernel that sends tagged messages
+/// (`ep_ll_dispatch_kernel_tagged`, at most `EP_TAG_TOKENS` tokens): its `__launch_bounds__(256,
+/// 2)` leave it 128 registers, where 512 threads held it to 64 and it spilled ~200 bytes per
+/// thread on the receive's path (benches/NOTES.md item 109). Two such blocks still fit on an SM.
+pub(crate) const TAGGED_DISPATCH_THREADS: u32 = 256;
+
+/// Threads per block of `which` for `p`.
+pub(crate) fn block_threads(which: LlKernel, p: &LlParams) -> u32 {
+    match which {
+        LlKernel::CombineRecv => COMBINE_RECV_THREADS,
+        LlKernel::DispatchOne if p.sends_tagged() => TAGGED_DISPATCH_THREADS,
+        _ => BLOCK_THREADS,
+    }
+}
 
 /// The grid and block of `which` for `p` on at most `sms` SMs; sets the geometry fields of `p`
 /// (`chunks`, `splits`, `recv_chunks`) the kernel reads. A one-launch kernel gets the larger of
 /// its two halves' grids (at most `sms` blocks, one per SM, so a cooperative launch keeps every
-/// block resident); each half loops over its work whatever the grid.
+/// block resident), both sized for its own block; each half loops over its work whatever the
+/// grid.
 pub(crate) fn ll_launch(which: LlKernel, p: &mut LlParams, sms: u32) -> (u32, u32) {
+    let block = block_threads(which, p);
+    (ll_grid(which, p, sms, block / 32), block)
+}
+
+/// The grid of `which` for `p` on at most `sms` SMs with `warps` warps per block (a grid of one
+/// block per SM aims at that many warps per SM: enough bytes in flight for NVLink).
+fn ll_grid(which: LlKernel, p: &mut LlParams, sms: u32, warps: u32) -> u32 {
     let (b, r, k, h) = (p.num_tokens.max(1) as u32, p.num_ranks as u32, p.top_k as u32, p.hidden as usize);
-    let target_warps = sms * WARPS_PER_SM;
+    let target_warps = sms * warps;
     match which {
         LlKernel::DispatchSend => {
             p.chunks = row_chunks(h, target_warps / (b * r).max(1)) as i32;
-            ((b * r * p.chunks as u32).div_ceil(16).clamp(1, sms), BLOCK_THREADS)
+            (b * r * p.chunks as u32).div_ceil(warps).clamp(1, sms)
         }
         LlKernel::DispatchRecv => {
             let payload = if p.fp8 != 0 { h } else { 2 * h };
@@ -120,11 +140,11 @@ pub(crate) fn ll_launch(which: LlKernel, p: &mut LlParams, sms: u32) -> (u32, u3
             } else {
                 (b * k).div_ceil(p.num_local.max(1) as u32 * p.splits as u32)
             };
-            p.recv_chunks = recv_pieces(payload, rows.max(1));
+            p.recv_chunks = recv_pieces(payload, rows.max(1), warps);
             // One block more than the tasks where the SMs allow: it builds the return list
             // beside the copies (else block 0 does, after its own).
             let tasks = (groups.max(1) * p.splits) as u32;
-            ((tasks + 1).clamp(1, sms), BLOCK_THREADS)
+            (tasks + 1).clamp(1, sms)
         }
         LlKernel::CombineSend => {
             // Rows going back per (source, token): up to K in expert-major, one in rank-major
@@ -134,12 +154,12 @@ pub(crate) fn ll_launch(which: LlKernel, p: &mut LlParams, sms: u32) -> (u32, u3
             let rows = if p.rank_major != 0 { 1 } else { k };
             p.chunks = row_chunks(h, target_warps / (b * rows).max(1)) as i32;
             let items = r * b * rows * p.chunks as u32;
-            (items.div_ceil(16).clamp(1, sms), BLOCK_THREADS)
+            items.div_ceil(warps).clamp(1, sms)
         }
         LlKernel::CombineRecv => {
             p.recv_chunks = if h % 32 == 0 { 4 } else { 1 };
             let c = p.recv_chunks as u32;
-            ((b.min((2 * sms / c).max(1)) * c).min((sms / c).max(1) * c), COMBINE_RECV_THREADS)
+            (b.min((2 * sms / c).max(1)) * c).min((sms / c).max(1) * c)
         }
         LlKernel::DispatchOne | LlKernel::CombineOne => {
             let (send, recv) = if which == LlKernel::DispatchOne {
@@ -147,24 +167,24 @@ pub(crate) fn ll_launch(which: LlKernel, p: &mut LlParams, sms: u32) -> (u32, u3
             } else {
                 (LlKernel::CombineSend, LlKernel::CombineRecv)
             };
-            let grid = ll_launch(send, p, sms).0.max(ll_launch(recv, p, sms).0).clamp(1, sms.max(1));
+            let grid = ll_grid(send, p, sms, warps).max(ll_grid(recv, p, sms, warps)).clamp(1, sms.max(1));
             // A combine with fewer blocks than pieces per row: rows are summed whole (every block
             // still takes its share of the (token, piece) items, as many as fit its threads at
             // once). A dispatch's pieces are its blocks' warps' and need no blocks.
             if which == LlKernel::CombineOne && grid < p.recv_chunks as u32 {
                 p.recv_chunks = 1;
             }
-            (grid, BLOCK_THREADS)
+            grid
         }
     }
 }
 
-/// Into how many pieces a dispatch receive's warps copy a received row of `payload` bytes when a
-/// task copies about `rows` rows: the largest power of two with rows x pieces <= the block's
-/// warps, at least 4 and at most a piece per warp, halved until a piece is whole 16-byte vectors.
-pub(crate) fn recv_pieces(payload: usize, rows: u32) -> i32 {
-    let warps = BLOCK_THREADS / 32;
-    let most = (warps / rows.max(1)).clamp(4, warps);
+/// Into how many pieces a dispatch receive's `warps` warps (of a block) copy a received row of
+/// `payload` bytes when a task copies about `rows` rows: the largest power of two with rows x
+/// pieces <= the block's warps, at least 4 and at most a piece per warp, halved until a piece is
+/// whole 16-byte vectors.
+pub(crate) fn recv_pieces(payload: usize, rows: u32, warps: u32) -> i32 {
+    let most = (warps / rows.max(1)).max(4).min(warps);
     let mut c = 1u32 << (31 - most.leading_zeros());
     while c > 1 && payload % (16 * c as usize) != 0 {
         c /= 2;
@@ -292,16 +312,30 @@ mod tests {
         assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132), (129, 512));
         assert_eq!(p.recv_chunks, 16);
         // FP8 rows (7168 bytes) too are cut in 16 whole-vector pieces; an odd payload in fewer.
-        assert_eq!(recv_pieces(7168, 1), 16);
-        assert_eq!(recv_pieces(7168, 3), 4);
-        assert_eq!(recv_pieces(16 * 6, 1), 2);
-        assert_eq!(recv_pieces(16 * 7, 1), 1);
+        assert_eq!(recv_pieces(7168, 1, 16), 16);
+        assert_eq!(recv_pieces(7168, 3, 16), 4);
+        assert_eq!(recv_pieces(16 * 6, 1, 16), 2);
+        assert_eq!(recv_pieces(16 * 7, 1, 16), 1);
         // Fewer SMs than a combine receive group: rows are summed whole.
         for sms in 1..=3 {
             let (grid, _) = ll_launch(LlKernel::CombineOne, &mut p, sms);
             assert!(grid <= sms);
             assert_eq!(p.recv_chunks, 1, "{sms} SMs");
         }
+        // A dispatch sent as tagged messages runs in blocks of 256 threads: its send aims at 8
+        // warps per SM (rows in 14 pieces at 32 tokens, a warp each on 112 blocks; 28 at one),
+        // its receive copies a row in at most 8 pieces (one per warp).
+        let tagged = |tokens| LlParams { rank_major: 1, tag_dispatch_tokens: 32, ..params(tokens) };
+        let mut p = tagged(32);
+        assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132), (112, 256));
+        assert_eq!((p.chunks, p.splits, p.recv_chunks), (14, 32, 8));
+        let mut p = tagged(1);
+        assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132), (17, 256));
+        assert_eq!((p.chunks, p.splits, p.recv_chunks), (28, 8, 8));
+        // Beyond the tagged bound, the plain kernel's 512.
+        let mut p = tagged(33);
+        assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132).1, 512);
+        assert_eq!(recv_pieces(14336, 1, 8), 8);
         for sms in [1, 2, 7, 24, 132] {
             for tokens in [1, 7, 128] {
                 let mut p = params(tokens);
