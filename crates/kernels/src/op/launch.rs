@@ -8,7 +8,7 @@ use cudarc::driver::{CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKern
 use epflow_core::Error;
 use epflow_core::protocol::Fence;
 
-use super::{GpuOp, GpuOpKind, wait_unless_same};
+use super::{GpuOp, GpuOpKind, in_channel_order, wait_unless_same};
 use crate::device::host_steps::Steps;
 use crate::device::{StreamFence, StreamWork, cuda, stream_id};
 use crate::ht::geometry::{HT_MARK_BLOCK, HT_PLAN_BLOCK, ht_grid};
@@ -102,16 +102,19 @@ impl GpuOp {
     /// Launches the one kernel (or kernels and NCCL group) of a high-throughput operation or
     /// count exchange.
     pub(super) fn launch_single(&self) -> Result<(), Error> {
-        let s = &self.shared;
         // One channel's kernels in operation order on the device, whatever streams they run on
         // (a caller's, for an operation in stream order): behind the previous one if it ran on
         // another stream.
-        let mut last = s.last_launch[self.chan()].lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(f) = last.as_ref() {
-            wait_unless_same(self.work.stream(), &f.event, f.stream, "order after the channel's last kernel")?;
-        }
-        self.launch_kernels()?;
-        *last = Some(StreamFence { event: self.work.record_now()?, stream: stream_id(self.work.stream()) });
+        in_channel_order(
+            &self.shared,
+            self.chan(),
+            self.work.stream(),
+            "order after the channel's last kernel",
+            || {
+                self.launch_kernels()?;
+                self.work.record_now()
+            },
+        )?;
         Ok(())
     }
 

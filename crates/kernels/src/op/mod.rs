@@ -383,6 +383,26 @@ pub(crate) fn wait_unless_same(
     on.wait(event).map_err(|e| cuda(what, e))
 }
 
+/// Runs `launch`, which enqueues a kernel of channel `chan` on `on` and returns an event after
+/// it, in the channel's order on the device ([`RankShared::last_launch`]): `on` first waits for
+/// the channel's last such kernel when that ran on another stream, and the new kernel becomes the
+/// last one. The channel's lock is held through the launch; `what` names the wait in errors.
+pub(crate) fn in_channel_order(
+    s: &RankShared,
+    chan: usize,
+    on: &CudaStream,
+    what: &str,
+    launch: impl FnOnce() -> Result<Arc<cudarc::driver::CudaEvent>, Error>,
+) -> Result<Arc<cudarc::driver::CudaEvent>, Error> {
+    let mut last = s.last_launch[chan].lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(f) = last.as_ref() {
+        wait_unless_same(on, &f.event, f.stream, what)?;
+    }
+    let done = launch()?;
+    *last = Some(StreamFence { event: Arc::clone(&done), stream: stream_id(on) });
+    Ok(done)
+}
+
 /// Declares `stream` a consumer of the outputs in `out`.
 fn record_output_stream(out: &GpuOpOutput, stream: &Arc<CudaStream>) {
     match out {
@@ -435,13 +455,11 @@ impl PendingOp for GpuOp {
                     let on = Arc::clone(self.work.stream());
                     // One channel's one-launch grids never overlap (see `RankShared::last_launch`):
                     // behind the previous one if it ran on another stream.
-                    let mut last = s.last_launch[self.chan()].lock().unwrap_or_else(|e| e.into_inner());
-                    if let Some(f) = last.as_ref() {
-                        wait_unless_same(&on, &f.event, f.stream, "order after the channel's last one-launch kernel")?;
-                    }
-                    let done = self.launch_completing(&on, which, fences, &mut steps)?;
-                    *last = Some(StreamFence { event: Arc::clone(&done), stream: stream_id(&on) });
-                    drop(last);
+                    let chan = self.chan();
+                    let done =
+                        in_channel_order(&s, chan, &on, "order after the channel's last one-launch kernel", || {
+                            self.launch_completing(&on, which, fences, &mut steps)
+                        })?;
                     self.one_launched = true;
                     self.completing = true;
                     if let Some(h) = reader {
