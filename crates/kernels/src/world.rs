@@ -11,6 +11,7 @@ use crate::compile::Functions;
 use crate::device::cache::OutputCache;
 use crate::device::{DeviceBuffer, EventPool, bind, context, cuda, pci_key, sm_count_of};
 use crate::layout::Layout;
+use crate::ll::geometry::one_launch_threads;
 use crate::rank::GpuRank;
 use crate::rank::shared::{Peers, RankMemory, RankShared};
 use crate::setup::bootstrap::{self, Bootstrap};
@@ -247,10 +248,7 @@ fn build_rank(
     let allowed = std::env::var("EPFLOW_ONE_LAUNCH").map_or(true, |v| v != "0");
     let one_launch = allowed
         && !place.shares_gpu
-        && fits(&functions.dispatch_one, 512)
-        && fits(&functions.dispatch_one_tagged, crate::ll::geometry::TAGGED_DISPATCH_THREADS)
-        && fits(&functions.combine_one, 512)
-        && fits(&functions.combine_one_tagged, 512);
+        && functions.one_launch().iter().all(|(f, form)| fits(f, one_launch_threads(*form)));
     let events = EventPool::new(ctx);
     let core = RankCore::new(place.rank, place.num_ranks, place.group_id, config.clone());
     let shared = Arc::new(RankShared {

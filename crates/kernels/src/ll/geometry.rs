@@ -62,6 +62,26 @@ impl LlKernel {
         }
     }
 
+    /// The `extern "C"` name of its rank-major variant: the one-launch kernels' plain form
+    /// compiled for 256-thread blocks (see [`Form::RankMajor`]).
+    pub(crate) fn rank_major_function_name(self) -> Option<&'static str> {
+        match self {
+            LlKernel::DispatchOne => Some("ep_ll_dispatch_kernel_rank_major"),
+            LlKernel::CombineOne => Some("ep_ll_combine_kernel_rank_major"),
+            _ => None,
+        }
+    }
+
+    /// Which of its compiled forms runs `p`'s operation.
+    pub(crate) fn form(self, p: &LlParams) -> Form {
+        match self {
+            LlKernel::CombineRecv | LlKernel::CombineOne if p.tagged_rows() => Form::Tagged,
+            LlKernel::DispatchOne if p.sends_tagged() => Form::Tagged,
+            LlKernel::DispatchOne | LlKernel::CombineOne if p.rank_major != 0 => Form::RankMajor,
+            _ => Form::Plain,
+        }
+    }
+
     /// Whether it belongs to a combine (channel 1) rather than a dispatch.
     pub(crate) fn is_combine(self) -> bool {
         matches!(self, LlKernel::CombineSend | LlKernel::CombineRecv | LlKernel::CombineOne)
@@ -80,21 +100,44 @@ impl LlKernel {
     }
 }
 
-/// Threads per block of the send kernels and the dispatch receive kernel.
+/// The compiled forms of a low-latency kernel (one `extern "C"` function each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Form {
+    /// The kernel as named by [`LlKernel::function_name`].
+    Plain,
+    /// Tagged messages or rows ([`LlKernel::tagged_function_name`]).
+    Tagged,
+    /// A rank-major one-launch operation that is not tagged
+    /// ([`LlKernel::rank_major_function_name`]): the plain code in 256-thread blocks.
+    RankMajor,
+}
+
+/// Threads per block of the send kernels, the dispatch receive kernel and the plain one-launch
+/// kernels.
 const BLOCK_THREADS: u32 = 512;
 /// Threads per block of the combine receive kernel.
 const COMBINE_RECV_THREADS: u32 = 256;
-/// Threads per block of the one-launch dispatch kernel that sends tagged messages
-/// (`ep_ll_dispatch_kernel_tagged`, at most `EP_TAG_TOKENS` tokens): its `__launch_bounds__(256,
-/// 2)` leave it 128 registers, where 512 threads held it to 64 and it spilled ~200 bytes per
-/// thread on the receive's path (benches/NOTES.md item 109). Two such blocks still fit on an SM.
-pub(crate) const TAGGED_DISPATCH_THREADS: u32 = 256;
+/// Threads per block of the one-launch kernels' tagged and rank-major forms. Their
+/// `__launch_bounds__(256, 2)` leave them 128 registers where 512 threads held them to 64 and
+/// they spilled (the tagged dispatch ~200 bytes per thread on its receive's path, the combines
+/// 20-76): two such blocks still fit on an SM. The plain expert-major forms keep 512 threads:
+/// their receives cover 2 R M slots (dispatch) and two rows per block (combine) in one round at
+/// 512 and took 0.4-3 us longer at 256 (benches/NOTES.md items 109 and 111).
+pub(crate) const SMALL_ONE_LAUNCH_THREADS: u32 = 256;
+
+/// Threads per block of a one-launch kernel in form `form`.
+pub(crate) fn one_launch_threads(form: Form) -> u32 {
+    match form {
+        Form::Plain => BLOCK_THREADS,
+        Form::Tagged | Form::RankMajor => SMALL_ONE_LAUNCH_THREADS,
+    }
+}
 
 /// Threads per block of `which` for `p`.
 pub(crate) fn block_threads(which: LlKernel, p: &LlParams) -> u32 {
     match which {
         LlKernel::CombineRecv => COMBINE_RECV_THREADS,
-        LlKernel::DispatchOne if p.sends_tagged() => TAGGED_DISPATCH_THREADS,
+        LlKernel::DispatchOne | LlKernel::CombineOne => one_launch_threads(which.form(p)),
         _ => BLOCK_THREADS,
     }
 }
@@ -291,8 +334,34 @@ mod tests {
             assert_eq!(ll_launch(LlKernel::DispatchRecv, &mut p, 132), (2 * splits as u32 + 1, 512), "{tokens}");
             assert_eq!((p.splits, p.recv_chunks), (splits, 16), "{tokens}");
         }
+        // Rank-major one-launch kernels run in 256-thread blocks.
         let mut p = LlParams { rank_major: 1, ..params(1) };
-        assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132), (17, 512));
+        assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132), (17, 256));
+    }
+
+    #[test]
+    fn forms_pick_the_function_and_the_block() {
+        // Tagged combine rows (a rank-major combine of at most `tag_tokens` tokens): the tagged
+        // one-launch combine and complete half, the one-launch one in 256-thread blocks.
+        let p = LlParams { rank_major: 1, tag_tokens: 32, ..params(32) };
+        assert_eq!(LlKernel::CombineOne.form(&p), Form::Tagged);
+        assert_eq!(LlKernel::CombineRecv.form(&p), Form::Tagged);
+        assert_eq!(block_threads(LlKernel::CombineOne, &p), 256);
+        // The halves of a staged operation have one form each, whatever the layout.
+        for k in [LlKernel::DispatchSend, LlKernel::DispatchRecv, LlKernel::CombineSend] {
+            assert_eq!(k.form(&p), Form::Plain, "{k:?}");
+            assert_eq!(block_threads(k, &p), 512, "{k:?}");
+        }
+        // Expert-major, over the tagged area's rows: the plain 512-thread kernels.
+        let p = LlParams { tag_tokens: 32, ..params(128) };
+        assert_eq!(LlKernel::CombineOne.form(&p), Form::Plain);
+        assert_eq!(block_threads(LlKernel::CombineOne, &p), 512);
+        // Every form of a one-launch kernel names a function of the module.
+        for k in [LlKernel::DispatchOne, LlKernel::CombineOne] {
+            for name in [k.tagged_function_name(), k.rank_major_function_name()] {
+                assert!(crate::compile::sources::LL.kernels.contains(&name.unwrap()), "{k:?}");
+            }
+        }
     }
 
     #[test]
@@ -332,8 +401,20 @@ mod tests {
         let mut p = tagged(1);
         assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132), (17, 256));
         assert_eq!((p.chunks, p.splits, p.recv_chunks), (28, 8, 8));
-        // Beyond the tagged bound, the plain kernel's 512.
+        // Beyond the tagged bound, the plain code: rank-major in 256-thread blocks (at 128
+        // tokens the dispatch's send cuts rows in 4 pieces for 128 blocks, its receive copies a
+        // task's two rows in 4 pieces each; the combine's send cuts them in 7), expert-major in
+        // 512.
         let mut p = tagged(33);
+        assert_eq!(LlKernel::DispatchOne.form(&p), Form::RankMajor);
+        assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132).1, 256);
+        let mut p = tagged(128);
+        assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132), (129, 256));
+        assert_eq!((p.chunks, p.splits, p.recv_chunks), (4, 64, 4));
+        assert_eq!(ll_launch(LlKernel::CombineOne, &mut p, 132), (132, 256));
+        assert_eq!(p.chunks, 7);
+        let mut p = LlParams { tag_dispatch_tokens: 32, ..params(33) };
+        assert_eq!(LlKernel::DispatchOne.form(&p), Form::Plain);
         assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132).1, 512);
         assert_eq!(recv_pieces(14336, 1, 8), 8);
         for sms in [1, 2, 7, 24, 132] {

@@ -12,7 +12,7 @@ use super::{GpuOp, GpuOpKind, in_channel_order, wait_unless_same};
 use crate::device::host_steps::Steps;
 use crate::device::{StreamFence, StreamWork, cuda, stream_id};
 use crate::ht::geometry::{HT_MARK_BLOCK, HT_PLAN_BLOCK, ht_grid};
-use crate::ll::geometry::{LlKernel, ll_launch};
+use crate::ll::geometry::{Form, LlKernel, ll_launch};
 use crate::params::{ExchangeParams, HtParams, HtPlanParams, LlParams, NcclHtParams};
 use crate::rank::handle::GpuHandle;
 use crate::rank::shared::RankShared;
@@ -65,17 +65,18 @@ pub(crate) fn launch_ll_kernel(s: &RankShared, which: LlKernel, mut p: LlParams,
     let sms = s.config.max_sms.map_or(s.num_sms, |m| (m as u32).min(s.num_sms)).max(1);
     let geometry = ll_launch(which, &mut p, sms);
     let f = &s.functions;
-    let tagged = p.tagged_rows();
-    let k = match which {
-        LlKernel::DispatchSend => &f.dispatch_send,
-        LlKernel::DispatchRecv => &f.dispatch_recv,
-        LlKernel::CombineSend => &f.combine_send,
-        LlKernel::CombineRecv if tagged => &f.combine_recv_tagged,
-        LlKernel::CombineRecv => &f.combine_recv,
-        LlKernel::DispatchOne if p.sends_tagged() => &f.dispatch_one_tagged,
-        LlKernel::DispatchOne => &f.dispatch_one,
-        LlKernel::CombineOne if tagged => &f.combine_one_tagged,
-        LlKernel::CombineOne => &f.combine_one,
+    let k = match (which, which.form(&p)) {
+        (LlKernel::DispatchSend, _) => &f.dispatch_send,
+        (LlKernel::DispatchRecv, _) => &f.dispatch_recv,
+        (LlKernel::CombineSend, _) => &f.combine_send,
+        (LlKernel::CombineRecv, Form::Tagged) => &f.combine_recv_tagged,
+        (LlKernel::CombineRecv, _) => &f.combine_recv,
+        (LlKernel::DispatchOne, Form::Tagged) => &f.dispatch_one_tagged,
+        (LlKernel::DispatchOne, Form::RankMajor) => &f.dispatch_one_rank_major,
+        (LlKernel::DispatchOne, Form::Plain) => &f.dispatch_one,
+        (LlKernel::CombineOne, Form::Tagged) => &f.combine_one_tagged,
+        (LlKernel::CombineOne, Form::RankMajor) => &f.combine_one_rank_major,
+        (LlKernel::CombineOne, Form::Plain) => &f.combine_one,
     };
     launch(on, k, &p, geometry, which.is_one_launch(), || format!("launch {which:?}"))
 }
