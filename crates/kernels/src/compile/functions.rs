@@ -29,10 +29,6 @@ pub(crate) struct Functions {
     pub combine_one: CudaFunction,
     /// Low-latency combine in one launch, for tagged rows.
     pub combine_one_tagged: CudaFunction,
-    /// Low-latency dispatch in one launch, rank-major and not tagged (256-thread blocks).
-    pub dispatch_one_rank_major: CudaFunction,
-    /// Low-latency combine in one launch, rank-major and not tagged (256-thread blocks).
-    pub combine_one_rank_major: CudaFunction,
     /// A captured step's bases, set before a replay whose channels moved on (`graph/`).
     pub graph_rebase: CudaFunction,
     /// Rank masking: ORs ranks into every rank's mask word (`mask.rs`).
@@ -106,8 +102,6 @@ impl Functions {
             dispatch_one_tagged: f(&ll, LlKernel::DispatchOne.tagged_function_name().unwrap_or_default())?,
             combine_one: f(&ll, LlKernel::CombineOne.function_name())?,
             combine_one_tagged: f(&ll, LlKernel::CombineOne.tagged_function_name().unwrap_or_default())?,
-            dispatch_one_rank_major: f(&ll, LlKernel::DispatchOne.rank_major_function_name().unwrap_or_default())?,
-            combine_one_rank_major: f(&ll, LlKernel::CombineOne.rank_major_function_name().unwrap_or_default())?,
             graph_rebase: f(&ll, "ep_graph_rebase")?,
             mask_spread: f(&ll, "ep_mask_spread")?,
             mask_rejoin: f(&ll, "ep_mask_rejoin")?,
@@ -136,14 +130,12 @@ impl Functions {
 impl Functions {
     /// Every one-launch low-latency kernel with its form (which sets its block size:
     /// `ll::geometry::one_launch_threads`).
-    pub(crate) fn one_launch(&self) -> [(&CudaFunction, Form); 6] {
+    pub(crate) fn one_launch(&self) -> [(&CudaFunction, Form); 4] {
         [
             (&self.dispatch_one, Form::Plain),
             (&self.dispatch_one_tagged, Form::Tagged),
-            (&self.dispatch_one_rank_major, Form::RankMajor),
             (&self.combine_one, Form::Plain),
             (&self.combine_one_tagged, Form::Tagged),
-            (&self.combine_one_rank_major, Form::RankMajor),
         ]
     }
 

@@ -8,11 +8,10 @@
 // tasks; a block waiting for arrivals never keeps a sender of this kernel off the GPU. A
 // one-launch grid has at most one block per SM, and its registers are bounded so that two blocks
 // fit on an SM: the other channel's one-launch kernel (ranks may interleave the channels
-// differently) always finds room beside a waiting one. The tagged kernels and the rank-major
-// forms of the plain ones (the same code) run in blocks of 256 threads (epflow-kernels
-// ll/geometry.rs `SMALL_ONE_LAUNCH_THREADS`), so they have 128 registers: at 512 threads and 64
-// they spilled (the tagged dispatch ~200 bytes on the receive's path, the combines 20-76). The
-// plain expert-major ones keep 512 threads (their receives do more per block).
+// differently) always finds room beside a waiting one. The tagged one-launch kernels run in
+// blocks of 256 threads (epflow-kernels ll/geometry.rs `TAGGED_ONE_LAUNCH_THREADS`), so they have
+// 128 registers: at 512 threads and 64 they spilled (the dispatch ~200 bytes on the receive's
+// path, the combine 20). The plain ones keep 512 threads (in 256 their receives take two rounds).
 extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(LlParams p) {
     trace_at(p, 0, 0);
     const OpNum n = op_num(p, 0);
@@ -36,7 +35,6 @@ __device__ __forceinline__ void dispatch_one(const LlParams& p) {
 }
 extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_dispatch_kernel(LlParams p) { dispatch_one<false>(p); }
 extern "C" __global__ void __launch_bounds__(256, 2) ep_ll_dispatch_kernel_tagged(LlParams p) { dispatch_one<true>(p); }
-extern "C" __global__ void __launch_bounds__(256, 2) ep_ll_dispatch_kernel_rank_major(LlParams p) { dispatch_one<false>(p); }
 // The combine send is held to two blocks per SM (62 registers for sm_90, no spills; left to
 // itself ptxas takes 82), so a send block leaves room on its SM for another operation's receive.
 extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_send(LlParams p) {
@@ -64,7 +62,6 @@ __device__ __forceinline__ void combine_one(const LlParams& p) {
 }
 extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_kernel(LlParams p) { combine_one<false>(p); }
 extern "C" __global__ void __launch_bounds__(256, 2) ep_ll_combine_kernel_tagged(LlParams p) { combine_one<true>(p); }
-extern "C" __global__ void __launch_bounds__(256, 2) ep_ll_combine_kernel_rank_major(LlParams p) { combine_one<false>(p); }
 
 // Captured steps (graph/ in epflow-kernels).
 //

@@ -62,22 +62,11 @@ impl LlKernel {
         }
     }
 
-    /// The `extern "C"` name of its rank-major variant: the one-launch kernels' plain form
-    /// compiled for 256-thread blocks (see [`Form::RankMajor`]).
-    pub(crate) fn rank_major_function_name(self) -> Option<&'static str> {
-        match self {
-            LlKernel::DispatchOne => Some("ep_ll_dispatch_kernel_rank_major"),
-            LlKernel::CombineOne => Some("ep_ll_combine_kernel_rank_major"),
-            _ => None,
-        }
-    }
-
     /// Which of its compiled forms runs `p`'s operation.
     pub(crate) fn form(self, p: &LlParams) -> Form {
         match self {
             LlKernel::CombineRecv | LlKernel::CombineOne if p.tagged_rows() => Form::Tagged,
             LlKernel::DispatchOne if p.sends_tagged() => Form::Tagged,
-            LlKernel::DispatchOne | LlKernel::CombineOne if p.rank_major != 0 => Form::RankMajor,
             _ => Form::Plain,
         }
     }
@@ -107,9 +96,6 @@ pub(crate) enum Form {
     Plain,
     /// Tagged messages or rows ([`LlKernel::tagged_function_name`]).
     Tagged,
-    /// A rank-major one-launch operation that is not tagged
-    /// ([`LlKernel::rank_major_function_name`]): the plain code in 256-thread blocks.
-    RankMajor,
 }
 
 /// Threads per block of the send kernels, the dispatch receive kernel and the plain one-launch
@@ -117,19 +103,20 @@ pub(crate) enum Form {
 const BLOCK_THREADS: u32 = 512;
 /// Threads per block of the combine receive kernel.
 const COMBINE_RECV_THREADS: u32 = 256;
-/// Threads per block of the one-launch kernels' tagged and rank-major forms. Their
-/// `__launch_bounds__(256, 2)` leave them 128 registers where 512 threads held them to 64 and
-/// they spilled (the tagged dispatch ~200 bytes per thread on its receive's path, the combines
-/// 20-76): two such blocks still fit on an SM. The plain expert-major forms keep 512 threads:
-/// their receives cover 2 R M slots (dispatch) and two rows per block (combine) in one round at
-/// 512 and took 0.4-3 us longer at 256 (benches/NOTES.md items 109 and 111).
-pub(crate) const SMALL_ONE_LAUNCH_THREADS: u32 = 256;
+/// Threads per block of the one-launch kernels' tagged forms (at most `EP_TAG_TOKENS` tokens):
+/// their `__launch_bounds__(256, 2)` leave them 128 registers where 512 threads held them to 64
+/// and they spilled (the dispatch ~200 bytes per thread on its receive's path, the combine 20):
+/// 1-1.7 us of a 1- or 32-token operation (benches/NOTES.md items 109 and 111). Two such blocks
+/// still fit on an SM. The plain forms keep 512 threads: in 256 (no spills either) the
+/// rank-major 128-token operations were level and the expert-major ones 0.4-3 us slower, their
+/// receives doing a block's work in two rounds (item 111).
+pub(crate) const TAGGED_ONE_LAUNCH_THREADS: u32 = 256;
 
 /// Threads per block of a one-launch kernel in form `form`.
 pub(crate) fn one_launch_threads(form: Form) -> u32 {
     match form {
         Form::Plain => BLOCK_THREADS,
-        Form::Tagged | Form::RankMajor => SMALL_ONE_LAUNCH_THREADS,
+        Form::Tagged => TAGGED_ONE_LAUNCH_THREADS,
     }
 }
 
@@ -334,9 +321,8 @@ mod tests {
             assert_eq!(ll_launch(LlKernel::DispatchRecv, &mut p, 132), (2 * splits as u32 + 1, 512), "{tokens}");
             assert_eq!((p.splits, p.recv_chunks), (splits, 16), "{tokens}");
         }
-        // Rank-major one-launch kernels run in 256-thread blocks.
         let mut p = LlParams { rank_major: 1, ..params(1) };
-        assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132), (17, 256));
+        assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132), (17, 512));
     }
 
     #[test]
@@ -356,11 +342,9 @@ mod tests {
         let p = LlParams { tag_tokens: 32, ..params(128) };
         assert_eq!(LlKernel::CombineOne.form(&p), Form::Plain);
         assert_eq!(block_threads(LlKernel::CombineOne, &p), 512);
-        // Every form of a one-launch kernel names a function of the module.
-        for k in [LlKernel::DispatchOne, LlKernel::CombineOne] {
-            for name in [k.tagged_function_name(), k.rank_major_function_name()] {
-                assert!(crate::compile::sources::LL.kernels.contains(&name.unwrap()), "{k:?}");
-            }
+        // Every tagged form names a function of the module.
+        for k in [LlKernel::DispatchOne, LlKernel::CombineRecv, LlKernel::CombineOne] {
+            assert!(crate::compile::sources::LL.kernels.contains(&k.tagged_function_name().unwrap()), "{k:?}");
         }
     }
 
@@ -401,19 +385,8 @@ mod tests {
         let mut p = tagged(1);
         assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132), (17, 256));
         assert_eq!((p.chunks, p.splits, p.recv_chunks), (28, 8, 8));
-        // Beyond the tagged bound, the plain code: rank-major in 256-thread blocks (at 128
-        // tokens the dispatch's send cuts rows in 4 pieces for 128 blocks, its receive copies a
-        // task's two rows in 4 pieces each; the combine's send cuts them in 7), expert-major in
-        // 512.
+        // Beyond the tagged bound, the plain kernel's 512.
         let mut p = tagged(33);
-        assert_eq!(LlKernel::DispatchOne.form(&p), Form::RankMajor);
-        assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132).1, 256);
-        let mut p = tagged(128);
-        assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132), (129, 256));
-        assert_eq!((p.chunks, p.splits, p.recv_chunks), (4, 64, 4));
-        assert_eq!(ll_launch(LlKernel::CombineOne, &mut p, 132), (132, 256));
-        assert_eq!(p.chunks, 7);
-        let mut p = LlParams { tag_dispatch_tokens: 32, ..params(33) };
         assert_eq!(LlKernel::DispatchOne.form(&p), Form::Plain);
         assert_eq!(ll_launch(LlKernel::DispatchOne, &mut p, 132).1, 512);
         assert_eq!(recv_pieces(14336, 1, 8), 8);

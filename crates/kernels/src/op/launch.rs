@@ -72,10 +72,8 @@ pub(crate) fn launch_ll_kernel(s: &RankShared, which: LlKernel, mut p: LlParams,
         (LlKernel::CombineRecv, Form::Tagged) => &f.combine_recv_tagged,
         (LlKernel::CombineRecv, _) => &f.combine_recv,
         (LlKernel::DispatchOne, Form::Tagged) => &f.dispatch_one_tagged,
-        (LlKernel::DispatchOne, Form::RankMajor) => &f.dispatch_one_rank_major,
         (LlKernel::DispatchOne, Form::Plain) => &f.dispatch_one,
         (LlKernel::CombineOne, Form::Tagged) => &f.combine_one_tagged,
-        (LlKernel::CombineOne, Form::RankMajor) => &f.combine_one_rank_major,
         (LlKernel::CombineOne, Form::Plain) => &f.combine_one,
     };
     launch(on, k, &p, geometry, which.is_one_launch(), || format!("launch {which:?}"))
