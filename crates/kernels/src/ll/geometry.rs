@@ -109,7 +109,7 @@ const COMBINE_RECV_THREADS: u32 = 256;
 /// 1-1.7 us of a 1- or 32-token operation (benches/NOTES.md items 109 and 111). Two such blocks
 /// still fit on an SM. The plain forms keep 512 threads: in 256 (no spills either) the
 /// rank-major 128-token operations were level and the expert-major ones 0.4-3 us slower, their
-/// receives doing a block's work in two rounds (item 111).
+/// receives taking twice the rounds of copies and sums (item 111).
 pub(crate) const TAGGED_ONE_LAUNCH_THREADS: u32 = 256;
 
 /// Threads per block of a one-launch kernel in form `form`.
