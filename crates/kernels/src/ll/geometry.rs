@@ -106,10 +106,10 @@ const COMBINE_RECV_THREADS: u32 = 256;
 /// Threads per block of the one-launch kernels' tagged forms (at most `EP_TAG_TOKENS` tokens):
 /// their `__launch_bounds__(256, 2)` leave them 128 registers where 512 threads held them to 64
 /// and they spilled (the dispatch ~200 bytes per thread on its receive's path, the combine 20):
-/// 1-1.7 us of a rank-major 1- or 32-token operation (benches/NOTES.md items 109 and 111). Two such blocks
-/// still fit on an SM. The plain forms keep 512 threads: in 256 (no spills either) the
-/// rank-major 128-token operations were level and the expert-major ones 0.4-3 us slower, their
-/// receives taking twice the rounds of copies and sums (item 111).
+/// 1-1.7 us of a rank-major 1- or 32-token operation (benches/NOTES.md items 109 and 111). Two
+/// such blocks still fit on an SM. The plain forms keep 512 threads: in 256 (no spills either)
+/// the rank-major 128-token operations were level and the expert-major ones 0.4-3 us slower,
+/// their receives taking twice the rounds of copies and sums (item 111).
 pub(crate) const TAGGED_ONE_LAUNCH_THREADS: u32 = 256;
 
 /// Threads per block of a one-launch kernel in form `form`.
