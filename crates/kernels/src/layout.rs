@@ -43,6 +43,8 @@ impl Layout {
                 direct: true,
                 pull_combine: ht_tuning("PULL", 0, 1) != Some(0),
                 warps_per_dest: dispatch_warps(h.num_ranks, h.channels, true),
+                direct_helpers: ht_tuning("DIRECT_HELPERS", 0, max_helpers(h.num_ranks))
+                    .unwrap_or_else(|| direct_helpers(h.num_ranks, h.channels)),
                 ..h
             }),
             other => other,
@@ -152,6 +154,23 @@ pub(crate) fn dispatch_send_warps(num_ranks: usize, channels: usize, direct: boo
     (HT_MAX_WARPS / num_ranks.max(1)).max(1)
 }
 
+/// Warps of each receiving block that help a direct dispatch send to each remote destination
+/// (`ht_help_direct` in `ht_send.cuh`) on `num_ranks` ranks with `channels` channels: all of
+/// the block's 16 shared out ([`max_helpers`]) up to 32 channels (the default 64 SMs), none
+/// above. Measured on three pairs of H100s at 4096 tokens (benches/NOTES.md item 114): at 64
+/// SMs the dispatch took 192-197 us with 16 helpers on every pair, against 196-204 us without
+/// on two pairs and 186-202 (median 191) on the third, so helpers trade that pair's best runs
+/// for the others' slow ones; at 96 and 132 SMs they were 5-8 us slower. More than two ranks:
+/// not measured (no such machine).
+pub(crate) fn direct_helpers(num_ranks: usize, channels: usize) -> usize {
+    if channels > 32 { 0 } else { max_helpers(num_ranks) }
+}
+
+/// The most helping warps per remote destination a receiving block has: its 16 shared out.
+fn max_helpers(num_ranks: usize) -> usize {
+    if num_ranks <= 1 { 0 } else { HT_MAX_WARPS / (num_ranks - 1) }
+}
+
 /// Sending warps per remote destination of a high-throughput combine: `16 / R` (the block's
 /// own-row warps idle: the receiver reads those rows in place). Measured on 2 x H200 (items 37
 /// and 60): 16 warps to the one peer made the combine slower (292 against 221 us at 64 SMs), 4
@@ -168,7 +187,8 @@ pub(crate) fn combine_send_warps(num_ranks: usize) -> usize {
 /// and `EPFLOW_HT_COMBINE_WARPS` (sending warps per remote destination, at most what the
 /// block's 16 leave: one own-copy warp for a dispatch), `EPFLOW_HT_DIRECT_MIN_ROWS` (the rows of a
 /// (source, channel) pair from which a dispatch writes them directly, at least 1). Every rank of
-/// a group must set the same values.
+/// a group must set the same values. `EPFLOW_HT_DIRECT_HELPERS`: a direct dispatch's helping
+/// warps per remote destination in each receiving block ([`direct_helpers`]; 0 turns them off).
 pub(crate) fn ht_tuning(name: &str, lo: usize, hi: usize) -> Option<usize> {
     let v: usize = std::env::var(format!("EPFLOW_HT_{name}")).ok()?.trim().parse().ok()?;
     Some(v.clamp(lo, hi.max(lo)))
@@ -235,6 +255,9 @@ pub(crate) struct HtLayout {
     /// Rows of a (source, channel) pair from which a direct dispatch writes them into the
     /// receiver's outputs, and a pull combine reads them in place: [`HT_DIRECT_MIN_ROWS`].
     pub direct_min_rows: usize,
+    /// Warps of each receiving block that help a direct dispatch send to each remote destination
+    /// ([`direct_helpers`]; only with `direct`, 0 otherwise): the same on every rank.
+    pub direct_helpers: usize,
     /// Byte offset of the FP8 scales in a slot.
     pub off_scales: usize,
     /// Byte offset of the top-k weights in a slot.
@@ -282,6 +305,7 @@ impl HtLayout {
             direct: false,
             pull_combine: false,
             direct_min_rows: ht_tuning("DIRECT_MIN_ROWS", 1, i32::MAX as usize).unwrap_or(HT_DIRECT_MIN_ROWS),
+            direct_helpers: 0,
             off_scales,
             off_weights,
             off_idx,
@@ -615,6 +639,15 @@ mod tests {
         assert_eq!(direct.pull_combine, std::env::var("EPFLOW_HT_PULL").map_or(true, |v| v.trim() != "0"));
         assert_eq!((direct.warps_per_dest, direct.combine_warps_per_dest), (6, 8));
         assert_eq!(direct.direct_min_rows, HT_DIRECT_MIN_ROWS);
+        // At 64 SMs (32 channels) every warp of a receiving block helps send to the one peer.
+        if std::env::var_os("EPFLOW_HT_DIRECT_HELPERS").is_none() {
+            assert_eq!((plain.direct_helpers, direct.direct_helpers), (0, 16));
+        }
+        assert_eq!(direct_helpers(2, 48), 0);
+        assert_eq!(direct_helpers(2, 16), 16);
+        assert_eq!(direct_helpers(4, 32), 5);
+        assert_eq!(direct_helpers(8, 32), 2);
+        assert_eq!(direct_helpers(1, 32), 0);
         // Four ranks keep 16 / R; over NCCL (no rings) nothing is direct; off stays off.
         assert_eq!(ht(Layout::new(&cfg, 4, H200_SMS).unwrap().with_direct_access(true)).warps_per_dest, 4);
         let over_nccl = Layout::new(&cfg, 2, H200_SMS).unwrap().for_transport(true).with_direct_access(true);

@@ -32,10 +32,12 @@ pub(crate) const HT_MAX_WARPS: usize = 16;
 pub(crate) const HT_DIRECT_SLOT: usize = 16;
 /// Words of the high-throughput ring counters after the arrays (see `ht_rings.cuh`): subtails
 /// `[2][C][R][W]`, heads `[2][C][R]`, the producer and consumer positions `[2][C][R][2]`, the
-/// addresses of direct dispatch and pull combine `[2][C][R][HT_DIRECT_SLOT]` (`ht_direct`).
+/// addresses of direct dispatch and pull combine `[2][C][R][HT_DIRECT_SLOT]` (`ht_direct`), the
+/// direct dispatch's helper words `[C][R][W]` (`ht_helped`).
 pub(crate) const HT_COUNTER_WORDS: usize = 2 * HT_MAX_CHANNELS * MAX_RANKS * HT_MAX_WARPS
     + 2 * HT_MAX_CHANNELS * MAX_RANKS * 5
-    + 2 * HT_MAX_CHANNELS * MAX_RANKS * HT_DIRECT_SLOT;
+    + 2 * HT_MAX_CHANNELS * MAX_RANKS * HT_DIRECT_SLOT
+    + HT_MAX_CHANNELS * MAX_RANKS * HT_MAX_WARPS;
 /// Bytes of a rank's signal page.
 pub(crate) const SIGNAL_PAGE_BYTES: usize = (SIG_ARRAY_WORDS + HT_COUNTER_WORDS) * 8;
 
@@ -285,6 +287,11 @@ pub(crate) struct HtParams {
     /// sources for the ring. Combine: 1 when peers may read this rank's expert outputs (and
     /// weight gradients) in place (memory epflow allocated); 0 sends them through the rings.
     pub direct_mem: i32,
+    /// Direct dispatch: warps of each receiving block that help send this rank's rows to each
+    /// remote destination (`ht_help_direct`; `HtLayout::direct_helpers`), 0 for none. The same
+    /// on every rank.
+    pub helpers: i32,
+    pub pad_: i32,
 }
 
 // SAFETY: `HtParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
@@ -458,7 +465,8 @@ mod tests {
 
     #[test]
     fn ht_layouts_match_the_cuda_structs() {
-        assert_eq!(size_of::<HtParams>(), 384);
+        assert_eq!(size_of::<HtParams>(), 392);
+        assert_eq!(offset_of!(HtParams, helpers), 384);
         assert_eq!(offset_of!(HtParams, stamp), 368);
         assert_eq!(offset_of!(HtParams, direct), 376);
         assert_eq!(offset_of!(HtParams, direct_mem), 380);

@@ -1,13 +1,18 @@
 // epflow high-throughput kernels, part 4 of 5 (after ht_receive.cuh): the dispatch and combine
 // kernels. Handle creation's kernels follow in ht_handle.cuh.
 
-// High-throughput dispatch (forward or backward), one launch: blocks [0, C) send, [C, 2C) receive.
+// High-throughput dispatch (forward or backward), one launch: blocks [0, C) send, [C, 2C) receive;
+// a receiving block first tells its direct sources where their rows go, then helps its own
+// sending block with its direct pairs, then receives.
 extern "C" __global__ void __launch_bounds__(HT_BLOCK) ep_ht_dispatch_kernel(HtParams p) {
     ht_signal_start(p);
     if ((int)blockIdx.x < p.channels) {
         ht_send<true>(p, blockIdx.x);
     } else {
-        ht_dispatch_recv(p, blockIdx.x - p.channels);
+        const int c = blockIdx.x - p.channels;
+        ht_offer_outputs(p, c);
+        ht_help_direct(p, c);
+        ht_dispatch_recv(p, c);
     }
 }
 

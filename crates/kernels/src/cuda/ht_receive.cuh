@@ -1,8 +1,32 @@
 // epflow high-throughput kernels, part 3 of 5 (after ht_send.cuh): the receiving blocks of
 // dispatch and combine.
 
-// Dispatch receiver of channel c: copies ready items of every source into their output rows,
-// up to `batch` per source per round, and returns ring space after each round.
+// Direct dispatch, the receiving block of channel c at its start (threads < R): tells each
+// source s where its rows of this channel go (null: into the ring), before the block waits for
+// anything (the sources' starts, or its helpers' receivers), so that a source's first row waits
+// for one signal, not a round trip: the stamp beside the addresses keeps a source that runs
+// another operation from writing (a cancelled source writes nothing anyway).
+__device__ __forceinline__ void ht_offer_outputs(const HtParams& p, int c) {
+    const int R = p.num_ranks, C = p.channels, K = p.top_k;
+    if ((int)threadIdx.x >= R || p.direct <= 0) return;
+    const int s = threadIdx.x;
+    const int cnt = s == p.rank ? 0 : reinterpret_cast<const int*>(p.recv_cnt)[s * C + c];
+    if (cnt < p.direct) return;
+    const bool direct_out = p.direct_mem != 0;
+    const int cols = p.hidden / 128;
+    u64* slot = ht_direct(reinterpret_cast<u64*>(p.peer_signals[s]), p.chan, c, p.rank);
+    const u64 row0 = (u64)reinterpret_cast<const int*>(p.recv_base)[s * C + c];
+    const u32 tag = ht_slot_tag(p.seq);
+    ht_put_tagged(slot, 0, direct_out ? p.out + row0 * (u64)p.row_bytes : 0, tag);
+    ht_put_tagged(slot, 1, direct_out && p.fp8 ? p.out_scales + row0 * (u64)cols * 4 : 0, tag);
+    ht_put_tagged(slot, 2, direct_out && !p.backward ? p.out_weights + row0 * (u64)K * 4 : 0, tag);
+    ht_put_tagged(slot, 3, direct_out && !p.backward ? p.out_idx + row0 * (u64)K * 8 : 0, tag);
+    ht_put_tagged(slot, 4, p.stamp, tag);
+}
+
+// Dispatch receiver of channel c (after `ht_offer_outputs` and `ht_help_direct`): copies ready
+// items of every source into their output rows, up to `batch` per source per round, and returns
+// ring space after each round.
 __device__ void ht_dispatch_recv(const HtParams& p, int c) {
     __shared__ u32 cancelled, mismatched;
     __shared__ int failed;
@@ -15,24 +39,6 @@ __device__ void ht_dispatch_recv(const HtParams& p, int c) {
     u64* sig = reinterpret_cast<u64*>(p.signals);
     const int cols = p.hidden / 128;
     const bool direct_out = p.direct_mem != 0;
-    if ((int)threadIdx.x < R) {
-        // Where source s's rows of this channel go (null: into the ring), told before the
-        // sources' starts are checked, so that a source's first row waits for one signal, not a
-        // round trip: the stamp beside the addresses keeps a source that runs another operation
-        // from writing (a cancelled source writes nothing anyway).
-        const int s = threadIdx.x;
-        const int cnt = s == p.rank ? 0 : reinterpret_cast<const int*>(p.recv_cnt)[s * C + c];
-        if (p.direct > 0 && cnt >= p.direct) {
-            u64* slot = ht_direct(reinterpret_cast<u64*>(p.peer_signals[s]), p.chan, c, p.rank);
-            const u64 row0 = (u64)reinterpret_cast<const int*>(p.recv_base)[s * C + c];
-            const u32 tag = ht_slot_tag(p.seq);
-            ht_put_tagged(slot, 0, direct_out ? p.out + row0 * (u64)p.row_bytes : 0, tag);
-            ht_put_tagged(slot, 1, direct_out && p.fp8 ? p.out_scales + row0 * (u64)cols * 4 : 0, tag);
-            ht_put_tagged(slot, 2, direct_out && !p.backward ? p.out_weights + row0 * (u64)K * 4 : 0, tag);
-            ht_put_tagged(slot, 3, direct_out && !p.backward ? p.out_idx + row0 * (u64)K * 8 : 0, tag);
-            ht_put_tagged(slot, 4, p.stamp, tag);
-        }
-    }
     if (!ht_wait_starts(p, &cancelled, &mismatched, &failed)) return;
     if (threadIdx.x == 0) direct = 0u;
     __syncthreads();

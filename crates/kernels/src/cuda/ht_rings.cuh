@@ -33,6 +33,12 @@
 // positions (head), so the rings' numbering goes on as if the items had passed through them. A receiver whose
 // outputs peers may not reach (`direct_mem` 0: caller memory, a buffer allocated for this
 // operation) or that was cancelled publishes a null address: that source uses the ring.
+// Helpers (`helpers` > 0): a receiving block, once it has published its addresses, has nothing
+// to copy for its direct sources, so before it receives, `helpers` of its warps per remote
+// destination write the last part of this rank's direct rows of the channel for that
+// destination (`ht_help_direct`, `ht_direct_split`); the pair's sending warps write the rest and
+// publish their final subtails only after every helper's word (`ht_helped`) says its rows are
+// written and fenced. A helper waits for nothing but its receiver's addresses.
 // Combine (the reverse): the expert side sends those rows back; the token side's receiver walks
 // its channel's tokens in order, summing each token's copies in ascending destination rank
 // (fp32, from 0, rounded to BF16 once), copies on this rank read directly from the expert output.
@@ -89,9 +95,12 @@ struct HtParams {
                       // into the receiver's outputs (the same on every rank)
     int direct_mem;   // with `direct`: dispatch, this rank's outputs take direct writes in this operation;
                       // combine, peers may read this rank's expert outputs (and weight gradients) in place
+    int helpers;      // direct dispatch: warps of the receiving block that help send to each remote
+                      // destination (`ht_help_direct`), 0 for none (the same on every rank)
+    int pad_;
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
-static_assert(sizeof(HtParams) == 384, "HtParams layout");
+static_assert(sizeof(HtParams) == 392, "HtParams layout");
 
 // Ring counters, after the arrays of the signal page: subtail [chan][c][peer][residue] (written by
 // the peer), head [chan][c][peer] (written by the peer), and this rank's own positions,
@@ -127,6 +136,15 @@ __device__ __forceinline__ u64* ht_cons(u64* page, int chan, int c, int peer, u6
 __device__ __forceinline__ u64* ht_direct(u64* page, int chan, int c, int peer) {
     return page + EP_SIG_ARRAY_WORDS + HT_SUBTAIL_WORDS + 5 * HT_PEER_WORDS +
            (((size_t)chan * HT_MAX_CHANNELS + c) * EP_MAX_RANKS + peer) * HT_DIRECT_SLOT;
+}
+
+// Direct dispatch with helpers (`ht_help_direct`): helper h of the receiving block of channel c
+// stores the operation number + 1 here, in this rank's own page, once its rows for `dest` are
+// written and fenced; the sending warps of (c, dest) wait for every helper's word before they
+// publish their final subtails. [C][R][HT_MAX_WARPS], after the direct slots.
+__device__ __forceinline__ u64* ht_helped(u64* page, int c, int dest, int h) {
+    return page + EP_SIG_ARRAY_WORDS + HT_SUBTAIL_WORDS + 5 * HT_PEER_WORDS +
+           2 * HT_MAX_CHANNELS * EP_MAX_RANKS * HT_DIRECT_SLOT + ((size_t)c * EP_MAX_RANKS + dest) * HT_MAX_WARPS + h;
 }
 
 // The tag of operation `seq`'s direct-slot words: the low 32 bits of seq + 1.

@@ -32,18 +32,16 @@ __device__ __forceinline__ bool ht_send_gives_up(const HtParams& p, int dest, u6
     return false;
 }
 
-// Direct dispatch, one sending warp of destination `dest` (see ht_rings.cuh): waits for
-// the receiver's addresses, writes the warp's rows i = j, j + W, ... of `list` (`n` rows, the
-// first at ring position `pos0`) there, then publishes the warp's final subtail. False, having
-// written nothing, when the receiver asked for the ring instead.
-__device__ bool ht_send_direct(const HtParams& p, int c, int dest, int j, int W, int n, u64 pos0, const int* list) {
+// Direct dispatch: waits (one warp, all lanes call) until the receiver `dest` of channel c has
+// told this operation's addresses (`ht_direct`): 1 with them in `addr` (addr[0] == 0: the receiver
+// asked for the ring), 0 when giving up (`ht_send_gives_up`). Lane w < 10 waits for word w of the
+// slot (five tagged values: four addresses, the stamp); lane 0 watches the abort word and the
+// deadline. A slot whose stamp differs is a stale one (another handle's, 2^32 operations ago): a
+// receiver running another operation with this number reports the mismatch and sets the abort
+// word instead.
+__device__ int ht_direct_addresses(const HtParams& p, int c, int dest, u64 addr[4]) {
     const int lane = threadIdx.x & 31;
-    u64* sig = reinterpret_cast<u64*>(p.signals);
-    const u64* slot = ht_direct(sig, p.chan, c, dest);
-    // Lane w < 10 waits for word w of the slot (five tagged values: four addresses, the stamp);
-    // lane 0 watches the abort word and the deadline. A slot whose stamp differs is a stale one
-    // (another handle's, 2^32 operations ago): a receiver running another operation with this
-    // number reports the mismatch and sets the abort word instead.
+    const u64* slot = ht_direct(reinterpret_cast<u64*>(p.signals), p.chan, c, dest);
     const u32 tag = ht_slot_tag(p.seq);
     u32 half = 0;
     bool have = lane >= 10;
@@ -57,16 +55,30 @@ __device__ bool ht_send_direct(const HtParams& p, int c, int dest, int j, int W,
             have = lane >= 10;
         }
         if (lane == 0) fail = ht_send_gives_up(p, dest, deadline);
-        if (__shfl_sync(EP_FULL_MASK, fail, 0)) return true;
+        if (__shfl_sync(EP_FULL_MASK, fail, 0)) return 0;
     }
-    u64 addr[4];
 #pragma unroll
     for (int u = 0; u < 4; u++) {
         addr[u] = ((u64)__shfl_sync(EP_FULL_MASK, half, 2 * u + 1) << 32) | __shfl_sync(EP_FULL_MASK, half, 2 * u);
     }
-    if (addr[0] == 0) return false;
+    return 1;
+}
+
+// Direct dispatch with `p.helpers` helping warps per remote destination: of a (destination,
+// channel) pair's `n` rows the sending block's W warps write the first ones, the helpers the
+// rest, in proportion to their warps (every row when there are no helpers).
+__device__ __forceinline__ int ht_direct_split(const HtParams& p, int n) {
+    const long long W = p.warps_per_dest, all = W + p.helpers;
+    return p.helpers > 0 ? (int)(((long long)n * W + all - 1) / all) : n;
+}
+
+// Direct dispatch: writes rows i = i0, i0 + step, ... below `n` of `list` at the receiver's
+// addresses `addr` (one warp).
+__device__ __forceinline__ void ht_direct_rows(const HtParams& p, int dest, const u64 addr[4], const int* list, int i0,
+                                               int step, int n) {
+    const int lane = threadIdx.x & 31;
     const int cols = p.hidden / 128, K = p.top_k;
-    for (int i = j; i < n; i += W) {
+    for (int i = i0; i < n; i += step) {
         const int t = list[i];
         warp_copy_n<8>(reinterpret_cast<char*>(addr[0]) + (size_t)i * p.row_bytes,
                        reinterpret_cast<const char*>(p.x) + (size_t)t * p.row_bytes, p.row_bytes, lane);
@@ -79,16 +91,76 @@ __device__ bool ht_send_direct(const HtParams& p, int c, int dest, int j, int W,
                          reinterpret_cast<long long*>(addr[3]) + (size_t)i * K);
         }
     }
+}
+
+// Direct dispatch, one sending warp of destination `dest` (see ht_rings.cuh): waits for
+// the receiver's addresses, writes the warp's rows i = j, j + W, ... of its share of `list`
+// (`n` rows, the first at ring position `pos0`; `ht_direct_split`) there, waits for the
+// helpers' rows (`ht_help_direct`), then publishes the warp's final subtail. False, having
+// written nothing, when the receiver asked for the ring instead.
+__device__ bool ht_send_direct(const HtParams& p, int c, int dest, int j, int W, int n, u64 pos0, const int* list) {
+    const int lane = threadIdx.x & 31;
+    u64 addr[4];
+    if (!ht_direct_addresses(p, c, dest, addr)) return true;
+    if (addr[0] == 0) return false;
+    const int mine = ht_direct_split(p, n);
+    ht_direct_rows(p, dest, addr, list, j, W, mine);
+    int fail = 0;
+    if (lane == 0 && mine < n) {
+        // The helpers' rows: each helper's fence and strong store of its word are its release.
+        const u64 deadline = globaltimer_ns() + p.timeout_ns;
+        const u64* helped = ht_helped(reinterpret_cast<u64*>(p.signals), c, dest, 0);
+        for (int h = 0; h < p.helpers && !fail; h++) {
+            while (ld_acquire_sys(helped + h) != p.seq + 1) {
+                if (ht_send_gives_up(p, dest, deadline)) {
+                    fail = 1;
+                    break;
+                }
+            }
+        }
+    }
+    if (__shfl_sync(EP_FULL_MASK, fail, 0)) return true;
     __threadfence_system();
     __syncwarp();
     if (lane == 0) {
         // Every item of residue r below the end counts as written (the cancelled sender's rule).
-        // The system fence above and this strong store are the release (no second fence).
+        // The system fence above and this strong store are the release (no second fence); it
+        // is cumulative over the helpers' rows, whose release lane 0 acquired.
         const u64 r = (pos0 + (u64)j) % (u64)W, end = pos0 + (u64)n;
         st_relaxed_sys(ht_subtail(reinterpret_cast<u64*>(p.peer_signals[dest]), p.chan, c, p.rank, (int)r),
                        (end + (u64)W - 1 - r) / (u64)W);
     }
     return true;
+}
+
+// Direct dispatch, the receiving block of channel c before it receives (`ht_dispatch_recv`):
+// `p.helpers` of its warps per remote destination write the last rows of this rank's share for
+// that destination on channel c (`ht_direct_split`), where a direct send takes them, so that a
+// dispatch on few SMs stores to NVLink from every block, not from the sending half only (the
+// receiving block of a direct pair only waits). Helper h then stores the operation number + 1
+// in its word (`ht_helped`), which the pair's sending warps wait for. It waits only for the
+// receiver's addresses, which every receiving block publishes before it waits for anything, so
+// a receive delayed by its help delays no address. Nothing when the pair goes through the ring
+// (fewer rows than `direct`, or a null address: then the sending warps wait for no helper).
+__device__ void ht_help_direct(const HtParams& p, int c) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int HW = p.helpers, R = p.num_ranks, C = p.channels;
+    if (HW <= 0 || p.direct <= 0 || p.cancelled || R < 2) return;
+    const int q = warp / HW, h = warp % HW;
+    if (q >= R - 1) return;
+    const int dest = q < p.rank ? q : q + 1;
+    const int* send_off = reinterpret_cast<const int*>(p.send_off);
+    const int n = send_off[dest * (C + 1) + c + 1] - send_off[dest * (C + 1) + c];
+    const int first = ht_direct_split(p, n);
+    if (n < p.direct || first >= n) return;
+    u64 addr[4];
+    if (!ht_direct_addresses(p, c, dest, addr) || addr[0] == 0) return;
+    const int* list = reinterpret_cast<const int*>(p.send_list) + send_off[dest * (C + 1) + c];
+    ht_direct_rows(p, dest, addr, list, first + h, HW, n);
+    __threadfence_system();
+    __syncwarp();
+    // The fence above and this strong store are the release of the rows.
+    if (lane == 0) st_relaxed_sys(ht_helped(reinterpret_cast<u64*>(p.signals), c, dest, h), p.seq + 1);
 }
 
 // Pull combine, one sending warp of destination `dest` (see ht_rings.cuh) with `n` rows, the
