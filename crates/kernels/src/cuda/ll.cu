@@ -92,6 +92,23 @@ struct MaskParams {
 };
 static_assert(sizeof(MaskParams) == 136, "MaskParams layout");
 
+// Waits until, for every rank r, word first[r * stride] of this rank's mask area has reached
+// `m.epoch` (with `skip_masked`, not for a rank the mask word names); false, with the first
+// missing rank reported as `err`, at the deadline. The boards of `ep_meet` and `ep_mask_rejoin`.
+__device__ bool board_wait(const MaskParams& m, const u64* first, int stride, bool skip_masked, int err, u64 deadline) {
+    const u64* area = mask_area(reinterpret_cast<u64*>(m.signals));
+    for (int r = 0; r < m.num_ranks; r++) {
+        while (ld_acquire_sys(first + (size_t)r * stride) < m.epoch &&
+               !(skip_masked && ((ld_acquire_sys(area) >> r) & 1ull))) {
+            if (globaltimer_ns() > deadline) {
+                report_error(reinterpret_cast<u64*>(m.status), err, r, m.epoch);
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
 // `GpuRank::meet_on` (every rank, the same number of times): meeting number `epoch`. This rank's
 // board word on every rank goes to `epoch`, then it waits until every rank's word on its own
 // board has (a masked rank is not waited for). At the deadline it reports the first missing rank.
@@ -100,15 +117,7 @@ extern "C" __global__ void ep_meet(MaskParams m) {
     for (int r = 0; r < m.num_ranks; r++) {
         st_release_sys(mask_area(reinterpret_cast<u64*>(m.peer_signals[r])) + EP_MASK_MEET + m.rank, m.epoch);
     }
-    const u64 deadline = globaltimer_ns() + m.timeout_ns;
-    for (int r = 0; r < m.num_ranks; r++) {
-        while (ld_acquire_sys(area + EP_MASK_MEET + r) < m.epoch && !((ld_acquire_sys(area) >> r) & 1ull)) {
-            if (globaltimer_ns() > deadline) {
-                report_error(reinterpret_cast<u64*>(m.status), EP_ERR_MEET, r, m.epoch);
-                return;
-            }
-        }
-    }
+    board_wait(m, area + EP_MASK_MEET, 1, true, EP_ERR_MEET, globaltimer_ns() + m.timeout_ns);
 }
 
 // `GpuRank::mask_ranks`: ORs `bits` into every rank's word (this one's first) and mirrors it.
@@ -119,15 +128,7 @@ extern "C" __global__ void ep_mask_spread(MaskParams m) {
 // Waits until board word `i` of every rank in this rank's mask area reaches `epoch`; false (and
 // the first missing rank reported) at the deadline.
 __device__ bool rejoin_meet(const MaskParams& m, u64* area, int i, u64 deadline) {
-    for (int r = 0; r < m.num_ranks; r++) {
-        while (ld_acquire_sys(area + EP_MASK_REJOIN + r * 5 + i) < m.epoch) {
-            if (globaltimer_ns() > deadline) {
-                report_error(reinterpret_cast<u64*>(m.status), EP_ERR_REJOIN, r, m.epoch);
-                return false;
-            }
-        }
-    }
-    return true;
+    return board_wait(m, area + EP_MASK_REJOIN + i, 5, false, EP_ERR_REJOIN, deadline);
 }
 
 // `GpuRank::unmask_all` (every rank, no operation in flight): post this rank's next operation
