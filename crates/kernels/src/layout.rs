@@ -157,11 +157,11 @@ pub(crate) fn dispatch_send_warps(num_ranks: usize, channels: usize, direct: boo
 /// Warps of each receiving block that help a direct dispatch send to each remote destination
 /// (`ht_help_direct` in `ht_send.cuh`) on `num_ranks` ranks with `channels` channels: all of
 /// the block's 16 shared out ([`max_helpers`]) up to 32 channels (the default 64 SMs), none
-/// above. Measured on three pairs of H100s at 4096 tokens (benches/NOTES.md item 114): at 64
-/// SMs the dispatch took 192-197 us with 16 helpers on every pair, against 196-204 us without
-/// on two pairs and 186-202 (median 191) on the third, so helpers trade that pair's best runs
-/// for the others' slow ones; at 96 and 132 SMs they were 5-8 us slower. More than two ranks:
-/// not measured (no such machine).
+/// above. Measured on four pairs of H100s at 4096 tokens (benches/NOTES.md items 114 and 116):
+/// at 64 SMs the dispatch took 192-197 us with 16 helpers on every pair, against 196-204 us
+/// without on two pairs and 185-202 (medians 191 and 193) on the other two, so helpers trade
+/// those pairs' best runs for the others' slow ones; at 96 and 132 SMs they were 5-8 us slower.
+/// More than two ranks: not measured (no such machine).
 pub(crate) fn direct_helpers(num_ranks: usize, channels: usize) -> usize {
     if channels > 32 { 0 } else { max_helpers(num_ranks) }
 }
