@@ -34,8 +34,8 @@ use epflow_core::{Error, Result};
 
 pub use self::capture::{CapturedSend, GpuCapture};
 pub(crate) use self::handle::GraphHandle;
-use crate::device::{DeviceBuffer, DeviceTensor, PinnedBuffer, StreamFence, bind, cuda, event_done, stream_id};
-use crate::op::wait_unless_same;
+use crate::device::{DeviceBuffer, DeviceTensor, PinnedBuffer, bind, cuda, event_done};
+use crate::op::in_channels_order;
 use crate::params::status;
 use crate::rank::GpuRank;
 use crate::rank::handle::GpuHandle;
@@ -282,35 +282,22 @@ impl StepBackend for GpuRank {
         }
         let mut launches = step.launches.lock().unwrap_or_else(|e| e.into_inner());
         let graph = step.graph.lock().unwrap_or_else(|e| e.into_inner());
-        // The replay's kernels follow each channel's last one-launch (or high-throughput) kernel
-        // on the device, and become it (`RankShared::last_launch`): a one-launch grid of a
-        // channel never overlaps another of that channel, whatever streams they run on. Held
-        // through the launch, in channel order (the operations take one channel's at a time).
-        let mut lasts: Vec<_> = channels
-            .iter()
-            .zip(&n)
-            .filter(|&(_, &count)| count > 0)
-            .map(|(c, _)| s.last_launch[c.index()].lock().unwrap_or_else(|e| e.into_inner()))
-            .collect();
         let bases = (self.core.take_seqs(Channel::Dispatch, n[0]), self.core.take_seqs(Channel::Combine, n[1]));
         let replay = launches.replays;
-        let launched = (|| {
-            bind(&s.ctx)?;
-            for f in lasts.iter().filter_map(|l| l.as_ref()) {
-                wait_unless_same(&step.stream, &f.event, f.stream, "order after the channel's last one-launch kernel")?;
-            }
-            if launches.next != Some(bases) {
-                step.mem.enqueue_rebase(s, &step.stream, (bases.0, bases.1, replay))?;
-            }
-            graph.0.launch().map_err(|e| cuda("launch the step", e))?;
-            s.events.record(&step.stream).map_err(|e| cuda("record the replay", e))
-        })();
-        if let Ok(e) = &launched {
-            for l in &mut lasts {
-                **l = Some(StreamFence { event: Arc::clone(e), stream: stream_id(&step.stream) });
-            }
-        }
-        drop(lasts);
+        // The replay's kernels follow each channel's last one-launch (or high-throughput) kernel
+        // on the device, and become it (`RankShared::last_launch`): a one-launch grid of a
+        // channel never overlaps another of that channel, whatever streams they run on.
+        let used: Vec<usize> =
+            channels.iter().zip(&n).filter(|&(_, &count)| count > 0).map(|(c, _)| c.index()).collect();
+        let launched = bind(&s.ctx).and_then(|()| {
+            in_channels_order(s, &used, &step.stream, "order after the channel's last one-launch kernel", || {
+                if launches.next != Some(bases) {
+                    step.mem.enqueue_rebase(s, &step.stream, (bases.0, bases.1, replay))?;
+                }
+                graph.0.launch().map_err(|e| cuda("launch the step", e))?;
+                s.events.record(&step.stream).map_err(|e| cuda("record the replay", e))
+            })
+        });
         // The numbers are taken: the turns pass on even if the launch failed (the group is
         // poisoned then, and later operations must not wait for these).
         for (c, &count) in channels.iter().zip(&n) {

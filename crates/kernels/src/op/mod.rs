@@ -394,12 +394,29 @@ pub(crate) fn in_channel_order(
     what: &str,
     launch: impl FnOnce() -> Result<Arc<cudarc::driver::CudaEvent>, Error>,
 ) -> Result<Arc<cudarc::driver::CudaEvent>, Error> {
-    let mut last = s.last_launch[chan].lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(f) = last.as_ref() {
+    in_channels_order(s, &[chan], on, what, launch)
+}
+
+/// [`in_channel_order`] for a launch that runs kernels of every channel of `chans` (a captured
+/// step's replay), given in ascending order: their locks are taken in that order (an operation
+/// takes one channel's, so no two callers wait for each other) and held through the launch, `on`
+/// waits for each channel's last kernel, and the new work becomes the last one of each. Nothing
+/// becomes the last one when `launch` fails.
+pub(crate) fn in_channels_order(
+    s: &RankShared,
+    chans: &[usize],
+    on: &CudaStream,
+    what: &str,
+    launch: impl FnOnce() -> Result<Arc<cudarc::driver::CudaEvent>, Error>,
+) -> Result<Arc<cudarc::driver::CudaEvent>, Error> {
+    let mut lasts: Vec<_> = chans.iter().map(|&c| s.last_launch[c].lock().unwrap_or_else(|e| e.into_inner())).collect();
+    for f in lasts.iter().filter_map(|l| l.as_ref()) {
         wait_unless_same(on, &f.event, f.stream, what)?;
     }
     let done = launch()?;
-    *last = Some(StreamFence { event: Arc::clone(&done), stream: stream_id(on) });
+    for last in &mut lasts {
+        **last = Some(StreamFence { event: Arc::clone(&done), stream: stream_id(on) });
+    }
     Ok(done)
 }
 
