@@ -43,8 +43,7 @@ impl Layout {
                 direct: true,
                 pull_combine: ht_tuning("PULL", 0, 1) != Some(0),
                 warps_per_dest: dispatch_warps(h.num_ranks, h.channels, true),
-                direct_helpers: ht_tuning("DIRECT_HELPERS", 0, max_helpers(h.num_ranks))
-                    .unwrap_or_else(|| direct_helpers(h.num_ranks, h.channels)),
+                direct_helpers: direct_helpers(h.num_ranks),
                 ..h
             }),
             other => other,
@@ -155,15 +154,15 @@ pub(crate) fn dispatch_send_warps(num_ranks: usize, channels: usize, direct: boo
 }
 
 /// Warps of each receiving block that help a direct dispatch send to each remote destination
-/// (`ht_help_direct` in `ht_send.cuh`) on `num_ranks` ranks with `channels` channels: all of
-/// the block's 16 shared out ([`max_helpers`]) up to 32 channels (the default 64 SMs), none
-/// above. Measured on four pairs of H100s at 4096 tokens (benches/NOTES.md items 114 and 116):
-/// at 64 SMs the dispatch took 192-197 us with 16 helpers on every pair, against 196-204 us
-/// without on two pairs and 185-202 (medians 191 and 193) on the other two, so helpers trade
-/// those pairs' best runs for the others' slow ones; at 96 and 132 SMs they were 5-8 us slower.
-/// More than two ranks: not measured (no such machine).
-pub(crate) fn direct_helpers(num_ranks: usize, channels: usize) -> usize {
-    if channels > 32 { 0 } else { max_helpers(num_ranks) }
+/// (`ht_help_direct` in `ht_send.cuh`): `EPFLOW_HT_DIRECT_HELPERS` (at most [`max_helpers`]),
+/// else none. Measured on four pairs of H100s at 4096 tokens (benches/NOTES.md items 114, 116
+/// and 118): at 64 SMs the dispatch took 192-197 us with 16 helpers on every pair, against
+/// 196-204 us without on two pairs and 185-202 (medians 191 and 193) on the other two; at 96 and
+/// 132 SMs helpers were 5-8 us slower. Off by default: a stamp mismatch with helpers on (a
+/// receiving block helping before it checks its sources) needed a fix that has not yet run on
+/// GPUs (`gpu_disagreement`). More than two ranks: not measured.
+pub(crate) fn direct_helpers(num_ranks: usize) -> usize {
+    ht_tuning("DIRECT_HELPERS", 0, max_helpers(num_ranks)).unwrap_or(0)
 }
 
 /// The most helping warps per remote destination a receiving block has: its 16 shared out.
@@ -188,7 +187,7 @@ pub(crate) fn combine_send_warps(num_ranks: usize) -> usize {
 /// block's 16 leave: one own-copy warp for a dispatch), `EPFLOW_HT_DIRECT_MIN_ROWS` (the rows of a
 /// (source, channel) pair from which a dispatch writes them directly, at least 1). Every rank of
 /// a group must set the same values. `EPFLOW_HT_DIRECT_HELPERS`: a direct dispatch's helping
-/// warps per remote destination in each receiving block ([`direct_helpers`]; 0 turns them off).
+/// warps per remote destination in each receiving block ([`direct_helpers`]; none by default).
 pub(crate) fn ht_tuning(name: &str, lo: usize, hi: usize) -> Option<usize> {
     let v: usize = std::env::var(format!("EPFLOW_HT_{name}")).ok()?.trim().parse().ok()?;
     Some(v.clamp(lo, hi.max(lo)))
@@ -256,7 +255,8 @@ pub(crate) struct HtLayout {
     /// receiver's outputs, and a pull combine reads them in place: [`HT_DIRECT_MIN_ROWS`].
     pub direct_min_rows: usize,
     /// Warps of each receiving block that help a direct dispatch send to each remote destination
-    /// ([`direct_helpers`]; only with `direct`, 0 otherwise): the same on every rank.
+    /// ([`direct_helpers`]; only with `direct`, 0 otherwise and by default): the same on every
+    /// rank.
     pub direct_helpers: usize,
     /// Byte offset of the FP8 scales in a slot.
     pub off_scales: usize,
@@ -639,15 +639,12 @@ mod tests {
         assert_eq!(direct.pull_combine, std::env::var("EPFLOW_HT_PULL").map_or(true, |v| v.trim() != "0"));
         assert_eq!((direct.warps_per_dest, direct.combine_warps_per_dest), (6, 8));
         assert_eq!(direct.direct_min_rows, HT_DIRECT_MIN_ROWS);
-        // At 64 SMs (32 channels) every warp of a receiving block helps send to the one peer.
+        // Helpers only when asked for, at most the receiving block's 16 warps shared out.
         if std::env::var_os("EPFLOW_HT_DIRECT_HELPERS").is_none() {
-            assert_eq!((plain.direct_helpers, direct.direct_helpers), (0, 16));
+            assert_eq!((plain.direct_helpers, direct.direct_helpers), (0, 0));
         }
-        assert_eq!(direct_helpers(2, 48), 0);
-        assert_eq!(direct_helpers(2, 16), 16);
-        assert_eq!(direct_helpers(4, 32), 5);
-        assert_eq!(direct_helpers(8, 32), 2);
-        assert_eq!(direct_helpers(1, 32), 0);
+        assert_eq!(plain.direct_helpers, 0);
+        assert_eq!((max_helpers(1), max_helpers(2), max_helpers(4), max_helpers(8)), (0, 16, 5, 2));
         // Four ranks keep 16 / R; over NCCL (no rings) nothing is direct; off stays off.
         assert_eq!(ht(Layout::new(&cfg, 4, H200_SMS).unwrap().with_direct_access(true)).warps_per_dest, 4);
         let over_nccl = Layout::new(&cfg, 2, H200_SMS).unwrap().for_transport(true).with_direct_access(true);

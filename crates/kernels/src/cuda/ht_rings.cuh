@@ -38,7 +38,8 @@
 // destination write the last part of this rank's direct rows of the channel for that
 // destination (`ht_help_direct`, `ht_direct_split`); the pair's sending warps write the rest and
 // publish their final subtails only after every helper's word (`ht_helped`) says its rows are
-// written and fenced. A helper waits for nothing but its receiver's addresses.
+// written and fenced. A helper waits for nothing but its receiver's addresses, and stops
+// waiting once the receiver's start signal shows a mismatch.
 // Combine (the reverse): the expert side sends those rows back; the token side's receiver walks
 // its channel's tokens in order, summing each token's copies in ascending destination rank
 // (fp32, from 0, rounded to BF16 once), copies on this rank read directly from the expert output.

@@ -38,8 +38,13 @@ __device__ __forceinline__ bool ht_send_gives_up(const HtParams& p, int dest, u6
 // slot (five tagged values: four addresses, the stamp); lane 0 watches the abort word and the
 // deadline. A slot whose stamp differs is a stale one (another handle's, 2^32 operations ago): a
 // receiver running another operation with this number reports the mismatch and sets the abort
-// word instead.
-__device__ int ht_direct_addresses(const HtParams& p, int c, int dest, u64 addr[4]) {
+// word instead. A `helper` (`ht_help_direct`, run by a receiving block before it checks its
+// sources) also gives up, silently, once `dest`'s start signal of this operation names another
+// stamp: `dest`'s abort word comes from its receiving block, which may itself be helping, and
+// waiting for a slot of this rank that a mismatched handle never has it write (its count is
+// below `direct`), so only this check keeps the two blocks from waiting for each other until
+// the deadline; the mismatch is then reported by the receive (`ht_wait_starts`).
+__device__ int ht_direct_addresses(const HtParams& p, int c, int dest, u64 addr[4], bool helper) {
     const int lane = threadIdx.x & 31;
     const u64* slot = ht_direct(reinterpret_cast<u64*>(p.signals), p.chan, c, dest);
     const u32 tag = ht_slot_tag(p.seq);
@@ -54,7 +59,13 @@ __device__ int ht_direct_addresses(const HtParams& p, int c, int dest, u64 addr[
             if (stamp == p.stamp) break;
             have = lane >= 10;
         }
-        if (lane == 0) fail = ht_send_gives_up(p, dest, deadline);
+        if (lane == 0) {
+            fail = ht_send_gives_up(p, dest, deadline);
+            if (helper && !fail) {
+                const u64 v = ld_acquire_sys(arrival_at(reinterpret_cast<u64*>(p.signals), p.chan, (int)(p.seq & 1), dest));
+                fail = arrival_is(v, p.seq) && arrival_verdict(v, p.stamp) == EP_ARRIVED_MISMATCH;
+            }
+        }
         if (__shfl_sync(EP_FULL_MASK, fail, 0)) return 0;
     }
 #pragma unroll
@@ -101,7 +112,7 @@ __device__ __forceinline__ void ht_direct_rows(const HtParams& p, int dest, cons
 __device__ bool ht_send_direct(const HtParams& p, int c, int dest, int j, int W, int n, u64 pos0, const int* list) {
     const int lane = threadIdx.x & 31;
     u64 addr[4];
-    if (!ht_direct_addresses(p, c, dest, addr)) return true;
+    if (!ht_direct_addresses(p, c, dest, addr, false)) return true;
     if (addr[0] == 0) return false;
     const int mine = ht_direct_split(p, n);
     ht_direct_rows(p, dest, addr, list, j, W, mine);
@@ -140,8 +151,10 @@ __device__ bool ht_send_direct(const HtParams& p, int c, int dest, int j, int W,
 // receiving block of a direct pair only waits). Helper h then stores the operation number + 1
 // in its word (`ht_helped`), which the pair's sending warps wait for. It waits only for the
 // receiver's addresses, which every receiving block publishes before it waits for anything, so
-// a receive delayed by its help delays no address. Nothing when the pair goes through the ring
-// (fewer rows than `direct`, or a null address: then the sending warps wait for no helper).
+// a receive delayed by its help delays no address, and gives up when the receiver's start
+// signal names another stamp (see `ht_direct_addresses`). Nothing when the pair goes through
+// the ring (fewer rows than `direct`, or a null address: then the sending warps wait for no
+// helper).
 __device__ void ht_help_direct(const HtParams& p, int c) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int HW = p.helpers, R = p.num_ranks, C = p.channels;
@@ -154,7 +167,7 @@ __device__ void ht_help_direct(const HtParams& p, int c) {
     const int first = ht_direct_split(p, n);
     if (n < p.direct || first >= n) return;
     u64 addr[4];
-    if (!ht_direct_addresses(p, c, dest, addr) || addr[0] == 0) return;
+    if (!ht_direct_addresses(p, c, dest, addr, true) || addr[0] == 0) return;
     const int* list = reinterpret_cast<const int*>(p.send_list) + send_off[dest * (C + 1) + c];
     ht_direct_rows(p, dest, addr, list, first + h, HW, n);
     __threadfence_system();
