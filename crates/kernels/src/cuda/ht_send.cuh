@@ -62,7 +62,8 @@ __device__ int ht_direct_addresses(const HtParams& p, int c, int dest, u64 addr[
         if (lane == 0) {
             fail = ht_send_gives_up(p, dest, deadline);
             if (helper && !fail) {
-                const u64 v = ld_acquire_sys(arrival_at(reinterpret_cast<u64*>(p.signals), p.chan, (int)(p.seq & 1), dest));
+                u64* start = arrival_at(reinterpret_cast<u64*>(p.signals), p.chan, (int)(p.seq & 1), dest);
+                const u64 v = ld_acquire_sys(start);
                 fail = arrival_is(v, p.seq) && arrival_verdict(v, p.stamp) == EP_ARRIVED_MISMATCH;
             }
         }
