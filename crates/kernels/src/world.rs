@@ -28,6 +28,13 @@ pub struct GpuWorld;
 impl GpuWorld {
     /// One process driving every device in `devices`: rank `r` runs on `devices[r]`. Every pair of
     /// devices must have peer access (NVLink). Give each rank to its own thread (or task).
+    ///
+    /// A device may be named twice (two ranks on one GPU: a functional setup for tests, over
+    /// NVLink only). Such ranks share the device's CUDA context, where freeing device memory
+    /// (`cuMemFree` of a large block, e.g. dropping a large [`DeviceTensor`](crate::DeviceTensor)) waits for every
+    /// kernel on the device: if the other rank is inside a collective that waits for this one,
+    /// both wait until the group's timeout. Free memory on such ranks only while no collective of
+    /// theirs can be in flight (e.g. behind a barrier of their threads).
     pub fn create(devices: &[usize], config: GroupConfig) -> Result<Vec<GpuRank>, Error> {
         Self::create_with(devices, config, Transport::Auto)
     }
@@ -46,6 +53,7 @@ impl GpuWorld {
         let masks = (0..num_ranks).map(|r| transport.nccl_mask(r, num_ranks, None)).collect::<Result<Vec<_>, _>>()?;
         refuse_masking_over_nccl(&config, &masks)?;
         let any_nccl = masks.iter().any(|&m| m != 0);
+        refuse_nccl_on_a_shared_gpu(sharing_pair(devices), any_nccl)?;
         // Every rank is in this process: with peer access, kernels reach the memory peers
         // allocate, so high-throughput dispatches may write rows straight into their outputs
         // and combines read their expert outputs in place.
@@ -137,6 +145,8 @@ impl GpuWorld {
         // Every rank learns every mask (rank 0's ids serve the NCCL communicators).
         let masks = bootstrap::all_gather_u64(comm, &[u64::from(mask)])?;
         refuse_masking_over_nccl(&config, &masks)?;
+        let gpus: Vec<&[u64]> = places.chunks(3).map(|p| &p[..2]).collect();
+        refuse_nccl_on_a_shared_gpu(sharing_pair(&gpus), masks.iter().any(|&m| m != 0))?;
         let layout = layout.for_transport(masks.iter().any(|&m| m != 0));
         let nccl = if masks.iter().any(|&m| m != 0) {
             let ids = if rank == 0 { new_ids()? } else { [0u64; 48] };
@@ -212,6 +222,25 @@ fn refuse_masking_over_nccl<M: Copy + Into<u64>>(config: &GroupConfig, masks: &[
         ));
     }
     Ok(())
+}
+
+/// The first two ranks (lower first) whose entries of `places` (a device, or a (host, PCI
+/// location)) are equal: ranks sharing a GPU.
+fn sharing_pair<T: PartialEq>(places: &[T]) -> Option<(usize, usize)> {
+    (0..places.len()).find_map(|b| (0..b).find(|&a| places[a] == places[b]).map(|a| (a, b)))
+}
+
+/// NCCL communicators take one GPU per rank (`ncclCommInitAll` and `ncclCommInitRank` fail with
+/// `ncclInvalidUsage` otherwise), so a group that reaches any peer over NCCL cannot place two
+/// ranks on one GPU. Every rank finds the same pair (from gathered places), so all refuse.
+fn refuse_nccl_on_a_shared_gpu(shared: Option<(usize, usize)>, any_nccl: bool) -> Result<(), Error> {
+    match shared {
+        Some((a, b)) if any_nccl => Err(Error::Unsupported(format!(
+            "ranks {a} and {b} share a GPU, and this group reaches peers over NCCL, whose communicators take one \
+             GPU per rank: give each rank its own GPU, or keep ranks sharing a GPU on NVLink only (Transport::Auto)"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// Loads the kernels, creates the streams and assembles a rank around its memory and its view
@@ -290,4 +319,28 @@ fn comm_streams(ctx: &Arc<cudarc::driver::CudaContext>) -> Result<[Arc<cudarc::d
         cudarc::driver::result::stream::get_priority_range().map_err(|e| cuda("stream priorities", e))?;
     let one = || ctx.new_stream_with_priority(greatest).map_err(|e| cuda("create stream", e));
     Ok([one()?, one()?, one()?])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sharing_pair_finds_the_first_two_ranks_on_one_gpu() {
+        assert_eq!(sharing_pair(&[0, 1, 2, 3]), None);
+        assert_eq!(sharing_pair(&[0, 0, 1, 1]), Some((0, 1)));
+        assert_eq!(sharing_pair(&[3, 1, 2, 1, 3]), Some((1, 3)));
+        let places: Vec<&[u64]> = vec![&[7, 1], &[7, 2], &[8, 1]];
+        assert_eq!(sharing_pair(&places), None, "same PCI location on another host");
+        let places: Vec<&[u64]> = vec![&[7, 1], &[8, 1], &[7, 1]];
+        assert_eq!(sharing_pair(&places), Some((0, 2)));
+    }
+
+    #[test]
+    fn nccl_is_refused_only_when_ranks_share_a_gpu() {
+        assert!(refuse_nccl_on_a_shared_gpu(None, true).is_ok());
+        assert!(refuse_nccl_on_a_shared_gpu(Some((0, 1)), false).is_ok());
+        let err = refuse_nccl_on_a_shared_gpu(Some((1, 3)), true).unwrap_err();
+        assert!(matches!(&err, Error::Unsupported(m) if m.contains("ranks 1 and 3 share a GPU")), "{err}");
+    }
 }

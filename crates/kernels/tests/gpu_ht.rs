@@ -34,7 +34,7 @@ use epflow_kernels::{
 };
 
 mod common;
-use common::{TimedBarrier, gpus, on_ranks, seed, shared_gpu_sms};
+use common::{TimedBarrier, gpus, nccl_gpus, on_ranks, seed, shared_gpu_sms};
 
 /// The references of one round: forward dispatch and combine of identity experts, backward
 /// dispatch of the tokens as gradients, and backward combine of those rows with random weight
@@ -458,7 +458,7 @@ fn ht_over_nccl_matches_reference_on_2_and_4_gpus() {
     eprintln!("seed {base}");
     let (skewed, uniform) = (RoutingKind::Skewed, RoutingKind::Uniform);
     for n in [2usize, 4] {
-        let Some(devices) = gpus(n, &format!("ht_over_nccl ({n} GPUs)")) else { continue };
+        let Some(devices) = nccl_gpus(n, &format!("ht_over_nccl ({n} GPUs)")) else { continue };
         let bf16_cases =
             [(1, 8, uniform, 0), (100, 8, skewed, 10), (4096, 8, uniform, 10), (100, 4, RoutingKind::SingleRank(1), 0)];
         check_world(&devices, 7168, 256, DispatchDtype::Bf16, &bf16_cases, base, &Transport::Nccl);
@@ -488,7 +488,7 @@ fn ht_over_nccl_matches_reference_on_2_and_4_gpus() {
 /// `NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1` to force NCCL onto its socket transport).
 #[test]
 fn ht_hierarchical_two_hosts_matches_reference() {
-    let Some(devices) = gpus(4, "ht_hierarchical_two_hosts") else { return };
+    let Some(devices) = nccl_gpus(4, "ht_hierarchical_two_hosts") else { return };
     let base = seed();
     eprintln!("seed {base}");
     let split = Transport::split_hosts(4, 2).expect("split");

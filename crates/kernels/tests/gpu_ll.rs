@@ -17,7 +17,7 @@ use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, bf16};
 use epflow_kernels::{GpuRank, GpuWorld, Transport, device_count};
 
 mod common;
-use common::{World, counts_across, for_each_world, gpus, launched, on_ranks, seed};
+use common::{World, counts_across, for_each_world, gpus, launched, nccl_gpus, on_ranks, seed};
 
 /// One dispatch + identity experts + combine on every rank; returns (dispatch, combine) reports.
 fn round(
@@ -113,7 +113,7 @@ fn ll_matches_reference_on_1_2_and_4_gpus() {
         (2048, 64, DispatchDtype::Bf16),
         (4096, 256, DispatchDtype::Fp8 { round_scales: false }),
     ];
-    for_each_world("ll_matches_reference", &[1, 2, 4], worlds, |devices, (h, e, dt)| {
+    for_each_world("ll_matches_reference", &[1, 2, 4], gpus, worlds, |devices, (h, e, dt)| {
         check_world(devices, h, e, dt, base, &Transport::Auto)
     });
 }
@@ -128,7 +128,7 @@ fn ll_over_nccl_matches_reference_on_2_and_4_gpus() {
         (7168, 256, DispatchDtype::Fp8 { round_scales: true }),
         (2048, 64, DispatchDtype::Fp8 { round_scales: false }),
     ];
-    for_each_world("ll_over_nccl", &[2, 4], worlds, |devices, (h, e, dt)| {
+    for_each_world("ll_over_nccl", &[2, 4], nccl_gpus, worlds, |devices, (h, e, dt)| {
         check_world(devices, h, e, dt, base, &Transport::Nccl)
     });
 }
@@ -137,7 +137,7 @@ fn ll_over_nccl_matches_reference_on_2_and_4_gpus() {
 /// `NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1` to force NCCL onto its socket transport).
 #[test]
 fn ll_hierarchical_two_hosts_matches_reference() {
-    let Some(devices) = gpus(4, "ll_hierarchical_two_hosts") else { return };
+    let Some(devices) = nccl_gpus(4, "ll_hierarchical_two_hosts") else { return };
     let base = seed();
     eprintln!("seed {base}");
     let split = Transport::split_hosts(4, 2).expect("split");
@@ -254,7 +254,8 @@ fn ll_over_nccl_absent_rank_times_out_without_hanging() {
 }
 
 fn absent_rank_times_out(transport: &Transport) {
-    let Some(devices) = gpus(2, &format!("ll_absent_rank_times_out ({transport:?})")) else { return };
+    let pick = if *transport == Transport::Nccl { nccl_gpus } else { gpus };
+    let Some(devices) = pick(2, &format!("ll_absent_rank_times_out ({transport:?})")) else { return };
     let timeout = Duration::from_secs(2);
     let config = GroupConfig::low_latency(16, 32, 2048).with_timeout(timeout);
     let ranks = GpuWorld::create_with(&devices, config.clone(), transport.clone()).expect("create GPU group");

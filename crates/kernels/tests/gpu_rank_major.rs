@@ -19,7 +19,7 @@ use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor};
 use epflow_kernels::{GpuRank, GpuWorld, Transport};
 
 mod common;
-use common::{World, counts_across, for_each_world, gpus, launched, on_ranks, seed, shared_gpu_sms};
+use common::{World, counts_across, for_each_world, gpus, launched, nccl_gpus, on_ranks, seed, shared_gpu_sms};
 
 /// One dispatch + identity experts + combine on `rank`, on a handle of `layout`.
 fn round(rank: &GpuRank, sc: &Scenario, layout: Layout, staged: bool) -> Result<(Report, Report), Error> {
@@ -133,7 +133,7 @@ const WORLDS: &[World] = &[
 fn rank_major_matches_reference_on_1_2_and_4_gpus() {
     let base = seed();
     eprintln!("seed {base}");
-    for_each_world("rank_major_matches_reference", &[1, 2, 4], WORLDS, |devices, (h, e, dt)| {
+    for_each_world("rank_major_matches_reference", &[1, 2, 4], gpus, WORLDS, |devices, (h, e, dt)| {
         check_world(devices, h, e, dt, base, &Transport::Auto)
     });
 }
@@ -142,11 +142,7 @@ fn rank_major_matches_reference_on_1_2_and_4_gpus() {
 fn rank_major_over_nccl_matches_reference() {
     let base = seed();
     eprintln!("seed {base}");
-    let Some(devices) = gpus(2, "rank_major_over_nccl") else { return };
-    if shared_gpu_sms(&devices).is_some() {
-        eprintln!("SKIPPED rank_major_over_nccl: NCCL needs a GPU per rank");
-        return;
-    }
+    let Some(devices) = nccl_gpus(2, "rank_major_over_nccl") else { return };
     for &(h, e, dt) in &WORLDS[1..3] {
         let t = Instant::now();
         check_world(&devices, h, e, dt, base, &Transport::Nccl);

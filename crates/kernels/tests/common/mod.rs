@@ -27,15 +27,34 @@ pub(crate) fn gpus(need: usize, test: &str) -> Option<Vec<usize>> {
     Some((0..need).collect())
 }
 
+/// [`gpus`] for a test over NCCL, whose communicators take one GPU per rank: `None`, after
+/// printing why, when `EPFLOW_TEST_DEVICES` names one GPU twice (the group would be refused).
+#[allow(dead_code)]
+pub(crate) fn nccl_gpus(need: usize, test: &str) -> Option<Vec<usize>> {
+    let devices = gpus(need, test)?;
+    if shared_gpu_sms(&devices).is_some() {
+        eprintln!("SKIPPED {test}: NCCL needs a GPU per rank, and {devices:?} names one twice");
+        return None;
+    }
+    Some(devices)
+}
+
 /// One configuration a matrix test runs: hidden size, experts, dispatch type.
 pub(crate) type World = (usize, usize, epflow_core::DispatchDtype);
 
-/// Runs `check(devices, world)` for every world on each GPU count of `counts` (a count this
-/// machine lacks is skipped, with the reason printed), printing each world's time.
+/// Runs `check(devices, world)` for every world on each GPU count of `counts`, the devices
+/// picked by `pick` ([`gpus`], or [`nccl_gpus`] over NCCL; a count it refuses is skipped, with
+/// the reason printed), printing each world's time.
 #[allow(dead_code)]
-pub(crate) fn for_each_world(test: &str, counts: &[usize], worlds: &[World], check: impl Fn(&[usize], World)) {
+pub(crate) fn for_each_world(
+    test: &str,
+    counts: &[usize],
+    pick: fn(usize, &str) -> Option<Vec<usize>>,
+    worlds: &[World],
+    check: impl Fn(&[usize], World),
+) {
     for &n in counts {
-        let Some(devices) = gpus(n, &format!("{test} ({n} GPUs)")) else { continue };
+        let Some(devices) = pick(n, &format!("{test} ({n} GPUs)")) else { continue };
         for &world in worlds {
             let t = std::time::Instant::now();
             check(&devices, world);
