@@ -97,7 +97,8 @@ impl ForwardInputs {
 /// One forward and one backward dispatch/combine pair on one handle; returns the reports.
 /// `combines`: every rank waits there, once its combine inputs exist, before the first combine
 /// (a combine reads its peers' expert outputs in place, and compute-sanitizer flags reads of
-/// memory allocated after the reading kernel was launched, though the GPU reaches it).
+/// memory allocated after the reading kernel was launched, though the GPU reaches it), and again
+/// before the backward dispatch (see there).
 fn round(
     rank: &GpuRank,
     sc: &Scenario,
@@ -184,8 +185,14 @@ fn round(
     ));
     drop((y, experts, out));
 
-    // Backward dispatch: the tokens (BF16) as output gradients.
+    // Backward dispatch: the tokens (BF16) as output gradients. Every rank frees and allocates
+    // before any rank launches it: ranks that share a GPU share its context, and a free there
+    // (`cuMemFree` of a large block) waits for the whole device, so a rank freeing while a peer
+    // of its GPU already spins in the dispatch for its rows would wait for that peer's timeout.
     let g = rank.upload(&sc.tokens(r))?;
+    if !combines.wait(Duration::from_secs(60)) {
+        return Err(Error::Backend(format!("rank {r}: a peer never reached the backward dispatch")));
+    }
     let bwd = DispatchOptions { pass: Pass::Backward, ..DispatchOptions::default() };
     let gd = blocking_dispatch(rank, &h, DispatchInputs::new(&g), &bwd, false)?;
     let gdh = gd.to_host()?;
@@ -236,7 +243,9 @@ fn check_world(
         let per_rank: Vec<usize> =
             (0..devices.len()).map(|r| if r + 1 == devices.len() { tokens / 2 + 1 } else { tokens }).collect();
         let sc = Scenario::generate(config.clone(), devices.len(), &per_rank, top_k, kind, masked.min(tokens), s);
+        let t = Instant::now();
         let refs = references(&sc, s);
+        let reference_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
         let combines = TimedBarrier::new(ranks.len());
         let all = on_ranks(&ranks, |rank| round(rank, &sc, &refs, i % 2 == 1, &combines).expect("round"));
@@ -248,7 +257,7 @@ fn check_world(
         for rep in all.into_iter().flatten() {
             assert!(rep.ok(), "{what}: {rep:?}");
         }
-        eprintln!("ok: {what} ({:.2} s)", t.elapsed().as_secs_f64());
+        eprintln!("ok: {what} ({:.2} s; CPU reference {reference_s:.2} s)", t.elapsed().as_secs_f64());
     }
 }
 
