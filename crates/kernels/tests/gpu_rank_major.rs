@@ -80,7 +80,10 @@ fn check_world(
     transport: &Transport,
 ) {
     let max_tokens = 256;
-    let config = GroupConfig::low_latency(experts, max_tokens, hidden).with_dispatch_dtype(dtype).with_max_top_k(16);
+    let config = GroupConfig::low_latency(experts, max_tokens, hidden)
+        .with_dispatch_dtype(dtype)
+        .with_max_top_k(16)
+        .with_max_sms(shared_gpu_sms(devices));
     let ranks = GpuWorld::create_with(devices, config.clone(), transport.clone()).expect("create GPU group");
     let mut round_no = 0u64;
     // 1 and 7 tokens: every rank's dispatch goes out as tagged messages; 40: the last rank's 21
