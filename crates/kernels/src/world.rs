@@ -8,6 +8,7 @@ use epflow_core::backend::RankCore;
 use epflow_core::{Error, GroupConfig};
 
 use crate::compile::Functions;
+use crate::compute::comm_sms;
 use crate::device::cache::OutputCache;
 use crate::device::{DeviceBuffer, EventPool, bind, context, cuda, pci_key, sm_count_of};
 use crate::layout::Layout;
@@ -30,11 +31,13 @@ impl GpuWorld {
     /// devices must have peer access (NVLink). Give each rank to its own thread (or task).
     ///
     /// A device may be named twice (two ranks on one GPU: a functional setup for tests, over
-    /// NVLink only). Such ranks share the device's CUDA context, where freeing device memory
-    /// (`cuMemFree` of a large block, e.g. dropping a large [`DeviceTensor`](crate::DeviceTensor)) waits for every
-    /// kernel on the device: if the other rank is inside a collective that waits for this one,
-    /// both wait until the group's timeout. Free memory on such ranks only while no collective of
-    /// theirs can be in flight (e.g. behind a barrier of their threads).
+    /// NVLink only; with no `max_sms` set, each kernel then takes at most SMs / (2 x ranks on
+    /// the busiest GPU), so the ranks' kernels fit beside each other). Such ranks share the
+    /// device's CUDA context, where freeing device memory (`cuMemFree` of a large block, e.g.
+    /// dropping a large [`DeviceTensor`](crate::DeviceTensor)) waits for every kernel on the
+    /// device: if the other rank is inside a collective that waits for this one, both wait until
+    /// the group's timeout. Free memory on such ranks only while no collective of theirs can be
+    /// in flight (e.g. behind a barrier of their threads).
     pub fn create(devices: &[usize], config: GroupConfig) -> Result<Vec<GpuRank>, Error> {
         Self::create_with(devices, config, Transport::Auto)
     }
@@ -49,7 +52,9 @@ impl GpuWorld {
         config.validate(num_ranks)?;
         let ctxs = devices.iter().map(|&d| context(d)).collect::<Result<Vec<_>, _>>()?;
         let device_sms = ctxs.iter().map(|c| sm_count_of(c)).collect::<Result<Vec<_>, _>>()?;
-        let layout = Layout::new(&config, num_ranks, device_sms.into_iter().min().unwrap_or(1))?;
+        let min_sms = device_sms.into_iter().min().unwrap_or(1);
+        let config = bounded_for_shared_gpus(config, ranks_on_busiest_gpu(devices), min_sms);
+        let layout = Layout::new(&config, num_ranks, min_sms)?;
         let masks = (0..num_ranks).map(|r| transport.nccl_mask(r, num_ranks, None)).collect::<Result<Vec<_>, _>>()?;
         refuse_masking_over_nccl(&config, &masks)?;
         let any_nccl = masks.iter().any(|&m| m != 0);
@@ -140,12 +145,13 @@ impl GpuWorld {
         let shares_gpu =
             (0..num_ranks).any(|r| r != rank && places[3 * r..3 * r + 2] == places[3 * rank..3 * rank + 2]);
         let device_sms = places.iter().skip(2).step_by(3).min().copied().unwrap_or(1) as usize;
+        let gpus: Vec<&[u64]> = places.chunks(3).map(|p| &p[..2]).collect();
+        let config = bounded_for_shared_gpus(config, ranks_on_busiest_gpu(&gpus), device_sms);
         let layout = Layout::new(&config, num_ranks, device_sms)?;
         let mask = transport.nccl_mask(rank, num_ranks, Some(&hosts))?;
         // Every rank learns every mask (rank 0's ids serve the NCCL communicators).
         let masks = bootstrap::all_gather_u64(comm, &[u64::from(mask)])?;
         refuse_masking_over_nccl(&config, &masks)?;
-        let gpus: Vec<&[u64]> = places.chunks(3).map(|p| &p[..2]).collect();
         refuse_nccl_on_a_shared_gpu(sharing_pair(&gpus), masks.iter().any(|&m| m != 0))?;
         let layout = layout.for_transport(masks.iter().any(|&m| m != 0));
         let nccl = if masks.iter().any(|&m| m != 0) {
@@ -228,6 +234,26 @@ fn refuse_masking_over_nccl<M: Copy + Into<u64>>(config: &GroupConfig, masks: &[
 /// location)) are equal: ranks sharing a GPU.
 fn sharing_pair<T: PartialEq>(places: &[T]) -> Option<(usize, usize)> {
     (0..places.len()).find_map(|b| (0..b).find(|&a| places[a] == places[b]).map(|a| (a, b)))
+}
+
+/// The most ranks any one GPU holds (`places` as in [`sharing_pair`]; 1 when none is shared).
+fn ranks_on_busiest_gpu<T: PartialEq>(places: &[T]) -> usize {
+    places.iter().map(|a| places.iter().filter(|b| *b == a).count()).max().unwrap_or(1)
+}
+
+/// The configuration a group runs with when `ranks_per_gpu` ranks share a GPU of `sms` SMs and
+/// the caller set no `max_sms`: every kernel takes at most [`comm_sms`]`(sms, ranks_per_gpu, 1,
+/// sms)` SMs (two ranks on a 132-SM GPU: 33), so that one rank's receive, spinning for a peer on
+/// the same GPU, never holds every SM that peer's send still needs (a full-GPU grid on each rank
+/// hung the 4-ranks-on-2-GPUs rank-major test until its timeout, benches/NOTES.md item 122).
+/// Unchanged otherwise.
+fn bounded_for_shared_gpus(config: GroupConfig, ranks_per_gpu: usize, sms: usize) -> GroupConfig {
+    if ranks_per_gpu > 1 && config.max_sms.is_none() {
+        let bound = comm_sms(sms, ranks_per_gpu, 1, sms);
+        config.with_max_sms(Some(bound))
+    } else {
+        config
+    }
 }
 
 /// NCCL communicators take one GPU per rank (`ncclCommInitAll` and `ncclCommInitRank` fail with
@@ -334,6 +360,19 @@ mod tests {
         assert_eq!(sharing_pair(&places), None, "same PCI location on another host");
         let places: Vec<&[u64]> = vec![&[7, 1], &[8, 1], &[7, 1]];
         assert_eq!(sharing_pair(&places), Some((0, 2)));
+    }
+
+    #[test]
+    fn groups_sharing_a_gpu_bound_their_kernels_sms() {
+        assert_eq!(ranks_on_busiest_gpu(&[0, 1, 2, 3]), 1);
+        assert_eq!(ranks_on_busiest_gpu(&[0, 0, 1, 1]), 2);
+        assert_eq!(ranks_on_busiest_gpu(&[0, 1, 1, 1]), 3);
+        let ll = GroupConfig::low_latency(16, 32, 2048);
+        assert_eq!(bounded_for_shared_gpus(ll.clone(), 1, 132).max_sms, None, "no GPU shared");
+        assert_eq!(bounded_for_shared_gpus(ll.clone(), 2, 132).max_sms, Some(33));
+        assert_eq!(bounded_for_shared_gpus(ll.clone(), 4, 132).max_sms, Some(16));
+        let chosen = ll.with_max_sms(Some(20));
+        assert_eq!(bounded_for_shared_gpus(chosen, 2, 132).max_sms, Some(20), "the caller's bound stays");
     }
 
     #[test]
