@@ -480,5 +480,5 @@ impl Error {
     }
 }
 
-/// `Result` with [`Error`].
+/// `Result` with [`Error`](enum@Error).
 pub type Result<T, E = Error> = std::result::Result<T, E>;

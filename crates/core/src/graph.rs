@@ -42,7 +42,7 @@
 use crate::backend::{Backend, Probe};
 use crate::error::Result;
 
-/// One replay of a [`Step`] in flight.
+/// One replay of a [`StepBackend::Step`] in flight.
 pub trait PendingReplay: Send + 'static {
     /// Ready once the replay has finished on the device (or on the host threads).
     fn probe(&self) -> Box<dyn Probe>;

@@ -16,7 +16,7 @@
 //! - [`validate`]: checks of every operation's inputs and outputs against the operation tables.
 //! - [`routing`]: validated `topk_idx`, expert placement, send plans and receive layouts.
 //! - [`fp8`]: FP8 e4m3 conversion and per-128-channel quantization.
-//! - [`reference`]: the CPU reference semantics of every operation, for a whole world at once.
+//! - [`reference`](mod@reference): the CPU reference semantics of every operation, for a whole world at once.
 //! - [`protocol`]: the buffer-set / signal / credit protocol every backend follows, and slots.
 //! - [`stamp`]: what the ranks of a collective must agree on (top-k, pass, handle or dispatch).
 //! - [`handle`]: what every backend's routing handle shares, and when a handle may be reused.

@@ -1,4 +1,4 @@
-//! Rank masking: a low-latency group that survives a dead rank ([`GroupConfig::rank_masking`]).
+//! Rank masking: a low-latency group that survives a dead rank ([`GroupConfig::rank_masking`](crate::GroupConfig::rank_masking)).
 //!
 //! ## The rules
 //!

@@ -1,7 +1,7 @@
 //! The exported C functions of `nccl_ep.h` (NCCL EP 0.1.0): each checks its pointers, runs its
-//! body through [`entry`] (no panic crosses into C) and returns an `ncclResult_t`.
+//! body through `entry` (no panic crosses into C) and returns an `ncclResult_t`.
 //!
-//! `ncclEpGroup_t` is a boxed `Arc<Group>`, `ncclEpHandle_t` a boxed [`Handle`]; both are freed
+//! `ncclEpGroup_t` is a boxed `Arc<Group>`, `ncclEpHandle_t` a boxed `Handle`; both are freed
 //! by their destroy call. Collective calls must be made by every rank in the same order, as
 //! NCCL EP requires.
 

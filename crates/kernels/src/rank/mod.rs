@@ -87,7 +87,7 @@ impl GpuRank {
         self.shared.layout.total_bytes()
     }
 
-    /// Records CUDA events around every operation, for [`GpuDispatchOutput::elapsed`] (host-observed
+    /// Records CUDA events around every operation, for [`GpuDispatchOutput::elapsed`](crate::GpuDispatchOutput::elapsed) (host-observed
     /// device time from before the send half to after the complete half).
     pub fn set_timing(&self, on: bool) {
         self.shared.timing.store(on, Ordering::Relaxed);

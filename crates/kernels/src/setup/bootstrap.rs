@@ -3,7 +3,7 @@
 //! Variables: `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (the device of this process), and where the
 //! NCCL unique id comes from: `EPFLOW_NCCL_ID` (256 hex digits, created by `epflow launch` on one
 //! host), or else `MASTER_ADDR` and `MASTER_PORT` (as torchrun sets them): rank 0 creates the id
-//! and hands it to every rank over TCP ([`super::rendezvous`]), across hosts.
+//! and hands it to every rank over TCP (the `rendezvous` module), across hosts.
 
 use std::sync::Arc;
 

@@ -1,5 +1,5 @@
 //! How the ranks of a GPU group reach each other: [`Transport`] chooses, per pair of ranks,
-//! NVLink (peer memory, [`nvlink`]: peer access in one process, CUDA IPC across processes) or
+//! NVLink (peer memory, the `nvlink` module: peer access in one process, CUDA IPC across processes) or
 //! NCCL's grouped send/recv ([`nccl`]: across hosts, or every pair when asked).
 
 pub mod nccl;

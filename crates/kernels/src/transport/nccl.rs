@@ -1,5 +1,5 @@
 //! The NCCL transport: ranks that NVLink cannot reach (another host), or every rank when asked
-//! ([`Transport::Nccl`]), exchange their messages with NCCL's grouped `ncclSend`/`ncclRecv`
+//! ([`Transport::Nccl`](super::Transport::Nccl)), exchange their messages with NCCL's grouped `ncclSend`/`ncclRecv`
 //! (any NCCL ≥ 2.28, loaded at run time through cudarc) instead of the NVLink stores.
 //!
 //! ## What travels
