@@ -50,15 +50,16 @@ impl GpuWorld {
     pub fn create_with(devices: &[usize], config: GroupConfig, transport: Transport) -> Result<Vec<GpuRank>, Error> {
         let num_ranks = devices.len();
         config.validate(num_ranks)?;
+        // What the transport allows is decided before any device is touched.
+        let masks = (0..num_ranks).map(|r| transport.nccl_mask(r, num_ranks, None)).collect::<Result<Vec<_>, _>>()?;
+        refuse_masking_over_nccl(&config, &masks)?;
+        let any_nccl = masks.iter().any(|&m| m != 0);
+        refuse_nccl_on_a_shared_gpu(sharing_pair(devices), any_nccl)?;
         let ctxs = devices.iter().map(|&d| context(d)).collect::<Result<Vec<_>, _>>()?;
         let device_sms = ctxs.iter().map(|c| sm_count_of(c)).collect::<Result<Vec<_>, _>>()?;
         let min_sms = device_sms.into_iter().min().unwrap_or(1);
         let config = bounded_for_shared_gpus(config, ranks_on_busiest_gpu(devices), min_sms);
         let layout = Layout::new(&config, num_ranks, min_sms)?;
-        let masks = (0..num_ranks).map(|r| transport.nccl_mask(r, num_ranks, None)).collect::<Result<Vec<_>, _>>()?;
-        refuse_masking_over_nccl(&config, &masks)?;
-        let any_nccl = masks.iter().any(|&m| m != 0);
-        refuse_nccl_on_a_shared_gpu(sharing_pair(devices), any_nccl)?;
         // Every rank is in this process: with peer access, kernels reach the memory peers
         // allocate, so high-throughput dispatches may write rows straight into their outputs
         // and combines read their expert outputs in place.
@@ -373,6 +374,17 @@ mod tests {
         assert_eq!(bounded_for_shared_gpus(ll.clone(), 4, 132).max_sms, Some(16));
         let chosen = ll.with_max_sms(Some(20));
         assert_eq!(bounded_for_shared_gpus(chosen, 2, 132).max_sms, Some(20), "the caller's bound stays");
+    }
+
+    #[test]
+    fn a_group_over_nccl_with_a_shared_gpu_is_refused_before_any_device_is_touched() {
+        // No GPU is needed: the refusal comes before the first context.
+        let config = GroupConfig::low_latency(16, 32, 2048);
+        let err = GpuWorld::create_with(&[0, 1, 2, 2], config.clone(), Transport::Nccl).unwrap_err();
+        assert!(matches!(&err, Error::Unsupported(m) if m.contains("ranks 2 and 3 share a GPU")), "{err}");
+        let split = Transport::split_hosts(4, 2).expect("split");
+        let err = GpuWorld::create_with(&[0, 1, 0, 1], config, split).unwrap_err();
+        assert!(matches!(&err, Error::Unsupported(m) if m.contains("ranks 0 and 2 share a GPU")), "{err}");
     }
 
     #[test]
