@@ -112,10 +112,10 @@ impl GpuWorld {
 
 impl GpuWorld {
     /// One process per GPU: joins this process's rank (`comm.rank()`) of a group over `comm`, an
-    /// NCCL communicator of every rank on this host (see [`crate::setup::bootstrap`]). Collective: every
-    /// rank calls it with the same config. The receive regions and signal pages are shared with
-    /// CUDA IPC handles exchanged over `comm`. Call [`bootstrap::barrier`] before dropping
-    /// the rank, so no peer still uses this process's memory.
+    /// NCCL communicator of every rank on this host (see [`crate::setup::bootstrap`]).
+    /// Collective: every rank calls it with the same config. The receive regions and signal
+    /// pages are shared with CUDA IPC handles exchanged over `comm`. Call [`bootstrap::barrier`]
+    /// before dropping the rank, so no peer still uses this process's memory.
     pub fn join(comm: &cudarc::nccl::Comm, config: GroupConfig) -> Result<GpuRank, Error> {
         Self::join_with(comm, config, Transport::Auto)
     }
