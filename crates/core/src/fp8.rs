@@ -35,12 +35,13 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
     let sign: u8 = if x.is_sign_negative() { 0x80 } else { 0 };
     let a = x.abs().min(E4M3_MAX);
     // Smallest normal e4m3 value is 2^-6; below it the step is 2^-9.
-    let magnitude = if a < 2f32.powi(-6) {
+    let magnitude = if a < 1.0 / 64.0 {
         // Exact in f64: a * 2^9 is a scaling by a power of two.
         (f64::from(a) * 512.0).round_ties_even() as u8 // 0..=8; 8 is the code of 2^-6.
     } else {
         let mut exp = ((a.to_bits() >> 23) & 0xff) as i32 - 127; // a is a normal f32 here.
-        let mantissa = f64::from(a) / f64::from(2f32.powi(exp)); // in [1, 2), exact.
+        let pow2 = f32::from_bits(((exp + 127) as u32) << 23); // 2^exp, exp in [-6, 8].
+        let mantissa = f64::from(a) / f64::from(pow2); // in [1, 2), exact.
         let mut q = (mantissa * 8.0).round_ties_even() as i32; // 8..=16
         if q == 16 {
             q = 8;
@@ -51,16 +52,38 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
     sign | magnitude
 }
 
-/// Converts an e4m3 bit pattern to fp32 (exact).
+/// Converts an e4m3 bit pattern to fp32 (exact; `f32::NAN` for the NaN codes). A table lookup:
+/// the CPU references dequantize every FP8 row they check.
 pub fn e4m3_to_f32(bits: u8) -> f32 {
-    let sign = if bits & 0x80 != 0 { -1.0f32 } else { 1.0 };
-    let exp = i32::from((bits >> 3) & 0x0f);
-    let mantissa = f32::from(bits & 0x07);
-    if exp == 0x0f && bits & 0x07 == 0x07 {
-        return f32::NAN;
+    E4M3_VALUES[bits as usize]
+}
+
+/// Every e4m3 code's fp32 value, built from the bits: a normal code `(1 + m/8) * 2^(e-7)` is
+/// the fp32 with exponent `e - 7` and mantissa `m` in its top three bits; a subnormal `m * 2^-9`
+/// the fp32 of that small integer times `2^-9`, normalized.
+static E4M3_VALUES: [f32; 256] = e4m3_table();
+
+const fn e4m3_table() -> [f32; 256] {
+    let mut table = [0f32; 256];
+    let mut code = 0usize;
+    while code < 256 {
+        let sign = if code & 0x80 != 0 { 0x8000_0000u32 } else { 0 };
+        let exp = ((code >> 3) & 0x0f) as u32;
+        let m = (code & 0x07) as u32;
+        table[code] = if exp == 0x0f && m == 0x07 {
+            f32::NAN
+        } else if exp != 0 {
+            f32::from_bits(sign | ((exp + 127 - 7) << 23) | (m << 20))
+        } else if m == 0 {
+            f32::from_bits(sign)
+        } else {
+            // m * 2^-9 with m in 1..=7: the leading bit of m is 2^p.
+            let p = 31 - m.leading_zeros();
+            f32::from_bits(sign | ((127 - 9 + p) << 23) | ((m - (1 << p)) << (23 - p)))
+        };
+        code += 1;
     }
-    let magnitude = if exp == 0 { mantissa * 2f32.powi(-9) } else { (1.0 + mantissa / 8.0) * 2f32.powi(exp - 7) };
-    sign * magnitude
+    table
 }
 
 /// Rounds a positive finite `scale` up to the next power of two (unchanged if it is one).
@@ -186,6 +209,70 @@ mod tests {
         }
         assert_eq!(f32_to_e4m3(f32::NAN), E4M3_NAN);
         assert!(e4m3_to_f32(E4M3_NAN).is_nan());
+    }
+
+    /// The arithmetic definition of an e4m3 code's value.
+    fn e4m3_by_arithmetic(bits: u8) -> f32 {
+        let sign = if bits & 0x80 != 0 { -1.0f32 } else { 1.0 };
+        let exp = i32::from((bits >> 3) & 0x0f);
+        let mantissa = f32::from(bits & 0x07);
+        if exp == 0x0f && bits & 0x07 == 0x07 {
+            return f32::NAN;
+        }
+        let magnitude = if exp == 0 { mantissa * 2f32.powi(-9) } else { (1.0 + mantissa / 8.0) * 2f32.powi(exp - 7) };
+        sign * magnitude
+    }
+
+    #[test]
+    fn the_decode_table_is_the_arithmetic_definition() {
+        for bits in 0u8..=255 {
+            let (want, got) = (e4m3_by_arithmetic(bits), e4m3_to_f32(bits));
+            assert_eq!(got.to_bits(), want.to_bits(), "code {bits:#04x}: {got} against {want}");
+        }
+        assert_eq!(e4m3_to_f32(0x80).to_bits(), (-0.0f32).to_bits());
+        assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9));
+        assert_eq!(e4m3_to_f32(0x87), -7.0 * 2f32.powi(-9));
+    }
+
+    /// The encoder as first written (`powi` for the powers of two), to hold the faster one to.
+    fn f32_to_e4m3_by_powi(x: f32) -> u8 {
+        if x.is_nan() {
+            return E4M3_NAN;
+        }
+        let sign: u8 = if x.is_sign_negative() { 0x80 } else { 0 };
+        let a = x.abs().min(E4M3_MAX);
+        let magnitude = if a < 2f32.powi(-6) {
+            (f64::from(a) * 512.0).round_ties_even() as u8
+        } else {
+            let mut exp = ((a.to_bits() >> 23) & 0xff) as i32 - 127;
+            let mantissa = f64::from(a) / f64::from(2f32.powi(exp));
+            let mut q = (mantissa * 8.0).round_ties_even() as i32;
+            if q == 16 {
+                q = 8;
+                exp += 1;
+            }
+            (((exp + 7) << 3) | (q - 8)) as u8
+        };
+        sign | magnitude
+    }
+
+    #[test]
+    fn the_encoder_matches_its_first_definition() {
+        // Every 4099th fp32 bit pattern (all signs, exponents and many mantissas), and every
+        // value within a few ulps of each e4m3 code and of each midpoint between neighbours.
+        let mut xs: Vec<f32> = (0..=u32::MAX / 4099).map(|i| f32::from_bits(i * 4099)).collect();
+        for bits in 0u8..=0x7e {
+            let (v, next) = (e4m3_to_f32(bits), e4m3_to_f32(bits + 1));
+            for c in [v, (v + next) / 2.0] {
+                for d in -3i32..=3 {
+                    let y = f32::from_bits((c.to_bits() as i32 + d).max(0) as u32);
+                    xs.extend([y, -y]);
+                }
+            }
+        }
+        for x in xs {
+            assert_eq!(f32_to_e4m3(x), f32_to_e4m3_by_powi(x), "{x} ({:#010x})", x.to_bits());
+        }
     }
 
     #[test]

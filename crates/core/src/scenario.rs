@@ -235,6 +235,9 @@ impl Scenario {
 
 /// Rows as BF16: BF16 rows unchanged, FP8 rows dequantized and rounded.
 pub fn identity_rows(rows: &reference::Rows, hidden: usize) -> Vec<bf16> {
+    if let Some(v) = rows.as_bf16() {
+        return v.to_vec();
+    }
     let n = rows.num_rows(hidden);
     let mut out = Vec::with_capacity(n * hidden);
     let mut buf = vec![0f32; hidden];
