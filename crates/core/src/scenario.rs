@@ -227,8 +227,14 @@ impl Scenario {
         dispatch: &[HtDispatchResult],
     ) -> Result<Vec<Vec<bf16>>, ValidationError> {
         let h = self.config.hidden;
-        let outs: Vec<Vec<bf16>> = dispatch.iter().map(|d| identity_rows(&d.tokens, h)).collect();
-        let refs: Vec<&[bf16]> = outs.iter().map(Vec::as_slice).collect();
+        // BF16 rows are their own identity outputs (no copy); FP8 rows are converted.
+        let converted: Vec<Option<Vec<bf16>>> =
+            dispatch.iter().map(|d| d.tokens.as_bf16().is_none().then(|| identity_rows(&d.tokens, h))).collect();
+        let refs: Vec<&[bf16]> = dispatch
+            .iter()
+            .zip(&converted)
+            .map(|(d, c)| c.as_deref().or(d.tokens.as_bf16()).unwrap_or_default())
+            .collect();
         Ok(reference::ht_combine(&self.config, &self.routings()?, &refs, None).into_iter().map(|(t, _)| t).collect())
     }
 }
