@@ -53,27 +53,24 @@ impl Scenario {
         masked: usize,
         seed: u64,
     ) -> Self {
-        let ranks = (0..num_ranks)
-            .map(|r| {
-                let b = tokens_per_rank.get(r).or(tokens_per_rank.last()).copied().unwrap_or(0);
-                let spec =
-                    RoutingSpec { num_tokens: b, top_k, num_experts: config.num_experts, num_ranks, masked, kind };
-                let tokens = random_tokens(b, config.hidden, seed, r);
-                let fp8 = match config.dispatch_dtype {
-                    DispatchDtype::Fp8 { round_scales } => {
-                        Some(fp8::quantize_bf16(&tokens, b, config.hidden, round_scales))
-                    }
-                    DispatchDtype::Bf16 => None,
-                };
-                RankInputs {
-                    num_tokens: b,
-                    topk_idx: random_topk_idx(&spec, seed, r),
-                    weights: random_weights(b, top_k, seed, r),
-                    tokens,
-                    fp8,
+        let ranks = reference::per_rank(num_ranks, |r| {
+            let b = tokens_per_rank.get(r).or(tokens_per_rank.last()).copied().unwrap_or(0);
+            let spec = RoutingSpec { num_tokens: b, top_k, num_experts: config.num_experts, num_ranks, masked, kind };
+            let tokens = random_tokens(b, config.hidden, seed, r);
+            let fp8 = match config.dispatch_dtype {
+                DispatchDtype::Fp8 { round_scales } => {
+                    Some(fp8::quantize_bf16(&tokens, b, config.hidden, round_scales))
                 }
-            })
-            .collect();
+                DispatchDtype::Bf16 => None,
+            };
+            RankInputs {
+                num_tokens: b,
+                topk_idx: random_topk_idx(&spec, seed, r),
+                weights: random_weights(b, top_k, seed, r),
+                tokens,
+                fp8,
+            }
+        });
         Scenario { config, num_ranks, top_k, ranks }
     }
 
@@ -228,8 +225,10 @@ impl Scenario {
     ) -> Result<Vec<Vec<bf16>>, ValidationError> {
         let h = self.config.hidden;
         // BF16 rows are their own identity outputs (no copy); FP8 rows are converted.
-        let converted: Vec<Option<Vec<bf16>>> =
-            dispatch.iter().map(|d| d.tokens.as_bf16().is_none().then(|| identity_rows(&d.tokens, h))).collect();
+        let converted: Vec<Option<Vec<bf16>>> = reference::per_rank(dispatch.len(), |d| {
+            let rows = &dispatch[d].tokens;
+            rows.as_bf16().is_none().then(|| identity_rows(rows, h))
+        });
         let refs: Vec<&[bf16]> = dispatch
             .iter()
             .zip(&converted)

@@ -2,7 +2,7 @@
 
 use half::bf16;
 
-use super::{Rows, TokensRef, round_bf16};
+use super::{Rows, TokensRef, per_rank, round_bf16};
 use crate::config::GroupConfig;
 use crate::routing::{ExpertPlacement, HtRecvLayout, Routing, SendPlan};
 
@@ -45,60 +45,57 @@ pub fn ht_dispatch(
     let placement = ExpertPlacement::new(config.num_experts, num_ranks);
     let h = config.hidden;
     let cols = config.scale_cols();
-    layouts(config, routings)
-        .into_iter()
-        .enumerate()
-        .map(|(d, layout)| {
-            let n = layout.num_rows();
-            let top_k = routings.first().map_or(0, Routing::top_k);
-            let mut topk_weights = Vec::with_capacity(n * top_k);
-            let mut topk_idx = Vec::with_capacity(n * top_k);
-            let mut bf = Vec::new();
-            let (mut q, mut scales) = (Vec::new(), Vec::new());
-            for src in layout.rows() {
-                let (s, t) = (src.src_rank as usize, src.token as usize);
-                match tokens[s] {
-                    TokensRef::Bf16(x) => bf.extend_from_slice(&x[t * h..(t + 1) * h]),
-                    TokensRef::Fp8 { q: xq, scales: xs } => {
-                        q.extend_from_slice(&xq[t * h..(t + 1) * h]);
-                        scales.extend_from_slice(&xs[t * cols..(t + 1) * cols]);
-                    }
+    let layouts = layouts(config, routings);
+    per_rank(layouts.len(), |d| {
+        let layout = layouts[d].clone();
+        let n = layout.num_rows();
+        let top_k = routings.first().map_or(0, Routing::top_k);
+        let mut topk_weights = Vec::with_capacity(n * top_k);
+        let mut topk_idx = Vec::with_capacity(n * top_k);
+        let mut bf = Vec::new();
+        let (mut q, mut scales) = (Vec::new(), Vec::new());
+        for src in layout.rows() {
+            let (s, t) = (src.src_rank as usize, src.token as usize);
+            match tokens[s] {
+                TokensRef::Bf16(x) => bf.extend_from_slice(&x[t * h..(t + 1) * h]),
+                TokensRef::Fp8 { q: xq, scales: xs } => {
+                    q.extend_from_slice(&xq[t * h..(t + 1) * h]);
+                    scales.extend_from_slice(&xs[t * cols..(t + 1) * cols]);
                 }
-                let r = &routings[s];
-                for k in 0..r.top_k() {
-                    match r.expert(t, k) {
-                        Some(e) if placement.owner(e) == d => {
-                            topk_idx.push(placement.local_index(e) as i64);
-                            topk_weights.push(weights[s][t * r.top_k() + k]);
-                        }
-                        _ => {
-                            topk_idx.push(-1);
-                            topk_weights.push(0.0);
-                        }
+            }
+            let r = &routings[s];
+            for k in 0..r.top_k() {
+                match r.expert(t, k) {
+                    Some(e) if placement.owner(e) == d => {
+                        topk_idx.push(placement.local_index(e) as i64);
+                        topk_weights.push(weights[s][t * r.top_k() + k]);
+                    }
+                    _ => {
+                        topk_idx.push(-1);
+                        topk_weights.push(0.0);
                     }
                 }
             }
-            let tokens = if config.dispatch_dtype.is_fp8() { Rows::Fp8 { q, scales } } else { Rows::Bf16(bf) };
-            HtDispatchResult { layout, tokens, topk_weights, topk_idx }
-        })
-        .collect()
+        }
+        let tokens = if config.dispatch_dtype.is_fp8() { Rows::Fp8 { q, scales } } else { Rows::Bf16(bf) };
+        HtDispatchResult { layout, tokens, topk_weights, topk_idx }
+    })
 }
 
 /// High-throughput backward dispatch: `grads[r]` (`[B x H]` BF16) to the same rows forward
 /// dispatch filled. Returns each rank's `[N x H]`.
 pub fn ht_dispatch_backward(config: &GroupConfig, routings: &[Routing], grads: &[&[bf16]]) -> Vec<Vec<bf16>> {
     let h = config.hidden;
-    layouts(config, routings)
-        .iter()
-        .map(|layout| {
-            let mut out = Vec::with_capacity(layout.num_rows() * h);
-            for src in layout.rows() {
-                let t = src.token as usize;
-                out.extend_from_slice(&grads[src.src_rank as usize][t * h..(t + 1) * h]);
-            }
-            out
-        })
-        .collect()
+    let layouts = layouts(config, routings);
+    per_rank(layouts.len(), |d| {
+        let layout = &layouts[d];
+        let mut out = Vec::with_capacity(layout.num_rows() * h);
+        for src in layout.rows() {
+            let t = src.token as usize;
+            out.extend_from_slice(&grads[src.src_rank as usize][t * h..(t + 1) * h]);
+        }
+        out
+    })
 }
 
 /// High-throughput combine over all ranks: `expert_out[d]` is rank `d`'s `[N_d x H]`;
@@ -121,38 +118,35 @@ pub fn ht_combine(
             rows_of[src.src_rank as usize][src.token as usize].push((d, i));
         }
     }
-    routings
-        .iter()
-        .enumerate()
-        .map(|(s, routing)| {
-            let b = routing.num_tokens();
-            let k_n = routing.top_k();
-            let mut out = vec![bf16::ZERO; b * h];
-            let mut acc = vec![0f32; h];
-            for t in 0..b {
-                acc.iter_mut().for_each(|a| *a = 0.0);
-                for &(d, i) in &rows_of[s][t] {
-                    for (a, v) in acc.iter_mut().zip(&expert_out[d][i * h..(i + 1) * h]) {
-                        *a += v.to_f32();
-                    }
-                }
-                for (o, a) in out[t * h..(t + 1) * h].iter_mut().zip(&acc) {
-                    *o = round_bf16(*a);
+    per_rank(routings.len(), |s| {
+        let routing = &routings[s];
+        let b = routing.num_tokens();
+        let k_n = routing.top_k();
+        let mut out = vec![bf16::ZERO; b * h];
+        let mut acc = vec![0f32; h];
+        for t in 0..b {
+            acc.iter_mut().for_each(|a| *a = 0.0);
+            for &(d, i) in &rows_of[s][t] {
+                for (a, v) in acc.iter_mut().zip(&expert_out[d][i * h..(i + 1) * h]) {
+                    *a += v.to_f32();
                 }
             }
-            let w = weight_grads.map(|wg| {
-                let mut w = vec![0f32; b * k_n];
-                for t in 0..b {
-                    for k in 0..k_n {
-                        let Some(e) = routing.expert(t, k) else { continue };
-                        let owner = placement.owner(e);
-                        let &(_, i) = rows_of[s][t].iter().find(|(d, _)| *d == owner).expect("owner holds a copy");
-                        w[t * k_n + k] = wg[owner][i * k_n + k];
-                    }
+            for (o, a) in out[t * h..(t + 1) * h].iter_mut().zip(&acc) {
+                *o = round_bf16(*a);
+            }
+        }
+        let w = weight_grads.map(|wg| {
+            let mut w = vec![0f32; b * k_n];
+            for t in 0..b {
+                for k in 0..k_n {
+                    let Some(e) = routing.expert(t, k) else { continue };
+                    let owner = placement.owner(e);
+                    let &(_, i) = rows_of[s][t].iter().find(|(d, _)| *d == owner).expect("owner holds a copy");
+                    w[t * k_n + k] = wg[owner][i * k_n + k];
                 }
-                w
-            });
-            (out, w)
-        })
-        .collect()
+            }
+            w
+        });
+        (out, w)
+    })
 }

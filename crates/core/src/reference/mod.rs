@@ -17,7 +17,10 @@
 
 mod ht;
 mod ll;
+mod per_rank;
 pub mod rank_major;
+
+pub(crate) use per_rank::per_rank;
 
 pub use ht::{HtDispatchResult, ht_combine, ht_dispatch, ht_dispatch_backward};
 pub use ll::{ExpertRowFn, LlDispatchResult, ll_combine, ll_dispatch};
