@@ -4,7 +4,8 @@
 # test suite on 2 GPUs in both process models, compute-sanitizer, and `epflow bench --validate`
 # of this build against the baseline binary, alternated in one session. Logs go to $OUT.
 # Parts: perf (the overlap examples and the reactor benchmark), ab, tests, sanitize (default:
-# all, in that order).
+# all, in that order); shared (not in all: the suites with two ranks per GPU, four ranks on two
+# GPUs, `EPFLOW_TEST_DEVICES=0,0,1,1`; the NCCL tests skip there).
 set -u
 source "$(dirname "$0")/device-env.sh"
 part=${1:-all}
@@ -56,6 +57,13 @@ if [ "$part" = all ] || [ "$part" = tests ]; then
   echo "-- one process per GPU, a process exits (gpu_masking): rc=$? ($(grep -c '^ok: ' "$OUT/mp2-masking.log") ok lines)"; grep -E "panicked|FAILED|took" "$OUT/mp2-masking.log" | head -3
   EPFLOW_TEST_SEED=$seed timeout 120 $P/epflow launch -n 2 -- $P/gpu_graph graph_one_process_per_gpu --nocapture --test-threads=1 >"$OUT/mp2-graph.log" 2>&1
   echo "-- one process per GPU (gpu_graph): rc=$? ($(grep -c '^ok: ' "$OUT/mp2-graph.log") ok lines)"; grep -E "panicked|FAILED" "$OUT/mp2-graph.log" | head -3
+fi
+if [ "$part" = shared ]; then
+  echo "== two ranks per GPU (EPFLOW_TEST_DEVICES=0,0,1,1; gpu_stream_order on 0,0)"
+  for suite in gpu_ll gpu_rank_major gpu_ht gpu_graph; do
+    EPFLOW_GPU_ITERS=10 EPFLOW_TEST_DEVICES=0,0,1,1 run "shared-$suite" 400 $P/$suite
+  done
+  EPFLOW_TEST_DEVICES=0,0 run shared-gpu_stream_order 300 $P/gpu_stream_order
 fi
 if [ "$part" = all ] || [ "$part" = sanitize ]; then
   echo "== compute-sanitizer (2 GPUs)"
