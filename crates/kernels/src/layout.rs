@@ -158,9 +158,9 @@ pub(crate) fn dispatch_send_warps(num_ranks: usize, channels: usize, direct: boo
 /// else none. Measured on four pairs of H100s at 4096 tokens (benches/NOTES.md items 114, 116
 /// and 118): at 64 SMs the dispatch took 192-197 us with 16 helpers on every pair, against
 /// 196-204 us without on two pairs and 185-202 (medians 191 and 193) on the other two; at 96 and
-/// 132 SMs helpers were 5-8 us slower. Off by default: a stamp mismatch with helpers on (a
-/// receiving block helping before it checks its sources) needed a fix that has not yet run on
-/// GPUs (`gpu_disagreement`). More than two ranks: not measured.
+/// 132 SMs helpers were 5-8 us slower; on a fifth pair 1.6 us slower in the mean (item 119). Off
+/// by default for want of a gain (their stamp-mismatch path passes `gpu_disagreement`, item
+/// 119). More than two ranks: not measured.
 pub(crate) fn direct_helpers(num_ranks: usize) -> usize {
     ht_tuning("DIRECT_HELPERS", 0, max_helpers(num_ranks)).unwrap_or(0)
 }
