@@ -23,8 +23,13 @@ pub fn comm_sms(sms: usize, ranks_per_gpu: usize, lanes: usize, cap: usize) -> u
 /// ranks), from the SM count of the first.
 pub fn comm_sms_for(devices: &[usize], lanes: usize, cap: usize) -> Result<usize, Error> {
     let first = *devices.first().ok_or_else(|| Error::Unsupported("no devices".into()))?;
-    let per_gpu = devices.iter().map(|d| devices.iter().filter(|x| *x == d).count()).max().unwrap_or(1);
-    Ok(comm_sms(crate::device::sm_count(first)?, per_gpu, lanes, cap))
+    Ok(comm_sms(crate::device::sm_count(first)?, ranks_on_busiest_gpu(devices), lanes, cap))
+}
+
+/// The most ranks any one GPU holds, from one entry per rank naming its GPU (a device, or a
+/// (host, PCI location)); 1 when none is shared.
+pub(crate) fn ranks_on_busiest_gpu<T: PartialEq>(places: &[T]) -> usize {
+    places.iter().map(|a| places.iter().filter(|b| *b == a).count()).max().unwrap_or(1)
 }
 
 use std::ffi::c_void;

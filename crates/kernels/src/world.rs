@@ -8,7 +8,7 @@ use epflow_core::backend::RankCore;
 use epflow_core::{Error, GroupConfig};
 
 use crate::compile::Functions;
-use crate::compute::comm_sms;
+use crate::compute::{comm_sms, ranks_on_busiest_gpu};
 use crate::device::cache::OutputCache;
 use crate::device::{DeviceBuffer, EventPool, bind, context, cuda, pci_key, sm_count_of};
 use crate::layout::Layout;
@@ -235,11 +235,6 @@ fn refuse_masking_over_nccl<M: Copy + Into<u64>>(config: &GroupConfig, masks: &[
 /// location)) are equal: ranks sharing a GPU.
 fn sharing_pair<T: PartialEq>(places: &[T]) -> Option<(usize, usize)> {
     (0..places.len()).find_map(|b| (0..b).find(|&a| places[a] == places[b]).map(|a| (a, b)))
-}
-
-/// The most ranks any one GPU holds (`places` as in [`sharing_pair`]; 1 when none is shared).
-fn ranks_on_busiest_gpu<T: PartialEq>(places: &[T]) -> usize {
-    places.iter().map(|a| places.iter().filter(|b| *b == a).count()).max().unwrap_or(1)
 }
 
 /// The configuration a group runs with when `ranks_per_gpu` ranks share a GPU of `sms` SMs and
