@@ -1,6 +1,8 @@
 //! A whole world's inputs for one operation round, generated from a seed, with the reference
 //! results they should produce. Used by `epflow bench --validate`, the tests and the examples.
 
+use std::borrow::Cow;
+
 use half::bf16;
 
 use crate::config::{DispatchDtype, GroupConfig};
@@ -223,19 +225,19 @@ impl Scenario {
         &self,
         dispatch: &[HtDispatchResult],
     ) -> Result<Vec<Vec<bf16>>, ValidationError> {
-        let h = self.config.hidden;
-        // BF16 rows are their own identity outputs (no copy); FP8 rows are converted.
-        let converted: Vec<Option<Vec<bf16>>> = reference::per_rank(dispatch.len(), |d| {
-            let rows = &dispatch[d].tokens;
-            rows.as_bf16().is_none().then(|| identity_rows(rows, h))
-        });
-        let refs: Vec<&[bf16]> = dispatch
-            .iter()
-            .zip(&converted)
-            .map(|(d, c)| c.as_deref().or(d.tokens.as_bf16()).unwrap_or_default())
-            .collect();
+        let rows = ht_identity_rows(dispatch, self.config.hidden);
+        let refs: Vec<&[bf16]> = rows.iter().map(|r| &r[..]).collect();
         Ok(reference::ht_combine(&self.config, &self.routings()?, &refs, None).into_iter().map(|(t, _)| t).collect())
     }
+}
+
+/// Every rank's identity-expert outputs of a high-throughput dispatch: BF16 rows as received
+/// (borrowed, not copied), FP8 rows dequantized and rounded ([`identity_rows`], a thread per rank).
+pub fn ht_identity_rows(dispatch: &[HtDispatchResult], hidden: usize) -> Vec<Cow<'_, [bf16]>> {
+    reference::per_rank(dispatch.len(), |d| match dispatch[d].tokens.as_bf16() {
+        Some(v) => Cow::Borrowed(v),
+        None => Cow::Owned(identity_rows(&dispatch[d].tokens, hidden)),
+    })
 }
 
 /// Rows as BF16: BF16 rows unchanged, FP8 rows dequantized and rounded.

@@ -24,7 +24,7 @@ use epflow_core::ops::{
 };
 use epflow_core::protocol::Channel;
 use epflow_core::reference::{HtDispatchResult, ht_combine, ht_dispatch_backward};
-use epflow_core::scenario::{Scenario, identity_rows};
+use epflow_core::scenario::{Scenario, ht_identity_rows};
 use epflow_core::verify::{Report, Tolerance, check_bf16, check_exact, check_ht_dispatch};
 use epflow_core::workload::{RoutingKind, random_weights};
 use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, MaxTokens, TensorDesc, bf16};
@@ -60,11 +60,8 @@ fn references(sc: &Scenario, seed: u64) -> Refs {
     let outs: Vec<&[bf16]> = bwd_dispatch.iter().map(Vec::as_slice).collect();
     let wg: Vec<&[f32]> = weight_grads.iter().map(Vec::as_slice).collect();
     let bwd_combine = ht_combine(&sc.config, &routings, &outs, Some(&wg));
-    // The identity experts' rows: BF16 as received (no copy), FP8 dequantized.
-    let fp8_rows: Vec<Option<Vec<bf16>>> =
-        fwd.iter().map(|d| d.tokens.as_bf16().is_none().then(|| identity_rows(&d.tokens, sc.config.hidden))).collect();
-    let rows: Vec<&[bf16]> =
-        fwd.iter().zip(&fp8_rows).map(|(d, c)| c.as_deref().or(d.tokens.as_bf16()).unwrap_or_default()).collect();
+    let rows = ht_identity_rows(&fwd, sc.config.hidden);
+    let rows: Vec<&[bf16]> = rows.iter().map(|r| &r[..]).collect();
     let cached_combine = ht_combine(&sc.config, &routings, &rows, Some(&wg));
     Refs { fwd, fwd_combine, cached_combine, bwd_dispatch, weight_grads, bwd_combine }
 }
