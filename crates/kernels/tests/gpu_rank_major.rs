@@ -80,10 +80,9 @@ fn check_world(
     transport: &Transport,
 ) {
     let max_tokens = 256;
-    let config = GroupConfig::low_latency(experts, max_tokens, hidden)
-        .with_dispatch_dtype(dtype)
-        .with_max_top_k(16)
-        .with_max_sms(shared_gpu_sms(devices));
+    // Ranks sharing a GPU get the library's SM bound (`GpuWorld::create`), not one of the test's.
+    let config =
+        GroupConfig::low_latency(experts, max_tokens, hidden).with_dispatch_dtype(dtype).with_max_top_k(16);
     let ranks = GpuWorld::create_with(devices, config.clone(), transport.clone()).expect("create GPU group");
     let mut round_no = 0u64;
     // 1 and 7 tokens: every rank's dispatch goes out as tagged messages; 40: the last rank's 21
@@ -168,7 +167,7 @@ fn rank_major_many_staged_iterations_with_fresh_routing() {
     }
     let iters: u64 = std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(10_000);
     let (hidden, experts, max_tokens, top_k) = (2048, 64, 128, 8);
-    let config = GroupConfig::low_latency(experts, max_tokens, hidden).with_max_sms(shared_gpu_sms(&devices));
+    let config = GroupConfig::low_latency(experts, max_tokens, hidden);
     let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
     let base = seed();
     eprintln!("seed {base}, {iters} iterations on {} ranks", devices.len());
