@@ -485,9 +485,16 @@ impl LlLayout {
     /// Per-handle device memory: the `topk_idx` copy `[M x K]` int64, the row map
     /// `[R x M x K]` int32, for NCCL peers the combine pack map `[R x M x K]` and the
     /// combine positions `[M x K]` int32 (see `nccl.rs`), and the return list `[R x M x K]`
-    /// int32 with its per-source counts `[R]` int32 (`ret_list` in `ll_base.cuh`).
+    /// int32 with its per-source counts `[R]` int32 (`ret_list` in `ll_base.cuh`), and the
+    /// rank-major send slots `[R x M]` int32 (`send_slot`).
     pub(crate) fn handle_bytes(&self) -> usize {
-        self.return_count_offset() + self.num_ranks * 4
+        self.send_slot_offset() + self.num_ranks * self.max_tokens * 4
+    }
+
+    /// Offset of the rank-major send slots inside a handle's memory: per (destination, token)
+    /// the slot of its dispatch message there, or -1 (`LlParams::send_slot`).
+    pub(crate) fn send_slot_offset(&self) -> usize {
+        self.return_count_offset() + (self.num_ranks * 4).next_multiple_of(256)
     }
 
     /// Offset of the return list inside a handle's memory.

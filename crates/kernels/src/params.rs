@@ -23,6 +23,10 @@ pub(crate) const SIG_ARRAY_WORDS: usize = ARRIVAL_WORDS + SIG_ARRAYS * MAX_SETS 
 /// an expert-major combine fits `LL_TAG_TOKENS * R / K` tokens there. Also the most tokens of a
 /// dispatch sent as tagged messages (`LlLayout::dispatch_tagged_set_bytes`).
 pub(crate) const LL_TAG_TOKENS: usize = 32;
+/// The largest `max_tokens` whose rank-major dispatches send their messages compacted
+/// ([`LlParams::send_slot`]; `EP_COMPACT_MAX_ROWS` in `common.cuh`: the count travels in 14 bits
+/// of the arrival word). Larger groups keep the messages at their tokens' slots.
+pub(crate) const LL_COMPACT_MAX_ROWS: usize = 16383;
 /// Largest number of high-throughput channels (block pairs) of a kernel.
 pub(crate) const HT_MAX_CHANNELS: usize = 128;
 /// Largest number of sending warps per destination in the high-throughput kernels.
@@ -174,6 +178,15 @@ pub(crate) struct LlParams {
     /// `LL_TAG_TOKENS` and `max_tokens`. The sender decides; its arrival word tells each
     /// receiver.
     pub tag_dispatch_tokens: i32,
+    /// A rank-major dispatch on a handle (not captured): the handle's `[R x M]` int32 of the
+    /// slot each (destination, token)'s plain message takes there, its place among this rank's
+    /// tokens routed to that destination, or -1 (see `LlLayout::send_slot_offset`); 0: messages
+    /// at their tokens' slots. The receiver then copies slot `i` into output row `i` without
+    /// reading headers first. Not for NCCL destinations (nor for this rank itself when it has
+    /// any: its own arrival pair is the one NCCL carries to them), nor for tagged sends.
+    pub send_slot: u64,
+    /// With `send_slot`: per destination, the messages it gets (its arrival word says so).
+    pub send_rows: [i32; MAX_RANKS],
 }
 
 /// `struct MaskParams` of `ll.cu` (`ep_mask_spread`, `ep_mask_rejoin`).
@@ -456,6 +469,7 @@ mod tests {
         use crate::compile::sources::{COMMON, HT, LL, UTIL};
         assert_eq!(define(COMMON, "EP_MAX_RANKS"), MAX_RANKS);
         assert_eq!(define(COMMON, "EP_MAX_SETS"), MAX_SETS);
+        assert_eq!(define(COMMON, "EP_COMPACT_MAX_ROWS"), LL_COMPACT_MAX_ROWS);
         assert_eq!(define(&LL.body(), "EP_TAG_TOKENS"), LL_TAG_TOKENS);
         assert_eq!(define(&HT.body(), "HT_MAX_CHANNELS"), HT_MAX_CHANNELS);
         assert_eq!(define(&HT.body(), "HT_MAX_WARPS"), HT_MAX_WARPS);
@@ -510,7 +524,9 @@ mod tests {
 
     #[test]
     fn layout_matches_the_cuda_struct() {
-        assert_eq!(size_of::<LlParams>(), 472);
+        assert_eq!(size_of::<LlParams>(), 512);
+        assert_eq!(offset_of!(LlParams, send_slot), 472);
+        assert_eq!(offset_of!(LlParams, send_rows), 480);
         assert_eq!(offset_of!(LlParams, trace), 456);
         assert_eq!(offset_of!(LlParams, tag_tokens), 460);
         assert_eq!(offset_of!(LlParams, tag_dispatch_tokens), 464);

@@ -81,8 +81,7 @@ fn check_world(
 ) {
     let max_tokens = 256;
     // Ranks sharing a GPU get the library's SM bound (`GpuWorld::create`), not one of the test's.
-    let config =
-        GroupConfig::low_latency(experts, max_tokens, hidden).with_dispatch_dtype(dtype).with_max_top_k(16);
+    let config = GroupConfig::low_latency(experts, max_tokens, hidden).with_dispatch_dtype(dtype).with_max_top_k(16);
     let ranks = GpuWorld::create_with(devices, config.clone(), transport.clone()).expect("create GPU group");
     let mut round_no = 0u64;
     // 1 and 7 tokens: every rank's dispatch goes out as tagged messages; 40: the last rank's 21
@@ -138,6 +137,32 @@ fn rank_major_matches_reference_on_1_2_and_4_gpus() {
     for_each_world("rank_major_matches_reference", &[1, 2, 4], gpus, WORLDS, |devices, (h, e, dt)| {
         check_world(devices, h, e, dt, base, &Transport::Auto)
     });
+}
+
+/// A group whose `max_tokens` is above what a compacted dispatch can announce (16383): its
+/// rank-major messages keep their tokens' slots (the form captured steps and NCCL peers use),
+/// checked eagerly here, staged and not, uneven token counts.
+#[test]
+fn rank_major_above_the_compaction_bound_matches_reference() {
+    let n = epflow_kernels::device_count().min(2);
+    let Some(devices) = gpus(n.max(2), "rank_major_above_the_compaction_bound") else { return };
+    let base = seed();
+    eprintln!("seed {base}");
+    let config = GroupConfig::low_latency(16, 16384, 256).with_max_top_k(16);
+    let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+    for (i, (tokens, top_k)) in [(40usize, 8usize), (300, 4), (129, 16)].into_iter().enumerate() {
+        let s = base.wrapping_add(i as u64 * 7919);
+        let per_rank: Vec<usize> =
+            (0..devices.len()).map(|r| if r + 1 == devices.len() { tokens / 2 + 1 } else { tokens }).collect();
+        let sc = Scenario::generate(config.clone(), devices.len(), &per_rank, top_k, RoutingKind::Uniform, 10, s);
+        let staged = i % 2 == 1;
+        for (d, c) in on_ranks(&ranks, |rank| round(rank, &sc, Layout::RankMajor, staged).expect("round")) {
+            let what = format!("M=16384 tokens={tokens} top_k={top_k} staged={staged} seed={s}");
+            assert!(d.ok() && d.checked > 0, "{what}: {d:?}");
+            assert!(c.ok(), "{what}: {c:?}");
+        }
+        eprintln!("ok: M=16384 tokens={tokens} top_k={top_k} staged={staged}");
+    }
 }
 
 #[test]
@@ -337,19 +362,21 @@ fn rank_major_absent_rank_times_out_without_hanging() {
 }
 
 /// Small 1- and 2-rank runs for compute-sanitizer (memcheck, racecheck) on the rank-major
-/// kernels: synchronous rounds (one launch) and staged ones (two).
+/// kernels: synchronous rounds (one launch) and staged ones (two); 16 and 9 tokens (tagged
+/// messages), then 40 and 33 (plain, compacted).
 #[test]
 fn rank_major_sanitizer_config() {
     for n in [1usize, 2] {
         let Some(devices) = gpus(n, &format!("rank_major_sanitizer_config ({n} GPUs)")) else { continue };
-        rank_major_sanitizer_rounds(&devices);
+        rank_major_sanitizer_rounds(&devices, 16, 9);
+        rank_major_sanitizer_rounds(&devices, 40, 33);
     }
 }
 
-fn rank_major_sanitizer_rounds(devices: &[usize]) {
-    let per_rank: Vec<usize> = (0..devices.len()).map(|r| if r == 0 { 16 } else { 9 }).collect();
+fn rank_major_sanitizer_rounds(devices: &[usize], first: usize, others: usize) {
+    let per_rank: Vec<usize> = (0..devices.len()).map(|r| if r == 0 { first } else { others }).collect();
     for dtype in [DispatchDtype::Bf16, DispatchDtype::Fp8 { round_scales: false }] {
-        let config = GroupConfig::low_latency(16, 16, 1024)
+        let config = GroupConfig::low_latency(16, first, 1024)
             .with_dispatch_dtype(dtype)
             .with_max_top_k(16)
             .with_max_sms(shared_gpu_sms(devices));

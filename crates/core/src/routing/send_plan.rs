@@ -41,12 +41,47 @@ impl SendPlan {
     pub fn num_copies(&self) -> usize {
         self.per_dest.iter().map(Vec::len).sum()
     }
+
+    /// Each copy's place among its destination's copies: `[R x stride]`, at `dest * stride +
+    /// token` the index of `token`'s copy in [`SendPlan::copies_to`]`(dest)`, or -1 where
+    /// `token` has no expert on `dest` (and for every token past the routing's). In the
+    /// rank-major layout that is the copy's row among its source's rows at the destination. The
+    /// GPU low-latency dispatch puts each message there, so that the receiver copies slot `i`
+    /// into row `i` without a scan. `stride` must be at least the routing's tokens.
+    pub fn compacted_slots(&self, stride: usize) -> Vec<i32> {
+        let mut slots = vec![-1i32; self.per_dest.len() * stride];
+        for (dest, copies) in self.per_dest.iter().enumerate() {
+            for (i, c) in copies.iter().enumerate() {
+                slots[dest * stride + c.token as usize] = i as i32;
+            }
+        }
+        slots
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::routing::{ExpertPlacement, Routing, Selection};
+
+    #[test]
+    fn compacted_slots_number_each_destinations_tokens_in_order() {
+        // 8 experts on 4 ranks (L = 2). Tokens: 0 -> ranks 2, 0; 1 -> rank 3; 2 -> nothing;
+        // 3 -> ranks 0, 3.
+        let routing = Routing::new(vec![5, 0, 7, -1, -1, -1, 1, 6], 4, 2, 8).unwrap();
+        let plan = SendPlan::new(&routing, ExpertPlacement::new(8, 4));
+        let slots = plan.compacted_slots(5);
+        assert_eq!(&slots[0..5], &[0, -1, -1, 1, -1]);
+        assert_eq!(&slots[5..10], &[-1; 5]);
+        assert_eq!(&slots[10..15], &[0, -1, -1, -1, -1]);
+        assert_eq!(&slots[15..20], &[-1, 0, -1, 1, -1]);
+        // The slot of each copy is its place in `copies_to`.
+        for dest in 0..4 {
+            for (i, c) in plan.copies_to(dest).iter().enumerate() {
+                assert_eq!(slots[dest * 5 + c.token as usize], i as i32);
+            }
+        }
+    }
 
     #[test]
     fn one_copy_per_destination_rank() {

@@ -138,13 +138,25 @@ __device__ __forceinline__ void report_error(u64* status, u64 code, int peer, u6
 // part of the sender's stamp a receiver checks on its fast path, in the same load that sees the
 // arrival: top-k (5 bits), pass (1), pairing kind (2), layout (1) and the low 14 bits of the
 // pairing number. `sent` (6 bits) is 0, or for a low-latency dispatch sent as tagged messages
-// (ll.cu, `sends_tagged`) its number of tokens + 1: the arrival then comes before the messages.
-// The whole stamp is the word after it (read only to report a mismatch). Operations 2^34 apart
-// on one channel and set would look alike; none is ever outstanding that long.
+// (ll.cu, `sends_tagged`) its number of tokens + 1: the arrival then comes before the messages;
+// or EP_ARRIVAL_SENT_COMPACT for a rank-major dispatch whose plain messages sit compacted (the
+// copy of the sender's i-th token routed to the receiver in slot i, `LlParams::send_slot`): the
+// tag's pairing-number bits, always 0 for a dispatch (it pairs with nothing), then carry the
+// number of those messages instead (`arrival_compact_rows`), and the receiver checks the tag's
+// other bits only. The whole stamp is the word after it (read only to report a mismatch).
+// Operations 2^34 apart on one channel and set would look alike; none is ever outstanding that
+// long.
 #define EP_ARRIVAL_SEQ_SHIFT 30
 #define EP_ARRIVAL_SEQ_MASK ((1ull << 34) - 1)
 #define EP_ARRIVAL_TAG_MASK ((1ull << 23) - 1)
 #define EP_ARRIVAL_SENT_SHIFT 24
+#define EP_ARRIVAL_SENT_COMPACT 63ull
+#define EP_ARRIVAL_ROWS_SHIFT 10                // the tag's bits 9..22: the pairing number's
+#define EP_ARRIVAL_ROWS_MASK ((1ull << 14) - 1)
+// The most compacted messages (max_tokens) a dispatch may announce.
+#define EP_COMPACT_MAX_ROWS 16383
+#define EP_TAG_OWN_BITS 0x1ffull   // the tag without the pairing number
+static_assert(EP_COMPACT_MAX_ROWS == EP_ARRIVAL_ROWS_MASK, "compacted rows fit the arrival word");
 
 __device__ __forceinline__ u64 stamp_tag(u64 stamp) {
     return (stamp & 31ull) | (((stamp >> 8) & 1ull) << 5) | (((stamp >> 9) & 3ull) << 6) |
@@ -155,9 +167,26 @@ __device__ __forceinline__ u64 arrival_word(u64 seq, bool cancelled, u64 stamp) 
     return (((seq + 1) & EP_ARRIVAL_SEQ_MASK) << EP_ARRIVAL_SEQ_SHIFT) | (stamp_tag(stamp) << 1) | (u64)cancelled;
 }
 
+// The arrival word of a rank-major dispatch whose `rows` plain messages sit compacted (see
+// EP_ARRIVAL_SENT_COMPACT; `stamp` is a dispatch's, whose pairing number is 0).
+__device__ __forceinline__ u64 arrival_word_compact(u64 seq, u64 stamp, int rows) {
+    return arrival_word(seq, false, stamp) | (EP_ARRIVAL_SENT_COMPACT << EP_ARRIVAL_SENT_SHIFT) |
+           (((u64)rows & EP_ARRIVAL_ROWS_MASK) << EP_ARRIVAL_ROWS_SHIFT);
+}
+
 // The tokens of a tagged dispatch that arrival word `v` announces, or -1 (messages in the plain
 // form, ordered before the arrival).
-__device__ __forceinline__ int arrival_tagged_tokens(u64 v) { return (int)((v >> EP_ARRIVAL_SENT_SHIFT) & 63ull) - 1; }
+__device__ __forceinline__ int arrival_tagged_tokens(u64 v) {
+    const u64 sent = (v >> EP_ARRIVAL_SENT_SHIFT) & 63ull;
+    return sent == EP_ARRIVAL_SENT_COMPACT ? -1 : (int)sent - 1;
+}
+
+// The number of compacted plain messages that arrival word `v` announces, or -1 (messages at
+// their tokens' slots, or tagged).
+__device__ __forceinline__ int arrival_compact_rows(u64 v) {
+    if (((v >> EP_ARRIVAL_SENT_SHIFT) & 63ull) != EP_ARRIVAL_SENT_COMPACT) return -1;
+    return (int)((v >> EP_ARRIVAL_ROWS_SHIFT) & EP_ARRIVAL_ROWS_MASK);
+}
 
 // Whether arrival word `v` is operation `seq`'s.
 __device__ __forceinline__ bool arrival_is(u64 v, u64 seq) {
@@ -182,7 +211,11 @@ __device__ __forceinline__ void signal_arrival(u64* page, int chan, int set, int
 // The verdict on arrival word `v` of operation `seq` against this rank's `stamp`.
 __device__ __forceinline__ int arrival_verdict(u64 v, u64 stamp) {
     if (v & 1ull) return EP_ARRIVED_CANCELLED;
-    return ((v >> 1) & EP_ARRIVAL_TAG_MASK) == stamp_tag(stamp) ? EP_ARRIVED : EP_ARRIVED_MISMATCH;
+    const u64 tag = (v >> 1) & EP_ARRIVAL_TAG_MASK, own = stamp_tag(stamp);
+    // A compacted dispatch's pairing-number bits hold its rows; this rank's must then be 0 too
+    // (its side is a dispatch as well).
+    const bool same = arrival_compact_rows(v) >= 0 ? (tag & EP_TAG_OWN_BITS) == own : tag == own;
+    return same ? EP_ARRIVED : EP_ARRIVED_MISMATCH;
 }
 
 // Receiver side: waits (acquire, until `deadline`) for source `src`'s arrival of operation
@@ -215,10 +248,12 @@ __device__ __forceinline__ void publish_outcome(u64* status, u64* page, int chan
 // sources that sent a cancellation marker and of those whose stamp disagrees with this rank's.
 // Every thread of the block calls it; `cancelled`, `mismatched` and `timed_out` are the caller's
 // shared words; so is `sent` if given: per source, the tokens of a tagged low-latency dispatch its
-// arrival word announces, or -1 (`arrival_tagged_tokens`). Ends with a barrier.
+// arrival word announces, or -1 (`arrival_tagged_tokens`); and `compact`: per source, the
+// compacted rank-major messages it announces, or -1 (`arrival_compact_rows`). Ends with a barrier.
 __device__ __forceinline__ bool wait_all_sources(u64* signals, u64* status, int num_ranks, int chan, int set,
                                                  u64 seq, u64 stamp, u64 timeout_ns, u32* cancelled,
-                                                 u32* mismatched, int* timed_out, int* sent = nullptr) {
+                                                 u32* mismatched, int* timed_out, int* sent = nullptr,
+                                                 int* compact = nullptr) {
     if (threadIdx.x == 0) {
         *cancelled = 0u;
         *mismatched = 0u;
@@ -230,6 +265,7 @@ __device__ __forceinline__ bool wait_all_sources(u64* signals, u64* status, int 
         u64 word = 0ull;
         const int verdict = wait_arrival(signals, chan, set, threadIdx.x, seq, stamp, deadline, &word);
         if (sent) sent[threadIdx.x] = arrival_tagged_tokens(word);
+        if (compact) compact[threadIdx.x] = arrival_compact_rows(word);
         switch (verdict) {
             case EP_ARRIVAL_TIMEOUT:
                 report_error(status, EP_ERR_TIMEOUT_ARRIVAL, threadIdx.x, seq);

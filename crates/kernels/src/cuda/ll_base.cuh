@@ -7,7 +7,9 @@
 // kernels (staged operations) or as one (the synchronous form; see the kernels in ll.cu).
 //
 // Dispatch message (one per token and destination rank), in the receiver's region for this
-// sender, slot = token index:  [u64 seq+1][i32 token][i32 1: the sender's combine wants tagged
+// sender, slot = token index (rank-major over NVLink, from a handle's dispatch: slot = the
+// token's place among the sender's tokens routed to the receiver, `send_slot`, so the receiver
+// copies slot i into its output row i without reading the headers first):  [u64 seq+1][i32 token][i32 1: the sender's combine wants tagged
 // rows (`wants_tagged`), else 0][i16 local expert per k, -1 if the
 // k-th expert is elsewhere (bytes 16..48)][rank-major: f32 weight per k (bytes 48..112)][pad to
 // 128 B][payload: BF16 row, or FP8 row + fp32 scales]. Tagged (a dispatch of at most
@@ -80,9 +82,16 @@ struct LlParams {
     int trace;            // 1: `EPFLOW_LL_TRACE` (see `trace_at`)
     int tag_tokens;       // most tokens of a combine that takes tagged rows (0: none; see `wants_tagged`, EP_TAG_TOKENS)
     int tag_dispatch_tokens;  // most tokens of a dispatch sent as tagged messages (0: none; see `sends_tagged`)
+    // A rank-major dispatch on a handle (not captured): [R x M] int32 in the handle, per
+    // (destination, token) the slot its plain message takes there (its place among this rank's
+    // tokens routed to that destination), or -1 (not routed there); 0: messages at their tokens'
+    // slots. Not for destinations reached through NCCL (nor for this rank itself when it has
+    // such peers: NCCL carries its own arrival pair to them), nor for tagged sends.
+    u64 send_slot;
+    int send_rows[EP_MAX_RANKS];  // with `send_slot`: per destination, its messages (announced in the arrival word)
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
-static_assert(sizeof(LlParams) == 472, "LlParams layout");
+static_assert(sizeof(LlParams) == 512, "LlParams layout");
 
 // The number and buffer set of the operation a launch runs: the host's, or for a captured
 // operation its offset plus the step's base in device memory (written by an earlier kernel of the

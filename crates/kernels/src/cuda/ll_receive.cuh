@@ -5,15 +5,17 @@
 // peer, or here at the deadline: `spread_mask`), or this rank is masked. Then the first block of
 // the operation to get past its waits decides the absent sources for every block: the mask as it
 // stands then (it holds every source that block gave up on, so every source it leaves present
-// has arrived). Every thread of the block calls it; ends with a barrier.
+// has arrived). Every thread of the block calls it; ends with a barrier. `compact` (shared, or
+// null): as in `wait_all_sources`.
 __device__ void wait_sources_masked(const LlParams& p, const OpNum& n, int chan, u32* cancelled, u32* mismatched,
-                                    u32* absent) {
+                                    u32* absent, int* compact) {
     u64* sig = reinterpret_cast<u64*>(p.signals);
     if (threadIdx.x == 0) {
         *cancelled = 0u;
         *mismatched = 0u;
     }
     const int s = threadIdx.x;
+    if (compact && s < p.num_ranks) compact[s] = -1;
     if (s < p.num_ranks) {
         const u64 m0 = mask_word(p);
         bool gave_up = either_masked(m0, p.rank, s);
@@ -43,7 +45,9 @@ __device__ void wait_sources_masked(const LlParams& p, const OpNum& n, int chan,
     if (s < p.num_ranks && !((*absent >> s) & 1u)) {
         // Present: it arrived (for the deciding block, so here too; the deadline only guards).
         const u64 deadline = globaltimer_ns() + p.timeout_ns;
-        const int v = wait_arrival(sig, chan, n.set, s, n.seq, p.stamp, deadline);
+        u64 word = 0ull;
+        const int v = wait_arrival(sig, chan, n.set, s, n.seq, p.stamp, deadline, &word);
+        if (compact) compact[s] = arrival_compact_rows(word);
         if (v == EP_ARRIVED_CANCELLED) atomicOr(cancelled, 1u << s);
         if (v == EP_ARRIVED_MISMATCH) atomicOr(mismatched, 1u << s);
         if (v == EP_ARRIVAL_TIMEOUT) report_error(reinterpret_cast<u64*>(p.status), EP_ERR_TIMEOUT_ARRIVAL, s, n.seq);
@@ -55,17 +59,19 @@ __device__ void wait_sources_masked(const LlParams& p, const OpNum& n, int chan,
 // Cancelled and mismatched sources' data is skipped; a mismatch fails the operation. With
 // masking (`wait_sources_masked`) it never fails: `absent` gets the sources to skip.
 // `sent` (shared, or null): per source, the tokens of a tagged dispatch, or -1 (see
-// `wait_all_sources`; never tagged with masking).
+// `wait_all_sources`; never tagged with masking); `compact` (shared, or null): per source, its
+// compacted rank-major messages, or -1.
 __device__ bool ll_wait_all_sources(const LlParams& p, const OpNum& n, int chan, u32* cancelled, u32* mismatched,
-                                    int* timed_out, u32* absent, int* sent = nullptr) {
+                                    int* timed_out, u32* absent, int* sent = nullptr, int* compact = nullptr) {
     if (p.masking) {
         if (sent && (int)threadIdx.x < p.num_ranks) sent[threadIdx.x] = -1;
-        wait_sources_masked(p, n, chan, cancelled, mismatched, absent);
+        wait_sources_masked(p, n, chan, cancelled, mismatched, absent, compact);
         return true;
     }
     if (threadIdx.x == 0) *absent = 0u;
     const bool ok = wait_all_sources(reinterpret_cast<u64*>(p.signals), reinterpret_cast<u64*>(p.status), p.num_ranks,
-                                     chan, n.set, n.seq, p.stamp, p.timeout_ns, cancelled, mismatched, timed_out, sent);
+                                     chan, n.set, n.seq, p.stamp, p.timeout_ns, cancelled, mismatched, timed_out, sent,
+                                     compact);
     if (!ok && threadIdx.x == 0) mark_step_failed(p, chan);
     return ok;
 }
@@ -209,6 +215,7 @@ __device__ __forceinline__ int block_rank_of_flag(bool flag, int* warp_sums, int
 // load), all loaded together (the header is always readable: no load waits for another's value).
 struct MsgHead {
     u64 seq;
+    int token;   // the sender's token (a compacted message's slot is not its token)
     int tagged;  // the sender's combine wants tagged rows
     int4 a, b;
 };
@@ -217,6 +224,7 @@ __device__ __forceinline__ MsgHead load_head(const char* msg, int K) {
     MsgHead h;
     const int4 w = ld_cg_int4(msg);
     h.seq = (u64)(u32)w.x | ((u64)(u32)w.y << 32);
+    h.token = w.z;
     h.tagged = w.w;
     h.a = ld_cg_int4(msg + 16);
     h.b = K > 8 ? ld_cg_int4(msg + 32) : make_int4(-1, -1, -1, -1);
@@ -234,6 +242,7 @@ __device__ __forceinline__ bool load_head_tagged(const char* msg, int K, u32 tag
     if (K > 8) ok = ok && await_tags(msg + 64, tag, deadline, &v[4], &v[5]);
     const int4 w = untag(v[0], v[1]);
     h->seq = (u64)(u32)w.x | ((u64)(u32)w.y << 32);
+    h->token = w.z;
     h->tagged = w.w;
     h->a = untag(v[2], v[3]);
     h->b = K > 8 ? untag(v[4], v[5]) : make_int4(-1, -1, -1, -1);
@@ -329,13 +338,53 @@ __device__ __forceinline__ bool copy_tagged_piece(const LlParams& p, const OpNum
     return ok;
 }
 
+// Piece `part` (of `piece` bytes) of the plain message `msg`'s payload into output row `out_row`;
+// with part 0 also the rank-major weights and local experts and the FP8 scales, loaded before
+// the payload's copy and stored after it, so their latency overlaps the copy's instead of
+// adding to it. A warp's call (all lanes).
+__device__ __forceinline__ void copy_plain_piece(const LlParams& p, const char* msg, size_t out_row, int part,
+                                                 size_t piece, int lane) {
+    const int K = p.top_k, H = p.hidden;
+    const size_t payload_bytes = p.fp8 ? (size_t)H : (size_t)H * 2;
+    const char* payload = msg + EP_HDR_BYTES;
+    const bool head = p.rank_major && part == 0 && lane < K;
+    float w = 0.f;
+    int le = -1;
+    if (head) {
+        w = __ldcg(reinterpret_cast<const float*>(msg + EP_HDR_WEIGHTS) + lane);
+        le = (int)__ldcg(reinterpret_cast<const short*>(msg + 16) + lane);
+    }
+    const int cols = H / 128;
+    const bool scales_here = p.fp8 && part == 0;
+    const float* ssrc = reinterpret_cast<const float*>(payload + H);
+    float s0 = 0.f, s1 = 0.f;
+    if (scales_here) {
+        if (lane < cols) s0 = __ldcg(ssrc + lane);
+        if (lane + 32 < cols) s1 = __ldcg(ssrc + lane + 32);
+    }
+    warp_copy_n<4>(reinterpret_cast<char*>(p.out) + out_row * payload_bytes + part * piece, payload + part * piece, piece,
+                   lane);
+    if (head) {
+        reinterpret_cast<float*>(p.out_weights)[out_row * K + lane] = w;
+        reinterpret_cast<int*>(p.out_idx)[out_row * K + lane] = le;
+    }
+    if (scales_here) {
+        float* dst = reinterpret_cast<float*>(p.out_scales) + out_row * cols;
+        if (lane < cols) dst[lane] = s0;
+        if (lane + 32 < cols) dst[lane + 32] = s1;
+        for (int c = lane + 64; c < cols; c += 32) dst[c] = __ldcg(ssrc + c);
+    }
+}
+
 // The receive's work once every source arrived (see `dispatch_recv`). TAGGED: some source sent
 // tagged messages (`tagged_tokens[s]` >= 0): their headers and payloads are read from the tagged
-// area as their tags say they came; `skip`: the sources whose data is not taken.
+// area as their tags say they came; `skip`: the sources whose data is not taken; `compact`: per
+// source, its compacted rank-major messages (slot i is output row i: no header is read before
+// the copies), or -1.
 template <bool TAGGED>
 __device__ __forceinline__ void dispatch_recv_tasks(const LlParams& p, const OpNum& n, u32 skip,
-                                                    const int* tagged_tokens, u64 tag_deadline, int* warp_sums,
-                                                    int* entry_slot) {
+                                                    const int* tagged_tokens, const int* compact, u64 tag_deadline,
+                                                    int* warp_sums, int* entry_slot) {
     int& total_shared = warp_sums[16];
     const int G = p.splits;
     const int R = p.num_ranks, M = p.max_tokens, K = p.top_k, H = p.hidden;
@@ -350,32 +399,40 @@ __device__ __forceinline__ void dispatch_recv_tasks(const LlParams& p, const OpN
     for (int task = blockIdx.x; task < Q * G; task += gridDim.x) {
     const int q = task / G, g = task % G;
     const int le = rm ? -1 : q;
-    const int first_slot = rm ? q * M : 0, span = rm ? M : RM;
+    // Rank-major, source q's messages compacted: its rows are its first slots, in order (no
+    // header read, no scan; the return list's block writes their row map).
+    const bool packed = rm && compact[q] >= 0;
+    const int first_slot = rm ? q * M : 0;
+    const int span = packed ? (((skip >> q) & 1u) ? 0 : compact[q]) : rm ? M : RM;
     const size_t group_base = rm ? (size_t)q * M : (size_t)q * RM;  // output row of the group's row 0
     int base = 0;
     for (int chunk = 0; chunk < span; chunk += blockDim.x) {
-        const int slot = first_slot + chunk + threadIdx.x;
-        int k_sel = -1;
-        if (chunk + (int)threadIdx.x < span) {
-            const int s = slot / M;
-            MsgHead h;
-            // A skipped source's tagged messages are not waited for (a cancelled one sends none).
-            const bool skipped = (skip >> s) & 1u;
-            const int tokens = TAGGED && !skipped ? tagged_tokens[s] : -1;
-            const bool sent = slot_head(p, n, recv, slot, tokens, tag_deadline, &h);
-            if (!skipped && sent) {
-                // Rank-major: the slot's first local entry; expert-major: the entry naming
-                // expert `le` (top-k entries name distinct experts).
-                k_sel = __ffs(head_entries(h, K, rm, le)) - 1;
-            }
-        }
         int chunk_total;
-        const int pos = block_rank_of_flag(k_sel >= 0, warp_sums, &total_shared, &chunk_total);
-        if (k_sel >= 0) {
-            entry_slot[pos] = slot;
-            if (g == 0) row_of[(size_t)slot * K + k_sel] = (int)group_base + base + pos;
+        if (packed) {
+            chunk_total = min(span - chunk, (int)blockDim.x);
+        } else {
+            const int slot = first_slot + chunk + threadIdx.x;
+            int k_sel = -1;
+            if (chunk + (int)threadIdx.x < span) {
+                const int s = slot / M;
+                MsgHead h;
+                // A skipped source's tagged messages are not waited for (a cancelled one sends none).
+                const bool skipped = (skip >> s) & 1u;
+                const int tokens = TAGGED && !skipped ? tagged_tokens[s] : -1;
+                const bool sent = slot_head(p, n, recv, slot, tokens, tag_deadline, &h);
+                if (!skipped && sent) {
+                    // Rank-major: the slot's first local entry; expert-major: the entry naming
+                    // expert `le` (top-k entries name distinct experts).
+                    k_sel = __ffs(head_entries(h, K, rm, le)) - 1;
+                }
+            }
+            const int pos = block_rank_of_flag(k_sel >= 0, warp_sums, &total_shared, &chunk_total);
+            if (k_sel >= 0) {
+                entry_slot[pos] = slot;
+                if (g == 0) row_of[(size_t)slot * K + k_sel] = (int)group_base + base + pos;
+            }
+            __syncthreads();
         }
-        __syncthreads();
         // Rows with row % G == g are this block's: e0, e0 + G, ... of the chunk. Each is copied
         // in `recv_chunks` pieces, and the block's (row, piece) items are dealt out to its warps
         // in turn (not every item of the chunk, skipping others' rows: that left all of a block's
@@ -387,38 +444,13 @@ __device__ __forceinline__ void dispatch_recv_tasks(const LlParams& p, const OpN
         for (int item = warp; item < mine * C; item += nwarps) {
             const int e = e0 + (item / C) * G, part = item % C;
             const int row = base + e;
-            const int slot = entry_slot[e];
+            const int slot = packed ? first_slot + row : entry_slot[e];
             const size_t out_row = group_base + row;
             if (TAGGED && tagged_tokens[slot / M] >= 0) {
                 copy_tagged_piece(p, n, slot, out_row, part, piece, lane, tag_deadline);
                 continue;
             }
-            const char* msg = recv + (size_t)slot * p.msg_bytes;
-            const char* payload = msg + EP_HDR_BYTES;
-            if (rm && part == 0 && lane < K) {
-                reinterpret_cast<float*>(p.out_weights)[out_row * K + lane] =
-                    __ldcg(reinterpret_cast<const float*>(msg + EP_HDR_WEIGHTS) + lane);
-                reinterpret_cast<int*>(p.out_idx)[out_row * K + lane] =
-                    (int)__ldcg(reinterpret_cast<const short*>(msg + 16) + lane);
-            }
-            // FP8: the row's scales (part 0) load before the payload copy and store after it, so
-            // their latency overlaps the copy's instead of following it.
-            const int cols = H / 128;
-            const bool scales_here = p.fp8 && part == 0;
-            const float* ssrc = reinterpret_cast<const float*>(payload + H);
-            float s0 = 0.f, s1 = 0.f;
-            if (scales_here) {
-                if (lane < cols) s0 = __ldcg(ssrc + lane);
-                if (lane + 32 < cols) s1 = __ldcg(ssrc + lane + 32);
-            }
-            warp_copy_n<4>(reinterpret_cast<char*>(p.out) + out_row * payload_bytes + part * piece, payload + part * piece, piece,
-                           lane);
-            if (scales_here) {
-                float* dst = reinterpret_cast<float*>(p.out_scales) + out_row * cols;
-                if (lane < cols) dst[lane] = s0;
-                if (lane + 32 < cols) dst[lane + 32] = s1;
-                for (int c = lane + 64; c < cols; c += 32) dst[c] = __ldcg(ssrc + c);
-            }
+            copy_plain_piece(p, recv + (size_t)slot * p.msg_bytes, out_row, part, piece, lane);
         }
         base += chunk_total;
         __syncthreads();
@@ -434,25 +466,47 @@ __device__ __forceinline__ void dispatch_recv_tasks(const LlParams& p, const OpN
     // every k but the first local one, whose slot the row returns in). A thread per slot; the
     // entries that do come back go, in (token, k) order, into their source's part of the return
     // list (`ret_list`), and their number into `ret_count`. The grid's last block when it has no
-    // task above (so this runs beside the copies, not after block 0's), else block 0.
+    // task above (so this runs beside the copies, not after block 0's), else block 0. A source
+    // whose messages sit compacted has its slot i in output row i and its token in the header:
+    // every (token, k) of it is first marked as not coming back, then its rows set theirs (this
+    // block writes its whole row map; the copies above do not).
     if ((int)blockIdx.x == ((int)gridDim.x > Q * G ? (int)gridDim.x - 1 : 0)) {
         __shared__ int src_start[EP_MAX_RANKS + 1];
         __shared__ int src_tagged[EP_MAX_RANKS];
         if ((int)threadIdx.x < R) src_tagged[threadIdx.x] = 0;
+        for (int e = threadIdx.x; e < RM * K; e += blockDim.x) {
+            if (compact[e / (M * K)] >= 0) row_of[e] = -1;
+        }
         __syncthreads();
         int* list = reinterpret_cast<int*>(p.ret_list);
         int base = 0;
         for (int chunk = 0; chunk < RM; chunk += blockDim.x) {
             const int slot = chunk + threadIdx.x;
             u32 back = 0u;
+            int token = slot % M;
             if (slot < RM) {
+                const int s = slot / M;
+                const bool packed = compact[s] >= 0;
                 MsgHead h;
-                const bool valid = !((skip >> (slot / M)) & 1u) &&
-                                   slot_head(p, n, recv, slot, TAGGED ? tagged_tokens[slot / M] : -1, tag_deadline, &h);
+                bool valid = false;
+                if ((skip >> s) & 1u) {
+                    valid = false;
+                } else if (packed) {
+                    valid = slot % M < compact[s];
+                    if (valid) h = load_head(recv + (size_t)slot * p.msg_bytes, K);
+                    valid = valid && h.token >= 0 && h.token < M;
+                } else {
+                    valid = slot_head(p, n, recv, slot, TAGGED ? tagged_tokens[s] : -1, tag_deadline, &h);
+                }
                 back = valid ? head_entries(h, K, rm) : 0u;
-                if (valid && h.tagged == 1) src_tagged[slot / M] = 1;  // every such slot agrees
-                for (int k = 0; k < K; k++) {
-                    if (!((back >> k) & 1u)) row_of[(size_t)slot * K + k] = -1;
+                if (valid && h.tagged == 1) src_tagged[s] = 1;  // every such slot agrees
+                if (packed) {
+                    token = valid ? h.token : 0;
+                    if (back != 0u) row_of[((size_t)s * M + token) * K + __ffs(back) - 1] = slot;
+                } else {
+                    for (int k = 0; k < K; k++) {
+                        if (!((back >> k) & 1u)) row_of[(size_t)slot * K + k] = -1;
+                    }
                 }
             }
             int chunk_total;
@@ -464,7 +518,7 @@ __device__ __forceinline__ void dispatch_recv_tasks(const LlParams& p, const OpN
             if (slot < RM) {
                 const int s = slot / M;
                 int* at = list + (size_t)s * M * K + (pos - src_start[s]);
-                const int t_k = (slot % M) * K;
+                const int t_k = token * K;
                 for (u32 b = back; b != 0u; b &= b - 1u) *at++ = t_k + __ffs(b) - 1;
             }
             base += chunk_total;
@@ -585,13 +639,14 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
     __shared__ u32 cancelled, mismatched, absent;
     __shared__ int timed_out;
     __shared__ int tagged_tokens[EP_MAX_RANKS];  // per source: the tokens of a tagged dispatch, or -1
+    __shared__ int compact[EP_MAX_RANKS];        // per source: its compacted rank-major messages, or -1
     __shared__ u64 tag_deadline;                 // the waits for tagged messages give up then
     __shared__ int warp_sums[17];                // a word per warp, then the block's total (block scans)
     __shared__ int entry_slot[512];
     // Two timeouts from now: the arrivals' wait, then the tagged messages' (the deadline is set
     // before the wait so that no load or barrier follows it).
     if (threadIdx.x == 0) tag_deadline = globaltimer_ns() + 2 * p.timeout_ns;
-    if (!ll_wait_all_sources(p, n, 0, &cancelled, &mismatched, &timed_out, &absent, tagged_tokens)) return;
+    if (!ll_wait_all_sources(p, n, 0, &cancelled, &mismatched, &timed_out, &absent, tagged_tokens, compact)) return;
     publish_early(p, n, 0, cancelled, mismatched, absent);
     trace_at(p, 0, 2);
     // A cancelled operation only consumes what arrived: it writes neither the outputs (their
@@ -606,9 +661,9 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
     for (int s = 0; s < p.num_ranks; s++) any_tagged |= tagged_tokens[s] >= 0 && !((skip >> s) & 1u);
     if (any_tagged && LAND) land_tagged(p, n, skip, tagged_tokens, tag_deadline);
     if (TAGGED_ONLY || (any_tagged && !LAND)) {
-        dispatch_recv_tasks<true>(p, n, skip, tagged_tokens, tag_deadline, warp_sums, entry_slot);
+        dispatch_recv_tasks<true>(p, n, skip, tagged_tokens, compact, tag_deadline, warp_sums, entry_slot);
     } else {
-        dispatch_recv_tasks<false>(p, n, skip, tagged_tokens, tag_deadline, warp_sums, entry_slot);
+        dispatch_recv_tasks<false>(p, n, skip, tagged_tokens, compact, tag_deadline, warp_sums, entry_slot);
     }
     trace_at(p, 0, 3);
     finish_receive(p, n, 0, cancelled, mismatched, absent, gridDim.x);

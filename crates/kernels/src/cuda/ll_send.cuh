@@ -48,8 +48,10 @@ __device__ __forceinline__ void role_wait_credit(const LlParams& p, const OpNum&
 // causality order is transitive across scopes), so the receiver that acquires the word sees every
 // payload. GPU scope for that release too when `dest` is this rank itself, whose stores all stay
 // in this GPU. A system fence per warp cost 2-2.5 us per 128-token operation (benches/NOTES.md
-// items 105 and 108).
-__device__ __forceinline__ void signal_sent(const LlParams& p, const OpNum& n, int chan, int dest, int reporting, int lane) {
+// items 105 and 108). `rows` >= 0: a rank-major dispatch whose messages for `dest` sit compacted,
+// that many (`arrival_word_compact`).
+__device__ __forceinline__ void signal_sent(const LlParams& p, const OpNum& n, int chan, int dest, int reporting, int lane,
+                                            int rows = -1) {
     __syncwarp();
     if (lane == 0) {
         u64* peer = reinterpret_cast<u64*>(p.peer_signals[dest]);
@@ -65,7 +67,8 @@ __device__ __forceinline__ void signal_sent(const LlParams& p, const OpNum& n, i
             *sent = 0;
             const u64 m = mask_word(p);
             if (!either_masked(m, p.rank, dest)) {
-                const u64 word = arrival_word(n.seq, p.cancelled != 0, p.stamp);
+                const u64 word = rows >= 0 && !p.cancelled ? arrival_word_compact(n.seq, p.stamp, rows)
+                                                           : arrival_word(n.seq, p.cancelled != 0, p.stamp);
                 if (own) {
                     st_release_gpu(pair, word);
                 } else {
@@ -215,7 +218,9 @@ __device__ __forceinline__ void send_tagged_item(const LlParams& p, const OpNum&
 // of 256 channels each, so many warps move one row). When all of them are done, the last one
 // signals d. Each warp fences its stores before it reports (`signal_sent`), so the signal is
 // ordered after every payload store of every lane. Tagged (`sends_tagged`): the first warp of
-// each destination signals at once, and the messages go out as pairs.
+// each destination signals at once, and the messages go out as pairs. Compacted (`send_slot`, a
+// rank-major dispatch to a destination over NVLink): token t's message takes the slot the handle
+// gives it for d, and the arrival word carries their number.
 // SEND: which form the kernel sends in (`SEND_ANY`: as `sends_tagged` says; the one-launch
 // kernels are compiled for one form each, picked by the host's mirror `LlParams::sends_tagged`:
 // with both sends inlined, the plain one-launch kernel spilled 170 B instead of 20).
@@ -229,10 +234,18 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
     const int lane = role.lane, dest = role.dest, j = role.j, wpd = role.wpd;
     const int K = p.top_k, H = p.hidden, L = p.num_local, C = p.chunks;
     const long long* idx = reinterpret_cast<const long long*>(p.topk_src ? p.topk_src : p.topk_idx);
-    // The first item's routing row is loaded before the credit wait (its latency overlaps it).
+    // The first item's routing row (and compacted slot) is loaded before the credit wait (its
+    // latency overlaps it).
     const long long e_first = (lane < K && j < p.num_tokens * C) ? idx[(size_t)(j / C) * K + lane] : -1;
-    role_wait_credit(p, n, 0, &role);
     const bool tagged = SEND == SEND_TAGGED || (SEND == SEND_ANY && sends_tagged(p));
+    // Not to this rank itself in a group with NCCL peers: its arrival pair is also the one NCCL
+    // carries to them (`signal_sent` writes theirs into this rank's own page), which must stay a
+    // plain word.
+    const bool compact =
+        !tagged && p.send_slot != 0ull && !via_nccl(p, dest) && !(dest == p.rank && p.nccl_mask != 0);
+    const int* slots = reinterpret_cast<const int*>(p.send_slot + (u64)dest * p.max_tokens * sizeof(int));
+    const int slot_first = compact && j < p.num_tokens * C ? __ldg(slots + j / C) : -1;
+    role_wait_credit(p, n, 0, &role);
     if (tagged && j == 0 && lane == 0 && !role.skip) signal_now(p, n, 0, dest, p.num_tokens);
 
     if (!p.cancelled && !role.skip) {
@@ -245,6 +258,7 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
         for (int item = j; item < p.num_tokens * C; item += wpd) {
             const int t = item / C, chunk = item % C;
             long long e = item == j ? e_first : (lane < K ? idx[(size_t)t * K + lane] : -1);
+            const int slot = !compact ? t : item == j ? slot_first : __ldg(slots + t);
             if (p.topk_src) e = routed_entry(p, e, t, lane, dest == 0 && chunk == 0);
             // 32-bit: a routed expert is below E (validated, or sanitized by `routed_entry`).
             const int le = (lane < K && e >= 0 && (int)e / L == dest) ? (int)e % L : -1;
@@ -254,7 +268,7 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
                 continue;
             }
             if (!routed) continue;
-            char* msg = region + (size_t)t * p.msg_bytes;
+            char* msg = region + (size_t)slot * p.msg_bytes;
             if (chunk == 0) {
                 if (lane < K) reinterpret_cast<short*>(msg + 16)[lane] = (short)le;
                 if (p.rank_major && lane < K) {
@@ -270,6 +284,6 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
             dispatch_payload<false>(p, msg + EP_HDR_BYTES, x + (size_t)t * H, chunk * width, width, lane, 0u);
         }
     }
-    if (!tagged) signal_sent(p, n, 0, dest, role.reporting, lane);
+    if (!tagged) signal_sent(p, n, 0, dest, role.reporting, lane, compact ? p.send_rows[dest] : -1);
 }
 

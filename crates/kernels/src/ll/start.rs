@@ -184,6 +184,10 @@ pub(crate) fn dispatch_params(
         p.out_idx = t.topk_idx.unwrap_or(p.out_idx);
         p.out_counts = t.counts.unwrap_or(p.out_counts);
     }
+    if let Some(rows) = h.0.send_rows {
+        p.send_slot = h.ptr() + l.send_slot_offset() as u64;
+        p.send_rows = rows;
+    }
     let stamp = h.core().dispatch_stamp(Pass::Forward);
     p.stamp = stamp.encode();
     Ok((p, set, stamp))

@@ -10,6 +10,7 @@ use epflow_core::ops::DispatchOutputs;
 
 use crate::device::cache::take_smallest;
 use crate::device::{DeviceBuffer, DeviceTensor, PinnedBuffer};
+use crate::params::MAX_RANKS;
 
 /// A routing handle on the GPU backend: the validated routing and its device memory (a copy
 /// of `topk_idx`; low-latency: the row map dispatch writes for combine; high-throughput: the send
@@ -35,6 +36,9 @@ pub(crate) struct GpuHandleState {
     pub(crate) graph: Option<GraphHandle>,
     /// A high-throughput handle handed out before its creation completed (stream order).
     pub(crate) creation: Option<StreamCreation>,
+    /// A rank-major low-latency handle whose dispatches send their messages compacted: per
+    /// destination, how many (the slots are in the handle's memory, `LlLayout::send_slot_offset`).
+    pub(crate) send_rows: Option<[i32; MAX_RANKS]>,
 }
 
 /// A high-throughput handle handed out in stream order, before the device had built it
@@ -192,6 +196,7 @@ impl GpuHandle {
             row_map: Mutex::default(),
             graph: None,
             creation: None,
+            send_rows: None,
         }))
     }
 
@@ -212,6 +217,7 @@ impl GpuHandle {
             row_map: Mutex::default(),
             graph: None,
             creation: Some(creation),
+            send_rows: None,
         }))
     }
 

@@ -28,7 +28,7 @@ use epflow_core::ops::{
 };
 use epflow_core::ops::{CombineOutputs, DispatchOutputs};
 use epflow_core::protocol::{Channel, op_label};
-use epflow_core::routing::{CombinePositions, ExpertPlacement, Routing};
+use epflow_core::routing::{CombinePositions, ExpertPlacement, Routing, SendPlan};
 use epflow_core::validate::{
     check_topk_idx, combine_output_descs, dispatch_output_descs, recv_bound, routing_from_tensor,
     validate_combine_inputs, validate_dispatch_inputs, validate_handle_options,
@@ -40,6 +40,7 @@ use self::shared::RankShared;
 use crate::device::{DeviceTensor, bind, copy_to_host, cuda};
 use crate::op::GpuOp;
 use crate::outputs::OutputTargets;
+use crate::params::{LL_COMPACT_MAX_ROWS, MAX_RANKS};
 use crate::{ht, ll};
 
 /// One rank of a GPU group. Every operation is collective: all ranks call it, in the same
@@ -317,16 +318,28 @@ impl GpuRank {
         Ok((routing_from_tensor(&s.config, d, &values)?, values))
     }
 
-    /// A low-latency handle: the routing's copy in device memory, and for NCCL peers where
-    /// their combine rows land.
+    /// A low-latency handle: the routing's copy in device memory, for NCCL peers where their
+    /// combine rows land, and for a rank-major handle the slot of each dispatch message
+    /// (compacted per destination; not for groups whose `max_tokens` exceeds
+    /// `LL_COMPACT_MAX_ROWS`).
     fn ll_handle(&self, routing: Routing, values: &[i64], layout: Layout) -> Result<GpuHandle, Error> {
         let s = &self.shared;
         let l = s.layout.ll("a low-latency handle")?;
         let mem = take_pooled(&s.ctx, &s.handle_pool, l.handle_bytes())?;
         mem.write(0, values)?;
+        let placement = ExpertPlacement::new(s.config.num_experts, s.num_ranks);
+        let mut send_rows = None;
+        if layout == Layout::RankMajor && l.max_tokens <= LL_COMPACT_MAX_ROWS {
+            let plan = SendPlan::new(&routing, placement);
+            mem.write(l.send_slot_offset(), &plan.compacted_slots(l.max_tokens))?;
+            let mut rows = [0i32; MAX_RANKS];
+            for (d, r) in rows.iter_mut().enumerate().take(s.num_ranks) {
+                *r = plan.copies_to(d).len() as i32;
+            }
+            send_rows = Some(rows);
+        }
         let ll_nccl = match &s.nccl {
             Some(n) => {
-                let placement = ExpertPlacement::new(s.config.num_experts, s.num_ranks);
                 let positions = CombinePositions::new(&routing, placement, n.mask, layout);
                 mem.write(l.nccl_pos_offset(), &positions.pos)?;
                 Some(LlNcclInfo {
@@ -337,7 +350,11 @@ impl GpuRank {
             None => None,
         };
         let core = HandleCore::new(s.group_id, routing, Algorithm::LowLatency, None).with_layout(layout);
-        Ok(GpuHandle::new(core, mem, &s.handle_pool, None, ll_nccl))
+        let mut handle = GpuHandle::new(core, mem, &s.handle_pool, None, ll_nccl);
+        let state = Arc::get_mut(&mut handle.0)
+            .ok_or_else(|| Error::Backend("a new handle is shared before it is returned".into()))?;
+        state.send_rows = send_rows;
+        Ok(handle)
     }
 }
 
