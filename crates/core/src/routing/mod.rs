@@ -35,7 +35,7 @@ mod send_plan;
 pub use channels::{ChannelPlan, ChannelReceive};
 pub use combine_positions::CombinePositions;
 pub use receive::{HtRecvLayout, LlRecvLayout, RankRecvLayout, RowSource};
-pub use send_plan::SendPlan;
+pub use send_plan::{SendPlan, compacted_slots};
 
 use crate::error::ValidationError;
 

@@ -41,22 +41,32 @@ impl SendPlan {
     pub fn num_copies(&self) -> usize {
         self.per_dest.iter().map(Vec::len).sum()
     }
+}
 
-    /// Each copy's place among its destination's copies: `[R x stride]`, at `dest * stride +
-    /// token` the index of `token`'s copy in [`SendPlan::copies_to`]`(dest)`, or -1 where
-    /// `token` has no expert on `dest` (and for every token past the routing's). In the
-    /// rank-major layout that is the copy's row among its source's rows at the destination. The
-    /// GPU low-latency dispatch puts each message there, so that the receiver copies slot `i`
-    /// into row `i` without a scan. `stride` must be at least the routing's tokens.
-    pub fn compacted_slots(&self, stride: usize) -> Vec<i32> {
-        let mut slots = vec![-1i32; self.per_dest.len() * stride];
-        for (dest, copies) in self.per_dest.iter().enumerate() {
-            for (i, c) in copies.iter().enumerate() {
-                slots[dest * stride + c.token as usize] = i as i32;
+/// Each `(token, destination rank)` copy's place among its destination's copies, without
+/// building a [`SendPlan`] (it runs on every low-latency handle creation, on the host's path):
+/// `[R x stride]`, at `dest * stride + token` the index of `token`'s copy in
+/// [`SendPlan::copies_to`]`(dest)`, or -1 where `token` has no expert on `dest` (and for every
+/// token past the routing's); and per destination, its number of copies. In the rank-major layout
+/// a copy's place is its row among its source's rows at the destination: the GPU low-latency
+/// dispatch puts each message there, so that the receiver copies slot `i` into row `i` without a
+/// scan. `stride` must be at least the routing's tokens.
+pub fn compacted_slots(routing: &Routing, placement: ExpertPlacement, stride: usize) -> (Vec<i32>, Vec<usize>) {
+    let ranks = placement.num_ranks;
+    let mut slots = vec![-1i32; ranks * stride];
+    let mut counts = vec![0usize; ranks];
+    for t in 0..routing.num_tokens() {
+        for k in 0..routing.top_k() {
+            let Some(e) = routing.expert(t, k) else { continue };
+            let dest = placement.owner(e);
+            let at = &mut slots[dest * stride + t];
+            if *at < 0 {
+                *at = counts[dest] as i32;
+                counts[dest] += 1;
             }
         }
-        slots
     }
+    (slots, counts)
 }
 
 #[cfg(test)]
@@ -69,16 +79,53 @@ mod tests {
         // 8 experts on 4 ranks (L = 2). Tokens: 0 -> ranks 2, 0; 1 -> rank 3; 2 -> nothing;
         // 3 -> ranks 0, 3.
         let routing = Routing::new(vec![5, 0, 7, -1, -1, -1, 1, 6], 4, 2, 8).unwrap();
-        let plan = SendPlan::new(&routing, ExpertPlacement::new(8, 4));
-        let slots = plan.compacted_slots(5);
+        let placement = ExpertPlacement::new(8, 4);
+        let (slots, counts) = compacted_slots(&routing, placement, 5);
         assert_eq!(&slots[0..5], &[0, -1, -1, 1, -1]);
         assert_eq!(&slots[5..10], &[-1; 5]);
         assert_eq!(&slots[10..15], &[0, -1, -1, -1, -1]);
         assert_eq!(&slots[15..20], &[-1, 0, -1, 1, -1]);
-        // The slot of each copy is its place in `copies_to`.
-        for dest in 0..4 {
-            for (i, c) in plan.copies_to(dest).iter().enumerate() {
-                assert_eq!(slots[dest * 5 + c.token as usize], i as i32);
+        assert_eq!(counts, vec![2, 0, 1, 2]);
+    }
+
+    #[test]
+    fn compacted_slots_are_each_copys_place_in_the_send_plan() {
+        // Random routings (two experts of a token on one rank, masked entries, uneven ranks).
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % n
+        };
+        for _ in 0..50 {
+            let (tokens, k, experts, ranks) =
+                (1 + next(40) as usize, 1 + next(8) as usize, 16, [1, 2, 4, 8][next(4) as usize]);
+            let mut idx = Vec::new();
+            for _ in 0..tokens {
+                let mut row: Vec<i64> = Vec::new();
+                while row.len() < k {
+                    let e = next(experts as u64 + 3) as i64 - 1;
+                    if e >= experts as i64 || (e >= 0 && row.contains(&e)) {
+                        continue;
+                    }
+                    row.push(e);
+                }
+                idx.extend(row);
+            }
+            let routing = Routing::new(idx, tokens, k, experts).unwrap();
+            let placement = ExpertPlacement::new(experts, ranks);
+            let plan = SendPlan::new(&routing, placement);
+            let stride = tokens + 3;
+            let (slots, counts) = compacted_slots(&routing, placement, stride);
+            for dest in 0..ranks {
+                let copies = plan.copies_to(dest);
+                assert_eq!(counts[dest], copies.len());
+                let mut want = vec![-1i32; stride];
+                for (i, c) in copies.iter().enumerate() {
+                    want[c.token as usize] = i as i32;
+                }
+                assert_eq!(&slots[dest * stride..(dest + 1) * stride], &want[..]);
             }
         }
     }

@@ -28,7 +28,7 @@ use epflow_core::ops::{
 };
 use epflow_core::ops::{CombineOutputs, DispatchOutputs};
 use epflow_core::protocol::{Channel, op_label};
-use epflow_core::routing::{CombinePositions, ExpertPlacement, Routing, SendPlan};
+use epflow_core::routing::{CombinePositions, ExpertPlacement, Routing, compacted_slots};
 use epflow_core::validate::{
     check_topk_idx, combine_output_descs, dispatch_output_descs, recv_bound, routing_from_tensor,
     validate_combine_inputs, validate_dispatch_inputs, validate_handle_options,
@@ -330,11 +330,11 @@ impl GpuRank {
         let placement = ExpertPlacement::new(s.config.num_experts, s.num_ranks);
         let mut send_rows = None;
         if layout == Layout::RankMajor && l.max_tokens <= LL_COMPACT_MAX_ROWS {
-            let plan = SendPlan::new(&routing, placement);
-            mem.write(l.send_slot_offset(), &plan.compacted_slots(l.max_tokens))?;
+            let (slots, counts) = compacted_slots(&routing, placement, l.max_tokens);
+            mem.write(l.send_slot_offset(), &slots)?;
             let mut rows = [0i32; MAX_RANKS];
-            for (d, r) in rows.iter_mut().enumerate().take(s.num_ranks) {
-                *r = plan.copies_to(d).len() as i32;
+            for (r, &c) in rows.iter_mut().zip(&counts) {
+                *r = c as i32;
             }
             send_rows = Some(rows);
         }
