@@ -9,10 +9,10 @@
 // Dispatch message (one per token and destination rank), in the receiver's region for this
 // sender, slot = token index (rank-major over NVLink, from a handle's dispatch: slot = the
 // token's place among the sender's tokens routed to the receiver, `send_slot`, so the receiver
-// copies slot i into its output row i without reading the headers first):  [u64 seq+1][i32 token][i32 1: the sender's combine wants tagged
-// rows (`wants_tagged`), else 0][i16 local expert per k, -1 if the
-// k-th expert is elsewhere (bytes 16..48)][rank-major: f32 weight per k (bytes 48..112)][pad to
-// 128 B][payload: BF16 row, or FP8 row + fp32 scales]. Tagged (a dispatch of at most
+// copies slot i into its output row i without reading the headers first): [u64 seq+1][i32
+// token][i32 1: the sender's combine wants tagged rows (`wants_tagged`), else 0][i16 local
+// expert per k, -1 if the k-th expert is elsewhere (bytes 16..48)][rank-major: f32 weight per k
+// (bytes 48..112)][pad to 128 B][payload: BF16 row, or FP8 row + fp32 scales]. Tagged (a dispatch of at most
 // EP_TAG_TOKENS tokens, `sends_tagged`): the same message with each 4-byte word as an 8-byte
 // pair {word, tag}, in the receiver's tagged dispatch area at [sender][token], one for every
 // token (a token routed elsewhere sends only its header, every local expert -1).
