@@ -34,7 +34,7 @@ use epflow_kernels::{
 };
 
 mod common;
-use common::{TimedBarrier, gpus, nccl_gpus, on_ranks, seed, shared_gpu_sms};
+use common::{TimedBarrier, gpus, nccl_gpus, on_ranks, seed, shared_gpu_sms, uneven_tokens};
 
 /// The references of one round: forward dispatch and combine of identity experts, backward
 /// dispatch of the tokens as gradients, and backward combine of those rows with random weight
@@ -239,9 +239,7 @@ fn check_world(
     let ranks = GpuWorld::create_with(devices, config.clone(), transport.clone()).expect("create GPU group");
     for (i, &(tokens, top_k, kind, masked)) in cases.iter().enumerate() {
         let s = base.wrapping_add(i as u64 * 7919);
-        // Uneven token counts: the last rank routes fewer tokens.
-        let per_rank: Vec<usize> =
-            (0..devices.len()).map(|r| if r + 1 == devices.len() { tokens / 2 + 1 } else { tokens }).collect();
+        let per_rank = uneven_tokens(devices.len(), tokens);
         let sc = Scenario::generate(config.clone(), devices.len(), &per_rank, top_k, kind, masked.min(tokens), s);
         let t = Instant::now();
         let refs = references(&sc, s);

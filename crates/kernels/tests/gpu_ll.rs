@@ -17,7 +17,7 @@ use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, bf16};
 use epflow_kernels::{GpuRank, GpuWorld, Transport, device_count};
 
 mod common;
-use common::{World, counts_across, for_each_world, gpus, launched, nccl_gpus, on_ranks, seed};
+use common::{World, counts_across, for_each_world, gpus, launched, nccl_gpus, on_ranks, seed, uneven_tokens};
 
 /// One dispatch + identity experts + combine on every rank; returns (dispatch, combine) reports.
 fn round(
@@ -82,9 +82,7 @@ fn check_world(
             for &kind in kinds {
                 round_no += 1;
                 let s = base_seed.wrapping_add(round_no * 7919);
-                // Uneven token counts: the last rank routes fewer tokens.
-                let per_rank: Vec<usize> =
-                    (0..devices.len()).map(|r| if r + 1 == devices.len() { tokens / 2 + 1 } else { tokens }).collect();
+                let per_rank = uneven_tokens(devices.len(), tokens);
                 let sc = Scenario::generate(config.clone(), devices.len(), &per_rank, top_k, kind, 10.min(tokens), s);
                 let refs = sc.ll_dispatch_reference().unwrap();
                 let want = sc.ll_combine_identity_reference(&refs).unwrap();
@@ -439,7 +437,7 @@ fn ll_one_process_per_gpu() {
             for top_k in [1usize, 4, 8] {
                 round_no += 1;
                 let s = base.wrapping_add(round_no * 7919);
-                let per_rank: Vec<usize> = (0..n).map(|r| if r + 1 == n { tokens / 2 + 1 } else { tokens }).collect();
+                let per_rank = uneven_tokens(n, tokens);
                 let kind = if round_no % 5 == 0 { RoutingKind::SingleRank(0) } else { RoutingKind::Uniform };
                 let sc = Scenario::generate(config.clone(), n, &per_rank, top_k, kind, 10.min(tokens), s);
                 let refs = sc.ll_dispatch_reference().unwrap();

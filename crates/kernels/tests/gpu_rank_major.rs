@@ -19,7 +19,9 @@ use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor};
 use epflow_kernels::{GpuRank, GpuWorld, Transport};
 
 mod common;
-use common::{World, counts_across, for_each_world, gpus, launched, nccl_gpus, on_ranks, seed, shared_gpu_sms};
+use common::{
+    World, counts_across, for_each_world, gpus, launched, nccl_gpus, on_ranks, seed, shared_gpu_sms, uneven_tokens,
+};
 
 /// One dispatch + identity experts + combine on `rank`, on a handle of `layout`.
 fn round(rank: &GpuRank, sc: &Scenario, layout: Layout, staged: bool) -> Result<(Report, Report), Error> {
@@ -101,10 +103,7 @@ fn check_world(
                     }
                     round_no += 1;
                     let s = base.wrapping_add(round_no * 7919);
-                    // Uneven token counts: the last rank routes fewer tokens.
-                    let per_rank: Vec<usize> = (0..devices.len())
-                        .map(|r| if r + 1 == devices.len() { tokens / 2 + 1 } else { tokens })
-                        .collect();
+                    let per_rank = uneven_tokens(devices.len(), tokens);
                     let sc =
                         Scenario::generate(config.clone(), devices.len(), &per_rank, top_k, kind, 10.min(tokens), s);
                     let staged = round_no % 2 == 0;
@@ -152,8 +151,7 @@ fn rank_major_above_the_compaction_bound_matches_reference() {
     let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
     for (i, (tokens, top_k)) in [(40usize, 8usize), (300, 4), (129, 16)].into_iter().enumerate() {
         let s = base.wrapping_add(i as u64 * 7919);
-        let per_rank: Vec<usize> =
-            (0..devices.len()).map(|r| if r + 1 == devices.len() { tokens / 2 + 1 } else { tokens }).collect();
+        let per_rank = uneven_tokens(devices.len(), tokens);
         let sc = Scenario::generate(config.clone(), devices.len(), &per_rank, top_k, RoutingKind::Uniform, 10, s);
         let staged = i % 2 == 1;
         for (d, c) in on_ranks(&ranks, |rank| round(rank, &sc, Layout::RankMajor, staged).expect("round")) {
@@ -406,7 +404,7 @@ fn rank_major_one_process_per_gpu() {
             for top_k in [1usize, 8, 16] {
                 round_no += 1;
                 let s = base.wrapping_add(round_no * 7919);
-                let per_rank: Vec<usize> = (0..n).map(|r| if r + 1 == n { tokens / 2 + 1 } else { tokens }).collect();
+                let per_rank = uneven_tokens(n, tokens);
                 let kind = if round_no % 5 == 0 { RoutingKind::SingleRank(0) } else { RoutingKind::Uniform };
                 let sc = Scenario::generate(config.clone(), n, &per_rank, top_k, kind, 10.min(tokens), s);
                 let (d, c) = round(&rank, &sc, Layout::RankMajor, round_no % 2 == 0).expect("round");

@@ -80,6 +80,12 @@ pub(crate) fn on_ranks<R: Send>(ranks: &[GpuRank], f: impl Fn(&GpuRank) -> R + S
     })
 }
 
+/// Uneven token counts for `ranks` ranks: every rank routes `tokens`, the last `tokens / 2 + 1`.
+#[allow(dead_code)]
+pub(crate) fn uneven_tokens(ranks: usize, tokens: usize) -> Vec<usize> {
+    (0..ranks).map(|r| if r + 1 == ranks { tokens / 2 + 1 } else { tokens }).collect()
+}
+
 /// The SM bound for a group on `devices`: when ranks share a GPU (`EPFLOW_TEST_DEVICES=0,0`), each
 /// kernel takes at most 32 SMs, so one rank's spinning receive never starves the other rank's
 /// send; `None` otherwise.
