@@ -482,19 +482,38 @@ impl LlLayout {
         self.max_tokens * self.hidden * 2
     }
 
-    /// Per-handle device memory: the `topk_idx` copy `[M x K]` int64, the row map
-    /// `[R x M x K]` int32, for NCCL peers the combine pack map `[R x M x K]` and the
-    /// combine positions `[M x K]` int32 (see `nccl.rs`), and the return list `[R x M x K]`
-    /// int32 with its per-source counts `[R]` int32 (`ret_list` in `ll_base.cuh`), and the
-    /// rank-major send slots `[R x M]` int32 (`send_slot`).
+    /// Per-handle device memory: the `topk_idx` copy `[M x K]` int64, the rank-major send
+    /// slots `[R x M]` int32 (`send_slot`; right after the copy, so the host writes both at
+    /// once), the row map `[R x M x K]` int32, for NCCL peers the combine pack map
+    /// `[R x M x K]` and the combine positions `[M x K]` int32 (see `nccl.rs`), and the return
+    /// list `[R x M x K]` int32 with its per-source counts `[R]` int32 (`ret_list` in
+    /// `ll_base.cuh`).
     pub(crate) fn handle_bytes(&self) -> usize {
-        self.send_slot_offset() + self.num_ranks * self.max_tokens * 4
+        self.return_count_offset() + (self.num_ranks * 4).next_multiple_of(256)
     }
 
     /// Offset of the rank-major send slots inside a handle's memory: per (destination, token)
-    /// the slot of its dispatch message there, or -1 (`LlParams::send_slot`).
+    /// the slot of its dispatch message there, or -1 (`LlParams::send_slot`). Right after the
+    /// `topk_idx` copy.
     pub(crate) fn send_slot_offset(&self) -> usize {
-        self.return_count_offset() + (self.num_ranks * 4).next_multiple_of(256)
+        self.topk_copy_bytes()
+    }
+
+    /// The start of a rank-major handle's memory as one host buffer, written with one copy: the
+    /// routing's `values` (`[B x K]` int64, B <= M, little-endian as the device reads them),
+    /// zeros up to [`Self::send_slot_offset`], then the send `slots` (`[R x M]` int32).
+    pub(crate) fn handle_head(&self, values: &[i64], slots: &[i32]) -> Vec<u8> {
+        debug_assert!(values.len() * 8 <= self.send_slot_offset() && slots.len() == self.num_ranks * self.max_tokens);
+        let mut bytes = Vec::with_capacity(self.send_slot_offset() + slots.len() * 4);
+        bytes.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        bytes.resize(self.send_slot_offset(), 0);
+        bytes.extend(slots.iter().flat_map(|v| v.to_le_bytes()));
+        bytes
+    }
+
+    /// Offset of the row map inside a handle's memory (after the send slots).
+    pub(crate) fn row_of_offset(&self) -> usize {
+        self.send_slot_offset() + (self.num_ranks * self.max_tokens * 4).next_multiple_of(256)
     }
 
     /// Offset of the return list inside a handle's memory.
@@ -509,7 +528,7 @@ impl LlLayout {
 
     /// Offset of the NCCL combine pack map inside a handle's memory.
     pub(crate) fn nccl_pack_offset(&self) -> usize {
-        self.topk_copy_bytes() + (self.num_ranks * self.max_tokens * self.max_top_k * 4).next_multiple_of(256)
+        self.row_of_offset() + (self.num_ranks * self.max_tokens * self.max_top_k * 4).next_multiple_of(256)
     }
 
     /// Offset of the NCCL combine positions inside a handle's memory.
@@ -517,7 +536,7 @@ impl LlLayout {
         self.nccl_pack_offset() + (self.num_ranks * self.max_tokens * self.max_top_k * 4).next_multiple_of(256)
     }
 
-    /// Offset of the row map inside a handle's memory.
+    /// Bytes of the `topk_idx` copy at the start of a handle's memory (rounded up to 256).
     pub(crate) fn topk_copy_bytes(&self) -> usize {
         (self.max_tokens * self.max_top_k * 8).next_multiple_of(256)
     }
@@ -575,6 +594,38 @@ mod tests {
         assert!(layout.dispatch_recv_bytes() + layout.combine_recv_bytes() < l.total_bytes());
         assert!(l.total_bytes() > tagged);
         assert!(l.total_bytes() <= 1_000_000_000, "{} B", l.total_bytes());
+    }
+
+    #[test]
+    fn handle_regions_follow_each_other_and_the_head_is_one_buffer() {
+        for (ranks, m, k) in [(2usize, 128usize, 8usize), (8, 1, 16), (3, 7, 1)] {
+            let l = LlLayout::new(&GroupConfig::low_latency(64, m, 1024).with_max_top_k(k), ranks).unwrap();
+            let rmk = ranks * m * k * 4;
+            // Each region starts at or after the end of the one before, 256-aligned.
+            let regions = [
+                (0, m * k * 8),
+                (l.send_slot_offset(), ranks * m * 4),
+                (l.row_of_offset(), rmk),
+                (l.nccl_pack_offset(), rmk),
+                (l.nccl_pos_offset(), m * k * 4),
+                (l.return_list_offset(), rmk),
+                (l.return_count_offset(), ranks * 4),
+            ];
+            for w in regions.windows(2) {
+                assert!(w[0].0 + w[0].1 <= w[1].0 && w[1].0 % 256 == 0, "{ranks} {m} {k}: {regions:?}");
+            }
+            let (last, len) = regions[regions.len() - 1];
+            assert!(last + len <= l.handle_bytes());
+            // The head: the routing, zeros, then the slots at their offset.
+            let values: Vec<i64> = (0..(m * k) as i64).map(|v| v - 1).collect();
+            let slots: Vec<i32> = (0..(ranks * m) as i32).map(|v| v * 3 - 2).collect();
+            let head = l.handle_head(&values[..k], &slots);
+            assert_eq!(head.len(), l.send_slot_offset() + ranks * m * 4);
+            assert_eq!(&head[..8], &(-1i64).to_le_bytes());
+            assert!(head[k * 8..l.send_slot_offset()].iter().all(|&b| b == 0));
+            let at = l.send_slot_offset() + 4 * (ranks * m - 1);
+            assert_eq!(&head[at..at + 4], &slots[ranks * m - 1].to_le_bytes());
+        }
     }
 
     #[test]

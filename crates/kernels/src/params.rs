@@ -183,7 +183,8 @@ pub(crate) struct LlParams {
     /// tokens routed to that destination, or -1 (see `LlLayout::send_slot_offset`); 0: messages
     /// at their tokens' slots. The receiver then copies slot `i` into output row `i` without
     /// reading headers first. Not for NCCL destinations (nor for this rank itself when it has
-    /// any: its own arrival pair is the one NCCL carries to them), nor for tagged sends.
+    /// any: its own arrival pair is the one NCCL carries to them). Tagged sends (`sends_tagged`)
+    /// take the same slots in the tagged area, and send nothing for a token routed elsewhere.
     pub send_slot: u64,
     /// With `send_slot`: per destination, the messages it gets (its arrival word says so).
     pub send_rows: [i32; MAX_RANKS],

@@ -140,10 +140,11 @@ __device__ __forceinline__ void report_error(u64* status, u64 code, int peer, u6
 // pairing number. `sent` (6 bits) is 0, or for a low-latency dispatch sent as tagged messages
 // (ll.cu, `sends_tagged`) its number of tokens + 1: the arrival then comes before the messages;
 // or EP_ARRIVAL_SENT_COMPACT for a rank-major dispatch whose plain messages sit compacted (the
-// copy of the sender's i-th token routed to the receiver in slot i, `LlParams::send_slot`): the
-// tag's pairing-number bits, always 0 for a dispatch (it pairs with nothing), then carry the
-// number of those messages instead (`arrival_compact_rows`), and the receiver checks the tag's
-// other bits only. The whole stamp is the word after it (read only to report a mismatch).
+// copy of the sender's i-th token routed to the receiver in slot i, `LlParams::send_slot`), or
+// EP_ARRIVAL_SENT_TAGGED_COMPACT for one whose tagged messages sit compacted the same way (the
+// arrival then comes first, as for any tagged dispatch): the tag's pairing-number bits, always 0
+// for a dispatch (it pairs with nothing), then carry the number of those messages instead
+// (`arrival_compact_rows`), and the receiver checks the tag's other bits only. The whole stamp is the word after it (read only to report a mismatch).
 // Operations 2^34 apart on one channel and set would look alike; none is ever outstanding that
 // long.
 #define EP_ARRIVAL_SEQ_SHIFT 30
@@ -151,6 +152,7 @@ __device__ __forceinline__ void report_error(u64* status, u64 code, int peer, u6
 #define EP_ARRIVAL_TAG_MASK ((1ull << 23) - 1)
 #define EP_ARRIVAL_SENT_SHIFT 24
 #define EP_ARRIVAL_SENT_COMPACT 63ull
+#define EP_ARRIVAL_SENT_TAGGED_COMPACT 62ull
 #define EP_ARRIVAL_ROWS_SHIFT 10                // the tag's bits 9..22: the pairing number's
 #define EP_ARRIVAL_ROWS_MASK ((1ull << 14) - 1)
 // The most compacted messages (max_tokens) a dispatch may announce.
@@ -167,25 +169,28 @@ __device__ __forceinline__ u64 arrival_word(u64 seq, bool cancelled, u64 stamp) 
     return (((seq + 1) & EP_ARRIVAL_SEQ_MASK) << EP_ARRIVAL_SEQ_SHIFT) | (stamp_tag(stamp) << 1) | (u64)cancelled;
 }
 
-// The arrival word of a rank-major dispatch whose `rows` plain messages sit compacted (see
-// EP_ARRIVAL_SENT_COMPACT; `stamp` is a dispatch's, whose pairing number is 0).
-__device__ __forceinline__ u64 arrival_word_compact(u64 seq, u64 stamp, int rows) {
-    return arrival_word(seq, false, stamp) | (EP_ARRIVAL_SENT_COMPACT << EP_ARRIVAL_SENT_SHIFT) |
+// The arrival word of a rank-major dispatch whose `rows` messages sit compacted, plain or
+// `tagged` (see EP_ARRIVAL_SENT_COMPACT; `stamp` is a dispatch's, whose pairing number is 0).
+__device__ __forceinline__ u64 arrival_word_compact(u64 seq, u64 stamp, int rows, bool tagged = false) {
+    const u64 sent = tagged ? EP_ARRIVAL_SENT_TAGGED_COMPACT : EP_ARRIVAL_SENT_COMPACT;
+    return arrival_word(seq, false, stamp) | (sent << EP_ARRIVAL_SENT_SHIFT) |
            (((u64)rows & EP_ARRIVAL_ROWS_MASK) << EP_ARRIVAL_ROWS_SHIFT);
 }
 
-// The tokens of a tagged dispatch that arrival word `v` announces, or -1 (messages in the plain
-// form, ordered before the arrival).
-__device__ __forceinline__ int arrival_tagged_tokens(u64 v) {
+// The number of compacted messages, plain or tagged, that arrival word `v` announces, or -1
+// (messages at their tokens' slots).
+__device__ __forceinline__ int arrival_compact_rows(u64 v) {
     const u64 sent = (v >> EP_ARRIVAL_SENT_SHIFT) & 63ull;
-    return sent == EP_ARRIVAL_SENT_COMPACT ? -1 : (int)sent - 1;
+    if (sent != EP_ARRIVAL_SENT_COMPACT && sent != EP_ARRIVAL_SENT_TAGGED_COMPACT) return -1;
+    return (int)((v >> EP_ARRIVAL_ROWS_SHIFT) & EP_ARRIVAL_ROWS_MASK);
 }
 
-// The number of compacted plain messages that arrival word `v` announces, or -1 (messages at
-// their tokens' slots, or tagged).
-__device__ __forceinline__ int arrival_compact_rows(u64 v) {
-    if (((v >> EP_ARRIVAL_SENT_SHIFT) & 63ull) != EP_ARRIVAL_SENT_COMPACT) return -1;
-    return (int)((v >> EP_ARRIVAL_ROWS_SHIFT) & EP_ARRIVAL_ROWS_MASK);
+// The tagged messages of a tagged dispatch that arrival word `v` announces (its tokens, or its
+// compacted messages), or -1 (messages in the plain form, ordered before the arrival).
+__device__ __forceinline__ int arrival_tagged_tokens(u64 v) {
+    const u64 sent = (v >> EP_ARRIVAL_SENT_SHIFT) & 63ull;
+    if (sent == EP_ARRIVAL_SENT_TAGGED_COMPACT) return arrival_compact_rows(v);
+    return sent == EP_ARRIVAL_SENT_COMPACT ? -1 : (int)sent - 1;
 }
 
 // Whether arrival word `v` is operation `seq`'s.

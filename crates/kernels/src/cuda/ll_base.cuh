@@ -15,7 +15,8 @@
 // (bytes 48..112)][pad to 128 B][payload: BF16 row, or FP8 row + fp32 scales]. Tagged (a dispatch of at most
 // EP_TAG_TOKENS tokens, `sends_tagged`): the same message with each 4-byte word as an 8-byte
 // pair {word, tag}, in the receiver's tagged dispatch area at [sender][token], one for every
-// token (a token routed elsewhere sends only its header, every local expert -1).
+// token (a token routed elsewhere sends only its header, every local expert -1), or compacted
+// as the plain messages from a rank-major handle (at [sender][send_slot], routed tokens only).
 // Combine message (one per token and expert; rank-major: one per token and rank reached, in the
 // slot of the rank's first top-k entry): the BF16 row, in the source rank's region at [token][k];
 // or, tagged (see EP_TAG_TOKENS), in the source rank's tagged area at [token][sending rank]
@@ -86,7 +87,8 @@ struct LlParams {
     // (destination, token) the slot its plain message takes there (its place among this rank's
     // tokens routed to that destination), or -1 (not routed there); 0: messages at their tokens'
     // slots. Not for destinations reached through NCCL (nor for this rank itself when it has
-    // such peers: NCCL carries its own arrival pair to them), nor for tagged sends.
+    // such peers: NCCL carries its own arrival pair to them). Tagged sends use the same slots in
+    // the tagged area.
     u64 send_slot;
     int send_rows[EP_MAX_RANKS];  // with `send_slot`: per destination, its messages (announced in the arrival word)
 };

@@ -493,7 +493,11 @@ __device__ __forceinline__ void dispatch_recv_tasks(const LlParams& p, const OpN
                     valid = false;
                 } else if (packed) {
                     valid = slot % M < compact[s];
-                    if (valid) h = load_head(recv + (size_t)slot * p.msg_bytes, K);
+                    if (valid && TAGGED && tagged_tokens[s] >= 0) {
+                        valid = slot_head(p, n, recv, slot, tagged_tokens[s], tag_deadline, &h);
+                    } else if (valid) {
+                        h = load_head(recv + (size_t)slot * p.msg_bytes, K);
+                    }
                     valid = valid && h.token >= 0 && h.token < M;
                 } else {
                     valid = slot_head(p, n, recv, slot, TAGGED ? tagged_tokens[s] : -1, tag_deadline, &h);

@@ -194,14 +194,15 @@ __device__ __forceinline__ void dispatch_payload(const LlParams& p, char* payloa
     }
 }
 
-// A tagged dispatch's item (token `t`, piece `chunk`) for destination `dest`: the header with
-// piece 0 (every token has one), the payload piece if the token is `routed` there (lane k < K
-// holds entry k's local expert there, `le`).
-__device__ __forceinline__ void send_tagged_item(const LlParams& p, const OpNum& n, int dest, int t, int chunk, int le,
-                                                 bool routed, int lane) {
+// A tagged dispatch's item (token `t`, piece `chunk`) for destination `dest`, in message `slot`
+// of its tagged area (`t`, or compacted its place among the tokens routed there): the header
+// with piece 0, the payload piece if the token is `routed` there (lane k < K holds entry k's
+// local expert there, `le`).
+__device__ __forceinline__ void send_tagged_item(const LlParams& p, const OpNum& n, int dest, int t, int slot,
+                                                 int chunk, int le, bool routed, int lane) {
     const int K = p.top_k, H = p.hidden, width = H / p.chunks;
     const u32 tag = op_tag(n.seq);
-    char* msg = tagged_msg(p, p.peer_recv[dest], n.set, p.rank, t);
+    char* msg = tagged_msg(p, p.peer_recv[dest], n.set, p.rank, slot);
     if (chunk == 0) {
         const float* w = reinterpret_cast<const float*>(p.weights);
         const float wt = p.rank_major && lane < K ? w[(size_t)t * K + lane] : 0.f;
@@ -219,8 +220,9 @@ __device__ __forceinline__ void send_tagged_item(const LlParams& p, const OpNum&
 // signals d. Each warp fences its stores before it reports (`signal_sent`), so the signal is
 // ordered after every payload store of every lane. Tagged (`sends_tagged`): the first warp of
 // each destination signals at once, and the messages go out as pairs. Compacted (`send_slot`, a
-// rank-major dispatch to a destination over NVLink): token t's message takes the slot the handle
-// gives it for d, and the arrival word carries their number.
+// rank-major dispatch to a destination over NVLink, plain or tagged): token t's message takes
+// the slot the handle gives it for d, a token routed elsewhere sends nothing (not even a tagged
+// header), and the arrival word carries their number.
 // SEND: which form the kernel sends in (`SEND_ANY`: as `sends_tagged` says; the one-launch
 // kernels are compiled for one form each, picked by the host's mirror `LlParams::sends_tagged`:
 // with both sends inlined, the plain one-launch kernel spilled 170 B instead of 20).
@@ -241,12 +243,13 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
     // Not to this rank itself in a group with NCCL peers: its arrival pair is also the one NCCL
     // carries to them (`signal_sent` writes theirs into this rank's own page), which must stay a
     // plain word.
-    const bool compact =
-        !tagged && p.send_slot != 0ull && !via_nccl(p, dest) && !(dest == p.rank && p.nccl_mask != 0);
+    const bool compact = p.send_slot != 0ull && !via_nccl(p, dest) && !(dest == p.rank && p.nccl_mask != 0);
     const int* slots = reinterpret_cast<const int*>(p.send_slot + (u64)dest * p.max_tokens * sizeof(int));
     const int slot_first = compact && j < p.num_tokens * C ? __ldg(slots + j / C) : -1;
     role_wait_credit(p, n, 0, &role);
-    if (tagged && j == 0 && lane == 0 && !role.skip) signal_now(p, n, 0, dest, p.num_tokens);
+    if (tagged && j == 0 && lane == 0 && !role.skip) {
+        signal_now(p, n, 0, dest, p.num_tokens, compact ? p.send_rows[dest] : -1);
+    }
 
     if (!p.cancelled && !role.skip) {
         const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(p.x);
@@ -264,7 +267,7 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
             const int le = (lane < K && e >= 0 && (int)e / L == dest) ? (int)e % L : -1;
             const bool routed = __ballot_sync(EP_FULL_MASK, le >= 0) != 0u;
             if (tagged) {
-                send_tagged_item(p, n, dest, t, chunk, le, routed, lane);
+                if (routed || !compact) send_tagged_item(p, n, dest, t, slot, chunk, le, routed, lane);
                 continue;
             }
             if (!routed) continue;

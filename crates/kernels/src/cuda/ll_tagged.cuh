@@ -58,10 +58,14 @@ __device__ __forceinline__ void warp_copy_tagged(char* dst, const char* src, siz
 
 // A tagged send's arrival, before its payload: the arrival word and the whole stamp in one
 // 16-byte relaxed store (nothing before it needs ordering: the tags guard the payload). A tagged
-// dispatch's word carries its number of tokens (`tokens` >= 0, see `arrival_tagged_tokens`).
-__device__ __forceinline__ void signal_now(const LlParams& p, const OpNum& n, int chan, int dest, int tokens = -1) {
+// dispatch's word carries its number of tokens (`tokens` >= 0, see `arrival_tagged_tokens`), or
+// with `rows` >= 0 its number of compacted messages (`arrival_word_compact`; not when cancelled).
+__device__ __forceinline__ void signal_now(const LlParams& p, const OpNum& n, int chan, int dest, int tokens = -1,
+                                           int rows = -1) {
     u64* pair = arrival_at(reinterpret_cast<u64*>(p.peer_signals[dest]), chan, n.set, p.rank);
-    const u64 a = arrival_word(n.seq, p.cancelled != 0, p.stamp) | ((u64)(tokens + 1) << EP_ARRIVAL_SENT_SHIFT);
+    const u64 a = rows >= 0 && !p.cancelled
+                      ? arrival_word_compact(n.seq, p.stamp, rows, true)
+                      : arrival_word(n.seq, p.cancelled != 0, p.stamp) | ((u64)(tokens + 1) << EP_ARRIVAL_SENT_SHIFT);
     asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(pair), "l"(a), "l"(p.stamp) : "memory");
 }
 
@@ -69,8 +73,10 @@ __device__ __forceinline__ void signal_now(const LlParams& p, const OpNum& n, in
 // most `tag_dispatch_tokens` tokens (<= min(EP_TAG_TOKENS, M); no peer through NCCL, no rank
 // masking) writes its messages with every 4-byte word as an 8-byte pair {word, tag} into each
 // destination's tagged dispatch area, [set][sender][token] after every set's plain region, one
-// message per token (a token routed elsewhere: its header only, every local expert -1), and
-// signals its arrival first, with its number of tokens in the arrival word: no system-scope
+// message per token (a token routed elsewhere: its header only, every local expert -1; on a
+// rank-major handle, compacted as the plain messages: the i-th token routed there in message i,
+// the others send nothing), and signals its arrival first, with its number of tokens (or of
+// compacted messages) in the arrival word: no system-scope
 // fence, no count of the warps, no release after the payload (benches/NOTES.md item 75). The
 // receiver waits for each 16-byte vector's tags as it reads it. The area is never cleared per
 // operation: a buffer set's tags only grow from one operation to the next (what is left there
@@ -80,7 +86,8 @@ __device__ __forceinline__ bool sends_tagged(const LlParams& p) {
     return p.nccl_mask == 0 && p.tag_dispatch_tokens > 0 && p.num_tokens <= p.tag_dispatch_tokens &&
            p.num_tokens <= min(EP_TAG_TOKENS, p.max_tokens);
 }
-static_assert(EP_TAG_TOKENS + 1 < 64, "a tagged dispatch's tokens + 1 fit the arrival word's 6 bits");
+static_assert(EP_TAG_TOKENS + 1 < EP_ARRIVAL_SENT_TAGGED_COMPACT,
+              "a tagged dispatch's tokens + 1 fit the arrival word's 6 bits below the compacted forms");
 
 // One buffer set's tagged dispatch area: min(EP_TAG_TOKENS, M) messages of 2 x `msg_bytes` per
 // source.

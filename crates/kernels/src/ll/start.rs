@@ -32,7 +32,7 @@ fn base_params(
     let rank_major = layout == Layout::RankMajor;
     let mut p = LlParams {
         topk_idx: handle_ptr,
-        row_of: handle_ptr + l.topk_copy_bytes() as u64,
+        row_of: handle_ptr + l.row_of_offset() as u64,
         signals: s.mem.signals.ptr(),
         status: s.mem.status.device_ptr(),
         timeout_ns: s.device_timeout_ns(),

@@ -321,22 +321,23 @@ impl GpuRank {
     /// A low-latency handle: the routing's copy in device memory, for NCCL peers where their
     /// combine rows land, and for a rank-major handle the slot of each dispatch message
     /// (compacted per destination; not for groups whose `max_tokens` exceeds
-    /// `LL_COMPACT_MAX_ROWS`).
+    /// `LL_COMPACT_MAX_ROWS`), written with the routing's copy in one host-to-device copy.
     fn ll_handle(&self, routing: Routing, values: &[i64], layout: Layout) -> Result<GpuHandle, Error> {
         let s = &self.shared;
         let l = s.layout.ll("a low-latency handle")?;
         let mem = take_pooled(&s.ctx, &s.handle_pool, l.handle_bytes())?;
-        mem.write(0, values)?;
         let placement = ExpertPlacement::new(s.config.num_experts, s.num_ranks);
         let mut send_rows = None;
         if layout == Layout::RankMajor && l.max_tokens <= LL_COMPACT_MAX_ROWS {
             let (slots, counts) = compacted_slots(&routing, placement, l.max_tokens);
-            mem.write(l.send_slot_offset(), &slots)?;
+            mem.write(0, &l.handle_head(values, &slots))?;
             let mut rows = [0i32; MAX_RANKS];
             for (r, &c) in rows.iter_mut().zip(&counts) {
                 *r = c as i32;
             }
             send_rows = Some(rows);
+        } else {
+            mem.write(0, values)?;
         }
         let ll_nccl = match &s.nccl {
             Some(n) => {
