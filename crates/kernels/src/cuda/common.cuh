@@ -144,7 +144,8 @@ __device__ __forceinline__ void report_error(u64* status, u64 code, int peer, u6
 // EP_ARRIVAL_SENT_TAGGED_COMPACT for one whose tagged messages sit compacted the same way (the
 // arrival then comes first, as for any tagged dispatch): the tag's pairing-number bits, always 0
 // for a dispatch (it pairs with nothing), then carry the number of those messages instead
-// (`arrival_compact_rows`), and the receiver checks the tag's other bits only. The whole stamp is the word after it (read only to report a mismatch).
+// (`arrival_compact_rows`), and the receiver checks the tag's other bits only. The whole stamp
+// is the word after it (read only to report a mismatch).
 // Operations 2^34 apart on one channel and set would look alike; none is ever outstanding that
 // long.
 #define EP_ARRIVAL_SEQ_SHIFT 30

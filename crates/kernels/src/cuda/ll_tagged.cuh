@@ -76,12 +76,12 @@ __device__ __forceinline__ void signal_now(const LlParams& p, const OpNum& n, in
 // message per token (a token routed elsewhere: its header only, every local expert -1; on a
 // rank-major handle, compacted as the plain messages: the i-th token routed there in message i,
 // the others send nothing), and signals its arrival first, with its number of tokens (or of
-// compacted messages) in the arrival word: no system-scope
-// fence, no count of the warps, no release after the payload (benches/NOTES.md item 75). The
-// receiver waits for each 16-byte vector's tags as it reads it. The area is never cleared per
-// operation: a buffer set's tags only grow from one operation to the next (what is left there
-// carries an older tag), until the 32-bit tag wraps; the operation before the wrap clears the
-// set's area before it returns its credits (`finish_receive`).
+// compacted messages) in the arrival word: no system-scope fence, no count of the warps, no
+// release after the payload (benches/NOTES.md items 75 and 128). The receiver waits for each
+// 16-byte vector's tags as it reads it. The area is never cleared per operation: a buffer set's
+// tags only grow from one operation to the next (what is left there carries an older tag),
+// until the 32-bit tag wraps; the operation before the wrap clears the set's area before it
+// returns its credits (`finish_receive`).
 __device__ __forceinline__ bool sends_tagged(const LlParams& p) {
     return p.nccl_mask == 0 && p.tag_dispatch_tokens > 0 && p.num_tokens <= p.tag_dispatch_tokens &&
            p.num_tokens <= min(EP_TAG_TOKENS, p.max_tokens);
