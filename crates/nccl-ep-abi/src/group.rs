@@ -315,7 +315,9 @@ impl Group {
     /// `ncclEpGroupDestroy`: waits for every operation, then for every rank (collective), so no
     /// peer still reads this rank's memory when it is freed.
     pub(crate) fn shut_down(&self) -> Res<()> {
-        for line in self.profile.report().into_iter().chain(epflow_kernels::device::host_steps::report()) {
+        let stamps = self.profile.write_stamps(self.shape.rank);
+        for line in self.profile.report().into_iter().chain(epflow_kernels::device::host_steps::report()).chain(stamps)
+        {
             eprintln!("NCCL EP (epflow) PROFILE rank {}: {line}", self.shape.rank);
         }
         let settled = self.settle(true);

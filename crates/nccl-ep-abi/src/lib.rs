@@ -20,7 +20,8 @@
 //! - `handle.rs`: handles: layout, top-k, routing.
 //! - `mask.rs`: the active mask (`enable_mask`, the mask calls) on epflow's rank masking.
 //! - `ops.rs`: dispatch, combine and complete on the caller's stream and tensors.
-//! - `profile.rs`: `EPFLOW_ABI_PROFILE=1`, host time per phase of low-latency calls.
+//! - `profile.rs`: `EPFLOW_ABI_PROFILE=1`, host time per phase of low-latency calls (and, with
+//!   `EPFLOW_ABI_STAMPS`, every call's entry and launch by the wall clock, per rank).
 //! - [`header`]: the C header, generated.
 //!
 //! ## What is implemented
