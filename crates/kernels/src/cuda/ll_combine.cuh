@@ -7,6 +7,11 @@
 // than its share when the routing clusters). A source that asked for tagged rows (its count's
 // EP_RET_TAGGED bit) gets them in its tagged area, and its arrival before them (`signal_now`);
 // so does one that gets no rows (nothing to order).
+//
+// Rank-major, the row of source d's list entry j is d * M + j: the list holds one entry per row
+// the dispatch received from d (its first local k), in the order of the rows it wrote for d (the
+// return list's block and the copy tasks judge the slots alike; compacted messages: slot j is row
+// d * M + j), so no row map is read (one dependent load less before each piece).
 __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) {
     const int C = p.chunks;
     const int d = send_dest(p);
@@ -14,8 +19,8 @@ __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) 
     const bool serves = d < p.num_ranks;
     const int* list = reinterpret_cast<const int*>(p.ret_list) + (size_t)(serves ? d : 0) * M * K;
     // The source's count and this warp's first entry load together (the entry's place does not
-    // depend on the count; it is used only if the count covers it), then its row, all before the
-    // credit wait (their latency overlaps it).
+    // depend on the count; it is used only if the count covers it), then (expert-major) its row,
+    // all before the credit wait (their latency overlaps it).
     const int j0 = send_j(p);
     const int raw_count = serves ? __ldcg(reinterpret_cast<const int*>(p.ret_count) + d) : 0;
     const int count = raw_count & ~EP_RET_TAGGED;
@@ -25,7 +30,8 @@ __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) 
     if (!send_role(p, n, 1, (long long)count * C, &role)) return;
     const int lane = role.lane, dest = role.dest, j = role.j, wpd = role.wpd;
     const int* row_of = reinterpret_cast<const int*>(p.row_of) + (size_t)dest * M * K;
-    const int row_first = j < count * C ? __ldcg(row_of + i_first) : 0;
+    const bool rm = p.rank_major != 0;
+    const int row_first = j < count * C ? (rm ? dest * M + j / C : __ldcg(row_of + i_first)) : 0;
     role_wait_credit(p, n, 1, &role);
     const bool early = tagged || (count == 0 && !p.masking && !via_nccl(p, dest));
     if (early && j == 0 && lane == 0 && !role.skip) signal_now(p, n, 1, dest);
@@ -38,7 +44,7 @@ __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) 
         const int width = H / C;
         for (int item = j; item < count * C; item += wpd) {
             const int i = item == j ? i_first : __ldcg(list + item / C), chunk = item % C;
-            const int row = item == j ? row_first : __ldcg(row_of + i);
+            const int row = item == j ? row_first : rm ? dest * M + item / C : __ldcg(row_of + i);
             const int c = chunk * width;
             const __nv_bfloat16* src = ex + (size_t)row * H + c;
             if (tagged) {
