@@ -104,6 +104,11 @@ fn small_ll_bench_validates() {
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("Validation: PASSED"), "{out}");
     assert!(out.contains("Dispatch (BF16):") && out.contains("GB/s"), "{out}");
+    // Low-latency handles are timed too: local, made with the bench's layout.
+    let handle = out.lines().find(|l| l.starts_with("Handle:")).unwrap_or_else(|| panic!("{out}"));
+    assert!(handle.contains("(host clock, local: the routing plan and its upload)"), "{handle}");
+    let median: f64 = handle.split("median=").nth(1).and_then(|m| m.split(' ').next()?.parse().ok()).unwrap();
+    assert!(median > 0.0, "{handle}");
 }
 
 #[test]

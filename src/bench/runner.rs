@@ -29,7 +29,8 @@ pub(crate) enum References {
 /// What one rank measured.
 #[derive(Default)]
 pub(crate) struct RankResult {
-    /// High-throughput: handle creation (the collective count exchange), host clock.
+    /// Handle creation, host clock: high-throughput, the collective count exchange; low-latency,
+    /// the local routing plan and its upload.
     pub handle: RankTimes,
     pub dispatch: RankTimes,
     pub combine: RankTimes,
@@ -274,15 +275,18 @@ where
             None => eprintln!("note: --queued: this backend has no streams to enqueue on (GPU backend only)"),
         }
     }
-    // High-throughput handles are collective (a count exchange): time their creation too.
+    // Handle creation, timed too: high-throughput handles are collective (a count exchange),
+    // low-latency ones local (the routing plan and its upload), made with the bench's layout.
     let mut handle_times = RankTimes::default();
-    if ht {
-        for _ in 0..HANDLE_SAMPLES {
-            r.barrier();
-            let (h, t) = r.timed(|| blocking_handle(b, &idx))?;
-            drop(h);
-            handle_times.samples_us.push(t.as_secs_f64() * 1e6);
-        }
+    for _ in 0..HANDLE_SAMPLES {
+        r.barrier();
+        let (h, t) = if ht {
+            r.timed(|| blocking_handle(b, &idx))?
+        } else {
+            r.timed(|| blocking_handle_with(b, &idx, &HandleOptions::with_layout(plan.layout)))?
+        };
+        drop(h);
+        handle_times.samples_us.push(t.as_secs_f64() * 1e6);
     }
     let mut graph = RankTimes::default();
     if plan.graph && !ht {
@@ -321,7 +325,7 @@ where
     })
 }
 
-/// High-throughput handle creations timed per rank.
+/// Handle creations timed per rank.
 pub(crate) const HANDLE_SAMPLES: usize = 20;
 
 /// ep_bench's byte count for a rank: low-latency, valid selections x H x 2; high-throughput,

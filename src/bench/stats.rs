@@ -95,7 +95,8 @@ pub(crate) struct BenchReport {
     /// Average device time (us) of dispatch send, dispatch complete, combine send, combine
     /// complete halves, when measured.
     pub halves_us: Option<[f64; 4]>,
-    /// High-throughput: handle creation (the collective count exchange), host clock.
+    /// Handle creation, host clock: high-throughput, the collective count exchange; low-latency,
+    /// the local routing plan and its upload.
     pub handle: Option<OpSummary>,
     /// `--fresh-routing`: every iteration created a handle for a new routing; `total` is the
     /// training step (handle, forward pair, backward pair), dispatch and combine the forward ones.
@@ -198,8 +199,9 @@ impl BenchReport {
             print_op("Combine (BF16):", c);
         }
         if let Some(h) = &self.handle {
+            let what = if self.algorithm == "ll" { "local: the routing plan and its upload" } else { "collective" };
             println!(
-                "{:<18}avg={:.2} us, min={:.2} us, median={:.2} us (host clock, collective)",
+                "{:<18}avg={:.2} us, min={:.2} us, median={:.2} us (host clock, {what})",
                 "Handle:", h.avg_us, h.min_us, h.median_us
             );
         }
