@@ -199,7 +199,11 @@ impl BenchReport {
             print_op("Combine (BF16):", c);
         }
         if let Some(h) = &self.handle {
-            let what = if self.algorithm == "ll" { "local: the routing plan and its upload" } else { "collective" };
+            let what = match (self.algorithm, self.backend.as_str()) {
+                ("ll", "nccl-ep") => "ncclEpCreateHandle",
+                ("ll", _) => "local: the routing plan and its upload",
+                _ => "collective",
+            };
             println!(
                 "{:<18}avg={:.2} us, min={:.2} us, median={:.2} us (host clock, {what})",
                 "Handle:", h.avg_us, h.min_us, h.median_us
