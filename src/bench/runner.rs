@@ -2,7 +2,7 @@
 
 use std::borrow::Cow;
 
-use epflow_core::backend::{Backend, blocking_combine, blocking_dispatch, blocking_handle, blocking_handle_with};
+use epflow_core::backend::{Backend, blocking_combine, blocking_dispatch, blocking_handle_with};
 use epflow_core::ops::{
     CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, DispatchOutputs, HandleOptions, Layout,
 };
@@ -74,7 +74,9 @@ where
     let rank = b.rank();
     let cfg = b.config().clone();
     let idx = r.upload(&sc.topk_idx(rank))?;
-    let handle = blocking_handle_with(b, &idx, &HandleOptions::with_layout(plan.layout))?;
+    // High-throughput refuses rank-major (`config_from_args`): its handles get the default options.
+    let handle_opts = HandleOptions::with_layout(plan.layout);
+    let handle = blocking_handle_with(b, &idx, &handle_opts)?;
     let ht = cfg.algorithm == Algorithm::HighThroughput;
     let rank_major = plan.layout == Layout::RankMajor;
     let weights = r.upload(&sc.weights(rank))?;
@@ -280,11 +282,7 @@ where
     let mut handle_times = RankTimes::default();
     for _ in 0..HANDLE_SAMPLES {
         r.barrier();
-        let (h, t) = if ht {
-            r.timed(|| blocking_handle(b, &idx))?
-        } else {
-            r.timed(|| blocking_handle_with(b, &idx, &HandleOptions::with_layout(plan.layout)))?
-        };
+        let (h, t) = r.timed(|| blocking_handle_with(b, &idx, &handle_opts))?;
         drop(h);
         handle_times.samples_us.push(t.as_secs_f64() * 1e6);
     }
