@@ -178,10 +178,13 @@ __device__ __forceinline__ u64 arrival_word_compact(u64 seq, u64 stamp, int rows
            (((u64)rows & EP_ARRIVAL_ROWS_MASK) << EP_ARRIVAL_ROWS_SHIFT);
 }
 
+// The `sent` field (6 bits) of arrival word `v`.
+__device__ __forceinline__ u64 arrival_sent(u64 v) { return (v >> EP_ARRIVAL_SENT_SHIFT) & 63ull; }
+
 // The number of compacted messages, plain or tagged, that arrival word `v` announces, or -1
 // (messages at their tokens' slots).
 __device__ __forceinline__ int arrival_compact_rows(u64 v) {
-    const u64 sent = (v >> EP_ARRIVAL_SENT_SHIFT) & 63ull;
+    const u64 sent = arrival_sent(v);
     if (sent != EP_ARRIVAL_SENT_COMPACT && sent != EP_ARRIVAL_SENT_TAGGED_COMPACT) return -1;
     return (int)((v >> EP_ARRIVAL_ROWS_SHIFT) & EP_ARRIVAL_ROWS_MASK);
 }
@@ -189,7 +192,7 @@ __device__ __forceinline__ int arrival_compact_rows(u64 v) {
 // The tagged messages of a tagged dispatch that arrival word `v` announces (its tokens, or its
 // compacted messages), or -1 (messages in the plain form, ordered before the arrival).
 __device__ __forceinline__ int arrival_tagged_tokens(u64 v) {
-    const u64 sent = (v >> EP_ARRIVAL_SENT_SHIFT) & 63ull;
+    const u64 sent = arrival_sent(v);
     if (sent == EP_ARRIVAL_SENT_TAGGED_COMPACT) return arrival_compact_rows(v);
     return sent == EP_ARRIVAL_SENT_COMPACT ? -1 : (int)sent - 1;
 }
