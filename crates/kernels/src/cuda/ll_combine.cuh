@@ -11,7 +11,9 @@
 // Rank-major, the row of source d's list entry j is d * M + j: the list holds one entry per row
 // the dispatch received from d (its first local k), in the order of the rows it wrote for d (the
 // return list's block and the copy tasks judge the slots alike; compacted messages: slot j is row
-// d * M + j), so no row map is read (one dependent load less before each piece).
+// d * M + j, and has its entry unless its header names no token below M, which only a broken
+// sender writes, or it is tagged and never came, which fails the operation), so no row map is
+// read (one dependent load less before each piece).
 __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) {
     const int C = p.chunks;
     const int d = send_dest(p);
