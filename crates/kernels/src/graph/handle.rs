@@ -66,7 +66,7 @@ impl GpuRank {
         let l = s.layout.ll("a handle of captured steps")?;
         let mem = take_pooled(&s.ctx, &s.handle_pool, l.handle_bytes())?;
         let core = HandleCore::on_device(s.group_id, b, k, Algorithm::LowLatency, None).with_layout(opts.layout);
-        let mut handle = GpuHandle::new(core, mem, &s.handle_pool, None, None);
+        let mut handle = GpuHandle::new(core, mem, &s.handle_pool, None, None, None);
         let ctx = self.core.op_context(&handle);
         let alloc = |d| DeviceTensor::zeros(&s.ctx, s.device, d);
         let d = dispatch_output_descs(&ctx, &DispatchOptions::default());

@@ -88,5 +88,5 @@ pub(crate) fn finish_handle(
     if let Some(b) = recv_bound {
         core = core.with_recv_bound(b);
     }
-    Ok(GpuHandle::new(core, mem, &shared.handle_pool, Some(info), None))
+    Ok(GpuHandle::new(core, mem, &shared.handle_pool, Some(info), None, None))
 }

@@ -110,7 +110,7 @@ impl DevicePlan {
         let counts: Vec<i32> = (0..local).map(|l| result.read_u64(RESULT_HEAD + l) as i32).collect();
         s.plan_results.lock().unwrap_or_else(|e| e.into_inner()).push(result);
         let core = self.core(s, seq).with_recv(num_recv, counts);
-        Ok(GpuHandle::new(core, mem, &s.handle_pool, Some(self.info()), None))
+        Ok(GpuHandle::new(core, mem, &s.handle_pool, Some(self.info()), None, None))
     }
 
     /// Gives the memory back to the pools (the operation failed or was cancelled).

@@ -179,13 +179,16 @@ impl GpuHandle {
         self.0.graph.is_some()
     }
 
-    /// A handle around `core` with its device memory `mem` (from `pool`, where it returns).
+    /// A handle around `core` with its device memory `mem` (from `pool`, where it returns);
+    /// `send_rows`: a rank-major low-latency handle's compacted message counts per destination
+    /// ([`GpuHandleState::send_rows`]), `None` for every other handle.
     pub(crate) fn new(
         core: HandleCore,
         mem: DeviceBuffer,
         pool: &Arc<Mutex<Vec<DeviceBuffer>>>,
         ht: Option<HtHandleInfo>,
         ll_nccl: Option<LlNcclInfo>,
+        send_rows: Option<[i32; MAX_RANKS]>,
     ) -> Self {
         GpuHandle(Arc::new(GpuHandleState {
             core,
@@ -196,7 +199,7 @@ impl GpuHandle {
             row_map: Mutex::default(),
             graph: None,
             creation: None,
-            send_rows: None,
+            send_rows,
         }))
     }
 

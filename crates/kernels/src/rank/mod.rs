@@ -351,11 +351,7 @@ impl GpuRank {
             None => None,
         };
         let core = HandleCore::new(s.group_id, routing, Algorithm::LowLatency, None).with_layout(layout);
-        let mut handle = GpuHandle::new(core, mem, &s.handle_pool, None, ll_nccl);
-        let state = Arc::get_mut(&mut handle.0)
-            .ok_or_else(|| Error::Backend("a new handle is shared before it is returned".into()))?;
-        state.send_rows = send_rows;
-        Ok(handle)
+        Ok(GpuHandle::new(core, mem, &s.handle_pool, None, ll_nccl, send_rows))
     }
 }
 
