@@ -18,26 +18,39 @@ pub(crate) fn launch(args: &DiagLaunchArgs) -> ExitCode {
     if let Some(code) = refuse(args) {
         return code;
     }
-    let result = one_rank(args).and_then(|rank| rank.ll_launch_costs(args.tokens, args.iters));
+    let result = one_rank(args)
+        .and_then(|rank| Ok((rank.ll_launch_costs(args.tokens, args.iters)?, rank.small_launch_us(args.iters)?)));
     match result {
-        Ok(costs) => {
+        Ok((costs, small)) => {
             println!(
                 "launch host time per call, device {}, {} token(s), H={}, {} launches each (kernels are no-ops):",
                 args.device, args.tokens, args.hidden, args.iters
             );
-            println!("host us per launch; after a wait for the other stream's event: seen passed / not seen / pending");
-            println!("{:<24} {:>8} {:>8} {:>8} {:>8} {:>8}", "kernel", "idle", "queued", "seen", "unseen", "pending");
+            println!(
+                "host us per launch; idle: as operations launch (one-launch kernels cooperative), plain: not cooperative;"
+            );
+            println!("after a wait for the other stream's event: seen passed / not seen / pending");
+            println!(
+                "{:<24} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}",
+                "kernel", "idle", "plain", "queued", "seen", "unseen", "pending"
+            );
+            let params_bytes = costs.first().map_or(0, |c| c.params_bytes);
             for c in costs {
                 println!(
-                    "{:<24} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
+                    "{:<24} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
                     c.kernel,
                     c.idle_us,
+                    c.plain_us,
                     c.queued_us,
                     c.after_wait_us,
                     c.after_unobserved_wait_us,
                     c.after_pending_wait_us
                 );
             }
+            println!(
+                "{:<24} {:>8.2}   (ep_spin: one 8-byte parameter, plain, idle; each kernel above takes a {}-byte LlParams)",
+                "small kernel", small, params_bytes
+            );
             ExitCode::SUCCESS
         }
         Err(e) => {

@@ -60,8 +60,21 @@ fn launch<P: cudarc::driver::DeviceRepr>(
 }
 
 /// Launches low-latency kernel `which` with parameters `p` (its geometry for this rank's SMs)
-/// on `on`: an operation's, or a captured step's.
-pub(crate) fn launch_ll_kernel(s: &RankShared, which: LlKernel, mut p: LlParams, on: &CudaStream) -> Result<(), Error> {
+/// on `on`: an operation's, or a captured step's. The one-launch kernels go cooperative.
+pub(crate) fn launch_ll_kernel(s: &RankShared, which: LlKernel, p: LlParams, on: &CudaStream) -> Result<(), Error> {
+    launch_ll_kernel_as(s, which, p, on, which.is_one_launch())
+}
+
+/// [`launch_ll_kernel`] with the launch kind chosen by the caller: `cooperative: false` for a
+/// one-launch kernel is only sound where its blocks need not wait for each other (a device no-op,
+/// `rank/launch_cost.rs`).
+pub(crate) fn launch_ll_kernel_as(
+    s: &RankShared,
+    which: LlKernel,
+    mut p: LlParams,
+    on: &CudaStream,
+    cooperative: bool,
+) -> Result<(), Error> {
     let sms = s.config.max_sms.map_or(s.num_sms, |m| (m as u32).min(s.num_sms)).max(1);
     let geometry = ll_launch(which, &mut p, sms);
     let f = &s.functions;
@@ -76,7 +89,7 @@ pub(crate) fn launch_ll_kernel(s: &RankShared, which: LlKernel, mut p: LlParams,
         (LlKernel::CombineOne, Form::Tagged) => &f.combine_one_tagged,
         (LlKernel::CombineOne, Form::Plain) => &f.combine_one,
     };
-    launch(on, k, &p, geometry, which.is_one_launch(), || format!("launch {which:?}"))
+    launch(on, k, &p, geometry, cooperative, || format!("launch {which:?}"))
 }
 
 impl GpuOp {

@@ -14,7 +14,7 @@ use epflow_core::Error;
 use super::GpuRank;
 use crate::device::{DeviceBuffer, bind, cuda};
 use crate::ll::geometry::LlKernel;
-use crate::op::launch_ll_kernel;
+use crate::op::{launch_ll_kernel, launch_ll_kernel_as};
 use crate::params::LlParams;
 use crate::rank::shared::RankShared;
 
@@ -23,9 +23,15 @@ use crate::rank::shared::RankShared;
 pub struct LaunchCost {
     /// The kernel (`ep_ll_...`).
     pub kernel: &'static str,
+    /// The bytes of its one parameter block (`LlParams`), which every launch copies.
+    pub params_bytes: usize,
     /// Mean host microseconds per launch call with the GPU idle (the stream synchronized before
     /// each launch), as at the start of a synchronous operation.
     pub idle_us: f64,
+    /// As `idle_us`, launched as a plain kernel: for the one-launch kernels, which operations
+    /// launch cooperatively, the cooperative launch's share (a no-op needs no resident grid);
+    /// the other kernels are plain launches in both columns.
+    pub plain_us: f64,
     /// Mean host microseconds per launch call issued back to back (the GPU still busy with the
     /// previous ones).
     pub queued_us: f64,
@@ -66,12 +72,16 @@ impl GpuRank {
             // One launch first: any one-time cost (module state, local memory) stays out.
             launch_ll_kernel(s, which, p, stream)?;
             sync()?;
-            let mut idle = 0.0;
+            let (mut idle, mut plain) = (0.0, 0.0);
             for _ in 0..iters {
                 sync()?;
                 let t = Instant::now();
                 launch_ll_kernel(s, which, p, stream)?;
                 idle += t.elapsed().as_secs_f64();
+                sync()?;
+                let t = Instant::now();
+                launch_ll_kernel_as(s, which, p, stream, false)?;
+                plain += t.elapsed().as_secs_f64();
             }
             sync()?;
             let t = Instant::now();
@@ -110,7 +120,9 @@ impl GpuRank {
             let us = |total: f64| total * 1e6 / iters as f64;
             out.push(LaunchCost {
                 kernel: which.function_name(),
+                params_bytes: std::mem::size_of::<LlParams>(),
                 idle_us: us(idle),
+                plain_us: us(plain),
                 queued_us: us(queued),
                 after_wait_us: us(after_wait),
                 after_unobserved_wait_us: us(unobserved),
@@ -118,6 +130,29 @@ impl GpuRank {
             });
         }
         Ok(out)
+    }
+
+    /// The mean host microseconds of launching a kernel with one 8-byte parameter (`ep_spin`,
+    /// told to spin 0 ns) on the dispatch stream with the GPU idle, `iters` times: the driver's
+    /// cost of a launch, beside which [`GpuRank::ll_launch_costs`] shows what a low-latency
+    /// kernel's launch adds (its `LlParams` block, the cooperative launch). Local to this rank.
+    /// Errors: CUDA failures, `iters == 0`.
+    pub fn small_launch_us(&self, iters: usize) -> Result<f64, Error> {
+        if iters == 0 {
+            return Err(Error::Unsupported("small_launch_us: iters must be at least 1".into()));
+        }
+        let stream = &self.shared.streams[0];
+        let sync = || stream.synchronize().map_err(|e| cuda("synchronize", e));
+        self.delay_on(stream, Duration::ZERO)?;
+        let mut total = 0.0;
+        for _ in 0..iters {
+            sync()?;
+            let t = Instant::now();
+            self.delay_on(stream, Duration::ZERO)?;
+            total += t.elapsed().as_secs_f64();
+        }
+        sync()?;
+        Ok(total * 1e6 / iters as f64)
     }
 
     /// Launches the low-latency kernel named `function` (`ep_ll_...`) once as a device no-op on
