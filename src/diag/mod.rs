@@ -27,22 +27,20 @@ pub(crate) fn launch(args: &DiagLaunchArgs) -> ExitCode {
                 args.device, args.tokens, args.hidden, args.iters
             );
             println!(
-                "host us per launch, GPU idle: as operations launch (one-launch kernels cooperative), plain (not \
-                 cooperative), ex (cooperative through cuLaunchKernelEx);"
+                "host us per launch; idle: as operations launch (one-launch kernels cooperative), plain: not cooperative;"
             );
             println!("after a wait for the other stream's event: seen passed / not seen / pending");
             println!(
-                "{:<24} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}",
-                "kernel", "idle", "plain", "ex", "queued", "seen", "unseen", "pending"
+                "{:<24} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}",
+                "kernel", "idle", "plain", "queued", "seen", "unseen", "pending"
             );
             let params_bytes = costs.first().map_or(0, |c| c.params_bytes);
             for c in costs {
                 println!(
-                    "{:<24} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
+                    "{:<24} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
                     c.kernel,
                     c.idle_us,
                     c.plain_us,
-                    c.ex_us,
                     c.queued_us,
                     c.after_wait_us,
                     c.after_unobserved_wait_us,

@@ -59,72 +59,13 @@ fn launch<P: cudarc::driver::DeviceRepr>(
     Ok(())
 }
 
-/// Launches `f` with its one parameter block `p` on `on` as a cooperative grid through
-/// `cuLaunchKernelEx` and its cooperative attribute (the entry point of CUDA 12 launches, which
-/// NCCL EP uses), rather than `cuLaunchCooperativeKernel`: the same guarantee.
-fn launch_cooperative_ex<P: cudarc::driver::DeviceRepr>(
-    on: &CudaStream,
-    f: &CudaFunction,
-    p: &P,
-    (grid, block): (u32, u32),
-    what: impl FnOnce() -> String,
-) -> Result<(), Error> {
-    on.context().bind_to_thread().map_err(|e| cuda("bind the context", e))?;
-    // SAFETY: the attribute value is a plain C union, valid all-zero.
-    let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-    value.cooperative = 1;
-    let mut attr =
-        sys::CUlaunchAttribute { id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE, pad: [0; 4], value };
-    let cfg = sys::CUlaunchConfig {
-        gridDimX: grid,
-        gridDimY: 1,
-        gridDimZ: 1,
-        blockDimX: block,
-        blockDimY: 1,
-        blockDimZ: 1,
-        sharedMemBytes: 0,
-        hStream: on.cu_stream(),
-        attrs: &mut attr,
-        numAttrs: 1,
-    };
-    let mut args = [p as *const P as *mut std::ffi::c_void];
-    // SAFETY: `cfg` and `attr` outlive the call; `args` holds the address of the kernel's one
-    // parameter block, mirrored byte for byte in params.rs, whose pointers address memory the
-    // launching operation keeps alive (as in `launch`); the driver copies the block at the call.
-    let r = unsafe { sys::cuLaunchKernelEx(&cfg, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) };
-    r.result().map_err(|e| cuda(&what(), e))
-}
-
-/// How a low-latency kernel is launched.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum LaunchKind {
-    /// A plain launch: the two-launch halves; a one-launch kernel only as a device no-op.
-    Plain,
-    /// `cuLaunchCooperativeKernel`: every block resident at once.
-    Cooperative,
-    /// `cuLaunchKernelEx` with the cooperative attribute: the same guarantee.
-    CooperativeEx,
-}
-
-/// The launch kind of the one-launch kernels: `cuLaunchCooperativeKernel`, or with
-/// `EPFLOW_LL_LAUNCH_EX=1` (read once) `cuLaunchKernelEx`, for comparing their host cost.
-fn cooperative_kind() -> LaunchKind {
-    static EX: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *EX.get_or_init(|| std::env::var("EPFLOW_LL_LAUNCH_EX").is_ok_and(|v| v == "1")) {
-        LaunchKind::CooperativeEx
-    } else {
-        LaunchKind::Cooperative
-    }
-}
-
 /// Launches low-latency kernel `which` with parameters `p` (its geometry for this rank's SMs)
 /// on `on`: an operation's, or a captured step's. The one-launch kernels go cooperative.
 pub(crate) fn launch_ll_kernel(s: &RankShared, which: LlKernel, p: LlParams, on: &CudaStream) -> Result<(), Error> {
-    let kind = if which.is_one_launch() { cooperative_kind() } else { LaunchKind::Plain };
-    launch_ll_kernel_as(s, which, p, on, kind)
+    launch_ll_kernel_as(s, which, p, on, which.is_one_launch())
 }
 
-/// [`launch_ll_kernel`] with the launch kind chosen by the caller: [`LaunchKind::Plain`] for a
+/// [`launch_ll_kernel`] with the launch kind chosen by the caller: `cooperative: false` for a
 /// one-launch kernel is only sound where its blocks need not wait for each other (a device no-op,
 /// `rank/launch_cost.rs`).
 pub(crate) fn launch_ll_kernel_as(
@@ -132,7 +73,7 @@ pub(crate) fn launch_ll_kernel_as(
     which: LlKernel,
     mut p: LlParams,
     on: &CudaStream,
-    kind: LaunchKind,
+    cooperative: bool,
 ) -> Result<(), Error> {
     let sms = s.config.max_sms.map_or(s.num_sms, |m| (m as u32).min(s.num_sms)).max(1);
     let geometry = ll_launch(which, &mut p, sms);
@@ -148,11 +89,7 @@ pub(crate) fn launch_ll_kernel_as(
         (LlKernel::CombineOne, Form::Tagged) => &f.combine_one_tagged,
         (LlKernel::CombineOne, Form::Plain) => &f.combine_one,
     };
-    let what = || format!("launch {which:?}");
-    match kind {
-        LaunchKind::CooperativeEx => launch_cooperative_ex(on, k, &p, geometry, what),
-        _ => launch(on, k, &p, geometry, kind == LaunchKind::Cooperative, what),
-    }
+    launch(on, k, &p, geometry, cooperative, || format!("launch {which:?}"))
 }
 
 impl GpuOp {

@@ -10,7 +10,7 @@
 mod finish;
 mod launch;
 
-pub(crate) use launch::{LaunchKind, launch_ll_kernel, launch_ll_kernel_as};
+pub(crate) use launch::{launch_ll_kernel, launch_ll_kernel_as};
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

@@ -14,7 +14,7 @@ use epflow_core::Error;
 use super::GpuRank;
 use crate::device::{DeviceBuffer, bind, cuda};
 use crate::ll::geometry::LlKernel;
-use crate::op::{LaunchKind, launch_ll_kernel, launch_ll_kernel_as};
+use crate::op::{launch_ll_kernel, launch_ll_kernel_as};
 use crate::params::LlParams;
 use crate::rank::shared::RankShared;
 
@@ -32,10 +32,6 @@ pub struct LaunchCost {
     /// launch cooperatively, the cooperative launch's share (a no-op needs no resident grid);
     /// the other kernels are plain launches in both columns.
     pub plain_us: f64,
-    /// As `idle_us`, one-launch kernels launched cooperatively through `cuLaunchKernelEx` and
-    /// its cooperative attribute instead of `cuLaunchCooperativeKernel` (the other kernels:
-    /// plain, as in `plain_us`).
-    pub ex_us: f64,
     /// Mean host microseconds per launch call issued back to back (the GPU still busy with the
     /// previous ones).
     pub queued_us: f64,
@@ -76,19 +72,16 @@ impl GpuRank {
             // One launch first: any one-time cost (module state, local memory) stays out.
             launch_ll_kernel(s, which, p, stream)?;
             sync()?;
-            let ex_kind = if which.is_one_launch() { LaunchKind::CooperativeEx } else { LaunchKind::Plain };
-            let (mut idle, mut plain, mut ex) = (0.0, 0.0, 0.0);
+            let (mut idle, mut plain) = (0.0, 0.0);
             for _ in 0..iters {
                 sync()?;
                 let t = Instant::now();
                 launch_ll_kernel(s, which, p, stream)?;
                 idle += t.elapsed().as_secs_f64();
-                for (kind, total) in [(LaunchKind::Plain, &mut plain), (ex_kind, &mut ex)] {
-                    sync()?;
-                    let t = Instant::now();
-                    launch_ll_kernel_as(s, which, p, stream, kind)?;
-                    *total += t.elapsed().as_secs_f64();
-                }
+                sync()?;
+                let t = Instant::now();
+                launch_ll_kernel_as(s, which, p, stream, false)?;
+                plain += t.elapsed().as_secs_f64();
             }
             sync()?;
             let t = Instant::now();
@@ -130,7 +123,6 @@ impl GpuRank {
                 params_bytes: std::mem::size_of::<LlParams>(),
                 idle_us: us(idle),
                 plain_us: us(plain),
-                ex_us: us(ex),
                 queued_us: us(queued),
                 after_wait_us: us(after_wait),
                 after_unobserved_wait_us: us(unobserved),
