@@ -37,6 +37,7 @@ use epflow_core::{Algorithm, Error, TensorDesc};
 
 use self::handle::{GpuHandle, LlNcclInfo, take_pooled};
 use self::shared::RankShared;
+use crate::device::host_steps::Steps;
 use crate::device::{DeviceTensor, bind, copy_to_host, cuda};
 use crate::op::GpuOp;
 use crate::outputs::OutputTargets;
@@ -304,8 +305,9 @@ impl GpuRank {
         Ok(())
     }
 
-    /// Copies `topk_idx` to the host (after its ready event) and validates it.
-    fn routing_of(&self, topk_idx: &DeviceTensor) -> Result<(Routing, Vec<i64>), Error> {
+    /// Copies `topk_idx` to the host (after its ready event) and validates it. `steps` times
+    /// the wait, the copy and the validation (`EPFLOW_HOST_STEPS`).
+    fn routing_of(&self, topk_idx: &DeviceTensor, steps: &mut Steps) -> Result<(Routing, Vec<i64>), Error> {
         let s = &self.shared;
         // The descriptor first (nothing is read from a tensor that fails it), then the values.
         self.check_topk_tensor(topk_idx)?;
@@ -313,24 +315,38 @@ impl GpuRank {
         if let Some(e) = topk_idx.ready_event() {
             e.synchronize().map_err(|e| cuda("wait for topk_idx", e))?;
         }
+        steps.step("handle: checks, wait for topk_idx");
         let mut values = vec![0i64; d.numel()];
         copy_to_host(&s.ctx, topk_idx.ptr(), &mut values)?;
-        Ok((routing_from_tensor(&s.config, d, &values)?, values))
+        steps.step("handle: copy topk_idx to the host");
+        let routing = routing_from_tensor(&s.config, d, &values)?;
+        steps.step("handle: validate the routing");
+        Ok((routing, values))
     }
 
     /// A low-latency handle: the routing's copy in device memory, for NCCL peers where their
     /// combine rows land, and for a rank-major handle the slot of each dispatch message
     /// (compacted per destination; not for groups whose `max_tokens` exceeds
     /// `LL_COMPACT_MAX_ROWS`), written with the routing's copy in one host-to-device copy.
-    fn ll_handle(&self, routing: Routing, values: &[i64], layout: Layout) -> Result<GpuHandle, Error> {
+    /// `steps` times the buffer, the slots, the copy and the rest (`EPFLOW_HOST_STEPS`).
+    fn ll_handle(
+        &self,
+        routing: Routing,
+        values: &[i64],
+        layout: Layout,
+        steps: &mut Steps,
+    ) -> Result<GpuHandle, Error> {
         let s = &self.shared;
         let l = s.layout.ll("a low-latency handle")?;
         let mem = take_pooled(&s.ctx, &s.handle_pool, l.handle_bytes())?;
+        steps.step("handle: take the handle's memory");
         let placement = ExpertPlacement::new(s.config.num_experts, s.num_ranks);
         let mut send_rows = None;
         if layout == Layout::RankMajor && l.max_tokens <= LL_COMPACT_MAX_ROWS {
             let (slots, counts) = compacted_slots(&routing, placement, l.max_tokens);
-            mem.write(0, &l.handle_head(values, &slots))?;
+            let head = l.handle_head(values, &slots);
+            steps.step("handle: rank-major send slots");
+            mem.write(0, &head)?;
             let mut rows = [0i32; MAX_RANKS];
             for (r, &c) in rows.iter_mut().zip(&counts) {
                 *r = c as i32;
@@ -339,6 +355,7 @@ impl GpuRank {
         } else {
             mem.write(0, values)?;
         }
+        steps.step("handle: copy to the device");
         let ll_nccl = match &s.nccl {
             Some(n) => {
                 let positions = CombinePositions::new(&routing, placement, n.mask, layout);
@@ -351,7 +368,9 @@ impl GpuRank {
             None => None,
         };
         let core = HandleCore::new(s.group_id, routing, Algorithm::LowLatency, None).with_layout(layout);
-        Ok(GpuHandle::new(core, mem, &s.handle_pool, None, ll_nccl, send_rows))
+        let handle = GpuHandle::new(core, mem, &s.handle_pool, None, ll_nccl, send_rows);
+        steps.step("handle: NCCL positions, the handle");
+        Ok(handle)
     }
 }
 
@@ -387,9 +406,10 @@ impl Backend for GpuRank {
         self.core.poison().check()?;
         match self.shared.config.algorithm {
             Algorithm::LowLatency => {
+                let mut steps = Steps::start();
                 validate_handle_options(&self.shared.config, opts)?;
-                let (routing, values) = self.routing_of(topk_idx)?;
-                Ok(HandleCreation::Ready(self.ll_handle(routing, &values, opts.layout)?))
+                let (routing, values) = self.routing_of(topk_idx, &mut steps)?;
+                Ok(HandleCreation::Ready(self.ll_handle(routing, &values, opts.layout, &mut steps)?))
             }
             Algorithm::HighThroughput => {
                 let op = self.collective(Channel::Handle, None, Pass::Forward, |seq| {
@@ -402,7 +422,7 @@ impl Backend for GpuRank {
                         self.check_topk_tensor(topk_idx)?;
                         return ht::device::start(&self.shared, seq, topk_idx, bound);
                     }
-                    let (routing, _) = self.routing_of(topk_idx)?;
+                    let (routing, _) = self.routing_of(topk_idx, &mut Steps::start())?;
                     ht::start::handle(&self.shared, seq, routing, bound)
                 })?;
                 Ok(HandleCreation::Collective(op))
