@@ -185,6 +185,16 @@ pub fn routing_from_tensor(
     t: &(impl TensorView + ?Sized),
     values: &[i64],
 ) -> Result<Routing, ValidationError> {
+    routing_from_values(config, t, values.to_vec())
+}
+
+/// [`routing_from_tensor`] for values the caller owns (copied out of device memory): the routing
+/// keeps them, with no copy. Errors: as [`routing_from_tensor`].
+pub fn routing_from_values(
+    config: &GroupConfig,
+    t: &(impl TensorView + ?Sized),
+    values: Vec<i64>,
+) -> Result<Routing, ValidationError> {
     let (num_tokens, top_k) = check_topk_idx(config, t)?;
     if values.len() != num_tokens * top_k {
         return Err(ValidationError::StorageSizeMismatch {
@@ -194,7 +204,7 @@ pub fn routing_from_tensor(
             got: values.len(),
         });
     }
-    Routing::new(values.to_vec(), num_tokens, top_k, config.num_experts)
+    Routing::new(values, num_tokens, top_k, config.num_experts)
 }
 
 /// Dispatch inputs that passed validation, by what the operation does with them: a backend

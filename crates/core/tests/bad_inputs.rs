@@ -616,3 +616,22 @@ fn a_rank_keeps_working_after_rejected_inputs() {
     let out = rank.dispatch(&h, DispatchInputs::new(&tokens(3, H)), &DispatchOptions::default()).unwrap();
     assert_eq!(out.counts().unwrap().iter().sum::<i32>(), 6);
 }
+
+/// `routing_from_values` (the GPU backend's path, values copied out of device memory) answers
+/// as `routing_from_tensor` does: the same routing, the same errors.
+#[test]
+fn routing_from_values_answers_as_routing_from_tensor() {
+    use epflow_core::validate::{routing_from_tensor, routing_from_values};
+    let config = ll();
+    let good = idx(3);
+    let values = good.as_i64().unwrap().to_vec();
+    assert_eq!(
+        routing_from_values(&config, &good, values.clone()).unwrap(),
+        routing_from_tensor(&config, &good, &values).unwrap()
+    );
+    // An expert out of range, a duplicate in a row, and values of the wrong count.
+    for bad in [vec![0, E as i64, 1, 2, 3, 4], vec![0, 1, 2, 2, 3, 4], vec![0, 1, 2, 3]] {
+        let by_values = routing_from_values(&config, &good, bad.clone()).unwrap_err();
+        assert_eq!(by_values, routing_from_tensor(&config, &good, &bad).unwrap_err());
+    }
+}

@@ -30,7 +30,7 @@ use epflow_core::ops::{CombineOutputs, DispatchOutputs};
 use epflow_core::protocol::{Channel, op_label};
 use epflow_core::routing::{CombinePositions, ExpertPlacement, Routing, compacted_slots};
 use epflow_core::validate::{
-    check_topk_idx, combine_output_descs, dispatch_output_descs, recv_bound, routing_from_tensor,
+    check_topk_idx, combine_output_descs, dispatch_output_descs, recv_bound, routing_from_values,
     validate_combine_inputs, validate_dispatch_inputs, validate_handle_options,
 };
 use epflow_core::{Algorithm, Error, TensorDesc};
@@ -307,7 +307,7 @@ impl GpuRank {
 
     /// Copies `topk_idx` to the host (after its ready event) and validates it. `steps` times
     /// the wait, the copy and the validation (`EPFLOW_HOST_STEPS`).
-    fn routing_of(&self, topk_idx: &DeviceTensor, steps: &mut Steps) -> Result<(Routing, Vec<i64>), Error> {
+    fn routing_of(&self, topk_idx: &DeviceTensor, steps: &mut Steps) -> Result<Routing, Error> {
         let s = &self.shared;
         // The descriptor first (nothing is read from a tensor that fails it), then the values.
         self.check_topk_tensor(topk_idx)?;
@@ -319,9 +319,9 @@ impl GpuRank {
         let mut values = vec![0i64; d.numel()];
         copy_to_host(&s.ctx, topk_idx.ptr(), &mut values)?;
         steps.step("handle: copy topk_idx to the host");
-        let routing = routing_from_tensor(&s.config, d, &values)?;
+        let routing = routing_from_values(&s.config, d, values)?;
         steps.step("handle: validate the routing");
-        Ok((routing, values))
+        Ok(routing)
     }
 
     /// A low-latency handle: the routing's copy in device memory, for NCCL peers where their
@@ -329,13 +329,7 @@ impl GpuRank {
     /// (compacted per destination; not for groups whose `max_tokens` exceeds
     /// `LL_COMPACT_MAX_ROWS`), written with the routing's copy in one host-to-device copy.
     /// `steps` times the buffer, the slots, the copy and the rest (`EPFLOW_HOST_STEPS`).
-    fn ll_handle(
-        &self,
-        routing: Routing,
-        values: &[i64],
-        layout: Layout,
-        steps: &mut Steps,
-    ) -> Result<GpuHandle, Error> {
+    fn ll_handle(&self, routing: Routing, layout: Layout, steps: &mut Steps) -> Result<GpuHandle, Error> {
         let s = &self.shared;
         let l = s.layout.ll("a low-latency handle")?;
         let mem = take_pooled(&s.ctx, &s.handle_pool, l.handle_bytes())?;
@@ -344,7 +338,7 @@ impl GpuRank {
         let mut send_rows = None;
         if layout == Layout::RankMajor && l.max_tokens <= LL_COMPACT_MAX_ROWS {
             let (slots, counts) = compacted_slots(&routing, placement, l.max_tokens);
-            let head = l.handle_head(values, &slots);
+            let head = l.handle_head(routing.indices(), &slots);
             steps.step("handle: rank-major send slots");
             mem.write(0, &head)?;
             let mut rows = [0i32; MAX_RANKS];
@@ -353,7 +347,7 @@ impl GpuRank {
             }
             send_rows = Some(rows);
         } else {
-            mem.write(0, values)?;
+            mem.write(0, routing.indices())?;
         }
         steps.step("handle: copy to the device");
         let ll_nccl = match &s.nccl {
@@ -408,8 +402,8 @@ impl Backend for GpuRank {
             Algorithm::LowLatency => {
                 let mut steps = Steps::start();
                 validate_handle_options(&self.shared.config, opts)?;
-                let (routing, values) = self.routing_of(topk_idx, &mut steps)?;
-                Ok(HandleCreation::Ready(self.ll_handle(routing, &values, opts.layout, &mut steps)?))
+                let routing = self.routing_of(topk_idx, &mut steps)?;
+                Ok(HandleCreation::Ready(self.ll_handle(routing, opts.layout, &mut steps)?))
             }
             Algorithm::HighThroughput => {
                 let op = self.collective(Channel::Handle, None, Pass::Forward, |seq| {
@@ -422,7 +416,7 @@ impl Backend for GpuRank {
                         self.check_topk_tensor(topk_idx)?;
                         return ht::device::start(&self.shared, seq, topk_idx, bound);
                     }
-                    let (routing, _) = self.routing_of(topk_idx, &mut Steps::start())?;
+                    let routing = self.routing_of(topk_idx, &mut Steps::start())?;
                     ht::start::handle(&self.shared, seq, routing, bound)
                 })?;
                 Ok(HandleCreation::Collective(op))
