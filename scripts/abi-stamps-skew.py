@@ -4,7 +4,8 @@
 Reads the files that `EPFLOW_ABI_PROFILE=1 EPFLOW_ABI_STAMPS=<folder>` writes (one per rank,
 `abi-stamps-rank<r>.tsv`: channel, call, entry_ns, launched_ns by the wall clock the processes
 of a host share) and prints per channel, in microseconds: each rank's host time from entry to
-launch, and each rank's launch against the first rank's launch of the same call (positive: later).
+launch, each rank's entry and launch against the first rank's of the same call (positive:
+later), and the difference of the two (how much longer that rank's own host path took).
 A kernel timer (ep_bench's CUPTI column) sees the earlier rank's kernel wait for the later one.
 
     python3 scripts/abi-stamps-skew.py <folder>
@@ -43,6 +44,11 @@ def main():
             print(f"  rank {i} - rank 0 at entry      {quantiles(entry)}")
             print(f"  rank {i} - rank 0 at launch     {quantiles(launch)}")
             print(f"  |rank {i} - rank 0| at launch   {quantiles([abs(x) for x in launch])}")
+            # Each call's launch gap less its entry gap: how much longer rank i's own host path
+            # (entry to launch) took. A median far from 0 for a whole run is one slow process
+            # (benches/NOTES.md item 138), which the earlier rank's kernels wait for.
+            own = [l - e for l, e in zip(launch, entry)]
+            print(f"  rank {i} - rank 0 own host path {quantiles(own)}")
 
 
 if __name__ == "__main__":
