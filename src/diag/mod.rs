@@ -12,7 +12,9 @@ mod ops;
 pub(crate) use ops::ops;
 
 /// `epflow diag launch`: a one-rank low-latency group on `--device`, then the mean host time of
-/// launching each of its kernels as a device no-op ([`epflow_kernels::GpuRank::ll_launch_costs`]).
+/// launching each of its kernels as a device no-op ([`epflow_kernels::GpuRank::ll_launch_costs`]:
+/// as operations launch it, and as a plain launch), and of a kernel with one 8-byte parameter
+/// ([`epflow_kernels::GpuRank::small_launch_us`], the driver's floor).
 /// Exit code 1 without a GPU or on a CUDA failure, 2 on bad flags.
 pub(crate) fn launch(args: &DiagLaunchArgs) -> ExitCode {
     if let Some(code) = refuse(args) {

@@ -41,6 +41,12 @@ impl Steps {
         Steps { last: on().then(Instant::now) }
     }
 
+    /// A stopwatch that records nothing, whatever `EPFLOW_HOST_STEPS` says (for a caller whose
+    /// steps are not the ones the diagnostic names).
+    pub fn inert() -> Self {
+        Steps { last: None }
+    }
+
     /// Charges the time since the previous step (or the start) to `step`.
     pub fn step(&mut self, step: &'static str) {
         let Some(last) = self.last else { return };

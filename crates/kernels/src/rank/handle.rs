@@ -181,7 +181,8 @@ impl GpuHandle {
 
     /// A handle around `core` with its device memory `mem` (from `pool`, where it returns);
     /// `send_rows`: a rank-major low-latency handle's compacted message counts per destination
-    /// ([`GpuHandleState::send_rows`]), `None` for every other handle.
+    /// ([`GpuHandleState::send_rows`]); `None` where its dispatches do not compact (expert-major,
+    /// `max_tokens` above `LL_COMPACT_MAX_ROWS`, captured steps' handles, high-throughput).
     pub(crate) fn new(
         core: HandleCore,
         mem: DeviceBuffer,

@@ -28,9 +28,9 @@ pub struct LaunchCost {
     /// Mean host microseconds per launch call with the GPU idle (the stream synchronized before
     /// each launch), as at the start of a synchronous operation.
     pub idle_us: f64,
-    /// As `idle_us`, launched as a plain kernel: for the one-launch kernels, which operations
-    /// launch cooperatively, the cooperative launch's share (a no-op needs no resident grid);
-    /// the other kernels are plain launches in both columns.
+    /// As `idle_us`, launched as a plain kernel (a no-op needs no resident grid): for the
+    /// one-launch kernels, which operations launch cooperatively, `idle_us - plain_us` is the
+    /// cooperative launch's share; the other kernels are plain launches in both columns.
     pub plain_us: f64,
     /// Mean host microseconds per launch call issued back to back (the GPU still busy with the
     /// previous ones).

@@ -416,7 +416,8 @@ impl Backend for GpuRank {
                         self.check_topk_tensor(topk_idx)?;
                         return ht::device::start(&self.shared, seq, topk_idx, bound);
                     }
-                    let routing = self.routing_of(topk_idx, &mut Steps::start())?;
+                    // Not timed: the `handle: ...` steps are the low-latency handle's.
+                    let routing = self.routing_of(topk_idx, &mut Steps::inert())?;
                     ht::start::handle(&self.shared, seq, routing, bound)
                 })?;
                 Ok(HandleCreation::Collective(op))
