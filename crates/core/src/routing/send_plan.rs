@@ -58,6 +58,7 @@ pub fn compacted_slots(routing: &Routing, placement: ExpertPlacement, stride: us
     // One 32-bit division per entry by a number worked out once (`ExpertPlacement::owner` works
     // out L each time, in 64 bits): 2x faster at 128 tokens x 8 (benches/NOTES.md item 142).
     // Experts are fewer than `MAX_EXPERTS` (2^15), so they and L fit in 32 bits.
+    debug_assert!(u32::try_from(placement.num_experts).is_ok(), "experts beyond 32 bits");
     let local = placement.local_experts() as u32;
     for (t, row) in routing.indices().chunks_exact(routing.top_k()).enumerate() {
         for &e in row {
