@@ -36,7 +36,6 @@ pub(crate) fn launch(args: &DiagLaunchArgs) -> ExitCode {
                 "{:<24} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}",
                 "kernel", "idle", "plain", "queued", "seen", "unseen", "pending"
             );
-            let params_bytes = costs.first().map_or(0, |c| c.params_bytes);
             for c in costs {
                 println!(
                     "{:<24} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
@@ -51,7 +50,9 @@ pub(crate) fn launch(args: &DiagLaunchArgs) -> ExitCode {
             }
             println!(
                 "{:<24} {:>8.2}   (ep_spin: one 8-byte parameter, plain, idle; each kernel above takes a {}-byte LlParams)",
-                "small kernel", small, params_bytes
+                "small kernel",
+                small,
+                epflow_kernels::LaunchCost::PARAMS_BYTES
             );
             ExitCode::SUCCESS
         }

@@ -23,8 +23,6 @@ use crate::rank::shared::RankShared;
 pub struct LaunchCost {
     /// The kernel (`ep_ll_...`).
     pub kernel: &'static str,
-    /// The bytes of its one parameter block (`LlParams`), which every launch copies.
-    pub params_bytes: usize,
     /// Mean host microseconds per launch call with the GPU idle (the stream synchronized before
     /// each launch), as at the start of a synchronous operation.
     pub idle_us: f64,
@@ -47,6 +45,12 @@ pub struct LaunchCost {
     /// stream told to wait for it, and the launch: a real cross-stream dependency. The wait
     /// call itself is not counted.
     pub after_pending_wait_us: f64,
+}
+
+impl LaunchCost {
+    /// The bytes of the one parameter block (`LlParams`) every low-latency kernel takes, which
+    /// every launch copies.
+    pub const PARAMS_BYTES: usize = std::mem::size_of::<LlParams>();
 }
 
 impl GpuRank {
@@ -120,7 +124,6 @@ impl GpuRank {
             let us = |total: f64| total * 1e6 / iters as f64;
             out.push(LaunchCost {
                 kernel: which.function_name(),
-                params_bytes: std::mem::size_of::<LlParams>(),
                 idle_us: us(idle),
                 plain_us: us(plain),
                 queued_us: us(queued),
