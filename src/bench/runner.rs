@@ -278,7 +278,8 @@ where
         }
     }
     // Handle creation, timed too: high-throughput handles are collective (a count exchange),
-    // low-latency ones local (the routing plan and its upload), made with the bench's layout.
+    // low-latency ones local (on GPUs one kernel the host waits for, `ll/handle.rs`), made with
+    // the bench's layout.
     let mut handle_times = RankTimes::default();
     for _ in 0..HANDLE_SAMPLES {
         r.barrier();

@@ -201,7 +201,8 @@ impl BenchReport {
         if let Some(h) = &self.handle {
             let what = match (self.algorithm, self.backend.as_str()) {
                 ("ll", "nccl-ep") => "ncclEpCreateHandle",
-                ("ll", _) => "local: the routing plan and its upload",
+                ("ll", "gpu") => "local: checked and numbered by one kernel, awaited (on the host with NCCL peers)",
+                ("ll", _) => "local: the routing checked and planned on the host",
                 _ => "collective",
             };
             println!(

@@ -172,7 +172,8 @@ pub struct HandleFuture<B: Backend> {
 impl<B: Backend> HandleFuture<B> {
     /// Orders the creation's kernels after the work enqueued on `stream` so far, on the device
     /// (the producer of `topk_idx`, say: the router's top-k). No host wait. Low-latency handles
-    /// are built on the host when created and ignore it.
+    /// are built when created (on a GPU over NVLink by one kernel after `topk_idx`'s ready event,
+    /// the host waiting for that kernel alone) and ignore it.
     pub fn after(mut self, stream: &B::Stream) -> Self {
         if let HandleState::Op(d) = &mut self.state {
             if let Err(e) = d.order_after(stream) {

@@ -163,6 +163,56 @@ fn rank_major_above_the_compaction_bound_matches_reference() {
     }
 }
 
+/// Handles built on the device (`ep_ll_handle`, over NVLink): an invalid `topk_idx` is refused
+/// at creation with the error the host's checks give (`Routing::new`: the first invalid entry in
+/// row-major order, a second one later in the tensor), on both layouts, in the block's first tile
+/// of 1024 tokens and in the second; then rounds on valid handles of more than 1024 tokens per
+/// rank (the send slots numbered over two tiles) match the reference bit for bit, staged and not.
+#[test]
+fn device_built_handles_refuse_what_the_host_refuses_and_span_tiles() {
+    let Some(devices) = gpus(2, "device_built_handles") else { return };
+    let base = seed();
+    eprintln!("seed {base}");
+    let (experts, k) = (16usize, 8usize);
+    let config = GroupConfig::low_latency(experts, 2048, 1024).with_max_top_k(16);
+    let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+    let sc = Scenario::generate(config.clone(), 2, &[1500, 1100], k, RoutingKind::Uniform, 0, base);
+    // (token, k, what the entry becomes): above E, below -1, a repeat of the row's slot 0.
+    let cases: [(usize, usize, Option<i64>); 6] = [
+        (0, 3, Some(experts as i64)),
+        (5, 0, Some(-2)),
+        (7, 6, None),
+        (1030, 2, Some(i64::MAX)),
+        (1090, 7, None),
+        (1050, 1, Some(-5)),
+    ];
+    on_ranks(&ranks, |rank| {
+        let r = rank.rank();
+        let good = sc.topk_idx(r).as_i64().expect("int64 topk_idx").to_vec();
+        let tokens = good.len() / k;
+        for (i, &(t, slot, value)) in cases.iter().enumerate() {
+            let mut idx = good.clone();
+            let v = value.unwrap_or(idx[t * k]);
+            idx[t * k + slot] = v;
+            // A second invalid entry after the first: the first is the one named.
+            idx[(t + 3) * k + 1] = -7;
+            let want = epflow_core::routing::Routing::new(idx.clone(), tokens, k, experts).expect_err("invalid");
+            let dev = rank.upload(&HostTensor::topk_idx(tokens, k, idx)).expect("upload");
+            for layout in [Layout::RankMajor, Layout::ExpertMajor] {
+                let got = blocking_handle_with(rank, &dev, &HandleOptions::with_layout(layout))
+                    .expect_err("an invalid routing makes no handle");
+                assert_eq!(got, Error::Validation(want.clone()), "rank {r} case {i} {layout:?}");
+            }
+        }
+        for (i, layout) in [Layout::RankMajor, Layout::ExpertMajor, Layout::RankMajor].into_iter().enumerate() {
+            let (d, c) = round(rank, &sc, layout, i == 2).expect("round");
+            assert!(d.ok() && d.checked > 0, "rank {r} {layout:?} seed={base}: {d:?}");
+            assert!(c.ok(), "rank {r} {layout:?} seed={base}: {c:?}");
+        }
+    });
+    eprintln!("ok: device-built handles, 1500 / 1100 tokens");
+}
+
 #[test]
 fn rank_major_over_nccl_matches_reference() {
     let base = seed();

@@ -88,12 +88,7 @@ impl Routing {
     ///
     /// The caller has checked that `idx.len() == num_tokens * top_k`.
     pub fn new(idx: Vec<i64>, num_tokens: usize, top_k: usize, num_experts: usize) -> Result<Self, ValidationError> {
-        if top_k == 0 {
-            return Err(ValidationError::ZeroTopK);
-        }
-        if top_k > num_experts {
-            return Err(ValidationError::TopKExceedsExperts { top_k, num_experts });
-        }
+        Routing::check_top_k(top_k, num_experts)?;
         debug_assert_eq!(idx.len(), num_tokens * top_k);
         for (token, row) in idx.chunks_exact(top_k).enumerate() {
             for (k, &index) in row.iter().enumerate() {
@@ -113,6 +108,18 @@ impl Routing {
             }
         }
         Ok(Routing { num_tokens, top_k, idx })
+    }
+
+    /// What [`Routing::new`] checks of `top_k` whatever the values: at least one slot, at most
+    /// `num_experts` (a backend that checks the values elsewhere, on a device, checks this first).
+    pub fn check_top_k(top_k: usize, num_experts: usize) -> Result<(), ValidationError> {
+        if top_k == 0 {
+            return Err(ValidationError::ZeroTopK);
+        }
+        if top_k > num_experts {
+            return Err(ValidationError::TopKExceedsExperts { top_k, num_experts });
+        }
+        Ok(())
     }
 
     /// `B`.

@@ -37,6 +37,8 @@ pub(crate) struct Functions {
     pub mask_rejoin: CudaFunction,
     /// The ranks' meeting on the device in stream order (`meet.rs`).
     pub meet: CudaFunction,
+    /// A low-latency handle built on the device (`ll/handle.rs`).
+    pub ll_handle: CudaFunction,
     pub ht_dispatch: CudaFunction,
     /// High-throughput combine for up to 8, 4 and 2 ranks (`ht_receive.cuh`: the smaller the bound,
     /// the more loads each receiving lane keeps in flight): see [`Functions::ht_combine_for`].
@@ -106,6 +108,7 @@ impl Functions {
             mask_spread: f(&ll, "ep_mask_spread")?,
             mask_rejoin: f(&ll, "ep_mask_rejoin")?,
             meet: f(&ll, "ep_meet")?,
+            ll_handle: f(&ll, "ep_ll_handle")?,
             ht_dispatch: f(&ht, "ep_ht_dispatch_kernel")?,
             ht_combine: [
                 f(&ht, "ep_ht_combine_kernel")?,

@@ -19,7 +19,7 @@ pub struct KernelModule {
 /// Device helpers shared by every module (prepended to each).
 pub const COMMON: &str = include_str!("../cuda/common.cuh");
 
-/// Low-latency dispatch and combine.
+/// Low-latency dispatch and combine, and low-latency handles built on the device.
 pub const LL: KernelModule = KernelModule {
     name: "ll",
     files: &[
@@ -29,6 +29,7 @@ pub const LL: KernelModule = KernelModule {
         ("ll_receive.cuh", include_str!("../cuda/ll_receive.cuh")),
         ("ll_combine.cuh", include_str!("../cuda/ll_combine.cuh")),
         ("ll.cu", include_str!("../cuda/ll.cu")),
+        ("ll_handle.cuh", include_str!("../cuda/ll_handle.cuh")),
     ],
     kernels: &[
         "ep_ll_dispatch_send",
@@ -44,6 +45,7 @@ pub const LL: KernelModule = KernelModule {
         "ep_mask_spread",
         "ep_mask_rejoin",
         "ep_meet",
+        "ep_ll_handle",
     ],
 };
 
@@ -120,7 +122,8 @@ impl KernelModule {
 }
 
 /// `EPFLOW_KERNEL_SOURCE_DIR`: a folder of kernel files (`common.cuh`, the low-latency parts
-/// `ll_base.cuh`, `ll_tagged.cuh`, `ll_send.cuh`, `ll_receive.cuh`, `ll_combine.cuh` and `ll.cu`,
+/// `ll_base.cuh`, `ll_tagged.cuh`, `ll_send.cuh`, `ll_receive.cuh`, `ll_combine.cuh`, `ll.cu` and
+/// `ll_handle.cuh`,
 /// the high-throughput parts `ht_rings.cuh`, `ht_send.cuh`, `ht_receive.cuh`, `ht.cu` and
 /// `ht_handle.cuh`, `nccl.cu`, `util.cu`) that replace the built-in ones at run time, for kernel
 /// work without rebuilding the library (each missing file keeps the built-in one, so a part
@@ -142,7 +145,9 @@ mod tests {
         std::fs::write(dir.join("ll.cu"), "// replaced ll\n").unwrap();
         std::fs::write(dir.join("ll_send.cuh"), "// replaced send\n").unwrap();
         let ll = LL.source_from(Some(&dir)).unwrap();
-        assert!(ll.starts_with(COMMON) && ll.ends_with("// replaced ll\n"), "ll keeps common.cuh, takes the file");
+        assert!(ll.starts_with(COMMON) && ll.contains("// replaced ll\n"), "ll keeps common.cuh, takes the file");
+        let handle = LL.files[6].1;
+        assert!(ll.ends_with(&format!("// replaced ll\n{handle}")), "the part after ll.cu stays after it");
         let (base, tagged) = (LL.files[0].1, LL.files[1].1);
         assert!(ll.contains(&format!("{base}{tagged}// replaced send\n")), "the parts stay in order");
         assert!(!ll.contains(LL.files[2].1) && ll.contains(LL.files[3].1), "only the files present are replaced");

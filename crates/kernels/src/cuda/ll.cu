@@ -1,5 +1,5 @@
-// epflow low-latency kernels, part 6 of 6 (after ll_combine.cuh): the kernels, and the graph
-// and rank-masking kernels. NVRTC compiles common.cuh and the six parts in order as one unit
+// epflow low-latency kernels, part 6 of 7 (after ll_combine.cuh): the kernels, and the graph
+// and rank-masking kernels. NVRTC compiles common.cuh and the seven parts in order as one unit
 // (epflow-kernels compile/sources.rs).
 
 // The kernels. Two launches (staged operations, and any operation whose grid cannot be all

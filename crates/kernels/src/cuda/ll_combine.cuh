@@ -1,4 +1,4 @@
-// epflow low-latency kernels, part 5 of 6 (after ll_receive.cuh): combine, send and receive.
+// epflow low-latency kernels, part 5 of 7 (after ll_receive.cuh): combine, send and receive.
 
 // Combine send, on the expert side: every received (source s, token t, k) row of the expert
 // output goes back to s, at [t][k] of its receive region, split in `chunks` pieces. Warps are

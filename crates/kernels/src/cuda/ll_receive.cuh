@@ -1,4 +1,4 @@
-// epflow low-latency kernels, part 4 of 6 (after ll_send.cuh): the receive side's waits and
+// epflow low-latency kernels, part 4 of 7 (after ll_send.cuh): the receive side's waits and
 // finish (arrivals, masking, credits returned), and the dispatch receive.
 
 // With masking: one thread per source waits for its arrival until it arrives, is masked (by a

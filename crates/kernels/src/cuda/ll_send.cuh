@@ -1,4 +1,4 @@
-// epflow low-latency kernels, part 3 of 6 (after ll_tagged.cuh): the send side (warp roles,
+// epflow low-latency kernels, part 3 of 7 (after ll_tagged.cuh): the send side (warp roles,
 // credits, the signals after a send, the dispatch send).
 
 // The role of one warp in a send kernel: destination `dest` is served by `wpd` warps, this one is

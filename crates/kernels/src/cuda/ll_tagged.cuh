@@ -1,4 +1,4 @@
-// epflow low-latency kernels, part 2 of 6 (after ll_base.cuh): the tagged protocol's helpers
+// epflow low-latency kernels, part 2 of 7 (after ll_base.cuh): the tagged protocol's helpers
 // (flags in the payload: tagged combine rows and tagged dispatch messages).
 
 // Tagged combine rows (flags in the payload). A token owner whose combine's rows fit its tagged

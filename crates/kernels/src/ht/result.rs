@@ -16,7 +16,9 @@ pub(crate) const RESULT_N: usize = 3;
 pub(crate) const RESULT_BUILT: usize = 4;
 
 /// The routing's first invalid entry in a plan's mapped `result`, as
-/// [`epflow_core::routing::Routing::new`] would name it (read after the kernels completed).
+/// [`epflow_core::routing::Routing::new`] would name it (read after the kernels completed). A
+/// low-latency handle built on the device reports in the same three first words
+/// (`ll/handle.rs`).
 pub(crate) fn invalid_routing_in(r: &PinnedBuffer, top_k: usize, num_experts: usize) -> Option<ValidationError> {
     let pos = r.read_u64(0) as i64;
     if pos < 0 {

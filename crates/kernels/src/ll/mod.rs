@@ -1,6 +1,6 @@
-//! Low-latency operations (`cuda/ll.cu` and the `cuda/ll_*.cuh` parts before it): starting them
-//! ([`start`]: kernel parameters, the NCCL exchange with NCCL peers, cancellations) and their
-//! launch geometry ([`geometry`]).
+//! Low-latency operations (`cuda/ll.cu` and the `cuda/ll_*.cuh` parts around it): starting them
+//! ([`start`]: kernel parameters, the NCCL exchange with NCCL peers, cancellations), their
+//! launch geometry ([`geometry`]), and handles built on the device ([`handle`]).
 //!
 //! A dispatch sends one message per (token, destination rank) into the destination's receive
 //! region (a slot per source token, per buffer set); its receive kernel packs the messages into
@@ -8,4 +8,5 @@
 //! reads to send each expert output row back to its source.
 
 pub(crate) mod geometry;
+pub(crate) mod handle;
 pub(crate) mod start;

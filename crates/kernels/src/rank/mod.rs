@@ -298,10 +298,11 @@ impl GpuRank {
         }
     }
 
-    /// Checks `topk_idx`'s device and descriptor (not its values).
+    /// Checks `topk_idx`'s device, its descriptor and its `K` (not its values).
     pub(crate) fn check_topk_tensor(&self, topk_idx: &DeviceTensor) -> Result<(), Error> {
         self.check_device(topk_idx, "topk_idx")?;
-        check_topk_idx(&self.shared.config, topk_idx)?;
+        let (_, top_k) = check_topk_idx(&self.shared.config, topk_idx)?;
+        Routing::check_top_k(top_k, self.shared.config.num_experts)?;
         Ok(())
     }
 
@@ -324,7 +325,8 @@ impl GpuRank {
         Ok(routing)
     }
 
-    /// A low-latency handle: the routing's copy in device memory, for NCCL peers where their
+    /// A low-latency handle built on the host (NCCL peers, or `EPFLOW_LL_HANDLE=host`; else
+    /// [`ll::handle::build`] builds it on the device): the routing's copy in device memory, for NCCL peers where their
     /// combine rows land, and for a rank-major handle the slot of each dispatch message
     /// (compacted per destination; not for groups whose `max_tokens` exceeds
     /// `LL_COMPACT_MAX_ROWS`), written with the routing's copy in one host-to-device copy.
@@ -402,6 +404,17 @@ impl Backend for GpuRank {
             Algorithm::LowLatency => {
                 let mut steps = Steps::start();
                 validate_handle_options(&self.shared.config, opts)?;
+                if ll::handle::builds_on_device(&self.shared) {
+                    // The descriptor here, the values on the device.
+                    self.check_topk_tensor(topk_idx)?;
+                    steps.step("handle: checks");
+                    return Ok(HandleCreation::Ready(ll::handle::build(
+                        &self.shared,
+                        topk_idx,
+                        opts.layout,
+                        &mut steps,
+                    )?));
+                }
                 let routing = self.routing_of(topk_idx, &mut steps)?;
                 Ok(HandleCreation::Ready(self.ll_handle(routing, opts.layout, &mut steps)?))
             }

@@ -135,7 +135,8 @@ pub(crate) struct RankShared {
     pub(crate) outputs: Arc<OutputCache>,
     /// High-throughput: staging buffers of the count exchange, recycled.
     pub(crate) exchange_pool: Mutex<Vec<ExchangeBuffers>>,
-    /// High-throughput: the mapped words a handle built on the device reports in, recycled.
+    /// The mapped words a handle built on the device reports in (a high-throughput plan's
+    /// result, a low-latency handle kernel's report), recycled.
     pub(crate) plan_results: Arc<Mutex<Vec<PinnedBuffer>>>,
     /// High-throughput: 0, or 1 + the byte every output is filled with before its kernel runs
     /// ([`crate::GpuRank::fill_output_buffers`]).

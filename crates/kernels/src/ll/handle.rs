@@ -1,0 +1,165 @@
+//! Low-latency handles built on the device. `ep_ll_handle` (`cuda/ll_handle.cuh`, one block, on
+//! the rank's handle stream after `topk_idx`'s ready event) copies and checks `topk_idx` into the
+//! handle's memory and, for a rank-major handle whose dispatches compact, numbers each
+//! destination's tokens (the send slots, `epflow_core::routing::compacted_slots` on the device).
+//! The host waits for that kernel alone and reads what it needs from a few mapped words: the
+//! first invalid entry (the creation's error, as the host-built handle names it) and the messages
+//! per destination (the arrival words' counts, `LlParams::send_rows`). Neither `topk_idx` nor the
+//! slots cross to the host: the host-built handle (NCCL peers, whose combine positions the host
+//! computes, or `EPFLOW_LL_HANDLE=host`) pays two synchronous copies through pageable memory
+//! and the routing's checks on the CPU (benches/NOTES.md item 141).
+//!
+//! The handle stream carries nothing that waits for a peer's operation (high-throughput
+//! creations run there, never in a low-latency group; mask changes wait for their peers'
+//! at once), so the wait ends when `topk_idx` is ready and the kernel has run.
+
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::PushKernelArg;
+use epflow_core::Algorithm;
+use epflow_core::Error;
+use epflow_core::handle::HandleCore;
+use epflow_core::ops::Layout;
+use epflow_core::protocol::Channel;
+
+use crate::device::host_steps::Steps;
+use crate::device::{DeviceTensor, PinnedBuffer, bind, cuda};
+use crate::params::{LL_COMPACT_MAX_ROWS, MAX_RANKS};
+use crate::rank::handle::{GpuHandle, take_pooled};
+use crate::rank::shared::RankShared;
+
+/// Words of the kernel's report before the per-destination counts: the first invalid entry,
+/// its value, the earlier k it repeats (read by [`crate::ht::result::invalid_routing_in`]).
+const REPORT_HEAD: usize = 3;
+
+/// Threads of the kernel's block at most (`EP_LL_HANDLE_BLOCK`).
+const MAX_BLOCK: usize = 1024;
+
+/// Whether this rank builds its low-latency handles on the device: unless a peer is reached
+/// over NCCL (the combine positions are computed on the host), or `EPFLOW_LL_HANDLE=host`
+/// (read once per process) asks for the host-built handle, kept for comparison and as a fallback.
+pub(crate) fn builds_on_device(s: &RankShared) -> bool {
+    static ON_HOST: OnceLock<bool> = OnceLock::new();
+    s.nccl.is_none() && !*ON_HOST.get_or_init(|| std::env::var("EPFLOW_LL_HANDLE").is_ok_and(|v| v == "host"))
+}
+
+/// The threads of the kernel's block for `tokens`: one per token up to [`MAX_BLOCK`] (more
+/// tokens take several tiles), a multiple of 32.
+fn block_threads(tokens: usize) -> u32 {
+    tokens.clamp(1, MAX_BLOCK).next_multiple_of(32) as u32
+}
+
+/// A low-latency handle of `layout` for `topk_idx` (`[B x K]` int64 on this rank's device, its
+/// descriptor and `K` already checked), built on the device. Blocks until the kernel has run:
+/// the handle is ready when returned, and an invalid entry is this call's error
+/// ([`ValidationError::ExpertIndexOutOfRange`] or [`ValidationError::DuplicateExpert`], the
+/// first in row-major order, as the host-built handle reports it). `steps` times the memory, the
+/// launch and the wait (`EPFLOW_HOST_STEPS`).
+pub(crate) fn build(
+    s: &Arc<RankShared>,
+    topk_idx: &DeviceTensor,
+    layout: Layout,
+    steps: &mut Steps,
+) -> Result<GpuHandle, Error> {
+    let l = s.layout.ll("a low-latency handle")?;
+    let (b, k) = (topk_idx.desc().shape[0], topk_idx.desc().shape[1]);
+    let r = s.num_ranks;
+    let compact = layout == Layout::RankMajor && l.max_tokens <= LL_COMPACT_MAX_ROWS;
+    let mem = take_pooled(&s.ctx, &s.handle_pool, l.handle_bytes())?;
+    let report_bytes = (REPORT_HEAD + r) * 8;
+    let popped = s.plan_results.lock().unwrap_or_else(|e| e.into_inner()).pop();
+    let report = match popped {
+        Some(p) if p.bytes() >= report_bytes => p,
+        _ => PinnedBuffer::zeroed(&s.ctx, report_bytes)?,
+    };
+    steps.step("handle: take the handle's memory");
+    let built = launch(s, topk_idx, &mem, &report, (b, k, compact));
+    steps.step("handle: launch the kernel");
+    let outcome = built.and_then(|()| read_report(s, &report, k, compact));
+    steps.step("handle: wait for the kernel");
+    s.plan_results.lock().unwrap_or_else(|e| e.into_inner()).push(report);
+    let send_rows = match outcome {
+        Ok(rows) => rows,
+        Err(e) => {
+            s.handle_pool.lock().unwrap_or_else(|e| e.into_inner()).push(mem);
+            return Err(e);
+        }
+    };
+    let core = HandleCore::on_device(s.group_id, b, k, Algorithm::LowLatency, None).with_layout(layout);
+    Ok(GpuHandle::new(core, mem, &s.handle_pool, None, None, send_rows))
+}
+
+/// Enqueues `ep_ll_handle` on the handle stream after `topk_idx`'s ready event, writing into
+/// `mem` (a handle's memory) and `report`; `shape`: `(B, K, compact)`.
+fn launch(
+    s: &RankShared,
+    topk_idx: &DeviceTensor,
+    mem: &crate::device::DeviceBuffer,
+    report: &PinnedBuffer,
+    shape: (usize, usize, bool),
+) -> Result<(), Error> {
+    let (b, k, compact) = shape;
+    let l = s.layout.ll("a low-latency handle")?;
+    bind(&s.ctx)?;
+    let stream = &s.streams[Channel::Handle.index()];
+    if let Some(e) = topk_idx.ready_event() {
+        stream.wait(e).map_err(|e| cuda("wait for topk_idx", e))?;
+    }
+    let (topk_in, topk_out, report_ptr) = (topk_idx.ptr(), mem.ptr(), report.device_ptr());
+    let slots = if compact { mem.ptr() + l.send_slot_offset() as u64 } else { 0 };
+    let local = s.config.num_experts / s.num_ranks;
+    let ints = [b, k, s.config.num_experts, local, s.num_ranks, l.max_tokens].map(|v| v as i32);
+    let cfg =
+        cudarc::driver::LaunchConfig { grid_dim: (1, 1, 1), block_dim: (block_threads(b), 1, 1), shared_mem_bytes: 0 };
+    let mut builder = stream.launch_builder(&s.functions.ll_handle);
+    builder.arg(&topk_in).arg(&topk_out).arg(&slots).arg(&report_ptr);
+    for v in &ints {
+        builder.arg(v);
+    }
+    // SAFETY: the arguments match `ep_ll_handle(u64, u64, u64, u64, int x 6)`; `topk_in` holds
+    // B x K int64 on this device (its descriptor was checked) and stays alive until the wait in
+    // `read_report` (the caller's borrow outlives this call); `mem` holds the handle's B x K
+    // copy and, from `send_slot_offset`, R x M int32 slots (`handle_bytes`); `report` holds
+    // 3 + R mapped words.
+    unsafe { builder.launch(cfg) }.map_err(|e| cuda("launch ep_ll_handle", e))?;
+    Ok(())
+}
+
+/// Waits for the kernel (an event after it on the handle stream) and reads its report: the
+/// routing's first invalid entry as the error, else (compacted) the messages per destination.
+fn read_report(
+    s: &RankShared,
+    report: &PinnedBuffer,
+    top_k: usize,
+    compact: bool,
+) -> Result<Option<[i32; MAX_RANKS]>, Error> {
+    let stream = &s.streams[Channel::Handle.index()];
+    let done = s.events.record(stream).map_err(|e| cuda("record the handle's event", e))?;
+    done.synchronize().map_err(|e| cuda("wait for ep_ll_handle", e))?;
+    if let Some(e) = crate::ht::result::invalid_routing_in(report, top_k, s.config.num_experts) {
+        return Err(Error::Validation(e));
+    }
+    if !compact {
+        return Ok(None);
+    }
+    let mut rows = [0i32; MAX_RANKS];
+    for (d, r) in rows.iter_mut().enumerate().take(s.num_ranks) {
+        *r = report.read_u64(REPORT_HEAD + d) as i32;
+    }
+    Ok(Some(rows))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_block_covers_the_tokens_in_whole_warps_up_to_the_limit() {
+        assert_eq!(block_threads(0), 32);
+        assert_eq!(block_threads(1), 32);
+        assert_eq!(block_threads(33), 64);
+        assert_eq!(block_threads(128), 128);
+        assert_eq!(block_threads(1024), 1024);
+        assert_eq!(block_threads(5000), 1024);
+    }
+}
