@@ -11,6 +11,8 @@
 //! stream, the consumer on the caller's), `complete_on` with the consumer on a *second* stream
 //! declared with `record_stream`, and the whole operation in the caller's stream order
 //! (`OpFuture::complete_on`: send and receive in one launch) with the consumer on the caller's.
+//! Every other iteration's handle is built in the caller's stream order too
+//! (`Group::create_handle_on`: its kernel on the caller's stream, no host wait).
 //! Skipped (loudly) without 2 GPUs (`EPFLOW_TEST_DEVICES=0,0` runs two ranks on one GPU, a
 //! functional check); `EPFLOW_GPU_ITERS` sets the count (default 1000). The one-process-per-GPU variant runs under
 //! `epflow launch -n 2 -- gpu_stream_order stream_order_one_process_per_gpu` with the same
@@ -22,7 +24,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use cudarc::driver::CudaStream;
 use epflow::Group;
-use epflow::core::ops::{CombineInputs, DispatchInputs};
+use epflow::core::ops::{CombineInputs, DispatchInputs, HandleOptions};
 use epflow::core::reference::LlDispatchResult;
 use epflow::core::scenario::Scenario;
 use epflow::core::verify::{Tolerance, check_bf16, check_ll_dispatch};
@@ -137,7 +139,13 @@ async fn delayed_consumer(g: &Group<GpuRank>, n: usize, iters: u64, base: u64) -
         let want = identity_combine(&me.tokens, &me.topk_idx, &me.weights);
         snap.want = Some((refs.into_iter().nth(r).expect("rank reference"), want));
         let idx = rank.upload(&sc.topk_idx(r)).expect("upload");
-        let h = g.create_handle(&idx).await.expect("handle");
+        // Every other handle in the caller's stream order (its kernel there, no host wait).
+        let h = if it % 2 == 1 {
+            g.create_handle_on(&idx, &HandleOptions::default(), &caller).await.map(|(h, _)| h)
+        } else {
+            g.create_handle(&idx).await
+        }
+        .expect("handle");
         let x = rank.upload(&sc.tokens(r)).expect("upload");
         let w = rank.upload(&sc.weights(r)).expect("upload");
         // Freed only at the end: cuMemFree waits for the whole device, which would also wait for

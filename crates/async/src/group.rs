@@ -102,6 +102,32 @@ impl<B: Backend> Group<B> {
         HandleFuture { state }
     }
 
+    /// Creates a routing handle with `opts` in `stream`'s order: resolves once the creation is
+    /// enqueued, with the handle and a [`Completion`], and nothing waits on the host.
+    /// Low-latency handles on GPUs over NVLink are built by one kernel enqueued on `stream` (after
+    /// `topk_idx`'s ready event): the handle is returned at once, its dispatches are ordered
+    /// after that kernel on the device, and an invalid `topk_idx` entry becomes the error of
+    /// this rank's dispatches on the handle, found at their verdicts (the peers receive the
+    /// sanitized rows), instead of this creation's; keep `topk_idx` unchanged until work
+    /// enqueued on `stream` after this call. High-throughput handles: as
+    /// [`HandleFuture::complete_on`]. Elsewhere (the host backend, NCCL peers) the handle is
+    /// built at once, as by [`Group::create_handle_with`], and the completion is done.
+    pub fn create_handle_on<'s>(
+        &self,
+        topk_idx: &B::Tensor,
+        opts: &HandleOptions,
+        stream: &'s B::Stream,
+    ) -> HandleOn<'s, B> {
+        let state = match self.backend.start_handle_on(topk_idx, opts, stream) {
+            Ok(HandleCreation::Ready(h)) => HandleState::Ready(Some(h)),
+            Ok(HandleCreation::Collective(op)) => {
+                HandleState::Op(OpDriver::new(Arc::clone(&self.backend), op, self.mode))
+            }
+            Err(e) => HandleState::Failed(Some(e)),
+        };
+        HandleOn { state: Some(state), stream }
+    }
+
     /// Dispatch with default options (forward, counters on the device).
     pub fn dispatch(
         &self,
@@ -195,7 +221,7 @@ impl<B: Backend> HandleFuture<B> {
     /// With `RecvRows::Exact`, or where the handle is built on the host (the host backend, the
     /// NCCL transport, `EPFLOW_HT_HANDLE=host`), it resolves once the handle exists, with
     /// `stream` ordered after it: the same semantics, without the overlap. Low-latency handles
-    /// are built at once.
+    /// are built when created: [`Group::create_handle_on`] builds them in a stream's order.
     ///
     /// [`RoutingHandle::num_recv_tokens`]: epflow_core::handle::RoutingHandle::num_recv_tokens
     pub fn complete_on(self, stream: &B::Stream) -> HandleOn<'_, B> {

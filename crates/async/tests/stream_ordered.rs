@@ -51,6 +51,43 @@ fn complete_on_matches_the_reference() {
     });
 }
 
+/// `Group::create_handle_on` on a backend without a device (the default `start_handle_on`):
+/// the handle is built at once, its completion is done, and the round on it gives the reference
+/// outputs; an invalid routing is refused at creation, as `create_handle` refuses it.
+#[test]
+fn create_handle_on_builds_at_once_without_a_device() {
+    let cs: Arc<Vec<_>> = Arc::new((0..2).map(|i| checked(4, 900 + i)).collect());
+    on_tokio_ranks(4, common::config(), cs, |g, cs| async move {
+        let r = g.rank();
+        let opts = epflow_core::ops::HandleOptions::default();
+        for (i, c) in cs.iter().enumerate() {
+            let (h, created) = g.create_handle_on(&c.sc.topk_idx(r), &opts, &HostStream).await.unwrap();
+            created.await.unwrap();
+            let x = c.sc.tokens(r);
+            let (out, done) = g.dispatch(&h, DispatchInputs::new(&x)).complete_on(&HostStream).await.unwrap();
+            assert_dispatch(c, r, 4, &out);
+            let counts = out.counts().unwrap().to_vec();
+            let experts = ll_identity_expert_outputs(out.tokens().data(), None, &counts, 4 * M, H);
+            drop(out);
+            let w = c.sc.weights(r);
+            let (y, done_y) =
+                g.combine(&h, CombineInputs::new(&experts).with_weights(&w)).complete_on(&HostStream).await.unwrap();
+            let rep = check_bf16("combine", &c.combine[r], y.tokens().as_bf16().unwrap(), Tolerance::OneUlp);
+            assert!(rep.ok(), "rank {r} round {i}: {rep:?}");
+            done.await.unwrap();
+            done_y.await.unwrap();
+        }
+        let mut bad = cs[0].sc.topk_idx(r);
+        match bad.data_mut() {
+            epflow_core::HostData::I64(v) if !v.is_empty() => v[0] = -3,
+            _ => return, // a rank without tokens has no entry to spoil
+        }
+        let err = g.create_handle_on(&bad, &opts, &HostStream).await.unwrap_err();
+        assert_eq!(err, g.create_handle(&bad).await.unwrap_err());
+        assert!(matches!(err, Error::Validation(_)), "{err}");
+    });
+}
+
 /// Stream-ordered outputs hold their buffer set like awaited ones: with two sets, a third
 /// dispatch waits until the first outputs are dropped, then completes correctly.
 #[test]

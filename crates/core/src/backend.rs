@@ -432,6 +432,21 @@ pub trait Backend: Send + Sync + 'static {
         topk_idx: &Self::Tensor,
         opts: &HandleOptions,
     ) -> Result<HandleCreation<Self::Handle, Self::Op>>;
+    /// [`Backend::start_handle`] for a handle created in `stream`'s order: a backend that builds
+    /// low-latency handles on its device may enqueue that work on `stream` and return
+    /// [`HandleCreation::Ready`] at once, without the host waiting for it; the handle's
+    /// operations are then ordered after that work on the device, and an invalid `topk_idx`
+    /// entry becomes the error of this rank's dispatches on the handle (their verdicts) instead
+    /// of this call's. The default is [`Backend::start_handle`].
+    fn start_handle_on(
+        &self,
+        topk_idx: &Self::Tensor,
+        opts: &HandleOptions,
+        stream: &Self::Stream,
+    ) -> Result<HandleCreation<Self::Handle, Self::Op>> {
+        let _ = stream;
+        self.start_handle(topk_idx, opts)
+    }
     /// Validates and creates a dispatch (collective). Takes its sequence number now.
     fn start_dispatch(
         &self,
@@ -698,16 +713,16 @@ pub fn complete_on_blocking<O: PendingOp>(
 /// A handle created in stream order, and its creation to settle (`None`: built at once).
 pub type HandleInStreamOrder<B> = (<B as Backend>::Handle, Option<InStreamOrder<<B as Backend>::Op>>);
 
-/// Creates a handle in `stream`'s order on any backend (see `HandleFuture::complete_on` in
-/// epflow-async): the handle, and the creation to settle (`None`: a low-latency handle, built
-/// at once).
+/// Creates a handle in `stream`'s order on any backend (see `Group::create_handle_on` in
+/// epflow-async, [`Backend::start_handle_on`]): the handle, and the creation to settle (`None`:
+/// a low-latency handle, built at once or enqueued on `stream`).
 pub fn blocking_handle_on<B: Backend>(
     b: &B,
     topk_idx: &B::Tensor,
     opts: &HandleOptions,
     stream: &B::Stream,
 ) -> Result<HandleInStreamOrder<B>> {
-    match b.start_handle(topk_idx, opts)? {
+    match b.start_handle_on(topk_idx, opts, stream)? {
         HandleCreation::Ready(h) => Ok((h, None)),
         HandleCreation::Collective(op) => {
             let pool = b.slot_pool(Channel::Handle);

@@ -484,7 +484,7 @@ impl LlLayout {
 
     /// Per-handle device memory: the `topk_idx` copy `[M x K]` int64, the rank-major send
     /// slots `[R x M]` int32 (`send_slot`; right after the copy, so the host writes both at
-    /// once), the row map `[R x M x K]` int32, for NCCL peers the combine pack map
+    /// once) and the tokens per destination `[R]` int32 (see `row_of_offset`), the row map `[R x M x K]` int32, for NCCL peers the combine pack map
     /// `[R x M x K]` and the combine positions `[M x K]` int32 (see `nccl.rs`), and the return
     /// list `[R x M x K]` int32 with its per-source counts `[R]` int32 (`ret_list` in
     /// `ll_base.cuh`).
@@ -511,9 +511,12 @@ impl LlLayout {
         bytes
     }
 
-    /// Offset of the row map inside a handle's memory (after the send slots).
+    /// Offset of the row map inside a handle's memory: after the send slots and the tokens per
+    /// destination, `[R]` int32 right after the slots (at `send_slot_offset + R * M * 4`),
+    /// which the handle's kernel writes and a dispatch reads when the host has not
+    /// (`LlParams::send_rows`).
     pub(crate) fn row_of_offset(&self) -> usize {
-        self.send_slot_offset() + (self.num_ranks * self.max_tokens * 4).next_multiple_of(256)
+        self.send_slot_offset() + (self.num_ranks * (self.max_tokens + 1) * 4).next_multiple_of(256)
     }
 
     /// Offset of the return list inside a handle's memory.
@@ -604,7 +607,8 @@ mod tests {
             // Each region starts at or after the end of the one before, 256-aligned.
             let regions = [
                 (0, m * k * 8),
-                (l.send_slot_offset(), ranks * m * 4),
+                // The slots, then the tokens per destination (`LlParams::send_rows`).
+                (l.send_slot_offset(), ranks * (m + 1) * 4),
                 (l.row_of_offset(), rmk),
                 (l.nccl_pack_offset(), rmk),
                 (l.nccl_pos_offset(), m * k * 4),

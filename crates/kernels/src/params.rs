@@ -186,7 +186,10 @@ pub(crate) struct LlParams {
     /// any: its own arrival pair is the one NCCL carries to them). Tagged sends (`sends_tagged`)
     /// take the same slots in the tagged area, and send nothing for a token routed elsewhere.
     pub send_slot: u64,
-    /// With `send_slot`: per destination, the messages it gets (its arrival word says so).
+    /// With `send_slot`: per destination, the messages it gets (its arrival word says so), or
+    /// -1: the kernel reads them from the handle, right after the slots (`[R]` int32 at
+    /// `send_slot + R * M * 4`, written by the handle's kernel): a handle built in stream order,
+    /// whose counts the host never read (`ll/handle.rs`).
     pub send_rows: [i32; MAX_RANKS],
 }
 

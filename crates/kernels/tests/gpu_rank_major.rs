@@ -8,15 +8,21 @@
 //! per-source counts) and combine must match the reference bit for bit. Top-k runs to the
 //! library's limit of 16, on both layouts.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use epflow_core::backend::{Backend, blocking_combine, blocking_dispatch, blocking_handle_with};
+use cudarc::driver::CudaStream;
+
+use epflow_core::backend::{
+    Backend, blocking_combine, blocking_combine_on, blocking_dispatch, blocking_dispatch_on, blocking_handle_on,
+    blocking_handle_with,
+};
 use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions, Layout};
 use epflow_core::scenario::{Scenario, rank_major_identity_expert_outputs};
 use epflow_core::verify::{Report, Tolerance, check_bf16, check_ll_dispatch, check_rank_major_dispatch};
 use epflow_core::workload::RoutingKind;
 use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor};
-use epflow_kernels::{GpuRank, GpuWorld, Transport};
+use epflow_kernels::{DeviceTensor, GpuHandle, GpuRank, GpuWorld, Transport};
 
 mod common;
 use common::{
@@ -25,11 +31,48 @@ use common::{
 
 /// One dispatch + identity experts + combine on `rank`, on a handle of `layout`.
 fn round(rank: &GpuRank, sc: &Scenario, layout: Layout, staged: bool) -> Result<(Report, Report), Error> {
+    rank.fill_output_buffers(0xA5)?;
+    let idx = rank.upload(&sc.topk_idx(rank.rank()))?;
+    let handle = blocking_handle_with(rank, &idx, &HandleOptions::with_layout(layout))?;
+    round_on(rank, sc, layout, &handle, How::Awaited { staged })
+}
+
+/// How a round's operations run: awaited (staged or not), or completed in a stream's order
+/// (`blocking_*_on`, each settled before its outputs are read).
+#[derive(Clone, Copy)]
+enum How<'a> {
+    Awaited { staged: bool },
+    OnStream(&'a Arc<CudaStream>),
+}
+
+/// [`round`] on `handle` (of `layout`, made from `sc`'s routing of this rank), its operations
+/// run as `how` says.
+fn round_on(
+    rank: &GpuRank,
+    sc: &Scenario,
+    layout: Layout,
+    handle: &GpuHandle,
+    how: How,
+) -> Result<(Report, Report), Error> {
     let r = rank.rank();
     let (h, m, k) = (sc.config.hidden, sc.config.fixed_max_tokens().unwrap_or(0), sc.top_k);
-    rank.fill_output_buffers(0xA5)?;
-    let idx = rank.upload(&sc.topk_idx(r))?;
-    let handle = blocking_handle_with(rank, &idx, &HandleOptions::with_layout(layout))?;
+    let handle = handle.clone();
+    let dispatch = |inputs: DispatchInputs<'_, DeviceTensor>, dopts: &DispatchOptions| match how {
+        How::Awaited { staged } => blocking_dispatch(rank, &handle, inputs, dopts, staged),
+        How::OnStream(s) => {
+            let (out, settle) = blocking_dispatch_on(rank, &handle, inputs, dopts, s)?;
+            settle.settle()?;
+            Ok(out)
+        }
+    };
+    let combine = |inputs: CombineInputs<'_, DeviceTensor>, copts: &CombineOptions| match how {
+        How::Awaited { staged } => blocking_combine(rank, &handle, inputs, copts, staged),
+        How::OnStream(s) => {
+            let (out, settle) = blocking_combine_on(rank, &handle, inputs, copts, s)?;
+            settle.settle()?;
+            Ok(out)
+        }
+    };
     let x = rank.upload(&sc.tokens(r))?;
     let w = rank.upload(&sc.weights(r))?;
     let dopts = DispatchOptions::default();
@@ -38,7 +81,7 @@ fn round(rank: &GpuRank, sc: &Scenario, layout: Layout, staged: bool) -> Result<
         Layout::RankMajor => {
             let refs = sc.ll_rank_major_reference().unwrap();
             let want = sc.ll_rank_major_combine_identity_reference(&refs).unwrap();
-            let out = blocking_dispatch(rank, &handle, DispatchInputs::new(&x).with_weights(&w), &dopts, staged)?;
+            let out = dispatch(DispatchInputs::new(&x).with_weights(&w), &dopts)?;
             let host = out.to_host()?;
             let scales = host.scales.as_ref().and_then(HostTensor::as_f32);
             let got_w = host.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap_or_default();
@@ -48,7 +91,7 @@ fn round(rank: &GpuRank, sc: &Scenario, layout: Layout, staged: bool) -> Result<
             let sums = rank_major_identity_expert_outputs(host.tokens.data(), scales, got_w, got_i, counts, m, h, k);
             let sums = rank.upload(&sums)?;
             drop(out);
-            let y = blocking_combine(rank, &handle, CombineInputs::new(&sums), &copts, staged)?;
+            let y = combine(CombineInputs::new(&sums), &copts)?;
             let c =
                 check_bf16("combine", &want[r], y.to_host()?.tokens.as_bf16().unwrap_or_default(), Tolerance::Exact);
             Ok((d.context(&format!("rank {r} dispatch")), c.context(&format!("rank {r} combine"))))
@@ -56,7 +99,7 @@ fn round(rank: &GpuRank, sc: &Scenario, layout: Layout, staged: bool) -> Result<
         Layout::ExpertMajor => {
             let refs = sc.ll_dispatch_reference().unwrap();
             let want = sc.ll_combine_identity_reference(&refs).unwrap();
-            let out = blocking_dispatch(rank, &handle, DispatchInputs::new(&x), &dopts, staged)?;
+            let out = dispatch(DispatchInputs::new(&x), &dopts)?;
             let host = out.to_host()?;
             let counts = host.counts.as_ref().and_then(HostTensor::as_i32).unwrap_or_default().to_vec();
             let scales = host.scales.as_ref().and_then(HostTensor::as_f32);
@@ -65,7 +108,7 @@ fn round(rank: &GpuRank, sc: &Scenario, layout: Layout, staged: bool) -> Result<
                 Some(s) => rank.dequantize_fp8(out.tokens(), s)?,
                 None => out.tokens().clone(),
             };
-            let y = blocking_combine(rank, &handle, CombineInputs::new(&experts).with_weights(&w), &copts, staged)?;
+            let y = combine(CombineInputs::new(&experts).with_weights(&w), &copts)?;
             let c =
                 check_bf16("combine", &want[r], y.to_host()?.tokens.as_bf16().unwrap_or_default(), Tolerance::Exact);
             Ok((d.context(&format!("rank {r} dispatch")), c.context(&format!("rank {r} combine"))))
@@ -211,6 +254,92 @@ fn device_built_handles_refuse_what_the_host_refuses_and_span_tiles() {
         }
     });
     eprintln!("ok: device-built handles, 1500 / 1100 tokens");
+}
+
+/// Handles built in a stream's order (`blocking_handle_on`: the kernel on the caller's stream,
+/// the handle at once, nothing waiting on the host), with a 2 ms spin ahead of the kernel on
+/// that stream each time, so that every operation that does not wait for it reads a stale
+/// handle: operations awaited on the channels' streams, and completed on the caller's stream,
+/// both layouts, 1500 / 1100 and 40 / 7 tokens, match the reference bit for bit. A handle
+/// dropped before its kernel ran gives its memory back only after it (the next handle reuses
+/// it). An invalid entry on rank 1 fails rank 1's dispatch at its verdict with the host's
+/// error, while rank 0 receives rank 1's sanitized rows (the entries from the row's first
+/// invalid one on masked); the group goes on.
+#[test]
+fn handles_in_stream_order_match_reference() {
+    let Some(devices) = gpus(2, "handles_in_stream_order") else { return };
+    let base = seed();
+    eprintln!("seed {base}");
+    let (experts, k) = (16usize, 8usize);
+    let config = GroupConfig::low_latency(experts, 2048, 1024).with_max_top_k(16);
+    let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+    let spin = Duration::from_millis(2);
+    for (i, tokens) in [[1500usize, 1100], [40, 7]].into_iter().enumerate() {
+        let sc = Scenario::generate(config.clone(), 2, &tokens, k, RoutingKind::Uniform, 3, base + i as u64);
+        on_ranks(&ranks, |rank| {
+            let r = rank.rank();
+            let stream = rank.context().new_stream().expect("stream");
+            let idx = rank.upload(&sc.topk_idx(r)).expect("upload");
+            for (j, layout) in [Layout::RankMajor, Layout::ExpertMajor].into_iter().enumerate() {
+                let opts = HandleOptions::with_layout(layout);
+                // Dropped before its kernel ran: the next handle takes its memory after it.
+                rank.delay_on(&stream, spin).expect("spin");
+                drop(blocking_handle_on(rank, &idx, &opts, &stream).expect("handle"));
+                for (n, how) in [How::Awaited { staged: j == 1 }, How::OnStream(&stream)].into_iter().enumerate() {
+                    rank.fill_output_buffers(0xA5).expect("fill");
+                    rank.delay_on(&stream, spin).expect("spin");
+                    let (h, created) = blocking_handle_on(rank, &idx, &opts, &stream).expect("handle");
+                    assert!(created.is_none(), "a low-latency handle has no creation to settle");
+                    let (d, c) = round_on(rank, &sc, layout, &h, how).expect("round");
+                    let what = format!("rank {r} tokens={tokens:?} {layout:?} form {n} seed={}", base + i as u64);
+                    assert!(d.ok() && d.checked > 0, "{what}: {d:?}");
+                    assert!(c.ok(), "{what}: {c:?}");
+                }
+            }
+        });
+        eprintln!("ok: handles in stream order, {tokens:?} tokens");
+    }
+    // Rank 1 routes token 3's slot 2 to expert E; rank 0 must see entries 2.. of that row masked.
+    let sc = Scenario::generate(config.clone(), 2, &[40, 30], k, RoutingKind::Uniform, 0, base + 7);
+    let mut bad = sc.topk_idx(1).as_i64().expect("int64").to_vec();
+    bad[3 * k + 2] = experts as i64;
+    let want = epflow_core::routing::Routing::new(bad.clone(), 30, k, experts).expect_err("invalid");
+    let mut seen = sc.clone();
+    let mut sanitized = bad.clone();
+    sanitized[3 * k + 2..4 * k].fill(-1);
+    seen.ranks[1].topk_idx = sanitized;
+    let refs = seen.ll_rank_major_reference().expect("reference");
+    on_ranks(&ranks, |rank| {
+        let r = rank.rank();
+        let stream = rank.context().new_stream().expect("stream");
+        let idx = if r == 1 { HostTensor::topk_idx(30, k, bad.clone()) } else { sc.topk_idx(0) };
+        let idx = rank.upload(&idx).expect("upload");
+        let opts = HandleOptions::with_layout(Layout::RankMajor);
+        rank.fill_output_buffers(0xA5).expect("fill");
+        let (h, _) = blocking_handle_on(rank, &idx, &opts, &stream).expect("handed out before the kernel ran");
+        let x = rank.upload(&seen.tokens(r)).expect("upload");
+        let w = rank.upload(&seen.weights(r)).expect("upload");
+        let got =
+            blocking_dispatch(rank, &h, DispatchInputs::new(&x).with_weights(&w), &DispatchOptions::default(), false);
+        match r {
+            1 => assert_eq!(got.expect_err("rank 1's routing is invalid"), Error::Validation(want.clone())),
+            _ => {
+                let host = got.expect("rank 0's dispatch").to_host().expect("to host");
+                let scales = host.scales.as_ref().and_then(HostTensor::as_f32);
+                let got_w = host.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap_or_default();
+                let got_i = host.topk_idx.as_ref().and_then(HostTensor::as_i32).unwrap_or_default();
+                let counts = host.counts.as_ref().and_then(HostTensor::as_i32).unwrap_or_default();
+                let (hid, m) = (config.hidden, 2048);
+                let d =
+                    check_rank_major_dispatch(&refs[0], hid, m, k, host.tokens.data(), scales, got_w, got_i, counts);
+                assert!(d.ok() && d.checked > 0, "rank 0 received rank 1's sanitized rows: {d:?}");
+            }
+        }
+        assert!(!rank.core().poison().is_poisoned());
+        let (d, c) = round(rank, &sc, Layout::RankMajor, false).expect("the group goes on");
+        assert!(d.ok() && c.ok(), "rank {r}: {d:?} {c:?}");
+    });
+    eprintln!("ok: an invalid routing in stream order fails its rank's dispatch");
 }
 
 #[test]

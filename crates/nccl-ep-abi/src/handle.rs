@@ -3,12 +3,16 @@
 //!
 //! epflow keeps a handle's routing in its own device memory: `ncclEpHandleMemSize` reports a
 //! small size, and a caller's `handle_mem` is checked but not used. The routing is read when the
-//! handle is created or updated (the stream is synchronized first): a later change of the
-//! `topk_idx` memory needs `ncclEpUpdateHandle`.
+//! handle is created or updated: a later change of the `topk_idx` memory needs
+//! `ncclEpUpdateHandle`. Low-latency over NVLink, it is read in the stream's order (a kernel
+//! enqueued on the caller's stream copies and checks it into the handle; nothing waits on the
+//! host), and an invalid entry fails the dispatches on the handle at their verdicts (the
+//! group's error, like a peer's failure) instead of the creation. Otherwise the stream is
+//! synchronized first and the routing checked at once.
 
 use std::sync::{Arc, Mutex};
 
-use epflow_core::backend::{PendingOp, blocking_handle_with};
+use epflow_core::backend::{PendingOp, blocking_handle_on, blocking_handle_with};
 use epflow_core::handle::RoutingHandle;
 use epflow_core::ops::{HandleOptions, Layout};
 use epflow_core::{Algorithm, DType, TensorDesc, TensorTag};
@@ -150,13 +154,33 @@ impl Handle {
                 return Err(Fail::usage(format!("topk_idx has top_k {k}, the handle was initialised with {want}")));
             }
         }
-        sync_stream(stream, "ncclEpUpdateHandle")?;
+        let ll = g.shape.algorithm == Algorithm::LowLatency;
+        if ll {
+            refuse_capture(stream, "ncclEpUpdateHandle")?;
+        } else {
+            sync_stream(stream, "ncclEpUpdateHandle")?;
+        }
         // Settle earlier operations: a new routing replaces the handle's.
         g.settle(true)?;
         let desc = TensorDesc::contiguous(TensorTag::TopkIdx, DType::I64, &[b, k]);
-        // SAFETY: the caller's device tensor of [b, k] int64 (checked), read synchronously here.
+        // SAFETY: the caller's device tensor of [b, k] int64 (checked), read here or, low-latency,
+        // by a kernel in the caller's stream's order (the C API's contract keeps it alive and
+        // unchanged for that work).
         let dev = unsafe { DeviceTensor::from_raw(t.ptr, g.rank.device(), desc) };
-        let h = blocking_handle_with(&g.rank, &dev, &HandleOptions::with_layout(self.layout))?;
+        let opts = HandleOptions::with_layout(self.layout);
+        let h = if ll {
+            // SAFETY: the caller's live stream of this rank's device (the C API's contract).
+            let on = unsafe { g.stream(stream) };
+            // `topk_idx` is ready after the caller's work so far: the kernel on `on` is ordered
+            // after it anyway; a handle built on the host (NCCL peers) waits for this event.
+            let ready = on.record_event(None).map_err(|e| {
+                Fail::from(epflow_core::Error::Backend(format!("CUDA: record topk_idx's event: {e:?}")))
+            })?;
+            let dev = dev.ready_after(Arc::new(ready));
+            blocking_handle_on(&g.rank, &dev, &opts, &on)?.0
+        } else {
+            blocking_handle_with(&g.rank, &dev, &opts)?
+        };
         if g.shape.algorithm == Algorithm::HighThroughput {
             if let Some(info) = info {
                 let counts: Vec<i64> =

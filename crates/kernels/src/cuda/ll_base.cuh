@@ -88,12 +88,23 @@ struct LlParams {
     // tokens routed to that destination), or -1 (not routed there); 0: messages at their tokens'
     // slots. Not for destinations reached through NCCL (nor for this rank itself when it has
     // such peers: NCCL carries its own arrival pair to them). Tagged sends use the same slots in
-    // the tagged area.
+    // the tagged area. The per-destination counts follow the slots: [R] int32 at
+    // send_slot + R * M * 4 (written by the handle's kernel, `ep_ll_handle`).
     u64 send_slot;
-    int send_rows[EP_MAX_RANKS];  // with `send_slot`: per destination, its messages (announced in the arrival word)
+    // With `send_slot`: per destination, its messages (announced in the arrival word), or -1:
+    // read them from the handle, after the slots (a handle built in stream order, whose counts
+    // the host never saw).
+    int send_rows[EP_MAX_RANKS];
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
 static_assert(sizeof(LlParams) == 512, "LlParams layout");
+
+// The messages a compacted dispatch sends to `dest` (see `LlParams::send_rows`).
+__device__ __forceinline__ int announced_rows(const LlParams& p, int dest) {
+    const int rows = p.send_rows[dest];
+    if (rows >= 0) return rows;
+    return reinterpret_cast<const int*>(p.send_slot)[(size_t)p.num_ranks * p.max_tokens + dest];
+}
 
 // The number and buffer set of the operation a launch runs: the host's, or for a captured
 // operation its offset plus the step's base in device memory (written by an earlier kernel of the

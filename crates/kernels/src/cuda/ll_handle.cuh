@@ -9,7 +9,9 @@
 //   t, the token's place among this rank's tokens routed to d, or -1 (`slots[d * M + t]`, as
 //   `epflow_core::routing::compacted_slots` numbers them): each tile of blockDim.x tokens is
 //   numbered with one ballot per destination and warp, a scan of the warps' counts, and the
-//   running count of the tiles before;
+//   running count of the tiles before; then, after the [R x M] slots, the tokens routed to each
+//   destination ([R] int32: what its dispatches announce when the host has not read them,
+//   `announced_rows`);
 // - in mapped host memory `report` (int64): [0] the first invalid entry t * K + k (or -1), [1]
 //   its value, [2] the earlier k it repeats (or -1), then [3 + d] the tokens routed to
 //   destination d (the messages its dispatches announce in the arrival word). The host reads them
@@ -93,5 +95,8 @@ extern "C" __global__ void __launch_bounds__(EP_LL_HANDLE_BLOCK)
         }
         rep[0] = bad == 0x7fffffff ? -1 : bad;
     }
-    if ((int)threadIdx.x < R) rep[3 + threadIdx.x] = slots != nullptr ? base[threadIdx.x] : 0;
+    if ((int)threadIdx.x < R) {
+        rep[3 + threadIdx.x] = slots != nullptr ? base[threadIdx.x] : 0;
+        if (slots != nullptr) slots[(size_t)R * M + threadIdx.x] = base[threadIdx.x];
+    }
 }

@@ -246,10 +246,10 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
     const bool compact = p.send_slot != 0ull && !via_nccl(p, dest) && !(dest == p.rank && p.nccl_mask != 0);
     const int* slots = reinterpret_cast<const int*>(p.send_slot + (u64)dest * p.max_tokens * sizeof(int));
     const int slot_first = compact && j < p.num_tokens * C ? __ldg(slots + j / C) : -1;
+    // The count the arrival word announces (loaded before the credit wait too).
+    const int announced = compact ? announced_rows(p, dest) : -1;
     role_wait_credit(p, n, 0, &role);
-    if (tagged && j == 0 && lane == 0 && !role.skip) {
-        signal_now(p, n, 0, dest, p.num_tokens, compact ? p.send_rows[dest] : -1);
-    }
+    if (tagged && j == 0 && lane == 0 && !role.skip) signal_now(p, n, 0, dest, p.num_tokens, announced);
 
     if (!p.cancelled && !role.skip) {
         const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(p.x);
@@ -287,6 +287,6 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
             dispatch_payload<false>(p, msg + EP_HDR_BYTES, x + (size_t)t * H, chunk * width, width, lane, 0u);
         }
     }
-    if (!tagged) signal_sent(p, n, 0, dest, role.reporting, lane, compact ? p.send_rows[dest] : -1);
+    if (!tagged) signal_sent(p, n, 0, dest, role.reporting, lane, announced);
 }
 

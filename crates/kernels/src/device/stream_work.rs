@@ -140,6 +140,13 @@ impl StreamWork {
         Ok(())
     }
 
+    /// Orders the send half after `event`, recorded on the stream whose `CUstream` handle, as an
+    /// integer, is `stream_id`: waited for unless the work runs on that stream by then (as
+    /// [`StreamWork::order_after`]'s events; released with the inputs).
+    pub fn order_after_event(&mut self, event: Arc<CudaEvent>, stream_id: usize) {
+        self.after.push((event, stream_id));
+    }
+
     /// Also waits, before the send half, for `fences` (of memory the work writes: its previous
     /// readers). Kept when the inputs are released.
     pub fn wait_fences(&mut self, fences: impl IntoIterator<Item = Arc<CudaEvent>>) {

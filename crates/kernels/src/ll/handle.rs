@@ -15,7 +15,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::PushKernelArg;
+use cudarc::driver::{CudaStream, PushKernelArg};
 use epflow_core::Algorithm;
 use epflow_core::Error;
 use epflow_core::handle::HandleCore;
@@ -23,9 +23,9 @@ use epflow_core::ops::Layout;
 use epflow_core::protocol::Channel;
 
 use crate::device::host_steps::Steps;
-use crate::device::{DeviceTensor, PinnedBuffer, bind, cuda};
+use crate::device::{DeviceBuffer, DeviceTensor, PinnedBuffer, bind, cuda, stream_id};
 use crate::params::{LL_COMPACT_MAX_ROWS, MAX_RANKS};
-use crate::rank::handle::{GpuHandle, take_pooled};
+use crate::rank::handle::{GpuHandle, LlStreamBuilt, take_pooled};
 use crate::rank::shared::RankShared;
 
 /// Words of the kernel's report before the per-destination counts: the first invalid entry,
@@ -61,19 +61,10 @@ pub(crate) fn build(
     layout: Layout,
     steps: &mut Steps,
 ) -> Result<GpuHandle, Error> {
-    let l = s.layout.ll("a low-latency handle")?;
     let (b, k) = (topk_idx.desc().shape[0], topk_idx.desc().shape[1]);
-    let r = s.num_ranks;
-    let compact = layout == Layout::RankMajor && l.max_tokens <= LL_COMPACT_MAX_ROWS;
-    let mem = take_pooled(&s.ctx, &s.handle_pool, l.handle_bytes())?;
-    let report_bytes = (REPORT_HEAD + r) * 8;
-    let popped = s.plan_results.lock().unwrap_or_else(|e| e.into_inner()).pop();
-    let report = match popped {
-        Some(p) if p.bytes() >= report_bytes => p,
-        _ => PinnedBuffer::zeroed(&s.ctx, report_bytes)?,
-    };
+    let (mem, report, compact) = take_memory(s, layout)?;
     steps.step("handle: take the handle's memory");
-    let built = launch(s, topk_idx, &mem, &report, (b, k, compact));
+    let built = launch(s, &s.streams[Channel::Handle.index()], topk_idx, &mem, &report, (b, k, compact));
     steps.step("handle: launch the kernel");
     let outcome = built.and_then(|()| read_report(s, &report, k, compact));
     steps.step("handle: wait for the kernel");
@@ -89,19 +80,80 @@ pub(crate) fn build(
     Ok(GpuHandle::new(core, mem, &s.handle_pool, None, None, send_rows))
 }
 
-/// Enqueues `ep_ll_handle` on the handle stream after `topk_idx`'s ready event, writing into
-/// `mem` (a handle's memory) and `report`; `shape`: `(B, K, compact)`.
+/// A handle built in `stream`'s order, handed out before its kernel ran: the kernel is
+/// enqueued on `stream` (after `topk_idx`'s ready event) and nothing waits on the host. Its
+/// dispatches wait for the kernel on the device (`GpuHandle::ll_built_after`: no wait on
+/// `stream` itself), read the per-destination counts from the handle's memory (`send_rows` -1),
+/// and check the kernel's report at their verdict: an invalid entry makes each of this rank's
+/// dispatches on the handle fail with the error [`build`] would have returned, while the peers
+/// receive the sanitized rows (as with captured steps). `topk_idx` must stay unchanged until
+/// the kernel has read it (work enqueued on `stream` later is ordered after it).
+pub(crate) fn build_on(
+    s: &Arc<RankShared>,
+    topk_idx: &DeviceTensor,
+    layout: Layout,
+    stream: &Arc<CudaStream>,
+    steps: &mut Steps,
+) -> Result<GpuHandle, Error> {
+    let (b, k) = (topk_idx.desc().shape[0], topk_idx.desc().shape[1]);
+    let (mem, report, compact) = take_memory(s, layout)?;
+    steps.step("handle: take the handle's memory");
+    let launched = launch(s, stream, topk_idx, &mem, &report, (b, k, compact))
+        .and_then(|()| s.events.record(stream).map_err(|e| cuda("record the handle's event", e)));
+    steps.step("handle: launch the kernel");
+    let built = match launched {
+        Ok(e) => e,
+        Err(e) => {
+            // Nothing was enqueued that writes them, or the stream is broken: let them go.
+            s.plan_results.lock().unwrap_or_else(|e| e.into_inner()).push(report);
+            s.handle_pool.lock().unwrap_or_else(|e| e.into_inner()).push(mem);
+            return Err(e);
+        }
+    };
+    let built = LlStreamBuilt {
+        built,
+        stream: stream_id(stream),
+        report: Some(report),
+        report_pool: Arc::clone(&s.plan_results),
+        topk: topk_idx.keep_alive(),
+    };
+    let send_rows = compact.then_some([-1i32; MAX_RANKS]);
+    let core = HandleCore::on_device(s.group_id, b, k, Algorithm::LowLatency, None).with_layout(layout);
+    Ok(GpuHandle::ll_in_stream_order(core, mem, &s.handle_pool, send_rows, built))
+}
+
+/// A handle's memory, a report buffer, and whether its dispatches compact (rank-major, `M` at
+/// most `LL_COMPACT_MAX_ROWS`).
+fn take_memory(s: &RankShared, layout: Layout) -> Result<(DeviceBuffer, PinnedBuffer, bool), Error> {
+    let l = s.layout.ll("a low-latency handle")?;
+    let compact = layout == Layout::RankMajor && l.max_tokens <= LL_COMPACT_MAX_ROWS;
+    let mem = take_pooled(&s.ctx, &s.handle_pool, l.handle_bytes())?;
+    let report_bytes = (REPORT_HEAD + s.num_ranks) * 8;
+    let popped = s.plan_results.lock().unwrap_or_else(|e| e.into_inner()).pop();
+    let report = match popped {
+        Some(p) if p.bytes() >= report_bytes => p,
+        Some(p) => {
+            s.plan_results.lock().unwrap_or_else(|e| e.into_inner()).push(p);
+            PinnedBuffer::zeroed(&s.ctx, report_bytes)?
+        }
+        None => PinnedBuffer::zeroed(&s.ctx, report_bytes)?,
+    };
+    Ok((mem, report, compact))
+}
+
+/// Enqueues `ep_ll_handle` on `stream` after `topk_idx`'s ready event, writing into `mem` (a
+/// handle's memory) and `report`; `shape`: `(B, K, compact)`.
 fn launch(
     s: &RankShared,
+    stream: &CudaStream,
     topk_idx: &DeviceTensor,
-    mem: &crate::device::DeviceBuffer,
+    mem: &DeviceBuffer,
     report: &PinnedBuffer,
     shape: (usize, usize, bool),
 ) -> Result<(), Error> {
     let (b, k, compact) = shape;
     let l = s.layout.ll("a low-latency handle")?;
     bind(&s.ctx)?;
-    let stream = &s.streams[Channel::Handle.index()];
     if let Some(e) = topk_idx.ready_event() {
         stream.wait(e).map_err(|e| cuda("wait for topk_idx", e))?;
     }
@@ -117,10 +169,12 @@ fn launch(
         builder.arg(v);
     }
     // SAFETY: the arguments match `ep_ll_handle(u64, u64, u64, u64, int x 6)`; `topk_in` holds
-    // B x K int64 on this device (its descriptor was checked) and stays alive until the wait in
-    // `read_report` (the caller's borrow outlives this call); `mem` holds the handle's B x K
-    // copy and, from `send_slot_offset`, R x M int32 slots (`handle_bytes`); `report` holds
-    // 3 + R mapped words.
+    // B x K int64 on this device (its descriptor was checked) and stays alive until the kernel
+    // ran (`build` waits for it within the caller's borrow; `build_on` keeps epflow's memory in
+    // the handle, and the caller's own is read in its stream's order); `mem` holds the
+    // handle's B x K copy and, from `send_slot_offset`, R x M int32 slots and R counts
+    // (`handle_bytes`); `report` holds 3 + R mapped words; neither goes back to its pool
+    // before the kernel ran.
     unsafe { builder.launch(cfg) }.map_err(|e| cuda("launch ep_ll_handle", e))?;
     Ok(())
 }

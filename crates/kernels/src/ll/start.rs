@@ -208,6 +208,10 @@ pub(crate) fn dispatch(
     let mut op = GpuOp::new(Arc::clone(s), Channel::Dispatch, seq, stamp, Launch::Ll(p), kind, &inputs.tensors());
     op.set_xfers(xfers);
     op.set_targets(into.copied());
+    // A handle built in stream order: after its kernel (the combine follows the dispatch).
+    if let Some((built, stream)) = h.ll_built_after() {
+        op.order_after_event(built, stream);
+    }
     Ok(op)
 }
 

@@ -143,7 +143,22 @@ impl GpuOp {
                 self.peer_verdict()?;
                 handle.check_built(&self.label())
             }
+            Some(GpuOpKind::Dispatch { handle, .. }) => {
+                let handle = handle.clone();
+                self.routing_verdict(&handle)?;
+                self.peer_verdict()
+            }
             _ => self.peer_verdict(),
+        }
+    }
+
+    /// A low-latency dispatch on a handle built in stream order: the routing as the handle's
+    /// kernel judged it (its first invalid entry is this rank's error; the peers received the
+    /// sanitized rows). `Ok` for every other handle.
+    fn routing_verdict(&self, handle: &GpuHandle) -> Result<(), Error> {
+        match handle.ll_invalid_routing(self.shared.config.num_experts) {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
         }
     }
 
@@ -232,6 +247,9 @@ impl GpuOp {
         }
         if let Some(e) = invalid {
             return Err(e.into());
+        }
+        if let Some(GpuOpKind::Dispatch { handle, .. }) = &kind {
+            self.routing_verdict(handle)?;
         }
         self.peer_verdict()?;
         let elapsed = self.work.timing(!matches!(self.launch, super::Launch::Ll(_)));

@@ -199,6 +199,13 @@ impl GpuOp {
         self.fill = Some(fill);
     }
 
+    /// Before its launches, the operation's stream waits for `event` (recorded on stream
+    /// `stream_id`) unless it runs on that stream: what a handle built in stream order asks
+    /// (`GpuHandle::ll_built_after`).
+    pub(crate) fn order_after_event(&mut self, event: Arc<cudarc::driver::CudaEvent>, stream_id: usize) {
+        self.work.order_after_event(event, stream_id);
+    }
+
     /// Before its launches, the operation's stream waits for `fences` (of memory it writes).
     pub(crate) fn wait_fences(&mut self, fences: Vec<Arc<cudarc::driver::CudaEvent>>) {
         self.work.wait_fences(fences);

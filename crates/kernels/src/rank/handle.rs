@@ -37,8 +37,35 @@ pub(crate) struct GpuHandleState {
     /// A high-throughput handle handed out before its creation completed (stream order).
     pub(crate) creation: Option<StreamCreation>,
     /// A rank-major low-latency handle whose dispatches send their messages compacted: per
-    /// destination, how many (the slots are in the handle's memory, `LlLayout::send_slot_offset`).
+    /// destination, how many (the slots are in the handle's memory, `LlLayout::send_slot_offset`),
+    /// or -1 where the kernels read them from the handle's memory (built in stream order).
     pub(crate) send_rows: Option<[i32; MAX_RANKS]>,
+    /// A low-latency handle built on the device in a stream's order, handed out before its
+    /// kernel ran (`ll/handle.rs`).
+    pub(crate) ll_stream: Option<LlStreamBuilt>,
+}
+
+/// A low-latency handle built in a stream's order (`ll::handle::build_on`): what its dispatches
+/// wait for, where the kernel reports the routing's first invalid entry (every dispatch on the
+/// handle checks it at its verdict), and what must outlive the kernel.
+pub(crate) struct LlStreamBuilt {
+    /// Recorded after the handle's kernel, on `stream`.
+    pub(crate) built: Arc<CudaEvent>,
+    /// The stream the kernel ran on ([`crate::device::stream_id`]): work enqueued there later
+    /// needs no wait.
+    pub(crate) stream: usize,
+    /// The kernel's mapped report (`ll_handle.cuh`); back to `report_pool` when the handle is
+    /// dropped.
+    pub(crate) report: Option<PinnedBuffer>,
+    pub(crate) report_pool: Arc<Mutex<Vec<PinnedBuffer>>>,
+    /// `topk_idx`'s memory (when epflow holds it), until the kernel has read it.
+    pub(crate) topk: Option<Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+impl std::fmt::Debug for LlStreamBuilt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LlStreamBuilt").field("stream", &self.stream).finish_non_exhaustive()
+    }
 }
 
 /// A high-throughput handle handed out in stream order, before the device had built it
@@ -154,8 +181,50 @@ pub(crate) struct RowMap {
     pub(crate) readers_done: u64,
 }
 
+impl LlStreamBuilt {
+    /// Once the kernel has run: lets `topk_idx` go, and gives the report and `mem` (the
+    /// handle's memory) back to their pools.
+    fn give_back(mut self, mem: Option<DeviceBuffer>, pool: &Mutex<Vec<DeviceBuffer>>) {
+        self.topk = None;
+        if let Some(r) = self.report.take() {
+            self.report_pool.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+        }
+        if let Some(m) = mem {
+            pool.lock().unwrap_or_else(|e| e.into_inner()).push(m);
+        }
+    }
+}
+
 impl Drop for GpuHandleState {
     fn drop(&mut self) {
+        if let Some(b) = self.ll_stream.take() {
+            // The kernel writes the memory and reads `topk_idx` and the report: they are reused
+            // only after it. Usually it ran long ago (every operation on the handle ran after
+            // it); a handle dropped unused may still wait behind its stream's work, which may
+            // wait for peers: a thread waits then, never the drop (as `InStreamOrder`'s).
+            let mem = self.mem.take();
+            let done = mem.as_ref().is_none_or(|m| crate::device::event_done(m.context(), &b.built));
+            if done {
+                b.give_back(mem, &self.pool);
+                return;
+            }
+            let pool = Arc::clone(&self.pool);
+            let spawned = std::thread::Builder::new().name("epflow-handle-drop".into()).spawn(move || {
+                if let Some(m) = &mem {
+                    let _ = crate::device::bind(m.context());
+                }
+                if let Err(e) = b.built.synchronize() {
+                    tracing::warn!("a handle built in stream order: waiting for its kernel failed: {e:?}");
+                }
+                b.give_back(mem, &pool);
+            });
+            if let Err(e) = spawned {
+                tracing::warn!(
+                    "a handle built in stream order: no thread to wait for its kernel ({e}): its memory is freed, not pooled"
+                );
+            }
+            return;
+        }
         if let Some(m) = self.mem.take() {
             self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(m);
         }
@@ -201,6 +270,7 @@ impl GpuHandle {
             graph: None,
             creation: None,
             send_rows,
+            ll_stream: None,
         }))
     }
 
@@ -222,7 +292,45 @@ impl GpuHandle {
             graph: None,
             creation: Some(creation),
             send_rows: None,
+            ll_stream: None,
         }))
+    }
+
+    /// A low-latency handle built on the device in a stream's order ([`LlStreamBuilt`]):
+    /// `send_rows` as [`GpuHandle::new`]'s (-1 where the kernels read the counts).
+    pub(crate) fn ll_in_stream_order(
+        core: HandleCore,
+        mem: DeviceBuffer,
+        pool: &Arc<Mutex<Vec<DeviceBuffer>>>,
+        send_rows: Option<[i32; MAX_RANKS]>,
+        built: LlStreamBuilt,
+    ) -> Self {
+        GpuHandle(Arc::new(GpuHandleState {
+            core,
+            mem: Some(mem),
+            pool: Arc::clone(pool),
+            ht: None,
+            ll_nccl: None,
+            row_map: Mutex::default(),
+            graph: None,
+            creation: None,
+            send_rows,
+            ll_stream: Some(built),
+        }))
+    }
+
+    /// What a dispatch on a low-latency handle built in stream order is ordered after: the
+    /// kernel's event and its stream; `None` for every other handle.
+    pub(crate) fn ll_built_after(&self) -> Option<(Arc<CudaEvent>, usize)> {
+        self.0.ll_stream.as_ref().map(|b| (Arc::clone(&b.built), b.stream))
+    }
+
+    /// The routing's first invalid entry as the kernel of a low-latency handle built in stream
+    /// order found it (read after an operation on the handle ended, which ran after the
+    /// kernel); `None` for a valid routing and for every other handle.
+    pub(crate) fn ll_invalid_routing(&self, num_experts: usize) -> Option<epflow_core::ValidationError> {
+        let r = self.0.ll_stream.as_ref()?.report.as_ref()?;
+        crate::ht::result::invalid_routing_in(r, self.0.core.top_k(), num_experts)
     }
 
     /// The event an operation on a handle created in stream order waits for (its creation's

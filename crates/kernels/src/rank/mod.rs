@@ -394,6 +394,32 @@ impl Backend for GpuRank {
         self.unmask_all_now()
     }
 
+    /// Low-latency over NVLink: the handle's kernel on `stream`, the handle at once
+    /// (`ll::handle::build_on`); otherwise [`Backend::start_handle`].
+    fn start_handle_on(
+        &self,
+        topk_idx: &DeviceTensor,
+        opts: &HandleOptions,
+        stream: &Arc<CudaStream>,
+    ) -> Result<HandleCreation<GpuHandle, GpuOp>, Error> {
+        let s = &self.shared;
+        if s.config.algorithm != Algorithm::LowLatency || !ll::handle::builds_on_device(s) {
+            return self.start_handle(topk_idx, opts);
+        }
+        self.core.poison().check()?;
+        let mut steps = Steps::start();
+        validate_handle_options(&s.config, opts)?;
+        self.check_topk_tensor(topk_idx)?;
+        if stream.context().cu_ctx() != s.ctx.cu_ctx() {
+            return Err(Error::Unsupported(format!(
+                "create_handle_on: the stream belongs to another context than this rank's (device {})",
+                s.device
+            )));
+        }
+        steps.step("handle: checks");
+        Ok(HandleCreation::Ready(ll::handle::build_on(s, topk_idx, opts.layout, stream, &mut steps)?))
+    }
+
     fn start_handle(
         &self,
         topk_idx: &DeviceTensor,
