@@ -30,7 +30,7 @@ fn bad_flags_exit_2_with_a_clear_error() {
         (&["bench", "--ranks", "0"], "num_ranks is 0"),
         (&["bench", "--iters", "0"], "--iters"),
         (&["bench", "--algorithm", "ht", "--staged"], "--staged"),
-        (&["bench", "--algorithm", "ll", "--fresh-routing"], "--fresh-routing is for --algorithm ht"),
+        (&["bench", "--algorithm", "ll", "--fresh-routing"], "--fresh-routing with --algorithm ll needs --queued"),
         (&["bench", "--round-scales"], "--round-scales needs --dtype fp8"),
         (&["bench", "--tokens", "-3"], "unexpected argument"),
         (&["bench", "--no-such-flag"], "unexpected argument"),

@@ -152,9 +152,11 @@ pub(crate) fn config_from_args(args: &BenchArgs, ranks: usize) -> Result<(GroupC
                 .into(),
         ));
     }
-    if args.fresh_routing && args.algorithm != AlgorithmArg::Ht {
+    if args.fresh_routing && args.algorithm != AlgorithmArg::Ht && !args.queued {
         return Err(BenchError::Usage(
-            "--fresh-routing is for --algorithm ht: low-latency handles are built locally, without a collective".into(),
+            "--fresh-routing with --algorithm ll needs --queued: each queued pair then runs on a new routing, its \
+             handle built in the stream's order ahead of the dispatch"
+                .into(),
         ));
     }
     if args.layout == LayoutArg::RankMajor && args.backend == BackendArg::NcclEp {
@@ -439,7 +441,8 @@ pub(crate) fn summarise(
         validation,
         device_memory_bytes_per_rank: None,
         halves_us: (halves.iter().any(|&h| h > 0.0)).then(|| [halves[0], halves[1], halves[2], halves[3]]),
-        fresh_routing: args.fresh_routing,
+        fresh_routing: args.fresh_routing && args.algorithm == AlgorithmArg::Ht,
+        queued_fresh_routing: args.fresh_routing && args.algorithm != AlgorithmArg::Ht,
         graph: results
             .iter()
             .any(|r| !r.graph.samples_us.is_empty())

@@ -5,8 +5,8 @@ use std::borrow::Cow;
 use std::time::Duration;
 
 use epflow_core::Error;
-use epflow_core::backend::{Backend, blocking_combine_on, blocking_dispatch_on};
-use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions};
+use epflow_core::backend::{Backend, blocking_combine_on, blocking_dispatch_on, blocking_handle_on};
+use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions};
 
 use super::rank::{BenchRank, LoopPlan};
 use super::stats::{OpSummary, RankTimes};
@@ -23,8 +23,13 @@ const QUEUED_LEAD: Duration = Duration::from_millis(1);
 /// operations' own device time and the gap between the kernels, what NCCL EP's CUPTI kernel
 /// column counts without the gaps. The combine's input is `fixed` (rank-major sums, or a kept
 /// buffer standing for an FP8 dispatch's experts), else the identity experts' view of the
-/// dispatched rows; `weights` are the combine's top-k weights (expert-major). The operations'
-/// own timing events are off meanwhile. Empty times where the backend has no device clock.
+/// dispatched rows; `weights` are the combine's top-k weights (expert-major). With `fresh`
+/// (`--fresh-routing`: routings and the handle options), each pair runs on a new handle of the
+/// next routing, created in `stream`'s order right after the spin (`blocking_handle_on`: on
+/// GPUs its kernel is enqueued there and nothing waits), so the dispatch's device time includes
+/// the handle's kernel. The operations' own timing events are off meanwhile. Empty times where
+/// the backend has no device clock.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn queued_pairs<R: BenchRank>(
     r: &R,
     plan: &LoopPlan,
@@ -33,6 +38,7 @@ pub(super) fn queued_pairs<R: BenchRank>(
     inputs: DispatchInputs<'_, <R::B as Backend>::Tensor>,
     fixed: Option<&<R::B as Backend>::Tensor>,
     weights: Option<&<R::B as Backend>::Tensor>,
+    fresh: Option<(&[<R::B as Backend>::Tensor], &HandleOptions)>,
 ) -> Result<[RankTimes; 2], Error>
 where
     <R::B as Backend>::Tensor: Clone,
@@ -57,6 +63,11 @@ where
             return Ok(Default::default());
         };
         let t1 = std::time::Instant::now();
+        let fresh_handle = match fresh {
+            Some((routings, opts)) => Some(blocking_handle_on(b, &routings[i % routings.len()], opts, stream)?),
+            None => None,
+        };
+        let handle = fresh_handle.as_ref().map_or(handle, |(h, _)| h);
         let (d, ds) = blocking_dispatch_on(b, handle, inputs, &dopts, stream)?;
         clock.lap()?;
         let t2 = std::time::Instant::now();
@@ -74,6 +85,9 @@ where
         let t3 = std::time::Instant::now();
         ds.settle()?;
         cs.settle()?;
+        if let Some((_, Some(created))) = fresh_handle {
+            created.settle()?;
+        }
         let (total, disp) = clock.elapsed_us()?;
         drop((c, y));
         drop(d);

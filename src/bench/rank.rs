@@ -120,8 +120,9 @@ pub(crate) struct LoopPlan {
     pub staged: bool,
     /// Low-latency receive layout of the handle.
     pub layout: Layout,
-    /// High-throughput `--fresh-routing`: every iteration is a training step on a new routing
-    /// (handle, forward pair, backward pair); `masked` entries of each routing are -1.
+    /// `--fresh-routing`: high-throughput, every iteration is a training step on a new routing
+    /// (handle, forward pair, backward pair); low-latency, every `--queued` pair runs on a new
+    /// routing, its handle built in the stream's order; `masked` entries of each routing are -1.
     pub fresh_routing: Option<usize>,
     /// Low-latency `--graph`: also time replays of a captured dispatch + combine step.
     pub graph: bool,

@@ -17,7 +17,7 @@ use epflow_core::{Algorithm, Error, HostData, HostTensor};
 use super::queued::queued_pairs;
 use super::rank::{BenchRank, LoopPlan};
 use super::stats::RankTimes;
-use super::training::{fresh_routing_steps, stream_ordered_steps};
+use super::training::{fresh_routing_steps, fresh_routings, stream_ordered_steps};
 
 /// The reference results of the benchmark's scenario.
 pub(crate) enum References {
@@ -272,7 +272,10 @@ where
                 };
                 let fixed = rank_major_input.as_ref().or(kept.as_ref());
                 let w = (!rank_major).then_some(&weights);
-                queued = queued_pairs(r, plan, &stream, &handle, inputs, fixed, w)?;
+                // --fresh-routing: a new routing per pair, its handle built in the stream's order.
+                let routings = plan.fresh_routing.map(|masked| fresh_routings(r, sc, masked)).transpose()?;
+                let fresh = routings.as_deref().map(|t| (t, &handle_opts));
+                queued = queued_pairs(r, plan, &stream, &handle, inputs, fixed, w, fresh)?;
             }
             None => eprintln!("note: --queued: this backend has no streams to enqueue on (GPU backend only)"),
         }

@@ -101,6 +101,9 @@ pub(crate) struct BenchReport {
     /// `--fresh-routing`: every iteration created a handle for a new routing; `total` is the
     /// training step (handle, forward pair, backward pair), dispatch and combine the forward ones.
     pub fresh_routing: bool,
+    /// Low-latency `--fresh-routing --queued`: every queued pair ran on a new routing, its
+    /// handle built in the stream's order ahead of the dispatch (counted in the dispatch).
+    pub queued_fresh_routing: bool,
     /// `--graph`: one replay of the captured dispatch + combine step (GPU: device time; host
     /// backend: host clock).
     pub graph: Option<OpSummary>,
@@ -195,6 +198,11 @@ impl BenchReport {
             println!(
                 "\n--- Queued ahead of the device (--queued: dispatch and combine enqueued in stream order, one launch\n    each, behind a 1 ms spin kernel; CUDA events between them: kernels and the gaps between them) ---"
             );
+            if self.queued_fresh_routing {
+                println!(
+                    "    (--fresh-routing: each pair on a new routing, its handle built in the stream's order ahead of\n    the dispatch: the dispatch's time includes the handle's kernel)"
+                );
+            }
             print_op(&format!("Dispatch ({dt}):"), d);
             print_op("Combine (BF16):", c);
         }

@@ -27,7 +27,11 @@ const FRESH_ROUTINGS: usize = 8;
 
 /// The [`FRESH_ROUTINGS`] routings of this rank a `--fresh-routing` run cycles through (uniform,
 /// `masked` entries -1), uploaded.
-fn fresh_routings<R: BenchRank>(r: &R, sc: &Scenario, masked: usize) -> Result<Vec<<R::B as Backend>::Tensor>, Error> {
+pub(super) fn fresh_routings<R: BenchRank>(
+    r: &R,
+    sc: &Scenario,
+    masked: usize,
+) -> Result<Vec<<R::B as Backend>::Tensor>, Error> {
     let b = r.backend();
     let (rank, cfg) = (b.rank(), b.config());
     let num_tokens = sc.ranks[rank].num_tokens;
