@@ -152,7 +152,8 @@ fn high_throughput_futures(transport: &Transport) {
 }
 
 /// High-throughput in a caller's stream order through the async API: a `RecvRows::Bound`
-/// handle from `HandleFuture::complete_on`, then dispatch and combine through
+/// handle from `HandleFuture::complete_on` (odd rounds: `Group::create_handle_on`), then
+/// dispatch and combine through
 /// `OpFuture::complete_on` on the same stream, before any completion is awaited (NVLink and
 /// NCCL: over NCCL the handle is built on the host and the futures resolve once it exists).
 #[test]
@@ -180,7 +181,12 @@ fn ht_stream_ordered_futures(transport: &Transport) {
                     let stream = b.context().new_stream().unwrap();
                     let idx = b.upload(&sc.topk_idx(r)).unwrap();
                     let opts = HandleOptions::default().with_recv_rows(RecvRows::Bound);
-                    let (h, created) = g.create_handle_with(&idx, &opts).complete_on(&stream).await.unwrap();
+                    // Odd rounds through `create_handle_on` (the same, ordered after `stream`).
+                    let (h, created) = if round % 2 == 1 {
+                        g.create_handle_on(&idx, &opts, &stream).await.unwrap()
+                    } else {
+                        g.create_handle_with(&idx, &opts).complete_on(&stream).await.unwrap()
+                    };
                     assert_eq!(h.recv_rows(), Some(600));
                     let x = b.upload(&sc.tokens(r)).unwrap();
                     let w = b.upload(&sc.weights(r)).unwrap();

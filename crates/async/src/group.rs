@@ -110,7 +110,8 @@ impl<B: Backend> Group<B> {
     /// this rank's dispatches on the handle, found at their verdicts (the peers receive the
     /// sanitized rows), instead of this creation's; keep `topk_idx` unchanged until work
     /// enqueued on `stream` after this call. High-throughput handles: as
-    /// [`HandleFuture::complete_on`]. Elsewhere (the host backend, NCCL peers) the handle is
+    /// `create_handle_with(..).after(stream).complete_on(stream)` ([`HandleFuture::after`],
+    /// [`HandleFuture::complete_on`]). Elsewhere (the host backend, NCCL peers) the handle is
     /// built at once, as by [`Group::create_handle_with`], and the completion is done.
     pub fn create_handle_on<'s>(
         &self,
@@ -121,7 +122,12 @@ impl<B: Backend> Group<B> {
         let state = match self.backend.start_handle_on(topk_idx, opts, stream) {
             Ok(HandleCreation::Ready(h)) => HandleState::Ready(Some(h)),
             Ok(HandleCreation::Collective(op)) => {
-                HandleState::Op(OpDriver::new(Arc::clone(&self.backend), op, self.mode))
+                let mut d = OpDriver::new(Arc::clone(&self.backend), op, self.mode);
+                // After the work enqueued on `stream` so far (the producer of `topk_idx`).
+                match d.order_after(stream) {
+                    Ok(()) => HandleState::Op(d),
+                    Err(e) => HandleState::Failed(Some(e)),
+                }
             }
             Err(e) => HandleState::Failed(Some(e)),
         };

@@ -45,7 +45,7 @@ impl SendPlan {
 
 /// Each `(token, destination rank)` copy's place among its destination's copies, without
 /// building a [`SendPlan`] (the host-built low-latency handle's; the GPU backend's kernel
-/// `ep_ll_handle` numbers them alike on the device):
+/// `ep_ll_handle` numbers the routing's tokens alike on the device):
 /// `[R x stride]`, at `dest * stride + token` the index of `token`'s copy in
 /// [`SendPlan::copies_to`]`(dest)`, or -1 where `token` has no expert on `dest` (and for every
 /// token past the routing's); and per destination, its number of copies. In the rank-major layout

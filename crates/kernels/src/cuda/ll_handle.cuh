@@ -6,8 +6,9 @@
 // - the handle's copy of each row, sanitized as `routed_entry` does (the entries from the row's
 //   first invalid one on, outside [-1, E) or naming an expert an earlier entry named, become -1);
 // - for a rank-major handle whose dispatches compact (`slots` != 0), per destination d and token
-//   t, the token's place among this rank's tokens routed to d, or -1 (`slots[d * M + t]`, as
-//   `epflow_core::routing::compacted_slots` numbers them): each tile of blockDim.x tokens is
+//   t < B, the token's place among this rank's tokens routed to d, or -1 (`slots[d * M + t]`, as
+//   `epflow_core::routing::compacted_slots` numbers them; the slots of tokens B..M are not
+//   written: no dispatch reads them): each tile of blockDim.x tokens is
 //   numbered with one ballot per destination and warp, a scan of the warps' counts, and the
 //   running count of the tiles before; then, after the [R x M] slots, the tokens routed to each
 //   destination ([R] int32: what its dispatches announce when the host has not read them,

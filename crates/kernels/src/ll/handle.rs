@@ -1,17 +1,20 @@
-//! Low-latency handles built on the device. `ep_ll_handle` (`cuda/ll_handle.cuh`, one block, on
-//! the rank's handle stream after `topk_idx`'s ready event) copies and checks `topk_idx` into the
-//! handle's memory and, for a rank-major handle whose dispatches compact, numbers each
-//! destination's tokens (the send slots, `epflow_core::routing::compacted_slots` on the device).
-//! The host waits for that kernel alone and reads what it needs from a few mapped words: the
-//! first invalid entry (the creation's error, as the host-built handle names it) and the messages
-//! per destination (the arrival words' counts, `LlParams::send_rows`). Neither `topk_idx` nor the
-//! slots cross to the host: the host-built handle (NCCL peers, whose combine positions the host
-//! computes, or `EPFLOW_LL_HANDLE=host`) pays two synchronous copies through pageable memory
-//! and the routing's checks on the CPU (benches/NOTES.md item 141).
+//! Low-latency handles built on the device. `ep_ll_handle` (`cuda/ll_handle.cuh`, one block, after
+//! `topk_idx`'s ready event) copies and checks `topk_idx` into the handle's memory and, for a
+//! rank-major handle whose dispatches compact, numbers each destination's tokens (the send
+//! slots, `epflow_core::routing::compacted_slots` on the device) and counts them. Neither
+//! `topk_idx` nor the slots cross to the host: the host-built handle (NCCL peers, whose combine
+//! positions the host computes, or `EPFLOW_LL_HANDLE=host`) pays two synchronous copies through
+//! pageable memory and the routing's checks on the CPU (benches/NOTES.md item 141).
 //!
-//! The handle stream carries nothing that waits for a peer's operation (high-throughput
-//! creations run there, never in a low-latency group; mask changes wait for their peers'
-//! at once), so the wait ends when `topk_idx` is ready and the kernel has run.
+//! Two ways: [`build`] (an awaited creation) runs the kernel on the rank's handle stream and the
+//! host waits for it alone, then reads a few mapped words: the first invalid entry (the
+//! creation's error, as the host-built handle names it) and the messages per destination (the
+//! arrival words' counts, `LlParams::send_rows`). That stream carries no operation of a
+//! low-latency group; only a mask change's meeting (`unmask_all`, `rank/mask.rs`) waits for peers
+//! there, bounded by the timeout. [`build_on`] (a creation in a stream's order,
+//! `Backend::start_handle_on`) enqueues it on the caller's stream and hands the handle out at
+//! once: its dispatches wait for the kernel on the device, read the counts from the handle, and
+//! check the report at their verdicts.
 
 use std::sync::{Arc, OnceLock};
 
@@ -98,13 +101,20 @@ pub(crate) fn build_on(
     let (b, k) = (topk_idx.desc().shape[0], topk_idx.desc().shape[1]);
     let (mem, report, compact) = take_memory(s, layout)?;
     steps.step("handle: take the handle's memory");
-    let launched = launch(s, stream, topk_idx, &mem, &report, (b, k, compact))
-        .and_then(|()| s.events.record(stream).map_err(|e| cuda("record the handle's event", e)));
+    let launched = launch(s, stream, topk_idx, &mem, &report, (b, k, compact));
+    let recorded = launched.and_then(|()| {
+        s.events.record(stream).map_err(|e| {
+            // The kernel may be enqueued: the memory goes back only after it.
+            if let Err(w) = stream.synchronize() {
+                tracing::warn!("a handle in stream order: waiting for its kernel failed: {w:?}");
+            }
+            cuda("record the handle's event", e)
+        })
+    });
     steps.step("handle: launch the kernel");
-    let built = match launched {
+    let built = match recorded {
         Ok(e) => e,
         Err(e) => {
-            // Nothing was enqueued that writes them, or the stream is broken: let them go.
             s.plan_results.lock().unwrap_or_else(|e| e.into_inner()).push(report);
             s.handle_pool.lock().unwrap_or_else(|e| e.into_inner()).push(mem);
             return Err(e);

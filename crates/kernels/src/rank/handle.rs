@@ -57,6 +57,7 @@ pub(crate) struct LlStreamBuilt {
     /// The kernel's mapped report (`ll_handle.cuh`); back to `report_pool` when the handle is
     /// dropped.
     pub(crate) report: Option<PinnedBuffer>,
+    /// Where `report` goes back (the rank's `plan_results`).
     pub(crate) report_pool: Arc<Mutex<Vec<PinnedBuffer>>>,
     /// `topk_idx`'s memory (when epflow holds it), until the kernel has read it.
     pub(crate) topk: Option<Arc<dyn std::any::Any + Send + Sync>>,
@@ -209,7 +210,11 @@ impl Drop for GpuHandleState {
                 return;
             }
             let pool = Arc::clone(&self.pool);
-            let spawned = std::thread::Builder::new().name("epflow-handle-drop".into()).spawn(move || {
+            // Shared with the thread, so that a failed spawn leaves it here to wait inline.
+            let left = Arc::new(Mutex::new(Some((b, mem))));
+            let theirs = Arc::clone(&left);
+            let wait_and_give_back = move |left: &Mutex<Option<(LlStreamBuilt, Option<DeviceBuffer>)>>| {
+                let Some((b, mem)) = left.lock().unwrap_or_else(|e| e.into_inner()).take() else { return };
                 if let Some(m) = &mem {
                     let _ = crate::device::bind(m.context());
                 }
@@ -217,11 +222,12 @@ impl Drop for GpuHandleState {
                     tracing::warn!("a handle built in stream order: waiting for its kernel failed: {e:?}");
                 }
                 b.give_back(mem, &pool);
-            });
+            };
+            let wait = wait_and_give_back.clone();
+            let spawned = std::thread::Builder::new().name("epflow-handle-drop".into()).spawn(move || wait(&theirs));
             if let Err(e) = spawned {
-                tracing::warn!(
-                    "a handle built in stream order: no thread to wait for its kernel ({e}): its memory is freed, not pooled"
-                );
+                tracing::warn!("a handle built in stream order: no thread to wait for its kernel ({e}): waiting here");
+                wait_and_give_back(&left);
             }
             return;
         }
