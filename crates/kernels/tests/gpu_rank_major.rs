@@ -206,6 +206,21 @@ fn rank_major_above_the_compaction_bound_matches_reference() {
     }
 }
 
+/// Experts of [`handle_world`]'s group.
+const HANDLE_EXPERTS: usize = 16;
+
+/// The two-GPU group of the handle tests (M = 2048, so a handle spans two of the kernel's tiles
+/// of 1024 tokens; H = 1024, [`HANDLE_EXPERTS`] experts, top-k up to 16), its config and the
+/// seed (printed); `None` (SKIPPED printed) without two GPUs.
+fn handle_world(test: &str) -> Option<(Vec<GpuRank>, GroupConfig, u64)> {
+    let devices = gpus(2, test)?;
+    let base = seed();
+    eprintln!("seed {base}");
+    let config = GroupConfig::low_latency(HANDLE_EXPERTS, 2048, 1024).with_max_top_k(16);
+    let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+    Some((ranks, config, base))
+}
+
 /// Handles built on the device (`ep_ll_handle`, over NVLink): an invalid `topk_idx` is refused
 /// at creation with the error the host's checks give (`Routing::new`: the first invalid entry in
 /// row-major order, a second one later in the tensor), on both layouts, in the block's first tile
@@ -213,12 +228,8 @@ fn rank_major_above_the_compaction_bound_matches_reference() {
 /// rank (the send slots numbered over two tiles) match the reference bit for bit, staged and not.
 #[test]
 fn device_built_handles_refuse_what_the_host_refuses_and_span_tiles() {
-    let Some(devices) = gpus(2, "device_built_handles") else { return };
-    let base = seed();
-    eprintln!("seed {base}");
-    let (experts, k) = (16usize, 8usize);
-    let config = GroupConfig::low_latency(experts, 2048, 1024).with_max_top_k(16);
-    let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+    let Some((ranks, config, base)) = handle_world("device_built_handles") else { return };
+    let (experts, k) = (HANDLE_EXPERTS, 8usize);
     let sc = Scenario::generate(config.clone(), 2, &[1500, 1100], k, RoutingKind::Uniform, 0, base);
     // (token, k, what the entry becomes): above E, below -1, a repeat of the row's slot 0.
     let cases: [(usize, usize, Option<i64>); 6] = [
@@ -267,12 +278,8 @@ fn device_built_handles_refuse_what_the_host_refuses_and_span_tiles() {
 /// invalid one on masked); the group goes on.
 #[test]
 fn handles_in_stream_order_match_reference() {
-    let Some(devices) = gpus(2, "handles_in_stream_order") else { return };
-    let base = seed();
-    eprintln!("seed {base}");
-    let (experts, k) = (16usize, 8usize);
-    let config = GroupConfig::low_latency(experts, 2048, 1024).with_max_top_k(16);
-    let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+    let Some((ranks, config, base)) = handle_world("handles_in_stream_order") else { return };
+    let (experts, k) = (HANDLE_EXPERTS, 8usize);
     let spin = Duration::from_millis(2);
     for (i, tokens) in [[1500usize, 1100], [40, 7]].into_iter().enumerate() {
         let sc = Scenario::generate(config.clone(), 2, &tokens, k, RoutingKind::Uniform, 3, base + i as u64);

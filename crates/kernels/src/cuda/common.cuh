@@ -310,6 +310,24 @@ __device__ __forceinline__ int topk_first_invalid(const long long (&row)[EP_MAX_
     return first;
 }
 
+// Reports a routing's first invalid entry for the host, as `epflow_core::routing::Routing::new`
+// names it (one thread; the handle kernels' mapped words): out[0] = `bad` = t * K + k, or -1 for
+// none; with one, out[1] its value and out[2] the earlier k of its row naming the same expert,
+// or -1 (epflow-kernels `ht::result::invalid_routing_in` reads them).
+__device__ __forceinline__ void report_invalid_entry(const long long* topk, int K, int bad, long long* out) {
+    if (bad >= 0) {
+        const long long* row = topk + (size_t)(bad / K) * K;
+        const int k = bad % K;
+        int earlier = -1;
+        for (int j = 0; j < k; ++j) {
+            if (earlier < 0 && row[j] == row[k]) earlier = j;
+        }
+        out[1] = row[k];
+        out[2] = earlier;
+    }
+    out[0] = bad;
+}
+
 // Rounds a positive finite scale up to a power of two (as the CPU reference does).
 __device__ __forceinline__ float pow2_ceil(float s) {
     u32 b = __float_as_uint(s);

@@ -335,19 +335,9 @@ extern "C" __global__ void __launch_bounds__(HT_PLAN_BLOCK) ep_ht_plan(HtPlanPar
         return;
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-        long long* result = reinterpret_cast<long long*>(p.result);
-        if (!p.cancelled && bad_inv != 0) {
-            const int bad = 0x7fffffff - bad_inv;
-            const long long* row = reinterpret_cast<const long long*>(p.topk) + (size_t)(bad / K) * K;
-            const int k = bad % K;
-            int first = -1;
-            for (int j = 0; j < k; ++j) {
-                if (first < 0 && row[j] == row[k]) first = j;
-            }
-            result[1] = row[k];
-            result[2] = first;
-        }
-        result[0] = bad_inv == 0 ? -1 : 0x7fffffff - bad_inv;
+        // (A cancelled creation read no marks: bad_inv is 0.)
+        report_invalid_entry(reinterpret_cast<const long long*>(p.topk), K, bad_inv == 0 ? -1 : 0x7fffffff - bad_inv,
+                             reinterpret_cast<long long*>(p.result));
     }
     plan_send(p, blockIdx.x, cancelled);
 }

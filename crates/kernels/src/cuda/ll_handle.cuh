@@ -82,20 +82,7 @@ extern "C" __global__ void __launch_bounds__(EP_LL_HANDLE_BLOCK)
     }
     __syncthreads();
     long long* rep = reinterpret_cast<long long*>(report);
-    if (threadIdx.x == 0) {
-        const int bad = first_bad;
-        if (bad != 0x7fffffff) {
-            const long long* row = in + (size_t)(bad / K) * K;
-            const int k = bad % K;
-            int earlier = -1;
-            for (int j = 0; j < k; ++j) {
-                if (earlier < 0 && row[j] == row[k]) earlier = j;
-            }
-            rep[1] = row[k];
-            rep[2] = earlier;
-        }
-        rep[0] = bad == 0x7fffffff ? -1 : bad;
-    }
+    if (threadIdx.x == 0) report_invalid_entry(in, K, first_bad == 0x7fffffff ? -1 : first_bad, rep);
     if ((int)threadIdx.x < R) {
         rep[3 + threadIdx.x] = slots != nullptr ? base[threadIdx.x] : 0;
         if (slots != nullptr) slots[(size_t)R * M + threadIdx.x] = base[threadIdx.x];
