@@ -484,10 +484,10 @@ impl LlLayout {
 
     /// Per-handle device memory: the `topk_idx` copy `[M x K]` int64, the rank-major send
     /// slots `[R x M]` int32 (`send_slot`; right after the copy, so the host writes both at
-    /// once) and the tokens per destination `[R]` int32 (see `row_of_offset`), the row map `[R x M x K]` int32, for NCCL peers the combine pack map
-    /// `[R x M x K]` and the combine positions `[M x K]` int32 (see `nccl.rs`), and the return
-    /// list `[R x M x K]` int32 with its per-source counts `[R]` int32 (`ret_list` in
-    /// `ll_base.cuh`).
+    /// once) and the tokens per destination `[R]` int32 (see `row_of_offset`), the row map
+    /// `[R x M x K]` int32, for NCCL peers the combine pack map `[R x M x K]` and the combine
+    /// positions `[M x K]` int32 (see `nccl.rs`), and the return list `[R x M x K]` int32 with
+    /// its per-source counts `[R]` int32 (`ret_list` in `ll_base.cuh`).
     pub(crate) fn handle_bytes(&self) -> usize {
         self.return_count_offset() + (self.num_ranks * 4).next_multiple_of(256)
     }

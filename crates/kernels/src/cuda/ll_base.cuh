@@ -1,6 +1,6 @@
 // epflow low-latency kernels, part 1 of 7. NVRTC compiles common.cuh, then ll_base.cuh,
-// ll_tagged.cuh, ll_send.cuh, ll_receive.cuh, ll_combine.cuh, ll.cu and ll_handle.cuh in that order as one unit
-// (epflow-kernels compile/sources.rs). This part: the message formats, the parameter block,
+// ll_tagged.cuh, ll_send.cuh, ll_receive.cuh, ll_combine.cuh, ll.cu and ll_handle.cuh in that
+// order as one unit (epflow-kernels compile/sources.rs). This part: the message formats, the parameter block,
 // operation numbers, the trace, rank masking and credit waits.
 //
 // epflow low-latency dispatch and combine: a send half and a complete half, launched as two

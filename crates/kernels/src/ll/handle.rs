@@ -55,7 +55,8 @@ fn block_threads(tokens: usize) -> u32 {
 /// A low-latency handle of `layout` for `topk_idx` (`[B x K]` int64 on this rank's device, its
 /// descriptor and `K` already checked), built on the device. Blocks until the kernel has run:
 /// the handle is ready when returned, and an invalid entry is this call's error
-/// ([`ValidationError::ExpertIndexOutOfRange`] or [`ValidationError::DuplicateExpert`], the
+/// ([`epflow_core::ValidationError::ExpertIndexOutOfRange`] or
+/// [`epflow_core::ValidationError::DuplicateExpert`], the
 /// first in row-major order, as the host-built handle reports it). `steps` times the memory, the
 /// launch and the wait (`EPFLOW_HOST_STEPS`).
 pub(crate) fn build(
@@ -198,7 +199,13 @@ fn read_report(
     compact: bool,
 ) -> Result<Option<[i32; MAX_RANKS]>, Error> {
     let stream = &s.streams[Channel::Handle.index()];
-    let done = s.events.record(stream).map_err(|e| cuda("record the handle's event", e))?;
+    let done = s.events.record(stream).map_err(|e| {
+        // The kernel may be enqueued: the caller pools the memory and the report only after it.
+        if let Err(w) = stream.synchronize() {
+            tracing::warn!("a low-latency handle: waiting for its kernel failed: {w:?}");
+        }
+        cuda("record the handle's event", e)
+    })?;
     done.synchronize().map_err(|e| cuda("wait for ep_ll_handle", e))?;
     if let Some(e) = crate::ht::result::invalid_routing_in(report, top_k, s.config.num_experts) {
         return Err(Error::Validation(e));

@@ -326,9 +326,9 @@ impl GpuRank {
     }
 
     /// A low-latency handle built on the host (NCCL peers, or `EPFLOW_LL_HANDLE=host`; else
-    /// [`ll::handle::build`] builds it on the device): the routing's copy in device memory, for NCCL peers where their
-    /// combine rows land, and for a rank-major handle the slot of each dispatch message
-    /// (compacted per destination; not for groups whose `max_tokens` exceeds
+    /// [`ll::handle::build`] builds it on the device): the routing's copy in device memory, for
+    /// NCCL peers where their combine rows land, and for a rank-major handle the slot of each
+    /// dispatch message (compacted per destination; not for groups whose `max_tokens` exceeds
     /// `LL_COMPACT_MAX_ROWS`), written with the routing's copy in one host-to-device copy.
     /// `steps` times the buffer, the slots, the copy and the rest (`EPFLOW_HOST_STEPS`).
     fn ll_handle(&self, routing: Routing, layout: Layout, steps: &mut Steps) -> Result<GpuHandle, Error> {
