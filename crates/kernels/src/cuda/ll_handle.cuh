@@ -13,8 +13,10 @@
 //   running count of the tiles before; then, after the [R x M] slots, the tokens routed to each
 //   destination ([R] int32: what its dispatches announce when the host has not read them,
 //   `announced_rows`);
-// - in mapped host memory `report` (int64): [0] the first invalid entry t * K + k (or -1), [1]
-//   its value, [2] the earlier k it repeats (or -1), then [3 + d] the tokens routed to
+// - in mapped host memory `report` (int64): [0] the first invalid entry t * K + k, [1] its value,
+//   [2] the earlier k it repeats (or -1), written only for an invalid routing (the host sets [0]
+//   to -1 before the launch: a valid routing crosses nothing to the host), then, with
+//   `counts_to_host` (an awaited creation, whose host reads them), [3 + d] the tokens routed to
 //   destination d (the messages its dispatches announce in the arrival word). The host reads them
 //   after the kernel's event (epflow-kernels `ll/handle.rs`).
 // The block's threads are a multiple of 32, at most EP_LL_HANDLE_BLOCK.
@@ -22,7 +24,8 @@
 #define EP_LL_HANDLE_BLOCK 1024
 
 extern "C" __global__ void __launch_bounds__(EP_LL_HANDLE_BLOCK)
-    ep_ll_handle(u64 topk_in, u64 topk_out, u64 slots_out, u64 report, int B, int K, int E, int L, int R, int M) {
+    ep_ll_handle(u64 topk_in, u64 topk_out, u64 slots_out, u64 report, int B, int K, int E, int L, int R, int M,
+                 int counts_to_host) {
     __shared__ int warp_base[EP_LL_HANDLE_BLOCK / 32][EP_MAX_RANKS];
     __shared__ int base[EP_MAX_RANKS];
     __shared__ int first_bad;
@@ -82,9 +85,9 @@ extern "C" __global__ void __launch_bounds__(EP_LL_HANDLE_BLOCK)
     }
     __syncthreads();
     long long* rep = reinterpret_cast<long long*>(report);
-    if (threadIdx.x == 0) report_invalid_entry(in, K, first_bad == 0x7fffffff ? -1 : first_bad, rep);
+    if (threadIdx.x == 0 && first_bad != 0x7fffffff) report_invalid_entry(in, K, first_bad, rep);
     if ((int)threadIdx.x < R) {
-        rep[3 + threadIdx.x] = slots != nullptr ? base[threadIdx.x] : 0;
+        if (counts_to_host) rep[3 + threadIdx.x] = slots != nullptr ? base[threadIdx.x] : 0;
         if (slots != nullptr) slots[(size_t)R * M + threadIdx.x] = base[threadIdx.x];
     }
 }

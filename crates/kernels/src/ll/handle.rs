@@ -68,7 +68,7 @@ pub(crate) fn build(
     let (b, k) = (topk_idx.desc().shape[0], topk_idx.desc().shape[1]);
     let (mem, report, compact) = take_memory(s, layout)?;
     steps.step("handle: take the handle's memory");
-    let built = launch(s, &s.streams[Channel::Handle.index()], topk_idx, &mem, &report, (b, k, compact));
+    let built = launch(s, &s.streams[Channel::Handle.index()], topk_idx, &mem, &report, (b, k, compact), true);
     steps.step("handle: launch the kernel");
     let outcome = built.and_then(|()| read_report(s, &report, k, compact));
     steps.step("handle: wait for the kernel");
@@ -102,7 +102,7 @@ pub(crate) fn build_on(
     let (b, k) = (topk_idx.desc().shape[0], topk_idx.desc().shape[1]);
     let (mem, report, compact) = take_memory(s, layout)?;
     steps.step("handle: take the handle's memory");
-    let launched = launch(s, stream, topk_idx, &mem, &report, (b, k, compact));
+    let launched = launch(s, stream, topk_idx, &mem, &report, (b, k, compact), false);
     let recorded = launched.and_then(|()| {
         s.events.record(stream).map_err(|e| {
             // The kernel may be enqueued: the memory goes back only after it.
@@ -153,7 +153,9 @@ fn take_memory(s: &RankShared, layout: Layout) -> Result<(DeviceBuffer, PinnedBu
 }
 
 /// Enqueues `ep_ll_handle` on `stream` after `topk_idx`'s ready event, writing into `mem` (a
-/// handle's memory) and `report`; `shape`: `(B, K, compact)`.
+/// handle's memory) and `report` (its first word set to -1 first: the kernel writes the report
+/// only for an invalid routing, and the counts only with `counts_to_host`); `shape`: `(B, K,
+/// compact)`.
 fn launch(
     s: &RankShared,
     stream: &CudaStream,
@@ -161,9 +163,12 @@ fn launch(
     mem: &DeviceBuffer,
     report: &PinnedBuffer,
     shape: (usize, usize, bool),
+    counts_to_host: bool,
 ) -> Result<(), Error> {
     let (b, k, compact) = shape;
     let l = s.layout.ll("a low-latency handle")?;
+    // No kernel uses the report now (a pooled one's last kernel ran before it was pooled).
+    report.write_u64(0, u64::MAX);
     bind(&s.ctx)?;
     if let Some(e) = topk_idx.ready_event() {
         stream.wait(e).map_err(|e| cuda("wait for topk_idx", e))?;
@@ -171,7 +176,8 @@ fn launch(
     let (topk_in, topk_out, report_ptr) = (topk_idx.ptr(), mem.ptr(), report.device_ptr());
     let slots = if compact { mem.ptr() + l.send_slot_offset() as u64 } else { 0 };
     let local = s.config.num_experts / s.num_ranks;
-    let ints = [b, k, s.config.num_experts, local, s.num_ranks, l.max_tokens].map(|v| v as i32);
+    let ints =
+        [b, k, s.config.num_experts, local, s.num_ranks, l.max_tokens, usize::from(counts_to_host)].map(|v| v as i32);
     let cfg =
         cudarc::driver::LaunchConfig { grid_dim: (1, 1, 1), block_dim: (block_threads(b), 1, 1), shared_mem_bytes: 0 };
     let mut builder = stream.launch_builder(&s.functions.ll_handle);
@@ -179,7 +185,7 @@ fn launch(
     for v in &ints {
         builder.arg(v);
     }
-    // SAFETY: the arguments match `ep_ll_handle(u64, u64, u64, u64, int x 6)`; `topk_in` holds
+    // SAFETY: the arguments match `ep_ll_handle(u64, u64, u64, u64, int x 7)`; `topk_in` holds
     // B x K int64 on this device (its descriptor was checked) and stays alive until the kernel
     // ran (`build` waits for it within the caller's borrow; `build_on` keeps epflow's memory in
     // the handle, and the caller's own is read in its stream's order); `mem` holds the
