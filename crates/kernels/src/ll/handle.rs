@@ -18,7 +18,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::{CudaStream, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaStream, PushKernelArg};
 use epflow_core::Algorithm;
 use epflow_core::Error;
 use epflow_core::handle::HandleCore;
@@ -103,15 +103,7 @@ pub(crate) fn build_on(
     let (mem, report, compact) = take_memory(s, layout)?;
     steps.step("handle: take the handle's memory");
     let launched = launch(s, stream, topk_idx, &mem, &report, (b, k, compact), false);
-    let recorded = launched.and_then(|()| {
-        s.events.record(stream).map_err(|e| {
-            // The kernel may be enqueued: the memory goes back only after it.
-            if let Err(w) = stream.synchronize() {
-                tracing::warn!("a handle in stream order: waiting for its kernel failed: {w:?}");
-            }
-            cuda("record the handle's event", e)
-        })
-    });
+    let recorded = launched.and_then(|()| record_after_kernel(s, stream));
     steps.step("handle: launch the kernel");
     let built = match recorded {
         Ok(e) => e,
@@ -196,6 +188,18 @@ fn launch(
     Ok(())
 }
 
+/// An event recorded on `stream` after the handle's kernel. If it cannot be recorded, the stream
+/// is synchronized first (the kernel may be enqueued: the caller pools the memory and the report
+/// after this returns).
+fn record_after_kernel(s: &RankShared, stream: &CudaStream) -> Result<Arc<CudaEvent>, Error> {
+    s.events.record(stream).map_err(|e| {
+        if let Err(w) = stream.synchronize() {
+            tracing::warn!("a low-latency handle: waiting for its kernel failed: {w:?}");
+        }
+        cuda("record the handle's event", e)
+    })
+}
+
 /// Waits for the kernel (an event after it on the handle stream) and reads its report: the
 /// routing's first invalid entry as the error, else (compacted) the messages per destination.
 fn read_report(
@@ -204,14 +208,7 @@ fn read_report(
     top_k: usize,
     compact: bool,
 ) -> Result<Option<[i32; MAX_RANKS]>, Error> {
-    let stream = &s.streams[Channel::Handle.index()];
-    let done = s.events.record(stream).map_err(|e| {
-        // The kernel may be enqueued: the caller pools the memory and the report only after it.
-        if let Err(w) = stream.synchronize() {
-            tracing::warn!("a low-latency handle: waiting for its kernel failed: {w:?}");
-        }
-        cuda("record the handle's event", e)
-    })?;
+    let done = record_after_kernel(s, &s.streams[Channel::Handle.index()])?;
     done.synchronize().map_err(|e| cuda("wait for ep_ll_handle", e))?;
     if let Some(e) = crate::ht::result::invalid_routing_in(report, top_k, s.config.num_experts) {
         return Err(Error::Validation(e));

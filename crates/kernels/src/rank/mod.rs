@@ -325,6 +325,33 @@ impl GpuRank {
         Ok(routing)
     }
 
+    /// A low-latency handle built on the device (`ll::handle`): the options and `topk_idx`'s
+    /// descriptor checked here, its values on the device; awaited ([`ll::handle::build`]) or,
+    /// with `on`, in that stream's order ([`ll::handle::build_on`]). `EPFLOW_HOST_STEPS` times
+    /// the checks and the steps of the build.
+    fn ll_device_handle(
+        &self,
+        topk_idx: &DeviceTensor,
+        opts: &HandleOptions,
+        on: Option<&Arc<CudaStream>>,
+    ) -> Result<GpuHandle, Error> {
+        let s = &self.shared;
+        let mut steps = Steps::start();
+        validate_handle_options(&s.config, opts)?;
+        self.check_topk_tensor(topk_idx)?;
+        if on.is_some_and(|stream| stream.context().cu_ctx() != s.ctx.cu_ctx()) {
+            return Err(Error::Unsupported(format!(
+                "create_handle_on: the stream belongs to another context than this rank's (device {})",
+                s.device
+            )));
+        }
+        steps.step("handle: checks");
+        match on {
+            None => ll::handle::build(s, topk_idx, opts.layout, &mut steps),
+            Some(stream) => ll::handle::build_on(s, topk_idx, opts.layout, stream, &mut steps),
+        }
+    }
+
     /// A low-latency handle built on the host (NCCL peers, or `EPFLOW_LL_HANDLE=host`; else
     /// [`ll::handle::build`] builds it on the device): the routing's copy in device memory, for
     /// NCCL peers where their combine rows land, and for a rank-major handle the slot of each
@@ -407,17 +434,7 @@ impl Backend for GpuRank {
             return self.start_handle(topk_idx, opts);
         }
         self.core.poison().check()?;
-        let mut steps = Steps::start();
-        validate_handle_options(&s.config, opts)?;
-        self.check_topk_tensor(topk_idx)?;
-        if stream.context().cu_ctx() != s.ctx.cu_ctx() {
-            return Err(Error::Unsupported(format!(
-                "create_handle_on: the stream belongs to another context than this rank's (device {})",
-                s.device
-            )));
-        }
-        steps.step("handle: checks");
-        Ok(HandleCreation::Ready(ll::handle::build_on(s, topk_idx, opts.layout, stream, &mut steps)?))
+        Ok(HandleCreation::Ready(self.ll_device_handle(topk_idx, opts, Some(stream))?))
     }
 
     fn start_handle(
@@ -428,19 +445,11 @@ impl Backend for GpuRank {
         self.core.poison().check()?;
         match self.shared.config.algorithm {
             Algorithm::LowLatency => {
+                if ll::handle::builds_on_device(&self.shared) {
+                    return Ok(HandleCreation::Ready(self.ll_device_handle(topk_idx, opts, None)?));
+                }
                 let mut steps = Steps::start();
                 validate_handle_options(&self.shared.config, opts)?;
-                if ll::handle::builds_on_device(&self.shared) {
-                    // The descriptor here, the values on the device.
-                    self.check_topk_tensor(topk_idx)?;
-                    steps.step("handle: checks");
-                    return Ok(HandleCreation::Ready(ll::handle::build(
-                        &self.shared,
-                        topk_idx,
-                        opts.layout,
-                        &mut steps,
-                    )?));
-                }
                 let routing = self.routing_of(topk_idx, &mut steps)?;
                 Ok(HandleCreation::Ready(self.ll_handle(routing, opts.layout, &mut steps)?))
             }
