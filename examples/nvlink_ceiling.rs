@@ -9,7 +9,13 @@
 //! with the Tensor Memory Accelerator's bulk copies instead (`GpuRank::tma_copy`: one issuing
 //! thread per block, `--stages` shared-memory buffers of `--chunk` bytes, default 14 of 14336 B,
 //! a 7168-wide BF16 row each); `--local` then copies locally with bulk copies too. Every copied
-//! region is checked against its source at the end. High-throughput dispatch at the reference
+//! region is checked against its source at the end. With the copy engines, `--local-sms N` adds
+//! `--local-copies K` (default 2) local copies of the same size on N blocks of SM stores per GPU at
+//! the same time (a dispatch through the copy engines would still copy its own rows and compact
+//! the received ones in HBM), and `--chunks K` splits each peer copy into K copies, each followed
+//! by a stream write of a flag word in the source's memory (`cuStreamWriteValue32`, what a
+//! receiving kernel would poll; `--no-flags` leaves them out), on `--piece-streams S` streams per
+//! pair in turn. High-throughput dispatch at the reference
 //! config moves ~53 MB per pair on 4 GPUs, ~58 MB on 2.
 //!
 //! ```sh
@@ -38,6 +44,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let local = std::env::args().any(|a| a == "--local");
     let tma = std::env::args().any(|a| a == "--tma");
     let (chunk, stages) = (arg("--chunk", 14336) as u32, arg("--stages", 14) as u32);
+    let (local_sms, local_copies, chunks) =
+        (arg("--local-sms", 0), arg("--local-copies", 2), arg("--chunks", 1).max(1));
+    let (piece_streams, flagged) = (arg("--piece-streams", 1).max(1), !std::env::args().any(|a| a == "--no-flags"));
     let bytes = mb << 20;
     let devices: Vec<usize> = (0..n.min(8)).collect();
     // A group only to open the contexts and enable peer access between every pair.
@@ -59,9 +68,30 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let peer_blocks = (sms / (r - 1).max(1)).max(1) as u32;
     let streams: Vec<Vec<_>> = ranks
         .iter()
-        .map(|k| (0..r).map(|_| k.context().new_stream()).collect::<Result<Vec<_>, _>>())
+        .map(|k| (0..r * piece_streams).map(|_| k.context().new_stream()).collect::<Result<Vec<_>, _>>())
         .collect::<Result<_, _>>()?;
     let shape = BulkStages { chunk, stages };
+    // Local copies beside the copy engines: `local_copies` regions of `bytes` per GPU.
+    let (local_src, local_dst): (Vec<DeviceBuffer>, Vec<DeviceBuffer>) = if sms == 0 && local_sms > 0 {
+        let a = ranks.iter().map(|k| DeviceBuffer::zeroed(k.context(), bytes)).collect::<Result<_, _>>()?;
+        let b =
+            ranks.iter().map(|k| DeviceBuffer::zeroed(k.context(), bytes * local_copies)).collect::<Result<_, _>>()?;
+        (a, b)
+    } else {
+        (Vec::new(), Vec::new())
+    };
+    let local_streams: Vec<_> =
+        local_src.iter().zip(&ranks).map(|(_, k)| k.context().new_stream()).collect::<Result<_, _>>()?;
+    // One flag word per (source, chunk), in the source's memory.
+    let flags: Vec<DeviceBuffer> =
+        ranks.iter().map(|k| DeviceBuffer::zeroed(k.context(), 4 * chunks * r)).collect::<Result<_, _>>()?;
+    let piece = bytes.div_ceil(chunks).next_multiple_of(16);
+    // `--gate-us G`: every rank's streams first wait behind a G µs spin on a gate stream, so the
+    // host's enqueueing is hidden, and the time is the device's, from the gate's end to the last
+    // stream's end (CUDA events, per rank; the larger rank's).
+    let gate_us = arg("--gate-us", 0) as u64;
+    let gates: Vec<_> = ranks.iter().map(|k| k.context().new_stream()).collect::<Result<_, _>>()?;
+    let mut dev_times = Vec::with_capacity(iters);
     // `copy` with SM stores or bulk copies on `blocks` blocks of `rank`, on `stream`.
     let probe = |rank: &GpuRank, stream: &CudaStream, copy: CopyRange<'_>, blocks: u32| {
         // SAFETY: every buffer lives until the end of main, after every stream is synchronized;
@@ -71,6 +101,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut times = Vec::with_capacity(iters);
     for it in 0..iters + 3 {
         let t = Instant::now();
+        let mut marks = Vec::new();
+        if gate_us > 0 {
+            for s in 0..r {
+                ranks[s].context().bind_to_thread()?;
+                ranks[s].delay_on(&gates[s], std::time::Duration::from_micros(gate_us))?;
+                let start = ranks[s].context().new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+                start.record(&gates[s])?;
+                for st in streams[s].iter().chain(local_streams.get(s)) {
+                    st.wait(&start)?;
+                }
+                marks.push(start);
+            }
+        }
         for s in 0..r {
             ranks[s].context().bind_to_thread()?;
             for d in (0..r).filter(|&d| d != s) {
@@ -80,12 +123,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     continue;
                 }
                 let to = dst[d].ptr() + (s * bytes) as u64;
-                // SAFETY: both ranges are live cuMemAlloc allocations of `bytes` (peer access is
-                // enabled between every pair); the copy is ordered on its own stream.
-                unsafe {
-                    cudarc::driver::sys::cuMemcpyDtoDAsync_v2(to, src[s].ptr(), bytes, streams[s][d].cu_stream())
+                for k in 0..chunks {
+                    let (at, n) = (k * piece, piece.min(bytes.saturating_sub(k * piece)));
+                    let st = streams[s][d * piece_streams + k % piece_streams].cu_stream();
+                    // SAFETY: both ranges lie inside live cuMemAlloc allocations of `bytes`
+                    // (peer access is enabled between every pair); the copy is ordered on its own
+                    // stream, the flag word inside this GPU's live `flags` buffer.
+                    unsafe {
+                        cudarc::driver::sys::cuMemcpyDtoDAsync_v2(to + at as u64, src[s].ptr() + at as u64, n, st)
+                            .result()?;
+                        if chunks > 1 && flagged {
+                            let flag = flags[s].ptr() + (4 * (d * chunks + k)) as u64;
+                            cudarc::driver::sys::cuStreamWriteValue32_v2(st, flag, (it + 1) as u32, 0).result()?;
+                        }
+                    }
                 }
-                .result()?;
+            }
+            for k in 0..if local_src.is_empty() { 0 } else { local_copies } {
+                let copy = CopyRange { dst: &local_dst[s], dst_offset: k * bytes, src: &local_src[s], bytes };
+                // SAFETY: as `probe`: the buffers live until the end of main, the regions are disjoint.
+                unsafe { ranks[s].sm_copy(&local_streams[s], copy, local_sms as u32) }?;
             }
             if local && sms > 0 {
                 // The own region of this GPU's destination buffer, on the stream of pair (s, s).
@@ -93,10 +150,31 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 probe(&ranks[s], &streams[s][s], copy, sms as u32)?;
             }
         }
-        for ss in &streams {
-            for st in ss {
-                st.synchronize()?;
+        let mut ends: Vec<Vec<_>> = Vec::new();
+        if gate_us > 0 {
+            for s in 0..r {
+                ranks[s].context().bind_to_thread()?;
+                let mut e = Vec::new();
+                for st in streams[s].iter().chain(local_streams.get(s)) {
+                    let ev =
+                        ranks[s].context().new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+                    ev.record(st)?;
+                    e.push(ev);
+                }
+                ends.push(e);
             }
+        }
+        for st in streams.iter().flatten().chain(&local_streams) {
+            st.synchronize()?;
+        }
+        if gate_us > 0 && it >= 3 {
+            let mut worst = 0f32;
+            for (start, e) in marks.iter().zip(&ends) {
+                for ev in e {
+                    worst = worst.max(start.elapsed_ms(ev)?);
+                }
+            }
+            dev_times.push(f64::from(worst) * 1e-3);
         }
         if it >= 3 {
             times.push(t.elapsed().as_secs_f64());
@@ -113,18 +191,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
         }
     }
+    if gate_us > 0 {
+        times = dev_times;
+    }
     times.sort_by(f64::total_cmp);
     let med = times[times.len() / 2];
     let ingress = (r - 1) as f64 * bytes as f64 / med / 1e9;
     let kind = if tma { format!("bulk copies ({stages} x {chunk} B)") } else { "SM stores".to_string() };
     let how = match (sms, local) {
-        (0, _) => "copy engines".to_string(),
+        (0, _) if local_sms > 0 => format!(
+            "copy engines in {chunks} piece(s) on {piece_streams} stream(s), flags {flagged}, with {local_copies} local copies of {mb} MB on {local_sms} blocks"
+        ),
+        (0, _) => format!("copy engines in {chunks} piece(s) on {piece_streams} stream(s), flags {flagged}"),
         (n, false) => format!("{kind}, {n} blocks per GPU"),
         (n, true) => format!("{kind}, {n} blocks per GPU, with a local copy of {mb} MB on {n} more"),
     };
     println!(
-        "{r} GPUs, {mb} MB to every peer: median {:.1} us per all-to-all, {ingress:.1} GB/s ingress per GPU ({how})",
-        med * 1e6
+        "{r} GPUs, {mb} MB to every peer: median {:.1} us per all-to-all ({}), {ingress:.1} GB/s ingress per GPU ({how})",
+        med * 1e6,
+        if gate_us > 0 { "device, CUDA events" } else { "host clock" }
     );
     Ok(())
 }
