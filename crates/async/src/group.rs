@@ -104,12 +104,12 @@ impl<B: Backend> Group<B> {
 
     /// Creates a routing handle with `opts` in `stream`'s order: resolves once the creation is
     /// enqueued, with the handle and a [`Completion`], and nothing waits on the host.
-    /// Low-latency handles on GPUs over NVLink are built by one kernel enqueued on `stream` (after
-    /// `topk_idx`'s ready event): the handle is returned at once, its dispatches are ordered
-    /// after that kernel on the device, and an invalid `topk_idx` entry becomes the error of
-    /// this rank's dispatches on the handle, found at their verdicts (the peers receive the
-    /// sanitized rows), instead of this creation's; keep `topk_idx` unchanged until work
-    /// enqueued on `stream` after this call. High-throughput handles: as
+    /// Low-latency handles on GPUs over NVLink launch nothing: the handle is returned at once and
+    /// keeps `topk_idx`, which every dispatch on it reads and checks in `stream`'s order (after
+    /// `topk_idx`'s ready event), as NCCL EP's low-latency handles do; an invalid entry becomes
+    /// the error of this rank's dispatches on the handle, found at their verdicts (the peers
+    /// receive the sanitized rows), instead of this creation's. Keep `topk_idx` unchanged while
+    /// dispatches on the handle may run. High-throughput handles: as
     /// `create_handle_with(..).after(stream).complete_on(stream)` ([`HandleFuture::after`],
     /// [`HandleFuture::complete_on`]). Elsewhere (the host backend, NCCL peers) the handle is
     /// built at once, as by [`Group::create_handle_with`], and the completion is done.

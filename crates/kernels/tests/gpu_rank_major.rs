@@ -267,15 +267,17 @@ fn device_built_handles_refuse_what_the_host_refuses_and_span_tiles() {
     eprintln!("ok: device-built handles, 1500 / 1100 tokens");
 }
 
-/// Handles built in a stream's order (`blocking_handle_on`: the kernel on the caller's stream,
-/// the handle at once, nothing waiting on the host), with a 2 ms spin ahead of the kernel on
-/// that stream each time, so that every operation that does not wait for it reads a stale
-/// handle: operations awaited on the channels' streams, and completed on the caller's stream,
-/// both layouts, 1500 / 1100 and 40 / 7 tokens, match the reference bit for bit. A handle
-/// dropped before its kernel ran gives its memory back only after it (the next handle reuses
-/// it). An invalid entry on rank 1 fails rank 1's dispatch at its verdict with the host's
-/// error, while rank 0 receives rank 1's sanitized rows (the entries from the row's first
-/// invalid one on masked); the group goes on.
+/// Handles created in a stream's order (`blocking_handle_on`: the handle at once, nothing
+/// waiting on the host; by default the dispatches read `topk_idx`, with
+/// `EPFLOW_LL_STREAM_HANDLE=kernel` a kernel on the caller's stream builds the handle), each
+/// from a `topk_idx` written on that stream behind a 2 ms spin, so that every operation not
+/// ordered after it reads the wrong routing: operations awaited on the channels' streams, and
+/// completed on the caller's stream, both layouts, 1500 / 1100 and 40 / 7 tokens, three rounds
+/// per handle (by default the second launches the kernel that the third reads), match the
+/// reference bit for bit. A handle dropped before the work ahead of it ran gives its memory
+/// back only after it (the next handle reuses it). An invalid entry on rank 1 fails rank 1's
+/// dispatch at its verdict with the host's error, while rank 0 receives rank 1's sanitized rows
+/// (the entries from the row's first invalid one on masked); the group goes on.
 #[test]
 fn handles_in_stream_order_match_reference() {
     let Some((ranks, config, base)) = handle_world("handles_in_stream_order") else { return };
@@ -287,20 +289,37 @@ fn handles_in_stream_order_match_reference() {
             let r = rank.rank();
             let stream = rank.context().new_stream().expect("stream");
             let idx = rank.upload(&sc.topk_idx(r)).expect("upload");
+            let b = tokens[r];
+            // The routing is written on `stream` behind a spin, into a tensor of zeros (every
+            // entry expert 0): a dispatch not ordered after it would route every token to rank 0.
+            let written_late = || {
+                let zeros = rank.upload(&HostTensor::topk_idx(b, k, vec![0; b * k])).expect("upload");
+                rank.delay_on(&stream, spin).expect("spin");
+                let ready = rank.copy_on(&stream, &idx, &zeros).expect("copy");
+                zeros.ready_after(ready)
+            };
             for (j, layout) in [Layout::RankMajor, Layout::ExpertMajor].into_iter().enumerate() {
                 let opts = HandleOptions::with_layout(layout);
-                // Dropped before its kernel ran: the next handle takes its memory after it.
+                // Dropped before the work ahead of it ran: the next handle takes its memory.
                 rank.delay_on(&stream, spin).expect("spin");
                 drop(blocking_handle_on(rank, &idx, &opts, &stream).expect("handle"));
                 for (n, how) in [How::Awaited { staged: j == 1 }, How::OnStream(&stream)].into_iter().enumerate() {
                     rank.fill_output_buffers(0xA5).expect("fill");
-                    rank.delay_on(&stream, spin).expect("spin");
-                    let (h, created) = blocking_handle_on(rank, &idx, &opts, &stream).expect("handle");
+                    let late = written_late();
+                    let (h, created) = blocking_handle_on(rank, &late, &opts, &stream).expect("handle");
                     assert!(created.is_none(), "a low-latency handle has no creation to settle");
-                    let (d, c) = round_on(rank, &sc, layout, &h, how).expect("round");
-                    let what = format!("rank {r} tokens={tokens:?} {layout:?} form {n} seed={}", base + i as u64);
-                    assert!(d.ok() && d.checked > 0, "{what}: {d:?}");
-                    assert!(c.ok(), "{what}: {c:?}");
+                    // Three rounds on the handle: the first two read the caller's routing, the
+                    // second launches the kernel that the third reads (compacted, rank-major).
+                    for round in 0..3 {
+                        rank.fill_output_buffers(0xA5).expect("fill");
+                        let (d, c) = round_on(rank, &sc, layout, &h, how).expect("round");
+                        let what = format!(
+                            "rank {r} tokens={tokens:?} {layout:?} form {n} round {round} seed={}",
+                            base + i as u64
+                        );
+                        assert!(d.ok() && d.checked > 0, "{what}: {d:?}");
+                        assert!(c.ok(), "{what}: {c:?}");
+                    }
                 }
             }
         });

@@ -2,13 +2,14 @@
 //! `topk_idx` (`ncclEpCreateHandle`, or `ncclEpInitHandle` then `ncclEpUpdateHandle`).
 //!
 //! epflow keeps a handle's routing in its own device memory: `ncclEpHandleMemSize` reports a
-//! small size, and a caller's `handle_mem` is checked but not used. The routing is read when the
-//! handle is created or updated: a later change of the `topk_idx` memory needs
-//! `ncclEpUpdateHandle`. Low-latency over NVLink, it is read in the stream's order (a kernel
-//! enqueued on the caller's stream copies and checks it into the handle; nothing waits on the
-//! host), and an invalid entry fails the dispatches on the handle at their verdicts (the
-//! group's error, like a peer's failure) instead of the creation. Otherwise the stream is
-//! synchronized first and the routing checked at once.
+//! small size, and a caller's `handle_mem` is checked but not used. Low-latency over NVLink, as
+//! in NCCL EP, the handle keeps the `topk_idx` address: creating or updating it launches nothing
+//! and waits for nothing on the host, and every dispatch on the handle reads and checks the
+//! routing in the stream's order (keep the memory alive and unchanged while dispatches on the
+//! handle may run; `ncclEpUpdateHandle` for a new routing). An invalid entry fails those
+//! dispatches at their verdicts (the group's error, like a peer's failure) instead of the
+//! creation. Otherwise (high-throughput, NCCL peers) the routing is read when the handle is
+//! created or updated: the stream is synchronized first and the routing checked at once.
 
 use std::sync::{Arc, Mutex};
 
@@ -164,8 +165,8 @@ impl Handle {
         g.settle(true)?;
         let desc = TensorDesc::contiguous(TensorTag::TopkIdx, DType::I64, &[b, k]);
         // SAFETY: the caller's device tensor of [b, k] int64 (checked), read here or, low-latency,
-        // by a kernel in the caller's stream's order (the C API's contract keeps it alive and
-        // unchanged for that work).
+        // by the dispatches on the handle in the caller's stream's order (the C API's contract
+        // keeps it alive and unchanged while the handle uses it).
         let dev = unsafe { DeviceTensor::from_raw(t.ptr, g.rank.device(), desc) };
         let opts = HandleOptions::with_layout(self.layout);
         let h = if ll {

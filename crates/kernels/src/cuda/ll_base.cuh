@@ -70,8 +70,9 @@ struct LlParams {
     // it after every replay); `set` follows from it. 0 for operations the host numbers.
     u64 seq_base;
     u64 verdict;          // captured: the step's failure word (mapped host), or 0 (see `report_failure`)
-    u64 topk_src;         // captured dispatch: the caller's [B x K] int64 top-k buffer (see `routed_entry`), or 0
-    u64 route_report;     // captured dispatch: the handle's report of invalid rows (mapped host)
+    u64 topk_src;         // captured dispatch, or one on a handle created in a stream's order: the caller's
+                          // [B x K] int64 top-k buffer (see `routed_entry`), or 0
+    u64 route_report;     // with `topk_src`: the handle's report of invalid rows (mapped host)
     u64 masked_out;       // combine with masking: [B] int32, per token its top-k entries on absent ranks, or 0
     // The handle's return list (written by one block of the dispatch receive, read by the
     // combine send): per source s, in (token, k) order, the entries t * K + k whose rows come back, at

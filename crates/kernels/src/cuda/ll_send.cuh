@@ -80,12 +80,14 @@ __device__ __forceinline__ void signal_sent(const LlParams& p, const OpNum& n, i
 }
 
 // A captured dispatch reads the caller's top-k buffer, refilled before every replay, instead of
-// the handle's copy. Every warp sanitizes the row it sends (one entry per lane < K, all lanes
-// call): the entries from the row's first invalid one on (outside [-1, E), or naming an expert
-// an earlier entry named) count as -1. The `owner` warp of the token (chunk 0 to rank 0) writes
-// the sanitized row into the handle, which combine reads, and reports an invalid row in the
-// handle's mapped report: value at [1 + B + t], then (replay + 1) << 16 | (earlier k + 1) << 8 |
-// k at [1 + t], then the replay + 1 at [0] (every reporter writes the same value).
+// the handle's copy; so does an eager dispatch on a handle created in a stream's order
+// (`topk_src` set, `seq_base` 0: replay 0). Every warp sanitizes the row it sends (one entry per
+// lane < K, all lanes call): the entries from the row's first invalid one on (outside [-1, E), or
+// naming an expert an earlier entry named) count as -1. The `owner` warp of the token (chunk 0 to
+// this rank itself, which no mask skips while this rank takes part) writes the sanitized row into
+// the handle, which combine reads, and reports an invalid row in the handle's mapped report:
+// value at [1 + B + t], then (replay + 1) << 16 | (earlier k + 1) << 8 | k at [1 + t], then the
+// replay + 1 at [0] (every reporter writes the same value).
 __device__ __forceinline__ long long routed_entry(const LlParams& p, long long e, int t, int lane, bool owner) {
     const int K = p.top_k;
     const long long E = (long long)p.num_local * p.num_ranks;
@@ -100,7 +102,7 @@ __device__ __forceinline__ long long routed_entry(const LlParams& p, long long e
         if (in_row) reinterpret_cast<long long*>(p.topk_idx)[(size_t)t * K + lane] = r;
         if (bad_lanes != 0u && lane == first) {
             u64* rep = reinterpret_cast<u64*>(p.route_report);
-            const u64 replay = __ldcg(reinterpret_cast<const u64*>(p.seq_base) + 2);
+            const u64 replay = p.seq_base ? __ldcg(reinterpret_cast<const u64*>(p.seq_base) + 2) : 0ull;
             const int earlier = (e >= 0 && below != 0u) ? __ffs(below) - 1 : -1;
             st_relaxed_sys(rep + 1 + p.num_tokens + t, (u64)e);
             st_relaxed_sys(rep + 1 + t, ((replay + 1) << 16) | ((u64)(earlier + 1) << 8) | (u64)first);
@@ -262,7 +264,7 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
             const int t = item / C, chunk = item % C;
             long long e = item == j ? e_first : (lane < K ? idx[(size_t)t * K + lane] : -1);
             const int slot = !compact ? t : item == j ? slot_first : __ldg(slots + t);
-            if (p.topk_src) e = routed_entry(p, e, t, lane, dest == 0 && chunk == 0);
+            if (p.topk_src) e = routed_entry(p, e, t, lane, dest == p.rank && chunk == 0);
             // 32-bit: a routed expert is below E (validated, or sanitized by `routed_entry`).
             const int le = (lane < K && e >= 0 && (int)e / L == dest) ? (int)e % L : -1;
             const bool routed = __ballot_sync(EP_FULL_MASK, le >= 0) != 0u;

@@ -236,7 +236,7 @@ impl GpuCapture<'_> {
         self.keep.extend(valid.tensors().into_iter().cloned());
         let offset = self.counts.add_dispatch();
         let targets = g.dispatch_targets();
-        let (mut p, _, stamp) = dispatch_params(s, offset, h, &valid, opts, Some(&targets))?;
+        let (mut p, _, stamp) = dispatch_params(s, offset, h, &valid, opts, Some(&targets), None)?;
         self.number(&mut p, Channel::Dispatch);
         // The routing of each replay comes from the caller's buffer, sanitized by the send.
         p.topk_src = g.topk.ptr();

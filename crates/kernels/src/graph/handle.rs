@@ -31,15 +31,7 @@ impl GraphHandle {
     /// The validation error of replay `replay`'s first invalid row (lowest token), if it had
     /// one.
     pub(crate) fn invalid_entry(&self, replay: u64, num_experts: usize) -> Option<ValidationError> {
-        let r = &self.report;
-        if r.read_u64(0) != replay + 1 {
-            return None;
-        }
-        let b = self.topk.desc().shape[0];
-        let (token, w) = (0..b).map(|t| (t, r.read_u64(1 + t))).find(|(_, w)| w >> 16 == replay + 1)?;
-        let (k, earlier) = ((w & 0xff) as usize, ((w >> 8) & 0xff) as i64 - 1);
-        let value = r.read_u64(1 + b + token) as i64;
-        Some(ValidationError::invalid_topk_entry(token, k, value, usize::try_from(earlier).ok(), num_experts))
+        crate::ll::handle::invalid_row_in(&self.report, self.topk.desc().shape[0], replay, num_experts)
     }
 }
 

@@ -12,16 +12,22 @@
 //! arrival words' counts, `LlParams::send_rows`). That stream carries no operation of a
 //! low-latency group; only a mask change's meeting (`unmask_all`, `rank/mask.rs`) waits for peers
 //! there, bounded by the timeout. [`build_on`] (a creation in a stream's order,
-//! `Backend::start_handle_on`) enqueues it on the caller's stream and hands the handle out at
-//! once: its dispatches wait for the kernel on the device, read the counts from the handle, and
-//! check the report at their verdicts.
+//! `Backend::start_handle_on`) hands the handle out at once and launches nothing: its
+//! dispatches read the caller's `topk_idx` themselves, as captured steps' do (`routed_entry` in
+//! `ll_send.cuh`: each row sanitized in the send, the handle's copy written by the token's own
+//! warp, an invalid row reported in the handle's mapped report), and send uncompacted messages,
+//! the receive scanning their headers. That costs the kernel's ~4.5 µs of device time per routing
+//! less, and 1-1.5 µs of receive at 128 tokens more (benches/NOTES.md item 148).
+//! `EPFLOW_LL_STREAM_HANDLE=kernel` enqueues the kernel on the caller's stream instead, whose
+//! dispatches then wait for it on the device, read the counts from the handle, and check its
+//! report at their verdicts.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaEvent, CudaStream, PushKernelArg};
 use epflow_core::Algorithm;
 use epflow_core::Error;
-use epflow_core::handle::HandleCore;
+use epflow_core::handle::{HandleCore, RoutingHandle};
 use epflow_core::ops::Layout;
 use epflow_core::protocol::Channel;
 
@@ -44,6 +50,13 @@ const MAX_BLOCK: usize = 1024;
 pub(crate) fn builds_on_device(s: &RankShared) -> bool {
     static ON_HOST: OnceLock<bool> = OnceLock::new();
     s.nccl.is_none() && !*ON_HOST.get_or_init(|| std::env::var("EPFLOW_LL_HANDLE").is_ok_and(|v| v == "host"))
+}
+
+/// Whether a creation in a stream's order enqueues the handle's kernel (`EPFLOW_LL_STREAM_HANDLE
+/// =kernel`, read once per process) rather than leaving the routing to the dispatches.
+fn stream_order_kernel() -> bool {
+    static KERNEL: OnceLock<bool> = OnceLock::new();
+    *KERNEL.get_or_init(|| std::env::var("EPFLOW_LL_STREAM_HANDLE").is_ok_and(|v| v == "kernel"))
 }
 
 /// The threads of the kernel's block for `tokens`: one per token up to [`MAX_BLOCK`] (more
@@ -84,14 +97,14 @@ pub(crate) fn build(
     Ok(GpuHandle::new(core, mem, &s.handle_pool, None, None, send_rows))
 }
 
-/// A handle built in `stream`'s order, handed out before its kernel ran: the kernel is
-/// enqueued on `stream` (after `topk_idx`'s ready event) and nothing waits on the host. Its
-/// dispatches wait for the kernel on the device (`GpuHandle::ll_built_after`: no wait on
-/// `stream` itself), read the per-destination counts from the handle's memory (`send_rows` -1),
-/// and check the kernel's report at their verdict: an invalid entry makes each of this rank's
-/// dispatches on the handle fail with the error [`build`] would have returned, while the peers
-/// receive the sanitized rows (as with captured steps). `topk_idx` must stay unchanged until
-/// the kernel has read it (work enqueued on `stream` later is ordered after it).
+/// A handle created in `stream`'s order, handed out at once; nothing waits on the host. An event
+/// on `stream` after `topk_idx`'s ready event (and after the handle's kernel, with
+/// `EPFLOW_LL_STREAM_HANDLE=kernel`) is what its dispatches wait for on the device
+/// (`GpuHandle::ll_built_after`: no wait on `stream` itself). Each dispatch checks the routing's
+/// report at its verdict: an invalid entry makes each of this rank's dispatches on the handle
+/// fail with the error [`build`] would have returned, while the peers receive the sanitized rows
+/// (as with captured steps). `topk_idx` must stay unchanged while its dispatches may run: every
+/// dispatch on the handle reads it (with the kernel, until the kernel has run).
 pub(crate) fn build_on(
     s: &Arc<RankShared>,
     topk_idx: &DeviceTensor,
@@ -99,6 +112,9 @@ pub(crate) fn build_on(
     stream: &Arc<CudaStream>,
     steps: &mut Steps,
 ) -> Result<GpuHandle, Error> {
+    if !stream_order_kernel() {
+        return read_by_dispatches(s, topk_idx, layout, stream, steps);
+    }
     let (b, k) = (topk_idx.desc().shape[0], topk_idx.desc().shape[1]);
     let (mem, report, compact) = take_memory(s, layout)?;
     steps.step("handle: take the handle's memory");
@@ -119,10 +135,132 @@ pub(crate) fn build_on(
         report: Some(report),
         report_pool: Arc::clone(&s.plan_results),
         topk: topk_idx.keep_alive(),
+        topk_src: None,
+        later: Mutex::default(),
     };
     let send_rows = compact.then_some([-1i32; MAX_RANKS]);
     let core = HandleCore::on_device(s.group_id, b, k, Algorithm::LowLatency, None).with_layout(layout);
     Ok(GpuHandle::ll_in_stream_order(core, mem, &s.handle_pool, send_rows, built))
+}
+
+/// [`build_on`] without a kernel: the handle's memory (its copy of the routing, written by its
+/// dispatches' sends) and a report of invalid rows in the format of captured steps' (replay 0;
+/// `invalid_row_in`), cleared here; an event on `stream` after `topk_idx`'s ready event.
+fn read_by_dispatches(
+    s: &Arc<RankShared>,
+    topk_idx: &DeviceTensor,
+    layout: Layout,
+    stream: &Arc<CudaStream>,
+    steps: &mut Steps,
+) -> Result<GpuHandle, Error> {
+    let (b, k) = (topk_idx.desc().shape[0], topk_idx.desc().shape[1]);
+    let l = s.layout.ll("a low-latency handle")?;
+    let mem = take_pooled(&s.ctx, &s.handle_pool, l.handle_bytes())?;
+    let report = take_report(s, report_bytes(s, l.max_tokens))?;
+    // No kernel uses the report now (a pooled one's last kernel ran before it was pooled); the
+    // dispatches write a row's word only for an invalid row, and word 0 then.
+    for w in 0..=b {
+        report.write_u64(w, 0);
+    }
+    steps.step("handle: take the handle's memory");
+    let ordered = bind(&s.ctx).and_then(|()| match topk_idx.ready_event() {
+        Some(e) => stream.wait(e).map_err(|e| cuda("wait for topk_idx", e)),
+        None => Ok(()),
+    });
+    let recorded = ordered.and_then(|()| s.events.record(stream).map_err(|e| cuda("record the handle's event", e)));
+    steps.step("handle: order after topk_idx");
+    let built = match recorded {
+        Ok(e) => e,
+        Err(e) => {
+            s.plan_results.lock().unwrap_or_else(|e| e.into_inner()).push(report);
+            s.handle_pool.lock().unwrap_or_else(|e| e.into_inner()).push(mem);
+            return Err(e);
+        }
+    };
+    let built = LlStreamBuilt {
+        built,
+        stream: stream_id(stream),
+        report: Some(report),
+        report_pool: Arc::clone(&s.plan_results),
+        topk: topk_idx.keep_alive(),
+        topk_src: Some(topk_idx.ptr()),
+        later: Mutex::default(),
+    };
+    let core = HandleCore::on_device(s.group_id, b, k, Algorithm::LowLatency, None).with_layout(layout);
+    Ok(GpuHandle::ll_in_stream_order(core, mem, &s.handle_pool, None, built))
+}
+
+/// The dispatch (1-based) on a handle created in stream order without a kernel at which the
+/// handle's kernel is launched for the later ones: a handle used once (a fresh routing per layer)
+/// never pays it; the dispatches from the next on send compacted messages (~1.3 µs less receive
+/// at 128 tokens, benches/NOTES.md item 125) from a copy and slots the kernel built beside the
+/// launching dispatch, on the rank's handle stream.
+const LATER_BUILD_AT: u32 = 2;
+
+/// What a dispatch on a low-latency handle created in stream order without a kernel reads.
+#[derive(Debug)]
+pub(crate) enum StreamRouting {
+    /// The caller's `topk_idx` and the report of invalid rows (`LlParams::topk_src`,
+    /// `route_report`).
+    Caller { topk: u64, report: u64 },
+    /// The handle's copy, and with `compact` its slots and counts (`LlParams::send_slot`,
+    /// `send_rows` -1), built by the kernel before `event` on the stream `stream`
+    /// ([`crate::device::stream_id`]).
+    Built { event: Arc<CudaEvent>, stream: usize, compact: bool },
+}
+
+/// The routing of the next dispatch on `h`: `None` for every handle but one created in stream
+/// order without a kernel. Counts the dispatch; the [`LATER_BUILD_AT`]th launches the handle's
+/// kernel on the rank's handle stream (after the creation's event, reading the caller's
+/// `topk_idx`, which the dispatches read too: the copy it writes holds the values theirs do),
+/// and the dispatches after it read what it built.
+pub(crate) fn stream_routing(s: &Arc<RankShared>, h: &GpuHandle) -> Result<Option<StreamRouting>, Error> {
+    let Some(b) = h.ll_stream() else { return Ok(None) };
+    let (Some(topk), Some(report)) = (b.topk_src, b.report.as_ref()) else { return Ok(None) };
+    let l = s.layout.ll("a low-latency dispatch")?;
+    let compact = h.layout() == Layout::RankMajor && l.max_tokens <= LL_COMPACT_MAX_ROWS;
+    let handle_stream = &s.streams[Channel::Handle.index()];
+    let mut later = b.later.lock().unwrap_or_else(|e| e.into_inner());
+    later.dispatches = later.dispatches.saturating_add(1);
+    if let Some((event, _)) = &later.built {
+        return Ok(Some(StreamRouting::Built { event: Arc::clone(event), stream: stream_id(handle_stream), compact }));
+    }
+    if later.dispatches == LATER_BUILD_AT {
+        let kernel_report = take_report(s, report_bytes(s, l.max_tokens))?;
+        let shape = (h.num_tokens(), h.top_k(), compact);
+        let launched = bind(&s.ctx)
+            .and_then(|()| handle_stream.wait(&b.built).map_err(|e| cuda("order the handle's kernel", e)))
+            .and_then(|()| launch_raw(s, handle_stream, (topk, h.ptr()), &kernel_report, shape, false))
+            .and_then(|()| record_after_kernel(s, handle_stream));
+        match launched {
+            Ok(event) => later.built = Some((event, kernel_report)),
+            Err(e) => {
+                s.plan_results.lock().unwrap_or_else(|e| e.into_inner()).push(kernel_report);
+                return Err(e);
+            }
+        }
+    }
+    Ok(Some(StreamRouting::Caller { topk, report: report.device_ptr() }))
+}
+
+/// The first invalid row (lowest token) of `tokens` that a dispatch reading the caller's
+/// `topk_idx` reported for `replay` (0 for eager dispatches) in `report` (`1 + 2B` mapped words,
+/// `routed_entry` in `ll_send.cuh`: `[0]` replay + 1, per token `t` `[1 + t]` = (replay + 1) <<
+/// 16 | (earlier k naming the same expert + 1) << 8 | k, `[1 + B + t]` the entry), as the
+/// host's checks name it.
+pub(crate) fn invalid_row_in(
+    report: &PinnedBuffer,
+    tokens: usize,
+    replay: u64,
+    num_experts: usize,
+) -> Option<epflow_core::ValidationError> {
+    if report.read_u64(0) != replay + 1 {
+        return None;
+    }
+    let (token, w) = (0..tokens).map(|t| (t, report.read_u64(1 + t))).find(|(_, w)| w >> 16 == replay + 1)?;
+    let (k, earlier) = ((w & 0xff) as usize, ((w >> 8) & 0xff) as i64 - 1);
+    let value = report.read_u64(1 + tokens + token) as i64;
+    Some(epflow_core::ValidationError::invalid_topk_entry(token, k, value, usize::try_from(earlier).ok(), num_experts))
 }
 
 /// A handle's memory, a report buffer, and whether its dispatches compact (rank-major, `M` at
@@ -131,17 +269,27 @@ fn take_memory(s: &RankShared, layout: Layout) -> Result<(DeviceBuffer, PinnedBu
     let l = s.layout.ll("a low-latency handle")?;
     let compact = layout == Layout::RankMajor && l.max_tokens <= LL_COMPACT_MAX_ROWS;
     let mem = take_pooled(&s.ctx, &s.handle_pool, l.handle_bytes())?;
-    let report_bytes = (REPORT_HEAD + s.num_ranks) * 8;
+    let report = take_report(s, report_bytes(s, l.max_tokens))?;
+    Ok((mem, report, compact))
+}
+
+/// The bytes of every low-latency handle's report, so that the pool's reports serve both ways:
+/// the kernel's (`REPORT_HEAD` words and one per rank) and the dispatches' (`1 + 2M` words).
+fn report_bytes(s: &RankShared, max_tokens: usize) -> usize {
+    (REPORT_HEAD + s.num_ranks).max(1 + 2 * max_tokens.max(1)) * 8
+}
+
+/// A mapped report of at least `bytes` from the rank's pool (`plan_results`), or a new one.
+fn take_report(s: &RankShared, bytes: usize) -> Result<PinnedBuffer, Error> {
     let popped = s.plan_results.lock().unwrap_or_else(|e| e.into_inner()).pop();
-    let report = match popped {
-        Some(p) if p.bytes() >= report_bytes => p,
+    match popped {
+        Some(p) if p.bytes() >= bytes => Ok(p),
         Some(p) => {
             s.plan_results.lock().unwrap_or_else(|e| e.into_inner()).push(p);
-            PinnedBuffer::zeroed(&s.ctx, report_bytes)?
+            PinnedBuffer::zeroed(&s.ctx, bytes)
         }
-        None => PinnedBuffer::zeroed(&s.ctx, report_bytes)?,
-    };
-    Ok((mem, report, compact))
+        None => PinnedBuffer::zeroed(&s.ctx, bytes),
+    }
 }
 
 /// Enqueues `ep_ll_handle` on `stream` after `topk_idx`'s ready event, writing into `mem` (a
@@ -157,16 +305,29 @@ fn launch(
     shape: (usize, usize, bool),
     counts_to_host: bool,
 ) -> Result<(), Error> {
-    let (b, k, compact) = shape;
-    let l = s.layout.ll("a low-latency handle")?;
-    // No kernel uses the report now (a pooled one's last kernel ran before it was pooled).
-    report.write_u64(0, u64::MAX);
     bind(&s.ctx)?;
     if let Some(e) = topk_idx.ready_event() {
         stream.wait(e).map_err(|e| cuda("wait for topk_idx", e))?;
     }
-    let (topk_in, topk_out, report_ptr) = (topk_idx.ptr(), mem.ptr(), report.device_ptr());
-    let slots = if compact { mem.ptr() + l.send_slot_offset() as u64 } else { 0 };
+    launch_raw(s, stream, (topk_idx.ptr(), mem.ptr()), report, shape, counts_to_host)
+}
+
+/// [`launch`] once `stream` is ordered after `topk_idx`: `(topk_in, mem)` are the device
+/// addresses of `topk_idx` and of the handle's memory.
+fn launch_raw(
+    s: &RankShared,
+    stream: &CudaStream,
+    (topk_in, mem): (u64, u64),
+    report: &PinnedBuffer,
+    shape: (usize, usize, bool),
+    counts_to_host: bool,
+) -> Result<(), Error> {
+    let (b, k, compact) = shape;
+    let l = s.layout.ll("a low-latency handle")?;
+    // No kernel uses the report now (a pooled one's last kernel ran before it was pooled).
+    report.write_u64(0, u64::MAX);
+    let (topk_out, report_ptr) = (mem, report.device_ptr());
+    let slots = if compact { mem + l.send_slot_offset() as u64 } else { 0 };
     let local = s.config.num_experts / s.num_ranks;
     let ints =
         [b, k, s.config.num_experts, local, s.num_ranks, l.max_tokens, usize::from(counts_to_host)].map(|v| v as i32);
@@ -179,11 +340,11 @@ fn launch(
     }
     // SAFETY: the arguments match `ep_ll_handle(u64, u64, u64, u64, int x 7)`; `topk_in` holds
     // B x K int64 on this device (its descriptor was checked) and stays alive until the kernel
-    // ran (`build` waits for it within the caller's borrow; `build_on` keeps epflow's memory in
-    // the handle, and the caller's own is read in its stream's order); `mem` holds the
-    // handle's B x K copy and, from `send_slot_offset`, R x M int32 slots and R counts
-    // (`handle_bytes`); `report` holds 3 + R mapped words; neither goes back to its pool
-    // before the kernel ran.
+    // ran (`build` waits for it within the caller's borrow; `build_on` and `stream_routing` keep
+    // epflow's memory in the handle, and the caller's own is read in its stream's order); `mem`
+    // holds the handle's B x K copy and, from `send_slot_offset`, R x M int32 slots and R counts
+    // (`handle_bytes`); `report` holds at least 3 + R mapped words; neither goes back to its
+    // pool before the kernel ran.
     unsafe { builder.launch(cfg) }.map_err(|e| cuda("launch ep_ll_handle", e))?;
     Ok(())
 }

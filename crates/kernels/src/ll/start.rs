@@ -11,9 +11,10 @@ use epflow_core::validate::{ValidCombine, ValidDispatch};
 use epflow_core::{DispatchDtype, Error};
 
 use crate::device::DeviceTensor;
+use crate::ll::handle::StreamRouting;
 use crate::op::{GpuOp, GpuOpKind, Launch};
 use crate::outputs::OutputTargets;
-use crate::params::{LL_TAG_TOKENS, LlParams};
+use crate::params::{LL_TAG_TOKENS, LlParams, MAX_RANKS};
 use crate::rank::handle::GpuHandle;
 use crate::rank::shared::{RankShared, peer_array};
 use crate::transport::nccl::Xfer;
@@ -155,7 +156,8 @@ fn nccl_xfers(
 }
 
 /// The kernel parameters of dispatch `seq` of `inputs` on handle `h` (inputs validated), its
-/// buffer set and its stamp; NCCL staging not yet set.
+/// buffer set and its stamp; NCCL staging not yet set. `routing`: what a dispatch on a handle
+/// created in stream order without a kernel reads (`ll::handle::stream_routing`).
 pub(crate) fn dispatch_params(
     s: &RankShared,
     seq: u64,
@@ -163,6 +165,7 @@ pub(crate) fn dispatch_params(
     inputs: &ValidDispatch<'_, DeviceTensor>,
     opts: &DispatchOptions,
     into: Option<&OutputTargets>,
+    routing: Option<&StreamRouting>,
 ) -> Result<(LlParams, usize, Stamp), Error> {
     let mut p = base_params(s, 0, h.ptr(), h.num_tokens(), h.top_k(), h.layout())?;
     p.x = inputs.tokens().ptr();
@@ -188,6 +191,20 @@ pub(crate) fn dispatch_params(
         p.send_slot = h.ptr() + l.send_slot_offset() as u64;
         p.send_rows = rows;
     }
+    match routing {
+        // A handle created in stream order without a kernel: the send reads the caller's
+        // routing, sanitizes it, writes the handle's copy and reports invalid rows.
+        Some(StreamRouting::Caller { topk, report }) => {
+            p.topk_src = *topk;
+            p.route_report = *report;
+        }
+        // Its kernel has built the copy (and the compacted slots and counts) since.
+        Some(StreamRouting::Built { compact: true, .. }) => {
+            p.send_slot = h.ptr() + l.send_slot_offset() as u64;
+            p.send_rows = [-1; MAX_RANKS];
+        }
+        Some(StreamRouting::Built { compact: false, .. }) | None => {}
+    }
     let stamp = h.core().dispatch_stamp(Pass::Forward);
     p.stamp = stamp.encode();
     Ok((p, set, stamp))
@@ -202,15 +219,22 @@ pub(crate) fn dispatch(
     opts: &DispatchOptions,
     into: Option<&OutputTargets>,
 ) -> Result<GpuOp, Error> {
-    let (mut p, set, stamp) = dispatch_params(s, seq, h, &inputs, opts, into)?;
+    let routing = crate::ll::handle::stream_routing(s, h)?;
+    let (mut p, set, stamp) = dispatch_params(s, seq, h, &inputs, opts, into, routing.as_ref())?;
     let xfers = nccl_xfers(s, &mut p, Some(h), set, true)?;
     let kind = GpuOpKind::Dispatch { handle: h.clone(), opts: *opts };
     let mut op = GpuOp::new(Arc::clone(s), Channel::Dispatch, seq, stamp, Launch::Ll(p), kind, &inputs.tensors());
     op.set_xfers(xfers);
     op.set_targets(into.copied());
-    // A handle built in stream order: after its kernel (the combine follows the dispatch).
-    if let Some((built, stream)) = h.ll_built_after() {
-        op.order_after_event(built, stream);
+    // A handle built in stream order: after its creation (the combine follows the dispatch),
+    // or after the kernel that built it later.
+    match routing {
+        Some(StreamRouting::Built { event, stream, .. }) => op.order_after_event(event, stream),
+        _ => {
+            if let Some((built, stream)) = h.ll_built_after() {
+                op.order_after_event(built, stream);
+            }
+        }
     }
     Ok(op)
 }

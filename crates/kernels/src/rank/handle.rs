@@ -45,22 +45,40 @@ pub(crate) struct GpuHandleState {
     pub(crate) ll_stream: Option<LlStreamBuilt>,
 }
 
-/// A low-latency handle built in a stream's order (`ll::handle::build_on`): what its dispatches
-/// wait for, where the kernel reports the routing's first invalid entry (every dispatch on the
-/// handle checks it at its verdict), and what must outlive the kernel.
+/// A low-latency handle created in a stream's order (`ll::handle::build_on`): what its
+/// dispatches wait for, where the routing's invalid entries are reported (every dispatch on the
+/// handle checks at its verdict), and what must outlive the kernel or the dispatches.
 pub(crate) struct LlStreamBuilt {
-    /// Recorded after the handle's kernel, on `stream`.
+    /// Recorded on `stream` after `topk_idx`'s ready event (and the handle's kernel, if any).
     pub(crate) built: Arc<CudaEvent>,
     /// The stream the kernel ran on ([`crate::device::stream_id`]): work enqueued there later
     /// needs no wait.
     pub(crate) stream: usize,
-    /// The kernel's mapped report (`ll_handle.cuh`); back to `report_pool` when the handle is
-    /// dropped.
+    /// The mapped report of the kernel (`ll_handle.cuh`) or of the dispatches (`topk_src`);
+    /// back to `report_pool` when the handle is dropped.
     pub(crate) report: Option<PinnedBuffer>,
     /// Where `report` goes back (the rank's `plan_results`).
     pub(crate) report_pool: Arc<Mutex<Vec<PinnedBuffer>>>,
-    /// `topk_idx`'s memory (when epflow holds it), until the kernel has read it.
+    /// `topk_idx`'s memory (when epflow holds it), while the kernel or the dispatches may read it.
     pub(crate) topk: Option<Arc<dyn std::any::Any + Send + Sync>>,
+    /// Without a kernel (`ll::handle::build_on`'s default): the caller's `topk_idx`, which the
+    /// dispatches on the handle read (`LlParams::topk_src`), reporting invalid rows in `report`
+    /// in the format of captured steps' (`ll::handle::invalid_row_in`, replay 0), until the
+    /// handle's kernel built it in `later` (`ll::handle::stream_routing`).
+    pub(crate) topk_src: Option<u64>,
+    /// With `topk_src`: the dispatches so far and the kernel launched for the later ones.
+    pub(crate) later: Mutex<LaterBuild>,
+}
+
+/// A low-latency handle created in stream order without a kernel, reused: the kernel that
+/// builds its copy and compacted slots once it is dispatched again (`ll::handle::stream_routing`).
+#[derive(Default)]
+pub(crate) struct LaterBuild {
+    /// Dispatches started on the handle.
+    pub(crate) dispatches: u32,
+    /// The kernel's event (after it, on the rank's handle stream) and its own report (every
+    /// entry it reads was already checked by the first dispatches; read by the verdicts).
+    pub(crate) built: Option<(Arc<CudaEvent>, PinnedBuffer)>,
 }
 
 impl std::fmt::Debug for LlStreamBuilt {
@@ -183,13 +201,20 @@ pub(crate) struct RowMap {
 }
 
 impl LlStreamBuilt {
-    /// Once the kernel has run: lets `topk_idx` go, and gives the report and `mem` (the
+    /// The events after which nothing of the creation reads or writes the handle: `built`, and
+    /// the later kernel's if one was launched.
+    fn last_events(&self) -> Vec<Arc<CudaEvent>> {
+        let later = self.later.lock().unwrap_or_else(|e| e.into_inner());
+        std::iter::once(Arc::clone(&self.built)).chain(later.built.as_ref().map(|(e, _)| Arc::clone(e))).collect()
+    }
+
+    /// Once the kernels have run: lets `topk_idx` go, and gives the reports and `mem` (the
     /// handle's memory) back to their pools.
     fn give_back(mut self, mem: Option<DeviceBuffer>, pool: &Mutex<Vec<DeviceBuffer>>) {
         self.topk = None;
-        if let Some(r) = self.report.take() {
-            self.report_pool.lock().unwrap_or_else(|e| e.into_inner()).push(r);
-        }
+        let later = self.later.get_mut().unwrap_or_else(|e| e.into_inner()).built.take();
+        let reports = self.report.take().into_iter().chain(later.map(|(_, r)| r));
+        self.report_pool.lock().unwrap_or_else(|e| e.into_inner()).extend(reports);
         if let Some(m) = mem {
             pool.lock().unwrap_or_else(|e| e.into_inner()).push(m);
         }
@@ -204,7 +229,8 @@ impl Drop for GpuHandleState {
             // it); a handle dropped unused may still wait behind its stream's work, which may
             // wait for peers: a thread waits then, never the drop (as `InStreamOrder`'s).
             let mem = self.mem.take();
-            let done = mem.as_ref().is_none_or(|m| crate::device::event_done(m.context(), &b.built));
+            let events = b.last_events();
+            let done = mem.as_ref().is_none_or(|m| events.iter().all(|e| crate::device::event_done(m.context(), e)));
             if done {
                 b.give_back(mem, &self.pool);
                 return;
@@ -218,8 +244,10 @@ impl Drop for GpuHandleState {
                 if let Some(m) = &mem {
                     let _ = crate::device::bind(m.context());
                 }
-                if let Err(e) = b.built.synchronize() {
-                    tracing::warn!("a handle built in stream order: waiting for its kernel failed: {e:?}");
+                for e in b.last_events() {
+                    if let Err(e) = e.synchronize() {
+                        tracing::warn!("a handle built in stream order: waiting for its kernel failed: {e:?}");
+                    }
                 }
                 b.give_back(mem, &pool);
             };
@@ -331,12 +359,30 @@ impl GpuHandle {
         self.0.ll_stream.as_ref().map(|b| (Arc::clone(&b.built), b.stream))
     }
 
-    /// The routing's first invalid entry as the kernel of a low-latency handle built in stream
-    /// order found it (read after an operation on the handle ended, which ran after the
-    /// kernel); `None` for a valid routing and for every other handle.
+    /// The routing's first invalid entry as the device found it on a low-latency handle created
+    /// in stream order (its kernel, or the dispatch that just ended, which read the caller's
+    /// `topk_idx`; read after that dispatch ended); `None` for a valid routing and for every
+    /// other handle.
     pub(crate) fn ll_invalid_routing(&self, num_experts: usize) -> Option<epflow_core::ValidationError> {
-        let r = self.0.ll_stream.as_ref()?.report.as_ref()?;
-        crate::ht::result::invalid_routing_in(r, self.0.core.top_k(), num_experts)
+        let b = self.0.ll_stream.as_ref()?;
+        let r = b.report.as_ref()?;
+        let (tokens, k) = (self.0.core.num_tokens(), self.0.core.top_k());
+        if b.topk_src.is_none() {
+            return crate::ht::result::invalid_routing_in(r, k, num_experts);
+        }
+        // The dispatches' report, then the later kernel's once it ran (dispatches ordered after
+        // it read no report: a routing whose first dispatches were cancelled is judged there).
+        crate::ll::handle::invalid_row_in(r, tokens, 0, num_experts).or_else(|| {
+            let later = b.later.lock().unwrap_or_else(|e| e.into_inner());
+            let (event, kr) = later.built.as_ref()?;
+            let ran = self.0.mem.as_ref().is_some_and(|m| crate::device::event_done(m.context(), event));
+            if ran { crate::ht::result::invalid_routing_in(kr, k, num_experts) } else { None }
+        })
+    }
+
+    /// A low-latency handle created in stream order: its creation's part.
+    pub(crate) fn ll_stream(&self) -> Option<&LlStreamBuilt> {
+        self.0.ll_stream.as_ref()
     }
 
     /// The event an operation on a handle created in stream order waits for (its creation's
