@@ -17,7 +17,7 @@
 //! `ll_send.cuh`: each row sanitized in the send, the handle's copy written by the token's own
 //! warp, an invalid row reported in the handle's mapped report), and send uncompacted messages,
 //! the receive scanning their headers. That costs the kernel's ~4.5 µs of device time per routing
-//! less, and 1-1.5 µs of receive at 128 tokens more (benches/NOTES.md item 148).
+//! less, and 1-1.5 µs of receive at 128 tokens more (benches/NOTES.md item 149).
 //! `EPFLOW_LL_STREAM_HANDLE=kernel` enqueues the kernel on the caller's stream instead, whose
 //! dispatches then wait for it on the device, read the counts from the handle, and check its
 //! report at their verdicts.
