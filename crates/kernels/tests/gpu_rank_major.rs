@@ -276,8 +276,9 @@ fn device_built_handles_refuse_what_the_host_refuses_and_span_tiles() {
 /// per handle (by default the second launches the kernel that the third reads), match the
 /// reference bit for bit. A handle dropped before the work ahead of it ran gives its memory
 /// back only after it (the next handle reuses it). An invalid entry on rank 1 fails rank 1's
-/// dispatch at its verdict with the host's error, while rank 0 receives rank 1's sanitized rows
-/// (the entries from the row's first invalid one on masked); the group goes on.
+/// three dispatches on the handle at their verdicts with the host's error, while rank 0 receives
+/// rank 1's sanitized rows (the entries from the row's first invalid one on masked); the group
+/// goes on.
 #[test]
 fn handles_in_stream_order_match_reference() {
     let Some((ranks, config, base)) = handle_world("handles_in_stream_order") else { return };
@@ -345,20 +346,34 @@ fn handles_in_stream_order_match_reference() {
         let (h, _) = blocking_handle_on(rank, &idx, &opts, &stream).expect("handed out before the kernel ran");
         let x = rank.upload(&seen.tokens(r)).expect("upload");
         let w = rank.upload(&seen.weights(r)).expect("upload");
-        let got =
-            blocking_dispatch(rank, &h, DispatchInputs::new(&x).with_weights(&w), &DispatchOptions::default(), false);
-        match r {
-            1 => assert_eq!(got.expect_err("rank 1's routing is invalid"), Error::Validation(want.clone())),
-            _ => {
-                let host = got.expect("rank 0's dispatch").to_host().expect("to host");
-                let scales = host.scales.as_ref().and_then(HostTensor::as_f32);
-                let got_w = host.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap_or_default();
-                let got_i = host.topk_idx.as_ref().and_then(HostTensor::as_i32).unwrap_or_default();
-                let counts = host.counts.as_ref().and_then(HostTensor::as_i32).unwrap_or_default();
-                let (hid, m) = (config.hidden, 2048);
-                let d =
-                    check_rank_major_dispatch(&refs[0], hid, m, k, host.tokens.data(), scales, got_w, got_i, counts);
-                assert!(d.ok() && d.checked > 0, "rank 0 received rank 1's sanitized rows: {d:?}");
+        // Three dispatches on the handle: by default the third reads what the handle's kernel
+        // built from the routing (sanitized), and still fails with the first one's error.
+        for n in 0..3 {
+            rank.fill_output_buffers(0xA5).expect("fill");
+            let inputs = DispatchInputs::new(&x).with_weights(&w);
+            let got = blocking_dispatch(rank, &h, inputs, &DispatchOptions::default(), false);
+            match r {
+                1 => assert_eq!(got.expect_err("rank 1's routing is invalid"), Error::Validation(want.clone())),
+                _ => {
+                    let host = got.expect("rank 0's dispatch").to_host().expect("to host");
+                    let scales = host.scales.as_ref().and_then(HostTensor::as_f32);
+                    let got_w = host.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap_or_default();
+                    let got_i = host.topk_idx.as_ref().and_then(HostTensor::as_i32).unwrap_or_default();
+                    let counts = host.counts.as_ref().and_then(HostTensor::as_i32).unwrap_or_default();
+                    let (hid, m) = (config.hidden, 2048);
+                    let d = check_rank_major_dispatch(
+                        &refs[0],
+                        hid,
+                        m,
+                        k,
+                        host.tokens.data(),
+                        scales,
+                        got_w,
+                        got_i,
+                        counts,
+                    );
+                    assert!(d.ok() && d.checked > 0, "dispatch {n}: rank 0 received rank 1's sanitized rows: {d:?}");
+                }
             }
         }
         assert!(!rank.core().poison().is_poisoned());
