@@ -64,9 +64,20 @@ impl Consumers {
     }
 }
 
-/// A stream's identity (its raw handle), for "same stream, no wait" checks.
+/// A stream's identity, for "same stream, no wait" checks: the driver's unique id of the stream
+/// (`cuStreamGetId`, CUDA 12), which a stream created later at the same address does not share
+/// (its raw handle would: a fence recorded on a destroyed stream whose work had not yet run
+/// would then be skipped by work on the new one). Where the driver has no id to give, the raw
+/// handle with the top bit set (never an id the driver numbers).
 pub(crate) fn stream_id(stream: &CudaStream) -> usize {
-    stream.cu_stream() as usize
+    let mut id: std::ffi::c_ulonglong = 0;
+    // SAFETY: `stream` is a live stream of its context (the `CudaStream` holds it); the driver
+    // writes one integer into `id`.
+    let r = unsafe { cudarc::driver::sys::cuStreamGetId(stream.cu_stream(), &mut id) };
+    match r.result() {
+        Ok(()) => id as usize,
+        Err(_) => stream.cu_stream() as usize | (1usize << (usize::BITS - 1)),
+    }
 }
 
 /// A fence event with the stream it was recorded on ([`stream_id`]): work enqueued later on
