@@ -230,9 +230,10 @@ pub(crate) struct BenchArgs {
     /// High-throughput: every iteration is one training step of a layer on a new routing: a new
     /// handle, the forward dispatch and combine, then the backward pair on the same handle. The
     /// handle time is reported beside dispatch and combine, and the whole step instead of D+C.
-    /// Low-latency, with `--queued`: each queued pair runs on a new routing, its handle built in
-    /// the stream's order ahead of the dispatch (a decode step's routing per layer; the queued
-    /// dispatch's device time then includes the handle's kernel).
+    /// Low-latency, with `--queued`: each queued pair runs on a new routing, its handle created
+    /// in the stream's order ahead of the dispatch (a decode step's routing per layer; the queued
+    /// dispatch's device time then includes reading the routing, or with
+    /// `EPFLOW_LL_STREAM_HANDLE=kernel` the handle's kernel).
     #[arg(long)]
     pub fresh_routing: bool,
     /// Low-latency on GPUs: also capture dispatch + combine as one CUDA graph step and time its

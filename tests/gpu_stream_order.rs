@@ -12,7 +12,7 @@
 //! declared with `record_stream`, and the whole operation in the caller's stream order
 //! (`OpFuture::complete_on`: send and receive in one launch) with the consumer on the caller's.
 //! Every other iteration's handle is built in the caller's stream order too
-//! (`Group::create_handle_on`: its kernel on the caller's stream, no host wait).
+//! (`Group::create_handle_on`: in the caller's stream order, no host wait).
 //! Skipped (loudly) without 2 GPUs (`EPFLOW_TEST_DEVICES=0,0` runs two ranks on one GPU, a
 //! functional check); `EPFLOW_GPU_ITERS` sets the count (default 1000). The one-process-per-GPU variant runs under
 //! `epflow launch -n 2 -- gpu_stream_order stream_order_one_process_per_gpu` with the same
@@ -139,7 +139,7 @@ async fn delayed_consumer(g: &Group<GpuRank>, n: usize, iters: u64, base: u64) -
         let want = identity_combine(&me.tokens, &me.topk_idx, &me.weights);
         snap.want = Some((refs.into_iter().nth(r).expect("rank reference"), want));
         let idx = rank.upload(&sc.topk_idx(r)).expect("upload");
-        // Every other handle in the caller's stream order (its kernel there, no host wait).
+        // Every other handle in the caller's stream order (no host wait).
         let h = if it % 2 == 1 {
             g.create_handle_on(&idx, &HandleOptions::default(), &caller).await.map(|(h, _)| h)
         } else {

@@ -26,8 +26,9 @@ const QUEUED_LEAD: Duration = Duration::from_millis(1);
 /// dispatched rows; `weights` are the combine's top-k weights (expert-major). With `fresh`
 /// (`--fresh-routing`: routings and the handle options), each pair runs on a new handle of the
 /// next routing, created in `stream`'s order right after the spin (`blocking_handle_on`: on
-/// GPUs its kernel is enqueued there and nothing waits), so the dispatch's device time includes
-/// the handle's kernel. The operations' own timing events are off meanwhile. Empty times where
+/// GPUs nothing waits, and the dispatch reads the routing), so the dispatch's device time
+/// includes what a new routing costs it. The operations' own timing events are off meanwhile.
+/// Empty times where
 /// the backend has no device clock.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn queued_pairs<R: BenchRank>(

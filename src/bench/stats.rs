@@ -200,7 +200,7 @@ impl BenchReport {
             );
             if self.queued_fresh_routing {
                 println!(
-                    "    (--fresh-routing: each pair on a new routing, its handle built in the stream's order ahead of\n    the dispatch: the dispatch's time includes the handle's kernel)"
+                    "    (--fresh-routing: each pair on a new routing, its handle created in the stream's order ahead of\n    the dispatch: the dispatch's time includes reading the routing, or the handle's kernel)"
                 );
             }
             print_op(&format!("Dispatch ({dt}):"), d);

@@ -105,11 +105,12 @@ impl<B: Backend> Group<B> {
     /// Creates a routing handle with `opts` in `stream`'s order: resolves once the creation is
     /// enqueued, with the handle and a [`Completion`], and nothing waits on the host.
     /// Low-latency handles on GPUs over NVLink launch nothing: the handle is returned at once and
-    /// keeps `topk_idx`, which every dispatch on it reads and checks in `stream`'s order (after
-    /// `topk_idx`'s ready event), as NCCL EP's low-latency handles do; an invalid entry becomes
-    /// the error of this rank's dispatches on the handle, found at their verdicts (the peers
-    /// receive the sanitized rows), instead of this creation's. Keep `topk_idx` unchanged while
-    /// dispatches on the handle may run. High-throughput handles: as
+    /// keeps `topk_idx`, which its dispatches read and check in `stream`'s order (after
+    /// `topk_idx`'s ready event), as NCCL EP's low-latency handles do (a handle dispatched again
+    /// builds its own copy beside its second dispatch); an invalid entry becomes the error of
+    /// this rank's dispatches on the handle, found at their verdicts (the peers receive the
+    /// sanitized rows), instead of this creation's. Keep `topk_idx` unchanged until the
+    /// dispatches on the handle ran. High-throughput handles: as
     /// `create_handle_with(..).after(stream).complete_on(stream)` ([`HandleFuture::after`],
     /// [`HandleFuture::complete_on`]). Elsewhere (the host backend, NCCL peers) the handle is
     /// built at once, as by [`Group::create_handle_with`], and the completion is done.

@@ -433,11 +433,12 @@ pub trait Backend: Send + Sync + 'static {
         opts: &HandleOptions,
     ) -> Result<HandleCreation<Self::Handle, Self::Op>>;
     /// [`Backend::start_handle`] for a handle created in `stream`'s order: a backend that builds
-    /// low-latency handles on its device may enqueue that work on `stream` and return
-    /// [`HandleCreation::Ready`] at once, without the host waiting for it; the handle's
-    /// operations are then ordered after that work on the device, and an invalid `topk_idx`
-    /// entry becomes the error of this rank's dispatches on the handle (their verdicts) instead
-    /// of this call's. The default is [`Backend::start_handle`].
+    /// low-latency handles on its device may return [`HandleCreation::Ready`] at once, without
+    /// the host waiting, and read `topk_idx` in `stream`'s order (in work it enqueues there, or
+    /// in the handle's dispatches, ordered after `stream`'s work so far: the caller keeps
+    /// `topk_idx` unchanged until they ran); an invalid `topk_idx` entry then becomes the error
+    /// of this rank's dispatches on the handle (their verdicts) instead of this call's. The
+    /// default is [`Backend::start_handle`].
     fn start_handle_on(
         &self,
         topk_idx: &Self::Tensor,

@@ -312,6 +312,7 @@ fn build_rank(
         group_id: place.group_id,
         ctx: Arc::clone(ctx),
         streams,
+        later_builds: Mutex::default(),
         functions,
         mem,
         peers,

@@ -172,8 +172,8 @@ impl Handle {
         let h = if ll {
             // SAFETY: the caller's live stream of this rank's device (the C API's contract).
             let on = unsafe { g.stream(stream) };
-            // `topk_idx` is ready after the caller's work so far: the kernel on `on` is ordered
-            // after it anyway; a handle built on the host (NCCL peers) waits for this event.
+            // `topk_idx` is ready after the caller's work so far: the dispatches are ordered after
+            // it anyway; a handle built on the host (NCCL peers) waits for this event.
             let ready = on.record_event(None).map_err(|e| {
                 Fail::from(epflow_core::Error::Backend(format!("CUDA: record topk_idx's event: {e:?}")))
             })?;

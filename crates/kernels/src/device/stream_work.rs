@@ -60,6 +60,8 @@ pub struct StreamWork {
     leases: Vec<Arc<dyn Lease>>,
     timing: Option<Arc<[CudaEvent; 3]>>,
     done: Option<Arc<CudaEvent>>,
+    /// Work on other streams that the completion event must follow (`join_before_done`).
+    joins: Vec<Arc<CudaEvent>>,
     /// The stream `done` was recorded on ([`super::stream_id`]).
     done_stream: usize,
     /// Where the events without timing come from (else each is created and destroyed).
@@ -90,6 +92,7 @@ impl StreamWork {
             leases: inputs.iter().filter_map(|t| t.lease().cloned()).collect(),
             timing: None,
             done: None,
+            joins: Vec::new(),
             done_stream: 0,
             events: None,
         }
@@ -222,8 +225,15 @@ impl StreamWork {
         self.end_complete_on(&stream)
     }
 
+    /// The completion event follows `event` too (work this operation started on another
+    /// stream, e.g. a low-latency handle's kernel launched beside its dispatch).
+    pub fn join_before_done(&mut self, event: Arc<CudaEvent>) {
+        self.joins.push(event);
+    }
+
     /// As [`StreamWork::end_complete`], for a complete half launched on `stream` (a caller's).
     pub fn end_complete_on(&mut self, stream: &CudaStream) -> Result<Arc<CudaEvent>, Error> {
+        Self::wait_on(stream, &self.joins)?;
         if let Some(t) = &self.timing {
             t[2].record(stream).map_err(|e| cuda("record event", e))?;
         }

@@ -17,10 +17,12 @@
 //! `ll_send.cuh`: each row sanitized in the send, the handle's copy written by the token's own
 //! warp, an invalid row reported in the handle's mapped report), and send uncompacted messages,
 //! the receive scanning their headers. That costs the kernel's ~4.5 µs of device time per routing
-//! less, and 1-1.5 µs of receive at 128 tokens more (benches/NOTES.md item 149).
-//! `EPFLOW_LL_STREAM_HANDLE=kernel` enqueues the kernel on the caller's stream instead, whose
-//! dispatches then wait for it on the device, read the counts from the handle, and check its
-//! report at their verdicts.
+//! less, and 1-1.5 µs of receive at 128 tokens more (benches/NOTES.md item 149). A handle
+//! dispatched again gets the kernel beside its second dispatch, on a stream of its own
+//! (`stream_routing`; that dispatch's completion follows it), and its later dispatches send
+//! compacted. `EPFLOW_LL_STREAM_HANDLE=kernel` enqueues the kernel on the caller's stream
+//! instead, whose dispatches then wait for it on the device, read the counts from the handle,
+//! and check its report at their verdicts.
 
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -194,15 +196,17 @@ fn read_by_dispatches(
 /// handle's kernel is launched for the later ones: a handle used once (a fresh routing per layer)
 /// never pays it; the dispatches from the next on send compacted messages (~1.3 µs less receive
 /// at 128 tokens, benches/NOTES.md item 125) from a copy and slots the kernel built beside the
-/// launching dispatch, on the rank's handle stream.
+/// launching dispatch, on the rank's stream for such builds (`RankShared::later_builds`).
 const LATER_BUILD_AT: u32 = 2;
 
 /// What a dispatch on a low-latency handle created in stream order without a kernel reads.
 #[derive(Debug)]
 pub(crate) enum StreamRouting {
     /// The caller's `topk_idx` and the report of invalid rows (`LlParams::topk_src`,
-    /// `route_report`).
-    Caller { topk: u64, report: u64 },
+    /// `route_report`); `launched`: the event after the handle's kernel this dispatch launched
+    /// beside itself, which its completion follows (the kernel reads the caller's `topk_idx`
+    /// and writes the handle's copy: both within this dispatch's lifetime).
+    Caller { topk: u64, report: u64, launched: Option<Arc<CudaEvent>> },
     /// The handle's copy, and with `compact` its slots and counts (`LlParams::send_slot`,
     /// `send_rows` -1), built by the kernel before `event` on the stream `stream`
     /// ([`crate::device::stream_id`]).
@@ -211,36 +215,40 @@ pub(crate) enum StreamRouting {
 
 /// The routing of the next dispatch on `h`: `None` for every handle but one created in stream
 /// order without a kernel. Counts the dispatch; the [`LATER_BUILD_AT`]th launches the handle's
-/// kernel on the rank's handle stream (after the creation's event, reading the caller's
-/// `topk_idx`, which the dispatches read too: the copy it writes holds the values theirs do),
-/// and the dispatches after it read what it built.
+/// kernel on the rank's stream for such builds (after the creation's event, reading the caller's
+/// `topk_idx`, which the dispatches read too: the copy it writes holds the values theirs do; that
+/// dispatch's completion follows it), and the dispatches after it read what it built.
 pub(crate) fn stream_routing(s: &Arc<RankShared>, h: &GpuHandle) -> Result<Option<StreamRouting>, Error> {
     let Some(b) = h.ll_stream() else { return Ok(None) };
     let (Some(topk), Some(report)) = (b.topk_src, b.report.as_ref()) else { return Ok(None) };
     let l = s.layout.ll("a low-latency dispatch")?;
     let compact = h.layout() == Layout::RankMajor && l.max_tokens <= LL_COMPACT_MAX_ROWS;
-    let handle_stream = &s.streams[Channel::Handle.index()];
     let mut later = b.later.lock().unwrap_or_else(|e| e.into_inner());
     later.dispatches = later.dispatches.saturating_add(1);
-    if let Some((event, _)) = &later.built {
-        return Ok(Some(StreamRouting::Built { event: Arc::clone(event), stream: stream_id(handle_stream), compact }));
+    if let Some((event, _, stream)) = &later.built {
+        return Ok(Some(StreamRouting::Built { event: Arc::clone(event), stream: *stream, compact }));
     }
+    let mut launched = None;
     if later.dispatches == LATER_BUILD_AT {
+        let on = s.later_build_stream()?;
         let kernel_report = take_report(s, report_bytes(s, l.max_tokens))?;
         let shape = (h.num_tokens(), h.top_k(), compact);
-        let launched = bind(&s.ctx)
-            .and_then(|()| handle_stream.wait(&b.built).map_err(|e| cuda("order the handle's kernel", e)))
-            .and_then(|()| launch_raw(s, handle_stream, (topk, h.ptr()), &kernel_report, shape, false))
-            .and_then(|()| record_after_kernel(s, handle_stream));
-        match launched {
-            Ok(event) => later.built = Some((event, kernel_report)),
+        let built = bind(&s.ctx)
+            .and_then(|()| on.wait(&b.built).map_err(|e| cuda("order the handle's kernel", e)))
+            .and_then(|()| launch_raw(s, &on, (topk, h.ptr()), &kernel_report, shape, false))
+            .and_then(|()| record_after_kernel(s, &on));
+        match built {
+            Ok(event) => {
+                launched = Some(Arc::clone(&event));
+                later.built = Some((event, kernel_report, stream_id(&on)));
+            }
             Err(e) => {
                 s.plan_results.lock().unwrap_or_else(|e| e.into_inner()).push(kernel_report);
                 return Err(e);
             }
         }
     }
-    Ok(Some(StreamRouting::Caller { topk, report: report.device_ptr() }))
+    Ok(Some(StreamRouting::Caller { topk, report: report.device_ptr(), launched }))
 }
 
 /// The first invalid row (lowest token) of `tokens` that a dispatch reading the caller's

@@ -194,7 +194,7 @@ pub(crate) fn dispatch_params(
     match routing {
         // A handle created in stream order without a kernel: the send reads the caller's
         // routing, sanitizes it, writes the handle's copy and reports invalid rows.
-        Some(StreamRouting::Caller { topk, report }) => {
+        Some(StreamRouting::Caller { topk, report, .. }) => {
             p.topk_src = *topk;
             p.route_report = *report;
         }
@@ -230,9 +230,12 @@ pub(crate) fn dispatch(
     // or after the kernel that built it later.
     match routing {
         Some(StreamRouting::Built { event, stream, .. }) => op.order_after_event(event, stream),
-        _ => {
+        other => {
             if let Some((built, stream)) = h.ll_built_after() {
                 op.order_after_event(built, stream);
+            }
+            if let Some(StreamRouting::Caller { launched: Some(kernel), .. }) = other {
+                op.join_before_done(kernel);
             }
         }
     }

@@ -152,9 +152,9 @@ impl GpuOp {
         }
     }
 
-    /// A low-latency dispatch on a handle built in stream order: the routing as the handle's
-    /// kernel judged it (its first invalid entry is this rank's error; the peers received the
-    /// sanitized rows). `Ok` for every other handle.
+    /// A low-latency dispatch on a handle created in stream order: the routing as the device
+    /// judged it (the handle's kernel, or the dispatches that read it; its first invalid entry is
+    /// this rank's error; the peers received the sanitized rows). `Ok` for every other handle.
     fn routing_verdict(&self, handle: &GpuHandle) -> Result<(), Error> {
         match handle.ll_invalid_routing(self.shared.config.num_experts) {
             Some(e) => Err(e.into()),

@@ -232,6 +232,13 @@ impl GpuOp {
             return Err(Error::Backend("not a low-latency operation".into()));
         };
         p.cancelled = i32::from(self.state.is_cancelled());
+        if p.cancelled != 0 {
+            // A cancelled operation no longer waits for its inputs (`release_inputs`): its send
+            // must not load the caller's routing (it reads the handle's memory instead, and
+            // writes nothing).
+            p.topk_src = 0;
+            p.route_report = 0;
+        }
         launch_ll_kernel(&self.shared, which, p, on)
     }
 

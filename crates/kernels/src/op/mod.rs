@@ -206,6 +206,11 @@ impl GpuOp {
         self.work.order_after_event(event, stream_id);
     }
 
+    /// The operation's completion event follows `event` too ([`StreamWork::join_before_done`]).
+    pub(crate) fn join_before_done(&mut self, event: Arc<cudarc::driver::CudaEvent>) {
+        self.work.join_before_done(event);
+    }
+
     /// Before its launches, the operation's stream waits for `fences` (of memory it writes).
     pub(crate) fn wait_fences(&mut self, fences: Vec<Arc<cudarc::driver::CudaEvent>>) {
         self.work.wait_fences(fences);

@@ -40,8 +40,8 @@ pub(crate) struct GpuHandleState {
     /// destination, how many (the slots are in the handle's memory, `LlLayout::send_slot_offset`),
     /// or -1 where the kernels read them from the handle's memory (built in stream order).
     pub(crate) send_rows: Option<[i32; MAX_RANKS]>,
-    /// A low-latency handle built on the device in a stream's order, handed out before its
-    /// kernel ran (`ll/handle.rs`).
+    /// A low-latency handle created in a stream's order, handed out before the device read its
+    /// routing (`ll/handle.rs`).
     pub(crate) ll_stream: Option<LlStreamBuilt>,
 }
 
@@ -51,8 +51,8 @@ pub(crate) struct GpuHandleState {
 pub(crate) struct LlStreamBuilt {
     /// Recorded on `stream` after `topk_idx`'s ready event (and the handle's kernel, if any).
     pub(crate) built: Arc<CudaEvent>,
-    /// The stream the kernel ran on ([`crate::device::stream_id`]): work enqueued there later
-    /// needs no wait.
+    /// The stream the handle was created on ([`crate::device::stream_id`]): work enqueued there
+    /// later needs no wait.
     pub(crate) stream: usize,
     /// The mapped report of the kernel (`ll_handle.cuh`) or of the dispatches (`topk_src`);
     /// back to `report_pool` when the handle is dropped.
@@ -76,9 +76,10 @@ pub(crate) struct LlStreamBuilt {
 pub(crate) struct LaterBuild {
     /// Dispatches started on the handle.
     pub(crate) dispatches: u32,
-    /// The kernel's event (after it, on the rank's handle stream) and its own report (every
-    /// entry it reads was already checked by the first dispatches; read by the verdicts).
-    pub(crate) built: Option<(Arc<CudaEvent>, PinnedBuffer)>,
+    /// The kernel's event, its own report (every entry it reads was already checked by the
+    /// first dispatches; read by the verdicts) and the stream it ran on
+    /// (`RankShared::later_builds`, [`crate::device::stream_id`]).
+    pub(crate) built: Option<(Arc<CudaEvent>, PinnedBuffer, usize)>,
 }
 
 impl std::fmt::Debug for LlStreamBuilt {
@@ -205,7 +206,7 @@ impl LlStreamBuilt {
     /// the later kernel's if one was launched.
     fn last_events(&self) -> Vec<Arc<CudaEvent>> {
         let later = self.later.lock().unwrap_or_else(|e| e.into_inner());
-        std::iter::once(Arc::clone(&self.built)).chain(later.built.as_ref().map(|(e, _)| Arc::clone(e))).collect()
+        std::iter::once(Arc::clone(&self.built)).chain(later.built.as_ref().map(|(e, ..)| Arc::clone(e))).collect()
     }
 
     /// Once the kernels have run: lets `topk_idx` go, and gives the reports and `mem` (the
@@ -213,7 +214,7 @@ impl LlStreamBuilt {
     fn give_back(mut self, mem: Option<DeviceBuffer>, pool: &Mutex<Vec<DeviceBuffer>>) {
         self.topk = None;
         let later = self.later.get_mut().unwrap_or_else(|e| e.into_inner()).built.take();
-        let reports = self.report.take().into_iter().chain(later.map(|(_, r)| r));
+        let reports = self.report.take().into_iter().chain(later.map(|(_, r, _)| r));
         self.report_pool.lock().unwrap_or_else(|e| e.into_inner()).extend(reports);
         if let Some(m) = mem {
             pool.lock().unwrap_or_else(|e| e.into_inner()).push(m);
@@ -353,8 +354,8 @@ impl GpuHandle {
         }))
     }
 
-    /// What a dispatch on a low-latency handle built in stream order is ordered after: the
-    /// kernel's event and its stream; `None` for every other handle.
+    /// What a dispatch on a low-latency handle created in stream order is ordered after: the
+    /// creation's event and its stream; `None` for every other handle.
     pub(crate) fn ll_built_after(&self) -> Option<(Arc<CudaEvent>, usize)> {
         self.0.ll_stream.as_ref().map(|b| (Arc::clone(&b.built), b.stream))
     }
@@ -374,7 +375,7 @@ impl GpuHandle {
         // it read no report: a routing whose first dispatches were cancelled is judged there).
         crate::ll::handle::invalid_row_in(r, tokens, 0, num_experts).or_else(|| {
             let later = b.later.lock().unwrap_or_else(|e| e.into_inner());
-            let (event, kr) = later.built.as_ref()?;
+            let (event, kr, _) = later.built.as_ref()?;
             let ran = self.0.mem.as_ref().is_some_and(|m| crate::device::event_done(m.context(), event));
             if ran { crate::ht::result::invalid_routing_in(kr, k, num_experts) } else { None }
         })

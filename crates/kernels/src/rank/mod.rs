@@ -421,8 +421,9 @@ impl Backend for GpuRank {
         self.unmask_all_now()
     }
 
-    /// Low-latency over NVLink: the handle's kernel on `stream`, the handle at once
-    /// (`ll::handle::build_on`); otherwise [`Backend::start_handle`].
+    /// Low-latency over NVLink: the handle at once, its dispatches ordered after `stream`'s work
+    /// so far and reading `topk_idx` themselves (`ll::handle::build_on`); otherwise
+    /// [`Backend::start_handle`].
     fn start_handle_on(
         &self,
         topk_idx: &DeviceTensor,

@@ -10,7 +10,7 @@ use epflow_core::{Algorithm, Error, GroupConfig};
 
 use crate::compile::Functions;
 use crate::device::cache::OutputCache;
-use crate::device::{DeviceBuffer, EventPool, PinnedBuffer, StreamFence, bind};
+use crate::device::{DeviceBuffer, EventPool, PinnedBuffer, StreamFence, bind, cuda};
 use crate::layout::Layout;
 use crate::params::{MAX_RANKS, SIGNAL_PAGE_BYTES, arrival_offset, status};
 use crate::transport::nccl::{NcclShared, Xfer};
@@ -120,6 +120,11 @@ pub(crate) struct RankShared {
     /// One stream per channel (dispatch, combine, handle), so the channels never block each
     /// other (ranks may interleave operations of different channels differently).
     pub(crate) streams: [Arc<CudaStream>; 3],
+    /// Low-latency handles created in stream order and dispatched again: the stream their
+    /// kernel runs on (`ll::handle::stream_routing`), created at the first need. Its own, so
+    /// that nothing of a caller's stream comes between the handle stream's work (a mask
+    /// change's meeting, awaited handles) and the host.
+    pub(crate) later_builds: Mutex<Option<Arc<CudaStream>>>,
     pub(crate) functions: Functions,
     pub(crate) mem: Arc<RankMemory>,
     /// Every rank's buffers as this process addresses them (index = rank), this one included.
@@ -222,6 +227,17 @@ impl RankShared {
 
     /// This rank's receive region of the dispatch (`dispatch`) or combine channel, and every
     /// rank's, in rank order.
+    /// The stream of [`RankShared::later_builds`], created on the first call.
+    pub(crate) fn later_build_stream(&self) -> Result<Arc<CudaStream>, Error> {
+        let mut s = self.later_builds.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(stream) = &*s {
+            return Ok(Arc::clone(stream));
+        }
+        let stream = self.ctx.new_stream().map_err(|e| cuda("create a stream", e))?;
+        *s = Some(Arc::clone(&stream));
+        Ok(stream)
+    }
+
     pub(crate) fn recv_regions(&self, dispatch: bool) -> (u64, &[u64]) {
         if dispatch {
             (self.mem.disp_recv.ptr(), &self.peers.disp_recv)
@@ -234,7 +250,8 @@ impl RankShared {
 impl Drop for RankShared {
     fn drop(&mut self) {
         if bind(&self.ctx).is_ok() {
-            for s in &self.streams {
+            let later = self.later_builds.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+            for s in self.streams.iter().chain(later.as_ref()) {
                 let _ = s.synchronize();
             }
         }
