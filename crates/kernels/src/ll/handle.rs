@@ -123,6 +123,23 @@ pub(crate) fn build_on(
     let launched = launch(s, stream, topk_idx, &mem, &report, (b, k, compact), false);
     let recorded = launched.and_then(|()| record_after_kernel(s, stream));
     steps.step("handle: launch the kernel");
+    let send_rows = compact.then_some([-1i32; MAX_RANKS]);
+    handed_out(s, topk_idx, layout, stream, (mem, report), recorded, (None, send_rows))
+}
+
+/// The handle [`build_on`] hands out once its event is `recorded` on `stream`; with
+/// `(topk_src, send_rows)` as [`LlStreamBuilt::topk_src`] and [`GpuHandle::new`]'s `send_rows`.
+/// On an error the memory and the report go back to their pools (no kernel uses them:
+/// `record_after_kernel` waited for one that may have been enqueued).
+fn handed_out(
+    s: &Arc<RankShared>,
+    topk_idx: &DeviceTensor,
+    layout: Layout,
+    stream: &CudaStream,
+    (mem, report): (DeviceBuffer, PinnedBuffer),
+    recorded: Result<Arc<CudaEvent>, Error>,
+    (topk_src, send_rows): (Option<u64>, Option<[i32; MAX_RANKS]>),
+) -> Result<GpuHandle, Error> {
     let built = match recorded {
         Ok(e) => e,
         Err(e) => {
@@ -131,16 +148,16 @@ pub(crate) fn build_on(
             return Err(e);
         }
     };
+    let (b, k) = (topk_idx.desc().shape[0], topk_idx.desc().shape[1]);
     let built = LlStreamBuilt {
         built,
         stream: stream_id(stream),
         report: Some(report),
         report_pool: Arc::clone(&s.plan_results),
         topk: topk_idx.keep_alive(),
-        topk_src: None,
+        topk_src,
         later: Mutex::default(),
     };
-    let send_rows = compact.then_some([-1i32; MAX_RANKS]);
     let core = HandleCore::on_device(s.group_id, b, k, Algorithm::LowLatency, None).with_layout(layout);
     Ok(GpuHandle::ll_in_stream_order(core, mem, &s.handle_pool, send_rows, built))
 }
@@ -155,7 +172,7 @@ fn read_by_dispatches(
     stream: &Arc<CudaStream>,
     steps: &mut Steps,
 ) -> Result<GpuHandle, Error> {
-    let (b, k) = (topk_idx.desc().shape[0], topk_idx.desc().shape[1]);
+    let b = topk_idx.desc().shape[0];
     let l = s.layout.ll("a low-latency handle")?;
     let mem = take_pooled(&s.ctx, &s.handle_pool, l.handle_bytes())?;
     let report = take_report(s, report_bytes(s, l.max_tokens))?;
@@ -171,25 +188,7 @@ fn read_by_dispatches(
     });
     let recorded = ordered.and_then(|()| s.events.record(stream).map_err(|e| cuda("record the handle's event", e)));
     steps.step("handle: order after topk_idx");
-    let built = match recorded {
-        Ok(e) => e,
-        Err(e) => {
-            s.plan_results.lock().unwrap_or_else(|e| e.into_inner()).push(report);
-            s.handle_pool.lock().unwrap_or_else(|e| e.into_inner()).push(mem);
-            return Err(e);
-        }
-    };
-    let built = LlStreamBuilt {
-        built,
-        stream: stream_id(stream),
-        report: Some(report),
-        report_pool: Arc::clone(&s.plan_results),
-        topk: topk_idx.keep_alive(),
-        topk_src: Some(topk_idx.ptr()),
-        later: Mutex::default(),
-    };
-    let core = HandleCore::on_device(s.group_id, b, k, Algorithm::LowLatency, None).with_layout(layout);
-    Ok(GpuHandle::ll_in_stream_order(core, mem, &s.handle_pool, None, built))
+    handed_out(s, topk_idx, layout, stream, (mem, report), recorded, (Some(topk_idx.ptr()), None))
 }
 
 /// The dispatch (1-based) on a handle created in stream order without a kernel at which the
