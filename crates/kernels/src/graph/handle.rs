@@ -31,7 +31,7 @@ impl GraphHandle {
     /// The validation error of replay `replay`'s first invalid row (lowest token), if it had
     /// one.
     pub(crate) fn invalid_entry(&self, replay: u64, num_experts: usize) -> Option<ValidationError> {
-        crate::ll::handle::invalid_row_in(&self.report, self.topk.desc().shape[0], replay, num_experts)
+        crate::ll::report::invalid_row_in(&self.report, self.topk.desc().shape[0], replay, num_experts)
     }
 }
 

@@ -164,7 +164,8 @@ fn handed_out(
 
 /// [`build_on`] without a kernel: the handle's memory (its copy of the routing, written by its
 /// dispatches' sends) and a report of invalid rows in the format of captured steps' (replay 0;
-/// `invalid_row_in`), cleared here; an event on `stream` after `topk_idx`'s ready event.
+/// [`super::report::invalid_row_in`]), cleared here; an event on `stream` after `topk_idx`'s
+/// ready event.
 fn read_by_dispatches(
     s: &Arc<RankShared>,
     topk_idx: &DeviceTensor,
@@ -248,26 +249,6 @@ pub(crate) fn stream_routing(s: &Arc<RankShared>, h: &GpuHandle) -> Result<Optio
         }
     }
     Ok(Some(StreamRouting::Caller { topk, report: report.device_ptr(), launched }))
-}
-
-/// The first invalid row (lowest token) of `tokens` that a dispatch reading the caller's
-/// `topk_idx` reported for `replay` (0 for eager dispatches) in `report` (`1 + 2B` mapped words,
-/// `routed_entry` in `ll_send.cuh`: `[0]` replay + 1, per token `t` `[1 + t]` = (replay + 1) <<
-/// 16 | (earlier k naming the same expert + 1) << 8 | k, `[1 + B + t]` the entry), as the
-/// host's checks name it.
-pub(crate) fn invalid_row_in(
-    report: &PinnedBuffer,
-    tokens: usize,
-    replay: u64,
-    num_experts: usize,
-) -> Option<epflow_core::ValidationError> {
-    if report.read_u64(0) != replay + 1 {
-        return None;
-    }
-    let (token, w) = (0..tokens).map(|t| (t, report.read_u64(1 + t))).find(|(_, w)| w >> 16 == replay + 1)?;
-    let (k, earlier) = ((w & 0xff) as usize, ((w >> 8) & 0xff) as i64 - 1);
-    let value = report.read_u64(1 + tokens + token) as i64;
-    Some(epflow_core::ValidationError::invalid_topk_entry(token, k, value, usize::try_from(earlier).ok(), num_experts))
 }
 
 /// A handle's memory, a report buffer, and whether its dispatches compact (rank-major, `M` at

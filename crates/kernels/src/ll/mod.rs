@@ -1,6 +1,7 @@
 //! Low-latency operations (`cuda/ll.cu` and the `cuda/ll_*.cuh` parts around it): starting them
 //! ([`start`]: kernel parameters, the NCCL exchange with NCCL peers, cancellations), their
-//! launch geometry ([`geometry`]), and handles built on the device ([`handle`]).
+//! launch geometry ([`geometry`]), handles built on the device ([`handle`]), and the report of
+//! invalid routing rows that dispatches reading the caller's `topk_idx` write ([`report`]).
 //!
 //! A dispatch sends one message per (token, destination rank) into the destination's receive
 //! region (a slot per source token, per buffer set); its receive kernel packs the messages into
@@ -9,4 +10,5 @@
 
 pub(crate) mod geometry;
 pub(crate) mod handle;
+pub(crate) mod report;
 pub(crate) mod start;

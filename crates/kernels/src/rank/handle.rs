@@ -63,7 +63,7 @@ pub(crate) struct LlStreamBuilt {
     pub(crate) topk: Option<Arc<dyn std::any::Any + Send + Sync>>,
     /// Without a kernel (`ll::handle::build_on`'s default): the caller's `topk_idx`, which the
     /// dispatches on the handle read (`LlParams::topk_src`), reporting invalid rows in `report`
-    /// in the format of captured steps' (`ll::handle::invalid_row_in`, replay 0), until the
+    /// in the format of captured steps' (`ll::report::invalid_row_in`, replay 0), until the
     /// handle's kernel built it in `later` (`ll::handle::stream_routing`).
     pub(crate) topk_src: Option<u64>,
     /// With `topk_src`: the dispatches so far and the kernel launched for the later ones.
@@ -373,7 +373,7 @@ impl GpuHandle {
         }
         // The dispatches' report, then the later kernel's once it ran (dispatches ordered after
         // it read no report: a routing whose first dispatches were cancelled is judged there).
-        crate::ll::handle::invalid_row_in(r, tokens, 0, num_experts).or_else(|| {
+        crate::ll::report::invalid_row_in(r, tokens, 0, num_experts).or_else(|| {
             let later = b.later.lock().unwrap_or_else(|e| e.into_inner());
             let (event, kr, _) = later.built.as_ref()?;
             let ran = self.0.mem.as_ref().is_some_and(|m| crate::device::event_done(m.context(), event));
