@@ -105,8 +105,9 @@ pub(crate) fn build(
 /// (`GpuHandle::ll_built_after`: no wait on `stream` itself). Each dispatch checks the routing's
 /// report at its verdict: an invalid entry makes each of this rank's dispatches on the handle
 /// fail with the error [`build`] would have returned, while the peers receive the sanitized rows
-/// (as with captured steps). `topk_idx` must stay unchanged while its dispatches may run: every
-/// dispatch on the handle reads it (with the kernel, until the kernel has run).
+/// (as with captured steps). `topk_idx` must stay unchanged until the handle's dispatches ran:
+/// the first two read it, and the kernel the second launches (with the kernel at creation,
+/// until that kernel has run).
 pub(crate) fn build_on(
     s: &Arc<RankShared>,
     topk_idx: &DeviceTensor,
