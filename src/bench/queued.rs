@@ -28,8 +28,7 @@ const QUEUED_LEAD: Duration = Duration::from_millis(1);
 /// next routing, created in `stream`'s order right after the spin (`blocking_handle_on`: on
 /// GPUs nothing waits, and the dispatch reads the routing), so the dispatch's device time
 /// includes what a new routing costs it. The operations' own timing events are off meanwhile.
-/// Empty times where
-/// the backend has no device clock.
+/// Empty times where the backend has no device clock.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn queued_pairs<R: BenchRank>(
     r: &R,
