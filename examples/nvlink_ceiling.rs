@@ -15,11 +15,14 @@
 //! the received ones in HBM), and `--chunks K` splits each peer copy into K copies, each followed
 //! by a stream write of a flag word in the source's memory (`cuStreamWriteValue32`, what a
 //! receiving kernel would poll; `--no-flags` leaves them out), on `--piece-streams S` streams per
-//! pair in turn. High-throughput dispatch at the reference
+//! pair in turn. `--gate-us G` times on the device instead of the host clock: every stream waits
+//! behind a G µs spin, and CUDA events measure from its end to the last stream's end (the host's
+//! enqueueing out of the figure). High-throughput dispatch at the reference
 //! config moves ~53 MB per pair on 4 GPUs, ~58 MB on 2.
 //!
 //! ```sh
 //! cargo run --release --example nvlink_ceiling [-- --mb 56 --iters 20 --sms 132 --local --tma]
+//! cargo run --release --example nvlink_ceiling -- --mb 56 --gate-us 1500 --local-sms 32 --chunks 8
 //! ```
 
 use std::time::Instant;
