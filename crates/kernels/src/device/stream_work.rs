@@ -143,9 +143,9 @@ impl StreamWork {
         Ok(())
     }
 
-    /// Orders the send half after `event`, recorded on the stream whose `CUstream` handle, as an
-    /// integer, is `stream_id`: waited for unless the work runs on that stream by then (as
-    /// [`StreamWork::order_after`]'s events; released with the inputs).
+    /// Orders the send half after `event`, recorded on the stream whose identity
+    /// (`device::stream_id`) is `stream_id`: waited for unless the work runs on that stream by
+    /// then (as [`StreamWork::order_after`]'s events; released with the inputs).
     pub fn order_after_event(&mut self, event: Arc<CudaEvent>, stream_id: usize) {
         self.after.push((event, stream_id));
     }
