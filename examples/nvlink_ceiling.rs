@@ -8,7 +8,10 @@
 //! the received ones in HBM). With `--tma` (and `--sms N`), the N blocks per GPU move the bytes
 //! with the Tensor Memory Accelerator's bulk copies instead (`GpuRank::tma_copy`: one issuing
 //! thread per block, `--stages` shared-memory buffers of `--chunk` bytes, default 14 of 14336 B,
-//! a 7168-wide BF16 row each); `--local` then copies locally with bulk copies too. Every copied
+//! a 7168-wide BF16 row each); `--local` then copies locally with bulk copies too. With
+//! `--balanced` (and `--sms N`), the SM stores' warps take 16 KB pieces from a counter instead of
+//! a fixed share each (`GpuRank::sm_copy_balanced`), so blocks the memory system serves faster
+//! copy more. Every copied
 //! region is checked against its source at the end. With the copy engines, `--local-sms N` adds
 //! `--local-copies K` (default 2) local copies of the same size on N blocks of SM stores per GPU at
 //! the same time (a dispatch through the copy engines would still copy its own rows and compact
@@ -46,6 +49,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (mb, iters, sms) = (arg("--mb", 53), arg("--iters", 20), arg("--sms", 0));
     let local = std::env::args().any(|a| a == "--local");
     let tma = std::env::args().any(|a| a == "--tma");
+    let balanced = std::env::args().any(|a| a == "--balanced");
     let (chunk, stages) = (arg("--chunk", 14336) as u32, arg("--stages", 14) as u32);
     let (local_sms, local_copies, chunks) =
         (arg("--local-sms", 0), arg("--local-copies", 2), arg("--chunks", 1).max(1));
@@ -95,11 +99,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let gate_us = arg("--gate-us", 0) as u64;
     let gates: Vec<_> = ranks.iter().map(|k| k.context().new_stream()).collect::<Result<_, _>>()?;
     let mut dev_times = Vec::with_capacity(iters);
+    // `--balanced`: one work counter per (source, destination) pair, in the source's memory.
+    let counters: Vec<Vec<DeviceBuffer>> = ranks
+        .iter()
+        .map(|k| (0..r).map(|_| DeviceBuffer::zeroed(k.context(), 8)).collect::<Result<_, _>>())
+        .collect::<Result<_, _>>()?;
     // `copy` with SM stores or bulk copies on `blocks` blocks of `rank`, on `stream`.
-    let probe = |rank: &GpuRank, stream: &CudaStream, copy: CopyRange<'_>, blocks: u32| {
+    let probe = |rank: &GpuRank, stream: &CudaStream, copy: CopyRange<'_>, blocks: u32, counter: &DeviceBuffer| {
         // SAFETY: every buffer lives until the end of main, after every stream is synchronized;
-        // each (source, destination) pair has its own region of the destination buffer.
-        unsafe { if tma { rank.tma_copy(stream, copy, blocks, shape) } else { rank.sm_copy(stream, copy, blocks) } }
+        // each (source, destination) pair has its own region of the destination buffer and its
+        // own counter.
+        unsafe {
+            match (tma, balanced) {
+                (true, _) => rank.tma_copy(stream, copy, blocks, shape),
+                (false, true) => rank.sm_copy_balanced(stream, copy, blocks, counter),
+                (false, false) => rank.sm_copy(stream, copy, blocks),
+            }
+        }
     };
     let mut times = Vec::with_capacity(iters);
     for it in 0..iters + 3 {
@@ -122,7 +138,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             for d in (0..r).filter(|&d| d != s) {
                 if sms > 0 {
                     let copy = CopyRange { dst: &dst[d], dst_offset: s * bytes, src: &src[s], bytes };
-                    probe(&ranks[s], &streams[s][d], copy, peer_blocks)?;
+                    probe(&ranks[s], &streams[s][d], copy, peer_blocks, &counters[s][d])?;
                     continue;
                 }
                 let to = dst[d].ptr() + (s * bytes) as u64;
@@ -150,7 +166,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             if local && sms > 0 {
                 // The own region of this GPU's destination buffer, on the stream of pair (s, s).
                 let copy = CopyRange { dst: &dst[s], dst_offset: s * bytes, src: &src[s], bytes };
-                probe(&ranks[s], &streams[s][s], copy, sms as u32)?;
+                probe(&ranks[s], &streams[s][s], copy, sms as u32, &counters[s][s])?;
             }
         }
         let mut ends: Vec<Vec<_>> = Vec::new();
@@ -200,7 +216,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     times.sort_by(f64::total_cmp);
     let med = times[times.len() / 2];
     let ingress = (r - 1) as f64 * bytes as f64 / med / 1e9;
-    let kind = if tma { format!("bulk copies ({stages} x {chunk} B)") } else { "SM stores".to_string() };
+    let kind = match (tma, balanced) {
+        (true, _) => format!("bulk copies ({stages} x {chunk} B)"),
+        (false, true) => "SM stores, balanced".to_string(),
+        (false, false) => "SM stores".to_string(),
+    };
     let how = match (sms, local) {
         (0, _) if local_sms > 0 => format!(
             "copy engines in {chunks} piece(s) on {piece_streams} stream(s), flags {flagged}, with {local_copies} local copies of {mb} MB on {local_sms} blocks"

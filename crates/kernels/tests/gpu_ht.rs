@@ -902,6 +902,29 @@ fn sm_copy_moves_the_bytes() {
     assert!(matches!(err, Err(Error::Unsupported(m)) if m.contains("does not fit")));
 }
 
+/// `GpuRank::sm_copy_balanced` (the probe of `examples/nvlink_ceiling --balanced`) moves exactly
+/// its bytes, into this GPU's buffer and into a peer's, at an offset, with a partial last piece,
+/// for any block count, and again with the same counter (cleared at each launch); a counter of
+/// the peer's is refused.
+#[test]
+fn sm_copy_balanced_moves_the_bytes() {
+    let Some(t) = CopyProbe::new("sm_copy_balanced_moves_the_bytes") else { return };
+    let bytes = CopyProbe::BYTES;
+    let counter = DeviceBuffer::zeroed(t.ranks[0].context(), 8).expect("counter");
+    for (dst, blocks) in [(&t.local, 1u32), (&t.peer, 7), (&t.peer, 132), (&t.local, 64)] {
+        t.check(dst, &format!("{blocks} blocks, balanced"), || {
+            // SAFETY: the buffers and the counter live past `check`'s synchronize; nothing else
+            // writes `dst` or uses the counter.
+            unsafe { t.ranks[0].sm_copy_balanced(&t.stream, t.range(dst, 4096, bytes), blocks, &counter) }
+                .expect("sm_copy_balanced");
+        });
+    }
+    let theirs = DeviceBuffer::zeroed(t.ranks[1].context(), 8).expect("peer counter");
+    // SAFETY: refused before any launch (the counter is not this rank's).
+    let err = unsafe { t.ranks[0].sm_copy_balanced(&t.stream, t.range(&t.local, 4096, bytes), 4, &theirs) };
+    assert!(matches!(err, Err(Error::Unsupported(m)) if m.contains("counter")));
+}
+
 /// `GpuRank::tma_copy` (the bulk-copy probe of `examples/nvlink_ceiling --tma`) moves exactly its
 /// bytes, into this GPU's buffer and into a peer's, at an offset, with a partial last chunk, any
 /// block count and any stage count; chunks and stages out of range are refused.

@@ -55,6 +55,8 @@ pub(crate) struct Functions {
     pub spin: CudaFunction,
     /// The SM-store copy probe (`GpuRank::sm_copy`).
     pub sm_copy: CudaFunction,
+    /// The SM-store copy probe with the work balanced between blocks (`GpuRank::sm_copy_balanced`).
+    pub sm_copy_balanced: CudaFunction,
     /// The bulk-copy (TMA) probe (`GpuRank::tma_copy`).
     pub tma_copy: CudaFunction,
     pub nccl_ht_pack: CudaFunction,
@@ -122,6 +124,7 @@ impl Functions {
             dequant_fp8: f(&util, "ep_dequant_fp8_rows")?,
             spin: f(&util, "ep_spin")?,
             sm_copy: f(&util, "ep_sm_copy")?,
+            sm_copy_balanced: f(&util, "ep_sm_copy_balanced")?,
             tma_copy: f(&util, "ep_tma_copy")?,
             nccl_ht_pack: f(&nccl, "ep_nccl_ht_pack")?,
             nccl_arrivals: f(&nccl, "ep_nccl_arrivals")?,

@@ -53,6 +53,41 @@ extern "C" __global__ void __launch_bounds__(512) ep_sm_copy(u64 dst, u64 src, u
     }
 }
 
+// `ep_sm_copy` with the work balanced between the blocks: each warp takes the next 16 KB piece
+// of the copy from the counter at `counter` (a u64, zero at the launch), asking for its next
+// piece before it copies the current one, so that a block the memory system serves faster
+// copies more. A probe of whether the SM-store ceiling is bound by uneven blocks
+// (`nvlink_ceiling --balanced`), not part of any operation.
+extern "C" __global__ void __launch_bounds__(512) ep_sm_copy_balanced(u64 dst, u64 src, u64 bytes, u64 counter) {
+    const u64 n = bytes / 16, piece = 1024;
+    const u64 lane = threadIdx.x & 31;
+    unsigned long long* next = reinterpret_cast<unsigned long long*>(counter);
+    const char* s = reinterpret_cast<const char*>(src);
+    char* d = reinterpret_cast<char*>(dst);
+    unsigned long long mine = 0;
+    if (lane == 0) mine = atomicAdd(next, 1ull);
+    mine = __shfl_sync(EP_FULL_MASK, mine, 0);
+    while (mine * piece < n) {
+        unsigned long long after = 0;
+        if (lane == 0) after = atomicAdd(next, 1ull);
+        const u64 end = min(n, (mine + 1) * piece);
+        for (u64 base = mine * piece; base < end; base += 256) {
+            int4 v[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                const u64 i = base + 32 * u + lane;
+                if (i < end) v[u] = ld_cg_int4(s + i * 16);
+            }
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                const u64 i = base + 32 * u + lane;
+                if (i < end) st_na_int4(d + i * 16, v[u]);
+            }
+        }
+        mine = __shfl_sync(EP_FULL_MASK, after, 0);
+    }
+}
+
 // Copies `bytes` (a multiple of 16) from `src` to `dst` (local or a peer's) with the Tensor
 // Memory Accelerator: thread 0 of each block moves the block's chunks (chunk k of the copy goes
 // to block k % gridDim.x) global -> shared -> global with bulk asynchronous copies, through

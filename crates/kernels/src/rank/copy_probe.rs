@@ -66,6 +66,42 @@ impl GpuRank {
         Ok(())
     }
 
+    /// As [`GpuRank::sm_copy`], with the work balanced between the blocks: each warp takes the
+    /// next 16 KB piece of the copy from `counter` (this rank's buffer of at least 8 bytes, set to
+    /// zero on `stream` first), so a block the memory system serves faster copies more.
+    ///
+    /// # Safety
+    ///
+    /// As [`GpuRank::sm_copy`]; `counter` must also stay allocated until the copy is done, and
+    /// no other copy may use it meanwhile.
+    pub unsafe fn sm_copy_balanced(
+        &self,
+        stream: &CudaStream,
+        copy: CopyRange<'_>,
+        blocks: u32,
+        counter: &DeviceBuffer,
+    ) -> Result<(), Error> {
+        let (d, s, n) = self.check_copy("sm_copy_balanced", copy)?;
+        if counter.bytes() < 8 || !std::sync::Arc::ptr_eq(counter.context(), &self.shared.ctx) {
+            return Err(Error::Unsupported("sm_copy_balanced: the counter must be 8 bytes of this rank's".into()));
+        }
+        let ctr = counter.ptr();
+        let cfg =
+            LaunchConfig { grid_dim: (blocks.max(1), 1, 1), block_dim: (SM_COPY_BLOCK, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the counter word lies inside a live allocation of this rank's (checked above);
+        // the memset is ordered on `stream` before the launch that reads it. The launch's
+        // arguments match `ep_sm_copy_balanced(u64, u64, u64, u64)`; the ranges are checked
+        // above, and the caller keeps the buffers alive until the copy is done.
+        unsafe {
+            cudarc::driver::sys::cuMemsetD32Async(ctr, 0, 2, stream.cu_stream())
+                .result()
+                .map_err(|e| cuda("clear sm_copy_balanced's counter", e))?;
+            stream.launch_builder(&self.shared.functions.sm_copy_balanced).arg(&d).arg(&s).arg(&n).arg(&ctr).launch(cfg)
+        }
+        .map_err(|e| cuda("launch sm_copy_balanced", e))?;
+        Ok(())
+    }
+
     /// Copies `copy` with `blocks` blocks whose one issuing thread each moves chunks global ->
     /// shared -> global with the Tensor Memory Accelerator's bulk copies, as `shape` says,
     /// keeping `stages - 1` loads ahead of its stores. Enqueued on `stream`; returns once
