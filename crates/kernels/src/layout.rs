@@ -44,6 +44,7 @@ impl Layout {
                 pull_combine: ht_tuning("PULL", 0, 1) != Some(0),
                 warps_per_dest: dispatch_warps(h.num_ranks, h.channels, true),
                 direct_helpers: direct_helpers(h.num_ranks),
+                balanced: ht_tuning("BALANCED", 0, 1) != Some(0),
                 ..h
             }),
             other => other,
@@ -188,6 +189,8 @@ pub(crate) fn combine_send_warps(num_ranks: usize) -> usize {
 /// (source, channel) pair from which a dispatch writes them directly, at least 1). Every rank of
 /// a group must set the same values. `EPFLOW_HT_DIRECT_HELPERS`: a direct dispatch's helping
 /// warps per remote destination in each receiving block ([`direct_helpers`]; none by default).
+/// `EPFLOW_HT_BALANCED=0`: a direct dispatch's rows in a fixed share per channel
+/// ([`HtLayout::balanced`]).
 pub(crate) fn ht_tuning(name: &str, lo: usize, hi: usize) -> Option<usize> {
     let v: usize = std::env::var(format!("EPFLOW_HT_{name}")).ok()?.trim().parse().ok()?;
     Some(v.clamp(lo, hi.max(lo)))
@@ -258,6 +261,10 @@ pub(crate) struct HtLayout {
     /// ([`direct_helpers`]; only with `direct`, 0 otherwise and by default): the same on every
     /// rank.
     pub direct_helpers: usize,
+    /// Whether a direct dispatch shares out each destination's rows between the warps of every
+    /// channel as they go, rather than a fixed share per channel (`ht_pooled` in `ht_send.cuh`;
+    /// only with `direct`; `EPFLOW_HT_BALANCED=0` turns it off): the same on every rank.
+    pub balanced: bool,
     /// Byte offset of the FP8 scales in a slot.
     pub off_scales: usize,
     /// Byte offset of the top-k weights in a slot.
@@ -306,6 +313,7 @@ impl HtLayout {
             pull_combine: false,
             direct_min_rows: ht_tuning("DIRECT_MIN_ROWS", 1, i32::MAX as usize).unwrap_or(HT_DIRECT_MIN_ROWS),
             direct_helpers: 0,
+            balanced: false,
             off_scales,
             off_weights,
             off_idx,
@@ -706,6 +714,9 @@ mod tests {
             assert_eq!((plain.direct_helpers, direct.direct_helpers), (0, 0));
         }
         assert_eq!(plain.direct_helpers, 0);
+        // Balanced direct dispatch unless EPFLOW_HT_BALANCED=0; never without direct writes.
+        assert_eq!(direct.balanced, std::env::var("EPFLOW_HT_BALANCED").map_or(true, |v| v.trim() != "0"));
+        assert!(!plain.balanced);
         assert_eq!((max_helpers(1), max_helpers(2), max_helpers(4), max_helpers(8)), (0, 16, 5, 2));
         // Four ranks keep 16 / R; over NCCL (no rings) nothing is direct; off stays off.
         assert_eq!(ht(Layout::new(&cfg, 4, H200_SMS).unwrap().with_direct_access(true)).warps_per_dest, 4);

@@ -37,11 +37,16 @@ pub(crate) const HT_DIRECT_SLOT: usize = 16;
 /// Words of the high-throughput ring counters after the arrays (see `ht_rings.cuh`): subtails
 /// `[2][C][R][W]`, heads `[2][C][R]`, the producer and consumer positions `[2][C][R][2]`, the
 /// addresses of direct dispatch and pull combine `[2][C][R][HT_DIRECT_SLOT]` (`ht_direct`), the
-/// direct dispatch's helper words `[C][R][W]` (`ht_helped`).
+/// direct dispatch's helper words `[C][R][W]` (`ht_helped`), the balanced direct dispatch's row
+/// pools `[R][2][HT_POOL_WORDS]` (`ht_pool`).
 pub(crate) const HT_COUNTER_WORDS: usize = 2 * HT_MAX_CHANNELS * MAX_RANKS * HT_MAX_WARPS
     + 2 * HT_MAX_CHANNELS * MAX_RANKS * 5
     + 2 * HT_MAX_CHANNELS * MAX_RANKS * HT_DIRECT_SLOT
-    + HT_MAX_CHANNELS * MAX_RANKS * HT_MAX_WARPS;
+    + HT_MAX_CHANNELS * MAX_RANKS * HT_MAX_WARPS
+    + MAX_RANKS * 2 * HT_POOL_WORDS;
+/// Words of a balanced direct dispatch's row pool per (destination, operation parity)
+/// (`HT_POOL_WORDS` and `ht_pool` of `ht_rings.cuh`).
+pub(crate) const HT_POOL_WORDS: usize = 4;
 /// Bytes of a rank's signal page.
 pub(crate) const SIGNAL_PAGE_BYTES: usize = (SIG_ARRAY_WORDS + HT_COUNTER_WORDS) * 8;
 
@@ -308,7 +313,10 @@ pub(crate) struct HtParams {
     /// remote destination (`ht_help_direct`; `HtLayout::direct_helpers`), 0 for none. The same
     /// on every rank.
     pub helpers: i32,
-    pub pad_: i32,
+    /// Direct dispatch: 1 when the rows for each destination are shared out between the warps
+    /// of every channel as they go (`ht_pooled`; `HtLayout::balanced`), 0 for a fixed share per
+    /// channel. The same on every rank.
+    pub balanced: i32,
 }
 
 // SAFETY: `HtParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout

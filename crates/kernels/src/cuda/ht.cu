@@ -3,8 +3,10 @@
 
 // High-throughput dispatch (forward or backward), one launch: blocks [0, C) send, [C, 2C) receive;
 // a receiving block first tells its direct sources where their rows go, then helps its own
-// sending block with its direct pairs, then receives.
+// sending block with its direct pairs, then receives. Block 0 first readies the balanced
+// dispatch's pools for the next operation (`ht_pool_prepare`).
 extern "C" __global__ void __launch_bounds__(HT_BLOCK) ep_ht_dispatch_kernel(HtParams p) {
+    ht_pool_prepare(p);
     ht_signal_start(p);
     if ((int)blockIdx.x < p.channels) {
         ht_send<true>(p, blockIdx.x);

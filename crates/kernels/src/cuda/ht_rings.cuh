@@ -98,7 +98,8 @@ struct HtParams {
                       // combine, peers may read this rank's expert outputs (and weight gradients) in place
     int helpers;      // direct dispatch: warps of the receiving block that help send to each remote
                       // destination (`ht_help_direct`), 0 for none (the same on every rank)
-    int pad_;
+    int balanced;     // direct dispatch: 1, the rows of a destination are shared out between the warps of
+                      // every channel as they go (`ht_pooled`), 0 for a fixed share per channel
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
 static_assert(sizeof(HtParams) == 392, "HtParams layout");
@@ -146,6 +147,19 @@ __device__ __forceinline__ u64* ht_direct(u64* page, int chan, int c, int peer) 
 __device__ __forceinline__ u64* ht_helped(u64* page, int c, int dest, int h) {
     return page + EP_SIG_ARRAY_WORDS + HT_SUBTAIL_WORDS + 5 * HT_PEER_WORDS +
            2 * HT_MAX_CHANNELS * EP_MAX_RANKS * HT_DIRECT_SLOT + ((size_t)c * EP_MAX_RANKS + dest) * HT_MAX_WARPS + h;
+}
+
+// Balanced direct dispatch (`ht_pooled`): this rank's pool of rows for destination `dest`,
+// used by operations of parity `parity`, in its own page: [0] the next row to take, [1] the
+// warps done with their rows, [2] the operation the pool is ready for (its number: set, with the
+// other words cleared, by the operation before it; a pool whose word names another operation
+// is not used, so an operation number that never ran a kernel costs balance, not rows),
+// [3] unused. [R][2][4], after the helper words.
+#define HT_POOL_WORDS 4
+__device__ __forceinline__ u64* ht_pool(u64* page, int dest, u64 parity) {
+    return page + EP_SIG_ARRAY_WORDS + HT_SUBTAIL_WORDS + 5 * HT_PEER_WORDS +
+           2 * HT_MAX_CHANNELS * EP_MAX_RANKS * HT_DIRECT_SLOT + HT_MAX_CHANNELS * EP_MAX_RANKS * HT_MAX_WARPS +
+           ((size_t)dest * 2 + (parity & 1)) * HT_POOL_WORDS;
 }
 
 // The tag of operation `seq`'s direct-slot words: the low 32 bits of seq + 1.

@@ -84,13 +84,24 @@ __device__ __forceinline__ int ht_direct_split(const HtParams& p, int n) {
     return p.helpers > 0 ? (int)(((long long)n * W + all - 1) / all) : n;
 }
 
+// The next row of a pool (`ht_pool`'s word 0) for the calling warp: lane 0 takes it, every lane
+// gets it.
+__device__ __forceinline__ int ht_pool_take(unsigned* take, int lane) {
+    unsigned v = 0;
+    if (lane == 0) v = atomicAdd(take, 1u);
+    return (int)__shfl_sync(EP_FULL_MASK, v, 0);
+}
+
 // Direct dispatch: writes rows i = i0, i0 + step, ... below `n` of `list` at the receiver's
-// addresses `addr` (one warp).
+// addresses `addr` (one warp); with `take` (a pool's word 0, `ht_pooled`), the rows it hands out
+// below `n` instead, asking for the next before it copies the current one.
 __device__ __forceinline__ void ht_direct_rows(const HtParams& p, int dest, const u64 addr[4], const int* list, int i0,
-                                               int step, int n) {
+                                               int step, int n, unsigned* take) {
     const int lane = threadIdx.x & 31;
     const int cols = p.hidden / 128, K = p.top_k;
-    for (int i = i0; i < n; i += step) {
+    for (int i = take ? ht_pool_take(take, lane) : i0; i < n;) {
+        unsigned next = 0;
+        if (take && lane == 0) next = atomicAdd(take, 1u);
         const int t = list[i];
         warp_copy_n<8>(reinterpret_cast<char*>(addr[0]) + (size_t)i * p.row_bytes,
                        reinterpret_cast<const char*>(p.x) + (size_t)t * p.row_bytes, p.row_bytes, lane);
@@ -102,21 +113,142 @@ __device__ __forceinline__ void ht_direct_rows(const HtParams& p, int dest, cons
             ht_copy_meta(p, t, dest, lane, reinterpret_cast<float*>(addr[2]) + (size_t)i * K, nullptr,
                          reinterpret_cast<long long*>(addr[3]) + (size_t)i * K);
         }
+        i = take ? (int)__shfl_sync(EP_FULL_MASK, next, 0) : i + step;
+    }
+}
+
+// Dispatch to this rank: rows i = i0, i0 + step, ... below `n` of `list` (one warp) into output
+// rows `row0 + i`; with `take`, the rows the pool hands out instead (as `ht_direct_rows`).
+__device__ __forceinline__ void ht_own_rows(const HtParams& p, const int* list, size_t row0, int i0, int step, int n,
+                                            unsigned* take) {
+    const int lane = threadIdx.x & 31;
+    const int cols = p.hidden / 128;
+    for (int i = take ? ht_pool_take(take, lane) : i0; i < n;) {
+        unsigned next = 0;
+        if (take && lane == 0) next = atomicAdd(take, 1u);
+        const int t = list[i];
+        const size_t row = row0 + (size_t)i;
+        warp_copy_n<8>(reinterpret_cast<char*>(p.out) + row * p.row_bytes,
+                       reinterpret_cast<const char*>(p.x) + (size_t)t * p.row_bytes, p.row_bytes, lane);
+        if (p.fp8) {
+            ht_copy_scales(reinterpret_cast<float*>(p.out_scales) + row * cols,
+                           reinterpret_cast<const float*>(p.x_scales) + (size_t)t * cols, cols, lane);
+        }
+        if (!p.backward) {
+            ht_copy_meta(p, t, p.rank, lane, reinterpret_cast<float*>(p.out_weights) + row * p.top_k, nullptr,
+                         reinterpret_cast<long long*>(p.out_idx) + row * p.top_k);
+        }
+        i = take ? (int)__shfl_sync(EP_FULL_MASK, next, 0) : i + step;
+    }
+}
+
+// Balanced direct dispatch (`HtParams::balanced`; one warp, all lanes call): whether this
+// operation shares out this rank's rows for `dest` between the warps of every channel as they go
+// (`ht_pool`), rather than a fixed share per channel. The sending blocks' speeds differ by up to
+// 2x (benches/NOTES.md item 154), so with fixed shares the last blocks' rows end the dispatch
+// while the others idle. Every warp with rows for `dest` decides the same: the pool must be ready
+// for this operation and, for a peer, every channel with rows must take them directly (at least
+// `p.direct`: its receiving block then only waits for the channel's subtails, which the pool's
+// last warp publishes, `ht_pool_done`).
+__device__ bool ht_pooled(const HtParams& p, int dest) {
+    if (!p.balanced || p.direct <= 0 || p.cancelled) return false;
+    // Written by the kernel of the operation before (L2, not a stale L1 line).
+    if (__ldcg(ht_pool(reinterpret_cast<u64*>(p.signals), dest, p.seq) + 2) != p.seq) return false;
+    if (dest == p.rank) return true;
+    const int C = p.channels, lane = threadIdx.x & 31;
+    const int* off = reinterpret_cast<const int*>(p.send_off) + dest * (C + 1);
+    bool ok = true;
+    for (int c = lane; c < C; c += 32) {
+        const int n = off[c + 1] - off[c];
+        ok = ok && (n == 0 || n >= p.direct);
+    }
+    return __all_sync(EP_FULL_MASK, ok);
+}
+
+// A pooled destination's rows (`ht_pooled`; one warp, all lanes call): their number, with
+// `*list` their first entry of the send list and `*c` the first channel with rows (whose
+// receiver's addresses serve them all: a source's rows are contiguous in the receiver's output,
+// in channel order, as in its send list).
+__device__ __forceinline__ int ht_pool_rows(const HtParams& p, int dest, int* c, const int** list) {
+    const int C = p.channels, lane = threadIdx.x & 31;
+    const int* off = reinterpret_cast<const int*>(p.send_off) + dest * (C + 1);
+    int first = C;
+    for (int c0 = 0; c0 < C && first == C; c0 += 32) {
+        const unsigned has = __ballot_sync(EP_FULL_MASK, c0 + lane < C && off[c0 + lane + 1] > off[c0 + lane]);
+        if (has) first = c0 + __ffs(has) - 1;
+    }
+    *c = first;
+    *list = reinterpret_cast<const int*>(p.send_list) + off[0];
+    return off[C] - off[0];
+}
+
+// Balanced direct dispatch to peer `dest`, after a warp's rows (a sending warp's or a helper's):
+// fences them and counts the warp done in the pool's word 1; the last of the pool's warps
+// (every channel's sending warps for `dest` and its helpers) publishes the final subtail of
+// every channel with rows, the release of them all.
+__device__ void ht_pool_done(const HtParams& p, int dest) {
+    const int lane = threadIdx.x & 31, C = p.channels, W = p.warps_per_dest;
+    __threadfence_system();
+    __syncwarp();
+    u64* pool = ht_pool(reinterpret_cast<u64*>(p.signals), dest, p.seq);
+    unsigned long long before = 0;
+    if (lane == 0) before = atomicAdd(reinterpret_cast<unsigned long long*>(pool + 1), 1ull);
+    before = __shfl_sync(EP_FULL_MASK, before, 0);
+    if (before + 1 < (u64)C * (u64)(W + p.helpers)) return;
+    // The last warp: the fences above and the other warps' (each before its count) make these
+    // relaxed stores the release of every row (as `ht_send_direct`'s helpers).
+    __threadfence_system();
+    u64* sig = reinterpret_cast<u64*>(p.signals);
+    u64* peer_sig = reinterpret_cast<u64*>(p.peer_signals[dest]);
+    const int* off = reinterpret_cast<const int*>(p.send_off) + dest * (C + 1);
+    for (int i = lane; i < C * W; i += 32) {
+        const int c = i / W, r = i % W;
+        const int rows = off[c + 1] - off[c];
+        if (rows == 0) continue;
+        // Every item of residue r below the end counts as written (the cancelled sender's rule).
+        const u64 end = *ht_prod(sig, p.chan, c, dest, p.seq) + (u64)rows;
+        st_relaxed_sys(ht_subtail(peer_sig, p.chan, c, p.rank, r), (end + (u64)W - 1 - (u64)r) / (u64)W);
+    }
+}
+
+// Balanced direct dispatch: at the kernel's start (block 0), makes the pools ready for the next
+// operation (`ht_pool`'s words of the other parity), which runs after this kernel.
+__device__ __forceinline__ void ht_pool_prepare(const HtParams& p) {
+    if (blockIdx.x == 0 && (int)threadIdx.x < p.num_ranks) {
+        u64* pool = ht_pool(reinterpret_cast<u64*>(p.signals), threadIdx.x, p.seq + 1);
+        pool[0] = 0;
+        pool[1] = 0;
+        pool[2] = p.seq + 1;
     }
 }
 
 // Direct dispatch, one sending warp of destination `dest` (see ht_rings.cuh): waits for
 // the receiver's addresses, writes the warp's rows i = j, j + W, ... of its share of `list`
 // (`n` rows, the first at ring position `pos0`; `ht_direct_split`) there, waits for the
-// helpers' rows (`ht_help_direct`), then publishes the warp's final subtail. False, having
-// written nothing, when the receiver asked for the ring instead.
-__device__ bool ht_send_direct(const HtParams& p, int c, int dest, int j, int W, int n, u64 pos0, const int* list) {
+// helpers' rows (`ht_help_direct`), then publishes the warp's final subtail. With `pooled`
+// (`ht_pooled`), the rows of every channel for `dest` as the pool hands them out instead, and
+// then `ht_pool_done`. False, having written nothing, when the receiver asked for the ring
+// instead.
+__device__ bool ht_send_direct(const HtParams& p, int c, int dest, int j, int W, int n, u64 pos0, const int* list,
+                               bool pooled) {
     const int lane = threadIdx.x & 31;
+    int cc = c, mine = n;
+    if (pooled) {
+        mine = ht_pool_rows(p, dest, &cc, &list);
+        if (mine == 0) return true;  // no rows: no channel waits for a subtail
+    } else {
+        mine = ht_direct_split(p, n);
+    }
     u64 addr[4];
-    if (!ht_direct_addresses(p, c, dest, addr, false)) return true;
+    if (!ht_direct_addresses(p, cc, dest, addr, false)) return true;
     if (addr[0] == 0) return false;
-    const int mine = ht_direct_split(p, n);
-    ht_direct_rows(p, dest, addr, list, j, W, mine);
+    unsigned* take =
+        pooled ? reinterpret_cast<unsigned*>(ht_pool(reinterpret_cast<u64*>(p.signals), dest, p.seq)) : nullptr;
+    ht_direct_rows(p, dest, addr, list, j, W, mine, take);
+    if (pooled) {
+        ht_pool_done(p, dest);
+        return true;
+    }
     int fail = 0;
     if (lane == 0 && mine < n) {
         // The helpers' rows: each helper's fence and strong store of its word are its release.
@@ -150,12 +282,13 @@ __device__ bool ht_send_direct(const HtParams& p, int c, int dest, int j, int W,
 // that destination on channel c (`ht_direct_split`), where a direct send takes them, so that a
 // dispatch on few SMs stores to NVLink from every block, not from the sending half only (the
 // receiving block of a direct pair only waits). Helper h then stores the operation number + 1
-// in its word (`ht_helped`), which the pair's sending warps wait for. It waits only for the
-// receiver's addresses, which every receiving block publishes before it waits for anything, so
-// a receive delayed by its help delays no address, and gives up when the receiver's start
-// signal names another stamp (see `ht_direct_addresses`). Nothing when the pair goes through
-// the ring (fewer rows than `direct`, or a null address: then the sending warps wait for no
-// helper).
+// in its word (`ht_helped`), which the pair's sending warps wait for. With a pooled destination
+// (`ht_pooled`), the helpers take rows from the pool as the sending warps do, and count
+// themselves done there (`ht_pool_done`). It waits only for the receiver's addresses, which
+// every receiving block publishes before it waits for anything, so a receive delayed by its help
+// delays no address, and gives up when the receiver's start signal names another stamp (see
+// `ht_direct_addresses`). Nothing when the pair goes through the ring (fewer rows than
+// `direct`, or a null address: then the sending warps wait for no helper).
 __device__ void ht_help_direct(const HtParams& p, int c) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int HW = p.helpers, R = p.num_ranks, C = p.channels;
@@ -163,14 +296,26 @@ __device__ void ht_help_direct(const HtParams& p, int c) {
     const int q = warp / HW, h = warp % HW;
     if (q >= R - 1) return;
     const int dest = q < p.rank ? q : q + 1;
+    const bool pooled = ht_pooled(p, dest);
     const int* send_off = reinterpret_cast<const int*>(p.send_off);
-    const int n = send_off[dest * (C + 1) + c + 1] - send_off[dest * (C + 1) + c];
-    const int first = ht_direct_split(p, n);
-    if (n < p.direct || first >= n) return;
-    u64 addr[4];
-    if (!ht_direct_addresses(p, c, dest, addr, true) || addr[0] == 0) return;
     const int* list = reinterpret_cast<const int*>(p.send_list) + send_off[dest * (C + 1) + c];
-    ht_direct_rows(p, dest, addr, list, first + h, HW, n);
+    int cc = c, n = send_off[dest * (C + 1) + c + 1] - send_off[dest * (C + 1) + c], first = 0;
+    if (pooled) {
+        n = ht_pool_rows(p, dest, &cc, &list);
+        if (n == 0) return;
+    } else {
+        first = ht_direct_split(p, n);
+        if (n < p.direct || first >= n) return;
+    }
+    u64 addr[4];
+    if (!ht_direct_addresses(p, cc, dest, addr, true) || addr[0] == 0) return;
+    unsigned* take =
+        pooled ? reinterpret_cast<unsigned*>(ht_pool(reinterpret_cast<u64*>(p.signals), dest, p.seq)) : nullptr;
+    ht_direct_rows(p, dest, addr, list, first + h, HW, n, take);
+    if (pooled) {
+        ht_pool_done(p, dest);
+        return;
+    }
     __threadfence_system();
     __syncwarp();
     // The fence above and this strong store are the release of the rows.
@@ -241,21 +386,15 @@ __device__ void ht_send(const HtParams& p, int c) {
     if (dest == p.rank) {
         // Dispatch to this rank: straight into the output rows. Combine: the receiver reads them.
         if (!DISPATCH || p.cancelled) return;
-        const int row0 = reinterpret_cast<const int*>(p.recv_base)[p.rank * C + c];
-        for (int i = j; i < n; i += W) {
-            const int t = list[i];
-            const size_t row = (size_t)row0 + i;
-            warp_copy_n<8>(reinterpret_cast<char*>(p.out) + row * p.row_bytes,
-                           reinterpret_cast<const char*>(p.x) + (size_t)t * p.row_bytes, p.row_bytes, lane);
-            if (p.fp8) {
-                ht_copy_scales(reinterpret_cast<float*>(p.out_scales) + row * cols,
-                               reinterpret_cast<const float*>(p.x_scales) + (size_t)t * cols, cols, lane);
-            }
-            if (!p.backward) {
-                ht_copy_meta(p, t, dest, lane, reinterpret_cast<float*>(p.out_weights) + row * p.top_k, nullptr,
-                             reinterpret_cast<long long*>(p.out_idx) + row * p.top_k);
-            }
-        }
+        // Balanced: every channel's rows for this rank as its pool hands them out (this rank's
+        // rows from itself are contiguous in its output, in channel order).
+        const bool pooled = ht_pooled(p, dest);
+        const int first = pooled ? send_off[dest * (C + 1)] : send_off[dest * (C + 1) + c];
+        const int rows = pooled ? send_off[dest * (C + 1) + C] - first : n;
+        const int row0 = reinterpret_cast<const int*>(p.recv_base)[p.rank * C + (pooled ? 0 : c)];
+        unsigned* take =
+            pooled ? reinterpret_cast<unsigned*>(ht_pool(reinterpret_cast<u64*>(p.signals), dest, p.seq)) : nullptr;
+        ht_own_rows(p, reinterpret_cast<const int*>(p.send_list) + first, (size_t)row0, j, W, rows, take);
         return;
     }
 
@@ -267,7 +406,10 @@ __device__ void ht_send(const HtParams& p, int c) {
         if (lane == 0) st_release_sys(ht_subtail(peer_sig, p.chan, c, p.rank, (int)r), (end + (u64)W - 1 - r) / (u64)W);
         return;
     }
-    if (DISPATCH && p.direct > 0 && n >= p.direct && ht_send_direct(p, c, dest, j, W, n, pos0, list)) return;
+    if (DISPATCH && p.direct > 0) {
+        const bool pooled = ht_pooled(p, dest);
+        if ((pooled || n >= p.direct) && ht_send_direct(p, c, dest, j, W, n, pos0, list, pooled)) return;
+    }
     if (!DISPATCH && p.direct > 0 && n >= p.direct && ht_offer_rows(p, c, dest, j, W, n, pos0)) return;
     const u64* head = ht_head(sig, p.chan, c, dest);
     const u64 deadline = globaltimer_ns() + p.timeout_ns;

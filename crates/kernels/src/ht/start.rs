@@ -210,6 +210,7 @@ pub(crate) fn dispatch(
     p.direct = if l.direct { l.direct_min_rows as i32 } else { 0 };
     p.direct_mem = i32::from(l.direct && reused && inputs.is_some());
     p.helpers = if l.direct { l.direct_helpers as i32 } else { 0 };
+    p.balanced = i32::from(l.direct && l.balanced);
     p.out_scales = scales.as_ref().map_or(0, DeviceTensor::ptr);
     p.out_weights = topk_weights.as_ref().map_or(0, DeviceTensor::ptr);
     p.out_idx = topk_idx.as_ref().map_or(0, DeviceTensor::ptr);
