@@ -119,7 +119,15 @@ __device__ void ht_dispatch_recv(const HtParams& p, int c) {
             const int s = threadIdx.x;
             done[s] += take[s];
             left[s] -= take[s];
-            st_release_sys(ht_head(reinterpret_cast<u64*>(p.peer_signals[s]), p.chan, c, p.rank), pos[s] + (u64)done[s]);
+            // The ring space read is given back with a release; a direct or cancelled source's
+            // items took none (nothing of this operation was read from its ring), so a relaxed
+            // store moves its head, without a system-scope fence as the kernel ends.
+            u64* head = ht_head(reinterpret_cast<u64*>(p.peer_signals[s]), p.chan, c, p.rank);
+            if (((cancelled | direct) >> s) & 1u) {
+                st_relaxed_sys(head, pos[s] + (u64)done[s]);
+            } else {
+                st_release_sys(head, pos[s] + (u64)done[s]);
+            }
         }
         __syncthreads();
     }
