@@ -44,7 +44,7 @@ impl Layout {
                 pull_combine: ht_tuning("PULL", 0, 1) != Some(0),
                 warps_per_dest: dispatch_warps(h.num_ranks, h.channels, true),
                 direct_helpers: direct_helpers(h.num_ranks),
-                balanced: ht_tuning("BALANCED", 0, 1) != Some(0),
+                balanced: balanced_dispatch(h.channels),
                 ..h
             }),
             other => other,
@@ -166,6 +166,24 @@ pub(crate) fn direct_helpers(num_ranks: usize) -> usize {
     ht_tuning("DIRECT_HELPERS", 0, max_helpers(num_ranks)).unwrap_or(0)
 }
 
+/// The most channels of a kernel whose direct dispatch is balanced by default
+/// ([`balanced_dispatch`]): 64 SMs.
+pub(crate) const HT_BALANCED_MAX_CHANNELS: usize = 32;
+
+/// Whether a direct dispatch on `channels` channels shares out each destination's rows as they go
+/// ([`HtLayout::balanced`]): `EPFLOW_HT_BALANCED=0` or `=1`, else up to
+/// [`HT_BALANCED_MAX_CHANNELS`]. Measured on 2 x H200 at 4096 tokens (benches/NOTES.md item
+/// 154): at 64 SMs the dispatch's per-run medians went from 185.7-198.4 µs (per machine
+/// 190.6-194.8) to 187.4-194.3 (188.6-191.3) on five machines; at 132 SMs two validated runs
+/// took 193.6 and 194.6 µs against 185.1 for the fixed shares in the session before, not
+/// measured side by side, so off there until it is.
+pub(crate) fn balanced_dispatch(channels: usize) -> bool {
+    match ht_tuning("BALANCED", 0, 1) {
+        Some(v) => v == 1,
+        None => channels <= HT_BALANCED_MAX_CHANNELS,
+    }
+}
+
 /// The most helping warps per remote destination a receiving block has: its 16 shared out.
 fn max_helpers(num_ranks: usize) -> usize {
     if num_ranks <= 1 { 0 } else { HT_MAX_WARPS / (num_ranks - 1) }
@@ -189,8 +207,8 @@ pub(crate) fn combine_send_warps(num_ranks: usize) -> usize {
 /// (source, channel) pair from which a dispatch writes them directly, at least 1). Every rank of
 /// a group must set the same values. `EPFLOW_HT_DIRECT_HELPERS`: a direct dispatch's helping
 /// warps per remote destination in each receiving block ([`direct_helpers`]; none by default).
-/// `EPFLOW_HT_BALANCED=0`: a direct dispatch's rows in a fixed share per channel
-/// ([`HtLayout::balanced`]).
+/// `EPFLOW_HT_BALANCED=0` or `=1`: a direct dispatch's rows in a fixed share per channel, or
+/// shared out as they go, at any channel count ([`balanced_dispatch`]).
 pub(crate) fn ht_tuning(name: &str, lo: usize, hi: usize) -> Option<usize> {
     let v: usize = std::env::var(format!("EPFLOW_HT_{name}")).ok()?.trim().parse().ok()?;
     Some(v.clamp(lo, hi.max(lo)))
@@ -263,7 +281,8 @@ pub(crate) struct HtLayout {
     pub direct_helpers: usize,
     /// Whether a direct dispatch shares out each destination's rows between the warps of every
     /// channel as they go, rather than a fixed share per channel (`ht_pooled` in `ht_send.cuh`;
-    /// only with `direct`; `EPFLOW_HT_BALANCED=0` turns it off): the same on every rank.
+    /// only with `direct`; [`balanced_dispatch`]: by default up to 64 SMs): the same on every
+    /// rank.
     pub balanced: bool,
     /// Byte offset of the FP8 scales in a slot.
     pub off_scales: usize,
@@ -714,8 +733,13 @@ mod tests {
             assert_eq!((plain.direct_helpers, direct.direct_helpers), (0, 0));
         }
         assert_eq!(plain.direct_helpers, 0);
-        // Balanced direct dispatch unless EPFLOW_HT_BALANCED=0; never without direct writes.
-        assert_eq!(direct.balanced, std::env::var("EPFLOW_HT_BALANCED").map_or(true, |v| v.trim() != "0"));
+        // Balanced direct dispatch up to 64 SMs unless EPFLOW_HT_BALANCED says otherwise; never
+        // without direct writes.
+        let forced = std::env::var("EPFLOW_HT_BALANCED").ok().and_then(|v| v.trim().parse::<usize>().ok());
+        assert_eq!(direct.balanced, forced.is_none_or(|v| v >= 1));
+        let wide = cfg.clone().with_max_sms(Some(H200_SMS));
+        let wide = ht(Layout::new(&wide, 2, H200_SMS).unwrap().with_direct_access(true));
+        assert_eq!((wide.channels, wide.balanced), (66, forced.is_some_and(|v| v >= 1)));
         assert!(!plain.balanced);
         assert_eq!((max_helpers(1), max_helpers(2), max_helpers(4), max_helpers(8)), (0, 16, 5, 2));
         // Four ranks keep 16 / R; over NCCL (no rings) nothing is direct; off stays off.
