@@ -28,6 +28,22 @@ extern "C" __global__ void ep_spin(u64 ns) {
     }
 }
 
+// One warp's 4 KB of a probe copy: 16-byte vectors [base, base + 256) below `end`, 8 loads in
+// flight per lane before their stores.
+__device__ __forceinline__ void probe_copy_4k(char* d, const char* s, u64 base, u64 end, u64 lane) {
+    int4 v[8];
+#pragma unroll
+    for (int u = 0; u < 8; u++) {
+        const u64 i = base + 32 * u + lane;
+        if (i < end) v[u] = ld_cg_int4(s + i * 16);
+    }
+#pragma unroll
+    for (int u = 0; u < 8; u++) {
+        const u64 i = base + 32 * u + lane;
+        if (i < end) st_na_int4(d + i * 16, v[u]);
+    }
+}
+
 // Copies `bytes` (a multiple of 16) from `src` to `dst` (local or a peer's, over NVLink) with
 // SM loads and stores: each warp moves 4 KB at a time, 8 vectors in flight per lane, as the
 // high-throughput kernels' sending warps do. A probe of the SM-store ceiling (`nvlink_ceiling
@@ -39,17 +55,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_sm_copy(u64 dst, u64 src, u
     const char* s = reinterpret_cast<const char*>(src);
     char* d = reinterpret_cast<char*>(dst);
     for (u64 base = ((u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 256; base < n; base += warps * 256) {
-        int4 v[8];
-#pragma unroll
-        for (int u = 0; u < 8; u++) {
-            const u64 i = base + 32 * u + lane;
-            if (i < n) v[u] = ld_cg_int4(s + i * 16);
-        }
-#pragma unroll
-        for (int u = 0; u < 8; u++) {
-            const u64 i = base + 32 * u + lane;
-            if (i < n) st_na_int4(d + i * 16, v[u]);
-        }
+        probe_copy_4k(d, s, base, n, lane);
     }
 }
 
@@ -71,19 +77,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_sm_copy_balanced(u64 dst, u
         unsigned long long after = 0;
         if (lane == 0) after = atomicAdd(next, 1ull);
         const u64 end = min(n, (mine + 1) * piece);
-        for (u64 base = mine * piece; base < end; base += 256) {
-            int4 v[8];
-#pragma unroll
-            for (int u = 0; u < 8; u++) {
-                const u64 i = base + 32 * u + lane;
-                if (i < end) v[u] = ld_cg_int4(s + i * 16);
-            }
-#pragma unroll
-            for (int u = 0; u < 8; u++) {
-                const u64 i = base + 32 * u + lane;
-                if (i < end) st_na_int4(d + i * 16, v[u]);
-            }
-        }
+        for (u64 base = mine * piece; base < end; base += 256) probe_copy_4k(d, s, base, end, lane);
         mine = __shfl_sync(EP_FULL_MASK, after, 0);
     }
 }
