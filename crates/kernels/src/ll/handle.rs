@@ -175,19 +175,14 @@ fn read_by_dispatches(
     steps: &mut Steps,
 ) -> Result<GpuHandle, Error> {
     let b = topk_idx.desc().shape[0];
-    let l = s.layout.ll("a low-latency handle")?;
-    let mem = take_pooled(&s.ctx, &s.handle_pool, l.handle_bytes())?;
-    let report = take_report(s, report_bytes(s, l.max_tokens))?;
+    let (mem, report, _) = take_memory(s, layout)?;
     // No kernel uses the report now (a pooled one's last kernel ran before it was pooled); the
     // dispatches write a row's word only for an invalid row, and word 0 then.
     for w in 0..=b {
         report.write_u64(w, 0);
     }
     steps.step("handle: take the handle's memory");
-    let ordered = bind(&s.ctx).and_then(|()| match topk_idx.ready_event() {
-        Some(e) => stream.wait(e).map_err(|e| cuda("wait for topk_idx", e)),
-        None => Ok(()),
-    });
+    let ordered = order_after_topk(s, stream, topk_idx);
     let recorded = ordered.and_then(|()| s.events.record(stream).map_err(|e| cuda("record the handle's event", e)));
     steps.step("handle: order after topk_idx");
     handed_out(s, topk_idx, layout, stream, (mem, report), recorded, (Some(topk_idx.ptr()), None))
@@ -294,11 +289,17 @@ fn launch(
     shape: (usize, usize, bool),
     counts_to_host: bool,
 ) -> Result<(), Error> {
+    order_after_topk(s, stream, topk_idx)?;
+    launch_raw(s, stream, (topk_idx.ptr(), mem.ptr()), report, shape, counts_to_host)
+}
+
+/// Orders `stream` after `topk_idx`'s ready event, if it has one (this rank's context bound).
+fn order_after_topk(s: &RankShared, stream: &CudaStream, topk_idx: &DeviceTensor) -> Result<(), Error> {
     bind(&s.ctx)?;
     if let Some(e) = topk_idx.ready_event() {
         stream.wait(e).map_err(|e| cuda("wait for topk_idx", e))?;
     }
-    launch_raw(s, stream, (topk_idx.ptr(), mem.ptr()), report, shape, counts_to_host)
+    Ok(())
 }
 
 /// [`launch`] once `stream` is ordered after `topk_idx`: `(topk_in, mem)` are the device

@@ -225,8 +225,6 @@ impl RankShared {
         }
     }
 
-    /// This rank's receive region of the dispatch (`dispatch`) or combine channel, and every
-    /// rank's, in rank order.
     /// The stream of [`RankShared::later_builds`], created on the first call.
     pub(crate) fn later_build_stream(&self) -> Result<Arc<CudaStream>, Error> {
         let mut s = self.later_builds.lock().unwrap_or_else(|e| e.into_inner());
@@ -238,6 +236,8 @@ impl RankShared {
         Ok(stream)
     }
 
+    /// This rank's receive region of the dispatch (`dispatch`) or combine channel, and every
+    /// rank's, in rank order.
     pub(crate) fn recv_regions(&self, dispatch: bool) -> (u64, &[u64]) {
         if dispatch {
             (self.mem.disp_recv.ptr(), &self.peers.disp_recv)
