@@ -234,8 +234,13 @@ fn check_world(
     base: u64,
     transport: &Transport,
 ) {
+    let max_top_k = cases.iter().map(|c| c.1).max().unwrap_or(1);
     let config =
         GroupConfig::high_throughput(experts, hidden).with_dispatch_dtype(dtype).with_max_sms(shared_gpu_sms(devices));
+    let config = match max_top_k > config.max_top_k {
+        true => config.with_max_top_k(max_top_k),
+        false => config,
+    };
     let ranks = GpuWorld::create_with(devices, config.clone(), transport.clone()).expect("create GPU group");
     for (i, &(tokens, top_k, kind, masked)) in cases.iter().enumerate() {
         let s = base.wrapping_add(i as u64 * 7919);
@@ -304,6 +309,27 @@ fn ht_matches_reference_on_1_2_and_4_gpus() {
             DispatchDtype::Bf16,
             &[(37, 2, uniform, 3), (0, 2, uniform, 0)],
             base ^ 3,
+            &Transport::Auto,
+        );
+        // Top-k the mark kernel unrolls exactly (10) and only to its bound (3, 16).
+        check_world(
+            &devices,
+            1024,
+            64,
+            DispatchDtype::Bf16,
+            &[(100, 3, uniform, 5), (200, 10, skewed, 7), (50, 16, uniform, 0)],
+            base ^ 5,
+            &Transport::Auto,
+        );
+        // More experts (6000 per rank) than the mark kernel counts in shared memory
+        // (`HT_MARK_HIST` = 4096 in ht_handle.cuh): the selections go straight to global memory.
+        check_world(
+            &devices,
+            1024,
+            6000 * n,
+            DispatchDtype::Bf16,
+            &[(300, 8, uniform, 5), (100, 8, skewed, 0)],
+            base ^ 4,
             &Transport::Auto,
         );
     }

@@ -56,10 +56,11 @@ extern "C" __global__ void __launch_bounds__(256) ep_ht_exchange(ExchangeParams 
 //
 // Over NVLink a high-throughput handle is built on the handle stream with no host copy of
 // `topk_idx` or of the plan: the host zeroes the scratch (one memset), then
-// - `ep_ht_plan_mark` (a thread per token) validates each row, copies it into the handle, marks
-//   the destinations it reaches (a bit per rank) and counts the selections per expert;
-// - `ep_ht_plan` runs R + 1 blocks: block d < R scans the marks for destination d (each thread a
-//   run of consecutive tokens, one block-wide scan), writes d's part of the send plan, and
+// - `ep_ht_plan_mark` (a thread per token, its row's checks unrolled to the top-k) validates
+//   each row, copies it into the handle, marks the destinations it reaches (a bit per rank) and
+//   counts the selections per expert;
+// - `ep_ht_plan` runs R + 1 blocks: block d < R scans the marks for destination d (each warp a run
+//   of 32-token words, one block-wide scan), writes d's part of the send plan, and
 //   sends d the exchange message (rows per channel, then selections per local expert of d) with
 //   the arrival pair of exchange `seq`; block R waits for every source's message and builds the
 //   receive layout. Every block is resident (R + 1 <= 9 blocks), so block R may wait.
@@ -76,6 +77,7 @@ extern "C" __global__ void __launch_bounds__(256) ep_ht_exchange(ExchangeParams 
 
 #define HT_PLAN_BLOCK 1024
 #define HT_PLAN_WARPS (HT_PLAN_BLOCK / 32)
+#define HT_PLAN_PASS (HT_PLAN_BLOCK * 16)  // tokens per pass of a send block
 #define HT_MARK_BLOCK 256
 #define HT_MARK_HIST 4096  // experts counted in shared memory first (more: straight to global)
 
@@ -108,43 +110,111 @@ struct HtPlanParams {
 };
 static_assert(sizeof(HtPlanParams) == 304, "HtPlanParams layout");
 
-// A thread per token: validation, the handle's copy of the row, the ranks it reaches, and the
-// selections per expert (up to its first invalid entry).
+// One token of `ep_ht_plan_mark`, for a top-k of K <= KM (KM known at compile time: the checks
+// unroll to KM entries, not EP_MAX_TOPK; at K = KM = 8 a quarter of the duplicate checks): copies
+// token t's row into the handle, folds its first invalid entry into `*first_bad` (t * K + k),
+// counts the selections up to it (in `hist` when the experts fit, else straight to `counts`),
+// and returns the ranks the row reaches (a bit per rank). The duplicate checks run on the row
+// narrowed to 32 bits: an entry whose narrowing wrapped is out of range itself, at an earlier k,
+// so a false duplicate it makes never changes the first invalid entry. An expert's rank comes
+// from comparisons with the ranks' first experts, not from a division per entry.
+template <int KM>
+__device__ __forceinline__ unsigned plan_mark_row(const HtPlanParams& p, int K, int t, int* hist, int* counts,
+                                                  int* first_bad) {
+    const long long* in = reinterpret_cast<const long long*>(p.topk_in) + (size_t)t * K;
+    long long* out = reinterpret_cast<long long*>(p.topk) + (size_t)t * K;
+    // Each entry: its copy, its range check on 64 bits (a bit per entry), its 32-bit value; only
+    // the 32-bit row stays live.
+    int v[KM];
+    u32 out_of_range = 0u;
+    auto take = [&](int k, long long e) {
+        out[k] = e;
+        v[k] = (int)e;
+        if (e < -1 || e >= p.num_experts) out_of_range |= 1u << k;
+    };
+#pragma unroll
+    for (int k = 0; k < KM; ++k) v[k] = -1;
+    if (K % 2 == 0 && ((p.topk_in | p.topk) & 15ull) == 0) {
+#pragma unroll
+        for (int k = 0; k + 1 < KM; k += 2) {
+            if (k < K) {
+                const longlong2 x = __ldg(reinterpret_cast<const longlong2*>(in + k));
+                take(k, x.x);
+                take(k + 1, x.y);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < KM; ++k) {
+            if (k < K) take(k, __ldg(in + k));
+        }
+    }
+    int k_bad = K;
+#pragma unroll
+    for (int k = KM - 1; k >= 0; --k) {
+        if (k >= K) continue;
+        bool bad = (out_of_range >> k) & 1u;
+#pragma unroll
+        for (int j = 0; j < k; ++j) bad |= v[k] >= 0 && v[j] == v[k];
+        if (bad) k_bad = k;
+    }
+    if (k_bad < K) atomicMin(first_bad, t * K + k_bad);
+    unsigned mask = 0;
+#pragma unroll
+    for (int k = 0; k < KM; ++k) {
+        const int e = v[k];
+        if (k >= k_bad || e < 0) continue;
+        int d = 0;
+        for (int r = 1; r < p.num_ranks; ++r) d += e >= r * p.num_local;
+        mask |= 1u << d;
+        atomicAdd(hist ? hist + e : counts + e, 1);
+    }
+    return mask;
+}
+
+// A thread per token (`plan_mark_row`, unrolled to exactly K for the usual top-k, to
+// EP_MAX_TOPK for the rest): validation, the handle's copy of the row, the ranks it reaches, and
+// the selections per expert (up to its first invalid entry).
 extern "C" __global__ void __launch_bounds__(HT_MARK_BLOCK) ep_ht_plan_mark(HtPlanParams p) {
     __shared__ int hist[HT_MARK_HIST];
+    __shared__ int first_bad;
     if (p.cancelled) return;
-    const int K = p.top_k, E = p.num_experts, L = p.num_local;
+    const int E = p.num_experts;
     const bool shared_hist = E <= HT_MARK_HIST;
     int* counts = reinterpret_cast<int*>(p.scratch);
     if (shared_hist) {
         for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
     }
+    if (threadIdx.x == 0) first_bad = 0x7fffffff;
     __syncthreads();
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t < p.num_tokens) {
-        // Every load of the row in flight at once (unrolled), then the copy.
-        long long row[EP_MAX_TOPK];
-        const long long* in = reinterpret_cast<const long long*>(p.topk_in) + (size_t)t * K;
-        long long* copy = reinterpret_cast<long long*>(p.topk) + (size_t)t * K;
-#pragma unroll
-        for (int k = 0; k < EP_MAX_TOPK; ++k) row[k] = k < K ? in[k] : -1;
-#pragma unroll
-        for (int k = 0; k < EP_MAX_TOPK; ++k) {
-            if (k < K) copy[k] = row[k];
-        }
-        const int k_bad = topk_first_invalid(row, K, E);
-        if (k_bad < K) atomicMax(counts + E, 0x7fffffff - (t * K + k_bad));
-        unsigned mask = 0;
-#pragma unroll
-        for (int k = 0; k < EP_MAX_TOPK; ++k) {
-            const long long e = row[k];
-            if (k >= k_bad || e < 0) continue;
-            mask |= 1u << (int)(e / L);
-            atomicAdd(shared_hist ? hist + e : counts + e, 1);
+        int* h = shared_hist ? hist : nullptr;
+        unsigned mask;
+        switch (p.top_k) {
+            case 2:
+                mask = plan_mark_row<2>(p, 2, t, h, counts, &first_bad);
+                break;
+            case 4:
+                mask = plan_mark_row<4>(p, 4, t, h, counts, &first_bad);
+                break;
+            case 6:
+                mask = plan_mark_row<6>(p, 6, t, h, counts, &first_bad);
+                break;
+            case 8:
+                mask = plan_mark_row<8>(p, 8, t, h, counts, &first_bad);
+                break;
+            case 10:
+                mask = plan_mark_row<10>(p, 10, t, h, counts, &first_bad);
+                break;
+            default:
+                mask = plan_mark_row<EP_MAX_TOPK>(p, p.top_k, t, h, counts, &first_bad);
+                break;
         }
         reinterpret_cast<unsigned char*>(p.hits)[t] = (unsigned char)mask;
     }
     __syncthreads();
+    if (threadIdx.x == 0 && first_bad != 0x7fffffff) atomicMax(counts + E, 0x7fffffff - first_bad);
     if (shared_hist) {
         for (int e = threadIdx.x; e < E; e += blockDim.x) {
             if (hist[e]) atomicAdd(counts + e, hist[e]);
@@ -176,61 +246,80 @@ __device__ __forceinline__ int plan_block_scan(int v, int* warp_sums, int* total
     return before;
 }
 
-// Block d < R: destination d's send plan and message. Each thread takes a run of consecutive
-// tokens, so one block-wide scan orders all of them.
+// Block d < R: destination d's send plan and message. Each pass takes up to HT_PLAN_PASS tokens:
+// each warp takes an equal run of the pass's 32-token words (lane j token j of each word, one
+// ballot per word), one block-wide scan orders them, and each channel's start comes from the
+// position of the word it starts in (no division per token).
 __device__ __forceinline__ void plan_send(const HtPlanParams& p, int d, bool cancelled) {
     __shared__ int warp_sums[32];
     __shared__ int chan_start[HT_MAX_CHANNELS + 1];
+    __shared__ u32 reach[HT_PLAN_PASS / 32];
+    __shared__ int word_pos[HT_PLAN_PASS / 32];
     const int R = p.num_ranks, B = p.num_tokens, C = p.channels, T = p.tokens_per_channel;
     const int set = (int)(p.seq & 1);
     if (!cancelled) {
         const unsigned char* hits = reinterpret_cast<const unsigned char*>(p.hits);
         int* list = reinterpret_cast<int*>(p.send_list) + (size_t)d * B;
         int* copy_ord = reinterpret_cast<int*>(p.copy_ord);
-        // Passes of HT_PLAN_BLOCK x 16 tokens: warp w takes 512 consecutive tokens, lane j the
-        // tokens j, j + 32, ... of them, so every load and store of a warp is contiguous; the
-        // order within the warp comes from one ballot per 32 tokens.
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const u32 below = (1u << lane) - 1u;
         int running = 0;
-        for (int base = 0; base < B; base += HT_PLAN_BLOCK * 16) {
-            const int w0 = base + warp * 512;
+        for (int base = 0; base < B; base += HT_PLAN_PASS) {
+            const int words = (min(HT_PLAN_PASS, B - base) + 31) >> 5;
+            const int per_warp = (words + HT_PLAN_WARPS - 1) / HT_PLAN_WARPS;  // <= 16
+            const int w0 = warp * per_warp;
             u32 ballots[16];
             int warp_count = 0;
 #pragma unroll
             for (int i = 0; i < 16; ++i) {
-                const int t = w0 + 32 * i + lane;
-                const bool hit = t < B && ((hits[t] >> d) & 1);
-                ballots[i] = __ballot_sync(EP_FULL_MASK, hit);
+                const int t = base + 32 * (w0 + i) + lane;
+                const bool in = i < per_warp && w0 + i < words;
+                ballots[i] = __ballot_sync(EP_FULL_MASK, in && t < B && ((hits[t] >> d) & 1));
+                if (in && lane == 0) reach[w0 + i] = ballots[i];
                 warp_count += __popc(ballots[i]);
             }
             int total;
             const int before = plan_block_scan(lane == 0 ? warp_count : 0, warp_sums, &total);
             const int first = running + __shfl_sync(EP_FULL_MASK, before, 0);
-            // The list, and each channel's first position (channel c starts at token c * T).
+            // The list, and where each word's tokens start in it.
             int acc = first;
 #pragma unroll
             for (int i = 0; i < 16; ++i) {
-                const int t = w0 + 32 * i + lane;
-                const int pos = acc + __popc(ballots[i] & below);
-                if (t < B && t % T == 0) chan_start[t / T] = pos;
-                if ((ballots[i] >> lane) & 1u) list[pos] = t;
+                if (i < per_warp && w0 + i < words) {
+                    if (lane == 0) word_pos[w0 + i] = acc;
+                    if ((ballots[i] >> lane) & 1u) list[acc + __popc(ballots[i] & below)] = base + 32 * (w0 + i) + lane;
+                }
                 acc += __popc(ballots[i]);
             }
             __syncthreads();
+            // Each channel starting in this pass (channel c starts at token c * T).
+            for (int c = threadIdx.x; c < C; c += blockDim.x) {
+                const long long at = (long long)c * T - base;
+                if (at >= 0 && at < 32ll * words && at + base < B) {
+                    const int w = (int)(at >> 5), bit = (int)(at & 31);
+                    chan_start[c] = word_pos[w] + __popc(reach[w] & ((1u << bit) - 1u));
+                }
+            }
+            __syncthreads();
+            // Each token's place within its channel's run for d (-1: not sent to d).
+            int t = base + 32 * w0 + lane;
+            int c = t / max(T, 1);
             acc = first;
 #pragma unroll
             for (int i = 0; i < 16; ++i) {
-                const int t = w0 + 32 * i + lane;
-                const int pos = acc + __popc(ballots[i] & below);
-                if (t < B) copy_ord[(size_t)t * R + d] = (ballots[i] >> lane) & 1u ? pos - chan_start[t / T] : -1;
+                if (i < per_warp && w0 + i < words) {
+                    while ((c + 1) * T <= t) ++c;
+                    const int pos = acc + __popc(ballots[i] & below);
+                    if (t < B) copy_ord[(size_t)t * R + d] = (ballots[i] >> lane) & 1u ? pos - chan_start[c] : -1;
+                }
                 acc += __popc(ballots[i]);
+                t += 32;
             }
             running += total;
-            __syncthreads();  // warp_sums of the next pass
+            __syncthreads();  // warp_sums, reach and word_pos of the next pass
         }
         for (int c = threadIdx.x; c <= C; c += blockDim.x) {
-            if (c == C || c * T >= B) chan_start[c] = running;
+            if (c == C || (long long)c * T >= B) chan_start[c] = running;
         }
         __syncthreads();
         int* send_off = reinterpret_cast<int*>(p.send_off) + d * (C + 1);
