@@ -225,23 +225,35 @@ impl Poison {
 }
 
 /// Spin, then yield, then sleep with growing pauses (capped at 200 us): waits that end within
-/// microseconds stay fast, long waits cost little CPU.
+/// microseconds stay fast, long waits cost little CPU. Yielding lasts until [`Backoff::YIELD_FOR`]
+/// has passed since the first pause, so a wait as long as a high-throughput operation (hundreds
+/// of microseconds) never sleeps: a sleep's wake-up on a virtual machine's idle CPU costs tens of
+/// microseconds, and a thread that slept comes back slower to the operation it launches next.
 #[derive(Debug, Default)]
 pub struct Backoff {
     step: u32,
+    since: Option<Instant>,
 }
 
 impl Backoff {
+    /// How long a wait yields before it starts to sleep.
+    pub const YIELD_FOR: Duration = Duration::from_millis(2);
+
     /// Waits a little; each call waits at least as long as the one before.
     pub fn snooze(&mut self) {
         if self.step < 64 {
             std::hint::spin_loop();
-        } else if self.step < 128 {
-            std::thread::yield_now();
-        } else {
-            let us = 1u64 << ((self.step - 128) / 16).min(7);
-            std::thread::sleep(Duration::from_micros(us.min(200)));
+            self.step += 1;
+            return;
         }
+        let since = *self.since.get_or_insert_with(Instant::now);
+        if self.step < 128 || since.elapsed() < Self::YIELD_FOR {
+            std::thread::yield_now();
+            self.step = (self.step + 1).min(128);
+            return;
+        }
+        let us = 1u64 << ((self.step - 128) / 16).min(7);
+        std::thread::sleep(Duration::from_micros(us.min(200)));
         self.step = self.step.saturating_add(1);
     }
 }
@@ -279,6 +291,25 @@ pub fn op_label(channel: Channel, seq: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn backoff_spins_then_yields_until_its_yield_time_then_sleeps() {
+        let mut b = Backoff::default();
+        for _ in 0..64 {
+            b.snooze();
+        }
+        assert_eq!((b.step, b.since), (64, None), "64 spins, no clock read");
+        // Then yields: the step stops at 128 while the yield time lasts (here: an hour).
+        b.since = Some(Instant::now() + Duration::from_secs(3600));
+        for _ in 0..200 {
+            b.snooze();
+        }
+        assert_eq!(b.step, 128);
+        // Past the yield time it sleeps, and the pauses grow.
+        b.since = Instant::now().checked_sub(Backoff::YIELD_FOR);
+        b.snooze();
+        assert_eq!(b.step, 129);
+    }
 
     #[test]
     fn slots_alternate_and_free_on_drop() {
