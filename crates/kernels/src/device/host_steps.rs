@@ -1,11 +1,12 @@
-//! `EPFLOW_HOST_STEPS=1`, a diagnostic: the host time of the steps a low-latency operation's send
-//! takes before and after its launch (binding, input waits, fences, the row map, the launch, the
-//! event records), and of a low-latency handle's creation (`handle: ...`: built on the device,
-//! the checks, the memory, the kernel's launch and the wait for it; built on the host, the wait
-//! for `topk_idx`, the copies, validation, slots), summed per step over the process and printed by
-//! [`report`] (`epflow bench`
-//! at its end, `libnccl_ep.so` when a group is destroyed). Events timed around a launch on an
-//! idle stream count this host time, so it is part of every host-observed figure.
+//! `EPFLOW_HOST_STEPS=1`, a diagnostic: the host time of the steps an operation's send takes
+//! before and after its launch (binding, input waits, fences, the row map, the launch, the event
+//! records; a high-throughput operation's launch as one step), and of a handle's creation
+//! (`handle: ...`: low-latency built on the device, the checks, the memory, the kernel's launch
+//! and the wait for it; built on the host, the wait for `topk_idx`, the copies, validation,
+//! slots; high-throughput built on the device, the checks, memory and parameters before its
+//! send), summed per step over the process and printed by [`report`] (`epflow bench` at its end,
+//! `libnccl_ep.so` when a group is destroyed). Events timed around a launch on an idle stream
+//! count this host time, so it is part of every host-observed figure.
 //!
 //! Off (the default) a step costs one relaxed load.
 

@@ -515,7 +515,13 @@ impl PendingOp for GpuOp {
                         self.sent = Some(self.work.record_now()?);
                     }
                 }
-                _ => self.launch_single()?,
+                _ => {
+                    self.launch_single()?;
+                    steps.step(match self.launch {
+                        Launch::HtPlan(_) => "send: high-throughput handle launch",
+                        _ => "send: launch",
+                    });
+                }
             }
             self.work.end_send()
         })();

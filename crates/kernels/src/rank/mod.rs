@@ -462,8 +462,11 @@ impl Backend for GpuRank {
                     if ht::device::builds_on_device(&self.shared) {
                         // The descriptor here; the values on the device, which cancels the
                         // exchange (and fails this creation) if one is invalid.
+                        let mut steps = Steps::start();
                         self.check_topk_tensor(topk_idx)?;
-                        return ht::device::start(&self.shared, seq, topk_idx, bound);
+                        let op = ht::device::start(&self.shared, seq, topk_idx, bound);
+                        steps.step("handle: high-throughput checks, memory, parameters");
+                        return op;
                     }
                     // Not timed: the `handle: ...` steps are the low-latency handle's.
                     let routing = self.routing_of(topk_idx, &mut Steps::inert())?;
