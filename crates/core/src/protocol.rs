@@ -226,9 +226,9 @@ impl Poison {
 
 /// Spin, then yield, then sleep with growing pauses (capped at 200 us): waits that end within
 /// microseconds stay fast, long waits cost little CPU. Yielding lasts until [`Backoff::YIELD_FOR`]
-/// has passed since the first pause, so a wait as long as a high-throughput operation (hundreds
-/// of microseconds) never sleeps: a sleep's wake-up on a virtual machine's idle CPU costs tens of
-/// microseconds, and a thread that slept comes back slower to the operation it launches next.
+/// has passed since the first yield, so a wait as long as a high-throughput operation (hundreds
+/// of microseconds) never sleeps: a sleeping thread woke tens of microseconds late on the test
+/// machines (benches/NOTES.md item 160: blocking high-throughput operations 25-30 us faster).
 #[derive(Debug, Default)]
 pub struct Backoff {
     step: u32,
