@@ -234,13 +234,11 @@ fn check_world(
     base: u64,
     transport: &Transport,
 ) {
-    let max_top_k = cases.iter().map(|c| c.1).max().unwrap_or(1);
     let config =
         GroupConfig::high_throughput(experts, hidden).with_dispatch_dtype(dtype).with_max_sms(shared_gpu_sms(devices));
-    let config = match max_top_k > config.max_top_k {
-        true => config.with_max_top_k(max_top_k),
-        false => config,
-    };
+    // The group's top-k bound, raised to the cases' largest.
+    let max_top_k = cases.iter().map(|c| c.1).fold(config.max_top_k, usize::max);
+    let config = config.with_max_top_k(max_top_k);
     let ranks = GpuWorld::create_with(devices, config.clone(), transport.clone()).expect("create GPU group");
     for (i, &(tokens, top_k, kind, masked)) in cases.iter().enumerate() {
         let s = base.wrapping_add(i as u64 * 7919);
