@@ -13,7 +13,7 @@ use epflow_core::ops::{
 use epflow_core::scenario::Scenario;
 use epflow_core::verify::{Report, Tolerance, check_bf16};
 use epflow_core::{Error, HostTensor};
-use epflow_kernels::{DeviceTensor, GpuCombineOutput, GpuDispatchOutput, GpuRank};
+use epflow_kernels::{DeviceTensor, GpuCombineOutput, GpuDispatchOutput, GpuHandle, GpuRank};
 
 use super::rank::{BenchRank, DeviceClock, LoopPlan};
 use super::stats::RankTimes;
@@ -141,6 +141,10 @@ impl<W: Fn()> BenchRank for GpuBench<W> {
 
     fn combine_time(&self, out: &GpuCombineOutput) -> Option<(Duration, Duration)> {
         out.elapsed_halves()
+    }
+
+    fn handle_time(&self, h: &GpuHandle) -> Option<Duration> {
+        h.creation_elapsed()
     }
 }
 

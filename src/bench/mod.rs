@@ -472,5 +472,9 @@ pub(crate) fn summarise(
             .iter()
             .any(|r| !r.handle.samples_us.is_empty())
             .then(|| OpSummary::from_ranks(&collect(|r| &r.handle))),
+        handle_device: results
+            .iter()
+            .any(|r| !r.handle_device.samples_us.is_empty())
+            .then(|| OpSummary::from_ranks(&collect(|r| &r.handle_device))),
     }
 }

@@ -15,7 +15,9 @@ use crate::cli::{BackendArg, BenchArgs};
 
 fn encode(r: &RankResult, iters: usize) -> Vec<f64> {
     let mut v = Vec::new();
-    v.extend(r.handle.samples_us.iter().copied().chain(std::iter::repeat(f64::NAN)).take(HANDLE_SAMPLES.max(iters)));
+    for t in [&r.handle, &r.handle_device] {
+        v.extend(t.samples_us.iter().copied().chain(std::iter::repeat(f64::NAN)).take(HANDLE_SAMPLES.max(iters)));
+    }
     for t in [&r.dispatch, &r.combine, &r.total] {
         v.extend(t.samples_us.iter().copied().chain(std::iter::repeat(0.0)).take(iters));
         v.push(t.bytes as f64);
@@ -45,11 +47,11 @@ fn encode(r: &RankResult, iters: usize) -> Vec<f64> {
 }
 
 fn decode(v: &[f64], iters: usize) -> RankResult {
-    let handle = RankTimes {
-        samples_us: v[..HANDLE_SAMPLES.max(iters)].iter().copied().filter(|x| !x.is_nan()).collect(),
-        bytes: 0,
-    };
-    let mut i = HANDLE_SAMPLES.max(iters);
+    let n = HANDLE_SAMPLES.max(iters);
+    let samples =
+        |at: usize| RankTimes { samples_us: v[at..at + n].iter().copied().filter(|x| !x.is_nan()).collect(), bytes: 0 };
+    let (handle, handle_device) = (samples(0), samples(n));
+    let mut i = 2 * n;
     let mut times = |v: &[f64]| {
         let t = RankTimes { samples_us: v[i..i + iters].to_vec(), bytes: v[i + iters] as u64 };
         i += iters + 1;
@@ -82,6 +84,7 @@ fn decode(v: &[f64], iters: usize) -> RankResult {
     };
     RankResult {
         handle,
+        handle_device,
         dispatch: d,
         combine: c,
         total: t,
@@ -170,6 +173,7 @@ mod tests {
         let iters = 3;
         let r = RankResult {
             handle: times(&[9.0]),
+            handle_device: times(&[7.5]),
             dispatch: RankTimes { samples_us: vec![1.0, 2.0, 3.0], bytes: 64 },
             combine: RankTimes { samples_us: vec![4.0, 5.0, 6.0], bytes: 64 },
             total: RankTimes { samples_us: vec![5.0, 7.0, 9.0], bytes: 128 },
@@ -185,6 +189,7 @@ mod tests {
         };
         let back = decode(&encode(&r, iters), iters);
         assert_eq!(back.handle.samples_us, [9.0]);
+        assert_eq!(back.handle_device.samples_us, [7.5]);
         assert_eq!((back.dispatch.samples_us.as_slice(), back.dispatch.bytes), (&[1.0, 2.0, 3.0][..], 64));
         assert_eq!(back.combine.samples_us, [4.0, 5.0, 6.0]);
         assert_eq!((back.total.samples_us.as_slice(), back.total.bytes), (&[5.0, 7.0, 9.0][..], 128));

@@ -56,6 +56,11 @@ pub(crate) trait BenchRank {
     fn combine_time(&self, _out: &<Self::B as Backend>::CombineOutput) -> Option<(Duration, Duration)> {
         None
     }
+    /// The device's own measurement of a handle's awaited creation (CUDA events before its first
+    /// kernel and after its last), when the backend has one (high-throughput handles on GPUs).
+    fn handle_time(&self, _h: &<Self::B as Backend>::Handle) -> Option<Duration> {
+        None
+    }
     /// `--graph`: captures dispatch + combine of `sc` as one step and times `plan`'s replays
     /// (device time each); the first replay's combine is checked against `want` when given.
     /// `None`: the backend captures no steps.

@@ -32,6 +32,8 @@ pub(crate) struct RankResult {
     /// Handle creation, host clock: high-throughput, the collective count exchange; low-latency,
     /// the local routing plan and its upload.
     pub handle: RankTimes,
+    /// The same creations' device time, where the backend measures it ([`BenchRank::handle_time`]).
+    pub handle_device: RankTimes,
     pub dispatch: RankTimes,
     pub combine: RankTimes,
     pub total: RankTimes,
@@ -199,7 +201,7 @@ where
     }
 
     if let (true, Some(masked)) = (ht, plan.fresh_routing) {
-        let (handle, [mut d, mut c, t]) = fresh_routing_steps(r, sc, plan, masked, inputs)?;
+        let ([handle, handle_device], [mut d, mut c, t]) = fresh_routing_steps(r, sc, plan, masked, inputs)?;
         let [stream_step, stream_step_device, stream_handle_device] = match (r.step_stream(), cfg.fixed_max_tokens()) {
             (Some(s), Some(_)) => stream_ordered_steps(r, sc, plan, masked, inputs, &s)?,
             _ => Default::default(),
@@ -208,6 +210,7 @@ where
         c.bytes = d.bytes;
         return Ok(RankResult {
             handle,
+            handle_device,
             dispatch: d,
             combine: c,
             total: t,
@@ -283,12 +286,15 @@ where
     // Handle creation, timed too: high-throughput handles are collective (a count exchange),
     // low-latency ones local (on GPUs one kernel the host waits for, `ll/handle.rs`), made with
     // the bench's layout.
-    let mut handle_times = RankTimes::default();
+    let (mut handle_times, mut handle_device) = (RankTimes::default(), RankTimes::default());
     for _ in 0..HANDLE_SAMPLES {
         r.barrier();
         let (h, t) = r.timed(|| blocking_handle_with(b, &idx, &handle_opts))?;
-        drop(h);
         handle_times.samples_us.push(t.as_secs_f64() * 1e6);
+        if let Some(dt) = r.handle_time(&h) {
+            handle_device.samples_us.push(dt.as_secs_f64() * 1e6);
+        }
+        drop(h);
     }
     let mut graph = RankTimes::default();
     if plan.graph && !ht {
@@ -314,6 +320,7 @@ where
     t.bytes = 2 * bytes;
     Ok(RankResult {
         handle: handle_times,
+        handle_device,
         dispatch: d,
         combine: c,
         total: t,

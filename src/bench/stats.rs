@@ -98,6 +98,9 @@ pub(crate) struct BenchReport {
     /// Handle creation, host clock: high-throughput, the collective count exchange; low-latency,
     /// the local routing plan and its upload.
     pub handle: Option<OpSummary>,
+    /// The same creations' device time (GPU high-throughput handles: CUDA events before the
+    /// first kernel and after the last), when measured.
+    pub handle_device: Option<OpSummary>,
     /// `--fresh-routing`: every iteration created a handle for a new routing; `total` is the
     /// training step (handle, forward pair, backward pair), dispatch and combine the forward ones.
     pub fresh_routing: bool,
@@ -217,6 +220,12 @@ impl BenchReport {
                 "{:<18}avg={:.2} us, min={:.2} us, median={:.2} us (host clock, {what})",
                 "Handle:", h.avg_us, h.min_us, h.median_us
             );
+            if let Some(h) = &self.handle_device {
+                println!(
+                    "{:<18}avg={:.2} us, min={:.2} us, median={:.2} us (device time of the same creations: events\n{:<18}before the first kernel and after the last, so with waits for the host's launches and the peers)",
+                    "", h.avg_us, h.min_us, h.median_us, ""
+                );
+            }
         }
         if let Some(h) = self.halves_us {
             println!(

@@ -53,15 +53,15 @@ pub(super) fn fresh_routings<R: BenchRank>(
 
 /// `--fresh-routing`: per iteration, a handle for a new routing, then the forward dispatch and
 /// combine (identity experts) and the backward dispatch and combine on that handle, each
-/// behind a barrier. Returns the handle times and the forward dispatch, forward combine and
-/// whole-step times.
+/// behind a barrier. Returns the handle times (host clock, and device time where the backend
+/// measures it) and the forward dispatch, forward combine and whole-step times.
 pub(super) fn fresh_routing_steps<R: BenchRank>(
     r: &R,
     sc: &Scenario,
     plan: &LoopPlan,
     masked: usize,
     inputs: DispatchInputs<'_, <R::B as Backend>::Tensor>,
-) -> Result<(RankTimes, [RankTimes; 3]), Error>
+) -> Result<([RankTimes; 2], [RankTimes; 3]), Error>
 where
     <R::B as Backend>::Tensor: Clone,
 {
@@ -73,12 +73,12 @@ where
     let (fwd_d, fwd_c) = (DispatchOptions::default(), CombineOptions::default());
     let bwd_d = DispatchOptions { pass: Pass::Backward, ..DispatchOptions::default() };
     let bwd_c = CombineOptions { pass: Pass::Backward };
-    let (mut handle_times, mut times) =
-        (RankTimes::default(), [RankTimes::default(), RankTimes::default(), RankTimes::default()]);
+    let (mut handle_times, mut times) = ([RankTimes::default(), RankTimes::default()], <[RankTimes; 3]>::default());
     for i in 0..plan.warmup + plan.iters {
         r.barrier();
         let (h, th) = r.timed(|| blocking_handle(b, &routings[i % FRESH_ROUTINGS]))?;
         let n = h.num_recv_tokens().unwrap_or(0);
+        let th_device = r.handle_time(&h);
         r.barrier();
         let (d, td) = r.timed(|| blocking_dispatch(b, &h, inputs, &fwd_d, false))?;
         let experts = r.identity_experts(&d)?;
@@ -98,7 +98,10 @@ where
         drop(rows);
         drop(gd);
         if i >= plan.warmup {
-            handle_times.samples_us.push(th.as_secs_f64() * 1e6);
+            handle_times[0].samples_us.push(th.as_secs_f64() * 1e6);
+            if let Some(dt) = th_device {
+                handle_times[1].samples_us.push(dt.as_secs_f64() * 1e6);
+            }
             for (t, v) in times.iter_mut().zip([td, tc, th + td + tc + tbd + tbc]) {
                 t.samples_us.push(v.as_secs_f64() * 1e6);
             }

@@ -259,7 +259,9 @@ impl GpuOp {
                 let received = received.ok_or_else(|| Error::Backend("count exchange without buffers".into()))??;
                 Ok(OpOutput::Handle(finish_handle(&self.shared, self.seq, routing, &plan, &received, recv_bound)?))
             }
-            Some(GpuOpKind::HtDeviceHandle(plan)) => Ok(OpOutput::Handle(plan.finish(&self.shared, self.seq)?)),
+            Some(GpuOpKind::HtDeviceHandle(plan)) => {
+                Ok(OpOutput::Handle(plan.finish(&self.shared, self.seq)?.with_creation_time(elapsed)))
+            }
             Some(GpuOpKind::Dispatch { handle, opts }) => Ok(OpOutput::Dispatch(self.ll_dispatch(&handle, opts)?)),
             Some(GpuOpKind::Combine { handle, .. }) => Ok(OpOutput::Combine(self.ll_combine(&handle))),
             Some(GpuOpKind::HtDispatch { handle, pass, outputs: Some(boxed) }) => {

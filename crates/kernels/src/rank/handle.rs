@@ -9,7 +9,7 @@ use epflow_core::handle::{HandleCore, RoutingHandle};
 use epflow_core::ops::DispatchOutputs;
 
 use crate::device::cache::take_smallest;
-use crate::device::{DeviceBuffer, DeviceTensor, PinnedBuffer};
+use crate::device::{DeviceBuffer, DeviceTensor, OpTiming, PinnedBuffer};
 use crate::params::MAX_RANKS;
 
 /// A routing handle on the GPU backend: the validated routing and its device memory (a copy
@@ -43,6 +43,9 @@ pub(crate) struct GpuHandleState {
     /// A low-latency handle created in a stream's order, handed out before the device read its
     /// routing (`ll/handle.rs`).
     pub(crate) ll_stream: Option<LlStreamBuilt>,
+    /// A high-throughput handle whose creation the host awaited, with timing on: the creation's
+    /// timing events ([`GpuHandle::creation_elapsed`]).
+    pub(crate) creation_time: Option<OpTiming>,
 }
 
 /// A low-latency handle created in a stream's order (`ll::handle::build_on`): what its
@@ -306,6 +309,7 @@ impl GpuHandle {
             creation: None,
             send_rows,
             ll_stream: None,
+            creation_time: None,
         }))
     }
 
@@ -328,6 +332,7 @@ impl GpuHandle {
             creation: Some(creation),
             send_rows: None,
             ll_stream: None,
+            creation_time: None,
         }))
     }
 
@@ -351,6 +356,7 @@ impl GpuHandle {
             creation: None,
             send_rows,
             ll_stream: Some(built),
+            creation_time: None,
         }))
     }
 
@@ -433,6 +439,24 @@ impl GpuHandle {
         if let Some(c) = &self.0.creation {
             let _ = c.failed.set(e.clone());
         }
+    }
+
+    /// The handle, its creation timed by `timing` (a creation the host awaited; `None`: timing
+    /// was off). Only on a handle not yet shared.
+    pub(crate) fn with_creation_time(mut self, timing: Option<OpTiming>) -> Self {
+        if let Some(state) = Arc::get_mut(&mut self.0) {
+            state.creation_time = timing;
+        }
+        self
+    }
+
+    /// Device time of this handle's creation, for a high-throughput handle whose creation was
+    /// awaited with timing on ([`crate::GpuRank::set_timing`]): from a CUDA event recorded on
+    /// the handle stream before the creation's first kernel (or memset) to one after its last,
+    /// so it includes any wait for the host's later launches and for the peers' messages.
+    /// `None` for other handles (low-latency, created in stream order, timing off).
+    pub fn creation_elapsed(&self) -> Option<std::time::Duration> {
+        self.0.creation_time.as_ref()?.halves().map(|(send, complete)| send + complete)
     }
 
     /// The device address of the handle's memory.
