@@ -384,6 +384,10 @@ pub(crate) struct HtPlanParams {
     pub tokens_per_channel: i32,
     pub words: i32,
     pub cancelled: i32,
+    /// The grid of the mark kernel (`ht::geometry::mark_blocks`): each of its blocks counts into
+    /// its own scratch slots.
+    pub mark_blocks: i32,
+    pub pad: i32,
 }
 
 // SAFETY: `HtPlanParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
@@ -504,11 +508,12 @@ mod tests {
         assert_eq!(offset_of!(ExchangeParams, stamp), 200);
         assert_eq!(offset_of!(ExchangeParams, seq), 168);
         assert_eq!(offset_of!(ExchangeParams, rank), 184);
-        assert_eq!(size_of::<HtPlanParams>(), 304);
+        assert_eq!(size_of::<HtPlanParams>(), 312);
         assert_eq!(offset_of!(HtPlanParams, peer_region), 112);
         assert_eq!(offset_of!(HtPlanParams, stamp), 256);
         assert_eq!(offset_of!(HtPlanParams, rank), 264);
         assert_eq!(offset_of!(HtPlanParams, cancelled), 300);
+        assert_eq!(offset_of!(HtPlanParams, mark_blocks), 304);
     }
 
     #[test]

@@ -55,13 +55,14 @@ extern "C" __global__ void __launch_bounds__(256) ep_ht_exchange(ExchangeParams 
 // ## Handles built on the device
 //
 // Over NVLink a high-throughput handle is built on the handle stream with no host copy of
-// `topk_idx` or of the plan: the host zeroes the scratch (one memset), then
-// - `ep_ht_plan_mark` (a thread per token, its row's checks unrolled to the top-k) validates
-//   each row, copies it into the handle, marks the destinations it reaches (a bit per rank) and
-//   counts the selections per expert;
+// `topk_idx` or of the plan, in two launches and no memset:
+// - `ep_ht_plan_mark` (a thread per token) validates each row, copies it into the handle, marks
+//   the destinations it reaches (a bit per rank) and counts the selections per expert, each
+//   block into its own slots;
 // - `ep_ht_plan` runs R + 1 blocks: block d < R scans the marks for destination d (each warp a run
 //   of 32-token words, one block-wide scan), writes d's part of the send plan, and
-//   sends d the exchange message (rows per channel, then selections per local expert of d) with
+//   sends d the exchange message (rows per channel, then selections per local expert of d, summed
+//   over the mark blocks' slots) with
 //   the arrival pair of exchange `seq`; block R waits for every source's message and builds the
 //   receive layout. Every block is resident (R + 1 <= 9 blocks), so block R may wait.
 // The send plan is strided: d's tokens start at send_list[d * B], so no block needs another's
@@ -90,9 +91,10 @@ struct HtPlanParams {
     u64 recv_cnt;    // int32 [R][C]
     u64 copy_ord;    // int32 [B][R]
     u64 counts;      // int32 [L]: rows received per local expert
-    u64 scratch;     // int32 [E + 2], zeroed by the host: selections per expert, then
-                     // 0x7fffffff - (first invalid entry t * K + k), or 0 if none, then the
-                     // send blocks done
+    u64 scratch;     // int32 [G x E + G + 1], G = mark_blocks, written by the kernels (nothing
+                     // zeroed before): each mark block's selections per expert, then each mark
+                     // block's 0x7fffffff - (first invalid entry t * K + k), or 0 if none, then
+                     // the send blocks done
     u64 hits;        // uint8 [B]: bit d = token t reaches rank d
     u64 result;      // int64 [5 + L] (mapped host): first invalid entry t * K + k (or -1), its
                      // value, the earlier k it repeats (or -1), N, seq + 1 once built, then the
@@ -107,118 +109,62 @@ struct HtPlanParams {
     int rank, num_ranks, num_tokens, top_k;
     int num_experts, num_local, channels, tokens_per_channel;
     int words, cancelled;
+    int mark_blocks;  // G: the grid of ep_ht_plan_mark
+    int pad;
 };
-static_assert(sizeof(HtPlanParams) == 304, "HtPlanParams layout");
+static_assert(sizeof(HtPlanParams) == 312, "HtPlanParams layout");
 
-// One token of `ep_ht_plan_mark`, for a top-k of K <= KM (KM known at compile time: the checks
-// unroll to KM entries, not EP_MAX_TOPK; at K = KM = 8 a quarter of the duplicate checks): copies
-// token t's row into the handle, folds its first invalid entry into `*first_bad` (t * K + k),
-// counts the selections up to it (in `hist` when the experts fit, else straight to `counts`),
-// and returns the ranks the row reaches (a bit per rank). The duplicate checks run on the row
-// narrowed to 32 bits: an entry whose narrowing wrapped is out of range itself, at an earlier k,
-// so a false duplicate it makes never changes the first invalid entry. An expert's rank comes
-// from comparisons with the ranks' first experts, not from a division per entry.
-template <int KM>
-__device__ __forceinline__ unsigned plan_mark_row(const HtPlanParams& p, int K, int t, int* hist, int* counts,
-                                                  int* first_bad) {
-    const long long* in = reinterpret_cast<const long long*>(p.topk_in) + (size_t)t * K;
-    long long* out = reinterpret_cast<long long*>(p.topk) + (size_t)t * K;
-    // Each entry: its copy, its range check on 64 bits (a bit per entry), its 32-bit value; only
-    // the 32-bit row stays live.
-    int v[KM];
-    u32 out_of_range = 0u;
-    auto take = [&](int k, long long e) {
-        out[k] = e;
-        v[k] = (int)e;
-        if (e < -1 || e >= p.num_experts) out_of_range |= 1u << k;
-    };
-#pragma unroll
-    for (int k = 0; k < KM; ++k) v[k] = -1;
-    if (K % 2 == 0 && ((p.topk_in | p.topk) & 15ull) == 0) {
-#pragma unroll
-        for (int k = 0; k + 1 < KM; k += 2) {
-            if (k < K) {
-                const longlong2 x = __ldg(reinterpret_cast<const longlong2*>(in + k));
-                take(k, x.x);
-                take(k + 1, x.y);
-            }
-        }
-    } else {
-#pragma unroll
-        for (int k = 0; k < KM; ++k) {
-            if (k < K) take(k, __ldg(in + k));
-        }
-    }
-    int k_bad = K;
-#pragma unroll
-    for (int k = KM - 1; k >= 0; --k) {
-        if (k >= K) continue;
-        bool bad = (out_of_range >> k) & 1u;
-#pragma unroll
-        for (int j = 0; j < k; ++j) bad |= v[k] >= 0 && v[j] == v[k];
-        if (bad) k_bad = k;
-    }
-    if (k_bad < K) atomicMin(first_bad, t * K + k_bad);
-    unsigned mask = 0;
-#pragma unroll
-    for (int k = 0; k < KM; ++k) {
-        const int e = v[k];
-        if (k >= k_bad || e < 0) continue;
-        int d = 0;
-        for (int r = 1; r < p.num_ranks; ++r) d += e >= r * p.num_local;
-        mask |= 1u << d;
-        atomicAdd(hist ? hist + e : counts + e, 1);
-    }
-    return mask;
+// The scratch word counting the plan's send blocks done (after the mark blocks' slots).
+__device__ __forceinline__ size_t plan_done_word(const HtPlanParams& p) {
+    return (size_t)p.mark_blocks * p.num_experts + p.mark_blocks;
 }
 
-// A thread per token (`plan_mark_row`, unrolled to exactly K for the usual top-k, to
-// EP_MAX_TOPK for the rest): validation, the handle's copy of the row, the ranks it reaches, and
-// the selections per expert (up to its first invalid entry).
+// A thread per token (a grid-stride loop when the grid is capped): validation, the handle's
+// copy of the row, the ranks it reaches, and the selections per expert up to its first invalid
+// entry. Each block counts into its own scratch slots (in shared memory first when the experts
+// fit, else in its global slot, which it zeroes itself) and reports its first invalid entry in its
+// own word, so nothing needs zeroing before the launch; block 0 zeroes the plan's done counter
+// (`ep_ht_plan` runs after this kernel).
 extern "C" __global__ void __launch_bounds__(HT_MARK_BLOCK) ep_ht_plan_mark(HtPlanParams p) {
     __shared__ int hist[HT_MARK_HIST];
     __shared__ int first_bad;
+    const int K = p.top_k, E = p.num_experts, L = p.num_local, G = gridDim.x;
+    int* scratch = reinterpret_cast<int*>(p.scratch);
+    if (blockIdx.x == 0 && threadIdx.x == 0) scratch[plan_done_word(p)] = 0;
     if (p.cancelled) return;
-    const int E = p.num_experts;
     const bool shared_hist = E <= HT_MARK_HIST;
-    int* counts = reinterpret_cast<int*>(p.scratch);
-    if (shared_hist) {
-        for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
-    }
+    int* mine = scratch + (size_t)blockIdx.x * E;
+    int* h = shared_hist ? hist : mine;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) h[e] = 0;
     if (threadIdx.x == 0) first_bad = 0x7fffffff;
     __syncthreads();
-    const int t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t < p.num_tokens) {
-        int* h = shared_hist ? hist : nullptr;
-        unsigned mask;
-        switch (p.top_k) {
-            case 2:
-                mask = plan_mark_row<2>(p, 2, t, h, counts, &first_bad);
-                break;
-            case 4:
-                mask = plan_mark_row<4>(p, 4, t, h, counts, &first_bad);
-                break;
-            case 6:
-                mask = plan_mark_row<6>(p, 6, t, h, counts, &first_bad);
-                break;
-            case 8:
-                mask = plan_mark_row<8>(p, 8, t, h, counts, &first_bad);
-                break;
-            case 10:
-                mask = plan_mark_row<10>(p, 10, t, h, counts, &first_bad);
-                break;
-            default:
-                mask = plan_mark_row<EP_MAX_TOPK>(p, p.top_k, t, h, counts, &first_bad);
-                break;
+    for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < p.num_tokens; t += G * blockDim.x) {
+        // Every load of the row in flight at once (unrolled), then the copy.
+        long long row[EP_MAX_TOPK];
+        const long long* in = reinterpret_cast<const long long*>(p.topk_in) + (size_t)t * K;
+        long long* copy = reinterpret_cast<long long*>(p.topk) + (size_t)t * K;
+#pragma unroll
+        for (int k = 0; k < EP_MAX_TOPK; ++k) row[k] = k < K ? in[k] : -1;
+#pragma unroll
+        for (int k = 0; k < EP_MAX_TOPK; ++k) {
+            if (k < K) copy[k] = row[k];
+        }
+        const int k_bad = topk_first_invalid(row, K, E);
+        if (k_bad < K) atomicMin(&first_bad, t * K + k_bad);
+        unsigned mask = 0;
+#pragma unroll
+        for (int k = 0; k < EP_MAX_TOPK; ++k) {
+            const long long e = row[k];
+            if (k >= k_bad || e < 0) continue;
+            mask |= 1u << ((int)e / L);  // 32-bit: e is in [0, E) here
+            atomicAdd(h + e, 1);
         }
         reinterpret_cast<unsigned char*>(p.hits)[t] = (unsigned char)mask;
     }
     __syncthreads();
-    if (threadIdx.x == 0 && first_bad != 0x7fffffff) atomicMax(counts + E, 0x7fffffff - first_bad);
+    if (threadIdx.x == 0) scratch[(size_t)G * E + blockIdx.x] = first_bad == 0x7fffffff ? 0 : 0x7fffffff - first_bad;
     if (shared_hist) {
-        for (int e = threadIdx.x; e < E; e += blockDim.x) {
-            if (hist[e]) atomicAdd(counts + e, hist[e]);
-        }
+        for (int e = threadIdx.x; e < E; e += blockDim.x) mine[e] = hist[e];
     }
 }
 
@@ -246,6 +192,30 @@ __device__ __forceinline__ int plan_block_scan(int v, int* warp_sums, int* total
     return before;
 }
 
+// Block d < R, the second part of d's message: the selections per local expert of d, summed
+// over the mark blocks' slots (in shared memory, HT_MARK_HIST experts at a time: consecutive
+// threads read consecutive experts of one slot).
+__device__ __forceinline__ void plan_selections(const HtPlanParams& p, int d) {
+    __shared__ int sel[HT_MARK_HIST];
+    const int L = p.num_local, G = p.mark_blocks, R = p.num_ranks;
+    const int* slots = reinterpret_cast<const int*>(p.scratch) + (size_t)d * L;
+    int* msg = reinterpret_cast<int*>(p.peer_region[d]) + (size_t)(p.seq & 1) * R * p.words + (size_t)p.rank * p.words
+             + p.channels;
+    for (int l0 = 0; l0 < L; l0 += HT_MARK_HIST) {
+        const int n = min(HT_MARK_HIST, L - l0);
+        for (int l = threadIdx.x; l < n; l += blockDim.x) sel[l] = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < n * G; i += blockDim.x) {
+            const int g = i / n, l = i - g * n;
+            const int v = __ldcg(slots + (size_t)g * p.num_experts + l0 + l);
+            if (v) atomicAdd(sel + l, v);
+        }
+        __syncthreads();
+        for (int l = threadIdx.x; l < n; l += blockDim.x) msg[l0 + l] = sel[l];
+        __syncthreads();
+    }
+}
+
 // Block d < R: destination d's send plan and message. Each pass takes up to HT_PLAN_PASS tokens:
 // each warp takes an equal run of the pass's 32-token words (lane j token j of each word, one
 // ballot per word), one block-wide scan orders them, and each channel's start comes from the
@@ -263,6 +233,7 @@ __device__ __forceinline__ void plan_send(const HtPlanParams& p, int d, bool can
         int* copy_ord = reinterpret_cast<int*>(p.copy_ord);
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const u32 below = (1u << lane) - 1u;
+        plan_selections(p, d);
         int running = 0;
         for (int base = 0; base < B; base += HT_PLAN_PASS) {
             const int words = (min(HT_PLAN_PASS, B - base) + 31) >> 5;
@@ -324,12 +295,9 @@ __device__ __forceinline__ void plan_send(const HtPlanParams& p, int d, bool can
         __syncthreads();
         int* send_off = reinterpret_cast<int*>(p.send_off) + d * (C + 1);
         for (int c = threadIdx.x; c <= C; c += blockDim.x) send_off[c] = d * B + chan_start[c];
-        // The message to d: rows per channel, then selections per local expert of d.
-        const int* counts = reinterpret_cast<const int*>(p.scratch) + (size_t)d * p.num_local;
+        // The message to d: rows per channel (the selections per local expert followed above).
         int* msg = reinterpret_cast<int*>(p.peer_region[d]) + (size_t)set * R * p.words + (size_t)p.rank * p.words;
-        for (int w = threadIdx.x; w < p.words; w += blockDim.x) {
-            msg[w] = w < C ? chan_start[w + 1] - chan_start[w] : counts[w - C];
-        }
+        for (int c = threadIdx.x; c < C; c += blockDim.x) msg[c] = chan_start[c + 1] - chan_start[c];
     }
     // The block's writes, then one system fence and the release (cumulative through the
     // barrier), rather than a fence per thread.
@@ -338,7 +306,7 @@ __device__ __forceinline__ void plan_send(const HtPlanParams& p, int d, bool can
         __threadfence_system();
         signal_arrival(reinterpret_cast<u64*>(p.peer_signals[d]), 2, set, p.rank, p.seq, cancelled, p.stamp);
         // Done with the plan's arrays (block R may overwrite them with an empty plan).
-        atomicAdd(reinterpret_cast<int*>(p.scratch) + p.num_experts + 1, 1);
+        atomicAdd(reinterpret_cast<int*>(p.scratch) + plan_done_word(p), 1);
     }
 }
 
@@ -348,7 +316,7 @@ __device__ __forceinline__ void plan_send(const HtPlanParams& p, int d, bool can
 __device__ __forceinline__ void plan_empty(const HtPlanParams& p) {
     const int R = p.num_ranks, B = p.num_tokens, C = p.channels;
     if (threadIdx.x == 0) {
-        const int* done = reinterpret_cast<const int*>(p.scratch) + p.num_experts + 1;
+        const int* done = reinterpret_cast<const int*>(p.scratch) + plan_done_word(p);
         while (atomicAdd(const_cast<int*>(done), 0) < R) {
         }
     }
@@ -415,9 +383,21 @@ __device__ __forceinline__ void plan_recv(const HtPlanParams& p) {
 }
 
 extern "C" __global__ void __launch_bounds__(HT_PLAN_BLOCK) ep_ht_plan(HtPlanParams p) {
-    // A routing that fails validation anywhere cancels the exchange (every block sees it alike).
+    // A routing that fails validation anywhere cancels the exchange (every block sees it alike):
+    // the largest of the mark blocks' words, the earliest invalid entry.
+    __shared__ int bad_shared;
     const int K = p.top_k;
-    const int bad_inv = p.cancelled ? 0 : __ldcg(reinterpret_cast<const int*>(p.scratch) + p.num_experts);
+    if (threadIdx.x == 0) bad_shared = 0;
+    __syncthreads();
+    if (!p.cancelled) {
+        const int* bad = reinterpret_cast<const int*>(p.scratch) + (size_t)p.mark_blocks * p.num_experts;
+        for (int g = threadIdx.x; g < p.mark_blocks; g += blockDim.x) {
+            const int v = __ldcg(bad + g);
+            if (v) atomicMax(&bad_shared, v);
+        }
+    }
+    __syncthreads();
+    const int bad_inv = bad_shared;
     const bool cancelled = p.cancelled || bad_inv != 0;
     if ((int)blockIdx.x == p.num_ranks) {
         plan_recv(p);

@@ -1,6 +1,7 @@
-//! High-throughput handles built on the device (over NVLink), in three steps on the handle
-//! stream: a memset of the scratch; `ep_ht_plan_mark`, a thread per token, validates its row,
-//! copies it into the handle, marks the ranks it reaches and counts selections per expert;
+//! High-throughput handles built on the device (over NVLink), in two launches on the handle
+//! stream: `ep_ht_plan_mark`, a thread per token, validates its row, copies it into the handle,
+//! marks the ranks it reaches and counts selections per expert (each block into its own slots,
+//! so nothing is zeroed first);
 //! `ep_ht_plan`, a block per destination, scans the marks into that destination's send plan and
 //! sends it the count message, while one more block waits for every source's message and builds
 //! the receive layout. Neither `topk_idx` nor the plan crosses to the host: what the host learns
@@ -20,6 +21,7 @@ use epflow_core::ops::Pass;
 use epflow_core::protocol::Channel;
 use epflow_core::stamp::{Pairing, Stamp};
 
+use super::geometry::mark_blocks;
 use super::plan::DevicePlan;
 use super::result::RESULT_HEAD;
 use crate::device::{DeviceTensor, PinnedBuffer};
@@ -36,9 +38,10 @@ pub(crate) fn builds_on_device(s: &RankShared) -> bool {
 
 /// The byte offsets of a device-built handle's arrays: the routing `[B x K]` i64, the strided
 /// send list `[R x B]`, `send_off [R x (C + 1)]`, `recv_base`/`recv_cnt [R x C]`, `copy_ord
-/// [B x R]`, the rows per local expert `[L]`, all i32; then the kernels' scratch: selections per
-/// expert, the first invalid entry and the send blocks done (`[E + 2]` i32), and the marks (`[B]` bytes).
-fn device_offsets(b: usize, k: usize, r: usize, c: usize, l: usize) -> (HandleOffsets, usize, usize) {
+/// [B x R]`, the rows per local expert `[L]`, all i32; then the kernels' scratch: each of the `g`
+/// mark blocks' selections per expert (`[g x R L]` i32) and first invalid entry (`[g]`), the send
+/// blocks done (one i32), and the marks (`[B]` bytes).
+fn device_offsets(b: usize, k: usize, r: usize, c: usize, l: usize, g: usize) -> (HandleOffsets, usize, usize) {
     let mut at = 0usize;
     let mut next = |bytes: usize| {
         let here = at.next_multiple_of(256);
@@ -55,7 +58,7 @@ fn device_offsets(b: usize, k: usize, r: usize, c: usize, l: usize) -> (HandleOf
         counts: next(l * 4),
         end: 0,
     };
-    let scratch = next((r * l + 2) * 4);
+    let scratch = next((g * r * l + g + 1) * 4);
     let hits = next(b);
     (HandleOffsets { end: at, ..off }, scratch, hits)
 }
@@ -75,7 +78,8 @@ pub(crate) fn start(
     let (b, k) = (topk_idx.desc().shape[0], topk_idx.desc().shape[1]);
     let (r, c, local) = (s.num_ranks, l.channels, l.local_experts);
     let tokens_per_channel = b.div_ceil(c.max(1)).max(1);
-    let (off, scratch, hits) = device_offsets(b, k, r, c, local);
+    let marks = mark_blocks(b, s.config.num_experts);
+    let (off, scratch, hits) = device_offsets(b, k, r, c, local, marks);
     let mem = take_pooled(&s.ctx, &s.handle_pool, off.end.max(1))?;
     let result_bytes = (RESULT_HEAD + local) * 8;
     let result = match s.plan_results.lock().unwrap_or_else(|e| e.into_inner()).pop() {
@@ -115,6 +119,8 @@ pub(crate) fn start(
         tokens_per_channel: tokens_per_channel as i32,
         words: l.exchange_words() as i32,
         cancelled: 0,
+        mark_blocks: marks as i32,
+        pad: 0,
     };
     let plan = DevicePlan::new(b, k, tokens_per_channel, off, mem, result, recv_bound);
     let kind = GpuOpKind::HtDeviceHandle(Box::new(plan));

@@ -27,9 +27,8 @@ pub(crate) enum Launch {
     Ht(HtParams),
     /// The count exchange of a high-throughput handle: one kernel.
     Exchange(ExchangeParams),
-    /// A high-throughput handle built on the device: a memset of the scratch, the mark kernel
-    /// (a thread per token), then the plan kernel (a block per destination, and the receive
-    /// block).
+    /// A high-throughput handle built on the device: the mark kernel (a thread per token), then
+    /// the plan kernel (a block per destination, and the receive block).
     HtPlan(HtPlanParams),
     /// High-throughput dispatch or combine over NCCL: pack (dispatch) or arrival word, the
     /// group, the arrival check, and for combine the reduction.
@@ -158,13 +157,7 @@ impl GpuOp {
             }
             Launch::HtPlan(mut p) => {
                 p.cancelled = cancelled;
-                let scratch_words = p.num_experts.max(0) as usize + 2;
-                // SAFETY: the handle's scratch holds E + 2 words (`ht::device`), alive as long as
-                // the operation; ordered on its stream before the kernels that count into it.
-                unsafe { sys::cuMemsetD32Async(p.scratch, 0, scratch_words, on.cu_stream()) }
-                    .result()
-                    .map_err(|e| cuda("zero the handle scratch", e))?;
-                let marks = (p.num_tokens.max(1) as u32).div_ceil(HT_MARK_BLOCK);
+                let marks = p.mark_blocks.max(1) as u32;
                 self.launch_one(on, &f.ht_plan_mark, &p, (marks, HT_MARK_BLOCK), "launch handle marks")?;
                 let grid = p.num_ranks.max(1) as u32 + 1;
                 self.launch_one(on, &f.ht_plan, &p, (grid, HT_PLAN_BLOCK), "launch handle plan")?;
