@@ -106,6 +106,9 @@ pub struct GpuOp {
     /// Completion polls that found the outcome word not yet published (see
     /// [`GpuOp::outcome_published`]).
     quiet_polls: u32,
+    /// `EPFLOW_HOST_STEPS`: the complete half of a high-throughput operation or handle, from
+    /// its end events through the wait to the finished result ([`GpuOp::complete_step`]).
+    complete_steps: Steps,
 }
 
 impl std::fmt::Debug for GpuOp {
@@ -152,6 +155,7 @@ impl GpuOp {
             caller: None,
             one_launched: false,
             quiet_polls: 0,
+            complete_steps: Steps::inert(),
         }
     }
 
@@ -324,6 +328,24 @@ impl GpuOp {
             && !self.state.is_cancelled()
             && self.refused.is_none()
             && !self.uses_nccl()
+    }
+
+    /// `EPFLOW_HOST_STEPS`: charges the time since the previous step of a high-throughput
+    /// complete half to step `i`: 0 its end events, 1 the wait until the host saw it complete,
+    /// 2 the finished result (a handle's, or a dispatch's or combine's).
+    fn complete_step(&mut self, i: usize) {
+        const HANDLE: [&str; 3] = [
+            "complete: high-throughput handle end events",
+            "complete: high-throughput handle wait until seen done",
+            "complete: high-throughput handle finish",
+        ];
+        const OP: [&str; 3] = [
+            "complete: high-throughput end events",
+            "complete: high-throughput wait until seen done",
+            "complete: high-throughput finish",
+        ];
+        let names = if matches!(self.launch, Launch::HtPlan(_)) { &HANDLE } else { &OP };
+        self.complete_steps.step(names[i]);
     }
 
     fn cancel_inputs(&mut self) {
@@ -554,7 +576,9 @@ impl PendingOp for GpuOp {
             let on = Arc::clone(self.work.stream());
             self.launch_recv(&on)?;
         } else {
+            self.complete_steps = Steps::start();
             self.work.end_complete()?;
+            self.complete_step(0);
         }
         self.completing = true;
         Ok(())
@@ -574,14 +598,26 @@ impl PendingOp for GpuOp {
                 return Ok(false);
             }
         }
-        self.work.is_complete()
+        let done = self.work.is_complete()?;
+        if done {
+            self.complete_step(1);
+        }
+        Ok(done)
     }
 
     fn finish(mut self) -> Result<GpuOpOutput, Error> {
         if let Some(e) = self.device_error() {
             return Err(e);
         }
-        self.finish_kind()
+        let out = self.finish_kind();
+        self.complete_step(2);
+        let mut steps = std::mem::replace(&mut self.complete_steps, Steps::inert());
+        let high_throughput = !matches!(self.launch, Launch::Ll(_));
+        drop(self);
+        if high_throughput {
+            steps.step("complete: high-throughput drop of the finished operation");
+        }
+        out
     }
 
     /// Orders this operation's send half after the work enqueued on the caller's stream so far;
