@@ -300,7 +300,7 @@ fn build_rank(
     let one_launch = allowed
         && !place.shares_gpu
         && functions.one_launch().iter().all(|(f, form)| fits(f, one_launch_threads(*form)));
-    let events = EventPool::new(ctx);
+    let (events, timed_events) = (EventPool::new(ctx), EventPool::timed(ctx));
     let core = RankCore::new(place.rank, place.num_ranks, place.group_id, config.clone());
     let shared = Arc::new(RankShared {
         poison: Arc::clone(core.poison()),
@@ -321,6 +321,7 @@ fn build_rank(
         null_handle,
         outputs: OutputCache::new(&events),
         events,
+        timed_events,
         exchange_pool: Mutex::new(Vec::new()),
         plan_results: Arc::default(),
         output_fill: Default::default(),

@@ -1,7 +1,7 @@
-//! [`EventPool`]: recycled CUDA events of one context. Every low-latency operation records a
-//! completion event and, when its outputs are released, a fence per consumer stream; creating
-//! and destroying each (`cuEventCreate`, `cuEventDestroy`) costs host time on the path of every
-//! operation. The pool hands out an event that nobody else holds any more and records it again.
+//! [`EventPool`]: recycled CUDA events of one context. Every operation records a completion
+//! event (and with timing on, timing events) and, when its outputs are released, a fence per
+//! consumer stream; creating and destroying each (`cuEventCreate`, `cuEventDestroy`) costs host
+//! time on the path of every operation. The pool hands out an event that nobody else holds any more and records it again.
 //!
 //! Re-recording is safe: a stream that waited for an event (`cuStreamWaitEvent`) waits for the
 //! record that was current at that call, not for later ones; and an event is only reused once
@@ -21,11 +21,14 @@ pub(crate) fn event_done(ctx: &CudaContext, event: &CudaEvent) -> bool {
 /// Events kept at most; beyond that, events are created and destroyed as before.
 const MAX_POOLED: usize = 256;
 
-/// Recycled events (without timing) of one context.
+/// Recycled events of one context: without timing ([`EventPool::new`]), or with it for the
+/// timing events of operations ([`EventPool::timed`]).
 #[derive(Debug)]
 pub struct EventPool {
     ctx: Arc<CudaContext>,
     events: Mutex<Pooled>,
+    /// Events created with timing (`CU_EVENT_DEFAULT`), else without (`CU_EVENT_DISABLE_TIMING`).
+    timed: bool,
 }
 
 #[derive(Debug, Default)]
@@ -36,9 +39,15 @@ struct Pooled {
 }
 
 impl EventPool {
-    /// An empty pool of `ctx`.
+    /// An empty pool of `ctx`, of events without timing.
     pub fn new(ctx: &Arc<CudaContext>) -> Arc<Self> {
-        Arc::new(EventPool { ctx: Arc::clone(ctx), events: Mutex::new(Pooled::default()) })
+        Arc::new(EventPool { ctx: Arc::clone(ctx), events: Mutex::new(Pooled::default()), timed: false })
+    }
+
+    /// An empty pool of `ctx`, of events with timing (an operation's timing events: read with
+    /// `cuEventElapsedTime`).
+    pub fn timed(ctx: &Arc<CudaContext>) -> Arc<Self> {
+        Arc::new(EventPool { ctx: Arc::clone(ctx), events: Mutex::new(Pooled::default()), timed: true })
     }
 
     /// The context.
@@ -63,7 +72,8 @@ impl EventPool {
             p.next = (i + 1) % n;
             return Ok(Arc::clone(&p.events[i]));
         }
-        let event = Arc::new(self.ctx.new_event(None)?);
+        let flags = self.timed.then_some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let event = Arc::new(self.ctx.new_event(flags)?);
         if n < MAX_POOLED {
             p.events.push(Arc::clone(&event));
         }
@@ -106,5 +116,24 @@ mod tests {
         assert_eq!(pool.len(), 2);
         stream.synchronize().expect("sync");
         assert!(c.try_is_complete().expect("query") && b.try_is_complete().expect("query"));
+    }
+
+    #[test]
+    fn a_timed_pool_hands_out_events_that_time() {
+        if device_count() == 0 {
+            eprintln!("SKIPPED a_timed_pool_hands_out_events_that_time: no GPU");
+            return;
+        }
+        let ctx = context(0).expect("context");
+        let stream = ctx.new_stream().expect("stream");
+        let pool = EventPool::timed(&ctx);
+        let a = pool.record(&stream).expect("record");
+        let b = pool.record(&stream).expect("record");
+        let ms = a.elapsed_ms(&b).expect("a timed pool's events have timing");
+        assert!(ms >= 0.0, "{ms} ms between two events in stream order");
+        // The untimed pool's events do not time.
+        let untimed = EventPool::new(&ctx);
+        let (c, d) = (untimed.record(&stream).expect("record"), untimed.record(&stream).expect("record"));
+        assert!(c.elapsed_ms(&d).is_err(), "events without timing were timed");
     }
 }

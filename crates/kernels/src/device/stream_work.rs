@@ -16,24 +16,34 @@ use super::events::EventPool;
 use super::tensor::DeviceTensor;
 
 /// The timing events of one operation (before the send half, between the halves, after the
-/// complete half), read on demand.
+/// complete half; the last is absent when the send half did all the work), read on demand.
 #[derive(Clone)]
 pub struct OpTiming {
-    events: Arc<[CudaEvent; 3]>,
+    events: TimingEvents,
     one_launch: bool,
+}
+
+/// The timing events recorded so far: the start, then the middle (after the send half's
+/// launches), then the end (after the complete half's).
+#[derive(Clone)]
+struct TimingEvents {
+    start: Arc<CudaEvent>,
+    mid: Option<Arc<CudaEvent>>,
+    end: Option<Arc<CudaEvent>>,
 }
 
 impl OpTiming {
     /// Device time of the send half and of the complete half; waits until the device has
     /// passed the last event (the operation's end). `None` if an event cannot be read.
     pub fn halves(&self) -> Option<(Duration, Duration)> {
-        let [a, m, b] = &*self.events;
+        let TimingEvents { start, mid, end } = &self.events;
         let d =
             |x: &CudaEvent, y: &CudaEvent| x.elapsed_ms(y).ok().map(|ms| Duration::from_secs_f64(f64::from(ms) / 1e3));
+        let mid = mid.as_ref()?;
         if self.one_launch {
-            return Some((d(a, m)?, Duration::ZERO));
+            return Some((d(start, mid)?, Duration::ZERO));
         }
-        Some((d(a, m)?, d(m, b)?))
+        Some((d(start, mid)?, d(mid, end.as_ref()?)?))
     }
 }
 
@@ -58,7 +68,7 @@ pub struct StreamWork {
     /// Leases of inputs that are epflow outputs: released (with this stream as a consumer) once
     /// the send half is enqueued.
     leases: Vec<Arc<dyn Lease>>,
-    timing: Option<Arc<[CudaEvent; 3]>>,
+    timing: Option<TimingEvents>,
     done: Option<Arc<CudaEvent>>,
     /// Work on other streams that the completion event must follow (`join_before_done`).
     joins: Vec<Arc<CudaEvent>>,
@@ -66,6 +76,8 @@ pub struct StreamWork {
     done_stream: usize,
     /// Where the events without timing come from (else each is created and destroyed).
     events: Option<Arc<EventPool>>,
+    /// Where the timing events come from (else each is created and destroyed).
+    timed_events: Option<Arc<EventPool>>,
 }
 
 impl std::fmt::Debug for StreamWork {
@@ -95,12 +107,15 @@ impl StreamWork {
             joins: Vec::new(),
             done_stream: 0,
             events: None,
+            timed_events: None,
         }
     }
 
-    /// Takes its events (completion, ordering) from `pool`, of the same context.
-    pub fn with_events(mut self, pool: &Arc<EventPool>) -> Self {
+    /// Takes its events (completion, ordering) from `pool`, and its timing events from
+    /// `timed` ([`EventPool::timed`]), both of the same context.
+    pub fn with_events(mut self, pool: &Arc<EventPool>, timed: &Arc<EventPool>) -> Self {
         self.events = Some(Arc::clone(pool));
+        self.timed_events = Some(Arc::clone(timed));
         self
     }
 
@@ -169,6 +184,16 @@ impl StreamWork {
         self.ctx.new_event(flags).map_err(|e| cuda("create event", e))
     }
 
+    /// A timing event recorded now on `stream`: from the timed pool if there is one.
+    fn record_timed(&self, stream: &CudaStream) -> Result<Arc<CudaEvent>, Error> {
+        if let Some(pool) = &self.timed_events {
+            return pool.record(stream).map_err(|e| cuda("record event", e));
+        }
+        let e = self.event(true)?;
+        e.record(stream).map_err(|e| cuda("record event", e))?;
+        Ok(Arc::new(e))
+    }
+
     /// Before the send half (binds the context): the stream waits for every input's ready
     /// event; with `timing`, the start event is recorded.
     pub fn begin_send(&mut self, timing: bool) -> Result<(), Error> {
@@ -183,9 +208,8 @@ impl StreamWork {
         Self::wait_on(&self.stream, &self.fences)?;
         self.fences.clear();
         if timing {
-            let events = [self.event(true)?, self.event(true)?, self.event(true)?];
-            events[0].record(&self.stream).map_err(|e| cuda("record event", e))?;
-            self.timing = Some(Arc::new(events));
+            let start = self.record_timed(&self.stream)?;
+            self.timing = Some(TimingEvents { start, mid: None, end: None });
         }
         Ok(())
     }
@@ -194,8 +218,11 @@ impl StreamWork {
     /// inputs by the end of what is now enqueued: the leases of inputs that are epflow outputs
     /// are released with this stream as a consumer.
     pub fn end_send(&mut self) -> Result<(), Error> {
-        if let Some(t) = &self.timing {
-            t[1].record(&self.stream).map_err(|e| cuda("record event", e))?;
+        if self.timing.is_some() {
+            let mid = self.record_timed(&self.stream)?;
+            if let Some(t) = &mut self.timing {
+                t.mid = Some(mid);
+            }
         }
         for l in self.leases.drain(..) {
             l.add_consumer(&self.stream);
@@ -219,10 +246,30 @@ impl StreamWork {
         Ok(Arc::new(e))
     }
 
-    /// After the complete half's launches: the end timing event and the completion event.
+    /// After the complete half's launches on the work's stream: the end timing event and the
+    /// completion event.
     pub fn end_complete(&mut self) -> Result<Arc<CudaEvent>, Error> {
         let stream = Arc::clone(&self.stream);
         self.end_complete_on(&stream)
+    }
+
+    /// The complete half of work whose send half did all of it (a high-throughput operation or
+    /// handle: nothing is launched between the halves): the completion event only, which is
+    /// the middle timing event itself when there is one ([`OpTiming`] then reads the send half
+    /// only).
+    pub fn end_complete_after_send(&mut self) -> Result<Arc<CudaEvent>, Error> {
+        let mid = self.timing.as_ref().and_then(|t| t.mid.clone());
+        let done = match mid {
+            Some(mid) if self.joins.is_empty() => mid,
+            _ => {
+                let stream = Arc::clone(&self.stream);
+                Self::wait_on(&stream, &self.joins)?;
+                self.record_on(&stream)?
+            }
+        };
+        self.done = Some(Arc::clone(&done));
+        self.done_stream = super::stream_id(&self.stream);
+        Ok(done)
     }
 
     /// The completion event follows `event` too (work this operation started on another
@@ -231,11 +278,15 @@ impl StreamWork {
         self.joins.push(event);
     }
 
-    /// As [`StreamWork::end_complete`], for a complete half launched on `stream` (a caller's).
+    /// After the complete half's launches on `stream` (the operation's, or a caller's): the end
+    /// timing event and the completion event.
     pub fn end_complete_on(&mut self, stream: &CudaStream) -> Result<Arc<CudaEvent>, Error> {
         Self::wait_on(stream, &self.joins)?;
-        if let Some(t) = &self.timing {
-            t[2].record(stream).map_err(|e| cuda("record event", e))?;
+        if self.timing.is_some() {
+            let end = self.record_timed(stream)?;
+            if let Some(t) = &mut self.timing {
+                t.end = Some(end);
+            }
         }
         let done = self.record_on(stream)?;
         self.done = Some(Arc::clone(&done));
@@ -253,7 +304,8 @@ impl StreamWork {
         self.done_stream
     }
 
-    /// Whether the completion event has passed (`false` before [`StreamWork::end_complete`]).
+    /// Whether the completion event has passed (`false` before [`StreamWork::end_complete`] or
+    /// its siblings).
     pub fn is_complete(&self) -> Result<bool, Error> {
         let Some(done) = &self.done else { return Ok(false) };
         bind(&self.ctx)?;
@@ -271,7 +323,7 @@ impl StreamWork {
     /// waits for the work's end, which a stream-ordered completion must not do when it hands
     /// out its outputs. `one_launch` as in [`StreamWork::elapsed`].
     pub fn timing(&self, one_launch: bool) -> Option<OpTiming> {
-        self.timing.as_ref().map(|events| OpTiming { events: Arc::clone(events), one_launch })
+        self.timing.as_ref().map(|events| OpTiming { events: events.clone(), one_launch })
     }
 
     /// Blocks until the work's device part is done: the completion event, else everything

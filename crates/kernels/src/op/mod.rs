@@ -132,7 +132,8 @@ impl GpuOp {
         kind: GpuOpKind,
         inputs: &[&DeviceTensor],
     ) -> Self {
-        let work = StreamWork::new(&shared.ctx, &shared.streams[channel.index()], inputs).with_events(&shared.events);
+        let work = StreamWork::new(&shared.ctx, &shared.streams[channel.index()], inputs)
+            .with_events(&shared.events, &shared.timed_events);
         GpuOp {
             shared,
             channel,
@@ -577,7 +578,7 @@ impl PendingOp for GpuOp {
             self.launch_recv(&on)?;
         } else {
             self.complete_steps = Steps::start();
-            self.work.end_complete()?;
+            self.work.end_complete_after_send()?;
             self.complete_step(0);
         }
         self.completing = true;

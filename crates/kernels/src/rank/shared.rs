@@ -136,6 +136,8 @@ pub(crate) struct RankShared {
     pub(crate) null_handle: Option<DeviceBuffer>,
     /// Recycled CUDA events (completions, fences).
     pub(crate) events: Arc<EventPool>,
+    /// Recycled CUDA events with timing (operations' timing events, with timing on).
+    pub(crate) timed_events: Arc<EventPool>,
     /// High-throughput outputs, recycled when dropped.
     pub(crate) outputs: Arc<OutputCache>,
     /// High-throughput: staging buffers of the count exchange, recycled.
