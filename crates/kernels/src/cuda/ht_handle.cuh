@@ -74,7 +74,8 @@ extern "C" __global__ void __launch_bounds__(256) ep_ht_exchange(ExchangeParams 
 // a cancellation, a mismatch, a timeout) leaves an empty plan behind, which moves nothing and
 // advances no ring: block R waits for the send blocks to finish (`done`, a scratch word) and
 // writes zero rows to and from every rank over whatever they wrote. Success is the word
-// result[4] = seq + 1, written last (the host zeroes it before the launch).
+// result[4] = seq + 1, written last, once every block is done with the plan (the host zeroes it
+// before the launch, and completes an awaited creation as soon as it reads it).
 
 #define HT_PLAN_BLOCK 1024
 #define HT_PLAN_WARPS (HT_PLAN_BLOCK / 32)
@@ -372,9 +373,17 @@ __device__ __forceinline__ void plan_recv(const HtPlanParams& p) {
     }
     __syncthreads();
     if (threadIdx.x == 0) {
+        if (!cancelled && !mismatched) {
+            // Every send block is done with the plan's arrays too (each counts itself done after
+            // its fence), so once the host reads the built word it may hand the handle out
+            // without waiting for the kernel's end.
+            const int* done = reinterpret_cast<const int*>(p.scratch) + plan_done_word(p);
+            while (atomicAdd(const_cast<int*>(done), 0) < R) {
+            }
+        }
         __threadfence_system();
         if (!cancelled && !mismatched) {
-            result[4] = (long long)p.seq + 1;  // built (after every array and word above)
+            result[4] = (long long)p.seq + 1;  // built (after every array and word of the plan)
             __threadfence_system();
         }
         publish_outcome(reinterpret_cast<u64*>(p.status), reinterpret_cast<u64*>(p.signals), 2, set, p.seq, cancelled,

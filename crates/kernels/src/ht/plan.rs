@@ -50,6 +50,13 @@ impl DevicePlan {
         invalid_routing_in(self.result.as_ref()?, self.top_k, num_experts)
     }
 
+    /// Whether the plan kernel reported creation `seq` built: its mapped word, written once every
+    /// block is done with the plan's arrays (before the kernel ends), so the handle may be
+    /// handed out then.
+    pub(crate) fn built(&self, seq: u64) -> bool {
+        self.result.as_ref().is_some_and(|r| r.read_u64(RESULT_BUILT) == seq + 1)
+    }
+
     /// Whether the handle's received tensors have the bound's rows (`RecvRows::Bound`): only
     /// then may it be handed out before the device built it.
     pub(crate) fn has_bound(&self) -> bool {

@@ -106,6 +106,11 @@ pub struct GpuOp {
     /// Completion polls that found the outcome word not yet published (see
     /// [`GpuOp::outcome_published`]).
     quiet_polls: u32,
+    /// The host saw the operation's device work end (its completion event), or, for a handle
+    /// built on the device, the built word its plan kernel writes once every block is done with
+    /// the plan: nothing the operation keeps alive is read or written on the device any more,
+    /// so dropping it waits for nothing.
+    finished_on_device: bool,
     /// `EPFLOW_HOST_STEPS`: the complete half of a high-throughput operation or handle, from
     /// its end events through the wait to the finished result ([`GpuOp::complete_step`]).
     complete_steps: Steps,
@@ -156,6 +161,7 @@ impl GpuOp {
             caller: None,
             one_launched: false,
             quiet_polls: 0,
+            finished_on_device: false,
             complete_steps: Steps::inert(),
         }
     }
@@ -360,8 +366,9 @@ impl Drop for GpuOp {
     /// An operation dropped before its completion was observed (an error path; the async runtime
     /// finishes abandoned operations instead) waits for its own device work, bounded by the
     /// device-side timeout, so the inputs it keeps alive are never freed while a kernel reads them.
+    /// One whose end the host saw (`finished_on_device`) waits for nothing.
     fn drop(&mut self) {
-        if !self.state.is_sent() || bind(&self.shared.ctx).is_err() {
+        if !self.state.is_sent() || self.finished_on_device || bind(&self.shared.ctx).is_err() {
             return;
         }
         if self.uses_nccl() || matches!(self.launch, Launch::NcclExchange { .. }) {
@@ -589,6 +596,20 @@ impl PendingOp for GpuOp {
         if let Some(e) = self.device_error() {
             return Err(e);
         }
+        // A handle built on the device: done once its built word reads this creation (mapped
+        // memory, no driver call; a few µs before the kernel ends). A failed creation never
+        // writes it: the completion event decides then, asked every 16th poll.
+        if let Some(GpuOpKind::HtDeviceHandle(plan)) = &self.kind {
+            if plan.built(self.seq) {
+                self.finished_on_device = true;
+                self.complete_step(1);
+                return Ok(true);
+            }
+            self.quiet_polls = self.quiet_polls.wrapping_add(1);
+            if self.quiet_polls % 16 != 0 {
+                return Ok(false);
+            }
+        }
         // Until the receive's block 0 published the outcome word (once every source arrived)
         // its kernel cannot have ended: skip the driver call (fewer driver calls; benches/NOTES.md item 40 measured no
         // change in the launches beside it). Every 16th poll asks the driver anyway, so a path
@@ -601,6 +622,7 @@ impl PendingOp for GpuOp {
         }
         let done = self.work.is_complete()?;
         if done {
+            self.finished_on_device = true;
             self.complete_step(1);
         }
         Ok(done)
