@@ -348,8 +348,8 @@ pub(crate) struct ExchangeParams {
 // (checked by the tests below and by a static_assert in ht_handle.cuh).
 unsafe impl DeviceRepr for ExchangeParams {}
 
-/// `struct HtPlanParams` of `ht_handle.cuh`: a high-throughput handle built on the device (the mark
-/// kernel, a thread per token, then the plan kernel: a block per destination and the receive
+/// `struct HtPlanParams` of `ht_handle.cuh`: a high-throughput handle built on the device (one
+/// kernel: the mark blocks, a thread per token, then a block per destination and the receive
 /// block).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -374,6 +374,10 @@ pub(crate) struct HtPlanParams {
     pub timeout_ns: u64,
     /// What every rank must agree on (the top-k).
     pub stamp: u64,
+    /// The rank's mark counter (`RankMemory::plan_marks`).
+    pub marks: u64,
+    /// The counter's value once this creation's mark blocks are done (set at the launch).
+    pub mark_target: u64,
     pub rank: i32,
     pub num_ranks: i32,
     pub num_tokens: i32,
@@ -384,7 +388,7 @@ pub(crate) struct HtPlanParams {
     pub tokens_per_channel: i32,
     pub words: i32,
     pub cancelled: i32,
-    /// The grid of the mark kernel (`ht::geometry::mark_blocks`): each of its blocks counts into
+    /// The mark blocks, the plan kernel's first (`ht::geometry::mark_blocks`): each counts into
     /// its own scratch slots.
     pub mark_blocks: i32,
     pub pad: i32,
@@ -508,12 +512,13 @@ mod tests {
         assert_eq!(offset_of!(ExchangeParams, stamp), 200);
         assert_eq!(offset_of!(ExchangeParams, seq), 168);
         assert_eq!(offset_of!(ExchangeParams, rank), 184);
-        assert_eq!(size_of::<HtPlanParams>(), 312);
+        assert_eq!(size_of::<HtPlanParams>(), 328);
         assert_eq!(offset_of!(HtPlanParams, peer_region), 112);
         assert_eq!(offset_of!(HtPlanParams, stamp), 256);
-        assert_eq!(offset_of!(HtPlanParams, rank), 264);
-        assert_eq!(offset_of!(HtPlanParams, cancelled), 300);
-        assert_eq!(offset_of!(HtPlanParams, mark_blocks), 304);
+        assert_eq!(offset_of!(HtPlanParams, marks), 264);
+        assert_eq!(offset_of!(HtPlanParams, rank), 280);
+        assert_eq!(offset_of!(HtPlanParams, cancelled), 316);
+        assert_eq!(offset_of!(HtPlanParams, mark_blocks), 320);
     }
 
     #[test]

@@ -319,8 +319,9 @@ fn ht_matches_reference_on_1_2_and_4_gpus() {
             base ^ 5,
             &Transport::Auto,
         );
-        // More experts (6000 per rank) than the mark kernel counts in shared memory
-        // (`HT_MARK_HIST` = 4096 in ht_handle.cuh): the selections go straight to global memory.
+        // More experts (6000 per rank) than a mark block counts in shared memory
+        // (`HT_MARK_HIST` = 4096 in ht_handle.cuh): each counts in its global slot, and fewer
+        // mark blocks loop over the tokens (`ht::geometry::mark_blocks`).
         check_world(
             &devices,
             1024,

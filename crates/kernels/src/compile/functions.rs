@@ -47,9 +47,8 @@ pub(crate) struct Functions {
     /// [`Functions::ht_combine_for`] picks, e.g. `8` runs the general kernel on 2 ranks.
     pub ht_combine_min_bound: usize,
     pub ht_exchange: CudaFunction,
-    /// A high-throughput handle built on the device: the marks (a thread per token), then the
-    /// plan (a block per destination, and the receive block).
-    pub ht_plan_mark: CudaFunction,
+    /// A high-throughput handle built on the device, one kernel: the mark blocks (a thread per
+    /// token), then a block per destination and the receive block.
     pub ht_plan: CudaFunction,
     pub dequant_fp8: CudaFunction,
     pub spin: CudaFunction,
@@ -119,7 +118,6 @@ impl Functions {
             ],
             ht_combine_min_bound: crate::layout::ht_tuning("COMBINE_RANKS", 1, 8).unwrap_or(1),
             ht_exchange: f(&ht, "ep_ht_exchange")?,
-            ht_plan_mark: f(&ht, "ep_ht_plan_mark")?,
             ht_plan: f(&ht, "ep_ht_plan")?,
             dequant_fp8: f(&util, "ep_dequant_fp8_rows")?,
             spin: f(&util, "ep_spin")?,

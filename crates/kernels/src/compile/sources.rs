@@ -66,7 +66,6 @@ pub const HT: KernelModule = KernelModule {
         "ep_ht_combine_kernel_4ranks",
         "ep_ht_combine_kernel_2ranks",
         "ep_ht_exchange",
-        "ep_ht_plan_mark",
         "ep_ht_plan",
     ],
 };

@@ -55,24 +55,29 @@ extern "C" __global__ void __launch_bounds__(256) ep_ht_exchange(ExchangeParams 
 // ## Handles built on the device
 //
 // Over NVLink a high-throughput handle is built on the handle stream with no host copy of
-// `topk_idx` or of the plan, in two launches and no memset:
-// - `ep_ht_plan_mark` (a thread per token) validates each row, copies it into the handle, marks
-//   the destinations it reaches (a bit per rank) and counts the selections per expert, each
-//   block into its own slots;
-// - `ep_ht_plan` runs R + 1 blocks: block d < R scans the marks for destination d (each warp a run
-//   of 32-token words, one block-wide scan), writes d's part of the send plan, and
+// `topk_idx` or of the plan, in one launch of `ep_ht_plan` and no memset. Its grid is G + R + 1
+// blocks:
+// - the G mark blocks (`plan_mark`, a thread per token) validate each row, copy it into the
+//   handle, mark the destinations it reaches (a bit per rank) and count the selections per
+//   expert, each block into its own slots; then each adds one to the rank's mark counter;
+// - every other block first waits until the counter reaches this creation's target (the host
+//   counts the mark blocks it launched: creations run one after another on the device, in the
+//   handle channel's order); then block G + d (d < R) scans the marks for destination d (each
+//   warp a run of 32-token words, one block-wide scan), writes d's part of the send plan, and
 //   sends d the exchange message (rows per channel, then selections per local expert of d, summed
-//   over the mark blocks' slots) with
-//   the arrival pair of exchange `seq`; block R waits for every source's message and builds the
-//   receive layout. Every block is resident (R + 1 <= 9 blocks), so block R may wait.
+//   over the mark blocks' slots) with the arrival pair of exchange `seq`; block G + R waits for
+//   every source's message and builds the receive layout.
+// Mark blocks wait for nothing, so the blocks that wait for them always go on once the GPU has
+// room for them; the R + 1 others are resident together (R + 1 <= 9 blocks), so block G + R may
+// wait for the send blocks.
 // The send plan is strided: d's tokens start at send_list[d * B], so no block needs another's
 // count. What the host needs (the first invalid entry, N, rows per local expert) is written to
 // mapped host memory. The message format is the count exchange's (`ep_ht_exchange`).
 //
 // A handle may be used before the host has seen it built (stream-ordered creation): operations
-// on it are enqueued behind these kernels. So a failed creation (an invalid routing anywhere,
+// on it are enqueued behind this kernel. So a failed creation (an invalid routing anywhere,
 // a cancellation, a mismatch, a timeout) leaves an empty plan behind, which moves nothing and
-// advances no ring: block R waits for the send blocks to finish (`done`, a scratch word) and
+// advances no ring: block G + R waits for the send blocks to finish (`done`, a scratch word) and
 // writes zero rows to and from every rank over whatever they wrote. Success is the word
 // result[4] = seq + 1, written last, once every block is done with the plan (the host zeroes it
 // before the launch, and completes an awaited creation as soon as it reads it).
@@ -80,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(256) ep_ht_exchange(ExchangeParams 
 #define HT_PLAN_BLOCK 1024
 #define HT_PLAN_WARPS (HT_PLAN_BLOCK / 32)
 #define HT_PLAN_PASS (HT_PLAN_BLOCK * 16)  // tokens per pass of a send block
-#define HT_MARK_BLOCK 256
+#define HT_MARK_TOKENS 256  // tokens per mark block and pass (the rest of its threads help with its slots)
 #define HT_MARK_HIST 4096  // experts counted in shared memory first (more: straight to global)
 
 struct HtPlanParams {
@@ -106,40 +111,47 @@ struct HtPlanParams {
     u64 peer_region[EP_MAX_RANKS];
     u64 peer_signals[EP_MAX_RANKS];
     u64 seq, timeout_ns;
-    u64 stamp;       // what every rank must agree on (the top-k)
+    u64 stamp;        // what every rank must agree on (the top-k)
+    u64 marks;        // u64: the rank's mark counter (mark blocks done, over every creation)
+    u64 mark_target;  // the counter's value once this creation's mark blocks are done
     int rank, num_ranks, num_tokens, top_k;
     int num_experts, num_local, channels, tokens_per_channel;
     int words, cancelled;
-    int mark_blocks;  // G: the grid of ep_ht_plan_mark
+    int mark_blocks;  // G: the first G blocks mark
     int pad;
 };
-static_assert(sizeof(HtPlanParams) == 312, "HtPlanParams layout");
+static_assert(sizeof(HtPlanParams) == 328, "HtPlanParams layout");
 
 // The scratch word counting the plan's send blocks done (after the mark blocks' slots).
 __device__ __forceinline__ size_t plan_done_word(const HtPlanParams& p) {
     return (size_t)p.mark_blocks * p.num_experts + p.mark_blocks;
 }
 
-// A thread per token (a grid-stride loop when the grid is capped): validation, the handle's
-// copy of the row, the ranks it reaches, and the selections per expert up to its first invalid
-// entry. Each block counts into its own scratch slots (in shared memory first when the experts
-// fit, else in its global slot, which it zeroes itself) and reports its first invalid entry in its
-// own word, so nothing needs zeroing before the launch; block 0 zeroes the plan's done counter
-// (`ep_ht_plan` runs after this kernel).
-extern "C" __global__ void __launch_bounds__(HT_MARK_BLOCK) ep_ht_plan_mark(HtPlanParams p) {
+// Mark block g < G: a thread per token (HT_MARK_TOKENS of its threads; a grid-stride loop when G
+// is capped): validation, the handle's copy of the row, the ranks it reaches, and the selections
+// per expert up to its first invalid entry. Each block counts into its own scratch slots (in
+// shared memory first when the experts fit, else in its global slot, which it zeroes itself) and
+// reports its first invalid entry in its own word, so nothing needs zeroing before the launch;
+// block 0 zeroes the plan's done counter. Then the block adds one to the mark counter (release).
+__device__ __forceinline__ void plan_mark(const HtPlanParams& p) {
     __shared__ int hist[HT_MARK_HIST];
     __shared__ int first_bad;
-    const int K = p.top_k, E = p.num_experts, L = p.num_local, G = gridDim.x;
+    const int K = p.top_k, E = p.num_experts, L = p.num_local, G = p.mark_blocks;
     int* scratch = reinterpret_cast<int*>(p.scratch);
     if (blockIdx.x == 0 && threadIdx.x == 0) scratch[plan_done_word(p)] = 0;
-    if (p.cancelled) return;
+    if (p.cancelled) {
+        __syncthreads();
+        if (threadIdx.x == 0) atom_add_acq_rel_gpu(reinterpret_cast<u64*>(p.marks), 1ull);
+        return;
+    }
     const bool shared_hist = E <= HT_MARK_HIST;
     int* mine = scratch + (size_t)blockIdx.x * E;
     int* h = shared_hist ? hist : mine;
     for (int e = threadIdx.x; e < E; e += blockDim.x) h[e] = 0;
     if (threadIdx.x == 0) first_bad = 0x7fffffff;
     __syncthreads();
-    for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < p.num_tokens; t += G * blockDim.x) {
+    const int lane_t = threadIdx.x < HT_MARK_TOKENS ? (int)threadIdx.x : p.num_tokens;
+    for (int t = blockIdx.x * HT_MARK_TOKENS + lane_t; t < p.num_tokens; t += G * HT_MARK_TOKENS) {
         // Every load of the row in flight at once (unrolled), then the copy.
         long long row[EP_MAX_TOPK];
         const long long* in = reinterpret_cast<const long long*>(p.topk_in) + (size_t)t * K;
@@ -167,6 +179,24 @@ extern "C" __global__ void __launch_bounds__(HT_MARK_BLOCK) ep_ht_plan_mark(HtPl
     if (shared_hist) {
         for (int e = threadIdx.x; e < E; e += blockDim.x) mine[e] = hist[e];
     }
+    // The block's writes, then its count (cumulative through the barrier).
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atom_add_acq_rel_gpu(reinterpret_cast<u64*>(p.marks), 1ull);
+    }
+}
+
+// Every block after the mark blocks: waits until this creation's mark blocks are all done (the
+// counter reaches its target; acquire), then the block goes on.
+__device__ __forceinline__ void plan_await_marks(const HtPlanParams& p) {
+    if (threadIdx.x == 0) {
+        const u64* marks = reinterpret_cast<const u64*>(p.marks);
+        while (ld_acquire_sys(marks) < p.mark_target) {
+        }
+        __threadfence();
+    }
+    __syncthreads();
 }
 
 // Exclusive prefix sum of `v` over the block (HT_PLAN_BLOCK threads); `*total` gets the sum.
@@ -392,6 +422,12 @@ __device__ __forceinline__ void plan_recv(const HtPlanParams& p) {
 }
 
 extern "C" __global__ void __launch_bounds__(HT_PLAN_BLOCK) ep_ht_plan(HtPlanParams p) {
+    if ((int)blockIdx.x < p.mark_blocks) {
+        plan_mark(p);
+        return;
+    }
+    plan_await_marks(p);
+    const int block = (int)blockIdx.x - p.mark_blocks;
     // A routing that fails validation anywhere cancels the exchange (every block sees it alike):
     // the largest of the mark blocks' words, the earliest invalid entry.
     __shared__ int bad_shared;
@@ -408,14 +444,14 @@ extern "C" __global__ void __launch_bounds__(HT_PLAN_BLOCK) ep_ht_plan(HtPlanPar
     __syncthreads();
     const int bad_inv = bad_shared;
     const bool cancelled = p.cancelled || bad_inv != 0;
-    if ((int)blockIdx.x == p.num_ranks) {
+    if (block == p.num_ranks) {
         plan_recv(p);
         return;
     }
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
+    if (block == 0 && threadIdx.x == 0) {
         // (A cancelled creation read no marks: bad_inv is 0.)
         report_invalid_entry(reinterpret_cast<const long long*>(p.topk), K, bad_inv == 0 ? -1 : 0x7fffffff - bad_inv,
                              reinterpret_cast<long long*>(p.result));
     }
-    plan_send(p, blockIdx.x, cancelled);
+    plan_send(p, block, cancelled);
 }

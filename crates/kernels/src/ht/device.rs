@@ -1,10 +1,10 @@
-//! High-throughput handles built on the device (over NVLink), in two launches on the handle
-//! stream: `ep_ht_plan_mark`, a thread per token, validates its row, copies it into the handle,
-//! marks the ranks it reaches and counts selections per expert (each block into its own slots,
-//! so nothing is zeroed first);
-//! `ep_ht_plan`, a block per destination, scans the marks into that destination's send plan and
-//! sends it the count message, while one more block waits for every source's message and builds
-//! the receive layout. Neither `topk_idx` nor the plan crosses to the host: what the host learns
+//! High-throughput handles built on the device (over NVLink), in one launch of `ep_ht_plan` on the
+//! handle stream: its mark blocks, a thread per token, validate each row, copy it into the
+//! handle, mark the ranks it reaches and count selections per expert (each block into its own
+//! slots, so nothing is zeroed first), then count themselves done on the rank's mark counter;
+//! once it reaches the creation's target, a block per destination scans the marks into that
+//! destination's send plan and sends it the count message, while one more block waits for every
+//! source's message and builds the receive layout. Neither `topk_idx` nor the plan crosses to the host: what the host learns
 //! (the first invalid entry, `N`, the rows per local expert) comes back in a few words of mapped
 //! memory when the operation completes.
 //!
@@ -109,6 +109,8 @@ pub(crate) fn start(
         seq,
         timeout_ns: s.device_timeout_ns(),
         stamp: stamp.encode(),
+        marks: s.mem.plan_marks.ptr(),
+        mark_target: 0,
         rank: s.rank as i32,
         num_ranks: r as i32,
         num_tokens: b as i32,

@@ -6,18 +6,19 @@ use crate::params::HtParams;
 /// Threads of a block of `ep_ht_plan` (`HT_PLAN_BLOCK` in `ht_handle.cuh`).
 pub(crate) const HT_PLAN_BLOCK: u32 = 1024;
 
-/// Threads of a block of `ep_ht_plan_mark` (`HT_MARK_BLOCK` in `ht_handle.cuh`), one per token.
-pub(crate) const HT_MARK_BLOCK: u32 = 256;
+/// Tokens of a mark block of `ep_ht_plan` per pass (`HT_MARK_TOKENS` in `ht_handle.cuh`), one per
+/// thread.
+pub(crate) const HT_MARK_TOKENS: usize = 256;
 
 /// At most this many scratch words of per-block selection counts (`mark blocks x experts`):
 /// beyond it the mark kernel's grid is capped and its blocks loop over the tokens.
 const HT_MARK_SCRATCH_WORDS: usize = 1 << 18;
 
-/// The grid of `ep_ht_plan_mark` for `tokens` tokens and `experts` experts: a thread per token,
+/// The mark blocks of `ep_ht_plan` for `tokens` tokens and `experts` experts: a thread per token,
 /// unless the blocks' count slots (`experts` words each) would pass [`HT_MARK_SCRATCH_WORDS`].
 pub(crate) fn mark_blocks(tokens: usize, experts: usize) -> usize {
     let cap = (HT_MARK_SCRATCH_WORDS / experts.max(1)).max(1);
-    tokens.max(1).div_ceil(HT_MARK_BLOCK as usize).min(cap)
+    tokens.max(1).div_ceil(HT_MARK_TOKENS).min(cap)
 }
 
 /// Threads per block of the high-throughput kernels (`HT_BLOCK` of `ht_rings.cuh`).

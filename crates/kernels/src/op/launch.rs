@@ -11,7 +11,7 @@ use epflow_core::protocol::Fence;
 use super::{GpuOp, GpuOpKind, in_channel_order, wait_unless_same};
 use crate::device::host_steps::Steps;
 use crate::device::{StreamFence, StreamWork, cuda, stream_id};
-use crate::ht::geometry::{HT_MARK_BLOCK, HT_PLAN_BLOCK, ht_grid};
+use crate::ht::geometry::{HT_PLAN_BLOCK, ht_grid};
 use crate::ll::geometry::{Form, LlKernel, ll_launch};
 use crate::params::{ExchangeParams, HtParams, HtPlanParams, LlParams, NcclHtParams};
 use crate::rank::handle::GpuHandle;
@@ -27,8 +27,8 @@ pub(crate) enum Launch {
     Ht(HtParams),
     /// The count exchange of a high-throughput handle: one kernel.
     Exchange(ExchangeParams),
-    /// A high-throughput handle built on the device: the mark kernel (a thread per token), then
-    /// the plan kernel (a block per destination, and the receive block).
+    /// A high-throughput handle built on the device: one kernel, its mark blocks (a thread per
+    /// token), then a block per destination and the receive block.
     HtPlan(HtPlanParams),
     /// High-throughput dispatch or combine over NCCL: pack (dispatch) or arrival word, the
     /// group, the arrival check, and for combine the reduction.
@@ -157,10 +157,13 @@ impl GpuOp {
             }
             Launch::HtPlan(mut p) => {
                 p.cancelled = cancelled;
-                let marks = p.mark_blocks.max(1) as u32;
-                self.launch_one(on, &f.ht_plan_mark, &p, (marks, HT_MARK_BLOCK), "launch handle marks")?;
-                let grid = p.num_ranks.max(1) as u32 + 1;
-                self.launch_one(on, &f.ht_plan, &p, (grid, HT_PLAN_BLOCK), "launch handle plan")?;
+                // Under the handle channel's lock (`launch_single`): creations reach the device
+                // in this order, and the counter's target follows only launches that went out.
+                let launched = s.plan_marks_launched.load(Ordering::Relaxed);
+                p.mark_target = launched + p.mark_blocks as u64;
+                let grid = (p.mark_blocks + p.num_ranks + 1) as u32;
+                self.launch_one(on, &f.ht_plan, &p, (grid, HT_PLAN_BLOCK), "launch the handle's plan")?;
+                s.plan_marks_launched.store(p.mark_target, Ordering::Relaxed);
             }
             Launch::NcclHt { mut p, reduce } => {
                 p.cancelled = cancelled;

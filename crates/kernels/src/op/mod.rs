@@ -49,7 +49,7 @@ pub(crate) enum GpuOpKind {
     /// The count exchange that creates a high-throughput handle (plan built on the host);
     /// `recv_bound`: the received rows of a `RecvRows::Bound` handle.
     HtHandle { routing: Routing, plan: ChannelPlan, bufs: Option<ExchangeBuffers>, recv_bound: Option<usize> },
-    /// A high-throughput handle built on the device (`ep_ht_plan_mark`, `ep_ht_plan`).
+    /// A high-throughput handle built on the device (`ep_ht_plan`).
     HtDeviceHandle(Box<crate::ht::plan::DevicePlan>),
     /// A handle built on the device and handed out in stream order before it was built
     /// (`complete_on`): its verdict settles it.

@@ -23,6 +23,9 @@ pub(crate) struct RankMemory {
     pub(crate) comb_recv: DeviceBuffer,
     /// High-throughput: the count-exchange region of handle creation (1 byte otherwise).
     pub(crate) exchange: DeviceBuffer,
+    /// High-throughput: the mark counter of handles built on the device (one u64, zeroed: the
+    /// mark blocks done over every creation, `ep_ht_plan`).
+    pub(crate) plan_marks: DeviceBuffer,
     pub(crate) signals: DeviceBuffer,
     pub(crate) status: PinnedBuffer,
     pub(crate) disp_out: Vec<DeviceBuffer>,
@@ -49,6 +52,7 @@ impl RankMemory {
             disp_recv: DeviceBuffer::zeroed(ctx, layout.dispatch_recv_bytes())?,
             comb_recv: DeviceBuffer::zeroed(ctx, layout.combine_recv_bytes())?,
             exchange: DeviceBuffer::zeroed(ctx, layout.exchange_bytes())?,
+            plan_marks: DeviceBuffer::zeroed(ctx, 8)?,
             signals: DeviceBuffer::zeroed(ctx, SIGNAL_PAGE_BYTES)?,
             status: PinnedBuffer::zeroed(ctx, status::WORDS * 8)?,
             disp_out: Vec::new(),
@@ -164,6 +168,10 @@ pub(crate) struct RankShared {
     /// launched on another stream (a caller's, in stream order) waits for it; so does a
     /// captured step's replay (`graph/`), as a whole, for each channel it uses, and becomes it.
     pub(crate) last_launch: [Mutex<Option<StreamFence>>; 3],
+    /// Mark blocks of device-built high-throughput handles launched so far (the value the mark
+    /// counter `mem.plan_marks` reaches once they ran); changed under the handle channel's
+    /// `last_launch` lock, so in the order the kernels run.
+    pub(crate) plan_marks_launched: std::sync::atomic::AtomicU64,
     /// The meetings this rank has called ([`crate::GpuRank::meet_on`]): the next one's number
     /// is one more.
     pub(crate) meetings: AtomicU64,
