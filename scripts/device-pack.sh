@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds what the GPU machines run (they have no Rust toolchain) into .device-pack/ (git-ignored):
 # the epflow binary, epflow's libnccl_ep.so (in nccl-ep/, with its SONAME link libnccl_ep.so.0),
-# the GPU test executables, the examples and the reactor benchmark.
+# the GPU test executables (and epflow-kernels' unit tests, `epflow_kernels`, some of which need
+# a GPU), the examples and the reactor benchmark.
 # `EPFLOW_PACK_EXAMPLES` (space-separated) overrides the examples packed.
 # Then, on the device machine (see README "Running on GPUs"):
 #   export LD_LIBRARY_PATH=/usr/local/cuda/lib64:$LD_LIBRARY_PATH NCCL_NVLS_ENABLE=0
@@ -32,6 +33,7 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] != ["bin"]:
         print(m["target"]["name"], m["executable"])'; }
 {
+    list test --release -p epflow-kernels --lib
     list test --release -p epflow-kernels --test gpu_ll
     list test --release -p epflow-kernels --test gpu_ht
     list test --release -p epflow-kernels --test gpu_disagreement

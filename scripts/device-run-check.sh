@@ -37,6 +37,7 @@ if [ "$part" = all ] || [ "$part" = perf ]; then
 fi
 if [ "$part" = all ] || [ "$part" = tests ]; then
   echo "== GPU test suites"
+  run kernels_unit 120 $P/epflow_kernels
   run gpu_stream_order 300 $P/gpu_stream_order
   seed=$(date +%s%N)
   EPFLOW_TEST_SEED=$seed timeout 120 $P/epflow launch -n 2 -- $P/gpu_stream_order stream_order_one_process_per_gpu --nocapture --test-threads=1 >"$OUT/mp2-stream.log" 2>&1

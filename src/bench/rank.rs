@@ -56,8 +56,8 @@ pub(crate) trait BenchRank {
     fn combine_time(&self, _out: &<Self::B as Backend>::CombineOutput) -> Option<(Duration, Duration)> {
         None
     }
-    /// The device's own measurement of a handle's awaited creation (CUDA events before its first
-    /// kernel and after its last), when the backend has one (high-throughput handles on GPUs).
+    /// The device's own measurement of a handle's awaited creation (CUDA events before its
+    /// kernels and after them), when the backend has one (high-throughput handles on GPUs).
     fn handle_time(&self, _h: &<Self::B as Backend>::Handle) -> Option<Duration> {
         None
     }

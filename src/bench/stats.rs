@@ -99,7 +99,7 @@ pub(crate) struct BenchReport {
     /// the local routing plan and its upload.
     pub handle: Option<OpSummary>,
     /// The same creations' device time (GPU high-throughput handles: CUDA events before the
-    /// first kernel and after the last), when measured.
+    /// creation's kernel and after it), when measured.
     pub handle_device: Option<OpSummary>,
     /// `--fresh-routing`: every iteration created a handle for a new routing; `total` is the
     /// training step (handle, forward pair, backward pair), dispatch and combine the forward ones.
@@ -222,7 +222,7 @@ impl BenchReport {
             );
             if let Some(h) = &self.handle_device {
                 println!(
-                    "{:<18}avg={:.2} us, min={:.2} us, median={:.2} us (device time of the same creations: events\n{:<18}before the first kernel and after the last, so with waits for the host's launches and the peers)",
+                    "{:<18}avg={:.2} us, min={:.2} us, median={:.2} us (device time of the same creations: events\n{:<18}before the kernel and after it, so with the launch's latency and waits for the peers)",
                     "", h.avg_us, h.min_us, h.median_us, ""
                 );
             }

@@ -86,7 +86,7 @@ extern "C" __global__ void __launch_bounds__(256) ep_ht_exchange(ExchangeParams 
 #define HT_PLAN_WARPS (HT_PLAN_BLOCK / 32)
 #define HT_PLAN_PASS (HT_PLAN_BLOCK * 16)  // tokens per pass of a send block
 #define HT_MARK_TOKENS 256  // tokens per mark block and pass (the rest of its threads help with its slots)
-#define HT_MARK_HIST 4096  // experts counted in shared memory first (more: straight to global)
+#define HT_MARK_HIST 4096  // experts a mark block counts in shared memory (more: in its global slot)
 
 struct HtPlanParams {
     u64 topk_in;     // the caller's topk_idx [B x K] int64

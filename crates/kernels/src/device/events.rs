@@ -1,7 +1,8 @@
 //! [`EventPool`]: recycled CUDA events of one context. Every operation records a completion
 //! event (and with timing on, timing events) and, when its outputs are released, a fence per
 //! consumer stream; creating and destroying each (`cuEventCreate`, `cuEventDestroy`) costs host
-//! time on the path of every operation. The pool hands out an event that nobody else holds any more and records it again.
+//! time on the path of every operation. The pool hands out an event that nobody else holds any
+//! more and records it again.
 //!
 //! Re-recording is safe: a stream that waited for an event (`cuStreamWaitEvent`) waits for the
 //! record that was current at that call, not for later ones; and an event is only reused once

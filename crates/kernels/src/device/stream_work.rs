@@ -184,14 +184,9 @@ impl StreamWork {
         self.ctx.new_event(flags).map_err(|e| cuda("create event", e))
     }
 
-    /// A timing event recorded now on `stream`: from the timed pool if there is one.
+    /// A timing event recorded now on `stream`.
     fn record_timed(&self, stream: &CudaStream) -> Result<Arc<CudaEvent>, Error> {
-        if let Some(pool) = &self.timed_events {
-            return pool.record(stream).map_err(|e| cuda("record event", e));
-        }
-        let e = self.event(true)?;
-        e.record(stream).map_err(|e| cuda("record event", e))?;
-        Ok(Arc::new(e))
+        self.record_event(stream, true)
     }
 
     /// Before the send half (binds the context): the stream waits for every input's ready
@@ -238,10 +233,16 @@ impl StreamWork {
 
     /// An event recorded now on `stream`.
     fn record_on(&self, stream: &CudaStream) -> Result<Arc<CudaEvent>, Error> {
-        if let Some(pool) = &self.events {
+        self.record_event(stream, false)
+    }
+
+    /// An event with or without timing recorded now on `stream`: from the matching pool if
+    /// there is one, else created for it.
+    fn record_event(&self, stream: &CudaStream, timed: bool) -> Result<Arc<CudaEvent>, Error> {
+        if let Some(pool) = if timed { &self.timed_events } else { &self.events } {
             return pool.record(stream).map_err(|e| cuda("record event", e));
         }
-        let e = self.event(false)?;
+        let e = self.event(timed)?;
         e.record(stream).map_err(|e| cuda("record event", e))?;
         Ok(Arc::new(e))
     }

@@ -4,9 +4,9 @@
 //! slots, so nothing is zeroed first), then count themselves done on the rank's mark counter;
 //! once it reaches the creation's target, a block per destination scans the marks into that
 //! destination's send plan and sends it the count message, while one more block waits for every
-//! source's message and builds the receive layout. Neither `topk_idx` nor the plan crosses to the host: what the host learns
-//! (the first invalid entry, `N`, the rows per local expert) comes back in a few words of mapped
-//! memory when the operation completes.
+//! source's message and builds the receive layout. Neither `topk_idx` nor the plan crosses to the
+//! host: what the host learns (the first invalid entry, `N`, the rows per local expert) comes
+//! back in a few words of mapped memory when the operation completes.
 //!
 //! The device plan is the host's ([`epflow_core::routing::ChannelPlan`]) with one difference: the
 //! send list is strided, destination `d`'s tokens starting at `send_list[d * B]` (the offsets in

@@ -11,7 +11,7 @@ pub(crate) const HT_PLAN_BLOCK: u32 = 1024;
 pub(crate) const HT_MARK_TOKENS: usize = 256;
 
 /// At most this many scratch words of per-block selection counts (`mark blocks x experts`):
-/// beyond it the mark kernel's grid is capped and its blocks loop over the tokens.
+/// beyond it the mark blocks are capped and loop over the tokens.
 const HT_MARK_SCRATCH_WORDS: usize = 1 << 18;
 
 /// The mark blocks of `ep_ht_plan` for `tokens` tokens and `experts` experts: a thread per token,

@@ -452,8 +452,8 @@ impl GpuHandle {
 
     /// Device time of this handle's creation, for a high-throughput handle whose creation was
     /// awaited with timing on ([`crate::GpuRank::set_timing`]): from a CUDA event recorded on
-    /// the handle stream before the creation's first kernel to one after its last,
-    /// so it includes any wait for the host's later launches and for the peers' messages.
+    /// the handle stream before the creation's kernel to one after it, so it includes the
+    /// launch's own latency and any wait for the peers' messages.
     /// `None` for other handles (low-latency, created in stream order, timing off).
     pub fn creation_elapsed(&self) -> Option<std::time::Duration> {
         self.0.creation_time.as_ref()?.halves().map(|(send, complete)| send + complete)
