@@ -320,8 +320,9 @@ fn ht_matches_reference_on_1_2_and_4_gpus() {
             &Transport::Auto,
         );
         // More experts (6000 per rank) than a mark block counts in shared memory
-        // (`HT_MARK_HIST` = 4096 in ht_handle.cuh): each counts in its global slot, and fewer
-        // mark blocks loop over the tokens (`ht::geometry::mark_blocks`).
+        // (`HT_MARK_HIST` = 4096 in ht_handle.cuh): each counts in its global slot. (From 5377
+        // tokens on, `ht::geometry::mark_blocks` would cap them at 21 and they would loop over
+        // the tokens: not this world.)
         check_world(
             &devices,
             1024,
