@@ -118,28 +118,14 @@ __device__ __forceinline__ void ht_direct_rows(const HtParams& p, int dest, cons
 }
 
 // Dispatch to this rank: rows i = i0, i0 + step, ... below `n` of `list` (one warp) into output
-// rows `row0 + i`; with `take`, the rows the pool hands out instead (as `ht_direct_rows`).
+// rows `row0 + i`; with `take`, the rows the pool hands out instead: `ht_direct_rows` with this
+// rank's outputs from row `row0` as the addresses.
 __device__ __forceinline__ void ht_own_rows(const HtParams& p, const int* list, size_t row0, int i0, int step, int n,
                                             unsigned* take) {
-    const int lane = threadIdx.x & 31;
-    const int cols = p.hidden / 128;
-    for (int i = take ? ht_pool_take(take, lane) : i0; i < n;) {
-        unsigned next = 0;
-        if (take && lane == 0) next = atomicAdd(take, 1u);
-        const int t = list[i];
-        const size_t row = row0 + (size_t)i;
-        warp_copy_n<8>(reinterpret_cast<char*>(p.out) + row * p.row_bytes,
-                       reinterpret_cast<const char*>(p.x) + (size_t)t * p.row_bytes, p.row_bytes, lane);
-        if (p.fp8) {
-            ht_copy_scales(reinterpret_cast<float*>(p.out_scales) + row * cols,
-                           reinterpret_cast<const float*>(p.x_scales) + (size_t)t * cols, cols, lane);
-        }
-        if (!p.backward) {
-            ht_copy_meta(p, t, p.rank, lane, reinterpret_cast<float*>(p.out_weights) + row * p.top_k, nullptr,
-                         reinterpret_cast<long long*>(p.out_idx) + row * p.top_k);
-        }
-        i = take ? (int)__shfl_sync(EP_FULL_MASK, next, 0) : i + step;
-    }
+    const size_t cols = (size_t)(p.hidden / 128), K = (size_t)p.top_k;
+    const u64 addr[4] = {p.out + row0 * p.row_bytes, p.out_scales + row0 * cols * sizeof(float),
+                         p.out_weights + row0 * K * sizeof(float), p.out_idx + row0 * K * sizeof(long long)};
+    ht_direct_rows(p, p.rank, addr, list, i0, step, n, take);
 }
 
 // Balanced direct dispatch (`HtParams::balanced`; one warp, all lanes call): whether this
