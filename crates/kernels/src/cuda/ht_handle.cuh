@@ -223,15 +223,14 @@ __device__ __forceinline__ int plan_block_scan(int v, int* warp_sums, int* total
     return before;
 }
 
-// Block d < R, the second part of d's message: the selections per local expert of d, summed
-// over the mark blocks' slots (in shared memory, HT_MARK_HIST experts at a time: consecutive
-// threads read consecutive experts of one slot).
-__device__ __forceinline__ void plan_selections(const HtPlanParams& p, int d) {
+// Block d < R, the second part of d's message `msg` (from its word C on): the selections per
+// local expert of d, summed over the mark blocks' slots (in shared memory, HT_MARK_HIST experts
+// at a time: consecutive threads read consecutive experts of one slot).
+__device__ __forceinline__ void plan_selections(const HtPlanParams& p, int d, int* msg) {
     __shared__ int sel[HT_MARK_HIST];
-    const int L = p.num_local, G = p.mark_blocks, R = p.num_ranks;
+    const int L = p.num_local, G = p.mark_blocks;
     const int* slots = reinterpret_cast<const int*>(p.scratch) + (size_t)d * L;
-    int* msg = reinterpret_cast<int*>(p.peer_region[d]) + (size_t)(p.seq & 1) * R * p.words + (size_t)p.rank * p.words
-             + p.channels;
+    msg += p.channels;
     for (int l0 = 0; l0 < L; l0 += HT_MARK_HIST) {
         const int n = min(HT_MARK_HIST, L - l0);
         for (int l = threadIdx.x; l < n; l += blockDim.x) sel[l] = 0;
@@ -264,7 +263,9 @@ __device__ __forceinline__ void plan_send(const HtPlanParams& p, int d, bool can
         int* copy_ord = reinterpret_cast<int*>(p.copy_ord);
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const u32 below = (1u << lane) - 1u;
-        plan_selections(p, d);
+        // The message to d: rows per channel (written below), then selections per local expert.
+        int* msg = reinterpret_cast<int*>(p.peer_region[d]) + (size_t)set * R * p.words + (size_t)p.rank * p.words;
+        plan_selections(p, d, msg);
         int running = 0;
         for (int base = 0; base < B; base += HT_PLAN_PASS) {
             const int words = (min(HT_PLAN_PASS, B - base) + 31) >> 5;
@@ -326,8 +327,6 @@ __device__ __forceinline__ void plan_send(const HtPlanParams& p, int d, bool can
         __syncthreads();
         int* send_off = reinterpret_cast<int*>(p.send_off) + d * (C + 1);
         for (int c = threadIdx.x; c <= C; c += blockDim.x) send_off[c] = d * B + chan_start[c];
-        // The message to d: rows per channel (the selections per local expert followed above).
-        int* msg = reinterpret_cast<int*>(p.peer_region[d]) + (size_t)set * R * p.words + (size_t)p.rank * p.words;
         for (int c = threadIdx.x; c < C; c += blockDim.x) msg[c] = chan_start[c + 1] - chan_start[c];
     }
     // The block's writes, then one system fence and the release (cumulative through the
