@@ -634,12 +634,10 @@ impl PendingOp for GpuOp {
         }
         let out = self.finish_kind();
         self.complete_step(2);
+        // (Inert but for a high-throughput complete half: `start_complete` starts it.)
         let mut steps = std::mem::replace(&mut self.complete_steps, Steps::inert());
-        let high_throughput = !matches!(self.launch, Launch::Ll(_));
         drop(self);
-        if high_throughput {
-            steps.step("complete: high-throughput drop of the finished operation");
-        }
+        steps.step("complete: high-throughput drop of the finished operation");
         out
     }
 
