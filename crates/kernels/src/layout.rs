@@ -471,8 +471,9 @@ impl LlLayout {
     /// The combine's tagged area, one set (after every set's plain region): `tag_capacity() * R`
     /// tagged rows of 8-byte pairs of two BF16 channels and a tag (`4 H` bytes): rank-major, a
     /// row per (token, source rank); expert-major, per (token, k) for `tag_capacity() * R / K`
-    /// tokens. Only tagged rows are ever written there, and the receiver clears what it read (see
-    /// `EP_TAG_TOKENS` in `ll_tagged.cuh`).
+    /// tokens. Only tagged rows are ever written there; a set's tags grow from one operation to
+    /// the next, and the operation before the 32-bit tag wraps clears it (see `EP_TAG_TOKENS` in
+    /// `ll_tagged.cuh`).
     pub(crate) fn combine_tagged_set_bytes(&self) -> usize {
         self.tag_capacity() * self.num_ranks * self.hidden * 4
     }

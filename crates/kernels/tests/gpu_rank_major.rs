@@ -484,27 +484,40 @@ fn rank_major_many_staged_iterations_with_fresh_routing() {
 }
 
 /// Tagged dispatch messages and combine rows carry the operation's number as a 32-bit tag, which
-/// wraps every 2^32 operations of a channel (`sends_tagged` and `op_tag` in `ll_tagged.cuh`: the
-/// last operations of a buffer set before the wrap clear its tagged dispatch area). Every rank is
-/// renumbered to just below the wrap, then rounds cross it: both layouts, synchronous and staged,
-/// every dispatch and combine tagged, against the reference bit for bit.
+/// wraps every 2^32 operations of a channel (`sends_tagged`, `op_tag` and `EP_TAG_TOKENS` in
+/// `ll_tagged.cuh`: nothing is cleared per operation, the last operations of a buffer set before
+/// the wrap clear its tagged areas). Rounds first run at operation numbers 0.., leaving their
+/// messages and rows in the tagged areas; every rank is then renumbered to just below the wrap,
+/// and rounds cross it until their tags are the first rounds' again, on the same buffer sets: a
+/// tagged area left uncleared would hand them the first rounds' data. Both layouts, synchronous
+/// and staged, every dispatch and combine tagged, against the reference bit for bit.
 #[test]
 fn tagged_messages_across_the_tag_wrap() {
     let Some(devices) = gpus(2, "tagged_messages_across_the_tag_wrap") else { return };
     let config = GroupConfig::low_latency(64, 32, 2048);
     let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
-    let start = (1u64 << 32) - 6;
-    on_ranks(&ranks, |rank| rank.renumber_operations(start).expect("renumber"));
     let base = seed();
-    eprintln!("tagged_messages_across_the_tag_wrap: operations {start}.., seed {base}");
-    for i in 0..16u64 {
-        let layout = if i % 2 == 0 { Layout::RankMajor } else { Layout::ExpertMajor };
+    let wrap_start = (1u64 << 32) - 6;
+    eprintln!("tagged_messages_across_the_tag_wrap: operations 0..8, then {wrap_start}.., seed {base}");
+    // The operation number of each round's dispatch and combine (one each per round).
+    let mut rounds: Vec<u64> = (0..8).collect();
+    rounds.extend((0..16).map(|i| wrap_start + i));
+    for (i, &op) in rounds.iter().enumerate() {
+        if op == wrap_start {
+            on_ranks(&ranks, |rank| rank.renumber_operations(wrap_start).expect("renumber"));
+        }
+        // The layout, tokens and staging follow the tag, so that a round after the wrap meets
+        // the one before it with the same tag on the same buffer set in the same form, with other
+        // data (the seed follows the round).
+        let tag = (op as u32).wrapping_add(1).max(1) as usize;
+        let layout = if tag % 2 == 0 { Layout::RankMajor } else { Layout::ExpertMajor };
         // At most 32 tokens: tagged dispatches; K = 4 on 2 ranks: tagged combines up to 16 tokens.
-        let per_rank = [1 + (i as usize * 5) % 16, 1 + (i as usize * 3) % 16];
-        let sc = Scenario::generate(config.clone(), 2, &per_rank, 4, RoutingKind::Uniform, 3, base.wrapping_add(i));
-        let staged = i % 3 == 0;
+        let per_rank = [1 + (tag * 5) % 16, 1 + (tag * 3) % 16];
+        let sc =
+            Scenario::generate(config.clone(), 2, &per_rank, 4, RoutingKind::Uniform, 3, base.wrapping_add(i as u64));
+        let staged = tag % 3 == 0;
         for (d, c) in on_ranks(&ranks, |rank| round(rank, &sc, layout, staged).expect("round")) {
-            let what = format!("round {i} (operation {}) {} staged={staged}", start + i, layout.name());
+            let what = format!("round {i} (operation {op}, tag {tag}) {} staged={staged}", layout.name());
             assert!(d.ok() && d.checked > 0, "{what}: {d:?}");
             assert!(c.ok(), "{what}: {c:?}");
         }

@@ -135,9 +135,9 @@ __device__ __forceinline__ void combine_rows(const LlParams& p, int t, int c0, i
 // Tagged rows (see EP_TAG_TOKENS): for each 8-channel group c = c0, c0 + step, ... < end of
 // token t, the rows of `used` (bit k: entry k's row; rank-major, each rank's first entry only;
 // nibble k of `ranks`: entry k's rank) in ascending k, two rows' loads in flight, each group
-// taken once its four tags match and then cleared; summed exactly as `combine_rows` does and
-// written when `write`. False when a row stops arriving (its source signalled, then never sent
-// it): the error is reported.
+// taken once its four tags match (nothing is cleared: see EP_TAG_TOKENS); summed exactly as
+// `combine_rows` does and written when `write`. False when a row stops arriving (its source
+// signalled, then never sent it): the error is reported.
 __device__ bool combine_rows_tagged(const LlParams& p, const OpNum& n, int t, int c0, int step, int end, unsigned used,
                                     u64 ranks, bool write, __nv_bfloat16* out) {
     const u32 tag = op_tag(n.seq);
@@ -188,8 +188,6 @@ __device__ bool combine_rows_tagged(const LlParams& p, const OpNum& n, int t, in
                     acc[2 * q] = fmaf(wk[j], __uint_as_float(v[q] << 16), acc[2 * q]);
                     acc[2 * q + 1] = fmaf(wk[j], __uint_as_float(v[q] & 0xffff0000u), acc[2 * q + 1]);
                 }
-                st_na_int4(at[j], make_int4(0, 0, 0, 0));
-                st_na_int4(at[j] + 16, make_int4(0, 0, 0, 0));
             }
         }
         if (write) {
@@ -235,7 +233,7 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
     // Any cancelled or mismatched source (this rank's own cancellation included) leaves the
     // output unwritten: the operation has no result; so does this rank being masked. Entries on
     // absent (masked) ranks contribute zero, counted per token in `masked_out`. Tagged rows of
-    // the other sources are still taken and cleared (the area must hold no stale row).
+    // the other sources are still taken (a row that never comes is still reported).
     const bool clean = (cancelled | mismatched) == 0u && !((absent >> p.rank) & 1u);
     const u32 unsent = cancelled | mismatched;  // tagged: sources whose rows never come
     bool ok = true;  // false once a tagged row timed out (reported; the group is poisoned)

@@ -116,18 +116,11 @@ __device__ __forceinline__ void publish_early(const LlParams& p, const OpNum& n,
 // done with `land_tagged` (the array's entries 0..2 are the channels' `done` counts).
 #define EP_DONE_LANDED 3
 
-// The last block's thread 0, once every block is `done`: resets the count, writes the host's words,
-// then returns the credits of this buffer set to every source.
+// The last block's thread 0, once every block is `done`: returns the credits of this buffer set
+// to every source, then resets the count and writes the host's words.
 __device__ __forceinline__ void return_credits(const LlParams& p, const OpNum& n, int chan, u32 cancelled,
                                                u32 mismatched, u32 absent, u64* done) {
     if (p.trace) ep_ll_trace[chan][5] = globaltimer_ns();
-    *done = 0;
-    if (chan == 0) done[EP_DONE_LANDED - chan] = 0;  // `land_tagged`'s meeting
-    // The host's words (read by the host once the kernel completed: no order with the credits
-    // needed; nor for block 0's outcome word, as no later operation on this set runs on this
-    // rank before this one's verdict was read, its buffer set's lease).
-    if (p.masking) st_relaxed_sys(reinterpret_cast<u64*>(p.status) + EP_STATUS_MASK, mask_word(p));
-    if (p.verdict && (cancelled | mismatched)) report_failure(p, n, chan, cancelled, mismatched);
     // One release fence for all the credits, with the relaxed stores after it: it orders every
     // block's reads of this set, and its clearing of tagged areas there (all before each block's
     // gpu-scope release add of `done`, which this thread acquired), before the credits. GPU scope
@@ -135,33 +128,43 @@ __device__ __forceinline__ void return_credits(const LlParams& p, const OpNum& n
     // where those reads and stores were performed, so no read sees such a write and no clearing
     // store lands after one. A system-scope fence here waited ~1.5 us for this
     // GPU's outstanding stores to the host and to peers, at the end of every operation
-    // (benches/NOTES.md item 104).
+    // (benches/NOTES.md item 104). This thread's own stores come after the credits, so the fence
+    // waits for none of them (item 170).
     asm volatile("fence.acq_rel.gpu;" ::: "memory");
     for (int s = 0; s < p.num_ranks; s++) {
         if ((absent >> s) & 1u) continue;  // masked: no credit (it may be gone; rejoin resets them)
         u64* peer = reinterpret_cast<u64*>(p.peer_signals[s]);
         st_relaxed_sys(sig_at(peer, EP_SIG_CONSUMED(chan), n.set, p.rank), (n.seq + 1) << 1);
     }
+    // The count is next used by this rank's next operation on this set, after this kernel.
+    *done = 0;
+    if (chan == 0) done[EP_DONE_LANDED - chan] = 0;  // `land_tagged`'s meeting
+    // The host's words (read by the host once the kernel completed: no order with the credits
+    // needed; nor for block 0's outcome word, as no later operation on this set runs on this
+    // rank before this one's verdict was read, its buffer set's lease).
+    if (p.masking) st_relaxed_sys(reinterpret_cast<u64*>(p.status) + EP_STATUS_MASK, mask_word(p));
+    if (p.verdict && (cancelled | mismatched)) report_failure(p, n, chan, cancelled, mismatched);
     if (p.seq_base) advance_step(p, chan);
     if (p.trace && n.seq % 64 == 0) trace_print(p.rank, chan, n.seq);
 }
 
 // The last block to finish returns the credits of this buffer set to every source (after block
 // 0's `publish_early`, through `done`).
-// `blocks`: the blocks of the grid that take part in the receive (the first ones). A dispatch
+// `blocks`: the blocks of the grid that take part in the receive (the first ones). An operation
 // whose buffer set's next operation has a smaller tag (the 32-bit tag wraps) first clears the
-// set's tagged dispatch area, with the whole last block (see `sends_tagged`).
+// set's tagged area of its channel (dispatch messages or combine rows), with the whole last
+// block (see `sends_tagged` and EP_TAG_TOKENS), whether or not it was tagged itself.
 __device__ void finish_receive(const LlParams& p, const OpNum& n, int chan, u32 cancelled, u32 mismatched, u32 absent,
                                int blocks) {
     __syncthreads();
     u64* done = sig_at(reinterpret_cast<u64*>(p.signals), EP_SIG_DONE, n.set, chan);
-    if (chan == 0 && op_tag(n.seq + (u64)p.num_sets) <= op_tag(n.seq)) {
+    if (op_tag(n.seq + (u64)p.num_sets) <= op_tag(n.seq)) {
         __shared__ int last;
         if (threadIdx.x == 0) last = atom_add_acq_rel_gpu(done, 1) == (u64)(blocks - 1);
         __syncthreads();
         if (!last) return;
-        char* area = tagged_msg(p, p.own_recv, n.set, 0, 0);
-        const size_t vectors = tagged_dispatch_set_bytes(p) / 16;
+        char* area = chan == 0 ? tagged_msg(p, p.own_recv, n.set, 0, 0) : tagged_row(p, p.own_recv, n.set, 0);
+        const size_t vectors = (chan == 0 ? tagged_dispatch_set_bytes(p) : tagged_combine_set_bytes(p)) / 16;
         for (size_t i = threadIdx.x; i < vectors; i += blockDim.x) st_na_int4(area + i * 16, make_int4(0, 0, 0, 0));
         __syncthreads();  // the clearing before thread 0's release of the credits
         if (threadIdx.x == 0) return_credits(p, n, chan, cancelled, mismatched, absent, done);

@@ -8,9 +8,12 @@
 // pairs {two BF16 channels, the operation's tag} into the owner's tagged area, and signals its
 // arrival at once, before the payload: no system-scope fence, no count of its warps, no release
 // after the payload (about 3 us of a 1-token combine's send, benches/NOTES.md items 69 and 72).
-// The receiver takes a pair once its tag matches, and clears what it read before it returns its
-// credits, so the area only ever holds zeros and the rows of the operation in flight: no stale
-// pair can carry a matching tag. Twice the bytes over NVLink: at more tokens the fenced form is
+// The receiver takes a pair once its tag matches. Nothing is cleared per operation (as in the
+// tagged dispatch area below): a buffer set's tags only grow from one operation to the next, so
+// what is left there carries an older tag, until the 32-bit tag wraps; the operation before the
+// wrap clears the set's area before it returns its credits (`finish_receive`). Clearing every
+// row after reading it cost a 1-token combine ~0.5 us of stores to drain before its end
+// (benches/NOTES.md item 170). Twice the bytes over NVLink: at more tokens the fenced form is
 // faster. The area after every set's plain region holds min(EP_TAG_TOKENS, M) x R rows of 4 H
 // bytes per set (epflow-kernels layout.rs): rank-major row t * R + r (token t, sending rank r),
 // expert-major row t * K + k. Rank masking sets `tag_tokens` to 0.
@@ -30,12 +33,16 @@ __device__ __forceinline__ u32 op_tag(u64 seq) {
     return t ? t : 1u;
 }
 
+// One buffer set's tagged combine area: min(EP_TAG_TOKENS, M) x R rows of 4 H bytes.
+__device__ __forceinline__ size_t tagged_combine_set_bytes(const LlParams& p) {
+    return (size_t)min(EP_TAG_TOKENS, p.max_tokens) * p.num_ranks * p.hidden * 4;
+}
+
 // Tagged row `row` (rank-major t * R + r, expert-major t * K + k) of buffer set `set` in the
 // combine receive region at `region` (after every set's plain part of `recv_set_bytes`).
 __device__ __forceinline__ char* tagged_row(const LlParams& p, u64 region, int set, int row) {
-    const size_t bytes = (size_t)p.hidden * 4, cap = (size_t)min(EP_TAG_TOKENS, p.max_tokens);
     return reinterpret_cast<char*>(region) + (size_t)p.num_sets * p.recv_set_bytes +
-           ((size_t)set * cap * p.num_ranks + row) * bytes;
+           (size_t)set * tagged_combine_set_bytes(p) + (size_t)row * p.hidden * 4;
 }
 
 // Copies `bytes` (a multiple of 16) of BF16 channels with one warp as tagged pairs (2 x `bytes`
