@@ -320,15 +320,18 @@ fn ht_matches_reference_on_1_2_and_4_gpus() {
             &Transport::Auto,
         );
         // More experts (6000 per rank) than a mark block counts in shared memory
-        // (`HT_MARK_HIST` = 4096 in ht_handle.cuh): each counts in its global slot. (From 5377
-        // tokens on, `ht::geometry::mark_blocks` would cap them at 21 and they would loop over
-        // the tokens: not this world.)
+        // (`HT_MARK_HIST` = 4096 in ht_handle.cuh): each counts in its global slot. The last
+        // case has so many tokens that `ht::geometry::mark_blocks` caps the mark blocks (their
+        // slots, blocks x experts words, would pass 2^18) and each loops over several passes of
+        // 256 tokens: every rank, the last one too (`uneven_tokens` gives it half), has more
+        // than cap x 256 tokens.
+        let cap = (1usize << 18) / (6000 * n);
         check_world(
             &devices,
             1024,
             6000 * n,
             DispatchDtype::Bf16,
-            &[(300, 8, uniform, 5), (100, 8, skewed, 0)],
+            &[(300, 8, uniform, 5), (100, 8, skewed, 0), (2 * cap * 256 + 600, 8, uniform, 5)],
             base ^ 4,
             &Transport::Auto,
         );
