@@ -12,7 +12,7 @@
 // tagged dispatch area below): a buffer set's tags only grow from one operation to the next, so
 // what is left there carries an older tag, until the 32-bit tag wraps; the operation before the
 // wrap clears the set's area before it returns its credits (`finish_receive`). Clearing every
-// row after reading it cost a 1-token combine ~0.5 us of stores to drain before its end
+// pair after reading it cost a rank-major combine ~0.2 us at 1 token and ~0.4 at 32 on 2 x H200
 // (benches/NOTES.md item 170). Twice the bytes over NVLink: at more tokens the fenced form is
 // faster. The area after every set's plain region holds min(EP_TAG_TOKENS, M) x R rows of 4 H
 // bytes per set (epflow-kernels layout.rs): rank-major row t * R + r (token t, sending rank r),
