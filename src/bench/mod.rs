@@ -420,6 +420,10 @@ pub(crate) fn summarise(
     let collect = |f: fn(&RankResult) -> &stats::RankTimes| -> Vec<stats::RankTimes> {
         results.iter().map(|r| f(r).clone()).collect()
     };
+    // A summary of what some rank measured (`None` when no rank has a sample).
+    let measured = |f: fn(&RankResult) -> &stats::RankTimes| -> Option<OpSummary> {
+        results.iter().any(|r| !f(r).samples_us.is_empty()).then(|| OpSummary::from_ranks(&collect(f)))
+    };
     BenchReport {
         algorithm: args.algorithm.name(),
         backend: backend.into(),
@@ -443,22 +447,10 @@ pub(crate) fn summarise(
         halves_us: (halves.iter().any(|&h| h > 0.0)).then(|| [halves[0], halves[1], halves[2], halves[3]]),
         fresh_routing: args.fresh_routing && args.algorithm == AlgorithmArg::Ht,
         queued_fresh_routing: args.fresh_routing && args.algorithm != AlgorithmArg::Ht,
-        graph: results
-            .iter()
-            .any(|r| !r.graph.samples_us.is_empty())
-            .then(|| OpSummary::from_ranks(&collect(|r| &r.graph))),
-        stream_step: results
-            .iter()
-            .any(|r| !r.stream_step.samples_us.is_empty())
-            .then(|| OpSummary::from_ranks(&collect(|r| &r.stream_step))),
-        stream_step_device: results
-            .iter()
-            .any(|r| !r.stream_step_device.samples_us.is_empty())
-            .then(|| OpSummary::from_ranks(&collect(|r| &r.stream_step_device))),
-        stream_handle_device: results
-            .iter()
-            .any(|r| !r.stream_handle_device.samples_us.is_empty())
-            .then(|| OpSummary::from_ranks(&collect(|r| &r.stream_handle_device))),
+        graph: measured(|r| &r.graph),
+        stream_step: measured(|r| &r.stream_step),
+        stream_step_device: measured(|r| &r.stream_step_device),
+        stream_handle_device: measured(|r| &r.stream_handle_device),
         queued: results.iter().any(|r| !r.queued[0].samples_us.is_empty()).then(|| {
             [OpSummary::from_ranks(&collect(|r| &r.queued[0])), OpSummary::from_ranks(&collect(|r| &r.queued[1]))]
         }),
@@ -468,13 +460,7 @@ pub(crate) fn summarise(
                 OpSummary::from_ranks(&collect(|r| &r.host_clock[1])),
             ]
         }),
-        handle: results
-            .iter()
-            .any(|r| !r.handle.samples_us.is_empty())
-            .then(|| OpSummary::from_ranks(&collect(|r| &r.handle))),
-        handle_device: results
-            .iter()
-            .any(|r| !r.handle_device.samples_us.is_empty())
-            .then(|| OpSummary::from_ranks(&collect(|r| &r.handle_device))),
+        handle: measured(|r| &r.handle),
+        handle_device: measured(|r| &r.handle_device),
     }
 }
