@@ -42,13 +42,17 @@ struct Pooled {
 impl EventPool {
     /// An empty pool of `ctx`, of events without timing.
     pub fn new(ctx: &Arc<CudaContext>) -> Arc<Self> {
-        Arc::new(EventPool { ctx: Arc::clone(ctx), events: Mutex::new(Pooled::default()), timed: false })
+        Self::empty(ctx, false)
     }
 
     /// An empty pool of `ctx`, of events with timing (an operation's timing events: read with
     /// `cuEventElapsedTime`).
     pub fn timed(ctx: &Arc<CudaContext>) -> Arc<Self> {
-        Arc::new(EventPool { ctx: Arc::clone(ctx), events: Mutex::new(Pooled::default()), timed: true })
+        Self::empty(ctx, true)
+    }
+
+    fn empty(ctx: &Arc<CudaContext>, timed: bool) -> Arc<Self> {
+        Arc::new(EventPool { ctx: Arc::clone(ctx), events: Mutex::new(Pooled::default()), timed })
     }
 
     /// The context.
