@@ -340,16 +340,20 @@ __device__ __forceinline__ void plan_send(const HtPlanParams& p, int d, bool can
     }
 }
 
+// Block R's thread: waits until every send block counted itself done with the plan's arrays
+// (`plan_send`, after its fence).
+__device__ __forceinline__ void plan_await_senders(const HtPlanParams& p) {
+    int* done = reinterpret_cast<int*>(p.scratch) + plan_done_word(p);
+    while (atomicAdd(done, 0) < p.num_ranks) {
+    }
+}
+
 // Block R, after a failed exchange: once every send block is done with the arrays, an empty
 // plan over them (nothing to or from any rank, no routed entry), so operations enqueued on the
 // handle move nothing.
 __device__ __forceinline__ void plan_empty(const HtPlanParams& p) {
     const int R = p.num_ranks, B = p.num_tokens, C = p.channels;
-    if (threadIdx.x == 0) {
-        const int* done = reinterpret_cast<const int*>(p.scratch) + plan_done_word(p);
-        while (atomicAdd(const_cast<int*>(done), 0) < R) {
-        }
-    }
+    if (threadIdx.x == 0) plan_await_senders(p);
     __syncthreads();
     int* send_off = reinterpret_cast<int*>(p.send_off);
     for (int i = threadIdx.x; i < R * (C + 1); i += blockDim.x) send_off[i] = (i / (C + 1)) * B;
@@ -406,9 +410,7 @@ __device__ __forceinline__ void plan_recv(const HtPlanParams& p) {
             // Every send block is done with the plan's arrays too (each counts itself done after
             // its fence), so once the host reads the built word it may hand the handle out
             // without waiting for the kernel's end.
-            const int* done = reinterpret_cast<const int*>(p.scratch) + plan_done_word(p);
-            while (atomicAdd(const_cast<int*>(done), 0) < R) {
-            }
+            plan_await_senders(p);
         }
         __threadfence_system();
         if (!cancelled && !mismatched) {
