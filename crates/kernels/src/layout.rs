@@ -478,6 +478,35 @@ impl LlLayout {
         self.tag_capacity() * self.num_ranks * self.hidden * 4
     }
 
+    /// Where a channel's tagged areas lie in its receive region (`dispatch`: the dispatch's, else
+    /// the combine's): (offset, bytes) of every set's, after every set's plain region.
+    pub(crate) fn tagged_areas(&self, dispatch: bool) -> (usize, usize) {
+        if dispatch {
+            (self.sets * self.dispatch_recv_set_bytes(), self.sets * self.dispatch_tagged_set_bytes())
+        } else {
+            (self.sets * self.combine_recv_set_bytes(), self.sets * self.combine_tagged_set_bytes())
+        }
+    }
+
+    /// Whether moving a channel from operation `from` to `to` without running the operations
+    /// between (`GpuRank::renumber_operations`) skips one that clears its buffer set's tagged
+    /// areas: with tag = operation + 1 as 32 bits (0 becoming 1; `op_tag` in `ll_tagged.cuh`),
+    /// operation q clears them when its set's next operation, q + sets, has a tag no larger
+    /// (`finish_receive` in `ll_receive.cuh`): the operations with q + 1 in [k 2^32 - sets,
+    /// k 2^32 - 1] for some k >= 1, and with one set also q + 1 = k 2^32 (tag 1, as the next).
+    /// Skipping one would leave rows whose tags come again.
+    pub(crate) fn skips_a_tag_wrap_clear(&self, from: u64, to: u64) -> bool {
+        if to <= from {
+            return false;
+        }
+        let (wrap, sets) = (1u128 << 32, self.sets.max(1) as u128);
+        // The clearing operations before wrap k: q in [k 2^32 - sets - 1, k 2^32 - 2 + one_set].
+        let last_below = 2 - u128::from(sets == 1);
+        // The first k whose clearing operations are not all below `from`.
+        let k = (u128::from(from) + last_below).div_ceil(wrap).max(1);
+        k * wrap - sets - 1 < u128::from(to)
+    }
+
     /// Dispatch output tokens, one set: `[L x R*M x H]`.
     pub(crate) fn dispatch_out_bytes(&self) -> usize {
         self.local_experts * self.rows_per_expert() * self.hidden * if self.fp8 { 1 } else { 2 }
@@ -593,6 +622,36 @@ mod tests {
 
     /// SMs of an H100 or H200.
     const H200_SMS: usize = 132;
+
+    /// `skips_a_tag_wrap_clear` against its definition, operation by operation, in windows around
+    /// the first wraps (and over long jumps, where only the formula can answer).
+    #[test]
+    fn renumbering_knows_which_jumps_skip_a_tag_wrap_clear() {
+        let op_tag = |seq: u64| ((seq.wrapping_add(1)) as u32).max(1);
+        for sets in 1..=4usize {
+            let mut l = LlLayout::new(&GroupConfig::low_latency(64, 32, 2048), 2).unwrap();
+            l.sets = sets;
+            let s = sets as u64;
+            let clears = |q: u64| op_tag(q + s) <= op_tag(q);
+            for base in [1u64 << 32, 2u64 << 32] {
+                for from in base - 12..base + 6 {
+                    for to in from..base + 8 {
+                        let want = (from..to).any(clears);
+                        assert_eq!(l.skips_a_tag_wrap_clear(from, to), want, "sets {sets}, {from}..{to}");
+                    }
+                }
+            }
+            let wrap = 1u64 << 32;
+            // `tagged_messages_across_the_tag_wrap`'s jump lands before the clearing operations;
+            // a jump past them, or from below one wrap to beyond the next, skips them.
+            assert!(!l.skips_a_tag_wrap_clear(8, wrap - 6));
+            assert!(l.skips_a_tag_wrap_clear(8, wrap));
+            assert!(l.skips_a_tag_wrap_clear(wrap + 5, 3 * wrap));
+            assert!(!l.skips_a_tag_wrap_clear(wrap + 5, 2 * wrap - 8));
+            assert!(!l.skips_a_tag_wrap_clear(9, 9));
+            assert!(!l.skips_a_tag_wrap_clear(9, 3));
+        }
+    }
 
     #[test]
     fn reference_config_fits_in_half_of_nccl_ep() {

@@ -14,6 +14,7 @@ use epflow_core::protocol::{Channel, op_label};
 use super::GpuRank;
 use super::shared::peer_array;
 use crate::device::{bind, cuda};
+use crate::layout::Layout;
 use crate::params::{MaskParams, status};
 
 impl GpuRank {
@@ -106,10 +107,49 @@ impl GpuRank {
     /// of a channel (`sends_tagged` in `ll_tagged.cuh`): moves every channel of the group to
     /// operation number `next`, through `unmask_all`'s meeting on the device. Every rank calls it
     /// with the same `next`, with no operation in flight and before any handle exists; a number
-    /// below a channel's current one leaves that channel where it is.
+    /// below a channel's current one leaves that channel where it is. A jump past the operations
+    /// that clear the tagged areas at a wrap clears them here instead (`clear_skipped_tag_wraps`).
     #[doc(hidden)]
     pub fn renumber_operations(&self, next: u64) -> Result<(), Error> {
+        self.clear_skipped_tag_wraps(next)?;
         self.meet_and_renumber([next; 3], "renumber_operations")
+    }
+
+    /// Before `renumber_operations` moves the low-latency channels to `next`: zeroes this rank's
+    /// tagged areas (every set) of each channel whose jump skips an operation that would have
+    /// cleared them at a tag wrap ([`crate::layout::LlLayout::skips_a_tag_wrap_clear`]), so that
+    /// no row left there carries a tag that comes again. Enqueued on the handle stream, before
+    /// the meeting's kernel: a peer writes into these areas only after that meeting, and no
+    /// operation is in flight (each finished one read every tagged word it was sent). Every rank
+    /// decides alike: the channels' numbers and `next` are the same on every rank. `unmask_all`
+    /// needs none of this: groups with rank masking never use the tagged areas (`tag_tokens` 0).
+    fn clear_skipped_tag_wraps(&self, next: u64) -> Result<(), Error> {
+        let s = &self.shared;
+        let Layout::Ll(l) = &s.layout else { return Ok(()) };
+        bind(&s.ctx)?;
+        let stream = &s.streams[Channel::Handle.index()];
+        for (chan, region) in [(Channel::Dispatch, &s.mem.disp_recv), (Channel::Combine, &s.mem.comb_recv)] {
+            let from = self.core.peek_seq(chan);
+            if !l.skips_a_tag_wrap_clear(from, next.max(from)) {
+                continue;
+            }
+            let (offset, bytes) = l.tagged_areas(chan == Channel::Dispatch);
+            if offset + bytes > region.bytes() {
+                return Err(Error::Backend(format!(
+                    "renumber_operations: the {chan:?} tagged areas ({bytes} B at {offset}) pass the receive region ({} B)",
+                    region.bytes()
+                )));
+            }
+            // SAFETY: [offset, offset + bytes) lies inside this rank's live receive region of the
+            // channel (checked above; `Layout::dispatch_recv_bytes` / `combine_recv_bytes` size it
+            // as every set's plain part, then every set's tagged part); no kernel of this rank is
+            // running (no operation in flight), and peers write there only after the meeting
+            // enqueued behind this on the same stream.
+            unsafe { cudarc::driver::sys::cuMemsetD8Async(region.ptr() + offset as u64, 0, bytes, stream.cu_stream()) }
+                .result()
+                .map_err(|e| cuda("clear the tagged areas before renumber_operations", e))?;
+        }
+        Ok(())
     }
 
     /// `ep_mask_rejoin` with this rank's proposed next numbers `next` (every rank takes the
