@@ -493,21 +493,7 @@ fn rank_major_many_staged_iterations_with_fresh_routing() {
 /// and staged, every dispatch and combine tagged, against the reference bit for bit.
 #[test]
 fn tagged_messages_across_the_tag_wrap() {
-    let Some(devices) = gpus(2, "tagged_messages_across_the_tag_wrap") else { return };
-    let config = GroupConfig::low_latency(64, 32, 2048);
-    let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
-    let base = seed();
-    let wrap_start = (1u64 << 32) - 6;
-    eprintln!("tagged_messages_across_the_tag_wrap: operations 0..8, then {wrap_start}.., seed {base}");
-    // The operation number of each round's dispatch and combine (one each per round).
-    let mut rounds: Vec<u64> = (0..8).collect();
-    rounds.extend((0..16).map(|i| wrap_start + i));
-    for (i, &op) in rounds.iter().enumerate() {
-        if op == wrap_start {
-            on_ranks(&ranks, |rank| rank.renumber_operations(wrap_start).expect("renumber"));
-        }
-        tagged_round(&ranks, &config, base, i, op);
-    }
+    rounds_across_a_renumbering("tagged_messages_across_the_tag_wrap", (1u64 << 32) - 6, 16);
 }
 
 /// `renumber_operations` straight past the wrap skips the operations that clear the tagged areas
@@ -516,16 +502,21 @@ fn tagged_messages_across_the_tag_wrap() {
 /// rounds' tags again, on the same buffer sets, with other data.
 #[test]
 fn renumbering_past_the_tag_wrap_clears_the_tagged_areas() {
-    let Some(devices) = gpus(2, "renumbering_past_the_tag_wrap_clears_the_tagged_areas") else { return };
+    rounds_across_a_renumbering("renumbering_past_the_tag_wrap_clears_the_tagged_areas", 1u64 << 32, 8);
+}
+
+/// The tag-wrap tests: rounds at operation numbers 0..8 (one dispatch and one combine each), then
+/// every rank renumbered to `jump`, then `after` rounds from there (`tagged_round`).
+fn rounds_across_a_renumbering(test: &str, jump: u64, after: u64) {
+    let Some(devices) = gpus(2, test) else { return };
     let config = GroupConfig::low_latency(64, 32, 2048);
     let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
     let base = seed();
-    let past = 1u64 << 32;
-    eprintln!("renumbering_past_the_tag_wrap_clears_the_tagged_areas: operations 0..8, then {past}.., seed {base}");
-    let rounds: Vec<u64> = (0..8).chain((0..8).map(|i| past + i)).collect();
+    eprintln!("{test}: operations 0..8, then {jump}.., seed {base}");
+    let rounds: Vec<u64> = (0..8).chain((0..after).map(|i| jump + i)).collect();
     for (i, &op) in rounds.iter().enumerate() {
-        if op == past {
-            on_ranks(&ranks, |rank| rank.renumber_operations(past).expect("renumber"));
+        if op == jump {
+            on_ranks(&ranks, |rank| rank.renumber_operations(jump).expect("renumber"));
         }
         tagged_round(&ranks, &config, base, i, op);
     }
