@@ -500,7 +500,8 @@ impl LlLayout {
             return false;
         }
         let (wrap, sets) = (1u128 << 32, self.sets.max(1) as u128);
-        // The clearing operations before wrap k: q in [k 2^32 - sets - 1, k 2^32 - 2 + one_set].
+        // The clearing operations before wrap k: q in [k 2^32 - sets - 1, k 2^32 - last_below]
+        // (one set: also q = k 2^32 - 1).
         let last_below = 2 - u128::from(sets == 1);
         // The first k whose clearing operations are not all below `from`.
         let k = (u128::from(from) + last_below).div_ceil(wrap).max(1);
