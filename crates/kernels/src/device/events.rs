@@ -101,14 +101,21 @@ mod tests {
     use super::*;
     use crate::device::{context, device_count};
 
-    #[test]
-    fn reuses_only_events_nobody_holds() {
+    /// GPU 0's context and a new stream of it, or `None` (the test `test` is skipped, loudly)
+    /// without a GPU.
+    fn gpu_stream(test: &str) -> Option<(Arc<CudaContext>, Arc<CudaStream>)> {
         if device_count() == 0 {
-            eprintln!("SKIPPED reuses_only_events_nobody_holds: no GPU");
-            return;
+            eprintln!("SKIPPED {test}: no GPU");
+            return None;
         }
         let ctx = context(0).expect("context");
         let stream = ctx.new_stream().expect("stream");
+        Some((ctx, stream))
+    }
+
+    #[test]
+    fn reuses_only_events_nobody_holds() {
+        let Some((ctx, stream)) = gpu_stream("reuses_only_events_nobody_holds") else { return };
         let pool = EventPool::new(&ctx);
         let a = pool.record(&stream).expect("record");
         let b = pool.record(&stream).expect("record");
@@ -125,12 +132,7 @@ mod tests {
 
     #[test]
     fn a_timed_pool_hands_out_events_that_time() {
-        if device_count() == 0 {
-            eprintln!("SKIPPED a_timed_pool_hands_out_events_that_time: no GPU");
-            return;
-        }
-        let ctx = context(0).expect("context");
-        let stream = ctx.new_stream().expect("stream");
+        let Some((ctx, stream)) = gpu_stream("a_timed_pool_hands_out_events_that_time") else { return };
         let pool = EventPool::timed(&ctx);
         let a = pool.record(&stream).expect("record");
         let b = pool.record(&stream).expect("record");
