@@ -189,6 +189,22 @@ impl StreamWork {
         self.record_event(stream, true)
     }
 
+    /// With timing on: a timing event recorded now on `stream`, kept in the slot `at` picks
+    /// (the middle or the end).
+    fn record_timing_point(
+        &mut self,
+        stream: &CudaStream,
+        at: fn(&mut TimingEvents) -> &mut Option<Arc<CudaEvent>>,
+    ) -> Result<(), Error> {
+        if self.timing.is_some() {
+            let event = self.record_timed(stream)?;
+            if let Some(t) = &mut self.timing {
+                *at(t) = Some(event);
+            }
+        }
+        Ok(())
+    }
+
     /// Before the send half (binds the context): the stream waits for every input's ready
     /// event; with `timing`, the start event is recorded.
     pub fn begin_send(&mut self, timing: bool) -> Result<(), Error> {
@@ -213,12 +229,8 @@ impl StreamWork {
     /// inputs by the end of what is now enqueued: the leases of inputs that are epflow outputs
     /// are released with this stream as a consumer.
     pub fn end_send(&mut self) -> Result<(), Error> {
-        if self.timing.is_some() {
-            let mid = self.record_timed(&self.stream)?;
-            if let Some(t) = &mut self.timing {
-                t.mid = Some(mid);
-            }
-        }
+        let stream = Arc::clone(&self.stream);
+        self.record_timing_point(&stream, |t| &mut t.mid)?;
         for l in self.leases.drain(..) {
             l.add_consumer(&self.stream);
         }
@@ -283,12 +295,7 @@ impl StreamWork {
     /// timing event and the completion event.
     pub fn end_complete_on(&mut self, stream: &CudaStream) -> Result<Arc<CudaEvent>, Error> {
         Self::wait_on(stream, &self.joins)?;
-        if self.timing.is_some() {
-            let end = self.record_timed(stream)?;
-            if let Some(t) = &mut self.timing {
-                t.end = Some(end);
-            }
-        }
+        self.record_timing_point(stream, |t| &mut t.end)?;
         let done = self.record_on(stream)?;
         self.done = Some(Arc::clone(&done));
         self.done_stream = super::stream_id(stream);
