@@ -179,11 +179,21 @@ fn ll_grid(which: LlKernel, p: &mut LlParams, sms: u32, warps: u32) -> u32 {
         LlKernel::CombineSend => {
             // Rows going back per (source, token): up to K in expert-major, one in rank-major
             // (its pre-reduced row). The warps share out the return list's real rows only, so
-            // the grid aims at one piece per warp for sources with as many tokens as this rank
-            // (any other count is still covered: the warps loop) and may use every SM.
-            let rows = if p.rank_major != 0 { 1 } else { k };
-            p.chunks = row_chunks(h, target_warps / (b * rows).max(1)) as i32;
-            let items = r * b * rows * p.chunks as u32;
+            // the pieces aim at one per warp over the rows that sources with as many tokens as
+            // this rank send back all together: b K in expert-major (~K / r of a token's rows
+            // went to each rank), at most r b in plain rank-major rows (one per source and
+            // token; cut for b rows, in 14 pieces at 128 tokens and 2 ranks, the warps had two
+            // rounds of loads and stores and the combine took ~1.2 us longer, benches/NOTES.md
+            // item 182). Tagged rows keep pieces for b rows: at 32 tokens, half as many pieces of
+            // twice the bytes made the combine ~1 us slower. Any other count is still covered:
+            // the warps loop. The grid may use every SM.
+            let (per_source, all_sources) = match (p.rank_major != 0, p.tagged_rows()) {
+                (true, false) => (1, r),
+                (true, true) => (1, 1),
+                (false, _) => (k, k),
+            };
+            p.chunks = row_chunks(h, target_warps / (b * all_sources).max(1)) as i32;
+            let items = r * b * per_source * p.chunks as u32;
             items.div_ceil(warps).clamp(1, sms)
         }
         LlKernel::CombineRecv => {
@@ -282,10 +292,11 @@ mod tests {
         // each up to every SM.
         assert_eq!(ll_launch(LlKernel::CombineSend, &mut p, 132), (132, 512));
         assert_eq!(p.chunks, 2);
-        // Rank-major: one row per (token, rank), in 14 pieces.
+        // Rank-major: one row per (source, token), 256 over both sources, in 7 pieces: 1792
+        // items, a warp each on 112 blocks.
         let mut q = LlParams { rank_major: 1, ..params(128) };
-        assert_eq!(ll_launch(LlKernel::CombineSend, &mut q, 132), (132, 512));
-        assert_eq!(q.chunks, 14);
+        assert_eq!(ll_launch(LlKernel::CombineSend, &mut q, 132), (112, 512));
+        assert_eq!(q.chunks, 7);
         assert_eq!(ll_launch(LlKernel::CombineRecv, &mut p, 132), (132, 256));
         // One token: rows cut finely, small grids.
         let mut p = params(1);
@@ -359,6 +370,19 @@ mod tests {
         // One token: the combine's grid follows its send (8 rows in 28 pieces, a warp each); the
         // dispatch's follows its receive (a block per local expert, at most a row each, copied
         // in a piece per warp, and the list's block).
+        // Rank-major: the receive's grid, the send's plain rows' pieces sized for the warps of
+        // both sources (a warp each: 2 x 128 x 7 items on 132 x 16 warps); at 32 tokens, tagged
+        // rows in 256-thread blocks, pieces for one source's rows (2 x 32 x 28 items on 132 x 8
+        // warps), and plain ones (no tagged rows at that size) for both.
+        let mut q = LlParams { rank_major: 1, ..params(128) };
+        assert_eq!(ll_launch(LlKernel::CombineOne, &mut q, 132), (132, 512));
+        assert_eq!((q.chunks, q.recv_chunks), (7, 4));
+        let mut q = LlParams { rank_major: 1, tag_tokens: 32, ..params(32) };
+        assert_eq!(ll_launch(LlKernel::CombineOne, &mut q, 132), (132, 256));
+        assert_eq!(q.chunks, 28);
+        let mut q = LlParams { rank_major: 1, tag_tokens: 16, ..params(32) };
+        assert_eq!(ll_launch(LlKernel::CombineOne, &mut q, 132), (128, 512));
+        assert_eq!(q.chunks, 28);
         let mut p = params(1);
         assert_eq!(ll_launch(LlKernel::CombineOne, &mut p, 132), (28, 512));
         assert_eq!(p.recv_chunks, 4);
