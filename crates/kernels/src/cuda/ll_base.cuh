@@ -199,12 +199,33 @@ __device__ void spread_mask(const LlParams& p, u64 bits) {
     mask_everywhere(p.signals, p.peer_signals, p.status, p.rank, p.num_ranks, bits);
 }
 
-// Waits (lane 0) for destination `dest`'s credit for this operation's set. With masking it stops
-// when `dest` is masked (by a peer, or here at the deadline) and returns true: skip `dest`.
-__device__ bool wait_credit(const LlParams& p, const OpNum& n, int chan, int dest) {
-    if (n.seq < (u64)p.num_sets || via_nccl(p, dest)) return false;
-    const u64* c = sig_at(reinterpret_cast<u64*>(p.signals), EP_SIG_CONSUMED(chan), n.set, dest);
+// Whether operation `n` waits for a credit from `dest` (not at the first use of its buffer set,
+// nor from a destination reached through NCCL), and the word of `chan` it comes in.
+__device__ __forceinline__ bool needs_credit(const LlParams& p, const OpNum& n, int dest) {
+    return n.seq >= (u64)p.num_sets && !via_nccl(p, dest);
+}
+__device__ __forceinline__ const u64* credit_word(const LlParams& p, const OpNum& n, int chan, int dest) {
+    return sig_at(reinterpret_cast<u64*>(p.signals), EP_SIG_CONSUMED(chan), n.set, dest);
+}
+
+// A first look at the credit word (an acquire, as every look of `wait_credit`), which a send loads
+// beside its other first loads rather than after them (one round trip less before its first
+// store: ~0.2-0.3 us per operation, benches/NOTES.md item 183); 0 where no credit is needed, or
+// for a spare warp's `dest` (num_ranks or more).
+__device__ __forceinline__ u64 credit_first_look(const LlParams& p, const OpNum& n, int chan, int dest) {
+    if (dest >= p.num_ranks || !needs_credit(p, n, dest)) return 0ull;
+    return ld_acquire_sys(credit_word(p, n, chan, dest));
+}
+
+// Waits (lane 0) for destination `dest`'s credit for this operation's set; `first` is this
+// thread's `credit_first_look`, and the wait ends at once if it already holds the credit. With
+// masking it stops when `dest` is masked (by a peer, or here at the deadline) and returns true:
+// skip `dest`.
+__device__ bool wait_credit(const LlParams& p, const OpNum& n, int chan, int dest, u64 first) {
+    if (!needs_credit(p, n, dest)) return false;
+    const u64* c = credit_word(p, n, chan, dest);
     const u64 want = n.seq + 1 - p.num_sets;
+    if ((first >> 1) >= want) return false;
     const u64 deadline = globaltimer_ns() + p.timeout_ns;
     while ((ld_acquire_sys(c) >> 1) < want) {
         if ((mask_word(p) >> dest) & 1ull) return true;

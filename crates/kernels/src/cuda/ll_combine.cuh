@@ -28,13 +28,16 @@ __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) 
     const int count = raw_count & ~EP_RET_TAGGED;
     const bool tagged = (raw_count & EP_RET_TAGGED) != 0;
     const int i_first = serves && j0 / C < M * K ? __ldcg(list + j0 / C) : 0;
+    // So does the credit's first look (lane 0 of every warp that serves a destination: the count
+    // decides only after it whether the warp sends).
+    const u64 credit = (threadIdx.x & 31) == 0 ? credit_first_look(p, n, 1, d) : 0ull;
     SendRole role;
     if (!send_role(p, n, 1, (long long)count * C, &role)) return;
     const int lane = role.lane, dest = role.dest, j = role.j, wpd = role.wpd;
     const int* row_of = reinterpret_cast<const int*>(p.row_of) + (size_t)dest * M * K;
     const bool rm = p.rank_major != 0;
     const int row_first = j < count * C ? (rm ? dest * M + j / C : __ldcg(row_of + i_first)) : 0;
-    role_wait_credit(p, n, 1, &role);
+    role_wait_credit(p, n, 1, &role, credit);
     const bool early = tagged || (count == 0 && !p.masking && !via_nccl(p, dest));
     if (early && j == 0 && lane == 0 && !role.skip) signal_now(p, n, 1, dest);
     if (!p.cancelled && !role.skip) {

@@ -30,12 +30,12 @@ __device__ __forceinline__ bool send_role(const LlParams& p, const OpNum& n, int
 }
 
 // Lane 0 waits for the role's destination's credit (all lanes call); sets `skip`.
-__device__ __forceinline__ void role_wait_credit(const LlParams& p, const OpNum& n, int chan, SendRole* r) {
+__device__ __forceinline__ void role_wait_credit(const LlParams& p, const OpNum& n, int chan, SendRole* r, u64 first) {
     int skip = 0;
     if (r->lane == 0) {
         const u64 m = mask_word(p);
         skip = (int)either_masked(m, p.rank, r->dest);
-        if (!skip) skip = wait_credit(p, n, chan, r->dest);
+        if (!skip) skip = wait_credit(p, n, chan, r->dest, first);
     }
     r->skip = __shfl_sync(EP_FULL_MASK, skip, 0) != 0;
 }
@@ -250,7 +250,8 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
     const int slot_first = compact && j < p.num_tokens * C ? __ldg(slots + j / C) : -1;
     // The count the arrival word announces (loaded before the credit wait too).
     const int announced = compact ? announced_rows(p, dest) : -1;
-    role_wait_credit(p, n, 0, &role);
+    const u64 credit = lane == 0 ? credit_first_look(p, n, 0, dest) : 0ull;
+    role_wait_credit(p, n, 0, &role, credit);
     if (tagged && j == 0 && lane == 0 && !role.skip) signal_now(p, n, 0, dest, p.num_tokens, announced);
 
     if (!p.cancelled && !role.skip) {
