@@ -210,8 +210,8 @@ __device__ __forceinline__ const u64* credit_word(const LlParams& p, const OpNum
 
 // A first look at the credit word (an acquire, as every look of `wait_credit`), which a send loads
 // beside its other first loads rather than after them (one round trip less before its first
-// store: ~0.2-0.3 us per operation, benches/NOTES.md item 183); 0 where no credit is needed, or
-// for a spare warp's `dest` (num_ranks or more).
+// store: 0.15-0.3 us per half below 128 tokens, benches/NOTES.md item 183); 0 where no credit is
+// needed, or for a spare warp's `dest` (num_ranks or more).
 __device__ __forceinline__ u64 credit_first_look(const LlParams& p, const OpNum& n, int chan, int dest) {
     if (dest >= p.num_ranks || !needs_credit(p, n, dest)) return 0ull;
     return ld_acquire_sys(credit_word(p, n, chan, dest));

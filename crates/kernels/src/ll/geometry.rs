@@ -367,13 +367,11 @@ mod tests {
         assert_eq!((p.chunks, p.recv_chunks, p.splits), (7, 4, 1));
         assert_eq!(ll_launch(LlKernel::CombineOne, &mut p, 132), (132, 512));
         assert_eq!((p.chunks, p.recv_chunks), (2, 4));
-        // One token: the combine's grid follows its send (8 rows in 28 pieces, a warp each); the
-        // dispatch's follows its receive (a block per local expert, at most a row each, copied
-        // in a piece per warp, and the list's block).
         // Rank-major: the receive's grid, the send's plain rows' pieces sized for the warps of
         // both sources (a warp each: 2 x 128 x 7 items on 132 x 16 warps); at 32 tokens, tagged
         // rows in 256-thread blocks, pieces for one source's rows (2 x 32 x 28 items on 132 x 8
-        // warps), and plain ones (no tagged rows at that size) for both.
+        // warps), and plain ones (`tag_tokens` 16) for both sources' rows, still a row's 28 (the
+        // most: 256-channel pieces).
         let mut q = LlParams { rank_major: 1, ..params(128) };
         assert_eq!(ll_launch(LlKernel::CombineOne, &mut q, 132), (132, 512));
         assert_eq!((q.chunks, q.recv_chunks), (7, 4));
@@ -383,6 +381,9 @@ mod tests {
         let mut q = LlParams { rank_major: 1, tag_tokens: 16, ..params(32) };
         assert_eq!(ll_launch(LlKernel::CombineOne, &mut q, 132), (128, 512));
         assert_eq!(q.chunks, 28);
+        // One token: the combine's grid follows its send (8 rows in 28 pieces, a warp each); the
+        // dispatch's follows its receive (a block per local expert, at most a row each, copied
+        // in a piece per warp, and the list's block).
         let mut p = params(1);
         assert_eq!(ll_launch(LlKernel::CombineOne, &mut p, 132), (28, 512));
         assert_eq!(p.recv_chunks, 4);
