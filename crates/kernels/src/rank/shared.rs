@@ -171,7 +171,7 @@ pub(crate) struct RankShared {
     /// Mark blocks of device-built high-throughput handles launched so far (the value the mark
     /// counter `mem.plan_marks` reaches once they ran); changed under the handle channel's
     /// `last_launch` lock, so in the order the kernels run.
-    pub(crate) plan_marks_launched: std::sync::atomic::AtomicU64,
+    pub(crate) plan_marks_launched: AtomicU64,
     /// The meetings this rank has called ([`crate::GpuRank::meet_on`]): the next one's number
     /// is one more.
     pub(crate) meetings: AtomicU64,
