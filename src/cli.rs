@@ -25,6 +25,31 @@ pub(crate) enum Command {
     /// Diagnostics on one GPU.
     #[command(subcommand)]
     Diag(DiagCommand),
+    /// Summarize NCCL EP `ep_bench` runs (one output file per run) of a baseline library and of
+    /// epflow's `libnccl_ep.so`: per case, kernel and host-observed means, runs with a whole-run
+    /// rank offset, baseline / epflow ratios, and the runs that met `--targets`.
+    EpBenchReport(EpBenchReportArgs),
+}
+
+/// `epflow ep-bench-report` flags.
+#[derive(Clone, Debug, clap::Args)]
+pub(crate) struct EpBenchReportArgs {
+    /// The baseline's `ep_bench` output files (NVIDIA's `libnccl_ep.so`), one per run.
+    #[arg(long, num_args = 1.., required = true)]
+    pub baseline: Vec<std::path::PathBuf>,
+    /// epflow's `ep_bench` output files (the same program on epflow's `libnccl_ep.so`), one per
+    /// run.
+    #[arg(long, num_args = 1.., required = true)]
+    pub ours: Vec<std::path::PathBuf>,
+    /// A run whose two ranks' kernel averages (ep_bench's kernel `min` / `max`) are this many
+    /// microseconds apart or more, in dispatch or combine, counts as an offset run.
+    #[arg(long, default_value_t = 3.0)]
+    pub offset_us: f64,
+    /// epflow's kernel targets, `[LAYOUT:]TOKENS:DISPATCH/COMBINE` in µs, comma-separated (e.g.
+    /// `rank-major:1:10/10,rank-major:128:20/22`; without a layout, for every layout): the runs
+    /// whose means met both are counted.
+    #[arg(long)]
+    pub targets: Option<String>,
 }
 
 /// `epflow diag` subcommands.

@@ -4,6 +4,7 @@ mod bench;
 mod cli;
 mod compile;
 mod diag;
+mod ep_bench_report;
 mod launch;
 
 use std::process::ExitCode;
@@ -18,5 +19,6 @@ fn main() -> ExitCode {
         cli::Command::Launch(args) => launch::main(&args),
         cli::Command::Diag(cli::DiagCommand::Launch(args)) => diag::launch(&args),
         cli::Command::Diag(cli::DiagCommand::Ops(args)) => diag::ops(&args),
+        cli::Command::EpBenchReport(args) => ep_bench_report::main(&args),
     }
 }
