@@ -179,22 +179,20 @@ __device__ __forceinline__ void plan_mark(const HtPlanParams& p) {
     if (shared_hist) {
         for (int e = threadIdx.x; e < E; e += blockDim.x) mine[e] = hist[e];
     }
-    // The block's writes, then its count (cumulative through the barrier).
+    // The block's writes, then its count: the barrier orders every thread's writes before
+    // thread 0's add, and the add's release is cumulative (no fence of its own needed).
     __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        atom_add_acq_rel_gpu(reinterpret_cast<u64*>(p.marks), 1ull);
-    }
+    if (threadIdx.x == 0) atom_add_acq_rel_gpu(reinterpret_cast<u64*>(p.marks), 1ull);
 }
 
 // Every block after the mark blocks: waits until this creation's mark blocks are all done (the
-// counter reaches its target; acquire), then the block goes on.
+// counter reaches its target; thread 0's acquire, which the barrier extends to the block's
+// other threads), then the block goes on.
 __device__ __forceinline__ void plan_await_marks(const HtPlanParams& p) {
     if (threadIdx.x == 0) {
         const u64* marks = reinterpret_cast<const u64*>(p.marks);
         while (ld_acquire_sys(marks) < p.mark_target) {
         }
-        __threadfence();
     }
     __syncthreads();
 }
