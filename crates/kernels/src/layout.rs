@@ -86,18 +86,25 @@ impl Layout {
         }
     }
 
-    /// Dispatch receive region bytes (LL: every buffer set; HT: every ring).
+    /// Dispatch receive region bytes (LL: every buffer set's plain part, then every set's tagged
+    /// part, which ends the region: [`LlLayout::tagged_areas`]; HT: every ring).
     pub(crate) fn dispatch_recv_bytes(&self) -> usize {
         match self {
-            Layout::Ll(l) => (l.dispatch_recv_set_bytes() + l.dispatch_tagged_set_bytes()) * l.sets,
+            Layout::Ll(l) => {
+                let (tagged_at, tagged) = l.tagged_areas(true);
+                tagged_at + tagged
+            }
             Layout::Ht(h) => h.ring_region_bytes(),
         }
     }
 
-    /// Combine receive region bytes (LL: every buffer set; HT: every ring).
+    /// Combine receive region bytes (as [`Layout::dispatch_recv_bytes`], the combine's parts).
     pub(crate) fn combine_recv_bytes(&self) -> usize {
         match self {
-            Layout::Ll(l) => (l.combine_recv_set_bytes() + l.combine_tagged_set_bytes()) * l.sets,
+            Layout::Ll(l) => {
+                let (tagged_at, tagged) = l.tagged_areas(false);
+                tagged_at + tagged
+            }
             Layout::Ht(h) => h.ring_region_bytes(),
         }
     }
