@@ -210,7 +210,9 @@ pub trait PendingOp: Send + 'static {
     /// A wait of this operation ran past the group's timeout. In a group with
     /// [`GroupConfig::rank_masking`], a backend whose driver detects dead ranks (the host
     /// backend) masks the ranks the operation waits for and returns `true`: the driver then
-    /// waits again, and the operation completes without them. `false` (the default, and GPU
+    /// waits again, and the operation completes without them. It also returns `true` when
+    /// nothing is missing any more (it came, or the group masked the missing ranks or this
+    /// rank after the wait's last look): the next check is then ready. `false` (the default, and GPU
     /// operations, whose kernels mask at their own deadline): the wait fails with
     /// [`Error::Timeout`].
     fn mask_missing(&mut self) -> Result<bool> {
@@ -494,7 +496,8 @@ fn timeout_error<O: PendingOp>(op: &O, after: Duration) -> Error {
 
 /// Waits (bounded by `timeout`) until `ready(op)`. At the deadline the operation may mask the
 /// ranks it waits for ([`PendingOp::mask_missing`], rank masking): then it waits again, with a
-/// fresh deadline (each `true` masked a rank that was not masked before, so this ends).
+/// fresh deadline (each `true` masked a rank that was not masked before, or found nothing
+/// missing, which makes the next check ready: so this ends).
 /// `Ok(false)`: timed out.
 pub fn wait_masking<O: PendingOp>(
     op: &mut O,

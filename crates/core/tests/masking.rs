@@ -151,6 +151,32 @@ fn survivors_serve_without_a_rank_that_stopped_then_welcome_it_back() {
     }
 }
 
+/// A live rank whose wait reaches its deadline just as its peers mask it (a slow rank under
+/// CPU load): at the deadline nothing is missing any more, and the operation ends in
+/// `RankMasked`, not in a `Timeout` that waits for "data from ranks []" and poisons the group.
+#[test]
+fn a_rank_masked_at_its_deadline_ends_in_rank_masked() {
+    use epflow_core::backend::PendingOp;
+    let world = HostWorld::create(2, config()).unwrap();
+    let (sc, _) = scenario(3);
+    let rank = &world[1];
+    let handle = rank.create_handle_with(&sc.topk_idx(1), &HandleOptions::default()).unwrap();
+    let x = sc.tokens(1);
+    let mut op = rank.start_dispatch(&handle, DispatchInputs::new(&x), &DispatchOptions::default()).unwrap();
+    assert!(op.poll_send_ready().unwrap());
+    op.send(None).unwrap();
+    op.start_complete().unwrap();
+    // Rank 0 never sends: the wait would time out. Before that, rank 0 masks rank 1.
+    assert!(!op.poll_complete().unwrap());
+    world[0].mask_ranks(&[1].into_iter().collect()).unwrap();
+    assert!(op.mask_missing().unwrap(), "nothing is missing after the mask: check again");
+    assert!(op.poll_complete().unwrap());
+    match op.finish() {
+        Err(Error::RankMasked { rank: 1, .. }) => {}
+        other => panic!("expected RankMasked, got {other:?}"),
+    }
+}
+
 #[test]
 fn a_mask_set_by_one_rank_spares_the_others_their_timeout() {
     let results = HostWorld::run(RANKS, config().with_timeout(Duration::from_secs(20)), |rank| {
