@@ -61,10 +61,109 @@ use epflow::core::backend::{Backend, StreamOrder};
 use epflow::core::{Error, Result};
 use epflow::runtime::pipeline::{self, StepInput};
 
+#[path = "common/flags.rs"]
+mod flags;
+
 /// Routings (and first-layer token sets) drawn once per layer and reused by number.
 const POOL: usize = 8;
 
-/// The command line.
+/// The most layers a run takes (each holds `POOL` routings per rank; the memory they need is
+/// also checked before they are made).
+const MAX_LAYERS: usize = 1024;
+/// The most tokens per rank per micro-batch (`--batch`).
+const MAX_BATCH: usize = 65_536;
+/// The longest run, in seconds (`--seconds`).
+const MAX_SECONDS: f64 = 86_400.0;
+
+/// Where the ranks run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum BackendKind {
+    /// One rank per GPU of the host (or per `--devices` entry).
+    Gpu,
+    /// Four ranks on the host backend, timer experts.
+    Host,
+}
+
+/// Where the receive kernels run (`pipeline::run_on_streams`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum OrderFlag {
+    /// On the micro-batch's stream, after its earlier work.
+    OnStream,
+    /// On the communication streams.
+    Ordered,
+}
+
+/// MoE serving: requests arrive, are batched into micro-batches and served through MoE layers
+/// with several micro-batches in flight. Bounds: `--micro-batches` 1..=8 each, `--batch`
+/// 1..=65536 tokens, `--layers` 1..=1024, `--seconds` up to 86400, `--rate` up to 1e9
+/// requests/s, `--expert-scale` 0..=1000, `--kill-timeout` 1..=86400000 ms; memory is checked
+/// (host or GPU) before anything is allocated. The host backend runs 4 ranks, top-k 4 of 16
+/// experts (`MAX_TOP_K` is 16); the GPU backend runs top-k 8 of 32 experts, H 2048.
+#[derive(Clone, Debug, clap::Parser)]
+#[command(name = "moe_serving")]
+struct Flags {
+    /// `gpu` (the default with 2+ GPUs, `--devices` or `--graph` on a GPU) or `host`.
+    #[arg(long, value_enum)]
+    backend: Option<BackendKind>,
+    /// Requests per second over all ranks (Poisson arrivals), in (0, 1e9].
+    #[arg(long, default_value_t = 20_000.0, value_parser = flags::positive_up_to(1e9))]
+    rate: f64,
+    /// How long requests arrive, in seconds, in (0, 86400].
+    #[arg(long, default_value_t = 5.0, value_parser = flags::positive_up_to(MAX_SECONDS))]
+    seconds: f64,
+    /// MoE layers per micro-batch, 1..=1024.
+    #[arg(long, default_value_t = 4, value_parser = flags::int_in(1usize, MAX_LAYERS))]
+    layers: usize,
+    /// Micro-batches in flight, a comma-separated list of settings run in turn, each 1..=8.
+    #[arg(long, value_delimiter = ',', default_value = "2", value_parser = flags::int_in(1usize, 8))]
+    micro_batches: Vec<usize>,
+    /// Tokens per rank per micro-batch (padded), 1..=65536; default 128 on GPUs, 32 on the host.
+    #[arg(long, value_parser = flags::int_in(1usize, MAX_BATCH))]
+    batch: Option<usize>,
+    /// Tokens per request, 1..=`--batch`.
+    #[arg(long, default_value_t = 8, value_parser = flags::int_in(1usize, MAX_BATCH))]
+    request_tokens: usize,
+    /// Micro-batch rounds per chunk between scheduling votes (or `--graph` timed steps),
+    /// 1..=1000000.
+    #[arg(long, default_value_t = 8, value_parser = flags::int_in(1usize, 1_000_000))]
+    rounds: usize,
+    /// The expert cost as a multiple of the measured communication per step, 0..=1000 (0:
+    /// identity experts).
+    #[arg(long, default_value_t = 1.0, value_parser = flags::finite_in(0.0, 1000.0))]
+    expert_scale: f64,
+    /// Where the receive kernels run.
+    #[arg(long, value_enum, default_value_t = OrderFlag::OnStream)]
+    order: OrderFlag,
+    /// Re-run the served micro-batches serially and fail unless every output is bit-identical.
+    #[arg(long)]
+    check: bool,
+    /// No progress lines.
+    #[arg(long)]
+    quiet: bool,
+    /// The device of each GPU rank, e.g. `0,1` (`0,0`: two ranks on one GPU, a functional check
+    /// only), at most 8.
+    #[arg(long, value_delimiter = ',', num_args = 1..=8, value_parser = flags::int_in(0usize, 1023))]
+    devices: Option<Vec<usize>>,
+    /// (GPU) Decode-step latency instead of serving: eager against one captured CUDA graph.
+    #[arg(long)]
+    graph: bool,
+    /// Rank `R` stops calling at `--at` seconds (rank masking on); a rank of the group.
+    #[arg(long, value_parser = flags::int_in(0usize, 1023))]
+    kill_rank: Option<usize>,
+    /// When `--kill-rank` stops, in seconds from the start, within `--seconds` (default 1).
+    #[arg(long, requires = "kill_rank", value_parser = flags::finite_in(0.0, MAX_SECONDS))]
+    at: Option<f64>,
+    /// The group timeout with `--kill-rank`, in ms (after it a rank that stopped calling is
+    /// masked), 1..=86400000.
+    #[arg(long, default_value_t = 500, value_parser = flags::int_in(1u64, 86_400_000))]
+    kill_timeout: u64,
+    /// How long a rank waits at a scheduling vote for the others, in seconds, in (0, 86400]:
+    /// past it the run stops with an error naming the ranks that did not vote.
+    #[arg(long, default_value_t = 30.0, value_parser = flags::positive_up_to(MAX_SECONDS))]
+    vote_timeout: f64,
+}
+
+/// The command line, checked.
 #[derive(Clone, Debug)]
 struct Args {
     backend: String,
@@ -89,87 +188,91 @@ struct Args {
     kill: Option<(usize, f64)>,
     /// `--kill-timeout` ms: the group timeout with `--kill-rank` (after it the dead rank is masked).
     kill_timeout: Duration,
+    /// `--vote-timeout`: the deadline of every scheduling vote.
+    vote_timeout: Duration,
 }
 
 impl Args {
-    fn parse(argv: &[String]) -> Result<Args> {
-        let get = |name: &str| argv.iter().position(|a| a == name).and_then(|i| argv.get(i + 1)).cloned();
-        let num = |name: &str, default: f64| -> Result<f64> {
-            match get(name) {
-                None => Ok(default),
-                Some(v) => v.parse().map_err(|_| Error::Unsupported(format!("{name} {v}: not a number"))),
-            }
-        };
+    /// Parses `argv` (the program name first). `--help` and every bad flag come back as clap's
+    /// error, which prints usage (exit code 0) or the error (exit code 2).
+    fn parse(argv: &[String]) -> std::result::Result<Args, clap::Error> {
+        use clap::{CommandFactory, Parser};
+        let f = Flags::try_parse_from(argv)?;
+        let invalid = |msg: String| Flags::command().error(clap::error::ErrorKind::ValueValidation, msg);
         let gpus = epflow::kernels::device_count();
-        let backend = get("--backend").unwrap_or_else(|| {
-            let graph = argv.iter().any(|a| a == "--graph") && gpus >= 1;
-            if gpus >= 2 || graph || get("--devices").is_some() { "gpu".into() } else { "host".into() }
-        });
-        let micro_batches = get("--micro-batches")
-            .unwrap_or_else(|| "2".into())
-            .split(',')
-            .map(|v| v.trim().parse::<usize>().ok().filter(|m| (1..=8).contains(m)))
-            .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| Error::Unsupported("--micro-batches: a list of 1..=8, e.g. 1,2".into()))?;
-        let gpu = backend == "gpu";
-        let a = Args {
-            rate: num("--rate", 20_000.0)?,
-            seconds: num("--seconds", 5.0)?,
-            layers: num("--layers", 4.0)? as usize,
-            micro_batches,
-            batch: num("--batch", if gpu { 128.0 } else { 32.0 })? as usize,
-            request_tokens: num("--request-tokens", 8.0)? as usize,
-            rounds: num("--rounds", 8.0)? as usize,
-            expert_scale: num("--expert-scale", 1.0)?,
-            order: match get("--order").as_deref() {
-                None | Some("on-stream") => StreamOrder::OnStream,
-                Some("ordered") => StreamOrder::Ordered,
-                Some(o) => return Err(Error::Unsupported(format!("--order {o}: use on-stream or ordered"))),
-            },
-            check: argv.iter().any(|a| a == "--check"),
-            quiet: argv.iter().any(|a| a == "--quiet"),
-            graph: argv.iter().any(|a| a == "--graph"),
-            kill: match (get("--kill-rank"), get("--at")) {
-                (Some(r), at) => Some((
-                    r.parse().map_err(|_| Error::Unsupported(format!("--kill-rank {r}: a rank number")))?,
-                    at.map_or(Ok(1.0), |s| s.parse().map_err(|_| Error::Unsupported(format!("--at {s}: seconds"))))?,
-                )),
-                (None, Some(_)) => return Err(Error::Unsupported("--at needs --kill-rank".into())),
-                (None, None) => None,
-            },
-            kill_timeout: Duration::from_millis(num("--kill-timeout", 500.0)? as u64),
-            devices: match get("--devices") {
-                None => None,
-                Some(list) => Some(
-                    list.split(',')
-                        .map(|d| d.trim().parse::<usize>())
-                        .collect::<std::result::Result<Vec<_>, _>>()
-                        .map_err(|_| Error::Unsupported(format!("--devices {list}: e.g. 0,1")))?,
-                ),
-            },
-            backend,
-        };
-        if a.rate <= 0.0 || a.seconds <= 0.0 || a.layers == 0 || a.rounds == 0 || a.expert_scale < 0.0 {
-            return Err(Error::Unsupported("--rate, --seconds, --layers and --rounds must be positive".into()));
-        }
-        if a.graph && a.backend != "gpu" {
-            return Err(Error::Unsupported("--graph captures CUDA graphs: it needs --backend gpu".into()));
-        }
-        if let Some((_, at)) = a.kill {
-            if a.graph || a.check || a.micro_batches.len() != 1 || !(0.0..a.seconds).contains(&at) {
-                return Err(Error::Unsupported(
-                    "--kill-rank needs one --micro-batches setting, no --graph or --check, and --at within --seconds"
-                        .into(),
-                ));
+        let backend = f.backend.unwrap_or({
+            if gpus >= 2 || (f.graph && gpus >= 1) || f.devices.is_some() {
+                BackendKind::Gpu
+            } else {
+                BackendKind::Host
             }
+        });
+        let gpu = backend == BackendKind::Gpu;
+        let batch = f.batch.unwrap_or(if gpu { 128 } else { 32 });
+        if f.graph && !gpu {
+            return Err(invalid("--graph captures CUDA graphs: it needs --backend gpu".into()));
         }
-        if !a.graph && (a.request_tokens == 0 || a.request_tokens > a.batch) {
-            return Err(Error::Unsupported(format!(
-                "--request-tokens {} must be in 1..=--batch ({})",
-                a.request_tokens, a.batch
-            )));
+        let ranks = match (gpu, &f.devices) {
+            (false, _) => host::RANKS,
+            (true, Some(d)) => d.len(),
+            (true, None) => gpus.min(8),
+        };
+        let kill = match f.kill_rank {
+            None => None,
+            Some(r) => {
+                let at = f.at.unwrap_or(1.0);
+                if r >= ranks {
+                    return Err(invalid(format!(
+                        "--kill-rank {r}: the group has {ranks} ranks (0..={})",
+                        ranks.max(1) - 1
+                    )));
+                }
+                if f.graph || f.check || f.micro_batches.len() != 1 || at >= f.seconds {
+                    return Err(invalid(
+                        "--kill-rank needs one --micro-batches setting, no --graph or --check, and --at within --seconds"
+                            .into(),
+                    ));
+                }
+                Some((r, at))
+            }
+        };
+        if !f.graph && f.request_tokens > batch {
+            return Err(invalid(format!("--request-tokens {} must be in 1..=--batch ({batch})", f.request_tokens)));
         }
-        Ok(a)
+        Ok(Args {
+            backend: match backend {
+                BackendKind::Gpu => "gpu".into(),
+                BackendKind::Host => "host".into(),
+            },
+            rate: f.rate,
+            seconds: f.seconds,
+            layers: f.layers,
+            micro_batches: f.micro_batches,
+            batch,
+            request_tokens: f.request_tokens,
+            rounds: f.rounds,
+            expert_scale: f.expert_scale,
+            order: match f.order {
+                OrderFlag::OnStream => StreamOrder::OnStream,
+                OrderFlag::Ordered => StreamOrder::Ordered,
+            },
+            check: f.check,
+            quiet: f.quiet,
+            devices: f.devices,
+            graph: f.graph,
+            kill,
+            kill_timeout: Duration::from_millis(f.kill_timeout),
+            vote_timeout: Duration::from_secs_f64(f.vote_timeout),
+        })
+    }
+
+    /// Host bytes the routing pools and token sets of `ranks` ranks take (`handle` bytes per
+    /// handle), checked before they are made.
+    fn pool_bytes(&self, ranks: usize, hidden: usize, top_k: usize, handle: usize) -> u128 {
+        let per_route = (self.batch * top_k * (8 + 4)) as u128 + handle as u128;
+        let routes = (self.layers * POOL) as u128 * per_route;
+        let tokens = (POOL * self.batch * hidden * 2) as u128;
+        ranks as u128 * (routes + tokens)
     }
 
     /// The group config with rank masking on and the kill timeout, under `--kill-rank`.
@@ -236,48 +339,89 @@ fn fnv(words: impl Iterator<Item = u16>) -> u64 {
 /// The decision every rank takes together at a chunk boundary.
 #[derive(Debug)]
 struct Votes {
-    /// Per round: the highest vote (0 stop, 1 idle, 2 run) and how many ranks voted; and how
-    /// many ranks still vote.
-    state: Mutex<(Vec<(usize, usize)>, usize)>,
+    state: Mutex<VoteState>,
     changed: tokio::sync::Notify,
+    /// How long a rank waits for the others' votes (`--vote-timeout`).
+    deadline: Duration,
+}
+
+/// The votes so far: per round the highest vote (0 stop, 1 idle, 2 run) and the ranks that cast
+/// one (a bit each), and the ranks that still vote (a bit each).
+#[derive(Debug, Default)]
+struct VoteState {
+    rounds: Vec<(usize, u64)>,
+    voters: u64,
+}
+
+impl VoteState {
+    /// The ranks that still vote and have not voted in `round`.
+    fn missing(&self, round: usize) -> Vec<usize> {
+        let voted = self.rounds.get(round).map_or(0, |r| r.1);
+        (0..64).filter(|&r| self.voters & !voted & (1 << r) != 0).collect()
+    }
 }
 
 impl Votes {
-    fn new(ranks: usize) -> Self {
-        Votes { state: Mutex::new((Vec::new(), ranks)), changed: tokio::sync::Notify::new() }
+    /// Votes of `ranks` ranks (at most 64), each wait bounded by `deadline`.
+    fn new(ranks: usize, deadline: Duration) -> Self {
+        assert!(ranks <= 64, "the example's votes hold up to 64 ranks");
+        let voters = if ranks == 64 { u64::MAX } else { (1u64 << ranks) - 1 };
+        Votes { state: Mutex::new(VoteState { rounds: Vec::new(), voters }), changed: Default::default(), deadline }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, (Vec<(usize, usize)>, usize)> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, VoteState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Every voting rank's `vote` for round `round`; returns the highest.
-    async fn decide(&self, round: usize, vote: usize) -> usize {
+    /// Rank `rank`'s `vote` for round `round`; returns the highest vote once every rank that
+    /// still votes has voted, or an error naming the missing ranks after the deadline.
+    async fn decide(&self, rank: usize, round: usize, vote: usize) -> Result<usize> {
         {
             let mut st = self.lock();
-            if st.0.len() <= round {
-                st.0.resize(round + 1, (0, 0));
+            if st.rounds.len() <= round {
+                st.rounds.resize(round + 1, (0, 0));
             }
-            let v = &mut st.0[round];
-            *v = (v.0.max(vote), v.1 + 1);
+            let v = &mut st.rounds[round];
+            *v = (v.0.max(vote), v.1 | 1 << rank);
         }
         self.changed.notify_waiters();
+        let deadline = tokio::time::Instant::now() + self.deadline;
         loop {
+            // Created before the check: a change after it still wakes this wait.
             let changed = self.changed.notified();
             {
                 let st = self.lock();
-                if st.0[round].1 >= st.1 {
-                    return st.0[round].0;
+                if st.missing(round).is_empty() {
+                    return Ok(st.rounds[round].0);
                 }
             }
-            changed.await;
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                return Err(Error::Backend(format!(
+                    "rank {rank}: scheduling vote {round}: ranks {:?} did not vote within {:?} (--vote-timeout)",
+                    self.lock().missing(round),
+                    self.deadline
+                )));
+            }
         }
     }
 
-    /// A rank stops voting (`--kill-rank`: it stopped calling).
-    fn leave(&self) {
-        self.lock().1 -= 1;
+    /// Rank `rank` stops voting (it stopped calling, was masked, or failed); the others no
+    /// longer wait for it. Leaving twice is harmless.
+    fn leave(&self, rank: usize) {
+        self.lock().voters &= !(1 << rank);
         self.changed.notify_waiters();
+    }
+}
+
+/// A rank's seat in the votes: leaves them when dropped, whichever way `serve` returns.
+struct Seat<'a> {
+    votes: &'a Votes,
+    rank: usize,
+}
+
+impl Drop for Seat<'_> {
+    fn drop(&mut self) {
+        self.votes.leave(self.rank);
     }
 }
 
@@ -303,6 +447,8 @@ struct Served {
     affected: usize,
     /// The start mark, and the host's clock when it was taken.
     start: Option<(Mark, Instant)>,
+    /// Why this rank stopped early, if its peers masked it (a live but slow rank).
+    masked_out: Option<String>,
 }
 
 /// The arrivals of one rank: a thread that sends requests (Poisson, `rate` per second) until
@@ -357,6 +503,10 @@ async fn serve<E: Engine>(
     progress: Option<&AtomicUsize>,
 ) -> Result<Served> {
     let Stop { until, kill_at } = stop;
+    let rank = e.group().rank();
+    // Whichever way this returns (killed, masked, failed), the other ranks stop waiting for
+    // this rank's votes.
+    let _seat = Seat { votes, rank };
     let layers = a.layers;
     let steps = m * layers * a.rounds;
     let per_chunk = (m * a.rounds) as u64;
@@ -370,8 +520,7 @@ async fn serve<E: Engine>(
             backlog.push(r);
         }
         if kill_at.is_some_and(|k| Instant::now() >= k) {
-            // This rank stops calling: its peers will mask it.
-            votes.leave();
+            // This rank stops calling: its peers will mask it (its seat leaves the votes).
             return Ok(served);
         }
         let vote = if Instant::now() >= until {
@@ -381,7 +530,7 @@ async fn serve<E: Engine>(
         } else {
             2
         };
-        let decided = votes.decide(round, vote).await;
+        let decided = votes.decide(rank, round, vote).await?;
         round += 1;
         if decided == 0 {
             break;
@@ -465,7 +614,20 @@ async fn serve<E: Engine>(
         let expert = async |i: usize, _: &<E::B as Backend>::Stream, d: &<E::B as Backend>::DispatchOutput| {
             e.expert(i % m, d, false).await
         };
-        pipeline::run_on_streams(e.group(), steps, lanes, a.order, input, expert, sink).await?;
+        match pipeline::run_on_streams(e.group(), steps, lanes, a.order, input, expert, sink).await {
+            Ok(_) => {}
+            // A live rank its peers gave up on (it missed the group timeout, e.g. under CPU
+            // load): it stops serving cleanly, and its seat leaves the votes.
+            Err(Error::RankMasked { op, .. }) => {
+                served.masked_out = Some(format!(
+                    "rank {rank} was masked by its peers during {op} at {:.2} s (it missed the {} ms group timeout); it stopped serving",
+                    started.elapsed().as_secs_f64(),
+                    a.kill_timeout.as_millis()
+                ));
+                break;
+            }
+            Err(x) => return Err(x),
+        }
         if let Some(x) = sink_err.into_inner().unwrap_or_else(|p| p.into_inner()) {
             return Err(x);
         }
@@ -581,7 +743,7 @@ fn run<E: Engine + Sync>(engines: &[E], a: &Args) -> Result<Vec<(usize, Report)>
     let mut reports = Vec::new();
     for &m in &a.micro_batches {
         let until = Instant::now() + Duration::from_secs_f64(a.seconds);
-        let votes = Votes::new(ranks);
+        let votes = Votes::new(ranks, a.vote_timeout);
         let progress = AtomicUsize::new(0);
         let t0 = Instant::now();
         let results: Vec<RankResult> = std::thread::scope(|s| {
@@ -623,6 +785,9 @@ fn run<E: Engine + Sync>(engines: &[E], a: &Args) -> Result<Vec<(usize, Report)>
         let (mut before, mut after, mut stall, mut affected) = (0usize, 0usize, 0.0f64, 0usize);
         for (r, (res, e)) in results.into_iter().zip(engines).enumerate() {
             let (served, drop_count, serial) = res?;
+            if let Some(why) = &served.masked_out {
+                println!("  {why}");
+            }
             if let Some((dead, at)) = a.kill {
                 if r != dead {
                     let (start, _) = served.start.as_ref().ok_or_else(|| Error::Backend("no start mark".into()))?;
@@ -737,12 +902,14 @@ fn union(intervals: &mut [(f64, f64)]) -> f64 {
 
 fn main() {
     let argv: Vec<String> = std::env::args().collect();
-    let result = Args::parse(&argv).and_then(|a| match a.backend.as_str() {
+    // `--help` prints usage and exits 0; a bad flag prints the error and exits 2.
+    let a = Args::parse(&argv).unwrap_or_else(|e| e.exit());
+    let result = match a.backend.as_str() {
         "gpu" if a.graph => gpu::decode_latency(&a),
         "gpu" => gpu::main(&a).map(|_| ()),
         "host" => host::main(&a).map(|_| ()),
         other => Err(Error::Unsupported(format!("--backend {other}: use gpu or host"))),
-    });
+    };
     if let Err(e) = result {
         eprintln!("moe_serving: {e}");
         std::process::exit(1);
@@ -836,6 +1003,12 @@ mod host {
     /// The host world's engines for `a` (`buffer_sets` at least the largest `--micro-batches`).
     pub(crate) fn engines(a: &Args) -> Result<Vec<HostEngine>> {
         let sets = a.micro_batches.iter().copied().max().unwrap_or(2).max(2);
+        // A host handle keeps its routing plan and receive layouts: about 48 bytes per entry.
+        let pool = a.pool_bytes(RANKS, HIDDEN, TOP_K, a.batch * TOP_K * 48);
+        super::flags::check_host_memory(
+            || format!("{} layers x {POOL} routings and token sets of {} tokens on {RANKS} ranks", a.layers, a.batch),
+            pool,
+        )?;
         let config = a.masking(GroupConfig::low_latency(EXPERTS, a.batch, HIDDEN).with_buffer_sets(sets));
         let spec = RoutingSpec {
             num_tokens: a.batch,
@@ -1074,6 +1247,17 @@ mod gpu {
                         let r = g.rank();
                         let rk = g.backend();
                         let ctx = Arc::clone(rk.context());
+                        let l = EXPERTS / ranks;
+                        let desc =
+                            TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[l, ranks * a.batch, HIDDEN]);
+                        // Per layer: a routing, weights, an eager and a captured handle, a GEMM output.
+                        let per_layer =
+                            (a.batch * TOP_K * 12 + 2 * rk.handle_memory_bytes() + desc.size_bytes()) as u128;
+                        super::flags::check_device_memory(
+                            &ctx,
+                            || format!("rank {r}: {} layers of routings, handles and expert outputs", a.layers),
+                            a.layers as u128 * per_layer + (HIDDEN * HIDDEN * 2 + 2 * desc.size_bytes()) as u128,
+                        )?;
                         let w = expert_weights(rk, r)?;
                         let x0 =
                             rk.upload(&HostTensor::tokens(a.batch, HIDDEN, random_tokens(a.batch, HIDDEN, 70, r)))?;
@@ -1088,9 +1272,6 @@ mod gpu {
                                 .collect();
                             weights.push(rk.upload(&HostTensor::topk_weights(a.batch, TOP_K, wk))?);
                         }
-                        let l = EXPERTS / ranks;
-                        let desc =
-                            TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[l, ranks * a.batch, HIDDEN]);
                         let gemm_on = |stream: &Arc<CudaStream>| ExpertGemm::new(Arc::clone(stream));
                         let identity = a.expert_scale == 0.0;
                         // Eager: every operation awaited in turn, the GEMM on the lane stream.
@@ -1245,9 +1426,16 @@ mod gpu {
                 let r = g.rank();
                 let rk = g.backend();
                 let ctx = Arc::clone(rk.context());
-                let w = expert_weights(rk, r)?;
                 let l = EXPERTS / gpus;
                 let desc = TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[l, gpus * a.batch, HIDDEN]);
+                let need = a.pool_bytes(1, HIDDEN, TOP_K, rk.handle_memory_bytes())
+                    + (sets * desc.size_bytes() + HIDDEN * HIDDEN * 2) as u128;
+                super::flags::check_device_memory(
+                    &ctx,
+                    || format!("rank {r}: {} layers x {POOL} routings, token sets and {sets} expert outputs", a.layers),
+                    need,
+                )?;
+                let w = expert_weights(rk, r)?;
                 let out =
                     (0..sets).map(|_| DeviceTensor::zeros(&ctx, rk.device(), desc.clone())).collect::<Result<_>>()?;
                 let lanes: Vec<Arc<CudaStream>> =
@@ -1338,6 +1526,76 @@ mod tests {
         assert!(v(&["--request-tokens", "1000", "--batch", "32"]).is_err());
         assert!(v(&["--order", "sideways"]).is_err());
         assert!(v(&["--backend", "host", "--graph"]).is_err());
+    }
+
+    /// Bad numbers are usage errors (exit code 2), never a panic or a silent default; `--help`
+    /// prints usage (exit code 0).
+    #[test]
+    fn bad_numbers_are_usage_errors() {
+        let parse = |x: &[&str]| {
+            let mut v: Vec<String> = ["moe_serving", "--backend", "host"].iter().map(|s| s.to_string()).collect();
+            v.extend(x.iter().map(|s| s.to_string()));
+            Args::parse(&v)
+        };
+        for bad in [
+            &["--rate", "nan"][..],
+            &["--rate", "inf"],
+            &["--rate", "0"],
+            &["--seconds", "nan"],
+            &["--seconds", "1e30"],
+            &["--expert-scale", "nan"],
+            &["--expert-scale", "-1"],
+            &["--layers", "1e9"],
+            &["--layers", "0"],
+            &["--layers", "1025"],
+            &["--batch", "0"],
+            &["--kill-timeout", "0"],
+            &["--vote-timeout", "nan"],
+            &["--kill-rank", "7"],
+            &["--kill-rank", "4"],
+            &["--kill-rank", "1", "--at", "9", "--seconds", "5"],
+            &["--at", "1"],
+            &["--bogus"],
+        ] {
+            let e = parse(bad).err().unwrap_or_else(|| panic!("{bad:?} accepted"));
+            assert_eq!(e.exit_code(), 2, "{bad:?}: {e}");
+        }
+        let help = parse(&["--help"]).err().expect("--help is not a run");
+        assert_eq!(help.kind(), clap::error::ErrorKind::DisplayHelp);
+        assert_eq!(help.exit_code(), 0);
+        assert!(help.to_string().contains("--kill-timeout"), "{help}");
+        let ok = parse(&["--kill-rank", "3", "--at", "0.5", "--seconds", "1"]).expect("valid");
+        assert_eq!(ok.kill, Some((3, 0.5)));
+    }
+
+    fn block_on<T>(f: impl Future<Output = T>) -> T {
+        tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime").block_on(f)
+    }
+
+    /// A rank that leaves (killed, or masked by slower-than-timeout peers) lets the others'
+    /// vote end; one that neither votes nor leaves ends it with an error naming it, at the
+    /// deadline, instead of a hang.
+    #[test]
+    fn votes_end_when_a_rank_leaves_or_at_the_deadline() {
+        let votes = Votes::new(3, Duration::from_secs(20));
+        let decided = block_on(async {
+            let leaver = async {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                drop(Seat { votes: &votes, rank: 2 });
+            };
+            let (a, b, ()) = futures::join!(votes.decide(0, 0, 1), votes.decide(1, 0, 2), leaver);
+            (a.expect("rank 0"), b.expect("rank 1"))
+        });
+        assert_eq!(decided, (2, 2));
+        // Rank 2 is gone for good: the next round needs only ranks 0 and 1.
+        let next = block_on(async { futures::join!(votes.decide(0, 1, 0), votes.decide(1, 1, 0)) });
+        assert_eq!((next.0.expect("rank 0"), next.1.expect("rank 1")), (0, 0));
+
+        let stuck = Votes::new(2, Duration::from_millis(100));
+        let t = Instant::now();
+        let e = block_on(stuck.decide(0, 0, 2)).expect_err("rank 1 never votes");
+        assert!(e.to_string().contains("ranks [1] did not vote"), "{e}");
+        assert!(t.elapsed() < Duration::from_secs(10));
     }
 
     #[test]

@@ -89,6 +89,16 @@ impl GpuRank {
         self.shared.layout.total_bytes()
     }
 
+    /// Device bytes each low-latency handle of this group holds on this rank (its `topk_idx`
+    /// copy, send slots, row and return maps; fixed by the config). High-throughput handles are
+    /// sized by their token counts when they are made: 0 here.
+    pub fn handle_memory_bytes(&self) -> usize {
+        match &self.shared.layout {
+            crate::layout::Layout::Ll(l) => l.handle_bytes(),
+            crate::layout::Layout::Ht(_) => 0,
+        }
+    }
+
     /// Records CUDA events around every operation, for [`GpuDispatchOutput::elapsed`](crate::GpuDispatchOutput::elapsed) (host-observed
     /// device time from before the send half to after the complete half).
     pub fn set_timing(&self, on: bool) {

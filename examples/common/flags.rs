@@ -1,0 +1,106 @@
+//! What the examples share to parse their flags (with clap) and to size what they allocate: range
+//! checked numbers, and memory checks against the host and the GPU before any allocation.
+//!
+//! Each example includes this file (`#[path = "common/flags.rs"] mod flags;`) and uses part of
+//! it, hence the `dead_code` allowance.
+#![allow(dead_code)]
+
+use std::fmt::Display;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use epflow::core::error::human_bytes;
+use epflow::core::{Error, Result};
+
+/// A clap value parser for an integer in `lo..=hi`: a bad or out-of-range value is a usage error
+/// (exit code 2) that names the range.
+pub(crate) fn int_in<T>(lo: T, hi: T) -> impl Fn(&str) -> std::result::Result<T, String> + Clone + Send + Sync + 'static
+where
+    T: FromStr + PartialOrd + Display + Copy + Send + Sync + 'static,
+{
+    move |s: &str| {
+        let v: T = s.trim().parse().map_err(|_| format!("`{s}` is not a whole number in {lo}..={hi}"))?;
+        if v < lo || v > hi { Err(format!("{v} is out of range: use {lo}..={hi}")) } else { Ok(v) }
+    }
+}
+
+/// A clap value parser for a finite number in `lo..=hi` (NaN and infinities are refused).
+pub(crate) fn finite_in(
+    lo: f64,
+    hi: f64,
+) -> impl Fn(&str) -> std::result::Result<f64, String> + Clone + Send + Sync + 'static {
+    move |s: &str| {
+        let v: f64 = s.trim().parse().map_err(|_| format!("`{s}` is not a number"))?;
+        if !v.is_finite() {
+            Err(format!("`{s}` is not a finite number: use {lo}..={hi}"))
+        } else if v < lo || v > hi {
+            Err(format!("{v} is out of range: use {lo}..={hi}"))
+        } else {
+            Ok(v)
+        }
+    }
+}
+
+/// A clap value parser for a finite number greater than `lo` and at most `hi`.
+pub(crate) fn positive_up_to(
+    hi: f64,
+) -> impl Fn(&str) -> std::result::Result<f64, String> + Clone + Send + Sync + 'static {
+    let inner = finite_in(0.0, hi);
+    move |s: &str| match inner(s)? {
+        v if v > 0.0 => Ok(v),
+        v => Err(format!("{v} must be greater than 0 (and at most {hi})")),
+    }
+}
+
+/// `Err(OutOfMemory)` unless this machine has `bytes` (physical memory plus swap) for `what`.
+pub(crate) fn check_host_memory(what: impl FnOnce() -> String, bytes: u128) -> Result<()> {
+    epflow::core::host::memory::check_host_alloc(what, bytes)
+}
+
+/// `Err(OutOfMemory)` unless the GPU of `ctx` has `bytes` free for `what` now (before the
+/// example allocates them).
+pub(crate) fn check_device_memory(
+    ctx: &Arc<cudarc::driver::CudaContext>,
+    what: impl FnOnce() -> String,
+    bytes: u128,
+) -> Result<()> {
+    let (free, _total) = ctx.mem_get_info().map_err(|e| Error::Backend(format!("cuMemGetInfo: {e:?}")))?;
+    if bytes > free as u128 {
+        return Err(Error::Unsupported(format!(
+            "{} needs {} of GPU memory, more than the GPU has free ({})",
+            what(),
+            human_bytes(bytes),
+            human_bytes(free as u128)
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod flag_tests {
+    use super::*;
+
+    #[test]
+    fn numbers_are_range_checked() {
+        let f = finite_in(0.0, 10.0);
+        assert_eq!(f("2.5"), Ok(2.5));
+        for bad in ["nan", "NaN", "inf", "-inf", "1e30", "-1", "abc", ""] {
+            assert!(f(bad).is_err(), "{bad} accepted");
+        }
+        let p = positive_up_to(5.0);
+        assert!(p("0").is_err());
+        assert_eq!(p("5"), Ok(5.0));
+        let i = int_in(1usize, 8);
+        assert_eq!(i("8"), Ok(8));
+        for bad in ["0", "9", "1e9", "abc", "-1", "18446744073709551616"] {
+            assert!(i(bad).is_err(), "{bad} accepted");
+        }
+    }
+
+    #[test]
+    fn memory_checks_name_the_need() {
+        assert!(check_host_memory(|| "a row".into(), 1024).is_ok());
+        let e = check_host_memory(|| "the routing pool".into(), u128::MAX / 2).unwrap_err();
+        assert!(e.to_string().contains("the routing pool"), "{e}");
+    }
+}
