@@ -142,8 +142,8 @@ struct Flags {
     quiet: bool,
     /// The device of each GPU rank, e.g. `0,1` (`0,0`: two ranks on one GPU, a functional check
     /// only), at most 8.
-    #[arg(long, value_delimiter = ',', num_args = 1..=8, value_parser = flags::int_in(0usize, 1023))]
-    devices: Option<Vec<usize>>,
+    #[arg(long, value_parser = flags::devices)]
+    devices: Option<flags::Devices>,
     /// (GPU) Decode-step latency instead of serving: eager against one captured CUDA graph.
     #[arg(long)]
     graph: bool,
@@ -214,7 +214,7 @@ impl Args {
         }
         let ranks = match (gpu, &f.devices) {
             (false, _) => host::RANKS,
-            (true, Some(d)) => d.len(),
+            (true, Some(d)) => d.0.len(),
             (true, None) => gpus.min(8),
         };
         let kill = match f.kill_rank {
@@ -258,7 +258,7 @@ impl Args {
             },
             check: f.check,
             quiet: f.quiet,
-            devices: f.devices,
+            devices: f.devices.map(|d| d.0),
             graph: f.graph,
             kill,
             kill_timeout: Duration::from_millis(f.kill_timeout),
@@ -1560,12 +1560,63 @@ mod tests {
             let e = parse(bad).err().unwrap_or_else(|| panic!("{bad:?} accepted"));
             assert_eq!(e.exit_code(), 2, "{bad:?}: {e}");
         }
-        let help = parse(&["--help"]).err().expect("--help is not a run");
+        let help = parse(&["--help"]).expect_err("--help is not a run");
         assert_eq!(help.kind(), clap::error::ErrorKind::DisplayHelp);
         assert_eq!(help.exit_code(), 0);
         assert!(help.to_string().contains("--kill-timeout"), "{help}");
         let ok = parse(&["--kill-rank", "3", "--at", "0.5", "--seconds", "1"]).expect("valid");
         assert_eq!(ok.kill, Some((3, 0.5)));
+    }
+
+    /// The soak's short form (`scripts/soak-kill-rank.sh` runs 200): `--kill-rank` runs with
+    /// every core kept busy by spinning threads, and a short mask timeout so that live ranks
+    /// get masked too. Each run must end (a watchdog fails the test after 60 s), and end well:
+    /// a live rank its peers masked stops cleanly instead of leaving them waiting at a vote.
+    #[test]
+    fn kill_rank_under_cpu_load_never_hangs() {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let spinners: Vec<_> = (0..cores)
+            .map(|_| {
+                let stop = Arc::clone(&stop);
+                std::thread::spawn(move || {
+                    let mut x = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+                    }
+                })
+            })
+            .collect();
+        for (i, timeout) in ["200", "500", "100"].into_iter().enumerate() {
+            let a = args(&[
+                "--kill-rank",
+                &(i + 1).to_string(),
+                "--at",
+                "0.4",
+                "--seconds",
+                "1",
+                "--rate",
+                "4000",
+                "--layers",
+                "2",
+                "--rounds",
+                "2",
+                "--kill-timeout",
+                timeout,
+                "--vote-timeout",
+                "20",
+                "--quiet",
+            ]);
+            let (tx, rx) = mpsc::channel();
+            std::thread::spawn(move || {
+                let _ = tx.send(host::main(&a).map(|r| r.len()));
+            });
+            let result = rx.recv_timeout(Duration::from_secs(60));
+            assert!(result.is_ok(), "run {i} (--kill-timeout {timeout}) hung");
+            assert_eq!(result.ok().and_then(|r| r.ok()), Some(1), "run {i} failed");
+        }
+        stop.store(true, Ordering::Relaxed);
+        spinners.into_iter().for_each(|t| t.join().expect("spinner"));
     }
 
     fn block_on<T>(f: impl Future<Output = T>) -> T {

@@ -35,30 +35,85 @@ use epflow::core::GroupConfig;
 use epflow_kernels::device::DeviceBuffer;
 use epflow_kernels::{BulkStages, CopyRange, GpuRank, GpuWorld, device_count};
 
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(default)
+#[path = "common/flags.rs"]
+mod flags;
+
+/// The NVLink all-to-all ceiling of this machine (2 or more GPUs). Bounds: `--mb` 1..=65536 (the
+/// GPU memory it needs, `--mb` x (ranks + 1) per GPU, is checked first), `--iters` 1..=100000,
+/// `--sms` and `--local-sms` 0..=1024, `--chunks` 1..=1024.
+#[derive(Debug, clap::Parser)]
+#[command(name = "nvlink_ceiling")]
+struct Flags {
+    /// MB each GPU copies to every other GPU.
+    #[arg(long, default_value_t = 53, value_parser = flags::int_in(1usize, 65_536))]
+    mb: usize,
+    /// Timed repetitions.
+    #[arg(long, default_value_t = 20, value_parser = flags::int_in(1usize, 100_000))]
+    iters: usize,
+    /// SM blocks per GPU for SM stores (0: the copy engines).
+    #[arg(long, default_value_t = 0, value_parser = flags::int_in(0usize, 1024))]
+    sms: usize,
+    /// Also copy the same size within each GPU at the same time.
+    #[arg(long)]
+    local: bool,
+    /// (with `--sms`) Bulk copies with the Tensor Memory Accelerator.
+    #[arg(long)]
+    tma: bool,
+    /// (with `--sms`) Warps take 16 KB pieces from a counter.
+    #[arg(long)]
+    balanced: bool,
+    /// (with `--tma`) Bytes per shared-memory stage, 16..=65536.
+    #[arg(long, default_value_t = 14336, value_parser = flags::int_in(16u32, 65_536))]
+    chunk: u32,
+    /// (with `--tma`) Shared-memory stages, 1..=64.
+    #[arg(long, default_value_t = 14, value_parser = flags::int_in(1u32, 64))]
+    stages: u32,
+    /// (copy engines) SM blocks per GPU for concurrent local copies.
+    #[arg(long, default_value_t = 0, value_parser = flags::int_in(0usize, 1024))]
+    local_sms: usize,
+    /// (with `--local-sms`) Local copies, 1..=64.
+    #[arg(long, default_value_t = 2, value_parser = flags::int_in(1usize, 64))]
+    local_copies: usize,
+    /// (copy engines) Pieces per peer copy, each followed by a flag write.
+    #[arg(long, default_value_t = 1, value_parser = flags::int_in(1usize, 1024))]
+    chunks: usize,
+    /// (with `--chunks`) Streams per pair the pieces take in turn, 1..=64.
+    #[arg(long, default_value_t = 1, value_parser = flags::int_in(1usize, 64))]
+    piece_streams: usize,
+    /// (with `--chunks`) No flag writes after the pieces.
+    #[arg(long)]
+    no_flags: bool,
+    /// Time on the device: every stream waits behind a G µs spin first (0: host clock).
+    #[arg(long, default_value_t = 0, value_parser = flags::int_in(0usize, 10_000_000))]
+    gate_us: usize,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let f = <Flags as clap::Parser>::parse();
     let n = device_count();
     if n < 2 {
         eprintln!("SKIPPED: needs 2 or more GPUs, this machine has {n}");
         return Ok(());
     }
-    let (mb, iters, sms) = (arg("--mb", 53), arg("--iters", 20), arg("--sms", 0));
-    let local = std::env::args().any(|a| a == "--local");
-    let tma = std::env::args().any(|a| a == "--tma");
-    let balanced = std::env::args().any(|a| a == "--balanced");
-    let (chunk, stages) = (arg("--chunk", 14336) as u32, arg("--stages", 14) as u32);
-    let (local_sms, local_copies, chunks) =
-        (arg("--local-sms", 0), arg("--local-copies", 2), arg("--chunks", 1).max(1));
-    let (piece_streams, flagged) = (arg("--piece-streams", 1).max(1), !std::env::args().any(|a| a == "--no-flags"));
+    let (mb, iters, sms, local, tma, balanced) = (f.mb, f.iters, f.sms, f.local, f.tma, f.balanced);
+    let (chunk, stages) = (f.chunk, f.stages);
+    let (local_sms, local_copies, chunks) = (f.local_sms, f.local_copies, f.chunks);
+    let (piece_streams, flagged) = (f.piece_streams, !f.no_flags);
     let bytes = mb << 20;
     let devices: Vec<usize> = (0..n.min(8)).collect();
     // A group only to open the contexts and enable peer access between every pair.
     let ranks = GpuWorld::create(&devices, GroupConfig::high_throughput(8 * devices.len(), 1024))?;
     let r = ranks.len();
+    for k in &ranks {
+        // The source, one region per source GPU, and the local copies beside the copy engines.
+        let locals = if sms == 0 && local_sms > 0 { 1 + local_copies } else { 0 };
+        let need = (bytes as u128) * (1 + r + locals) as u128;
+        flags::check_device_memory(
+            k.context(),
+            || format!("GPU {}: --mb {mb} to and from {r} GPUs", k.device()),
+            need,
+        )?;
+    }
     let src: Vec<DeviceBuffer> =
         ranks.iter().map(|k| DeviceBuffer::zeroed(k.context(), bytes)).collect::<Result<_, _>>()?;
     // A pattern per source (word i of source s: i * 2654435761 + s), checked after the runs.
@@ -96,7 +151,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // `--gate-us G`: every rank's streams first wait behind a G µs spin on a gate stream, so the
     // host's enqueueing is hidden, and the time is the device's, from the gate's end to the last
     // stream's end (CUDA events, per rank; the larger rank's).
-    let gate_us = arg("--gate-us", 0) as u64;
+    let gate_us = f.gate_us as u64;
     let gates: Vec<_> = ranks.iter().map(|k| k.context().new_stream()).collect::<Result<_, _>>()?;
     let mut dev_times = Vec::with_capacity(iters);
     // `--balanced`: one work counter per (source, destination) pair, in the source's memory.

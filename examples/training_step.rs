@@ -33,9 +33,40 @@ const EXPERTS: usize = 64;
 const HIDDEN: usize = 2048;
 const TOP_K: usize = 8;
 
-fn arg(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned()
+#[path = "common/flags.rs"]
+mod flags;
+
+/// Where the ranks run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum BackendKind {
+    /// One rank per GPU (up to 8).
+    Gpu,
+    /// Four ranks on the host backend.
+    Host,
+}
+
+/// A training step's MoE communication in stream order, checked against the CPU reference.
+/// Bounds: `--layers` 1..=1024, `--tokens` 1..=65536 per rank (the memory a layer needs is
+/// checked first); the top-k is 8 of 64 experts (`MAX_TOP_K` is 16), H 2048.
+#[derive(Debug, clap::Parser)]
+#[command(name = "training_step")]
+struct Flags {
+    /// `gpu` (the default with 2+ GPUs) or `host`.
+    #[arg(long, value_enum)]
+    backend: Option<BackendKind>,
+    /// Layers, each with a fresh routing and handle.
+    #[arg(long, default_value_t = 8, value_parser = flags::int_in(1usize, 1024))]
+    layers: usize,
+    /// Tokens per rank.
+    #[arg(long, default_value_t = 1024, value_parser = flags::int_in(1usize, 65_536))]
+    tokens: usize,
+}
+
+/// Bytes one layer's tensors take on one of `ranks` ranks, at most: the tokens, and per pass
+/// up to every rank's tokens received and sent back (`[R*B x H]` BF16, forward and backward,
+/// dispatch and combine).
+fn layer_bytes(ranks: usize, tokens: usize) -> u128 {
+    (tokens * HIDDEN * 2) as u128 * (1 + 4 * ranks) as u128
 }
 
 /// What the step needs of a backend beyond [`Backend`]: tensors up, combined tokens down, a
@@ -170,31 +201,56 @@ fn run<B: Side>(groups: Vec<Group<B>>, config: &GroupConfig, layers: usize, toke
 }
 
 fn main() -> Result<()> {
+    let f = <Flags as clap::Parser>::parse();
     let gpus = epflow::kernels::device_count();
-    let backend = arg("--backend").unwrap_or_else(|| if gpus >= 2 { "gpu".into() } else { "host".into() });
-    let layers: usize = arg("--layers").and_then(|v| v.parse().ok()).unwrap_or(8);
-    let tokens: usize = arg("--tokens").and_then(|v| v.parse().ok()).unwrap_or(1024);
+    let backend = f.backend.unwrap_or(if gpus >= 2 { BackendKind::Gpu } else { BackendKind::Host });
+    let (layers, tokens) = (f.layers, f.tokens);
     let config = GroupConfig::high_throughput(EXPERTS, HIDDEN).with_max_tokens(MaxTokens::Fixed(tokens));
-    match backend.as_str() {
-        "gpu" => {
+    match backend {
+        BackendKind::Gpu => {
             let devices: Vec<usize> = (0..gpus.min(8)).collect();
             if devices.len() < 2 {
                 return Err(Error::Unsupported(format!("--backend gpu needs 2 GPUs, this machine has {gpus}")));
             }
-            let groups = GpuWorld::create(&devices, config.clone())?.into_iter().map(Group::new).collect();
-            run(groups, &config, layers, tokens)
+            let ranks = GpuWorld::create(&devices, config.clone())?;
+            for rk in &ranks {
+                flags::check_device_memory(
+                    rk.context(),
+                    || format!("GPU {}: a layer of {tokens} tokens per rank", rk.device()),
+                    layer_bytes(devices.len(), tokens),
+                )?;
+            }
+            run(ranks.into_iter().map(Group::new).collect(), &config, layers, tokens)
         }
-        "host" => {
+        BackendKind::Host => {
+            flags::check_host_memory(
+                || format!("a layer of {tokens} tokens on each of 4 ranks"),
+                4 * layer_bytes(4, tokens),
+            )?;
             let groups = HostWorld::create(4, config.clone())?.into_iter().map(Group::new).collect();
             run(groups, &config, layers, tokens)
         }
-        other => Err(Error::Unsupported(format!("--backend {other}: host or gpu"))),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A bad flag is a usage error (exit code 2), never the default silently.
+    #[test]
+    fn bad_flags_are_usage_errors() {
+        use clap::Parser;
+        for bad in
+            [&["--layers", "abc"][..], &["--layers", "0"], &["--tokens", "1e9"], &["--tokens", "0"], &["--bogus"]]
+        {
+            let argv = std::iter::once("training_step").chain(bad.iter().copied());
+            let e = Flags::try_parse_from(argv).expect_err("accepted");
+            assert_eq!(e.exit_code(), 2, "{bad:?}: {e}");
+        }
+        let f = Flags::try_parse_from(["training_step", "--layers", "3"]).expect("valid");
+        assert_eq!((f.layers, f.tokens), (3, 1024));
+    }
 
     /// Two layers on the host backend (4 ranks, uneven tokens): every forward combine matches
     /// the reference (`run` returns an error otherwise).

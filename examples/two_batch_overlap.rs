@@ -38,13 +38,55 @@ const TOKENS: usize = 64;
 const HIDDEN: usize = 2048;
 const TOP_K: usize = 4;
 
-fn arg_str(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned()
+#[path = "common/flags.rs"]
+mod flags;
+
+/// Where the ranks run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum BackendKind {
+    /// One rank per GPU (up to 8), or per `--devices` entry.
+    Gpu,
+    /// Four ranks on the host backend, timer experts.
+    Host,
 }
 
-fn arg(name: &str, default: usize) -> usize {
-    arg_str(name).and_then(|v| v.parse().ok()).unwrap_or(default)
+/// Where the receive kernels run (GPU).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum OrderFlag {
+    /// On the micro-batch's stream, after its earlier work.
+    OnStream,
+    /// On the communication streams.
+    Ordered,
+}
+
+/// Two-batch overlap: serial against pipelined MoE layers, bit-identical outputs and the overlap
+/// efficiency. Bounds: `--layers` 1..=1024, `--micro-batches` 1..=8, `--runs` 1..=1000,
+/// `--devices` at most 8 entries.
+#[derive(Debug, clap::Parser)]
+#[command(name = "two_batch_overlap")]
+struct Flags {
+    /// `gpu` (the default with 2+ GPUs or `--devices`) or `host`.
+    #[arg(long, value_enum)]
+    backend: Option<BackendKind>,
+    /// MoE layers per micro-batch.
+    #[arg(long, default_value_t = 16, value_parser = flags::int_in(1usize, 1024))]
+    layers: usize,
+    /// Micro-batches in flight.
+    #[arg(long, default_value_t = 2, value_parser = flags::int_in(1usize, 8))]
+    micro_batches: usize,
+    /// (GPU) Where the receive kernels run.
+    #[arg(long, value_enum, default_value_t = OrderFlag::OnStream)]
+    order: OrderFlag,
+    /// (GPU) The device of each rank, e.g. `0,1` (`0,0`: two ranks on one GPU, a functional
+    /// check only).
+    #[arg(long, value_parser = flags::devices)]
+    devices: Option<flags::Devices>,
+    /// (GPU) Repeats of the comparison; the median is printed.
+    #[arg(long, default_value_t = 1, value_parser = flags::int_in(1usize, 1000))]
+    runs: usize,
+    /// (GPU) Also time `pipeline::run` (completions awaited on the host).
+    #[arg(long)]
+    awaited: bool,
 }
 
 /// Step `i`'s inputs on rank `r`: fresh routing per step; tokens from the previous layer's
@@ -142,38 +184,23 @@ fn ms(d: Duration) -> f64 {
 }
 
 fn main() -> Result<()> {
+    let f = <Flags as clap::Parser>::parse();
     let gpus = epflow::kernels::device_count();
-    let backend = arg_str("--backend")
-        .unwrap_or_else(|| if gpus >= 2 || arg_str("--devices").is_some() { "gpu".into() } else { "host".into() });
-    let depth = arg("--micro-batches", 2);
-    if !(1..=8).contains(&depth) {
-        return Err(epflow::core::Error::Unsupported(format!("--micro-batches {depth}: use 1 to 8")));
-    }
-    let order = match arg_str("--order").as_deref() {
-        None | Some("on-stream") => StreamOrder::OnStream,
-        Some("ordered") => StreamOrder::Ordered,
-        Some(other) => {
-            return Err(epflow::core::Error::Unsupported(format!("--order {other}: use on-stream or ordered")));
-        }
-    };
-    match backend.as_str() {
-        "gpu" => gpu::main(gpu::Args {
-            layers: arg("--layers", 16),
-            devices: match arg_str("--devices") {
-                Some(list) => list
-                    .split(',')
-                    .map(|d| d.trim().parse::<usize>())
-                    .collect::<std::result::Result<_, _>>()
-                    .map_err(|_| epflow::core::Error::Unsupported(format!("--devices {list}: e.g. 0,1")))?,
-                None => (0..gpus.min(8)).collect(),
+    let backend =
+        f.backend.unwrap_or(if gpus >= 2 || f.devices.is_some() { BackendKind::Gpu } else { BackendKind::Host });
+    match backend {
+        BackendKind::Gpu => gpu::main(gpu::Args {
+            layers: f.layers,
+            devices: f.devices.map_or_else(|| (0..gpus.min(8)).collect(), |d| d.0),
+            depth: f.micro_batches,
+            order: match f.order {
+                OrderFlag::OnStream => StreamOrder::OnStream,
+                OrderFlag::Ordered => StreamOrder::Ordered,
             },
-            depth,
-            order,
-            runs: arg("--runs", 1).max(1),
-            awaited: std::env::args().any(|a| a == "--awaited"),
+            runs: f.runs,
+            awaited: f.awaited,
         }),
-        "host" => host_main(depth),
-        other => Err(epflow::core::Error::Unsupported(format!("--backend {other}: use host or gpu"))),
+        BackendKind::Host => host_main(f.layers, f.micro_batches),
     }
 }
 
@@ -181,7 +208,9 @@ fn main() -> Result<()> {
 /// differ from the serial ones.
 fn report(what: &str, serial: &PipelineStats, piped: &PipelineStats, identical: bool) -> Result<f64> {
     let hidden = serial.wall.saturating_sub(piped.wall);
-    let efficiency = hidden.as_secs_f64() / serial.comm.min(serial.compute).as_secs_f64();
+    // Nothing to hide when either side took no measurable time: no overlap to speak of.
+    let hideable = serial.comm.min(serial.compute).as_secs_f64();
+    let efficiency = if hideable > 0.0 { hidden.as_secs_f64() / hideable } else { 0.0 };
     println!("  {what}");
     println!(
         "  serial:    {:8.2} ms  (communication {:.2} ms, compute {:.2} ms)",
@@ -202,8 +231,7 @@ fn report(what: &str, serial: &PipelineStats, piped: &PipelineStats, identical: 
     }
 }
 
-fn host_main(depth: usize) -> Result<()> {
-    let layers = arg("--layers", 16);
+fn host_main(layers: usize, depth: usize) -> Result<()> {
     let steps = layers * depth;
     let rt =
         tokio::runtime::Builder::new_multi_thread().worker_threads(RANKS).enable_all().build().expect("tokio runtime");
@@ -302,6 +330,13 @@ mod gpu {
         let w = rank.upload(&HostTensor::tokens(HIDDEN, HIDDEN, w))?;
         let l = EXPERTS / g.num_ranks();
         let desc = TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[l, g.num_ranks() * TOKENS, HIDDEN]);
+        // Every step's routing, handle, tokens and weights, and one expert output per micro-batch.
+        let per_step = (rank.handle_memory_bytes() + TOKENS * TOP_K * 12 + TOKENS * HIDDEN * 2) as u128;
+        super::flags::check_device_memory(
+            &ctx,
+            || format!("rank {r}: {steps} steps' inputs and {depth} expert outputs"),
+            steps as u128 * per_step + (depth * desc.size_bytes()) as u128,
+        )?;
         let out = (0..depth).map(|_| DeviceTensor::zeros(&ctx, rank.device(), desc.clone())).collect::<Result<_>>()?;
         let streams: Vec<Arc<CudaStream>> = (0..depth).map(|_| ctx.new_stream().map_err(err)).collect::<Result<_>>()?;
         let gemms = streams.iter().map(|s| ExpertGemm::new(Arc::clone(s))).collect::<Result<_>>()?;
@@ -504,5 +539,37 @@ mod gpu {
             );
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--layers 0` (it divided by zero) and other bad flags are usage errors (exit code 2).
+    #[test]
+    fn bad_flags_are_usage_errors() {
+        use clap::Parser;
+        for bad in [
+            &["--layers", "0"][..],
+            &["--layers", "x"],
+            &["--micro-batches", "9"],
+            &["--runs", "0"],
+            &["--order", "sideways"],
+            &["--devices", "0,0,0,0,0,0,0,0,0"],
+            &["--bogus"],
+        ] {
+            let argv = std::iter::once("two_batch_overlap").chain(bad.iter().copied());
+            let e = Flags::try_parse_from(argv).expect_err("accepted");
+            assert_eq!(e.exit_code(), 2, "{bad:?}: {e}");
+        }
+        let f = Flags::try_parse_from(["two_batch_overlap", "--layers", "1", "--devices", "0,0"]).expect("valid");
+        assert_eq!((f.layers, f.devices), (1, Some(flags::Devices(vec![0, 0]))));
+    }
+
+    /// One layer of two micro-batches on the host backend: serial and pipelined outputs agree.
+    #[test]
+    fn one_layer_on_the_host() {
+        host_main(1, 2).expect("host run");
     }
 }

@@ -52,6 +52,26 @@ pub(crate) fn positive_up_to(
     }
 }
 
+/// The most ranks an example runs on one host.
+pub(crate) const MAX_LOCAL_RANKS: usize = 8;
+
+/// `--devices 0,1`: the GPU of each rank, 1 to [`MAX_LOCAL_RANKS`] entries (`0,0` puts two
+/// ranks on one GPU: a functional check only).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Devices(pub(crate) Vec<usize>);
+
+/// A clap value parser for [`Devices`].
+pub(crate) fn devices(s: &str) -> std::result::Result<Devices, String> {
+    let list = s
+        .split(',')
+        .map(|d| d.trim().parse::<usize>().map_err(|_| format!("`{d}` is not a device number (e.g. 0,1)")))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    if list.len() > MAX_LOCAL_RANKS {
+        return Err(format!("{} devices: at most {MAX_LOCAL_RANKS} ranks per host", list.len()));
+    }
+    Ok(Devices(list))
+}
+
 /// `Err(OutOfMemory)` unless this machine has `bytes` (physical memory plus swap) for `what`.
 pub(crate) fn check_host_memory(what: impl FnOnce() -> String, bytes: u128) -> Result<()> {
     epflow::core::host::memory::check_host_alloc(what, bytes)
@@ -90,6 +110,9 @@ mod flag_tests {
         let p = positive_up_to(5.0);
         assert!(p("0").is_err());
         assert_eq!(p("5"), Ok(5.0));
+        assert_eq!(devices("0, 1"), Ok(Devices(vec![0, 1])));
+        assert!(devices("0,0,0,0,0,0,0,0,0").is_err());
+        assert!(devices("0,x").is_err());
         let i = int_in(1usize, 8);
         assert_eq!(i("8"), Ok(8));
         for bad in ["0", "9", "1e9", "abc", "-1", "18446744073709551616"] {
