@@ -17,12 +17,22 @@ fn two_gpu_groups(
     test: &str,
     transport: &Transport,
 ) -> Option<(Vec<Group<GpuRank>>, tokio::runtime::Runtime)> {
+    // `EPFLOW_TEST_DEVICES=0,0`: two ranks on one GPU (a functional check on a 1-GPU machine;
+    // NCCL takes a GPU per rank, so the NCCL variants skip there).
+    let devices: Vec<usize> = match std::env::var("EPFLOW_TEST_DEVICES") {
+        Ok(list) => list.split(',').filter_map(|d| d.trim().parse().ok()).collect(),
+        Err(_) => vec![0, 1],
+    };
     let n = device_count();
-    if n < 2 {
-        eprintln!("SKIPPED {test}: needs 2 GPUs, this machine has {n}");
+    if devices.len() != 2 || n == 0 || devices.iter().any(|&d| d >= n) {
+        eprintln!("SKIPPED {test}: needs 2 GPUs (or EPFLOW_TEST_DEVICES naming 2 ranks), this machine has {n}");
         return None;
     }
-    let groups = GpuWorld::create_with(&[0, 1], config.clone(), transport.clone())
+    if devices[0] == devices[1] && !matches!(transport, Transport::Auto) {
+        eprintln!("SKIPPED {test}: NCCL needs a GPU per rank, and {devices:?} names one twice");
+        return None;
+    }
+    let groups = GpuWorld::create_with(&devices, config.clone(), transport.clone())
         .expect("GPU group")
         .into_iter()
         .map(Group::new)
