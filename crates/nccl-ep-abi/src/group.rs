@@ -67,15 +67,27 @@ impl std::fmt::Debug for Group {
     }
 }
 
+/// The `ncclEpGroupConfig_t.version`s this library implements: NCCL EP's API versions whose
+/// features it knows.
+pub(crate) const API_VERSIONS: &[std::ffi::c_uint] = &[ep::NCCL_EP_API_VERSION];
+
+/// Refuses a `config.version` this library does not implement with `ncclInvalidArgument`.
+/// NVIDIA's library only warns on a mismatch; epflow refuses it, since a version it does not
+/// know may ask for features it would otherwise silently ignore (and 0 or a stray value means
+/// the config was not made with `NCCL_EP_GROUP_CONFIG_INIT`).
+fn check_version(version: std::ffi::c_uint) -> Res<()> {
+    if API_VERSIONS.contains(&version) {
+        return Ok(());
+    }
+    Err(Fail::arg(format!(
+        "config.version is {version}, this library implements NCCL EP API version(s) {API_VERSIONS:?}: \
+         initialise the config with NCCL_EP_GROUP_CONFIG_INIT of a matching nccl_ep.h"
+    )))
+}
+
 /// The epflow config of an NCCL EP group config (checked).
 fn group_config(c: &ep::NcclEpGroupConfig, num_ranks: usize) -> Res<(GroupConfig, Shape)> {
-    if c.version != ep::NCCL_EP_API_VERSION {
-        warn(&format!(
-            "ncclEpCreateGroup: config.version is {}, this library implements API version {} (NCCL EP 0.1.0)",
-            c.version,
-            ep::NCCL_EP_API_VERSION
-        ));
-    }
+    check_version(c.version)?;
     let algorithm = match c.algorithm {
         ep::NCCL_EP_ALGO_LOW_LATENCY => Algorithm::LowLatency,
         ep::NCCL_EP_ALGO_HIGH_THROUGHPUT => Algorithm::HighThroughput,
@@ -385,6 +397,12 @@ mod tests {
     fn bad_configs_are_refused_with_the_nccl_code() {
         let code = |c: ep::NcclEpGroupConfig| group_config(&c, 2).unwrap_err().code;
         assert_eq!(code(ep::NcclEpGroupConfig { algorithm: 7, ..ll() }), ep::NCCL_INVALID_ARGUMENT);
+        for version in [0, 3, 99, u32::MAX] {
+            let e = group_config(&ep::NcclEpGroupConfig { version, ..ll() }, 2).unwrap_err();
+            assert_eq!(e.code, ep::NCCL_INVALID_ARGUMENT, "version {version}");
+            assert!(e.message.contains(&format!("config.version is {version}")), "{}", e.message);
+        }
+        assert_eq!(ll().version, ep::NCCL_EP_API_VERSION);
         assert_eq!(code(ep::NcclEpGroupConfig { num_experts: 0, ..ll() }), ep::NCCL_INVALID_ARGUMENT);
         assert_eq!(code(ep::NcclEpGroupConfig { max_token_bytes: 7, ..ll() }), ep::NCCL_INVALID_ARGUMENT);
         assert_eq!(code(ep::NcclEpGroupConfig { max_dispatch_tokens_per_rank: 0, ..ll() }), ep::NCCL_INVALID_USAGE);

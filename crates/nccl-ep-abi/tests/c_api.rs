@@ -92,6 +92,7 @@ fn a_c_program_checks_the_api() {
         stderr.contains("NCCL EP (epflow) WARN ncclEpCreateGroup: config: ncclEpGroupConfig_t.size is 8"),
         "{stderr}"
     );
+    assert!(stderr.contains("NCCL EP (epflow) WARN ncclEpCreateGroup: config.version is 99"), "{stderr}");
 }
 
 #[test]

@@ -62,6 +62,12 @@ int main(int argc, char** argv) {
     bad = cfg;
     bad.algorithm = (ncclEpAlgorithm_t)7;
     CHECK(ncclEpCreateGroup(&group, not_a_comm, &bad) == ncclInvalidArgument);
+    /* A config.version this library does not implement is refused before anything else. */
+    bad = cfg;
+    bad.version = 99;
+    CHECK(ncclEpCreateGroup(&group, not_a_comm, &bad) == ncclInvalidArgument);
+    bad.version = 0;
+    CHECK(ncclEpCreateGroup(&group, not_a_comm, &bad) == ncclInvalidArgument);
 
     /* Null groups and handles. */
     CHECK(ncclEpGroupDestroy(NULL) == ncclInvalidArgument);
