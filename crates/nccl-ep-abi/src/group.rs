@@ -55,6 +55,8 @@ pub(crate) struct Group {
     error_cleared: AtomicBool,
     /// The error already logged.
     error_logged: AtomicBool,
+    /// `ncclEpGroupDestroy` ran: the handles still holding the group refuse every call.
+    destroyed: AtomicBool,
     /// With `enable_mask`: the asynchronous error flag of masking ([`MaskFlag`]).
     mask_flag: Mutex<MaskFlag>,
     /// Host time per phase of low-latency calls (`EPFLOW_ABI_PROFILE=1`).
@@ -181,9 +183,25 @@ impl Group {
             in_flight: Mutex::new(VecDeque::new()),
             error_cleared: AtomicBool::new(false),
             error_logged: AtomicBool::new(false),
+            destroyed: AtomicBool::new(false),
             mask_flag: Mutex::new(MaskFlag::default()),
             profile: Profile::from_env(),
         }))
+    }
+
+    /// Marks the group destroyed (`ncclEpGroupDestroy`).
+    pub(crate) fn mark_destroyed(&self) {
+        self.destroyed.store(true, Ordering::Release);
+    }
+
+    /// `ncclInvalidArgument` once `ncclEpGroupDestroy` ran: a handle of the group is unusable.
+    pub(crate) fn check_not_destroyed(&self) -> Res<()> {
+        if self.destroyed.load(Ordering::Acquire) {
+            return Err(Fail::arg(
+                "the handle's ep_group was destroyed (ncclEpGroupDestroy); destroy its handles first",
+            ));
+        }
+        Ok(())
     }
 
     /// The group's timeout.

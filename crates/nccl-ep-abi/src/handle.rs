@@ -205,7 +205,7 @@ impl Handle {
 
     /// `ncclEpHandleDestroy`: completes a staged operation left behind (on the rank's stream),
     /// and lets the group read the verdicts.
-    pub(crate) fn destroy(self) -> Res<()> {
+    pub(crate) fn destroy(&self) -> Res<()> {
         let staged = self.staged.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(mut op) = staged {
             crate::status::warn("ncclEpHandleDestroy: a send-only operation was never completed; completing it now");

@@ -93,6 +93,14 @@ fn a_c_program_checks_the_api() {
         "{stderr}"
     );
     assert!(stderr.contains("NCCL EP (epflow) WARN ncclEpCreateGroup: config.version is 99"), "{stderr}");
+    assert!(
+        stderr.contains("WARN ncclEpHandleDestroy: handle (0x") && stderr.contains("is not a live handle"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("WARN ncclEpGroupDestroy: ep_group (0x") && stderr.contains("is not a live group"),
+        "{stderr}"
+    );
 }
 
 #[test]

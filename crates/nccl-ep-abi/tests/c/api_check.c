@@ -84,6 +84,28 @@ int main(int argc, char** argv) {
     CHECK(ncclEpErrorClear(NULL) == ncclInvalidArgument);
     CHECK(ncclEpMaskClean(NULL, NULL) == ncclInvalidArgument);
 
+    /* Values that name no live handle or group (destroyed already, or never made by this
+     * library): refused with ncclInvalidArgument, never dereferenced, however often. */
+    ncclEpHandle_t stale = (ncclEpHandle_t)(void*)&failures;
+    CHECK(ncclEpHandleDestroy(stale) == ncclInvalidArgument);
+    CHECK(ncclEpHandleDestroy(stale) == ncclInvalidArgument);
+    CHECK(ncclEpDispatch(stale, &in, &out, NULL, NULL, NULL) == ncclInvalidArgument);
+    CHECK(ncclEpCombine(stale, &cin, &cout, NULL, NULL) == ncclInvalidArgument);
+    CHECK(ncclEpComplete(stale, NULL, NULL) == ncclInvalidArgument);
+    CHECK(ncclEpUpdateHandle(stale, NULL, NULL, NULL) == ncclInvalidArgument);
+    ncclEpGroup_t stale_group = (ncclEpGroup_t)(void*)&version;
+    CHECK(ncclEpGroupDestroy(stale_group) == ncclInvalidArgument);
+    CHECK(ncclEpGroupDestroy(stale_group) == ncclInvalidArgument);
+    CHECK(ncclEpGetAsyncError(stale_group, &err) == ncclInvalidArgument);
+    CHECK(ncclEpErrorClear(stale_group) == ncclInvalidArgument);
+    ncclEpHandle_t h = NULL;
+    CHECK(ncclEpInitHandle(&h, stale_group, NCCL_EP_LAYOUT_EXPERT_MAJOR, NULL, 8, NULL) == ncclInvalidArgument);
+    CHECK(h == NULL);
+    CHECK(ncclEpCreateHandle(&h, stale_group, NCCL_EP_LAYOUT_EXPERT_MAJOR, NULL, NULL, NULL, NULL) ==
+          ncclInvalidArgument);
+    size_t mem = 0;
+    CHECK(ncclEpHandleMemSize(stale_group, NCCL_EP_LAYOUT_EXPERT_MAJOR, NULL, &mem, 8) == ncclInvalidArgument);
+
     /* A well-formed group config on a machine without a GPU (the harness says so): a clean
      * error, not a crash. */
     if (no_gpu) {
