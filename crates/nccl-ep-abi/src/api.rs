@@ -116,7 +116,7 @@ pub unsafe extern "C" fn ncclEpCreateGroup(
         }
         // SAFETY: forwarded contract.
         let c = unsafe { check::required(config, "config") }?;
-        let g = new_group(Group::create(comm, c)?)?;
+        let g = new_group(Group::create(comm, &c)?)?;
         // SAFETY: writable (checked non-null; contract).
         unsafe { *ep_group = g };
         Ok(())
@@ -170,11 +170,14 @@ pub unsafe extern "C" fn ncclEpHandleMemSize(
 }
 
 /// `num_topk` of `ncclEpInitHandle`/`ncclEpHandleMemSize`: required (1..=16) for low-latency;
-/// high-throughput may pass -1.
+/// high-throughput may pass -1; at most the group config's `num_topk` (API v2) when set.
 fn top_k_arg(g: &Group, num_topk: c_int) -> Res<Option<usize>> {
     match (g.shape.algorithm, num_topk) {
         (epflow_core::Algorithm::HighThroughput, k) if k <= 0 => Ok(None),
-        (_, k) if k >= 1 && k as usize <= epflow_core::config::MAX_TOP_K => Ok(Some(k as usize)),
+        (_, k) if k >= 1 && k as usize <= epflow_core::config::MAX_TOP_K => {
+            g.shape.check_top_k(k as usize)?;
+            Ok(Some(k as usize))
+        }
         (_, k) => Err(Fail::arg(format!("num_topk is {k}: must be 1 to {}", epflow_core::config::MAX_TOP_K))),
     }
 }

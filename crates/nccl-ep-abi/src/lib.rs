@@ -24,6 +24,8 @@
 //! - `ops.rs`: dispatch, combine and complete on the caller's stream and tensors.
 //! - `profile.rs`: `EPFLOW_ABI_PROFILE=1`, host time per phase of low-latency calls (and, with
 //!   `EPFLOW_ABI_STAMPS`, every call's entry and launch by the wall clock, per rank).
+//! - `v2.rs`: the structs NCCL EP's API v2 grew (and NCCL 2.31's 104-byte group config), read
+//!   from any accepted `size`; their unimplemented features refused by name.
 //! - [`header`]: the C header, generated.
 //!
 //! ## What is implemented
@@ -50,3 +52,4 @@ mod owned;
 mod profile;
 mod status;
 mod tensor;
+mod v2;

@@ -110,6 +110,8 @@ fn a_c_program_checks_the_api() {
         "{stderr}"
     );
     assert!(stderr.contains("NCCL EP (epflow) WARN ncclEpCreateGroup: config.version is 99"), "{stderr}");
+    assert!(stderr.contains("WARN ncclEpCreateGroup: config.overflow_policy is NCCL_EP_OVERFLOW_DROP"), "{stderr}");
+    assert!(stderr.contains("ncclEpGroupConfig_t.size is 100; this library reads sizes 96 (API v1), 104"), "{stderr}");
     assert!(
         stderr.contains("WARN ncclEpHandleDestroy: handle (0x") && stderr.contains("is not a live handle"),
         "{stderr}"

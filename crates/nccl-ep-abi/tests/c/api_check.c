@@ -106,6 +106,29 @@ int main(int argc, char** argv) {
     size_t mem = 0;
     CHECK(ncclEpHandleMemSize(stale_group, NCCL_EP_LAYOUT_EXPERT_MAJOR, NULL, &mem, 8) == ncclInvalidArgument);
 
+    /* API v2's 112-byte group config (NVIDIA/nccl-extensions): read up to its size; a feature
+     * epflow does not implement is ncclInvalidUsage; a size of no known layout is refused. */
+    struct {
+        ncclEpGroupConfig_t v1;
+        int zero_copy, overflow_policy;
+        unsigned int num_topk;
+        unsigned char padding_v2[4];
+    } v2;
+    memset(&v2, 0, sizeof v2);
+    v2.v1 = cfg;
+    v2.v1.size = 112;
+    v2.v1.version = 2;
+    CHECK(sizeof v2 == 112);
+    v2.overflow_policy = 2; /* NCCL_EP_OVERFLOW_DROP */
+    CHECK(ncclEpCreateGroup(&group, not_a_comm, &v2.v1) == ncclInvalidUsage);
+    v2.overflow_policy = 0;
+    v2.v1.size = 100;
+    CHECK(ncclEpCreateGroup(&group, not_a_comm, &v2.v1) == ncclInvalidArgument);
+    v2.v1.size = 112;
+    if (no_gpu) {
+        CHECK(ncclEpCreateGroup(&group, not_a_comm, &v2.v1) == ncclInvalidUsage);
+    }
+
     /* A well-formed group config on a machine without a GPU (the harness says so): a clean
      * error, not a crash. */
     if (no_gpu) {
