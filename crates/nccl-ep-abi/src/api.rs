@@ -2,7 +2,7 @@
 //! body through `entry` (no panic crosses into C) and returns an `ncclResult_t`.
 //!
 //! `ncclEpGroup_t` and `ncclEpHandle_t` are tokens of the live groups and handles
-//! ([`crate::live`]): every call looks its token up first, so a destroyed (or foreign) value is
+//! (`live.rs`): every call looks its token up first, so a destroyed (or foreign) value is
 //! `ncclInvalidArgument` with a log line, never memory read after it was freed. Collective calls
 //! must be made by every rank in the same order, as NCCL EP requires.
 
