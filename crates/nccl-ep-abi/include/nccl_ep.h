@@ -30,7 +30,8 @@ typedef enum {
     ncclInvalidUsage = 5,
     ncclRemoteError = 6,
     ncclInProgress = 7,
-    ncclNumResults = 8
+    ncclTimeout = 8,
+    ncclNumResults = 9
 } ncclResult_t;
 typedef struct ncclComm* ncclComm_t;
 typedef struct ncclWindow_vidmem* ncclWindow_t;
@@ -45,6 +46,28 @@ typedef enum {
 /* The CUDA types this header uses (no CUDA headers here). */
 typedef struct CUstream_st* cudaStream_t;
 typedef int cudaError_t;
+#endif
+
+/* Static assertions in C11 and C++ alike. */
+#if defined(__cplusplus)
+#define EPFLOW_NCCL_EP_STATIC_ASSERT(cond, msg) static_assert(cond, msg)
+#elif defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L
+#define EPFLOW_NCCL_EP_STATIC_ASSERT(cond, msg) _Static_assert(cond, msg)
+#else
+#define EPFLOW_NCCL_EP_STATIC_ASSERT(cond, msg)
+#endif
+
+/* A struct headed by size and magic, zeroed, with both set: a compound literal in C, a lambda
+ * in C++ (which has no compound literals), each usable in a declaration, an assignment or an
+ * expression. */
+#if defined(__cplusplus)
+#define EPFLOW_NCCL_EP_STRUCT_INIT(type_, magic_, extra_) \
+    ([]() -> type_ { type_ s_{}; s_.size = (unsigned int)sizeof(type_); s_.magic = (magic_); extra_ return s_; }())
+#define EPFLOW_NCCL_EP_SET_VERSION s_.version = NCCL_EP_API_VERSION;
+#else
+#define EPFLOW_NCCL_EP_STRUCT_INIT(type_, magic_, extra_) \
+    ((type_){ .size = (unsigned int)sizeof(type_), .magic = (magic_) extra_ })
+#define EPFLOW_NCCL_EP_SET_VERSION , .version = NCCL_EP_API_VERSION
 #endif
 
 #ifdef __cplusplus
@@ -92,34 +115,34 @@ typedef struct ncclEpTensor {
     uint64_t win_offset;
     size_t* sizes;
 } ncclEpTensor_t;
-_Static_assert(sizeof(ncclEpTensor_t) == 48, "ncclEpTensor_t size");
-_Static_assert(offsetof(ncclEpTensor_t, size) == 0, "ncclEpTensor_t.size offset");
-_Static_assert(offsetof(ncclEpTensor_t, magic) == 4, "ncclEpTensor_t.magic offset");
-_Static_assert(offsetof(ncclEpTensor_t, ndim) == 8, "ncclEpTensor_t.ndim offset");
-_Static_assert(offsetof(ncclEpTensor_t, datatype) == 12, "ncclEpTensor_t.datatype offset");
-_Static_assert(offsetof(ncclEpTensor_t, data) == 16, "ncclEpTensor_t.data offset");
-_Static_assert(offsetof(ncclEpTensor_t, win_hdl) == 24, "ncclEpTensor_t.win_hdl offset");
-_Static_assert(offsetof(ncclEpTensor_t, win_offset) == 32, "ncclEpTensor_t.win_offset offset");
-_Static_assert(offsetof(ncclEpTensor_t, sizes) == 40, "ncclEpTensor_t.sizes offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(sizeof(ncclEpTensor_t) == 48, "ncclEpTensor_t size");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpTensor_t, size) == 0, "ncclEpTensor_t.size offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpTensor_t, magic) == 4, "ncclEpTensor_t.magic offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpTensor_t, ndim) == 8, "ncclEpTensor_t.ndim offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpTensor_t, datatype) == 12, "ncclEpTensor_t.datatype offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpTensor_t, data) == 16, "ncclEpTensor_t.data offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpTensor_t, win_hdl) == 24, "ncclEpTensor_t.win_hdl offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpTensor_t, win_offset) == 32, "ncclEpTensor_t.win_offset offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpTensor_t, sizes) == 40, "ncclEpTensor_t.sizes offset");
 
 typedef struct {
     unsigned int size;
     unsigned int magic;
 } ncclEpTensorAllocConfig_t;
-_Static_assert(sizeof(ncclEpTensorAllocConfig_t) == 8, "ncclEpTensorAllocConfig_t size");
-_Static_assert(offsetof(ncclEpTensorAllocConfig_t, size) == 0, "ncclEpTensorAllocConfig_t.size offset");
-_Static_assert(offsetof(ncclEpTensorAllocConfig_t, magic) == 4, "ncclEpTensorAllocConfig_t.magic offset");
-#define NCCL_EP_TENSOR_ALLOC_CONFIG_INIT ((ncclEpTensorAllocConfig_t){ .size = (unsigned int)sizeof(ncclEpTensorAllocConfig_t), .magic = NCCL_EP_MAGIC })
+EPFLOW_NCCL_EP_STATIC_ASSERT(sizeof(ncclEpTensorAllocConfig_t) == 8, "ncclEpTensorAllocConfig_t size");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpTensorAllocConfig_t, size) == 0, "ncclEpTensorAllocConfig_t.size offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpTensorAllocConfig_t, magic) == 4, "ncclEpTensorAllocConfig_t.magic offset");
+#define NCCL_EP_TENSOR_ALLOC_CONFIG_INIT EPFLOW_NCCL_EP_STRUCT_INIT(ncclEpTensorAllocConfig_t, NCCL_EP_MAGIC, )
 
 typedef struct {
     ncclEpAllocFn_t alloc_fn;
     ncclEpFreeFn_t free_fn;
     void* context;
 } ncclEpAllocConfig_t;
-_Static_assert(sizeof(ncclEpAllocConfig_t) == 24, "ncclEpAllocConfig_t size");
-_Static_assert(offsetof(ncclEpAllocConfig_t, alloc_fn) == 0, "ncclEpAllocConfig_t.alloc_fn offset");
-_Static_assert(offsetof(ncclEpAllocConfig_t, free_fn) == 8, "ncclEpAllocConfig_t.free_fn offset");
-_Static_assert(offsetof(ncclEpAllocConfig_t, context) == 16, "ncclEpAllocConfig_t.context offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(sizeof(ncclEpAllocConfig_t) == 24, "ncclEpAllocConfig_t size");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpAllocConfig_t, alloc_fn) == 0, "ncclEpAllocConfig_t.alloc_fn offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpAllocConfig_t, free_fn) == 8, "ncclEpAllocConfig_t.free_fn offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpAllocConfig_t, context) == 16, "ncclEpAllocConfig_t.context offset");
 
 typedef struct {
     unsigned int size;
@@ -138,23 +161,23 @@ typedef struct {
     unsigned int enable_mask;
     uint64_t timeout_ns;
 } ncclEpGroupConfig_t;
-_Static_assert(sizeof(ncclEpGroupConfig_t) == 96, "ncclEpGroupConfig_t size");
-_Static_assert(offsetof(ncclEpGroupConfig_t, size) == 0, "ncclEpGroupConfig_t.size offset");
-_Static_assert(offsetof(ncclEpGroupConfig_t, magic) == 4, "ncclEpGroupConfig_t.magic offset");
-_Static_assert(offsetof(ncclEpGroupConfig_t, version) == 8, "ncclEpGroupConfig_t.version offset");
-_Static_assert(offsetof(ncclEpGroupConfig_t, algorithm) == 12, "ncclEpGroupConfig_t.algorithm offset");
-_Static_assert(offsetof(ncclEpGroupConfig_t, num_experts) == 16, "ncclEpGroupConfig_t.num_experts offset");
-_Static_assert(offsetof(ncclEpGroupConfig_t, max_dispatch_tokens_per_rank) == 20, "ncclEpGroupConfig_t.max_dispatch_tokens_per_rank offset");
-_Static_assert(offsetof(ncclEpGroupConfig_t, max_recv_tokens_per_rank) == 24, "ncclEpGroupConfig_t.max_recv_tokens_per_rank offset");
-_Static_assert(offsetof(ncclEpGroupConfig_t, max_token_bytes) == 28, "ncclEpGroupConfig_t.max_token_bytes offset");
-_Static_assert(offsetof(ncclEpGroupConfig_t, rdma_buffer_size) == 32, "ncclEpGroupConfig_t.rdma_buffer_size offset");
-_Static_assert(offsetof(ncclEpGroupConfig_t, num_qp_per_rank) == 40, "ncclEpGroupConfig_t.num_qp_per_rank offset");
-_Static_assert(offsetof(ncclEpGroupConfig_t, num_channels) == 44, "ncclEpGroupConfig_t.num_channels offset");
-_Static_assert(offsetof(ncclEpGroupConfig_t, max_num_sms) == 48, "ncclEpGroupConfig_t.max_num_sms offset");
-_Static_assert(offsetof(ncclEpGroupConfig_t, alloc) == 56, "ncclEpGroupConfig_t.alloc offset");
-_Static_assert(offsetof(ncclEpGroupConfig_t, enable_mask) == 80, "ncclEpGroupConfig_t.enable_mask offset");
-_Static_assert(offsetof(ncclEpGroupConfig_t, timeout_ns) == 88, "ncclEpGroupConfig_t.timeout_ns offset");
-#define NCCL_EP_GROUP_CONFIG_INIT ((ncclEpGroupConfig_t){ .size = (unsigned int)sizeof(ncclEpGroupConfig_t), .magic = NCCL_EP_MAGIC, .version = NCCL_EP_API_VERSION })
+EPFLOW_NCCL_EP_STATIC_ASSERT(sizeof(ncclEpGroupConfig_t) == 96, "ncclEpGroupConfig_t size");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpGroupConfig_t, size) == 0, "ncclEpGroupConfig_t.size offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpGroupConfig_t, magic) == 4, "ncclEpGroupConfig_t.magic offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpGroupConfig_t, version) == 8, "ncclEpGroupConfig_t.version offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpGroupConfig_t, algorithm) == 12, "ncclEpGroupConfig_t.algorithm offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpGroupConfig_t, num_experts) == 16, "ncclEpGroupConfig_t.num_experts offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpGroupConfig_t, max_dispatch_tokens_per_rank) == 20, "ncclEpGroupConfig_t.max_dispatch_tokens_per_rank offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpGroupConfig_t, max_recv_tokens_per_rank) == 24, "ncclEpGroupConfig_t.max_recv_tokens_per_rank offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpGroupConfig_t, max_token_bytes) == 28, "ncclEpGroupConfig_t.max_token_bytes offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpGroupConfig_t, rdma_buffer_size) == 32, "ncclEpGroupConfig_t.rdma_buffer_size offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpGroupConfig_t, num_qp_per_rank) == 40, "ncclEpGroupConfig_t.num_qp_per_rank offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpGroupConfig_t, num_channels) == 44, "ncclEpGroupConfig_t.num_channels offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpGroupConfig_t, max_num_sms) == 48, "ncclEpGroupConfig_t.max_num_sms offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpGroupConfig_t, alloc) == 56, "ncclEpGroupConfig_t.alloc offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpGroupConfig_t, enable_mask) == 80, "ncclEpGroupConfig_t.enable_mask offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpGroupConfig_t, timeout_ns) == 88, "ncclEpGroupConfig_t.timeout_ns offset");
+#define NCCL_EP_GROUP_CONFIG_INIT EPFLOW_NCCL_EP_STRUCT_INIT(ncclEpGroupConfig_t, NCCL_EP_MAGIC, EPFLOW_NCCL_EP_SET_VERSION)
 
 typedef struct {
     unsigned int size;
@@ -164,14 +187,14 @@ typedef struct {
     ncclEpTensor_t* expert_offsets;
     ncclEpTensor_t* recv_total_counter;
 } ncclEpLayoutInfo_t;
-_Static_assert(sizeof(ncclEpLayoutInfo_t) == 40, "ncclEpLayoutInfo_t size");
-_Static_assert(offsetof(ncclEpLayoutInfo_t, size) == 0, "ncclEpLayoutInfo_t.size offset");
-_Static_assert(offsetof(ncclEpLayoutInfo_t, magic) == 4, "ncclEpLayoutInfo_t.magic offset");
-_Static_assert(offsetof(ncclEpLayoutInfo_t, expert_counters) == 8, "ncclEpLayoutInfo_t.expert_counters offset");
-_Static_assert(offsetof(ncclEpLayoutInfo_t, src_rank_counters) == 16, "ncclEpLayoutInfo_t.src_rank_counters offset");
-_Static_assert(offsetof(ncclEpLayoutInfo_t, expert_offsets) == 24, "ncclEpLayoutInfo_t.expert_offsets offset");
-_Static_assert(offsetof(ncclEpLayoutInfo_t, recv_total_counter) == 32, "ncclEpLayoutInfo_t.recv_total_counter offset");
-#define NCCL_EP_LAYOUT_INFO_INIT ((ncclEpLayoutInfo_t){ .size = (unsigned int)sizeof(ncclEpLayoutInfo_t), .magic = NCCL_EP_MAGIC })
+EPFLOW_NCCL_EP_STATIC_ASSERT(sizeof(ncclEpLayoutInfo_t) == 40, "ncclEpLayoutInfo_t size");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpLayoutInfo_t, size) == 0, "ncclEpLayoutInfo_t.size offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpLayoutInfo_t, magic) == 4, "ncclEpLayoutInfo_t.magic offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpLayoutInfo_t, expert_counters) == 8, "ncclEpLayoutInfo_t.expert_counters offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpLayoutInfo_t, src_rank_counters) == 16, "ncclEpLayoutInfo_t.src_rank_counters offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpLayoutInfo_t, expert_offsets) == 24, "ncclEpLayoutInfo_t.expert_offsets offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpLayoutInfo_t, recv_total_counter) == 32, "ncclEpLayoutInfo_t.recv_total_counter offset");
+#define NCCL_EP_LAYOUT_INFO_INIT EPFLOW_NCCL_EP_STRUCT_INIT(ncclEpLayoutInfo_t, NCCL_EP_MAGIC, )
 
 typedef struct {
     unsigned int size;
@@ -180,13 +203,13 @@ typedef struct {
     ncclEpTensor_t* topk_weights;
     ncclEpTensor_t* scales;
 } ncclEpDispatchInputs_t;
-_Static_assert(sizeof(ncclEpDispatchInputs_t) == 32, "ncclEpDispatchInputs_t size");
-_Static_assert(offsetof(ncclEpDispatchInputs_t, size) == 0, "ncclEpDispatchInputs_t.size offset");
-_Static_assert(offsetof(ncclEpDispatchInputs_t, magic) == 4, "ncclEpDispatchInputs_t.magic offset");
-_Static_assert(offsetof(ncclEpDispatchInputs_t, tokens) == 8, "ncclEpDispatchInputs_t.tokens offset");
-_Static_assert(offsetof(ncclEpDispatchInputs_t, topk_weights) == 16, "ncclEpDispatchInputs_t.topk_weights offset");
-_Static_assert(offsetof(ncclEpDispatchInputs_t, scales) == 24, "ncclEpDispatchInputs_t.scales offset");
-#define NCCL_EP_DISPATCH_INPUTS_INIT ((ncclEpDispatchInputs_t){ .size = (unsigned int)sizeof(ncclEpDispatchInputs_t), .magic = NCCL_EP_MAGIC })
+EPFLOW_NCCL_EP_STATIC_ASSERT(sizeof(ncclEpDispatchInputs_t) == 32, "ncclEpDispatchInputs_t size");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpDispatchInputs_t, size) == 0, "ncclEpDispatchInputs_t.size offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpDispatchInputs_t, magic) == 4, "ncclEpDispatchInputs_t.magic offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpDispatchInputs_t, tokens) == 8, "ncclEpDispatchInputs_t.tokens offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpDispatchInputs_t, topk_weights) == 16, "ncclEpDispatchInputs_t.topk_weights offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpDispatchInputs_t, scales) == 24, "ncclEpDispatchInputs_t.scales offset");
+#define NCCL_EP_DISPATCH_INPUTS_INIT EPFLOW_NCCL_EP_STRUCT_INIT(ncclEpDispatchInputs_t, NCCL_EP_MAGIC, )
 
 typedef struct {
     unsigned int size;
@@ -196,14 +219,14 @@ typedef struct {
     ncclEpTensor_t* scales;
     ncclEpTensor_t* topk_idx;
 } ncclEpDispatchOutputs_t;
-_Static_assert(sizeof(ncclEpDispatchOutputs_t) == 40, "ncclEpDispatchOutputs_t size");
-_Static_assert(offsetof(ncclEpDispatchOutputs_t, size) == 0, "ncclEpDispatchOutputs_t.size offset");
-_Static_assert(offsetof(ncclEpDispatchOutputs_t, magic) == 4, "ncclEpDispatchOutputs_t.magic offset");
-_Static_assert(offsetof(ncclEpDispatchOutputs_t, tokens) == 8, "ncclEpDispatchOutputs_t.tokens offset");
-_Static_assert(offsetof(ncclEpDispatchOutputs_t, topk_weights) == 16, "ncclEpDispatchOutputs_t.topk_weights offset");
-_Static_assert(offsetof(ncclEpDispatchOutputs_t, scales) == 24, "ncclEpDispatchOutputs_t.scales offset");
-_Static_assert(offsetof(ncclEpDispatchOutputs_t, topk_idx) == 32, "ncclEpDispatchOutputs_t.topk_idx offset");
-#define NCCL_EP_DISPATCH_OUTPUTS_INIT ((ncclEpDispatchOutputs_t){ .size = (unsigned int)sizeof(ncclEpDispatchOutputs_t), .magic = NCCL_EP_MAGIC })
+EPFLOW_NCCL_EP_STATIC_ASSERT(sizeof(ncclEpDispatchOutputs_t) == 40, "ncclEpDispatchOutputs_t size");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpDispatchOutputs_t, size) == 0, "ncclEpDispatchOutputs_t.size offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpDispatchOutputs_t, magic) == 4, "ncclEpDispatchOutputs_t.magic offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpDispatchOutputs_t, tokens) == 8, "ncclEpDispatchOutputs_t.tokens offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpDispatchOutputs_t, topk_weights) == 16, "ncclEpDispatchOutputs_t.topk_weights offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpDispatchOutputs_t, scales) == 24, "ncclEpDispatchOutputs_t.scales offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpDispatchOutputs_t, topk_idx) == 32, "ncclEpDispatchOutputs_t.topk_idx offset");
+#define NCCL_EP_DISPATCH_OUTPUTS_INIT EPFLOW_NCCL_EP_STRUCT_INIT(ncclEpDispatchOutputs_t, NCCL_EP_MAGIC, )
 
 typedef struct {
     unsigned int size;
@@ -211,12 +234,12 @@ typedef struct {
     ncclEpTensor_t* tokens;
     ncclEpTensor_t* topk_weights;
 } ncclEpCombineInputs_t;
-_Static_assert(sizeof(ncclEpCombineInputs_t) == 24, "ncclEpCombineInputs_t size");
-_Static_assert(offsetof(ncclEpCombineInputs_t, size) == 0, "ncclEpCombineInputs_t.size offset");
-_Static_assert(offsetof(ncclEpCombineInputs_t, magic) == 4, "ncclEpCombineInputs_t.magic offset");
-_Static_assert(offsetof(ncclEpCombineInputs_t, tokens) == 8, "ncclEpCombineInputs_t.tokens offset");
-_Static_assert(offsetof(ncclEpCombineInputs_t, topk_weights) == 16, "ncclEpCombineInputs_t.topk_weights offset");
-#define NCCL_EP_COMBINE_INPUTS_INIT ((ncclEpCombineInputs_t){ .size = (unsigned int)sizeof(ncclEpCombineInputs_t), .magic = NCCL_EP_MAGIC })
+EPFLOW_NCCL_EP_STATIC_ASSERT(sizeof(ncclEpCombineInputs_t) == 24, "ncclEpCombineInputs_t size");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpCombineInputs_t, size) == 0, "ncclEpCombineInputs_t.size offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpCombineInputs_t, magic) == 4, "ncclEpCombineInputs_t.magic offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpCombineInputs_t, tokens) == 8, "ncclEpCombineInputs_t.tokens offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpCombineInputs_t, topk_weights) == 16, "ncclEpCombineInputs_t.topk_weights offset");
+#define NCCL_EP_COMBINE_INPUTS_INIT EPFLOW_NCCL_EP_STRUCT_INIT(ncclEpCombineInputs_t, NCCL_EP_MAGIC, )
 
 typedef struct {
     unsigned int size;
@@ -224,23 +247,23 @@ typedef struct {
     ncclEpTensor_t* tokens;
     ncclEpTensor_t* topk_weights;
 } ncclEpCombineOutputs_t;
-_Static_assert(sizeof(ncclEpCombineOutputs_t) == 24, "ncclEpCombineOutputs_t size");
-_Static_assert(offsetof(ncclEpCombineOutputs_t, size) == 0, "ncclEpCombineOutputs_t.size offset");
-_Static_assert(offsetof(ncclEpCombineOutputs_t, magic) == 4, "ncclEpCombineOutputs_t.magic offset");
-_Static_assert(offsetof(ncclEpCombineOutputs_t, tokens) == 8, "ncclEpCombineOutputs_t.tokens offset");
-_Static_assert(offsetof(ncclEpCombineOutputs_t, topk_weights) == 16, "ncclEpCombineOutputs_t.topk_weights offset");
-#define NCCL_EP_COMBINE_OUTPUTS_INIT ((ncclEpCombineOutputs_t){ .size = (unsigned int)sizeof(ncclEpCombineOutputs_t), .magic = NCCL_EP_MAGIC })
+EPFLOW_NCCL_EP_STATIC_ASSERT(sizeof(ncclEpCombineOutputs_t) == 24, "ncclEpCombineOutputs_t size");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpCombineOutputs_t, size) == 0, "ncclEpCombineOutputs_t.size offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpCombineOutputs_t, magic) == 4, "ncclEpCombineOutputs_t.magic offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpCombineOutputs_t, tokens) == 8, "ncclEpCombineOutputs_t.tokens offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpCombineOutputs_t, topk_weights) == 16, "ncclEpCombineOutputs_t.topk_weights offset");
+#define NCCL_EP_COMBINE_OUTPUTS_INIT EPFLOW_NCCL_EP_STRUCT_INIT(ncclEpCombineOutputs_t, NCCL_EP_MAGIC, )
 
 typedef struct {
     unsigned int size;
     unsigned int magic;
     size_t dispatch_output_per_expert_alignment;
 } ncclEpHandleConfig_t;
-_Static_assert(sizeof(ncclEpHandleConfig_t) == 16, "ncclEpHandleConfig_t size");
-_Static_assert(offsetof(ncclEpHandleConfig_t, size) == 0, "ncclEpHandleConfig_t.size offset");
-_Static_assert(offsetof(ncclEpHandleConfig_t, magic) == 4, "ncclEpHandleConfig_t.magic offset");
-_Static_assert(offsetof(ncclEpHandleConfig_t, dispatch_output_per_expert_alignment) == 8, "ncclEpHandleConfig_t.dispatch_output_per_expert_alignment offset");
-#define NCCL_EP_HANDLE_CONFIG_INIT ((ncclEpHandleConfig_t){ .size = (unsigned int)sizeof(ncclEpHandleConfig_t), .magic = NCCL_EP_MAGIC })
+EPFLOW_NCCL_EP_STATIC_ASSERT(sizeof(ncclEpHandleConfig_t) == 16, "ncclEpHandleConfig_t size");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpHandleConfig_t, size) == 0, "ncclEpHandleConfig_t.size offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpHandleConfig_t, magic) == 4, "ncclEpHandleConfig_t.magic offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpHandleConfig_t, dispatch_output_per_expert_alignment) == 8, "ncclEpHandleConfig_t.dispatch_output_per_expert_alignment offset");
+#define NCCL_EP_HANDLE_CONFIG_INIT EPFLOW_NCCL_EP_STRUCT_INIT(ncclEpHandleConfig_t, NCCL_EP_MAGIC, )
 
 typedef struct {
     unsigned int size;
@@ -249,13 +272,13 @@ typedef struct {
     unsigned int round_scales;
     ncclEpPassDir_t pass_direction;
 } ncclEpDispatchConfig_t;
-_Static_assert(sizeof(ncclEpDispatchConfig_t) == 20, "ncclEpDispatchConfig_t size");
-_Static_assert(offsetof(ncclEpDispatchConfig_t, size) == 0, "ncclEpDispatchConfig_t.size offset");
-_Static_assert(offsetof(ncclEpDispatchConfig_t, magic) == 4, "ncclEpDispatchConfig_t.magic offset");
-_Static_assert(offsetof(ncclEpDispatchConfig_t, send_only) == 8, "ncclEpDispatchConfig_t.send_only offset");
-_Static_assert(offsetof(ncclEpDispatchConfig_t, round_scales) == 12, "ncclEpDispatchConfig_t.round_scales offset");
-_Static_assert(offsetof(ncclEpDispatchConfig_t, pass_direction) == 16, "ncclEpDispatchConfig_t.pass_direction offset");
-#define NCCL_EP_DISPATCH_CONFIG_INIT ((ncclEpDispatchConfig_t){ .size = (unsigned int)sizeof(ncclEpDispatchConfig_t), .magic = NCCL_EP_MAGIC })
+EPFLOW_NCCL_EP_STATIC_ASSERT(sizeof(ncclEpDispatchConfig_t) == 20, "ncclEpDispatchConfig_t size");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpDispatchConfig_t, size) == 0, "ncclEpDispatchConfig_t.size offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpDispatchConfig_t, magic) == 4, "ncclEpDispatchConfig_t.magic offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpDispatchConfig_t, send_only) == 8, "ncclEpDispatchConfig_t.send_only offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpDispatchConfig_t, round_scales) == 12, "ncclEpDispatchConfig_t.round_scales offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpDispatchConfig_t, pass_direction) == 16, "ncclEpDispatchConfig_t.pass_direction offset");
+#define NCCL_EP_DISPATCH_CONFIG_INIT EPFLOW_NCCL_EP_STRUCT_INIT(ncclEpDispatchConfig_t, NCCL_EP_MAGIC, )
 
 typedef struct {
     unsigned int size;
@@ -263,23 +286,24 @@ typedef struct {
     unsigned int send_only;
     ncclEpPassDir_t pass_direction;
 } ncclEpCombineConfig_t;
-_Static_assert(sizeof(ncclEpCombineConfig_t) == 16, "ncclEpCombineConfig_t size");
-_Static_assert(offsetof(ncclEpCombineConfig_t, size) == 0, "ncclEpCombineConfig_t.size offset");
-_Static_assert(offsetof(ncclEpCombineConfig_t, magic) == 4, "ncclEpCombineConfig_t.magic offset");
-_Static_assert(offsetof(ncclEpCombineConfig_t, send_only) == 8, "ncclEpCombineConfig_t.send_only offset");
-_Static_assert(offsetof(ncclEpCombineConfig_t, pass_direction) == 12, "ncclEpCombineConfig_t.pass_direction offset");
-#define NCCL_EP_COMBINE_CONFIG_INIT ((ncclEpCombineConfig_t){ .size = (unsigned int)sizeof(ncclEpCombineConfig_t), .magic = NCCL_EP_MAGIC })
+EPFLOW_NCCL_EP_STATIC_ASSERT(sizeof(ncclEpCombineConfig_t) == 16, "ncclEpCombineConfig_t size");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpCombineConfig_t, size) == 0, "ncclEpCombineConfig_t.size offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpCombineConfig_t, magic) == 4, "ncclEpCombineConfig_t.magic offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpCombineConfig_t, send_only) == 8, "ncclEpCombineConfig_t.send_only offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpCombineConfig_t, pass_direction) == 12, "ncclEpCombineConfig_t.pass_direction offset");
+#define NCCL_EP_COMBINE_CONFIG_INIT EPFLOW_NCCL_EP_STRUCT_INIT(ncclEpCombineConfig_t, NCCL_EP_MAGIC, )
 
 typedef struct ncclEpCompleteConfig {
     unsigned int size;
     unsigned int magic;
 } ncclEpCompleteConfig_t;
-_Static_assert(sizeof(ncclEpCompleteConfig_t) == 8, "ncclEpCompleteConfig_t size");
-_Static_assert(offsetof(ncclEpCompleteConfig_t, size) == 0, "ncclEpCompleteConfig_t.size offset");
-_Static_assert(offsetof(ncclEpCompleteConfig_t, magic) == 4, "ncclEpCompleteConfig_t.magic offset");
-#define NCCL_EP_COMPLETE_CONFIG_INIT ((ncclEpCompleteConfig_t){ .size = (unsigned int)sizeof(ncclEpCompleteConfig_t), .magic = NCCL_EP_MAGIC })
+EPFLOW_NCCL_EP_STATIC_ASSERT(sizeof(ncclEpCompleteConfig_t) == 8, "ncclEpCompleteConfig_t size");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpCompleteConfig_t, size) == 0, "ncclEpCompleteConfig_t.size offset");
+EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof(ncclEpCompleteConfig_t, magic) == 4, "ncclEpCompleteConfig_t.magic offset");
+#define NCCL_EP_COMPLETE_CONFIG_INIT EPFLOW_NCCL_EP_STRUCT_INIT(ncclEpCompleteConfig_t, NCCL_EP_MAGIC, )
+/* Designated initializers: C, or C++20. */
 #define NCCL_EP_TENSOR_INIT_INLINE .size = (unsigned int)sizeof(ncclEpTensor_t), .magic = NCCL_EP_TENSOR_MAGIC
-#define NCCL_EP_TENSOR_INIT ((ncclEpTensor_t){ NCCL_EP_TENSOR_INIT_INLINE })
+#define NCCL_EP_TENSOR_INIT EPFLOW_NCCL_EP_STRUCT_INIT(ncclEpTensor_t, NCCL_EP_TENSOR_MAGIC, )
 
 ncclResult_t ncclEpGetVersion(int* version);
 ncclResult_t ncclEpTensorAlloc(ncclEpTensor_t** tensor, unsigned int ndim, ncclDataType_t datatype, const size_t* sizes, const ncclEpTensorAllocConfig_t* config);

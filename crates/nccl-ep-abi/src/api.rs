@@ -1,9 +1,10 @@
 //! The exported C functions of `nccl_ep.h` (NCCL EP 0.1.0): each checks its pointers, runs its
 //! body through `entry` (no panic crosses into C) and returns an `ncclResult_t`.
 //!
-//! `ncclEpGroup_t` is a boxed `Arc<Group>`, `ncclEpHandle_t` a boxed `Handle`; both are freed
-//! by their destroy call. Collective calls must be made by every rank in the same order, as
-//! NCCL EP requires.
+//! `ncclEpGroup_t` and `ncclEpHandle_t` are tokens of the live groups and handles
+//! (`live.rs`): every call looks its token up first, so a destroyed (or foreign) value is
+//! `ncclInvalidArgument` with a log line, never memory read after it was freed. Collective calls
+//! must be made by every rank in the same order, as NCCL EP requires.
 
 use std::ffi::{c_int, c_uint};
 use std::sync::Arc;
@@ -15,28 +16,38 @@ use nccl_ep_sys as ep;
 use crate::check;
 use crate::group::Group;
 use crate::handle::{HANDLE_MEM_BYTES, Handle, layout_of, sync_stream};
+use crate::live::Registry;
 use crate::status::{Fail, Res, entry, warn};
 
 /// Marks this library as epflow's (see [`ep::EPFLOW_MARKER`]): NCCL EP's version code.
 #[unsafe(export_name = "epflowNcclEpAbiVersion")]
 pub static EPFLOW_NCCL_EP_ABI_VERSION: c_int = ep::NCCL_EP_VERSION_CODE;
 
-fn group<'a>(g: ep::NcclEpGroup) -> Res<&'a Arc<Group>> {
-    if g.is_null() {
-        return Err(Fail::arg("ep_group is NULL"));
-    }
-    // SAFETY: a non-null ncclEpGroup_t is a `Box<Arc<Group>>` from ncclEpCreateGroup, live until
-    // ncclEpGroupDestroy (the API's contract).
-    Ok(unsafe { &*(g as *const Arc<Group>) })
+/// The live groups, by the `ncclEpGroup_t` token handed out.
+static GROUPS: Registry<Group> = Registry::new("group");
+/// The live handles, by the `ncclEpHandle_t` token handed out.
+static HANDLES: Registry<Handle> = Registry::new("handle");
+
+/// The live group `g` (`ncclInvalidArgument` for NULL, a destroyed or a foreign value).
+fn group(g: ep::NcclEpGroup) -> Res<Arc<Group>> {
+    GROUPS.get(g.addr(), "ep_group")
 }
 
-fn handle<'a>(h: ep::NcclEpHandle) -> Res<&'a Handle> {
-    if h.is_null() {
-        return Err(Fail::arg("handle is NULL"));
-    }
-    // SAFETY: a non-null ncclEpHandle_t is a `Box<Handle>` from ncclEpInitHandle /
-    // ncclEpCreateHandle, live until ncclEpHandleDestroy.
-    Ok(unsafe { &*(h as *const Handle) })
+/// The live handle `h`, whose group is live too.
+fn handle(h: ep::NcclEpHandle) -> Res<Arc<Handle>> {
+    let h = HANDLES.get(h.addr(), "handle")?;
+    h.group.check_not_destroyed()?;
+    Ok(h)
+}
+
+/// Registers a new group and returns the `ncclEpGroup_t` the caller gets.
+fn new_group(g: Arc<Group>) -> Res<ep::NcclEpGroup> {
+    GROUPS.insert(g).map(std::ptr::without_provenance_mut)
+}
+
+/// Registers a new handle and returns the `ncclEpHandle_t` the caller gets.
+fn new_handle(h: Handle) -> Res<ep::NcclEpHandle> {
+    HANDLES.insert(Arc::new(h)).map(std::ptr::without_provenance_mut)
 }
 
 fn out_ptr<T>(p: *mut T, what: &str) -> Res<()> {
@@ -105,24 +116,25 @@ pub unsafe extern "C" fn ncclEpCreateGroup(
         }
         // SAFETY: forwarded contract.
         let c = unsafe { check::required(config, "config") }?;
-        let g = Group::create(comm, c)?;
+        let g = new_group(Group::create(comm, &c)?)?;
         // SAFETY: writable (checked non-null; contract).
-        unsafe { *ep_group = Box::into_raw(Box::new(g)) as ep::NcclEpGroup };
+        unsafe { *ep_group = g };
         Ok(())
     })
 }
 
-/// `ncclEpGroupDestroy` (collective): waits for the group's operations and for every rank.
+/// `ncclEpGroupDestroy` (collective): waits for the group's operations and for every rank. A
+/// group destroyed already is `ncclInvalidArgument`; handles of a destroyed group refuse every
+/// call but their destroy.
 ///
 /// # Safety
 ///
-/// `ep_group` from `ncclEpCreateGroup`, not destroyed yet; no call on it runs concurrently.
+/// No call on `ep_group` runs concurrently (any value is checked against the live groups).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclEpGroupDestroy(ep_group: ep::NcclEpGroup) -> ep::NcclResult {
     entry("ncclEpGroupDestroy", || {
-        group(ep_group)?;
-        // SAFETY: the `Box<Arc<Group>>` of ncclEpCreateGroup, taken back once.
-        let g = unsafe { Box::from_raw(ep_group as *mut Arc<Group>) };
+        let g = GROUPS.remove(ep_group.addr(), "ep_group")?;
+        g.mark_destroyed();
         if Arc::strong_count(&g) > 1 {
             warn("ncclEpGroupDestroy: handles of the group are still alive; destroy them first");
         }
@@ -150,7 +162,7 @@ pub unsafe extern "C" fn ncclEpHandleMemSize(
         // SAFETY: forwarded contract.
         unsafe { check::api_struct(config, "config") }?;
         layout_of(g.shape.algorithm, layout)?;
-        top_k_arg(g, num_topk)?;
+        top_k_arg(&g, num_topk)?;
         // SAFETY: writable (checked; contract).
         unsafe { *size_out = HANDLE_MEM_BYTES };
         Ok(())
@@ -158,11 +170,14 @@ pub unsafe extern "C" fn ncclEpHandleMemSize(
 }
 
 /// `num_topk` of `ncclEpInitHandle`/`ncclEpHandleMemSize`: required (1..=16) for low-latency;
-/// high-throughput may pass -1.
+/// high-throughput may pass -1; at most the group config's `num_topk` (API v2) when set.
 fn top_k_arg(g: &Group, num_topk: c_int) -> Res<Option<usize>> {
     match (g.shape.algorithm, num_topk) {
         (epflow_core::Algorithm::HighThroughput, k) if k <= 0 => Ok(None),
-        (_, k) if k >= 1 && k as usize <= epflow_core::config::MAX_TOP_K => Ok(Some(k as usize)),
+        (_, k) if k >= 1 && k as usize <= epflow_core::config::MAX_TOP_K => {
+            g.shape.check_top_k(k as usize)?;
+            Ok(Some(k as usize))
+        }
         (_, k) => Err(Fail::arg(format!("num_topk is {k}: must be 1 to {}", epflow_core::config::MAX_TOP_K))),
     }
 }
@@ -197,10 +212,10 @@ pub unsafe extern "C" fn ncclEpInitHandle(
             }
         }
         let l = layout_of(g.shape.algorithm, layout)?;
-        let k = top_k_arg(g, num_topk)?;
-        let h = Box::new(Handle::new(Arc::clone(g), l, k));
+        let k = top_k_arg(&g, num_topk)?;
+        let h = new_handle(Handle::new(Arc::clone(&g), l, k))?;
         // SAFETY: writable (checked; contract).
-        unsafe { *handle = Box::into_raw(h) as ep::NcclEpHandle };
+        unsafe { *handle = h };
         Ok(())
     })
 }
@@ -246,26 +261,30 @@ pub unsafe extern "C" fn ncclEpCreateHandle(
         // SAFETY: forwarded contract.
         unsafe { check::api_struct(config, "config") }?;
         let l = layout_of(g.shape.algorithm, layout)?;
-        let h = Handle::new(Arc::clone(g), l, None);
+        let h = Handle::new(Arc::clone(&g), l, None);
         // SAFETY: forwarded contract.
         unsafe { h.update(topk_idx, layout_info, stream) }?;
+        let h = new_handle(h)?;
         // SAFETY: writable (checked; contract).
-        unsafe { *handle = Box::into_raw(Box::new(h)) as ep::NcclEpHandle };
+        unsafe { *handle = h };
         Ok(())
     })
 }
 
-/// `ncclEpHandleDestroy`.
+/// `ncclEpHandleDestroy`: a handle destroyed already is `ncclInvalidArgument`. A handle whose
+/// group was destroyed first is freed (with a log line).
 ///
 /// # Safety
 ///
-/// `handle` from `ncclEpInitHandle`/`ncclEpCreateHandle`, not destroyed yet.
+/// No call on `handle` runs concurrently (any value is checked against the live handles).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclEpHandleDestroy(handle: ep::NcclEpHandle) -> ep::NcclResult {
     entry("ncclEpHandleDestroy", || {
-        self::handle(handle)?;
-        // SAFETY: the `Box<Handle>` of its creation, taken back once.
-        let h = unsafe { Box::from_raw(handle as *mut Handle) };
+        let h = HANDLES.remove(handle.addr(), "handle")?;
+        if h.group.check_not_destroyed().is_err() {
+            warn("ncclEpHandleDestroy: the handle's group was destroyed before it; freeing the handle");
+            return Ok(());
+        }
         h.destroy()
     })
 }
@@ -287,7 +306,7 @@ pub unsafe extern "C" fn ncclEpDispatch(
     entry("ncclEpDispatch", || {
         let h = self::handle(handle)?;
         // SAFETY: forwarded contract.
-        unsafe { crate::ops::dispatch(h, inputs, outputs, layout_info, config, stream) }
+        unsafe { crate::ops::dispatch(&h, inputs, outputs, layout_info, config, stream) }
     })
 }
 
@@ -307,7 +326,7 @@ pub unsafe extern "C" fn ncclEpCombine(
     entry("ncclEpCombine", || {
         let h = self::handle(handle)?;
         // SAFETY: forwarded contract.
-        unsafe { crate::ops::combine(h, inputs, outputs, config, stream) }
+        unsafe { crate::ops::combine(&h, inputs, outputs, config, stream) }
     })
 }
 
@@ -326,7 +345,7 @@ pub unsafe extern "C" fn ncclEpComplete(
     entry("ncclEpComplete", || {
         let h = self::handle(handle)?;
         // SAFETY: forwarded contract.
-        unsafe { crate::ops::complete_staged(h, config, stream) }
+        unsafe { crate::ops::complete_staged(&h, config, stream) }
     })
 }
 

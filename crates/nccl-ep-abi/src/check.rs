@@ -11,55 +11,71 @@ use nccl_ep_sys as ep;
 
 use crate::status::{Fail, Res};
 
-/// A struct headed by `size` and `magic`.
+/// A struct headed by `size` and `magic`, as the caller's header declares it: this library
+/// reads it into [`ApiStruct::Read`] (the newest layout it knows), taking only the bytes the
+/// caller's `size` covers and zero for the rest (NVIDIA's append-only rule).
 pub(crate) trait ApiStruct: Sized {
     /// The C name, for messages.
     const NAME: &'static str;
+    /// The newest layout this library reads (a `repr(C)` struct whose every field is valid when
+    /// all zero: integers, raw pointers, `Option` of function pointers).
+    type Read: Copy;
+    /// The accepted `size`s, each with the bytes of the caller's struct that hold fields of
+    /// [`ApiStruct::Read`] (smaller than the size where the layout ends in padding that a later
+    /// layout gave a field: NCCL 2.31's 104-byte group config), oldest first.
+    const LAYOUTS: &'static [(c_uint, usize, &'static str)];
 }
 
 macro_rules! api_structs {
-    ($($t:ident => $name:literal),* $(,)?) => {
+    ($($t:ident => $name:literal, $read:ty, [$(($size:expr, $bytes:expr, $what:literal)),+]);* $(;)?) => {
         $(impl ApiStruct for ep::$t {
             const NAME: &'static str = $name;
+            type Read = $read;
+            const LAYOUTS: &'static [(c_uint, usize, &'static str)] = &[$(($size, $bytes, $what)),+];
         })*
     };
 }
 
+use crate::v2;
+
 api_structs!(
-    NcclEpGroupConfig => "ncclEpGroupConfig_t",
-    NcclEpLayoutInfo => "ncclEpLayoutInfo_t",
-    NcclEpDispatchInputs => "ncclEpDispatchInputs_t",
-    NcclEpDispatchOutputs => "ncclEpDispatchOutputs_t",
-    NcclEpCombineInputs => "ncclEpCombineInputs_t",
-    NcclEpCombineOutputs => "ncclEpCombineOutputs_t",
-    NcclEpHandleConfig => "ncclEpHandleConfig_t",
-    NcclEpDispatchConfig => "ncclEpDispatchConfig_t",
-    NcclEpCombineConfig => "ncclEpCombineConfig_t",
-    NcclEpCompleteConfig => "ncclEpCompleteConfig_t",
-    NcclEpTensorAllocConfig => "ncclEpTensorAllocConfig_t",
+    NcclEpGroupConfig => "ncclEpGroupConfig_t", v2::GroupConfig,
+        [(96, 96, "API v1"), (104, 100, "NCCL 2.31 dev (API v1 + zero_copy)"), (112, 112, "API v2")];
+    NcclEpLayoutInfo => "ncclEpLayoutInfo_t", v2::LayoutInfo, [(40, 40, "API v1"), (48, 48, "API v2")];
+    NcclEpDispatchInputs => "ncclEpDispatchInputs_t", ep::NcclEpDispatchInputs, [(32, 32, "API v1 and v2")];
+    NcclEpDispatchOutputs => "ncclEpDispatchOutputs_t", ep::NcclEpDispatchOutputs, [(40, 40, "API v1 and v2")];
+    NcclEpCombineInputs => "ncclEpCombineInputs_t", v2::CombineInputs, [(24, 24, "API v1"), (32, 32, "API v2")];
+    NcclEpCombineOutputs => "ncclEpCombineOutputs_t", ep::NcclEpCombineOutputs, [(24, 24, "API v1 and v2")];
+    NcclEpHandleConfig => "ncclEpHandleConfig_t", ep::NcclEpHandleConfig, [(16, 16, "API v1 and v2")];
+    NcclEpDispatchConfig => "ncclEpDispatchConfig_t", v2::DispatchConfig, [(20, 20, "API v1"), (24, 24, "API v2")];
+    NcclEpCombineConfig => "ncclEpCombineConfig_t", v2::CombineConfig, [(16, 16, "API v1"), (20, 20, "API v2")];
+    NcclEpCompleteConfig => "ncclEpCompleteConfig_t", ep::NcclEpCompleteConfig, [(8, 8, "API v1 and v2")];
+    NcclEpTensorAllocConfig => "ncclEpTensorAllocConfig_t", ep::NcclEpTensorAllocConfig, [(8, 8, "API v1 and v2")];
 );
 
-/// Checks `size` and `magic` of the struct at `p`; `None` for a null pointer (an optional
-/// argument: the caller decides whether null is allowed).
+/// Checks `size` and `magic` of the struct at `p` and reads it (see [`ApiStruct`]); `None` for
+/// a null pointer (an optional argument: the caller decides whether null is allowed). A `size`
+/// that is none of [`ApiStruct::LAYOUTS`] is `ncclInvalidArgument`, with the sizes accepted.
 ///
 /// # Safety
 ///
-/// `p` is null or points to a readable `T` (the caller's struct, as the C API requires).
-pub(crate) unsafe fn api_struct<'a, T: ApiStruct>(p: *const T, what: &str) -> Res<Option<&'a T>> {
+/// `p` is null or points to a readable struct of its `size` bytes (the caller's struct, as the
+/// C API requires).
+pub(crate) unsafe fn api_struct<T: ApiStruct>(p: *const T, what: &str) -> Res<Option<T::Read>> {
     if p.is_null() {
         return Ok(None);
     }
-    // SAFETY: the caller guarantees a readable `T`; only its first 8 bytes are read before the
-    // size is known to match (so a smaller struct of an older header is not over-read).
+    // SAFETY: the caller guarantees a readable struct; only its first 8 bytes (size and magic,
+    // in every layout) are read before the size is known.
     let (size, magic) = unsafe { *(p as *const (c_uint, c_uint)) };
-    let want = std::mem::size_of::<T>() as c_uint;
-    if size != want {
+    let Some(&(_, bytes, _)) = T::LAYOUTS.iter().find(|l| l.0 == size) else {
+        let known: Vec<String> = T::LAYOUTS.iter().map(|(s, _, v)| format!("{s} ({v})")).collect();
         return Err(Fail::arg(format!(
-            "{what}: {}.size is {size}, this library's sizeof({}) is {want} (built against another nccl_ep.h?)",
+            "{what}: {}.size is {size}; this library reads sizes {} (built against another nccl_ep.h?)",
             T::NAME,
-            T::NAME
+            known.join(", ")
         )));
-    }
+    };
     if magic != ep::NCCL_EP_MAGIC {
         return Err(Fail::arg(format!(
             "{what}: {}.magic is {magic:#x}, not NCCL_EP_MAGIC ({:#x}): initialise it with its _INIT macro",
@@ -67,8 +83,14 @@ pub(crate) unsafe fn api_struct<'a, T: ApiStruct>(p: *const T, what: &str) -> Re
             ep::NCCL_EP_MAGIC
         )));
     }
-    // SAFETY: size and magic match: a whole `T` of this layout.
-    Ok(Some(unsafe { &*p }))
+    let bytes = bytes.min(std::mem::size_of::<T::Read>());
+    let mut out = std::mem::MaybeUninit::<T::Read>::zeroed();
+    // SAFETY: the caller's struct has `size >= bytes` readable bytes (a layout of that size);
+    // `out` has room for `bytes` (clamped to its size) and does not overlap the caller's memory.
+    unsafe { std::ptr::copy_nonoverlapping(p as *const u8, out.as_mut_ptr() as *mut u8, bytes) };
+    // SAFETY: every field of `T::Read` is valid all-zero (the trait's contract), and the bytes
+    // copied over the zeros are the caller's values of the same fields in the same layout.
+    Ok(Some(unsafe { out.assume_init() }))
 }
 
 /// [`api_struct`] for a required argument: null is `ncclInvalidArgument`.
@@ -76,7 +98,7 @@ pub(crate) unsafe fn api_struct<'a, T: ApiStruct>(p: *const T, what: &str) -> Re
 /// # Safety
 ///
 /// As [`api_struct`].
-pub(crate) unsafe fn required<'a, T: ApiStruct>(p: *const T, what: &str) -> Res<&'a T> {
+pub(crate) unsafe fn required<T: ApiStruct>(p: *const T, what: &str) -> Res<T::Read> {
     // SAFETY: forwarded contract.
     unsafe { api_struct(p, what) }?.ok_or_else(|| Fail::arg(format!("{what} is NULL")))
 }
@@ -216,12 +238,18 @@ mod tests {
     #[test]
     fn structs_need_size_and_magic() {
         let ok = ep::NcclEpDispatchConfig::default();
-        // SAFETY: pointers to live structs.
+        // SAFETY: pointers to live structs of their size.
         unsafe {
-            assert!(api_struct(&ok, "config").unwrap().is_some());
+            assert_eq!(api_struct(&ok, "config").unwrap().unwrap().v1.size, 20);
             assert!(api_struct(std::ptr::null::<ep::NcclEpDispatchConfig>(), "config").unwrap().is_none());
             let bad_size = ep::NcclEpDispatchConfig { size: 16, ..ok };
-            assert_eq!(api_struct(&bad_size, "config").unwrap_err().code, ep::NCCL_INVALID_ARGUMENT);
+            let e = api_struct(&bad_size, "config").unwrap_err();
+            assert_eq!(e.code, ep::NCCL_INVALID_ARGUMENT);
+            assert!(
+                e.message.contains("size is 16; this library reads sizes 20 (API v1), 24 (API v2)"),
+                "{}",
+                e.message
+            );
             let bad_magic = ep::NcclEpDispatchConfig { magic: 0, ..ok };
             assert_eq!(api_struct(&bad_magic, "config").unwrap_err().code, ep::NCCL_INVALID_ARGUMENT);
             assert_eq!(
@@ -229,6 +257,83 @@ mod tests {
                 ep::NCCL_INVALID_ARGUMENT
             );
         }
+    }
+
+    /// The caller's bytes of a struct of `size`, the rest of a 128-byte buffer 0xAB (what a
+    /// reader must not take).
+    fn bytes_of<T>(value: &T, size: u32) -> [u64; 16] {
+        let mut buf = [0xABAB_ABAB_ABAB_ABABu64; 16];
+        // SAFETY: `value` is a live `T`; the buffer is 128 bytes, more than any T here.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                value as *const T as *const u8,
+                buf.as_mut_ptr() as *mut u8,
+                std::mem::size_of::<T>(),
+            )
+        };
+        buf[0] = u64::from(size) | (u64::from(ep::NCCL_EP_MAGIC) << 32);
+        buf
+    }
+
+    /// `value`'s first `size` bytes (the rest 0xAB) read as a `T` of that size.
+    fn read_as<T: ApiStruct, V>(value: &V, size: u32) -> Res<Option<T::Read>> {
+        let buf = bytes_of(value, size);
+        // SAFETY: a live 128-byte buffer, larger than any size accepted, headed by size and magic.
+        unsafe { api_struct(buf.as_ptr() as *const T, "s") }
+    }
+
+    #[test]
+    fn every_group_config_size_is_read_up_to_its_size() {
+        let v1 = ep::NcclEpGroupConfig { num_experts: 16, timeout_ns: 7, ..Default::default() };
+        let full = v2::GroupConfig { v1, zero_copy: 2, overflow_policy: 1, num_topk: 8, padding_v2: [0; 4] };
+        let read = |size: u32| read_as::<ep::NcclEpGroupConfig, _>(&full, size);
+        let r = read(96).unwrap().unwrap();
+        assert_eq!((r.v1.num_experts, r.v1.timeout_ns), (16, 7));
+        assert_eq!((r.zero_copy, r.overflow_policy, r.num_topk), (0, 0, 0), "beyond v1: zero");
+        // NCCL 2.31's 104 bytes: zero_copy, then padding (read as nothing).
+        let r = read(104).unwrap().unwrap();
+        assert_eq!((r.v1.num_experts, r.zero_copy, r.overflow_policy, r.num_topk), (16, 2, 0, 0));
+        let r = read(112).unwrap().unwrap();
+        assert_eq!((r.v1.num_experts, r.zero_copy, r.overflow_policy, r.num_topk), (16, 2, 1, 8));
+        for bad in [0, 8, 88, 100, 108, 120, 128] {
+            let e = read(bad).unwrap_err();
+            assert_eq!(e.code, ep::NCCL_INVALID_ARGUMENT, "size {bad}");
+            assert!(e.message.contains("96 (API v1), 104 (NCCL 2.31 dev"), "{}", e.message);
+        }
+    }
+
+    #[test]
+    fn every_v2_struct_size_is_read_up_to_its_size() {
+        let t = 0x1000 as *mut ep::NcclEpTensor;
+        let info = v2::LayoutInfo {
+            v1: ep::NcclEpLayoutInfo { expert_counters: t, ..Default::default() },
+            recv_topk_idx_kind: 2,
+            padding_v2: [0; 4],
+        };
+        let r = |size| read_as::<ep::NcclEpLayoutInfo, _>(&info, size);
+        assert_eq!(r(40).unwrap().map(|i| (i.v1.expert_counters, i.recv_topk_idx_kind)), Some((t, 0)));
+        assert_eq!(r(48).unwrap().map(|i| (i.v1.expert_counters, i.recv_topk_idx_kind)), Some((t, 2)));
+        assert_eq!(r(44).unwrap_err().code, ep::NCCL_INVALID_ARGUMENT);
+
+        let cin = v2::CombineInputs { v1: ep::NcclEpCombineInputs { tokens: t, ..Default::default() }, scales: t };
+        let r = |size| read_as::<ep::NcclEpCombineInputs, _>(&cin, size);
+        assert_eq!(r(24).unwrap().map(|c| (c.v1.tokens, c.scales.is_null())), Some((t, true)));
+        assert_eq!(r(32).unwrap().map(|c| (c.v1.tokens, c.scales)), Some((t, t)));
+        assert_eq!(r(40).unwrap_err().code, ep::NCCL_INVALID_ARGUMENT);
+
+        let dc =
+            v2::DispatchConfig { v1: ep::NcclEpDispatchConfig { send_only: 1, ..Default::default() }, quant_recipe: 2 };
+        let r = |size| read_as::<ep::NcclEpDispatchConfig, _>(&dc, size);
+        assert_eq!(r(20).unwrap().map(|c| (c.v1.send_only, c.quant_recipe)), Some((1, 0)));
+        assert_eq!(r(24).unwrap().map(|c| (c.v1.send_only, c.quant_recipe)), Some((1, 2)));
+        assert_eq!(r(28).unwrap_err().code, ep::NCCL_INVALID_ARGUMENT);
+
+        let cc =
+            v2::CombineConfig { v1: ep::NcclEpCombineConfig { send_only: 1, ..Default::default() }, quant_recipe: 1 };
+        let r = |size| read_as::<ep::NcclEpCombineConfig, _>(&cc, size);
+        assert_eq!(r(16).unwrap().map(|c| (c.v1.send_only, c.quant_recipe)), Some((1, 0)));
+        assert_eq!(r(20).unwrap().map(|c| (c.v1.send_only, c.quant_recipe)), Some((1, 1)));
+        assert_eq!(r(12).unwrap_err().code, ep::NCCL_INVALID_ARGUMENT);
     }
 
     #[test]

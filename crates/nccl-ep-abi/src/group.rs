@@ -19,6 +19,7 @@ use crate::comm::CallerComm;
 use crate::mask::{self, MaskFlag};
 use crate::profile::Profile;
 use crate::status::{Fail, Res, warn};
+use crate::v2;
 
 /// `NCCL_EP_TIMEOUT_MS`: overrides the config's `timeout_ns`, as in NCCL EP.
 const TIMEOUT_ENV: &str = "NCCL_EP_TIMEOUT_MS";
@@ -42,6 +43,20 @@ pub(crate) struct Shape {
     pub(crate) max_recv: usize,
     /// `H`: `max_token_bytes / 2` (BF16 tokens).
     pub(crate) hidden: usize,
+    /// API v2's `num_topk`: the most top-k any handle of the group may have (`None`: unset).
+    pub(crate) num_topk: Option<usize>,
+}
+
+impl Shape {
+    /// Refuses a handle's top-k above the config's `num_topk` (API v2), as NCCL EP does.
+    pub(crate) fn check_top_k(&self, k: usize) -> Res<()> {
+        match self.num_topk {
+            Some(bound) if k > bound => {
+                Err(Fail::usage(format!("num_topk {k} is above the group config's num_topk ({bound})")))
+            }
+            _ => Ok(()),
+        }
+    }
 }
 
 /// One rank's group.
@@ -55,6 +70,8 @@ pub(crate) struct Group {
     error_cleared: AtomicBool,
     /// The error already logged.
     error_logged: AtomicBool,
+    /// `ncclEpGroupDestroy` ran: the handles still holding the group refuse every call.
+    destroyed: AtomicBool,
     /// With `enable_mask`: the asynchronous error flag of masking ([`MaskFlag`]).
     mask_flag: Mutex<MaskFlag>,
     /// Host time per phase of low-latency calls (`EPFLOW_ABI_PROFILE=1`).
@@ -67,15 +84,30 @@ impl std::fmt::Debug for Group {
     }
 }
 
-/// The epflow config of an NCCL EP group config (checked).
-fn group_config(c: &ep::NcclEpGroupConfig, num_ranks: usize) -> Res<(GroupConfig, Shape)> {
-    if c.version != ep::NCCL_EP_API_VERSION {
-        warn(&format!(
-            "ncclEpCreateGroup: config.version is {}, this library implements API version {} (NCCL EP 0.1.0)",
-            c.version,
-            ep::NCCL_EP_API_VERSION
-        ));
+/// The `ncclEpGroupConfig_t.version`s this library implements: NCCL EP's API versions whose
+/// features it knows.
+pub(crate) const API_VERSIONS: &[std::ffi::c_uint] = &[ep::NCCL_EP_API_VERSION, 2];
+
+/// Refuses a `config.version` this library does not implement with `ncclInvalidArgument`.
+/// NVIDIA's library only warns on a mismatch; epflow refuses it, since a version it does not
+/// know may ask for features it would otherwise silently ignore (and 0 or a stray value means
+/// the config was not made with `NCCL_EP_GROUP_CONFIG_INIT`).
+fn check_version(version: std::ffi::c_uint) -> Res<()> {
+    if API_VERSIONS.contains(&version) {
+        return Ok(());
     }
+    Err(Fail::arg(format!(
+        "config.version is {version}, this library implements NCCL EP API version(s) {API_VERSIONS:?}: \
+         initialise the config with NCCL_EP_GROUP_CONFIG_INIT of a matching nccl_ep.h"
+    )))
+}
+
+/// The epflow config of an NCCL EP group config (checked).
+fn group_config(read: &v2::GroupConfig, num_ranks: usize) -> Res<(GroupConfig, Shape)> {
+    let c = &read.v1;
+    check_version(c.version)?;
+    let num_topk = read.check_v2_fields(epflow_core::config::MAX_TOP_K)?;
+    let v2_size = c.size as usize >= std::mem::size_of::<v2::GroupConfig>();
     let algorithm = match c.algorithm {
         ep::NCCL_EP_ALGO_LOW_LATENCY => Algorithm::LowLatency,
         ep::NCCL_EP_ALGO_HIGH_THROUGHPUT => Algorithm::HighThroughput,
@@ -121,6 +153,11 @@ fn group_config(c: &ep::NcclEpGroupConfig, num_ranks: usize) -> Res<(GroupConfig
     .with_timeout(timeout)
     .with_rank_masking(c.enable_mask != 0);
     let max_recv = match (algorithm, c.max_recv_tokens_per_rank) {
+        (Algorithm::HighThroughput, 0) if v2_size => {
+            return Err(Fail::usage(
+                "config.max_recv_tokens_per_rank is NCCL_EP_AUTO: high-throughput AUTO is not implemented by epflow's NCCL EP library; give a bound",
+            ));
+        }
         (Algorithm::HighThroughput, 0) => {
             return Err(Fail::arg("config.max_recv_tokens_per_rank is 0: high-throughput groups need it"));
         }
@@ -143,13 +180,14 @@ fn group_config(c: &ep::NcclEpGroupConfig, num_ranks: usize) -> Res<(GroupConfig
         max_tokens,
         max_recv,
         hidden,
+        num_topk,
     };
     Ok((config, shape))
 }
 
 impl Group {
     /// `ncclEpCreateGroup` (collective over `comm`).
-    pub(crate) fn create(comm: ep::NcclComm, c: &ep::NcclEpGroupConfig) -> Res<Arc<Self>> {
+    pub(crate) fn create(comm: ep::NcclComm, c: &v2::GroupConfig) -> Res<Arc<Self>> {
         // Refuse a bad config before anything is loaded, and a machine without a GPU before the
         // communicator is touched.
         group_config(c, 1)?;
@@ -169,9 +207,25 @@ impl Group {
             in_flight: Mutex::new(VecDeque::new()),
             error_cleared: AtomicBool::new(false),
             error_logged: AtomicBool::new(false),
+            destroyed: AtomicBool::new(false),
             mask_flag: Mutex::new(MaskFlag::default()),
             profile: Profile::from_env(),
         }))
+    }
+
+    /// Marks the group destroyed (`ncclEpGroupDestroy`).
+    pub(crate) fn mark_destroyed(&self) {
+        self.destroyed.store(true, Ordering::Release);
+    }
+
+    /// `ncclInvalidArgument` once `ncclEpGroupDestroy` ran: a handle of the group is unusable.
+    pub(crate) fn check_not_destroyed(&self) -> Res<()> {
+        if self.destroyed.load(Ordering::Acquire) {
+            return Err(Fail::arg(
+                "the handle's ep_group was destroyed (ncclEpGroupDestroy); destroy its handles first",
+            ));
+        }
+        Ok(())
     }
 
     /// The group's timeout.
@@ -367,24 +421,31 @@ mod tests {
 
     #[test]
     fn configs_map_to_epflow_groups() {
-        let (config, shape) = group_config(&ll(), 2).unwrap();
+        let (config, shape) = group_config(&v2::GroupConfig::from_v1(ll()), 2).unwrap();
         assert_eq!((config.hidden, config.num_experts, shape.local_experts, shape.max_recv), (7168, 16, 8, 256));
         let ht = ep::NcclEpGroupConfig {
             algorithm: ep::NCCL_EP_ALGO_HIGH_THROUGHPUT,
             max_recv_tokens_per_rank: 4096,
             ..ll()
         };
-        let (config, shape) = group_config(&ht, 2).unwrap();
+        let (config, shape) = group_config(&v2::GroupConfig::from_v1(ht), 2).unwrap();
         assert_eq!((config.algorithm, shape.max_recv), (Algorithm::HighThroughput, 4096));
         assert!(!config.rank_masking);
-        let (config, _) = group_config(&ep::NcclEpGroupConfig { enable_mask: 1, ..ll() }, 2).unwrap();
+        let (config, _) =
+            group_config(&v2::GroupConfig::from_v1(ep::NcclEpGroupConfig { enable_mask: 1, ..ll() }), 2).unwrap();
         assert!(config.rank_masking, "enable_mask makes a group with rank masking");
     }
 
     #[test]
     fn bad_configs_are_refused_with_the_nccl_code() {
-        let code = |c: ep::NcclEpGroupConfig| group_config(&c, 2).unwrap_err().code;
+        let code = |c: ep::NcclEpGroupConfig| group_config(&v2::GroupConfig::from_v1(c), 2).unwrap_err().code;
         assert_eq!(code(ep::NcclEpGroupConfig { algorithm: 7, ..ll() }), ep::NCCL_INVALID_ARGUMENT);
+        for version in [0, 3, 99, u32::MAX] {
+            let e = group_config(&v2::GroupConfig::from_v1(ep::NcclEpGroupConfig { version, ..ll() }), 2).unwrap_err();
+            assert_eq!(e.code, ep::NCCL_INVALID_ARGUMENT, "version {version}");
+            assert!(e.message.contains(&format!("config.version is {version}")), "{}", e.message);
+        }
+        assert_eq!(ll().version, ep::NCCL_EP_API_VERSION);
         assert_eq!(code(ep::NcclEpGroupConfig { num_experts: 0, ..ll() }), ep::NCCL_INVALID_ARGUMENT);
         assert_eq!(code(ep::NcclEpGroupConfig { max_token_bytes: 7, ..ll() }), ep::NCCL_INVALID_ARGUMENT);
         assert_eq!(code(ep::NcclEpGroupConfig { max_dispatch_tokens_per_rank: 0, ..ll() }), ep::NCCL_INVALID_USAGE);
@@ -398,5 +459,28 @@ mod tests {
         assert_eq!(code(ep::NcclEpGroupConfig { num_experts: 15, ..ll() }), ep::NCCL_INVALID_USAGE);
         let ht = ep::NcclEpGroupConfig { algorithm: ep::NCCL_EP_ALGO_HIGH_THROUGHPUT, ..ll() };
         assert_eq!(code(ht), ep::NCCL_INVALID_ARGUMENT);
+    }
+
+    #[test]
+    fn v2_group_configs_map_or_are_refused_by_field() {
+        let v2c = |v1: ep::NcclEpGroupConfig| v2::GroupConfig {
+            v1: ep::NcclEpGroupConfig { size: 112, version: 2, ..v1 },
+            ..v2::GroupConfig::from_v1(v1)
+        };
+        let (_, shape) = group_config(&v2::GroupConfig { num_topk: 8, ..v2c(ll()) }, 2).unwrap();
+        assert_eq!(shape.num_topk, Some(8));
+        assert_eq!(shape.check_top_k(8), Ok(()));
+        assert_eq!(shape.check_top_k(9).unwrap_err().code, ep::NCCL_INVALID_USAGE);
+        let (_, shape) = group_config(&v2c(ll()), 2).unwrap();
+        assert_eq!((shape.num_topk, shape.check_top_k(16)), (None, Ok(())));
+        let drop = v2::GroupConfig { overflow_policy: v2::OVERFLOW_DROP, ..v2c(ll()) };
+        let e = group_config(&drop, 2).unwrap_err();
+        assert_eq!(e.code, ep::NCCL_INVALID_USAGE);
+        assert!(e.message.contains("config.overflow_policy"), "{}", e.message);
+        // High-throughput NCCL_EP_AUTO receive bound: v2 allows it, epflow does not build it.
+        let ht_auto = v2c(ep::NcclEpGroupConfig { algorithm: ep::NCCL_EP_ALGO_HIGH_THROUGHPUT, ..ll() });
+        let e = group_config(&ht_auto, 2).unwrap_err();
+        assert_eq!(e.code, ep::NCCL_INVALID_USAGE);
+        assert!(e.message.contains("max_recv_tokens_per_rank is NCCL_EP_AUTO"), "{}", e.message);
     }
 }

@@ -140,11 +140,13 @@ impl Handle {
         let t = unsafe { check::required_tensor(topk_idx, "topk_idx") }?;
         // SAFETY: forwarded contract.
         let info = unsafe { check::api_struct(info, "layout_info") }?;
+        let info = info.map(|i| i.check_v2_fields().map(|()| i.v1)).transpose()?;
         t.expect_type("topk_idx", ep::NCCL_INT64)?;
         if t.sizes.len() != 2 {
             return Err(Fail::arg(format!("topk_idx: sizes are {:?}, expected [num_tokens, top_k]", t.sizes)));
         }
         let (b, k) = (t.sizes[0], t.sizes[1]);
+        g.shape.check_top_k(k)?;
         if b > g.shape.max_tokens {
             return Err(Fail::usage(format!(
                 "topk_idx has {b} tokens, more than max_dispatch_tokens_per_rank ({})",
@@ -205,7 +207,7 @@ impl Handle {
 
     /// `ncclEpHandleDestroy`: completes a staged operation left behind (on the rank's stream),
     /// and lets the group read the verdicts.
-    pub(crate) fn destroy(self) -> Res<()> {
+    pub(crate) fn destroy(&self) -> Res<()> {
         let staged = self.staged.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(mut op) = staged {
             crate::status::warn("ncclEpHandleDestroy: a send-only operation was never completed; completing it now");

@@ -1,7 +1,10 @@
 //! The C header of this library (`include/nccl_ep.h`), generated from the Rust definitions:
 //! the constants come from `nccl-ep-sys`, each struct's fields are listed once here beside the
-//! Rust type they mirror, and the header carries `_Static_assert`s of every struct's size and
-//! every field's offset as Rust lays them out, so a C compiler checks the two agree. The test
+//! Rust type they mirror, and the header carries static assertions of every struct's size and
+//! every field's offset as Rust lays them out, so a C or C++ compiler checks the two agree
+//! (`_Static_assert` in C11, `static_assert` in C++, through one macro). It compiles as C11 and
+//! as C++17 (the test `tests/c_api.rs` builds and runs a program of each); in C++ the `_INIT`
+//! macros are lambdas instead of C's compound literals, the same in every context. The test
 //! `header_is_current` fails when the committed file differs (`EPFLOW_BLESS=1` rewrites it).
 //!
 //! The header declares the same names as NVIDIA's `nccl_ep.h` 0.1.0; it includes `<nccl.h>` and
@@ -209,7 +212,8 @@ typedef enum {
     ncclInvalidUsage = 5,
     ncclRemoteError = 6,
     ncclInProgress = 7,
-    ncclNumResults = 8
+    ncclTimeout = 8,
+    ncclNumResults = 9
 } ncclResult_t;
 typedef struct ncclComm* ncclComm_t;
 typedef struct ncclWindow_vidmem* ncclWindow_t;
@@ -224,6 +228,28 @@ typedef enum {
 /* The CUDA types this header uses (no CUDA headers here). */
 typedef struct CUstream_st* cudaStream_t;
 typedef int cudaError_t;
+#endif
+
+/* Static assertions in C11 and C++ alike. */
+#if defined(__cplusplus)
+#define EPFLOW_NCCL_EP_STATIC_ASSERT(cond, msg) static_assert(cond, msg)
+#elif defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L
+#define EPFLOW_NCCL_EP_STATIC_ASSERT(cond, msg) _Static_assert(cond, msg)
+#else
+#define EPFLOW_NCCL_EP_STATIC_ASSERT(cond, msg)
+#endif
+
+/* A struct headed by size and magic, zeroed, with both set: a compound literal in C, a lambda
+ * in C++ (which has no compound literals), each usable in a declaration, an assignment or an
+ * expression. */
+#if defined(__cplusplus)
+#define EPFLOW_NCCL_EP_STRUCT_INIT(type_, magic_, extra_) \
+    ([]() -> type_ { type_ s_{}; s_.size = (unsigned int)sizeof(type_); s_.magic = (magic_); extra_ return s_; }())
+#define EPFLOW_NCCL_EP_SET_VERSION s_.version = NCCL_EP_API_VERSION;
+#else
+#define EPFLOW_NCCL_EP_STRUCT_INIT(type_, magic_, extra_) \
+    ((type_){ .size = (unsigned int)sizeof(type_), .magic = (magic_) extra_ })
+#define EPFLOW_NCCL_EP_SET_VERSION , .version = NCCL_EP_API_VERSION
 #endif
 
 #ifdef __cplusplus
@@ -279,26 +305,26 @@ pub fn header() -> String {
             let _ = writeln!(h, "    {} {};", f.c_type, f.name);
         }
         let _ = writeln!(h, "}} {};", s.name);
-        let _ = writeln!(h, "_Static_assert(sizeof({}) == {}, \"{} size\");", s.name, s.size, s.name);
+        let _ = writeln!(h, "EPFLOW_NCCL_EP_STATIC_ASSERT(sizeof({}) == {}, \"{} size\");", s.name, s.size, s.name);
         for f in &s.fields {
             let _ = writeln!(
                 h,
-                "_Static_assert(offsetof({}, {}) == {}, \"{}.{} offset\");",
+                "EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof({}, {}) == {}, \"{}.{} offset\");",
                 s.name, f.name, f.offset, s.name, f.name
             );
         }
         if let Some(init) = s.init {
             let _ = writeln!(
                 h,
-                "#define {init} (({}){{ .size = (unsigned int)sizeof({}), .magic = NCCL_EP_MAGIC{} }})",
+                "#define {init} EPFLOW_NCCL_EP_STRUCT_INIT({}, NCCL_EP_MAGIC, {})",
                 s.name,
-                s.name,
-                if s.name == "ncclEpGroupConfig_t" { ", .version = NCCL_EP_API_VERSION" } else { "" }
+                if s.name == "ncclEpGroupConfig_t" { "EPFLOW_NCCL_EP_SET_VERSION" } else { "" }
             );
         }
     }
+    h.push_str("/* Designated initializers: C, or C++20. */\n");
     h.push_str("#define NCCL_EP_TENSOR_INIT_INLINE .size = (unsigned int)sizeof(ncclEpTensor_t), .magic = NCCL_EP_TENSOR_MAGIC\n");
-    h.push_str("#define NCCL_EP_TENSOR_INIT ((ncclEpTensor_t){ NCCL_EP_TENSOR_INIT_INLINE })\n\n");
+    h.push_str("#define NCCL_EP_TENSOR_INIT EPFLOW_NCCL_EP_STRUCT_INIT(ncclEpTensor_t, NCCL_EP_TENSOR_MAGIC, )\n\n");
     for (name, params) in FUNCTIONS {
         let _ = writeln!(h, "ncclResult_t {name}({params});");
     }

@@ -18,10 +18,14 @@
 //! - `comm.rs`: the caller's `ncclComm_t` as epflow's bootstrap (through the caller's NCCL).
 //! - `group.rs`: a group: the epflow GPU rank, the config's shape, operations in flight.
 //! - `handle.rs`: handles: layout, top-k, routing.
+//! - `live.rs`: the registry of live groups and handles (what `ncclEpGroup_t` and
+//!   `ncclEpHandle_t` values name; destroyed ones are refused).
 //! - `mask.rs`: the active mask (`enable_mask`, the mask calls) on epflow's rank masking.
 //! - `ops.rs`: dispatch, combine and complete on the caller's stream and tensors.
 //! - `profile.rs`: `EPFLOW_ABI_PROFILE=1`, host time per phase of low-latency calls (and, with
 //!   `EPFLOW_ABI_STAMPS`, every call's entry and launch by the wall clock, per rank).
+//! - `v2.rs`: the structs NCCL EP's API v2 grew (and NCCL 2.31's 104-byte group config), read
+//!   from any accepted `size`; their unimplemented features refused by name.
 //! - [`header`]: the C header, generated.
 //!
 //! ## What is implemented
@@ -41,9 +45,11 @@ mod comm;
 mod group;
 mod handle;
 pub mod header;
+mod live;
 mod mask;
 mod ops;
 mod owned;
 mod profile;
 mod status;
 mod tensor;
+mod v2;

@@ -169,9 +169,12 @@ pub(crate) unsafe fn dispatch(
             check::required(inputs, "inputs")?,
             check::required(outputs, "outputs")?,
             check::api_struct(info, "layout_info")?,
-            check::api_struct(config, "config")?.copied().unwrap_or_default(),
+            check::api_struct(config, "config")?.unwrap_or_default(),
         )
     };
+    let info = info.map(|i| i.check_v2_fields().map(|()| i.v1)).transpose()?;
+    cfg.check_v2_fields()?;
+    let cfg = cfg.v1;
     // SAFETY: as above, for the tensor descriptors the structs point to.
     let (x, w_in, out, out_w, out_i) = unsafe {
         (
@@ -321,9 +324,12 @@ pub(crate) unsafe fn combine(
         (
             check::required(inputs, "inputs")?,
             check::required(outputs, "outputs")?,
-            check::api_struct(config, "config")?.copied().unwrap_or_default(),
+            check::api_struct(config, "config")?.unwrap_or_default(),
         )
     };
+    inputs.check_v2_fields()?;
+    cfg.check_v2_fields()?;
+    let (inputs, cfg) = (inputs.v1, cfg.v1);
     // SAFETY: as above, for the tensor descriptors the structs point to.
     let (x, w_in, out, out_w) = unsafe {
         (

@@ -3,7 +3,7 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use epflow_core::Error;
+use epflow_core::{Error, ValidationError};
 use nccl_ep_sys as ep;
 
 /// Why a call failed: the `ncclResult_t` to return and the message to log.
@@ -32,12 +32,18 @@ impl Fail {
 }
 
 impl From<Error> for Fail {
-    /// epflow's errors as NCCL codes: what the caller passed (config, validation, unsupported)
-    /// is `ncclInvalidUsage`; a peer's failure, a timeout or a poisoned group
+    /// epflow's errors as NCCL codes: an invalid `topk_idx` entry (an expert id below -1 or at
+    /// least `num_experts`, or one expert twice in a row), wherever it is found (on the host at
+    /// handle creation, or on the device, at the creation's or a dispatch's verdict), is
+    /// `ncclInvalidArgument`, as NCCL EP's argument checks; the rest of what the caller passed
+    /// (config, validation, unsupported) is `ncclInvalidUsage`; a peer's failure, a timeout or a poisoned group
     /// `ncclRemoteError`; the driver's failures `ncclUnhandledCudaError`; the rest
     /// `ncclInternalError`.
     fn from(e: Error) -> Self {
         let code = match &e {
+            Error::Validation(
+                ValidationError::ExpertIndexOutOfRange { .. } | ValidationError::DuplicateExpert { .. },
+            ) => ep::NCCL_INVALID_ARGUMENT,
             Error::Config(_)
             | Error::Validation(_)
             | Error::Unsupported(_)
@@ -109,6 +115,19 @@ mod tests {
     fn epflow_errors_map_to_nccl_codes() {
         assert_eq!(Fail::from(Error::Unsupported("x".into())).code, ep::NCCL_INVALID_USAGE);
         assert_eq!(Fail::from(Error::Backend("x".into())).code, ep::NCCL_UNHANDLED_CUDA_ERROR);
+        for bad in [-2, 16, i64::MIN] {
+            let e = Fail::from(Error::Validation(ValidationError::invalid_topk_entry(3, 1, bad, None, 16)));
+            assert_eq!(e.code, ep::NCCL_INVALID_ARGUMENT, "expert id {bad}");
+            assert!(e.message.contains(&format!("topk_idx[3][1] = {bad} is outside [-1, 16)")), "{}", e.message);
+        }
+        let twice = Error::Validation(ValidationError::invalid_topk_entry(0, 2, 5, Some(0), 16));
+        assert_eq!(Fail::from(twice).code, ep::NCCL_INVALID_ARGUMENT);
+        let shape = Error::Validation(ValidationError::WrongDtype {
+            tensor: "x",
+            expected: epflow_core::DType::Bf16,
+            got: epflow_core::DType::F32,
+        });
+        assert_eq!(Fail::from(shape).code, ep::NCCL_INVALID_USAGE);
         let poisoned = Error::Poisoned { reason: "a timeout".into() };
         assert_eq!(Fail::from(poisoned).code, ep::NCCL_REMOTE_ERROR);
     }

@@ -62,6 +62,12 @@ int main(int argc, char** argv) {
     bad = cfg;
     bad.algorithm = (ncclEpAlgorithm_t)7;
     CHECK(ncclEpCreateGroup(&group, not_a_comm, &bad) == ncclInvalidArgument);
+    /* A config.version this library does not implement is refused before anything else. */
+    bad = cfg;
+    bad.version = 99;
+    CHECK(ncclEpCreateGroup(&group, not_a_comm, &bad) == ncclInvalidArgument);
+    bad.version = 0;
+    CHECK(ncclEpCreateGroup(&group, not_a_comm, &bad) == ncclInvalidArgument);
 
     /* Null groups and handles. */
     CHECK(ncclEpGroupDestroy(NULL) == ncclInvalidArgument);
@@ -77,6 +83,51 @@ int main(int argc, char** argv) {
     CHECK(ncclEpGetAsyncError(NULL, &err) == ncclInvalidArgument);
     CHECK(ncclEpErrorClear(NULL) == ncclInvalidArgument);
     CHECK(ncclEpMaskClean(NULL, NULL) == ncclInvalidArgument);
+
+    /* Values that name no live handle or group (destroyed already, or never made by this
+     * library): refused with ncclInvalidArgument, never dereferenced, however often. */
+    ncclEpHandle_t stale = (ncclEpHandle_t)(void*)&failures;
+    CHECK(ncclEpHandleDestroy(stale) == ncclInvalidArgument);
+    CHECK(ncclEpHandleDestroy(stale) == ncclInvalidArgument);
+    CHECK(ncclEpDispatch(stale, &in, &out, NULL, NULL, NULL) == ncclInvalidArgument);
+    CHECK(ncclEpCombine(stale, &cin, &cout, NULL, NULL) == ncclInvalidArgument);
+    CHECK(ncclEpComplete(stale, NULL, NULL) == ncclInvalidArgument);
+    CHECK(ncclEpUpdateHandle(stale, NULL, NULL, NULL) == ncclInvalidArgument);
+    ncclEpGroup_t stale_group = (ncclEpGroup_t)(void*)&version;
+    CHECK(ncclEpGroupDestroy(stale_group) == ncclInvalidArgument);
+    CHECK(ncclEpGroupDestroy(stale_group) == ncclInvalidArgument);
+    CHECK(ncclEpGetAsyncError(stale_group, &err) == ncclInvalidArgument);
+    CHECK(ncclEpErrorClear(stale_group) == ncclInvalidArgument);
+    ncclEpHandle_t h = NULL;
+    CHECK(ncclEpInitHandle(&h, stale_group, NCCL_EP_LAYOUT_EXPERT_MAJOR, NULL, 8, NULL) == ncclInvalidArgument);
+    CHECK(h == NULL);
+    CHECK(ncclEpCreateHandle(&h, stale_group, NCCL_EP_LAYOUT_EXPERT_MAJOR, NULL, NULL, NULL, NULL) ==
+          ncclInvalidArgument);
+    size_t mem = 0;
+    CHECK(ncclEpHandleMemSize(stale_group, NCCL_EP_LAYOUT_EXPERT_MAJOR, NULL, &mem, 8) == ncclInvalidArgument);
+
+    /* API v2's 112-byte group config (NVIDIA/nccl-extensions): read up to its size; a feature
+     * epflow does not implement is ncclInvalidUsage; a size of no known layout is refused. */
+    struct {
+        ncclEpGroupConfig_t v1;
+        int zero_copy, overflow_policy;
+        unsigned int num_topk;
+        unsigned char padding_v2[4];
+    } v2;
+    memset(&v2, 0, sizeof v2);
+    v2.v1 = cfg;
+    v2.v1.size = 112;
+    v2.v1.version = 2;
+    CHECK(sizeof v2 == 112);
+    v2.overflow_policy = 2; /* NCCL_EP_OVERFLOW_DROP */
+    CHECK(ncclEpCreateGroup(&group, not_a_comm, &v2.v1) == ncclInvalidUsage);
+    v2.overflow_policy = 0;
+    v2.v1.size = 100;
+    CHECK(ncclEpCreateGroup(&group, not_a_comm, &v2.v1) == ncclInvalidArgument);
+    v2.v1.size = 112;
+    if (no_gpu) {
+        CHECK(ncclEpCreateGroup(&group, not_a_comm, &v2.v1) == ncclInvalidUsage);
+    }
 
     /* A well-formed group config on a machine without a GPU (the harness says so): a clean
      * error, not a crash. */

@@ -1,0 +1,248 @@
+//! The structs NCCL EP's API version 2 (NVIDIA/nccl-extensions `nccl_ep/`) grew, as this
+//! library reads them: each is the v1 struct followed by the fields v2 appended (NVIDIA's
+//! append-only rule), so a v1 caller's struct is read with the new fields zero
+//! ([`crate::check::api_struct`]). NCCL 2.31's dev branch gives `ncclEpGroupConfig_t` only
+//! `zero_copy` (104 bytes, API version 1); it is read as v2 with the rest zero.
+//!
+//! Every new field is checked here: a value whose feature epflow implements is accepted, one
+//! whose feature it does not is `ncclInvalidUsage` naming the field (never silently ignored),
+//! and a value that is no enumerator is `ncclInvalidArgument`.
+
+use std::ffi::{c_int, c_uint};
+
+use nccl_ep_sys as ep;
+
+use crate::status::{Fail, Res};
+
+/// `ncclEpZeroCopyMode_t`: the library decides.
+pub(crate) const ZERO_COPY_AUTO: c_int = 0;
+/// `ncclEpZeroCopyMode_t`: staged copies (what epflow does).
+pub(crate) const ZERO_COPY_OFF: c_int = 1;
+/// `ncclEpZeroCopyMode_t`: peers write the caller's registered tensors directly.
+pub(crate) const ZERO_COPY_ON: c_int = 2;
+/// `ncclEpOverflowPolicy_t`: the default (TRAP).
+pub(crate) const OVERFLOW_AUTO: c_int = 0;
+/// `ncclEpOverflowPolicy_t`: a receive overflow is an error.
+pub(crate) const OVERFLOW_TRAP: c_int = 1;
+/// `ncclEpOverflowPolicy_t`: overflowing tokens are dropped.
+pub(crate) const OVERFLOW_DROP: c_int = 2;
+/// `ncclEpExpertIdKind_t`: the library's numbering (epflow's: local).
+pub(crate) const EXPERT_ID_AUTO: c_int = 0;
+/// `ncclEpExpertIdKind_t`: local expert ids.
+pub(crate) const EXPERT_ID_LOCAL: c_int = 1;
+/// `ncclEpExpertIdKind_t`: global expert ids.
+pub(crate) const EXPERT_ID_GLOBAL: c_int = 2;
+/// `ncclEpDispQuant_t` / `ncclEpCombQuant_t`: no quantization.
+pub(crate) const QUANT_NONE: c_int = 0;
+
+/// `ncclEpGroupConfig_t` of API v2 (112 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct GroupConfig {
+    /// The v1 fields (96 bytes).
+    pub(crate) v1: ep::NcclEpGroupConfig,
+    /// `ncclEpZeroCopyMode_t` (also NCCL 2.31's 104-byte config).
+    pub(crate) zero_copy: c_int,
+    /// `ncclEpOverflowPolicy_t` (high-throughput).
+    pub(crate) overflow_policy: c_int,
+    /// Upper bound of every handle's top-k (0: unset).
+    pub(crate) num_topk: c_uint,
+    /// v2's tail padding.
+    pub(crate) padding_v2: [u8; 4],
+}
+
+/// `ncclEpLayoutInfo_t` of API v2 (48 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LayoutInfo {
+    /// The v1 fields (40 bytes).
+    pub(crate) v1: ep::NcclEpLayoutInfo,
+    /// `ncclEpExpertIdKind_t`: the numbering of the received `topk_idx`.
+    pub(crate) recv_topk_idx_kind: c_int,
+    /// v2's tail padding.
+    pub(crate) padding_v2: [u8; 4],
+}
+
+/// `ncclEpCombineInputs_t` of API v2 (32 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CombineInputs {
+    /// The v1 fields (24 bytes).
+    pub(crate) v1: ep::NcclEpCombineInputs,
+    /// Scales of quantized expert outputs.
+    pub(crate) scales: *mut ep::NcclEpTensor,
+}
+
+/// `ncclEpDispatchConfig_t` of API v2 (24 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct DispatchConfig {
+    /// The v1 fields (20 bytes).
+    pub(crate) v1: ep::NcclEpDispatchConfig,
+    /// `ncclEpDispQuant_t`.
+    pub(crate) quant_recipe: c_int,
+}
+
+/// `ncclEpCombineConfig_t` of API v2 (20 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct CombineConfig {
+    /// The v1 fields (16 bytes).
+    pub(crate) v1: ep::NcclEpCombineConfig,
+    /// `ncclEpCombQuant_t`.
+    pub(crate) quant_recipe: c_int,
+}
+
+const _: () = {
+    assert!(std::mem::size_of::<GroupConfig>() == 112);
+    assert!(std::mem::offset_of!(GroupConfig, zero_copy) == 96);
+    assert!(std::mem::offset_of!(GroupConfig, num_topk) == 104);
+    assert!(std::mem::size_of::<LayoutInfo>() == 48);
+    assert!(std::mem::offset_of!(LayoutInfo, recv_topk_idx_kind) == 40);
+    assert!(std::mem::size_of::<CombineInputs>() == 32);
+    assert!(std::mem::size_of::<DispatchConfig>() == 24);
+    assert!(std::mem::size_of::<CombineConfig>() == 20);
+};
+
+impl GroupConfig {
+    /// A v1 config read as v2 (the new fields zero).
+    #[cfg(test)]
+    pub(crate) fn from_v1(v1: ep::NcclEpGroupConfig) -> Self {
+        GroupConfig { v1, zero_copy: 0, overflow_policy: 0, num_topk: 0, padding_v2: [0; 4] }
+    }
+
+    /// Refuses the v2 fields whose features epflow does not implement; returns `num_topk`
+    /// (`None`: unset).
+    pub(crate) fn check_v2_fields(&self, max_top_k: usize) -> Res<Option<usize>> {
+        match self.zero_copy {
+            ZERO_COPY_AUTO | ZERO_COPY_OFF => {}
+            ZERO_COPY_ON => {
+                return Err(Fail::usage(
+                    "config.zero_copy is NCCL_EP_ZERO_COPY_ON: not implemented by epflow's NCCL EP library (use AUTO or OFF)",
+                ));
+            }
+            z => return Err(Fail::arg(format!("config.zero_copy is {z}, not an ncclEpZeroCopyMode_t"))),
+        }
+        match self.overflow_policy {
+            OVERFLOW_AUTO | OVERFLOW_TRAP => {}
+            OVERFLOW_DROP => {
+                return Err(Fail::usage(
+                    "config.overflow_policy is NCCL_EP_OVERFLOW_DROP: not implemented by epflow's NCCL EP library (use AUTO or TRAP)",
+                ));
+            }
+            o => return Err(Fail::arg(format!("config.overflow_policy is {o}, not an ncclEpOverflowPolicy_t"))),
+        }
+        match self.num_topk as usize {
+            0 => Ok(None),
+            k if k <= max_top_k => Ok(Some(k)),
+            k => Err(Fail::arg(format!("config.num_topk is {k}: must be 0 (unset) or 1 to {max_top_k}"))),
+        }
+    }
+}
+
+impl LayoutInfo {
+    /// Refuses `recv_topk_idx_kind` GLOBAL (epflow writes local expert ids).
+    pub(crate) fn check_v2_fields(&self) -> Res<()> {
+        match self.recv_topk_idx_kind {
+            EXPERT_ID_AUTO | EXPERT_ID_LOCAL => Ok(()),
+            EXPERT_ID_GLOBAL => Err(Fail::usage(
+                "layout_info.recv_topk_idx_kind is NCCL_EP_EXPERT_ID_GLOBAL: epflow's NCCL EP library writes local expert ids (use AUTO or LOCAL)",
+            )),
+            k => Err(Fail::arg(format!("layout_info.recv_topk_idx_kind is {k}, not an ncclEpExpertIdKind_t"))),
+        }
+    }
+}
+
+impl CombineInputs {
+    /// Refuses `scales` (quantized combine inputs are not implemented).
+    pub(crate) fn check_v2_fields(&self) -> Res<()> {
+        if self.scales.is_null() {
+            Ok(())
+        } else {
+            Err(Fail::usage("inputs.scales: quantized combine inputs are not implemented by epflow's NCCL EP library"))
+        }
+    }
+}
+
+impl DispatchConfig {
+    /// Refuses every `quant_recipe` but NONE.
+    pub(crate) fn check_v2_fields(&self) -> Res<()> {
+        match self.quant_recipe {
+            QUANT_NONE => Ok(()),
+            1 | 2 => Err(Fail::usage(format!(
+                "config.quant_recipe is {} ({}): not implemented by epflow's NCCL EP library (use NCCL_EP_DISP_QUANT_NONE)",
+                self.quant_recipe,
+                if self.quant_recipe == 1 { "NCCL_EP_DISP_QUANT_FWD" } else { "NCCL_EP_DISP_QUANT_DS_FP8E3M4" }
+            ))),
+            q => Err(Fail::arg(format!("config.quant_recipe is {q}, not an ncclEpDispQuant_t"))),
+        }
+    }
+}
+
+impl CombineConfig {
+    /// Refuses every `quant_recipe` but NONE.
+    pub(crate) fn check_v2_fields(&self) -> Res<()> {
+        match self.quant_recipe {
+            QUANT_NONE => Ok(()),
+            1 => Err(Fail::usage(
+                "config.quant_recipe is NCCL_EP_COMB_QUANT_NVFP4: not implemented by epflow's NCCL EP library (use NCCL_EP_COMB_QUANT_NONE)",
+            )),
+            q => Err(Fail::arg(format!("config.quant_recipe is {q}, not an ncclEpCombQuant_t"))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unimplemented_v2_features_are_refused_by_name() {
+        let usage = |r: Res<()>| {
+            let e = r.unwrap_err();
+            assert_eq!(e.code, ep::NCCL_INVALID_USAGE, "{}", e.message);
+            e.message
+        };
+        let g = GroupConfig::default();
+        assert_eq!(g.check_v2_fields(16), Ok(None));
+        assert_eq!(
+            GroupConfig { zero_copy: ZERO_COPY_OFF, overflow_policy: OVERFLOW_TRAP, num_topk: 8, ..g }
+                .check_v2_fields(16),
+            Ok(Some(8))
+        );
+        assert!(
+            usage(GroupConfig { zero_copy: ZERO_COPY_ON, ..g }.check_v2_fields(16).map(drop))
+                .contains("config.zero_copy")
+        );
+        assert!(
+            usage(GroupConfig { overflow_policy: OVERFLOW_DROP, ..g }.check_v2_fields(16).map(drop))
+                .contains("config.overflow_policy")
+        );
+        assert_eq!(GroupConfig { zero_copy: 9, ..g }.check_v2_fields(16).unwrap_err().code, ep::NCCL_INVALID_ARGUMENT);
+        assert_eq!(GroupConfig { num_topk: 17, ..g }.check_v2_fields(16).unwrap_err().code, ep::NCCL_INVALID_ARGUMENT);
+
+        let info =
+            LayoutInfo { v1: ep::NcclEpLayoutInfo::default(), recv_topk_idx_kind: EXPERT_ID_LOCAL, padding_v2: [0; 4] };
+        assert_eq!(info.check_v2_fields(), Ok(()));
+        let global = LayoutInfo { recv_topk_idx_kind: EXPERT_ID_GLOBAL, ..info };
+        assert!(usage(global.check_v2_fields()).contains("layout_info.recv_topk_idx_kind"));
+
+        let cin = CombineInputs { v1: ep::NcclEpCombineInputs::default(), scales: std::ptr::null_mut() };
+        assert_eq!(cin.check_v2_fields(), Ok(()));
+        let scaled = CombineInputs { scales: 0x1000 as *mut ep::NcclEpTensor, ..cin };
+        assert!(usage(scaled.check_v2_fields()).contains("inputs.scales"));
+
+        assert_eq!(DispatchConfig::default().check_v2_fields(), Ok(()));
+        for (q, name) in [(1, "NCCL_EP_DISP_QUANT_FWD"), (2, "NCCL_EP_DISP_QUANT_DS_FP8E3M4")] {
+            let m = usage(DispatchConfig { quant_recipe: q, ..Default::default() }.check_v2_fields());
+            assert!(m.contains("config.quant_recipe") && m.contains(name), "{m}");
+        }
+        assert_eq!(
+            DispatchConfig { quant_recipe: 3, ..Default::default() }.check_v2_fields().unwrap_err().code,
+            ep::NCCL_INVALID_ARGUMENT
+        );
+        assert_eq!(CombineConfig::default().check_v2_fields(), Ok(()));
+        let m = usage(CombineConfig { quant_recipe: 1, ..Default::default() }.check_v2_fields());
+        assert!(m.contains("NCCL_EP_COMB_QUANT_NVFP4"), "{m}");
+    }
+}
