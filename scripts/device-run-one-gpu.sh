@@ -37,10 +37,11 @@ for round in $(seq "$rounds"); do
     start=$SECONDS
     timeout "${SUITE_TIMEOUT:-480}" "$P/$suite" --test-threads=1 --nocapture >"$log" 2>&1
     rc=$?
-    ok=$(grep -cE '^test .* ok$' "$log")
-    bad=$(grep -cE '^test .* FAILED$' "$log")
+    # --nocapture interleaves the tests' output with their verdicts: count from the summary.
+    ok=$(grep -E '^test result' "$log" | tail -1 | sed -E 's/.* ([0-9]+) passed.*/\1/')
+    bad=$(grep -E '^test result' "$log" | tail -1 | sed -E 's/.* ([0-9]+) failed.*/\1/')
     skipped=$(grep -c 'SKIPPED' "$log")
-    echo "round $round $suite: rc=$rc, $ok ok, $bad failed, $skipped skipped ($((SECONDS - start)) s)"
+    echo "round $round $suite: rc=$rc, ${ok:-0} passed, ${bad:-?} failed, $skipped skip notes ($((SECONDS - start)) s)"
     if [ $rc -eq 0 ]; then passed=$((passed + 1)); else
       failed=$((failed + 1))
       grep -E "^test .* FAILED$|panicked|Timeout|timed out" "$log" | head -6 | sed 's/^/    /'
