@@ -5,7 +5,8 @@
 //! for NVIDIA's library. Programs built against NVIDIA's header (`ep_test`, `ep_bench`, the
 //! `nccl4py` bindings) run on epflow by putting this library first on the library path.
 //! `include/nccl_ep.h` is this crate's header, generated from the Rust definitions
-//! ([`header`]).
+//! ([`header`]); `include/nccl_ep_v2.h` declares NCCL EP's API version 2 (NVIDIA/nccl-extensions),
+//! also what `nccl_ep.h` declares when `NCCL_EP_API_VERSION` is defined to 2 before it.
 //!
 //! ## Table of contents
 //!
@@ -26,7 +27,7 @@
 //!   `EPFLOW_ABI_STAMPS`, every call's entry and launch by the wall clock, per rank).
 //! - `v2.rs`: the structs NCCL EP's API v2 grew (and NCCL 2.31's 104-byte group config), read
 //!   from any accepted `size`; their unimplemented features refused by name.
-//! - [`header`]: the C header, generated.
+//! - [`header`]: the C headers (API v1 and v2), generated.
 //!
 //! ## What is implemented
 //!
