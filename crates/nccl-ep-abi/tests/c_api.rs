@@ -5,8 +5,11 @@
 //! name no live group or handle, and a clean error without a GPU; a C program compiled against
 //! the API v2 header (`nccl_ep_v2.h`, and `nccl_ep.h` with `NCCL_EP_API_VERSION` 2) checks the
 //! v2 layouts and refusals; both headers compile as C11, C17, C++17 and C++20, and mixing
-//! versions in one unit is a compile error; epflow's NCCL EP backend refuses to load the
-//! library. Without `gcc`, `g++` or `nm` those checks print SKIPPED.
+//! versions in one unit is a compile error; the same C programs linked statically against
+//! `libnccl_ep.a` (the crate's `staticlib`, which `cargo test` builds beside the shared
+//! library) run without `libnccl_ep.so`; epflow's NCCL EP backend refuses to load the library.
+//! Without `gcc`, `g++`, `nm` or the archive those checks print SKIPPED (with
+//! `EPFLOW_STATIC_TEST=1`, a missing archive or `gcc` fails the static test instead).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -239,6 +242,67 @@ fn one_unit_sees_one_api_version() {
             "#include \"nccl_ep.h\"\nint main(void) { return 0; }\n",
         );
         assert!(!ok && diag.contains("NCCL_EP_API_VERSION must be 1 (the default) or 2"), "{compiler}:\n{diag}");
+    }
+}
+
+/// The system libraries `libnccl_ep.a` needs, as `cargo rustc --release -p epflow-nccl-ep-abi
+/// --lib -- --print native-static-libs` names them (`scripts/build-nccl-ep-lib.sh` writes the
+/// list to `lib/libnccl_ep.a.libs`).
+const NATIVE_STATIC_LIBS: &[&str] = &["-ldl", "-lgcc_s", "-lutil", "-lrt", "-lpthread", "-lm", "-ldl", "-lc"];
+
+#[test]
+fn c_programs_linked_statically_against_libnccl_ep_a_run() {
+    let strict = std::env::var_os("EPFLOW_STATIC_TEST").is_some_and(|v| v == "1");
+    let archive = lib_dir().join("libnccl_ep.a");
+    if !archive.exists() || !have("gcc") {
+        assert!(!strict, "EPFLOW_STATIC_TEST=1: {} or gcc is missing", archive.display());
+        eprintln!("SKIPPED: no {} (staticlib in Cargo.toml's crate-type?) or no gcc", archive.display());
+        return;
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let dir = std::env::temp_dir().join(format!("nccl-ep-abi-static-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let no_gpu = !epflow_kernels::device::driver_present() || epflow_kernels::device_count() == 0;
+    for (source, define, passed) in [
+        ("api_check.c", None, "api_check: all checks passed"),
+        ("api_check_v2.c", Some("-DEPFLOW_INCLUDE_V2_HEADER"), "api_check_v2: all checks passed"),
+    ] {
+        let exe = dir.join(source.replace('.', "_"));
+        let out = Command::new("gcc")
+            .args(["-std=c11", "-Wall", "-Wextra", "-pedantic", "-Werror"])
+            .args(define)
+            .arg("-o")
+            .arg(&exe)
+            .arg(root.join("tests/c").join(source))
+            .arg("-I")
+            .arg(root.join("include"))
+            .arg(&archive)
+            .args(NATIVE_STATIC_LIBS)
+            .output()
+            .expect("run gcc");
+        assert!(
+            out.status.success(),
+            "{source} does not link statically against {}:\n{}",
+            archive.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if let Ok(o) = Command::new("readelf").arg("-d").arg(&exe).output() {
+            let text = String::from_utf8_lossy(&o.stdout);
+            assert!(text.contains("(NEEDED)"), "readelf -d lists no libraries:\n{text}");
+            assert!(!text.contains("libnccl_ep"), "{source} still needs a shared libnccl_ep:\n{text}");
+        }
+        // No library path at all: everything of epflow's is inside the executable.
+        let mut run = Command::new(&exe);
+        run.env_remove("LD_LIBRARY_PATH").env_remove("LD_PRELOAD");
+        if no_gpu {
+            run.arg("--no-gpu");
+        }
+        let out = run.output().expect("run the program");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let _ = std::fs::remove_file(&exe);
+        assert!(out.status.success() && stdout.contains(passed), "{source}, static:\n{stdout}\n{stderr}");
+        assert!(stderr.contains("NCCL EP (epflow) WARN ncclEpCreateGroup: config.version is"), "{stderr}");
     }
 }
 
