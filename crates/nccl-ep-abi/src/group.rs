@@ -86,7 +86,7 @@ impl std::fmt::Debug for Group {
 
 /// The `ncclEpGroupConfig_t.version`s this library implements: NCCL EP's API versions whose
 /// features it knows.
-pub(crate) const API_VERSIONS: &[std::ffi::c_uint] = &[ep::NCCL_EP_API_VERSION, 2];
+pub(crate) const API_VERSIONS: &[std::ffi::c_uint] = &[ep::NCCL_EP_API_VERSION, v2::API_VERSION];
 
 /// Refuses a `config.version` this library does not implement with `ncclInvalidArgument`.
 /// NVIDIA's library only warns on a mismatch; epflow refuses it, since a version it does not

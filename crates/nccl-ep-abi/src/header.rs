@@ -1,25 +1,41 @@
-//! The C header of this library (`include/nccl_ep.h`), generated from the Rust definitions:
-//! the constants come from `nccl-ep-sys`, each struct's fields are listed once here beside the
-//! Rust type they mirror, and the header carries static assertions of every struct's size and
-//! every field's offset as Rust lays them out, so a C or C++ compiler checks the two agree
-//! (`_Static_assert` in C11, `static_assert` in C++, through one macro). It compiles as C11 and
-//! as C++17 (the test `tests/c_api.rs` builds and runs a program of each); in C++ the `_INIT`
-//! macros are lambdas instead of C's compound literals, the same in every context. The test
-//! `header_is_current` fails when the committed file differs (`EPFLOW_BLESS=1` rewrites it).
+//! The C headers of this library, generated from the Rust definitions: `include/nccl_ep.h`
+//! (NCCL EP 0.1.0, API version 1, the default) and `include/nccl_ep_v2.h` (NCCL EP's API
+//! version 2, as NVIDIA/nccl-extensions `nccl_ep/include/nccl_ep.h` lays it out). The
+//! constants come from `nccl-ep-sys` and `v2.rs`, each struct's fields are listed once
+//! here beside the Rust type they mirror, and each header carries static assertions of every
+//! struct's size and every field's offset as Rust lays them out, so a C or C++ compiler checks
+//! the two agree (`_Static_assert` in C11, `static_assert` in C++, through one macro). Both
+//! compile as C11 and as C++17 (the test `tests/c_api.rs` builds and runs programs against
+//! each); in C++ the `_INIT` macros are lambdas instead of C's compound literals, the same in
+//! every context. The test `header_is_current` fails when a committed file differs
+//! (`EPFLOW_BLESS=1` rewrites them).
 //!
-//! The header declares the same names as NVIDIA's `nccl_ep.h` 0.1.0; it includes `<nccl.h>` and
-//! `<cuda_runtime.h>` when they exist, and otherwise declares the few NCCL and CUDA types it
-//! uses itself, so C code compiles against it on a machine without CUDA.
+//! Choosing the API version: `#include "nccl_ep.h"` declares API v1; defining
+//! `NCCL_EP_API_VERSION` to 2 before including it (`-DNCCL_EP_API_VERSION=2`), or including
+//! `nccl_ep_v2.h`, declares API v2: the v2 struct layouts, `NCCL_EP_API_VERSION 2` (which
+//! `NCCL_EP_GROUP_CONFIG_INIT` writes into `version`), the enums v2 added (zero-copy mode,
+//! overflow policy, expert id kind, dispatch and combine quantization recipes), `ncclFloat4x2`,
+//! and NVIDIA's `NCCL_EP_<STRUCT>_SIZE`, `_V<n>_SIZE`, `_V<n>_LAST_FIELD`, `_CURRENT_VERSION`,
+//! `NCCL_EP_FIELD_END` and `NCCL_EP_HAS_FIELD` macros. One translation unit sees one version:
+//! including the v2 header after the v1 one is a `#error`.
+//!
+//! The headers declare the same names as NVIDIA's; they include `<nccl.h>` and
+//! `<cuda_runtime.h>` when they exist, and otherwise declare the few NCCL and CUDA types they
+//! use themselves, so C code compiles against them on a machine without CUDA.
 
 use std::fmt::Write;
 use std::mem::{offset_of, size_of};
 
 use nccl_ep_sys as ep;
 
-/// One field: its C type, name, and byte offset in the Rust struct.
+use crate::v2;
+
+/// One field: its C type, name, array suffix (`""` or `"[4]"`), and byte offset in the Rust
+/// struct.
 struct Field {
     c_type: &'static str,
     name: &'static str,
+    dims: &'static str,
     offset: usize,
 }
 
@@ -34,7 +50,7 @@ struct Struct {
 
 macro_rules! fields {
     ($t:ty: $($c:literal $f:ident),* $(,)?) => {
-        vec![$(Field { c_type: $c, name: stringify!($f), offset: offset_of!($t, $f) }),*]
+        vec![$(Field { c_type: $c, name: stringify!($f), dims: "", offset: offset_of!($t, $f) }),*]
     };
 }
 
@@ -137,6 +153,56 @@ fn structs() -> Vec<Struct> {
     ]
 }
 
+/// API v2's structs: API v1's, with the fields v2 appended to five of them (`v2.rs`:
+/// each v2 struct leads with the v1 struct, at offset 0).
+fn structs_v2() -> Vec<Struct> {
+    macro_rules! padding {
+        ($t:ty) => {
+            Field { c_type: "unsigned char", name: "padding_v2", dims: "[4]", offset: offset_of!($t, padding_v2) }
+        };
+    }
+    structs()
+        .into_iter()
+        .map(|mut s| {
+            let (size, grown) = match s.name {
+                "ncclEpGroupConfig_t" => {
+                    let mut f = fields!(v2::GroupConfig: "ncclEpZeroCopyMode_t" zero_copy,
+                        "ncclEpOverflowPolicy_t" overflow_policy, "unsigned int" num_topk);
+                    f.push(padding!(v2::GroupConfig));
+                    (size_of::<v2::GroupConfig>(), f)
+                }
+                "ncclEpLayoutInfo_t" => {
+                    let mut f = fields!(v2::LayoutInfo: "ncclEpExpertIdKind_t" recv_topk_idx_kind);
+                    f.push(padding!(v2::LayoutInfo));
+                    (size_of::<v2::LayoutInfo>(), f)
+                }
+                "ncclEpCombineInputs_t" => {
+                    (size_of::<v2::CombineInputs>(), fields!(v2::CombineInputs: "ncclEpTensor_t*" scales))
+                }
+                "ncclEpDispatchConfig_t" => {
+                    (size_of::<v2::DispatchConfig>(), fields!(v2::DispatchConfig: "ncclEpDispQuant_t" quant_recipe))
+                }
+                "ncclEpCombineConfig_t" => {
+                    (size_of::<v2::CombineConfig>(), fields!(v2::CombineConfig: "ncclEpCombQuant_t" quant_recipe))
+                }
+                _ => return s,
+            };
+            s.size = size;
+            s.fields.extend(grown);
+            s
+        })
+        .collect()
+}
+
+// The v1 fields of every v2 struct sit where a v1 struct has them.
+const _: () = assert!(
+    offset_of!(v2::GroupConfig, v1) == 0
+        && offset_of!(v2::LayoutInfo, v1) == 0
+        && offset_of!(v2::CombineInputs, v1) == 0
+        && offset_of!(v2::DispatchConfig, v1) == 0
+        && offset_of!(v2::CombineConfig, v1) == 0
+);
+
 /// The exported functions, as declared in the header (name, then the parameter list).
 pub const FUNCTIONS: &[(&str, &str)] = &[
     ("ncclEpGetVersion", "int* version"),
@@ -180,13 +246,37 @@ pub const FUNCTIONS: &[(&str, &str)] = &[
     ("ncclEpErrorClear", "ncclEpGroup_t ep_group"),
 ];
 
-const PROLOGUE: &str = r#"/*
+const BANNER_V1: &str = r#"/*
  * nccl_ep.h of epflow's libnccl_ep.so: NCCL EP 0.1.0's C API (API version 1), the same names
- * and layouts as NVIDIA's header. GENERATED by crates/nccl-ep-abi/src/header.rs from the Rust
+ * and layouts as NVIDIA's header. Define NCCL_EP_API_VERSION to 2 before including it for API
+ * version 2 (nccl_ep_v2.h). GENERATED by crates/nccl-ep-abi/src/header.rs from the Rust
  * definitions; do not edit (run `EPFLOW_BLESS=1 cargo test -p epflow-nccl-ep-abi header`).
  */
 #pragma once
 
+#if defined(NCCL_EP_API_VERSION) && NCCL_EP_API_VERSION == 2
+/* API version 2 asked for: its header. */
+#include "nccl_ep_v2.h"
+#elif defined(NCCL_EP_API_VERSION) && NCCL_EP_API_VERSION != 1
+#error "nccl_ep.h: NCCL_EP_API_VERSION must be 1 (the default) or 2"
+#else
+"#;
+
+const BANNER_V2: &str = r#"/*
+ * nccl_ep_v2.h of epflow's libnccl_ep.so: NCCL EP's C API version 2 (NVIDIA/nccl-extensions
+ * nccl_ep/include/nccl_ep.h), the same names and layouts as NVIDIA's header; also what
+ * nccl_ep.h declares when NCCL_EP_API_VERSION is 2 before it. GENERATED by
+ * crates/nccl-ep-abi/src/header.rs from the Rust definitions; do not edit (run
+ * `EPFLOW_BLESS=1 cargo test -p epflow-nccl-ep-abi header`).
+ */
+#pragma once
+
+#if defined(NCCL_EP_API_VERSION) && NCCL_EP_API_VERSION != 2
+#error "nccl_ep_v2.h: NCCL_EP_API_VERSION is not 2 (nccl_ep.h of API version 1 included first?)"
+#endif
+"#;
+
+const COMMON: &str = r#"
 #include <stddef.h>
 #include <stdint.h>
 
@@ -257,42 +347,165 @@ extern "C" {
 #endif
 "#;
 
-/// The header's text.
+/// The macros API v2 added beside its structs (NVIDIA's names).
+const V2_MACROS: &str = r#"
+/* The end of a field (its offset plus its size), and whether a caller's struct (its size)
+ * covers a field. */
+#define NCCL_EP_FIELD_END(type_, field_) ((unsigned int)(offsetof(type_, field_) + sizeof(((type_*)0)->field_)))
+#define NCCL_EP_HAS_FIELD(ptr_, type_, field_) ((ptr_) != NULL && (ptr_)->size >= NCCL_EP_FIELD_END(type_, field_))
+#define NCCL_EP_STATIC_ASSERT(cond_, msg_) EPFLOW_NCCL_EP_STATIC_ASSERT(cond_, msg_)
+#define NCCL_EP_STRUCT_INIT(type_, magic_) EPFLOW_NCCL_EP_STRUCT_INIT(type_, magic_, )
+"#;
+
+/// `include/nccl_ep.h`: API version 1 (NCCL EP 0.1.0), or the v2 header when
+/// `NCCL_EP_API_VERSION` is 2 before it.
 pub fn header() -> String {
-    let mut h = String::from(PROLOGUE);
+    let mut h = String::from(BANNER_V1);
+    h.push_str(COMMON);
+    body(&mut h, ep::NCCL_EP_API_VERSION, &structs());
+    h.push_str("\n#endif /* NCCL_EP_API_VERSION */\n");
+    h
+}
+
+/// `include/nccl_ep_v2.h`: API version 2 (NVIDIA/nccl-extensions).
+pub fn header_v2() -> String {
+    let mut h = String::from(BANNER_V2);
+    h.push_str(COMMON);
+    body(&mut h, v2::API_VERSION, &structs_v2());
+    h
+}
+
+/// One `typedef enum`.
+fn enumeration(h: &mut String, name: &str, values: &[(&str, std::ffi::c_int)]) {
+    let list: Vec<String> = values.iter().map(|(v, n)| format!("    {v} = {n}")).collect();
+    let _ = writeln!(h, "\ntypedef enum {{\n{}\n}} {name};", list.join(",\n"));
+}
+
+/// `ncclEpGroupConfig_t` -> `NCCL_EP_GROUP_CONFIG`: the prefix of API v2's per-struct macros.
+fn macro_base(name: &str) -> String {
+    let mut base = String::from("NCCL_EP");
+    for c in name.trim_start_matches("ncclEp").trim_end_matches("_t").chars() {
+        if c.is_ascii_uppercase() {
+            base.push('_');
+        }
+        base.push(c.to_ascii_uppercase());
+    }
+    base
+}
+
+/// API v2's size and version macros of one struct headed by `size` and `magic`, checked.
+fn v2_struct_macros(h: &mut String, s: &Struct, v1: &Struct) {
+    let base = macro_base(s.name);
+    let _ = writeln!(h, "#define {base}_SIZE ((unsigned int)sizeof({}))", s.name);
+    let mut versions = vec![(1, v1.size, v1.fields.last().expect("fields").name)];
+    if s.size != v1.size {
+        versions.push((2, s.size, s.fields.last().expect("fields").name));
+    }
+    for (v, size, last) in &versions {
+        let _ = writeln!(h, "#define {base}_V{v}_LAST_FIELD {last}");
+        let _ = writeln!(h, "#define {base}_V{v}_SIZE {size}u");
+    }
+    let _ = writeln!(h, "#define {base}_CURRENT_VERSION {}", versions.len());
+    for (v, _, _) in &versions {
+        let _ = writeln!(
+            h,
+            "EPFLOW_NCCL_EP_STATIC_ASSERT(NCCL_EP_FIELD_END({}, {base}_V{v}_LAST_FIELD) == {base}_V{v}_SIZE, \"{} V{v} boundary\");",
+            s.name, s.name
+        );
+    }
+}
+
+/// Everything after the common prologue: constants, enums, structs, functions.
+fn body(h: &mut String, api_version: std::ffi::c_uint, layouts: &[Struct]) {
     let code = ep::NCCL_EP_VERSION_CODE;
     let _ = writeln!(h, "\n#define NCCL_EP_MAJOR {}", code / 10000);
     let _ = writeln!(h, "#define NCCL_EP_MINOR {}", code % 10000 / 100);
     let _ = writeln!(h, "#define NCCL_EP_PATCH {}", code % 100);
     h.push_str("#define NCCL_EP_VERSION_CODE (NCCL_EP_MAJOR * 10000 + NCCL_EP_MINOR * 100 + NCCL_EP_PATCH)\n");
-    let _ = writeln!(h, "#define NCCL_EP_API_VERSION {}", ep::NCCL_EP_API_VERSION);
+    let _ = writeln!(h, "#ifndef NCCL_EP_API_VERSION\n#define NCCL_EP_API_VERSION {api_version}\n#endif");
     let _ = writeln!(h, "#define NCCL_EP_MAGIC {:#X}u", ep::NCCL_EP_MAGIC);
     let _ = writeln!(h, "#define NCCL_EP_TENSOR_MAGIC {:#X}u", ep::NCCL_EP_TENSOR_MAGIC);
     let _ = writeln!(h, "#define NCCL_EP_AUTO {}", ep::NCCL_EP_AUTO);
-    let _ = writeln!(
+    let v2 = api_version == v2::API_VERSION;
+    if v2 {
+        let _ = writeln!(
+            h,
+            "/* Two FP4 values per byte (newer nccl.h declare it). */\n#ifndef ncclFloat4x2\n#define ncclFloat4x2 ((ncclDataType_t){})\n#endif",
+            v2::NCCL_FLOAT4X2
+        );
+        h.push_str(V2_MACROS);
+    }
+    enumeration(
         h,
-        "\ntypedef enum {{\n    NCCL_EP_ALGO_LOW_LATENCY = {},\n    NCCL_EP_ALGO_HIGH_THROUGHPUT = {}\n}} ncclEpAlgorithm_t;",
-        ep::NCCL_EP_ALGO_LOW_LATENCY,
-        ep::NCCL_EP_ALGO_HIGH_THROUGHPUT
+        "ncclEpAlgorithm_t",
+        &[
+            ("NCCL_EP_ALGO_LOW_LATENCY", ep::NCCL_EP_ALGO_LOW_LATENCY),
+            ("NCCL_EP_ALGO_HIGH_THROUGHPUT", ep::NCCL_EP_ALGO_HIGH_THROUGHPUT),
+        ],
     );
-    let _ = writeln!(
+    enumeration(
         h,
-        "\ntypedef enum {{\n    NCCL_EP_LAYOUT_UNSET = {},\n    NCCL_EP_LAYOUT_EXPERT_MAJOR = {},\n    NCCL_EP_LAYOUT_RANK_MAJOR = {},\n    NCCL_EP_LAYOUT_FLAT = {}\n}} ncclEpLayout_t;",
-        ep::NCCL_EP_LAYOUT_UNSET,
-        ep::NCCL_EP_LAYOUT_EXPERT_MAJOR,
-        ep::NCCL_EP_LAYOUT_RANK_MAJOR,
-        ep::NCCL_EP_LAYOUT_FLAT
+        "ncclEpLayout_t",
+        &[
+            ("NCCL_EP_LAYOUT_UNSET", ep::NCCL_EP_LAYOUT_UNSET),
+            ("NCCL_EP_LAYOUT_EXPERT_MAJOR", ep::NCCL_EP_LAYOUT_EXPERT_MAJOR),
+            ("NCCL_EP_LAYOUT_RANK_MAJOR", ep::NCCL_EP_LAYOUT_RANK_MAJOR),
+            ("NCCL_EP_LAYOUT_FLAT", ep::NCCL_EP_LAYOUT_FLAT),
+        ],
     );
-    let _ = writeln!(
+    enumeration(
         h,
-        "\ntypedef enum {{\n    NCCL_EP_FWD_PASS = {},\n    NCCL_EP_BWD_PASS = {}\n}} ncclEpPassDir_t;",
-        ep::NCCL_EP_FWD_PASS,
-        ep::NCCL_EP_BWD_PASS
+        "ncclEpPassDir_t",
+        &[("NCCL_EP_FWD_PASS", ep::NCCL_EP_FWD_PASS), ("NCCL_EP_BWD_PASS", ep::NCCL_EP_BWD_PASS)],
     );
+    if v2 {
+        enumeration(
+            h,
+            "ncclEpOverflowPolicy_t",
+            &[
+                ("NCCL_EP_OVERFLOW_AUTO", v2::OVERFLOW_AUTO),
+                ("NCCL_EP_OVERFLOW_TRAP", v2::OVERFLOW_TRAP),
+                ("NCCL_EP_OVERFLOW_DROP", v2::OVERFLOW_DROP),
+            ],
+        );
+        enumeration(
+            h,
+            "ncclEpZeroCopyMode_t",
+            &[
+                ("NCCL_EP_ZERO_COPY_AUTO", v2::ZERO_COPY_AUTO),
+                ("NCCL_EP_ZERO_COPY_OFF", v2::ZERO_COPY_OFF),
+                ("NCCL_EP_ZERO_COPY_ON", v2::ZERO_COPY_ON),
+            ],
+        );
+        enumeration(
+            h,
+            "ncclEpExpertIdKind_t",
+            &[
+                ("NCCL_EP_EXPERT_ID_AUTO", v2::EXPERT_ID_AUTO),
+                ("NCCL_EP_EXPERT_ID_LOCAL", v2::EXPERT_ID_LOCAL),
+                ("NCCL_EP_EXPERT_ID_GLOBAL", v2::EXPERT_ID_GLOBAL),
+            ],
+        );
+        enumeration(
+            h,
+            "ncclEpDispQuant_t",
+            &[
+                ("NCCL_EP_DISP_QUANT_NONE", v2::QUANT_NONE),
+                ("NCCL_EP_DISP_QUANT_FWD", v2::DISP_QUANT_FWD),
+                ("NCCL_EP_DISP_QUANT_DS_FP8E3M4", v2::DISP_QUANT_DS_FP8E3M4),
+            ],
+        );
+        enumeration(
+            h,
+            "ncclEpCombQuant_t",
+            &[("NCCL_EP_COMB_QUANT_NONE", v2::QUANT_NONE), ("NCCL_EP_COMB_QUANT_NVFP4", v2::COMB_QUANT_NVFP4)],
+        );
+    }
     h.push_str("\ntypedef cudaError_t (*ncclEpAllocFn_t)(void** ptr, size_t size, void* context);\n");
     h.push_str("typedef cudaError_t (*ncclEpFreeFn_t)(void* ptr, void* context);\n");
     h.push_str("typedef struct ncclEpGroup* ncclEpGroup_t;\ntypedef struct ncclEpHandle* ncclEpHandle_t;\n");
-    for s in structs() {
+    let v1_structs = structs();
+    for (s, v1) in layouts.iter().zip(&v1_structs) {
         let tag = if s.name == "ncclEpTensor_t" {
             "struct ncclEpTensor "
         } else if s.name == "ncclEpCompleteConfig_t" {
@@ -302,7 +515,7 @@ pub fn header() -> String {
         };
         let _ = writeln!(h, "\ntypedef {tag}{{");
         for f in &s.fields {
-            let _ = writeln!(h, "    {} {};", f.c_type, f.name);
+            let _ = writeln!(h, "    {} {}{};", f.c_type, f.name, f.dims);
         }
         let _ = writeln!(h, "}} {};", s.name);
         let _ = writeln!(h, "EPFLOW_NCCL_EP_STATIC_ASSERT(sizeof({}) == {}, \"{} size\");", s.name, s.size, s.name);
@@ -312,6 +525,9 @@ pub fn header() -> String {
                 "EPFLOW_NCCL_EP_STATIC_ASSERT(offsetof({}, {}) == {}, \"{}.{} offset\");",
                 s.name, f.name, f.offset, s.name, f.name
             );
+        }
+        if v2 && s.fields[0].name == "size" {
+            v2_struct_macros(h, s, v1);
         }
         if let Some(init) = s.init {
             let _ = writeln!(
@@ -331,19 +547,17 @@ pub fn header() -> String {
     h.push_str("\n/* epflow's marker (not in NVIDIA's header): NCCL_EP_VERSION_CODE of the API implemented. */\n");
     let _ = writeln!(h, "extern const int {};", ep::EPFLOW_MARKER);
     h.push_str("\n#ifdef __cplusplus\n}\n#endif\n");
-    h
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn header_is_current() {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("include/nccl_ep.h");
-        let want = header();
+    /// Compares (or with `EPFLOW_BLESS` rewrites) one committed header.
+    fn check_current(file: &str, want: &str) {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("include").join(file);
         if std::env::var_os("EPFLOW_BLESS").is_some() {
-            std::fs::write(&path, &want).expect("write the header");
+            std::fs::write(&path, want).expect("write the header");
         }
         let have = std::fs::read_to_string(&path).unwrap_or_default();
         assert!(
@@ -354,8 +568,14 @@ mod tests {
     }
 
     #[test]
+    fn header_is_current() {
+        check_current("nccl_ep.h", &header());
+        check_current("nccl_ep_v2.h", &header_v2());
+    }
+
+    #[test]
     fn every_struct_field_is_listed() {
-        for s in structs() {
+        for s in structs().iter().chain(&structs_v2()) {
             let last = s.fields.last().expect("fields");
             assert!(last.offset < s.size, "{}", s.name);
             let mut offsets: Vec<usize> = s.fields.iter().map(|f| f.offset).collect();
@@ -363,5 +583,52 @@ mod tests {
             assert_eq!(offsets.len(), s.fields.len(), "{}: fields overlap", s.name);
         }
         assert_eq!(FUNCTIONS.len(), 18);
+    }
+
+    #[test]
+    fn v2_layouts_are_nvidia_s() {
+        // NVIDIA/nccl-extensions nccl_ep.h (API v2): struct sizes and the appended fields'
+        // offsets.
+        let v2 = structs_v2();
+        let get = |name: &str| v2.iter().find(|s| s.name == name).expect(name);
+        let tail = |name: &str| -> Vec<(&str, usize)> {
+            let v1 = structs().into_iter().find(|s| s.name == name).expect(name).fields.len();
+            get(name).fields[v1..].iter().map(|f| (f.name, f.offset)).collect()
+        };
+        assert_eq!(get("ncclEpGroupConfig_t").size, 112);
+        assert_eq!(
+            tail("ncclEpGroupConfig_t"),
+            [("zero_copy", 96), ("overflow_policy", 100), ("num_topk", 104), ("padding_v2", 108)]
+        );
+        assert_eq!(get("ncclEpLayoutInfo_t").size, 48);
+        assert_eq!(tail("ncclEpLayoutInfo_t"), [("recv_topk_idx_kind", 40), ("padding_v2", 44)]);
+        assert_eq!(get("ncclEpCombineInputs_t").size, 32);
+        assert_eq!(tail("ncclEpCombineInputs_t"), [("scales", 24)]);
+        assert_eq!(get("ncclEpDispatchConfig_t").size, 24);
+        assert_eq!(tail("ncclEpDispatchConfig_t"), [("quant_recipe", 20)]);
+        assert_eq!(get("ncclEpCombineConfig_t").size, 20);
+        assert_eq!(tail("ncclEpCombineConfig_t"), [("quant_recipe", 16)]);
+        let unchanged: Vec<&str> =
+            v2.iter().zip(structs()).filter(|(a, b)| a.size == b.size).map(|(a, _)| a.name).collect();
+        assert_eq!(unchanged.len(), 8, "{unchanged:?}");
+        assert_eq!(macro_base("ncclEpTensorAllocConfig_t"), "NCCL_EP_TENSOR_ALLOC_CONFIG");
+        assert_eq!(macro_base("ncclEpTensor_t"), "NCCL_EP_TENSOR");
+        let h = header_v2();
+        for line in [
+            "#define NCCL_EP_API_VERSION 2",
+            "#define NCCL_EP_GROUP_CONFIG_V1_SIZE 96u",
+            "#define NCCL_EP_GROUP_CONFIG_V2_SIZE 112u",
+            "#define NCCL_EP_GROUP_CONFIG_V2_LAST_FIELD padding_v2",
+            "#define NCCL_EP_COMBINE_CONFIG_CURRENT_VERSION 2",
+            "#define NCCL_EP_HANDLE_CONFIG_CURRENT_VERSION 1",
+            "    NCCL_EP_OVERFLOW_DROP = 2",
+            "    NCCL_EP_EXPERT_ID_GLOBAL = 2",
+            "    NCCL_EP_DISP_QUANT_DS_FP8E3M4 = 2",
+            "    NCCL_EP_COMB_QUANT_NVFP4 = 1",
+            "    unsigned char padding_v2[4];",
+        ] {
+            assert!(h.contains(line), "the v2 header lacks `{line}`");
+        }
+        assert!(!header().contains("NCCL_EP_OVERFLOW_DROP"));
     }
 }

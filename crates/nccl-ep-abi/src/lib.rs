@@ -5,7 +5,27 @@
 //! for NVIDIA's library. Programs built against NVIDIA's header (`ep_test`, `ep_bench`, the
 //! `nccl4py` bindings) run on epflow by putting this library first on the library path.
 //! `include/nccl_ep.h` is this crate's header, generated from the Rust definitions
-//! ([`header`]).
+//! ([`header`]); `include/nccl_ep_v2.h` declares NCCL EP's API version 2 (NVIDIA/nccl-extensions),
+//! also what `nccl_ep.h` declares when `NCCL_EP_API_VERSION` is defined to 2 before it.
+//!
+//! ## Building and installing the library
+//!
+//! `cargo build --release -p epflow-nccl-ep-abi` writes `target/release/libnccl_ep.so` (SONAME
+//! `libnccl_ep.so.0`, as NVIDIA's) and the static `target/release/libnccl_ep.a`. One command
+//! lays them out as NVIDIA ships NCCL EP:
+//!
+//! ```text
+//! scripts/build-nccl-ep-lib.sh [DEST]     # DEST defaults to <cargo target dir>/nccl_ep
+//! DEST/lib/libnccl_ep.so.0.1.0, libnccl_ep.so.0 -> libnccl_ep.so.0.1.0, libnccl_ep.so -> libnccl_ep.so.0
+//! DEST/lib/libnccl_ep.a, libnccl_ep.a.libs (the system libraries it needs)
+//! DEST/include/nccl_ep.h, nccl_ep_v2.h
+//! ```
+//!
+//! Shared: `gcc app.c -I DEST/include -L DEST/lib -lnccl_ep`, run with `DEST/lib` on the
+//! library path. Static: `gcc app.c -I DEST/include DEST/lib/libnccl_ep.a $(cat
+//! DEST/lib/libnccl_ep.a.libs)`, today `-ldl -lgcc_s -lutil -lrt -lpthread -lm -ldl -lc` (what
+//! `cargo rustc --release -p epflow-nccl-ep-abi --lib -- --print native-static-libs` prints);
+//! the program then needs no `libnccl_ep.so`. The tests link C programs both ways.
 //!
 //! ## Table of contents
 //!
@@ -26,7 +46,7 @@
 //!   `EPFLOW_ABI_STAMPS`, every call's entry and launch by the wall clock, per rank).
 //! - `v2.rs`: the structs NCCL EP's API v2 grew (and NCCL 2.31's 104-byte group config), read
 //!   from any accepted `size`; their unimplemented features refused by name.
-//! - [`header`]: the C header, generated.
+//! - [`header`]: the C headers (API v1 and v2), generated.
 //!
 //! ## What is implemented
 //!

@@ -34,6 +34,16 @@ pub(crate) const EXPERT_ID_LOCAL: c_int = 1;
 pub(crate) const EXPERT_ID_GLOBAL: c_int = 2;
 /// `ncclEpDispQuant_t` / `ncclEpCombQuant_t`: no quantization.
 pub(crate) const QUANT_NONE: c_int = 0;
+/// `ncclEpDispQuant_t`: the caller's tokens are already quantized; their scales are forwarded.
+pub(crate) const DISP_QUANT_FWD: c_int = 1;
+/// `ncclEpDispQuant_t`: BF16 in, FP8 out with one FP32 scale per 128 channels (low-latency).
+pub(crate) const DISP_QUANT_DS_FP8E3M4: c_int = 2;
+/// `ncclEpCombQuant_t`: NVFP4 combine (low-latency).
+pub(crate) const COMB_QUANT_NVFP4: c_int = 1;
+/// `NCCL_EP_API_VERSION` of NCCL EP's API v2 (NVIDIA/nccl-extensions).
+pub(crate) const API_VERSION: c_uint = 2;
+/// `ncclFloat4x2`: two FP4 values per byte, the `ncclDataType_t` the v2 header adds.
+pub(crate) const NCCL_FLOAT4X2: c_int = 12;
 
 /// `ncclEpGroupConfig_t` of API v2 (112 bytes).
 #[repr(C)]
@@ -169,10 +179,14 @@ impl DispatchConfig {
     pub(crate) fn check_v2_fields(&self) -> Res<()> {
         match self.quant_recipe {
             QUANT_NONE => Ok(()),
-            1 | 2 => Err(Fail::usage(format!(
+            DISP_QUANT_FWD | DISP_QUANT_DS_FP8E3M4 => Err(Fail::usage(format!(
                 "config.quant_recipe is {} ({}): not implemented by epflow's NCCL EP library (use NCCL_EP_DISP_QUANT_NONE)",
                 self.quant_recipe,
-                if self.quant_recipe == 1 { "NCCL_EP_DISP_QUANT_FWD" } else { "NCCL_EP_DISP_QUANT_DS_FP8E3M4" }
+                if self.quant_recipe == DISP_QUANT_FWD {
+                    "NCCL_EP_DISP_QUANT_FWD"
+                } else {
+                    "NCCL_EP_DISP_QUANT_DS_FP8E3M4"
+                }
             ))),
             q => Err(Fail::arg(format!("config.quant_recipe is {q}, not an ncclEpDispQuant_t"))),
         }
@@ -184,7 +198,7 @@ impl CombineConfig {
     pub(crate) fn check_v2_fields(&self) -> Res<()> {
         match self.quant_recipe {
             QUANT_NONE => Ok(()),
-            1 => Err(Fail::usage(
+            COMB_QUANT_NVFP4 => Err(Fail::usage(
                 "config.quant_recipe is NCCL_EP_COMB_QUANT_NVFP4: not implemented by epflow's NCCL EP library (use NCCL_EP_COMB_QUANT_NONE)",
             )),
             q => Err(Fail::arg(format!("config.quant_recipe is {q}, not an ncclEpCombQuant_t"))),
