@@ -231,3 +231,59 @@ fn launch_across_hosts_sets_the_torchrun_environment() {
     lines.sort();
     assert_eq!(lines, ["2/6/0/10.1.2.3:29511/none", "3/6/1/10.1.2.3:29511/none"]);
 }
+
+/// `epflow launch` bounds `-n` (per host), `--nnodes`, `--node-rank` and the whole job's ranks
+/// (without overflow), and starts nothing when one is out of range (issue 64, item 2).
+#[test]
+fn launch_bounds_its_counts_and_starts_nothing_out_of_range() {
+    let per_host =
+        "-n is 1 to 8 processes per host (epflow_kernels::MAX_GPU_RANKS: the most ranks a GPU group may have)";
+    let hosts = "--nnodes is 1 to 1024 hosts (epflow_core::config::MAX_RANKS: the most ranks a group may have)";
+    let cases: &[(&[&str], String)] = &[
+        (
+            &["-n", "18446744073709551615"],
+            format!("invalid value '18446744073709551615' for '--nprocs <NPROCS>': {per_host}"),
+        ),
+        (&["-n", "9223372036854775809", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h"], per_host.into()),
+        (&["-n", "9"], format!("invalid value '9' for '--nprocs <NPROCS>': {per_host}")),
+        (&["-n", "2", "--nnodes", "0"], format!("invalid value '0' for '--nnodes <NNODES>': {hosts}")),
+        (&["-n", "2", "--nnodes", "1025", "--master-addr", "h"], hosts.into()),
+        (&["-n", "2", "--nnodes", "18446744073709551615", "--master-addr", "h"], hosts.into()),
+        (
+            &["-n", "8", "--nnodes", "129", "--node-rank", "128", "--master-addr", "h"],
+            "error: -n 8 x --nnodes 129 is more than the 1024 ranks a group may have (epflow_core::config::MAX_RANKS)"
+                .into(),
+        ),
+        (
+            &["-n", "2", "--nnodes", "2", "--node-rank", "18446744073709551615", "--master-addr", "h"],
+            "error: --node-rank (18446744073709551615) must be below --nnodes (2)".into(),
+        ),
+    ];
+    for (flags, want) in cases {
+        let args = [&["launch"][..], flags, &["--", "sh", "-c", "echo started $RANK/$WORLD_SIZE"]].concat();
+        let (code, out, err) = epflow(&args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(want.as_str()), "{args:?}: stderr {err:?} should contain {want:?}");
+        assert_eq!(out, "", "{args:?}: nothing may start");
+    }
+    // The largest job is accepted: the last host of 128 x 8 ranks.
+    let (code, out, err) = epflow(&[
+        "launch",
+        "-n",
+        "8",
+        "--nnodes",
+        "128",
+        "--node-rank",
+        "127",
+        "--master-addr",
+        "h",
+        "--",
+        "sh",
+        "-c",
+        "echo $RANK/$WORLD_SIZE",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let mut lines: Vec<&str> = out.lines().collect();
+    lines.sort();
+    assert_eq!(lines, (1016..1024).map(|r| format!("{r}/1024")).collect::<Vec<_>>());
+}
