@@ -33,7 +33,7 @@ impl Fail {
 
 impl From<Error> for Fail {
     /// epflow's errors as NCCL codes: what the caller passed (config, validation, unsupported)
-    /// is `ncclInvalidUsage`; a peer's failure, a timeout or a poisoned group
+    /// is `ncclInvalidUsage` (a rank out of range `ncclInvalidArgument`); a peer's failure, a timeout or a poisoned group
     /// `ncclRemoteError`; the driver's failures `ncclUnhandledCudaError`; the rest
     /// `ncclInternalError`.
     fn from(e: Error) -> Self {
@@ -48,6 +48,7 @@ impl From<Error> for Fail {
             | Error::Poisoned { .. }
             | Error::PeerCancelled { .. }
             | Error::PeerMismatch { .. } => ep::NCCL_REMOTE_ERROR,
+            Error::RankOutOfRange { .. } => ep::NCCL_INVALID_ARGUMENT,
             Error::Backend(_) => ep::NCCL_UNHANDLED_CUDA_ERROR,
             Error::OutOfMemory { .. } => ep::NCCL_SYSTEM_ERROR,
             _ => ep::NCCL_INTERNAL_ERROR,
