@@ -31,6 +31,10 @@ pub(crate) enum Command {
     /// Summarize NCCL EP `ep_bench` runs (one output file per run) of a baseline library and of
     /// epflow's `libnccl_ep.so`: per case, kernel and host-observed means, runs with a whole-run
     /// rank offset, baseline / epflow ratios, and the runs that met `--targets`.
+    ///
+    /// Every value read must be a finite number: a run with NaN or inf is an error naming the
+    /// file, line and field, and is left out. Exit code 1 when a run's validation failed or a run
+    /// was left out so, 2 on bad flags or when a side has no usable run.
     EpBenchReport(EpBenchReportArgs),
 }
 
