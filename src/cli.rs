@@ -21,6 +21,9 @@ pub(crate) enum Command {
     Compile(CompileArgs),
     /// Start N processes on this host, one per GPU, with RANK, WORLD_SIZE, LOCAL_RANK and the
     /// NCCL unique id (EPFLOW_NCCL_ID) in their environment.
+    ///
+    /// -n is 1 to 8 processes per host (the most ranks a GPU group may have), --nnodes 1 to
+    /// 1024, and -n x --nnodes at most 1024 ranks; out of range, nothing is started (exit code 2).
     Launch(LaunchArgs),
     /// Diagnostics on one GPU.
     #[command(subcommand)]
@@ -28,6 +31,10 @@ pub(crate) enum Command {
     /// Summarize NCCL EP `ep_bench` runs (one output file per run) of a baseline library and of
     /// epflow's `libnccl_ep.so`: per case, kernel and host-observed means, runs with a whole-run
     /// rank offset, baseline / epflow ratios, and the runs that met `--targets`.
+    ///
+    /// Every value read must be a finite number: a run with NaN or inf is an error naming the
+    /// file, line and field, and is left out. Exit code 1 when a run's validation failed or a run
+    /// was left out so, 2 on bad flags or when a side has no usable run.
     EpBenchReport(EpBenchReportArgs),
 }
 
@@ -87,15 +94,23 @@ pub(crate) struct DiagLaunchArgs {
 }
 
 /// `epflow launch` flags.
+///
+/// Bounds: `-n` is 1 to [`epflow_kernels::MAX_GPU_RANKS`] (8) processes per host, `--nnodes` 1 to
+/// [`epflow_core::config::MAX_RANKS`] (1024) hosts, `--node-rank` below `--nnodes`, and the whole
+/// job (`-n` x `--nnodes`) at most `MAX_RANKS` ranks. A value out of range is an error (exit
+/// code 2) and nothing is started.
 #[derive(Clone, Debug, clap::Args)]
 pub(crate) struct LaunchArgs {
-    /// Number of processes on this host (one per GPU).
-    #[arg(short = 'n', long = "nprocs")]
+    /// Number of processes on this host (one per GPU), 1 to 8 (the most ranks a GPU group may
+    /// have, `epflow_kernels::MAX_GPU_RANKS`).
+    #[arg(short = 'n', long = "nprocs", value_parser = parse_nprocs)]
     pub nprocs: usize,
-    /// Hosts in the job (with --master-addr; each host runs its own `epflow launch`).
-    #[arg(long, default_value_t = 1)]
+    /// Hosts in the job (with --master-addr; each host runs its own `epflow launch`), 1 to 1024;
+    /// -n x --nnodes is at most 1024 ranks (`epflow_core::config::MAX_RANKS`).
+    #[arg(long, default_value_t = 1, value_parser = parse_nnodes)]
     pub nnodes: usize,
-    /// This host's index among --nnodes (its processes get RANK = node_rank * nprocs + i).
+    /// This host's index among --nnodes, below --nnodes (its processes get RANK = node_rank *
+    /// nprocs + i).
     #[arg(long, default_value_t = 0)]
     pub node_rank: usize,
     /// Rank 0's host: the processes find each other over TCP (MASTER_ADDR, as torchrun sets it)
@@ -196,19 +211,21 @@ pub(crate) struct BenchArgs {
     /// Algorithm.
     #[arg(long, value_enum, default_value = "ll")]
     pub algorithm: AlgorithmArg,
-    /// Tokens per rank [default: 128 for ll and auto, 4096 for ht].
+    /// Tokens per rank, 1 to 16777216 (`MAX_TOKENS_PER_RANK`) [default: 128 for ll and auto,
+    /// 4096 for ht].
     #[arg(long)]
     pub tokens: Option<usize>,
-    /// Hidden size.
+    /// Hidden size: a multiple of 8 (of 128 with --dtype fp8), at most 1048576 (`MAX_HIDDEN`).
     #[arg(long, default_value_t = 7168)]
     pub hidden: usize,
-    /// Experts per token.
+    /// Experts per token, 1 to 16 (`MAX_TOP_K`) and at most --experts.
     #[arg(long = "top-k", default_value_t = 8)]
     pub top_k: usize,
-    /// Total experts.
+    /// Total experts: a multiple of the ranks, at most 32768 (`MAX_EXPERTS`).
     #[arg(long, default_value_t = 256)]
     pub experts: usize,
-    /// Ranks [default: the GPUs present (gpu backend), else 4].
+    /// Ranks, 1 to 1024 (`MAX_RANKS`; 8 on the gpu backend, `MAX_GPU_RANKS`) [default: the GPUs
+    /// present (gpu backend), else 4].
     #[arg(long)]
     pub ranks: Option<usize>,
     /// Warm-up iterations.
@@ -275,4 +292,27 @@ pub(crate) struct BenchArgs {
     /// Print one JSON object instead of the text report.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `-n`: 1 to [`epflow_kernels::MAX_GPU_RANKS`] processes on this host.
+fn parse_nprocs(s: &str) -> Result<usize, String> {
+    let max = epflow_kernels::MAX_GPU_RANKS;
+    match s.parse::<usize>() {
+        Ok(0) => Err("-n must be at least 1".into()),
+        Ok(n) if n <= max => Ok(n),
+        _ => Err(format!(
+            "-n is 1 to {max} processes per host (epflow_kernels::MAX_GPU_RANKS: the most ranks a GPU group may have)"
+        )),
+    }
+}
+
+/// `--nnodes`: 1 to [`epflow_core::config::MAX_RANKS`] hosts.
+fn parse_nnodes(s: &str) -> Result<usize, String> {
+    let max = epflow_core::config::MAX_RANKS;
+    match s.parse::<usize>() {
+        Ok(n) if (1..=max).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "--nnodes is 1 to {max} hosts (epflow_core::config::MAX_RANKS: the most ranks a group may have)"
+        )),
+    }
 }

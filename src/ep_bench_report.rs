@@ -11,6 +11,11 @@
 //! for the whole run and the other's kernels waited for it (benches/NOTES.md items 130, 138 and
 //! 187). The report gives epflow's means over the runs without an offset as well, and the mean
 //! of the faster rank's average over every run.
+//!
+//! Every number read must be finite: a run with a NaN or infinite value is an error naming the
+//! file, the line and the field, and it is left out of the report (exit code 1, as for a run whose
+//! own validation failed). A ratio whose epflow side is zero, or any other result that is not a
+//! finite number, prints as `-`: the report never prints NaN or inf.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -69,12 +74,40 @@ pub(crate) struct Case {
     pub tokens: usize,
 }
 
-/// The value after `key=` in `line` up to the next space or comma, as a number.
-fn field(line: &str, key: &str) -> Option<f64> {
-    let at = line.find(&format!("{key}="))? + key.len() + 1;
+/// Why a run's output cannot be used.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub(crate) enum ParseError {
+    /// The output lacks what every run prints (not `ep_bench` output, or a run that failed
+    /// early): the file is left out with a warning.
+    #[error("{0}")]
+    Missing(&'static str),
+    /// A value that is not a finite number (`nan`, `inf`): the run is left out, and the report
+    /// exits with code 1.
+    #[error("line {line}: {field} is {value:?}, not a finite number")]
+    NonFinite {
+        /// The line, counted from 1.
+        line: usize,
+        /// The field, e.g. `Kernel-only Dispatch avg`.
+        field: String,
+        /// The text of the value.
+        value: String,
+    },
+}
+
+/// The value after `key=` in `line` up to the next space or comma, as a number (`Ok(None)`
+/// when absent or not a number); a value that reads as NaN or infinite is an error naming line
+/// `lineno` (from 1) and the field (`what` and `key`).
+fn field(line: &str, key: &str, lineno: usize, what: &str) -> Result<Option<f64>, ParseError> {
+    let Some(at) = line.find(&format!("{key}=")).map(|at| at + key.len() + 1) else { return Ok(None) };
     let rest = &line[at..];
-    let end = rest.find([' ', ',']).unwrap_or(rest.len());
-    rest[..end].parse().ok()
+    let raw = &rest[..rest.find([' ', ',']).unwrap_or(rest.len())];
+    match raw.parse::<f64>() {
+        Ok(v) if !v.is_finite() => {
+            Err(ParseError::NonFinite { line: lineno, field: format!("{what} {key}"), value: raw.to_string() })
+        }
+        Ok(v) => Ok(Some(v)),
+        Err(_) => Ok(None),
+    }
 }
 
 /// The value of configuration line `  Key:   value` of `text`.
@@ -82,10 +115,13 @@ fn config<'a>(text: &'a str, key: &str) -> Option<&'a str> {
     text.lines().find_map(|l| l.trim_start().strip_prefix(key)?.trim_start().strip_prefix(':').map(str::trim))
 }
 
-/// Parses one run's output; errors name what is missing.
-pub(crate) fn parse(path: &Path, text: &str) -> Result<Run, String> {
-    let algorithm = config(text, "Algorithm").ok_or("no `Algorithm:` line (not ep_bench output?)")?.to_string();
-    let tokens = config(text, "Tokens").and_then(|t| t.parse().ok()).ok_or("no `Tokens:` line")?;
+/// Parses one run's output; errors name what is missing, or the line and field of a value that
+/// is not a finite number.
+pub(crate) fn parse(path: &Path, text: &str) -> Result<Run, ParseError> {
+    let algorithm = config(text, "Algorithm")
+        .ok_or(ParseError::Missing("no `Algorithm:` line (not ep_bench output?)"))?
+        .to_string();
+    let tokens = config(text, "Tokens").and_then(|t| t.parse().ok()).ok_or(ParseError::Missing("no `Tokens:` line"))?;
     let case = Case {
         algorithm,
         layout: config(text, "Layout").unwrap_or("-").to_string(),
@@ -95,24 +131,27 @@ pub(crate) fn parse(path: &Path, text: &str) -> Result<Run, String> {
     let (mut host, mut kernel) = ([None, None], [None, None]);
     let mut section = "";
     let mut checks = Vec::new();
-    for line in text.lines() {
+    for (i, line) in text.lines().enumerate() {
         if line.starts_with("---") || line.starts_with("===") {
             section = line;
             continue;
         }
-        let which = if line.starts_with("Dispatch") {
-            0
+        let (which, op) = if line.starts_with("Dispatch") {
+            (0, "Dispatch")
         } else if line.starts_with("Combine") {
-            1
+            (1, "Combine")
         } else {
             continue;
         };
+        let lineno = i + 1;
         if line.contains(" validation:") {
             checks.push(line.contains("PASSED"));
         } else if section.contains("Host-observed") {
-            host[which] = field(line, "avg");
+            host[which] = field(line, "avg", lineno, &format!("Host-observed {op}"))?;
         } else if section.contains("Kernel-only") {
-            kernel[which] = match (field(line, "avg"), field(line, "min"), field(line, "max")) {
+            let what = format!("Kernel-only {op}");
+            let f = |key| field(line, key, lineno, &what);
+            kernel[which] = match (f("avg")?, f("min")?, f("max")?) {
                 (Some(avg), Some(min), Some(max)) => Some(KernelStat { avg, min, max }),
                 _ => None,
             };
@@ -144,7 +183,12 @@ pub(crate) fn parse_targets(spec: &str) -> Result<Targets, String> {
             _ => return Err(bad()),
         };
         let (d, c) = us.split_once('/').ok_or_else(bad)?;
-        let (Ok(t), Ok(d), Ok(c)) = (tokens.parse(), d.trim().parse(), c.trim().parse()) else { return Err(bad()) };
+        let (Ok(t), Ok(d), Ok(c)) = (tokens.parse(), d.trim().parse::<f64>(), c.trim().parse::<f64>()) else {
+            return Err(bad());
+        };
+        if !d.is_finite() || !c.is_finite() {
+            return Err(format!("--targets: `{item}`: the targets must be finite numbers of µs"));
+        }
         out.insert((layout, t), [d, c]);
     }
     Ok(out)
@@ -175,9 +219,10 @@ pub(crate) struct Side {
     pub met: Option<usize>,
 }
 
-fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
-    let (sum, n) = values.fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
-    (n > 0).then(|| sum / n as f64)
+/// The mean, summing `v / n` so that finite values near `f64::MAX` do not overflow.
+fn mean(values: impl Iterator<Item = f64> + Clone) -> Option<f64> {
+    let n = values.clone().count();
+    (n > 0).then(|| values.map(|v| v / n as f64).sum())
 }
 
 /// Summarizes `runs` (of one case): offsets at `offset_us`, targets `target`.
@@ -207,8 +252,16 @@ fn of_case<'a>(runs: &'a [Run], case: &Case) -> Vec<&'a Run> {
     runs.iter().filter(|r| &r.case == case).collect()
 }
 
+/// `d / c` with two decimals; `-` for a missing pair, and for each value that is not a finite
+/// number (a ratio over a zero mean), so that the report never prints NaN or inf.
 fn pair_text(p: Option<Pair<f64>>) -> String {
-    p.map_or_else(|| "-".to_string(), |[d, c]| format!("{d:.2} / {c:.2}"))
+    let one = |v: f64| if v.is_finite() { format!("{v:.2}") } else { "-".to_string() };
+    p.map_or_else(|| "-".to_string(), |[d, c]| format!("{} / {}", one(d), one(c)))
+}
+
+/// `a / b` per operation; a zero denominator gives NaN or inf, which [`pair_text`] prints as `-`.
+fn ratio(a: Option<Pair<f64>>, b: Option<Pair<f64>>) -> Option<Pair<f64>> {
+    a.zip(b).map(|(a, b)| [a[0] / b[0], a[1] / b[1]])
 }
 
 /// The report of `baseline` and `ours` (parsed runs), one block per case either side has.
@@ -239,7 +292,6 @@ pub(crate) fn report(baseline: &[Run], ours: &[Run], offset_us: f64, targets: &T
                 pair_text(s.host)
             );
         }
-        let ratio = |a: Option<Pair<f64>>, b: Option<Pair<f64>>| a.zip(b).map(|(a, b)| [a[0] / b[0], a[1] / b[1]]);
         let met = match (target, so.met) {
             (Some(t), Some(n)) => format!(" | epflow met <= {} / {} in {n} of {} runs", t[0], t[1], so.runs),
             _ => String::new(),
@@ -260,26 +312,41 @@ pub(crate) fn report(baseline: &[Run], ours: &[Run], offset_us: f64, targets: &T
 }
 
 /// Reads and parses every file; a file that cannot be read or parsed is named on stderr and
-/// left out.
-fn read_all(paths: &[PathBuf]) -> Vec<Run> {
-    paths
+/// left out (a warning); so is a run with a value that is not a finite number (an error: the
+/// second value returned is how many).
+fn read_all(paths: &[PathBuf]) -> (Vec<Run>, usize) {
+    let mut bad = 0;
+    let runs = paths
         .iter()
-        .filter_map(|p| match std::fs::read_to_string(p).map_err(|e| e.to_string()).and_then(|t| parse(p, &t)) {
-            Ok(run) if run.kernel.is_some() => Some(run),
-            Ok(_) => {
-                eprintln!("warning: {}: no kernel column (the run failed?); left out", p.display());
-                None
-            }
+        .filter_map(|p| match std::fs::read_to_string(p) {
             Err(e) => {
                 eprintln!("warning: {}: {e}; left out", p.display());
                 None
             }
+            Ok(t) => match parse(p, &t) {
+                Ok(run) if run.kernel.is_some() => Some(run),
+                Ok(_) => {
+                    eprintln!("warning: {}: no kernel column (the run failed?); left out", p.display());
+                    None
+                }
+                Err(e @ ParseError::NonFinite { .. }) => {
+                    eprintln!("error: {}: {e}; run left out", p.display());
+                    bad += 1;
+                    None
+                }
+                Err(e) => {
+                    eprintln!("warning: {}: {e}; left out", p.display());
+                    None
+                }
+            },
         })
-        .collect()
+        .collect();
+    (runs, bad)
 }
 
 /// `epflow ep-bench-report`. Exit code 2 on bad flags or when a side has no usable run, 1 when a
-/// run's own validation failed, else 0.
+/// run's own validation failed or a run was left out for a value that is not a finite number,
+/// else 0.
 pub(crate) fn main(args: &EpBenchReportArgs) -> ExitCode {
     let targets = match args.targets.as_deref().map(parse_targets).transpose() {
         Ok(t) => t.unwrap_or_default(),
@@ -288,11 +355,11 @@ pub(crate) fn main(args: &EpBenchReportArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if args.offset_us.is_nan() || args.offset_us <= 0.0 {
-        eprintln!("error: --offset-us must be positive");
+    if !args.offset_us.is_finite() || args.offset_us <= 0.0 {
+        eprintln!("error: --offset-us must be a positive finite number of µs");
         return ExitCode::from(2);
     }
-    let (baseline, ours) = (read_all(&args.baseline), read_all(&args.ours));
+    let ((baseline, bad_b), (ours, bad_o)) = (read_all(&args.baseline), read_all(&args.ours));
     if baseline.is_empty() || ours.is_empty() {
         eprintln!(
             "error: no usable ep_bench run for the {}",
@@ -301,7 +368,11 @@ pub(crate) fn main(args: &EpBenchReportArgs) -> ExitCode {
         return ExitCode::from(2);
     }
     print!("{}", report(&baseline, &ours, args.offset_us, &targets));
-    if baseline.iter().chain(&ours).any(|r| r.validated == Some(false)) { ExitCode::from(1) } else { ExitCode::SUCCESS }
+    if bad_b + bad_o > 0 {
+        eprintln!("error: {} run(s) left out for values that are not finite numbers", bad_b + bad_o);
+    }
+    let failed = baseline.iter().chain(&ours).any(|r| r.validated == Some(false));
+    if failed || bad_b + bad_o > 0 { ExitCode::from(1) } else { ExitCode::SUCCESS }
 }
 
 #[cfg(test)]
@@ -379,6 +450,56 @@ mod tests {
         assert!(!text.contains("FAILED"), "{text}");
     }
 
+    /// Issue 64 item 5: a value that reads as NaN or infinite is an error naming its line and
+    /// field, in either column.
+    #[test]
+    fn values_that_are_not_finite_are_refused_with_their_line_and_field() {
+        let good = log(1, "rank-major", [(9.0, 8.0, 10.0), (11.0, 10.0, 12.0)], [18.0, 16.0]);
+        let cases = [
+            ("Dispatch:    avg=9.00", "Dispatch:    avg=nan", 17, "Kernel-only Dispatch avg", "nan"),
+            ("min=10.00 us, max=12.00", "min=-inf us, max=12.00", 19, "Kernel-only Combine min", "-inf"),
+            ("min=10.00 us, max=12.00", "min=10.00 us, max=inf", 19, "Kernel-only Combine max", "inf"),
+            ("Combine (BF16):   avg=16.00", "Combine (BF16):   avg=NaN", 14, "Host-observed Combine avg", "NaN"),
+            (
+                "Dispatch (BF16):  avg=18.00",
+                "Dispatch (BF16):  avg=infinity",
+                12,
+                "Host-observed Dispatch avg",
+                "infinity",
+            ),
+        ];
+        for (from, to, line, field, value) in cases {
+            let text = good.replacen(from, to, 1);
+            assert_ne!(text, good, "{from}");
+            let err = parse(Path::new("r.log"), &text).unwrap_err();
+            assert_eq!(err, ParseError::NonFinite { line, field: field.into(), value: value.into() });
+            assert_eq!(err.to_string(), format!("line {line}: {field} is {value:?}, not a finite number"));
+        }
+        assert!(parse(Path::new("r.log"), &good).is_ok());
+    }
+
+    /// A ratio over a zero mean, or a mean past `f64::MAX`, prints as `-`, never NaN or inf.
+    #[test]
+    fn the_report_never_prints_nan_or_inf() {
+        let ours = [run(&log(1, "rank-major", [(0.0, 0.0, 0.0), (2.0, 2.0, 2.0)], [0.0, 0.0]))];
+        let base = [
+            run(&log(1, "rank-major", [(0.0, 0.0, 0.0), (4.0, 4.0, 4.0)], [3.0, 0.0])),
+            run(&log(1, "rank-major", [(0.0, 0.0, 0.0), (4.0, 4.0, 4.0)], [3.0, 0.0])),
+        ];
+        let text = report(&base, &ours, 3.0, &Targets::new());
+        assert!(text.contains("baseline / epflow: kernel - / 2.00x, host - / -x"), "{text}");
+        let huge = [
+            run(&log(1, "rank-major", [(f64::MAX, 1.0, 1.0), (1.0, 1.0, 1.0)], [1.0, 1.0])),
+            run(&log(1, "rank-major", [(f64::MAX, 1.0, 1.0), (1.0, 1.0, 1.0)], [1.0, 1.0])),
+        ];
+        let refs: Vec<&Run> = huge.iter().collect();
+        assert_eq!(summarize(&refs, 3.0, None).kernel, Some([f64::MAX, 1.0]));
+        let text = report(&huge, &ours, 3.0, &Targets::new());
+        for bad in ["NaN", "nan", "inf"] {
+            assert!(!text.contains(bad), "{bad}: {text}");
+        }
+    }
+
     #[test]
     fn targets_hold_for_their_layout_or_every_layout() {
         let t = parse_targets("rank-major:1:10/10, 1:12/12, 32:14/14").unwrap();
@@ -401,6 +522,11 @@ mod tests {
         assert!(parse_targets("a:b:1:10/10").is_err());
         assert!(parse_targets("1:10").is_err());
         assert!(parse_targets("x:1/2").is_err());
+        assert_eq!(
+            parse_targets("1:nan/10"),
+            Err("--targets: `1:nan/10`: the targets must be finite numbers of µs".to_string())
+        );
+        assert!(parse_targets("rank-major:1:10/inf").is_err());
         assert_eq!(parse_targets("").unwrap().len(), 0);
     }
 }

@@ -6,13 +6,38 @@
 use std::process::{Child, Command, ExitCode};
 use std::time::Duration;
 
+use epflow_core::config::MAX_RANKS;
+
 use crate::cli::LaunchArgs;
 
-pub(crate) fn main(args: &LaunchArgs) -> ExitCode {
-    if args.nprocs == 0 {
-        eprintln!("error: -n must be at least 1");
-        return ExitCode::from(2);
+/// The job's ranks, `nprocs` x `nnodes`: 1 to [`MAX_RANKS`], without overflow (the flags' own
+/// bounds, `-n` and `--nnodes`, are checked by clap).
+fn world_size(nprocs: usize, nnodes: usize) -> Result<usize, String> {
+    let max_local = epflow_kernels::MAX_GPU_RANKS;
+    if nprocs == 0 || nprocs > max_local {
+        return Err(format!(
+            "-n is {nprocs}: it must be 1 to {max_local} processes per host (epflow_kernels::MAX_GPU_RANKS)"
+        ));
     }
+    if nnodes == 0 {
+        return Err("--nnodes must be at least 1".into());
+    }
+    match nprocs.checked_mul(nnodes) {
+        Some(w) if w <= MAX_RANKS => Ok(w),
+        _ => Err(format!(
+            "-n {nprocs} x --nnodes {nnodes} is more than the {MAX_RANKS} ranks a group may have (epflow_core::config::MAX_RANKS)"
+        )),
+    }
+}
+
+pub(crate) fn main(args: &LaunchArgs) -> ExitCode {
+    let world = match world_size(args.nprocs, args.nnodes) {
+        Ok(w) => w,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let Some((program, rest)) = args.command.split_first() else {
         eprintln!("error: give the command to run after --");
         return ExitCode::from(2);
@@ -54,9 +79,9 @@ pub(crate) fn main(args: &LaunchArgs) -> ExitCode {
             }
         },
     };
-    let world = args.nnodes * args.nprocs;
     let mut children: Vec<(usize, Child)> = Vec::new();
     for local in 0..args.nprocs {
+        // Below `world` (node_rank < nnodes), so no overflow.
         let rank = args.node_rank * args.nprocs + local;
         let mut cmd = Command::new(program);
         cmd.args(rest)
@@ -114,4 +139,27 @@ pub(crate) fn main(args: &LaunchArgs) -> ExitCode {
         std::thread::sleep(Duration::from_millis(20));
     }
     ExitCode::from(code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn world_size_is_bounded_without_overflow() {
+        assert_eq!(world_size(2, 3), Ok(6));
+        assert_eq!(world_size(8, 128), Ok(1024));
+        assert_eq!(
+            world_size(8, 129),
+            Err("-n 8 x --nnodes 129 is more than the 1024 ranks a group may have (epflow_core::config::MAX_RANKS)"
+                .to_string())
+        );
+        assert_eq!(
+            world_size(9_223_372_036_854_775_809, 2),
+            Err("-n is 9223372036854775809: it must be 1 to 8 processes per host (epflow_kernels::MAX_GPU_RANKS)"
+                .to_string())
+        );
+        assert_eq!(world_size(1, 0), Err("--nnodes must be at least 1".to_string()));
+        assert_eq!(world_size(0, 1).map_err(|e| e.contains("1 to 8")), Err(true));
+    }
 }

@@ -231,3 +231,121 @@ fn launch_across_hosts_sets_the_torchrun_environment() {
     lines.sort();
     assert_eq!(lines, ["2/6/0/10.1.2.3:29511/none", "3/6/1/10.1.2.3:29511/none"]);
 }
+
+/// `epflow launch` bounds `-n` (per host), `--nnodes`, `--node-rank` and the whole job's ranks
+/// (without overflow), and starts nothing when one is out of range (issue 64, item 2).
+#[test]
+fn launch_bounds_its_counts_and_starts_nothing_out_of_range() {
+    let per_host =
+        "-n is 1 to 8 processes per host (epflow_kernels::MAX_GPU_RANKS: the most ranks a GPU group may have)";
+    let hosts = "--nnodes is 1 to 1024 hosts (epflow_core::config::MAX_RANKS: the most ranks a group may have)";
+    let cases: &[(&[&str], String)] = &[
+        (
+            &["-n", "18446744073709551615"],
+            format!("invalid value '18446744073709551615' for '--nprocs <NPROCS>': {per_host}"),
+        ),
+        (&["-n", "9223372036854775809", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h"], per_host.into()),
+        (&["-n", "9"], format!("invalid value '9' for '--nprocs <NPROCS>': {per_host}")),
+        (&["-n", "2", "--nnodes", "0"], format!("invalid value '0' for '--nnodes <NNODES>': {hosts}")),
+        (&["-n", "2", "--nnodes", "1025", "--master-addr", "h"], hosts.into()),
+        (&["-n", "2", "--nnodes", "18446744073709551615", "--master-addr", "h"], hosts.into()),
+        (
+            &["-n", "8", "--nnodes", "129", "--node-rank", "128", "--master-addr", "h"],
+            "error: -n 8 x --nnodes 129 is more than the 1024 ranks a group may have (epflow_core::config::MAX_RANKS)"
+                .into(),
+        ),
+        (
+            &["-n", "2", "--nnodes", "2", "--node-rank", "18446744073709551615", "--master-addr", "h"],
+            "error: --node-rank (18446744073709551615) must be below --nnodes (2)".into(),
+        ),
+    ];
+    for (flags, want) in cases {
+        let args = [&["launch"][..], flags, &["--", "sh", "-c", "echo started $RANK/$WORLD_SIZE"]].concat();
+        let (code, out, err) = epflow(&args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(want.as_str()), "{args:?}: stderr {err:?} should contain {want:?}");
+        assert_eq!(out, "", "{args:?}: nothing may start");
+    }
+    // The largest job is accepted: the last host of 128 x 8 ranks.
+    let (code, out, err) = epflow(&[
+        "launch",
+        "-n",
+        "8",
+        "--nnodes",
+        "128",
+        "--node-rank",
+        "127",
+        "--master-addr",
+        "h",
+        "--",
+        "sh",
+        "-c",
+        "echo $RANK/$WORLD_SIZE",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let mut lines: Vec<&str> = out.lines().collect();
+    lines.sort();
+    assert_eq!(lines, (1016..1024).map(|r| format!("{r}/1024")).collect::<Vec<_>>());
+}
+
+/// An `ep_bench` low-latency run's output as `epflow ep-bench-report` reads it (abridged), with
+/// kernel averages `dispatch` and `combine` (the ranks' own averages 0.5 µs either side).
+fn ep_bench_log(dispatch: &str, combine: &str) -> String {
+    format!(
+        "=== NCCL EP Performance Benchmark ===\nConfiguration:\n  Algorithm:       LOW_LATENCY\n  \
+         Layout:          rank-major\n  Ranks:           2\n  Tokens:          1\n  Dispatch dtype:  BF16\n\n\
+         --- Host-observed performance ---\nDispatch (BF16):  avg=20.00 us, min=1.00 us, max=99.00 us\n\
+         Combine (BF16):   avg=18.00 us, min=1.00 us, max=99.00 us\n\n--- Kernel-only performance ---\n\
+         Dispatch:    avg={dispatch} us, min=8.00 us, max=8.50 us\n\
+         Combine:     avg={combine} us, min=9.00 us, max=9.50 us\n"
+    )
+}
+
+/// `epflow ep-bench-report` on runs with NaN or infinite values: each is an error naming the
+/// file, line and field, left out, and the exit code is 1; a ratio over a zero mean prints as
+/// `-`; the report never prints NaN or inf (issue 64, item 5).
+#[test]
+fn ep_bench_report_refuses_values_that_are_not_finite() {
+    let dir = std::env::temp_dir().join(format!("epflow-cli-report-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = |name: &str, text: String| {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p.display().to_string()
+    };
+    let base = file("base.log", ep_bench_log("16.00", "12.00"));
+    let good = file("good.log", ep_bench_log("8.00", "10.00"));
+    let nan = file("nan.log", ep_bench_log("nan", "10.00"));
+    let inf = file("inf.log", ep_bench_log("8.00", "inf"));
+    let zero = file("zero.log", ep_bench_log("0.00", "0.00"));
+    let (code, out, err) = epflow(&["ep-bench-report", "--baseline", &base, &inf, "--ours", &good, &nan]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains(&format!(
+            "error: {nan}: line 14: Kernel-only Dispatch avg is \"nan\", not a finite number; run left out"
+        )),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!(
+            "error: {inf}: line 15: Kernel-only Combine avg is \"inf\", not a finite number; run left out"
+        )),
+        "{err}"
+    );
+    assert!(err.contains("error: 2 run(s) left out for values that are not finite numbers"), "{err}");
+    assert!(out.contains("baseline / epflow: kernel 2.00 / 1.20x, host 1.00 / 1.00x"), "{out}");
+    assert!(!out.to_lowercase().contains("nan") && !out.contains("inf"), "{out}");
+    let (code, out, err) = epflow(&["ep-bench-report", "--baseline", &base, "--ours", &zero]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("baseline / epflow: kernel - / -x, host 1.00 / 1.00x"), "{out}");
+    assert!(!out.to_lowercase().contains("nan") && !out.contains("inf"), "{out}");
+    for (args, want) in [
+        (["--offset-us", "inf"], "--offset-us must be a positive finite number of µs"),
+        (["--targets", "1:nan/10"], "--targets: `1:nan/10`: the targets must be finite numbers of µs"),
+    ] {
+        let (code, _, err) = epflow(&[&["ep-bench-report", "--baseline", &base, "--ours", &good][..], &args].concat());
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

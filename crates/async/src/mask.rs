@@ -32,8 +32,15 @@ impl<B: Backend> Group<B> {
     /// otherwise that a rank is gone (a health check, a process exit) and does not want to
     /// wait for the timeout. Any rank may call it, alone; it returns once the bit is in every
     /// rank's word (GPU: after a one-thread kernel, synchronously).
+    ///
+    /// A `rank` outside the group (`rank >= num_ranks()`) is [`Error::RankOutOfRange`] and masks
+    /// nothing.
     pub fn mask(&self, rank: usize) -> Result<()> {
-        self.backend().mask_ranks(&[rank].into_iter().collect::<RankSet>())
+        let set = RankSet::from_ranks([rank], self.num_ranks()).map_err(|e| match e {
+            Error::RankOutOfRange { rank, limit, .. } => Error::RankOutOfRange { op: "mask".into(), rank, limit },
+            e => e,
+        })?;
+        self.backend().mask_ranks(&set)
     }
 
     /// Clears the mask on every rank. A collective of **every** rank, the masked ones included,

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::{E, H, K, M, on_tokio_ranks};
 use epflow_async::Group;
+use epflow_core::backend::Backend;
 use epflow_core::host::HostRank;
 use epflow_core::mask::RankSet;
 use epflow_core::ops::{CombineInputs, DispatchInputs};
@@ -59,7 +60,7 @@ async fn round(g: &Group<HostRank>, seed: u64, masked: &RankSet, staged: bool) {
 #[test]
 fn awaited_operations_mask_a_silent_rank_and_report_it() {
     let dead = 1;
-    let gone: RankSet = [dead].into_iter().collect();
+    let gone = RankSet::from_ranks([dead], RANKS).unwrap();
     let back = Arc::new(Barrier::new(RANKS));
     on_tokio_ranks(RANKS, config(), back, move |g, back| async move {
         let me = g.rank();
@@ -100,4 +101,33 @@ fn awaited_operations_mask_a_silent_rank_and_report_it() {
         let e = tokio::time::timeout(Duration::from_secs(5), events.next()).await.unwrap().unwrap();
         assert_eq!(e.added.to_vec(), vec![2]);
     });
+}
+
+/// Issue 64 item 3: `Group::mask` of a rank outside a 4-rank group — 4, 1024 (past what a
+/// `RankSet` holds) or `usize::MAX` — is `Error::RankOutOfRange` and masks nothing, on every
+/// rank; a rank inside the group is masked everywhere.
+#[test]
+fn masking_a_rank_outside_the_group_is_a_typed_error() {
+    let groups = common::groups(RANKS, config());
+    for rank in [4, 1024, usize::MAX] {
+        assert_eq!(groups[0].mask(rank), Err(Error::RankOutOfRange { op: "mask".into(), rank, limit: RANKS }));
+        assert_eq!(
+            groups[0].mask(rank).unwrap_err().to_string(),
+            format!("mask: rank {rank} is out of range: the ranks are 0..4")
+        );
+        for g in &groups {
+            assert!(g.masked_ranks().ranks.is_empty(), "rank {}: {:?}", g.rank(), g.masked_ranks());
+        }
+    }
+    // The backend's own entry refuses a set naming a rank outside the group as well.
+    let outside = RankSet::from_ranks([1, 5], 8).unwrap();
+    assert_eq!(
+        groups[1].backend().mask_ranks(&outside),
+        Err(Error::RankOutOfRange { op: "mask_ranks".into(), rank: 5, limit: RANKS })
+    );
+    groups[1].mask(3).unwrap();
+    for g in &groups {
+        assert_eq!(g.masked_ranks().ranks.to_vec(), vec![3], "rank {}", g.rank());
+        assert!(!g.is_poisoned());
+    }
 }

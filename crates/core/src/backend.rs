@@ -410,7 +410,8 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// Masks `ranks` on every rank, as a timeout would (an application's decision, e.g. from a
     /// health check): later operations skip them. Any rank may call it, alone; it returns once
-    /// the bits are in every rank's word. Groups without rank masking refuse it.
+    /// the bits are in every rank's word. Groups without rank masking refuse it; a rank outside
+    /// the group is [`Error::RankOutOfRange`] (nothing is masked).
     fn mask_ranks(&self, ranks: &RankSet) -> Result<()> {
         let _ = ranks;
         Err(Error::Unsupported("mask_ranks needs a group with rank_masking".into()))

@@ -458,6 +458,18 @@ pub enum Error {
         /// The group's mask epoch now.
         now: u64,
     },
+    /// A rank that is not in the group (or past what a [`crate::mask::RankSet`] holds): nothing
+    /// was done.
+    #[error("{op}: rank {rank} is out of range: the ranks are 0..{limit}")]
+    RankOutOfRange {
+        /// What was refused, e.g. `"mask"`.
+        op: String,
+        /// The rank asked for.
+        rank: usize,
+        /// The number of ranks of the group (or [`crate::config::MAX_RANKS`], what a
+        /// [`crate::mask::RankSet`] holds).
+        limit: usize,
+    },
     /// This backend cannot do what was asked.
     #[error("unsupported: {0}")]
     Unsupported(String),

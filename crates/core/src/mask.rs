@@ -54,10 +54,15 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::config::MAX_RANKS;
+use crate::error::{Error, Result};
 
 const WORDS: usize = MAX_RANKS.div_ceil(64);
 
 /// A set of ranks (`0 .. MAX_RANKS`), as a bitmask.
+///
+/// A rank enters a set only through a range check ([`RankSet::insert`],
+/// [`RankSet::from_ranks`]): a rank the set cannot hold, or one outside the group, is an
+/// [`Error::RankOutOfRange`], never silently dropped.
 #[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct RankSet {
     words: [u64; WORDS],
@@ -81,10 +86,36 @@ impl RankSet {
         self.words[0]
     }
 
-    /// Adds `rank` (ranks at or past [`MAX_RANKS`] are ignored).
-    pub fn insert(&mut self, rank: usize) {
-        if rank < MAX_RANKS {
-            self.words[rank / 64] |= 1 << (rank % 64);
+    /// Adds `rank`; a rank at or past [`MAX_RANKS`] (which no group has) is
+    /// [`Error::RankOutOfRange`] and leaves the set as it was.
+    pub fn insert(&mut self, rank: usize) -> Result<()> {
+        if rank >= MAX_RANKS {
+            return Err(Error::RankOutOfRange { op: "RankSet::insert".into(), rank, limit: MAX_RANKS });
+        }
+        self.words[rank / 64] |= 1 << (rank % 64);
+        Ok(())
+    }
+
+    /// The set of `ranks` of a group of `num_ranks`: each is checked against `num_ranks` first,
+    /// then against what a set holds ([`MAX_RANKS`]); the first out of range is
+    /// [`Error::RankOutOfRange`].
+    pub fn from_ranks(ranks: impl IntoIterator<Item = usize>, num_ranks: usize) -> Result<RankSet> {
+        let mut s = RankSet::new();
+        for rank in ranks {
+            if rank >= num_ranks {
+                return Err(Error::RankOutOfRange { op: "RankSet::from_ranks".into(), rank, limit: num_ranks });
+            }
+            s.insert(rank)?;
+        }
+        Ok(s)
+    }
+
+    /// The first rank of the set at or past `num_ranks`, as [`Error::RankOutOfRange`] of `op`:
+    /// how a backend refuses a set naming ranks outside its group.
+    pub fn check_range(&self, op: &str, num_ranks: usize) -> Result<()> {
+        match self.iter().find(|&r| r >= num_ranks) {
+            Some(rank) => Err(Error::RankOutOfRange { op: op.into(), rank, limit: num_ranks }),
+            None => Ok(()),
         }
     }
 
@@ -129,14 +160,6 @@ impl RankSet {
     /// The ranks, ascending.
     pub fn to_vec(&self) -> Vec<usize> {
         self.iter().collect()
-    }
-}
-
-impl FromIterator<usize> for RankSet {
-    fn from_iter<I: IntoIterator<Item = usize>>(iter: I) -> Self {
-        let mut s = RankSet::new();
-        iter.into_iter().for_each(|r| s.insert(r));
-        s
     }
 }
 
@@ -260,21 +283,54 @@ mod tests {
     #[test]
     fn rank_sets_hold_every_rank() {
         let mut s = RankSet::new();
-        for r in [0, 63, 64, 1023, 5000] {
-            s.insert(r);
+        for r in [0, 63, 64, 1023] {
+            s.insert(r).unwrap();
+        }
+        // Issue 64 item 3: a rank the set cannot hold is an error, not silently dropped.
+        for r in [1024, 5000, usize::MAX] {
+            assert_eq!(
+                s.insert(r),
+                Err(Error::RankOutOfRange { op: "RankSet::insert".into(), rank: r, limit: MAX_RANKS })
+            );
         }
         assert_eq!(s.to_vec(), vec![0, 63, 64, 1023]);
         assert_eq!(s.len(), 4);
         assert_eq!(RankSet::from_low_bits(0b1010).to_vec(), vec![1, 3]);
-        let t: RankSet = [3, 64].into_iter().collect();
+        let t: RankSet = RankSet::from_ranks([3, 64], MAX_RANKS).unwrap();
         assert_eq!(s.difference(&t).to_vec(), vec![0, 63, 1023]);
         assert_eq!(RankSet::from_low_bits(0b1010).union(&t).to_vec(), vec![1, 3, 64]);
     }
 
     #[test]
+    fn ranks_are_checked_against_the_group_before_the_set() {
+        let four = RankSet::from_ranks([0, 3], 4).unwrap();
+        assert_eq!(four.to_vec(), vec![0, 3]);
+        for r in [4, 1024, usize::MAX] {
+            assert_eq!(
+                RankSet::from_ranks([1, r], 4),
+                Err(Error::RankOutOfRange { op: "RankSet::from_ranks".into(), rank: r, limit: 4 })
+            );
+        }
+        // A group larger than a set can hold still meets the set's bound.
+        assert_eq!(
+            RankSet::from_ranks([MAX_RANKS], usize::MAX),
+            Err(Error::RankOutOfRange { op: "RankSet::insert".into(), rank: MAX_RANKS, limit: MAX_RANKS })
+        );
+        assert_eq!(four.check_range("mask_ranks", 4), Ok(()));
+        assert_eq!(
+            four.check_range("mask_ranks", 3),
+            Err(Error::RankOutOfRange { op: "mask_ranks".into(), rank: 3, limit: 3 })
+        );
+        assert_eq!(
+            Error::RankOutOfRange { op: "mask".into(), rank: 1024, limit: 4 }.to_string(),
+            "mask: rank 1024 is out of range: the ranks are 0..4"
+        );
+    }
+
+    #[test]
     fn masked_experts_and_counts() {
         // 4 ranks x 2 experts; rank 1 (experts 2, 3) masked.
-        let masked: RankSet = [1].into_iter().collect();
+        let masked: RankSet = RankSet::from_ranks([1], MAX_RANKS).unwrap();
         let topk = [0, 2, 3, -1, 7, 1];
         assert_eq!(without_masked_experts(&topk, 2, &masked), vec![0, -1, -1, -1, 7, 1]);
         assert_eq!(masked_entries(&topk, 3, 2, &masked), vec![2, 0]);
@@ -282,8 +338,8 @@ mod tests {
 
     #[test]
     fn events_say_what_changed() {
-        let a = MaskedRanks { ranks: [1].into_iter().collect(), epoch: 0 };
-        let b = MaskedRanks { ranks: [1, 2].into_iter().collect(), epoch: 0 };
+        let a = MaskedRanks { ranks: RankSet::from_ranks([1], MAX_RANKS).unwrap(), epoch: 0 };
+        let b = MaskedRanks { ranks: RankSet::from_ranks([1, 2], MAX_RANKS).unwrap(), epoch: 0 };
         assert_eq!(MaskEvent::between(&a, &a), None);
         let e = MaskEvent::between(&a, &b).unwrap();
         assert_eq!((e.added.to_vec(), e.unmasked), (vec![2], false));

@@ -105,7 +105,7 @@ fn survivors_serve_without_a_rank_that_stopped_then_welcome_it_back() {
     const MASKED: u64 = 1000;
     const AFTER: u64 = 20;
     let dead = 3;
-    let gone: RankSet = [dead].into_iter().collect();
+    let gone = RankSet::from_ranks([dead], RANKS).unwrap();
     let none = RankSet::new();
     let survivors_done = Barrier::new(RANKS);
     let results = HostWorld::run(RANKS, config(), |rank| {
@@ -168,7 +168,7 @@ fn a_rank_masked_at_its_deadline_ends_in_rank_masked() {
     op.start_complete().unwrap();
     // Rank 0 never sends: the wait would time out. Before that, rank 0 masks rank 1.
     assert!(!op.poll_complete().unwrap());
-    world[0].mask_ranks(&[1].into_iter().collect()).unwrap();
+    world[0].mask_ranks(&RankSet::from_ranks([1], 2).unwrap()).unwrap();
     assert!(op.mask_missing().unwrap(), "nothing is missing after the mask: check again");
     assert!(op.poll_complete().unwrap());
     match op.finish() {
@@ -181,13 +181,13 @@ fn a_rank_masked_at_its_deadline_ends_in_rank_masked() {
 fn a_mask_set_by_one_rank_spares_the_others_their_timeout() {
     let results = HostWorld::run(RANKS, config().with_timeout(Duration::from_secs(20)), |rank| {
         if rank.rank() == 0 {
-            rank.mask_ranks(&[2].into_iter().collect()).unwrap();
+            rank.mask_ranks(&RankSet::from_ranks([2], RANKS).unwrap()).unwrap();
         }
         if rank.rank() == 2 {
             return Duration::ZERO;
         }
         // Ranks 1 and 3 may start before rank 0 has masked: they stop waiting when it does.
-        round(rank, 7, &[2].into_iter().collect())
+        round(rank, 7, &RankSet::from_ranks([2], RANKS).unwrap())
     })
     .unwrap();
     assert!(results.iter().all(|&t| t < Duration::from_secs(10)), "{results:?}");
@@ -213,7 +213,7 @@ fn combines_after_unmask_need_a_fresh_dispatch_and_groups_without_masking_refuse
     .unwrap();
     let plain = HostWorld::create(2, GroupConfig::low_latency(EXPERTS, MAX_TOKENS, HIDDEN)).unwrap();
     assert!(matches!(plain[0].unmask_all(), Err(Error::Unsupported(_))));
-    assert!(matches!(plain[0].mask_ranks(&[1].into_iter().collect()), Err(Error::Unsupported(_))));
+    assert!(matches!(plain[0].mask_ranks(&RankSet::from_ranks([1], RANKS).unwrap()), Err(Error::Unsupported(_))));
     assert!(plain[0].masked_ranks().ranks.is_empty());
     let ht = GroupConfig::high_throughput(EXPERTS, HIDDEN).with_rank_masking(true);
     assert_eq!(ht.validate(2), Err(ConfigError::MaskingNeedsLowLatency));
@@ -229,16 +229,16 @@ proptest! {
         let words: Vec<SharedMask> = (0..6).map(|_| SharedMask::default()).collect();
         let mut expected = RankSet::new();
         for &(me, target, by_app) in &events {
-            let set: RankSet = [target].into_iter().collect();
+            let set = RankSet::from_ranks([target], 6).unwrap();
             if by_app {
                 epflow_core::mask::spread(&words, &set);
-                expected.insert(target);
+                expected.insert(target).unwrap();
             } else {
                 let was_masked = words[me].contains(me);
                 let masked = detect(&words, me, &set);
                 prop_assert_eq!(masked, !was_masked);
                 if masked {
-                    expected.insert(target);
+                    expected.insert(target).unwrap();
                 }
             }
         }
@@ -249,4 +249,31 @@ proptest! {
             prop_assert!(words[r].contains(r));
         }
     }
+}
+
+/// Issue 64 item 3: on the host backend, a mask naming a rank outside a 4-rank group — 4,
+/// 1024 or `usize::MAX` — is `Error::RankOutOfRange` before it reaches a `RankSet` (which
+/// holds ranks up to `MAX_RANKS` only) and masks nothing; valid masks still work.
+#[test]
+fn masks_of_ranks_outside_the_group_are_typed_errors() {
+    let ranks = HostWorld::create(RANKS, config()).unwrap();
+    for rank in [4, 1024, usize::MAX] {
+        assert_eq!(
+            RankSet::from_ranks([rank], ranks[0].num_ranks()),
+            Err(Error::RankOutOfRange { op: "RankSet::from_ranks".into(), rank, limit: RANKS })
+        );
+    }
+    let mut set = RankSet::new();
+    assert_eq!(
+        set.insert(usize::MAX),
+        Err(Error::RankOutOfRange { op: "RankSet::insert".into(), rank: usize::MAX, limit: 1024 })
+    );
+    set.insert(4).unwrap();
+    assert_eq!(
+        ranks[0].mask_ranks(&set),
+        Err(Error::RankOutOfRange { op: "mask_ranks".into(), rank: 4, limit: RANKS })
+    );
+    assert!(ranks.iter().all(|r| r.masked_ranks().ranks.is_empty()));
+    ranks[0].mask_ranks(&RankSet::from_ranks([1, 2], RANKS).unwrap()).unwrap();
+    assert!(ranks.iter().all(|r| r.masked_ranks().ranks.to_vec() == [1, 2]));
 }

@@ -73,6 +73,10 @@ pub mod transport;
 mod world;
 
 pub use compile::device_arch;
+
+/// The most ranks a GPU group may have (the NVLink kernels carry one peer address per rank in
+/// fixed arrays of this size): also the most processes `epflow launch -n` starts on one host.
+pub const MAX_GPU_RANKS: usize = params::MAX_RANKS;
 pub use device::{DeviceTensor, StreamWork, device_count, sm_count};
 pub use graph::{CapturedSend, GpuCapture, GpuReplay, GpuStep};
 pub use op::{GpuOp, GpuOpOutput};

@@ -143,7 +143,7 @@ fn survivors_go_on(n: usize) {
     let config = config(&devices);
     let ranks = GpuWorld::create(&devices, config.clone()).unwrap();
     let dead = n - 1;
-    let gone: RankSet = [dead].into_iter().collect();
+    let gone = RankSet::from_ranks([dead], n).unwrap();
     let none = RankSet::new();
     let back = Barrier::new(n);
     let layout_of = |i: u64| if i % 2 == 0 { Layout::ExpertMajor } else { Layout::RankMajor };
@@ -227,7 +227,7 @@ fn masking_one_process_per_gpu() {
     let config = GroupConfig::low_latency(8 * n, M, H).with_rank_masking(true).with_timeout(timeout());
     let rank = GpuWorld::join(&comm, config.clone()).expect("join the GPU group");
     let dead = n - 1;
-    let gone: RankSet = [dead].into_iter().collect();
+    let gone = RankSet::from_ranks([dead], n).unwrap();
     let none = RankSet::new();
     let layout_of = |i: u64| if i % 2 == 0 { Layout::ExpertMajor } else { Layout::RankMajor };
     let bufs = Bufs::new(&rank, &scenario(&config, n, base));

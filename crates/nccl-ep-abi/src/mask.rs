@@ -24,7 +24,7 @@ pub(crate) fn ranks_to_mask(update: &[i32], masked: &RankSet) -> Res<RankSet> {
     let mut out = RankSet::new();
     for (r, &v) in update.iter().enumerate() {
         match v {
-            0 => out.insert(r),
+            0 => out.insert(r)?,
             1 if masked.contains(r) => {
                 return Err(Fail::usage(format!(
                     "ncclEpMaskUpdate: rank {r} is masked and the update marks it active: epflow brings masked \
@@ -80,7 +80,7 @@ mod tests {
     use nccl_ep_sys as ep;
 
     fn set(r: &[usize]) -> RankSet {
-        r.iter().copied().collect()
+        RankSet::from_ranks(r.iter().copied(), 8).unwrap()
     }
 
     #[test]
@@ -95,6 +95,14 @@ mod tests {
         assert_eq!(ranks_to_mask(&[1, 0], &set(&[1])).unwrap(), set(&[1]));
         assert_eq!(ranks_to_mask(&[1, 1], &set(&[1])).unwrap_err().code, ep::NCCL_INVALID_USAGE);
         assert_eq!(ranks_to_mask(&[1, 2], &RankSet::new()).unwrap_err().code, ep::NCCL_INVALID_ARGUMENT);
+        // An update longer than a rank set holds is refused, not truncated (issue 64 item 3).
+        let mut long = vec![1; 1025];
+        long[1024] = 0;
+        let e = ranks_to_mask(&long, &RankSet::new()).unwrap_err();
+        assert_eq!(
+            (e.code, e.message.as_str()),
+            (ep::NCCL_INVALID_ARGUMENT, "RankSet::insert: rank 1024 is out of range: the ranks are 0..1024")
+        );
     }
 
     #[test]

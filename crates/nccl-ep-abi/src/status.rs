@@ -35,8 +35,9 @@ impl From<Error> for Fail {
     /// epflow's errors as NCCL codes: an invalid `topk_idx` entry (an expert id below -1 or at
     /// least `num_experts`, or one expert twice in a row), wherever it is found (on the host at
     /// handle creation, or on the device, at the creation's or a dispatch's verdict), is
-    /// `ncclInvalidArgument`, as NCCL EP's argument checks; the rest of what the caller passed
-    /// (config, validation, unsupported) is `ncclInvalidUsage`; a peer's failure, a timeout or a poisoned group
+    /// `ncclInvalidArgument`, as NCCL EP's argument checks, and so is a rank out of range; the
+    /// rest of what the caller passed (config, validation, unsupported) is `ncclInvalidUsage`;
+    /// a peer's failure, a timeout or a poisoned group
     /// `ncclRemoteError`; the driver's failures `ncclUnhandledCudaError`; the rest
     /// `ncclInternalError`.
     fn from(e: Error) -> Self {
@@ -54,6 +55,7 @@ impl From<Error> for Fail {
             | Error::Poisoned { .. }
             | Error::PeerCancelled { .. }
             | Error::PeerMismatch { .. } => ep::NCCL_REMOTE_ERROR,
+            Error::RankOutOfRange { .. } => ep::NCCL_INVALID_ARGUMENT,
             Error::Backend(_) => ep::NCCL_UNHANDLED_CUDA_ERROR,
             Error::OutOfMemory { .. } => ep::NCCL_SYSTEM_ERROR,
             _ => ep::NCCL_INTERNAL_ERROR,

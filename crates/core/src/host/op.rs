@@ -626,11 +626,12 @@ impl PendingOp for HostOp {
         if !self.world.config.rank_masking {
             return Ok(false);
         }
-        let missing: RankSet = if !self.state.is_sent() {
-            self.ranks_where(|d| !self.credit_from(d)).into_iter().collect()
+        let missing = if !self.state.is_sent() {
+            self.ranks_where(|d| !self.credit_from(d))
         } else {
-            self.ranks_where(|s| !self.arrived[s] && !self.arrival_from(s)).into_iter().collect()
+            self.ranks_where(|s| !self.arrived[s] && !self.arrival_from(s))
         };
+        let missing = RankSet::from_ranks(missing, self.world.num_ranks)?;
         Ok(missing.is_empty() || self.world.masks.detect(self.rank, &missing))
     }
 }

@@ -471,13 +471,8 @@ impl Backend for HostRank {
     }
 
     fn mask_ranks(&self, ranks: &RankSet) -> Result<()> {
+        ranks.check_range("mask_ranks", self.world.num_ranks)?;
         self.check_masking("mask_ranks")?;
-        if let Some(r) = ranks.iter().find(|&r| r >= self.world.num_ranks) {
-            return Err(Error::Unsupported(format!(
-                "mask_ranks: rank {r} is not in this group of {}",
-                self.world.num_ranks
-            )));
-        }
         self.world.masks.mask(ranks);
         Ok(())
     }

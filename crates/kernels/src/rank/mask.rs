@@ -85,11 +85,9 @@ impl GpuRank {
     }
 
     pub(super) fn mask_ranks_now(&self, ranks: &RankSet) -> Result<(), Error> {
-        self.check_masking("mask_ranks")?;
         let s = &self.shared;
-        if let Some(r) = ranks.iter().find(|&r| r >= s.num_ranks) {
-            return Err(Error::Unsupported(format!("mask_ranks: rank {r} is not in this group of {}", s.num_ranks)));
-        }
+        ranks.check_range("mask_ranks", s.num_ranks)?;
+        self.check_masking("mask_ranks")?;
         let m = MaskParams { bits: ranks.low_bits(), ..self.mask_params() };
         self.run_mask_kernel(&s.functions.mask_spread, m, "mask ranks")
     }
