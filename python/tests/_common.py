@@ -53,13 +53,19 @@ def compile_and_run(source, extra_flags=(), header_dir=None, expect_ok=True):
 
 def library():
     """An :class:`nccl_ep.NCCLLibrary` of ``EPFLOW_LIB``, or a loud skip when it is not set or
-    does not load."""
+    does not load (a failure instead with ``NCCL_EP_REQUIRE_LIBRARY=1``, as CI runs)."""
+    required = os.environ.get("NCCL_EP_REQUIRE_LIBRARY") == "1"
+    why = None
     if not os.environ.get("EPFLOW_LIB"):
-        skip_loudly("EPFLOW_LIB is not set: build epflow's library (cargo build -p epflow-nccl-ep-abi) and point it there")
-    try:
-        return nccl_ep.NCCLLibrary()
-    except nccl_ep.LibraryNotFoundError as e:
-        skip_loudly(str(e))
+        why = "EPFLOW_LIB is not set: build epflow's library (cargo build -p epflow-nccl-ep-abi) and point it there"
+    else:
+        try:
+            return nccl_ep.NCCLLibrary()
+        except nccl_ep.LibraryNotFoundError as e:
+            why = str(e)
+    if required:
+        raise AssertionError("NCCL_EP_REQUIRE_LIBRARY=1: " + why)
+    skip_loudly(why)
 
 
 def gpu_present():
