@@ -1,0 +1,534 @@
+#!/usr/bin/env python3
+"""Dispatch/combine round trips through the ``nccl_ep`` Python package on one GPU, one rank.
+
+    EPFLOW_LIB=target/release/libnccl_ep.so python3 python/tests/gpu_roundtrip.py
+
+Makes a one-rank NCCL communicator (``ncclGetUniqueId`` + ``ncclCommInitRank`` of the
+``libnccl.so.2`` that ``nccl_ep`` loaded with ``RTLD_GLOBAL``), moves memory with the CUDA driver
+API (``libcuda.so.1``, through ctypes) and checks, against a CPU reference computed here in pure
+Python from fresh random inputs (the seed is printed; ``--seed`` replays one):
+
+- low-latency, expert-major: per-expert counts, the received rows, the weighted combine; once
+  directly and once staged (``send_only`` + ``ncclEpComplete``);
+- low-latency, rank-major: received rows, top-k weights and local expert ids, source-rank count,
+  the combine of caller-reduced rows;
+- high-throughput, flat: the receive count from ``recv_total_counter``, rows, weights and ids
+  (and the unused rows marked -1/0), the combine;
+- with PyTorch importable, the expert-major round trip again through ``nccl_ep.torch_ep``.
+
+Without a GPU (no ``libcuda.so.1`` or no device) it prints ``SKIPPED`` and exits 0 (exit 2
+with ``--require-gpu``). Any mismatch exits 1.
+"""
+
+import argparse
+import array
+import ctypes
+import os
+import random
+import struct
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # the source tree's nccl_ep when not installed
+
+import nccl_ep  # noqa: E402
+from nccl_ep import (  # noqa: E402
+    NCCL_EP_ALGO_HIGH_THROUGHPUT,
+    NCCL_EP_ALGO_LOW_LATENCY,
+    NCCL_EP_LAYOUT_EXPERT_MAJOR,
+    NCCL_EP_LAYOUT_FLAT,
+    NCCL_EP_LAYOUT_RANK_MAJOR,
+    ncclBfloat16,
+    ncclFloat32,
+    ncclInt32,
+    ncclInt64,
+)
+
+# ---------------------------------------------------------------------------------------------
+# BF16 on the host
+
+
+def bf16_bits(x):
+    """float -> BF16 bits, round to nearest even."""
+    b = struct.unpack("<I", struct.pack("<f", x))[0]
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def bf16_val(bits):
+    """BF16 bits -> float."""
+    return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+
+
+def bf16(x):
+    """x rounded to BF16, as a float."""
+    return bf16_val(bf16_bits(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA driver API through ctypes
+
+
+class Cuda:
+    """The few driver calls this test needs; device memory is freed at exit."""
+
+    def __init__(self, device):
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.check("cuInit", self.lib.cuInit(0))
+        dev = ctypes.c_int()
+        self.check("cuDeviceGet", self.lib.cuDeviceGet(ctypes.byref(dev), device))
+        self.ctx = ctypes.c_void_p()
+        self.check("cuDevicePrimaryCtxRetain", self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx), dev))
+        self.check("cuCtxSetCurrent", self.lib.cuCtxSetCurrent(self.ctx))
+        self.lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+        self.lib.cuMemcpyHtoD_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t]
+        self.lib.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+        self.lib.cuMemsetD8_v2.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t]
+        self.lib.cuMemFree_v2.argtypes = [ctypes.c_uint64]
+        self.lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+        self.lib.cuStreamDestroy_v2.argtypes = [ctypes.c_void_p]
+        self.allocs = []
+
+    @staticmethod
+    def check(what, rc):
+        if rc != 0:
+            raise RuntimeError("CUDA driver: %s returned %d" % (what, rc))
+
+    def alloc(self, nbytes, fill=0):
+        p = ctypes.c_uint64()
+        self.check("cuMemAlloc", self.lib.cuMemAlloc_v2(ctypes.byref(p), max(nbytes, 1)))
+        self.allocs.append(p.value)
+        self.check("cuMemsetD8", self.lib.cuMemsetD8_v2(p.value, fill, max(nbytes, 1)))
+        return p.value
+
+    def upload(self, arr):
+        """A new device buffer holding ``arr`` (an ``array.array``)."""
+        nbytes = len(arr) * arr.itemsize
+        p = self.alloc(nbytes)
+        if nbytes:
+            addr, _ = arr.buffer_info()
+            self.check("cuMemcpyHtoD", self.lib.cuMemcpyHtoD_v2(p, addr, nbytes))
+        return p
+
+    def download(self, ptr, typecode, count):
+        arr = array.array(typecode, bytes(count * array.array(typecode).itemsize))
+        if count:
+            addr, _ = arr.buffer_info()
+            self.check("cuMemcpyDtoH", self.lib.cuMemcpyDtoH_v2(addr, ptr, len(arr) * arr.itemsize))
+        return arr
+
+    def stream(self):
+        s = ctypes.c_void_p()
+        self.check("cuStreamCreate", self.lib.cuStreamCreate(ctypes.byref(s), 0))
+        return s.value
+
+    def sync(self, stream):
+        self.check("cuStreamSynchronize", self.lib.cuStreamSynchronize(stream))
+
+    def free_all(self):
+        for p in self.allocs:
+            self.lib.cuMemFree_v2(p)
+        self.allocs = []
+
+
+def gpu_count():
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    if cuda.cuInit(0) != 0:
+        return 0
+    n = ctypes.c_int(0)
+    return n.value if cuda.cuDeviceGetCount(ctypes.byref(n)) == 0 else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The problem and its CPU reference
+
+
+class Problem:
+    """B tokens of H BF16 values, top-K routing over E experts (distinct per token, some -1),
+    float32 weights, and the "expert": expert e multiplies by (e + 1) / 8."""
+
+    def __init__(self, rng, num_experts, max_tokens, hidden, top_k):
+        self.E, self.M, self.H, self.K = num_experts, max_tokens, hidden, top_k
+        self.B = rng.randint(max_tokens // 2, max_tokens)
+        self.x = [[bf16_bits(rng.uniform(-2.0, 2.0)) for _ in range(hidden)] for _ in range(self.B)]
+        self.idx = []
+        for t in range(self.B):
+            experts = rng.sample(range(num_experts), top_k)
+            row = [e if rng.random() > 0.15 else -1 for e in experts]
+            if t == 0:
+                row = [-1] * top_k  # one token that goes nowhere
+            self.idx.append(row)
+        self.w = [[struct.unpack("<f", struct.pack("<f", rng.uniform(0.05, 1.0)))[0] for _ in range(top_k)] for _ in range(self.B)]
+
+    @staticmethod
+    def scale(e):
+        return (e + 1) / 8.0
+
+    def expert(self, e, row_bits):
+        """The expert's output row (BF16 bits) for an input row."""
+        s = self.scale(e)
+        return [bf16_bits(bf16_val(b) * s) for b in row_bits]
+
+    def routed(self, t):
+        return [e for e in self.idx[t] if e >= 0]
+
+    def tokens_of(self, e):
+        return [t for t in range(self.B) if e in self.idx[t]]
+
+    def weighted(self, t):
+        """sum_k w[t,k] * expert(idx[t,k], x[t]) in fp32 (as floats): what combine returns."""
+        acc = [0.0] * self.H
+        for k, e in enumerate(self.idx[t]):
+            if e < 0:
+                continue
+            y = self.expert(e, self.x[t])
+            for h in range(self.H):
+                acc[h] += self.w[t][k] * bf16_val(y[h])
+        return acc
+
+    def flat(self, typecode, rows):
+        out = array.array(typecode)
+        for r in rows:
+            out.extend(r)
+        return out
+
+
+class Checker:
+    def __init__(self):
+        self.failures = 0
+        self.checks = 0
+
+    def expect(self, ok, what):
+        self.checks += 1
+        if not ok:
+            self.failures += 1
+            print("  FAIL: %s" % what)
+        return ok
+
+    def close(self, got_bits, want, what, rtol=1e-2, atol=1e-2):
+        bad = 0
+        first = None
+        for h, (g, w) in enumerate(zip(got_bits, want)):
+            gv = bf16_val(g)
+            if abs(gv - w) > atol + rtol * abs(w):
+                bad += 1
+                if first is None:
+                    first = (h, gv, w)
+        return self.expect(bad == 0, "%s: %d values off (first: [%s] got %r want %r)" % ((what, bad) + (first or (0, 0, 0))))
+
+
+def desc(ptr, dtype, shape):
+    return nccl_ep.ncclEpTensor_t(ptr, dtype, shape)
+
+
+def rows(arr, n, width):
+    return [list(arr[i * width:(i + 1) * width]) for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The round trips
+
+
+def low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged):
+    E, M, H, K = p.E, p.M, p.H, p.K
+    L, R = E, 1
+    cfg = nccl_ep.ncclEpGroupConfig_t(
+        algorithm=NCCL_EP_ALGO_LOW_LATENCY, num_experts=E, max_dispatch_tokens_per_rank=M, max_token_bytes=2 * H
+    )
+    group = lib.ncclEpCreateGroup(comm, cfg)
+    try:
+        x_d = cuda.upload(p.flat("H", p.x))
+        idx_d = cuda.upload(p.flat("q", p.idx))
+        w_d = cuda.upload(p.flat("f", p.w))
+        topk = desc(idx_d, ncclInt64, (p.B, K))
+        handle = lib.ncclEpCreateHandle(group, NCCL_EP_LAYOUT_EXPERT_MAJOR, topk, None, None, stream)
+        try:
+            recv_d = cuda.alloc(L * R * M * H * 2)
+            counts_d = cuda.alloc(L * 4)
+            din = nccl_ep.ncclEpDispatchInputs_t(tokens=desc(x_d, ncclBfloat16, (p.B, H)))
+            dout = nccl_ep.ncclEpDispatchOutputs_t(tokens=desc(recv_d, ncclBfloat16, (L, R * M, H)))
+            info = nccl_ep.ncclEpLayoutInfo_t(expert_counters=desc(counts_d, ncclInt32, (L,)))
+            dcfg = nccl_ep.ncclEpDispatchConfig_t(send_only=int(staged))
+            lib.ncclEpDispatch(handle, din, dout, info, dcfg, stream)
+            if staged:
+                lib.ncclEpComplete(handle, nccl_ep.ncclEpCompleteConfig_t(), stream)
+            cuda.sync(stream)
+            counts = cuda.download(counts_d, "i", L)
+            recv = cuda.download(recv_d, "H", L * R * M * H)
+            combine_in = array.array("H", bytes(L * R * M * H * 2))
+            for e in range(L):
+                want = sorted(tuple(p.x[t]) for t in p.tokens_of(e))
+                chk.expect(counts[e] == len(want), "expert %d received %d rows, expected %d" % (e, counts[e], len(want)))
+                base = e * R * M * H
+                got_rows = [tuple(recv[base + j * H: base + (j + 1) * H]) for j in range(min(counts[e], R * M))]
+                chk.expect(sorted(got_rows) == want, "expert %d: the received rows are not its tokens" % e)
+                for j, r in enumerate(got_rows):
+                    combine_in[base + j * H: base + (j + 1) * H] = array.array("H", p.expert(e, r))
+            y_in_d = cuda.upload(combine_in)
+            out_d = cuda.alloc(p.B * H * 2)
+            cin = nccl_ep.ncclEpCombineInputs_t(tokens=desc(y_in_d, ncclBfloat16, (L, R * M, H)))
+            cout = nccl_ep.ncclEpCombineOutputs_t(
+                tokens=desc(out_d, ncclBfloat16, (p.B, H)), topk_weights=desc(w_d, ncclFloat32, (p.B, K))
+            )
+            ccfg = nccl_ep.ncclEpCombineConfig_t(send_only=int(staged))
+            lib.ncclEpCombine(handle, cin, cout, ccfg, stream)
+            if staged:
+                lib.ncclEpComplete(handle, None, stream)
+            cuda.sync(stream)
+            out = cuda.download(out_d, "H", p.B * H)
+            for t in range(p.B):
+                chk.close(out[t * H:(t + 1) * H], p.weighted(t), "LL expert-major combine, token %d" % t)
+        finally:
+            lib.ncclEpHandleDestroy(handle)
+    finally:
+        lib.ncclEpGroupDestroy(group)
+
+
+def low_latency_rank_major(lib, comm, cuda, stream, p, chk):
+    E, M, H, K = p.E, p.M, p.H, p.K
+    R = 1
+    cfg = nccl_ep.ncclEpGroupConfig_t(
+        algorithm=NCCL_EP_ALGO_LOW_LATENCY, num_experts=E, max_dispatch_tokens_per_rank=M, max_token_bytes=2 * H
+    )
+    group = lib.ncclEpCreateGroup(comm, cfg)
+    try:
+        x_d = cuda.upload(p.flat("H", p.x))
+        idx_d = cuda.upload(p.flat("q", p.idx))
+        w_d = cuda.upload(p.flat("f", p.w))
+        handle = lib.ncclEpCreateHandle(group, NCCL_EP_LAYOUT_RANK_MAJOR, desc(idx_d, ncclInt64, (p.B, K)), None, None, stream)
+        try:
+            recv_d = cuda.alloc(R * M * H * 2)
+            rw_d = cuda.alloc(R * M * K * 4)
+            ri_d = cuda.alloc(R * M * K * 4)
+            cnt_d = cuda.alloc(R * 4)
+            din = nccl_ep.ncclEpDispatchInputs_t(
+                tokens=desc(x_d, ncclBfloat16, (p.B, H)), topk_weights=desc(w_d, ncclFloat32, (p.B, K))
+            )
+            dout = nccl_ep.ncclEpDispatchOutputs_t(
+                tokens=desc(recv_d, ncclBfloat16, (R, M, H)),
+                topk_weights=desc(rw_d, ncclFloat32, (R, M, K)),
+                topk_idx=desc(ri_d, ncclInt32, (R, M, K)),
+            )
+            info = nccl_ep.ncclEpLayoutInfo_t(src_rank_counters=desc(cnt_d, ncclInt32, (R,)))
+            lib.ncclEpDispatch(handle, din, dout, info, None, stream)
+            cuda.sync(stream)
+            n = cuda.download(cnt_d, "i", R)[0]
+            sent = [t for t in range(p.B) if p.routed(t)]
+            chk.expect(n == len(sent), "rank-major: %d tokens received, expected %d" % (n, len(sent)))
+            recv = rows(cuda.download(recv_d, "H", R * M * H), R * M, H)
+            rw = rows(cuda.download(rw_d, "f", R * M * K), R * M, K)
+            ri = rows(cuda.download(ri_d, "i", R * M * K), R * M, K)
+            by_row = {tuple(p.x[t]): t for t in sent}
+            seen = set()
+            reduced = array.array("H", bytes(R * M * H * 2))
+            for j in range(min(n, R * M)):
+                t = by_row.get(tuple(recv[j]))
+                if not chk.expect(t is not None and t not in seen, "rank-major row %d is not one of the tokens sent (once)" % j):
+                    continue
+                seen.add(t)
+                chk.expect(ri[j] == [e if e >= 0 else -1 for e in p.idx[t]], "rank-major row %d: ids %r, expected %r" % (j, ri[j], p.idx[t]))
+                chk.expect(
+                    all(rw[j][k] == p.w[t][k] for k in range(K) if p.idx[t][k] >= 0),
+                    "rank-major row %d: weights %r, expected %r" % (j, rw[j], p.w[t]),
+                )
+                # The caller's expert step: weight and reduce over the local experts of the row.
+                acc = [0.0] * H
+                for k in range(K):
+                    e = ri[j][k]
+                    if e < 0:
+                        continue
+                    y = p.expert(e, recv[j])
+                    for h in range(H):
+                        acc[h] += rw[j][k] * bf16_val(y[h])
+                reduced[j * H:(j + 1) * H] = array.array("H", [bf16_bits(v) for v in acc])
+            y_d = cuda.upload(reduced)
+            out_d = cuda.alloc(p.B * H * 2, fill=0xFF)
+            cin = nccl_ep.ncclEpCombineInputs_t(tokens=desc(y_d, ncclBfloat16, (R, M, H)))
+            cout = nccl_ep.ncclEpCombineOutputs_t(tokens=desc(out_d, ncclBfloat16, (p.B, H)))
+            lib.ncclEpCombine(handle, cin, cout, None, stream)
+            cuda.sync(stream)
+            out = cuda.download(out_d, "H", p.B * H)
+            for t in range(p.B):
+                chk.close(out[t * H:(t + 1) * H], p.weighted(t), "LL rank-major combine, token %d" % t, rtol=2e-2)
+        finally:
+            lib.ncclEpHandleDestroy(handle)
+    finally:
+        lib.ncclEpGroupDestroy(group)
+
+
+def high_throughput_flat(lib, comm, cuda, stream, p, chk):
+    E, M, H, K = p.E, p.M, p.H, p.K
+    R = 1
+    cfg = nccl_ep.ncclEpGroupConfig_t(
+        algorithm=NCCL_EP_ALGO_HIGH_THROUGHPUT,
+        num_experts=E,
+        max_dispatch_tokens_per_rank=M,
+        max_recv_tokens_per_rank=R * M,
+        max_token_bytes=2 * H,
+    )
+    group = lib.ncclEpCreateGroup(comm, cfg)
+    try:
+        x_d = cuda.upload(p.flat("H", p.x))
+        idx_d = cuda.upload(p.flat("q", p.idx))
+        w_d = cuda.upload(p.flat("f", p.w))
+        total_d = cuda.alloc(4)
+        info = nccl_ep.ncclEpLayoutInfo_t(recv_total_counter=desc(total_d, ncclInt32, (1,)))
+        handle = lib.ncclEpCreateHandle(group, NCCL_EP_LAYOUT_FLAT, desc(idx_d, ncclInt64, (p.B, K)), info, None, stream)
+        try:
+            cuda.sync(stream)
+            n = cuda.download(total_d, "i", 1)[0]
+            sent = [t for t in range(p.B) if p.routed(t)]
+            chk.expect(n == len(sent), "flat: recv_total_counter %d, expected %d" % (n, len(sent)))
+            slots = n + 3  # a few rows more than needed: the library marks them unused
+            recv_d = cuda.alloc(slots * H * 2)
+            rw_d = cuda.alloc(slots * K * 4)
+            ri_d = cuda.alloc(slots * K * 8)
+            din = nccl_ep.ncclEpDispatchInputs_t(
+                tokens=desc(x_d, ncclBfloat16, (p.B, H)), topk_weights=desc(w_d, ncclFloat32, (p.B, K))
+            )
+            dout = nccl_ep.ncclEpDispatchOutputs_t(
+                tokens=desc(recv_d, ncclBfloat16, (slots, H)),
+                topk_weights=desc(rw_d, ncclFloat32, (slots, K)),
+                topk_idx=desc(ri_d, ncclInt64, (slots, K)),
+            )
+            lib.ncclEpDispatch(handle, din, dout, None, None, stream)
+            cuda.sync(stream)
+            recv = rows(cuda.download(recv_d, "H", slots * H), slots, H)
+            rw = rows(cuda.download(rw_d, "f", slots * K), slots, K)
+            ri = rows(cuda.download(ri_d, "q", slots * K), slots, K)
+            by_row = {tuple(p.x[t]): t for t in sent}
+            seen = set()
+            reduced = array.array("H", bytes(slots * H * 2))
+            for j in range(n):
+                t = by_row.get(tuple(recv[j]))
+                if not chk.expect(t is not None and t not in seen, "flat row %d is not one of the tokens sent (once)" % j):
+                    continue
+                seen.add(t)
+                chk.expect(ri[j] == p.idx[t], "flat row %d: ids %r, expected %r" % (j, ri[j], p.idx[t]))
+                chk.expect(
+                    all(rw[j][k] == p.w[t][k] for k in range(K) if p.idx[t][k] >= 0),
+                    "flat row %d: weights %r, expected %r" % (j, rw[j], p.w[t]),
+                )
+                acc = [0.0] * H
+                for k in range(K):
+                    if ri[j][k] < 0:
+                        continue
+                    y = p.expert(ri[j][k], recv[j])
+                    for h in range(H):
+                        acc[h] += rw[j][k] * bf16_val(y[h])
+                reduced[j * H:(j + 1) * H] = array.array("H", [bf16_bits(v) for v in acc])
+            for j in range(n, slots):
+                chk.expect(ri[j] == [-1] * K and rw[j] == [0.0] * K, "flat unused row %d: ids %r weights %r" % (j, ri[j], rw[j]))
+            y_d = cuda.upload(reduced)
+            out_d = cuda.alloc(p.B * H * 2)
+            cin = nccl_ep.ncclEpCombineInputs_t(tokens=desc(y_d, ncclBfloat16, (slots, H)))
+            cout = nccl_ep.ncclEpCombineOutputs_t(tokens=desc(out_d, ncclBfloat16, (p.B, H)))
+            lib.ncclEpCombine(handle, cin, cout, None, stream)
+            cuda.sync(stream)
+            out = cuda.download(out_d, "H", p.B * H)
+            for t in range(p.B):
+                chk.close(out[t * H:(t + 1) * H], p.weighted(t), "HT flat combine, token %d" % t, rtol=2e-2)
+        finally:
+            lib.ncclEpHandleDestroy(handle)
+    finally:
+        lib.ncclEpGroupDestroy(group)
+
+
+def torch_expert_major(lib, comm, p, chk):
+    import torch
+    from nccl_ep.torch_ep import EpGroup
+
+    dev = torch.device("cuda", lib.ncclCommCuDevice(comm))
+    signed = [[b - 0x10000 if b >= 0x8000 else b for b in row] for row in p.x]
+    x = torch.tensor(signed, dtype=torch.int16).view(torch.bfloat16).to(dev)
+    idx = torch.tensor(p.idx, dtype=torch.int64, device=dev)
+    w = torch.tensor(p.w, dtype=torch.float32, device=dev)
+    with EpGroup(lib, comm, num_experts=p.E, max_tokens_per_rank=p.M, hidden=p.H) as g:
+        with g.create_handle(idx) as h:
+            d = h.dispatch(x)
+            counts = d.expert_counts.cpu().tolist()
+            scales = torch.tensor([p.scale(e) for e in range(p.E)], device=dev).view(-1, 1, 1)
+            y = (d.tokens.float() * scales).to(torch.bfloat16)
+            out = h.combine(y, topk_weights=w)
+            torch.cuda.synchronize(dev)
+    for e in range(p.E):
+        chk.expect(counts[e] == len(p.tokens_of(e)), "torch: expert %d count %d, expected %d" % (e, counts[e], len(p.tokens_of(e))))
+    bits = out.view(torch.int16).to(torch.int32).bitwise_and(0xFFFF).cpu().tolist()
+    for t in range(p.B):
+        chk.close(bits[t], p.weighted(t), "torch EpHandle combine, token %d" % t)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=None, help="replay a run (default: a fresh seed)")
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--require-gpu", action="store_true", help="exit 2 instead of 0 when there is no GPU")
+    args = ap.parse_args()
+
+    if gpu_count() == 0:
+        print("SKIPPED: no CUDA GPU (libcuda.so.1 missing or no device): the Python round trip did not run")
+        return 2 if args.require_gpu else 0
+    if not nccl_ep.HAVE_NCCL_EP:
+        print("FAIL: %s" % nccl_ep.NCCL_EP_LOAD_MESSAGE)
+        return 1
+    lib = nccl_ep.NCCLLibrary()
+    print("library: %r" % lib)
+    if not lib.have_nccl:
+        print("FAIL: NCCL (libnccl.so.2) was not found to make a communicator: set EPFLOW_NCCL_LIB or NCCL_HOME")
+        return 1
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    print("seed %d (replay with --seed %d); NCCL %d; EP version %d" % (seed, seed, lib.ncclGetVersion(), lib.ncclEpGetVersion()))
+    rng = random.Random(seed)
+
+    cuda = Cuda(args.device)
+    uid = lib.ncclGetUniqueId()
+    comm = lib.ncclCommInitRank(1, uid, 0)
+    chk = Checker()
+    stream = cuda.stream()
+    cases = [
+        ("LL expert-major", lambda p: low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged=False)),
+        ("LL expert-major, send_only + ncclEpComplete", lambda p: low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged=True)),
+        ("LL rank-major", lambda p: low_latency_rank_major(lib, comm, cuda, stream, p, chk)),
+        ("HT flat", lambda p: high_throughput_flat(lib, comm, cuda, stream, p, chk)),
+    ]
+    try:
+        import torch  # noqa: F401
+
+        cases.append(("torch_ep LL expert-major", lambda p: torch_expert_major(lib, comm, p, chk)))
+    except ImportError:
+        print("SKIPPED: torch_ep case (PyTorch is not importable)")
+    errors = 0
+    try:
+        for name, case in cases:
+            p = Problem(rng, args.experts, args.max_tokens, args.hidden, args.top_k)
+            before = chk.failures
+            t0 = time.time()
+            err = False
+            try:
+                case(p)
+            except Exception as e:  # a refused call is a failure of this case, the others still run
+                errors += 1
+                err = True
+                print("  ERROR: %s: %s" % (type(e).__name__, e))
+            status = "ok" if chk.failures == before and not err else "FAILED"
+            print("%-45s B=%d E=%d H=%d K=%d  %s (%.1f s)" % (name, p.B, p.E, p.H, p.K, status, time.time() - t0))
+    finally:
+        cuda.free_all()
+        lib.ncclCommDestroy(comm)
+    failed = chk.failures + errors
+    print("%d checks, %d failed, %d errors (seed %d)" % (chk.checks, chk.failures, errors, seed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
