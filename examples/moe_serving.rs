@@ -64,6 +64,8 @@ use epflow::runtime::pipeline::{self, StepInput};
 #[path = "common/flags.rs"]
 mod flags;
 
+use flags::{BackendKind, OrderFlag};
+
 /// Routings (and first-layer token sets) drawn once per layer and reused by number.
 const POOL: usize = 8;
 
@@ -74,24 +76,6 @@ const MAX_LAYERS: usize = 1024;
 const MAX_BATCH: usize = 65_536;
 /// The longest run, in seconds (`--seconds`).
 const MAX_SECONDS: f64 = 86_400.0;
-
-/// Where the ranks run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-enum BackendKind {
-    /// One rank per GPU of the host (or per `--devices` entry).
-    Gpu,
-    /// Four ranks on the host backend, timer experts.
-    Host,
-}
-
-/// Where the receive kernels run (`pipeline::run_on_streams`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-enum OrderFlag {
-    /// On the micro-batch's stream, after its earlier work.
-    OnStream,
-    /// On the communication streams.
-    Ordered,
-}
 
 /// MoE serving: requests arrive, are batched into micro-batches and served through MoE layers
 /// with several micro-batches in flight. Bounds: `--micro-batches` 1..=8 each, `--batch`
@@ -252,10 +236,7 @@ impl Args {
             request_tokens: f.request_tokens,
             rounds: f.rounds,
             expert_scale: f.expert_scale,
-            order: match f.order {
-                OrderFlag::OnStream => StreamOrder::OnStream,
-                OrderFlag::Ordered => StreamOrder::Ordered,
-            },
+            order: f.order.stream_order(),
             check: f.check,
             quiet: f.quiet,
             devices: f.devices.map(|d| d.0),

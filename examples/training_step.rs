@@ -36,14 +36,7 @@ const TOP_K: usize = 8;
 #[path = "common/flags.rs"]
 mod flags;
 
-/// Where the ranks run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-enum BackendKind {
-    /// One rank per GPU (up to 8).
-    Gpu,
-    /// Four ranks on the host backend.
-    Host,
-}
+use flags::BackendKind;
 
 /// A training step's MoE communication in stream order, checked against the CPU reference.
 /// Bounds: `--layers` 1..=1024, `--tokens` 1..=65536 per rank (the memory a layer needs is

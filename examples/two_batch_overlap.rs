@@ -41,23 +41,7 @@ const TOP_K: usize = 4;
 #[path = "common/flags.rs"]
 mod flags;
 
-/// Where the ranks run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-enum BackendKind {
-    /// One rank per GPU (up to 8), or per `--devices` entry.
-    Gpu,
-    /// Four ranks on the host backend, timer experts.
-    Host,
-}
-
-/// Where the receive kernels run (GPU).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-enum OrderFlag {
-    /// On the micro-batch's stream, after its earlier work.
-    OnStream,
-    /// On the communication streams.
-    Ordered,
-}
+use flags::{BackendKind, OrderFlag};
 
 /// Two-batch overlap: serial against pipelined MoE layers, bit-identical outputs and the overlap
 /// efficiency. Bounds: `--layers` 1..=1024, `--micro-batches` 1..=8, `--runs` 1..=1000,
@@ -193,10 +177,7 @@ fn main() -> Result<()> {
             layers: f.layers,
             devices: f.devices.map_or_else(|| (0..gpus.min(8)).collect(), |d| d.0),
             depth: f.micro_batches,
-            order: match f.order {
-                OrderFlag::OnStream => StreamOrder::OnStream,
-                OrderFlag::Ordered => StreamOrder::Ordered,
-            },
+            order: f.order.stream_order(),
             runs: f.runs,
             awaited: f.awaited,
         }),

@@ -52,6 +52,34 @@ pub(crate) fn positive_up_to(
     }
 }
 
+/// `--backend`: where the ranks run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum BackendKind {
+    /// One rank per GPU of the host (up to 8), or per `--devices` entry.
+    Gpu,
+    /// Four ranks on the host backend.
+    Host,
+}
+
+/// `--order`: where the receive kernels of stream-ordered operations run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum OrderFlag {
+    /// On the micro-batch's stream, after its earlier work.
+    OnStream,
+    /// On the communication streams.
+    Ordered,
+}
+
+impl OrderFlag {
+    /// The pipeline's [`StreamOrder`](epflow::core::backend::StreamOrder).
+    pub(crate) fn stream_order(self) -> epflow::core::backend::StreamOrder {
+        match self {
+            OrderFlag::OnStream => epflow::core::backend::StreamOrder::OnStream,
+            OrderFlag::Ordered => epflow::core::backend::StreamOrder::Ordered,
+        }
+    }
+}
+
 /// The most ranks an example runs on one host.
 pub(crate) const MAX_LOCAL_RANKS: usize = 8;
 
