@@ -1214,7 +1214,7 @@ mod gpu {
             masked: 0,
             kind: RoutingKind::Uniform,
         };
-        let barrier = std::sync::Barrier::new(ranks);
+        let barrier = super::flags::TimedBarrier::new(ranks);
         let world = GpuWorld::create(&devices, config)?;
         let results = std::thread::scope(|s| {
             let hs: Vec<_> = world
@@ -1323,7 +1323,7 @@ mod gpu {
                         let time = |f: &dyn Fn() -> Result<()>| -> Result<Vec<f64>> {
                             let mut v = Vec::new();
                             for i in 0..a.rounds + 10 {
-                                barrier.wait();
+                                barrier.wait(Duration::from_secs(60))?;
                                 let t = std::time::Instant::now();
                                 f()?;
                                 if i >= 10 {

@@ -100,6 +100,44 @@ pub(crate) fn devices(s: &str) -> std::result::Result<Devices, String> {
     Ok(Devices(list))
 }
 
+/// A barrier of the ranks' threads whose wait ends with an error after a deadline (a rank that
+/// failed before reaching it never leaves the others waiting).
+#[derive(Debug)]
+pub(crate) struct TimedBarrier {
+    /// Threads arrived in the current generation, and the generation.
+    state: std::sync::Mutex<(usize, u64)>,
+    turned: std::sync::Condvar,
+    parties: usize,
+}
+
+impl TimedBarrier {
+    /// A barrier of `parties` threads.
+    pub(crate) fn new(parties: usize) -> Self {
+        TimedBarrier { state: std::sync::Mutex::new((0, 0)), turned: std::sync::Condvar::new(), parties }
+    }
+
+    /// Waits until every party has arrived, or fails after `timeout` naming how many had.
+    pub(crate) fn wait(&self, timeout: std::time::Duration) -> Result<()> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let generation = st.1;
+        st.0 += 1;
+        if st.0 == self.parties {
+            *st = (0, generation + 1);
+            self.turned.notify_all();
+            return Ok(());
+        }
+        let (st, waited) =
+            self.turned.wait_timeout_while(st, timeout, |s| s.1 == generation).unwrap_or_else(|e| e.into_inner());
+        if waited.timed_out() && st.1 == generation {
+            return Err(Error::Backend(format!(
+                "{} of {} ranks reached the barrier within {timeout:?} (did a rank fail?)",
+                st.0, self.parties
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// `Err(OutOfMemory)` unless this machine has `bytes` (physical memory plus swap) for `what`.
 pub(crate) fn check_host_memory(what: impl FnOnce() -> String, bytes: u128) -> Result<()> {
     epflow::core::host::memory::check_host_alloc(what, bytes)
@@ -146,6 +184,17 @@ mod flag_tests {
         for bad in ["0", "9", "1e9", "abc", "-1", "18446744073709551616"] {
             assert!(i(bad).is_err(), "{bad} accepted");
         }
+    }
+
+    #[test]
+    fn a_barrier_opens_for_all_and_times_out_without_them() {
+        let b = std::sync::Arc::new(TimedBarrier::new(2));
+        let other = std::sync::Arc::clone(&b);
+        let t = std::thread::spawn(move || other.wait(std::time::Duration::from_secs(20)));
+        assert!(b.wait(std::time::Duration::from_secs(20)).is_ok());
+        assert!(t.join().unwrap().is_ok());
+        let e = b.wait(std::time::Duration::from_millis(50)).unwrap_err();
+        assert!(e.to_string().contains("1 of 2 ranks"), "{e}");
     }
 
     #[test]
