@@ -115,6 +115,10 @@ class ErrorCodes(unittest.TestCase):
             ("HT max_recv_tokens_per_rank 0", dict(ht, max_recv_tokens_per_rank=0), ncclInvalidArgument),
             ("HT max_recv below max_dispatch", dict(ht, max_recv_tokens_per_rank=8), ncclInvalidArgument),
             ("HT enable_mask", dict(ht, enable_mask=1), ncclInvalidUsage),
+            # epflow refuses a version it does not implement (NVIDIA's library only warns).
+            ("version 0", dict(version=0), ncclInvalidArgument),
+            ("version 3", dict(version=3), ncclInvalidArgument),
+            ("version 99", dict(version=99), ncclInvalidArgument),
         ]
         for what, fields, code in cases:
             with self.subTest(case=what):
