@@ -36,6 +36,36 @@ pub(crate) enum Command {
     /// file, line and field, and is left out. Exit code 1 when a run's validation failed or a run
     /// was left out so, 2 on bad flags or when a side has no usable run.
     EpBenchReport(EpBenchReportArgs),
+    /// Draw `epflow bench --json` runs (epflow's and `--backend nccl-ep`'s) as one SVG: latency
+    /// against tokens per rank, a line per backend, layout and operation.
+    Chart(ChartArgs),
+}
+
+/// `epflow chart` flags.
+#[derive(Clone, Debug, clap::Args)]
+pub(crate) struct ChartArgs {
+    /// `epflow bench --json` output files (one or more runs each), all from one setup (device
+    /// and rank count).
+    #[arg(required = true, num_args = 1..)]
+    pub files: Vec<std::path::PathBuf>,
+    /// The SVG file to write.
+    #[arg(long)]
+    pub svg: std::path::PathBuf,
+    /// Which of each run's figures to draw.
+    #[arg(long, value_enum, default_value_t = ChartMetric::Median)]
+    pub metric: ChartMetric,
+    /// The chart's title (default: the metric and the setup).
+    #[arg(long)]
+    pub title: Option<String>,
+}
+
+/// The figure `epflow chart` draws per run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum ChartMetric {
+    /// The median over iterations (`median_us`).
+    Median,
+    /// The mean over iterations and ranks (`avg_us`, as ep_bench reports).
+    Avg,
 }
 
 /// `epflow ep-bench-report` flags.

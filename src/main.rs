@@ -1,6 +1,7 @@
 //! The `epflow` command-line tool.
 
 mod bench;
+mod chart;
 mod cli;
 mod compile;
 mod diag;
@@ -20,5 +21,6 @@ fn main() -> ExitCode {
         cli::Command::Diag(cli::DiagCommand::Launch(args)) => diag::launch(&args),
         cli::Command::Diag(cli::DiagCommand::Ops(args)) => diag::ops(&args),
         cli::Command::EpBenchReport(args) => ep_bench_report::main(&args),
+        cli::Command::Chart(args) => chart::main(&args),
     }
 }

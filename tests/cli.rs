@@ -349,3 +349,56 @@ fn ep_bench_report_refuses_values_that_are_not_finite() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `epflow chart` draws `epflow bench --json` runs (two layouts of the host backend, three token
+/// counts) as one SVG with a line per backend, layout and operation; unreadable or mixed input
+/// is exit code 2.
+#[test]
+fn chart_draws_bench_json_runs() {
+    let dir = std::env::temp_dir().join(format!("epflow-chart-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut files = Vec::new();
+    for layout in ["expert-major", "rank-major"] {
+        let mut runs = String::new();
+        for tokens in ["1", "4", "16"] {
+            let (code, out, err) = epflow(&[
+                "bench",
+                "--backend",
+                "host",
+                "--tokens",
+                tokens,
+                "--iters",
+                "3",
+                "--warmup",
+                "1",
+                "--layout",
+                layout,
+                "--json",
+            ]);
+            assert_eq!(code, 0, "{err}");
+            runs.push_str(&out);
+        }
+        let f = dir.join(format!("{layout}.json"));
+        std::fs::write(&f, runs).unwrap();
+        files.push(f.to_string_lossy().into_owned());
+    }
+    let svg = dir.join("chart.svg");
+    let svg_s = svg.to_string_lossy().into_owned();
+    let mut args = vec!["chart", "--svg", &svg_s];
+    args.extend(files.iter().map(String::as_str));
+    let (code, out, err) = epflow(&args);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("4 series"), "{out}");
+    for series in ["host ll expert-major dispatch", "host ll rank-major combine"] {
+        assert!(out.contains(series), "{out}");
+    }
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(text.starts_with("<svg") && text.contains("tokens per rank"), "not the chart");
+    assert!(text.contains("host ll rank-major combine"), "no legend");
+    let bad = dir.join("bad.json");
+    std::fs::write(&bad, "{\"tokens\": 3}").unwrap();
+    let (code, _, err) = epflow(&["chart", "--svg", &svg_s, &bad.to_string_lossy()]);
+    assert_eq!(code, 2);
+    assert!(err.contains("not an `epflow bench --json` report"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
