@@ -11,8 +11,11 @@ use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOp
 use epflow_core::validate::validate_staged;
 use epflow_core::{Error, GroupConfig, Result};
 
+use futures::channel::oneshot;
+
 use crate::completion::{Completion, CompletionMode};
 use crate::driver::OpDriver;
+use crate::lane::Lane;
 
 type Output<B> = OpOutput<<B as Backend>::Handle, <B as Backend>::DispatchOutput, <B as Backend>::CombineOutput>;
 
@@ -26,11 +29,13 @@ type Output<B> = OpOutput<<B as Backend>::Handle, <B as Backend>::DispatchOutput
 pub struct Group<B: Backend> {
     backend: Arc<B>,
     mode: CompletionMode,
+    /// The host part of handle creations, off the caller's thread, in call order.
+    lane: Arc<Lane>,
 }
 
 impl<B: Backend> Clone for Group<B> {
     fn clone(&self) -> Self {
-        Group { backend: Arc::clone(&self.backend), mode: self.mode }
+        Group { backend: Arc::clone(&self.backend), mode: self.mode, lane: Arc::clone(&self.lane) }
     }
 }
 
@@ -38,7 +43,7 @@ impl<B: Backend> Group<B> {
     /// Wraps one rank of a backend group (waits go through the reactor:
     /// [`CompletionMode::Reactor`]).
     pub fn new(backend: B) -> Self {
-        Group { backend: Arc::new(backend), mode: CompletionMode::default() }
+        Group { backend: Arc::new(backend), mode: CompletionMode::default(), lane: Arc::default() }
     }
 
     /// The same group, whose operations wait in `mode` ([`CompletionMode`] says when each mode is
@@ -60,6 +65,12 @@ impl<B: Backend> Group<B> {
 
     pub(crate) fn backend_arc(&self) -> &Arc<B> {
         &self.backend
+    }
+
+    /// Waits (blocking) until the handle creations called so far ran their host part, so that
+    /// an operation started next comes after them ([`Group::create_handle_with`]).
+    pub(crate) fn after_creations(&self) {
+        self.lane.wait_idle();
     }
 
     /// This rank.
@@ -91,15 +102,35 @@ impl<B: Backend> Group<B> {
     /// Creates a routing handle with `opts`: [`HandleOptions::layout`] chooses low-latency
     /// expert-major or rank-major outputs for every dispatch and combine on the handle (every
     /// rank must choose the same).
+    ///
+    /// The creation's host part ([`Backend::start_handle`]: validation, and whatever the backend
+    /// waits for, such as the GPU backend's low-latency handle kernel or NCCL EP's
+    /// `ncclEpCreateHandle`) runs on this group's handle thread, not on the caller's: awaiting
+    /// the future never blocks the executor's thread for it, under any executor. Creations
+    /// run in this rank's call order, and an operation created on this group while one is on
+    /// that thread waits for it (blocking) before it starts, so the order of operations is the
+    /// call order, as if the creation had run inline. It keeps a clone of `topk_idx` until then.
     pub fn create_handle_with(&self, topk_idx: &B::Tensor, opts: &HandleOptions) -> HandleFuture<B> {
-        let state = match self.backend.start_handle(topk_idx, opts) {
-            Ok(HandleCreation::Ready(h)) => HandleState::Ready(Some(h)),
-            Ok(HandleCreation::Collective(op)) => {
-                HandleState::Op(OpDriver::new(Arc::clone(&self.backend), op, self.mode))
+        let (tx, rx) = oneshot::channel::<Created<B>>();
+        let (backend, mode) = (Arc::clone(&self.backend), self.mode);
+        let (topk_idx, opts) = (topk_idx.clone(), *opts);
+        self.lane.submit(Box::new(move || {
+            let created =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.start_handle(&topk_idx, &opts)));
+            if let Err(Ok(Ok(HandleCreation::Collective(op)))) = tx.send(created) {
+                // The future was dropped: its peers see a cancellation, as when a future holding
+                // the operation is dropped.
+                drop(OpDriver::new(backend, op, mode));
             }
-            Err(e) => HandleState::Failed(Some(e)),
+        }));
+        let pending = Pending {
+            rx,
+            backend: Arc::clone(&self.backend),
+            mode: self.mode,
+            lane: Arc::clone(&self.lane),
+            span: tracing::Span::current(),
         };
-        HandleFuture { state }
+        HandleFuture { state: HandleState::Pending(pending) }
     }
 
     /// Creates a routing handle with `opts` in `stream`'s order: resolves once the creation is
@@ -120,6 +151,7 @@ impl<B: Backend> Group<B> {
         opts: &HandleOptions,
         stream: &'s B::Stream,
     ) -> HandleOn<'s, B> {
+        self.after_creations();
         let state = match self.backend.start_handle_on(topk_idx, opts, stream) {
             Ok(HandleCreation::Ready(h)) => HandleState::Ready(Some(h)),
             Ok(HandleCreation::Collective(op)) => {
@@ -152,6 +184,7 @@ impl<B: Backend> Group<B> {
         inputs: DispatchInputs<'_, B::Tensor>,
         opts: &DispatchOptions,
     ) -> OpFuture<B, B::DispatchOutput> {
+        self.after_creations();
         let op = self.backend.start_dispatch(handle, inputs, opts);
         OpFuture::new(&self.backend, op, self.mode, extract_dispatch::<B>)
     }
@@ -168,6 +201,7 @@ impl<B: Backend> Group<B> {
         inputs: CombineInputs<'_, B::Tensor>,
         opts: &CombineOptions,
     ) -> OpFuture<B, B::CombineOutput> {
+        self.after_creations();
         let op = self.backend.start_combine(handle, inputs, opts);
         OpFuture::new(&self.backend, op, self.mode, extract_combine::<B>)
     }
@@ -191,10 +225,71 @@ fn extract_combine<B: Backend>(o: Output<B>) -> Result<B::CombineOutput> {
     }
 }
 
+/// What the handle lane hands back: [`Backend::start_handle`]'s result, or its panic.
+type Created<B> = std::thread::Result<Result<HandleCreation<<B as Backend>::Handle, <B as Backend>::Op>>>;
+
+/// A creation whose host part is on the group's handle lane.
+struct Pending<B: Backend> {
+    rx: oneshot::Receiver<Created<B>>,
+    backend: Arc<B>,
+    mode: CompletionMode,
+    lane: Arc<Lane>,
+    /// The caller's span when the creation was called: the operation's spans open under it.
+    span: tracing::Span,
+}
+
+impl<B: Backend> Pending<B> {
+    /// The state `created` leads to; a panic of the backend goes on in the caller's task.
+    fn settle(self, created: std::result::Result<Created<B>, oneshot::Canceled>) -> HandleState<B> {
+        match created {
+            Ok(Ok(Ok(HandleCreation::Ready(h)))) => HandleState::Ready(Some(h)),
+            Ok(Ok(Ok(HandleCreation::Collective(op)))) => {
+                let _in = self.span.enter();
+                HandleState::Op(OpDriver::new(self.backend, op, self.mode))
+            }
+            Ok(Ok(Err(e))) => HandleState::Failed(Some(e)),
+            Ok(Err(panic)) => std::panic::resume_unwind(panic),
+            Err(oneshot::Canceled) => HandleState::Failed(Some(Error::Internal {
+                op: "create_handle".into(),
+                message: "the handle thread ended without a result".into(),
+            })),
+        }
+    }
+}
+
 enum HandleState<B: Backend> {
+    /// The host part runs on the lane.
+    Pending(Pending<B>),
     Ready(Option<B::Handle>),
     Op(OpDriver<B>),
     Failed(Option<Error>),
+}
+
+impl<B: Backend> HandleState<B> {
+    /// Moves a pending creation on once the lane has its result; `Pending` until then.
+    fn poll_created(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let HandleState::Pending(p) = self else { return Poll::Ready(()) };
+        let created = ready!(Pin::new(&mut p.rx).poll(cx));
+        self.settle_with(created);
+        Poll::Ready(())
+    }
+
+    /// Waits (blocking) for a pending creation's host part and moves on with its result.
+    fn wait_created(&mut self) {
+        let HandleState::Pending(p) = self else { return };
+        p.lane.wait_idle();
+        // The lane sends the result before it counts the job as run.
+        let created = match p.rx.try_recv() {
+            Ok(Some(c)) => Ok(c),
+            Ok(None) | Err(oneshot::Canceled) => Err(oneshot::Canceled),
+        };
+        self.settle_with(created);
+    }
+
+    fn settle_with(&mut self, created: std::result::Result<Created<B>, oneshot::Canceled>) {
+        let HandleState::Pending(p) = std::mem::replace(self, HandleState::Failed(None)) else { return };
+        *self = p.settle(created);
+    }
 }
 
 /// The future of [`Group::create_handle`].
@@ -207,7 +302,11 @@ impl<B: Backend> HandleFuture<B> {
     /// (the producer of `topk_idx`, say: the router's top-k). No host wait. Low-latency handles
     /// are built when created (on a GPU over NVLink by one kernel after `topk_idx`'s ready event,
     /// the host waiting for that kernel alone) and ignore it.
+    ///
+    /// It waits (blocking) for the creation's host part on the group's handle thread
+    /// ([`Group::create_handle_with`]), which must have made the operation it orders.
     pub fn after(mut self, stream: &B::Stream) -> Self {
+        self.state.wait_created();
         if let HandleState::Op(d) = &mut self.state {
             if let Err(e) = d.order_after(stream) {
                 self.state = HandleState::Failed(Some(e));
@@ -249,7 +348,10 @@ impl<B: Backend> Future for HandleOn<'_, B> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        let out = match this.state.as_mut().ok_or_else(|| Error::Backend("polled again".into()))? {
+        let state = this.state.as_mut().ok_or_else(|| Error::Backend("polled again".into()))?;
+        ready!(state.poll_created(cx));
+        let out = match state {
+            HandleState::Pending(_) => Err(Error::Backend("handle creation still pending".into())),
             HandleState::Ready(h) => {
                 h.take().ok_or_else(|| Error::Backend("handle already taken".into())).map(|h| (h, Completion::done()))
             }
@@ -278,7 +380,9 @@ impl<B: Backend> Future for HandleFuture<B> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<B::Handle>> {
         let this = self.get_mut();
+        ready!(this.state.poll_created(cx));
         match &mut this.state {
+            HandleState::Pending(_) => Poll::Ready(Err(Error::Backend("handle creation still pending".into()))),
             HandleState::Ready(h) => Poll::Ready(h.take().ok_or_else(|| Error::Backend("handle already taken".into()))),
             HandleState::Failed(e) => {
                 Poll::Ready(Err(e.take().unwrap_or_else(|| Error::Backend("polled again".into()))))

@@ -43,6 +43,7 @@ pub mod completion;
 mod driver;
 mod group;
 mod inbox;
+mod lane;
 mod mask;
 pub mod pipeline;
 pub mod reactor;

@@ -91,6 +91,7 @@ impl<B: StepBackend> Group<B> {
     /// the group's timeout (a captured operation that times out ends the step's other
     /// operations on this rank at once).
     pub fn replay(&self, step: &B::Step) -> ReplayFuture {
+        self.after_creations();
         let launched = self.backend().launch_step(step);
         let (mode, timeout) = (self.completion_mode(), self.config().timeout.saturating_mul(2));
         let (poison, rank) = (std::sync::Arc::clone(self.backend().poison()), self.rank());

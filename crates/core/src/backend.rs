@@ -367,8 +367,9 @@ impl RankCore {
 
 /// One rank of a group on some backend.
 pub trait Backend: Send + Sync + 'static {
-    /// The tensor type of inputs.
-    type Tensor: TensorView;
+    /// The tensor type of inputs. epflow-async moves a clone of a handle's `topk_idx` to the
+    /// thread that runs [`Backend::start_handle`], hence `Clone + Send + 'static`.
+    type Tensor: TensorView + Clone + Send + 'static;
     /// A routing handle (cheap to clone).
     type Handle: RoutingHandle;
     /// Dispatch outputs (hold their buffer set until dropped).

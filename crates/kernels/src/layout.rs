@@ -1,5 +1,7 @@
-//! How big every buffer of a group is (pure arithmetic, checked on CI): [`LlLayout`] for
-//! low-latency groups, [`HtLayout`] for high-throughput ones.
+//! How big every buffer of a group is (pure arithmetic, checked on CI): a group's
+//! [`BufferLayout`] is an [`LlLayout`] for low-latency groups, an [`HtLayout`] for
+//! high-throughput ones. (Not to be confused with [`epflow_core::ops::Layout`], the receive
+//! layout a handle chooses: expert- or rank-major.)
 
 use epflow_core::config::FP8_BLOCK;
 use epflow_core::protocol::Channel;
@@ -7,16 +9,17 @@ use epflow_core::{Algorithm, Error, GroupConfig};
 
 use crate::params::{HDR_BYTES, HT_MAX_CHANNELS, HT_MAX_WARPS, LL_TAG_TOKENS, MAX_RANKS, SIGNAL_PAGE_BYTES};
 
-/// The buffers of a group, by algorithm.
+/// The buffers of a group, by algorithm (their sizes and offsets; [`epflow_core::ops::Layout`]
+/// is something else: a handle's expert- or rank-major receive layout).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Layout {
+pub(crate) enum BufferLayout {
     /// Low-latency.
     Ll(LlLayout),
     /// High-throughput.
     Ht(HtLayout),
 }
 
-impl Layout {
+impl BufferLayout {
     /// The layout of `config` on `num_ranks` ranks (the config must be valid) whose GPUs have
     /// at least `device_sms` SMs each (a high-throughput kernel's blocks must all be resident:
     /// its channels are cut to `device_sms / 2` block pairs).
@@ -27,8 +30,8 @@ impl Layout {
             )));
         }
         Ok(match config.algorithm {
-            Algorithm::LowLatency => Layout::Ll(LlLayout::new(config, num_ranks)?),
-            Algorithm::HighThroughput => Layout::Ht(HtLayout::new(config, num_ranks, device_sms)),
+            Algorithm::LowLatency => BufferLayout::Ll(LlLayout::new(config, num_ranks)?),
+            Algorithm::HighThroughput => BufferLayout::Ht(HtLayout::new(config, num_ranks, device_sms)),
         })
     }
 
@@ -39,7 +42,7 @@ impl Layout {
     /// ([`HtLayout::pull_combine`], `EPFLOW_HT_PULL=0` turns that off).
     pub(crate) fn with_direct_access(self, direct: bool) -> Self {
         match self {
-            Layout::Ht(h) if direct && h.rings => Layout::Ht(HtLayout {
+            BufferLayout::Ht(h) if direct && h.rings => BufferLayout::Ht(HtLayout {
                 direct: true,
                 pull_combine: ht_tuning("PULL", 0, 1) != Some(0),
                 warps_per_dest: dispatch_warps(h.num_ranks, h.channels, true),
@@ -56,7 +59,7 @@ impl Layout {
     /// allocated. Low-latency mixes both per peer and keeps its buffers.
     pub(crate) fn for_transport(self, any_nccl: bool) -> Self {
         match self {
-            Layout::Ht(h) if any_nccl => Layout::Ht(HtLayout { rings: false, ..h }),
+            BufferLayout::Ht(h) if any_nccl => BufferLayout::Ht(HtLayout { rings: false, ..h }),
             other => other,
         }
     }
@@ -65,24 +68,24 @@ impl Layout {
     /// outputs.
     pub(crate) fn total_bytes(&self) -> usize {
         match self {
-            Layout::Ll(l) => l.total_bytes(),
-            Layout::Ht(h) => h.total_bytes(),
+            BufferLayout::Ll(l) => l.total_bytes(),
+            BufferLayout::Ht(h) => h.total_bytes(),
         }
     }
 
     /// The low-latency layout, or an error naming `what` for a high-throughput group.
     pub(crate) fn ll(&self, what: &str) -> Result<&LlLayout, Error> {
         match self {
-            Layout::Ll(l) => Ok(l),
-            Layout::Ht(_) => Err(Error::Backend(format!("{what} is low-latency only"))),
+            BufferLayout::Ll(l) => Ok(l),
+            BufferLayout::Ht(_) => Err(Error::Backend(format!("{what} is low-latency only"))),
         }
     }
 
     /// The high-throughput layout, or an error naming `what` for a low-latency group.
     pub(crate) fn ht(&self, what: &str) -> Result<&HtLayout, Error> {
         match self {
-            Layout::Ht(h) => Ok(h),
-            Layout::Ll(_) => Err(Error::Backend(format!("{what} is high-throughput only"))),
+            BufferLayout::Ht(h) => Ok(h),
+            BufferLayout::Ll(_) => Err(Error::Backend(format!("{what} is high-throughput only"))),
         }
     }
 
@@ -90,30 +93,30 @@ impl Layout {
     /// part, which ends the region: [`LlLayout::tagged_areas`]; HT: every ring).
     pub(crate) fn dispatch_recv_bytes(&self) -> usize {
         match self {
-            Layout::Ll(l) => {
+            BufferLayout::Ll(l) => {
                 let (tagged_at, tagged) = l.tagged_areas(true);
                 tagged_at + tagged
             }
-            Layout::Ht(h) => h.ring_region_bytes(),
+            BufferLayout::Ht(h) => h.ring_region_bytes(),
         }
     }
 
-    /// Combine receive region bytes (as [`Layout::dispatch_recv_bytes`], the combine's parts).
+    /// Combine receive region bytes (as [`BufferLayout::dispatch_recv_bytes`], the combine's parts).
     pub(crate) fn combine_recv_bytes(&self) -> usize {
         match self {
-            Layout::Ll(l) => {
+            BufferLayout::Ll(l) => {
                 let (tagged_at, tagged) = l.tagged_areas(false);
                 tagged_at + tagged
             }
-            Layout::Ht(h) => h.ring_region_bytes(),
+            BufferLayout::Ht(h) => h.ring_region_bytes(),
         }
     }
 
     /// Bytes of the handle count-exchange region (high-throughput; 0 for low-latency).
     pub(crate) fn exchange_bytes(&self) -> usize {
         match self {
-            Layout::Ll(_) => 0,
-            Layout::Ht(h) => h.exchange_region_bytes(),
+            BufferLayout::Ll(_) => 0,
+            BufferLayout::Ht(h) => h.exchange_region_bytes(),
         }
     }
 }
@@ -273,7 +276,7 @@ pub(crate) struct HtLayout {
     /// rows in place, so no warp copies them): [`combine_send_warps`].
     pub combine_warps_per_dest: usize,
     /// Whether dispatches write rows straight into the receivers' outputs (`direct` in
-    /// `ht_send.cuh`; [`Layout::with_direct_access`]): the same on every rank.
+    /// `ht_send.cuh`; [`BufferLayout::with_direct_access`]): the same on every rank.
     pub direct: bool,
     /// Whether combines read the expert side's rows in place, over NVLink, rather than through
     /// the rings (pull combine in `ht_rings.cuh`, for the pairs a direct dispatch would take;
@@ -301,7 +304,7 @@ pub(crate) struct HtLayout {
     pub slot_bytes: usize,
     /// Whether the NVLink receive rings are allocated: not when the group runs high-throughput
     /// over NCCL (any peer reached through NCCL moves every exchange there; see
-    /// [`Layout::for_transport`]).
+    /// [`BufferLayout::for_transport`]).
     pub rings: bool,
 }
 
@@ -685,7 +688,7 @@ mod tests {
         // Issue 15: at most 1.0 GB per rank at 128 tokens on 2 ranks (H=7168, E=256, K=8).
         let config = GroupConfig::low_latency(256, 128, 7168).with_max_top_k(8);
         let l = LlLayout::new(&config, 2).unwrap();
-        let layout = Layout::Ll(l);
+        let layout = BufferLayout::Ll(l);
         let tagged = (l.dispatch_tagged_set_bytes() + l.combine_tagged_set_bytes()) * l.sets;
         assert_eq!(l.dispatch_tagged_set_bytes(), 32 * 2 * 2 * (128 + 14336));
         assert_eq!(l.combine_tagged_set_bytes(), 32 * 2 * 7168 * 4);
@@ -736,7 +739,7 @@ mod tests {
     #[test]
     fn too_many_ranks_is_an_error() {
         assert!(LlLayout::new(&GroupConfig::low_latency(256, 128, 7168), 16).is_err());
-        assert!(Layout::new(&GroupConfig::high_throughput(256, 7168), 16, H200_SMS).is_err());
+        assert!(BufferLayout::new(&GroupConfig::high_throughput(256, 7168), 16, H200_SMS).is_err());
     }
 
     #[test]
@@ -773,24 +776,26 @@ mod tests {
         assert_eq!(HtLayout::new(&cfg.clone().with_max_sms(Some(96)), 2, 78).channels, 39);
         assert_eq!(HtLayout::new(&cfg.clone().with_max_sms(Some(1)), 2, H200_SMS).channels, 1);
         // Over NCCL: no rings, a few kilobytes of exchange and signals.
-        let Layout::Ht(nccl) = Layout::new(&cfg, 4, H200_SMS).unwrap().for_transport(true) else { unreachable!() };
+        let BufferLayout::Ht(nccl) = BufferLayout::new(&cfg, 4, H200_SMS).unwrap().for_transport(true) else {
+            unreachable!()
+        };
         assert_eq!(nccl.ring_region_bytes(), 0);
         assert!(nccl.total_bytes() < 1 << 20, "{} B", nccl.total_bytes());
-        let ll = Layout::new(&GroupConfig::low_latency(256, 128, 7168), 4, H200_SMS).unwrap();
+        let ll = BufferLayout::new(&GroupConfig::low_latency(256, 128, 7168), 4, H200_SMS).unwrap();
         assert_eq!(ll.for_transport(true), ll);
     }
 
     #[test]
     fn direct_access_needs_the_rings_and_takes_six_dispatch_warps_on_two_ranks() {
         let cfg = GroupConfig::high_throughput(256, 7168);
-        let ht = |l: Layout| match l {
-            Layout::Ht(h) => h,
-            Layout::Ll(_) => unreachable!(),
+        let ht = |l: BufferLayout| match l {
+            BufferLayout::Ht(h) => h,
+            BufferLayout::Ll(_) => unreachable!(),
         };
-        let plain = ht(Layout::new(&cfg, 2, H200_SMS).unwrap());
+        let plain = ht(BufferLayout::new(&cfg, 2, H200_SMS).unwrap());
         assert!(!plain.direct && !plain.pull_combine);
         assert_eq!((plain.channels, plain.warps_per_dest), (32, 8));
-        let direct = ht(Layout::new(&cfg, 2, H200_SMS).unwrap().with_direct_access(true));
+        let direct = ht(BufferLayout::new(&cfg, 2, H200_SMS).unwrap().with_direct_access(true));
         assert!(direct.direct);
         // Pull combine is on unless EPFLOW_HT_PULL=0.
         assert_eq!(direct.pull_combine, std::env::var("EPFLOW_HT_PULL").map_or(true, |v| v.trim() != "0"));
@@ -806,16 +811,16 @@ mod tests {
         let forced = std::env::var("EPFLOW_HT_BALANCED").ok().and_then(|v| v.trim().parse::<usize>().ok());
         assert_eq!(direct.balanced, forced.is_none_or(|v| v >= 1));
         let wide = cfg.clone().with_max_sms(Some(H200_SMS));
-        let wide = ht(Layout::new(&wide, 2, H200_SMS).unwrap().with_direct_access(true));
+        let wide = ht(BufferLayout::new(&wide, 2, H200_SMS).unwrap().with_direct_access(true));
         assert_eq!((wide.channels, wide.balanced), (66, forced.is_some_and(|v| v >= 1)));
         assert!(!plain.balanced);
         assert_eq!((max_helpers(1), max_helpers(2), max_helpers(4), max_helpers(8)), (0, 16, 5, 2));
         // Four ranks keep 16 / R; over NCCL (no rings) nothing is direct; off stays off.
-        assert_eq!(ht(Layout::new(&cfg, 4, H200_SMS).unwrap().with_direct_access(true)).warps_per_dest, 4);
-        let over_nccl = Layout::new(&cfg, 2, H200_SMS).unwrap().for_transport(true).with_direct_access(true);
+        assert_eq!(ht(BufferLayout::new(&cfg, 4, H200_SMS).unwrap().with_direct_access(true)).warps_per_dest, 4);
+        let over_nccl = BufferLayout::new(&cfg, 2, H200_SMS).unwrap().for_transport(true).with_direct_access(true);
         assert!(!ht(over_nccl).direct && !ht(over_nccl).pull_combine);
-        assert_eq!(ht(Layout::new(&cfg, 2, H200_SMS).unwrap().with_direct_access(false)), plain);
-        let ll = Layout::new(&GroupConfig::low_latency(256, 128, 7168), 2, H200_SMS).unwrap();
+        assert_eq!(ht(BufferLayout::new(&cfg, 2, H200_SMS).unwrap().with_direct_access(false)), plain);
+        let ll = BufferLayout::new(&GroupConfig::low_latency(256, 128, 7168), 2, H200_SMS).unwrap();
         assert_eq!(ll.with_direct_access(true), ll);
     }
 }

@@ -11,7 +11,7 @@ use crate::compile::Functions;
 use crate::compute::{comm_sms, ranks_on_busiest_gpu};
 use crate::device::cache::OutputCache;
 use crate::device::{DeviceBuffer, EventPool, bind, context, cuda, pci_key, sm_count_of};
-use crate::layout::Layout;
+use crate::layout::BufferLayout;
 use crate::ll::geometry::one_launch_threads;
 use crate::rank::GpuRank;
 use crate::rank::shared::{Peers, RankMemory, RankShared};
@@ -59,7 +59,7 @@ impl GpuWorld {
         let device_sms = ctxs.iter().map(|c| sm_count_of(c)).collect::<Result<Vec<_>, _>>()?;
         let min_sms = device_sms.into_iter().min().unwrap_or(1);
         let config = bounded_for_shared_gpus(config, ranks_on_busiest_gpu(devices), min_sms);
-        let layout = Layout::new(&config, num_ranks, min_sms)?;
+        let layout = BufferLayout::new(&config, num_ranks, min_sms)?;
         // Every rank is in this process: with peer access, kernels reach the memory peers
         // allocate, so high-throughput dispatches may write rows straight into their outputs
         // and combines read their expert outputs in place.
@@ -148,7 +148,7 @@ impl GpuWorld {
         let device_sms = places.iter().skip(2).step_by(3).min().copied().unwrap_or(1) as usize;
         let gpus: Vec<&[u64]> = places.chunks(3).map(|p| &p[..2]).collect();
         let config = bounded_for_shared_gpus(config, ranks_on_busiest_gpu(&gpus), device_sms);
-        let layout = Layout::new(&config, num_ranks, device_sms)?;
+        let layout = BufferLayout::new(&config, num_ranks, device_sms)?;
         let mask = transport.nccl_mask(rank, num_ranks, Some(&hosts))?;
         // Every rank learns every mask (rank 0's ids serve the NCCL communicators).
         let masks = bootstrap::all_gather_u64(comm, &[u64::from(mask)])?;
@@ -270,7 +270,7 @@ fn refuse_nccl_on_a_shared_gpu(shared: Option<(usize, usize)>, any_nccl: bool) -
 fn build_rank(
     place: Placement,
     config: &GroupConfig,
-    layout: Layout,
+    layout: BufferLayout,
     ctx: &Arc<cudarc::driver::CudaContext>,
     mem: Arc<RankMemory>,
     mut peers: Peers,
@@ -287,8 +287,8 @@ fn build_rank(
     let functions = Functions::load(ctx)?;
     let streams = comm_streams(ctx)?;
     let null_handle = match &layout {
-        Layout::Ll(l) => Some(DeviceBuffer::zeroed(ctx, l.handle_bytes())?),
-        Layout::Ht(_) => None,
+        BufferLayout::Ll(l) => Some(DeviceBuffer::zeroed(ctx, l.handle_bytes())?),
+        BufferLayout::Ht(_) => None,
     };
     let num_sms = sm_count_of(ctx)? as u32;
     // One launch per synchronous low-latency operation needs every block of its grid (at most

@@ -14,7 +14,7 @@ use epflow_core::protocol::{Channel, op_label};
 use super::GpuRank;
 use super::shared::peer_array;
 use crate::device::{bind, cuda};
-use crate::layout::Layout;
+use crate::layout::BufferLayout;
 use crate::params::{MaskParams, status};
 
 impl GpuRank {
@@ -123,7 +123,7 @@ impl GpuRank {
     /// needs none of this: groups with rank masking never use the tagged areas (`tag_tokens` 0).
     fn clear_skipped_tag_wraps(&self, next: u64) -> Result<(), Error> {
         let s = &self.shared;
-        let Layout::Ll(l) = &s.layout else { return Ok(()) };
+        let BufferLayout::Ll(l) = &s.layout else { return Ok(()) };
         bind(&s.ctx)?;
         let stream = &s.streams[Channel::Handle.index()];
         for (chan, region) in [(Channel::Dispatch, &s.mem.disp_recv), (Channel::Combine, &s.mem.comb_recv)] {
@@ -139,7 +139,7 @@ impl GpuRank {
                 )));
             }
             // SAFETY: [offset, offset + bytes) lies inside this rank's live receive region of the
-            // channel (checked above; `Layout::dispatch_recv_bytes` / `combine_recv_bytes` size it
+            // channel (checked above; `BufferLayout::dispatch_recv_bytes` / `combine_recv_bytes` size it
             // as every set's plain part, then every set's tagged part); no kernel of this rank is
             // running (no operation in flight), and peers write there only after the meeting
             // enqueued behind this on the same stream.

@@ -94,8 +94,8 @@ impl GpuRank {
     /// sized by their token counts when they are made: 0 here.
     pub fn handle_memory_bytes(&self) -> usize {
         match &self.shared.layout {
-            crate::layout::Layout::Ll(l) => l.handle_bytes(),
-            crate::layout::Layout::Ht(_) => 0,
+            crate::layout::BufferLayout::Ll(l) => l.handle_bytes(),
+            crate::layout::BufferLayout::Ht(_) => 0,
         }
     }
 

@@ -11,7 +11,7 @@ use epflow_core::{Algorithm, Error, GroupConfig};
 use crate::compile::Functions;
 use crate::device::cache::OutputCache;
 use crate::device::{DeviceBuffer, EventPool, PinnedBuffer, StreamFence, bind, cuda};
-use crate::layout::Layout;
+use crate::layout::BufferLayout;
 use crate::params::{MAX_RANKS, SIGNAL_PAGE_BYTES, arrival_offset, status};
 use crate::transport::nccl::{NcclShared, Xfer};
 
@@ -43,7 +43,7 @@ pub(crate) struct RankMemory {
 impl RankMemory {
     /// A rank's memory: receive regions and signal pages (peers map them); low-latency groups
     /// also get their output buffer sets (high-throughput outputs are allocated per operation).
-    pub(crate) fn allocate(ctx: &Arc<CudaContext>, layout: &Layout) -> Result<Self, Error> {
+    pub(crate) fn allocate(ctx: &Arc<CudaContext>, layout: &BufferLayout) -> Result<Self, Error> {
         let per_set = |sets: usize, bytes: usize| {
             (0..sets).map(|_| DeviceBuffer::zeroed(ctx, bytes)).collect::<Result<Vec<_>, _>>()
         };
@@ -63,7 +63,7 @@ impl RankMemory {
             comb_out: Vec::new(),
             comb_masked: Vec::new(),
         };
-        let Layout::Ll(l) = layout else { return Ok(mem) };
+        let BufferLayout::Ll(l) = layout else { return Ok(mem) };
         let sets = l.sets;
         mem.disp_out = per_set(sets, l.dispatch_out_bytes())?;
         mem.disp_scales = per_set(sets, l.dispatch_scales_bytes())?;
@@ -116,7 +116,7 @@ pub(crate) struct RankShared {
     pub(crate) num_ranks: usize,
     pub(crate) device: usize,
     pub(crate) config: GroupConfig,
-    pub(crate) layout: Layout,
+    pub(crate) layout: BufferLayout,
     pub(crate) group_id: u64,
     /// The group's poison flag (the rank's [`epflow_core::backend::RankCore`] holds the same).
     pub(crate) poison: Arc<Poison>,

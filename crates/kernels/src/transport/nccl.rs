@@ -41,7 +41,7 @@ use cudarc::nccl::{result as nccl, sys as nccl_sys};
 use epflow_core::Error;
 
 use crate::device::{DeviceBuffer, PinnedBuffer, bind};
-use crate::layout::Layout;
+use crate::layout::BufferLayout;
 
 /// A [`Error::Backend`] for a failed NCCL call.
 pub(crate) fn nccl_err(what: &str, e: nccl::NcclError) -> Error {
@@ -238,7 +238,7 @@ impl NcclShared {
     /// Allocates what `layout` needs for the peers in `mask`.
     pub(crate) fn new(
         ctx: &Arc<CudaContext>,
-        layout: &Layout,
+        layout: &BufferLayout,
         comms: NcclComms,
         mask: u32,
         num_ranks: usize,
@@ -257,13 +257,13 @@ impl NcclShared {
             handle_out: DeviceBuffer::zeroed(ctx, 8)?,
         };
         match layout {
-            Layout::Ll(l) => {
+            BufferLayout::Ll(l) => {
                 s.disp_out = per_set(l.sets, l.dispatch_recv_set_bytes())?;
                 s.comb_out = per_set(l.sets, num_ranks * l.combine_recv_set_bytes())?;
                 s.comb_in = per_set(l.sets, l.combine_recv_set_bytes())?;
                 s.counts = (0..l.sets).map(|_| PinnedBuffer::zeroed(ctx, num_ranks * 4)).collect::<Result<_, _>>()?;
             }
-            Layout::Ht(h) => {
+            BufferLayout::Ht(h) => {
                 let bytes = num_ranks * exchange_row_words(h.exchange_words()) * 4;
                 s.handle_msgs = DeviceBuffer::zeroed(ctx, bytes)?;
                 s.handle_out = DeviceBuffer::zeroed(ctx, bytes)?;
