@@ -986,7 +986,7 @@ mod host {
         let sets = a.micro_batches.iter().copied().max().unwrap_or(2).max(2);
         // A host handle keeps its routing plan and receive layouts: about 48 bytes per entry.
         let pool = a.pool_bytes(RANKS, HIDDEN, TOP_K, a.batch * TOP_K * 48);
-        super::flags::check_host_memory(
+        epflow::core::host::memory::check_host_alloc(
             || format!("{} layers x {POOL} routings and token sets of {} tokens on {RANKS} ranks", a.layers, a.batch),
             pool,
         )?;

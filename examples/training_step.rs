@@ -216,7 +216,7 @@ fn main() -> Result<()> {
             run(ranks.into_iter().map(Group::new).collect(), &config, layers, tokens)
         }
         BackendKind::Host => {
-            flags::check_host_memory(
+            epflow::core::host::memory::check_host_alloc(
                 || format!("a layer of {tokens} tokens on each of 4 ranks"),
                 4 * layer_bytes(4, tokens),
             )?;

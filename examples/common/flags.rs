@@ -1,5 +1,6 @@
 //! What the examples share to parse their flags (with clap) and to size what they allocate: range
-//! checked numbers, and memory checks against the host and the GPU before any allocation.
+//! checked numbers, a timed barrier, and the memory check against the GPU before any allocation
+//! (the host's is `epflow::core::host::memory::check_host_alloc`).
 //!
 //! Each example includes this file (`#[path = "common/flags.rs"] mod flags;`) and uses part of
 //! it, hence the `dead_code` allowance.
@@ -138,11 +139,6 @@ impl TimedBarrier {
     }
 }
 
-/// `Err(OutOfMemory)` unless this machine has `bytes` (physical memory plus swap) for `what`.
-pub(crate) fn check_host_memory(what: impl FnOnce() -> String, bytes: u128) -> Result<()> {
-    epflow::core::host::memory::check_host_alloc(what, bytes)
-}
-
 /// `Err(OutOfMemory)` unless the GPU of `ctx` has `bytes` free for `what` now (before the
 /// example allocates them).
 pub(crate) fn check_device_memory(
@@ -195,12 +191,5 @@ mod flag_tests {
         assert!(t.join().unwrap().is_ok());
         let e = b.wait(std::time::Duration::from_millis(50)).unwrap_err();
         assert!(e.to_string().contains("1 of 2 ranks"), "{e}");
-    }
-
-    #[test]
-    fn memory_checks_name_the_need() {
-        assert!(check_host_memory(|| "a row".into(), 1024).is_ok());
-        let e = check_host_memory(|| "the routing pool".into(), u128::MAX / 2).unwrap_err();
-        assert!(e.to_string().contains("the routing pool"), "{e}");
     }
 }
