@@ -40,7 +40,8 @@ pub(crate) fn main(args: &CompileArgs) -> ExitCode {
         println!("kernel sources from {} where present (EPFLOW_KERNEL_SOURCE_DIR)", dir.display());
     }
     let mut failed = false;
-    for m in sources::ALL {
+    // epflow's modules, then the MoE layer's (epflow-moe).
+    for m in sources::ALL.iter().chain([&epflow_moe::gpu::MOE]) {
         let t = std::time::Instant::now();
         let files = m.files.iter().map(|(f, _)| *f).collect::<Vec<_>>().join(" + ");
         let compiled = m

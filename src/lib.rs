@@ -11,6 +11,8 @@
 //!   time, NVLink peer memory, NCCL between hosts, one process for all GPUs or one process per
 //!   GPU).
 //! - [`nccl_ep`] (`epflow-nccl-ep`): NVIDIA's NCCL EP behind the same futures.
+//! - [`moe`] (`epflow-moe`): an expert-parallel MoE layer over epflow (model presets, the CPU
+//!   reference, the layer on the host backend and on GPUs).
 //! - [`prelude`]: what a program needs in one `use`.
 //!
 //! ```
@@ -37,6 +39,7 @@ pub use epflow_async as runtime;
 pub use epflow_async::{Group, Staged};
 pub use epflow_core as core;
 pub use epflow_kernels as kernels;
+pub use epflow_moe as moe;
 pub use epflow_nccl_ep as nccl_ep;
 
 /// The names a program using epflow needs, in one `use epflow::prelude::*;`: the group and its

@@ -38,6 +38,16 @@ pub struct ModelPreset {
     pub layers: usize,
     /// The router's scoring.
     pub scoring: Scoring,
+    /// The attention stand-in (`moe_serving --attention proj`): the model's attention
+    /// projection GEMMs on the token side, as a chain of `(k, n)`: GEMM `j` multiplies the first
+    /// `k` columns of the previous output (the layer's input `[B x H]` for the first) by a
+    /// `[k x n]` weight; the last `n` is `H`. It keeps the ratio of token-side compute to
+    /// communication the model's. Qwen3-30B-A3B: QKV `[2048 x 5120]` (32 query heads, 4 KV
+    /// heads of 128), O `[4096 x 2048]`; Mixtral: QKV `[4096 x 6144]`, O `[4096 x 4096]`;
+    /// DeepSeek-V3 (MLA): the down projections `[7168 x 2112]` (q 1536 + kv 576), the query up
+    /// projection `[1536 x 24576]`, O `[16384 x 7168]` (the kv up projection, 9 % of the
+    /// attention weights, is left out).
+    pub attention: &'static [(usize, usize)],
 }
 
 /// Every preset.
@@ -52,6 +62,7 @@ pub const PRESETS: [ModelPreset; 3] = [
         shared_ffn: 0,
         layers: 48,
         scoring: Scoring::Softmax,
+        attention: &[(2048, 5120), (4096, 2048)],
     },
     ModelPreset {
         name: "mixtral-8x7b",
@@ -63,6 +74,7 @@ pub const PRESETS: [ModelPreset; 3] = [
         shared_ffn: 0,
         layers: 32,
         scoring: Scoring::Softmax,
+        attention: &[(4096, 6144), (4096, 4096)],
     },
     ModelPreset {
         name: "deepseek-v3",
@@ -74,6 +86,7 @@ pub const PRESETS: [ModelPreset; 3] = [
         shared_ffn: 2048,
         layers: 58,
         scoring: Scoring::SigmoidRenorm { scale: 2.5 },
+        attention: &[(7168, 2112), (1536, 24576), (16384, 7168)],
     },
 ];
 
@@ -85,10 +98,29 @@ pub fn preset(name: &str) -> Result<ModelPreset> {
     })
 }
 
+/// `[(H, 2H), (H, H)]` for the small hidden sizes tests use (up to 1024, in steps of 64); a
+/// chain of one `(H, H)` GEMM otherwise.
+fn small_attention(hidden: usize) -> &'static [(usize, usize)] {
+    const CHAINS: [[(usize, usize); 2]; 16] = {
+        let mut c = [[(0, 0); 2]; 16];
+        let mut i = 0;
+        while i < 16 {
+            let h = 64 * (i + 1);
+            c[i] = [(h, 2 * h), (h, h)];
+            i += 1;
+        }
+        c
+    };
+    match CHAINS.iter().find(|c| c[1].0 == hidden) {
+        Some(c) => c,
+        None => &[],
+    }
+}
+
 impl ModelPreset {
     /// A preset of the same kind with small shapes (for tests and the host backend): `hidden`,
-    /// `num_experts`, `top_k`, `expert_ffn`, and a shared expert of `expert_ffn` if this preset
-    /// has one.
+    /// `num_experts`, `top_k`, `expert_ffn`, a shared expert of `expert_ffn` if this preset
+    /// has one, and an attention stand-in `[H x 2H]`, `[H x H]`.
     pub fn scaled(&self, hidden: usize, num_experts: usize, top_k: usize, expert_ffn: usize) -> ModelPreset {
         ModelPreset {
             hidden,
@@ -96,6 +128,7 @@ impl ModelPreset {
             top_k,
             expert_ffn,
             shared_ffn: if self.shared_experts > 0 { expert_ffn } else { 0 },
+            attention: small_attention(hidden),
             ..*self
         }
     }
@@ -120,6 +153,16 @@ impl ModelPreset {
         }
         if self.shared_experts > 0 && self.shared_ffn == 0 {
             return bad("a shared expert needs a width".into());
+        }
+        let mut width = self.hidden;
+        for &(k, n) in self.attention {
+            if k == 0 || n == 0 || k > width {
+                return bad(format!("attention GEMM ({k} x {n}) reads {k} of {width} columns"));
+            }
+            width = n;
+        }
+        if !self.attention.is_empty() && width != self.hidden {
+            return bad(format!("the attention stand-in ends at width {width}, not H {}", self.hidden));
         }
         Ok(())
     }

@@ -2,11 +2,14 @@
 //! against: FP32 accumulation in index order, BF16 where a GPU layer stores a tensor (the
 //! router's weights stay FP32, as epflow's `topk_weights` are).
 //!
-//! - Router: `logits[e] = sum_c x[c] * gate[c][e]`; softmax (max-subtracted) or sigmoid; the
-//!   `K` highest scores, ties to the lower expert id, in descending score order; the chosen
-//!   scores renormalised to sum to 1 (times DeepSeek-V3's scale).
-//! - SwiGLU expert: `g, u = x * gate_up` (`[2F]`, FP32), `a = bf16(silu(g) * u)`,
-//!   `y = bf16(a * down)`.
+//! - Router: `logits[e] = sum_c x[c] * gate[c][e]` (FP32); the `K` highest logits, ties to the
+//!   lower expert id, highest first (softmax and sigmoid are monotone, so this is the top-k of
+//!   the scores); weights: softmax `exp(l_k - l_0) / sum_j exp(l_j - l_0)` over the chosen
+//!   (the softmax over all experts renormalised over the top-k), or sigmoid `s_k / sum_j s_j`
+//!   times DeepSeek-V3's scale. The GPU router computes these same formulas from its own
+//!   logits (cuBLAS sums in another order: its logits, and so near-ties, may differ).
+//! - SwiGLU expert: `g, u = bf16(x * gate_up)` (`[2F]`, FP32 sums stored as BF16, as the GPU's
+//!   GEMM stores them), `a = bf16(silu(g) * u)`, `y = bf16(a * down)`.
 //! - Layer: the combine of epflow (`bf16(fma chain over k of w[k] * y_k)`, in `k` order), plus
 //!   the shared expert's output: `bf16(f32(combined) + f32(shared))`.
 
@@ -40,34 +43,37 @@ pub fn route(preset: &ModelPreset, x: &[bf16], gate: &[bf16]) -> Routing {
                 *l = xc.mul_add(g.to_f32(), *l);
             }
         }
-        let scores: Vec<f32> = match preset.scoring {
-            Scoring::Softmax => {
-                let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let exp: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
-                let sum: f32 = exp.iter().sum();
-                exp.iter().map(|v| v / sum).collect()
-            }
-            Scoring::SigmoidRenorm { .. } => logits.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect(),
-        };
-        let chosen = top_k(&scores, k);
-        let sum: f32 = chosen.iter().map(|&i| scores[i]).sum();
-        let scale = match preset.scoring {
-            Scoring::Softmax => 1.0,
-            Scoring::SigmoidRenorm { scale } => scale,
-        };
-        for &i in &chosen {
+        let chosen = top_k(&logits, k);
+        let (w, scale) = weights_of(preset.scoring, &chosen.iter().map(|&i| logits[i]).collect::<Vec<_>>());
+        for (&i, w) in chosen.iter().zip(w) {
             topk_idx.push(i as i64);
-            topk_weights.push(scores[i] / sum * scale);
+            topk_weights.push(w * scale);
         }
     }
     Routing { topk_idx, topk_weights }
 }
 
-/// The indices of the `k` highest `scores`, highest first; equal scores go to the lower index.
+/// The renormalised weights of the chosen logits (highest first), and the scale they are then
+/// multiplied by: softmax `exp(l_k - l_0) / sum`, or sigmoid `s_k / sum` with DeepSeek-V3's
+/// scale.
+pub fn weights_of(scoring: Scoring, chosen: &[f32]) -> (Vec<f32>, f32) {
+    let (s, scale): (Vec<f32>, f32) = match scoring {
+        Scoring::Softmax => (chosen.iter().map(|l| (l - chosen[0]).exp()).collect(), 1.0),
+        Scoring::SigmoidRenorm { scale } => (chosen.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect(), scale),
+    };
+    let sum: f32 = s.iter().sum();
+    (s.iter().map(|v| v / sum).collect(), scale)
+}
+
+/// The indices of the `k` highest `scores`, highest first; equal scores go to the lower index,
+/// NaN is never chosen before a number.
 pub fn top_k(scores: &[f32], k: usize) -> Vec<usize> {
     let mut order: Vec<usize> = (0..scores.len()).collect();
     // A stable sort by descending score keeps equal scores in index order.
-    order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]));
+    order.sort_by(|&a, &b| match (scores[a].is_nan(), scores[b].is_nan()) {
+        (false, false) => scores[b].total_cmp(&scores[a]),
+        (x, y) => x.cmp(&y),
+    });
     order.truncate(k);
     order
 }
@@ -93,6 +99,7 @@ pub fn swiglu(x: &[bf16], hidden: usize, w: &ExpertWeights) -> Vec<bf16> {
                 *v = xc.mul_add(wv.to_f32(), *v);
             }
         }
+        gu.iter_mut().for_each(|v| *v = bf16::from_f32(*v).to_f32());
         for j in 0..f {
             act[j] = bf16::from_f32(silu(gu[j]) * gu[f + j]).to_f32();
         }

@@ -5,8 +5,6 @@
 
 use epflow_core::error::human_bytes;
 use epflow_core::{Error, Result, bf16};
-use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
 
 use crate::preset::ModelPreset;
 
@@ -36,27 +34,67 @@ pub struct LayerWeights {
 }
 
 /// What a weight is, for its seed.
-#[derive(Clone, Copy)]
-enum Part {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Part {
+    /// The router's gate.
     Gate,
+    /// Routed expert `e` (global id).
     Expert(usize),
+    /// The shared expert.
     Shared,
 }
 
-fn draw(seed: u64, layer: usize, part: Part, n: usize, scale: f32) -> Vec<bf16> {
+/// Which matrix of an expert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Matrix {
+    /// The gate (the router's `[H x E]`) or an expert's `gate_up` `[H x 2F]`.
+    First,
+    /// An expert's `down` `[F x H]`.
+    Down,
+}
+
+/// The generator's key of one matrix: every value of it is [`value`]`(key, i, scale)`.
+pub fn key(seed: u64, layer: usize, part: Part, matrix: Matrix) -> u64 {
     let id = match part {
         Part::Gate => 0u64,
         Part::Shared => 1,
         Part::Expert(e) => 2 + e as u64,
     };
-    let mut rng = SmallRng::seed_from_u64(seed ^ (layer as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ id << 20);
-    (0..n).map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0) * scale)).collect()
+    let seed = if matrix == Matrix::Down { seed ^ 0x5555 } else { seed };
+    seed ^ (layer as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ id << 20
+}
+
+/// splitmix64's finaliser.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Element `i` of the matrix with `key`: `bf16((u * 2 - 1) * scale)`, `u` uniform in `[0, 1)`
+/// from 24 bits of `mix(key + i * golden)`. A counter-based generator: the GPU fills its weights
+/// with the same function (`moe_fill_uniform`), value for value.
+pub fn value(key: u64, i: u64, scale: f32) -> bf16 {
+    let h = mix(key.wrapping_add(i.wrapping_mul(0x9e37_79b9_7f4a_7c15)));
+    let u = (h >> 40) as f32 * (1.0 / 16_777_216.0);
+    bf16::from_f32((u * 2.0 - 1.0) * scale)
+}
+
+/// The scale of a matrix whose rows are `fan_in` long: uniform in `[-s, s)` with
+/// `s = sqrt(3 / fan_in)` has variance `1 / fan_in`, so activations keep their size.
+pub fn scale(fan_in: usize) -> f32 {
+    (3.0 / fan_in as f32).sqrt()
+}
+
+fn draw(seed: u64, layer: usize, part: Part, matrix: Matrix, n: usize, fan_in: usize) -> Vec<bf16> {
+    let (k, s) = (key(seed, layer, part, matrix), scale(fan_in));
+    (0..n as u64).map(|i| value(k, i, s)).collect()
 }
 
 fn expert(seed: u64, layer: usize, part: Part, hidden: usize, ffn: usize) -> ExpertWeights {
-    // Scaled so that activations keep their size through the layer.
-    let gate_up = draw(seed, layer, part, hidden * 2 * ffn, (3.0 / hidden as f32).sqrt());
-    let down = draw(seed ^ 0x5555, layer, part, ffn * hidden, (3.0 / ffn as f32).sqrt());
+    let gate_up = draw(seed, layer, part, Matrix::First, hidden * 2 * ffn, hidden);
+    let down = draw(seed, layer, part, Matrix::Down, ffn * hidden, ffn);
     ExpertWeights { ffn, gate_up, down }
 }
 
@@ -78,7 +116,7 @@ impl LayerWeights {
         let local = e / ranks;
         let first_expert = rank * local;
         Ok(LayerWeights {
-            gate: draw(seed, layer, Part::Gate, h * e, (3.0 / h as f32).sqrt()),
+            gate: draw(seed, layer, Part::Gate, Matrix::First, h * e, h),
             first_expert,
             experts: (first_expert..first_expert + local)
                 .map(|x| expert(seed, layer, Part::Expert(x), h, preset.expert_ffn))

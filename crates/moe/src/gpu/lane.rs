@@ -1,0 +1,486 @@
+//! [`Lane`]: one micro-batch's streams and scratch, and the layer's stream-ordered parts.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaEvent, CudaStream};
+use epflow_async::{Completion, Group};
+use epflow_core::ops::{CombineInputs, DispatchInputs, HandleOptions};
+use epflow_core::{DType, Error, Result, TensorDesc, TensorTag};
+use epflow_kernels::{DeviceTensor, GpuCombineOutput, GpuDispatchOutput, GpuHandle, GpuRank};
+
+use super::blas::{Blas, Gemm};
+use super::cuda;
+use super::model::GpuMoeModel;
+
+/// What [`Lane::before_dispatch`] produced, in the lane stream's order: the tokens to dispatch
+/// (`[B x H]` BF16) and the router's `topk_idx` (`[B x K]` int64) and `topk_weights` (`[B x K]`
+/// FP32), in the lane's memory (rewritten by its next layer).
+#[derive(Clone, Debug)]
+pub struct Routed {
+    /// The tokens the dispatch sends.
+    pub tokens: DeviceTensor,
+    /// The router's choices.
+    pub topk_idx: DeviceTensor,
+    /// The router's weights (the combine's).
+    pub topk_weights: DeviceTensor,
+}
+
+/// The host time spent enqueueing on a lane, summed over calls, by part.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LaneTimes {
+    /// In [`Lane::before_dispatch`]: attention stand-in, router, shared expert.
+    pub before_dispatch: Duration,
+    /// In [`Lane::experts`] / [`Lane::experts_on`].
+    pub experts: Duration,
+    /// In [`Lane::after_combine`] / [`Lane::after_combine_tokens`].
+    pub after_combine: Duration,
+    /// Layers begun ([`Lane::before_dispatch`] calls).
+    pub layers: u64,
+}
+
+impl LaneTimes {
+    /// The three parts together.
+    pub fn enqueue(&self) -> Duration {
+        self.before_dispatch + self.experts + self.after_combine
+    }
+}
+
+/// One layer's output from [`Lane::forward`]: `[B x H]` BF16, ready in the lane stream's
+/// order, and the completions of its dispatch and combine (each resolves with the operation's
+/// verdict once the device has run it; await them before trusting the output on the host).
+#[derive(Debug)]
+pub struct LayerStep {
+    /// The layer's output.
+    pub output: DeviceTensor,
+    /// The handle creation's, dispatch's and combine's completions.
+    pub completions: Vec<Completion>,
+}
+
+/// The shared expert's scratch: `gate_up` output `[B x 2Fs]`, activation `[B x Fs]`, output
+/// `[B x H]`.
+#[derive(Debug)]
+struct SharedScratch {
+    gu: DeviceTensor,
+    act: DeviceTensor,
+    y: DeviceTensor,
+}
+
+/// One micro-batch's lane: its stream (every part of the layer is enqueued there), a side stream
+/// for the shared expert (overlapping the dispatch), cuBLAS on both, and the scratch of one
+/// layer for `B` tokens. A lane runs one layer at a time, in stream order; several lanes (one
+/// per micro-batch in flight) overlap on the device.
+#[derive(Debug)]
+pub struct Lane {
+    stream: Arc<CudaStream>,
+    side: Arc<CudaStream>,
+    blas: Blas,
+    side_blas: Blas,
+    tokens: usize,
+    rows_per_expert: usize,
+    attention: Vec<DeviceTensor>,
+    logits: DeviceTensor,
+    topk_idx: DeviceTensor,
+    topk_weights: DeviceTensor,
+    shared: Option<SharedScratch>,
+    gu: DeviceTensor,
+    act: DeviceTensor,
+    y: DeviceTensor,
+    out: DeviceTensor,
+    shared_done: Mutex<Option<Arc<CudaEvent>>>,
+    /// The shared expert's fork (recorded on the lane's stream, waited for by the side stream)
+    /// and join (the other way round), recorded again each layer: a wait takes the record
+    /// current when it is enqueued.
+    fork: CudaEvent,
+    join: Arc<CudaEvent>,
+    /// Host nanoseconds per part: before_dispatch, experts, after_combine.
+    enqueue_ns: [AtomicU64; 3],
+    layers: AtomicU64,
+}
+
+/// The parts [`LaneTimes`] counts.
+#[derive(Clone, Copy)]
+enum Part {
+    Before = 0,
+    Experts = 1,
+    After = 2,
+}
+
+fn tensor(m: &GpuMoeModel, tag: TensorTag, dtype: DType, shape: &[usize]) -> Result<DeviceTensor> {
+    DeviceTensor::zeros(&m.ctx, m.device, TensorDesc::contiguous(tag, dtype, shape))
+}
+
+impl Lane {
+    /// Device bytes of one lane's scratch for `tokens` tokens per micro-batch on a group of
+    /// `ranks` ranks whose dispatch delivers `rows_per_expert` rows per local expert (`R * M`).
+    pub fn bytes(
+        preset: &crate::ModelPreset,
+        ranks: usize,
+        tokens: usize,
+        rows_per_expert: usize,
+        attention: bool,
+    ) -> u128 {
+        let (h, e, k, f) =
+            (preset.hidden as u128, preset.num_experts as u128, preset.top_k as u128, preset.expert_ffn as u128);
+        let (b, c, l) = (tokens as u128, rows_per_expert as u128, (preset.num_experts / ranks.max(1)) as u128);
+        let attn: u128 = if attention { preset.attention.iter().map(|&(_, n)| 2 * b * n as u128).sum() } else { 0 };
+        let fs = (preset.shared_experts * preset.shared_ffn) as u128;
+        let shared = 2 * b * (3 * fs + h);
+        attn + 4 * b * e + 12 * b * k + shared + 2 * l * c * (3 * f + h) + 2 * b * h
+    }
+
+    /// A lane of `model` for micro-batches of `tokens` tokens, whose dispatch outputs hold
+    /// `rows_per_expert` rows per local expert (the group's `R * max_tokens_per_rank`).
+    pub fn new(model: &GpuMoeModel, tokens: usize, rows_per_expert: usize) -> Result<Self> {
+        let p = &model.preset;
+        let (h, e, k, f) = (p.hidden, p.num_experts, p.top_k, p.expert_ffn);
+        let local = e / model.ranks;
+        let stream = model.ctx.new_stream().map_err(|x| cuda("create stream", x))?;
+        let side = model.ctx.new_stream().map_err(|x| cuda("create stream", x))?;
+        let bf = |shape: &[usize]| tensor(model, TensorTag::Tokens, DType::Bf16, shape);
+        let attention = if model.attention {
+            p.attention.iter().map(|&(_, n)| bf(&[tokens, n])).collect::<Result<_>>()?
+        } else {
+            Vec::new()
+        };
+        let shared = if p.shared_experts > 0 {
+            let fs = p.shared_ffn;
+            Some(SharedScratch { gu: bf(&[tokens, 2 * fs])?, act: bf(&[tokens, fs])?, y: bf(&[tokens, h])? })
+        } else {
+            None
+        };
+        Ok(Lane {
+            blas: Blas::new(&stream)?,
+            side_blas: Blas::new(&side)?,
+            tokens,
+            rows_per_expert,
+            attention,
+            logits: tensor(model, TensorTag::Tokens, DType::F32, &[tokens, e])?,
+            topk_idx: tensor(model, TensorTag::TopkIdx, DType::I64, &[tokens, k])?,
+            topk_weights: tensor(model, TensorTag::TopkWeights, DType::F32, &[tokens, k])?,
+            shared,
+            gu: bf(&[local, rows_per_expert, 2 * f])?,
+            act: bf(&[local, rows_per_expert, f])?,
+            y: bf(&[local, rows_per_expert, h])?,
+            out: bf(&[tokens, h])?,
+            shared_done: Mutex::new(None),
+            fork: model.ctx.new_event(None).map_err(|x| cuda("create event", x))?,
+            join: Arc::new(model.ctx.new_event(None).map_err(|x| cuda("create event", x))?),
+            enqueue_ns: [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)],
+            layers: AtomicU64::new(0),
+            stream,
+            side,
+        })
+    }
+
+    /// The lane's stream: every part of its layers is enqueued there.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The router's output of the lane's latest layer: `topk_idx` `[B x K]` int64 and
+    /// `topk_weights` `[B x K]` FP32, in the lane stream's order.
+    pub fn routing(&self) -> (&DeviceTensor, &DeviceTensor) {
+        (&self.topk_idx, &self.topk_weights)
+    }
+
+    /// Tokens per micro-batch (`B`).
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// The host time spent enqueueing so far.
+    pub fn times(&self) -> LaneTimes {
+        let ns = |p: Part| Duration::from_nanos(self.enqueue_ns[p as usize].load(Ordering::Relaxed));
+        LaneTimes {
+            before_dispatch: ns(Part::Before),
+            experts: ns(Part::Experts),
+            after_combine: ns(Part::After),
+            layers: self.layers.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Clears [`Lane::times`].
+    pub fn reset_times(&self) {
+        self.enqueue_ns.iter().for_each(|n| n.store(0, Ordering::Relaxed));
+        self.layers.store(0, Ordering::Relaxed);
+    }
+
+    fn timed<T>(&self, part: Part, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let t = Instant::now();
+        let out = f();
+        self.enqueue_ns[part as usize].fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        out
+    }
+
+    fn wait_ready(&self, t: &DeviceTensor) -> Result<()> {
+        if let Some(e) = t.ready_event() {
+            self.stream.wait(e).map_err(|x| cuda("wait for input", x))?;
+        }
+        Ok(())
+    }
+
+    fn check_tokens(&self, model: &GpuMoeModel, x: &DeviceTensor, what: &str) -> Result<()> {
+        let d = x.desc();
+        if d.dtype != DType::Bf16 || d.shape != [self.tokens, model.preset.hidden] || x.device() != model.device {
+            return Err(Error::Unsupported(format!(
+                "{what}: BF16 [{} x {}] on device {} expected, got {:?} {:?} on device {}",
+                self.tokens,
+                model.preset.hidden,
+                model.device,
+                d.dtype,
+                d.shape,
+                x.device()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The part before the dispatch of layer `layer`, enqueued on the lane's stream (after `x`'s
+    /// ready event, if any): the attention stand-in (if the model runs it), the router (gate
+    /// GEMM into FP32 logits, then the top-k kernel), and the shared expert on the side stream
+    /// (forked from the lane's stream here, joined in [`Lane::after_combine`]). `x` is `[B x H]`
+    /// BF16 and must stay unchanged until the dispatch has read it.
+    pub fn before_dispatch(&self, model: &GpuMoeModel, layer: usize, x: &DeviceTensor) -> Result<Routed> {
+        self.timed(Part::Before, || {
+            self.check_tokens(model, x, "the layer's input")?;
+            let w = model
+                .layers
+                .get(layer)
+                .ok_or_else(|| Error::Unsupported(format!("layer {layer}: the model holds {}", model.layers.len())))?;
+            self.layers.fetch_add(1, Ordering::Relaxed);
+            let p = &model.preset;
+            let (b, h, e, k) = (self.tokens, p.hidden, p.num_experts, p.top_k);
+            self.wait_ready(x)?;
+            // Attention stand-in: GEMM j reads the first k_j columns of the previous output.
+            let mut tokens = x.clone();
+            let mut ld = h;
+            for (wt, (out, &(kj, nj))) in w.attention.iter().zip(self.attention.iter().zip(p.attention)) {
+                let g = Gemm { ldx: ld, ..Gemm::plain(b, kj, nj) };
+                self.blas.gemm(&g, tokens.ptr(), wt.ptr(), out.ptr())?;
+                tokens = out.clone();
+                ld = nj;
+            }
+            // Router.
+            let g = Gemm { fp32_out: true, ..Gemm::plain(b, h, e) };
+            self.blas.gemm(&g, tokens.ptr(), w.gate.ptr(), self.logits.ptr())?;
+            let sigmoid = match p.scoring {
+                crate::Scoring::Softmax => None,
+                crate::Scoring::SigmoidRenorm { scale } => Some(scale),
+            };
+            model.kernels.router_topk(
+                &self.stream,
+                self.logits.ptr(),
+                b,
+                e,
+                k,
+                sigmoid,
+                self.topk_idx.ptr(),
+                self.topk_weights.ptr(),
+            )?;
+            // Shared expert on the side stream, overlapping the dispatch.
+            if let (Some(s), Some((gu, down))) = (&self.shared, &w.shared) {
+                let fs = p.shared_ffn;
+                self.fork.record(&self.stream).map_err(|x| cuda("record event", x))?;
+                self.side.wait(&self.fork).map_err(|x| cuda("wait for event", x))?;
+                self.side_blas.gemm(&Gemm::plain(b, h, 2 * fs), tokens.ptr(), gu.ptr(), s.gu.ptr())?;
+                model.kernels.swiglu(&self.side, s.gu.ptr(), s.act.ptr(), None, 1, b, fs)?;
+                self.side_blas.gemm(&Gemm::plain(b, fs, h), s.act.ptr(), down.ptr(), s.y.ptr())?;
+                self.join.record(&self.side).map_err(|x| cuda("record event", x))?;
+                *self.shared_done.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&self.join));
+            }
+            Ok(Routed { tokens, topk_idx: self.topk_idx.clone(), topk_weights: self.topk_weights.clone() })
+        })
+    }
+
+    /// The routed experts of layer `layer` on a dispatch's outputs (`[L x R*M x H]`, completed
+    /// in this lane's stream order), enqueued on the lane's stream: `gate_up` as one
+    /// strided-batched GEMM over every expert's `R*M` rows, the SwiGLU activation for the rows
+    /// each expert received (its count read on the device), `down` likewise. Returns the
+    /// expert outputs in the dispatch's layout (the lane's memory, rewritten by its next
+    /// layer), ready in the lane's stream order: order their reader after the lane's stream (as
+    /// the combine of [`Lane::forward`] and of `pipeline::run_on_streams` is).
+    pub fn experts(&self, model: &GpuMoeModel, layer: usize, d: &GpuDispatchOutput) -> Result<DeviceTensor> {
+        let counts =
+            d.counts().ok_or_else(|| Error::Unsupported("experts: the dispatch returned no device counts".into()))?;
+        self.experts_on(model, layer, d.tokens(), counts)
+    }
+
+    /// [`Lane::experts`] on expert inputs `x` (`[L x R*M x H]` BF16) and device counts
+    /// (`[L]` int32) of any origin (a dispatch's, or a copy kept to time the compute alone).
+    pub fn experts_on(
+        &self,
+        model: &GpuMoeModel,
+        layer: usize,
+        x: &DeviceTensor,
+        counts: &DeviceTensor,
+    ) -> Result<DeviceTensor> {
+        self.timed(Part::Experts, || {
+            let w = model.layers.get(layer).ok_or_else(|| {
+                Error::Unsupported(format!("layer {layer}: the model holds {}", model.layers.len()))
+            })?;
+            let p = &model.preset;
+            let (h, f) = (p.hidden, p.expert_ffn);
+            let local = p.num_experts / model.ranks;
+            if x.desc().dtype != DType::Bf16 || x.desc().shape != [local, self.rows_per_expert, h] {
+                return Err(Error::Unsupported(format!(
+                    "experts: BF16 inputs [{local} x {} x {h}] expected (an expert-major low-latency group), got {:?} {:?}",
+                    self.rows_per_expert,
+                    x.desc().dtype,
+                    x.desc().shape
+                )));
+            }
+            if counts.desc().dtype != DType::I32 || counts.desc().shape != [local] {
+                return Err(Error::Unsupported(format!(
+                    "experts: int32 counts [{local}] expected, got {:?} {:?}",
+                    counts.desc().dtype,
+                    counts.desc().shape
+                )));
+            }
+            self.wait_ready(x)?;
+            let c = self.rows_per_expert;
+            self.blas.gemm(&Gemm::per_expert(local, c, h, 2 * f), x.ptr(), w.gate_up.ptr(), self.gu.ptr())?;
+            model.kernels.swiglu(&self.stream, self.gu.ptr(), self.act.ptr(), Some(counts.ptr()), local, c, f)?;
+            self.blas.gemm(&Gemm::per_expert(local, c, f, h), self.act.ptr(), w.down.ptr(), self.y.ptr())?;
+            Ok(self.y.clone())
+        })
+    }
+
+    /// The router and the routed experts of layer `layer` alone, on the lane's stream: the
+    /// gate GEMM and top-k on `x` (`[B x H]`), then [`Lane::experts_on`] on `expert_in` and
+    /// `counts`. What [`Lane::gemms_alone`] is compared with.
+    pub fn router_and_experts(
+        &self,
+        model: &GpuMoeModel,
+        layer: usize,
+        x: &DeviceTensor,
+        expert_in: &DeviceTensor,
+        counts: &DeviceTensor,
+    ) -> Result<()> {
+        self.check_tokens(model, x, "the router's input")?;
+        let w = &model.layers[layer.min(model.layers.len() - 1)];
+        let p = &model.preset;
+        let (b, h, e) = (self.tokens, p.hidden, p.num_experts);
+        self.blas.gemm(&Gemm { fp32_out: true, ..Gemm::plain(b, h, e) }, x.ptr(), w.gate.ptr(), self.logits.ptr())?;
+        let sigmoid = match p.scoring {
+            crate::Scoring::Softmax => None,
+            crate::Scoring::SigmoidRenorm { scale } => Some(scale),
+        };
+        model.kernels.router_topk(
+            &self.stream,
+            self.logits.ptr(),
+            b,
+            e,
+            p.top_k,
+            sigmoid,
+            self.topk_idx.ptr(),
+            self.topk_weights.ptr(),
+        )?;
+        self.experts_on(model, layer, expert_in, counts).map(drop)
+    }
+
+    /// The same GEMMs as [`Lane::router_and_experts`], cuBLAS alone (no top-k, no
+    /// activation): the gate GEMM, then `gate_up` and `down` over every expert's padded
+    /// `R*M` rows (`rows: None`), or, with `rows: Some(counts)`, one GEMM pair per expert over
+    /// the rows it received (the counts on the host: the shapes a host-synchronised layer runs).
+    pub fn gemms_alone(
+        &self,
+        model: &GpuMoeModel,
+        layer: usize,
+        x: &DeviceTensor,
+        expert_in: &DeviceTensor,
+        rows: Option<&[i32]>,
+    ) -> Result<()> {
+        self.check_tokens(model, x, "the router's input")?;
+        let w = &model.layers[layer.min(model.layers.len() - 1)];
+        let p = &model.preset;
+        let (b, h, e, f) = (self.tokens, p.hidden, p.num_experts, p.expert_ffn);
+        let local = e / model.ranks;
+        let c = self.rows_per_expert;
+        self.blas.gemm(&Gemm { fp32_out: true, ..Gemm::plain(b, h, e) }, x.ptr(), w.gate.ptr(), self.logits.ptr())?;
+        match rows {
+            None => {
+                self.blas.gemm(
+                    &Gemm::per_expert(local, c, h, 2 * f),
+                    expert_in.ptr(),
+                    w.gate_up.ptr(),
+                    self.gu.ptr(),
+                )?;
+                self.blas.gemm(&Gemm::per_expert(local, c, f, h), self.act.ptr(), w.down.ptr(), self.y.ptr())
+            }
+            Some(rows) => {
+                if rows.len() != local || rows.iter().any(|&r| r < 0 || r as usize > c) {
+                    return Err(Error::Unsupported(format!("gemms_alone: {local} counts in 0..={c} expected")));
+                }
+                for (l, &n) in rows.iter().enumerate().filter(|(_, n)| **n > 0) {
+                    let at = |t: &DeviceTensor, row: usize| t.ptr() + 2 * (l * c * row) as u64;
+                    let wgu = w.gate_up.ptr() + 2 * (l * h * 2 * f) as u64;
+                    let wd = w.down.ptr() + 2 * (l * f * h) as u64;
+                    self.blas.gemm(&Gemm::plain(n as usize, h, 2 * f), at(expert_in, h), wgu, at(&self.gu, 2 * f))?;
+                    self.blas.gemm(&Gemm::plain(n as usize, f, h), at(&self.act, f), wd, at(&self.y, h))?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// An event recorded on the lane's stream now (for timing).
+    pub fn record(&self) -> Result<Arc<CudaEvent>> {
+        let ctx = self.stream.context();
+        let e = ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|x| cuda("create event", x))?;
+        e.record(&self.stream).map_err(|x| cuda("record event", x))?;
+        Ok(Arc::new(e))
+    }
+
+    /// The part after the combine: with a shared expert, its output added to the combined tokens
+    /// (`bf16(combined + shared)`) into the lane's output buffer; without, the combined tokens
+    /// themselves. Enqueued on the lane's stream; the result (`[B x H]`) is ready in its order,
+    /// and the lane's output buffer is rewritten by its next layer with a shared expert.
+    pub fn after_combine(&self, model: &GpuMoeModel, combined: &GpuCombineOutput) -> Result<DeviceTensor> {
+        self.after_combine_tokens(model, combined.tokens())
+    }
+
+    /// [`Lane::after_combine`] on combined tokens `c` (`[B x H]` BF16) of any origin.
+    pub fn after_combine_tokens(&self, model: &GpuMoeModel, c: &DeviceTensor) -> Result<DeviceTensor> {
+        self.timed(Part::After, || {
+            self.check_tokens(model, c, "the combined tokens")?;
+            let done = self.shared_done.lock().unwrap_or_else(|p| p.into_inner()).take();
+            let Some(s) = &self.shared else { return Ok(c.clone()) };
+            self.wait_ready(c)?;
+            let join = done.ok_or_else(|| Error::Backend("after_combine without before_dispatch".into()))?;
+            self.stream.wait(&join).map_err(|x| cuda("wait for the shared expert", x))?;
+            let n = (self.tokens * model.preset.hidden) as u64;
+            model.kernels.add(&self.stream, c.ptr(), s.y.ptr(), self.out.ptr(), n)?;
+            Ok(self.out.clone())
+        })
+    }
+
+    /// The whole layer `layer` on `x` (`[B x H]` BF16), in the lane's stream order, with no
+    /// host wait: [`Lane::before_dispatch`], a low-latency handle created in stream order
+    /// ([`Group::create_handle_on`]), the dispatch ordered after the lane's stream and
+    /// completed on it, [`Lane::experts`], the combine likewise, [`Lane::after_combine`].
+    /// Every rank of the group calls it for the same layer in the same order.
+    pub async fn forward(
+        &self,
+        model: &GpuMoeModel,
+        group: &Group<GpuRank>,
+        layer: usize,
+        x: &DeviceTensor,
+    ) -> Result<LayerStep> {
+        let r = self.before_dispatch(model, layer, x)?;
+        let (handle, created): (GpuHandle, Completion) =
+            group.create_handle_on(&r.topk_idx, &HandleOptions::default(), &self.stream).await?;
+        let staged = group.dispatch(&handle, DispatchInputs::new(&r.tokens)).after(&self.stream).send_only().await?;
+        let (received, dispatched) = staged.complete_on(&self.stream).await?;
+        let y = self.experts(model, layer, &received)?;
+        drop(received);
+        let inputs = CombineInputs::new(&y).with_weights(&r.topk_weights);
+        let staged = group.combine(&handle, inputs).after(&self.stream).send_only().await?;
+        let (combined, done) = staged.complete_on(&self.stream).await?;
+        let output = self.after_combine(model, &combined)?;
+        Ok(LayerStep { output, completions: vec![created, dispatched, done] })
+    }
+}
