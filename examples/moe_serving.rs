@@ -63,6 +63,8 @@ use epflow::runtime::pipeline::{self, StepInput};
 
 #[path = "common/flags.rs"]
 mod flags;
+#[path = "moe_serving/model.rs"]
+mod model;
 
 use flags::{BackendKind, OrderFlag};
 
@@ -95,9 +97,39 @@ struct Flags {
     /// How long requests arrive, in seconds, in (0, 86400].
     #[arg(long, default_value_t = 5.0, value_parser = flags::positive_up_to(MAX_SECONDS))]
     seconds: f64,
-    /// MoE layers per micro-batch, 1..=1024.
-    #[arg(long, default_value_t = 4, value_parser = flags::int_in(1usize, MAX_LAYERS))]
-    layers: usize,
+    /// MoE layers per micro-batch, 1..=1024 (default 4; 8 with `--model`, at most its layers).
+    #[arg(long, value_parser = flags::int_in(1usize, MAX_LAYERS))]
+    layers: Option<usize>,
+    /// (GPU) Run a model's real layers instead of timer-sized experts, closed loop, and measure
+    /// communication, compute, serial and pipelined steps: `qwen3-30b-a3b`, `mixtral-8x7b` or
+    /// `deepseek-v3`.
+    #[arg(long)]
+    model: Option<String>,
+    /// With `--model`: the attention stand-in per layer (the model's attention projection GEMMs
+    /// on the token side), or none.
+    #[arg(long, value_enum, default_value_t = Attention::Proj)]
+    attention: Attention,
+    /// With `--model`: measure each of these batches (tokens per rank per micro-batch), e.g.
+    /// `8,16,32,64,128,256,512`, and name the crossover.
+    #[arg(long, value_delimiter = ',', value_parser = flags::int_in(1usize, MAX_BATCH))]
+    sweep_batch: Vec<usize>,
+    /// With `--model`: micro-batches per measurement, 1..=100000.
+    #[arg(long, default_value_t = 64, value_parser = flags::int_in(1usize, 100_000))]
+    steps: usize,
+    /// With `--model`: write every figure to this JSON file.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+    /// With `--model`: draw tokens/s against the batch (one line per `--micro-batches` setting)
+    /// into this SVG file.
+    #[arg(long)]
+    svg: Option<std::path::PathBuf>,
+    /// GPU ranks, one per GPU from GPU 0, 1..=8 (`--devices` names them instead; with `--model`
+    /// the default is 1).
+    #[arg(long, value_parser = flags::int_in(1usize, 8))]
+    ranks: Option<usize>,
+    /// With `--model`: the weights' seed.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
     /// Micro-batches in flight, a comma-separated list of settings run in turn, each 1..=8.
     #[arg(long, value_delimiter = ',', default_value = "2", value_parser = flags::int_in(1usize, 8))]
     micro_batches: Vec<usize>,
@@ -147,9 +179,20 @@ struct Flags {
     vote_timeout: f64,
 }
 
+/// `--attention`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Attention {
+    /// The model's attention projection GEMMs.
+    Proj,
+    /// None.
+    Off,
+}
+
 /// The command line, checked.
 #[derive(Clone, Debug)]
 struct Args {
+    /// `--model NAME` and its flags.
+    model: Option<model::ModelArgs>,
     backend: String,
     rate: f64,
     seconds: f64,
@@ -185,7 +228,7 @@ impl Args {
         let invalid = |msg: String| Flags::command().error(clap::error::ErrorKind::ValueValidation, msg);
         let gpus = epflow::kernels::device_count();
         let backend = f.backend.unwrap_or({
-            if gpus >= 2 || (f.graph && gpus >= 1) || f.devices.is_some() {
+            if gpus >= 2 || ((f.graph || f.model.is_some() || f.ranks.is_some()) && gpus >= 1) || f.devices.is_some() {
                 BackendKind::Gpu
             } else {
                 BackendKind::Host
@@ -193,12 +236,56 @@ impl Args {
         });
         let gpu = backend == BackendKind::Gpu;
         let batch = f.batch.unwrap_or(if gpu { 128 } else { 32 });
+        let model = match &f.model {
+            None => {
+                if !f.sweep_batch.is_empty() || f.json.is_some() || f.svg.is_some() {
+                    return Err(invalid("--sweep-batch, --json and --svg go with --model".into()));
+                }
+                None
+            }
+            Some(name) => {
+                let preset = epflow::moe::preset(name).map_err(|e| invalid(e.to_string()))?;
+                if gpus == 0 || f.backend == Some(BackendKind::Host) {
+                    return Err(invalid(format!(
+                        "--model runs the layers on GPUs ({gpus} found); the host backend serves timer experts (leave out --model)"
+                    )));
+                }
+                if f.graph || f.kill_rank.is_some() {
+                    return Err(invalid("--model goes without --graph and --kill-rank".into()));
+                }
+                if f.layers.is_some_and(|l| l > preset.layers) {
+                    return Err(invalid(format!("--layers: {} has {} layers", preset.name, preset.layers)));
+                }
+                Some(model::ModelArgs {
+                    preset,
+                    attention: f.attention == Attention::Proj,
+                    batches: if f.sweep_batch.is_empty() { vec![batch] } else { f.sweep_batch.clone() },
+                    steps: f.steps,
+                    json: f.json.clone(),
+                    svg: f.svg.clone(),
+                    seed: f.seed,
+                })
+            }
+        };
+        let devices = match (&f.devices, f.ranks) {
+            (Some(_), Some(_)) => return Err(invalid("give --ranks or --devices, not both".into())),
+            (Some(d), None) => Some(d.0.clone()),
+            (None, Some(n)) if n > gpus => {
+                return Err(invalid(format!(
+                    "--ranks {n}: this machine has {gpus} GPUs (--devices 0,0 runs two ranks on one GPU, a functional check)"
+                )));
+            }
+            (None, Some(n)) => Some((0..n).collect()),
+            (None, None) if model.is_some() => Some(vec![0]),
+            (None, None) => None,
+        };
+        let layers = f.layers.unwrap_or(if model.is_some() { 8 } else { 4 });
         if f.graph && !gpu {
             return Err(invalid("--graph captures CUDA graphs: it needs --backend gpu".into()));
         }
-        let ranks = match (gpu, &f.devices) {
+        let ranks = match (gpu, &devices) {
             (false, _) => host::RANKS,
-            (true, Some(d)) => d.0.len(),
+            (true, Some(d)) => d.len(),
             (true, None) => gpus.min(8),
         };
         let kill = match f.kill_rank {
@@ -224,13 +311,14 @@ impl Args {
             return Err(invalid(format!("--request-tokens {} must be in 1..=--batch ({batch})", f.request_tokens)));
         }
         Ok(Args {
+            model,
             backend: match backend {
                 BackendKind::Gpu => "gpu".into(),
                 BackendKind::Host => "host".into(),
             },
             rate: f.rate,
             seconds: f.seconds,
-            layers: f.layers,
+            layers,
             micro_batches: f.micro_batches,
             batch,
             request_tokens: f.request_tokens,
@@ -239,7 +327,7 @@ impl Args {
             order: f.order.stream_order(),
             check: f.check,
             quiet: f.quiet,
-            devices: f.devices.map(|d| d.0),
+            devices,
             graph: f.graph,
             kill,
             kill_timeout: Duration::from_millis(f.kill_timeout),
@@ -886,6 +974,7 @@ fn main() {
     // `--help` prints usage and exits 0; a bad flag prints the error and exits 2.
     let a = Args::parse(&argv).unwrap_or_else(|e| e.exit());
     let result = match a.backend.as_str() {
+        "gpu" if a.model.is_some() => a.model.as_ref().map_or(Ok(()), |m| model::main(&a, m)),
         "gpu" if a.graph => gpu::decode_latency(&a),
         "gpu" => gpu::main(&a).map(|_| ()),
         "host" => host::main(&a).map(|_| ()),
@@ -1382,10 +1471,10 @@ mod gpu {
             None => (0..epflow::kernels::device_count().min(8)).collect(),
         };
         let gpus = devices.len();
-        if gpus < 2 {
-            return Err(Error::Unsupported(format!(
-                "--backend gpu needs 2 ranks, this machine has {gpus} GPUs (--devices 0,0 runs two on one, for checks)"
-            )));
+        if gpus < 1 {
+            return Err(Error::Unsupported(
+                "--backend gpu needs a GPU (--devices 0,0 runs two ranks on one, for checks)".into(),
+            ));
         }
         let sets = a.micro_batches.iter().copied().max().unwrap_or(2).max(2);
         let comm = epflow::kernels::compute::comm_sms_for(&devices, sets, COMM_SMS)?;
@@ -1507,6 +1596,34 @@ mod tests {
         assert!(v(&["--request-tokens", "1000", "--batch", "32"]).is_err());
         assert!(v(&["--order", "sideways"]).is_err());
         assert!(v(&["--backend", "host", "--graph"]).is_err());
+    }
+
+    /// `--model` and its flags: an unknown model names the presets; the host backend, `--graph`,
+    /// too many layers, and the model's flags without `--model` are refused (exit code 2).
+    #[test]
+    fn model_flags_are_checked() {
+        let parse = |x: &[&str]| {
+            let mut v: Vec<String> = vec!["moe_serving".into()];
+            v.extend(x.iter().map(|s| s.to_string()));
+            Args::parse(&v)
+        };
+        let e = parse(&["--model", "llama"]).expect_err("an unknown model");
+        assert!(e.to_string().contains("qwen3-30b-a3b, mixtral-8x7b, deepseek-v3"), "{e}");
+        for bad in [
+            &["--backend", "host", "--model", "qwen3-30b-a3b"][..],
+            &["--model", "qwen3-30b-a3b", "--graph"],
+            &["--model", "mixtral-8x7b", "--layers", "33"],
+            &["--sweep-batch", "8,16"],
+            &["--backend", "host", "--json", "x.json"],
+            &["--model", "qwen3-30b-a3b", "--sweep-batch", "0"],
+            &["--model", "qwen3-30b-a3b", "--steps", "0"],
+            &["--model", "qwen3-30b-a3b", "--attention", "flash"],
+            &["--ranks", "1", "--devices", "0"],
+            &["--ranks", "9"],
+        ] {
+            let e = parse(bad).err().unwrap_or_else(|| panic!("{bad:?} accepted"));
+            assert_eq!(e.exit_code(), 2, "{bad:?}: {e}");
+        }
     }
 
     /// Bad numbers are usage errors (exit code 2), never a panic or a silent default; `--help`

@@ -4,7 +4,7 @@
 # the GPU test executables (and epflow-kernels' unit tests, `epflow_kernels`, some of which need
 # a GPU), the examples and the reactor benchmark.
 # `EPFLOW_PACK_EXAMPLES` (space-separated) overrides the examples packed.
-# Then, on the device machine (see README "Running on GPUs"):
+# Then, on the device machine (see docs/running-on-gpus.md):
 #   export LD_LIBRARY_PATH=/usr/local/cuda/lib64:$LD_LIBRARY_PATH NCCL_NVLS_ENABLE=0
 #   .device-pack/gpu_ll --test-threads=1 --nocapture
 #   .device-pack/epflow bench --validate
@@ -42,6 +42,7 @@ for line in sys.stdin:
     list test --release -p epflow-kernels --test gpu_masking
     list test --release -p epflow --test gpu_async
     list test --release -p epflow --test gpu_stream_order
+    list test --release -p epflow-moe --test gpu_layer
     list test --release -p epflow-nccl-ep --test nccl_ep_backend
     list bench -p epflow --bench reactor
 } |
