@@ -3,7 +3,7 @@
 //! server pads), and runs each micro-batch through `--layers` MoE layers (router top-k → dispatch
 //! → expert GEMMs → combine), with `--micro-batches` of them in flight.
 //!
-//! - `--backend gpu` (the default with 2+ GPUs): one rank per GPU of the host, one tokio runtime
+//! - `--backend gpu` (the default with 2+ GPUs, or with `--ranks`): one rank per GPU of the host (from one), one tokio runtime
 //!   per rank. Operations complete in stream order (`pipeline::run_on_streams`, one stream per
 //!   micro-batch), the experts are padded strided-batched BF16 GEMMs (cuBLAS) that need no host
 //!   counts, so the host only enqueues.
@@ -37,6 +37,17 @@
 //!
 //! ```text
 //! cargo run --release --example moe_serving -- --kill-rank 3 --at 2 --seconds 5
+//! ```
+//!
+//! `--model NAME` (GPU, 1 or more ranks; one by default) runs a model's real layers instead of
+//! timer-sized experts (`epflow::moe::gpu`: attention stand-in, router, SwiGLU experts, shared
+//! expert), closed loop, and measures communication, compute, serial and pipelined steps, the
+//! overlap efficiency, tokens/s, latency, the GPU busy fraction and the host enqueue per layer,
+//! over `--sweep-batch` batches with the crossover named (`moe_serving/model.rs`;
+//! `docs/serving.md`):
+//!
+//! ```text
+//! cargo run --release --example moe_serving -- --model qwen3-30b-a3b --micro-batches 1,2,3 --sweep-batch 8,64,512 --check
 //! ```
 //!
 //! `--graph` (GPU, 1 or more ranks) measures decode-step latency instead: `--layers` layers of

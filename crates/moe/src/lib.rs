@@ -13,6 +13,11 @@
 //!   refuses a layer that does not fit, naming the bytes needed.
 //! - [`reference`](mod@reference): the CPU reference: the router (gate GEMM, softmax or sigmoid scoring, top-k
 //!   with ties to the lower expert id, renormalised weights), a SwiGLU expert, the whole layer.
+//! - [`gpu`]: the layer on GPUs: [`gpu::GpuMoeModel`] (a preset's layers on one rank, weights
+//!   drawn on the device) and [`gpu::Lane`] (one micro-batch's streams and scratch; the layer's
+//!   parts in stream order, and [`gpu::Lane::forward`]), the router's top-k and SwiGLU kernels,
+//!   cuBLAS GEMMs. Checked against [`reference`](mod@reference) within a stated BF16 tolerance
+//!   (`tests/gpu_layer.rs`).
 //! - [`host`]: the layer on epflow's host backend (every rank a [`epflow_core::host::HostRank`]
 //!   in a [`epflow_async::Group`]): the reference's router and experts around real dispatch and
 //!   combine, bit-identical to [`reference::layer`].
@@ -20,10 +25,6 @@
 //! Shapes: `B` tokens on a rank, `H` hidden size, `E` routed experts, `K` top-k, `F` an expert's
 //! FFN width, `R` ranks, `L = E / R` local experts. Tensors are row-major; BF16 activations and
 //! weights, FP32 accumulation.
-//!
-//! The GPU layer (router kernel, grouped-GEMM experts reading the per-expert counts on the
-//! device, the shared expert overlapped with the dispatch) builds on these definitions: its
-//! outputs are checked against [`reference`](mod@reference) within a stated BF16 tolerance.
 
 // Unsafe code lives only at the device edge: `gpu/kernels.rs` (launches) and `gpu/blas.rs`.
 #![deny(unsafe_code)]

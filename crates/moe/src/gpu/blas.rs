@@ -6,7 +6,8 @@ use std::sync::Arc;
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t};
 use cudarc::driver::CudaStream;
-use epflow_core::{Error, Result};
+use epflow_core::{DType, Error, Result, TensorDesc, TensorTag};
+use epflow_kernels::DeviceTensor;
 
 /// One (batched) row-major GEMM `Y[b] = X[b] · W[b]`: `X` `[m x k]` with row stride `ldx`,
 /// `W` `[k x n]` (row stride `n`), `Y` `[m x n]` (row stride `n`), `batch` of them
@@ -37,10 +38,16 @@ impl Gemm {
     }
 }
 
-/// cuBLAS bound to one stream.
+/// Bytes of the workspace each [`Blas`] gives cuBLAS (Hopper's recommended 32 MiB): set once,
+/// so that cuBLAS allocates nothing per call (and GEMMs can be captured in CUDA graphs).
+pub(crate) const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// cuBLAS bound to one stream, with a workspace of its own.
 #[derive(Debug)]
 pub(crate) struct Blas {
     blas: CudaBlas,
+    /// Kept alive as long as the handle.
+    _workspace: DeviceTensor,
 }
 
 fn blas_error(e: impl std::fmt::Debug) -> Error {
@@ -48,15 +55,26 @@ fn blas_error(e: impl std::fmt::Debug) -> Error {
 }
 
 impl Blas {
-    /// cuBLAS on `stream`, or why not (the library missing).
-    pub(crate) fn new(stream: &Arc<CudaStream>) -> Result<Self> {
+    /// cuBLAS on `stream` (of device `device`), or why not (the library missing).
+    pub(crate) fn new(stream: &Arc<CudaStream>, device: usize) -> Result<Self> {
         // SAFETY: only tries to open the shared library.
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
             return Err(Error::Unsupported(
                 "cuBLAS (libcublas.so.13) not found: add the CUDA lib directory to LD_LIBRARY_PATH".into(),
             ));
         }
-        Ok(Blas { blas: CudaBlas::new(Arc::clone(stream)).map_err(blas_error)? })
+        let blas = CudaBlas::new(Arc::clone(stream)).map_err(blas_error)?;
+        let desc = TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[WORKSPACE_BYTES / 2]);
+        let workspace = DeviceTensor::zeros(stream.context(), device, desc)?;
+        // SAFETY: the handle is live; the workspace is WORKSPACE_BYTES of device memory of the
+        // stream's context, kept alive in `Blas` beside the handle (dropped after it: fields
+        // drop in order).
+        unsafe {
+            cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), workspace.ptr() as *mut c_void, WORKSPACE_BYTES)
+        }
+        .result()
+        .map_err(blas_error)?;
+        Ok(Blas { blas, _workspace: workspace })
     }
 
     /// Enqueues `g` on the stream with `x`, `w`, `y` device addresses.

@@ -127,7 +127,12 @@ impl Lane {
         let attn: u128 = if attention { preset.attention.iter().map(|&(_, n)| 2 * b * n as u128).sum() } else { 0 };
         let fs = (preset.shared_experts * preset.shared_ffn) as u128;
         let shared = 2 * b * (3 * fs + h);
-        attn + 4 * b * e + 12 * b * k + shared + 2 * l * c * (3 * f + h) + 2 * b * h
+        attn + 4 * b * e
+            + 12 * b * k
+            + shared
+            + 2 * l * c * (3 * f + h)
+            + 2 * b * h
+            + 2 * super::blas::WORKSPACE_BYTES as u128
     }
 
     /// A lane of `model` for micro-batches of `tokens` tokens, whose dispatch outputs hold
@@ -151,8 +156,8 @@ impl Lane {
             None
         };
         Ok(Lane {
-            blas: Blas::new(&stream)?,
-            side_blas: Blas::new(&side)?,
+            blas: Blas::new(&stream, model.device)?,
+            side_blas: Blas::new(&side, model.device)?,
             tokens,
             rows_per_expert,
             attention,
