@@ -138,6 +138,10 @@ struct Flags {
     /// the default is 1).
     #[arg(long, value_parser = flags::int_in(1usize, 8))]
     ranks: Option<usize>,
+    /// With `--model`: enqueue the layer's compute call by call instead of replaying each piece
+    /// (router and attention, shared expert, experts) as a CUDA graph.
+    #[arg(long)]
+    eager_compute: bool,
     /// With `--model`: the weights' seed.
     #[arg(long, default_value_t = 7)]
     seed: u64,
@@ -249,8 +253,8 @@ impl Args {
         let batch = f.batch.unwrap_or(if gpu { 128 } else { 32 });
         let model = match &f.model {
             None => {
-                if !f.sweep_batch.is_empty() || f.json.is_some() || f.svg.is_some() {
-                    return Err(invalid("--sweep-batch, --json and --svg go with --model".into()));
+                if !f.sweep_batch.is_empty() || f.json.is_some() || f.svg.is_some() || f.eager_compute {
+                    return Err(invalid("--sweep-batch, --json, --svg and --eager-compute go with --model".into()));
                 }
                 None
             }
@@ -275,6 +279,7 @@ impl Args {
                     json: f.json.clone(),
                     svg: f.svg.clone(),
                     seed: f.seed,
+                    graphs: !f.eager_compute,
                 })
             }
         };
@@ -1629,6 +1634,7 @@ mod tests {
             &["--model", "qwen3-30b-a3b", "--sweep-batch", "0"],
             &["--model", "qwen3-30b-a3b", "--steps", "0"],
             &["--model", "qwen3-30b-a3b", "--attention", "flash"],
+            &["--eager-compute", "--backend", "host"],
             &["--ranks", "1", "--devices", "0"],
             &["--ranks", "9"],
         ] {

@@ -52,6 +52,8 @@ pub(crate) struct ModelArgs {
     pub json: Option<PathBuf>,
     pub svg: Option<PathBuf>,
     pub seed: u64,
+    /// Replay the layer's compute pieces as CUDA graphs (`Lane::with_graphs`).
+    pub graphs: bool,
 }
 
 fn err(e: impl std::fmt::Debug) -> Error {
@@ -114,6 +116,7 @@ struct Report {
     device: String,
     layers: usize,
     attention: bool,
+    compute_graphs: bool,
     order: String,
     points: Vec<Point>,
     gemms: Vec<GemmCheck>,
@@ -377,7 +380,9 @@ fn measure_rank(
     let reserve = scratch_bytes(&p, ranks, batch, lanes_n, m_args.attention);
     let opts = ModelOptions { seed: m_args.seed, layers: a.layers, attention: m_args.attention };
     let model = GpuMoeModel::new(g.backend(), p, opts, reserve)?;
-    let lanes: Vec<Lane> = (0..lanes_n).map(|_| Lane::new(&model, batch, ranks * batch)).collect::<Result<_>>()?;
+    let lanes: Vec<Lane> = (0..lanes_n)
+        .map(|_| Lane::new(&model, batch, ranks * batch).and_then(|l| l.with_graphs(m_args.graphs)))
+        .collect::<Result<_>>()?;
     let inputs: Vec<DeviceTensor> = (0..lanes_n * POOL)
         .map(|i| {
             g.backend().upload(&HostTensor::tokens(
@@ -464,6 +469,11 @@ fn measure_rank(
                 enqueue,
             });
         }
+        if let Some((graphs, failed)) = lanes.iter().filter_map(Lane::graph_counts).reduce(|a, b| (a.0 + b.0, a.1 + b.1)) {
+            if failed > 0 || r == 0 {
+                eprintln!("[moe_serving] rank {r}, batch {batch}: {graphs} layer pieces replayed as CUDA graphs, {failed} call by call (their capture failed)");
+            }
+        }
         Ok(RankFigures { points, gemm, checked })
     })
 }
@@ -481,12 +491,13 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
     let lanes_n = a.micro_batches.iter().copied().max().unwrap_or(1).max(1);
     let shared_gpu = devices.iter().any(|d| devices.iter().filter(|x| *x == d).count() > 1);
     println!(
-        "moe_serving --model {}: {ranks} rank(s) on GPUs {devices:?} ({}){}, {} layers, attention stand-in {}, weights {:.2} GiB per layer per rank, {} micro-batches per measurement, receive kernels {:?}",
+        "moe_serving --model {}: {ranks} rank(s) on GPUs {devices:?} ({}){}, {} layers, attention stand-in {}, compute {}, weights {:.2} GiB per layer per rank, {} micro-batches per measurement, receive kernels {:?}",
         p.name,
         device_name(devices[0]),
         if shared_gpu { " [ranks share a GPU: a functional check, not a performance figure]" } else { "" },
         a.layers,
         if m_args.attention { "on" } else { "off" },
+        if m_args.graphs { "replayed as CUDA graphs" } else { "enqueued call by call" },
         bytes_per_rank(&p, ranks) as f64 / (1u64 << 30) as f64,
         m_args.steps,
         a.order
@@ -567,6 +578,7 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
         devices,
         layers: a.layers,
         attention: m_args.attention,
+        compute_graphs: m_args.graphs,
         order: format!("{:?}", a.order),
         points,
         gemms,

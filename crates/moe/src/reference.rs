@@ -65,13 +65,14 @@ pub fn weights_of(scoring: Scoring, chosen: &[f32]) -> (Vec<f32>, f32) {
     (s.iter().map(|v| v / sum).collect(), scale)
 }
 
-/// The indices of the `k` highest `scores`, highest first; equal scores go to the lower index,
-/// NaN is never chosen before a number.
+/// The indices of the `k` highest `scores`, highest first; equal scores (`-0.0` and `0.0`
+/// included) go to the lower index, NaN is never chosen before a number.
 pub fn top_k(scores: &[f32], k: usize) -> Vec<usize> {
     let mut order: Vec<usize> = (0..scores.len()).collect();
     // A stable sort by descending score keeps equal scores in index order.
+    // Numeric order: -0.0 and 0.0 are equal (a tie), as the GPU's comparison has them.
     order.sort_by(|&a, &b| match (scores[a].is_nan(), scores[b].is_nan()) {
-        (false, false) => scores[b].total_cmp(&scores[a]),
+        (false, false) => scores[b].partial_cmp(&scores[a]).unwrap_or(std::cmp::Ordering::Equal),
         (x, y) => x.cmp(&y),
     });
     order.truncate(k);
@@ -160,6 +161,9 @@ mod tests {
         assert_eq!(top_k(&[0.1, 0.5, 0.5, 0.2, 0.5], 2), vec![1, 2]);
         assert_eq!(top_k(&[0.3, 0.3, 0.3], 3), vec![0, 1, 2]);
         assert_eq!(top_k(&[0.0, 1.0, -1.0], 1), vec![1]);
+        // -0.0 and 0.0 tie (found by the GPU test against the kernel's comparison).
+        assert_eq!(top_k(&[1.25, -0.0, 0.0, -0.25], 2), vec![0, 1]);
+        assert_eq!(top_k(&[f32::NAN, -1.0, 2.0], 3), vec![2, 1, 0]);
     }
 
     #[test]

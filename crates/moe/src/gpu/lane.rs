@@ -12,6 +12,7 @@ use epflow_kernels::{DeviceTensor, GpuCombineOutput, GpuDispatchOutput, GpuHandl
 
 use super::blas::{Blas, Gemm};
 use super::cuda;
+use super::graphs::{GraphCache, Key, Target};
 use super::model::GpuMoeModel;
 
 /// What [`Lane::before_dispatch`] produced, in the lane stream's order: the tokens to dispatch
@@ -94,6 +95,12 @@ pub struct Lane {
     /// current when it is enqueued.
     fork: CudaEvent,
     join: Arc<CudaEvent>,
+    /// The layer's compute pieces as CUDA graphs ([`Lane::with_graphs`]), with cuBLAS on the
+    /// capture stream for the lane's stream's pieces and for the side stream's (each with a
+    /// workspace of its own, as the lane's and the side stream's are: their graphs may run at
+    /// the same time); `None`: enqueued call by call.
+    graphs: Option<(GraphCache, Blas, Blas)>,
+    device: usize,
     /// Host nanoseconds per part: before_dispatch, experts, after_combine.
     enqueue_ns: [AtomicU64; 3],
     layers: AtomicU64,
@@ -112,7 +119,8 @@ fn tensor(m: &GpuMoeModel, tag: TensorTag, dtype: DType, shape: &[usize]) -> Res
 }
 
 impl Lane {
-    /// Device bytes of one lane's scratch for `tokens` tokens per micro-batch on a group of
+    /// Device bytes of one lane's scratch (four cuBLAS workspaces counted, for a lane with
+    /// graphs) for `tokens` tokens per micro-batch on a group of
     /// `ranks` ranks whose dispatch delivers `rows_per_expert` rows per local expert (`R * M`).
     pub fn bytes(
         preset: &crate::ModelPreset,
@@ -172,11 +180,55 @@ impl Lane {
             shared_done: Mutex::new(None),
             fork: model.ctx.new_event(None).map_err(|x| cuda("create event", x))?,
             join: Arc::new(model.ctx.new_event(None).map_err(|x| cuda("create event", x))?),
+            graphs: None,
+            device: model.device,
             enqueue_ns: [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)],
             layers: AtomicU64::new(0),
             stream,
             side,
         })
+    }
+
+    /// Records each piece of the layer's compute (router and attention stand-in, shared expert,
+    /// experts) the first time it runs on given inputs as a CUDA graph, and replays it after:
+    /// one launch where the pieces cost one cuBLAS call per GEMM. The graphs are keyed by the
+    /// layer and the input addresses (a lane sees few: its token sets and the group's buffer
+    /// sets); the outputs are bit-identical to the call-by-call path's.
+    pub fn with_graphs(mut self, on: bool) -> Result<Self> {
+        self.graphs = None;
+        if on {
+            let capture = self.stream.context().new_stream().map_err(|x| cuda("create stream", x))?;
+            let (main, side) = (Blas::new(&capture, self.device)?, Blas::new(&capture, self.device)?);
+            self.graphs = Some((GraphCache::new(capture), main, side));
+        }
+        Ok(self)
+    }
+
+    /// With [`Lane::with_graphs`]: the pieces captured as CUDA graphs so far, and those whose
+    /// capture failed (they run call by call; a warning names each).
+    pub fn graph_counts(&self) -> Option<(usize, usize)> {
+        self.graphs.as_ref().map(|(g, _, _)| g.counts())
+    }
+
+    /// Runs a piece of the layer: `enqueue(stream, blas)` directly on `stream` with `blas` (the
+    /// lane's stream or its side stream, and its cuBLAS), or through the lane's graph of `key`
+    /// (captured with `enqueue(capture stream, capture_blas)`, launched on `stream`).
+    fn run(&self, on_side: bool, key: Key, enqueue: impl Fn(&Arc<CudaStream>, &Blas) -> Result<()>) -> Result<()> {
+        let (stream, blas) = if on_side { (&self.side, &self.side_blas) } else { (&self.stream, &self.blas) };
+        match &self.graphs {
+            None => enqueue(stream, blas),
+            Some((cache, main, side)) => {
+                let idle = || {
+                    self.stream.synchronize().map_err(|x| cuda("wait for the lane", x))?;
+                    self.side.synchronize().map_err(|x| cuda("wait for the lane", x))
+                };
+                let capture_blas = if on_side { side } else { main };
+                cache.run(stream, key, idle, |target| match target {
+                    Target::Lane => enqueue(stream, blas),
+                    Target::Capture => enqueue(cache.capture_stream(), capture_blas),
+                })
+            }
+        }
     }
 
     /// The lane's stream: every part of its layers is enqueued there.
@@ -258,40 +310,47 @@ impl Lane {
             let p = &model.preset;
             let (b, h, e, k) = (self.tokens, p.hidden, p.num_experts, p.top_k);
             self.wait_ready(x)?;
-            // Attention stand-in: GEMM j reads the first k_j columns of the previous output.
-            let mut tokens = x.clone();
-            let mut ld = h;
-            for (wt, (out, &(kj, nj))) in w.attention.iter().zip(self.attention.iter().zip(p.attention)) {
-                let g = Gemm { ldx: ld, ..Gemm::plain(b, kj, nj) };
-                self.blas.gemm(&g, tokens.ptr(), wt.ptr(), out.ptr())?;
-                tokens = out.clone();
-                ld = nj;
-            }
-            // Router.
-            let g = Gemm { fp32_out: true, ..Gemm::plain(b, h, e) };
-            self.blas.gemm(&g, tokens.ptr(), w.gate.ptr(), self.logits.ptr())?;
-            let sigmoid = match p.scoring {
-                crate::Scoring::Softmax => None,
-                crate::Scoring::SigmoidRenorm { scale } => Some(scale),
-            };
-            model.kernels.router_topk(
-                &self.stream,
-                self.logits.ptr(),
-                b,
-                e,
-                k,
-                sigmoid,
-                self.topk_idx.ptr(),
-                self.topk_weights.ptr(),
-            )?;
+            // The attention stand-in's last output, or the input itself, is what is routed,
+            // dispatched and given to the shared expert.
+            let tokens = self.attention.last().cloned().unwrap_or_else(|| x.clone());
+            let key = Key { part: 0, layer, inputs: (x.ptr(), 0) };
+            self.run(false, key, |stream, blas| {
+                // Attention stand-in: GEMM j reads the first k_j columns of the previous output.
+                let (mut input, mut ld) = (x.ptr(), h);
+                for (wt, (out, &(kj, nj))) in w.attention.iter().zip(self.attention.iter().zip(p.attention)) {
+                    let g = Gemm { ldx: ld, ..Gemm::plain(b, kj, nj) };
+                    blas.gemm(&g, input, wt.ptr(), out.ptr())?;
+                    (input, ld) = (out.ptr(), nj);
+                }
+                // Router.
+                let g = Gemm { fp32_out: true, ..Gemm::plain(b, h, e) };
+                blas.gemm(&g, tokens.ptr(), w.gate.ptr(), self.logits.ptr())?;
+                let sigmoid = match p.scoring {
+                    crate::Scoring::Softmax => None,
+                    crate::Scoring::SigmoidRenorm { scale } => Some(scale),
+                };
+                model.kernels.router_topk(
+                    stream,
+                    self.logits.ptr(),
+                    b,
+                    e,
+                    k,
+                    sigmoid,
+                    self.topk_idx.ptr(),
+                    self.topk_weights.ptr(),
+                )
+            })?;
             // Shared expert on the side stream, overlapping the dispatch.
             if let (Some(s), Some((gu, down))) = (&self.shared, &w.shared) {
                 let fs = p.shared_ffn;
                 self.fork.record(&self.stream).map_err(|x| cuda("record event", x))?;
                 self.side.wait(&self.fork).map_err(|x| cuda("wait for event", x))?;
-                self.side_blas.gemm(&Gemm::plain(b, h, 2 * fs), tokens.ptr(), gu.ptr(), s.gu.ptr())?;
-                model.kernels.swiglu(&self.side, s.gu.ptr(), s.act.ptr(), None, 1, b, fs)?;
-                self.side_blas.gemm(&Gemm::plain(b, fs, h), s.act.ptr(), down.ptr(), s.y.ptr())?;
+                let key = Key { part: 1, layer, inputs: (tokens.ptr(), 0) };
+                self.run(true, key, |stream, blas| {
+                    blas.gemm(&Gemm::plain(b, h, 2 * fs), tokens.ptr(), gu.ptr(), s.gu.ptr())?;
+                    model.kernels.swiglu(stream, s.gu.ptr(), s.act.ptr(), None, 1, b, fs)?;
+                    blas.gemm(&Gemm::plain(b, fs, h), s.act.ptr(), down.ptr(), s.y.ptr())
+                })?;
                 self.join.record(&self.side).map_err(|x| cuda("record event", x))?;
                 *self.shared_done.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&self.join));
             }
@@ -345,9 +404,11 @@ impl Lane {
             }
             self.wait_ready(x)?;
             let c = self.rows_per_expert;
-            self.blas.gemm(&Gemm::per_expert(local, c, h, 2 * f), x.ptr(), w.gate_up.ptr(), self.gu.ptr())?;
-            model.kernels.swiglu(&self.stream, self.gu.ptr(), self.act.ptr(), Some(counts.ptr()), local, c, f)?;
-            self.blas.gemm(&Gemm::per_expert(local, c, f, h), self.act.ptr(), w.down.ptr(), self.y.ptr())?;
+            self.run(false, Key { part: 2, layer, inputs: (x.ptr(), counts.ptr()) }, |stream, blas| {
+                blas.gemm(&Gemm::per_expert(local, c, h, 2 * f), x.ptr(), w.gate_up.ptr(), self.gu.ptr())?;
+                model.kernels.swiglu(stream, self.gu.ptr(), self.act.ptr(), Some(counts.ptr()), local, c, f)?;
+                blas.gemm(&Gemm::per_expert(local, c, f, h), self.act.ptr(), w.down.ptr(), self.y.ptr())
+            })?;
             Ok(self.y.clone())
         })
     }

@@ -15,6 +15,7 @@
 //!   activation reading the per-expert counts on the device, BF16 add. [`MOE`] is the module
 //!   `epflow compile` builds.
 //! - `blas.rs`: the GEMMs (cuBLAS, BF16 in, FP32 accumulation).
+//! - `graphs.rs`: a lane's compute pieces captured as CUDA graphs ([`Lane::with_graphs`]).
 //!
 //! The experts are strided-batched GEMMs over the dispatch's padded layout `[L x R*M x H]`:
 //! they need no counts on the host, at the price of computing every expert's `R*M` rows (the
@@ -23,6 +24,8 @@
 
 #[allow(unsafe_code)]
 mod blas;
+#[allow(unsafe_code)]
+mod graphs;
 #[allow(unsafe_code)]
 mod kernels;
 mod lane;
