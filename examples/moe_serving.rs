@@ -1567,10 +1567,14 @@ mod gpu {
 mod tests {
     use super::*;
 
+    /// Parses `extra` after the program name.
+    fn parse(extra: &[&str]) -> std::result::Result<Args, clap::Error> {
+        let v: Vec<String> = std::iter::once("moe_serving").chain(extra.iter().copied()).map(String::from).collect();
+        Args::parse(&v)
+    }
+
     fn args(extra: &[&str]) -> Args {
-        let mut v: Vec<String> = ["moe_serving", "--backend", "host"].iter().map(|s| s.to_string()).collect();
-        v.extend(extra.iter().map(|s| s.to_string()));
-        Args::parse(&v).expect("arguments")
+        parse(&[&["--backend", "host"][..], extra].concat()).expect("arguments")
     }
 
     /// A few seconds of serving on the host backend, 1 and 2 micro-batches in flight: every
@@ -1601,11 +1605,7 @@ mod tests {
 
     #[test]
     fn bad_arguments_are_refused() {
-        let v = |x: &[&str]| {
-            let mut v: Vec<String> = vec!["moe_serving".into()];
-            v.extend(x.iter().map(|s| s.to_string()));
-            Args::parse(&v)
-        };
+        let v = parse;
         assert!(v(&["--micro-batches", "0"]).is_err());
         assert!(v(&["--micro-batches", "9"]).is_err());
         assert!(v(&["--rate", "abc"]).is_err());
@@ -1618,11 +1618,6 @@ mod tests {
     /// too many layers, and the model's flags without `--model` are refused (exit code 2).
     #[test]
     fn model_flags_are_checked() {
-        let parse = |x: &[&str]| {
-            let mut v: Vec<String> = vec!["moe_serving".into()];
-            v.extend(x.iter().map(|s| s.to_string()));
-            Args::parse(&v)
-        };
         let e = parse(&["--model", "llama"]).expect_err("an unknown model");
         assert!(e.to_string().contains("qwen3-30b-a3b, mixtral-8x7b, deepseek-v3"), "{e}");
         for bad in [
@@ -1647,11 +1642,7 @@ mod tests {
     /// prints usage (exit code 0).
     #[test]
     fn bad_numbers_are_usage_errors() {
-        let parse = |x: &[&str]| {
-            let mut v: Vec<String> = ["moe_serving", "--backend", "host"].iter().map(|s| s.to_string()).collect();
-            v.extend(x.iter().map(|s| s.to_string()));
-            Args::parse(&v)
-        };
+        let parse = |x: &[&str]| parse(&[&["--backend", "host"][..], x].concat());
         for bad in [
             &["--rate", "nan"][..],
             &["--rate", "inf"],

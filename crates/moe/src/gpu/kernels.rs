@@ -13,6 +13,7 @@ use epflow_kernels::compile::sources::KernelModule;
 use epflow_kernels::device_arch;
 
 use super::cuda;
+use crate::preset::Scoring;
 
 /// The compilation unit (compiled after epflow's `common.cuh`, like epflow's own modules).
 pub const MOE: KernelModule = KernelModule {
@@ -70,8 +71,7 @@ impl MoeKernels {
     }
 
     /// The router's top-k of `logits` (`[tokens x experts]` FP32) into `topk_idx` (`[tokens x
-    /// k]` int64) and `topk_weights` (`[tokens x k]` FP32); `sigmoid_scale`: `None` for softmax,
-    /// `Some(scale)` for sigmoid renormalised then scaled. `experts` at most
+    /// k]` int64) and `topk_weights` (`[tokens x k]` FP32), scored as `scoring` says. `experts` at most
     /// [`MAX_ROUTER_EXPERTS`], `k` at most 16 and at most `experts`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn router_topk(
@@ -81,7 +81,7 @@ impl MoeKernels {
         tokens: usize,
         experts: usize,
         k: usize,
-        sigmoid_scale: Option<f32>,
+        scoring: Scoring,
         topk_idx: u64,
         topk_weights: u64,
     ) -> Result<()> {
@@ -95,9 +95,9 @@ impl MoeKernels {
             return Ok(());
         }
         let (b, e, kk) = (tokens as i32, experts as i32, k as i32);
-        let (scoring, scale) = match sigmoid_scale {
-            None => (0i32, 1.0f32),
-            Some(s) => (1, s),
+        let (scoring, scale) = match scoring {
+            Scoring::Softmax => (0i32, 1.0f32),
+            Scoring::SigmoidRenorm { scale } => (1, scale),
         };
         let mut l = stream.launch_builder(&self.topk);
         l.arg(&logits).arg(&b).arg(&e).arg(&kk).arg(&scoring).arg(&scale).arg(&topk_idx).arg(&topk_weights);

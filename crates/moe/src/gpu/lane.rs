@@ -13,7 +13,7 @@ use epflow_kernels::{DeviceTensor, GpuCombineOutput, GpuDispatchOutput, GpuHandl
 use super::blas::{Blas, Gemm};
 use super::cuda;
 use super::graphs::{GraphCache, Key, Target};
-use super::model::GpuMoeModel;
+use super::model::{DeviceLayer, GpuMoeModel};
 
 /// What [`Lane::before_dispatch`] produced, in the lane stream's order: the tokens to dispatch
 /// (`[B x H]` BF16) and the router's `topk_idx` (`[B x K]` int64) and `topk_weights` (`[B x K]`
@@ -308,7 +308,7 @@ impl Lane {
                 .ok_or_else(|| Error::Unsupported(format!("layer {layer}: the model holds {}", model.layers.len())))?;
             self.layers.fetch_add(1, Ordering::Relaxed);
             let p = &model.preset;
-            let (b, h, e, k) = (self.tokens, p.hidden, p.num_experts, p.top_k);
+            let (b, h) = (self.tokens, p.hidden);
             self.wait_ready(x)?;
             // The attention stand-in's last output, or the input itself, is what is routed,
             // dispatched and given to the shared expert.
@@ -322,23 +322,7 @@ impl Lane {
                     blas.gemm(&g, input, wt.ptr(), out.ptr())?;
                     (input, ld) = (out.ptr(), nj);
                 }
-                // Router.
-                let g = Gemm { fp32_out: true, ..Gemm::plain(b, h, e) };
-                blas.gemm(&g, tokens.ptr(), w.gate.ptr(), self.logits.ptr())?;
-                let sigmoid = match p.scoring {
-                    crate::Scoring::Softmax => None,
-                    crate::Scoring::SigmoidRenorm { scale } => Some(scale),
-                };
-                model.kernels.router_topk(
-                    stream,
-                    self.logits.ptr(),
-                    b,
-                    e,
-                    k,
-                    sigmoid,
-                    self.topk_idx.ptr(),
-                    self.topk_weights.ptr(),
-                )
+                self.route(model, w, stream, blas, tokens.ptr())
             })?;
             // Shared expert on the side stream, overlapping the dispatch.
             if let (Some(s), Some((gu, down))) = (&self.shared, &w.shared) {
@@ -426,24 +410,27 @@ impl Lane {
     ) -> Result<()> {
         self.check_tokens(model, x, "the router's input")?;
         let w = &model.layers[layer.min(model.layers.len() - 1)];
+        self.route(model, w, &self.stream, &self.blas, x.ptr())?;
+        self.experts_on(model, layer, expert_in, counts).map(drop)
+    }
+
+    /// The router of `w` on `tokens` (`[B x H]` BF16 at that address), enqueued on `stream`
+    /// with `blas`: the gate GEMM into the lane's FP32 logits, then the top-k kernel into its
+    /// `topk_idx` and `topk_weights`.
+    fn route(&self, model: &GpuMoeModel, w: &DeviceLayer, stream: &CudaStream, blas: &Blas, tokens: u64) -> Result<()> {
         let p = &model.preset;
         let (b, h, e) = (self.tokens, p.hidden, p.num_experts);
-        self.blas.gemm(&Gemm { fp32_out: true, ..Gemm::plain(b, h, e) }, x.ptr(), w.gate.ptr(), self.logits.ptr())?;
-        let sigmoid = match p.scoring {
-            crate::Scoring::Softmax => None,
-            crate::Scoring::SigmoidRenorm { scale } => Some(scale),
-        };
+        blas.gemm(&Gemm { fp32_out: true, ..Gemm::plain(b, h, e) }, tokens, w.gate.ptr(), self.logits.ptr())?;
         model.kernels.router_topk(
-            &self.stream,
+            stream,
             self.logits.ptr(),
             b,
             e,
             p.top_k,
-            sigmoid,
+            p.scoring,
             self.topk_idx.ptr(),
             self.topk_weights.ptr(),
-        )?;
-        self.experts_on(model, layer, expert_in, counts).map(drop)
+        )
     }
 
     /// The same GEMMs as [`Lane::router_and_experts`], cuBLAS alone (no top-k, no

@@ -184,11 +184,7 @@ impl GpuMoeModel {
         if let Some(ev) = logits.ready_event() {
             stream.wait(ev).map_err(|x| cuda("wait for logits", x))?;
         }
-        let sigmoid = match self.preset.scoring {
-            crate::Scoring::Softmax => None,
-            crate::Scoring::SigmoidRenorm { scale } => Some(scale),
-        };
-        self.kernels.router_topk(&stream, logits.ptr(), b, e, k, sigmoid, idx.ptr(), w.ptr())?;
+        self.kernels.router_topk(&stream, logits.ptr(), b, e, k, self.preset.scoring, idx.ptr(), w.ptr())?;
         stream.synchronize().map_err(|x| cuda("router top-k", x))?;
         Ok((idx, w))
     }
