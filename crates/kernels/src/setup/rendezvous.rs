@@ -285,8 +285,29 @@ mod tests {
         );
     }
 
+    /// A port for one test's rank 0. Tests run in parallel threads, so the ports handed out are
+    /// remembered: the OS may give the same free port to two tests in a row.
     fn free_port() -> u16 {
-        std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+        static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+        let mut given = GIVEN.lock().unwrap();
+        loop {
+            let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+            if !given.contains(&port) {
+                given.push(port);
+                return port;
+            }
+        }
+    }
+
+    /// A port that refuses connections for as long as the returned socket lives: bound, never
+    /// listening, without `SO_REUSEADDR`, so no other listener can take it and a connect to it
+    /// cannot become a TCP self-connection.
+    fn refusing_port() -> (socket2::Socket, u16) {
+        use socket2::{Domain, Protocol, Socket, Type};
+        let s = Socket::new(Domain::IPV4, Type::STREAM, Some(Protocol::TCP)).unwrap();
+        s.bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into()).unwrap();
+        let port = s.local_addr().unwrap().as_socket().unwrap().port();
+        (s, port)
     }
 
     fn env(rank: usize, world: usize, port: u16) -> RendezvousEnv {
@@ -326,7 +347,8 @@ mod tests {
 
     #[test]
     fn absent_rank_zero_times_out() {
-        let e = env(1, 2, free_port()).exchange(b"", Duration::from_millis(300)).unwrap_err().to_string();
+        let (_held, port) = refusing_port();
+        let e = env(1, 2, port).exchange(b"", Duration::from_millis(300)).unwrap_err().to_string();
         assert!(e.contains("rank 0 to listen"), "{e}");
     }
 
