@@ -10,7 +10,7 @@ use epflow_core::{Error, GroupConfig};
 use crate::compile::Functions;
 use crate::compute::{comm_sms, ranks_on_busiest_gpu};
 use crate::device::cache::OutputCache;
-use crate::device::{DeviceBuffer, EventPool, bind, context, cuda, pci_key, sm_count_of};
+use crate::device::{DeviceBuffer, EventPool, SharedContext, bind, context, cuda, pci_key, sm_count_of};
 use crate::layout::BufferLayout;
 use crate::ll::geometry::one_launch_threads;
 use crate::rank::GpuRank;
@@ -332,6 +332,7 @@ fn build_rank(
         plan_marks_launched: Default::default(),
         meetings: Default::default(),
         nccl,
+        shared_gpu: place.shares_gpu.then(|| SharedContext::join(ctx)),
     });
     Ok(GpuRank { shared, core })
 }

@@ -8,6 +8,7 @@ use cudarc::driver::{CudaContext, sys};
 use epflow_core::Error;
 
 use super::context::{bind, cuda};
+use super::parked::{self, Parked};
 
 /// Waits for the context's legacy (NULL) stream: `cuMemsetD8` and pageable `cuMemcpyHtoD` may
 /// return before the device has finished them, and epflow's own streams are non-blocking (they do
@@ -31,11 +32,20 @@ impl DeviceBuffer {
     pub fn zeroed(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self, Error> {
         bind(ctx)?;
         let bytes = bytes.max(1);
-        let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: `ptr` is a valid out pointer; the context is bound to this thread.
-        unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }.result().map_err(|e| cuda(&format!("allocate {bytes} B"), e))?;
+        let ptr = match parked::reuse(ctx, bytes, false) {
+            Some(Parked::Device { ptr, .. }) => ptr,
+            _ => {
+                let mut ptr: sys::CUdeviceptr = 0;
+                // SAFETY: `ptr` is a valid out pointer; the context is bound to this thread.
+                unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }
+                    .result()
+                    .map_err(|e| cuda(&format!("allocate {bytes} B"), e))?;
+                ptr
+            }
+        };
         let buf = DeviceBuffer { ptr, bytes, ctx: Arc::clone(ctx) };
-        // SAFETY: `ptr` points to `bytes` bytes just allocated in this context.
+        // SAFETY: `ptr` points to `bytes` bytes of this context, just allocated or parked
+        // unused.
         unsafe { sys::cuMemsetD8_v2(ptr, 0, bytes) }.result().map_err(|e| cuda("zero memory", e))?;
         finish_legacy_stream(ctx)?;
         Ok(buf)
@@ -80,10 +90,27 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        if bind(&self.ctx).is_ok() {
-            // SAFETY: frees the allocation made in `zeroed`, once; the owners synchronize the
-            // device before dropping buffers kernels may still use.
-            let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+        let a = Parked::Device { ptr: self.ptr, bytes: self.bytes };
+        if !parked::park(&self.ctx, a) {
+            free_parked(&self.ctx, &[a]);
+        }
+    }
+}
+
+/// Frees allocations of `ctx` now (`cuMemFree` / `cuMemFreeHost`: each waits for the device's
+/// running kernels). Each must be unused by the device and freed once: dropped buffers, whose
+/// owners synchronize the device before dropping what kernels may still use, or parked ones.
+pub(super) fn free_parked(ctx: &CudaContext, all: &[Parked]) {
+    if all.is_empty() || bind(ctx).is_err() {
+        return;
+    }
+    for a in all {
+        match *a {
+            // SAFETY: an allocation of `cuMemAlloc` in this context, freed once (its buffer
+            // was dropped, or it leaves the parked list here).
+            Parked::Device { ptr, .. } => drop(unsafe { sys::cuMemFree_v2(ptr) }),
+            // SAFETY: an allocation of `cuMemHostAlloc` in this context, freed once (as above).
+            Parked::Host { host, .. } => drop(unsafe { sys::cuMemFreeHost(host as *mut c_void) }),
         }
     }
 }
@@ -130,6 +157,12 @@ impl PinnedBuffer {
     pub(crate) fn zeroed(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self, Error> {
         bind(ctx)?;
         let bytes = bytes.max(8).next_multiple_of(8);
+        if let Some(Parked::Host { host, device, .. }) = parked::reuse(ctx, bytes, true) {
+            let host = host as *mut c_void;
+            // SAFETY: a parked allocation of `bytes` writable bytes, no longer used by anyone.
+            unsafe { std::ptr::write_bytes(host as *mut u8, 0, bytes) };
+            return Ok(PinnedBuffer { host, device, bytes, ctx: Arc::clone(ctx) });
+        }
         let mut host: *mut c_void = std::ptr::null_mut();
         let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
         // SAFETY: `host` is a valid out pointer; the context is bound.
@@ -197,9 +230,9 @@ impl PinnedBuffer {
 
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
-        if bind(&self.ctx).is_ok() {
-            // SAFETY: frees the allocation made in `zeroed`, once.
-            let _ = unsafe { sys::cuMemFreeHost(self.host) };
+        let a = Parked::Host { host: self.host as usize, device: self.device, bytes: self.bytes };
+        if !parked::park(&self.ctx, a) {
+            free_parked(&self.ctx, &[a]);
         }
     }
 }

@@ -8,6 +8,7 @@ mod context;
 mod events;
 pub mod host_steps;
 mod memory;
+mod parked;
 mod stream_work;
 mod tensor;
 
@@ -18,5 +19,6 @@ pub use events::EventPool;
 pub(crate) use events::event_done;
 pub use memory::DeviceBuffer;
 pub(crate) use memory::{PinnedBuffer, copy_to_host};
+pub(crate) use parked::SharedContext;
 pub use stream_work::{OpTiming, StreamWork};
 pub use tensor::DeviceTensor;

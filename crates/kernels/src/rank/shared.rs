@@ -10,7 +10,7 @@ use epflow_core::{Algorithm, Error, GroupConfig};
 
 use crate::compile::Functions;
 use crate::device::cache::OutputCache;
-use crate::device::{DeviceBuffer, EventPool, PinnedBuffer, StreamFence, bind, cuda};
+use crate::device::{DeviceBuffer, EventPool, PinnedBuffer, SharedContext, StreamFence, bind, cuda};
 use crate::layout::BufferLayout;
 use crate::params::{MAX_RANKS, SIGNAL_PAGE_BYTES, arrival_offset, status};
 use crate::transport::nccl::{NcclShared, Xfer};
@@ -177,6 +177,11 @@ pub(crate) struct RankShared {
     pub(crate) meetings: AtomicU64,
     /// The NCCL transport, when some peer uses it.
     pub(crate) nccl: Option<NcclShared>,
+    /// Whether another rank of the group shares this GPU: then frees in its context are
+    /// parked until the last such rank goes ([`crate::device::SharedContext`]). Last, so
+    /// dropped after the rank's own memory.
+    #[expect(dead_code, reason = "held for its drop")]
+    pub(crate) shared_gpu: Option<SharedContext>,
 }
 
 impl RankShared {
