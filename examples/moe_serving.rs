@@ -124,6 +124,11 @@ struct Flags {
     /// `8,16,32,64,128,256,512`, and name the crossover.
     #[arg(long, value_delimiter = ',', value_parser = flags::int_in(1usize, MAX_BATCH))]
     sweep_batch: Vec<usize>,
+    /// With `--model`: measure prefill instead of decode, at each of these token counts per rank
+    /// per micro-batch (e.g. `4096`): high-throughput dispatch and combine, the experts as
+    /// grouped GEMMs at the counts each handle brings to the host.
+    #[arg(long, value_delimiter = ',', value_parser = flags::int_in(1usize, MAX_BATCH))]
+    prefill_tokens: Vec<usize>,
     /// With `--model`: micro-batches per measurement, 1..=100000.
     #[arg(long, default_value_t = 64, value_parser = flags::int_in(1usize, 100_000))]
     steps: usize,
@@ -253,8 +258,15 @@ impl Args {
         let batch = f.batch.unwrap_or(if gpu { 128 } else { 32 });
         let model = match &f.model {
             None => {
-                if !f.sweep_batch.is_empty() || f.json.is_some() || f.svg.is_some() || f.eager_compute {
-                    return Err(invalid("--sweep-batch, --json, --svg and --eager-compute go with --model".into()));
+                if !f.sweep_batch.is_empty()
+                    || !f.prefill_tokens.is_empty()
+                    || f.json.is_some()
+                    || f.svg.is_some()
+                    || f.eager_compute
+                {
+                    return Err(invalid(
+                        "--sweep-batch, --prefill-tokens, --json, --svg and --eager-compute go with --model".into(),
+                    ));
                 }
                 None
             }
@@ -271,10 +283,21 @@ impl Args {
                 if f.layers.is_some_and(|l| l > preset.layers) {
                     return Err(invalid(format!("--layers: {} has {} layers", preset.name, preset.layers)));
                 }
+                if !f.prefill_tokens.is_empty() && (!f.sweep_batch.is_empty() || f.batch.is_some()) {
+                    return Err(invalid(
+                        "--prefill-tokens names the prefill micro-batches: leave out --batch and --sweep-batch".into(),
+                    ));
+                }
+                let batches = match (&f.prefill_tokens[..], &f.sweep_batch[..]) {
+                    ([], []) => vec![batch],
+                    ([], sweep) => sweep.to_vec(),
+                    (prefill, _) => prefill.to_vec(),
+                };
                 Some(model::ModelArgs {
                     preset,
                     attention: f.attention == Attention::Proj,
-                    batches: if f.sweep_batch.is_empty() { vec![batch] } else { f.sweep_batch.clone() },
+                    batches,
+                    prefill: !f.prefill_tokens.is_empty(),
                     steps: f.steps,
                     json: f.json.clone(),
                     svg: f.svg.clone(),
@@ -1626,6 +1649,8 @@ mod tests {
             &["--model", "mixtral-8x7b", "--layers", "33"],
             &["--sweep-batch", "8,16"],
             &["--backend", "host", "--json", "x.json"],
+            &["--prefill-tokens", "4096"],
+            &["--model", "qwen3-30b-a3b", "--prefill-tokens", "0"],
             &["--model", "qwen3-30b-a3b", "--sweep-batch", "0"],
             &["--model", "qwen3-30b-a3b", "--steps", "0"],
             &["--model", "qwen3-30b-a3b", "--attention", "flash"],

@@ -4,6 +4,8 @@
 # functional check), `moe_serving --model` over a batch sweep with --check, JSON and SVG, and
 # compute-sanitizer memcheck and racecheck on a 2-layer pipeline. Logs and figures go to $OUT.
 #   MODEL (default qwen3-30b-a3b), LAYERS (8), SWEEP (8,16,32,64,128,256,512), STEPS (64);
+#   PREFILL (e.g. 1024,4096) also measures prefill at those tokens per rank (PREFILL_STEPS, 16);
+#   SWEEP=0 skips the decode sweep;
 #   TESTS=0 skips the tests, SANITIZE=0 the sanitizers; NAME names the figures' files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,16 +15,24 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 step() { echo "== $*"; }
 if [ "${TESTS:-1}" = 1 ]; then
 step "gpu_layer, one rank (1,000 layer steps of two lanes against one)"
-EPFLOW_GPU_ITERS=500 timeout 300 $P/gpu_layer --test-threads=1 --nocapture >"$OUT/gpu_layer.log" 2>&1
+EPFLOW_GPU_ITERS=${EPFLOW_GPU_ITERS:-500} timeout 300 $P/gpu_layer --test-threads=1 --nocapture >"$OUT/gpu_layer.log" 2>&1
 echo "rc=$? $(grep -E '^ok:|test result|panicked|SKIPPED' "$OUT/gpu_layer.log" | tr '\n' ' ')"
-step "gpu_layer, two ranks sharing GPU 0 (functional; the interleaved test waits for issue 70's fix)"
-EPFLOW_TEST_DEVICES=0,0 timeout 300 $P/gpu_layer --test-threads=1 --nocapture --skip interleaved >"$OUT/gpu_layer_shared.log" 2>&1
+step "gpu_layer, two ranks sharing GPU 0 (functional)"
+EPFLOW_TEST_DEVICES=0,0 EPFLOW_GPU_ITERS=${EPFLOW_GPU_ITERS:-100} timeout 300 $P/gpu_layer --test-threads=1 --nocapture >"$OUT/gpu_layer_shared.log" 2>&1
 echo "rc=$? $(grep -E '^ok:|test result|panicked|SKIPPED' "$OUT/gpu_layer_shared.log" | tr '\n' ' ')"
 fi
+if [ -n "${PREFILL:-}" ]; then
+step "moe_serving --model $MODEL --layers $LAYERS --prefill-tokens $PREFILL"
+timeout 420 $P/moe_serving --model "$MODEL" --layers "$LAYERS" --micro-batches 1,2,3 --prefill-tokens "$PREFILL" \
+    --steps "${PREFILL_STEPS:-16}" --check --json "$OUT/${NAME:-model}-prefill.json" 2>&1 | tee "$OUT/${NAME:-model}-prefill.log" | grep -v '^\[moe_serving\]'
+echo "rc=${PIPESTATUS[0]}"
+fi
+if [ "$SWEEP" != 0 ]; then
 step "moe_serving --model $MODEL --layers $LAYERS --sweep-batch $SWEEP"
 timeout 420 $P/moe_serving --model "$MODEL" --layers "$LAYERS" --micro-batches 1,2,3 --sweep-batch "$SWEEP" \
     --steps "$STEPS" --check --json "$OUT/${NAME:-model}.json" --svg "$OUT/${NAME:-model}.svg" 2>&1 | tee "$OUT/${NAME:-model}.log" | grep -v '^\[moe_serving\]'
 echo "rc=${PIPESTATUS[0]}"
+fi
 if [ "${SANITIZE:-1}" = 1 ]; then
     for tool in memcheck racecheck; do
         step "compute-sanitizer $tool"

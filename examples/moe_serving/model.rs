@@ -14,6 +14,11 @@
 //!   against per-expert GEMMs at the counts received (the shapes a host-synchronised layer
 //!   would run).
 //!
+//! `--prefill-tokens N,...` measures prefill instead: a high-throughput group, each micro-batch
+//! `N` tokens per rank, the experts as grouped GEMMs at the counts each handle brings to the host
+//! (`Lane::forward_grouped`'s path; the host waits for each handle, as DeepEP's normal mode
+//! does, while the other micro-batches' work runs). The cuBLAS comparison is decode's only.
+//!
 //! `--check` first runs `--steps` micro-batches serially and pipelined and fails unless every
 //! output is bit-identical. `--json FILE` writes every figure, `--svg FILE` draws tokens/s
 //! against the batch for each setting; with `--sweep-batch` the crossover (the smallest batch
@@ -27,11 +32,12 @@ use std::time::Instant;
 use cudarc::driver::{CudaEvent, CudaStream};
 use epflow::Group;
 use epflow::core::backend::StreamOrder;
+use epflow::core::handle::RoutingHandle;
 use epflow::core::ops::{CombineInputs, DispatchInputs, HandleOptions};
 use epflow::core::workload::random_tokens;
-use epflow::core::{Error, GroupConfig, HostTensor, Result};
+use epflow::core::{Error, GroupConfig, HostTensor, MaxTokens, Result};
 use epflow::kernels::{DeviceTensor, GpuCombineOutput, GpuRank, GpuWorld};
-use epflow::moe::gpu::{GpuMoeModel, Lane, ModelOptions};
+use epflow::moe::gpu::{GpuMoeModel, GroupedInputs, Lane, ModelOptions};
 use epflow::moe::{ModelPreset, weights::bytes_per_rank};
 use epflow::runtime::pipeline::{self, StepInput};
 
@@ -54,6 +60,9 @@ pub(crate) struct ModelArgs {
     pub seed: u64,
     /// Replay the layer's compute pieces as CUDA graphs (`Lane::with_graphs`).
     pub graphs: bool,
+    /// `--prefill-tokens`: `batches` are prefill micro-batches (high-throughput, grouped
+    /// experts) instead of decode ones (low-latency, padded experts).
+    pub prefill: bool,
 }
 
 fn err(e: impl std::fmt::Debug) -> Error {
@@ -111,6 +120,8 @@ struct GemmCheck {
 #[derive(Debug, serde::Serialize)]
 struct Report {
     model: String,
+    /// `decode` or `prefill`.
+    phase: &'static str,
     ranks: usize,
     devices: Vec<usize>,
     device: String,
@@ -131,6 +142,17 @@ struct RankRun<'a> {
     lanes: &'a [Lane],
     inputs: &'a [DeviceTensor],
     layers: usize,
+    /// Prefill: high-throughput operations, grouped experts.
+    prefill: bool,
+}
+
+/// Expert inputs a real dispatch delivered, copied (to time the compute alone): decode's padded
+/// `[L x R*M x H]` tokens and counts, or prefill's `N` rows with their top-k and counts.
+struct ExpertInputs {
+    tokens: DeviceTensor,
+    counts: DeviceTensor,
+    /// Prefill: the received top-k indices and weights.
+    grouped: Option<(DeviceTensor, DeviceTensor)>,
 }
 
 /// Micro-batch timing marks (device events), by micro-batch number.
@@ -176,6 +198,8 @@ impl RankRun<'_> {
             (lane, layer, (round * m + lane) as u64)
         };
         let host = Mutex::new(0f64);
+        // Prefill: each step's per-expert counts, which its handle brought to the host.
+        let counts: Mutex<BTreeMap<usize, Vec<i32>>> = Mutex::default();
         // A micro-batch's last combine: the shared expert's add, its end mark, its digest.
         let finish = |lane: usize, mb: u64, out: GpuCombineOutput| -> Result<()> {
             let l = &lanes[lane];
@@ -212,6 +236,10 @@ impl RankRun<'_> {
                 l.stream(),
             ))?;
             *host.lock().unwrap_or_else(|p| p.into_inner()) += t.elapsed().as_secs_f64();
+            if self.prefill {
+                let c = handle.recv_expert_counts().ok_or_else(|| err("a prefill handle without counts"))?.to_vec();
+                counts.lock().unwrap_or_else(|p| p.into_inner()).insert(i, c);
+            }
             Ok(StepInput {
                 handle,
                 tokens: routed.tokens,
@@ -228,7 +256,13 @@ impl RankRun<'_> {
         };
         let expert = async |i: usize, _: &Arc<CudaStream>, d: &epflow::kernels::GpuDispatchOutput| {
             let (lane, layer, _) = place(i);
-            lanes[lane].experts(self.model, layer, d)
+            if self.prefill {
+                let c = counts.lock().unwrap_or_else(|p| p.into_inner()).remove(&i);
+                let c = c.ok_or_else(|| err("a prefill step without its counts"))?;
+                lanes[lane].experts_grouped(self.model, layer, d, &c)
+            } else {
+                lanes[lane].experts(self.model, layer, d)
+            }
         };
         pipeline::run_on_streams(self.g, rounds * m * layers, &streams, order, input, expert, sink).await?;
         if let Some(e) = sink_err.into_inner().unwrap_or_else(|p| p.into_inner()) {
@@ -290,33 +324,52 @@ impl RankRun<'_> {
 
     /// One awaited layer step on input 0: the expert inputs and device counts a real dispatch
     /// delivers (copied), and the counts on the host.
-    async fn captured_expert_inputs(&self) -> Result<(DeviceTensor, DeviceTensor, Vec<i32>)> {
+    async fn captured_expert_inputs(&self) -> Result<(ExpertInputs, Vec<i32>)> {
         let l = &self.lanes[0];
         let routed = l.before_dispatch(self.model, 0, &self.inputs[0])?;
         l.stream().synchronize().map_err(err)?;
         let ctx = self.g.backend().context();
-        let idx = routed.topk_idx.duplicate(ctx)?;
+        let (idx, weights) = (routed.topk_idx.duplicate(ctx)?, routed.topk_weights.duplicate(ctx)?);
         let _ = l.after_combine_tokens(self.model, &self.inputs[0])?;
         let handle = self.g.create_handle(&idx).await?;
-        let d = self.g.dispatch(&handle, DispatchInputs::new(&routed.tokens)).await?;
-        let counts = d.counts().ok_or_else(|| err("no device counts"))?;
-        let (tokens, counts_copy) = (d.tokens().duplicate(ctx)?, counts.duplicate(ctx)?);
-        let host = counts_copy.download(ctx)?.as_i32().map(<[i32]>::to_vec).unwrap_or_default();
-        let c = self.g.combine(&handle, CombineInputs::new(d.tokens()).with_weights(&routed.topk_weights)).await?;
+        let inputs = DispatchInputs::new(&routed.tokens);
+        let inputs = if self.prefill { inputs.with_weights(&weights) } else { inputs };
+        let d = self.g.dispatch(&handle, inputs).await?;
+        let counts = d.counts().ok_or_else(|| err("no device counts"))?.duplicate(ctx)?;
+        let host = counts.download(ctx)?.as_i32().map(<[i32]>::to_vec).unwrap_or_default();
+        let tokens = d.tokens().duplicate(ctx)?;
+        let grouped = if self.prefill {
+            let idx = d.topk_idx().ok_or_else(|| err("no received top-k"))?.duplicate(ctx)?;
+            let weights = d.topk_weights().ok_or_else(|| err("no received weights"))?.duplicate(ctx)?;
+            Some((idx, weights))
+        } else {
+            None
+        };
+        let captured = ExpertInputs { tokens, counts, grouped };
+        let combine = CombineInputs::new(d.tokens());
+        let combine = if self.prefill { combine } else { combine.with_weights(&weights) };
+        let c = self.g.combine(&handle, combine).await?;
         drop((d, c));
-        Ok((tokens, counts_copy, host))
+        Ok((captured, host))
     }
 
     /// Compute alone on lane 0: every layer's attention stand-in, router, shared expert,
     /// experts (on captured inputs) and the shared expert's add; seconds per layer step.
-    fn compute_alone(&self, steps: usize, expert_in: &DeviceTensor, counts: &DeviceTensor) -> Result<f64> {
+    fn compute_alone(&self, steps: usize, captured: &ExpertInputs, host_counts: &[i32]) -> Result<f64> {
         let l = &self.lanes[0];
         let t0 = l.record()?;
         for s in 0..steps {
             let layer = s % self.layers;
             let x = &self.inputs[s % POOL];
             let r = l.before_dispatch(self.model, layer, x)?;
-            let y = l.experts_on(self.model, layer, expert_in, counts)?;
+            let (tokens, counts) = (&captured.tokens, &captured.counts);
+            let y = match &captured.grouped {
+                None => l.experts_on(self.model, layer, tokens, counts)?,
+                Some((topk_idx, topk_weights)) => {
+                    let inputs = GroupedInputs { tokens, topk_idx, topk_weights, counts, host_counts };
+                    l.experts_grouped_on(self.model, layer, &inputs)?
+                }
+            };
             drop(y);
             let _ = l.after_combine_tokens(self.model, &r.tokens.clone())?;
         }
@@ -354,15 +407,20 @@ impl RankRun<'_> {
 }
 
 /// Device bytes one rank needs beyond the weights: lanes and token sets.
-fn scratch_bytes(p: &ModelPreset, ranks: usize, batch: usize, lanes: usize, attention: bool) -> u128 {
-    let lane = Lane::bytes(p, ranks, batch, ranks * batch, attention);
+fn scratch_bytes(p: &ModelPreset, ranks: usize, batch: usize, lanes: usize, attention: bool, prefill: bool) -> u128 {
+    let lane = if prefill {
+        Lane::bytes(p, ranks, batch, 0, attention) + Lane::grouped_bytes(p, ranks, ranks * batch)
+    } else {
+        Lane::bytes(p, ranks, batch, ranks * batch, attention)
+    };
     lanes as u128 * (lane + (POOL * batch * p.hidden * 2) as u128)
 }
 
 /// What rank `r` measured for one batch.
 struct RankFigures {
     points: Vec<Point>,
-    gemm: GemmCheck,
+    /// Decode only: router + experts against cuBLAS alone.
+    gemm: Option<GemmCheck>,
     checked: Option<usize>,
 }
 
@@ -377,12 +435,17 @@ fn measure_rank(
     let p = m_args.preset;
     let ranks = g.num_ranks();
     let r = g.rank();
-    let reserve = scratch_bytes(&p, ranks, batch, lanes_n, m_args.attention);
+    let reserve = scratch_bytes(&p, ranks, batch, lanes_n, m_args.attention, m_args.prefill);
     let opts = ModelOptions { seed: m_args.seed, layers: a.layers, attention: m_args.attention };
     let model = GpuMoeModel::new(g.backend(), p, opts, reserve)?;
-    let lanes: Vec<Lane> = (0..lanes_n)
-        .map(|_| Lane::new(&model, batch, ranks * batch).and_then(|l| l.with_graphs(m_args.graphs)))
-        .collect::<Result<_>>()?;
+    let lane = || -> Result<Lane> {
+        if m_args.prefill {
+            Lane::new(&model, batch, 0)?.with_grouped_experts(&model, ranks * batch)?.with_graphs(m_args.graphs)
+        } else {
+            Lane::new(&model, batch, ranks * batch)?.with_graphs(m_args.graphs)
+        }
+    };
+    let lanes: Vec<Lane> = (0..lanes_n).map(|_| lane()).collect::<Result<_>>()?;
     let inputs: Vec<DeviceTensor> = (0..lanes_n * POOL)
         .map(|i| {
             g.backend().upload(&HostTensor::tokens(
@@ -392,7 +455,7 @@ fn measure_rank(
             ))
         })
         .collect::<Result<_>>()?;
-    let run = RankRun { g, model: &model, lanes: &lanes, inputs: &inputs, layers: a.layers };
+    let run = RankRun { g, model: &model, lanes: &lanes, inputs: &inputs, layers: a.layers, prefill: m_args.prefill };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(err)?;
     rt.block_on(async {
         let steps = m_args.steps;
@@ -413,19 +476,24 @@ fn measure_rank(
             checked = Some(piped.len());
         }
         let comm = run.comm_alone(steps * a.layers).await?;
-        let (expert_in, counts, host_counts) = run.captured_expert_inputs().await?;
-        let compute = run.compute_alone(steps * a.layers, &expert_in, &counts)?;
-        let (ours, padded, exact) = run.gemm_check(20, &expert_in, &counts, &host_counts)?;
-        let local = host_counts.len().max(1);
-        let gemm = GemmCheck {
-            batch,
-            router_experts_us: ours * 1e6,
-            cublas_padded_us: padded * 1e6,
-            cublas_exact_counts_us: exact * 1e6,
-            ratio_to_padded: ours / padded,
-            ratio_to_exact: ours / exact,
-            tokens_per_expert: host_counts.iter().map(|&c| f64::from(c)).sum::<f64>() / local as f64,
-            rows_per_expert: ranks * batch,
+        let (captured, host_counts) = run.captured_expert_inputs().await?;
+        let compute = run.compute_alone(steps * a.layers, &captured, &host_counts)?;
+        let gemm = match &captured.grouped {
+            None => {
+                let (ours, padded, exact) = run.gemm_check(20, &captured.tokens, &captured.counts, &host_counts)?;
+                let local = host_counts.len().max(1);
+                Some(GemmCheck {
+                    batch,
+                    router_experts_us: ours * 1e6,
+                    cublas_padded_us: padded * 1e6,
+                    cublas_exact_counts_us: exact * 1e6,
+                    ratio_to_padded: ours / padded,
+                    ratio_to_exact: ours / exact,
+                    tokens_per_expert: host_counts.iter().map(|&c| f64::from(c)).sum::<f64>() / local as f64,
+                    rows_per_expert: ranks * batch,
+                })
+            }
+            Some(_) => None,
         };
         let mut points = Vec::new();
         let mut serial_step = f64::NAN;
@@ -490,8 +558,9 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
     p.check(ranks)?;
     let lanes_n = a.micro_batches.iter().copied().max().unwrap_or(1).max(1);
     let shared_gpu = devices.iter().any(|d| devices.iter().filter(|x| *x == d).count() > 1);
+    let phase = if m_args.prefill { "prefill" } else { "decode" };
     println!(
-        "moe_serving --model {}: {ranks} rank(s) on GPUs {devices:?} ({}){}, {} layers, attention stand-in {}, compute {}, weights {:.2} GiB per layer per rank, {} micro-batches per measurement, receive kernels {:?}",
+        "moe_serving --model {} ({phase}): {ranks} rank(s) on GPUs {devices:?} ({}){}, {} layers, attention stand-in {}, compute {}, weights {:.2} GiB per layer per rank, {} micro-batches per measurement, receive kernels {:?}",
         p.name,
         device_name(devices[0]),
         if shared_gpu { " [ranks share a GPU: a functional check, not a performance figure]" } else { "" },
@@ -509,10 +578,12 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
         let started = Instant::now();
         let sets = lanes_n.max(2);
         let comm_sms = epflow::kernels::compute::comm_sms_for(&devices, sets, COMM_SMS)?;
-        let config = GroupConfig::low_latency(p.num_experts, batch, p.hidden)
-            .with_max_top_k(p.top_k)
-            .with_max_sms(Some(comm_sms))
-            .with_buffer_sets(sets);
+        let config = if m_args.prefill {
+            GroupConfig::high_throughput(p.num_experts, p.hidden).with_max_tokens(MaxTokens::Fixed(batch))
+        } else {
+            GroupConfig::low_latency(p.num_experts, batch, p.hidden)
+        };
+        let config = config.with_max_top_k(p.top_k).with_max_sms(Some(comm_sms)).with_buffer_sets(sets);
         let groups: Vec<Group<GpuRank>> = GpuWorld::create(&devices, config)?.into_iter().map(Group::new).collect();
         let figures: Vec<Result<RankFigures>> = std::thread::scope(|s| {
             let hs: Vec<_> =
@@ -526,17 +597,18 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
             checked = Some(checked.unwrap_or(0) + n);
             println!("  batch {batch}: {n} micro-batch outputs with {lanes_n} in flight bit-identical to serial");
         }
-        let gm = &f.gemm;
-        println!(
-            "  batch {batch:4}: router+experts {:.1} us; cuBLAS alone {:.1} us padded ({:.2}x), {:.1} us at the received counts ({:.2}x; {:.1} tokens per expert of {} rows)",
-            gm.router_experts_us,
-            gm.cublas_padded_us,
-            gm.ratio_to_padded,
-            gm.cublas_exact_counts_us,
-            gm.ratio_to_exact,
-            gm.tokens_per_expert,
-            gm.rows_per_expert
-        );
+        if let Some(gm) = &f.gemm {
+            println!(
+                "  batch {batch:4}: router+experts {:.1} us; cuBLAS alone {:.1} us padded ({:.2}x), {:.1} us at the received counts ({:.2}x; {:.1} tokens per expert of {} rows)",
+                gm.router_experts_us,
+                gm.cublas_padded_us,
+                gm.ratio_to_padded,
+                gm.cublas_exact_counts_us,
+                gm.ratio_to_exact,
+                gm.tokens_per_expert,
+                gm.rows_per_expert
+            );
+        }
         for pt in &f.points {
             println!(
                 "  batch {batch:4}, {} in flight: comm {:.1} us, compute {:.1} us, serial {:.1} us, pipelined {:.1} us per layer step; efficiency {:.2}; {:.0} tokens/s; latency p50 {:.2} ms p99 {:.2} ms; GPU busy {:.1} %; host enqueue {:.1} us per layer (router/attention/shared {:.1}, handle {:.1}, experts {:.1}, add {:.1})",
@@ -559,7 +631,7 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
         }
         eprintln!("[moe_serving] batch {batch} measured in {:.1} s", started.elapsed().as_secs_f64());
         points.extend(f.points);
-        gemms.push(f.gemm);
+        gemms.extend(f.gemm);
     }
     let crossover = crossover(&points);
     if m_args.batches.len() > 1 {
@@ -573,6 +645,7 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
     }
     let report = Report {
         model: p.name.into(),
+        phase,
         ranks,
         device: device_name(devices[0]),
         devices,
@@ -649,7 +722,7 @@ fn chart(path: &std::path::Path, r: &Report) -> std::result::Result<(), Box<dyn 
     let min_b = r.points.iter().map(|p| p.batch).min().unwrap_or(1) as f64;
     let max_b = (r.points.iter().map(|p| p.batch).max().unwrap_or(2) as f64).max(min_b * 2.0);
     let max_y = r.points.iter().map(|p| p.tokens_per_s).fold(0.0, f64::max) * 1.1;
-    let title = format!("{}: {} layers on {} rank(s), {}", r.model, r.layers, r.ranks, r.device);
+    let title = format!("{} {}: {} layers on {} rank(s), {}", r.model, r.phase, r.layers, r.ranks, r.device);
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 18))
         .margin(12)

@@ -7,6 +7,8 @@
 //!   routing equal wherever the CPU's logits are not within 1e-3 of a tie (cuBLAS sums in
 //!   another order), and every output value within the BF16 tolerance
 //!   `|got - want| <= (|want| + rms(want)) / 64`.
+//! - The same layer over a high-throughput group (prefill: [`Lane::forward_grouped`], grouped
+//!   experts at the handle's counts), against the same reference and tolerance.
 //! - Micro-batches through two layers on two lanes, interleaved on the device, their compute
 //!   replayed from CUDA graphs, bit-identical to the same micro-batches run one after another on
 //!   one lane enqueueing call by call (`EPFLOW_GPU_ITERS` micro-batches, default 50; 500 makes
@@ -19,7 +21,7 @@ use std::sync::Arc;
 
 use epflow_async::Group;
 use epflow_core::workload::random_tokens;
-use epflow_core::{GroupConfig, HostTensor, TensorTag, bf16};
+use epflow_core::{GroupConfig, HostTensor, MaxTokens, TensorTag, bf16};
 use epflow_kernels::{DeviceTensor, GpuRank, GpuWorld, device_count};
 use epflow_moe::gpu::{GpuMoeModel, Lane, ModelOptions};
 use epflow_moe::{LayerWeights, ModelPreset, preset, reference};
@@ -46,6 +48,23 @@ fn world(devices: &[usize], p: &ModelPreset, tokens: usize, sets: usize) -> Vec<
     let config =
         GroupConfig::low_latency(p.num_experts, tokens, p.hidden).with_max_top_k(p.top_k).with_buffer_sets(sets);
     GpuWorld::create(devices, config).expect("group").into_iter().map(Group::new).collect()
+}
+
+/// A high-throughput group (prefill) for at most `tokens` tokens per rank.
+fn ht_world(devices: &[usize], p: &ModelPreset, tokens: usize) -> Vec<Group<GpuRank>> {
+    let config = GroupConfig::high_throughput(p.num_experts, p.hidden)
+        .with_max_tokens(MaxTokens::Fixed(tokens))
+        .with_max_top_k(p.top_k);
+    GpuWorld::create(devices, config).expect("high-throughput group").into_iter().map(Group::new).collect()
+}
+
+/// Which path a layer test runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    /// Low-latency dispatch, padded experts ([`Lane::forward`]).
+    Decode,
+    /// High-throughput dispatch, grouped experts ([`Lane::forward_grouped`]).
+    Prefill,
 }
 
 fn on_ranks<R: Send>(groups: &[Group<GpuRank>], f: impl Fn(&Group<GpuRank>) -> R + Sync) -> Vec<R> {
@@ -108,22 +127,32 @@ fn router_top_k_matches_the_reference_ties_included() {
 }
 
 /// Runs one layer on every rank and checks it against the reference.
-fn layer_against_reference(model: &str, hidden: usize, experts: usize, k: usize, ffn: usize) {
-    let test = format!("layer_matches_the_reference ({model})");
+fn layer_against_reference(path: Path, model: &str, hidden: usize, experts: usize, k: usize, ffn: usize) {
+    let test = format!("layer_matches_the_reference ({model}, {path:?})");
     let Some(devices) = devices(&test) else { return };
     let seed = seed();
     let p = preset(model).unwrap().scaled(hidden, experts, k, ffn);
     let ranks = devices.len();
-    let b = 24;
-    let groups = world(&devices, &p, b, 2);
+    let b = if path == Path::Prefill { 200 } else { 24 };
+    let groups = if path == Path::Prefill { ht_world(&devices, &p, b) } else { world(&devices, &p, b, 2) };
     let full = LayerWeights::generate(&p, seed, 0, 0, 1, u128::MAX).unwrap();
     let results = on_ranks(&groups, |g| {
         let r = g.rank();
         let m = GpuMoeModel::new(g.backend(), p, ModelOptions { seed, layers: 1, attention: false }, 0).unwrap();
-        let lane = Lane::new(&m, b, ranks * b).unwrap();
         let x = HostTensor::tokens(b, hidden, random_tokens(b, hidden, seed + 7, r));
         let xd = g.backend().upload(&x).unwrap();
-        let step = futures::executor::block_on(lane.forward(&m, g, 0, &xd)).unwrap();
+        let (lane, step) = match path {
+            Path::Decode => {
+                let lane = Lane::new(&m, b, ranks * b).unwrap();
+                let step = futures::executor::block_on(lane.forward(&m, g, 0, &xd)).unwrap();
+                (lane, step)
+            }
+            Path::Prefill => {
+                let lane = Lane::new(&m, b, 0).unwrap().with_grouped_experts(&m, ranks * b).unwrap();
+                let step = futures::executor::block_on(lane.forward_grouped(&m, g, 0, &xd)).unwrap();
+                (lane, step)
+            }
+        };
         for c in step.completions {
             futures::executor::block_on(c).unwrap();
         }
@@ -182,9 +211,16 @@ fn layer_against_reference(model: &str, hidden: usize, experts: usize, k: usize,
 
 #[test]
 fn layer_matches_the_reference() {
-    layer_against_reference("qwen3-30b-a3b", 256, 16, 4, 128);
-    layer_against_reference("deepseek-v3", 256, 16, 4, 64);
-    layer_against_reference("mixtral-8x7b", 128, 4, 2, 256);
+    layer_against_reference(Path::Decode, "qwen3-30b-a3b", 256, 16, 4, 128);
+    layer_against_reference(Path::Decode, "deepseek-v3", 256, 16, 4, 64);
+    layer_against_reference(Path::Decode, "mixtral-8x7b", 128, 4, 2, 256);
+}
+
+#[test]
+fn prefill_layer_matches_the_reference() {
+    layer_against_reference(Path::Prefill, "qwen3-30b-a3b", 256, 16, 4, 128);
+    layer_against_reference(Path::Prefill, "deepseek-v3", 256, 16, 4, 64);
+    layer_against_reference(Path::Prefill, "mixtral-8x7b", 128, 4, 2, 256);
 }
 
 #[test]

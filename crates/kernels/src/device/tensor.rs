@@ -106,6 +106,20 @@ impl DeviceTensor {
         DeviceTensor { desc, ptr, device, keep: Some(keep), lease: Some(lease), ready: None, epflow_memory: true }
     }
 
+    /// A view of the first `rows` rows (outer dimension) of this tensor: the same memory, kept
+    /// alive (and leased, and ready after the same event) as this tensor is. The layer of
+    /// `epflow-moe` hands a combine the rows a dispatch delivered out of a buffer sized for the
+    /// most it can deliver.
+    pub fn leading_rows(&self, rows: usize) -> Result<Self, Error> {
+        let d = &self.desc;
+        if d.shape.is_empty() || rows > d.shape[0] {
+            return Err(Error::Unsupported(format!("the first {rows} rows of a tensor of shape {:?}", d.shape)));
+        }
+        let mut desc = d.clone();
+        desc.shape[0] = rows;
+        Ok(DeviceTensor { desc, ..self.clone() })
+    }
+
     /// Declares that work enqueued on `stream` (until this tensor's memory is released) reads
     /// it, as torch's `record_stream`: when the output it belongs to is dropped, its buffer set is
     /// released in `stream`'s order (the next writer waits for that work on the device). For

@@ -1,6 +1,7 @@
 // The MoE layer's own kernels (epflow-moe): seeded weights, the router's top-k, the SwiGLU
 // activation over the dispatch's padded layout (reading the per-expert counts on the device),
-// and an element-wise BF16 add. The GEMMs are cuBLAS. Compiled with NVRTC after epflow's
+// an element-wise BF16 add, and the gather and weighted reduce around grouped experts over a
+// high-throughput dispatch's rows. The GEMMs are cuBLAS. Compiled with NVRTC after epflow's
 // `common.cuh` (which includes cuda_bf16.h and defines u64).
 
 // splitmix64's finaliser: the weights' counter-based generator (weights.rs draws the same).
@@ -89,5 +90,81 @@ extern "C" __global__ void moe_swiglu(const __nv_bfloat16* __restrict__ gu, __nv
 extern "C" __global__ void moe_add(const __nv_bfloat16* a, const __nv_bfloat16* b, __nv_bfloat16* out, u64 n) {
   for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
     out[i] = __float2bfloat16_rn(__fadd_rn(__bfloat162float(a[i]), __bfloat162float(b[i])));
+  }
+}
+
+// ---- Grouped experts over a high-throughput dispatch's rows (prefill) ----
+//
+// A high-throughput dispatch delivers N rows (one per source token that has a local expert),
+// with `idx` [N x K] (local expert, or -1) and `w` [N x K]. The experts run as one GEMM group per
+// local expert over its rows gathered contiguously: expert e's rows sit at positions
+// base(e) = counts[0] + ... + counts[e-1] on, in (row, k) order, so the layout is deterministic.
+
+// One block per local expert: the position of each of its (row, k) entries. rows[p] is the
+// received row at position p, pos_of[row * K + k] its position (written for local entries only).
+// `cap` bounds the positions written (the scratch's rows).
+extern "C" __global__ void moe_ht_slots(const long long* __restrict__ idx, int N, int K,
+                                        const int* __restrict__ counts, int cap, int* __restrict__ rows,
+                                        int* __restrict__ pos_of) {
+  __shared__ int warp_hits[32];
+  __shared__ int base;
+  const int e = blockIdx.x;
+  if (threadIdx.x == 0) {
+    int s = 0;
+    for (int j = 0; j < e; ++j) s += counts[j];
+    base = s;
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  int offset = base;
+  const long long total = (long long)N * K;
+  for (long long start = 0; start < total; start += blockDim.x) {
+    const long long i = start + threadIdx.x;
+    const bool hit = i < total && idx[i] == e;
+    const unsigned ballot = __ballot_sync(0xffffffffu, hit);
+    if (lane == 0) warp_hits[warp] = __popc(ballot);
+    __syncthreads();
+    int before = 0, chunk = 0;
+    for (int w = 0; w < warps; ++w) {
+      if (w < warp) before += warp_hits[w];
+      chunk += warp_hits[w];
+    }
+    if (hit) {
+      const int p = offset + before + __popc(ballot & ((1u << lane) - 1u));
+      if (p < cap) {
+        rows[p] = (int)(i / K);
+        pos_of[i] = p;
+      }
+    }
+    offset += chunk;
+    __syncthreads();
+  }
+}
+
+// out[p] = tokens[rows[p]] for p < P (H BF16 values per row, H a multiple of 8).
+extern "C" __global__ void moe_ht_gather(const __nv_bfloat16* __restrict__ tokens, const int* __restrict__ rows,
+                                         int P, int H, __nv_bfloat16* __restrict__ out) {
+  const int vecs = H / 8;
+  for (int p = blockIdx.x; p < P; p += gridDim.x) {
+    const uint4* src = reinterpret_cast<const uint4*>(tokens + (u64)rows[p] * H);
+    uint4* dst = reinterpret_cast<uint4*>(out + (u64)p * H);
+    for (int j = threadIdx.x; j < vecs; j += blockDim.x) dst[j] = src[j];
+  }
+}
+
+// out[n] = bf16(fma chain over k ascending, local entries only, of w[n][k] * y[pos_of[n][k]]),
+// the weighted sum of row n's local experts, as the combine of a low-latency layer computes it.
+extern "C" __global__ void moe_ht_reduce(const __nv_bfloat16* __restrict__ y, const long long* __restrict__ idx,
+                                         const float* __restrict__ w, const int* __restrict__ pos_of, int N, int K,
+                                         int H, __nv_bfloat16* __restrict__ out) {
+  for (int n = blockIdx.x; n < N; n += gridDim.x) {
+    for (int j = threadIdx.x; j < H; j += blockDim.x) {
+      float acc = 0.0f;
+      for (int k = 0; k < K; ++k) {
+        const long long i = (long long)n * K + k;
+        if (idx[i] >= 0) acc = __fmaf_rn(w[i], __bfloat162float(y[(u64)pos_of[i] * H + j]), acc);
+      }
+      out[(u64)n * H + j] = __float2bfloat16_rn(acc);
+    }
   }
 }

@@ -126,3 +126,99 @@ impl Blas {
         .map_err(blas_error)
     }
 }
+
+/// Row-major GEMMs of one shape but each group's own row count: `Y_g [m_g x n] = X_g [m_g x k]
+/// · W_g [k x n]`, contiguous, BF16 in and out, FP32 accumulation; one cuBLAS grouped call
+/// (`cublasGemmGroupedBatchedEx`, cuBLAS 12.5 on).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Grouped<'a> {
+    /// Rows per group (`m_g > 0`).
+    pub m: &'a [i32],
+    pub k: usize,
+    pub n: usize,
+    /// Per group: the addresses of `X_g`, `W_g` and `Y_g`.
+    pub x: &'a [u64],
+    pub w: &'a [u64],
+    pub y: &'a [u64],
+}
+
+impl Blas {
+    /// Enqueues `g` on `stream` (the handle's stream). Its pointer arrays are copied in stream
+    /// order into `arrays` (device memory of at least `3 * groups` u64, which the GEMM reads
+    /// when it runs: a later call on the same stream may reuse it).
+    ///
+    /// The caller guarantees that the addresses hold the blocks `g` describes, in device memory
+    /// of the stream's context that stays alive until the GEMM ran.
+    pub(crate) fn gemm_grouped(&self, stream: &CudaStream, g: &Grouped<'_>, arrays: &DeviceTensor) -> Result<()> {
+        let groups = g.m.len();
+        if groups == 0 {
+            return Ok(());
+        }
+        if g.x.len() != groups || g.w.len() != groups || g.y.len() != groups || arrays.desc().size_bytes() < 24 * groups
+        {
+            return Err(Error::Backend(format!("grouped GEMM: {groups} groups, arrays too short")));
+        }
+        if g.m.iter().any(|&m| m <= 0)
+            || g.k > i32::MAX as usize
+            || g.n > i32::MAX as usize
+            || groups > i32::MAX as usize
+        {
+            return Err(Error::Unsupported(format!(
+                "grouped GEMM of {groups} groups, k {}, n {}: out of range",
+                g.k, g.n
+            )));
+        }
+        // Row-major Y = X · W is column-major Y^T = W^T · X^T: A = W, B = X, C = Y.
+        let host: Vec<u64> = g.w.iter().chain(g.x).chain(g.y).copied().collect();
+        let bytes = std::mem::size_of_val(host.as_slice());
+        // SAFETY: `arrays` holds at least `bytes` bytes of device memory (checked above); the
+        // source is pageable host memory, which an async copy stages before it returns, so
+        // `host` may be dropped after; the copy is ordered on `stream` after the work before it.
+        unsafe {
+            cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
+                arrays.ptr(),
+                host.as_ptr() as *const c_void,
+                bytes,
+                stream.cu_stream(),
+            )
+        }
+        .result()
+        .map_err(|e| Error::Backend(format!("CUDA: copy GEMM pointers: {e:?}")))?;
+        let (n, k) = (g.n as i32, g.k as i32);
+        let ops = vec![cublasOperation_t::CUBLAS_OP_N; groups];
+        let (ms, ns, ks) = (vec![n; groups], g.m.to_vec(), vec![k; groups]);
+        let (lda, ldb, ldc) = (vec![n; groups], vec![k; groups], vec![n; groups]);
+        let (alpha, beta) = (vec![1.0f32; groups], vec![0.0f32; groups]);
+        let sizes = vec![1i32; groups];
+        let (a, b, c) = (arrays.ptr(), arrays.ptr() + 8 * groups as u64, arrays.ptr() + 16 * groups as u64);
+        // SAFETY: every host array holds `groups` entries; the device pointer arrays were copied
+        // above in this stream's order; the caller's addresses hold the blocks described; alpha
+        // and beta are host FP32 (compute type 32F, host pointer mode).
+        unsafe {
+            cudarc::cublas::sys::cublasGemmGroupedBatchedEx(
+                *self.blas.handle(),
+                ops.as_ptr(),
+                ops.as_ptr(),
+                ms.as_ptr(),
+                ns.as_ptr(),
+                ks.as_ptr(),
+                alpha.as_ptr() as *const c_void,
+                a as *const *const c_void,
+                cudaDataType_t::CUDA_R_16BF,
+                lda.as_ptr(),
+                b as *const *const c_void,
+                cudaDataType_t::CUDA_R_16BF,
+                ldb.as_ptr(),
+                beta.as_ptr() as *const c_void,
+                c as *const *mut c_void,
+                cudaDataType_t::CUDA_R_16BF,
+                ldc.as_ptr(),
+                groups as i32,
+                sizes.as_ptr(),
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            )
+        }
+        .result()
+        .map_err(blas_error)
+    }
+}

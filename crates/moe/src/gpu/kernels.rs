@@ -1,6 +1,7 @@
 //! The layer's own CUDA kernels (`cuda/moe.cu`), compiled with epflow's NVRTC cache, and their
 //! launches: seeded weights, the router's top-k, the SwiGLU activation reading the per-expert
-//! counts on the device, and a BF16 add. Every launch is enqueued on the stream given and
+//! counts on the device, a BF16 add, and the slots, gather and weighted reduce of grouped
+//! experts over a high-throughput dispatch's rows. Every launch is enqueued on the stream given and
 //! returns at once.
 
 use std::sync::Arc;
@@ -19,7 +20,15 @@ use crate::preset::Scoring;
 pub const MOE: KernelModule = KernelModule {
     name: "moe",
     files: &[("moe.cu", include_str!("../cuda/moe.cu"))],
-    kernels: &["moe_fill_uniform", "moe_router_topk", "moe_swiglu", "moe_add"],
+    kernels: &[
+        "moe_fill_uniform",
+        "moe_router_topk",
+        "moe_swiglu",
+        "moe_add",
+        "moe_ht_slots",
+        "moe_ht_gather",
+        "moe_ht_reduce",
+    ],
 };
 
 /// The most experts the top-k kernel takes (64 per lane of a warp).
@@ -32,6 +41,9 @@ pub(crate) struct MoeKernels {
     topk: CudaFunction,
     swiglu: CudaFunction,
     add: CudaFunction,
+    slots: CudaFunction,
+    gather: CudaFunction,
+    reduce: CudaFunction,
 }
 
 fn grid(n: u64, block: u32) -> LaunchConfig {
@@ -55,6 +67,9 @@ impl MoeKernels {
             topk: f("moe_router_topk")?,
             swiglu: f("moe_swiglu")?,
             add: f("moe_add")?,
+            slots: f("moe_ht_slots")?,
+            gather: f("moe_ht_gather")?,
+            reduce: f("moe_ht_reduce")?,
         })
     }
 
@@ -148,5 +163,109 @@ impl MoeKernels {
         // SAFETY: the arguments match `moe_add(const bf16*, const bf16*, bf16*, u64)`; the
         // caller gives `n` BF16 values at each address.
         unsafe { l.launch(grid(n, 256)) }.map(drop).map_err(launched("moe_add"))
+    }
+
+    /// The positions of grouped experts' rows: for a high-throughput dispatch's `n` rows with
+    /// local expert indices `idx` (`[n x k]` int64, -1: not local) and the per-expert counts
+    /// `counts` (`[experts]` int32, device), writes `rows[p]` (`[cap]` int32: the received row
+    /// at position `p`) and `pos_of[i]` (`[n x k]` int32: the position of local entry `i`).
+    /// Expert `e`'s rows sit from `counts[0] + ... + counts[e-1]` on, in (row, k) order.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn ht_slots(
+        &self,
+        stream: &CudaStream,
+        idx: u64,
+        n: usize,
+        k: usize,
+        counts: u64,
+        experts: usize,
+        cap: usize,
+        rows: u64,
+        pos_of: u64,
+    ) -> Result<()> {
+        if experts == 0 || n == 0 {
+            return Ok(());
+        }
+        if n.saturating_mul(k) > i32::MAX as usize || cap > i32::MAX as usize || experts > 65_535 {
+            return Err(Error::Unsupported(format!(
+                "grouped experts: {n} rows of top-{k}, {experts} experts: too large"
+            )));
+        }
+        let (n, k, cap) = (n as i32, k as i32, cap as i32);
+        let cfg = LaunchConfig { grid_dim: (experts as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let mut l = stream.launch_builder(&self.slots);
+        l.arg(&idx).arg(&n).arg(&k).arg(&counts).arg(&cap).arg(&rows).arg(&pos_of);
+        // SAFETY: the arguments match `moe_ht_slots(const long long*, int, int, const int*, int,
+        // int*, int*)`; the caller gives n x k int64 at `idx`, `experts` int32 at `counts`,
+        // `cap` int32 at `rows` and n x k int32 at `pos_of` (positions past `cap` are not
+        // written); one block of 32 warps per expert.
+        unsafe { l.launch(cfg) }.map(drop).map_err(launched("moe_ht_slots"))
+    }
+
+    /// `out[p] = tokens[rows[p]]` for `p < positions` (rows of `hidden` BF16, `hidden` a
+    /// multiple of 8, 16-byte aligned rows).
+    pub(crate) fn ht_gather(
+        &self,
+        stream: &CudaStream,
+        tokens: u64,
+        rows: u64,
+        positions: usize,
+        hidden: usize,
+        out: u64,
+    ) -> Result<()> {
+        if positions == 0 {
+            return Ok(());
+        }
+        if hidden % 8 != 0 || positions > i32::MAX as usize || hidden > i32::MAX as usize {
+            return Err(Error::Unsupported(format!(
+                "gather of {positions} rows of {hidden}: H must be a multiple of 8"
+            )));
+        }
+        let (p, h) = (positions as i32, hidden as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (positions.min(65_535 * 4) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut l = stream.launch_builder(&self.gather);
+        l.arg(&tokens).arg(&rows).arg(&p).arg(&h).arg(&out);
+        // SAFETY: the arguments match `moe_ht_gather(const bf16*, const int*, int, int, bf16*)`;
+        // the caller gives `positions` int32 row numbers at `rows`, each a row of `tokens`, and
+        // positions x hidden BF16 at `out` (device allocations are 256-byte aligned and rows
+        // are a multiple of 16 bytes, so the 16-byte vectors are aligned).
+        unsafe { l.launch(cfg) }.map(drop).map_err(launched("moe_ht_gather"))
+    }
+
+    /// `out[r] = bf16(fma chain over k of w[r][k] * y[pos_of[r][k]])` over the local entries
+    /// (`idx >= 0`) of each of `n` rows: `y` `[positions x hidden]` BF16, `idx` `[n x k]` int64,
+    /// `w` `[n x k]` FP32, `pos_of` `[n x k]` int32, `out` `[n x hidden]` BF16.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn ht_reduce(
+        &self,
+        stream: &CudaStream,
+        y: u64,
+        idx: u64,
+        w: u64,
+        pos_of: u64,
+        n: usize,
+        k: usize,
+        hidden: usize,
+        out: u64,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        if n.saturating_mul(k) > i32::MAX as usize || hidden > i32::MAX as usize {
+            return Err(Error::Unsupported(format!("reduce of {n} rows of top-{k}: too large")));
+        }
+        let (nn, kk, h) = (n as i32, k as i32, hidden as i32);
+        let cfg =
+            LaunchConfig { grid_dim: (n.min(65_535 * 4) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut l = stream.launch_builder(&self.reduce);
+        l.arg(&y).arg(&idx).arg(&w).arg(&pos_of).arg(&nn).arg(&kk).arg(&h).arg(&out);
+        // SAFETY: the arguments match `moe_ht_reduce(const bf16*, const long long*, const
+        // float*, const int*, int, int, int, bf16*)`; the caller gives the tensors described
+        // above, with `pos_of` written by `ht_slots` for every local entry.
+        unsafe { l.launch(cfg) }.map(drop).map_err(launched("moe_ht_reduce"))
     }
 }

@@ -13,6 +13,7 @@ use epflow_kernels::{DeviceTensor, GpuCombineOutput, GpuDispatchOutput, GpuHandl
 use super::blas::{Blas, Gemm};
 use super::cuda;
 use super::graphs::{GraphCache, Key, Target};
+use super::grouped::{GroupedInputs, GroupedScratch};
 use super::model::{DeviceLayer, GpuMoeModel};
 
 /// What [`Lane::before_dispatch`] produced, in the lane stream's order: the tokens to dispatch
@@ -100,6 +101,8 @@ pub struct Lane {
     /// workspace of its own, as the lane's and the side stream's are: their graphs may run at
     /// the same time); `None`: enqueued call by call.
     graphs: Option<(GraphCache, Blas, Blas)>,
+    /// Grouped experts over high-throughput dispatches ([`Lane::with_grouped_experts`]).
+    grouped: Option<GroupedScratch>,
     device: usize,
     /// Host nanoseconds per part: before_dispatch, experts, after_combine.
     enqueue_ns: [AtomicU64; 3],
@@ -181,6 +184,7 @@ impl Lane {
             fork: model.ctx.new_event(None).map_err(|x| cuda("create event", x))?,
             join: Arc::new(model.ctx.new_event(None).map_err(|x| cuda("create event", x))?),
             graphs: None,
+            grouped: None,
             device: model.device,
             enqueue_ns: [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)],
             layers: AtomicU64::new(0),
@@ -201,6 +205,21 @@ impl Lane {
             let (main, side) = (Blas::new(&capture, self.device)?, Blas::new(&capture, self.device)?);
             self.graphs = Some((GraphCache::new(capture), main, side));
         }
+        Ok(self)
+    }
+
+    /// Device bytes of [`Lane::with_grouped_experts`]'s scratch for at most `rows` received
+    /// rows on a group of `ranks` ranks.
+    pub fn grouped_bytes(preset: &crate::ModelPreset, ranks: usize, rows: usize) -> u128 {
+        GroupedScratch::bytes(preset, ranks, rows)
+    }
+
+    /// Gives the lane the scratch of grouped experts over high-throughput dispatches of at most
+    /// `rows` received rows (the group's `R * max_tokens_per_rank`): [`Lane::experts_grouped`]
+    /// and [`Lane::forward_grouped`] (prefill). Such a lane is usually made with
+    /// `rows_per_expert = 0` in [`Lane::new`] (no padded low-latency scratch).
+    pub fn with_grouped_experts(mut self, model: &GpuMoeModel, rows: usize) -> Result<Self> {
+        self.grouped = Some(GroupedScratch::new(model, rows)?);
         Ok(self)
     }
 
@@ -397,6 +416,64 @@ impl Lane {
         })
     }
 
+    /// The routed experts of layer `layer` on a high-throughput dispatch's outputs (`N` rows,
+    /// completed in this lane's stream order), enqueued on the lane's stream: each local
+    /// expert's rows gathered contiguously (in row order), `gate_up` and `down` as cuBLAS
+    /// grouped GEMMs at `counts` rows per expert (the handle's
+    /// [`epflow_core::handle::RoutingHandle::recv_expert_counts`]: a handle created with
+    /// [`epflow_core::ops::RecvRows::Exact`] knows them on the host), SwiGLU between, then per
+    /// received row the weighted sum of its local experts' outputs,
+    /// `bf16(fma chain over k of w[k] * y_k)`: `[N x H]` BF16, the combine's input, in the
+    /// lane's memory (rewritten by its next grouped call), ready in the lane stream's order.
+    /// Needs [`Lane::with_grouped_experts`]; never replayed as a graph (the shapes follow the
+    /// counts).
+    pub fn experts_grouped(
+        &self,
+        model: &GpuMoeModel,
+        layer: usize,
+        d: &GpuDispatchOutput,
+        counts: &[i32],
+    ) -> Result<DeviceTensor> {
+        let missing = |what: &str| {
+            Error::Unsupported(format!(
+                "grouped experts: the dispatch returned no {what} (a high-throughput forward dispatch with weights is needed)"
+            ))
+        };
+        let inputs = GroupedInputs {
+            tokens: d.tokens(),
+            topk_idx: d.topk_idx().ok_or_else(|| missing("top-k indices"))?,
+            topk_weights: d.topk_weights().ok_or_else(|| missing("top-k weights"))?,
+            counts: d.counts().ok_or_else(|| missing("device counts"))?,
+            host_counts: counts,
+        };
+        self.experts_grouped_on(model, layer, &inputs)
+    }
+
+    /// [`Lane::experts_grouped`] on inputs of any origin (a dispatch's, or copies kept to time
+    /// the compute alone).
+    pub fn experts_grouped_on(
+        &self,
+        model: &GpuMoeModel,
+        layer: usize,
+        inputs: &GroupedInputs<'_>,
+    ) -> Result<DeviceTensor> {
+        self.timed(Part::Experts, || {
+            let scratch = self.grouped.as_ref().ok_or_else(|| {
+                Error::Unsupported(
+                    "grouped experts: this lane has no grouped scratch (Lane::with_grouped_experts)".into(),
+                )
+            })?;
+            let w = model
+                .layers
+                .get(layer)
+                .ok_or_else(|| Error::Unsupported(format!("layer {layer}: the model holds {}", model.layers.len())))?;
+            for t in [inputs.tokens, inputs.topk_idx, inputs.topk_weights, inputs.counts] {
+                self.wait_ready(t)?;
+            }
+            scratch.run(model, w, &self.stream, &self.blas, inputs)
+        })
+    }
+
     /// The router and the routed experts of layer `layer` alone, on the lane's stream: the
     /// gate GEMM and top-k on `x` (`[B x H]`), then [`Lane::experts_on`] on `expert_in` and
     /// `counts`. What [`Lane::gemms_alone`] is compared with.
@@ -532,6 +609,41 @@ impl Lane {
         drop(received);
         let inputs = CombineInputs::new(&y).with_weights(&r.topk_weights);
         let staged = group.combine(&handle, inputs).after(&self.stream).send_only().await?;
+        let (combined, done) = staged.complete_on(&self.stream).await?;
+        let output = self.after_combine(model, &combined)?;
+        Ok(LayerStep { output, completions: vec![created, dispatched, done] })
+    }
+
+    /// The whole layer `layer` on `x` (`[B x H]` BF16) over a high-throughput group (prefill):
+    /// [`Lane::before_dispatch`], a handle created in the lane stream's order with exact
+    /// received rows (it resolves once the handle exists: the host waits for this lane's
+    /// router and the count exchange, as DeepEP's normal mode does, while other lanes' work
+    /// runs), the dispatch with the router's weights ordered after the lane's stream and
+    /// completed on it, [`Lane::experts_grouped`] at the handle's counts, the combine likewise,
+    /// [`Lane::after_combine`]. Every rank of the group calls it for the same layer in the same
+    /// order. Needs [`Lane::with_grouped_experts`] for the group's `R * max_tokens_per_rank`
+    /// rows.
+    pub async fn forward_grouped(
+        &self,
+        model: &GpuMoeModel,
+        group: &Group<GpuRank>,
+        layer: usize,
+        x: &DeviceTensor,
+    ) -> Result<LayerStep> {
+        use epflow_core::handle::RoutingHandle;
+        let r = self.before_dispatch(model, layer, x)?;
+        let (handle, created): (GpuHandle, Completion) =
+            group.create_handle_on(&r.topk_idx, &HandleOptions::default(), &self.stream).await?;
+        let counts = handle
+            .recv_expert_counts()
+            .ok_or_else(|| Error::Unsupported("grouped experts need a high-throughput group".into()))?
+            .to_vec();
+        let inputs = DispatchInputs::new(&r.tokens).with_weights(&r.topk_weights);
+        let staged = group.dispatch(&handle, inputs).after(&self.stream).send_only().await?;
+        let (received, dispatched) = staged.complete_on(&self.stream).await?;
+        let y = self.experts_grouped(model, layer, &received, &counts)?;
+        drop(received);
+        let staged = group.combine(&handle, CombineInputs::new(&y)).after(&self.stream).send_only().await?;
         let (combined, done) = staged.complete_on(&self.stream).await?;
         let output = self.after_combine(model, &combined)?;
         Ok(LayerStep { output, completions: vec![created, dispatched, done] })

@@ -1,4 +1,5 @@
-//! The MoE layer on GPUs: epflow's low-latency dispatch and combine around the layer's compute,
+//! The MoE layer on GPUs: epflow's dispatch and combine (low-latency for decode, high-throughput
+//! for prefill) around the layer's compute,
 //! all of it enqueued in the order of one stream per micro-batch, with nothing read on the
 //! host.
 //!
@@ -14,23 +15,28 @@
 //! - `kernels.rs`: the layer's own kernels (`cuda/moe.cu`): weights, router top-k, SwiGLU
 //!   activation reading the per-expert counts on the device, BF16 add. [`MOE`] is the module
 //!   `epflow compile` builds.
-//! - `blas.rs`: the GEMMs (cuBLAS, BF16 in, FP32 accumulation).
+//! - `grouped.rs`: grouped experts over a high-throughput dispatch's rows (prefill,
+//!   [`Lane::forward_grouped`]): rows gathered per expert, cuBLAS grouped GEMMs at the counts
+//!   the handle brought to the host, the weighted sum per received row.
+//! - `blas.rs`: the GEMMs (cuBLAS, BF16 in, FP32 accumulation; strided-batched and grouped).
 //! - `graphs.rs`: a lane's compute pieces captured as CUDA graphs ([`Lane::with_graphs`]).
 //!
-//! The experts are strided-batched GEMMs over the dispatch's padded layout `[L x R*M x H]`:
+//! Decode's experts are strided-batched GEMMs over the dispatch's padded layout `[L x R*M x H]`:
 //! they need no counts on the host, at the price of computing every expert's `R*M` rows (the
 //! activation skips the rows past each expert's count, read on the device; the combine reads
-//! only the rows that arrived).
+//! only the rows that arrived). Prefill's are grouped GEMMs at the exact counts.
 
 #[allow(unsafe_code)]
 mod blas;
 #[allow(unsafe_code)]
 mod graphs;
+mod grouped;
 #[allow(unsafe_code)]
 mod kernels;
 mod lane;
 mod model;
 
+pub use grouped::GroupedInputs;
 pub use kernels::{MAX_ROUTER_EXPERTS, MOE};
 pub use lane::{Lane, LaneTimes, LayerStep, Routed};
 pub use model::{GpuMoeModel, ModelOptions};
