@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use crate::error::ConfigError;
+use crate::tuning::{Environment, Tuning};
 
 /// Which EP algorithm a group runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -136,6 +137,10 @@ pub struct GroupConfig {
     /// zero contribution, counted per token in [`crate::ops::CombineOutputs::masked`]. See
     /// [`crate::mask`] for the rules and the recovery steps.
     pub rank_masking: bool,
+    /// GPU backends: how the group runs ([`Tuning`]: kernel forms, handle builders, the
+    /// high-throughput layout). `None` (the default): the environment's `EPFLOW_*` values,
+    /// read once per process ([`crate::tuning::Environment::get`]), taken at group creation.
+    pub tuning: Option<Tuning>,
 }
 
 impl GroupConfig {
@@ -152,6 +157,7 @@ impl GroupConfig {
             max_sms: None,
             timeout: DEFAULT_TIMEOUT,
             rank_masking: false,
+            tuning: None,
         }
     }
 
@@ -204,6 +210,17 @@ impl GroupConfig {
     pub fn with_rank_masking(mut self, on: bool) -> Self {
         self.rank_masking = on;
         self
+    }
+
+    /// Sets the group's [`Tuning`] (over the environment's).
+    pub fn with_tuning(mut self, tuning: Tuning) -> Self {
+        self.tuning = Some(tuning);
+        self
+    }
+
+    /// The group's [`Tuning`]: its own, else the environment's.
+    pub fn tuning(&self) -> &Tuning {
+        self.tuning.as_ref().unwrap_or(&Environment::get().tuning)
     }
 
     /// Local experts per rank, `L = E / R` (call after [`GroupConfig::validate`]).

@@ -30,6 +30,7 @@
 //! - [`workload`]: seeded random inputs and routings in the style of NCCL EP's `ep_bench`.
 //! - [`scenario`]: a whole world's inputs with their reference results.
 //! - [`verify`]: comparison of a backend's outputs with the reference.
+//! - [`tuning`]: every `EPFLOW_*` knob, read once per process, and a group's [`tuning::Tuning`].
 //! - [`error`]: every error type.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -50,6 +51,7 @@ pub mod routing;
 pub mod scenario;
 pub mod stamp;
 pub mod tensor;
+pub mod tuning;
 pub mod validate;
 pub mod verify;
 pub mod workload;

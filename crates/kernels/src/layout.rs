@@ -5,6 +5,7 @@
 
 use epflow_core::config::FP8_BLOCK;
 use epflow_core::protocol::Channel;
+use epflow_core::tuning::HtTuning;
 use epflow_core::{Algorithm, Error, GroupConfig};
 
 use crate::params::{HDR_BYTES, HT_MAX_CHANNELS, HT_MAX_WARPS, LL_TAG_TOKENS, MAX_RANKS, SIGNAL_PAGE_BYTES};
@@ -44,10 +45,10 @@ impl BufferLayout {
         match self {
             BufferLayout::Ht(h) if direct && h.rings => BufferLayout::Ht(HtLayout {
                 direct: true,
-                pull_combine: ht_tuning("PULL", 0, 1) != Some(0),
-                warps_per_dest: dispatch_warps(h.num_ranks, h.channels, true),
-                direct_helpers: direct_helpers(h.num_ranks),
-                balanced: balanced_dispatch(h.channels),
+                pull_combine: h.when_direct.pull_combine,
+                warps_per_dest: h.when_direct.warps_per_dest,
+                direct_helpers: h.when_direct.direct_helpers,
+                balanced: h.when_direct.balanced,
                 ..h
             }),
             other => other,
@@ -172,8 +173,8 @@ pub(crate) fn dispatch_send_warps(num_ranks: usize, channels: usize, direct: boo
 /// 132 SMs helpers were 5-8 us slower; on a fifth pair 1.6 us slower in the mean (item 119). Off
 /// by default for want of a gain (their stamp-mismatch path passes `gpu_disagreement`, item
 /// 119). More than two ranks: not measured.
-pub(crate) fn direct_helpers(num_ranks: usize) -> usize {
-    ht_tuning("DIRECT_HELPERS", 0, max_helpers(num_ranks)).unwrap_or(0)
+pub(crate) fn direct_helpers(t: &HtTuning, num_ranks: usize) -> usize {
+    clamped(t.direct_helpers, 0, max_helpers(num_ranks)).unwrap_or(0)
 }
 
 /// The most channels of a kernel whose direct dispatch is balanced by default
@@ -187,11 +188,8 @@ pub(crate) const HT_BALANCED_MAX_CHANNELS: usize = 32;
 /// 190.6-194.8) to 187.4-194.3 (188.6-191.3) on five machines; at 132 SMs two validated runs
 /// took 193.6 and 194.6 µs against 185.1 for the fixed shares in the session before, not
 /// measured side by side, so off there until it is.
-pub(crate) fn balanced_dispatch(channels: usize) -> bool {
-    match ht_tuning("BALANCED", 0, 1) {
-        Some(v) => v == 1,
-        None => channels <= HT_BALANCED_MAX_CHANNELS,
-    }
+pub(crate) fn balanced_dispatch(t: &HtTuning, channels: usize) -> bool {
+    t.balanced.unwrap_or(channels <= HT_BALANCED_MAX_CHANNELS)
 }
 
 /// The most helping warps per remote destination a receiving block has: its 16 shared out.
@@ -207,27 +205,21 @@ pub(crate) fn combine_send_warps(num_ranks: usize) -> usize {
     (HT_MAX_WARPS / num_ranks.max(1)).max(1)
 }
 
-/// A tuning override of the high-throughput layout, `EPFLOW_HT_<name>` clamped to `[lo, hi]`
-/// (for measuring, e.g. `benches/NOTES.md`; the defaults are the measured choice):
-/// `EPFLOW_HT_DEPTH` (ring slots, 16-1024), `EPFLOW_HT_BATCH` (receive batch, at most the
-/// depth), `EPFLOW_HT_DISPATCH_ITEMS_PER_FENCE` and `EPFLOW_HT_COMBINE_ITEMS_PER_FENCE` (items
-/// a sending warp writes per fence, at most what fits in the ring), `EPFLOW_HT_DISPATCH_WARPS`
-/// and `EPFLOW_HT_COMBINE_WARPS` (sending warps per remote destination, at most what the
-/// block's 16 leave: one own-copy warp for a dispatch), `EPFLOW_HT_DIRECT_MIN_ROWS` (the rows of a
-/// (source, channel) pair from which a dispatch writes them directly, at least 1). Every rank of
-/// a group must set the same values. `EPFLOW_HT_DIRECT_HELPERS`: a direct dispatch's helping
-/// warps per remote destination in each receiving block ([`direct_helpers`]; none by default).
-/// `EPFLOW_HT_BALANCED=0` or `=1`: a direct dispatch's rows in a fixed share per channel, or
-/// shared out as they go, at any channel count ([`balanced_dispatch`]).
-pub(crate) fn ht_tuning(name: &str, lo: usize, hi: usize) -> Option<usize> {
-    let v: usize = std::env::var(format!("EPFLOW_HT_{name}")).ok()?.trim().parse().ok()?;
-    Some(v.clamp(lo, hi.max(lo)))
+/// A tuning override of the high-throughput layout ([`HtTuning`], from `EPFLOW_HT_<NAME>` or
+/// the group's config) clamped to `[lo, hi]` (for measuring; the defaults are the measured
+/// choice): the depth (ring slots, 16-1024), the receive batch (at most the depth), the items a
+/// sending warp writes per fence (at most what fits in the ring), the sending warps per remote
+/// destination (at most what the block's 16 leave: one own-copy warp for a dispatch), and the
+/// rows of a (source, channel) pair from which a dispatch writes them directly (at least 1).
+/// Every rank of a group must use the same values.
+fn clamped(v: Option<usize>, lo: usize, hi: usize) -> Option<usize> {
+    v.map(|v| v.clamp(lo, hi.max(lo)))
 }
 
 /// Sending warps per remote destination of a dispatch: `EPFLOW_HT_DISPATCH_WARPS` (at most
 /// [`max_dispatch_warps`]), else [`dispatch_send_warps`].
-fn dispatch_warps(num_ranks: usize, channels: usize, direct: bool) -> usize {
-    ht_tuning("DISPATCH_WARPS", 1, max_dispatch_warps(num_ranks))
+fn dispatch_warps(t: &HtTuning, num_ranks: usize, channels: usize, direct: bool) -> usize {
+    clamped(t.dispatch_warps, 1, max_dispatch_warps(num_ranks))
         .unwrap_or_else(|| dispatch_send_warps(num_ranks, channels, direct))
 }
 
@@ -306,6 +298,18 @@ pub(crate) struct HtLayout {
     /// over NCCL (any peer reached through NCCL moves every exchange there; see
     /// [`BufferLayout::for_transport`]).
     pub rings: bool,
+    /// What [`BufferLayout::with_direct_access`] sets, from the group's tuning.
+    pub when_direct: WhenDirect,
+}
+
+/// The direct-access fields of an [`HtLayout`] as the group's tuning chose them (taken by
+/// [`BufferLayout::with_direct_access`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct WhenDirect {
+    pub pull_combine: bool,
+    pub warps_per_dest: usize,
+    pub direct_helpers: usize,
+    pub balanced: bool,
 }
 
 impl HtLayout {
@@ -322,7 +326,9 @@ impl HtLayout {
         let off_idx = (off_weights + 4 * k).next_multiple_of(16);
         let sms = config.max_sms.unwrap_or(DEFAULT_HT_SMS).min(device_sms);
         let channels = (sms / 2).clamp(1, HT_MAX_CHANNELS);
-        let depth = ht_tuning("DEPTH", 16, 1024).unwrap_or(HT_RING_DEPTH);
+        let tuning = config.tuning();
+        let t = &tuning.ht;
+        let depth = clamped(t.depth, 16, 1024).unwrap_or(HT_RING_DEPTH);
         HtLayout {
             num_ranks,
             hidden: h,
@@ -331,16 +337,15 @@ impl HtLayout {
             fp8,
             channels,
             depth,
-            batch: ht_tuning("BATCH", 1, depth).unwrap_or(HT_BATCH.min(depth)),
-            items_per_fence: ht_tuning("DISPATCH_ITEMS_PER_FENCE", 1, depth).unwrap_or(HT_DISPATCH_ITEMS_PER_FENCE),
-            combine_items_per_fence: ht_tuning("COMBINE_ITEMS_PER_FENCE", 1, depth)
-                .unwrap_or(HT_COMBINE_ITEMS_PER_FENCE),
-            warps_per_dest: dispatch_warps(num_ranks, channels, false),
-            combine_warps_per_dest: ht_tuning("COMBINE_WARPS", 1, max_combine_warps(num_ranks))
+            batch: clamped(t.batch, 1, depth).unwrap_or(HT_BATCH.min(depth)),
+            items_per_fence: clamped(t.dispatch_items_per_fence, 1, depth).unwrap_or(HT_DISPATCH_ITEMS_PER_FENCE),
+            combine_items_per_fence: clamped(t.combine_items_per_fence, 1, depth).unwrap_or(HT_COMBINE_ITEMS_PER_FENCE),
+            warps_per_dest: dispatch_warps(t, num_ranks, channels, false),
+            combine_warps_per_dest: clamped(t.combine_warps, 1, max_combine_warps(num_ranks))
                 .unwrap_or_else(|| combine_send_warps(num_ranks)),
             direct: false,
             pull_combine: false,
-            direct_min_rows: ht_tuning("DIRECT_MIN_ROWS", 1, i32::MAX as usize).unwrap_or(HT_DIRECT_MIN_ROWS),
+            direct_min_rows: clamped(t.direct_min_rows, 1, i32::MAX as usize).unwrap_or(HT_DIRECT_MIN_ROWS),
             direct_helpers: 0,
             balanced: false,
             off_scales,
@@ -348,6 +353,12 @@ impl HtLayout {
             off_idx,
             slot_bytes: (off_idx + 4 * k).next_multiple_of(16),
             rings: true,
+            when_direct: WhenDirect {
+                pull_combine: tuning.ht_pull,
+                warps_per_dest: dispatch_warps(t, num_ranks, channels, true),
+                direct_helpers: direct_helpers(t, num_ranks),
+                balanced: balanced_dispatch(t, channels),
+            },
         }
     }
 
@@ -787,7 +798,9 @@ mod tests {
 
     #[test]
     fn direct_access_needs_the_rings_and_takes_six_dispatch_warps_on_two_ranks() {
-        let cfg = GroupConfig::high_throughput(256, 7168);
+        use epflow_core::tuning::Tuning;
+        // The defaults, whatever the environment says.
+        let cfg = GroupConfig::high_throughput(256, 7168).with_tuning(Tuning::default());
         let ht = |l: BufferLayout| match l {
             BufferLayout::Ht(h) => h,
             BufferLayout::Ll(_) => unreachable!(),
@@ -797,23 +810,38 @@ mod tests {
         assert_eq!((plain.channels, plain.warps_per_dest), (32, 8));
         let direct = ht(BufferLayout::new(&cfg, 2, H200_SMS).unwrap().with_direct_access(true));
         assert!(direct.direct);
-        // Pull combine is on unless EPFLOW_HT_PULL=0.
-        assert_eq!(direct.pull_combine, std::env::var("EPFLOW_HT_PULL").map_or(true, |v| v.trim() != "0"));
+        // Pull combine is on unless turned off.
+        assert!(direct.pull_combine);
         assert_eq!((direct.warps_per_dest, direct.combine_warps_per_dest), (6, 8));
         assert_eq!(direct.direct_min_rows, HT_DIRECT_MIN_ROWS);
         // Helpers only when asked for, at most the receiving block's 16 warps shared out.
-        if std::env::var_os("EPFLOW_HT_DIRECT_HELPERS").is_none() {
-            assert_eq!((plain.direct_helpers, direct.direct_helpers), (0, 0));
-        }
-        assert_eq!(plain.direct_helpers, 0);
-        // Balanced direct dispatch up to 64 SMs unless EPFLOW_HT_BALANCED says otherwise; never
-        // without direct writes.
-        let forced = std::env::var("EPFLOW_HT_BALANCED").ok().and_then(|v| v.trim().parse::<usize>().ok());
-        assert_eq!(direct.balanced, forced.is_none_or(|v| v >= 1));
+        assert_eq!((plain.direct_helpers, direct.direct_helpers), (0, 0));
+        // Balanced direct dispatch up to 64 SMs; never without direct writes.
+        assert!(direct.balanced);
         let wide = cfg.clone().with_max_sms(Some(H200_SMS));
         let wide = ht(BufferLayout::new(&wide, 2, H200_SMS).unwrap().with_direct_access(true));
-        assert_eq!((wide.channels, wide.balanced), (66, forced.is_some_and(|v| v >= 1)));
+        assert_eq!((wide.channels, wide.balanced), (66, false));
         assert!(!plain.balanced);
+        // The group's overrides (EPFLOW_HT_* by default), clamped to their ranges.
+        let tuned = |ht: HtTuning, pull: bool| {
+            let t = Tuning { ht, ht_pull: pull, ..Tuning::default() };
+            let c = cfg.clone().with_tuning(t);
+            match BufferLayout::new(&c, 2, H200_SMS).unwrap().with_direct_access(true) {
+                BufferLayout::Ht(h) => h,
+                BufferLayout::Ll(_) => unreachable!(),
+            }
+        };
+        let over = HtTuning {
+            direct_helpers: Some(100),
+            balanced: Some(false),
+            depth: Some(4),
+            batch: Some(1000),
+            dispatch_warps: Some(3),
+            ..HtTuning::default()
+        };
+        let t = tuned(over, false);
+        assert_eq!((t.direct_helpers, t.balanced, t.pull_combine), (16, false, false));
+        assert_eq!((t.depth, t.batch, t.warps_per_dest), (16, 16, 3));
         assert_eq!((max_helpers(1), max_helpers(2), max_helpers(4), max_helpers(8)), (0, 16, 5, 2));
         // Four ranks keep 16 / R; over NCCL (no rings) nothing is direct; off stays off.
         assert_eq!(ht(BufferLayout::new(&cfg, 4, H200_SMS).unwrap().with_direct_access(true)).warps_per_dest, 4);

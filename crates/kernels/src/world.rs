@@ -50,6 +50,8 @@ impl GpuWorld {
     pub fn create_with(devices: &[usize], config: GroupConfig, transport: Transport) -> Result<Vec<GpuRank>, Error> {
         let num_ranks = devices.len();
         config.validate(num_ranks)?;
+        // The group's tuning is taken now: its own, else the environment's.
+        let config = config.clone().with_tuning(*config.tuning());
         // What the transport allows is decided before any device is touched.
         let masks = (0..num_ranks).map(|r| transport.nccl_mask(r, num_ranks, None)).collect::<Result<Vec<_>, _>>()?;
         refuse_masking_over_nccl(&config, &masks)?;
@@ -63,7 +65,7 @@ impl GpuWorld {
         // Every rank is in this process: with peer access, kernels reach the memory peers
         // allocate, so high-throughput dispatches may write rows straight into their outputs
         // and combines read their expert outputs in place.
-        let direct = !any_nccl && std::env::var("EPFLOW_HT_DIRECT").map_or(true, |v| v != "0");
+        let direct = !any_nccl && config.tuning().ht_direct;
         let layout = layout.for_transport(any_nccl).with_direct_access(direct);
         let nvlink_pairs: Vec<(usize, usize)> = (0..num_ranks)
             .flat_map(|a| (0..num_ranks).map(move |b| (a, b)))
@@ -137,6 +139,7 @@ impl GpuWorld {
     ) -> Result<GpuRank, Error> {
         let (rank, num_ranks) = (comm.rank(), comm.world_size());
         config.validate(num_ranks)?;
+        let config = config.clone().with_tuning(*config.tuning());
         let ctx = Arc::clone(comm.context());
         bind(&ctx)?;
         // Every rank's (host, GPU, SMs): ranks on one host with the same PCI location share a
@@ -296,7 +299,7 @@ fn build_rank(
     let fits = |f: &cudarc::driver::CudaFunction, threads: u32| {
         f.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None).is_ok_and(|n| n >= 2)
     };
-    let allowed = std::env::var("EPFLOW_ONE_LAUNCH").map_or(true, |v| v != "0");
+    let allowed = config.tuning().one_launch;
     let one_launch = allowed
         && !place.shares_gpu
         && functions.one_launch().iter().all(|(f, form)| fits(f, one_launch_threads(*form)));

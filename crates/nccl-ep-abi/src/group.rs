@@ -21,9 +21,6 @@ use crate::profile::Profile;
 use crate::status::{Fail, Res, warn};
 use crate::v2;
 
-/// `NCCL_EP_TIMEOUT_MS`: overrides the config's `timeout_ns`, as in NCCL EP.
-const TIMEOUT_ENV: &str = "NCCL_EP_TIMEOUT_MS";
-
 /// What `ncclEpCreateGroup` fixed, checked against every later call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Shape {
@@ -135,8 +132,8 @@ fn group_config(read: &v2::GroupConfig, num_ranks: usize) -> Res<(GroupConfig, S
     }
     let hidden = c.max_token_bytes as usize / 2;
     let max_tokens = c.max_dispatch_tokens_per_rank as usize;
-    let timeout = match std::env::var(TIMEOUT_ENV).ok().and_then(|v| v.trim().parse::<u64>().ok()) {
-        Some(ms) if ms > 0 => Duration::from_millis(ms),
+    let timeout = match epflow_core::tuning::Environment::get().abi_timeout_ms {
+        Some(ms) => Duration::from_millis(ms),
         _ if c.timeout_ns > 0 => Duration::from_nanos(c.timeout_ns),
         _ => epflow_core::config::DEFAULT_TIMEOUT,
     };

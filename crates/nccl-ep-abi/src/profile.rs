@@ -64,10 +64,9 @@ fn wall_ns() -> u64 {
 impl Profile {
     /// Reads `EPFLOW_ABI_PROFILE`.
     pub(crate) fn from_env() -> Self {
-        let on = std::env::var("EPFLOW_ABI_PROFILE").is_ok_and(|v| v == "1");
-        let stamps = std::env::var_os("EPFLOW_ABI_STAMPS")
-            .filter(|d| on && !d.is_empty())
-            .map(|d| (PathBuf::from(d), Mutex::new(Vec::new())));
+        let d = &epflow_core::tuning::Environment::get().diagnostics;
+        let on = d.abi_profile;
+        let stamps = d.abi_stamps.clone().filter(|_| on).map(|d| (d, Mutex::new(Vec::new())));
         Profile { on, nanos: Default::default(), calls: Default::default(), begun: Default::default(), stamps }
     }
 

@@ -43,9 +43,6 @@ pub(crate) struct Functions {
     /// High-throughput combine for up to 8, 4 and 2 ranks (`ht_receive.cuh`: the smaller the bound,
     /// the more loads each receiving lane keeps in flight): see [`Functions::ht_combine_for`].
     pub ht_combine: [CudaFunction; 3],
-    /// `EPFLOW_HT_COMBINE_RANKS` (a tuning aid, read at load): the smallest rank bound
-    /// [`Functions::ht_combine_for`] picks, e.g. `8` runs the general kernel on 2 ranks.
-    pub ht_combine_min_bound: usize,
     pub ht_exchange: CudaFunction,
     /// A high-throughput handle built on the device, one kernel: the mark blocks (a thread per
     /// token), then a block per destination and the receive block.
@@ -116,7 +113,6 @@ impl Functions {
                 f(&ht, "ep_ht_combine_kernel_4ranks")?,
                 f(&ht, "ep_ht_combine_kernel_2ranks")?,
             ],
-            ht_combine_min_bound: crate::layout::ht_tuning("COMBINE_RANKS", 1, 8).unwrap_or(1),
             ht_exchange: f(&ht, "ep_ht_exchange")?,
             ht_plan: f(&ht, "ep_ht_plan")?,
             dequant_fp8: f(&util, "ep_dequant_fp8_rows")?,
@@ -144,9 +140,10 @@ impl Functions {
     }
 
     /// The high-throughput combine kernel for a group of `num_ranks` ranks: the one of the
-    /// smallest rank bound (2, 4, 8) that covers it.
-    pub(crate) fn ht_combine_for(&self, num_ranks: usize) -> &CudaFunction {
-        match num_ranks.max(self.ht_combine_min_bound) {
+    /// smallest rank bound (2, 4, 8) that covers it and `min_bound` (a tuning aid, the group's
+    /// `EPFLOW_HT_COMBINE_RANKS`: e.g. `8` runs the general kernel on 2 ranks).
+    pub(crate) fn ht_combine_for(&self, num_ranks: usize, min_bound: usize) -> &CudaFunction {
+        match num_ranks.max(min_bound) {
             0..=2 => &self.ht_combine[2],
             3..=4 => &self.ht_combine[1],
             _ => &self.ht_combine[0],

@@ -24,7 +24,7 @@ pub fn nvrtc_present() -> bool {
 /// Where the CUDA headers (`cuda_bf16.h`, `cuda_fp8.h`) are.
 pub fn cuda_include_dir() -> Option<PathBuf> {
     let candidates = [
-        std::env::var_os("EPFLOW_CUDA_INCLUDE").map(PathBuf::from),
+        epflow_core::tuning::Environment::get().paths.cuda_include.clone(),
         std::env::var_os("CUDA_HOME").map(|p| PathBuf::from(p).join("include")),
         std::env::var_os("CUDA_PATH").map(|p| PathBuf::from(p).join("include")),
         Some(PathBuf::from("/usr/local/cuda/include")),
@@ -33,8 +33,8 @@ pub fn cuda_include_dir() -> Option<PathBuf> {
 }
 
 fn cache_dir() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("EPFLOW_KERNEL_CACHE") {
-        return Some(PathBuf::from(p));
+    if let Some(p) = &epflow_core::tuning::Environment::get().paths.kernel_cache {
+        return Some(p.clone());
     }
     let base = std::env::var_os("XDG_CACHE_HOME")
         .map(PathBuf::from)

@@ -130,7 +130,7 @@ impl KernelModule {
 /// empty `.cuh` parts). The kernels must keep their names and parameter blocks. A development tool:
 /// unset in production.
 pub fn source_override_dir() -> Option<PathBuf> {
-    std::env::var_os("EPFLOW_KERNEL_SOURCE_DIR").filter(|v| !v.is_empty()).map(PathBuf::from)
+    epflow_core::tuning::Environment::get().paths.kernel_source_dir.clone()
 }
 
 #[cfg(test)]

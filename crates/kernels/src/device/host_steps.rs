@@ -23,7 +23,7 @@ static TOTALS: Mutex<BTreeMap<&'static str, (u128, u64)>> = Mutex::new(BTreeMap:
 fn on() -> bool {
     match STATE.load(Ordering::Relaxed) {
         0 => {
-            let on = std::env::var("EPFLOW_HOST_STEPS").is_ok_and(|v| v == "1");
+            let on = epflow_core::tuning::Environment::get().diagnostics.host_steps;
             STATE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
             on
         }
@@ -101,7 +101,7 @@ mod tests {
     #[test]
     fn off_by_default_records_nothing() {
         // The test environment does not set EPFLOW_HOST_STEPS.
-        if std::env::var("EPFLOW_HOST_STEPS").is_ok() {
+        if epflow_core::tuning::Environment::get().diagnostics.host_steps {
             return;
         }
         let mut s = Steps::start();

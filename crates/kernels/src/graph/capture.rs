@@ -361,7 +361,7 @@ impl GpuCapture<'_> {
     /// the eager synchronous form is where the rank allows it (`RankShared::one_launch`;
     /// `EPFLOW_GRAPH_ONE_LAUNCH=0` keeps two kernels).
     fn one_launch(&self) -> bool {
-        self.rank.shared.one_launch && std::env::var("EPFLOW_GRAPH_ONE_LAUNCH").map_or(true, |v| v != "0")
+        self.rank.shared.one_launch && self.rank.shared.config.tuning().graph_one_launch
     }
 
     /// Makes `p` a captured operation of `channel`: its number is its offset plus the step's

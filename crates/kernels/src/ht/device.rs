@@ -14,6 +14,7 @@
 //! count exchange's, so a rank building its handle on the host (`EPFLOW_HT_HANDLE=host`, or
 //! over NCCL) and one building it on the device agree.
 
+use epflow_core::tuning::HandleBuilder;
 use std::sync::Arc;
 
 use epflow_core::Error;
@@ -33,7 +34,7 @@ use crate::rank::shared::{RankShared, peer_array};
 /// Whether this rank builds its high-throughput handles on the device: over NVLink, unless
 /// `EPFLOW_HT_HANDLE=host` asks for the host-built plan (kept for comparison and as a fallback).
 pub(crate) fn builds_on_device(s: &RankShared) -> bool {
-    s.nccl_all().is_none() && std::env::var("EPFLOW_HT_HANDLE").map_or(true, |v| v != "host")
+    s.nccl_all().is_none() && s.config.tuning().ht_handle == HandleBuilder::Device
 }
 
 /// The byte offsets of a device-built handle's arrays: the routing `[B x K]` i64, the strided

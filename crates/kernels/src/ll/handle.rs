@@ -24,7 +24,8 @@
 //! instead, whose dispatches then wait for it on the device, read the counts from the handle,
 //! and check its report at their verdicts.
 
-use std::sync::{Arc, Mutex, OnceLock};
+use epflow_core::tuning::HandleBuilder;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaEvent, CudaStream, PushKernelArg};
 use epflow_core::Algorithm;
@@ -50,15 +51,14 @@ const MAX_BLOCK: usize = 1024;
 /// over NCCL (the combine positions are computed on the host), or `EPFLOW_LL_HANDLE=host`
 /// (read once per process) asks for the host-built handle, kept for comparison and as a fallback.
 pub(crate) fn builds_on_device(s: &RankShared) -> bool {
-    static ON_HOST: OnceLock<bool> = OnceLock::new();
-    s.nccl.is_none() && !*ON_HOST.get_or_init(|| std::env::var("EPFLOW_LL_HANDLE").is_ok_and(|v| v == "host"))
+    s.nccl.is_none() && s.config.tuning().ll_handle == HandleBuilder::Device
 }
 
-/// Whether a creation in a stream's order enqueues the handle's kernel (`EPFLOW_LL_STREAM_HANDLE
-/// =kernel`, read once per process) rather than leaving the routing to the dispatches.
-fn stream_order_kernel() -> bool {
-    static KERNEL: OnceLock<bool> = OnceLock::new();
-    *KERNEL.get_or_init(|| std::env::var("EPFLOW_LL_STREAM_HANDLE").is_ok_and(|v| v == "kernel"))
+/// Whether a creation in a stream's order enqueues the handle's kernel (the group's
+/// [`epflow_core::tuning::Tuning::ll_stream_handle_kernel`], `EPFLOW_LL_STREAM_HANDLE=kernel`)
+/// rather than leaving the routing to the dispatches.
+fn stream_order_kernel(s: &RankShared) -> bool {
+    s.config.tuning().ll_stream_handle_kernel
 }
 
 /// The threads of the kernel's block for `tokens`: one per token up to [`MAX_BLOCK`] (more
@@ -115,7 +115,7 @@ pub(crate) fn build_on(
     stream: &Arc<CudaStream>,
     steps: &mut Steps,
 ) -> Result<GpuHandle, Error> {
-    if !stream_order_kernel() {
+    if !stream_order_kernel(s) {
         return read_by_dispatches(s, topk_idx, layout, stream, steps);
     }
     let (b, k) = (topk_idx.desc().shape[0], topk_idx.desc().shape[1]);

@@ -52,8 +52,12 @@ fn base_params(
         ret_list: handle_ptr + l.return_list_offset() as u64,
         ret_count: handle_ptr + l.return_count_offset() as u64,
         trace: i32::from(trace_on()),
-        tag_tokens: if s.config.rank_masking { 0 } else { tag_tokens().min(l.tag_capacity()) as i32 },
-        tag_dispatch_tokens: if s.config.rank_masking { 0 } else { tag_dispatch_tokens().min(l.tag_capacity()) as i32 },
+        tag_tokens: if s.config.rank_masking { 0 } else { tag_tokens(s).min(l.tag_capacity()) as i32 },
+        tag_dispatch_tokens: if s.config.rank_masking {
+            0
+        } else {
+            tag_dispatch_tokens(s).min(l.tag_capacity()) as i32
+        },
         ..LlParams::default()
     };
     let (own, peers) = s.recv_regions(channel == 0);
@@ -73,32 +77,25 @@ fn base_params(
 /// Whether `EPFLOW_LL_TRACE=1` asks the low-latency kernels to print their phase times (read
 /// once per process).
 fn trace_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("EPFLOW_LL_TRACE").is_ok_and(|v| v == "1"))
+    epflow_core::tuning::Environment::get().diagnostics.ll_trace
 }
 
 /// The most tokens for which this rank's rank-major combines take tagged rows (`tag_tokens` in
-/// `LlParams`; expert-major combines fit `R / K` as many): `LL_TAG_TOKENS`, or
-/// `EPFLOW_LL_TAG_TOKENS` (0 turns tagged rows off). Each token owner decides for its own
-/// combines and says so in its dispatch messages, so ranks need not agree on it.
-fn tag_tokens() -> usize {
-    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    env_tokens(&N, "EPFLOW_LL_TAG_TOKENS")
+/// `LlParams`; expert-major combines fit `R / K` as many): `LL_TAG_TOKENS`, or the group's
+/// [`epflow_core::tuning::Tuning::ll_tag_tokens`] (`EPFLOW_LL_TAG_TOKENS`; 0 turns tagged rows
+/// off). Each token owner decides for its own combines and says so in its dispatch messages, so
+/// ranks need not agree on it.
+fn tag_tokens(s: &RankShared) -> usize {
+    s.config.tuning().ll_tag_tokens.unwrap_or(LL_TAG_TOKENS)
 }
 
 /// The most tokens for which this rank's dispatches go out as tagged messages
-/// (`tag_dispatch_tokens` in `LlParams`): `LL_TAG_TOKENS`, or `EPFLOW_LL_TAG_DISPATCH_TOKENS` (0
+/// (`tag_dispatch_tokens` in `LlParams`): `LL_TAG_TOKENS`, or the group's
+/// [`epflow_core::tuning::Tuning::ll_tag_dispatch_tokens`] (`EPFLOW_LL_TAG_DISPATCH_TOKENS`; 0
 /// turns them off). The sender decides and says so in its arrival word, so ranks need not agree
 /// on it.
-fn tag_dispatch_tokens() -> usize {
-    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    env_tokens(&N, "EPFLOW_LL_TAG_DISPATCH_TOKENS")
-}
-
-/// A token threshold from environment variable `name`, else `LL_TAG_TOKENS`; read once per
-/// process into `cell`.
-fn env_tokens(cell: &std::sync::OnceLock<usize>, name: &str) -> usize {
-    *cell.get_or_init(|| std::env::var(name).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(LL_TAG_TOKENS))
+fn tag_dispatch_tokens(s: &RankShared) -> usize {
+    s.config.tuning().ll_tag_dispatch_tokens.unwrap_or(LL_TAG_TOKENS)
 }
 
 /// Sets the sequence number and buffer set of operation `seq`.

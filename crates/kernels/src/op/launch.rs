@@ -148,7 +148,12 @@ impl GpuOp {
         match self.launch {
             Launch::Ht(mut p) => {
                 p.cancelled = cancelled;
-                let k = if p.chan == 0 { &f.ht_dispatch } else { f.ht_combine_for(p.num_ranks as usize) };
+                let k = if p.chan == 0 {
+                    &f.ht_dispatch
+                } else {
+                    let min_bound = s.config.tuning().ht.combine_ranks.map_or(1, |n| n.clamp(1, 8));
+                    f.ht_combine_for(p.num_ranks as usize, min_bound)
+                };
                 self.launch_one(on, k, &p, ht_grid(&p), "launch ht kernel")?;
             }
             Launch::Exchange(mut p) => {

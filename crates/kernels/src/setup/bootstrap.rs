@@ -58,7 +58,7 @@ impl LaunchEnv {
     /// `EPFLOW_NCCL_ID` nor `MASTER_ADDR`). Bad or missing values are errors that name the
     /// variable. Nothing is contacted here; [`LaunchEnv::communicator`] does the rendezvous.
     pub fn from_env() -> Result<Option<Self>, Error> {
-        let Some(nccl_id) = var("EPFLOW_NCCL_ID")? else {
+        let Some(nccl_id) = epflow_core::tuning::Environment::get().nccl_id.clone() else {
             return Ok(RendezvousEnv::from_env()?.map(|rv| LaunchEnv {
                 rank: rv.rank,
                 world_size: rv.world_size,
