@@ -8,7 +8,7 @@ use cudarc::driver::{CudaContext, sys};
 use epflow_core::Error;
 
 use super::context::{bind, cuda};
-use super::parked::{self, Parked};
+use super::parked::{self, Parked, free_parked};
 
 /// Waits for the context's legacy (NULL) stream: `cuMemsetD8` and pageable `cuMemcpyHtoD` may
 /// return before the device has finished them, and epflow's own streams are non-blocking (they do
@@ -93,24 +93,6 @@ impl Drop for DeviceBuffer {
         let a = Parked::Device { ptr: self.ptr, bytes: self.bytes };
         if !parked::park(&self.ctx, a) {
             free_parked(&self.ctx, &[a]);
-        }
-    }
-}
-
-/// Frees allocations of `ctx` now (`cuMemFree` / `cuMemFreeHost`: each waits for the device's
-/// running kernels). Each must be unused by the device and freed once: dropped buffers, whose
-/// owners synchronize the device before dropping what kernels may still use, or parked ones.
-pub(super) fn free_parked(ctx: &CudaContext, all: &[Parked]) {
-    if all.is_empty() || bind(ctx).is_err() {
-        return;
-    }
-    for a in all {
-        match *a {
-            // SAFETY: an allocation of `cuMemAlloc` in this context, freed once (its buffer
-            // was dropped, or it leaves the parked list here).
-            Parked::Device { ptr, .. } => drop(unsafe { sys::cuMemFree_v2(ptr) }),
-            // SAFETY: an allocation of `cuMemHostAlloc` in this context, freed once (as above).
-            Parked::Host { host, .. } => drop(unsafe { sys::cuMemFreeHost(host as *mut c_void) }),
         }
     }
 }

@@ -14,7 +14,11 @@
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 
-use cudarc::driver::CudaContext;
+use std::ffi::c_void;
+
+use cudarc::driver::{CudaContext, sys};
+
+use super::context::bind;
 
 /// Bytes of freed memory a shared context keeps at most before freeing again.
 pub(crate) const MAX_PARKED_BYTES: usize = 2 << 30;
@@ -84,7 +88,25 @@ impl Drop for SharedContext {
             all.remove(&k).map(|s| s.parked).unwrap_or_default()
         };
         // Outside the lock: frees of other contexts go on meanwhile.
-        super::memory::free_parked(&self.ctx, &parked);
+        free_parked(&self.ctx, &parked);
+    }
+}
+
+/// Frees allocations of `ctx` now (`cuMemFree` / `cuMemFreeHost`: each waits for the device's
+/// running kernels). Each must be unused by the device and freed once: dropped buffers, whose
+/// owners synchronize the device before dropping what kernels may still use, or parked ones.
+pub(super) fn free_parked(ctx: &CudaContext, all: &[Parked]) {
+    if all.is_empty() || bind(ctx).is_err() {
+        return;
+    }
+    for a in all {
+        match *a {
+            // SAFETY: an allocation of `cuMemAlloc` in this context, freed once (its buffer
+            // was dropped, or it leaves the parked list here).
+            Parked::Device { ptr, .. } => drop(unsafe { sys::cuMemFree_v2(ptr) }),
+            // SAFETY: an allocation of `cuMemHostAlloc` in this context, freed once (as above).
+            Parked::Host { host, .. } => drop(unsafe { sys::cuMemFreeHost(host as *mut c_void) }),
+        }
     }
 }
 
