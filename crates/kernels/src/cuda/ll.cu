@@ -9,7 +9,7 @@
 // one-launch grid has at most one block per SM, and its registers are bounded so that two blocks
 // fit on an SM: the other channel's one-launch kernel (ranks may interleave the channels
 // differently) always finds room beside a waiting one. The tagged one-launch kernels run in
-// blocks of 256 threads (epflow-kernels ll/geometry.rs `TAGGED_ONE_LAUNCH_THREADS`), so they
+// blocks of 256 threads (epflow-kernels op/ll_geometry.rs `TAGGED_ONE_LAUNCH_THREADS`), so they
 // have 128 registers: at 512 threads and 64 they spilled (the dispatch ~200 bytes on the
 // receive's path, the combine 20). The plain ones keep 512 threads (in 256 their receives take
 // twice the rounds).

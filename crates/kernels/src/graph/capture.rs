@@ -16,14 +16,14 @@ use epflow_core::validate::{validate_combine_inputs, validate_dispatch_inputs};
 use epflow_core::{Algorithm, Error, ValidationError};
 
 use super::{CapturedOp, GpuStep, StepMemory};
+use crate::compile::ll_kernels::LlKernel;
 use crate::device::{DeviceTensor, bind, cuda};
-use crate::ll::geometry::LlKernel;
 use crate::ll::start::{combine_params, dispatch_params};
 use crate::op::launch_ll_kernel;
 use crate::outputs::OutputTargets;
 use crate::params::LlParams;
 use crate::rank::GpuRank;
-use crate::rank::handle::GpuHandle;
+use crate::state::handle::GpuHandle;
 
 /// Numbers the steps of the process (a handle belongs to one).
 static NEXT_STEP: AtomicU64 = AtomicU64::new(1);

@@ -11,8 +11,8 @@ use epflow_core::{Algorithm, Error, ValidationError};
 use crate::device::{DeviceTensor, PinnedBuffer};
 use crate::outputs::OutputTargets;
 use crate::rank::GpuRank;
-pub(crate) use crate::rank::handle::GraphHandle;
-use crate::rank::handle::{GpuHandle, take_pooled};
+pub(crate) use crate::state::handle::GraphHandle;
+use crate::state::handle::{GpuHandle, take_pooled};
 
 impl GraphHandle {
     /// Where a dispatch on the handle writes.
@@ -31,7 +31,7 @@ impl GraphHandle {
     /// The validation error of replay `replay`'s first invalid row (lowest token), if it had
     /// one.
     pub(crate) fn invalid_entry(&self, replay: u64, num_experts: usize) -> Option<ValidationError> {
-        crate::ll::report::invalid_row_in(&self.report, self.topk.desc().shape[0], replay, num_experts)
+        crate::state::ll_report::invalid_row_in(&self.report, self.topk.desc().shape[0], replay, num_experts)
     }
 }
 

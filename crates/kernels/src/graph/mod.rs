@@ -38,8 +38,8 @@ use crate::device::{DeviceBuffer, DeviceTensor, PinnedBuffer, bind, cuda, event_
 use crate::op::in_channels_order;
 use crate::params::status;
 use crate::rank::GpuRank;
-use crate::rank::handle::GpuHandle;
-use crate::rank::shared::RankShared;
+use crate::state::handle::GpuHandle;
+use crate::state::shared::RankShared;
 
 /// Words of a step's bases: `[dispatch, combine, replay, failed, dispatches, combines, last]`
 /// (`advance_step` in `ll_receive.cuh`).

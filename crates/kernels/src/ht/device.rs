@@ -22,14 +22,14 @@ use epflow_core::ops::Pass;
 use epflow_core::protocol::Channel;
 use epflow_core::stamp::{Pairing, Stamp};
 
-use super::geometry::mark_blocks;
-use super::plan::DevicePlan;
-use super::result::RESULT_HEAD;
 use crate::device::{DeviceTensor, PinnedBuffer};
+use crate::op::ht_geometry::mark_blocks;
 use crate::op::{GpuOp, GpuOpKind, Launch};
 use crate::params::HtPlanParams;
-use crate::rank::handle::{HandleOffsets, take_pooled};
-use crate::rank::shared::{RankShared, peer_array};
+use crate::state::handle::{HandleOffsets, take_pooled};
+use crate::state::ht_plan::DevicePlan;
+use crate::state::ht_result::RESULT_HEAD;
+use crate::state::shared::{RankShared, peer_array};
 
 /// Whether this rank builds its high-throughput handles on the device: over NVLink, unless
 /// `EPFLOW_HT_HANDLE=host` asks for the host-built plan (kept for comparison and as a fallback).

@@ -1,7 +1,9 @@
 //! High-throughput operations (`cuda/ht.cu` and its `ht_*.cuh` parts, and `cuda/nccl.cu` over
-//! NCCL): handles built on the device over NVLink ([`device`], its state in [`plan`], the words it
-//! reports in [`result`]) or by the host with a count exchange ([`exchange`]), starting dispatch
-//! and combine ([`start`]), the same over NCCL ([`nccl`]) and the launch geometry ([`geometry`]).
+//! NCCL): handles built on the device over NVLink ([`device`]; their state and the words they
+//! report in are in `state/ht_plan.rs` and `state/ht_result.rs`) or by the host with a count
+//! exchange (`state/ht_exchange.rs`), starting dispatch and combine ([`start`]) and the same
+//! over NCCL ([`nccl`]).
+//! The launch geometry is beside the launches (`op/ht_geometry.rs`).
 //!
 //! ## Channels
 //!
@@ -14,9 +16,5 @@
 //! group's buffers do not grow with the token count.
 
 pub(crate) mod device;
-pub(crate) mod exchange;
-pub(crate) mod geometry;
 pub(crate) mod nccl;
-pub(crate) mod plan;
-pub(crate) mod result;
 pub(crate) mod start;

@@ -7,8 +7,8 @@ use epflow_core::handle::RoutingHandle;
 
 use crate::device::cache::CachedBuffer;
 use crate::params::{HtParams, NcclHtParams};
-use crate::rank::handle::{GpuHandle, HtHandleInfo};
-use crate::rank::shared::RankShared;
+use crate::state::handle::{GpuHandle, HtHandleInfo};
+use crate::state::shared::RankShared;
 use crate::transport::nccl::Xfer;
 
 /// The exchange of a high-throughput operation over NCCL: for every rank `d` and every array

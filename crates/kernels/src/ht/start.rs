@@ -20,8 +20,8 @@ use crate::device::{DeviceTensor, Lease};
 use crate::op::{GpuOp, GpuOpKind, Launch};
 use crate::outputs::OutputTargets;
 use crate::params::{ExchangeParams, HtParams, NcclHtParams};
-use crate::rank::handle::GpuHandle;
-use crate::rank::shared::{ExchangeBuffers, RankShared, peer_array};
+use crate::state::handle::GpuHandle;
+use crate::state::shared::{ExchangeBuffers, RankShared, peer_array};
 use crate::transport::nccl::Xfer;
 use crate::transport::nccl::exchange_row_words;
 

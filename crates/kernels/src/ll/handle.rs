@@ -37,11 +37,11 @@ use epflow_core::protocol::Channel;
 use crate::device::host_steps::Steps;
 use crate::device::{DeviceBuffer, DeviceTensor, PinnedBuffer, bind, cuda, stream_id};
 use crate::params::{LL_COMPACT_MAX_ROWS, MAX_RANKS};
-use crate::rank::handle::{GpuHandle, LlStreamBuilt, take_pooled};
-use crate::rank::shared::RankShared;
+use crate::state::handle::{GpuHandle, LlStreamBuilt, take_pooled};
+use crate::state::shared::RankShared;
 
 /// Words of the kernel's report before the per-destination counts: the first invalid entry,
-/// its value, the earlier k it repeats (read by [`crate::ht::result::invalid_routing_in`]).
+/// its value, the earlier k it repeats (read by [`crate::state::ht_result::invalid_routing_in`]).
 const REPORT_HEAD: usize = 3;
 
 /// Threads of the kernel's block at most (`EP_LL_HANDLE_BLOCK`).
@@ -165,7 +165,7 @@ fn handed_out(
 
 /// [`build_on`] without a kernel: the handle's memory (its copy of the routing, written by its
 /// dispatches' sends) and a report of invalid rows in the format of captured steps' (replay 0;
-/// [`super::report::invalid_row_in`]), cleared here; an event on `stream` after `topk_idx`'s
+/// [`crate::state::ll_report::invalid_row_in`]), cleared here; an event on `stream` after `topk_idx`'s
 /// ready event.
 fn read_by_dispatches(
     s: &Arc<RankShared>,
@@ -361,7 +361,7 @@ fn read_report(
 ) -> Result<Option<[i32; MAX_RANKS]>, Error> {
     let done = record_after_kernel(s, &s.streams[Channel::Handle.index()])?;
     done.synchronize().map_err(|e| cuda("wait for ep_ll_handle", e))?;
-    if let Some(e) = crate::ht::result::invalid_routing_in(report, top_k, s.config.num_experts) {
+    if let Some(e) = crate::state::ht_result::invalid_routing_in(report, top_k, s.config.num_experts) {
         return Err(Error::Validation(e));
     }
     if !compact {

@@ -15,8 +15,8 @@ use crate::ll::handle::StreamRouting;
 use crate::op::{GpuOp, GpuOpKind, Launch};
 use crate::outputs::OutputTargets;
 use crate::params::{LL_TAG_TOKENS, LlParams, MAX_RANKS};
-use crate::rank::handle::GpuHandle;
-use crate::rank::shared::{RankShared, peer_array};
+use crate::state::handle::GpuHandle;
+use crate::state::shared::{RankShared, peer_array};
 use crate::transport::nccl::Xfer;
 
 /// The parameters every low-latency kernel of `channel` (0 dispatch, 1 combine) shares, for an

@@ -14,10 +14,10 @@ use epflow_core::{Algorithm, DType, Error, TensorDesc, TensorTag};
 
 use super::{GpuOp, GpuOpKind, GpuOpOutput, Launch};
 use crate::device::{DeviceTensor, Lease};
-use crate::ht::exchange::{finish_handle, received_messages, recycle_exchange};
 use crate::outputs::{GpuCombineOutput, GpuDispatchOutput, SetLease};
 use crate::params::status;
-use crate::rank::handle::GpuHandle;
+use crate::state::handle::GpuHandle;
+use crate::state::ht_exchange::{finish_handle, received_messages, recycle_exchange};
 
 /// What the device reported about one operation's peers.
 struct Outcome {

@@ -1,5 +1,5 @@
-//! The launches of a [`GpuOp`]: its kernels (geometry decided by [`crate::ll::geometry`] and
-//! [`crate::ht::geometry`]) and its NCCL groups, in stream order.
+//! The launches of a [`GpuOp`]: its kernels (geometry decided by [`super::ll_geometry`] and
+//! [`super::ht_geometry`]) and its NCCL groups, in stream order.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -8,14 +8,15 @@ use cudarc::driver::{CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKern
 use epflow_core::Error;
 use epflow_core::protocol::Fence;
 
+use super::ht_geometry::{HT_PLAN_BLOCK, ht_grid};
+use super::ll_geometry::ll_launch;
 use super::{GpuOp, GpuOpKind, in_channel_order, wait_unless_same};
+use crate::compile::ll_kernels::{Form, LlKernel};
 use crate::device::host_steps::Steps;
 use crate::device::{StreamFence, StreamWork, cuda, stream_id};
-use crate::ht::geometry::{HT_PLAN_BLOCK, ht_grid};
-use crate::ll::geometry::{Form, LlKernel, ll_launch};
 use crate::params::{ExchangeParams, HtParams, HtPlanParams, LlParams, NcclHtParams};
-use crate::rank::handle::GpuHandle;
-use crate::rank::shared::RankShared;
+use crate::state::handle::GpuHandle;
+use crate::state::shared::RankShared;
 use crate::transport::nccl::{Xfer, issue};
 
 /// The kernel parameters of an operation.

@@ -5,10 +5,13 @@
 //! and combine, and the count exchange of handle creation, are one launch each (the send half),
 //! whose end is the completion. A CUDA event after the last launch is the completion signal.
 //!
-//! The lifecycle lives here; [`launch`] holds the launches, [`finish`] the output assembly.
+//! The lifecycle lives here; [`launch`] holds the launches (with their geometry,
+//! [`ll_geometry`] and [`ht_geometry`]), [`finish`] the output assembly.
 
 mod finish;
+pub(crate) mod ht_geometry;
 mod launch;
+pub(crate) mod ll_geometry;
 
 pub(crate) use launch::{launch_ll_kernel, launch_ll_kernel_as};
 
@@ -26,14 +29,14 @@ use epflow_core::{Error, ValidationError};
 
 pub(crate) use launch::Launch;
 
-use crate::ll::geometry::LlKernel;
+use crate::compile::ll_kernels::LlKernel;
 
 use crate::device::cache::CachedBuffer;
 use crate::device::host_steps::Steps;
 use crate::device::{DeviceTensor, StreamFence, StreamWork, bind, cuda, stream_id};
 use crate::outputs::{GpuCombineOutput, GpuDispatchOutput, OutputTargets, SetLease};
-use crate::rank::handle::GpuHandle;
-use crate::rank::shared::{ExchangeBuffers, RankShared};
+use crate::state::handle::GpuHandle;
+use crate::state::shared::{ExchangeBuffers, RankShared};
 use crate::transport::nccl::Xfer;
 
 /// A high-throughput dispatch's output tensors and, when asked for, its counters on the host.
@@ -50,7 +53,7 @@ pub(crate) enum GpuOpKind {
     /// `recv_bound`: the received rows of a `RecvRows::Bound` handle.
     HtHandle { routing: Routing, plan: ChannelPlan, bufs: Option<ExchangeBuffers>, recv_bound: Option<usize> },
     /// A high-throughput handle built on the device (`ep_ht_plan`).
-    HtDeviceHandle(Box<crate::ht::plan::DevicePlan>),
+    HtDeviceHandle(Box<crate::state::ht_plan::DevicePlan>),
     /// A handle built on the device and handed out in stream order before it was built
     /// (`complete_on`): its verdict settles it.
     HtStreamHandle(GpuHandle),
@@ -326,7 +329,7 @@ impl GpuOp {
     /// Whether this operation runs both low-latency halves as one cooperative launch: the
     /// synchronous form (or a whole operation in stream order) was asked for, it carries data
     /// to and from NVLink peers only (an NCCL exchange runs between the halves), and the rank
-    /// allows it ([`crate::rank::shared::RankShared::one_launch`]). Decided at the send.
+    /// allows it ([`crate::state::shared::RankShared::one_launch`]). Decided at the send.
     fn one_launch(&self) -> bool {
         self.at_once
             && self.shared.one_launch

@@ -9,11 +9,10 @@ use epflow_core::Error;
 
 use super::GpuRank;
 use crate::device::{DeviceBuffer, cuda};
+use crate::params::TMA_MAX_STAGES;
 
 /// Threads per block of `ep_sm_copy` (its `__launch_bounds__`).
 const SM_COPY_BLOCK: u32 = 512;
-/// The most shared-memory buffers `ep_tma_copy` takes (its `TMA_MAX_STAGES`).
-pub(crate) const TMA_MAX_STAGES: u32 = 32;
 
 /// One copy of the probes: `bytes` (a multiple of 16) of `src`, this rank's buffer, into `dst`,
 /// this rank's or a peer's of the same group, at byte `dst_offset` (a multiple of 16).

@@ -12,11 +12,11 @@ use std::time::{Duration, Instant};
 use epflow_core::Error;
 
 use super::GpuRank;
+use crate::compile::ll_kernels::LlKernel;
 use crate::device::{DeviceBuffer, bind, cuda};
-use crate::ll::geometry::LlKernel;
 use crate::op::{launch_ll_kernel, launch_ll_kernel_as};
 use crate::params::LlParams;
-use crate::rank::shared::RankShared;
+use crate::state::shared::RankShared;
 
 /// The host time of launching one low-latency kernel, as [`GpuRank::ll_launch_costs`] measured it.
 #[derive(Clone, Debug, PartialEq)]

@@ -12,10 +12,10 @@ use epflow_core::mask::{MaskedRanks, RankSet};
 use epflow_core::protocol::{Channel, op_label};
 
 use super::GpuRank;
-use super::shared::peer_array;
 use crate::device::{bind, cuda};
 use crate::layout::BufferLayout;
 use crate::params::{MaskParams, status};
+use crate::state::shared::peer_array;
 
 impl GpuRank {
     /// The rank's view: the mirror its kernels last wrote, and the epoch.

@@ -1,20 +1,14 @@
 //! [`GpuRank`]: one rank of a GPU group, and its [`Backend`] implementation: validation, then
 //! the low-latency ([`crate::ll`]) or high-throughput ([`crate::ht`]) start of each operation.
 //!
-//! - [`shared`]: what every operation of the rank shares (streams, kernels, memory, peers).
-//! - [`handle`]: routing handles and what they learnt.
 //! - `mask`: rank masking ([`epflow_core::mask`]): the host's view, `mask_ranks`, `unmask_all`.
 
 mod copy_probe;
-#[cfg(test)]
-pub(crate) use copy_probe::TMA_MAX_STAGES;
 pub use copy_probe::{BulkStages, CopyRange};
-pub(crate) mod handle;
 mod launch_cost;
 pub use launch_cost::LaunchCost;
 mod mask;
 mod meet;
-pub(crate) mod shared;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -35,13 +29,13 @@ use epflow_core::validate::{
 };
 use epflow_core::{Algorithm, Error, TensorDesc};
 
-use self::handle::{GpuHandle, LlNcclInfo, take_pooled};
-use self::shared::RankShared;
 use crate::device::host_steps::Steps;
 use crate::device::{DeviceTensor, bind, copy_to_host, cuda};
 use crate::op::GpuOp;
 use crate::outputs::OutputTargets;
 use crate::params::{LL_COMPACT_MAX_ROWS, MAX_RANKS};
+use crate::state::handle::{GpuHandle, LlNcclInfo, take_pooled};
+use crate::state::shared::RankShared;
 use crate::{ht, ll};
 
 /// One rank of a GPU group. Every operation is collective: all ranks call it, in the same
@@ -411,8 +405,8 @@ impl Backend for GpuRank {
     type Stream = Arc<cudarc::driver::CudaStream>;
     type Tensor = DeviceTensor;
     type Handle = GpuHandle;
-    type DispatchOutput = crate::GpuDispatchOutput;
-    type CombineOutput = crate::GpuCombineOutput;
+    type DispatchOutput = crate::outputs::GpuDispatchOutput;
+    type CombineOutput = crate::outputs::GpuCombineOutput;
     type Op = GpuOp;
 
     fn core(&self) -> &RankCore {

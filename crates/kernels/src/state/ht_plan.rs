@@ -1,6 +1,6 @@
-//! A high-throughput handle being built on the device ([`super::device`]): its memory, where
+//! A high-throughput handle being built on the device ([`crate::ht::device`]): its memory, where
 //! its arrays lie, and the mapped words its receive kernel writes for the host
-//! ([`super::result`]); what the operation finishes into.
+//! ([`crate::state::ht_result`]); what the operation finishes into.
 
 use std::sync::{Arc, OnceLock};
 
@@ -8,10 +8,10 @@ use cudarc::driver::CudaEvent;
 use epflow_core::handle::HandleCore;
 use epflow_core::{Algorithm, Error, ValidationError};
 
-use super::result::{RESULT_BUILT, RESULT_HEAD, RESULT_N, invalid_routing_in};
 use crate::device::{DeviceBuffer, PinnedBuffer};
-use crate::rank::handle::{GpuHandle, HandleOffsets, HtHandleInfo, StreamCreation};
-use crate::rank::shared::RankShared;
+use crate::state::handle::{GpuHandle, HandleOffsets, HtHandleInfo, StreamCreation};
+use crate::state::ht_result::{RESULT_BUILT, RESULT_HEAD, RESULT_N, invalid_routing_in};
+use crate::state::shared::RankShared;
 
 /// A handle being built on the device: its memory, where the arrays lie, and the mapped words
 /// the receive kernel writes for the host.

@@ -1,7 +1,7 @@
 //! The mapped report of invalid routing rows that a low-latency dispatch reading the caller's
 //! `topk_idx` writes (`routed_entry` in `ll_send.cuh`): captured steps' dispatches
 //! (`graph/handle.rs`) and the first dispatches on a handle created in stream order
-//! (`ll/handle.rs`, `rank/handle.rs`).
+//! (`ll/handle.rs`, `state/handle.rs`).
 
 use epflow_core::ValidationError;
 

@@ -116,7 +116,7 @@ pub(crate) struct StreamCreation {
 impl StreamCreation {
     /// Whether the device built the handle (read once the kernels ended: after `built`).
     fn built_ok(&self) -> bool {
-        self.result.as_ref().is_some_and(|r| r.read_u64(crate::ht::result::RESULT_BUILT) == self.seq + 1)
+        self.result.as_ref().is_some_and(|r| r.read_u64(crate::state::ht_result::RESULT_BUILT) == self.seq + 1)
     }
 }
 
@@ -375,15 +375,15 @@ impl GpuHandle {
         let r = b.report.as_ref()?;
         let (tokens, k) = (self.0.core.num_tokens(), self.0.core.top_k());
         if b.topk_src.is_none() {
-            return crate::ht::result::invalid_routing_in(r, k, num_experts);
+            return crate::state::ht_result::invalid_routing_in(r, k, num_experts);
         }
         // The dispatches' report, then the later kernel's once it ran (dispatches ordered after
         // it read no report: a routing whose first dispatches were cancelled is judged there).
-        crate::ll::report::invalid_row_in(r, tokens, 0, num_experts).or_else(|| {
+        crate::state::ll_report::invalid_row_in(r, tokens, 0, num_experts).or_else(|| {
             let later = b.later.lock().unwrap_or_else(|e| e.into_inner());
             let (event, kr, _) = later.built.as_ref()?;
             let ran = self.0.mem.as_ref().is_some_and(|m| crate::device::event_done(m.context(), event));
-            if ran { crate::ht::result::invalid_routing_in(kr, k, num_experts) } else { None }
+            if ran { crate::state::ht_result::invalid_routing_in(kr, k, num_experts) } else { None }
         })
     }
 
@@ -420,9 +420,9 @@ impl GpuHandle {
     pub(crate) fn settle_recv(&self) -> bool {
         let Some(c) = &self.0.creation else { return true };
         let Some(r) = c.result.as_ref().filter(|_| c.built_ok()) else { return false };
-        let head = crate::ht::result::RESULT_HEAD;
+        let head = crate::state::ht_result::RESULT_HEAD;
         let counts = (0..c.local).map(|l| r.read_u64(head + l) as i32).collect();
-        self.0.core.set_recv(r.read_u64(crate::ht::result::RESULT_N) as usize, counts);
+        self.0.core.set_recv(r.read_u64(crate::state::ht_result::RESULT_N) as usize, counts);
         true
     }
 
@@ -430,7 +430,7 @@ impl GpuHandle {
     /// order (read once its kernels ended).
     pub(crate) fn creation_invalid_routing(&self, num_experts: usize) -> Option<epflow_core::ValidationError> {
         let r = self.0.creation.as_ref()?.result.as_ref()?;
-        crate::ht::result::invalid_routing_in(r, self.0.core.top_k(), num_experts)
+        crate::state::ht_result::invalid_routing_in(r, self.0.core.top_k(), num_experts)
     }
 
     /// Records the error of a handle creation in stream order (its verdict), for the

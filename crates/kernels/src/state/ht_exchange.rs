@@ -8,8 +8,8 @@ use epflow_core::protocol::{Channel, op_label};
 use epflow_core::routing::{ChannelPlan, ChannelReceive, Routing};
 use epflow_core::{Algorithm, Error};
 
-use crate::rank::handle::{GpuHandle, HandleOffsets, HtHandleInfo, take_pooled};
-use crate::rank::shared::{ExchangeBuffers, RankShared};
+use crate::state::handle::{GpuHandle, HandleOffsets, HtHandleInfo, take_pooled};
+use crate::state::shared::{ExchangeBuffers, RankShared};
 use crate::transport::nccl::exchange_row_words;
 
 /// Returns the staging buffers of a finished exchange to the pool.

@@ -1,6 +1,6 @@
 //! The mapped words the plan kernels of a high-throughput handle built on the device write for the
-//! host (`ep_ht_plan` in `ht_handle.cuh`): read by the creation ([`super::plan`]) and, for a handle
-//! handed out in stream order, by the operations on it ([`crate::rank::handle`]).
+//! host (`ep_ht_plan` in `ht_handle.cuh`): read by the creation ([`crate::ht`]'s plan) and, for a handle
+//! handed out in stream order, by the operations on it ([`crate::state::handle`]).
 
 use epflow_core::ValidationError;
 
