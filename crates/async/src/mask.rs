@@ -1,5 +1,6 @@
 //! Rank masking on a [`Group`] ([`epflow_core::mask`]): the rank's view of the mask, masking a
-//! rank, the `unmask_all` collective, and a stream of mask events for a server task.
+//! rank, the `unmask_all` collective, admitting a replacement for a dead rank (`admit` /
+//! `rejoin`), and a stream of mask events for a server task.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -53,12 +54,38 @@ impl<B: Backend> Group<B> {
     /// It runs on a thread of its own (the meeting blocks), so awaiting it never blocks the
     /// executor.
     pub fn unmask_all(&self) -> UnmaskFuture {
+        self.meeting("unmask_all", |b| b.unmask_all())
+    }
+
+    /// A survivor's side of admitting replacements for the masked `ranks` (dead processes
+    /// whose replacements call [`Group::rejoin`]; [`epflow_core::mask`], "Rejoining"): every
+    /// survivor calls it with the same ranks, with no operation in flight, when the server says
+    /// so. Resolves once the replacements are full members, or fails with [`Error::Timeout`]
+    /// naming who did not come within `timeout` (the group is not poisoned: a replacement that
+    /// did not come stays masked and the survivors serve on). Refusals are
+    /// [`Error::RejoinRefused`]. Backends without it answer [`Error::Unsupported`] (the GPU
+    /// backend today: its groups are rebuilt, `docs/surviving-a-dead-rank.md`).
+    ///
+    /// It runs on a thread of its own, so awaiting it never blocks the executor.
+    pub fn admit(&self, ranks: &[usize], timeout: Duration) -> UnmaskFuture {
+        let set = RankSet::from_ranks(ranks.iter().copied(), self.num_ranks());
+        self.meeting("admit", move |b| b.admit(&set?, timeout))
+    }
+
+    /// A replacement's side of [`Group::admit`]: joins the survivors' meeting within `timeout`;
+    /// afterwards this rank serves as a full member.
+    pub fn rejoin(&self, timeout: Duration) -> UnmaskFuture {
+        self.meeting("rejoin", move |b| b.rejoin(timeout))
+    }
+
+    /// Runs a blocking meeting of the backend on a thread of its own.
+    fn meeting(&self, what: &'static str, f: impl FnOnce(&B) -> Result<()> + Send + 'static) -> UnmaskFuture {
         let (tx, rx) = oneshot::channel();
         let backend = Arc::clone(self.backend_arc());
-        let spawned = std::thread::Builder::new().name("epflow-unmask".into()).spawn(move || {
-            let _ = tx.send(backend.unmask_all());
+        let spawned = std::thread::Builder::new().name(format!("epflow-{what}")).spawn(move || {
+            let _ = tx.send(f(&backend));
         });
-        UnmaskFuture { rx: spawned.ok().map(|_| rx) }
+        UnmaskFuture { rx: spawned.ok().map(|_| rx), what }
     }
 
     /// The changes of this rank's view of the mask, as they are seen (each [`MaskEvent`] says
@@ -71,24 +98,24 @@ impl<B: Backend> Group<B> {
     }
 }
 
-/// The future of [`Group::unmask_all`].
+/// The future of [`Group::unmask_all`], [`Group::admit`] and [`Group::rejoin`].
 #[derive(Debug)]
-#[must_use = "unmask_all does nothing visible unless awaited (it still runs)"]
+#[must_use = "a meeting does nothing visible unless awaited (it still runs)"]
 pub struct UnmaskFuture {
     rx: Option<oneshot::Receiver<Result<()>>>,
+    what: &'static str,
 }
 
 impl Future for UnmaskFuture {
     type Output = Result<()>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        let what = self.what;
         let Some(rx) = self.rx.as_mut() else {
-            return Poll::Ready(Err(Error::Backend("unmask_all: no thread could be started for it".into())));
+            return Poll::Ready(Err(Error::Backend(format!("{what}: no thread could be started for it"))));
         };
         Pin::new(rx).poll(cx).map(|r| {
-            r.unwrap_or_else(|_| {
-                Err(Error::Internal { op: "unmask_all".into(), message: "its thread panicked".into() })
-            })
+            r.unwrap_or_else(|_| Err(Error::Internal { op: what.into(), message: "its thread panicked".into() }))
         })
     }
 }

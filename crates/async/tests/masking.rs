@@ -131,3 +131,54 @@ fn masking_a_rank_outside_the_group_is_a_typed_error() {
         assert!(!g.is_poisoned());
     }
 }
+
+/// Elastic rejoin through the async API ([`epflow_core::mask`], "Rejoining"): rank 1's group is
+/// dropped (its process died); the survivors mask it and serve without it; a replacement made
+/// through the rendezvous awaits `rejoin` while the survivors await `admit`; then the whole
+/// group is exact again, on any executor (here `futures`' block_on on plain threads).
+#[test]
+fn a_dead_rank_is_replaced_through_the_async_api() {
+    use epflow_core::host::HostWorld;
+    let dead = 1;
+    let gone = RankSet::from_ranks([dead], RANKS).unwrap();
+    let none = RankSet::new();
+    let groups: Vec<Group<HostRank>> =
+        HostWorld::create(RANKS, config()).unwrap().into_iter().map(Group::new).collect();
+    let rendezvous = groups[0].backend().rendezvous();
+    let survivors: Vec<Group<HostRank>> = std::thread::scope(|s| {
+        let hs: Vec<_> = groups
+            .into_iter()
+            .map(|g| {
+                let none = &none;
+                s.spawn(move || {
+                    futures::executor::block_on(round(&g, 31, none, false));
+                    (g.rank() != dead).then_some(g)
+                })
+            })
+            .collect();
+        hs.into_iter().filter_map(|h| h.join().unwrap()).collect()
+    });
+    survivors[0].mask(dead).unwrap();
+    let replacement = Group::new(rendezvous.replace(dead, &config()).unwrap());
+    let meeting = Duration::from_secs(10);
+    std::thread::scope(|s| {
+        for g in &survivors {
+            let (gone, none) = (&gone, &none);
+            s.spawn(move || {
+                futures::executor::block_on(async {
+                    round(g, 32, gone, true).await;
+                    g.admit(&[dead], meeting).await.unwrap();
+                    round(g, 33, none, true).await;
+                })
+            });
+        }
+        let (g, none) = (&replacement, &none);
+        s.spawn(move || {
+            futures::executor::block_on(async {
+                g.rejoin(meeting).await.unwrap();
+                round(g, 33, none, true).await;
+            })
+        });
+    });
+    assert!(survivors.iter().chain([&replacement]).all(|g| g.masked_ranks().ranks.is_empty()));
+}

@@ -331,6 +331,12 @@ impl RankCore {
         self.mask_epoch.fetch_add(1, Ordering::AcqRel);
     }
 
+    /// Starts a replacement rank at the group's mask `epoch` ([`crate::mask`], "Rejoining"):
+    /// before its first admission, which moves every participant to the next epoch.
+    pub fn set_mask_epoch(&self, epoch: u64) {
+        self.mask_epoch.store(epoch, Ordering::Release);
+    }
+
     /// The number of completed `unmask_all` calls ([`crate::mask`]).
     pub fn mask_epoch(&self) -> u64 {
         self.mask_epoch.load(Ordering::Acquire)
@@ -422,6 +428,20 @@ pub trait Backend: Send + Sync + 'static {
     /// every rank has arrived, or fails with [`Error::Timeout`] after the group's timeout.
     fn unmask_all(&self) -> Result<()> {
         Err(Error::Unsupported("unmask_all needs a group with rank_masking".into()))
+    }
+    /// A survivor's side of admitting replacements for the masked `ranks` ([`crate::mask`],
+    /// "Rejoining"): a meeting of every unmasked rank and the replacements, with no operation in
+    /// flight, within `timeout`. Every survivor calls it with the same `ranks`; each
+    /// replacement calls [`Backend::rejoin`].
+    fn admit(&self, ranks: &RankSet, timeout: Duration) -> Result<()> {
+        let _ = (ranks, timeout);
+        Err(Error::Unsupported("admitting a replacement rank is not supported by this backend yet".into()))
+    }
+    /// A replacement's side of [`Backend::admit`]: joins the survivors' meeting within
+    /// `timeout`; afterwards the rank is a full member of the group.
+    fn rejoin(&self, timeout: Duration) -> Result<()> {
+        let _ = timeout;
+        Err(Error::Unsupported("rejoining a running group is not supported by this backend yet".into()))
     }
     /// Validates `topk_idx` and creates a handle (collective for high-throughput).
     ///

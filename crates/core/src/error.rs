@@ -470,6 +470,15 @@ pub enum Error {
         /// [`crate::mask::RankSet`] holds).
         limit: usize,
     },
+    /// A replacement for a rank was refused before anything changed ([`crate::mask`],
+    /// "Rejoining"): the group goes on as it was.
+    #[error("rejoin of rank {rank}: {why}")]
+    RejoinRefused {
+        /// The rank a replacement was asked for.
+        rank: usize,
+        /// Why not.
+        why: RejoinRefusal,
+    },
     /// This backend cannot do what was asked.
     #[error("unsupported: {0}")]
     Unsupported(String),
@@ -490,6 +499,28 @@ impl Error {
                 | Error::ReactorDied { .. }
         )
     }
+}
+
+/// Why a replacement for a rank was refused ([`Error::RejoinRefused`]).
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RejoinRefusal {
+    /// The group has no rank masking: a rank can neither be masked nor come back.
+    #[error("the group has no rank masking (GroupConfig::with_rank_masking)")]
+    MaskingOff,
+    /// The rank's old process (host backend: its `HostRank`) still exists.
+    #[error("the rank is still alive (its old rank has not been dropped)")]
+    StillAlive,
+    /// Another replacement for the rank exists and has not finished joining or gone.
+    #[error("another replacement for this rank is already joining")]
+    AlreadyJoining,
+    /// No survivor has the rank masked: a rank that only stopped calling comes back with
+    /// `unmask_all`; a live one needs nothing.
+    #[error("the group has not masked this rank")]
+    NotMasked,
+    /// The replacement's config is not the group's.
+    #[error("the replacement's config differs from the group's: {0}")]
+    ConfigMismatch(String),
 }
 
 /// `Result` with [`Error`](enum@Error).

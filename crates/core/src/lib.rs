@@ -58,6 +58,6 @@ pub mod workload;
 
 pub use config::{Algorithm, DispatchDtype, GroupConfig, MaxTokens};
 pub use dtype::DType;
-pub use error::{ConfigError, Error, Result, ValidationError};
+pub use error::{ConfigError, Error, RejoinRefusal, Result, ValidationError};
 pub use half::bf16;
 pub use tensor::{HostData, HostTensor, TensorDesc, TensorTag};

@@ -46,9 +46,31 @@
 //! calls; a combine whose handle was dispatched in an earlier epoch is refused
 //! ([`crate::Error::StaleMaskEpoch`]): dispatch again first.
 //!
-//! A process that died cannot rejoin its old group: its memory is gone. The survivors keep
-//! serving masked, and the group is rebuilt (every process, the restarted one included, creates
-//! a new group; see the README's "Surviving a dead rank") at a moment the server chooses.
+//! ## Rejoining
+//!
+//! A rank whose process died can be replaced while the survivors keep their group (the host
+//! backend today; on GPUs the group is still rebuilt: every process, the restarted one
+//! included, creates a new group, see `docs/surviving-a-dead-rank.md`).
+//!
+//! 1. The replacement is made for rank `r` through the group's rendezvous
+//!    (`HostRank::rendezvous` then `HostRendezvous::replace`). It is refused, with
+//!    [`crate::Error::RejoinRefused`] and nothing changed, when the group has no rank masking,
+//!    when `r`'s old rank still exists, when another replacement for `r` is joining, when no
+//!    survivor has `r` masked, or when the replacement's config is not the group's. Until it
+//!    has joined, its own operations fail with [`crate::Error::RankMasked`].
+//! 2. When the server says so, with no operation in flight, every survivor calls `admit(r)`
+//!    and the replacement calls `rejoin`: a meeting of those ranks (the ranks still masked
+//!    stay out), with a deadline. As in `unmask_all` they agree on the next sequence number of
+//!    each channel, reset the credits of their cells to it, take `r` out of their mask words,
+//!    advance the mask epoch, and meet again. The survivors keep their handles' memory; a
+//!    combine on a handle dispatched before the admission is
+//!    [`crate::Error::StaleMaskEpoch`].
+//! 3. If a participant does not come within the deadline, every other one fails with
+//!    [`crate::Error::Timeout`] naming it, and the group is not poisoned: if it was the
+//!    replacement, `r` is masked again and the survivors serve on as before; if it was a
+//!    survivor, it is masked by the next operation's timeout as any dead rank is.
+//!
+//! Afterwards the group is whole: results are bit-exact with the full group again.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -231,6 +253,23 @@ impl SharedMask {
             if bits != 0 {
                 w.fetch_or(bits, Ordering::AcqRel);
             }
+        }
+    }
+
+    /// Clears `ranks`' bits (release): only inside an admission's meeting ([`crate::mask`],
+    /// "Rejoining"), between its two barriers.
+    pub fn remove(&self, ranks: &RankSet) {
+        for (w, &bits) in self.words.iter().zip(&ranks.words) {
+            if bits != 0 {
+                w.fetch_and(!bits, Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// Stores `ranks` (release): a replacement rank's word, copied from a survivor's.
+    pub fn store(&self, ranks: &RankSet) {
+        for (w, &bits) in self.words.iter().zip(&ranks.words) {
+            w.store(bits, Ordering::Release);
         }
     }
 

@@ -42,12 +42,14 @@ mod messages;
 mod op;
 mod outputs;
 mod rank;
+mod rejoin;
 
 pub use graph::{HostReplay, HostStep};
 pub use handle::HostHandle;
 pub use op::{HostOp, HostOpOutput};
 pub use outputs::{HostCombineOutput, HostDispatchOutput};
 pub use rank::{HostRank, HostStaged, HostWorld};
+pub use rejoin::HostRendezvous;
 
 use crate::config::GroupConfig;
 use mailbox::Mailboxes;
@@ -68,4 +70,8 @@ pub struct HostWorldShared {
     pub(crate) mailboxes: Mailboxes,
     /// Every rank's mask word ([`crate::mask`]).
     pub(crate) masks: mask::HostMasks,
+    /// The latest mask epoch any rank completed (where a replacement starts).
+    pub(crate) epoch: std::sync::atomic::AtomicU64,
+    /// Per rank: whether its `HostRank` exists, is gone, or a replacement is joining.
+    pub(crate) slots: std::sync::Mutex<Vec<rejoin::Slot>>,
 }

@@ -48,6 +48,8 @@ impl HostWorld {
         let world = Arc::new(HostWorldShared {
             mailboxes: Mailboxes::new(&config, num_ranks),
             masks: super::mask::HostMasks::new(num_ranks),
+            epoch: AtomicU64::new(0),
+            slots: std::sync::Mutex::new(vec![super::rejoin::Slot::Live; num_ranks]),
             group_id,
             num_ranks,
             config,
@@ -81,9 +83,9 @@ impl HostWorld {
 /// ([`HostRank::dispatch_send`], [`HostRank::combine_send`]) return after the send half.
 #[derive(Debug)]
 pub struct HostRank {
-    world: Arc<HostWorldShared>,
-    core: RankCore,
-    buffers: Arc<Buffers>,
+    pub(super) world: Arc<HostWorldShared>,
+    pub(super) core: RankCore,
+    pub(super) buffers: Arc<Buffers>,
 }
 
 /// A staged host operation: its send half is done; [`HostStaged::complete`] runs the complete
@@ -445,7 +447,7 @@ impl HostRank {
 }
 
 impl HostRank {
-    fn check_masking(&self, what: &str) -> Result<()> {
+    pub(super) fn check_masking(&self, what: &str) -> Result<()> {
         if self.world.config.rank_masking {
             Ok(())
         } else {
@@ -480,6 +482,14 @@ impl Backend for HostRank {
     fn unmask_all(&self) -> Result<()> {
         self.check_masking("unmask_all")?;
         super::mask::unmask_all(&self.world, &self.core)
+    }
+
+    fn admit(&self, ranks: &RankSet, timeout: Duration) -> Result<()> {
+        super::rejoin::admit(self, ranks, timeout)
+    }
+
+    fn rejoin(&self, timeout: Duration) -> Result<()> {
+        super::rejoin::rejoin(self, timeout)
     }
 
     fn start_handle(&self, topk_idx: &HostTensor, opts: &HandleOptions) -> Result<HandleCreation<HostHandle, HostOp>> {
