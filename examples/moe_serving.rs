@@ -39,6 +39,18 @@
 //! cargo run --release --example moe_serving -- --kill-rank 3 --at 2 --seconds 5
 //! ```
 //!
+//! `--rejoin-at T` (host backend) goes on: the killed rank's process is gone (its group is
+//! dropped), and at `T` seconds a replacement made through the group's rendezvous rejoins
+//! (`Group::rejoin`) while the survivors admit it at their next scheduling vote
+//! (`Group::admit`). The run reports the survivors' throughput before the kill, while masked and
+//! after the rejoin, their longest stall, and how long the admission took; with `--check`, every
+//! micro-batch served after the rejoin is checked bit-exact against a serial rerun of the full
+//! group:
+//!
+//! ```text
+//! cargo run --release --example moe_serving -- --kill-rank 3 --at 1 --rejoin-at 2 --seconds 4 --check
+//! ```
+//!
 //! `--model NAME` (GPU, 1 or more ranks; one by default) runs a model's real layers instead of
 //! timer-sized experts (`epflow::moe::gpu`: attention stand-in, router, SwiGLU experts, shared
 //! expert), closed loop, and measures communication, compute, serial and pipelined steps, the
@@ -189,6 +201,10 @@ struct Flags {
     /// When `--kill-rank` stops, in seconds from the start, within `--seconds` (default 1).
     #[arg(long, requires = "kill_rank", value_parser = flags::finite_in(0.0, MAX_SECONDS))]
     at: Option<f64>,
+    /// With `--kill-rank` (host backend): the killed rank's process is replaced at this many
+    /// seconds from the start (after `--at`, within `--seconds`), and rejoins the running group.
+    #[arg(long, requires = "kill_rank", value_parser = flags::finite_in(0.0, MAX_SECONDS))]
+    rejoin_at: Option<f64>,
     /// The group timeout with `--kill-rank`, in ms (after it a rank that stopped calling is
     /// masked), 1..=86400000.
     #[arg(long, default_value_t = 500, value_parser = flags::int_in(1u64, 86_400_000))]
@@ -233,6 +249,8 @@ struct Args {
     graph: bool,
     /// `--kill-rank R --at SECONDS`: rank `R` stops calling at `SECONDS` (rank masking on).
     kill: Option<(usize, f64)>,
+    /// `--rejoin-at SECONDS`: the killed rank's replacement rejoins then (host backend).
+    rejoin_at: Option<f64>,
     /// `--kill-timeout` ms: the group timeout with `--kill-rank` (after it the dead rank is masked).
     kill_timeout: Duration,
     /// `--vote-timeout`: the deadline of every scheduling vote.
@@ -337,11 +355,25 @@ impl Args {
                         ranks.max(1) - 1
                     )));
                 }
-                if f.graph || f.check || f.micro_batches.len() != 1 || at >= f.seconds {
+                if f.graph || (f.check && f.rejoin_at.is_none()) || f.micro_batches.len() != 1 || at >= f.seconds {
                     return Err(invalid(
-                        "--kill-rank needs one --micro-batches setting, no --graph or --check, and --at within --seconds"
+                        "--kill-rank needs one --micro-batches setting, no --graph, no --check (unless --rejoin-at), and --at within --seconds"
                             .into(),
                     ));
+                }
+                if let Some(t) = f.rejoin_at {
+                    if gpu {
+                        return Err(invalid(
+                            "--rejoin-at: on GPUs a dead process cannot rejoin its group yet (--backend host serves it)"
+                                .into(),
+                        ));
+                    }
+                    if t <= at || t >= f.seconds {
+                        return Err(invalid(format!(
+                            "--rejoin-at {t}: after --at ({at}) and within --seconds ({})",
+                            f.seconds
+                        )));
+                    }
                 }
                 Some((r, at))
             }
@@ -369,6 +401,7 @@ impl Args {
             devices,
             graph: f.graph,
             kill,
+            rejoin_at: f.rejoin_at,
             kill_timeout: Duration::from_millis(f.kill_timeout),
             vote_timeout: Duration::from_secs_f64(f.vote_timeout),
         })
@@ -410,8 +443,15 @@ enum Mark {
 trait Engine {
     /// The backend.
     type B: Backend;
-    fn group(&self) -> &Group<Self::B>;
+    /// The rank's group (`Err` while its process is dead, `--rejoin-at`).
+    fn group(&self) -> Result<Arc<Group<Self::B>>>;
     fn lanes(&self) -> &[<Self::B as Backend>::Stream];
+    /// `--rejoin-at`: the rank's process dies: its group is dropped.
+    fn die(&self) -> Result<()>;
+    /// `--rejoin-at`: a replacement for the dead rank is made through the group's rendezvous
+    /// (retried until the survivors have masked the rank, within `timeout`) and rejoins the
+    /// group while the survivors admit it.
+    fn replace(&self, timeout: Duration) -> impl Future<Output = Result<()>>;
     /// Step inputs of micro-batch `mb` at `layer`; `prev` is its previous layer's output.
     fn input(
         &self,
@@ -453,19 +493,32 @@ struct Votes {
     deadline: Duration,
 }
 
-/// The votes so far: per round the highest vote (0 stop, 1 idle, 2 run) and the ranks that cast
-/// one (a bit each), and the ranks that still vote (a bit each).
-#[derive(Debug, Default)]
+/// The votes so far: per round the highest vote (0 stop, 1 idle, 2 run, 3 admit the
+/// replacement) and the ranks that cast one (a bit each), the ranks that still vote (a bit each)
+/// and from which round each votes (a replacement from the round after its admission), and the
+/// admission (its round and the chunks served before it).
+#[derive(Debug)]
 struct VoteState {
     rounds: Vec<(usize, u64)>,
     voters: u64,
+    from_round: [usize; 64],
+    admission: Option<(usize, usize)>,
 }
 
+/// A vote: stop serving.
+const STOP: usize = 0;
+/// A vote: nothing queued.
+const IDLE: usize = 1;
+/// A vote: serve a chunk.
+const RUN: usize = 2;
+/// A vote: admit the replacement of the dead rank (`--rejoin-at`).
+const ADMIT: usize = 3;
+
 impl VoteState {
-    /// The ranks that still vote and have not voted in `round`.
+    /// The ranks that vote in `round` and have not voted in it.
     fn missing(&self, round: usize) -> Vec<usize> {
         let voted = self.rounds.get(round).map_or(0, |r| r.1);
-        (0..64).filter(|&r| self.voters & !voted & (1 << r) != 0).collect()
+        (0..64).filter(|&r| self.voters & !voted & (1 << r) != 0 && self.from_round[r] <= round).collect()
     }
 }
 
@@ -474,7 +527,8 @@ impl Votes {
     fn new(ranks: usize, deadline: Duration) -> Self {
         assert!(ranks <= 64, "the example's votes hold up to 64 ranks");
         let voters = if ranks == 64 { u64::MAX } else { (1u64 << ranks) - 1 };
-        Votes { state: Mutex::new(VoteState { rounds: Vec::new(), voters }), changed: Default::default(), deadline }
+        let state = VoteState { rounds: Vec::new(), voters, from_round: [0; 64], admission: None };
+        Votes { state: Mutex::new(state), changed: Default::default(), deadline }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, VoteState> {
@@ -519,6 +573,44 @@ impl Votes {
         self.lock().voters &= !(1 << rank);
         self.changed.notify_waiters();
     }
+
+    /// Whether rank `rank` still votes.
+    fn votes(&self, rank: usize) -> bool {
+        self.lock().voters >> rank & 1 == 1
+    }
+
+    /// The survivors decided to admit the replacement in `round`, after `chunks` chunks (each
+    /// survivor says so; the first one counts, the others say the same).
+    fn note_admission(&self, round: usize, chunks: usize) {
+        self.lock().admission.get_or_insert((round, chunks));
+        self.changed.notify_waiters();
+    }
+
+    /// The replacement waits for the survivors' admission vote: its round and chunks.
+    async fn admission(&self, rank: usize) -> Result<(usize, usize)> {
+        let deadline = tokio::time::Instant::now() + self.deadline;
+        loop {
+            let changed = self.changed.notified();
+            if let Some(a) = self.lock().admission {
+                return Ok(a);
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                return Err(Error::Backend(format!(
+                    "rank {rank}: the survivors did not vote to admit its replacement within {:?} (--vote-timeout)",
+                    self.deadline
+                )));
+            }
+        }
+    }
+
+    /// The replacement of `rank` votes again from round `from` on.
+    fn join(&self, rank: usize, from: usize) {
+        let mut st = self.lock();
+        st.voters |= 1 << rank;
+        st.from_round[rank] = from;
+        drop(st);
+        self.changed.notify_waiters();
+    }
 }
 
 /// A rank's seat in the votes: leaves them when dropped, whichever way `serve` returns.
@@ -557,6 +649,21 @@ struct Served {
     start: Option<(Mark, Instant)>,
     /// Why this rank stopped early, if its peers masked it (a live but slow rank).
     masked_out: Option<String>,
+    /// `--rejoin-at`: the admission of the dead rank's replacement (on a survivor) or its
+    /// rejoin (on the replacement).
+    rejoin: Option<Rejoined>,
+    /// `--rejoin-at`: why the admission failed on this survivor (it served on, masked).
+    admission_failed: Option<String>,
+}
+
+/// When the group was whole again (`--rejoin-at`).
+#[derive(Clone, Copy, Debug)]
+struct Rejoined {
+    /// Chunks served before it: later micro-batches are served by the whole group.
+    chunk: usize,
+    /// When the meeting began and how long it took (host clock).
+    began: Instant,
+    took: Duration,
 }
 
 /// The arrivals of one rank: a thread that sends requests (Poisson, `rate` per second) until
@@ -598,6 +705,8 @@ fn place(i: usize, m: usize, layers: usize, chunk_base: u64) -> (usize, usize, u
 struct Stop {
     until: Instant,
     kill_at: Option<Instant>,
+    /// `--rejoin-at`: the dead rank, and when its replacement rejoins.
+    rejoin: Option<(usize, Instant)>,
 }
 
 /// Serves on one rank with `m` micro-batches in flight until the time is up.
@@ -610,8 +719,8 @@ async fn serve<E: Engine>(
     stop: Stop,
     progress: Option<&AtomicUsize>,
 ) -> Result<Served> {
-    let Stop { until, kill_at } = stop;
-    let rank = e.group().rank();
+    let Stop { until, mut kill_at, rejoin } = stop;
+    let rank = e.group()?.rank();
     // Whichever way this returns (killed, masked, failed), the other ranks stop waiting for
     // this rank's votes.
     let _seat = Seat { votes, rank };
@@ -629,22 +738,65 @@ async fn serve<E: Engine>(
         }
         if kill_at.is_some_and(|k| Instant::now() >= k) {
             // This rank stops calling: its peers will mask it (its seat leaves the votes).
-            return Ok(served);
+            let Some((_, at)) = rejoin else { return Ok(served) };
+            // `--rejoin-at`: its process dies, and a replacement rejoins at `at`, once the
+            // survivors voted to admit it; it serves from their next round on.
+            votes.leave(rank);
+            e.die()?;
+            kill_at = None;
+            tokio::time::sleep_until(at.into()).await;
+            let (admitted, chunks) = votes.admission(rank).await?;
+            // A voter again from the round after the admission (before the meeting ends, so
+            // that the survivors' next round waits for this rank's vote).
+            round = admitted + 1;
+            votes.join(rank, round);
+            let began = Instant::now();
+            e.replace(a.vote_timeout).await?;
+            served.rejoin = Some(Rejoined { chunk: chunks, began, took: began.elapsed() });
+            served.chunks = chunks;
+            continue;
         }
-        let vote = if Instant::now() >= until {
-            0
+        let now = Instant::now();
+        let admit = rejoin.filter(|&(dead, at)| {
+            rank != dead
+                && now >= at
+                && served.rejoin.is_none()
+                && served.admission_failed.is_none()
+                && !votes.votes(dead)
+        });
+        let vote = if now >= until {
+            STOP
+        } else if admit.is_some() {
+            ADMIT
         } else if backlog.is_empty() {
-            1
+            IDLE
         } else {
-            2
+            RUN
         };
         let decided = votes.decide(rank, round, vote).await?;
         round += 1;
-        if decided == 0 {
+        if decided == STOP {
             break;
         }
-        if decided == 1 {
+        if decided == IDLE {
             tokio::time::sleep(Duration::from_micros(200)).await;
+            continue;
+        }
+        if decided == ADMIT {
+            // Every survivor admits the replacement (masking the dead rank first, if no
+            // operation has yet), with no operation in flight.
+            let dead = rejoin.map_or(rank, |r| r.0);
+            votes.note_admission(round - 1, served.chunks);
+            let g = e.group()?;
+            g.mask(dead)?;
+            let began = Instant::now();
+            match g.admit(&[dead], a.vote_timeout).await {
+                Ok(()) => served.rejoin = Some(Rejoined { chunk: served.chunks, began, took: began.elapsed() }),
+                // The replacement did not come: it stays masked, and the survivors serve on.
+                Err(x) => {
+                    served.admission_failed = Some(format!("rank {rank}: the admission of rank {dead} failed: {x}"))
+                }
+            }
             continue;
         }
         let base = served.chunks as u64 * per_chunk;
@@ -722,7 +874,7 @@ async fn serve<E: Engine>(
         let expert = async |i: usize, _: &<E::B as Backend>::Stream, d: &<E::B as Backend>::DispatchOutput| {
             e.expert(i % m, d, false).await
         };
-        match pipeline::run_on_streams(e.group(), steps, lanes, a.order, input, expert, sink).await {
+        match pipeline::run_on_streams(&*e.group()?, steps, lanes, a.order, input, expert, sink).await {
             Ok(_) => {}
             // A live rank its peers gave up on (it missed the group timeout, e.g. under CPU
             // load): it stops serving cleanly, and its seat leaves the votes.
@@ -765,13 +917,18 @@ async fn serve<E: Engine>(
     Ok(served)
 }
 
-/// Runs the served chunks again, one step at a time (`pipeline::run_serial`), and returns the
+/// Runs the served `chunks` again, one step at a time (`pipeline::run_serial`), and returns the
 /// digests of every micro-batch's final output.
-async fn serial_digests<E: Engine>(e: &E, a: &Args, m: usize, chunks: usize) -> Result<BTreeMap<u64, u64>> {
+async fn serial_digests<E: Engine>(
+    e: &E,
+    a: &Args,
+    m: usize,
+    chunks: std::ops::Range<usize>,
+) -> Result<BTreeMap<u64, u64>> {
     let layers = a.layers;
     let steps = m * layers * a.rounds;
     let mut digests = BTreeMap::new();
-    for c in 0..chunks {
+    for c in chunks {
         let base = (c * m * a.rounds) as u64;
         let found: Mutex<Vec<(u64, Result<u64>)>> = Mutex::default();
         let input = |i: usize, prev: Option<<E::B as Backend>::CombineOutput>| {
@@ -789,7 +946,7 @@ async fn serial_digests<E: Engine>(e: &E, a: &Args, m: usize, chunks: usize) -> 
             found.lock().unwrap_or_else(|x| x.into_inner()).push((mb, e.digest(&out)));
         };
         let expert = async |i: usize, d: &<E::B as Backend>::DispatchOutput| e.expert(i % m, d, true).await;
-        pipeline::run_serial(e.group(), steps, m, input, expert, sink).await?;
+        pipeline::run_serial(&*e.group()?, steps, m, input, expert, sink).await?;
         for (mb, d) in found.into_inner().unwrap_or_else(|x| x.into_inner()) {
             digests.insert(mb, d?);
         }
@@ -803,8 +960,9 @@ async fn comm_per_step<E: Engine>(e: &E, a: &Args) -> Result<Duration> {
     let steps = a.layers * 4;
     let input = |i: usize, prev| e.input(i as u64 / a.layers as u64, i % a.layers, prev);
     let expert = async |_, d: &<E::B as Backend>::DispatchOutput| e.expert(0, d, true).await;
-    pipeline::run_serial(e.group(), steps, 1, input, expert, |_, _| ()).await?;
-    let stats = pipeline::run_serial(e.group(), steps, 1, input, expert, |_, _| ()).await?;
+    let g = e.group()?;
+    pipeline::run_serial(&g, steps, 1, input, expert, |_, _| ()).await?;
+    let stats = pipeline::run_serial(&g, steps, 1, input, expert, |_, _| ()).await?;
     Ok(stats.comm / steps as u32)
 }
 
@@ -863,21 +1021,25 @@ fn run<E: Engine + Sync>(engines: &[E], a: &Args) -> Result<Vec<(usize, Report)>
                     s.spawn(move || {
                         let (rx, dropped) = arrivals(a.rate / ranks as f64, a.request_tokens, until, 17 + r as u64);
                         let rt = rt()?;
-                        let kill_at = a
-                            .kill
-                            .filter(|&(k, _)| k == r)
-                            .map(|(_, at)| until - Duration::from_secs_f64(a.seconds - at));
+                        let at = |secs: f64| until - Duration::from_secs_f64(a.seconds - secs);
+                        let kill_at = a.kill.filter(|&(k, _)| k == r).map(|(_, t)| at(t));
+                        let rejoin = a.kill.zip(a.rejoin_at).map(|((dead, _), t)| (dead, at(t)));
                         let served = rt.block_on(serve(
                             e,
                             a,
                             m,
                             votes,
                             &rx,
-                            Stop { until, kill_at },
+                            Stop { until, kill_at, rejoin },
                             (r == 0).then_some(progress),
                         ))?;
-                        let serial =
-                            if a.check { Some(rt.block_on(serial_digests(e, a, m, served.chunks))?) } else { None };
+                        // With `--rejoin-at`, the chunks the whole group served after the rejoin.
+                        let from = served.rejoin.map_or(0, |j| j.chunk);
+                        let serial = if a.check {
+                            Some(rt.block_on(serial_digests(e, a, m, from..served.chunks))?)
+                        } else {
+                            None
+                        };
                         Ok((served, dropped.load(Ordering::Relaxed), serial))
                     })
                 })
@@ -891,21 +1053,43 @@ fn run<E: Engine + Sync>(engines: &[E], a: &Args) -> Result<Vec<(usize, Report)>
         // `--kill-rank`: the survivors' tokens finished before and after the kill, their
         // longest gap between two finished micro-batches after it, and the affected requests.
         let (mut before, mut after, mut stall, mut affected) = (0usize, 0usize, 0.0f64, 0usize);
+        // `--rejoin-at`: the survivors' tokens while the rank was masked and after its
+        // replacement rejoined, the admission window (seconds on the survivors' clock), and the
+        // replacement's tokens after it.
+        let (mut masked_tokens, mut admission, mut replacement_tokens) = (0usize, (f64::MAX, 0.0f64), 0usize);
         for (r, (res, e)) in results.into_iter().zip(engines).enumerate() {
             let (served, drop_count, serial) = res?;
-            if let Some(why) = &served.masked_out {
+            for why in served.masked_out.iter().chain(&served.admission_failed) {
                 println!("  {why}");
             }
             if let Some((dead, at)) = a.kill {
+                let (start, start_host) =
+                    served.start.as_ref().ok_or_else(|| Error::Backend("no start mark".into()))?;
+                let window = served.rejoin.map(|j| {
+                    let began = j.began.saturating_duration_since(*start_host).as_secs_f64();
+                    (began, began + j.took.as_secs_f64())
+                });
+                if r == dead {
+                    if let Some((_, done)) = window {
+                        replacement_tokens += served
+                            .batches
+                            .iter()
+                            .filter(|b| e.seconds(start, &b.2) >= done)
+                            .map(|b| b.3.iter().map(|q| q.tokens).sum::<usize>())
+                            .sum::<usize>();
+                    }
+                }
                 if r != dead {
-                    let (start, _) = served.start.as_ref().ok_or_else(|| Error::Backend("no start mark".into()))?;
                     let mut ends = Vec::with_capacity(served.batches.len());
+                    if let Some((began, done)) = window {
+                        admission = (admission.0.min(began), admission.1.max(done));
+                    }
                     for b in &served.batches {
                         let (end, t) = (e.seconds(start, &b.2), b.3.iter().map(|q| q.tokens).sum::<usize>());
-                        if end < at {
-                            before += t
-                        } else {
-                            after += t
+                        match window {
+                            _ if end < at => before += t,
+                            Some((began, _)) if end < began => masked_tokens += t,
+                            _ => after += t,
                         }
                         ends.push(end);
                     }
@@ -936,18 +1120,37 @@ fn run<E: Engine + Sync>(engines: &[E], a: &Args) -> Result<Vec<(usize, Report)>
             left += served.left;
             dropped += drop_count;
             if let Some(serial) = serial {
-                if serial != served.digests {
+                // With `--rejoin-at`: the micro-batches the whole group served after the rejoin.
+                let first = served.rejoin.map_or(0, |j| (j.chunk * m * a.rounds) as u64);
+                let whole: BTreeMap<u64, u64> = served.digests.range(first..).map(|(&k, &v)| (k, v)).collect();
+                if serial != whole {
                     return Err(Error::Backend(format!(
                         "rank {r}: served outputs differ from the serial run's ({} vs {} micro-batches)",
-                        served.digests.len(),
+                        whole.len(),
                         serial.len()
                     )));
                 }
-                println!("  rank {r}: {} micro-batch outputs bit-identical to the serial run's", serial.len());
+                let what = if served.rejoin.is_some() { " (every one served after the rejoin)" } else { "" };
+                println!("  rank {r}: {} micro-batch outputs bit-identical to the serial run's{what}", serial.len());
             }
         }
-        if let Some((dead, at)) = a.kill {
-            let masked = engines.iter().map(|e| e.group().masked_ranks().ranks.to_vec()).collect::<Vec<_>>();
+        if let (Some((dead, at)), Some(_)) = (a.kill, a.rejoin_at) {
+            let (began, done) = admission;
+            println!(
+                "  rank {dead} stopped at {at:.1} s; its replacement rejoined at {done:.2} s (the admission meeting took {:.1} ms): survivors served {:.0} tokens/s before, {:.0} while it was masked, {:.0} after the rejoin (the replacement {:.0} more); longest stall after the kill {:.1} ms (timeout {} ms); {affected} requests affected",
+                (done - began) * 1e3,
+                before as f64 / at.max(1e-9),
+                masked_tokens as f64 / (began - at).max(1e-9),
+                after as f64 / (serving_wall - done).max(1e-9),
+                replacement_tokens as f64 / (serving_wall - done).max(1e-9),
+                stall * 1e3,
+                a.kill_timeout.as_millis(),
+            );
+        } else if let Some((dead, at)) = a.kill {
+            let masked = engines
+                .iter()
+                .map(|e| e.group().map(|g| g.masked_ranks().ranks.to_vec()))
+                .collect::<Result<Vec<_>>>()?;
             println!(
                 "  rank {dead} stopped at {at:.1} s: survivors served {:.0} tokens/s before, {:.0} tokens/s after; longest stall after it {:.1} ms (timeout {} ms); {affected} requests affected (a token lost a top-k entry); masked ranks seen by each rank {masked:?}",
                 before as f64 / at.max(1e-9),
@@ -1027,11 +1230,12 @@ fn main() {
 
 /// The host backend: timer experts.
 mod host {
-    use std::sync::Mutex;
+    use std::sync::{Arc, Mutex, RwLock};
     use std::time::Duration;
 
     use epflow::Group;
-    use epflow::core::host::{HostCombineOutput, HostDispatchOutput, HostRank, HostStream, HostWorld};
+    use epflow::core::RejoinRefusal;
+    use epflow::core::host::{HostCombineOutput, HostDispatchOutput, HostRank, HostRendezvous, HostStream, HostWorld};
     use epflow::core::workload::{RoutingKind, RoutingSpec, random_tokens, random_topk_idx, random_weights};
     use epflow::core::{Error, GroupConfig, HostTensor, Result};
     use epflow::runtime::pipeline::StepInput;
@@ -1044,7 +1248,11 @@ mod host {
     const TOP_K: usize = 4;
 
     pub(crate) struct HostEngine {
-        g: Group<HostRank>,
+        /// `None` while the rank's process is dead (`--rejoin-at`).
+        g: RwLock<Option<Arc<Group<HostRank>>>>,
+        /// Where a replacement for this rank is made.
+        rendezvous: HostRendezvous,
+        rank: usize,
         lanes: Vec<HostStream>,
         /// Per layer: handles and weights of the routing pool.
         routes: Vec<Vec<(epflow::core::host::HostHandle, HostTensor)>>,
@@ -1055,12 +1263,47 @@ mod host {
     impl Engine for HostEngine {
         type B = HostRank;
 
-        fn group(&self) -> &Group<HostRank> {
-            &self.g
+        fn group(&self) -> Result<Arc<Group<HostRank>>> {
+            let g = self.g.read().unwrap_or_else(|e| e.into_inner());
+            g.clone().ok_or_else(|| Error::Backend(format!("rank {}: its process is dead", self.rank)))
         }
 
         fn lanes(&self) -> &[HostStream] {
             &self.lanes
+        }
+
+        fn die(&self) -> Result<()> {
+            let g = self.g.write().unwrap_or_else(|e| e.into_inner()).take();
+            match g.map(Arc::try_unwrap) {
+                // The last reference: the group and its rank go, as a dead process's would.
+                Some(Ok(g)) => {
+                    drop(g);
+                    Ok(())
+                }
+                Some(Err(_)) => Err(Error::Backend(format!("rank {}: its group is still in use", self.rank))),
+                None => Err(Error::Backend(format!("rank {}: already dead", self.rank))),
+            }
+        }
+
+        async fn replace(&self, timeout: Duration) -> Result<()> {
+            let deadline = std::time::Instant::now() + timeout;
+            let config = self.rendezvous.config().clone();
+            let rank = loop {
+                match self.rendezvous.replace(self.rank, &config) {
+                    Ok(r) => break r,
+                    // The survivors have not masked it yet (they do at their admission vote).
+                    Err(Error::RejoinRefused { why: RejoinRefusal::NotMasked, .. })
+                        if std::time::Instant::now() < deadline =>
+                    {
+                        tokio::time::sleep(Duration::from_millis(1)).await
+                    }
+                    Err(e) => return Err(e),
+                }
+            };
+            let g = Arc::new(Group::new(rank));
+            g.rejoin(deadline.saturating_duration_since(std::time::Instant::now())).await?;
+            *self.g.write().unwrap_or_else(|e| e.into_inner()) = Some(g);
+            Ok(())
         }
 
         fn input(&self, mb: u64, layer: usize, prev: Option<HostCombineOutput>) -> Result<StepInput<HostRank>> {
@@ -1152,7 +1395,16 @@ mod host {
                     .map(|p| HostTensor::tokens(a.batch, HIDDEN, random_tokens(a.batch, HIDDEN, 70 + p as u64, r)))
                     .collect();
                 let lanes = vec![HostStream; 8];
-                Ok(HostEngine { g, lanes, routes, tokens, cost: Mutex::new(Duration::ZERO) })
+                let rendezvous = g.backend().rendezvous();
+                Ok(HostEngine {
+                    g: RwLock::new(Some(Arc::new(g))),
+                    rendezvous,
+                    rank: r,
+                    lanes,
+                    routes,
+                    tokens,
+                    cost: Mutex::new(Duration::ZERO),
+                })
             })
             .collect()
     }
@@ -1186,7 +1438,7 @@ mod gpu {
     const COMM_SMS: usize = 48;
 
     pub(crate) struct GpuEngine {
-        g: Group<GpuRank>,
+        g: Arc<Group<GpuRank>>,
         ctx: Arc<CudaContext>,
         lanes: Vec<Arc<CudaStream>>,
         gemms: Vec<ExpertGemm>,
@@ -1224,8 +1476,16 @@ mod gpu {
     impl Engine for GpuEngine {
         type B = GpuRank;
 
-        fn group(&self) -> &Group<GpuRank> {
-            &self.g
+        fn group(&self) -> Result<Arc<Group<GpuRank>>> {
+            Ok(Arc::clone(&self.g))
+        }
+
+        fn die(&self) -> Result<()> {
+            Err(Error::Unsupported("--rejoin-at: a GPU rank's process cannot be replaced yet".into()))
+        }
+
+        async fn replace(&self, _timeout: Duration) -> Result<()> {
+            Err(Error::Unsupported("--rejoin-at: a GPU rank's process cannot be replaced yet".into()))
         }
 
         fn lanes(&self) -> &[Arc<CudaStream>] {
@@ -1579,7 +1839,7 @@ mod gpu {
                         ))
                     })
                     .collect::<Result<_>>()?;
-                Ok(GpuEngine { g, ctx, lanes, gemms, w, out, routes, tokens, reps: Mutex::new(0) })
+                Ok(GpuEngine { g: Arc::new(g), ctx, lanes, gemms, w, out, routes, tokens, reps: Mutex::new(0) })
             })
             .collect::<Result<Vec<_>>>()?;
         super::run(&engines, a)
@@ -1748,6 +2008,53 @@ mod tests {
         }
         stop.store(true, Ordering::Relaxed);
         spinners.into_iter().for_each(|t| t.join().expect("spinner"));
+    }
+
+    /// `--rejoin-at` (issue 68): the killed rank's process is dropped and its replacement
+    /// rejoins the running group; with `--check`, every micro-batch the whole group served after
+    /// the rejoin matches a serial rerun bit for bit (the run fails otherwise), on every rank,
+    /// the replacement included. Three runs, a different rank each time, under a watchdog.
+    #[test]
+    fn a_killed_rank_rejoins_and_the_group_is_bit_exact_after() {
+        for (i, dead) in ["1", "3", "0"].into_iter().enumerate() {
+            let a = args(&[
+                "--kill-rank",
+                dead,
+                "--at",
+                "0.3",
+                "--rejoin-at",
+                "0.6",
+                "--seconds",
+                "1",
+                "--rate",
+                "4000",
+                "--layers",
+                "2",
+                "--rounds",
+                "2",
+                "--kill-timeout",
+                "200",
+                "--vote-timeout",
+                "20",
+                "--check",
+                "--quiet",
+            ]);
+            let (tx, rx) = mpsc::channel();
+            std::thread::spawn(move || {
+                let _ = tx.send(host::main(&a).map(|r| r.len()));
+            });
+            let result = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("run {i} hung"));
+            assert_eq!(result.map_err(|e| e.to_string()), Ok(1), "run {i} (rank {dead} killed and replaced)");
+        }
+        for bad in [
+            &["--kill-rank", "1", "--at", "0.5", "--rejoin-at", "0.4", "--seconds", "1"][..],
+            &["--kill-rank", "1", "--at", "0.5", "--rejoin-at", "2", "--seconds", "1"],
+            &["--rejoin-at", "0.5"],
+        ] {
+            let e =
+                parse(&[&["--backend", "host"][..], bad].concat()).err().unwrap_or_else(|| panic!("{bad:?} accepted"));
+            assert_eq!(e.exit_code(), 2, "{bad:?}: {e}");
+        }
     }
 
     fn block_on<T>(f: impl Future<Output = T>) -> T {
