@@ -1959,6 +1959,18 @@ mod tests {
         assert_eq!(ok.kill, Some((3, 0.5)));
     }
 
+    /// A one-second host run with rank `dead` killed and `extra` flags, under a 60 s watchdog
+    /// (a hang fails the test): the number of settings reported, or the error.
+    fn killed_run(dead: &str, extra: &[&str]) -> std::result::Result<usize, String> {
+        let common = ["--kill-rank", dead, "--seconds", "1", "--rate", "4000", "--layers", "2", "--rounds", "2"];
+        let a = args(&[&common[..], &["--vote-timeout", "20", "--quiet"], extra].concat());
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(host::main(&a).map(|r| r.len()).map_err(|e| e.to_string()));
+        });
+        rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| Err(format!("rank {dead} killed: the run hung")))
+    }
+
     /// The soak's short form (`scripts/soak-kill-rank.sh` runs 200): `--kill-rank` runs with
     /// every core kept busy by spinning threads, and a short mask timeout so that live ranks
     /// get masked too. Each run must end (a watchdog fails the test after 60 s), and end well:
@@ -1979,32 +1991,8 @@ mod tests {
             })
             .collect();
         for (i, timeout) in ["200", "500", "100"].into_iter().enumerate() {
-            let a = args(&[
-                "--kill-rank",
-                &(i + 1).to_string(),
-                "--at",
-                "0.4",
-                "--seconds",
-                "1",
-                "--rate",
-                "4000",
-                "--layers",
-                "2",
-                "--rounds",
-                "2",
-                "--kill-timeout",
-                timeout,
-                "--vote-timeout",
-                "20",
-                "--quiet",
-            ]);
-            let (tx, rx) = mpsc::channel();
-            std::thread::spawn(move || {
-                let _ = tx.send(host::main(&a).map(|r| r.len()));
-            });
-            let result = rx.recv_timeout(Duration::from_secs(60));
-            assert!(result.is_ok(), "run {i} (--kill-timeout {timeout}) hung");
-            assert_eq!(result.ok().and_then(|r| r.ok()), Some(1), "run {i} failed");
+            let result = killed_run(&(i + 1).to_string(), &["--at", "0.4", "--kill-timeout", timeout]);
+            assert_eq!(result, Ok(1), "run {i} (--kill-timeout {timeout})");
         }
         stop.store(true, Ordering::Relaxed);
         spinners.into_iter().for_each(|t| t.join().expect("spinner"));
@@ -2017,34 +2005,8 @@ mod tests {
     #[test]
     fn a_killed_rank_rejoins_and_the_group_is_bit_exact_after() {
         for (i, dead) in ["1", "3", "0"].into_iter().enumerate() {
-            let a = args(&[
-                "--kill-rank",
-                dead,
-                "--at",
-                "0.3",
-                "--rejoin-at",
-                "0.6",
-                "--seconds",
-                "1",
-                "--rate",
-                "4000",
-                "--layers",
-                "2",
-                "--rounds",
-                "2",
-                "--kill-timeout",
-                "200",
-                "--vote-timeout",
-                "20",
-                "--check",
-                "--quiet",
-            ]);
-            let (tx, rx) = mpsc::channel();
-            std::thread::spawn(move || {
-                let _ = tx.send(host::main(&a).map(|r| r.len()));
-            });
-            let result = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("run {i} hung"));
-            assert_eq!(result.map_err(|e| e.to_string()), Ok(1), "run {i} (rank {dead} killed and replaced)");
+            let result = killed_run(dead, &["--at", "0.3", "--rejoin-at", "0.6", "--kill-timeout", "200", "--check"]);
+            assert_eq!(result, Ok(1), "run {i} (rank {dead} killed and replaced)");
         }
         for bad in [
             &["--kill-rank", "1", "--at", "0.5", "--rejoin-at", "0.4", "--seconds", "1"][..],
