@@ -150,11 +150,10 @@ fn group_config(read: &v2::GroupConfig, num_ranks: usize) -> Res<(GroupConfig, S
     .with_timeout(timeout)
     .with_rank_masking(c.enable_mask != 0);
     let max_recv = match (algorithm, c.max_recv_tokens_per_rank) {
-        (Algorithm::HighThroughput, 0) if v2_size => {
-            return Err(Fail::usage(
-                "config.max_recv_tokens_per_rank is NCCL_EP_AUTO: high-throughput AUTO is not implemented by epflow's NCCL EP library; give a bound",
-            ));
-        }
+        // v2's NCCL_EP_AUTO: the bound no routing can pass, R x max_dispatch_tokens_per_rank
+        // (a token reaches a rank at most once). epflow's high-throughput outputs are sized by
+        // the rows each handle receives, so the bound reserves nothing.
+        (Algorithm::HighThroughput, 0) if v2_size => num_ranks * max_tokens,
         (Algorithm::HighThroughput, 0) => {
             return Err(Fail::arg("config.max_recv_tokens_per_rank is 0: high-throughput groups need it"));
         }
@@ -474,10 +473,13 @@ mod tests {
         let e = group_config(&drop, 2).unwrap_err();
         assert_eq!(e.code, ep::NCCL_INVALID_USAGE);
         assert!(e.message.contains("config.overflow_policy"), "{}", e.message);
-        // High-throughput NCCL_EP_AUTO receive bound: v2 allows it, epflow does not build it.
+        // High-throughput NCCL_EP_AUTO receive bound (v2): R x max_dispatch_tokens_per_rank.
         let ht_auto = v2c(ep::NcclEpGroupConfig { algorithm: ep::NCCL_EP_ALGO_HIGH_THROUGHPUT, ..ll() });
-        let e = group_config(&ht_auto, 2).unwrap_err();
-        assert_eq!(e.code, ep::NCCL_INVALID_USAGE);
-        assert!(e.message.contains("max_recv_tokens_per_rank is NCCL_EP_AUTO"), "{}", e.message);
+        let (config, shape) = group_config(&ht_auto, 4).unwrap();
+        assert_eq!(config.algorithm, Algorithm::HighThroughput);
+        assert_eq!(shape.max_recv, 4 * shape.max_tokens);
+        // A v1 caller's 0 is still an error: NCCL EP 0.1 has no AUTO there.
+        let ht_v1 = ep::NcclEpGroupConfig { algorithm: ep::NCCL_EP_ALGO_HIGH_THROUGHPUT, ..ll() };
+        assert_eq!(group_config(&v2::GroupConfig::from_v1(ht_v1), 2).unwrap_err().code, ep::NCCL_INVALID_ARGUMENT);
     }
 }
