@@ -82,4 +82,56 @@ impl HostMoeLayer {
         };
         Ok(LayerOutput { tokens: HostTensor::tokens(b, h, tokens), routing, expert_counts: counts })
     }
+
+    /// The layer as prefill runs it, over a high-throughput group: route, dispatch with the
+    /// router's weights (each rank receives a row per source token with a local expert, with
+    /// its local top-k and weights), per received row the weighted sum of its local experts,
+    /// `bf16(fma chain over k of w[k] * y_k)` (what the GPU's grouped experts compute), combine
+    /// (which adds the ranks' sums), plus the shared expert on `x`. Equal to
+    /// [`reference::layer_prefill`] bit for bit; `expert_counts` are the dispatch's.
+    pub async fn forward_prefill(&self, group: &Group<HostRank>, x: &HostTensor) -> Result<LayerOutput> {
+        let (h, k) = (self.preset.hidden, self.preset.top_k);
+        let xs = x.as_bf16().ok_or_else(|| Error::Unsupported("the layer's input must be BF16 tokens".into()))?;
+        if xs.len() % h != 0 {
+            return Err(Error::Unsupported(format!("the layer's input is not [B x {h}]")));
+        }
+        let b = xs.len() / h;
+        let routing = reference::route(&self.preset, xs, &self.weights.gate);
+        let idx = HostTensor::topk_idx(b, k, routing.topk_idx.clone());
+        let w = HostTensor::topk_weights(b, k, routing.topk_weights.clone());
+        let handle = group.create_handle(&idx).await?;
+        let received = group.dispatch(&handle, DispatchInputs::new(x).with_weights(&w)).await?;
+        let missing = |what: &str| Error::Backend(format!("the high-throughput dispatch returned no {what}"));
+        let counts = received.counts().ok_or_else(|| missing("counts"))?.to_vec();
+        let rows = received.tokens().as_bf16().ok_or_else(|| missing("BF16 tokens"))?;
+        let ridx: Vec<i64> = match received.topk_idx().map(HostTensor::data) {
+            Some(HostData::I64(v)) => v.clone(),
+            Some(HostData::I32(v)) => v.iter().map(|&e| i64::from(e)).collect(),
+            _ => return Err(missing("top-k indices")),
+        };
+        let rw = received.topk_weights().and_then(HostTensor::as_f32).ok_or_else(|| missing("top-k weights"))?;
+        let n = rows.len() / h;
+        let mut sums = Vec::with_capacity(n * h);
+        for r in 0..n {
+            let row = &rows[r * h..(r + 1) * h];
+            let mine: Vec<usize> = (0..k).filter(|&j| ridx[r * k + j] >= 0).collect();
+            let ys: Vec<Vec<bf16>> = mine
+                .iter()
+                .map(|&j| reference::swiglu(row, h, &self.weights.experts[ridx[r * k + j] as usize]))
+                .collect();
+            let refs: Vec<&[bf16]> = ys.iter().map(Vec::as_slice).collect();
+            let ws: Vec<f32> = mine.iter().map(|&j| rw[r * k + j]).collect();
+            sums.extend(reference::combine_row(&refs, &ws, h).into_iter().map(bf16::from_f32));
+        }
+        let combined = group.combine(&handle, CombineInputs::new(&HostTensor::tokens(n, h, sums))).await?;
+        let c = combined.tokens().as_bf16().ok_or_else(|| Error::Backend("combined tokens not BF16".into()))?;
+        let tokens = match &self.weights.shared {
+            Some(s) => {
+                let shared = reference::swiglu(xs, h, s);
+                c.iter().zip(&shared).map(|(c, s)| bf16::from_f32(c.to_f32() + s.to_f32())).collect()
+            }
+            None => c.to_vec(),
+        };
+        Ok(LayerOutput { tokens: HostTensor::tokens(b, h, tokens), routing, expert_counts: counts })
+    }
 }

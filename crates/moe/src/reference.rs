@@ -151,6 +151,49 @@ pub fn layer(preset: &ModelPreset, x: &[bf16], weights: &LayerWeights) -> (Vec<b
     (out, routing)
 }
 
+/// The layer's output for `x` (`[B x H]`) as a prefill (high-throughput) group of `ranks`
+/// ranks computes it, with `weights` holding every expert: each rank that holds one of a
+/// token's experts reduces them, `bf16(fma chain over its k ascending of w[k] * y_k)`; the
+/// high-throughput combine adds those partial sums in FP32 in ascending rank and rounds once;
+/// then the shared expert is added as in [`layer`]. On one rank it is [`layer`]'s output.
+pub fn layer_prefill(preset: &ModelPreset, x: &[bf16], weights: &LayerWeights, ranks: usize) -> (Vec<bf16>, Routing) {
+    let (h, k) = (preset.hidden, preset.top_k);
+    let local = preset.num_experts / ranks.max(1);
+    let routing = route(preset, x, &weights.gate);
+    let shared = weights.shared.as_ref().map(|s| swiglu(x, h, s));
+    let mut out = Vec::with_capacity(x.len());
+    for t in 0..x.len() / h {
+        let row = &x[t * h..(t + 1) * h];
+        let idx = &routing.topk_idx[t * k..(t + 1) * k];
+        let w = &routing.topk_weights[t * k..(t + 1) * k];
+        let mut acc = vec![0f32; h];
+        for d in 0..ranks {
+            let mine: Vec<usize> = (0..k).filter(|&j| idx[j] as usize / local == d).collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let ys: Vec<Vec<bf16>> = mine
+                .iter()
+                .map(|&j| swiglu(row, h, &weights.experts[idx[j] as usize - weights.first_expert]))
+                .collect();
+            let refs: Vec<&[bf16]> = ys.iter().map(Vec::as_slice).collect();
+            let ws: Vec<f32> = mine.iter().map(|&j| w[j]).collect();
+            for (a, p) in acc.iter_mut().zip(combine_row(&refs, &ws, h)) {
+                *a += p;
+            }
+        }
+        match &shared {
+            Some(s) => out.extend(
+                acc.iter()
+                    .zip(&s[t * h..(t + 1) * h])
+                    .map(|(&c, s)| bf16::from_f32(bf16::from_f32(c).to_f32() + s.to_f32())),
+            ),
+            None => out.extend(acc.iter().map(|&c| bf16::from_f32(c))),
+        }
+    }
+    (out, routing)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,7 +8,8 @@
 //!   another order), and every output value within the BF16 tolerance
 //!   `|got - want| <= (|want| + rms(want)) / 64`.
 //! - The same layer over a high-throughput group (prefill: [`Lane::forward_grouped`], grouped
-//!   experts at the handle's counts), against the same reference and tolerance.
+//!   experts at the handle's counts), against [`reference::layer_prefill`] (the ranks' partial
+//!   sums rounded before the combine adds them) with the same tolerance.
 //! - Micro-batches through two layers on two lanes, interleaved on the device, their compute
 //!   replayed from CUDA graphs, bit-identical to the same micro-batches run one after another on
 //!   one lane enqueueing call by call (`EPFLOW_GPU_ITERS` micro-batches, default 50; 500 makes
@@ -164,7 +165,10 @@ fn layer_against_reference(path: Path, model: &str, hidden: usize, experts: usiz
     let (mut checked, mut near_ties, mut worst) = (0, 0, 0f32);
     for (r, (x, out, idx)) in results.into_iter().enumerate() {
         let xs = x.as_bf16().unwrap();
-        let (want, routing) = reference::layer(&p, xs, &full);
+        let (want, routing) = match path {
+            Path::Decode => reference::layer(&p, xs, &full),
+            Path::Prefill => reference::layer_prefill(&p, xs, &full, ranks),
+        };
         let got = out.as_bf16().unwrap();
         let idx = idx.as_i64().unwrap();
         let rms = (want.iter().map(|v| v.to_f32().powi(2)).sum::<f32>() / want.len() as f32).sqrt();
