@@ -600,18 +600,7 @@ impl Lane {
         layer: usize,
         x: &DeviceTensor,
     ) -> Result<LayerStep> {
-        let r = self.before_dispatch(model, layer, x)?;
-        let (handle, created): (GpuHandle, Completion) =
-            group.create_handle_on(&r.topk_idx, &HandleOptions::default(), &self.stream).await?;
-        let staged = group.dispatch(&handle, DispatchInputs::new(&r.tokens)).after(&self.stream).send_only().await?;
-        let (received, dispatched) = staged.complete_on(&self.stream).await?;
-        let y = self.experts(model, layer, &received)?;
-        drop(received);
-        let inputs = CombineInputs::new(&y).with_weights(&r.topk_weights);
-        let staged = group.combine(&handle, inputs).after(&self.stream).send_only().await?;
-        let (combined, done) = staged.complete_on(&self.stream).await?;
-        let output = self.after_combine(model, &combined)?;
-        Ok(LayerStep { output, completions: vec![created, dispatched, done] })
+        self.layer(model, group, layer, x, false).await
     }
 
     /// The whole layer `layer` on `x` (`[B x H]` BF16) over a high-throughput group (prefill):
@@ -630,20 +619,42 @@ impl Lane {
         layer: usize,
         x: &DeviceTensor,
     ) -> Result<LayerStep> {
+        self.layer(model, group, layer, x, true).await
+    }
+
+    /// [`Lane::forward`] (padded experts, the router's weights applied by the combine) or
+    /// [`Lane::forward_grouped`] (`grouped`: the weights travel with the dispatch and the
+    /// experts apply them).
+    async fn layer(
+        &self,
+        model: &GpuMoeModel,
+        group: &Group<GpuRank>,
+        layer: usize,
+        x: &DeviceTensor,
+        grouped: bool,
+    ) -> Result<LayerStep> {
         use epflow_core::handle::RoutingHandle;
         let r = self.before_dispatch(model, layer, x)?;
         let (handle, created): (GpuHandle, Completion) =
             group.create_handle_on(&r.topk_idx, &HandleOptions::default(), &self.stream).await?;
-        let counts = handle
-            .recv_expert_counts()
-            .ok_or_else(|| Error::Unsupported("grouped experts need a high-throughput group".into()))?
-            .to_vec();
-        let inputs = DispatchInputs::new(&r.tokens).with_weights(&r.topk_weights);
+        let counts = if grouped {
+            let c = handle.recv_expert_counts();
+            Some(c.ok_or_else(|| Error::Unsupported("grouped experts need a high-throughput group".into()))?.to_vec())
+        } else {
+            None
+        };
+        let inputs = DispatchInputs::new(&r.tokens);
+        let inputs = if grouped { inputs.with_weights(&r.topk_weights) } else { inputs };
         let staged = group.dispatch(&handle, inputs).after(&self.stream).send_only().await?;
         let (received, dispatched) = staged.complete_on(&self.stream).await?;
-        let y = self.experts_grouped(model, layer, &received, &counts)?;
+        let y = match &counts {
+            Some(c) => self.experts_grouped(model, layer, &received, c)?,
+            None => self.experts(model, layer, &received)?,
+        };
         drop(received);
-        let staged = group.combine(&handle, CombineInputs::new(&y)).after(&self.stream).send_only().await?;
+        let inputs = CombineInputs::new(&y);
+        let inputs = if grouped { inputs } else { inputs.with_weights(&r.topk_weights) };
+        let staged = group.combine(&handle, inputs).after(&self.stream).send_only().await?;
         let (combined, done) = staged.complete_on(&self.stream).await?;
         let output = self.after_combine(model, &combined)?;
         Ok(LayerStep { output, completions: vec![created, dispatched, done] })
