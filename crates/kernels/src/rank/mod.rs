@@ -124,6 +124,7 @@ impl GpuRank {
     /// Copies `src` into `dst` (same size) on the stream of `channel`, without a host wait;
     /// returns an event after the copy. Use `dst.ready_after(event)` as the input of a later
     /// operation: its send half waits for the copy on the device.
+    #[deprecated(since = "0.1.0", note = "no caller needs it: use `copy_on(rank.stream(channel), src, dst)`")]
     pub fn copy_on_stream(
         &self,
         channel: Channel,
