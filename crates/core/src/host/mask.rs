@@ -1,12 +1,13 @@
-//! Rank masking on the host backend ([`crate::mask`]): every rank's mask word, and the meeting
-//! board of `unmask_all`.
+//! Rank masking on the host backend ([`crate::mask`]): every rank's mask word, and the meetings
+//! that move the group to its next mask epoch: `unmask_all`, and a survivor's `admit` or a
+//! replacement's `rejoin` ("Rejoining").
 
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::HostWorldShared;
+use super::{HostWorldShared, Slot};
 use crate::backend::RankCore;
-use crate::error::{Error, Result};
+use crate::error::{Error, RejoinRefusal, Result};
 use crate::mask::{RankSet, SharedMask, detect, spread};
 use crate::protocol::{Channel, deadline_after};
 
@@ -185,5 +186,69 @@ pub(crate) fn meet_and_reset(world: &HostWorldShared, core: &RankCore, m: &Meeti
         return Err(failed("finish", missing));
     }
     world.epoch.fetch_max(epoch, std::sync::atomic::Ordering::AcqRel);
+    Ok(())
+}
+
+/// [`Error::Unsupported`] unless the world has rank masking.
+fn check_masking(w: &HostWorldShared, what: &str) -> Result<()> {
+    if w.config.rank_masking {
+        Ok(())
+    } else {
+        Err(Error::Unsupported(format!("{what} needs a group with rank_masking (GroupConfig::with_rank_masking)")))
+    }
+}
+
+/// The ranks that still serve: those whose own word does not mask them, `except` left out.
+pub(crate) fn survivors(world: &HostWorldShared, except: usize) -> Vec<usize> {
+    (0..world.num_ranks).filter(|&s| s != except && !world.masks.holds(s, s)).collect()
+}
+
+/// The ranks that meet when `joining` are admitted, as `view` (a survivor's mask word) sees the
+/// group: every rank it does not mask, and the replacements.
+fn meeting(world: &HostWorldShared, view: &RankSet, joining: &RankSet, timeout: Duration) -> Result<Meeting> {
+    let n = world.num_ranks;
+    let who = RankSet::from_ranks((0..n).filter(|&s| !view.contains(s) || joining.contains(s)), n)?;
+    Ok(Meeting { what: "admit", who, unmask: Unmask::Ranks(*joining), timeout, poison: false })
+}
+
+/// A survivor's side of admitting the replacements for `ranks` (every survivor calls it with the
+/// same `ranks`, with no operation in flight).
+pub(crate) fn admit(w: &HostWorldShared, core: &RankCore, ranks: &RankSet, timeout: Duration) -> Result<()> {
+    let me = core.rank();
+    check_masking(w, "admit")?;
+    ranks.check_range("admit", w.num_ranks)?;
+    core.poison().check()?;
+    if w.masks.holds(me, me) {
+        return Err(Error::RankMasked { op: "admit".into(), rank: me });
+    }
+    if ranks.contains(me) {
+        return Err(Error::Unsupported(format!(
+            "admit: rank {me} cannot admit itself (a replacement calls rejoin; a masked live rank unmask_all)"
+        )));
+    }
+    let view = w.masks.view(me);
+    if let Some(r) = ranks.iter().find(|&r| !view.contains(r)) {
+        return Err(Error::RejoinRefused { rank: r, why: RejoinRefusal::NotMasked });
+    }
+    meet_and_reset(w, core, &meeting(w, &view, ranks, timeout)?)
+}
+
+/// A replacement's side of the admission: meets the survivors, then serves as a full member.
+pub(crate) fn rejoin(w: &HostWorldShared, core: &RankCore, timeout: Duration) -> Result<()> {
+    let me = core.rank();
+    check_masking(w, "rejoin")?;
+    let joining = w.slots.lock().unwrap_or_else(|e| e.into_inner())[me] == Slot::Joining;
+    if !joining {
+        return Err(Error::Unsupported(format!(
+            "rejoin: rank {me} is no replacement (HostRendezvous::replace makes one; a masked live rank calls unmask_all)"
+        )));
+    }
+    // The survivors' view now (masks may have grown since the replacement was made), with this
+    // rank in it until the meeting takes it out.
+    let me_set = RankSet::from_ranks([me], w.num_ranks)?;
+    let view = survivors(w, me).first().map_or_else(|| w.masks.view(me), |&s| w.masks.view(s)).union(&me_set);
+    w.masks.word(me).store(&view);
+    meet_and_reset(w, core, &meeting(w, &view, &me_set, timeout)?)?;
+    w.slots.lock().unwrap_or_else(|e| e.into_inner())[me] = Slot::Live;
     Ok(())
 }

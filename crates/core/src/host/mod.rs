@@ -73,5 +73,16 @@ pub struct HostWorldShared {
     /// The latest mask epoch any rank completed (where a replacement starts).
     pub(crate) epoch: std::sync::atomic::AtomicU64,
     /// Per rank: whether its `HostRank` exists, is gone, or a replacement is joining.
-    pub(crate) slots: std::sync::Mutex<Vec<rejoin::Slot>>,
+    pub(crate) slots: std::sync::Mutex<Vec<Slot>>,
+}
+
+/// Where a rank of a host world stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Slot {
+    /// Its `HostRank` exists.
+    Live,
+    /// Its `HostRank` was dropped (the rank's thread ended).
+    Gone,
+    /// A replacement was made and has not finished joining.
+    Joining,
 }

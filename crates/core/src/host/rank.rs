@@ -49,7 +49,7 @@ impl HostWorld {
             mailboxes: Mailboxes::new(&config, num_ranks),
             masks: super::mask::HostMasks::new(num_ranks),
             epoch: AtomicU64::new(0),
-            slots: std::sync::Mutex::new(vec![super::rejoin::Slot::Live; num_ranks]),
+            slots: std::sync::Mutex::new(vec![super::Slot::Live; num_ranks]),
             group_id,
             num_ranks,
             config,
@@ -447,7 +447,7 @@ impl HostRank {
 }
 
 impl HostRank {
-    pub(super) fn check_masking(&self, what: &str) -> Result<()> {
+    fn check_masking(&self, what: &str) -> Result<()> {
         if self.world.config.rank_masking {
             Ok(())
         } else {
@@ -485,11 +485,11 @@ impl Backend for HostRank {
     }
 
     fn admit(&self, ranks: &RankSet, timeout: Duration) -> Result<()> {
-        super::rejoin::admit(self, ranks, timeout)
+        super::mask::admit(&self.world, &self.core, ranks, timeout)
     }
 
     fn rejoin(&self, timeout: Duration) -> Result<()> {
-        super::rejoin::rejoin(self, timeout)
+        super::mask::rejoin(&self.world, &self.core, timeout)
     }
 
     fn start_handle(&self, topk_idx: &HostTensor, opts: &HandleOptions) -> Result<HandleCreation<HostHandle, HostOp>> {

@@ -1,30 +1,18 @@
 //! Replacing a dead rank of a running host world ([`crate::mask`], "Rejoining"): a rank thread
 //! that exited is replaced by a new [`HostRank`] made through the world's [`HostRendezvous`],
 //! which joins the survivors' meeting ([`crate::backend::Backend::rejoin`] /
-//! [`crate::backend::Backend::admit`]). The survivors keep their ranks, handles and buffers.
+//! [`crate::backend::Backend::admit`], in `mask.rs`). The survivors keep their ranks, handles
+//! and buffers.
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use super::HostWorldShared;
-use super::mask::{Meeting, Unmask, meet_and_reset};
+use super::mask::survivors;
 use super::outputs::Buffers;
 use super::rank::HostRank;
+use super::{HostWorldShared, Slot};
 use crate::backend::RankCore;
 use crate::config::GroupConfig;
 use crate::error::{Error, RejoinRefusal, Result};
-use crate::mask::RankSet;
-
-/// Where a rank of a host world stands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Slot {
-    /// Its `HostRank` exists.
-    Live,
-    /// Its `HostRank` was dropped (the rank's thread ended).
-    Gone,
-    /// A replacement was made and has not finished joining.
-    Joining,
-}
 
 /// Where a replacement for a dead rank meets its world: the host model of a GPU group's
 /// rendezvous (the TCP rendezvous or NCCL bootstrap it was made with). Any rank hands it out
@@ -47,11 +35,6 @@ impl Drop for HostRank {
         let mut slots = self.world.slots.lock().unwrap_or_else(|e| e.into_inner());
         slots[self.core.rank()] = Slot::Gone;
     }
-}
-
-/// The ranks that still serve: those whose own word does not mask them, `except` left out.
-fn survivors(world: &HostWorldShared, except: usize) -> Vec<usize> {
-    (0..world.num_ranks).filter(|&s| s != except && !world.masks.holds(s, s)).collect()
 }
 
 impl HostRendezvous {
@@ -108,56 +91,4 @@ impl HostRendezvous {
         core.set_mask_epoch(w.epoch.load(std::sync::atomic::Ordering::Acquire));
         Ok(HostRank { world: Arc::clone(w), core, buffers: Buffers::new(w.config.buffer_sets) })
     }
-}
-
-/// The ranks that meet when `joining` are admitted, as `view` (a survivor's mask word) sees the
-/// group: every rank it does not mask, and the replacements.
-fn meeting(world: &HostWorldShared, view: &RankSet, joining: &RankSet, timeout: Duration) -> Result<Meeting> {
-    let n = world.num_ranks;
-    let who = RankSet::from_ranks((0..n).filter(|&s| !view.contains(s) || joining.contains(s)), n)?;
-    Ok(Meeting { what: "admit", who, unmask: Unmask::Ranks(*joining), timeout, poison: false })
-}
-
-/// A survivor's side of admitting the replacements for `ranks` (every survivor calls it with the
-/// same `ranks`, with no operation in flight).
-pub(crate) fn admit(rank: &HostRank, ranks: &RankSet, timeout: Duration) -> Result<()> {
-    let (w, core) = (&rank.world, &rank.core);
-    let me = core.rank();
-    rank.check_masking("admit")?;
-    ranks.check_range("admit", w.num_ranks)?;
-    core.poison().check()?;
-    if w.masks.holds(me, me) {
-        return Err(Error::RankMasked { op: "admit".into(), rank: me });
-    }
-    if ranks.contains(me) {
-        return Err(Error::Unsupported(format!(
-            "admit: rank {me} cannot admit itself (a replacement calls rejoin; a masked live rank unmask_all)"
-        )));
-    }
-    let view = w.masks.view(me);
-    if let Some(r) = ranks.iter().find(|&r| !view.contains(r)) {
-        return Err(Error::RejoinRefused { rank: r, why: RejoinRefusal::NotMasked });
-    }
-    meet_and_reset(w, core, &meeting(w, &view, ranks, timeout)?)
-}
-
-/// A replacement's side of the admission: meets the survivors, then serves as a full member.
-pub(crate) fn rejoin(rank: &HostRank, timeout: Duration) -> Result<()> {
-    let (w, core) = (&rank.world, &rank.core);
-    let me = core.rank();
-    rank.check_masking("rejoin")?;
-    let joining = w.slots.lock().unwrap_or_else(|e| e.into_inner())[me] == Slot::Joining;
-    if !joining {
-        return Err(Error::Unsupported(format!(
-            "rejoin: rank {me} is no replacement (HostRendezvous::replace makes one; a masked live rank calls unmask_all)"
-        )));
-    }
-    // The survivors' view now (masks may have grown since the replacement was made), with this
-    // rank in it until the meeting takes it out.
-    let me_set = RankSet::from_ranks([me], w.num_ranks)?;
-    let view = survivors(w, me).first().map_or_else(|| w.masks.view(me), |&s| w.masks.view(s)).union(&me_set);
-    w.masks.word(me).store(&view);
-    meet_and_reset(w, core, &meeting(w, &view, &me_set, timeout)?)?;
-    w.slots.lock().unwrap_or_else(|e| e.into_inner())[me] = Slot::Live;
-    Ok(())
 }
