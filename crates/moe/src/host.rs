@@ -41,17 +41,36 @@ impl HostMoeLayer {
         HostMoeLayer { preset, weights }
     }
 
+    /// `x` as BF16 `[B x H]` values, and the router's choice for them.
+    fn route<'x>(&self, x: &'x HostTensor) -> Result<(&'x [bf16], Routing)> {
+        let h = self.preset.hidden;
+        let xs = x.as_bf16().ok_or_else(|| Error::Unsupported("the layer's input must be BF16 tokens".into()))?;
+        if xs.len() % h != 0 {
+            return Err(Error::Unsupported(format!("the layer's input is not [B x {h}]")));
+        }
+        Ok((xs, reference::route(&self.preset, xs, &self.weights.gate)))
+    }
+
+    /// The combined tokens `c` plus the shared expert on `xs` (if the model has one):
+    /// `bf16(f32(c) + f32(shared))`.
+    fn with_shared(&self, xs: &[bf16], c: &HostTensor) -> Result<Vec<bf16>> {
+        let c = c.as_bf16().ok_or_else(|| Error::Backend("combined tokens not BF16".into()))?;
+        Ok(match &self.weights.shared {
+            Some(s) => {
+                let shared = reference::swiglu(xs, self.preset.hidden, s);
+                c.iter().zip(&shared).map(|(c, s)| bf16::from_f32(c.to_f32() + s.to_f32())).collect()
+            }
+            None => c.to_vec(),
+        })
+    }
+
     /// Runs the layer on this rank's tokens `x` (`[B x H]` BF16, `B` at most the group's
     /// `max_tokens_per_rank`): route, dispatch, the local experts on the rows they received,
     /// combine with the router's weights, plus the shared expert on `x`.
     pub async fn forward(&self, group: &Group<HostRank>, x: &HostTensor) -> Result<LayerOutput> {
         let (h, k) = (self.preset.hidden, self.preset.top_k);
-        let xs = x.as_bf16().ok_or_else(|| Error::Unsupported("the layer's input must be BF16 tokens".into()))?;
-        if xs.len() % h != 0 {
-            return Err(Error::Unsupported(format!("the layer's input is not [B x {h}]")));
-        }
+        let (xs, routing) = self.route(x)?;
         let b = xs.len() / h;
-        let routing = reference::route(&self.preset, xs, &self.weights.gate);
         let idx = HostTensor::topk_idx(b, k, routing.topk_idx.clone());
         let w = HostTensor::topk_weights(b, k, routing.topk_weights.clone());
         let handle = group.create_handle(&idx).await?;
@@ -72,14 +91,7 @@ impl HostMoeLayer {
         }
         *outputs.data_mut() = HostData::Bf16(out);
         let combined = group.combine(&handle, CombineInputs::new(&outputs).with_weights(&w)).await?;
-        let c = combined.tokens().as_bf16().ok_or_else(|| Error::Backend("combined tokens not BF16".into()))?;
-        let tokens = match &self.weights.shared {
-            Some(s) => {
-                let shared = reference::swiglu(xs, h, s);
-                c.iter().zip(&shared).map(|(c, s)| bf16::from_f32(c.to_f32() + s.to_f32())).collect()
-            }
-            None => c.to_vec(),
-        };
+        let tokens = self.with_shared(xs, combined.tokens())?;
         Ok(LayerOutput { tokens: HostTensor::tokens(b, h, tokens), routing, expert_counts: counts })
     }
 
@@ -91,12 +103,8 @@ impl HostMoeLayer {
     /// [`reference::layer_prefill`] bit for bit; `expert_counts` are the dispatch's.
     pub async fn forward_prefill(&self, group: &Group<HostRank>, x: &HostTensor) -> Result<LayerOutput> {
         let (h, k) = (self.preset.hidden, self.preset.top_k);
-        let xs = x.as_bf16().ok_or_else(|| Error::Unsupported("the layer's input must be BF16 tokens".into()))?;
-        if xs.len() % h != 0 {
-            return Err(Error::Unsupported(format!("the layer's input is not [B x {h}]")));
-        }
+        let (xs, routing) = self.route(x)?;
         let b = xs.len() / h;
-        let routing = reference::route(&self.preset, xs, &self.weights.gate);
         let idx = HostTensor::topk_idx(b, k, routing.topk_idx.clone());
         let w = HostTensor::topk_weights(b, k, routing.topk_weights.clone());
         let handle = group.create_handle(&idx).await?;
@@ -124,14 +132,7 @@ impl HostMoeLayer {
             sums.extend(reference::combine_row(&refs, &ws, h).into_iter().map(bf16::from_f32));
         }
         let combined = group.combine(&handle, CombineInputs::new(&HostTensor::tokens(n, h, sums))).await?;
-        let c = combined.tokens().as_bf16().ok_or_else(|| Error::Backend("combined tokens not BF16".into()))?;
-        let tokens = match &self.weights.shared {
-            Some(s) => {
-                let shared = reference::swiglu(xs, h, s);
-                c.iter().zip(&shared).map(|(c, s)| bf16::from_f32(c.to_f32() + s.to_f32())).collect()
-            }
-            None => c.to_vec(),
-        };
+        let tokens = self.with_shared(xs, combined.tokens())?;
         Ok(LayerOutput { tokens: HostTensor::tokens(b, h, tokens), routing, expert_counts: counts })
     }
 }
