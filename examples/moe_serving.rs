@@ -1291,12 +1291,12 @@ mod host {
             let rank = loop {
                 match self.rendezvous.replace(self.rank, &config) {
                     Ok(r) => break r,
-                    // The survivors have not masked it yet (they do at their admission vote).
-                    Err(Error::RejoinRefused { why: RejoinRefusal::NotMasked, .. })
-                        if std::time::Instant::now() < deadline =>
-                    {
-                        tokio::time::sleep(Duration::from_millis(1)).await
-                    }
+                    // The survivors have not masked it yet (they do at their admission vote), or
+                    // operations of the dead process still run out their timeout.
+                    Err(Error::RejoinRefused {
+                        why: RejoinRefusal::NotMasked | RejoinRefusal::OldOperationsRunning,
+                        ..
+                    }) if std::time::Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(1)).await,
                     Err(e) => return Err(e),
                 }
             };

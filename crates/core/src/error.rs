@@ -511,6 +511,10 @@ pub enum RejoinRefusal {
     /// The rank's old process (host backend: its `HostRank`) still exists.
     #[error("the rank is still alive (its old rank has not been dropped)")]
     StillAlive,
+    /// Operations of the rank's old process are still running (detached staged operations end
+    /// by the group's timeout): try again after it.
+    #[error("operations of the old rank are still finishing (they end within the group's timeout): try again")]
+    OldOperationsRunning,
     /// Another replacement for the rank exists and has not finished joining or gone.
     #[error("another replacement for this rank is already joining")]
     AlreadyJoining,

@@ -55,8 +55,9 @@
 //! 1. The replacement is made for rank `r` through the group's rendezvous
 //!    (`HostRank::rendezvous` then `HostRendezvous::replace`). It is refused, with
 //!    [`crate::Error::RejoinRefused`] and nothing changed, when the group has no rank masking,
-//!    when `r`'s old rank still exists, when another replacement for `r` is joining, when no
-//!    survivor has `r` masked, or when the replacement's config is not the group's. Until it
+//!    when `r`'s old rank still exists or its detached operations still run (until the group's
+//!    timeout), when another replacement for `r` is joining, when no survivor has `r` masked, or
+//!    when the replacement's config is not the group's. Until it
 //!    has joined, its own operations fail with [`crate::Error::RankMasked`].
 //! 2. When the server says so, with no operation in flight, every survivor calls `admit(r)`
 //!    and the replacement calls `rejoin`: a meeting of those ranks (the ranks still masked

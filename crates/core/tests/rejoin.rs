@@ -246,3 +246,50 @@ fn a_survivor_that_dies_during_the_meeting_is_named_and_left_out_next_time() {
         }
     });
 }
+
+/// A dead rank whose staged operation was left to finish in the background (a `HostStaged`
+/// dropped unfinished runs on until the group's timeout): its replacement is refused until that
+/// operation has ended, so nothing of the old rank touches the reset cells.
+#[test]
+fn a_replacement_waits_for_the_old_ranks_detached_operations() {
+    let mut ranks = HostWorld::create(RANKS, config()).unwrap();
+    let rv = ranks[0].rendezvous();
+    let (sc, _) = common::scenario(5);
+    let dead = ranks.remove(3);
+    let h = dead.create_handle(&sc.topk_idx(3)).unwrap();
+    let x = sc.tokens(3);
+    // Its peers never take part: the dispatch waits for them in the background after the drop.
+    drop(dead.dispatch_send(&h, epflow_core::ops::DispatchInputs::new(&x), &Default::default()).unwrap());
+    drop(dead);
+    match rv.replace(3, &config()) {
+        Err(Error::RejoinRefused { why: RejoinRefusal::OldOperationsRunning, .. }) => {}
+        other => panic!("expected OldOperationsRunning, got {:?}", other.map(|r| r.rank())),
+    }
+    // Once masked, the old operation ends (a masked rank waits for no one), and a replacement
+    // can be made.
+    ranks[0].mask_ranks(&set(&[3])).unwrap();
+    let start = Instant::now();
+    let replacement = loop {
+        match rv.replace(3, &config()) {
+            Ok(r) => break r,
+            Err(Error::RejoinRefused { why: RejoinRefusal::OldOperationsRunning, .. })
+                if start.elapsed() < 3 * common::TIMEOUT =>
+            {
+                thread::sleep(Duration::from_millis(5))
+            }
+            Err(e) => panic!("replace: {e}"),
+        }
+    };
+    thread::scope(|s| {
+        for rank in ranks.iter().chain([&replacement]) {
+            s.spawn(move || {
+                if rank.rank() == 3 {
+                    rank.rejoin(MEETING).unwrap();
+                } else {
+                    rank.admit(&set(&[3]), MEETING).unwrap();
+                }
+                round(rank, 31, &RankSet::new());
+            });
+        }
+    });
+}

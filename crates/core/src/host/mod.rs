@@ -74,6 +74,9 @@ pub struct HostWorldShared {
     pub(crate) epoch: std::sync::atomic::AtomicU64,
     /// Per rank: whether its `HostRank` exists, is gone, or a replacement is joining.
     pub(crate) slots: std::sync::Mutex<Vec<Slot>>,
+    /// Per rank: its operations not yet dropped (a dead rank's detached ones run on until their
+    /// timeout; its replacement waits for them).
+    pub(crate) ops_alive: Vec<std::sync::atomic::AtomicUsize>,
 }
 
 /// Where a rank of a host world stands.

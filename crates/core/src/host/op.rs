@@ -67,6 +67,12 @@ pub struct HostOp {
 /// The output of a host operation.
 pub type HostOpOutput = OpOutput<HostHandle, HostDispatchOutput, HostCombineOutput>;
 
+impl Drop for HostOp {
+    fn drop(&mut self) {
+        self.world.ops_alive[self.rank].fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
 impl HostOp {
     /// Whether this rank skips `peer` (masked, or this rank is: its result is then
     /// [`Error::RankMasked`]). Never without rank masking.

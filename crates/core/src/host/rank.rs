@@ -50,6 +50,7 @@ impl HostWorld {
             masks: super::mask::HostMasks::new(num_ranks),
             epoch: AtomicU64::new(0),
             slots: std::sync::Mutex::new(vec![super::Slot::Live; num_ranks]),
+            ops_alive: (0..num_ranks).map(|_| std::sync::atomic::AtomicUsize::new(0)).collect(),
             group_id,
             num_ranks,
             config,
@@ -170,6 +171,7 @@ impl HostRank {
         outgoing: Vec<Option<Message>>,
         staged: Option<Staging>,
     ) -> HostOp {
+        self.world.ops_alive[self.core.rank()].fetch_add(1, Ordering::AcqRel);
         HostOp {
             world: Arc::clone(&self.world),
             rank: self.core.rank(),

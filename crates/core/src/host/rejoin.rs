@@ -55,7 +55,8 @@ impl HostRendezvous {
     /// [`Error::RankMasked`].
     ///
     /// Refused with [`Error::RejoinRefused`] (nothing changes) when the group has no rank
-    /// masking, when the old rank still exists, when another replacement is joining, when no
+    /// masking, when the old rank still exists or its detached operations still run (they end
+    /// by the group's timeout: try again), when another replacement is joining, when no
     /// survivor has `rank` masked, or when `config` is not the group's; a rank outside the world
     /// is [`Error::RankOutOfRange`].
     pub fn replace(&self, rank: usize, config: &GroupConfig) -> Result<HostRank> {
@@ -78,6 +79,9 @@ impl HostRendezvous {
             Slot::Live => return Err(refused(RejoinRefusal::StillAlive)),
             Slot::Joining => return Err(refused(RejoinRefusal::AlreadyJoining)),
             Slot::Gone => {}
+        }
+        if w.ops_alive[rank].load(std::sync::atomic::Ordering::Acquire) > 0 {
+            return Err(refused(RejoinRefusal::OldOperationsRunning));
         }
         let alive = survivors(w, rank);
         let Some(view) = alive.iter().map(|&s| w.masks.view(s)).find(|v| v.contains(rank)) else {
