@@ -101,6 +101,9 @@ pub(crate) enum DiagCommand {
     /// launch's host time: what the operations around a launch add to it (benches/NOTES.md
     /// item 42). Same flags as `launch`.
     Ops(DiagLaunchArgs),
+    /// Every `EPFLOW_*` knob: its value in this environment (or unset), its default and meaning,
+    /// and the tuning a new group takes from them (no GPU needed).
+    Env,
 }
 
 /// `epflow diag launch` flags.

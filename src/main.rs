@@ -20,6 +20,7 @@ fn main() -> ExitCode {
         cli::Command::Launch(args) => launch::main(&args),
         cli::Command::Diag(cli::DiagCommand::Launch(args)) => diag::launch(&args),
         cli::Command::Diag(cli::DiagCommand::Ops(args)) => diag::ops(&args),
+        cli::Command::Diag(cli::DiagCommand::Env) => diag::env(),
         cli::Command::EpBenchReport(args) => ep_bench_report::main(&args),
         cli::Command::Chart(args) => chart::main(&args),
     }

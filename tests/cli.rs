@@ -402,3 +402,25 @@ fn chart_draws_bench_json_runs() {
     assert!(err.contains("not an `epflow bench --json` report"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `epflow diag env` (no GPU needed) lists every knob with the value the environment gives it,
+/// and the tuning a new group takes from it.
+#[test]
+fn diag_env_lists_every_knob_and_the_tuning_it_gives() {
+    let out = Command::new(env!("CARGO_BIN_EXE_epflow"))
+        .args(["diag", "env"])
+        .env("EPFLOW_HT_DEPTH", "128")
+        .env("EPFLOW_ONE_LAUNCH", "0")
+        .output()
+        .expect("run epflow");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    for k in epflow::core::tuning::KNOBS {
+        assert!(text.contains(k.name), "{} missing:\n{text}", k.name);
+    }
+    let depth = text.lines().find(|l| l.starts_with("EPFLOW_HT_DEPTH ")).unwrap_or_default();
+    assert!(depth.split_whitespace().nth(1) == Some("128"), "{depth}");
+    let tuned = text.find("depth: Some(").map(|i| &text[i..(i + 60).min(text.len())]).unwrap_or_default();
+    assert!(tuned.contains("128"), "the group's tuning: {tuned}");
+    assert!(text.contains("one_launch: false"), "{text}");
+}

@@ -11,6 +11,20 @@ use crate::cli::DiagLaunchArgs;
 mod ops;
 pub(crate) use ops::ops;
 
+/// `epflow diag env`: every knob of [`epflow_core::tuning::KNOBS`] with the value this process's
+/// environment gives it, its default and meaning, then the tuning a group created now takes.
+pub(crate) fn env() -> ExitCode {
+    let e = epflow_core::tuning::Environment::get();
+    println!("{:<36} {:<16} {:<28} meaning", "knob", "set to", "default");
+    for k in epflow_core::tuning::KNOBS {
+        let value = e.set.iter().find(|(n, _)| *n == k.name).map_or("-", |(_, v)| v.as_str());
+        println!("{:<36} {:<16} {:<28} {}", k.name, value, k.default, k.meaning);
+    }
+    println!("a group created now takes (unless its config has its own, GroupConfig::with_tuning):");
+    println!("{:#?}", e.tuning);
+    ExitCode::SUCCESS
+}
+
 /// `epflow diag launch`: a one-rank low-latency group on `--device`, then the mean host time of
 /// launching each of its kernels as a device no-op ([`epflow_kernels::GpuRank::ll_launch_costs`]:
 /// as operations launch it, and as a plain launch), and of a kernel with one 8-byte parameter

@@ -139,6 +139,9 @@ pub struct Environment {
     /// `NCCL_EP_TIMEOUT_MS`: the C API's operation timeout, over `config.timeout_ns` (NCCL EP's
     /// name; ignored unless a positive integer).
     pub abi_timeout_ms: Option<u64>,
+    /// The knobs of [`KNOBS`] that are set, with their values as given (`epflow diag env`
+    /// prints them).
+    pub set: Vec<(&'static str, String)>,
 }
 
 /// One knob: its name, default and meaning (the table of `docs/tuning-and-diagnostics.md`).
@@ -243,6 +246,7 @@ impl Environment {
                 cuda_include: path("EPFLOW_CUDA_INCLUDE"),
             },
             nccl_id: var("EPFLOW_NCCL_ID"),
+            set: KNOBS.iter().filter_map(|k| get(k.name).map(|v| (k.name, v))).collect(),
             abi_timeout_ms: var("NCCL_EP_TIMEOUT_MS").and_then(|v| v.parse::<u64>().ok()).filter(|&ms| ms > 0),
         }
     }
@@ -322,6 +326,8 @@ mod tests {
         assert_eq!(e.paths.cuda_include, Some(PathBuf::from("/inc")));
         assert_eq!(e.nccl_id.as_deref(), Some("ab12"));
         assert_eq!(e.abi_timeout_ms, Some(250));
+        assert_eq!(e.set.len(), KNOBS.len(), "every knob was set");
+        assert!(e.set.contains(&("EPFLOW_HT_DEPTH", "128".to_string())));
         // Every name of the table changes something (the table and the reader agree).
         for k in KNOBS {
             let base: &[(&str, &str)] =
