@@ -34,7 +34,7 @@ impl GpuWorld {
     /// NVLink only; with no `max_sms` set, each kernel then takes at most SMs / (2 x ranks on
     /// the busiest GPU), so the ranks' kernels fit beside each other). Such ranks share the
     /// device's CUDA context, where freeing device memory (`cuMemFree` of a large block, e.g.
-    /// dropping a large [`DeviceTensor`](crate::DeviceTensor)) waits for every kernel on the
+    /// dropping a large [`DeviceTensor`](crate::device::DeviceTensor)) waits for every kernel on the
     /// device: if the other rank is inside a collective that waits for this one, both wait until
     /// the group's timeout. Free memory on such ranks only while no collective of theirs can be
     /// in flight (e.g. behind a barrier of their threads).
