@@ -30,6 +30,31 @@ fn resident_bytes() -> usize {
     kb.and_then(|v| v.parse::<usize>().ok()).map_or(0, |kb| kb * 1024)
 }
 
+/// The admission of `replacement` on `survivors` (each admits it, it rejoins, all at once),
+/// then `then` on every one of them; the results in the survivors' order, the replacement's
+/// last.
+fn admit_all<R: Send>(survivors: &[HostRank], replacement: &HostRank, then: impl Fn(&HostRank) -> R + Sync) -> Vec<R> {
+    let joining = set(&[replacement.rank()]);
+    thread::scope(|s| {
+        let hs: Vec<_> = survivors
+            .iter()
+            .chain([replacement])
+            .map(|rank| {
+                let (joining, then) = (&joining, &then);
+                s.spawn(move || {
+                    if std::ptr::eq(rank, replacement) {
+                        rank.rejoin(MEETING).unwrap();
+                    } else {
+                        rank.admit(joining, MEETING).unwrap();
+                    }
+                    then(rank)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 /// One kill-and-rejoin cycle: every rank serves a full round (checked); `victim`'s thread ends;
 /// a survivor masks it; the survivors serve a round without it (checked against the reference
 /// without its experts); a replacement made through the rendezvous rejoins while the survivors
@@ -183,24 +208,9 @@ fn a_replacement_that_dies_half_way_leaves_the_survivors_serving() {
         }
     });
     let second = rv.replace(3, &config()).unwrap();
-    let epochs: Vec<u64> = thread::scope(|s| {
-        let mut hs: Vec<_> = ranks
-            .iter()
-            .map(|rank| {
-                s.spawn(move || {
-                    rank.admit(&set(&[3]), MEETING).unwrap();
-                    round(rank, 12, &RankSet::new());
-                    rank.masked_ranks().epoch
-                })
-            })
-            .collect();
-        let second = &second;
-        hs.push(s.spawn(move || {
-            second.rejoin(MEETING).unwrap();
-            round(second, 12, &RankSet::new());
-            second.masked_ranks().epoch
-        }));
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let epochs = admit_all(&ranks, &second, |rank| {
+        round(rank, 12, &RankSet::new());
+        rank.masked_ranks().epoch
     });
     assert!(epochs.iter().all(|&e| e == epochs[0]), "{epochs:?}");
 }
@@ -232,18 +242,9 @@ fn a_survivor_that_dies_during_the_meeting_is_named_and_left_out_next_time() {
     drop(dead);
     ranks[0].mask_ranks(&set(&[2])).unwrap();
     assert!(ranks.iter().all(|r| !r.is_poisoned()));
-    thread::scope(|s| {
-        for rank in ranks.iter().chain([&replacement]) {
-            s.spawn(move || {
-                if rank.rank() == 3 {
-                    rank.rejoin(MEETING).unwrap();
-                } else {
-                    rank.admit(&set(&[3]), MEETING).unwrap();
-                }
-                assert_eq!(rank.masked_ranks().ranks, set(&[2]));
-                round(rank, 21, &set(&[2]));
-            });
-        }
+    admit_all(&ranks, &replacement, |rank| {
+        assert_eq!(rank.masked_ranks().ranks, set(&[2]));
+        round(rank, 21, &set(&[2]));
     });
 }
 
@@ -280,16 +281,7 @@ fn a_replacement_waits_for_the_old_ranks_detached_operations() {
             Err(e) => panic!("replace: {e}"),
         }
     };
-    thread::scope(|s| {
-        for rank in ranks.iter().chain([&replacement]) {
-            s.spawn(move || {
-                if rank.rank() == 3 {
-                    rank.rejoin(MEETING).unwrap();
-                } else {
-                    rank.admit(&set(&[3]), MEETING).unwrap();
-                }
-                round(rank, 31, &RankSet::new());
-            });
-        }
+    admit_all(&ranks, &replacement, |rank| {
+        round(rank, 31, &RankSet::new());
     });
 }

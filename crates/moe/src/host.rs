@@ -41,14 +41,17 @@ impl HostMoeLayer {
         HostMoeLayer { preset, weights }
     }
 
-    /// `x` as BF16 `[B x H]` values, and the router's choice for them.
-    fn route<'x>(&self, x: &'x HostTensor) -> Result<(&'x [bf16], Routing)> {
-        let h = self.preset.hidden;
+    /// `x` as BF16 `[B x H]` values, the router's choice for them, and its weights as a
+    /// `[B x K]` tensor.
+    fn route<'x>(&self, x: &'x HostTensor) -> Result<(&'x [bf16], Routing, HostTensor)> {
+        let (h, k) = (self.preset.hidden, self.preset.top_k);
         let xs = x.as_bf16().ok_or_else(|| Error::Unsupported("the layer's input must be BF16 tokens".into()))?;
         if xs.len() % h != 0 {
             return Err(Error::Unsupported(format!("the layer's input is not [B x {h}]")));
         }
-        Ok((xs, reference::route(&self.preset, xs, &self.weights.gate)))
+        let routing = reference::route(&self.preset, xs, &self.weights.gate);
+        let w = HostTensor::topk_weights(xs.len() / h, k, routing.topk_weights.clone());
+        Ok((xs, routing, w))
     }
 
     /// The combined tokens `c` plus the shared expert on `xs` (if the model has one):
@@ -69,11 +72,9 @@ impl HostMoeLayer {
     /// combine with the router's weights, plus the shared expert on `x`.
     pub async fn forward(&self, group: &Group<HostRank>, x: &HostTensor) -> Result<LayerOutput> {
         let (h, k) = (self.preset.hidden, self.preset.top_k);
-        let (xs, routing) = self.route(x)?;
+        let (xs, routing, w) = self.route(x)?;
         let b = xs.len() / h;
-        let idx = HostTensor::topk_idx(b, k, routing.topk_idx.clone());
-        let w = HostTensor::topk_weights(b, k, routing.topk_weights.clone());
-        let handle = group.create_handle(&idx).await?;
+        let handle = group.create_handle(&HostTensor::topk_idx(b, k, routing.topk_idx.clone())).await?;
         let received = group.dispatch(&handle, DispatchInputs::new(x)).await?;
         let counts =
             received.counts().ok_or_else(|| Error::Backend("the dispatch returned no counts".into()))?.to_vec();
@@ -103,11 +104,9 @@ impl HostMoeLayer {
     /// [`reference::layer_prefill`] bit for bit; `expert_counts` are the dispatch's.
     pub async fn forward_prefill(&self, group: &Group<HostRank>, x: &HostTensor) -> Result<LayerOutput> {
         let (h, k) = (self.preset.hidden, self.preset.top_k);
-        let (xs, routing) = self.route(x)?;
+        let (xs, routing, w) = self.route(x)?;
         let b = xs.len() / h;
-        let idx = HostTensor::topk_idx(b, k, routing.topk_idx.clone());
-        let w = HostTensor::topk_weights(b, k, routing.topk_weights.clone());
-        let handle = group.create_handle(&idx).await?;
+        let handle = group.create_handle(&HostTensor::topk_idx(b, k, routing.topk_idx.clone())).await?;
         let received = group.dispatch(&handle, DispatchInputs::new(x).with_weights(&w)).await?;
         let missing = |what: &str| Error::Backend(format!("the high-throughput dispatch returned no {what}"));
         let counts = received.counts().ok_or_else(|| missing("counts"))?.to_vec();
