@@ -49,9 +49,14 @@ impl Cell {
         self.lock().take()
     }
 
-    /// Sets the credit as if every operation before `next` had been consumed (`unmask_all`,
-    /// with the cell quiet).
-    pub(crate) fn reset_credit(&self, next: u64) {
+    /// Empties the cell for the group's next epoch (`unmask_all`, an admission; with the cell
+    /// quiet): drops its message, forgets its arrival (no operation number matches 0), and sets
+    /// the credit as if every operation before `next` had been consumed. A stale arrival left
+    /// behind would let the receiver of operation `next` take the cell before its new sender
+    /// wrote it (a dead rank's last message, dropped here, still marked as arrived).
+    pub(crate) fn reset(&self, next: u64) {
+        drop(self.take());
+        self.arrived.store(0, Ordering::Release);
         self.consumed.store(next, Ordering::Release);
     }
 

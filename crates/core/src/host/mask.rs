@@ -161,9 +161,7 @@ pub(crate) fn meet_and_reset(world: &HostWorldShared, core: &RankCore, m: &Meeti
     for c in Channel::ALL {
         for set_seq in next[c.index()]..next[c.index()] + mb.sets() as u64 {
             for src in 0..world.num_ranks {
-                let cell = mb.cell(me, c, set_seq, src);
-                drop(cell.take());
-                cell.reset_credit(next[c.index()]);
+                mb.cell(me, c, set_seq, src).reset(next[c.index()]);
             }
         }
     }
