@@ -16,6 +16,15 @@ use epflow_core::{Error, GroupConfig, RejoinRefusal};
 mod common;
 use common::{EXPERTS, HIDDEN, MAX_TOKENS, RANKS, config, round};
 
+/// The tests of this file one at a time: each keeps 4 rank threads busy, and on a 2-core machine
+/// two at once could hold a live rank past the group's 1 s timeout (its peers would mask it),
+/// and would share the process's resident memory, which the 100-cycle test watches.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// How long an admission waits for its participants here.
 const MEETING: Duration = Duration::from_secs(10);
 
@@ -112,6 +121,7 @@ fn cycle(ranks: Vec<HostRank>, victim: usize, i: u64) -> Vec<HostRank> {
 
 #[test]
 fn a_dead_rank_is_replaced_100_times_and_every_full_round_is_bit_exact() {
+    let _serial = one_at_a_time();
     const CYCLES: u64 = 100;
     let start = Instant::now();
     let mut ranks = HostWorld::create(RANKS, config()).unwrap();
@@ -137,6 +147,7 @@ fn a_dead_rank_is_replaced_100_times_and_every_full_round_is_bit_exact() {
 
 #[test]
 fn replacements_are_refused_with_typed_errors_and_nothing_changes() {
+    let _serial = one_at_a_time();
     let mut ranks = HostWorld::create(RANKS, config()).unwrap();
     let rv = ranks[0].rendezvous();
     let refused = |r: Result<HostRank, Error>| match r {
@@ -188,6 +199,7 @@ fn replacements_are_refused_with_typed_errors_and_nothing_changes() {
 /// second replacement then joins.
 #[test]
 fn a_replacement_that_dies_half_way_leaves_the_survivors_serving() {
+    let _serial = one_at_a_time();
     let mut ranks = HostWorld::create(RANKS, config()).unwrap();
     let rv = ranks[0].rendezvous();
     drop(ranks.remove(3));
@@ -220,6 +232,7 @@ fn a_replacement_that_dies_half_way_leaves_the_survivors_serving() {
 /// included.
 #[test]
 fn a_survivor_that_dies_during_the_meeting_is_named_and_left_out_next_time() {
+    let _serial = one_at_a_time();
     let mut ranks = HostWorld::create(RANKS, config()).unwrap();
     let rv = ranks[0].rendezvous();
     drop(ranks.remove(3));
@@ -253,6 +266,7 @@ fn a_survivor_that_dies_during_the_meeting_is_named_and_left_out_next_time() {
 /// operation has ended, so nothing of the old rank touches the reset cells.
 #[test]
 fn a_replacement_waits_for_the_old_ranks_detached_operations() {
+    let _serial = one_at_a_time();
     let mut ranks = HostWorld::create(RANKS, config()).unwrap();
     let rv = ranks[0].rendezvous();
     let (sc, _) = common::scenario(5);
