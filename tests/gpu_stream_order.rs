@@ -17,6 +17,10 @@
 //! functional check); `EPFLOW_GPU_ITERS` sets the count (default 1000). The one-process-per-GPU variant runs under
 //! `epflow launch -n 2 -- gpu_stream_order stream_order_one_process_per_gpu` with the same
 //! `EPFLOW_TEST_SEED` in every process.
+//!
+//! `unawaited_completions_with_per_round_frees_stay_correct` is issue 70's adversarial client:
+//! whole operations completed in stream order whose completions are never awaited, with every
+//! round's memory freed before the next, each round checked bit for bit.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -248,6 +252,92 @@ fn delayed_consumers_never_see_a_reused_buffer_set() {
     });
     eprintln!(
         "{iters} stream-ordered iterations with delayed consumers in {:.1} s, mismatches per rank {bad:?}",
+        start.elapsed().as_secs_f64()
+    );
+    assert!(bad.iter().all(|&b| b == 0), "{bad:?}");
+}
+
+/// Issue 70's adversarial client: `rounds` rounds of whole operations completed in the caller's
+/// stream order (`OpFuture::complete_on`) whose `Completion`s are dropped at once, never
+/// awaited, with every round's inputs, handle and outputs freed before the next (with two ranks
+/// on one GPU those frees are parked, `kernels/src/device/parked.rs`). Each round's combine is
+/// checked bit for bit against identity experts; returns the mismatches.
+async fn unawaited_rounds(g: &Group<GpuRank>, n: usize, rounds: u64, base: u64) -> u64 {
+    let rank = g.backend();
+    let r = g.rank();
+    let caller: Arc<CudaStream> = rank.context().new_stream().expect("stream");
+    let mut bad = 0;
+    for it in 0..rounds {
+        let tokens: Vec<usize> = (0..n).map(|q| if (q as u64 + it) % 2 == 0 { 41 } else { MAX_TOKENS }).collect();
+        let sc =
+            Scenario::generate(config(), n, &tokens, TOP_K, RoutingKind::Uniform, 5, base ^ it.wrapping_mul(0x51ed));
+        let me = &sc.ranks[r];
+        let want = identity_combine(&me.tokens, &me.topk_idx, &me.weights);
+        let idx = rank.upload(&sc.topk_idx(r)).expect("upload");
+        let x = rank.upload(&sc.tokens(r)).expect("upload");
+        let w = rank.upload(&sc.weights(r)).expect("upload");
+        let h = g.create_handle(&idx).await.unwrap_or_else(|e| panic!("round {it}: handle: {e}"));
+        let (d, done) = g
+            .dispatch(&h, DispatchInputs::new(&x))
+            .after(&caller)
+            .complete_on(&caller)
+            .await
+            .unwrap_or_else(|e| panic!("round {it}: dispatch: {e}"));
+        drop(done);
+        let (y, done) = g
+            .combine(&h, CombineInputs::new(d.tokens()).with_weights(&w))
+            .after(&caller)
+            .complete_on(&caller)
+            .await
+            .unwrap_or_else(|e| panic!("round {it}: combine: {e}"));
+        drop(done);
+        drop(d);
+        caller.synchronize().expect("synchronize");
+        let got = y.tokens().download(rank.context()).expect("download combine");
+        let c = check_bf16("combine", &want, got.as_bf16().unwrap_or_default(), Tolerance::Exact);
+        if !c.ok() {
+            eprintln!("round {it} rank {r}: combine {c:?}");
+        }
+        bad += c.mismatched;
+        // Everything of this round is freed here, while the peer may already be in its next.
+        drop((y, h, idx, x, w));
+    }
+    bad
+}
+
+/// Issue 70 item 2: completions never awaited, and per-round frees, do not poison the group.
+#[test]
+fn unawaited_completions_with_per_round_frees_stay_correct() {
+    let devices: Vec<usize> = match std::env::var("EPFLOW_TEST_DEVICES") {
+        Ok(list) => list.split(',').map(|d| d.trim().parse().expect("EPFLOW_TEST_DEVICES: e.g. 0,0")).collect(),
+        Err(_) => vec![0, 1],
+    };
+    let n = device_count();
+    if devices.iter().any(|&d| d >= n) {
+        eprintln!(
+            "SKIPPED unawaited_completions_with_per_round_frees_stay_correct: needs devices {devices:?}, this machine has {n} GPUs"
+        );
+        return;
+    }
+    let (rounds, base) = (iters().min(200), seed());
+    let groups: Vec<Group<GpuRank>> =
+        GpuWorld::create(&devices, config()).expect("GPU group").into_iter().map(Group::new).collect();
+    let ranks = devices.len();
+    let start = Instant::now();
+    let bad: Vec<u64> = std::thread::scope(|s| {
+        let hs: Vec<_> = groups
+            .iter()
+            .map(|g| {
+                s.spawn(move || {
+                    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+                    rt.block_on(unawaited_rounds(g, ranks, rounds, base))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+    });
+    eprintln!(
+        "seed {base}: {rounds} rounds with unawaited completions and per-round frees on devices {devices:?} in {:.1} s, mismatches per rank {bad:?}",
         start.elapsed().as_secs_f64()
     );
     assert!(bad.iter().all(|&b| b == 0), "{bad:?}");
