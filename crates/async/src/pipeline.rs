@@ -13,6 +13,10 @@
 //! earlier. Then step `i`'s combine is sent. Operations are always *created* in step order, so
 //! every rank numbers them the same way. The group needs at least `depth` buffer sets.
 //!
+//! A high-throughput group has no send-only form: its operations run whole when issued (in the
+//! step's stream order, or awaited on the host), so in a stream-ordered pipeline one micro-batch's
+//! dispatch and combine still overlap the others' expert work.
+//!
 //! Two ways to complete the operations:
 //!
 //! - [`run`]: every completion is awaited on the host (the outputs are host-observed). Right for
@@ -35,7 +39,7 @@ use epflow_core::{Algorithm, Error, Result};
 use futures::join;
 
 use crate::completion::Completion;
-use crate::group::{Group, Staged};
+use crate::group::{Group, OpFuture, Staged};
 
 /// The inputs of one step.
 #[derive(Debug)]
@@ -117,13 +121,47 @@ impl Verdicts {
     }
 }
 
-/// Completes a staged operation of step `step`: awaited on the host, or on the step's stream.
+/// An operation the pipeline issued: a low-latency send half waiting for its complete half, or
+/// a high-throughput operation, which has no send-only form, run whole when issued (in the
+/// step's stream order with its verdict collected with the others, or awaited on the host).
+enum Sent<B: Backend, T> {
+    Staged(Staged<B, T>),
+    Whole(T),
+}
+
+/// Issues `op` of step `step`: its send half (low-latency), or the whole operation
+/// (high-throughput).
+async fn issue<B: Backend, T>(
+    op: OpFuture<B, T>,
+    lanes: &Lanes<'_, B>,
+    step: usize,
+    verdicts: &std::sync::Mutex<Verdicts>,
+    algorithm: Algorithm,
+) -> Result<Sent<B, T>> {
+    if algorithm == Algorithm::LowLatency {
+        return Ok(Sent::Staged(op.send_only().await?));
+    }
+    match lanes.stream(step) {
+        Some(stream) => {
+            let (out, completion) = op.complete_on(stream).await?;
+            verdicts.lock().unwrap_or_else(|e| e.into_inner()).0.push_back(completion);
+            Ok(Sent::Whole(out))
+        }
+        None => Ok(Sent::Whole(op.await?)),
+    }
+}
+
+/// Completes an issued operation of step `step`: awaited on the host, or on the step's stream.
 async fn complete<B: Backend, T>(
     lanes: &Lanes<'_, B>,
     step: usize,
-    staged: Staged<B, T>,
+    sent: Sent<B, T>,
     verdicts: &std::sync::Mutex<Verdicts>,
 ) -> Result<T> {
+    let staged = match sent {
+        Sent::Whole(out) => return Ok(out),
+        Sent::Staged(staged) => staged,
+    };
     match (lanes.streams, lanes.stream(step)) {
         (Some((_, order)), Some(stream)) => {
             let (out, completion) = staged.complete_with(stream, order).await?;
@@ -139,16 +177,14 @@ async fn send_dispatch<B: Backend>(
     lanes: &Lanes<'_, B>,
     i: usize,
     s: &StepInput<B>,
-) -> Result<Staged<B, B::DispatchOutput>> {
+    verdicts: &std::sync::Mutex<Verdicts>,
+) -> Result<Sent<B, B::DispatchOutput>> {
     let algorithm = group.config().algorithm;
-    if algorithm == Algorithm::HighThroughput {
-        return Err(Error::Unsupported("pipelines stage their operations; use a low-latency group".into()));
-    }
     let mut op = group.dispatch_with(&s.handle, dispatch_inputs(s, algorithm), &s.dispatch_options);
     if let Some(stream) = lanes.stream(i) {
         op = op.after(stream);
     }
-    op.micro_batch(i as u64).send_only().await
+    issue(op.micro_batch(i as u64), lanes, i, verdicts, algorithm).await
 }
 
 /// Runs `steps` steps with up to `depth` in flight, every completion awaited on the host (see
@@ -159,7 +195,8 @@ async fn send_dispatch<B: Backend>(
 /// - `expert(i, received)` computes step `i`'s expert outputs from its dispatch outputs.
 /// - `sink(i, output)` receives the combine outputs no later step consumes (the last `depth`).
 ///
-/// Requires a low-latency group with at least `depth` buffer sets.
+/// Requires a group with at least `depth` buffer sets. A high-throughput group has no send-only
+/// form: each of its operations runs whole when issued, awaited here on the host.
 pub async fn run<B, I, E, S>(
     group: &Group<B>,
     steps: usize,
@@ -209,7 +246,9 @@ async fn no_plain<B: Backend>(_: usize, _: &B::DispatchOutput) -> Result<B::Tens
 ///   stream, after its earlier work, as DeepEP's receive hook; [`StreamOrder::Ordered`]: on the
 ///   group's communication streams, the micro-batch's stream waiting for them).
 ///
-/// Requires a low-latency group with at least `streams.len()` buffer sets. Returns once the
+/// Requires a group with at least `streams.len()` buffer sets; a high-throughput group's
+/// operations run whole in the step's stream order when issued ([`crate::OpFuture::complete_on`]).
+/// Returns once the
 /// device has finished every operation, with the first error any of them reported.
 pub async fn run_on_streams<B, I, E, S>(
     group: &Group<B>,
@@ -258,14 +297,14 @@ where
     let verdicts = std::sync::Mutex::new(Verdicts(VecDeque::new()));
     let mut stats = PipelineStats { steps, ..Default::default() };
     let mut pending: VecDeque<Pending<B>> = VecDeque::new();
-    let mut staged: VecDeque<(usize, Staged<B, B::DispatchOutput>)> = VecDeque::new();
+    let mut staged: VecDeque<(usize, Sent<B, B::DispatchOutput>)> = VecDeque::new();
     for i in 0..depth.min(steps) {
         let s = input(i, None)?;
-        staged.push_back((i, send_dispatch(group, &lanes, i, &s).await?));
+        staged.push_back((i, send_dispatch(group, &lanes, i, &s, &verdicts).await?));
         pending.push_back(Pending { step: i, handle: s.handle, weights: s.weights });
     }
     let mut current: Option<B::DispatchOutput> = None;
-    let mut pending_combine: Option<(usize, Staged<B, B::CombineOutput>)> = None;
+    let mut pending_combine: Option<(usize, Sent<B, B::CombineOutput>)> = None;
     for i in 0..steps {
         verdicts.lock().unwrap_or_else(|e| e.into_inner()).reap()?;
         let out_i = match current.take() {
@@ -277,7 +316,7 @@ where
                         let t = Instant::now();
                         let co = complete(&lanes, j, c, &verdicts).await?;
                         let s = input(i, Some(co))?;
-                        staged.push_front((i, send_dispatch(group, &lanes, i, &s).await?));
+                        staged.push_front((i, send_dispatch(group, &lanes, i, &s, &verdicts).await?));
                         pending.push_back(Pending { step: i, handle: s.handle, weights: s.weights });
                         stats.comm += t.elapsed();
                     }
@@ -311,7 +350,7 @@ where
                 let k = j + depth;
                 if k < steps {
                     let s = input(k, Some(co))?;
-                    let st = send_dispatch(group, &lanes, k, &s).await?;
+                    let st = send_dispatch(group, &lanes, k, &s, &verdicts).await?;
                     let StepInput { handle, tokens, weights, .. } = s;
                     drop(tokens);
                     kept = Some(Pending { step: k, handle, weights });
@@ -353,7 +392,7 @@ where
             op = op.after(stream);
         }
         let t = Instant::now();
-        let c = op.send_only().await?;
+        let c = issue(op, &lanes, i, &verdicts, algorithm).await?;
         stats.comm += t.elapsed();
         pending_combine = Some((i, c));
     }

@@ -231,56 +231,87 @@ fn fast_completion_mode_gives_the_same_results() {
 /// the serial run, with 1, 2 and 3 micro-batches in flight.
 #[test]
 fn run_on_streams_equals_run_and_serial() {
+    pipelines_agree(common::config(), |depth| common::config().with_buffer_sets(depth.max(2)));
+}
+
+/// The same for a high-throughput group (prefill), whose operations have no send-only form: the
+/// pipelines run each whole when they issue it.
+#[test]
+fn high_throughput_pipelines_equal_serial() {
+    use epflow_core::{GroupConfig, MaxTokens};
+    let ht = || GroupConfig::high_throughput(common::E, H).with_max_tokens(MaxTokens::Fixed(M));
+    pipelines_agree(ht(), |depth| ht().with_buffer_sets(depth.max(2)));
+}
+
+/// Runs `4 * depth` chained steps of identity experts (serial, `run`, `run_on_streams`) on 4
+/// ranks of `config_for(depth)`, routing drawn from `routing`, and asserts the last outputs of
+/// every micro-batch are bit-identical across the three.
+fn pipelines_agree(routing: epflow_core::GroupConfig, config_for: impl Fn(usize) -> epflow_core::GroupConfig) {
     for depth in [1usize, 2, 3] {
         let steps = 4 * depth;
         let mut results = Vec::new();
         for mode in 0..3 {
-            let config = common::config().with_buffer_sets(depth.max(2));
-            let gs = groups(4, config);
-            let outs = tokio_rt().block_on(async {
-                let work = gs.iter().map(|g| async move {
-                    let r = g.rank();
-                    let input = |i: usize, prev: Option<HostCombineOutput>| {
-                        let sc = Scenario::generate(
-                            common::config(),
-                            4,
-                            &[M],
-                            common::K,
-                            RoutingKind::Uniform,
-                            2,
-                            2000 + i as u64,
-                        );
-                        let handle = futures::executor::block_on(g.create_handle(&sc.topk_idx(r)))?;
-                        let tokens = match prev {
-                            Some(p) => p.tokens().clone(),
-                            None => sc.tokens(r),
-                        };
-                        // Bounded activations: weights of 1/K.
-                        let w = HostTensor::topk_weights(M, common::K, vec![0.25; M * common::K]);
-                        Ok(StepInput { handle, tokens, weights: w, dispatch_options: Default::default() })
-                    };
-                    let mut last: Vec<u16> = Vec::new();
-                    let sink = |_, out: HostCombineOutput| {
-                        last.extend(out.tokens().as_bf16().unwrap().iter().map(|v| v.to_bits()))
-                    };
-                    let expert = async |_, d: &HostDispatchOutput| Ok(d.tokens().clone());
-                    match mode {
-                        0 => pipeline::run_serial(g, steps, depth, input, expert, sink).await.unwrap(),
-                        1 => pipeline::run(g, steps, depth, input, expert, sink).await.unwrap(),
-                        _ => {
-                            let lanes = vec![HostStream; depth];
-                            let expert = async |_, _: &HostStream, d: &HostDispatchOutput| Ok(d.tokens().clone());
-                            pipeline::run_on_streams(g, steps, &lanes, StreamOrder::OnStream, input, expert, sink)
-                                .await
-                                .unwrap()
-                        }
-                    };
-                    last
+            let gs = groups(4, config_for(depth));
+            let routing = &routing;
+            // One thread per rank: a high-throughput handle is a collective, and `input` waits for it.
+            let outs: Vec<Vec<u16>> = std::thread::scope(|scope| {
+                let work = gs.iter().map(|g| {
+                    scope.spawn(move || {
+                        tokio_rt().block_on(async move {
+                            let r = g.rank();
+                            let input = |i: usize, prev: Option<HostCombineOutput>| {
+                                let sc = Scenario::generate(
+                                    routing.clone(),
+                                    4,
+                                    &[M],
+                                    common::K,
+                                    RoutingKind::Uniform,
+                                    2,
+                                    2000 + i as u64,
+                                );
+                                let handle = futures::executor::block_on(g.create_handle(&sc.topk_idx(r)))?;
+                                let tokens = match prev {
+                                    Some(p) => p.tokens().clone(),
+                                    None => sc.tokens(r),
+                                };
+                                // Bounded activations: weights of 1/K.
+                                let w = HostTensor::topk_weights(M, common::K, vec![0.25; M * common::K]);
+                                Ok(StepInput { handle, tokens, weights: w, dispatch_options: Default::default() })
+                            };
+                            let mut last: Vec<u16> = Vec::new();
+                            let sink = |_, out: HostCombineOutput| {
+                                last.extend(out.tokens().as_bf16().unwrap().iter().map(|v| v.to_bits()))
+                            };
+                            let expert = async |_, d: &HostDispatchOutput| Ok(d.tokens().clone());
+                            match mode {
+                                0 => pipeline::run_serial(g, steps, depth, input, expert, sink).await.unwrap(),
+                                1 => pipeline::run(g, steps, depth, input, expert, sink).await.unwrap(),
+                                _ => {
+                                    let lanes = vec![HostStream; depth];
+                                    let expert =
+                                        async |_, _: &HostStream, d: &HostDispatchOutput| Ok(d.tokens().clone());
+                                    pipeline::run_on_streams(
+                                        g,
+                                        steps,
+                                        &lanes,
+                                        StreamOrder::OnStream,
+                                        input,
+                                        expert,
+                                        sink,
+                                    )
+                                    .await
+                                    .unwrap()
+                                }
+                            };
+                            last
+                        })
+                    })
                 });
-                futures::future::join_all(work).await
+                work.collect::<Vec<_>>().into_iter().map(|h| h.join().expect("rank thread")).collect()
             });
             results.push(outs);
         }
+        assert!(results[0].iter().all(|r| !r.is_empty()), "depth {depth}: no outputs");
         assert_eq!(results[0], results[1], "depth {depth}: pipelined differs from serial");
         assert_eq!(results[0], results[2], "depth {depth}: stream-ordered differs from serial");
     }

@@ -645,8 +645,13 @@ impl Lane {
         };
         let inputs = DispatchInputs::new(&r.tokens);
         let inputs = if grouped { inputs.with_weights(&r.topk_weights) } else { inputs };
-        let staged = group.dispatch(&handle, inputs).after(&self.stream).send_only().await?;
-        let (received, dispatched) = staged.complete_on(&self.stream).await?;
+        // High-throughput operations have no send-only form: they run whole in the stream's order.
+        let dispatch = group.dispatch(&handle, inputs).after(&self.stream);
+        let (received, dispatched) = if grouped {
+            dispatch.complete_on(&self.stream).await?
+        } else {
+            dispatch.send_only().await?.complete_on(&self.stream).await?
+        };
         let y = match &counts {
             Some(c) => self.experts_grouped(model, layer, &received, c)?,
             None => self.experts(model, layer, &received)?,
@@ -654,8 +659,12 @@ impl Lane {
         drop(received);
         let inputs = CombineInputs::new(&y);
         let inputs = if grouped { inputs } else { inputs.with_weights(&r.topk_weights) };
-        let staged = group.combine(&handle, inputs).after(&self.stream).send_only().await?;
-        let (combined, done) = staged.complete_on(&self.stream).await?;
+        let combine = group.combine(&handle, inputs).after(&self.stream);
+        let (combined, done) = if grouped {
+            combine.complete_on(&self.stream).await?
+        } else {
+            combine.send_only().await?.complete_on(&self.stream).await?
+        };
         let output = self.after_combine(model, &combined)?;
         Ok(LayerStep { output, completions: vec![created, dispatched, done] })
     }
