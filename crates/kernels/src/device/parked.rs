@@ -10,6 +10,11 @@
 //!
 //! Parked memory is bounded by [`MAX_PARKED_BYTES`] per context: past it a buffer is freed at
 //! once, as without sharing (rare: a loop whose sizes never repeat).
+//!
+//! A parked buffer is reused without the device-wide wait `cuMemFree` does: its owner must have
+//! dropped it only once no queued kernel reads it any more (epflow's own buffers are given back
+//! after their operations' events; a caller's tensor after the streams that read it passed it,
+//! as `docs/running-on-gpus.md` says).
 
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
