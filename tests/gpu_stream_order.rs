@@ -215,41 +215,55 @@ fn iters() -> u64 {
     std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(1000)
 }
 
-#[test]
-fn delayed_consumers_never_see_a_reused_buffer_set() {
-    // `EPFLOW_TEST_DEVICES=0,0`: two ranks on one GPU (a functional check on a 1-GPU machine).
+/// The devices of `EPFLOW_TEST_DEVICES` (default `0,1`; `0,0` runs two ranks on one GPU, a
+/// functional check on a 1-GPU machine), or `None`, with a loud skip of `test`, when this machine
+/// lacks one of them.
+fn test_devices(test: &str) -> Option<Vec<usize>> {
     let devices: Vec<usize> = match std::env::var("EPFLOW_TEST_DEVICES") {
         Ok(list) => list.split(',').map(|d| d.trim().parse().expect("EPFLOW_TEST_DEVICES: e.g. 0,0")).collect(),
         Err(_) => vec![0, 1],
     };
     let n = device_count();
     if devices.iter().any(|&d| d >= n) {
-        eprintln!(
-            "SKIPPED delayed_consumers_never_see_a_reused_buffer_set: needs devices {devices:?}, this machine has {n} GPUs"
-        );
-        return;
+        eprintln!("SKIPPED {test}: needs devices {devices:?}, this machine has {n} GPUs");
+        return None;
     }
-    let (iters, base) = (iters(), seed());
-    eprintln!("seed {base}, {iters} iterations on devices {devices:?}");
+    Some(devices)
+}
+
+/// Runs `work(group, ranks)` for every rank of a group on `devices`, each rank on a thread of
+/// its own with a current-thread runtime; returns each rank's mismatches.
+fn on_rank_threads<F>(devices: &[usize], work: F) -> Vec<u64>
+where
+    F: AsyncFn(&Group<GpuRank>, usize) -> u64 + Sync,
+{
     // Ranks sharing a GPU must leave each other SMs (their kernels wait for each other): the
     // library bounds such groups itself (`GpuWorld::create`).
-    let config = config();
     let groups: Vec<Group<GpuRank>> =
-        GpuWorld::create(&devices, config).expect("GPU group").into_iter().map(Group::new).collect();
+        GpuWorld::create(devices, config()).expect("GPU group").into_iter().map(Group::new).collect();
     let ranks = devices.len();
-    let start = Instant::now();
-    let bad: Vec<u64> = std::thread::scope(|s| {
+    let work = &work;
+    std::thread::scope(|s| {
         let hs: Vec<_> = groups
             .iter()
             .map(|g| {
                 s.spawn(move || {
                     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-                    rt.block_on(delayed_consumer(g, ranks, iters, base))
+                    rt.block_on(work(g, ranks))
                 })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
-    });
+    })
+}
+
+#[test]
+fn delayed_consumers_never_see_a_reused_buffer_set() {
+    let Some(devices) = test_devices("delayed_consumers_never_see_a_reused_buffer_set") else { return };
+    let (iters, base) = (iters(), seed());
+    eprintln!("seed {base}, {iters} iterations on devices {devices:?}");
+    let start = Instant::now();
+    let bad = on_rank_threads(&devices, async |g, ranks| delayed_consumer(g, ranks, iters, base).await);
     eprintln!(
         "{iters} stream-ordered iterations with delayed consumers in {:.1} s, mismatches per rank {bad:?}",
         start.elapsed().as_secs_f64()
@@ -308,34 +322,10 @@ async fn unawaited_rounds(g: &Group<GpuRank>, n: usize, rounds: u64, base: u64) 
 /// Issue 70 item 2: completions never awaited, and per-round frees, do not poison the group.
 #[test]
 fn unawaited_completions_with_per_round_frees_stay_correct() {
-    let devices: Vec<usize> = match std::env::var("EPFLOW_TEST_DEVICES") {
-        Ok(list) => list.split(',').map(|d| d.trim().parse().expect("EPFLOW_TEST_DEVICES: e.g. 0,0")).collect(),
-        Err(_) => vec![0, 1],
-    };
-    let n = device_count();
-    if devices.iter().any(|&d| d >= n) {
-        eprintln!(
-            "SKIPPED unawaited_completions_with_per_round_frees_stay_correct: needs devices {devices:?}, this machine has {n} GPUs"
-        );
-        return;
-    }
+    let Some(devices) = test_devices("unawaited_completions_with_per_round_frees_stay_correct") else { return };
     let (rounds, base) = (iters().min(200), seed());
-    let groups: Vec<Group<GpuRank>> =
-        GpuWorld::create(&devices, config()).expect("GPU group").into_iter().map(Group::new).collect();
-    let ranks = devices.len();
     let start = Instant::now();
-    let bad: Vec<u64> = std::thread::scope(|s| {
-        let hs: Vec<_> = groups
-            .iter()
-            .map(|g| {
-                s.spawn(move || {
-                    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-                    rt.block_on(unawaited_rounds(g, ranks, rounds, base))
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
-    });
+    let bad = on_rank_threads(&devices, async |g, ranks| unawaited_rounds(g, ranks, rounds, base).await);
     eprintln!(
         "seed {base}: {rounds} rounds with unawaited completions and per-round frees on devices {devices:?} in {:.1} s, mismatches per rank {bad:?}",
         start.elapsed().as_secs_f64()

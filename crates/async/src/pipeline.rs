@@ -124,6 +124,8 @@ impl Verdicts {
 /// An operation the pipeline issued: a low-latency send half waiting for its complete half, or
 /// a high-throughput operation, which has no send-only form, run whole when issued (in the
 /// step's stream order with its verdict collected with the others, or awaited on the host).
+// The low-latency variant is the common one: boxing it would allocate once per operation.
+#[allow(clippy::large_enum_variant)]
 enum Sent<B: Backend, T> {
     Staged(Staged<B, T>),
     Whole(T),
