@@ -250,8 +250,8 @@ async fn no_plain<B: Backend>(_: usize, _: &B::DispatchOutput) -> Result<B::Tens
 ///
 /// Requires a group with at least `streams.len()` buffer sets; a high-throughput group's
 /// operations run whole in the step's stream order when issued ([`crate::OpFuture::complete_on`]).
-/// Returns once the
-/// device has finished every operation, with the first error any of them reported.
+/// Returns once the device has finished every operation, with the first error any of them
+/// reported.
 pub async fn run_on_streams<B, I, E, S>(
     group: &Group<B>,
     steps: usize,
