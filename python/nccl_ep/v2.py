@@ -5,8 +5,10 @@ names, for code written against that header::
     cfg = v2.ncclEpGroupConfig_t(num_experts=8, overflow_policy=v2.NCCL_EP_OVERFLOW_DROP)
     assert cfg.size == 112 and cfg.version == 2
 
-epflow's ``libnccl_ep.so`` implements API version 1; whether it accepts a v2 struct is up to
-that library (it checks ``size``), see issue 66 of the epflow repository.
+epflow's ``libnccl_ep.so`` reads every struct of API version 1, NCCL 2.31's 104-byte group config
+and API version 2 up to its ``size`` (the fields a size does not cover are zero). The v2 features
+it does not implement (quantized recipes, NVFP4 combine, ``NCCL_EP_OVERFLOW_DROP``, zero copy,
+global expert ids) return ``ncclInvalidUsage`` with a log line naming the field.
 """
 
 from .constants import *  # noqa: F401,F403  (the enums are the same in both versions)
