@@ -9,7 +9,8 @@ API (``libcuda.so.1``, through ctypes) and checks, against a CPU reference compu
 Python from fresh random inputs (the seed is printed; ``--seed`` replays one):
 
 - low-latency, expert-major: per-expert counts, the received rows, the weighted combine; once
-  directly and once staged (``send_only`` + ``ncclEpComplete``);
+  directly, once staged (``send_only`` + ``ncclEpComplete``) and once with an int32 ``topk_idx``
+  (API v2);
 - low-latency, rank-major: received rows, top-k weights and local expert ids, source-rank count,
   the combine of caller-reduced rows;
 - high-throughput, flat: the receive count from ``recv_total_counter``, rows, weights and ids
@@ -232,7 +233,7 @@ def rows(arr, n, width):
 # The round trips
 
 
-def low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged):
+def low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged, idx32=False):
     E, M, H, K = p.E, p.M, p.H, p.K
     L, R = E, 1
     cfg = nccl_ep.ncclEpGroupConfig_t(
@@ -241,9 +242,10 @@ def low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged):
     group = lib.ncclEpCreateGroup(comm, cfg)
     try:
         x_d = cuda.upload(p.flat("H", p.x))
-        idx_d = cuda.upload(p.flat("q", p.idx))
+        # API v2 lets low-latency callers pass an int32 topk_idx (epflow widens it on the stream).
+        idx_d = cuda.upload(p.flat("i" if idx32 else "q", p.idx))
         w_d = cuda.upload(p.flat("f", p.w))
-        topk = desc(idx_d, ncclInt64, (p.B, K))
+        topk = desc(idx_d, ncclInt32 if idx32 else ncclInt64, (p.B, K))
         handle = lib.ncclEpCreateHandle(group, NCCL_EP_LAYOUT_EXPERT_MAJOR, topk, None, None, stream)
         try:
             recv_d = cuda.alloc(L * R * M * H * 2)
@@ -498,6 +500,10 @@ def main():
     cases = [
         ("LL expert-major", lambda p: low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged=False)),
         ("LL expert-major, send_only + ncclEpComplete", lambda p: low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged=True)),
+        (
+            "LL expert-major, int32 topk_idx (API v2)",
+            lambda p: low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged=False, idx32=True),
+        ),
         ("LL rank-major", lambda p: low_latency_rank_major(lib, comm, cuda, stream, p, chk)),
         ("HT flat", lambda p: high_throughput_flat(lib, comm, cuda, stream, p, chk)),
     ]

@@ -35,6 +35,9 @@ pub(crate) struct Handle {
     /// `num_topk` of `ncclEpInitHandle`, or of the routing.
     top_k: Mutex<Option<usize>>,
     gpu: Mutex<Option<GpuHandle>>,
+    /// An int32 `topk_idx`'s int64 copy (API v2): epflow's memory, which the routing reads
+    /// until the next `ncclEpUpdateHandle` or the handle's end.
+    widened: Mutex<Option<DeviceTensor>>,
     /// A `send_only` operation waiting for `ncclEpComplete`.
     pub(crate) staged: Mutex<Option<GpuOp>>,
 }
@@ -108,7 +111,14 @@ fn write_counts(t: &Tensor, values: &[i64], what: &str) -> Res<()> {
 impl Handle {
     /// A handle of `layout` with no routing yet (`ncclEpInitHandle`).
     pub(crate) fn new(group: Arc<Group>, layout: Layout, top_k: Option<usize>) -> Self {
-        Handle { group, layout, top_k: Mutex::new(top_k), gpu: Mutex::new(None), staged: Mutex::new(None) }
+        Handle {
+            group,
+            layout,
+            top_k: Mutex::new(top_k),
+            gpu: Mutex::new(None),
+            widened: Mutex::new(None),
+            staged: Mutex::new(None),
+        }
     }
 
     /// The routing, or `ncclInvalidUsage` before `ncclEpUpdateHandle`.
@@ -121,8 +131,9 @@ impl Handle {
     }
 
     /// `ncclEpUpdateHandle` (and the second half of `ncclEpCreateHandle`): builds the routing
-    /// from `topk_idx` (int64 `[B x K]`); high-throughput: collective (the count exchange),
-    /// and fills the counters asked for in `info`.
+    /// from `topk_idx` (`[B x K]`, int64, or int32 as NCCL EP API v2 allows, widened into
+    /// epflow's memory on the caller's stream); high-throughput: collective (the count
+    /// exchange), and fills the counters asked for in `info`.
     ///
     /// # Safety
     ///
@@ -141,7 +152,11 @@ impl Handle {
         // SAFETY: forwarded contract.
         let info = unsafe { check::api_struct(info, "layout_info") }?;
         let info = info.map(|i| i.check_v2_fields().map(|()| i.v1)).transpose()?;
-        t.expect_type("topk_idx", ep::NCCL_INT64)?;
+        let int32 = match t.datatype {
+            ep::NCCL_INT64 => false,
+            ep::NCCL_INT32 => true,
+            d => return Err(Fail::arg(format!("topk_idx: datatype {d}, expected ncclInt64 (or ncclInt32, API v2)"))),
+        };
         if t.sizes.len() != 2 {
             return Err(Fail::arg(format!("topk_idx: sizes are {:?}, expected [num_tokens, top_k]", t.sizes)));
         }
@@ -166,11 +181,24 @@ impl Handle {
         }
         // Settle earlier operations: a new routing replaces the handle's.
         g.settle(true)?;
-        let desc = TensorDesc::contiguous(TensorTag::TopkIdx, DType::I64, &[b, k]);
-        // SAFETY: the caller's device tensor of [b, k] int64 (checked), read here or, low-latency,
-        // by the dispatches on the handle in the caller's stream's order (the C API's contract
-        // keeps it alive and unchanged while the handle uses it).
+        let dtype = if int32 { DType::I32 } else { DType::I64 };
+        let desc = TensorDesc::contiguous(TensorTag::TopkIdx, dtype, &[b, k]);
+        // SAFETY: the caller's device tensor of [b, k] int64 or int32 (checked), read here or,
+        // low-latency, by the dispatches on the handle in the caller's stream's order (the C
+        // API's contract keeps it alive and unchanged while the handle uses it).
         let dev = unsafe { DeviceTensor::from_raw(t.ptr, g.rank.device(), desc) };
+        // int32: an int64 copy in epflow's memory, widened in the caller's stream order (no host
+        // wait), kept by the handle while its routing may be read.
+        let dev = if int32 {
+            // SAFETY: the caller's live stream of this rank's device (the C API's contract).
+            let on = unsafe { g.stream(stream) };
+            let wide = g.rank.widen_i32_on(&on, &dev)?;
+            *self.widened.lock().unwrap_or_else(|e| e.into_inner()) = Some(wide.clone());
+            wide
+        } else {
+            *self.widened.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            dev
+        };
         let opts = HandleOptions::with_layout(self.layout);
         let h = if ll {
             // SAFETY: the caller's live stream of this rank's device (the C API's contract).

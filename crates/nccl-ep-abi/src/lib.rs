@@ -52,7 +52,7 @@
 //!
 //! Low-latency, expert-major and rank-major layouts, `send_only` + `ncclEpComplete`, the
 //! active mask (`enable_mask`, NVLink peers); high-throughput, flat layout, forward and
-//! backward. The caller's `ncclComm_t` bootstraps the group (one process per GPU; ranks on one
+//! backward; an int64 or (API v2) int32 `topk_idx`. The caller's `ncclComm_t` bootstraps the group (one process per GPU; ranks on one
 //! host share memory over NVLink, other hosts go through NCCL). Operations run on the caller's
 //! stream and write the caller's tensors. Refused with `ncclInvalidUsage` and a log line:
 //! high-throughput expert-major, FP8, NCCL window tensors, CUDA graph capture.

@@ -48,6 +48,8 @@ pub(crate) struct Functions {
     /// token), then a block per destination and the receive block.
     pub ht_plan: CudaFunction,
     pub dequant_fp8: CudaFunction,
+    /// int32 to int64, sign-extended (`GpuRank::widen_i32_on`).
+    pub widen_i32: CudaFunction,
     pub spin: CudaFunction,
     /// The SM-store copy probe (`GpuRank::sm_copy`).
     pub sm_copy: CudaFunction,
@@ -116,6 +118,7 @@ impl Functions {
             ht_exchange: f(&ht, "ep_ht_exchange")?,
             ht_plan: f(&ht, "ep_ht_plan")?,
             dequant_fp8: f(&util, "ep_dequant_fp8_rows")?,
+            widen_i32: f(&util, "ep_widen_i32")?,
             spin: f(&util, "ep_spin")?,
             sm_copy: f(&util, "ep_sm_copy")?,
             sm_copy_balanced: f(&util, "ep_sm_copy_balanced")?,

@@ -77,11 +77,12 @@ pub const NCCL: KernelModule = KernelModule {
     kernels: &["ep_nccl_ht_pack", "ep_nccl_arrivals", "ep_nccl_ht_reduce"],
 };
 
-/// Small utilities (FP8 dequantization; a spin kernel that holds a stream, for tests).
+/// Small utilities (FP8 dequantization; int32 to int64 widening; a spin kernel that holds a
+/// stream, for tests; the copy probes).
 pub const UTIL: KernelModule = KernelModule {
     name: "util",
     files: &[("util.cu", include_str!("../cuda/util.cu"))],
-    kernels: &["ep_dequant_fp8_rows", "ep_spin", "ep_sm_copy", "ep_sm_copy_balanced", "ep_tma_copy"],
+    kernels: &["ep_dequant_fp8_rows", "ep_widen_i32", "ep_spin", "ep_sm_copy", "ep_sm_copy_balanced", "ep_tma_copy"],
 };
 
 /// Every module.

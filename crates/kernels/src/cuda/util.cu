@@ -17,6 +17,16 @@ extern "C" __global__ void ep_dequant_fp8_rows(u64 q_ptr, u64 scales_ptr, u64 ou
     }
 }
 
+// Widens `n` int32 values into int64 (sign-extended: -1 stays -1): NCCL EP API v2's int32
+// `topk_idx` read as the int64 routing epflow's kernels take.
+extern "C" __global__ void ep_widen_i32(u64 in_ptr, u64 out_ptr, u64 n) {
+    const int* in = reinterpret_cast<const int*>(in_ptr);
+    long long* out = reinterpret_cast<long long*>(out_ptr);
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        out[i] = (long long)in[i];
+    }
+}
+
 // Holds its stream for `ns` nanoseconds of the global timer (one thread): a deliberately slow
 // consumer for tests of stream-ordered buffer release.
 extern "C" __global__ void ep_spin(u64 ns) {

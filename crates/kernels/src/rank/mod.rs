@@ -169,6 +169,43 @@ impl GpuRank {
         Ok(Arc::new(ev))
     }
 
+    /// An int64 copy of `src` (int32, any shape, on this rank's device), sign-extended (`-1`
+    /// stays `-1`), widened on `stream` (of this rank's context) after `src`'s ready event, with
+    /// no host wait: the result is ready after an event on `stream`. For int32 `topk_idx`
+    /// (NCCL EP API v2's low-latency routing) where epflow's handles take int64.
+    pub fn widen_i32_on(&self, stream: &Arc<CudaStream>, src: &DeviceTensor) -> Result<DeviceTensor, Error> {
+        self.check_device(src, "widen_i32_on's input")?;
+        if src.desc().dtype != epflow_core::DType::I32 {
+            return Err(Error::Unsupported(format!("widen_i32_on takes int32, got {:?}", src.desc().dtype)));
+        }
+        let mut desc = src.desc().clone();
+        desc.dtype = epflow_core::DType::I64;
+        let n = desc.numel();
+        let out = DeviceTensor::zeros(&self.shared.ctx, self.shared.device, desc)?;
+        let s = &self.shared;
+        bind(&s.ctx)?;
+        if let Some(e) = src.ready_event() {
+            stream.wait(e).map_err(|e| cuda("wait for tensor", e))?;
+        }
+        src.record_stream(stream);
+        if n > 0 {
+            let blocks = n.div_ceil(256).clamp(1, s.num_sms as usize * 4) as u32;
+            let cfg =
+                cudarc::driver::LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            let (ip, op, nn) = (src.ptr(), out.ptr(), n as u64);
+            use cudarc::driver::PushKernelArg;
+            // SAFETY: the arguments match `ep_widen_i32(u64, u64, u64)`; `src` holds `n` int32
+            // values (its descriptor) and `out`, just allocated in this context, `n` int64s; the
+            // kernel is ordered on `stream` after `src`'s producers, which keeps `src` from reuse
+            // until it passed.
+            unsafe { stream.launch_builder(&s.functions.widen_i32).arg(&ip).arg(&op).arg(&nn).launch(cfg) }
+                .map_err(|e| cuda("launch widen", e))?;
+        }
+        let ev = s.ctx.new_event(None).map_err(|e| cuda("create event", e))?;
+        ev.record(stream).map_err(|e| cuda("record event", e))?;
+        Ok(out.ready_after(Arc::new(ev)))
+    }
+
     /// Enqueues a one-thread kernel that holds `stream` for `delay` (a deliberately slow
     /// consumer, for tests and demonstrations of stream-ordered release).
     pub fn delay_on(&self, stream: &CudaStream, delay: std::time::Duration) -> Result<(), Error> {
