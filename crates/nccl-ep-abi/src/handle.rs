@@ -3,11 +3,12 @@
 //!
 //! epflow keeps a handle's routing in its own device memory: `ncclEpHandleMemSize` reports a
 //! small size, and a caller's `handle_mem` is checked but not used. Low-latency over NVLink, as
-//! in NCCL EP, the handle keeps the `topk_idx` address: creating or updating it launches nothing
-//! and waits for nothing on the host, and the dispatches on the handle read and check the
-//! routing in the stream's order (the first two; a kernel beside the second builds the handle's
-//! copy for the rest): keep the memory alive and unchanged while dispatches on the handle may
-//! run, and call `ncclEpUpdateHandle` for a new routing. An invalid entry fails those
+//! in NCCL EP, the handle keeps the `topk_idx` address (of an int32 `topk_idx`, API v2's, the
+//! int64 copy one small kernel widens on the caller's stream): creating or updating it
+//! launches nothing else and waits for nothing on the host, and the dispatches on the handle
+//! read and check the routing in the stream's order (the first two; a kernel beside the second
+//! builds the handle's copy for the rest): keep the memory alive and unchanged while dispatches
+//! on the handle may run, and call `ncclEpUpdateHandle` for a new routing. An invalid entry fails those
 //! dispatches at their verdicts (the group's error, like a peer's failure) instead of the
 //! creation. Otherwise (high-throughput, NCCL peers) the routing is read when the handle is
 //! created or updated: the stream is synchronized first and the routing checked at once.
