@@ -151,12 +151,7 @@ impl GpuRank {
                 dst.desc().size_bytes()
             )));
         }
-        let s = &self.shared;
-        bind(&s.ctx)?;
-        for e in [src.ready_event(), dst.ready_event()].into_iter().flatten() {
-            stream.wait(e).map_err(|e| cuda("wait for tensor", e))?;
-        }
-        src.record_stream(stream);
+        self.read_on(stream, src, Some(dst))?;
         // SAFETY: both are device ranges of `size_bytes` in this context (checked sizes); the
         // copy is ordered on `stream`, and `src` is kept from reuse until it passed.
         unsafe {
@@ -164,7 +159,24 @@ impl GpuRank {
         }
         .result()
         .map_err(|e| cuda("copy", e))?;
-        let ev = s.ctx.new_event(None).map_err(|e| cuda("create event", e))?;
+        self.event_on(stream)
+    }
+
+    /// Before work on `stream` that reads `src` (and writes `also`): binds this rank's context,
+    /// orders `stream` after both tensors' ready events, and makes `stream` a consumer of `src`
+    /// (an epflow output's buffer set is released in `stream`'s order).
+    fn read_on(&self, stream: &Arc<CudaStream>, src: &DeviceTensor, also: Option<&DeviceTensor>) -> Result<(), Error> {
+        bind(&self.shared.ctx)?;
+        for e in [src.ready_event(), also.and_then(DeviceTensor::ready_event)].into_iter().flatten() {
+            stream.wait(e).map_err(|e| cuda("wait for tensor", e))?;
+        }
+        src.record_stream(stream);
+        Ok(())
+    }
+
+    /// A new event recorded on `stream` (of this rank's context) after the work enqueued so far.
+    fn event_on(&self, stream: &CudaStream) -> Result<Arc<cudarc::driver::CudaEvent>, Error> {
+        let ev = self.shared.ctx.new_event(None).map_err(|e| cuda("create event", e))?;
         ev.record(stream).map_err(|e| cuda("record event", e))?;
         Ok(Arc::new(ev))
     }
@@ -183,11 +195,7 @@ impl GpuRank {
         let n = desc.numel();
         let out = DeviceTensor::zeros(&self.shared.ctx, self.shared.device, desc)?;
         let s = &self.shared;
-        bind(&s.ctx)?;
-        if let Some(e) = src.ready_event() {
-            stream.wait(e).map_err(|e| cuda("wait for tensor", e))?;
-        }
-        src.record_stream(stream);
+        self.read_on(stream, src, None)?;
         if n > 0 {
             let blocks = n.div_ceil(256).clamp(1, s.num_sms as usize * 4) as u32;
             let cfg =
@@ -201,9 +209,7 @@ impl GpuRank {
             unsafe { stream.launch_builder(&s.functions.widen_i32).arg(&ip).arg(&op).arg(&nn).launch(cfg) }
                 .map_err(|e| cuda("launch widen", e))?;
         }
-        let ev = s.ctx.new_event(None).map_err(|e| cuda("create event", e))?;
-        ev.record(stream).map_err(|e| cuda("record event", e))?;
-        Ok(out.ready_after(Arc::new(ev)))
+        Ok(out.ready_after(self.event_on(stream)?))
     }
 
     /// Enqueues a one-thread kernel that holds `stream` for `delay` (a deliberately slow

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaEvent, CudaStream};
-use epflow_async::{Completion, Group};
+use epflow_async::{Completion, Group, OpFuture};
 use epflow_core::ops::{CombineInputs, DispatchInputs, HandleOptions};
 use epflow_core::{DType, Error, Result, TensorDesc, TensorTag};
 use epflow_kernels::{DeviceTensor, GpuCombineOutput, GpuDispatchOutput, GpuHandle, GpuRank};
@@ -645,13 +645,7 @@ impl Lane {
         };
         let inputs = DispatchInputs::new(&r.tokens);
         let inputs = if grouped { inputs.with_weights(&r.topk_weights) } else { inputs };
-        // High-throughput operations have no send-only form: they run whole in the stream's order.
-        let dispatch = group.dispatch(&handle, inputs).after(&self.stream);
-        let (received, dispatched) = if grouped {
-            dispatch.complete_on(&self.stream).await?
-        } else {
-            dispatch.send_only().await?.complete_on(&self.stream).await?
-        };
+        let (received, dispatched) = self.in_stream_order(group.dispatch(&handle, inputs), grouped).await?;
         let y = match &counts {
             Some(c) => self.experts_grouped(model, layer, &received, c)?,
             None => self.experts(model, layer, &received)?,
@@ -659,13 +653,16 @@ impl Lane {
         drop(received);
         let inputs = CombineInputs::new(&y);
         let inputs = if grouped { inputs } else { inputs.with_weights(&r.topk_weights) };
-        let combine = group.combine(&handle, inputs).after(&self.stream);
-        let (combined, done) = if grouped {
-            combine.complete_on(&self.stream).await?
-        } else {
-            combine.send_only().await?.complete_on(&self.stream).await?
-        };
+        let (combined, done) = self.in_stream_order(group.combine(&handle, inputs), grouped).await?;
         let output = self.after_combine(model, &combined)?;
         Ok(LayerStep { output, completions: vec![created, dispatched, done] })
+    }
+
+    /// `op` ordered after the lane's stream and completed on it: its send half, then its
+    /// receive on the stream (low-latency), or, `whole` (high-throughput, which has no send-only
+    /// form), the whole operation in the stream's order.
+    async fn in_stream_order<T>(&self, op: OpFuture<GpuRank, T>, whole: bool) -> Result<(T, Completion)> {
+        let op = op.after(&self.stream);
+        if whole { op.complete_on(&self.stream).await } else { op.send_only().await?.complete_on(&self.stream).await }
     }
 }
