@@ -33,7 +33,8 @@ use epflow::core::reference::LlDispatchResult;
 use epflow::core::scenario::Scenario;
 use epflow::core::verify::{Tolerance, check_bf16, check_ll_dispatch};
 use epflow::core::workload::RoutingKind;
-use epflow::core::{DType, GroupConfig, TensorDesc, TensorTag, bf16};
+use epflow::core::mask::RankSet;
+use epflow::core::{DType, Error, GroupConfig, TensorDesc, TensorTag, bf16};
 use epflow_kernels::{DeviceTensor, GpuRank, GpuWorld, device_count};
 
 const HIDDEN: usize = 2048;
@@ -233,14 +234,14 @@ fn test_devices(test: &str) -> Option<Vec<usize>> {
 
 /// Runs `work(group, ranks)` for every rank of a group on `devices`, each rank on a thread of
 /// its own with a current-thread runtime; returns each rank's mismatches.
-fn on_rank_threads<F>(devices: &[usize], work: F) -> Vec<u64>
+fn on_rank_threads<F>(devices: &[usize], cfg: GroupConfig, work: F) -> Vec<u64>
 where
     F: AsyncFn(&Group<GpuRank>, usize) -> u64 + Sync,
 {
     // Ranks sharing a GPU must leave each other SMs (their kernels wait for each other): the
     // library bounds such groups itself (`GpuWorld::create`).
     let groups: Vec<Group<GpuRank>> =
-        GpuWorld::create(devices, config()).expect("GPU group").into_iter().map(Group::new).collect();
+        GpuWorld::create(devices, cfg).expect("GPU group").into_iter().map(Group::new).collect();
     let ranks = devices.len();
     let work = &work;
     std::thread::scope(|s| {
@@ -263,7 +264,7 @@ fn delayed_consumers_never_see_a_reused_buffer_set() {
     let (iters, base) = (iters(), seed());
     eprintln!("seed {base}, {iters} iterations on devices {devices:?}");
     let start = Instant::now();
-    let bad = on_rank_threads(&devices, async |g, ranks| delayed_consumer(g, ranks, iters, base).await);
+    let bad = on_rank_threads(&devices, config(), async |g, ranks| delayed_consumer(g, ranks, iters, base).await);
     eprintln!(
         "{iters} stream-ordered iterations with delayed consumers in {:.1} s, mismatches per rank {bad:?}",
         start.elapsed().as_secs_f64()
@@ -277,46 +278,62 @@ fn delayed_consumers_never_see_a_reused_buffer_set() {
 /// on one GPU those frees are parked, `kernels/src/device/parked.rs`). Each round's combine is
 /// checked bit for bit against identity experts; returns the mismatches.
 async fn unawaited_rounds(g: &Group<GpuRank>, n: usize, rounds: u64, base: u64) -> u64 {
-    let rank = g.backend();
-    let r = g.rank();
-    let caller: Arc<CudaStream> = rank.context().new_stream().expect("stream");
+    let caller: Arc<CudaStream> = g.backend().context().new_stream().expect("stream");
     let mut bad = 0;
     for it in 0..rounds {
-        let tokens: Vec<usize> = (0..n).map(|q| if (q as u64 + it) % 2 == 0 { 41 } else { MAX_TOKENS }).collect();
-        let sc =
-            Scenario::generate(config(), n, &tokens, TOP_K, RoutingKind::Uniform, 5, base ^ it.wrapping_mul(0x51ed));
-        let me = &sc.ranks[r];
-        let want = identity_combine(&me.tokens, &me.topk_idx, &me.weights);
-        let idx = rank.upload(&sc.topk_idx(r)).expect("upload");
-        let x = rank.upload(&sc.tokens(r)).expect("upload");
-        let w = rank.upload(&sc.weights(r)).expect("upload");
-        let h = g.create_handle(&idx).await.unwrap_or_else(|e| panic!("round {it}: handle: {e}"));
-        let (d, done) = g
-            .dispatch(&h, DispatchInputs::new(&x))
-            .after(&caller)
-            .complete_on(&caller)
-            .await
-            .unwrap_or_else(|e| panic!("round {it}: dispatch: {e}"));
-        drop(done);
-        let (y, done) = g
-            .combine(&h, CombineInputs::new(d.tokens()).with_weights(&w))
-            .after(&caller)
-            .complete_on(&caller)
-            .await
-            .unwrap_or_else(|e| panic!("round {it}: combine: {e}"));
-        drop(done);
-        drop(d);
-        caller.synchronize().expect("synchronize");
-        let got = y.tokens().download(rank.context()).expect("download combine");
-        let c = check_bf16("combine", &want, got.as_bf16().unwrap_or_default(), Tolerance::Exact);
-        if !c.ok() {
-            eprintln!("round {it} rank {r}: combine {c:?}");
-        }
-        bad += c.mismatched;
-        // Everything of this round is freed here, while the peer may already be in its next.
-        drop((y, h, idx, x, w));
+        bad += stream_round(g, n, &config(), &caller, base ^ it.wrapping_mul(0x51ed), &RankSet::new()).await;
     }
     bad
+}
+
+/// One round of [`unawaited_rounds`] with `seed` on a group made with `cfg`, whose `masked`
+/// ranks are out (their experts' entries contribute nothing to the combine); a masked rank
+/// itself must not call it. Returns the mismatched values.
+async fn stream_round(
+    g: &Group<GpuRank>,
+    n: usize,
+    cfg: &GroupConfig,
+    caller: &Arc<CudaStream>,
+    seed: u64,
+    masked: &RankSet,
+) -> u64 {
+    let rank = g.backend();
+    let r = g.rank();
+    let tokens: Vec<usize> = (0..n).map(|q| if (q as u64 + seed) % 2 == 0 { 41 } else { MAX_TOKENS }).collect();
+    let sc = Scenario::generate(cfg.clone(), n, &tokens, TOP_K, RoutingKind::Uniform, 5, seed);
+    let me = &sc.ranks[r];
+    let per_rank = (EXPERTS / n) as i64;
+    let live: Vec<i64> =
+        me.topk_idx.iter().map(|&e| if e >= 0 && masked.contains((e / per_rank) as usize) { -1 } else { e }).collect();
+    let want = identity_combine(&me.tokens, &live, &me.weights);
+    let idx = rank.upload(&sc.topk_idx(r)).expect("upload");
+    let x = rank.upload(&sc.tokens(r)).expect("upload");
+    let w = rank.upload(&sc.weights(r)).expect("upload");
+    let h = g.create_handle(&idx).await.unwrap_or_else(|e| panic!("seed {seed}: handle: {e}"));
+    let (d, done) = g
+        .dispatch(&h, DispatchInputs::new(&x))
+        .after(caller)
+        .complete_on(caller)
+        .await
+        .unwrap_or_else(|e| panic!("seed {seed}: dispatch: {e}"));
+    drop(done);
+    let (y, done) = g
+        .combine(&h, CombineInputs::new(d.tokens()).with_weights(&w))
+        .after(caller)
+        .complete_on(caller)
+        .await
+        .unwrap_or_else(|e| panic!("seed {seed}: combine: {e}"));
+    drop(done);
+    drop(d);
+    caller.synchronize().expect("synchronize");
+    let got = y.tokens().download(rank.context()).expect("download combine");
+    let c = check_bf16("combine", &want, got.as_bf16().unwrap_or_default(), Tolerance::Exact);
+    if !c.ok() {
+        eprintln!("seed {seed} rank {r}: combine {c:?}");
+    }
+    // Everything of this round is freed here, while the peer may already be in its next.
+    drop((y, h, idx, x, w));
+    c.mismatched
 }
 
 /// Issue 70 item 2: completions never awaited, and per-round frees, do not poison the group.
@@ -325,9 +342,77 @@ fn unawaited_completions_with_per_round_frees_stay_correct() {
     let Some(devices) = test_devices("unawaited_completions_with_per_round_frees_stay_correct") else { return };
     let (rounds, base) = (iters().min(200), seed());
     let start = Instant::now();
-    let bad = on_rank_threads(&devices, async |g, ranks| unawaited_rounds(g, ranks, rounds, base).await);
+    let bad = on_rank_threads(&devices, config(), async |g, ranks| unawaited_rounds(g, ranks, rounds, base).await);
     eprintln!(
         "seed {base}: {rounds} rounds with unawaited completions and per-round frees on devices {devices:?} in {:.1} s, mismatches per rank {bad:?}",
+        start.elapsed().as_secs_f64()
+    );
+    assert!(bad.iter().all(|&b| b == 0), "{bad:?}");
+}
+
+/// Issue 70 item 2, the late masked peer: with rank masking, rank 1 stays away while the others
+/// complete a round in stream order; they mask it at their device deadline and go on without
+/// it (their combine exact without rank 1's experts). Then rank 1 comes: its stream-ordered
+/// dispatch hands out outputs, and its `Completion` says `RankMasked` without poisoning the
+/// group; its next operation is refused with `RankMasked` at the call. After `unmask_all` on
+/// every rank, full rounds are exact again.
+#[test]
+fn a_late_masked_peer_learns_it_in_stream_order() {
+    let Some(devices) = test_devices("a_late_masked_peer_learns_it_in_stream_order") else { return };
+    let base = seed();
+    let late = 1;
+    let cfg = config().with_rank_masking(true).with_timeout(Duration::from_millis(1000));
+    let n = devices.len();
+    if n < 2 {
+        eprintln!("SKIPPED a_late_masked_peer_learns_it_in_stream_order: needs two ranks (EPFLOW_TEST_DEVICES=0,0)");
+        return;
+    }
+    let gone = RankSet::from_ranks([late], n).expect("rank set");
+    let meet = std::sync::Barrier::new(n);
+    let start = Instant::now();
+    let bad = on_rank_threads(&devices, cfg.clone(), async |g, n| {
+        let caller: Arc<CudaStream> = g.backend().context().new_stream().expect("stream");
+        let none = RankSet::new();
+        let mut bad = stream_round(g, n, &cfg, &caller, base, &none).await;
+        meet.wait();
+        if g.rank() != late {
+            // The late rank's share never comes: masked at the device deadline.
+            for i in 1..4 {
+                bad += stream_round(g, n, &cfg, &caller, base ^ i, &gone).await;
+            }
+            assert!(!g.is_poisoned(), "rank {}: a survivor's group poisoned", g.rank());
+        }
+        meet.wait();
+        if g.rank() == late {
+            let sc = Scenario::generate(cfg.clone(), n, &vec![MAX_TOKENS; n], TOP_K, RoutingKind::Uniform, 5, base);
+            let r = g.rank();
+            let idx = g.backend().upload(&sc.topk_idx(r)).expect("upload");
+            let x = g.backend().upload(&sc.tokens(r)).expect("upload");
+            let h = g.create_handle(&idx).await.expect("handle");
+            match g.dispatch(&h, DispatchInputs::new(&x)).after(&caller).complete_on(&caller).await {
+                // Handed out before the device decided; the completion has the verdict.
+                Ok((d, done)) => {
+                    let verdict = done.await;
+                    assert!(matches!(verdict, Err(Error::RankMasked { .. })), "late rank's completion: {verdict:?}");
+                    drop(d);
+                }
+                Err(e) => assert!(matches!(e, Error::RankMasked { .. }), "late rank's dispatch: {e}"),
+            }
+            assert!(!g.is_poisoned(), "the masked rank's group must stay whole for unmask_all");
+            let again = g.dispatch(&h, DispatchInputs::new(&x)).after(&caller).complete_on(&caller).await;
+            assert!(matches!(again, Err(Error::RankMasked { .. })), "late rank's next operation: {:?}", again.err());
+            drop((h, idx, x));
+            caller.synchronize().expect("synchronize");
+        }
+        meet.wait();
+        g.unmask_all().await.unwrap_or_else(|e| panic!("rank {}: unmask_all: {e}", g.rank()));
+        for i in 10..14 {
+            bad += stream_round(g, n, &cfg, &caller, base ^ i, &none).await;
+        }
+        bad
+    });
+    eprintln!(
+        "seed {base}: late masked peer on devices {devices:?} in {:.1} s, mismatches per rank {bad:?}",
         start.elapsed().as_secs_f64()
     );
     assert!(bad.iter().all(|&b| b == 0), "{bad:?}");

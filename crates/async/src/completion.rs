@@ -4,9 +4,10 @@
 //! - [`Completion`]: what [`crate::Staged::complete_on`] returns beside the outputs. The outputs
 //!   are usable at once in the stream's order; the completion resolves when the device has
 //!   finished the operation, with its verdict (a peer's cancellation or mismatch, a device
-//!   timeout). A reactor job watches every such operation: if it failed, its group is poisoned
-//!   (work already enqueued on the outputs read bad data), whether or not anyone awaits the
-//!   completion.
+//!   timeout, this rank masked by the group). A reactor job watches every such operation: if
+//!   it failed, its group is poisoned (work already enqueued on the outputs read bad data),
+//!   whether or not anyone awaits the completion; a masked rank's group is not (rank masking's
+//!   recovery needs it whole).
 //! - [`CompletionMode`]: how a task waits for a condition: through the reactor thread (a
 //!   cross-thread wake, no CPU spent while waiting), or by spinning on it first in the task for
 //!   a bounded time (no wake in the path, at the cost of a busy executor thread).
@@ -96,8 +97,10 @@ impl CompletionState {
 }
 
 /// Resolves when a stream-ordered operation has finished on the device, to its verdict:
-/// `Ok(())`, or the error its outputs carry (they were computed from bad data: the group is
-/// poisoned). Dropping it is fine: the operation is watched anyway.
+/// `Ok(())`, or the error its outputs carry: they were computed from bad data, and the group is
+/// poisoned, except for [`Error::RankMasked`] (the group masked this rank, see
+/// [`epflow_core::mask`]: the outputs lack the peers' share, the group is not poisoned, and
+/// `unmask_all` brings the rank back). Dropping it is fine: the operation is watched anyway.
 #[derive(Debug)]
 pub struct Completion {
     state: Arc<CompletionState>,
@@ -147,11 +150,18 @@ pub(crate) struct Watch<B: Backend> {
 }
 
 impl<B: Backend> Watch<B> {
+    /// Settles the completion with `e`, poisoning the group unless `e` is
+    /// [`Error::RankMasked`]: the group masked this rank, whose outputs are then incomplete (the
+    /// completion says so), but the group itself is sound, the rank's later operations are
+    /// refused with `RankMasked`, and `unmask_all` or a rejoin brings it back (which a poisoned
+    /// group would refuse).
     fn fail(&mut self, e: Error) {
         let label = self.op.as_ref().map(PendingOp::label).unwrap_or_default();
-        self.backend
-            .poison()
-            .poison(format!("{label}, completed in stream order, failed after its outputs were handed out: {e}"));
+        if !matches!(e, Error::RankMasked { .. }) {
+            self.backend
+                .poison()
+                .poison(format!("{label}, completed in stream order, failed after its outputs were handed out: {e}"));
+        }
         self.state.settle(Err(e));
         self.op = None;
     }

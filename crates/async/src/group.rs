@@ -431,7 +431,7 @@ impl<B: Backend, T> OpFuture<B, T> {
     /// Runs the whole operation in `stream`'s order (the synchronous form without the host
     /// wait): resolves once it is enqueued, with the outputs (usable by work enqueued on
     /// `stream` from now on) and a [`Completion`] with its verdict (a failure poisons the
-    /// group). The operation runs on its own stream, `stream` waits for it
+    /// group, but for [`epflow_core::Error::RankMasked`]). The operation runs on its own stream, `stream` waits for it
     /// ([`StreamOrder::Ordered`]); ordered with [`OpFuture::after`] on the same stream, a
     /// high-throughput kernel runs on `stream` itself. On the GPU backend both algorithms
     /// complete this way without the host, a low-latency operation sending and receiving in one
@@ -522,7 +522,8 @@ impl<B: Backend, T> Staged<B, T> {
     /// runs on `stream` after the work already enqueued there ([`StreamOrder::OnStream`]), and
     /// the outputs come back at once, usable by work enqueued on `stream` (or on streams that
     /// wait for it) with no host wait. The [`Completion`] resolves when the device has finished,
-    /// with the verdict (if the operation failed, its group is poisoned). On the host backend the
+    /// with the verdict (if the operation failed, its group is poisoned, unless the group had
+    /// masked this rank: [`epflow_core::Error::RankMasked`]). On the host backend the
     /// future resolves once the peers' data is in.
     ///
     /// The outputs' buffer set is released in stream order: when they are dropped, the next

@@ -103,6 +103,47 @@ fn awaited_operations_mask_a_silent_rank_and_report_it() {
     });
 }
 
+/// Issue 70 item 2 on the host backend (the GPU twin is `gpu_stream_order`'s
+/// `a_late_masked_peer_learns_it_in_stream_order`): a rank that comes late, after the others
+/// masked it, learns it from its stream-ordered operation (`RankMasked`, at the call or from the
+/// `Completion`), the group is not poisoned, its next operation is refused alike, and after
+/// `unmask_all` the full group is exact again.
+#[test]
+fn a_late_rank_completing_in_stream_order_learns_it_is_masked() {
+    let late = 2;
+    let gone = RankSet::from_ranks([late], RANKS).unwrap();
+    let back = Arc::new(Barrier::new(RANKS));
+    on_tokio_ranks(RANKS, config(), back, move |g, back| async move {
+        let me = g.rank();
+        let none = RankSet::new();
+        round(&g, 1, &none, true).await;
+        if me != late {
+            for seed in 2..5 {
+                round(&g, seed, &gone, true).await;
+            }
+        }
+        back.wait().await;
+        if me == late {
+            let sc = Scenario::generate(config(), RANKS, &[M], K, RoutingKind::Uniform, 0, 9);
+            let h = g.create_handle(&sc.topk_idx(me)).await.unwrap();
+            let x = sc.tokens(me);
+            let stream = &epflow_core::host::HostStream;
+            match g.dispatch(&h, DispatchInputs::new(&x)).after(stream).complete_on(stream).await {
+                Ok((_, done)) => assert!(matches!(done.await, Err(Error::RankMasked { .. }))),
+                Err(e) => assert!(matches!(e, Error::RankMasked { .. }), "{e}"),
+            }
+            assert!(!g.is_poisoned());
+            let again = g.dispatch(&h, DispatchInputs::new(&x)).after(stream).complete_on(stream).await;
+            assert!(matches!(again, Err(Error::RankMasked { .. })), "{:?}", again.err());
+        }
+        back.wait().await;
+        g.unmask_all().await.unwrap();
+        for seed in 100..104 {
+            round(&g, seed, &none, seed % 2 == 1).await;
+        }
+    });
+}
+
 /// Issue 64 item 3: `Group::mask` of a rank outside a 4-rank group — 4, 1024 (past what a
 /// `RankSet` holds) or `usize::MAX` — is `Error::RankOutOfRange` and masks nothing, on every
 /// rank; a rank inside the group is masked everywhere.

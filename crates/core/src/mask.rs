@@ -17,7 +17,15 @@
 //! - **Later operations skip masked ranks**: no sends to them, no waits for them.
 //! - **The masked rank learns it.** Every mask update also marks the masked rank in its own
 //!   word, so its next operation fails with [`crate::Error::RankMasked`] instead of waiting for
-//!   peers that no longer wait for it.
+//!   peers that no longer wait for it. The rule, on both backends: an operation ends in
+//!   `RankMasked` when this rank's bit is in the mask the operation decided its absent ranks
+//!   with (the host backend: when the rank takes its result; GPUs: when the receive kernel got
+//!   past its waits), and an operation called after that is refused with it. An operation
+//!   that decided before the bit came ends `Ok` with whole outputs: the peers had sent before
+//!   they gave up on this rank; the next one is refused. A late rank's stream-ordered
+//!   operation whose outputs were handed out before the device decided (GPUs) reports it
+//!   through its `Completion`; that does not poison the group, so `unmask_all` or a rejoin
+//!   brings the rank back.
 //!
 //! ## How the survivors agree
 //!
