@@ -159,6 +159,12 @@ struct Flags {
     /// (router and attention, shared expert, experts) as a CUDA graph.
     #[arg(long)]
     eager_compute: bool,
+    /// With `--model`, decode: also run every setting with each layer captured whole (router,
+    /// shared expert, dispatch, experts, combine: one CUDA graph per layer and lane, replayed
+    /// with one launch), beside the stream-ordered layer, in the same run; `--check` compares
+    /// its outputs with the stream-ordered serial ones.
+    #[arg(long)]
+    layer_graphs: bool,
     /// With `--model`: the weights' seed.
     #[arg(long, default_value_t = 7)]
     seed: u64,
@@ -281,9 +287,11 @@ impl Args {
                     || f.json.is_some()
                     || f.svg.is_some()
                     || f.eager_compute
+                    || f.layer_graphs
                 {
                     return Err(invalid(
-                        "--sweep-batch, --prefill-tokens, --json, --svg and --eager-compute go with --model".into(),
+                        "--sweep-batch, --prefill-tokens, --json, --svg, --eager-compute and --layer-graphs go with --model"
+                            .into(),
                     ));
                 }
                 None
@@ -300,6 +308,11 @@ impl Args {
                 }
                 if f.layers.is_some_and(|l| l > preset.layers) {
                     return Err(invalid(format!("--layers: {} has {} layers", preset.name, preset.layers)));
+                }
+                if f.layer_graphs && (!f.prefill_tokens.is_empty() || f.eager_compute) {
+                    return Err(invalid(
+                        "--layer-graphs captures decode layers (leave out --prefill-tokens and --eager-compute)".into(),
+                    ));
                 }
                 if !f.prefill_tokens.is_empty() && (!f.sweep_batch.is_empty() || f.batch.is_some()) {
                     return Err(invalid(
@@ -321,6 +334,7 @@ impl Args {
                     svg: f.svg.clone(),
                     seed: f.seed,
                     graphs: !f.eager_compute,
+                    layer_graphs: f.layer_graphs,
                 })
             }
         };

@@ -9,9 +9,11 @@
 #
 # 1. the MoE layer's GPU tests (one rank, then two ranks sharing GPU 0), prefill first;
 # 2. `moe_serving --model qwen3-30b-a3b` prefill at 1024 and 4096 tokens per rank, 1-3 in flight;
-# 3. the decode sweep at 8, 64 and 512 tokens;
+# 3. the decode sweep at 8, 64 and 512 tokens, stream-ordered and with layers captured whole
+#    (`--layer-graphs`), both checked bit-identical to serial;
 # 4. the `nccl_ep` Python package's round trip (needs PyTorch only for its last case);
-# 5. the GPU suites with two ranks on GPU 0 under a CPU stressor, one round (issue 70);
+# 5. the late masked peer in stream order (two ranks on GPU 0), then the GPU suites with two
+#    ranks on GPU 0 under a CPU stressor, one round (issue 70);
 # 6. `epflow bench --validate` against a baseline build in .device-pack/base/epflow, if present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,15 +58,21 @@ echo "rc=$?"
 grep -v '^\[' "$OUT/qwen3-prefill.log" | grep -E "tokens|error|unsupported|identical" | tail -12
 
 step "moe_serving decode sweep"
-bounded 120 $P/moe_serving --model qwen3-30b-a3b --layers 8 --micro-batches 1,2,3 --sweep-batch 8,64,512 \
-    --steps 32 --check --json "$OUT/qwen3-decode.json" >"$OUT/qwen3-decode.log" 2>&1
+bounded 200 $P/moe_serving --model qwen3-30b-a3b --layers 8 --micro-batches 1,2,3 --sweep-batch 8,64,512 \
+    --steps 32 --check --layer-graphs --json "$OUT/qwen3-decode.json" >"$OUT/qwen3-decode.log" 2>&1
 echo "rc=$?"
-grep -v '^\[' "$OUT/qwen3-decode.log" | grep -E "in flight|crossover|error" | tail -12
+grep -v '^\[' "$OUT/qwen3-decode.log" | grep -E "in flight|crossover|error|identical" | sed -E 's/comm [^;]*; //; s/latency [^;]*; //' | cut -c1-300 | tail -24
 
 step "python round trip"
 EPFLOW_LIB=$P/nccl-ep/libnccl_ep.so PYTHONUNBUFFERED=1 bounded 60 python3 python/tests/gpu_roundtrip.py --require-gpu \
     >"$OUT/python.log" 2>&1
 echo "rc=$? $(tail -1 "$OUT/python.log")"
+
+step "late masked peer, two ranks on GPU 0"
+EPFLOW_TEST_DEVICES=0,0 bounded 40 $P/gpu_stream_order --test-threads=1 --nocapture a_late_masked_peer \
+    >"$OUT/late-masked-peer.log" 2>&1
+echo "rc=$? $(grep -E '^test result|late masked peer' "$OUT/late-masked-peer.log" | tr '\n' ' ')"
+grep -E "panicked|assert" "$OUT/late-masked-peer.log" | head -4
 
 step "suites, two ranks on GPU 0, CPU stressor"
 l=$(left)

@@ -28,12 +28,12 @@ use std::time::{Duration, Instant, SystemTime};
 
 use cudarc::driver::CudaStream;
 use epflow::Group;
+use epflow::core::mask::RankSet;
 use epflow::core::ops::{CombineInputs, DispatchInputs, HandleOptions};
 use epflow::core::reference::LlDispatchResult;
 use epflow::core::scenario::Scenario;
 use epflow::core::verify::{Tolerance, check_bf16, check_ll_dispatch};
 use epflow::core::workload::RoutingKind;
-use epflow::core::mask::RankSet;
 use epflow::core::{DType, Error, GroupConfig, TensorDesc, TensorTag, bf16};
 use epflow_kernels::{DeviceTensor, GpuRank, GpuWorld, device_count};
 

@@ -25,9 +25,10 @@
 //! from which more than one micro-batch in flight serves more tokens/s) is named.
 
 use std::collections::BTreeMap;
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaEvent, CudaStream};
 use epflow::Group;
@@ -37,7 +38,7 @@ use epflow::core::ops::{CombineInputs, DispatchInputs, HandleOptions};
 use epflow::core::workload::random_tokens;
 use epflow::core::{Error, GroupConfig, HostTensor, MaxTokens, Result};
 use epflow::kernels::{DeviceTensor, GpuCombineOutput, GpuRank, GpuWorld};
-use epflow::moe::gpu::{GpuMoeModel, GroupedInputs, Lane, ModelOptions};
+use epflow::moe::gpu::{GpuMoeModel, GroupedInputs, Lane, LayerSteps, ModelOptions};
 use epflow::moe::{ModelPreset, weights::bytes_per_rank};
 use epflow::runtime::pipeline::{self, StepInput};
 
@@ -63,6 +64,8 @@ pub(crate) struct ModelArgs {
     /// `--prefill-tokens`: `batches` are prefill micro-batches (high-throughput, grouped
     /// experts) instead of decode ones (low-latency, padded experts).
     pub prefill: bool,
+    /// `--layer-graphs`: decode also with each layer captured whole ([`LayerSteps`]).
+    pub layer_graphs: bool,
 }
 
 fn err(e: impl std::fmt::Debug) -> Error {
@@ -96,11 +99,14 @@ struct Enqueue {
     handle_us: f64,
     experts_us: f64,
     after_combine_us: f64,
+    /// `--layer-graphs`: the whole layer's replay (its dispatch and combine included), and the
+    /// first layer's copy of the micro-batch's tokens into the graphs' input.
+    replay_us: f64,
 }
 
 impl Enqueue {
     fn total(&self) -> f64 {
-        self.before_dispatch_us + self.handle_us + self.experts_us + self.after_combine_us
+        self.before_dispatch_us + self.handle_us + self.experts_us + self.after_combine_us + self.replay_us
     }
 }
 
@@ -133,6 +139,12 @@ struct Report {
     gemms: Vec<GemmCheck>,
     crossover_batch: Option<usize>,
     checked_micro_batches: Option<usize>,
+    /// `--layer-graphs`: the same settings with each layer replayed as one CUDA graph (host
+    /// enqueue: the replays, dispatch and combine included).
+    layer_graph_points: Vec<Point>,
+    /// `--layer-graphs --check`: micro-batch outputs of the layer graphs bit-identical to the
+    /// stream-ordered serial ones.
+    layer_graph_checked: Option<usize>,
 }
 
 /// A rank's state for one batch size.
@@ -285,12 +297,71 @@ impl RankRun<'_> {
             handle_us: us(host.into_inner().unwrap_or_else(|p| p.into_inner())),
             experts_us: us(t.experts.as_secs_f64()),
             after_combine_us: us(t.after_combine.as_secs_f64()),
+            replay_us: 0.0,
         };
         Ok((
             marks.into_inner().unwrap_or_else(|p| p.into_inner()),
             outs.into_inner().unwrap_or_else(|p| p.into_inner()),
             enqueue,
         ))
+    }
+
+    /// [`RankRun::pipelined`] with every layer replayed whole from `steps` (one per lane, see
+    /// [`LayerSteps`]): `rounds * m` micro-batches through every layer with `m` in flight, in
+    /// the same order of collectives (round, layer, lane) and on the same token sets. The host
+    /// time counted is each replay's launch and layer 0's copy of the tokens in.
+    async fn pipelined_steps(
+        &self,
+        steps: &[LayerSteps],
+        m: usize,
+        rounds: usize,
+        digest: bool,
+    ) -> Result<(Marks, BTreeMap<u64, Vec<u16>>, Enqueue)> {
+        // The lanes' scratch is the graphs' too: the stream-ordered layers run before must be done.
+        for l in self.lanes {
+            l.stream().synchronize().map_err(err)?;
+        }
+        let mut marks = Marks::default();
+        let mut outs = BTreeMap::new();
+        let mut host = Duration::ZERO;
+        // Verdicts awaited once this many replays are behind: the host runs ahead by about two
+        // rounds and no further.
+        let mut pending = VecDeque::new();
+        let ahead = 2 * m * self.layers;
+        for round in 0..rounds {
+            for layer in 0..self.layers {
+                for (lane, s) in steps.iter().enumerate().take(m) {
+                    let mb = (round * m + lane) as u64;
+                    if layer == 0 {
+                        marks.start.insert(mb, s.record()?);
+                    }
+                    let step = s.step(layer).ok_or_else(|| err("a layer without its step"))?;
+                    let t = Instant::now();
+                    if layer == 0 {
+                        s.load_input(&self.inputs[lane * POOL + mb as usize % POOL])?;
+                    }
+                    pending.push_back(self.g.replay(step));
+                    host += t.elapsed();
+                    if layer + 1 == self.layers {
+                        marks.end.insert(mb, s.record()?);
+                        if digest {
+                            s.stream().synchronize().map_err(err)?;
+                            let h = s.output().download(self.g.backend().context())?;
+                            let bits = h.as_bf16().ok_or_else(|| err("output not BF16"))?.iter().map(|v| v.to_bits());
+                            outs.insert(mb, bits.collect());
+                        }
+                    }
+                    while pending.len() > ahead {
+                        pending.pop_front().ok_or_else(|| err("no replay"))?.await?;
+                    }
+                }
+            }
+        }
+        for r in pending {
+            r.await?;
+        }
+        let replay_us = host.as_secs_f64() / (rounds * m * self.layers) as f64 * 1e6;
+        Ok((marks, outs, Enqueue { replay_us, ..Enqueue::default() }))
     }
 
     /// Communication alone: one micro-batch, fixed routing, identity experts; seconds per
@@ -406,6 +477,54 @@ impl RankRun<'_> {
     }
 }
 
+/// What a batch's points share: communication and compute alone (seconds per layer step).
+struct Measured {
+    batch: usize,
+    ranks: usize,
+    layers: usize,
+    comm: f64,
+    compute: f64,
+}
+
+impl Measured {
+    /// The point of `m` in flight over `rounds` rounds from its device marks; `serial_step`
+    /// (seconds per layer step) is set by the `m == 1` point, which comes first.
+    fn point(&self, m: usize, rounds: usize, marks: &Marks, enqueue: Enqueue, serial_step: &mut f64) -> Result<Point> {
+        let first = marks.start.values().next().ok_or_else(|| err("no marks"))?;
+        let mut intervals = Vec::new();
+        let mut latencies = Vec::new();
+        for (mb, s) in &marks.start {
+            let e = marks.end.get(mb).ok_or_else(|| err("a micro-batch without its end"))?;
+            let (t0, t1) = (secs(first, s), secs(first, e));
+            intervals.push((t0, t1));
+            latencies.push(t1 - t0);
+        }
+        let wall = intervals.iter().map(|i| i.1).fold(0.0, f64::max);
+        let busy = super::union(&mut intervals) / wall.max(1e-12);
+        latencies.sort_by(f64::total_cmp);
+        let per_step = wall / (rounds * m * self.layers) as f64;
+        if m == 1 {
+            *serial_step = per_step;
+        }
+        let micro = (rounds * m) as f64;
+        Ok(Point {
+            batch: self.batch,
+            micro_batches: m,
+            comm_us: self.comm * 1e6,
+            compute_us: self.compute * 1e6,
+            serial_us: *serial_step * 1e6,
+            pipelined_us: per_step * 1e6,
+            efficiency: (*serial_step - per_step) / self.comm.min(self.compute).max(1e-12),
+            tokens_per_s: micro * self.batch as f64 * self.ranks as f64 / wall.max(1e-12),
+            p50_ms: percentile(&latencies, 0.5) * 1e3,
+            p99_ms: percentile(&latencies, 0.99) * 1e3,
+            busy,
+            enqueue_us_per_layer: enqueue.total(),
+            enqueue,
+        })
+    }
+}
+
 /// Device bytes one rank needs beyond the weights: lanes and token sets.
 fn scratch_bytes(p: &ModelPreset, ranks: usize, batch: usize, lanes: usize, attention: bool, prefill: bool) -> u128 {
     let lane = if prefill {
@@ -419,6 +538,8 @@ fn scratch_bytes(p: &ModelPreset, ranks: usize, batch: usize, lanes: usize, atte
 /// What rank `r` measured for one batch.
 struct RankFigures {
     points: Vec<Point>,
+    layer_graph_points: Vec<Point>,
+    layer_graph_checked: Option<usize>,
     /// Decode only: router + experts against cuBLAS alone.
     gemm: Option<GemmCheck>,
     checked: Option<usize>,
@@ -435,7 +556,8 @@ fn measure_rank(
     let p = m_args.preset;
     let ranks = g.num_ranks();
     let r = g.rank();
-    let reserve = scratch_bytes(&p, ranks, batch, lanes_n, m_args.attention, m_args.prefill);
+    let reserve = scratch_bytes(&p, ranks, batch, lanes_n, m_args.attention, m_args.prefill)
+        + if m_args.layer_graphs { lanes_n as u128 * LayerSteps::bytes(&p, ranks, batch, a.layers) } else { 0 };
     let opts = ModelOptions { seed: m_args.seed, layers: a.layers, attention: m_args.attention };
     let model = GpuMoeModel::new(g.backend(), p, opts, reserve)?;
     let lane = || -> Result<Lane> {
@@ -461,19 +583,41 @@ fn measure_rank(
         let steps = m_args.steps;
         // Warm-up: NVRTC, cuBLAS heuristics, the buffer sets.
         run.pipelined(lanes_n, 1, a.order, false).await?;
-        let mut checked = None;
+        // `--layer-graphs`: each lane's layers captured whole, once the eager warm-up loaded
+        // every kernel and nothing of the lanes runs.
+        let layer_steps: Vec<LayerSteps> = if m_args.layer_graphs {
+            for l in &lanes {
+                l.stream().synchronize().map_err(err)?;
+            }
+            let steps: Vec<LayerSteps> =
+                lanes.iter().map(|l| l.capture_layers(&model, g.backend(), a.layers)).collect::<Result<_>>()?;
+            run.pipelined_steps(&steps, lanes_n, 1, false).await?;
+            steps
+        } else {
+            Vec::new()
+        };
+        let (mut checked, mut layer_graph_checked) = (None, None);
         if a.check {
             let rounds = steps.div_ceil(lanes_n);
             let (_, piped, _) = run.pipelined(lanes_n, rounds, a.order, true).await?;
             let (_, serial, _) = run.pipelined(1, rounds * lanes_n, a.order, true).await?;
-            if piped != serial {
-                let differ = piped.iter().filter(|(k, v)| serial.get(k) != Some(v)).count();
-                return Err(Error::Backend(format!(
-                    "rank {r}: {differ} of {} micro-batch outputs differ between {lanes_n} in flight and serial",
-                    piped.len()
-                )));
-            }
+            let same = |what: &str, other: &BTreeMap<u64, Vec<u16>>| {
+                if *other == serial {
+                    return Ok(());
+                }
+                let differ = other.iter().filter(|(k, v)| serial.get(k) != Some(v)).count();
+                Err(Error::Backend(format!(
+                    "rank {r}: {differ} of {} micro-batch outputs differ between {what} and serial",
+                    other.len()
+                )))
+            };
+            same(&format!("{lanes_n} in flight"), &piped)?;
             checked = Some(piped.len());
+            if !layer_steps.is_empty() {
+                let (_, graphs, _) = run.pipelined_steps(&layer_steps, lanes_n, rounds, true).await?;
+                same(&format!("{lanes_n} in flight with layer graphs"), &graphs)?;
+                layer_graph_checked = Some(graphs.len());
+            }
         }
         let comm = run.comm_alone(steps * a.layers).await?;
         let (captured, host_counts) = run.captured_expert_inputs().await?;
@@ -501,48 +645,25 @@ fn measure_rank(
         if !settings.contains(&1) {
             settings.insert(0, 1);
         }
+        let measured = Measured { batch, ranks, layers: a.layers, comm, compute };
         for &m in &settings {
             let rounds = steps.div_ceil(m);
             let (marks, _, enqueue) = run.pipelined(m, rounds, a.order, false).await?;
-            let first = marks.start.values().next().ok_or_else(|| err("no marks"))?;
-            let mut intervals = Vec::new();
-            let mut latencies = Vec::new();
-            for (mb, s) in &marks.start {
-                let e = marks.end.get(mb).ok_or_else(|| err("a micro-batch without its end"))?;
-                let (t0, t1) = (secs(first, s), secs(first, e));
-                intervals.push((t0, t1));
-                latencies.push(t1 - t0);
-            }
-            let wall = intervals.iter().map(|i| i.1).fold(0.0, f64::max);
-            let busy = super::union(&mut intervals) / wall.max(1e-12);
-            latencies.sort_by(f64::total_cmp);
-            let per_step = wall / (rounds * m * a.layers) as f64;
-            if m == 1 {
-                serial_step = per_step;
-            }
-            let micro = (rounds * m) as f64;
-            points.push(Point {
-                batch,
-                micro_batches: m,
-                comm_us: comm * 1e6,
-                compute_us: compute * 1e6,
-                serial_us: serial_step * 1e6,
-                pipelined_us: per_step * 1e6,
-                efficiency: (serial_step - per_step) / comm.min(compute).max(1e-12),
-                tokens_per_s: micro * batch as f64 * ranks as f64 / wall.max(1e-12),
-                p50_ms: percentile(&latencies, 0.5) * 1e3,
-                p99_ms: percentile(&latencies, 0.99) * 1e3,
-                busy,
-                enqueue_us_per_layer: enqueue.total(),
-                enqueue,
-            });
+            points.push(measured.point(m, rounds, &marks, enqueue, &mut serial_step)?);
+        }
+        let mut layer_graph_points = Vec::new();
+        let mut serial_step = f64::NAN;
+        for &m in settings.iter().filter(|_| !layer_steps.is_empty()) {
+            let rounds = steps.div_ceil(m);
+            let (marks, _, enqueue) = run.pipelined_steps(&layer_steps, m, rounds, false).await?;
+            layer_graph_points.push(measured.point(m, rounds, &marks, enqueue, &mut serial_step)?);
         }
         if let Some((graphs, failed)) = lanes.iter().filter_map(Lane::graph_counts).reduce(|a, b| (a.0 + b.0, a.1 + b.1)) {
             if failed > 0 || r == 0 {
                 eprintln!("[moe_serving] rank {r}, batch {batch}: {graphs} layer pieces replayed as CUDA graphs, {failed} call by call (their capture failed)");
             }
         }
-        Ok(RankFigures { points, gemm, checked })
+        Ok(RankFigures { points, layer_graph_points, layer_graph_checked, gemm, checked })
     })
 }
 
@@ -572,6 +693,7 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
         a.order
     );
     let mut points = Vec::new();
+    let (mut layer_graph_points, mut layer_graph_checked) = (Vec::new(), None);
     let mut gemms = Vec::new();
     let mut checked = None;
     for &batch in &m_args.batches {
@@ -609,9 +731,16 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
                 gm.rows_per_expert
             );
         }
-        for pt in &f.points {
+        if let Some(n) = f.layer_graph_checked {
             println!(
-                "  batch {batch:4}, {} in flight: comm {:.1} us, compute {:.1} us, serial {:.1} us, pipelined {:.1} us per layer step; efficiency {:.2}; {:.0} tokens/s; latency p50 {:.2} ms p99 {:.2} ms; GPU busy {:.1} %; host enqueue {:.1} us per layer (router/attention/shared {:.1}, handle {:.1}, experts {:.1}, add {:.1})",
+                "  batch {batch}: {n} micro-batch outputs with {lanes_n} in flight, layer graphs, bit-identical to serial"
+            );
+        }
+        for (pt, how) in
+            f.points.iter().map(|p| (p, "")).chain(f.layer_graph_points.iter().map(|p| (p, " [layer graphs]")))
+        {
+            println!(
+                "  batch {batch:4}, {} in flight{how}: comm {:.1} us, compute {:.1} us, serial {:.1} us, pipelined {:.1} us per layer step; efficiency {:.2}; {:.0} tokens/s; latency p50 {:.2} ms p99 {:.2} ms; GPU busy {:.1} %; host enqueue {:.1} us per layer (router/attention/shared {:.1}, handle {:.1}, experts {:.1}, add {:.1}, whole-layer replay {:.1})",
                 pt.micro_batches,
                 pt.comm_us,
                 pt.compute_us,
@@ -626,11 +755,15 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
                 pt.enqueue.before_dispatch_us,
                 pt.enqueue.handle_us,
                 pt.enqueue.experts_us,
-                pt.enqueue.after_combine_us
+                pt.enqueue.after_combine_us,
+                pt.enqueue.replay_us
             );
         }
         eprintln!("[moe_serving] batch {batch} measured in {:.1} s", started.elapsed().as_secs_f64());
         points.extend(f.points);
+        layer_graph_points.extend(f.layer_graph_points);
+        layer_graph_checked =
+            f.layer_graph_checked.map(|n| layer_graph_checked.unwrap_or(0) + n).or(layer_graph_checked);
         gemms.extend(f.gemm);
     }
     let crossover = crossover(&points);
@@ -657,6 +790,8 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
         gemms,
         crossover_batch: crossover,
         checked_micro_batches: checked,
+        layer_graph_points,
+        layer_graph_checked,
     };
     if let Some(path) = &m_args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report).map_err(err)?)

@@ -63,10 +63,10 @@ pub struct LayerStep {
 /// The shared expert's scratch: `gate_up` output `[B x 2Fs]`, activation `[B x Fs]`, output
 /// `[B x H]`.
 #[derive(Debug)]
-struct SharedScratch {
-    gu: DeviceTensor,
-    act: DeviceTensor,
-    y: DeviceTensor,
+pub(super) struct SharedScratch {
+    pub(super) gu: DeviceTensor,
+    pub(super) act: DeviceTensor,
+    pub(super) y: DeviceTensor,
 }
 
 /// One micro-batch's lane: its stream (every part of the layer is enqueued there), a side stream
@@ -80,16 +80,16 @@ pub struct Lane {
     blas: Blas,
     side_blas: Blas,
     tokens: usize,
-    rows_per_expert: usize,
-    attention: Vec<DeviceTensor>,
+    pub(super) rows_per_expert: usize,
+    pub(super) attention: Vec<DeviceTensor>,
     logits: DeviceTensor,
-    topk_idx: DeviceTensor,
-    topk_weights: DeviceTensor,
-    shared: Option<SharedScratch>,
-    gu: DeviceTensor,
-    act: DeviceTensor,
-    y: DeviceTensor,
-    out: DeviceTensor,
+    pub(super) topk_idx: DeviceTensor,
+    pub(super) topk_weights: DeviceTensor,
+    pub(super) shared: Option<SharedScratch>,
+    pub(super) gu: DeviceTensor,
+    pub(super) act: DeviceTensor,
+    pub(super) y: DeviceTensor,
+    pub(super) out: DeviceTensor,
     shared_done: Mutex<Option<Arc<CudaEvent>>>,
     /// The shared expert's fork (recorded on the lane's stream, waited for by the side stream)
     /// and join (the other way round), recorded again each layer: a wait takes the record
@@ -494,7 +494,14 @@ impl Lane {
     /// The router of `w` on `tokens` (`[B x H]` BF16 at that address), enqueued on `stream`
     /// with `blas`: the gate GEMM into the lane's FP32 logits, then the top-k kernel into its
     /// `topk_idx` and `topk_weights`.
-    fn route(&self, model: &GpuMoeModel, w: &DeviceLayer, stream: &CudaStream, blas: &Blas, tokens: u64) -> Result<()> {
+    pub(super) fn route(
+        &self,
+        model: &GpuMoeModel,
+        w: &DeviceLayer,
+        stream: &CudaStream,
+        blas: &Blas,
+        tokens: u64,
+    ) -> Result<()> {
         let p = &model.preset;
         let (b, h, e) = (self.tokens, p.hidden, p.num_experts);
         blas.gemm(&Gemm { fp32_out: true, ..Gemm::plain(b, h, e) }, tokens, w.gate.ptr(), self.logits.ptr())?;

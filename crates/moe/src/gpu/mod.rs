@@ -20,6 +20,8 @@
 //!   the handle brought to the host, the weighted sum per received row.
 //! - `blas.rs`: the GEMMs (cuBLAS, BF16 in, FP32 accumulation; strided-batched and grouped).
 //! - `graphs.rs`: a lane's compute pieces captured as CUDA graphs ([`Lane::with_graphs`]).
+//! - `steps.rs`: a lane's decode layers captured whole, one CUDA graph per layer with its
+//!   dispatch and combine ([`Lane::capture_layers`], [`LayerSteps`]): one launch per layer.
 //!
 //! Decode's experts are strided-batched GEMMs over the dispatch's padded layout `[L x R*M x H]`:
 //! they need no counts on the host, at the price of computing every expert's `R*M` rows (the
@@ -35,11 +37,14 @@ mod grouped;
 mod kernels;
 mod lane;
 mod model;
+#[allow(unsafe_code)]
+mod steps;
 
 pub use grouped::GroupedInputs;
 pub use kernels::{MAX_ROUTER_EXPERTS, MOE};
 pub use lane::{Lane, LaneTimes, LayerStep, Routed};
 pub use model::{GpuMoeModel, ModelOptions};
+pub use steps::LayerSteps;
 
 use epflow_core::Error;
 
