@@ -28,7 +28,7 @@ use std::collections::BTreeMap;
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use cudarc::driver::{CudaEvent, CudaStream};
 use epflow::Group;
@@ -102,6 +102,10 @@ struct Enqueue {
     /// `--layer-graphs`: the whole layer's replay (its dispatch and combine included), and the
     /// first layer's copy of the micro-batch's tokens into the graphs' input.
     replay_us: f64,
+    /// `--layer-graphs`: the median layer's replay, and the slowest (a launch that blocks
+    /// because the device's queue is full shows here, not in the median).
+    replay_p50_us: f64,
+    replay_max_us: f64,
 }
 
 impl Enqueue {
@@ -297,7 +301,7 @@ impl RankRun<'_> {
             handle_us: us(host.into_inner().unwrap_or_else(|p| p.into_inner())),
             experts_us: us(t.experts.as_secs_f64()),
             after_combine_us: us(t.after_combine.as_secs_f64()),
-            replay_us: 0.0,
+            ..Enqueue::default()
         };
         Ok((
             marks.into_inner().unwrap_or_else(|p| p.into_inner()),
@@ -323,7 +327,7 @@ impl RankRun<'_> {
         }
         let mut marks = Marks::default();
         let mut outs = BTreeMap::new();
-        let mut host = Duration::ZERO;
+        let mut host = Vec::with_capacity(rounds * m * self.layers);
         // Verdicts awaited once this many replays are behind: the host runs ahead by about two
         // rounds and no further.
         let mut pending = VecDeque::new();
@@ -341,7 +345,7 @@ impl RankRun<'_> {
                         s.load_input(&self.inputs[lane * POOL + mb as usize % POOL])?;
                     }
                     pending.push_back(self.g.replay(step));
-                    host += t.elapsed();
+                    host.push(t.elapsed().as_secs_f64() * 1e6);
                     if layer + 1 == self.layers {
                         marks.end.insert(mb, s.record()?);
                         if digest {
@@ -360,8 +364,10 @@ impl RankRun<'_> {
         for r in pending {
             r.await?;
         }
-        let replay_us = host.as_secs_f64() / (rounds * m * self.layers) as f64 * 1e6;
-        Ok((marks, outs, Enqueue { replay_us, ..Enqueue::default() }))
+        let replay_us = host.iter().sum::<f64>() / host.len().max(1) as f64;
+        let replay_max_us = host.iter().copied().fold(0.0, f64::max);
+        let replay_p50_us = median(&mut host);
+        Ok((marks, outs, Enqueue { replay_us, replay_p50_us, replay_max_us, ..Enqueue::default() }))
     }
 
     /// Communication alone: one micro-batch, fixed routing, identity experts; seconds per
@@ -740,7 +746,7 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
             f.points.iter().map(|p| (p, "")).chain(f.layer_graph_points.iter().map(|p| (p, " [layer graphs]")))
         {
             println!(
-                "  batch {batch:4}, {} in flight{how}: comm {:.1} us, compute {:.1} us, serial {:.1} us, pipelined {:.1} us per layer step; efficiency {:.2}; {:.0} tokens/s; latency p50 {:.2} ms p99 {:.2} ms; GPU busy {:.1} %; host enqueue {:.1} us per layer (router/attention/shared {:.1}, handle {:.1}, experts {:.1}, add {:.1}, whole-layer replay {:.1})",
+                "  batch {batch:4}, {} in flight{how}: comm {:.1} us, compute {:.1} us, serial {:.1} us, pipelined {:.1} us per layer step; efficiency {:.2}; {:.0} tokens/s; latency p50 {:.2} ms p99 {:.2} ms; GPU busy {:.1} %; host enqueue {:.1} us per layer (router/attention/shared {:.1}, handle {:.1}, experts {:.1}, add {:.1}, whole-layer replay {:.1}, median {:.1}, max {:.1})",
                 pt.micro_batches,
                 pt.comm_us,
                 pt.compute_us,
@@ -756,7 +762,9 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
                 pt.enqueue.handle_us,
                 pt.enqueue.experts_us,
                 pt.enqueue.after_combine_us,
-                pt.enqueue.replay_us
+                pt.enqueue.replay_us,
+                pt.enqueue.replay_p50_us,
+                pt.enqueue.replay_max_us
             );
         }
         eprintln!("[moe_serving] batch {batch} measured in {:.1} s", started.elapsed().as_secs_f64());
