@@ -149,6 +149,8 @@ struct Report {
     /// `--layer-graphs --check`: micro-batch outputs of the layer graphs bit-identical to the
     /// stream-ordered serial ones.
     layer_graph_checked: Option<usize>,
+    /// `--layer-graphs`: the captures that failed (the run then fails after writing this).
+    layer_graph_errors: Vec<String>,
 }
 
 /// A rank's state for one batch size.
@@ -546,6 +548,7 @@ struct RankFigures {
     points: Vec<Point>,
     layer_graph_points: Vec<Point>,
     layer_graph_checked: Option<usize>,
+    layer_graph_error: Option<String>,
     /// Decode only: router + experts against cuBLAS alone.
     gemm: Option<GemmCheck>,
     checked: Option<usize>,
@@ -591,14 +594,24 @@ fn measure_rank(
         run.pipelined(lanes_n, 1, a.order, false).await?;
         // `--layer-graphs`: each lane's layers captured whole, once the eager warm-up loaded
         // every kernel and nothing of the lanes runs.
+        let mut layer_graph_error = None;
         let layer_steps: Vec<LayerSteps> = if m_args.layer_graphs {
             for l in &lanes {
                 l.stream().synchronize().map_err(err)?;
             }
-            let steps: Vec<LayerSteps> =
-                lanes.iter().map(|l| l.capture_layers(&model, g.backend(), a.layers)).collect::<Result<_>>()?;
-            run.pipelined_steps(&steps, lanes_n, 1, false).await?;
-            steps
+            // A capture that fails leaves the group whole: the stream-ordered figures go on, and
+            // the run fails at its end, naming it.
+            match lanes.iter().map(|l| l.capture_layers(&model, g.backend(), a.layers)).collect::<Result<Vec<_>>>() {
+                Ok(steps) => {
+                    run.pipelined_steps(&steps, lanes_n, 1, false).await?;
+                    steps
+                }
+                Err(e) => {
+                    eprintln!("[moe_serving] rank {r}, batch {batch}: --layer-graphs: the capture failed: {e}");
+                    layer_graph_error = Some(format!("batch {batch}: {e}"));
+                    Vec::new()
+                }
+            }
         } else {
             Vec::new()
         };
@@ -669,7 +682,7 @@ fn measure_rank(
                 eprintln!("[moe_serving] rank {r}, batch {batch}: {graphs} layer pieces replayed as CUDA graphs, {failed} call by call (their capture failed)");
             }
         }
-        Ok(RankFigures { points, layer_graph_points, layer_graph_checked, gemm, checked })
+        Ok(RankFigures { points, layer_graph_points, layer_graph_checked, layer_graph_error, gemm, checked })
     })
 }
 
@@ -699,7 +712,7 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
         a.order
     );
     let mut points = Vec::new();
-    let (mut layer_graph_points, mut layer_graph_checked) = (Vec::new(), None);
+    let (mut layer_graph_points, mut layer_graph_checked, mut layer_graph_errors) = (Vec::new(), None, Vec::new());
     let mut gemms = Vec::new();
     let mut checked = None;
     for &batch in &m_args.batches {
@@ -770,6 +783,7 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
         eprintln!("[moe_serving] batch {batch} measured in {:.1} s", started.elapsed().as_secs_f64());
         points.extend(f.points);
         layer_graph_points.extend(f.layer_graph_points);
+        layer_graph_errors.extend(f.layer_graph_error);
         layer_graph_checked =
             f.layer_graph_checked.map(|n| layer_graph_checked.unwrap_or(0) + n).or(layer_graph_checked);
         gemms.extend(f.gemm);
@@ -800,6 +814,7 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
         checked_micro_batches: checked,
         layer_graph_points,
         layer_graph_checked,
+        layer_graph_errors,
     };
     if let Some(path) = &m_args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report).map_err(err)?)
@@ -809,6 +824,9 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
     if let Some(path) = &m_args.svg {
         chart(path, &report).map_err(|e| Error::Backend(format!("{}: {e}", path.display())))?;
         println!("  chart written to {}", path.display());
+    }
+    if !report.layer_graph_errors.is_empty() {
+        return Err(Error::Backend(format!("--layer-graphs: {}", report.layer_graph_errors.join("; "))));
     }
     Ok(())
 }
