@@ -86,6 +86,33 @@ fn download(t: &DeviceTensor, ctx: &Arc<cudarc::driver::CudaContext>) -> HostTen
     t.download(ctx).expect("download")
 }
 
+/// `EPFLOW_GPU_ITERS` (micro-batches of the multi-lane tests), default 50.
+fn gpu_iters() -> usize {
+    std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(50)
+}
+
+/// Four `[b x H]` token sets of rank `g.rank()` on its device.
+fn token_sets(g: &Group<GpuRank>, p: &ModelPreset, b: usize, seed: u64) -> Vec<DeviceTensor> {
+    let r = g.rank();
+    (0..4)
+        .map(|i| g.backend().upload(&HostTensor::tokens(b, p.hidden, random_tokens(b, p.hidden, seed + i, r))).unwrap())
+        .collect()
+}
+
+/// One rank's micro-batch outputs, in order.
+type Outputs = Vec<Vec<bf16>>;
+
+/// Every rank's `(got, want)` micro-batch outputs, `iters` of each, bit for bit.
+fn assert_bit_identical(outs: Vec<(Outputs, Outputs)>, iters: usize, what: &str) {
+    for (r, (got, want)) in outs.into_iter().enumerate() {
+        assert_eq!(got.len(), iters);
+        for (i, (a, s)) in got.iter().zip(&want).enumerate() {
+            let diff = a.iter().zip(s).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+            assert_eq!(diff, 0, "rank {r} micro-batch {i}: {diff} values differ between {what}");
+        }
+    }
+}
+
 #[test]
 fn router_top_k_matches_the_reference_ties_included() {
     let Some(devices) = devices("router_top_k_matches_the_reference_ties_included") else { return };
@@ -234,12 +261,11 @@ fn prefill_layer_matches_the_reference() {
 fn interleaved_lanes_with_graphs_are_bit_identical_to_one_eager_lane() {
     let Some(devices) = devices("interleaved_lanes_with_graphs_are_bit_identical_to_one_eager_lane") else { return };
     let seed = seed();
-    let iters: usize = std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(50);
+    let iters = gpu_iters();
     let p = preset("deepseek-v3").unwrap().scaled(256, 16, 4, 64);
     let (b, layers, ranks) = (16, 2, devices.len());
     let groups = world(&devices, &p, b, 2);
     let outs = on_ranks(&groups, |g| {
-        let r = g.rank();
         let m = GpuMoeModel::new(g.backend(), p, ModelOptions { seed, layers, attention: true }, 0).unwrap();
         // Two lanes replaying their compute as CUDA graphs, one enqueueing it call by call.
         let lanes = [
@@ -247,11 +273,7 @@ fn interleaved_lanes_with_graphs_are_bit_identical_to_one_eager_lane() {
             Lane::new(&m, b, ranks * b).unwrap().with_graphs(true).unwrap(),
         ];
         let eager = Lane::new(&m, b, ranks * b).unwrap();
-        let inputs: Vec<DeviceTensor> = (0..4)
-            .map(|i| {
-                g.backend().upload(&HostTensor::tokens(b, p.hidden, random_tokens(b, p.hidden, seed + i, r))).unwrap()
-            })
-            .collect();
+        let inputs = token_sets(g, &p, b, seed);
         let ctx = g.backend().context();
         let run = |lanes: &[&Lane]| -> Vec<Vec<bf16>> {
             let mut finals = Vec::new();
@@ -278,13 +300,7 @@ fn interleaved_lanes_with_graphs_are_bit_identical_to_one_eager_lane() {
         };
         (run(&[&lanes[0], &lanes[1]]), run(&[&eager]))
     });
-    for (r, (two, one)) in outs.into_iter().enumerate() {
-        assert_eq!(two.len(), iters);
-        for (i, (a, s)) in two.iter().zip(&one).enumerate() {
-            let diff = a.iter().zip(s).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
-            assert_eq!(diff, 0, "rank {r} micro-batch {i}: {diff} values differ between two lanes and one");
-        }
-    }
+    assert_bit_identical(outs, iters, "two lanes and one");
     eprintln!(
         "ok: {iters} micro-batches x {layers} layers on {ranks} rank(s): two interleaved lanes bit-identical to one"
     );
@@ -300,20 +316,15 @@ fn layers_captured_whole_are_bit_identical_to_the_stream_ordered_layer() {
         return;
     };
     let seed = seed();
-    let iters: usize = std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(50);
+    let iters = gpu_iters();
     let p = preset("deepseek-v3").unwrap().scaled(256, 16, 4, 64);
     let (b, layers, ranks) = (16, 2, devices.len());
     let groups = world(&devices, &p, b, 2);
     let outs = on_ranks(&groups, |g| {
-        let r = g.rank();
         let m = GpuMoeModel::new(g.backend(), p, ModelOptions { seed, layers, attention: true }, 0).unwrap();
         let eager = Lane::new(&m, b, ranks * b).unwrap();
         let lanes = [Lane::new(&m, b, ranks * b).unwrap(), Lane::new(&m, b, ranks * b).unwrap()];
-        let inputs: Vec<DeviceTensor> = (0..4)
-            .map(|i| {
-                g.backend().upload(&HostTensor::tokens(b, p.hidden, random_tokens(b, p.hidden, seed + i, r))).unwrap()
-            })
-            .collect();
+        let inputs = token_sets(g, &p, b, seed);
         let ctx = g.backend().context();
         // One lane, stream-ordered, one micro-batch after another (this also loads every kernel
         // the captures hold).
@@ -352,16 +363,7 @@ fn layers_captured_whole_are_bit_identical_to_the_stream_ordered_layer() {
         }
         (captured, serial)
     });
-    for (r, (captured, serial)) in outs.into_iter().enumerate() {
-        assert_eq!(captured.len(), iters);
-        for (i, (a, s)) in captured.iter().zip(&serial).enumerate() {
-            let diff = a.iter().zip(s).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
-            assert_eq!(
-                diff, 0,
-                "rank {r} micro-batch {i}: {diff} values differ between the layer graphs and the layer"
-            );
-        }
-    }
+    assert_bit_identical(outs, iters, "the layer graphs and the layer");
     eprintln!(
         "ok: {iters} micro-batches x {layers} layers on {ranks} rank(s): layers captured whole, two lanes interleaved, bit-identical to the stream-ordered layer"
     );
