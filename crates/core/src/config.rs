@@ -125,8 +125,10 @@ pub struct GroupConfig {
     /// Bounding it leaves the rest of the GPU to overlapped compute. `None`: low-latency kernels
     /// use as many as help; high-throughput kernels use 64 (32 channels of a sending and a
     /// receiving SM; rounded down to an even number, at most 256 and at most the SMs of the
-    /// group's smallest GPU). A GPU group whose ranks share a GPU takes `None` as
-    /// SMs / (2 x ranks on the busiest GPU), so that the ranks' kernels fit beside each other.
+    /// group's smallest GPU). A GPU group whose ranks share a GPU takes `None` as SMs /
+    /// ((buffer sets + 1) x ranks on the busiest GPU) when low-latency (each set may hold a
+    /// waiting receive), SMs / (2 x ranks on the busiest GPU) when high-throughput, so that
+    /// the ranks' kernels fit beside each other.
     pub max_sms: Option<usize>,
     /// Longest time any wait of an operation may take before it fails with
     /// [`crate::Error::Timeout`] and poisons the group (default 10 s).

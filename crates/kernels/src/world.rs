@@ -31,8 +31,10 @@ impl GpuWorld {
     /// devices must have peer access (NVLink). Give each rank to its own thread (or task).
     ///
     /// A device may be named twice (two ranks on one GPU: a functional setup for tests, over
-    /// NVLink only; with no `max_sms` set, each kernel then takes at most SMs / (2 x ranks on
-    /// the busiest GPU), so the ranks' kernels fit beside each other). Such ranks share the
+    /// NVLink only; with no `max_sms` set, each kernel then takes at most SMs / ((buffer sets
+    /// \+ 1) x ranks on the busiest GPU) for low-latency groups, SMs / (2 x ranks on the
+    /// busiest GPU) for high-throughput ones, so the ranks' kernels fit beside each other). Such
+    /// ranks share the
     /// device's CUDA context, where freeing device memory (`cuMemFree` of a large block, e.g.
     /// dropping a large [`DeviceTensor`](crate::device::DeviceTensor)) waits for every kernel on the
     /// device: if the other rank is inside a collective that waits for this one, both wait until
@@ -241,14 +243,20 @@ fn sharing_pair<T: PartialEq>(places: &[T]) -> Option<(usize, usize)> {
 }
 
 /// The configuration a group runs with when `ranks_per_gpu` ranks share a GPU of `sms` SMs and
-/// the caller set no `max_sms`: every kernel takes at most [`comm_sms`]`(sms, ranks_per_gpu, 1,
-/// sms)` SMs (two ranks on a 132-SM GPU: 33), so that one rank's receive, spinning for a peer on
-/// the same GPU, never holds every SM that peer's send still needs (a full-GPU grid on each rank
-/// hung the 4-ranks-on-2-GPUs rank-major test until its timeout, benches/NOTES.md item 122).
-/// Unchanged otherwise.
+/// the caller set no `max_sms`: every kernel takes at most [`comm_sms`]`(sms, ranks_per_gpu,
+/// lanes, sms)` SMs, so that the receives spinning for peers on the same GPU never hold every SM
+/// that a peer's send, or the work queued before it on its stream, still needs (a full-GPU grid
+/// on each rank hung the 4-ranks-on-2-GPUs rank-major test until its timeout, benches/NOTES.md
+/// item 122). `lanes`, the receives one rank may have waiting at once: a low-latency group's
+/// buffer sets (each set holds one operation of a channel in flight, and a pipeline runs one
+/// lane per set; two ranks, two sets, 132 SMs: 22 each), one for high-throughput groups. With
+/// one lane counted, two ranks' two lanes each held four receives of 33 SMs, all 132, and a
+/// router GEMM queued before a send never started (`gpu_layer`'s interleaved lanes with
+/// `EPFLOW_TEST_DEVICES=0,0`, 2026-12-06). Unchanged otherwise.
 fn bounded_for_shared_gpus(config: GroupConfig, ranks_per_gpu: usize, sms: usize) -> GroupConfig {
     if ranks_per_gpu > 1 && config.max_sms.is_none() {
-        let bound = comm_sms(sms, ranks_per_gpu, 1, sms);
+        let lanes = if config.algorithm == epflow_core::Algorithm::LowLatency { config.buffer_sets.max(1) } else { 1 };
+        let bound = comm_sms(sms, ranks_per_gpu, lanes, sms);
         config.with_max_sms(Some(bound))
     } else {
         config
@@ -372,8 +380,12 @@ mod tests {
         assert_eq!(ranks_on_busiest_gpu(&[0, 1, 1, 1]), 3);
         let ll = GroupConfig::low_latency(16, 32, 2048);
         assert_eq!(bounded_for_shared_gpus(ll.clone(), 1, 132).max_sms, None, "no GPU shared");
-        assert_eq!(bounded_for_shared_gpus(ll.clone(), 2, 132).max_sms, Some(33));
-        assert_eq!(bounded_for_shared_gpus(ll.clone(), 4, 132).max_sms, Some(16));
+        // Two buffer sets (the default): two receives per rank may wait at once, and a send.
+        assert_eq!(bounded_for_shared_gpus(ll.clone(), 2, 132).max_sms, Some(22));
+        assert_eq!(bounded_for_shared_gpus(ll.clone(), 4, 132).max_sms, Some(11));
+        assert_eq!(bounded_for_shared_gpus(ll.clone().with_buffer_sets(3), 2, 132).max_sms, Some(16));
+        let ht = GroupConfig::high_throughput(16, 2048);
+        assert_eq!(bounded_for_shared_gpus(ht, 2, 132).max_sms, Some(33), "high-throughput: one lane");
         let chosen = ll.with_max_sms(Some(20));
         assert_eq!(bounded_for_shared_gpus(chosen, 2, 132).max_sms, Some(20), "the caller's bound stays");
     }
