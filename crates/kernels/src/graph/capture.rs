@@ -57,6 +57,9 @@ pub struct GpuCapture<'r> {
     open: usize,
     /// The last complete half (or one-launch operation) captured: its channel and place.
     last: Option<(Channel, u64)>,
+    /// Whether an operation was captured as one cooperative kernel (both halves): then every
+    /// replay keeps to its channels' one-launch order ([`crate::state::shared::RankShared::last_launch`]).
+    pub(super) one_launched: bool,
 }
 
 /// Ends a capture however the closure leaves (error or panic), so the stream is usable after.
@@ -144,6 +147,7 @@ impl GpuRank {
             keep: Vec::new(),
             open: 0,
             last: None,
+            one_launched: false,
         };
         let recorded = f(&mut cap).and_then(|()| {
             if cap.open != 0 {
@@ -200,6 +204,7 @@ impl GpuCapture<'_> {
         let p = self.record_dispatch(h, inputs, opts)?;
         launch_ll_kernel(&self.rank.shared, LlKernel::DispatchOne, p, &self.stream)?;
         self.last = Some((Channel::Dispatch, p.seq));
+        self.one_launched = true;
         Ok(h.graph().ok_or_else(not_graph_handle)?.dispatched.clone())
     }
 
@@ -267,6 +272,7 @@ impl GpuCapture<'_> {
         let p = self.record_combine(h, inputs, opts)?;
         launch_ll_kernel(&self.rank.shared, LlKernel::CombineOne, p, &self.stream)?;
         self.last = Some((Channel::Combine, p.seq));
+        self.one_launched = true;
         Ok(h.graph().ok_or_else(not_graph_handle)?.combined.clone())
     }
 

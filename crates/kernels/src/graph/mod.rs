@@ -127,6 +127,9 @@ pub struct GpuStep {
     handles: Arc<[GpuHandle]>,
     _keep: Vec<DeviceTensor>,
     launches: Mutex<Launches>,
+    /// Whether the step holds a one-launch (cooperative) kernel: its replays then keep to their
+    /// channels' one-launch order.
+    one_launched: bool,
 }
 
 impl std::fmt::Debug for GpuStep {
@@ -154,6 +157,7 @@ impl GpuStep {
             handles: cap.handles.into(),
             _keep: cap.keep,
             launches: Mutex::default(),
+            one_launched: cap.one_launched,
         }
     }
 
@@ -284,19 +288,26 @@ impl StepBackend for GpuRank {
         let graph = step.graph.lock().unwrap_or_else(|e| e.into_inner());
         let bases = (self.core.take_seqs(Channel::Dispatch, n[0]), self.core.take_seqs(Channel::Combine, n[1]));
         let replay = launches.replays;
-        // The replay's kernels follow each channel's last one-launch (or high-throughput) kernel
-        // on the device, and become it (`RankShared::last_launch`): a one-launch grid of a
-        // channel never overlaps another of that channel, whatever streams they run on.
+        // A replay holding a one-launch kernel follows each channel's last one-launch (or
+        // high-throughput) kernel on the device, and becomes it (`RankShared::last_launch`): a
+        // one-launch grid of a channel never overlaps another of that channel, whatever streams
+        // they run on. A replay of send and receive halves only (as staged eager operations)
+        // overlaps them, and the replays of other steps (the lanes of a pipeline).
         let used: Vec<usize> =
             channels.iter().zip(&n).filter(|&(_, &count)| count > 0).map(|(c, _)| c.index()).collect();
+        let launch = || {
+            if launches.next != Some(bases) {
+                step.mem.enqueue_rebase(s, &step.stream, (bases.0, bases.1, replay))?;
+            }
+            graph.0.launch().map_err(|e| cuda("launch the step", e))?;
+            s.events.record(&step.stream).map_err(|e| cuda("record the replay", e))
+        };
         let launched = bind(&s.ctx).and_then(|()| {
-            in_channels_order(s, &used, &step.stream, "order after the channel's last one-launch kernel", || {
-                if launches.next != Some(bases) {
-                    step.mem.enqueue_rebase(s, &step.stream, (bases.0, bases.1, replay))?;
-                }
-                graph.0.launch().map_err(|e| cuda("launch the step", e))?;
-                s.events.record(&step.stream).map_err(|e| cuda("record the replay", e))
-            })
+            if step.one_launched {
+                in_channels_order(s, &used, &step.stream, "order after the channel's last one-launch kernel", launch)
+            } else {
+                launch()
+            }
         });
         // The numbers are taken: the turns pass on even if the launch failed (the group is
         // poisoned then, and later operations must not wait for these).

@@ -166,7 +166,8 @@ pub(crate) struct RankShared {
     /// each other), or a low-latency one-launch kernel (its cooperative grid, one block per SM,
     /// is sized to fit beside one grid of the other channel, not of its own). Such a kernel
     /// launched on another stream (a caller's, in stream order) waits for it; so does a
-    /// captured step's replay (`graph/`), as a whole, for each channel it uses, and becomes it.
+    /// captured step's replay (`graph/`) that holds a one-launch kernel, as a whole, for each
+    /// channel it uses, and becomes it (a replay of send and receive halves only does not).
     pub(crate) last_launch: [Mutex<Option<StreamFence>>; 3],
     /// Mark blocks of device-built high-throughput handles launched so far (the value the mark
     /// counter `mem.plan_marks` reaches once they ran); changed under the handle channel's

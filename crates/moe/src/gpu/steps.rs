@@ -166,7 +166,11 @@ impl Lane {
                     side_blas.gemm(&Gemm::plain(b, fs, h), sc.act.ptr(), down.ptr(), sc.y.ptr())?;
                     join.record(&side).map_err(|e| cuda("join the shared expert", e))?;
                 }
-                let d = cap.dispatch(&handle, DispatchInputs::new(&tokens), &DispatchOptions::default())?;
+                // Send and receive halves, not one cooperative kernel: a replay holding one waits
+                // for the channel's previous one-launch kernel (another lane's whole replay), and
+                // the lanes would not overlap.
+                let sent = cap.dispatch_send(&handle, DispatchInputs::new(&tokens), &DispatchOptions::default())?;
+                let d = cap.complete_dispatch(sent)?;
                 let counts = d.counts.as_ref().ok_or_else(|| {
                     Error::Unsupported("capture_layers: the dispatch returned no device counts".into())
                 })?;
@@ -179,7 +183,8 @@ impl Lane {
                 model.kernels.swiglu(&s, self.gu.ptr(), self.act.ptr(), Some(counts.ptr()), local, c, f)?;
                 main_blas.gemm(&Gemm::per_expert(local, c, f, h), self.act.ptr(), w.down.ptr(), self.y.ptr())?;
                 let inputs = CombineInputs::new(&self.y).with_weights(&self.topk_weights);
-                let y = cap.combine(&handle, inputs, &CombineOptions::default())?;
+                let sent = cap.combine_send(&handle, inputs, &CombineOptions::default())?;
+                let y = cap.complete_combine(sent)?;
                 if let Some((sc, _)) = shared {
                     s.wait(&join).map_err(|e| cuda("join the shared expert", e))?;
                     model.kernels.add(&s, y.ptr(), sc.y.ptr(), output.ptr(), (b * h) as u64)?;
