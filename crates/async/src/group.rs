@@ -431,13 +431,14 @@ impl<B: Backend, T> OpFuture<B, T> {
     /// Runs the whole operation in `stream`'s order (the synchronous form without the host
     /// wait): resolves once it is enqueued, with the outputs (usable by work enqueued on
     /// `stream` from now on) and a [`Completion`] with its verdict (a failure poisons the
-    /// group, but for [`epflow_core::Error::RankMasked`]). The operation runs on its own stream, `stream` waits for it
-    /// ([`StreamOrder::Ordered`]); ordered with [`OpFuture::after`] on the same stream, a
-    /// high-throughput kernel runs on `stream` itself. On the GPU backend both algorithms
-    /// complete this way without the host, a low-latency operation sending and receiving in one
-    /// launch where the rank allows it; operations a backend cannot order on the device resolve
-    /// once the host saw them finish, with `stream` ordered after them. For low-latency receive
-    /// placement choices, use [`OpFuture::send_only`] and [`Staged::complete_with`].
+    /// group, but for [`epflow_core::Error::RankMasked`]). The operation runs on its own
+    /// stream, `stream` waits for it ([`StreamOrder::Ordered`]); ordered with
+    /// [`OpFuture::after`] on the same stream, a high-throughput kernel runs on `stream` itself.
+    /// On the GPU backend both algorithms complete this way without the host, a low-latency
+    /// operation sending and receiving in one launch where the rank allows it; operations a
+    /// backend cannot order on the device resolve once the host saw them finish, with `stream`
+    /// ordered after them. For low-latency receive placement choices, use
+    /// [`OpFuture::send_only`] and [`Staged::complete_with`].
     pub fn complete_on(self, stream: &B::Stream) -> CompleteOn<'_, B, T> {
         CompleteOn { driver: self.driver, extract: self.extract, stream, order: StreamOrder::Ordered }
     }
