@@ -751,6 +751,7 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
             );
         }
         if let Some(n) = f.layer_graph_checked {
+            layer_graph_checked = Some(layer_graph_checked.unwrap_or(0) + n);
             println!(
                 "  batch {batch}: {n} micro-batch outputs with {lanes_n} in flight, layer graphs, bit-identical to serial"
             );
@@ -784,8 +785,6 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
         points.extend(f.points);
         layer_graph_points.extend(f.layer_graph_points);
         layer_graph_errors.extend(f.layer_graph_error);
-        layer_graph_checked =
-            f.layer_graph_checked.map(|n| layer_graph_checked.unwrap_or(0) + n).or(layer_graph_checked);
         gemms.extend(f.gemm);
     }
     let crossover = crossover(&points);

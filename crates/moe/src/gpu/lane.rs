@@ -64,8 +64,8 @@ pub struct LayerStep {
 /// `[B x H]`.
 #[derive(Debug)]
 pub(super) struct SharedScratch {
-    pub(super) gu: DeviceTensor,
-    pub(super) act: DeviceTensor,
+    gu: DeviceTensor,
+    act: DeviceTensor,
     pub(super) y: DeviceTensor,
 }
 
@@ -80,14 +80,14 @@ pub struct Lane {
     blas: Blas,
     side_blas: Blas,
     tokens: usize,
-    pub(super) rows_per_expert: usize,
-    pub(super) attention: Vec<DeviceTensor>,
+    rows_per_expert: usize,
+    attention: Vec<DeviceTensor>,
     logits: DeviceTensor,
     pub(super) topk_idx: DeviceTensor,
     pub(super) topk_weights: DeviceTensor,
     pub(super) shared: Option<SharedScratch>,
-    pub(super) gu: DeviceTensor,
-    pub(super) act: DeviceTensor,
+    gu: DeviceTensor,
+    act: DeviceTensor,
     pub(super) y: DeviceTensor,
     pub(super) out: DeviceTensor,
     shared_done: Mutex<Option<Arc<CudaEvent>>>,
@@ -326,34 +326,18 @@ impl Lane {
                 .get(layer)
                 .ok_or_else(|| Error::Unsupported(format!("layer {layer}: the model holds {}", model.layers.len())))?;
             self.layers.fetch_add(1, Ordering::Relaxed);
-            let p = &model.preset;
-            let (b, h) = (self.tokens, p.hidden);
             self.wait_ready(x)?;
             // The attention stand-in's last output, or the input itself, is what is routed,
             // dispatched and given to the shared expert.
-            let tokens = self.attention.last().cloned().unwrap_or_else(|| x.clone());
+            let tokens = self.routed_tokens(x);
             let key = Key { part: 0, layer, inputs: (x.ptr(), 0) };
-            self.run(false, key, |stream, blas| {
-                // Attention stand-in: GEMM j reads the first k_j columns of the previous output.
-                let (mut input, mut ld) = (x.ptr(), h);
-                for (wt, (out, &(kj, nj))) in w.attention.iter().zip(self.attention.iter().zip(p.attention)) {
-                    let g = Gemm { ldx: ld, ..Gemm::plain(b, kj, nj) };
-                    blas.gemm(&g, input, wt.ptr(), out.ptr())?;
-                    (input, ld) = (out.ptr(), nj);
-                }
-                self.route(model, w, stream, blas, tokens.ptr())
-            })?;
+            self.run(false, key, |stream, blas| self.enqueue_router(model, w, x, stream, blas))?;
             // Shared expert on the side stream, overlapping the dispatch.
-            if let (Some(s), Some((gu, down))) = (&self.shared, &w.shared) {
-                let fs = p.shared_ffn;
+            if self.shared.is_some() && w.shared.is_some() {
                 self.fork.record(&self.stream).map_err(|x| cuda("record event", x))?;
                 self.side.wait(&self.fork).map_err(|x| cuda("wait for event", x))?;
                 let key = Key { part: 1, layer, inputs: (tokens.ptr(), 0) };
-                self.run(true, key, |stream, blas| {
-                    blas.gemm(&Gemm::plain(b, h, 2 * fs), tokens.ptr(), gu.ptr(), s.gu.ptr())?;
-                    model.kernels.swiglu(stream, s.gu.ptr(), s.act.ptr(), None, 1, b, fs)?;
-                    blas.gemm(&Gemm::plain(b, fs, h), s.act.ptr(), down.ptr(), s.y.ptr())
-                })?;
+                self.run(true, key, |stream, blas| self.enqueue_shared_expert(model, w, &tokens, stream, blas))?;
                 self.join.record(&self.side).map_err(|x| cuda("record event", x))?;
                 *self.shared_done.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&self.join));
             }
@@ -388,8 +372,7 @@ impl Lane {
                 Error::Unsupported(format!("layer {layer}: the model holds {}", model.layers.len()))
             })?;
             let p = &model.preset;
-            let (h, f) = (p.hidden, p.expert_ffn);
-            let local = p.num_experts / model.ranks;
+            let (h, local) = (p.hidden, p.num_experts / model.ranks);
             if x.desc().dtype != DType::Bf16 || x.desc().shape != [local, self.rows_per_expert, h] {
                 return Err(Error::Unsupported(format!(
                     "experts: BF16 inputs [{local} x {} x {h}] expected (an expert-major low-latency group), got {:?} {:?}",
@@ -406,12 +389,8 @@ impl Lane {
                 )));
             }
             self.wait_ready(x)?;
-            let c = self.rows_per_expert;
-            self.run(false, Key { part: 2, layer, inputs: (x.ptr(), counts.ptr()) }, |stream, blas| {
-                blas.gemm(&Gemm::per_expert(local, c, h, 2 * f), x.ptr(), w.gate_up.ptr(), self.gu.ptr())?;
-                model.kernels.swiglu(stream, self.gu.ptr(), self.act.ptr(), Some(counts.ptr()), local, c, f)?;
-                blas.gemm(&Gemm::per_expert(local, c, f, h), self.act.ptr(), w.down.ptr(), self.y.ptr())
-            })?;
+            let key = Key { part: 2, layer, inputs: (x.ptr(), counts.ptr()) };
+            self.run(false, key, |stream, blas| self.enqueue_experts(model, w, x, counts, stream, blas))?;
             Ok(self.y.clone())
         })
     }
@@ -491,17 +470,72 @@ impl Lane {
         self.experts_on(model, layer, expert_in, counts).map(drop)
     }
 
-    /// The router of `w` on `tokens` (`[B x H]` BF16 at that address), enqueued on `stream`
-    /// with `blas`: the gate GEMM into the lane's FP32 logits, then the top-k kernel into its
-    /// `topk_idx` and `topk_weights`.
-    pub(super) fn route(
+    /// What layer input `x` routes, dispatches and gives the shared expert: the attention
+    /// stand-in's last output, or `x` itself without one.
+    pub(super) fn routed_tokens(&self, x: &DeviceTensor) -> DeviceTensor {
+        self.attention.last().cloned().unwrap_or_else(|| x.clone())
+    }
+
+    /// The part of layer `w` before its dispatch that reads `x` (`[B x H]`), enqueued on
+    /// `stream` with `blas`: the attention stand-in (GEMM j reads the first k_j columns of the
+    /// previous output), then the router on [`Lane::routed_tokens`].
+    pub(super) fn enqueue_router(
         &self,
         model: &GpuMoeModel,
         w: &DeviceLayer,
+        x: &DeviceTensor,
         stream: &CudaStream,
         blas: &Blas,
-        tokens: u64,
     ) -> Result<()> {
+        let p = &model.preset;
+        let (mut input, mut ld) = (x.ptr(), p.hidden);
+        for (wt, (out, &(kj, nj))) in w.attention.iter().zip(self.attention.iter().zip(p.attention)) {
+            blas.gemm(&Gemm { ldx: ld, ..Gemm::plain(self.tokens, kj, nj) }, input, wt.ptr(), out.ptr())?;
+            (input, ld) = (out.ptr(), nj);
+        }
+        self.route(model, w, stream, blas, self.routed_tokens(x).ptr())
+    }
+
+    /// The shared expert of `w` on `tokens` (`[B x H]`) into the lane's shared scratch, enqueued
+    /// on `stream` with `blas`: `gate_up`, SwiGLU, `down`. Nothing without a shared expert.
+    pub(super) fn enqueue_shared_expert(
+        &self,
+        model: &GpuMoeModel,
+        w: &DeviceLayer,
+        tokens: &DeviceTensor,
+        stream: &CudaStream,
+        blas: &Blas,
+    ) -> Result<()> {
+        let (Some(s), Some((gu, down))) = (&self.shared, &w.shared) else { return Ok(()) };
+        let (b, h, fs) = (self.tokens, model.preset.hidden, model.preset.shared_ffn);
+        blas.gemm(&Gemm::plain(b, h, 2 * fs), tokens.ptr(), gu.ptr(), s.gu.ptr())?;
+        model.kernels.swiglu(stream, s.gu.ptr(), s.act.ptr(), None, 1, b, fs)?;
+        blas.gemm(&Gemm::plain(b, fs, h), s.act.ptr(), down.ptr(), s.y.ptr())
+    }
+
+    /// The padded experts of `w` on expert inputs `x` (`[L x R*M x H]`) and device `counts`
+    /// (`[L]`) into the lane's expert output (`[L x R*M x H]`), enqueued on `stream` with `blas`:
+    /// `gate_up` as one strided-batched GEMM, SwiGLU for the rows each expert received, `down`.
+    pub(super) fn enqueue_experts(
+        &self,
+        model: &GpuMoeModel,
+        w: &DeviceLayer,
+        x: &DeviceTensor,
+        counts: &DeviceTensor,
+        stream: &CudaStream,
+        blas: &Blas,
+    ) -> Result<()> {
+        let p = &model.preset;
+        let (h, f, local, c) = (p.hidden, p.expert_ffn, p.num_experts / model.ranks, self.rows_per_expert);
+        blas.gemm(&Gemm::per_expert(local, c, h, 2 * f), x.ptr(), w.gate_up.ptr(), self.gu.ptr())?;
+        model.kernels.swiglu(stream, self.gu.ptr(), self.act.ptr(), Some(counts.ptr()), local, c, f)?;
+        blas.gemm(&Gemm::per_expert(local, c, f, h), self.act.ptr(), w.down.ptr(), self.y.ptr())
+    }
+
+    /// The router of `w` on `tokens` (`[B x H]` BF16 at that address), enqueued on `stream`
+    /// with `blas`: the gate GEMM into the lane's FP32 logits, then the top-k kernel into its
+    /// `topk_idx` and `topk_weights`.
+    fn route(&self, model: &GpuMoeModel, w: &DeviceLayer, stream: &CudaStream, blas: &Blas, tokens: u64) -> Result<()> {
         let p = &model.preset;
         let (b, h, e) = (self.tokens, p.hidden, p.num_experts);
         blas.gemm(&Gemm { fp32_out: true, ..Gemm::plain(b, h, e) }, tokens, w.gate.ptr(), self.logits.ptr())?;

@@ -17,7 +17,7 @@ use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOp
 use epflow_core::{DType, Error, Result};
 use epflow_kernels::{DeviceTensor, GpuHandle, GpuRank, GpuStep};
 
-use super::blas::{Blas, Gemm, WORKSPACE_BYTES};
+use super::blas::{Blas, WORKSPACE_BYTES};
 use super::cuda;
 use super::lane::Lane;
 use super::model::GpuMoeModel;
@@ -136,10 +136,7 @@ impl Lane {
         let (main_blas, side_blas) = (Blas::new(&stream, model.device)?, Blas::new(&side, model.device)?);
         let fork = ctx.new_event(None).map_err(|x| cuda("create event", x))?;
         let join = ctx.new_event(None).map_err(|x| cuda("create event", x))?;
-        let p = &model.preset;
-        let (b, h, f) = (self.tokens(), p.hidden, p.expert_ffn);
-        let local = p.num_experts / model.ranks;
-        let c = self.rows_per_expert;
+        let (b, h) = (self.tokens(), model.preset.hidden);
         let input = DeviceTensor::zeros(ctx, model.device, self.out.desc().clone())?;
         let (mut steps, mut handles) = (Vec::with_capacity(layers), Vec::with_capacity(layers));
         let mut x = input.clone();
@@ -149,21 +146,13 @@ impl Lane {
             let output = if self.shared.is_some() { self.out.clone() } else { combined.clone() };
             let step = rank.capture(&stream, |cap| {
                 let s = cap.stream().clone();
-                let tokens = self.attention.last().cloned().unwrap_or_else(|| x.clone());
-                let (mut input, mut ld) = (x.ptr(), h);
-                for (wt, (out, &(kj, nj))) in w.attention.iter().zip(self.attention.iter().zip(p.attention)) {
-                    main_blas.gemm(&Gemm { ldx: ld, ..Gemm::plain(b, kj, nj) }, input, wt.ptr(), out.ptr())?;
-                    (input, ld) = (out.ptr(), nj);
-                }
-                self.route(model, w, &s, &main_blas, tokens.ptr())?;
-                let shared = self.shared.as_ref().zip(w.shared.as_ref());
-                if let Some((sc, (gu, down))) = shared {
-                    let fs = p.shared_ffn;
+                let tokens = self.routed_tokens(&x);
+                self.enqueue_router(model, w, &x, &s, &main_blas)?;
+                let shared = self.shared.as_ref().filter(|_| w.shared.is_some());
+                if shared.is_some() {
                     fork.record(&s).map_err(|e| cuda("fork the shared expert", e))?;
                     side.wait(&fork).map_err(|e| cuda("fork the shared expert", e))?;
-                    side_blas.gemm(&Gemm::plain(b, h, 2 * fs), tokens.ptr(), gu.ptr(), sc.gu.ptr())?;
-                    model.kernels.swiglu(&side, sc.gu.ptr(), sc.act.ptr(), None, 1, b, fs)?;
-                    side_blas.gemm(&Gemm::plain(b, fs, h), sc.act.ptr(), down.ptr(), sc.y.ptr())?;
+                    self.enqueue_shared_expert(model, w, &tokens, &side, &side_blas)?;
                     join.record(&side).map_err(|e| cuda("join the shared expert", e))?;
                 }
                 // Send and receive halves, not one cooperative kernel: a replay holding one waits
@@ -174,18 +163,11 @@ impl Lane {
                 let counts = d.counts.as_ref().ok_or_else(|| {
                     Error::Unsupported("capture_layers: the dispatch returned no device counts".into())
                 })?;
-                main_blas.gemm(
-                    &Gemm::per_expert(local, c, h, 2 * f),
-                    d.tokens.ptr(),
-                    w.gate_up.ptr(),
-                    self.gu.ptr(),
-                )?;
-                model.kernels.swiglu(&s, self.gu.ptr(), self.act.ptr(), Some(counts.ptr()), local, c, f)?;
-                main_blas.gemm(&Gemm::per_expert(local, c, f, h), self.act.ptr(), w.down.ptr(), self.y.ptr())?;
+                self.enqueue_experts(model, w, &d.tokens, counts, &s, &main_blas)?;
                 let inputs = CombineInputs::new(&self.y).with_weights(&self.topk_weights);
                 let sent = cap.combine_send(&handle, inputs, &CombineOptions::default())?;
                 let y = cap.complete_combine(sent)?;
-                if let Some((sc, _)) = shared {
+                if let Some(sc) = shared {
                     s.wait(&join).map_err(|e| cuda("join the shared expert", e))?;
                     model.kernels.add(&s, y.ptr(), sc.y.ptr(), output.ptr(), (b * h) as u64)?;
                 }
