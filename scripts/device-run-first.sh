@@ -44,14 +44,16 @@ bounded() {
     timeout $((want < l ? want : l)) "$@"
 }
 step() { echo "== $* ($((SECONDS - T0)) s)"; }
+# The MoE layer's GPU tests with ranks on devices $1 (e.g. 0, or 0,0), for at most $2 seconds.
+layer_tests() {
+    step "gpu_layer, devices $1"
+    EPFLOW_TEST_DEVICES=$1 EPFLOW_GPU_ITERS=30 bounded "$2" $P/gpu_layer --test-threads=1 --nocapture >"$OUT/gpu_layer-$1.log" 2>&1
+    echo "rc=$? $(grep -E '^test result' "$OUT/gpu_layer-$1.log")"
+    grep -E "panicked|called .Result" "$OUT/gpu_layer-$1.log" | head -4
+}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
-for d in 0; do
-    step "gpu_layer, devices $d"
-    EPFLOW_TEST_DEVICES=$d EPFLOW_GPU_ITERS=30 bounded 45 $P/gpu_layer --test-threads=1 --nocapture >"$OUT/gpu_layer-$d.log" 2>&1
-    echo "rc=$? $(grep -E '^test result' "$OUT/gpu_layer-$d.log")"
-    grep -E "panicked|called .Result" "$OUT/gpu_layer-$d.log" | head -4
-done
+layer_tests 0 45
 
 step "late masked peer, two ranks on GPU 0"
 EPFLOW_TEST_DEVICES=0,0 bounded 40 $P/gpu_stream_order --test-threads=1 --nocapture a_late_masked_peer \
@@ -76,12 +78,7 @@ EPFLOW_LIB=$P/nccl-ep/libnccl_ep.so PYTHONUNBUFFERED=1 bounded 60 python3 python
     >"$OUT/python.log" 2>&1
 echo "rc=$? $(tail -1 "$OUT/python.log")"
 
-for d in 0,0; do
-    step "gpu_layer, devices $d"
-    EPFLOW_TEST_DEVICES=$d EPFLOW_GPU_ITERS=30 bounded 60 $P/gpu_layer --test-threads=1 --nocapture >"$OUT/gpu_layer-$d.log" 2>&1
-    echo "rc=$? $(grep -E '^test result' "$OUT/gpu_layer-$d.log")"
-    grep -E "panicked|called .Result" "$OUT/gpu_layer-$d.log" | head -4
-done
+layer_tests 0,0 60
 
 step "suites, two ranks on GPU 0, CPU stressor"
 l=$(left)
