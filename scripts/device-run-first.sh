@@ -8,14 +8,13 @@
 #   scripts/device-run-first.sh            # then: tar xzf .../first.tgz
 #
 # In order of value (a short call still brings the first ones back):
-# 1. the MoE layer's GPU tests on one rank;
-# 2. the late masked peer in stream order (two ranks on GPU 0);
-# 3. the decode sweep at 8, 64 and 512 tokens, stream-ordered and with layers captured whole
+# 1. the decode sweep at 8, 64 and 512 tokens, stream-ordered and with layers captured whole
 #    (`--layer-graphs`), both checked bit-identical to serial;
-# 4. `moe_serving --model qwen3-30b-a3b` prefill at 1024 and 4096 tokens per rank, 1-3 in flight;
-# 5. the `nccl_ep` Python package's round trip (needs PyTorch only for its last case);
-# 6. the MoE layer's GPU tests with two ranks sharing GPU 0, then the GPU suites with two ranks
-#    on GPU 0 under a CPU stressor, one round (issue 70);
+# 2. the MoE layer's GPU tests with two ranks sharing GPU 0, then on one rank;
+# 3. the late masked peer in stream order (two ranks on GPU 0);
+# 4. the `nccl_ep` Python package's round trip (needs PyTorch only for its last case);
+# 5. `moe_serving --model qwen3-30b-a3b` prefill at 1024 and 4096 tokens per rank, 1-3 in flight;
+# 6. the GPU suites with two ranks on GPU 0 under a CPU stressor, one round (issue 70);
 # 7. `epflow bench --validate` against a baseline build in .device-pack/base/epflow, if present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +52,14 @@ layer_tests() {
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
+step "moe_serving decode sweep"
+bounded 150 $P/moe_serving --model qwen3-30b-a3b --layers 8 --micro-batches 1,2,3 --sweep-batch 8,64,512 \
+    --steps 32 --check --layer-graphs --json "$OUT/qwen3-decode.json" >"$OUT/qwen3-decode.log" 2>&1
+echo "rc=$?"
+grep -v '^\[' "$OUT/qwen3-decode.log" | grep -E "in flight|crossover|error|identical" | sed -E 's/comm [^;]*; //; s/latency [^;]*; //' | cut -c1-300 | tail -24
+
+layer_tests 0,0 60
+
 layer_tests 0 45
 
 step "late masked peer, two ranks on GPU 0"
@@ -61,24 +68,16 @@ EPFLOW_TEST_DEVICES=0,0 bounded 40 $P/gpu_stream_order --test-threads=1 --nocapt
 echo "rc=$? $(grep -E '^test result|late masked peer' "$OUT/late-masked-peer.log" | tr '\n' ' ')"
 grep -E "panicked|assert" "$OUT/late-masked-peer.log" | head -4
 
-step "moe_serving decode sweep"
-bounded 150 $P/moe_serving --model qwen3-30b-a3b --layers 8 --micro-batches 1,2,3 --sweep-batch 8,64,512 \
-    --steps 32 --check --layer-graphs --json "$OUT/qwen3-decode.json" >"$OUT/qwen3-decode.log" 2>&1
-echo "rc=$?"
-grep -v '^\[' "$OUT/qwen3-decode.log" | grep -E "in flight|crossover|error|identical" | sed -E 's/comm [^;]*; //; s/latency [^;]*; //' | cut -c1-300 | tail -24
+step "python round trip"
+EPFLOW_LIB=$P/nccl-ep/libnccl_ep.so PYTHONUNBUFFERED=1 bounded 60 python3 python/tests/gpu_roundtrip.py --require-gpu \
+    >"$OUT/python.log" 2>&1
+echo "rc=$? $(tail -1 "$OUT/python.log")"
 
 step "moe_serving prefill"
 bounded 90 $P/moe_serving --model qwen3-30b-a3b --layers 8 --micro-batches 1,2,3 --prefill-tokens 1024,4096 \
     --steps 8 --check --json "$OUT/qwen3-prefill.json" >"$OUT/qwen3-prefill.log" 2>&1
 echo "rc=$?"
 grep -v '^\[' "$OUT/qwen3-prefill.log" | grep -E "tokens|error|unsupported|identical" | tail -12
-
-step "python round trip"
-EPFLOW_LIB=$P/nccl-ep/libnccl_ep.so PYTHONUNBUFFERED=1 bounded 60 python3 python/tests/gpu_roundtrip.py --require-gpu \
-    >"$OUT/python.log" 2>&1
-echo "rc=$? $(tail -1 "$OUT/python.log")"
-
-layer_tests 0,0 60
 
 step "suites, two ranks on GPU 0, CPU stressor"
 l=$(left)

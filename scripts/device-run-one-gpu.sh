@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs on a one-GPU machine (nvidia-h100-x1 or nvidia-h200) from the repository root, after
 # scripts/device-pack.sh here: every GPU test suite with two ranks sharing GPU 0
-# (EPFLOW_TEST_DEVICES=0,0; the one-rank tests run on GPU 0 alone), ROUNDS times in a row (default
-# 3), while a CPU stressor keeps every core busy (STRESS=0 turns it off). Logs go to $OUT; one
-# line per suite and round, then "N passed, N failed" over all of them.
+# (EPFLOW_TEST_DEVICES=0,0; tests written for another number of devices skip, saying so),
+# ROUNDS times in a row (default 3), while a CPU stressor keeps every core busy (STRESS=0 turns
+# it off). Logs go to $OUT; one line per suite and round, then "N passed, N failed" over all of
+# them.
 #
 #   scripts/device-run-one-gpu.sh [ROUNDS] [SUITE ...]
 #
@@ -15,7 +16,7 @@ rounds=${1:-3}
 shift || true
 suites=("$@")
 if [ ${#suites[@]} -eq 0 ]; then
-  suites=(epflow_kernels gpu_ll gpu_rank_major gpu_graph gpu_disagreement gpu_ht gpu_stream_order gpu_masking gpu_async)
+  suites=(epflow_kernels gpu_ll gpu_rank_major gpu_graph gpu_disagreement gpu_ht gpu_stream_order gpu_masking gpu_async gpu_layer)
 fi
 export EPFLOW_TEST_DEVICES=0,0 EPFLOW_GPU_ITERS=${EPFLOW_GPU_ITERS:-300}
 echo "== $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), ranks on devices $EPFLOW_TEST_DEVICES," \
