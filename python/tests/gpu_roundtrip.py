@@ -15,6 +15,9 @@ Python from fresh random inputs (the seed is printed; ``--seed`` replays one):
   the combine of caller-reduced rows;
 - high-throughput, flat: the receive count from ``recv_total_counter``, rows, weights and ids
   (and the unused rows marked -1/0), the combine;
+- low-latency rank-major and high-throughput flat again with API v2's GLOBAL expert ids (on one
+  rank the same values as local ones: the call path is checked here, the offsets by the Rust
+  GPU test ``global_expert_ids_gain_the_rank_offset_on_live_rows_only``);
 - with PyTorch importable, the expert-major round trip again through ``nccl_ep.torch_ep``.
 
 Without a GPU (no ``libcuda.so.1`` or no device) it prints ``SKIPPED`` and exits 0 (exit 2
@@ -289,7 +292,17 @@ def low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged, idx32=Fals
         lib.ncclEpGroupDestroy(group)
 
 
-def low_latency_rank_major(lib, comm, cuda, stream, p, chk):
+def dispatch_info(global_ids, **counters):
+    """The dispatch's layout info: API v1's, or with ``global_ids`` API v2's asking for GLOBAL
+    expert ids (``rank * L + local``; one rank here, so the same values as LOCAL: this checks
+    the call path, the ids' offsets are checked by the Rust GPU test
+    ``global_expert_ids_gain_the_rank_offset_on_live_rows_only``)."""
+    if global_ids:
+        return nccl_ep.ncclEpLayoutInfo_v2_t(recv_topk_idx_kind=nccl_ep.NCCL_EP_EXPERT_ID_GLOBAL, **counters)
+    return nccl_ep.ncclEpLayoutInfo_t(**counters) if counters else None
+
+
+def low_latency_rank_major(lib, comm, cuda, stream, p, chk, global_ids=False):
     E, M, H, K = p.E, p.M, p.H, p.K
     R = 1
     cfg = nccl_ep.ncclEpGroupConfig_t(
@@ -314,7 +327,7 @@ def low_latency_rank_major(lib, comm, cuda, stream, p, chk):
                 topk_weights=desc(rw_d, ncclFloat32, (R, M, K)),
                 topk_idx=desc(ri_d, ncclInt32, (R, M, K)),
             )
-            info = nccl_ep.ncclEpLayoutInfo_t(src_rank_counters=desc(cnt_d, ncclInt32, (R,)))
+            info = dispatch_info(global_ids, src_rank_counters=desc(cnt_d, ncclInt32, (R,)))
             lib.ncclEpDispatch(handle, din, dout, info, None, stream)
             cuda.sync(stream)
             n = cuda.download(cnt_d, "i", R)[0]
@@ -361,7 +374,7 @@ def low_latency_rank_major(lib, comm, cuda, stream, p, chk):
         lib.ncclEpGroupDestroy(group)
 
 
-def high_throughput_flat(lib, comm, cuda, stream, p, chk):
+def high_throughput_flat(lib, comm, cuda, stream, p, chk, global_ids=False):
     E, M, H, K = p.E, p.M, p.H, p.K
     R = 1
     cfg = nccl_ep.ncclEpGroupConfig_t(
@@ -396,7 +409,7 @@ def high_throughput_flat(lib, comm, cuda, stream, p, chk):
                 topk_weights=desc(rw_d, ncclFloat32, (slots, K)),
                 topk_idx=desc(ri_d, ncclInt64, (slots, K)),
             )
-            lib.ncclEpDispatch(handle, din, dout, None, None, stream)
+            lib.ncclEpDispatch(handle, din, dout, dispatch_info(global_ids), None, stream)
             cuda.sync(stream)
             recv = rows(cuda.download(recv_d, "H", slots * H), slots, H)
             rw = rows(cuda.download(rw_d, "f", slots * K), slots, K)
@@ -506,6 +519,11 @@ def main():
         ),
         ("LL rank-major", lambda p: low_latency_rank_major(lib, comm, cuda, stream, p, chk)),
         ("HT flat", lambda p: high_throughput_flat(lib, comm, cuda, stream, p, chk)),
+        (
+            "LL rank-major, GLOBAL expert ids (API v2)",
+            lambda p: low_latency_rank_major(lib, comm, cuda, stream, p, chk, global_ids=True),
+        ),
+        ("HT flat, GLOBAL expert ids (API v2)", lambda p: high_throughput_flat(lib, comm, cuda, stream, p, chk, global_ids=True)),
     ]
     try:
         import torch  # noqa: F401

@@ -670,3 +670,73 @@ fn rank_major_one_process_per_gpu() {
         eprintln!("ok: rank {} of {n}, one process per GPU, rank-major H={hidden} E={experts} {dtype:?}", env.rank);
     }
 }
+
+/// `GpuRank::globalize_expert_ids_on` (NCCL EP API v2's `recv_topk_idx_kind` GLOBAL) against a
+/// CPU reference, on every rank of the two-GPU handle group (two ranks on one GPU with
+/// `EPFLOW_TEST_DEVICES=0,0`): random int32 and int64 ids with `-1`s, in rank-major blocks of
+/// `M` rows per source with random per-source counts (rows past a count keep their stale values)
+/// and with no counts (every row live); each rank's offset is its rank times 8 plus 3.
+#[test]
+fn global_expert_ids_gain_the_rank_offset_on_live_rows_only() {
+    use epflow_core::tensor::{HostData, TensorTag};
+    let Some((ranks, _, base)) = handle_world("global_expert_ids_gain_the_rank_offset_on_live_rows_only") else {
+        return;
+    };
+    on_ranks(&ranks, |rank| {
+        let r = rank.rank();
+        let mut rng = base.wrapping_add(r as u64 * 0x9E37_79B9) | 1;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let stream = rank.context().new_stream().expect("stream");
+        let (sources, m, k) = (4usize, 37usize, 8usize);
+        let rows = sources * m;
+        let offset = (r * 8 + 3) as i64;
+        for wide in [false, true] {
+            for with_counts in [true, false] {
+                let ids: Vec<i64> =
+                    (0..rows * k).map(|_| if next() % 4 == 0 { -1 } else { (next() % 16) as i64 }).collect();
+                let counts: Vec<i32> = (0..sources).map(|_| (next() % (m as u64 + 1)) as i32).collect();
+                let data = if wide {
+                    HostData::I64(ids.clone())
+                } else {
+                    HostData::I32(ids.iter().map(|&v| v as i32).collect())
+                };
+                let dev = rank.upload(&HostTensor::new(TensorTag::TopkIdx, &[rows, k], data)).expect("upload");
+                let c = rank
+                    .upload(&HostTensor::new(
+                        TensorTag::RecvExpertCountsDevice,
+                        &[sources],
+                        HostData::I32(counts.clone()),
+                    ))
+                    .expect("upload");
+                let counted = with_counts.then_some((&c, m));
+                rank.globalize_expert_ids_on(&stream, &dev, counted, offset).expect("globalize");
+                stream.synchronize().expect("sync");
+                let host = dev.download(rank.context()).expect("download");
+                let got: Vec<i64> = match (host.as_i64(), host.as_i32()) {
+                    (Some(v), _) => v.to_vec(),
+                    (_, Some(v)) => v.iter().map(|&x| i64::from(x)).collect(),
+                    _ => panic!("ids came back as {:?}", host.desc().dtype),
+                };
+                for (i, (&g, &v)) in got.iter().zip(&ids).enumerate() {
+                    let row = i / k;
+                    let live = !with_counts || (row % m) < counts[row / m] as usize;
+                    let want = if live && v >= 0 { v + offset } else { v };
+                    assert_eq!(g, want, "rank {r} wide={wide} counts={with_counts} entry {i} (row {row}), seed {base}");
+                }
+            }
+        }
+        // Refused: a float tensor, and counts that do not cover the rows.
+        let w = rank.upload(&HostTensor::new(TensorTag::TopkWeights, &[2, 2], HostData::F32(vec![0.0; 4]))).unwrap();
+        assert!(rank.globalize_expert_ids_on(&stream, &w, None, 1).is_err());
+        let ids = rank.upload(&HostTensor::topk_idx(6, 2, vec![0; 12])).unwrap();
+        let c =
+            rank.upload(&HostTensor::new(TensorTag::RecvExpertCountsDevice, &[4], HostData::I32(vec![1; 4]))).unwrap();
+        assert!(rank.globalize_expert_ids_on(&stream, &ids, Some((&c, 2)), 1).is_err(), "4 sources x 2 rows != 6");
+    });
+    eprintln!("ok: global expert ids, {} ranks", ranks.len());
+}

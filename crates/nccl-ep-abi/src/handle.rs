@@ -24,6 +24,7 @@ use nccl_ep_sys as ep;
 
 use crate::check::{self, Tensor};
 use crate::group::Group;
+use crate::ids::Globalize;
 use crate::status::{Fail, Res};
 
 /// What `ncclEpHandleMemSize` reports: epflow does not place routing state in caller memory.
@@ -40,7 +41,15 @@ pub(crate) struct Handle {
     /// until the next `ncclEpUpdateHandle` or the handle's end.
     widened: Mutex<Option<DeviceTensor>>,
     /// A `send_only` operation waiting for `ncclEpComplete`.
-    pub(crate) staged: Mutex<Option<GpuOp>>,
+    pub(crate) staged: Mutex<Option<Staged>>,
+}
+
+/// A `send_only` dispatch or combine waiting for `ncclEpComplete`, and what follows its receive.
+pub(crate) struct Staged {
+    /// The operation.
+    pub(crate) op: GpuOp,
+    /// API v2's GLOBAL ids: rewritten after the receive.
+    pub(crate) then: Option<Globalize>,
 }
 
 impl std::fmt::Debug for Handle {
@@ -152,7 +161,8 @@ impl Handle {
         let t = unsafe { check::required_tensor(topk_idx, "topk_idx") }?;
         // SAFETY: forwarded contract.
         let info = unsafe { check::api_struct(info, "layout_info") }?;
-        let info = info.map(|i| i.check_v2_fields().map(|()| i.v1)).transpose()?;
+        // `recv_topk_idx_kind` is read by the dispatch (as NCCL EP does), not here.
+        let info = info.map(|i| i.check_v2_fields().map(|_| i.v1)).transpose()?;
         let int32 = match t.datatype {
             ep::NCCL_INT64 => false,
             ep::NCCL_INT32 => true,
@@ -238,7 +248,7 @@ impl Handle {
     /// and lets the group read the verdicts.
     pub(crate) fn destroy(&self) -> Res<()> {
         let staged = self.staged.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(mut op) = staged {
+        if let Some(Staged { mut op, .. }) = staged {
             crate::status::warn("ncclEpHandleDestroy: a send-only operation was never completed; completing it now");
             op.start_complete()?;
             self.group.track(op);

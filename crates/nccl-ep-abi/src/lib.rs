@@ -38,6 +38,7 @@
 //! - `comm.rs`: the caller's `ncclComm_t` as epflow's bootstrap (through the caller's NCCL).
 //! - `group.rs`: a group: the epflow GPU rank, the config's shape, operations in flight.
 //! - `handle.rs`: handles: layout, top-k, routing.
+//! - `ids.rs`: API v2's GLOBAL expert ids, rewritten after a dispatch's receive.
 //! - `live.rs`: the registry of live groups and handles (what `ncclEpGroup_t` and
 //!   `ncclEpHandle_t` values name; destroyed ones are refused).
 //! - `mask.rs`: the active mask (`enable_mask`, the mask calls) on epflow's rank masking.
@@ -52,8 +53,10 @@
 //!
 //! Low-latency, expert-major and rank-major layouts, `send_only` + `ncclEpComplete`, the
 //! active mask (`enable_mask`, NVLink peers); high-throughput, flat layout, forward and
-//! backward; an int64 or (API v2) int32 `topk_idx`. The caller's `ncclComm_t` bootstraps the group (one process per GPU; ranks on one
-//! host share memory over NVLink, other hosts go through NCCL). Operations run on the caller's
+//! backward; an int64 or (API v2) int32 `topk_idx`; API v2's local or GLOBAL received expert ids
+//! (`recv_topk_idx_kind`; `ids.rs` rewrites them after the receive). The caller's `ncclComm_t`
+//! bootstraps the group (one process per GPU; ranks on one host share memory over NVLink, other
+//! hosts go through NCCL). Operations run on the caller's
 //! stream and write the caller's tensors. Refused with `ncclInvalidUsage` and a log line:
 //! high-throughput expert-major, FP8, NCCL window tensors, CUDA graph capture.
 
@@ -65,6 +68,7 @@ mod comm;
 mod group;
 mod handle;
 pub mod header;
+mod ids;
 mod live;
 mod mask;
 mod ops;

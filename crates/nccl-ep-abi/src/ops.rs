@@ -20,9 +20,11 @@ use nccl_ep_sys as ep;
 
 use crate::check::{self, Tensor};
 use crate::group::Group;
-use crate::handle::{Handle, refuse_capture};
+use crate::handle::{Handle, Staged, refuse_capture};
+use crate::ids::Globalize;
 use crate::profile::Timer;
 use crate::status::{Fail, Res};
+use crate::v2::ExpertIds;
 
 /// The caller's tensor `t` as a device tensor of `desc` (only `desc`'s bytes are used: the
 /// leading rows of a larger tensor).
@@ -55,16 +57,18 @@ fn rows_of(t: &Tensor, what: &str, dtype: ep::NcclDataType, rows: usize, row: us
     Ok(())
 }
 
-/// Issues `op` (its send half on `stream`), then completes it on `stream` unless `staged`, in
-/// which case it is returned for `ncclEpComplete`. `timer` closes the send and complete phases.
+/// Issues `op` (its send half on `stream`), then completes it on `stream` (and enqueues `then`
+/// after its receive) unless `staged`, in which case both are returned for `ncclEpComplete`.
+/// `timer` closes the send and complete phases.
 fn issue(
     g: &Group,
     mut op: GpuOp,
     channel: Channel,
     stream: &Arc<CudaStream>,
     staged: bool,
+    then: Option<Globalize>,
     timer: &mut Timer<'_>,
-) -> Res<Option<GpuOp>> {
+) -> Res<Option<Staged>> {
     let mut steps = Steps::start();
     op.send_on(stream)?;
     if !staged {
@@ -79,9 +83,12 @@ fn issue(
     timer.next();
     if staged {
         timer.next();
-        return Ok(Some(op));
+        return Ok(Some(Staged { op, then }));
     }
     complete(g, op, stream)?;
+    if let Some(t) = then {
+        t.enqueue(&g.rank, stream)?;
+    }
     steps.step("abi: complete");
     timer.next();
     Ok(None)
@@ -172,7 +179,8 @@ pub(crate) unsafe fn dispatch(
             check::api_struct(config, "config")?.unwrap_or_default(),
         )
     };
-    let info = info.map(|i| i.check_v2_fields().map(|()| i.v1)).transpose()?;
+    let ids = info.map(|i| i.check_v2_fields()).transpose()?.unwrap_or(ExpertIds::Local);
+    let info = info.map(|i| i.v1);
     cfg.check_v2_fields()?;
     let cfg = cfg.v1;
     // SAFETY: as above, for the tensor descriptors the structs point to.
@@ -205,6 +213,8 @@ pub(crate) unsafe fn dispatch(
             }
             let rows = s.num_ranks * s.max_tokens;
             let mut targets = OutputTargets { tokens: out.ptr, ..Default::default() };
+            // Expert-major outputs carry no top-k ids: the numbering does not apply (NCCL EP).
+            let mut then = None;
             let weights = if layout == Layout::RankMajor {
                 let w = w_in.ok_or_else(|| Fail::arg("rank-major dispatch needs inputs.topk_weights"))?;
                 rows_of(&w, "inputs.topk_weights", ep::NCCL_FLOAT32, gh.num_tokens(), k, false)?;
@@ -220,6 +230,20 @@ pub(crate) unsafe fn dispatch(
                 targets.topk_weights = Some(ow.ptr);
                 targets.topk_idx = Some(oi.ptr);
                 targets.counts = Some(c.ptr);
+                if ids == ExpertIds::Global {
+                    then = Some(Globalize {
+                        ids: device(g, &oi, TensorDesc::contiguous(TensorTag::TopkIdx, DType::I32, &[rows, k])),
+                        counts: Some((
+                            device(
+                                g,
+                                &c,
+                                TensorDesc::contiguous(TensorTag::RecvExpertCountsDevice, DType::I32, &[s.num_ranks]),
+                            ),
+                            s.max_tokens,
+                        )),
+                        offset: global_offset(s),
+                    });
+                }
                 Some(f32s(&w, gh.num_tokens()))
             } else {
                 out.expect_type("outputs.tokens", ep::NCCL_BFLOAT16)?;
@@ -240,7 +264,7 @@ pub(crate) unsafe fn dispatch(
             // SAFETY: the targets were checked against the shapes of this layout above.
             let op = unsafe { g.rank.start_dispatch_into(&gh, din, &opts, &targets) }?;
             timer.next();
-            let staged = issue(g, op, Channel::Dispatch, &st, cfg.send_only != 0, &mut timer)?;
+            let staged = issue(g, op, Channel::Dispatch, &st, cfg.send_only != 0, then, &mut timer)?;
             *h.staged.lock().unwrap_or_else(|e| e.into_inner()) = staged;
             g.settle(false)?;
         }
@@ -249,6 +273,7 @@ pub(crate) unsafe fn dispatch(
             rows_of(&out, "outputs.tokens", ep::NCCL_BFLOAT16, n, hd, true)?;
             let slots = out.numel() / hd.max(1);
             let mut targets = OutputTargets { tokens: out.ptr, ..Default::default() };
+            let mut then = None;
             let weights = match pass {
                 Pass::Forward => {
                     let w = w_in.ok_or_else(|| Fail::arg("forward dispatch needs inputs.topk_weights"))?;
@@ -260,6 +285,13 @@ pub(crate) unsafe fn dispatch(
                     fill_unused(&st, &ow, &oi, n, slots, k)?;
                     targets.topk_weights = Some(ow.ptr);
                     targets.topk_idx = Some(oi.ptr);
+                    if ids == ExpertIds::Global {
+                        then = Some(Globalize {
+                            ids: device(g, &oi, TensorDesc::contiguous(TensorTag::TopkIdx, DType::I64, &[n, k])),
+                            counts: None,
+                            offset: global_offset(s),
+                        });
+                    }
                     Some(f32s(&w, gh.num_tokens()))
                 }
                 Pass::Backward => {
@@ -275,7 +307,7 @@ pub(crate) unsafe fn dispatch(
             }
             // SAFETY: the targets hold at least the rows epflow writes (checked above).
             let op = unsafe { g.rank.start_dispatch_into(&gh, din, &opts, &targets) }?;
-            issue(g, op, Channel::Dispatch, &st, false, &mut timer)?;
+            issue(g, op, Channel::Dispatch, &st, false, then, &mut timer)?;
             g.settle(true)?;
         }
     }
@@ -386,7 +418,7 @@ pub(crate) unsafe fn combine(
             // SAFETY: the output was checked as [B x H] BF16 above.
             let op = unsafe { g.rank.start_combine_into(&gh, cin, &opts, &targets) }?;
             timer.next();
-            let staged = issue(g, op, Channel::Combine, &st, cfg.send_only != 0, &mut timer)?;
+            let staged = issue(g, op, Channel::Combine, &st, cfg.send_only != 0, None, &mut timer)?;
             *h.staged.lock().unwrap_or_else(|e| e.into_inner()) = staged;
             g.settle(false)?;
         }
@@ -416,7 +448,7 @@ pub(crate) unsafe fn combine(
             }
             // SAFETY: the outputs were checked above ([B x H] tokens, [B x K] weights).
             let op = unsafe { g.rank.start_combine_into(&gh, cin, &opts, &targets) }?;
-            issue(g, op, Channel::Combine, &st, false, &mut timer)?;
+            issue(g, op, Channel::Combine, &st, false, None, &mut timer)?;
             g.settle(true)?;
         }
     }
@@ -437,12 +469,21 @@ pub(crate) unsafe fn complete_staged(
     // SAFETY: forwarded contract.
     unsafe { check::api_struct(config, "config") }?;
     let staged = h.staged.lock().unwrap_or_else(|e| e.into_inner()).take();
-    let Some(op) = staged else { return Ok(()) };
+    let Some(Staged { op, then }) = staged else { return Ok(()) };
     refuse_capture(stream, "ncclEpComplete")?;
     let g = &*h.group;
     // SAFETY: the caller's live stream (contract).
     let st = unsafe { g.stream(stream) };
-    complete(g, op, &st)
+    complete(g, op, &st)?;
+    match then {
+        Some(t) => t.enqueue(&g.rank, &st),
+        None => Ok(()),
+    }
+}
+
+/// GLOBAL ids' offset on this rank: its first expert's global id, `rank * L`.
+fn global_offset(s: &crate::group::Shape) -> i64 {
+    (s.rank * s.local_experts) as i64
 }
 
 #[cfg(test)]

@@ -150,14 +150,21 @@ impl GroupConfig {
     }
 }
 
+/// The numbering of the top-k ids a dispatch writes (`recv_topk_idx_kind`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ExpertIds {
+    /// AUTO or LOCAL: the receiving rank's local expert ids (`0..L`), `-1` where not routed here.
+    Local,
+    /// GLOBAL: the global ids (`rank * L + local`), `-1` where not routed here.
+    Global,
+}
+
 impl LayoutInfo {
-    /// Refuses `recv_topk_idx_kind` GLOBAL (epflow writes local expert ids).
-    pub(crate) fn check_v2_fields(&self) -> Res<()> {
+    /// The numbering `recv_topk_idx_kind` asks for (AUTO resolves to LOCAL, as in NCCL EP).
+    pub(crate) fn check_v2_fields(&self) -> Res<ExpertIds> {
         match self.recv_topk_idx_kind {
-            EXPERT_ID_AUTO | EXPERT_ID_LOCAL => Ok(()),
-            EXPERT_ID_GLOBAL => Err(Fail::usage(
-                "layout_info.recv_topk_idx_kind is NCCL_EP_EXPERT_ID_GLOBAL: epflow's NCCL EP library writes local expert ids (use AUTO or LOCAL)",
-            )),
+            EXPERT_ID_AUTO | EXPERT_ID_LOCAL => Ok(ExpertIds::Local),
+            EXPERT_ID_GLOBAL => Ok(ExpertIds::Global),
             k => Err(Fail::arg(format!("layout_info.recv_topk_idx_kind is {k}, not an ncclEpExpertIdKind_t"))),
         }
     }
@@ -211,7 +218,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn unimplemented_v2_features_are_refused_by_name() {
+    fn v2_fields_are_read_and_unimplemented_features_refused_by_name() {
         let usage = |r: Res<()>| {
             let e = r.unwrap_err();
             assert_eq!(e.code, ep::NCCL_INVALID_USAGE, "{}", e.message);
@@ -237,9 +244,13 @@ mod tests {
 
         let info =
             LayoutInfo { v1: ep::NcclEpLayoutInfo::default(), recv_topk_idx_kind: EXPERT_ID_LOCAL, padding_v2: [0; 4] };
-        assert_eq!(info.check_v2_fields(), Ok(()));
+        assert_eq!(info.check_v2_fields(), Ok(ExpertIds::Local));
+        assert_eq!(LayoutInfo { recv_topk_idx_kind: EXPERT_ID_AUTO, ..info }.check_v2_fields(), Ok(ExpertIds::Local));
         let global = LayoutInfo { recv_topk_idx_kind: EXPERT_ID_GLOBAL, ..info };
-        assert!(usage(global.check_v2_fields()).contains("layout_info.recv_topk_idx_kind"));
+        assert_eq!(global.check_v2_fields(), Ok(ExpertIds::Global));
+        let bad = LayoutInfo { recv_topk_idx_kind: 3, ..info }.check_v2_fields().unwrap_err();
+        assert_eq!(bad.code, ep::NCCL_INVALID_ARGUMENT);
+        assert!(bad.message.contains("layout_info.recv_topk_idx_kind"), "{}", bad.message);
 
         let cin = CombineInputs { v1: ep::NcclEpCombineInputs::default(), scales: std::ptr::null_mut() };
         assert_eq!(cin.check_v2_fields(), Ok(()));

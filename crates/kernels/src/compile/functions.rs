@@ -50,6 +50,8 @@ pub(crate) struct Functions {
     pub dequant_fp8: CudaFunction,
     /// int32 to int64, sign-extended (`GpuRank::widen_i32_on`).
     pub widen_i32: CudaFunction,
+    /// Local expert ids to global ones in place (`GpuRank::globalize_expert_ids_on`).
+    pub globalize_ids: CudaFunction,
     pub spin: CudaFunction,
     /// The SM-store copy probe (`GpuRank::sm_copy`).
     pub sm_copy: CudaFunction,
@@ -119,6 +121,7 @@ impl Functions {
             ht_plan: f(&ht, "ep_ht_plan")?,
             dequant_fp8: f(&util, "ep_dequant_fp8_rows")?,
             widen_i32: f(&util, "ep_widen_i32")?,
+            globalize_ids: f(&util, "ep_globalize_expert_ids")?,
             spin: f(&util, "ep_spin")?,
             sm_copy: f(&util, "ep_sm_copy")?,
             sm_copy_balanced: f(&util, "ep_sm_copy_balanced")?,

@@ -82,7 +82,15 @@ pub const NCCL: KernelModule = KernelModule {
 pub const UTIL: KernelModule = KernelModule {
     name: "util",
     files: &[("util.cu", include_str!("../cuda/util.cu"))],
-    kernels: &["ep_dequant_fp8_rows", "ep_widen_i32", "ep_spin", "ep_sm_copy", "ep_sm_copy_balanced", "ep_tma_copy"],
+    kernels: &[
+        "ep_dequant_fp8_rows",
+        "ep_widen_i32",
+        "ep_globalize_expert_ids",
+        "ep_spin",
+        "ep_sm_copy",
+        "ep_sm_copy_balanced",
+        "ep_tma_copy",
+    ],
 };
 
 /// Every module.

@@ -27,6 +27,30 @@ extern "C" __global__ void ep_widen_i32(u64 in_ptr, u64 out_ptr, u64 n) {
     }
 }
 
+// Turns the local expert ids of `rows` x `k` received top-k entries (int32 when `wide` is 0,
+// int64 otherwise) into global ones in place: every id >= 0 gains `offset` (the receiving rank
+// times its local experts), -1 ("not routed here") stays. With `counts` (int32, one per source),
+// row r is live only below counts[r / rows_per_source] within its source's block, and the other
+// rows are left as they are: NCCL EP API v2's `recv_topk_idx_kind` GLOBAL on outputs written
+// with local ids.
+extern "C" __global__ void ep_globalize_expert_ids(u64 idx_ptr, int wide, u64 rows, int k, u64 counts,
+                                                   u64 rows_per_source, long long offset) {
+    const u64 total = rows * (u64)k;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / (u64)k;
+        if (counts != 0 && (r % rows_per_source) >= (u64)reinterpret_cast<const int*>(counts)[r / rows_per_source]) {
+            continue;
+        }
+        if (wide) {
+            long long* v = reinterpret_cast<long long*>(idx_ptr) + i;
+            if (*v >= 0) *v += offset;
+        } else {
+            int* v = reinterpret_cast<int*>(idx_ptr) + i;
+            if (*v >= 0) *v += (int)offset;
+        }
+    }
+}
+
 // Holds its stream for `ns` nanoseconds of the global timer (one thread): a deliberately slow
 // consumer for tests of stream-ordered buffer release.
 extern "C" __global__ void ep_spin(u64 ns) {

@@ -212,6 +212,82 @@ impl GpuRank {
         Ok(out.ready_after(self.event_on(stream)?))
     }
 
+    /// Turns received local expert ids into global ones in place, on `stream` (of this rank's
+    /// context) after `idx`'s ready event: every id `>= 0` of `idx` (`[rows x K]` int32 or int64,
+    /// on this rank's device) gains `offset`, `-1` stays. With `counts` (`[S]` int32 and the rows
+    /// per source, `S x rows_per_source = rows`), only the first `counts[s]` rows of source `s`'s
+    /// block are changed (the others hold no token). For NCCL EP API v2's `recv_topk_idx_kind`
+    /// GLOBAL, where the offset is this rank times its local experts.
+    pub fn globalize_expert_ids_on(
+        &self,
+        stream: &Arc<CudaStream>,
+        idx: &DeviceTensor,
+        counts: Option<(&DeviceTensor, usize)>,
+        offset: i64,
+    ) -> Result<(), Error> {
+        self.check_device(idx, "globalize_expert_ids_on's ids")?;
+        let desc = idx.desc();
+        let wide = match desc.dtype {
+            epflow_core::DType::I32 => 0i32,
+            epflow_core::DType::I64 => 1,
+            d => {
+                return Err(Error::Unsupported(format!("globalize_expert_ids_on takes int32 or int64 ids, got {d:?}")));
+            }
+        };
+        let (rows, k) = match desc.shape[..] {
+            [rows, k] => (rows, k),
+            _ => {
+                return Err(Error::Unsupported(format!(
+                    "globalize_expert_ids_on takes [rows x K] ids, got {:?}",
+                    desc.shape
+                )));
+            }
+        };
+        let (counts_ptr, per_source) = match counts {
+            Some((c, per)) => {
+                self.check_device(c, "globalize_expert_ids_on's counts")?;
+                let sources = c.desc().numel();
+                if c.desc().dtype != epflow_core::DType::I32 || per == 0 || sources * per != rows {
+                    return Err(Error::Unsupported(format!(
+                        "globalize_expert_ids_on: counts {:?} {:?} with {per} rows per source do not cover {rows} rows",
+                        c.desc().dtype,
+                        c.desc().shape
+                    )));
+                }
+                (c.ptr(), per as u64)
+            }
+            None => (0, 1),
+        };
+        self.read_on(stream, idx, counts.map(|(c, _)| c))?;
+        let n = rows * k;
+        if n == 0 {
+            return Ok(());
+        }
+        let blocks = n.div_ceil(256).clamp(1, self.shared.num_sms as usize * 4) as u32;
+        let cfg =
+            cudarc::driver::LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let (ip, r, kk) = (idx.ptr(), rows as u64, k as i32);
+        use cudarc::driver::PushKernelArg;
+        // SAFETY: the arguments match `ep_globalize_expert_ids(u64, int, u64, int, u64, u64, long
+        // long)`; `idx` holds `rows x k` values of the width `wide` names (its descriptor), and
+        // `counts`, when given, `rows / per_source` int32s (checked above), both on this rank's
+        // device; the kernel is ordered on `stream` after their producers.
+        unsafe {
+            stream
+                .launch_builder(&self.shared.functions.globalize_ids)
+                .arg(&ip)
+                .arg(&wide)
+                .arg(&r)
+                .arg(&kk)
+                .arg(&counts_ptr)
+                .arg(&per_source)
+                .arg(&offset)
+                .launch(cfg)
+        }
+        .map_err(|e| cuda("launch globalize_expert_ids", e))?;
+        Ok(())
+    }
+
     /// Enqueues a one-thread kernel that holds `stream` for `delay` (a deliberately slow
     /// consumer, for tests and demonstrations of stream-ordered release).
     pub fn delay_on(&self, stream: &CudaStream, delay: std::time::Duration) -> Result<(), Error> {
