@@ -9,8 +9,9 @@ API (``libcuda.so.1``, through ctypes) and checks, against a CPU reference compu
 Python from fresh random inputs (the seed is printed; ``--seed`` replays one):
 
 - low-latency, expert-major: per-expert counts, the received rows, the weighted combine; once
-  directly, once staged (``send_only`` + ``ncclEpComplete``) and once with an int32 ``topk_idx``
-  (API v2);
+  directly, once staged (``send_only`` + ``ncclEpComplete``), once with an int32 ``topk_idx``
+  (API v2), and with API v2's ``DS_FP8E3M4`` recipe directly and staged (e4m3 rows: every scale
+  exact, every value within e4m3's rounding; the combine of the dequantized rows);
 - low-latency, rank-major: received rows, top-k weights and local expert ids, source-rank count,
   the combine of caller-reduced rows;
 - high-throughput, flat: the receive count from ``recv_total_counter``, rows, weights and ids
@@ -44,6 +45,7 @@ from nccl_ep import (  # noqa: E402
     NCCL_EP_LAYOUT_FLAT,
     NCCL_EP_LAYOUT_RANK_MAJOR,
     ncclBfloat16,
+    ncclFloat8e4m3,
     ncclFloat32,
     ncclInt32,
     ncclInt64,
@@ -67,6 +69,29 @@ def bf16_val(bits):
 def bf16(x):
     """x rounded to BF16, as a float."""
     return bf16_val(bf16_bits(x))
+
+
+def f32(x):
+    """x rounded to float32, as a float."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def e4m3_val(b):
+    """FP8 e4m3 ("E4M3FN") bits -> float (NaN for 0x7f / 0xff)."""
+    sign = -1.0 if b & 0x80 else 1.0
+    e, m = (b >> 3) & 0xF, b & 7
+    if e == 15 and m == 7:
+        return float("nan")
+    if e == 0:
+        return sign * m * 2.0 ** -9
+    return sign * (1 + m / 8.0) * 2.0 ** (e - 7)
+
+
+def ds_fp8_scale(block_bits):
+    """The scale of one 128-channel block under DS_FP8E3M4 (epflow's FP8): fp32 amax / 448,
+    amax floored at 1e-4."""
+    amax = max([abs(bf16_val(b)) for b in block_bits] + [f32(1e-4)])
+    return f32(amax / 448.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,13 +207,14 @@ class Problem:
     def tokens_of(self, e):
         return [t for t in range(self.B) if e in self.idx[t]]
 
-    def weighted(self, t):
-        """sum_k w[t,k] * expert(idx[t,k], x[t]) in fp32 (as floats): what combine returns."""
+    def weighted(self, t, row=None):
+        """sum_k w[t,k] * expert(idx[t,k], x[t]) in fp32 (as floats): what combine returns
+        (``row``: the BF16 bits the experts saw instead of ``x[t]``)."""
         acc = [0.0] * self.H
         for k, e in enumerate(self.idx[t]):
             if e < 0:
                 continue
-            y = self.expert(e, self.x[t])
+            y = self.expert(e, self.x[t] if row is None else row)
             for h in range(self.H):
                 acc[h] += self.w[t][k] * bf16_val(y[h])
         return acc
@@ -236,7 +262,31 @@ def rows(arr, n, width):
 # The round trips
 
 
-def low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged, idx32=False):
+def check_fp8_rows(p, chk, e, counts, recv, scales, combine_in, deq_of):
+    """Expert ``e``'s FP8 rows (DS_FP8E3M4, one rank: its tokens in token order): each scale is
+    amax / 448 of its block exactly, and each dequantized value within e4m3's rounding of the
+    token's (half an ulp: 1/16 of the value, or half the subnormal step). Writes the expert's
+    output of the dequantized row (rounded to BF16) into ``combine_in`` and records each
+    token's dequantized row in ``deq_of``."""
+    H, M = p.H, p.M
+    cols = H // 128
+    toks = p.tokens_of(e)
+    chk.expect(counts[e] == len(toks), "FP8: expert %d received %d rows, expected %d" % (e, counts[e], len(toks)))
+    for j, t in enumerate(toks[: min(counts[e], M)]):
+        row = recv[(e * M + j) * H:(e * M + j + 1) * H]
+        sc = scales[(e * M + j) * cols:(e * M + j + 1) * cols]
+        want_sc = [ds_fp8_scale(p.x[t][c * 128:(c + 1) * 128]) for c in range(cols)]
+        chk.expect(list(sc) == want_sc, "FP8: expert %d row %d (token %d): scales %r, expected %r" % (e, j, t, list(sc)[:2], want_sc[:2]))
+        deq = [e4m3_val(row[h]) * sc[h // 128] for h in range(H)]
+        bad = [h for h in range(H) if not abs(deq[h] - bf16_val(p.x[t][h])) <= abs(bf16_val(p.x[t][h])) / 16 + sc[h // 128] * 2.0 ** -9]
+        chk.expect(not bad, "FP8: expert %d row %d (token %d): %d values off, first at %r" % (e, j, t, len(bad), bad[:1]))
+        deq_bits = [bf16_bits(v) for v in deq]
+        deq_of[t] = deq_bits
+        base = (e * M + j) * H
+        combine_in[base:base + H] = array.array("H", p.expert(e, deq_bits))
+
+
+def low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged, idx32=False, fp8=False):
     E, M, H, K = p.E, p.M, p.H, p.K
     L, R = E, 1
     cfg = nccl_ep.ncclEpGroupConfig_t(
@@ -251,27 +301,45 @@ def low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged, idx32=Fals
         topk = desc(idx_d, ncclInt32 if idx32 else ncclInt64, (p.B, K))
         handle = lib.ncclEpCreateHandle(group, NCCL_EP_LAYOUT_EXPERT_MAJOR, topk, None, None, stream)
         try:
-            recv_d = cuda.alloc(L * R * M * H * 2)
+            recv_d = cuda.alloc(L * R * M * H * (1 if fp8 else 2), fill=0xA5)
+            scales_d = cuda.alloc(L * R * M * (H // 128) * 4, fill=0xA5) if fp8 else None
             counts_d = cuda.alloc(L * 4)
             din = nccl_ep.ncclEpDispatchInputs_t(tokens=desc(x_d, ncclBfloat16, (p.B, H)))
-            dout = nccl_ep.ncclEpDispatchOutputs_t(tokens=desc(recv_d, ncclBfloat16, (L, R * M, H)))
+            if fp8:
+                # API v2's DS_FP8E3M4: BF16 in, e4m3 rows and one fp32 scale per 128 channels out.
+                dout = nccl_ep.ncclEpDispatchOutputs_t(
+                    tokens=desc(recv_d, ncclFloat8e4m3, (L, R * M, H)),
+                    scales=desc(scales_d, ncclFloat32, (L, R * M, H // 128)),
+                )
+                dcfg = nccl_ep.ncclEpDispatchConfig_v2_t(
+                    send_only=int(staged), quant_recipe=nccl_ep.NCCL_EP_DISP_QUANT_DS_FP8E3M4
+                )
+            else:
+                dout = nccl_ep.ncclEpDispatchOutputs_t(tokens=desc(recv_d, ncclBfloat16, (L, R * M, H)))
+                dcfg = nccl_ep.ncclEpDispatchConfig_t(send_only=int(staged))
             info = nccl_ep.ncclEpLayoutInfo_t(expert_counters=desc(counts_d, ncclInt32, (L,)))
-            dcfg = nccl_ep.ncclEpDispatchConfig_t(send_only=int(staged))
             lib.ncclEpDispatch(handle, din, dout, info, dcfg, stream)
             if staged:
                 lib.ncclEpComplete(handle, nccl_ep.ncclEpCompleteConfig_t(), stream)
             cuda.sync(stream)
             counts = cuda.download(counts_d, "i", L)
-            recv = cuda.download(recv_d, "H", L * R * M * H)
             combine_in = array.array("H", bytes(L * R * M * H * 2))
-            for e in range(L):
-                want = sorted(tuple(p.x[t]) for t in p.tokens_of(e))
-                chk.expect(counts[e] == len(want), "expert %d received %d rows, expected %d" % (e, counts[e], len(want)))
-                base = e * R * M * H
-                got_rows = [tuple(recv[base + j * H: base + (j + 1) * H]) for j in range(min(counts[e], R * M))]
-                chk.expect(sorted(got_rows) == want, "expert %d: the received rows are not its tokens" % e)
-                for j, r in enumerate(got_rows):
-                    combine_in[base + j * H: base + (j + 1) * H] = array.array("H", p.expert(e, r))
+            deq_of = {}
+            if fp8:
+                recv = cuda.download(recv_d, "B", L * R * M * H)
+                scales = cuda.download(scales_d, "f", L * R * M * (H // 128))
+                for e in range(L):
+                    check_fp8_rows(p, chk, e, counts, recv, scales, combine_in, deq_of)
+            else:
+                recv = cuda.download(recv_d, "H", L * R * M * H)
+                for e in range(L):
+                    want = sorted(tuple(p.x[t]) for t in p.tokens_of(e))
+                    chk.expect(counts[e] == len(want), "expert %d received %d rows, expected %d" % (e, counts[e], len(want)))
+                    base = e * R * M * H
+                    got_rows = [tuple(recv[base + j * H: base + (j + 1) * H]) for j in range(min(counts[e], R * M))]
+                    chk.expect(sorted(got_rows) == want, "expert %d: the received rows are not its tokens" % e)
+                    for j, r in enumerate(got_rows):
+                        combine_in[base + j * H: base + (j + 1) * H] = array.array("H", p.expert(e, r))
             y_in_d = cuda.upload(combine_in)
             out_d = cuda.alloc(p.B * H * 2)
             cin = nccl_ep.ncclEpCombineInputs_t(tokens=desc(y_in_d, ncclBfloat16, (L, R * M, H)))
@@ -285,7 +353,9 @@ def low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged, idx32=Fals
             cuda.sync(stream)
             out = cuda.download(out_d, "H", p.B * H)
             for t in range(p.B):
-                chk.close(out[t * H:(t + 1) * H], p.weighted(t), "LL expert-major combine, token %d" % t)
+                # FP8: the experts saw the dequantized rows, so the reference combines those.
+                want = p.weighted(t, deq_of.get(t)) if fp8 else p.weighted(t)
+                chk.close(out[t * H:(t + 1) * H], want, "LL expert-major combine, token %d" % t)
         finally:
             lib.ncclEpHandleDestroy(handle)
     finally:
@@ -513,6 +583,14 @@ def main():
     cases = [
         ("LL expert-major", lambda p: low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged=False)),
         ("LL expert-major, send_only + ncclEpComplete", lambda p: low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged=True)),
+        (
+            "LL expert-major, DS_FP8E3M4 (API v2)",
+            lambda p: low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged=False, fp8=True),
+        ),
+        (
+            "LL expert-major, DS_FP8E3M4, send_only (API v2)",
+            lambda p: low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged=True, fp8=True),
+        ),
         (
             "LL expert-major, int32 topk_idx (API v2)",
             lambda p: low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged=False, idx32=True),

@@ -282,6 +282,14 @@ pub enum ValidationError {
         /// Why it is not taken.
         why: &'static str,
     },
+    /// A per-call dispatch type ([`crate::ops::DispatchOptions::dtype`]) the group cannot carry.
+    #[error("dispatch dtype {asked}: {why}")]
+    UnsupportedDispatchDtype {
+        /// The type asked for (`bf16`, `fp8`).
+        asked: &'static str,
+        /// Why the group cannot carry it.
+        why: &'static str,
+    },
     /// An operation or option the group's algorithm does not support.
     #[error("{what} is not supported by the {algorithm} algorithm")]
     UnsupportedForAlgorithm {

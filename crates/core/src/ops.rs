@@ -14,6 +14,7 @@
 //!
 //! `topk_idx` is not an argument of dispatch: the handle holds it.
 
+use crate::config::DispatchDtype;
 use crate::tensor::{HostTensor, TensorDesc};
 
 /// Forward or backward pass (high-throughput only; low-latency is forward only).
@@ -185,6 +186,27 @@ pub struct DispatchOptions {
     pub pass: Pass,
     /// Where the counters go.
     pub counts_location: CountsLocation,
+    /// The type this call's tokens travel in; `None`: the group's
+    /// ([`crate::GroupConfig::dispatch_dtype`]). A low-latency group of BF16 may ask for
+    /// [`DispatchDtype::Fp8`] per call: BF16 tokens in, FP8 e4m3 rows with one fp32 scale per 128
+    /// channels out, exactly as an FP8 group's dispatch (NCCL EP API v2's
+    /// `NCCL_EP_DISP_QUANT_DS_FP8E3M4`); `hidden` must be a multiple of 128. Every rank passes the
+    /// same for one operation (it shapes the messages). An FP8 group cannot dispatch BF16 (its
+    /// buffers hold FP8 messages), and high-throughput groups take their group's type. On GPUs a
+    /// BF16 group's per-call FP8 dispatch writes into the caller's tensors (`start_dispatch_into`
+    /// with scales): the group's own buffers hold no scales.
+    pub dtype: Option<DispatchDtype>,
+}
+
+impl DispatchOptions {
+    /// The type this dispatch's tokens travel in, in a group of `config`: [`Self::dtype`], else
+    /// the group's; BF16 for the backward pass.
+    pub fn dtype_in(&self, config: &crate::GroupConfig) -> DispatchDtype {
+        match self.pass {
+            Pass::Backward => DispatchDtype::Bf16,
+            Pass::Forward => self.dtype.unwrap_or(config.dispatch_dtype),
+        }
+    }
 }
 
 /// Inputs of combine.

@@ -343,6 +343,7 @@ pub fn validate_dispatch_inputs<'a, T: TensorView + ?Sized>(
     const TOKENS: &str = "dispatch input tokens";
     const WEIGHTS: &str = "dispatch input topk_weights";
     const SCALES: &str = "dispatch input scales";
+    check_dispatch_dtype(ctx, opts)?;
     match (ctx.config.algorithm, opts.pass) {
         (Algorithm::LowLatency, Pass::Backward) => {
             Err(ValidationError::UnsupportedForAlgorithm { what: "the backward pass", algorithm: ctx.algorithm_name() })
@@ -417,6 +418,27 @@ pub fn validate_dispatch_inputs<'a, T: TensorView + ?Sized>(
     }
 }
 
+/// Refuses a per-call dispatch type ([`DispatchOptions::dtype`]) the group cannot carry: only a
+/// low-latency BF16 group's forward dispatch may ask for FP8 (with `hidden` a multiple of 128);
+/// asking for the group's own type is always accepted.
+fn check_dispatch_dtype(ctx: &OpContext<'_>, opts: &DispatchOptions) -> Result<(), ValidationError> {
+    let c = ctx.config;
+    let Some(asked) = opts.dtype else { return Ok(()) };
+    let name = if asked.is_fp8() { "fp8" } else { "bf16" };
+    let refuse = |why| Err(ValidationError::UnsupportedDispatchDtype { asked: name, why });
+    match (asked.is_fp8(), c.dispatch_dtype.is_fp8()) {
+        (true, true) | (false, false) => Ok(()),
+        (false, true) => refuse("an FP8 group's buffers hold FP8 messages; create a BF16 group to dispatch BF16"),
+        (true, false) if c.algorithm != Algorithm::LowLatency || opts.pass != Pass::Forward => refuse(
+            "only low-latency forward dispatch quantizes per call; high-throughput groups dispatch their group's type",
+        ),
+        (true, false) if c.hidden % crate::config::FP8_BLOCK != 0 => {
+            refuse("FP8 rows carry one scale per 128 channels: hidden must be a multiple of 128")
+        }
+        (true, false) => Ok(()),
+    }
+}
+
 /// The descriptors dispatch produces.
 pub fn dispatch_output_descs(ctx: &OpContext<'_>, opts: &DispatchOptions) -> DispatchOutputs<TensorDesc> {
     let c = ctx.config;
@@ -426,7 +448,7 @@ pub fn dispatch_output_descs(ctx: &OpContext<'_>, opts: &DispatchOptions) -> Dis
         CountsLocation::Host => TensorTag::RecvExpertCountsHost,
     };
     let counts = Some(TensorDesc::contiguous(counts_tag, DType::I32, &[l]));
-    let fp8 = c.dispatch_dtype.is_fp8() && opts.pass == Pass::Forward;
+    let fp8 = opts.dtype_in(c).is_fp8();
     let token_dtype = if fp8 { DType::Fp8E4m3 } else { DType::Bf16 };
     match (c.algorithm, opts.pass) {
         (Algorithm::LowLatency, _) if ctx.layout == Layout::RankMajor => {

@@ -31,13 +31,17 @@ fn assert_ok(report: Report, what: &str) {
 }
 
 fn ll_round(rank: &HostRank, sc: &Scenario, staged: bool) -> (Report, Report) {
+    ll_round_with(rank, sc, staged, DispatchOptions::default())
+}
+
+/// [`ll_round`] with dispatch options `opts`; the scenario's config is the reference's.
+fn ll_round_with(rank: &HostRank, sc: &Scenario, staged: bool, opts: DispatchOptions) -> (Report, Report) {
     let r = rank.rank();
     let refs = sc.ll_dispatch_reference().unwrap();
     let combine_ref = sc.ll_combine_identity_reference(&refs).unwrap();
     let handle = rank.create_handle(&sc.topk_idx(r)).unwrap();
     let x = sc.tokens(r);
     let inputs = DispatchInputs::new(&x);
-    let opts = DispatchOptions::default();
     let out = if staged {
         rank.dispatch_send(&handle, inputs, &opts).unwrap().complete().unwrap()
     } else {
@@ -88,6 +92,68 @@ fn low_latency_matches_reference() {
             }
         }
     }
+}
+
+/// A BF16 group's dispatch asking for FP8 per call (`DispatchOptions::dtype`) matches the
+/// reference of an FP8 group bit for bit (tokens and scales), with and without power-of-two
+/// scales, staged and not; an FP8 group cannot dispatch BF16 per call, nor a high-throughput
+/// group FP8, nor a hidden size off the 128-channel scale blocks.
+#[test]
+fn low_latency_fp8_per_call_matches_an_fp8_group() {
+    for num_ranks in [1, 2, 4] {
+        for dtype in [DispatchDtype::Fp8 { round_scales: false }, DispatchDtype::Fp8 { round_scales: true }] {
+            for staged in [false, true] {
+                let bf16_group = GroupConfig::low_latency(EXPERTS, MAX_TOKENS, HIDDEN);
+                let fp8_group = bf16_group.clone().with_dispatch_dtype(dtype);
+                let sc = Scenario::generate(
+                    fp8_group,
+                    num_ranks,
+                    &tokens_per_rank(num_ranks),
+                    TOP_K,
+                    RoutingKind::Uniform,
+                    6,
+                    77 + num_ranks as u64,
+                );
+                let opts = DispatchOptions { dtype: Some(dtype), ..Default::default() };
+                let reports =
+                    HostWorld::run(num_ranks, bf16_group, |rank| ll_round_with(rank, &sc, staged, opts)).unwrap();
+                for (d, c) in reports {
+                    let what = format!("LL R={num_ranks} per-call {dtype:?} staged={staged}");
+                    assert_ok(d, &format!("{what} dispatch"));
+                    if sc.ranks.iter().any(|r| r.num_tokens > 0) {
+                        assert!(c.ok(), "{what} combine: {c:?}");
+                    }
+                }
+            }
+        }
+    }
+    let refused = |config: GroupConfig, dtype: DispatchDtype, pass: Pass| {
+        let x = HostTensor::tokens(2, config.hidden, vec![bf16::ZERO; 2 * config.hidden]);
+        let idx = HostTensor::topk_idx(2, 1, vec![0, 1]);
+        let w = HostTensor::topk_weights(2, 1, vec![1.0; 2]);
+        HostWorld::run(1, config, move |rank| {
+            let handle = rank.create_handle(&idx).unwrap();
+            let mut inputs = DispatchInputs::new(&x);
+            if rank.config().algorithm == epflow_core::Algorithm::HighThroughput && pass == Pass::Forward {
+                inputs = inputs.with_weights(&w);
+            }
+            let opts = DispatchOptions { dtype: Some(dtype), pass, ..Default::default() };
+            rank.dispatch(&handle, inputs, &opts).map(drop).unwrap_err().to_string()
+        })
+        .unwrap()
+        .remove(0)
+    };
+    let fp8 = DispatchDtype::Fp8 { round_scales: false };
+    let e = refused(
+        GroupConfig::low_latency(EXPERTS, MAX_TOKENS, HIDDEN).with_dispatch_dtype(fp8),
+        DispatchDtype::Bf16,
+        Pass::Forward,
+    );
+    assert!(e.contains("dispatch dtype bf16") && e.contains("FP8 group"), "{e}");
+    let e = refused(GroupConfig::high_throughput(EXPERTS, HIDDEN), fp8, Pass::Forward);
+    assert!(e.contains("dispatch dtype fp8") && e.contains("high-throughput"), "{e}");
+    let e = refused(GroupConfig::low_latency(EXPERTS, MAX_TOKENS, 200), fp8, Pass::Forward);
+    assert!(e.contains("multiple of 128"), "{e}");
 }
 
 #[test]

@@ -456,3 +456,148 @@ fn ll_one_process_per_gpu() {
         eprintln!("ok: rank {} of {n}, one process per GPU, H={hidden} E={experts} {dtype:?}", env.rank);
     }
 }
+
+/// A BF16 group's dispatch asking for FP8 per call (`DispatchOptions::dtype`, NCCL EP API v2's
+/// `DS_FP8E3M4`), into caller memory poisoned first: tokens, scales and counts bit for bit
+/// against the reference of an FP8 group, with and without power-of-two scales, staged and not;
+/// then the combine of identity experts over the dequantized rows, exact against the FP8
+/// group's combine reference. The same handle then dispatches BF16 again, checked. Without
+/// caller targets for the scales the per-call FP8 dispatch is refused. Two ranks (on one GPU
+/// with `EPFLOW_TEST_DEVICES=0,0`).
+#[test]
+fn ll_fp8_per_call_into_caller_memory_matches_an_fp8_group() {
+    use epflow_core::backend::{Backend, OpOutput, complete_blocking, run_blocking, send_blocking};
+    use epflow_core::ops::DispatchOutputs;
+    use epflow_core::protocol::Channel;
+    use epflow_core::scenario::ll_identity_expert_outputs;
+    use epflow_kernels::device::DeviceBuffer;
+    use epflow_kernels::{GpuHandle, OutputTargets};
+    let Some(devices) = gpus(2, "ll_fp8_per_call_into_caller_memory") else { return };
+    let (hidden, experts, max_tokens, top_k) = (1024, 16, 64, 4);
+    let bf16_group = GroupConfig::low_latency(experts, max_tokens, hidden);
+    let ranks = GpuWorld::create(&devices, bf16_group.clone()).expect("create GPU group");
+    let base = seed();
+    eprintln!("seed {base}");
+    let rows = devices.len() * max_tokens;
+    // One dispatch into poisoned caller buffers, run to its end (staged: send, then complete).
+    let dispatch = |rank: &GpuRank,
+                    h: &GpuHandle,
+                    x: &epflow_kernels::DeviceTensor,
+                    opts: &DispatchOptions,
+                    staged: bool|
+     -> Result<DispatchOutputs<HostTensor>, Error> {
+        let descs = rank.dispatch_output_descs(h, opts);
+        let alloc = |d: &epflow_core::TensorDesc| -> Result<DeviceBuffer, Error> {
+            let b = DeviceBuffer::zeroed(rank.context(), d.size_bytes().max(1))?;
+            b.write(0, &vec![0xA5u8; d.size_bytes()])?;
+            Ok(b)
+        };
+        let tokens = alloc(&descs.tokens)?;
+        let scales = descs.scales.as_ref().map(alloc).transpose()?;
+        let counts = descs.counts.as_ref().map(alloc).transpose()?;
+        let into = OutputTargets {
+            tokens: tokens.ptr(),
+            scales: scales.as_ref().map(DeviceBuffer::ptr),
+            counts: counts.as_ref().map(DeviceBuffer::ptr),
+            ..OutputTargets::default()
+        };
+        // SAFETY: every address is a buffer of this rank's device holding the tensor its
+        // descriptor describes; the buffers live until this closure returns, after the
+        // operation completed.
+        let op = unsafe { rank.start_dispatch_into(h, DispatchInputs::new(x), opts, &into)? };
+        let out = if staged {
+            let op = send_blocking(op, rank.slot_pool(Channel::Dispatch), rank.poison(), rank.config().timeout)?;
+            complete_blocking(op, rank.poison(), rank.config().timeout)?
+        } else {
+            run_blocking(op, rank.slot_pool(Channel::Dispatch), rank.poison(), rank.config().timeout)?
+        };
+        match out {
+            OpOutput::Dispatch(d) => d.to_host(),
+            _ => Err(Error::Backend("dispatch returned another output".into())),
+        }
+    };
+    for (i, dtype) in
+        [DispatchDtype::Fp8 { round_scales: false }, DispatchDtype::Fp8 { round_scales: true }].into_iter().enumerate()
+    {
+        for staged in [false, true] {
+            let s = base.wrapping_add(i as u64 * 31 + u64::from(staged));
+            let fp8_group = bf16_group.clone().with_dispatch_dtype(dtype);
+            let sc = Scenario::generate(fp8_group, devices.len(), &[max_tokens, 23], top_k, RoutingKind::Uniform, 5, s);
+            let bf = Scenario::generate(
+                bf16_group.clone(),
+                devices.len(),
+                &[max_tokens, 23],
+                top_k,
+                RoutingKind::Uniform,
+                5,
+                s,
+            );
+            let refs = sc.ll_dispatch_reference().unwrap();
+            let combine_ref = sc.ll_combine_identity_reference(&refs).unwrap();
+            let bf_refs = bf.ll_dispatch_reference().unwrap();
+            let what = format!("{dtype:?} staged={staged} seed={s}");
+            on_ranks(&ranks, |rank| {
+                let r = rank.rank();
+                let idx = rank.upload(&sc.topk_idx(r)).unwrap();
+                let h = blocking_handle(rank, &idx).unwrap();
+                let x = rank.upload(&sc.tokens(r)).unwrap();
+                let opts = DispatchOptions { dtype: Some(dtype), ..Default::default() };
+                let out = dispatch(rank, &h, &x, &opts, staged).expect("per-call FP8 dispatch");
+                let counts = out.counts.as_ref().unwrap().as_i32().unwrap().to_vec();
+                let scales = out.scales.as_ref().and_then(HostTensor::as_f32);
+                assert!(scales.is_some(), "rank {r} {what}: no scales");
+                let d = check_ll_dispatch(&refs[r], hidden, rows, out.tokens.data(), scales, &counts);
+                assert!(d.ok() && d.checked > 0, "rank {r} {what}: dispatch {d:?}");
+                let experts = ll_identity_expert_outputs(out.tokens.data(), scales, &counts, rows, hidden);
+                let experts = rank.upload(&experts).unwrap();
+                let w = rank.upload(&sc.weights(r)).unwrap();
+                let y = blocking_combine(
+                    rank,
+                    &h,
+                    CombineInputs::new(&experts).with_weights(&w),
+                    &CombineOptions::default(),
+                    true,
+                )
+                .unwrap();
+                let c = check_bf16(
+                    "combine",
+                    &combine_ref[r],
+                    y.to_host().unwrap().tokens.as_bf16().unwrap(),
+                    Tolerance::Exact,
+                );
+                assert!(c.ok(), "rank {r} {what}: combine {c:?}");
+                // The next dispatch of the same group is BF16 again (into epflow's buffers).
+                let out =
+                    blocking_dispatch(rank, &h, DispatchInputs::new(&x), &DispatchOptions::default(), true).unwrap();
+                let host = out.to_host().unwrap();
+                let d = check_ll_dispatch(
+                    &bf_refs[r],
+                    hidden,
+                    rows,
+                    host.tokens.data(),
+                    None,
+                    host.counts.as_ref().unwrap().as_i32().unwrap(),
+                );
+                assert!(d.ok() && d.checked > 0, "rank {r} {what}: BF16 dispatch after FP8 {d:?}");
+                // Its combine pairs with it (a dispatch is always followed by its combine).
+                let bf_counts = host.counts.as_ref().unwrap().as_i32().unwrap();
+                let experts = rank
+                    .upload(&ll_identity_expert_outputs(host.tokens.data(), None, bf_counts, rows, hidden))
+                    .unwrap();
+                let cin = CombineInputs::new(&experts).with_weights(&w);
+                drop(out);
+                blocking_combine(rank, &h, cin, &CombineOptions::default(), true).unwrap();
+            });
+            eprintln!("ok: per-call FP8, {what}");
+        }
+    }
+    // Into epflow's own buffers (no scales there): refused on every rank, then the group goes on.
+    on_ranks(&ranks, |rank| {
+        let idx = rank.upload(&HostTensor::topk_idx(1, 1, vec![0])).unwrap();
+        let h = blocking_handle(rank, &idx).unwrap();
+        let x = rank.upload(&HostTensor::tokens(1, hidden, vec![bf16::ZERO; hidden])).unwrap();
+        let opts = DispatchOptions { dtype: Some(DispatchDtype::Fp8 { round_scales: false }), ..Default::default() };
+        let e = rank.start_dispatch(&h, DispatchInputs::new(&x), &opts).map(drop).unwrap_err().to_string();
+        assert!(e.contains("caller's tensors with scales"), "{e}");
+    });
+}

@@ -57,8 +57,10 @@
 //! (`recv_topk_idx_kind`; `ids.rs` rewrites them after the receive). The caller's `ncclComm_t`
 //! bootstraps the group (one process per GPU; ranks on one host share memory over NVLink, other
 //! hosts go through NCCL). Operations run on the caller's
-//! stream and write the caller's tensors. Refused with `ncclInvalidUsage` and a log line:
-//! high-throughput expert-major, FP8, NCCL window tensors, CUDA graph capture.
+//! stream and write the caller's tensors. API v2's DS_FP8E3M4 recipe is epflow's low-latency
+//! FP8 dispatch, per call. Refused with `ncclInvalidUsage` and a log line: high-throughput
+//! expert-major, pre-quantized tokens (`inputs.scales`, recipe FWD), the NVFP4 combine, NCCL
+//! window tensors, CUDA graph capture.
 
 #![warn(missing_docs)]
 

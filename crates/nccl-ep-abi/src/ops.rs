@@ -10,10 +10,11 @@ use std::time::Instant;
 
 use cudarc::driver::CudaStream;
 use epflow_core::backend::{Backend, PendingOp, StreamOrder, send_blocking};
+use epflow_core::config::FP8_BLOCK;
 use epflow_core::handle::RoutingHandle;
 use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, Layout, Pass};
 use epflow_core::protocol::Channel;
-use epflow_core::{Algorithm, DType, Error, TensorDesc, TensorTag};
+use epflow_core::{Algorithm, DType, DispatchDtype, Error, TensorDesc, TensorTag};
 use epflow_kernels::device::host_steps::Steps;
 use epflow_kernels::{DeviceTensor, GpuHandle, GpuOp, OutputTargets};
 use nccl_ep_sys as ep;
@@ -24,7 +25,7 @@ use crate::handle::{Handle, Staged, refuse_capture};
 use crate::ids::Globalize;
 use crate::profile::Timer;
 use crate::status::{Fail, Res};
-use crate::v2::ExpertIds;
+use crate::v2::{DispatchQuant, ExpertIds};
 
 /// The caller's tensor `t` as a device tensor of `desc` (only `desc`'s bytes are used: the
 /// leading rows of a larger tensor).
@@ -181,20 +182,36 @@ pub(crate) unsafe fn dispatch(
     };
     let ids = info.map(|i| i.check_v2_fields()).transpose()?.unwrap_or(ExpertIds::Local);
     let info = info.map(|i| i.v1);
-    cfg.check_v2_fields()?;
+    let quant = cfg.check_v2_fields()?;
     let cfg = cfg.v1;
     // SAFETY: as above, for the tensor descriptors the structs point to.
-    let (x, w_in, out, out_w, out_i) = unsafe {
+    let (x, w_in, out, out_w, out_i, out_s) = unsafe {
         (
             check::required_tensor(inputs.tokens, "inputs.tokens")?,
             check::tensor(inputs.topk_weights, "inputs.topk_weights")?,
             check::required_tensor(outputs.tokens, "outputs.tokens")?,
             check::tensor(outputs.topk_weights, "outputs.topk_weights")?,
             check::tensor(outputs.topk_idx, "outputs.topk_idx")?,
+            check::tensor(outputs.scales, "outputs.scales")?,
         )
     };
-    if !inputs.scales.is_null() || !outputs.scales.is_null() {
-        return Err(Fail::usage("scales are reserved in NCCL EP 0.1 (BF16 dispatch only)"));
+    if !inputs.scales.is_null() {
+        return Err(Fail::usage(
+            "inputs.scales: pre-quantized tokens (NCCL_EP_DISP_QUANT_FWD) are not implemented by epflow's NCCL EP library",
+        ));
+    }
+    let fp8 = quant == DispatchQuant::DsFp8;
+    match (fp8, &out_s) {
+        (false, Some(_)) => {
+            return Err(Fail::arg(
+                "outputs.scales: only config.quant_recipe NCCL_EP_DISP_QUANT_DS_FP8E3M4 writes scales",
+            ));
+        }
+        (true, None) => return Err(Fail::arg("NCCL_EP_DISP_QUANT_DS_FP8E3M4 needs outputs.scales")),
+        _ => {}
+    }
+    if fp8 && g.shape.algorithm != Algorithm::LowLatency {
+        return Err(Fail::usage("NCCL_EP_DISP_QUANT_DS_FP8E3M4 is a low-latency recipe (as in NCCL EP)"));
     }
     let mut timer = begin(g, h, stream, Channel::Dispatch)?;
     let gh = h.gpu()?;
@@ -202,7 +219,12 @@ pub(crate) unsafe fn dispatch(
     let s = &g.shape;
     let (k, hd) = (gh.top_k(), s.hidden);
     let tokens = tokens_in(g, &gh, &x)?;
-    let opts = DispatchOptions { pass, ..Default::default() };
+    // DS_FP8E3M4: epflow's FP8 dispatch, per call (`round_scales` rounds the scales up to powers
+    // of two, as the v1 field says).
+    let dtype = fp8.then_some(DispatchDtype::Fp8 { round_scales: cfg.round_scales != 0 });
+    let opts = DispatchOptions { pass, dtype, ..Default::default() };
+    // The output rows: FP8 with one fp32 scale per 128 channels, or BF16.
+    let out_type = if fp8 { ep::NCCL_FLOAT8_E4M3 } else { ep::NCCL_BFLOAT16 };
     let f32s = |t: &Tensor, rows| device(g, t, TensorDesc::contiguous(TensorTag::TopkWeights, DType::F32, &[rows, k]));
     // SAFETY: the caller's live stream (contract).
     let st = unsafe { g.stream(stream) };
@@ -213,12 +235,23 @@ pub(crate) unsafe fn dispatch(
             }
             let rows = s.num_ranks * s.max_tokens;
             let mut targets = OutputTargets { tokens: out.ptr, ..Default::default() };
+            if let Some(sc) = &out_s {
+                // `[R, M, H/128]` (rank-major) or `[L, R*M, H/128]` (expert-major) fp32, as NCCL EP.
+                let lead = if layout == Layout::RankMajor {
+                    vec![s.num_ranks, s.max_tokens]
+                } else {
+                    vec![s.local_experts, rows]
+                };
+                sc.expect_type("outputs.scales", ep::NCCL_FLOAT32)?;
+                sc.expect_sizes("outputs.scales", &[lead[0], lead[1], hd / FP8_BLOCK])?;
+                targets.scales = Some(sc.ptr);
+            }
             // Expert-major outputs carry no top-k ids: the numbering does not apply (NCCL EP).
             let mut then = None;
             let weights = if layout == Layout::RankMajor {
                 let w = w_in.ok_or_else(|| Fail::arg("rank-major dispatch needs inputs.topk_weights"))?;
                 rows_of(&w, "inputs.topk_weights", ep::NCCL_FLOAT32, gh.num_tokens(), k, false)?;
-                rows_of(&out, "outputs.tokens", ep::NCCL_BFLOAT16, rows, hd, false)?;
+                rows_of(&out, "outputs.tokens", out_type, rows, hd, false)?;
                 let ow = out_w.ok_or_else(|| Fail::arg("rank-major dispatch needs outputs.topk_weights"))?;
                 let oi = out_i.ok_or_else(|| Fail::arg("rank-major dispatch needs outputs.topk_idx"))?;
                 rows_of(&ow, "outputs.topk_weights", ep::NCCL_FLOAT32, rows, k, false)?;
@@ -246,7 +279,7 @@ pub(crate) unsafe fn dispatch(
                 }
                 Some(f32s(&w, gh.num_tokens()))
             } else {
-                out.expect_type("outputs.tokens", ep::NCCL_BFLOAT16)?;
+                out.expect_type("outputs.tokens", out_type)?;
                 out.expect_sizes("outputs.tokens", &[s.local_experts, rows, hd])?;
                 let c = counter(info.and_then(|i| (!i.expert_counters.is_null()).then_some(i.expert_counters)))
                     .ok_or_else(|| Fail::arg("expert-major dispatch needs layout_info.expert_counters"))??;

@@ -181,20 +181,24 @@ impl CombineInputs {
     }
 }
 
+/// What a dispatch's `quant_recipe` asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DispatchQuant {
+    /// NONE: tokens travel in their type (BF16).
+    None,
+    /// DS_FP8E3M4 (low-latency): BF16 in, FP8 e4m3 out with one fp32 scale per 128 channels.
+    DsFp8,
+}
+
 impl DispatchConfig {
-    /// Refuses every `quant_recipe` but NONE.
-    pub(crate) fn check_v2_fields(&self) -> Res<()> {
+    /// The recipe asked for: NONE or DS_FP8E3M4; FWD (pre-quantized tokens) is refused by name.
+    pub(crate) fn check_v2_fields(&self) -> Res<DispatchQuant> {
         match self.quant_recipe {
-            QUANT_NONE => Ok(()),
-            DISP_QUANT_FWD | DISP_QUANT_DS_FP8E3M4 => Err(Fail::usage(format!(
-                "config.quant_recipe is {} ({}): not implemented by epflow's NCCL EP library (use NCCL_EP_DISP_QUANT_NONE)",
-                self.quant_recipe,
-                if self.quant_recipe == DISP_QUANT_FWD {
-                    "NCCL_EP_DISP_QUANT_FWD"
-                } else {
-                    "NCCL_EP_DISP_QUANT_DS_FP8E3M4"
-                }
-            ))),
+            QUANT_NONE => Ok(DispatchQuant::None),
+            DISP_QUANT_DS_FP8E3M4 => Ok(DispatchQuant::DsFp8),
+            DISP_QUANT_FWD => Err(Fail::usage(
+                "config.quant_recipe is 1 (NCCL_EP_DISP_QUANT_FWD): pre-quantized tokens are not implemented by epflow's NCCL EP library (use NCCL_EP_DISP_QUANT_NONE, or DS_FP8E3M4 to quantize BF16 tokens in a low-latency dispatch)",
+            )),
             q => Err(Fail::arg(format!("config.quant_recipe is {q}, not an ncclEpDispQuant_t"))),
         }
     }
@@ -257,11 +261,12 @@ mod tests {
         let scaled = CombineInputs { scales: 0x1000 as *mut ep::NcclEpTensor, ..cin };
         assert!(usage(scaled.check_v2_fields()).contains("inputs.scales"));
 
-        assert_eq!(DispatchConfig::default().check_v2_fields(), Ok(()));
-        for (q, name) in [(1, "NCCL_EP_DISP_QUANT_FWD"), (2, "NCCL_EP_DISP_QUANT_DS_FP8E3M4")] {
-            let m = usage(DispatchConfig { quant_recipe: q, ..Default::default() }.check_v2_fields());
-            assert!(m.contains("config.quant_recipe") && m.contains(name), "{m}");
-        }
+        assert_eq!(DispatchConfig::default().check_v2_fields(), Ok(DispatchQuant::None));
+        let ds = DispatchConfig { quant_recipe: DISP_QUANT_DS_FP8E3M4, ..Default::default() };
+        assert_eq!(ds.check_v2_fields(), Ok(DispatchQuant::DsFp8));
+        let m =
+            usage(DispatchConfig { quant_recipe: DISP_QUANT_FWD, ..Default::default() }.check_v2_fields().map(drop));
+        assert!(m.contains("config.quant_recipe") && m.contains("NCCL_EP_DISP_QUANT_FWD"), "{m}");
         assert_eq!(
             DispatchConfig { quant_recipe: 3, ..Default::default() }.check_v2_fields().unwrap_err().code,
             ep::NCCL_INVALID_ARGUMENT

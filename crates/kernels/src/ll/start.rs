@@ -165,6 +165,18 @@ pub(crate) fn dispatch_params(
     routing: Option<&StreamRouting>,
 ) -> Result<(LlParams, usize, Stamp), Error> {
     let mut p = base_params(s, 0, h.ptr(), h.num_tokens(), h.top_k(), h.layout())?;
+    // A per-call FP8 dispatch of a BF16 group (`DispatchOptions::dtype`): its messages (`H`
+    // bytes and `H / 128` scales after the header) fit the group's BF16 message slots, and the
+    // kernels read the message shape from `p.fp8`. The group's buffers hold no scales, so the
+    // rows go to the caller's targets.
+    let dtype = opts.dtype_in(&s.config);
+    if dtype.is_fp8() && !s.config.dispatch_dtype.is_fp8() && into.and_then(|t| t.scales).is_none() {
+        return Err(Error::Unsupported(
+            "a per-call FP8 dispatch of a BF16 group writes into the caller's tensors with scales (start_dispatch_into): the group's buffers hold no scales".into(),
+        ));
+    }
+    p.fp8 = i32::from(dtype.is_fp8());
+    p.round_scales = i32::from(matches!(dtype, DispatchDtype::Fp8 { round_scales: true }));
     p.x = inputs.tokens().ptr();
     p.weights = inputs.weights().map_or(0, DeviceTensor::ptr);
     let set = number(s, &mut p, seq);
