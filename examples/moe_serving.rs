@@ -89,7 +89,20 @@ mod flags;
 #[path = "moe_serving/model.rs"]
 mod model;
 
-use flags::{BackendKind, OrderFlag};
+use flags::OrderFlag;
+
+/// `--backend`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum BackendKind {
+    /// One rank per GPU of the host (up to 8), or per `--devices` entry.
+    Gpu,
+    /// Four ranks on the host backend.
+    Host,
+    /// With `--model`, decode: the GPU backend's figures, and beside them the same layer with
+    /// its dispatch and combine on NVIDIA's NCCL EP (`libnccl_ep.so` from `NCCL_EP_LIB` or the
+    /// library path, after its NCCL), one micro-batch in flight.
+    NcclEp,
+}
 
 /// Routings (and first-layer token sets) drawn once per layer and reused by number.
 const POOL: usize = 8;
@@ -111,7 +124,8 @@ const MAX_SECONDS: f64 = 86_400.0;
 #[derive(Clone, Debug, clap::Parser)]
 #[command(name = "moe_serving")]
 struct Flags {
-    /// `gpu` (the default with 2+ GPUs, `--devices` or `--graph` on a GPU) or `host`.
+    /// `gpu` (the default with 2+ GPUs, `--devices` or `--graph` on a GPU), `host`, or
+    /// `nccl-ep` (with `--model`: also the same layer on NVIDIA's NCCL EP, in the same run).
     #[arg(long, value_enum)]
     backend: Option<BackendKind>,
     /// Requests per second over all ranks (Poisson arrivals), in (0, 1e9].
@@ -278,7 +292,13 @@ impl Args {
                 BackendKind::Host
             }
         });
-        let gpu = backend == BackendKind::Gpu;
+        let gpu = backend != BackendKind::Host;
+        let nccl_ep = backend == BackendKind::NcclEp;
+        if nccl_ep && (f.model.is_none() || !f.prefill_tokens.is_empty()) {
+            return Err(invalid(
+                "--backend nccl-ep measures decode layers of a --model (NCCL EP's low-latency mode); leave out --prefill-tokens".into(),
+            ));
+        }
         let batch = f.batch.unwrap_or(if gpu { 128 } else { 32 });
         let model = match &f.model {
             None => {
@@ -335,6 +355,7 @@ impl Args {
                     seed: f.seed,
                     graphs: !f.eager_compute,
                     layer_graphs: f.layer_graphs,
+                    nccl_ep,
                 })
             }
         };
@@ -398,7 +419,7 @@ impl Args {
         Ok(Args {
             model,
             backend: match backend {
-                BackendKind::Gpu => "gpu".into(),
+                BackendKind::Gpu | BackendKind::NcclEp => "gpu".into(),
                 BackendKind::Host => "host".into(),
             },
             rate: f.rate,
@@ -1931,6 +1952,8 @@ mod tests {
             &["--eager-compute", "--backend", "host"],
             &["--ranks", "1", "--devices", "0"],
             &["--ranks", "9"],
+            &["--backend", "nccl-ep"],
+            &["--backend", "nccl-ep", "--model", "qwen3-30b-a3b", "--prefill-tokens", "1024"],
         ] {
             let e = parse(bad).err().unwrap_or_else(|| panic!("{bad:?} accepted"));
             assert_eq!(e.exit_code(), 2, "{bad:?}: {e}");

@@ -19,6 +19,12 @@
 //! (`Lane::forward_grouped`'s path; the host waits for each handle, as DeepEP's normal mode
 //! does, while the other micro-batches' work runs). The cuBLAS comparison is decode's only.
 //!
+//! `--backend nccl-ep` (decode) also runs the same layer with its dispatch and combine on NVIDIA's
+//! NCCL EP, in lane 0's stream order (`NcclEpStreamHandle`: `ncclEpUpdateHandle`,
+//! `ncclEpDispatch`, `ncclEpCombine` on the lane's stream, nothing awaited on the host), one
+//! micro-batch in flight (NCCL EP 0.1's limit), and prints epflow's tokens/s over NCCL EP's;
+//! with `--check` it compares NCCL EP's serial outputs with epflow's.
+//!
 //! `--check` first runs `--steps` micro-batches serially and pipelined and fails unless every
 //! output is bit-identical. `--json FILE` writes every figure, `--svg FILE` draws tokens/s
 //! against the batch for each setting; with `--sweep-batch` the crossover (the smallest batch
@@ -66,6 +72,9 @@ pub(crate) struct ModelArgs {
     pub prefill: bool,
     /// `--layer-graphs`: decode also with each layer captured whole ([`LayerSteps`]).
     pub layer_graphs: bool,
+    /// `--backend nccl-ep`: decode also with the dispatch and combine on NVIDIA's NCCL EP (one
+    /// micro-batch in flight, its limit), the layer's compute unchanged.
+    pub nccl_ep: bool,
 }
 
 fn err(e: impl std::fmt::Debug) -> Error {
@@ -151,6 +160,34 @@ struct Report {
     layer_graph_checked: Option<usize>,
     /// `--layer-graphs`: the captures that failed (the run then fails after writing this).
     layer_graph_errors: Vec<String>,
+    /// `--backend nccl-ep`: the library the dispatch and combine ran on (path and version).
+    nccl_ep_library: Option<String>,
+    /// `--backend nccl-ep`: one micro-batch in flight with NVIDIA's dispatch and combine.
+    nccl_ep_points: Vec<Point>,
+    /// `--backend nccl-ep --check`: per batch, how NCCL EP's serial outputs compare with
+    /// epflow's (bit-identical micro-batches, and the largest difference).
+    nccl_ep_check: Vec<NcclEpCheck>,
+}
+
+/// `--backend nccl-ep --check`: NCCL EP's serial outputs against epflow's, one batch.
+#[derive(serde::Serialize, Clone, Debug)]
+struct NcclEpCheck {
+    batch: usize,
+    micro_batches: usize,
+    bit_identical: usize,
+    /// The largest |NCCL EP - epflow| over every output value, over the largest |epflow value|.
+    max_rel_diff: f64,
+}
+
+/// `--backend nccl-ep`: NVIDIA's handle and the lane's buffers its dispatch and combine write.
+struct NcclEpLayer {
+    handle: epflow::nccl_ep::NcclEpStreamHandle,
+    /// `[L x R*M x H]` BF16: the dispatch's rows, the experts' input.
+    recv: DeviceTensor,
+    /// `[L]` int32: rows per local expert.
+    counts: DeviceTensor,
+    /// `[B x H]` BF16: the combine's output.
+    combined: DeviceTensor,
 }
 
 /// A rank's state for one batch size.
@@ -372,6 +409,56 @@ impl RankRun<'_> {
         Ok((marks, outs, Enqueue { replay_us, replay_p50_us, replay_max_us, ..Enqueue::default() }))
     }
 
+    /// `--backend nccl-ep`: `rounds` micro-batches through every layer on lane 0, one in flight,
+    /// with the dispatch and combine on NVIDIA's library in the lane's stream order
+    /// (`ncclEpUpdateHandle`, `ncclEpDispatch`, `ncclEpCombine`), the rest of the layer as in
+    /// [`RankRun::pipelined`] and on the same token sets. Returns what it returns (the handle's
+    /// host time is the three NCCL EP calls').
+    fn nccl_ep_serial(
+        &self,
+        ep: &NcclEpLayer,
+        rounds: usize,
+        digest: bool,
+    ) -> Result<(Marks, BTreeMap<u64, Vec<u16>>, Enqueue)> {
+        let l = &self.lanes[0];
+        l.reset_times();
+        let (mut marks, mut outs, mut comm_host) = (Marks::default(), BTreeMap::new(), 0f64);
+        for mb in 0..rounds as u64 {
+            marks.start.insert(mb, l.record()?);
+            let mut x = self.inputs[mb as usize % POOL].clone();
+            for layer in 0..self.layers {
+                let routed = l.before_dispatch(self.model, layer, &x)?;
+                let t = Instant::now();
+                ep.handle.route_on(&routed.topk_idx, l.stream())?;
+                ep.handle.dispatch_on(&routed.tokens, &ep.recv, &ep.counts, l.stream())?;
+                comm_host += t.elapsed().as_secs_f64();
+                let y = l.experts_on(self.model, layer, &ep.recv, &ep.counts)?;
+                let t = Instant::now();
+                ep.handle.combine_on(&y, &routed.topk_weights, &ep.combined, l.stream())?;
+                comm_host += t.elapsed().as_secs_f64();
+                x = l.after_combine_tokens(self.model, &ep.combined)?;
+            }
+            marks.end.insert(mb, l.record()?);
+            if digest {
+                l.stream().synchronize().map_err(err)?;
+                let h = x.download(self.g.backend().context())?;
+                let bits = h.as_bf16().ok_or_else(|| err("output not BF16"))?.iter().map(|v| v.to_bits()).collect();
+                outs.insert(mb, bits);
+            }
+        }
+        let t = l.times();
+        let steps = (rounds * self.layers) as f64;
+        let us = |d: f64| d / steps * 1e6;
+        let enqueue = Enqueue {
+            before_dispatch_us: us(t.before_dispatch.as_secs_f64()),
+            handle_us: us(comm_host),
+            experts_us: us(t.experts.as_secs_f64()),
+            after_combine_us: us(t.after_combine.as_secs_f64()),
+            ..Enqueue::default()
+        };
+        Ok((marks, outs, enqueue))
+    }
+
     /// Communication alone: one micro-batch, fixed routing, identity experts; seconds per
     /// layer step.
     async fn comm_alone(&self, steps: usize) -> Result<f64> {
@@ -552,6 +639,9 @@ struct RankFigures {
     /// Decode only: router + experts against cuBLAS alone.
     gemm: Option<GemmCheck>,
     checked: Option<usize>,
+    /// `--backend nccl-ep`: one micro-batch in flight on NVIDIA's dispatch and combine.
+    nccl_ep_point: Option<Point>,
+    nccl_ep_check: Option<NcclEpCheck>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -561,12 +651,16 @@ fn measure_rank(
     m_args: &ModelArgs,
     batch: usize,
     lanes_n: usize,
+    nccl_ep: Option<&epflow::nccl_ep::NcclEpRank>,
 ) -> Result<RankFigures> {
     let p = m_args.preset;
     let ranks = g.num_ranks();
     let r = g.rank();
+    let local = p.num_experts / ranks;
+    let nccl_ep_bytes = (local * ranks * batch * p.hidden * 2 + batch * p.hidden * 2 + local * 4) as u128;
     let reserve = scratch_bytes(&p, ranks, batch, lanes_n, m_args.attention, m_args.prefill)
-        + if m_args.layer_graphs { lanes_n as u128 * LayerSteps::bytes(&p, ranks, batch, a.layers) } else { 0 };
+        + if m_args.layer_graphs { lanes_n as u128 * LayerSteps::bytes(&p, ranks, batch, a.layers) } else { 0 }
+        + if nccl_ep.is_some() { nccl_ep_bytes } else { 0 };
     let opts = ModelOptions { seed: m_args.seed, layers: a.layers, attention: m_args.attention };
     let model = GpuMoeModel::new(g.backend(), p, opts, reserve)?;
     let lane = || -> Result<Lane> {
@@ -615,7 +709,7 @@ fn measure_rank(
         } else {
             Vec::new()
         };
-        let (mut checked, mut layer_graph_checked) = (None, None);
+        let (mut checked, mut layer_graph_checked, mut serial_outputs) = (None, None, None);
         if a.check {
             let rounds = steps.div_ceil(lanes_n);
             let (_, piped, _) = run.pipelined(lanes_n, rounds, a.order, true).await?;
@@ -637,6 +731,7 @@ fn measure_rank(
                 same(&format!("{lanes_n} in flight with layer graphs"), &graphs)?;
                 layer_graph_checked = Some(graphs.len());
             }
+            serial_outputs = Some(serial);
         }
         let comm = run.comm_alone(steps * a.layers).await?;
         let (captured, host_counts) = run.captured_expert_inputs().await?;
@@ -677,12 +772,76 @@ fn measure_rank(
             let (marks, _, enqueue) = run.pipelined_steps(&layer_steps, m, rounds, false).await?;
             layer_graph_points.push(measured.point(m, rounds, &marks, enqueue, &mut serial_step)?);
         }
+        // `--backend nccl-ep`: the same layer, one micro-batch in flight, NVIDIA's dispatch and
+        // combine in lane 0's stream order.
+        let (mut nccl_ep_point, mut nccl_ep_check) = (None, None);
+        if let Some(er) = nccl_ep {
+            for l in &lanes {
+                l.stream().synchronize().map_err(err)?;
+            }
+            let (ctx, dev) = (g.backend().context(), g.backend().device());
+            let zeros = |dtype, tag, shape: &[usize]| {
+                DeviceTensor::zeros(ctx, dev, epflow::core::TensorDesc::contiguous(tag, dtype, shape))
+            };
+            use epflow::core::{DType, TensorTag};
+            let ep = NcclEpLayer {
+                handle: er.stream_handle(p.top_k)?,
+                recv: zeros(DType::Bf16, TensorTag::Tokens, &[local, ranks * batch, p.hidden])?,
+                counts: zeros(DType::I32, TensorTag::RecvExpertCountsDevice, &[local])?,
+                combined: zeros(DType::Bf16, TensorTag::Tokens, &[batch, p.hidden])?,
+            };
+            run.nccl_ep_serial(&ep, 1, false)?;
+            if let Some(serial) = &serial_outputs {
+                let (_, theirs, _) = run.nccl_ep_serial(&ep, serial.len(), true)?;
+                nccl_ep_check = Some(compare_outputs(batch, serial, &theirs)?);
+            }
+            let (marks, _, enqueue) = run.nccl_ep_serial(&ep, steps, false)?;
+            let mut serial_step = f64::NAN;
+            nccl_ep_point = Some(measured.point(1, steps, &marks, enqueue, &mut serial_step)?);
+            lanes[0].stream().synchronize().map_err(err)?;
+        }
         if let Some((graphs, failed)) = lanes.iter().filter_map(Lane::graph_counts).reduce(|a, b| (a.0 + b.0, a.1 + b.1)) {
             if failed > 0 || r == 0 {
                 eprintln!("[moe_serving] rank {r}, batch {batch}: {graphs} layer pieces replayed as CUDA graphs, {failed} call by call (their capture failed)");
             }
         }
-        Ok(RankFigures { points, layer_graph_points, layer_graph_checked, layer_graph_error, gemm, checked })
+        Ok(RankFigures {
+            points,
+            layer_graph_points,
+            layer_graph_checked,
+            layer_graph_error,
+            gemm,
+            checked,
+            nccl_ep_point,
+            nccl_ep_check,
+        })
+    })
+}
+
+/// `--backend nccl-ep --check`: NCCL EP's serial outputs against epflow's, micro-batch by
+/// micro-batch (BF16 bits).
+fn compare_outputs(
+    batch: usize,
+    ours: &BTreeMap<u64, Vec<u16>>,
+    theirs: &BTreeMap<u64, Vec<u16>>,
+) -> Result<NcclEpCheck> {
+    let f = |b: u16| f64::from(f32::from_bits(u32::from(b) << 16));
+    let (mut identical, mut max_diff, mut max_val) = (0, 0f64, 0f64);
+    for (mb, a) in ours {
+        let b = theirs.get(mb).ok_or_else(|| err(format!("NCCL EP: micro-batch {mb} has no output")))?;
+        if a == b {
+            identical += 1;
+        }
+        for (&x, &y) in a.iter().zip(b) {
+            max_val = max_val.max(f(x).abs());
+            max_diff = max_diff.max((f(x) - f(y)).abs());
+        }
+    }
+    Ok(NcclEpCheck {
+        batch,
+        micro_batches: ours.len(),
+        bit_identical: identical,
+        max_rel_diff: max_diff / max_val.max(f64::MIN_POSITIVE),
     })
 }
 
@@ -698,6 +857,11 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
     p.check(ranks)?;
     let lanes_n = a.micro_batches.iter().copied().max().unwrap_or(1).max(1);
     let shared_gpu = devices.iter().any(|d| devices.iter().filter(|x| *x == d).count() > 1);
+    if m_args.nccl_ep && shared_gpu {
+        return Err(Error::Unsupported(format!(
+            "--backend nccl-ep: NCCL takes one GPU per rank of a communicator, and --devices {devices:?} names one twice"
+        )));
+    }
     let phase = if m_args.prefill { "prefill" } else { "decode" };
     println!(
         "moe_serving --model {} ({phase}): {ranks} rank(s) on GPUs {devices:?} ({}){}, {} layers, attention stand-in {}, compute {}, weights {:.2} GiB per layer per rank, {} micro-batches per measurement, receive kernels {:?}",
@@ -715,6 +879,13 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
     let (mut layer_graph_points, mut layer_graph_checked, mut layer_graph_errors) = (Vec::new(), None, Vec::new());
     let mut gemms = Vec::new();
     let mut checked = None;
+    let (mut nccl_ep_points, mut nccl_ep_check, mut nccl_ep_library) = (Vec::new(), Vec::new(), None);
+    if m_args.nccl_ep && a.micro_batches.iter().any(|&m| m > 1) {
+        println!(
+            "  NCCL EP: one micro-batch in flight only. NCCL EP 0.1 keeps one low-latency buffer per group and a double-buffer index per handle, so two micro-batches in flight on two streams would write the same half of it; {} in flight are measured on epflow alone",
+            a.micro_batches.iter().filter(|&&m| m > 1).map(ToString::to_string).collect::<Vec<_>>().join(", ")
+        );
+    }
     for &batch in &m_args.batches {
         let started = Instant::now();
         let sets = lanes_n.max(2);
@@ -725,10 +896,27 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
             GroupConfig::low_latency(p.num_experts, batch, p.hidden)
         };
         let config = config.with_max_top_k(p.top_k).with_max_sms(Some(comm_sms)).with_buffer_sets(sets);
+        // `--backend nccl-ep`: NVIDIA's group beside epflow's, for the same batch.
+        let nccl_ep_ranks = if m_args.nccl_ep {
+            let ranks = epflow::nccl_ep::NcclEpWorld::create(&devices, config.clone())?;
+            if let Some(r) = ranks.first() {
+                let (path, version) = r.library();
+                nccl_ep_library.get_or_insert_with(|| format!("{path} ({version})"));
+            }
+            ranks
+        } else {
+            Vec::new()
+        };
         let groups: Vec<Group<GpuRank>> = GpuWorld::create(&devices, config)?.into_iter().map(Group::new).collect();
         let figures: Vec<Result<RankFigures>> = std::thread::scope(|s| {
-            let hs: Vec<_> =
-                groups.iter().map(|g| s.spawn(move || measure_rank(g, a, m_args, batch, lanes_n))).collect();
+            let hs: Vec<_> = groups
+                .iter()
+                .enumerate()
+                .map(|(r, g)| {
+                    let ep = nccl_ep_ranks.get(r);
+                    s.spawn(move || measure_rank(g, a, m_args, batch, lanes_n, ep))
+                })
+                .collect();
             hs.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
         });
         let figures = figures.into_iter().collect::<Result<Vec<_>>>()?;
@@ -781,6 +969,38 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
                 pt.enqueue.replay_max_us
             );
         }
+        if let Some(pt) = &f.nccl_ep_point {
+            let best = f.points.iter().max_by(|x, y| x.tokens_per_s.total_cmp(&y.tokens_per_s));
+            let one = f.points.iter().find(|x| x.micro_batches == 1);
+            println!(
+                "  batch {batch:4}, 1 in flight [NCCL EP]: {:.0} tokens/s; latency p50 {:.2} ms p99 {:.2} ms; GPU busy {:.1} %; host enqueue {:.1} us per layer (router/attention/shared {:.1}, NCCL EP update+dispatch+combine {:.1}, experts {:.1}, add {:.1})",
+                pt.tokens_per_s,
+                pt.p50_ms,
+                pt.p99_ms,
+                pt.busy * 100.0,
+                pt.enqueue_us_per_layer,
+                pt.enqueue.before_dispatch_us,
+                pt.enqueue.handle_us,
+                pt.enqueue.experts_us,
+                pt.enqueue.after_combine_us
+            );
+            if let (Some(one), Some(best)) = (one, best) {
+                println!(
+                    "  batch {batch:4}: epflow / NCCL EP, tokens/s: {:.3}x with 1 in flight each; {:.3}x epflow's best ({} in flight) against NCCL EP's (1)",
+                    one.tokens_per_s / pt.tokens_per_s,
+                    best.tokens_per_s / pt.tokens_per_s,
+                    best.micro_batches
+                );
+            }
+        }
+        if let Some(c) = &f.nccl_ep_check {
+            println!(
+                "  batch {batch}: NCCL EP's serial outputs against epflow's: {} of {} micro-batches bit-identical, largest difference {:.2e} of the largest value",
+                c.bit_identical, c.micro_batches, c.max_rel_diff
+            );
+        }
+        nccl_ep_points.extend(f.nccl_ep_point.clone());
+        nccl_ep_check.extend(f.nccl_ep_check.clone());
         eprintln!("[moe_serving] batch {batch} measured in {:.1} s", started.elapsed().as_secs_f64());
         points.extend(f.points);
         layer_graph_points.extend(f.layer_graph_points);
@@ -814,6 +1034,9 @@ pub(crate) fn main(a: &super::Args, m_args: &ModelArgs) -> Result<()> {
         layer_graph_points,
         layer_graph_checked,
         layer_graph_errors,
+        nccl_ep_library,
+        nccl_ep_points,
+        nccl_ep_check,
     };
     if let Some(path) = &m_args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report).map_err(err)?)

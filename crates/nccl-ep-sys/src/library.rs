@@ -82,6 +82,18 @@ pub type CreateHandleFn = unsafe extern "C" fn(
     *const NcclEpHandleConfig,
     CudaStream,
 ) -> NcclResult;
+/// `ncclEpInitHandle`: a handle's memory without a routing (not collective).
+pub type InitHandleFn = unsafe extern "C" fn(
+    *mut NcclEpHandle,
+    NcclEpGroup,
+    NcclEpLayout,
+    *const NcclEpHandleConfig,
+    c_int,
+    *const NcclEpTensor,
+) -> NcclResult;
+/// `ncclEpUpdateHandle`: a new routing for a handle (may be collective: every rank, same order).
+pub type UpdateHandleFn =
+    unsafe extern "C" fn(NcclEpHandle, *const NcclEpTensor, *const NcclEpLayoutInfo, CudaStream) -> NcclResult;
 /// `ncclEpHandleDestroy`.
 pub type HandleDestroyFn = unsafe extern "C" fn(NcclEpHandle) -> NcclResult;
 /// `ncclEpDispatch` (collective).
@@ -117,6 +129,10 @@ pub struct NcclEp {
     pub group_destroy: GroupDestroyFn,
     /// `ncclEpCreateHandle`.
     pub create_handle: CreateHandleFn,
+    /// `ncclEpInitHandle`, where the library has it.
+    pub init_handle: Option<InitHandleFn>,
+    /// `ncclEpUpdateHandle`, where the library has it.
+    pub update_handle: Option<UpdateHandleFn>,
     /// `ncclEpHandleDestroy`.
     pub handle_destroy: HandleDestroyFn,
     /// `ncclEpDispatch`.
@@ -229,6 +245,8 @@ impl NcclEp {
             create_group: symbol(&lib, "ncclEpCreateGroup", &path)?,
             group_destroy: symbol(&lib, "ncclEpGroupDestroy", &path)?,
             create_handle: symbol(&lib, "ncclEpCreateHandle", &path)?,
+            init_handle: optional(&[Some(&lib)], "ncclEpInitHandle"),
+            update_handle: optional(&[Some(&lib)], "ncclEpUpdateHandle"),
             handle_destroy: symbol(&lib, "ncclEpHandleDestroy", &path)?,
             dispatch: symbol(&lib, "ncclEpDispatch", &path)?,
             combine: symbol(&lib, "ncclEpCombine", &path)?,

@@ -13,6 +13,9 @@
 //!   what it returns.
 //! - `group.rs`: what the ranks share: the library, the NCCL EP group, buffer sets, and the
 //!   teardown the whole world shares.
+//! - [`NcclEpStreamHandle`] (`stream.rs`): low-latency dispatch and combine in the caller's
+//!   stream order into the caller's tensors, a handle's routing replaced in place (how a C++
+//!   layer drives NCCL EP; `moe_serving --backend nccl-ep`).
 //!
 //! Scope (what NCCL EP 0.1 offers, one process driving every GPU, BF16 dispatch, forward pass):
 //! - Low-latency, expert-major layout: dispatch outputs `[L x R*M x H]` and the per-expert
@@ -49,6 +52,7 @@
 mod group;
 mod handle;
 mod op;
+mod stream;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -71,6 +75,7 @@ pub use handle::NcclEpHandle;
 use handle::{Desc, HtRecv, NcclEpHandleState};
 use op::NcclEpOpKind;
 pub use op::{NcclEpCombineOutput, NcclEpDispatchOutput, NcclEpOp, NcclEpOpOutput};
+pub use stream::NcclEpStreamHandle;
 
 /// Creates NCCL EP groups.
 #[derive(Debug)]

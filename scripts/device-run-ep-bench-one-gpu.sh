@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# On a one-GPU machine, from the repository root: NVIDIA's own NCCL EP programs on one rank,
+# against NVIDIA's library and against epflow's libnccl_ep.so in the same call (issue 66's
+# checks; the ratios of STATUS.md). Needs:
+#   .device-pack/ (scripts/device-pack.sh): epflow's nccl-ep/libnccl_ep.so;
+#   .nccl-pack/nccl-pack.tar.xz (git-ignored; carry it): NCCL 2.30.7, NCCL EP 0.1.0 (API v1,
+#     NVIDIA/nccl contrib/nccl_ep) and NCCL EP of NVIDIA/nccl-extensions (API v2), with their
+#     ep_bench and MPICH, built by hand for sm_90 as ../shared/DESIGN.md says (nothing of them
+#     is committed); its README.txt says how.
+# v1: ep_bench low-latency rank-major and expert-major (128 tokens, REPS rounds, libraries
+# alternated) and high-throughput (4096 tokens), each with --validate. v2: ep_bench's expert-
+# major, rank-major with GLOBAL ids, DS_FP8E3M4, int32 topk_idx and high-throughput cases.
+# Logs in $OUT/ep-bench.tgz; one line per run here.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+P=$PWD/.nccl-pack
+OUT=${OUT:-/tmp/epflow-out}
+O=/tmp/ep-bench-logs
+mkdir -p "$OUT" "$O" /tmp/epflow-abi
+[ -x "$P/bin/ep_bench" ] || tar -xJf "$P/nccl-pack.tar.xz" -C "$P" ||
+    python3 -c "import tarfile; tarfile.open('$P/nccl-pack.tar.xz').extractall('$P')"
+ln -sf "$PWD/.device-pack/nccl-ep/libnccl_ep.so" /tmp/epflow-abi/libnccl_ep.so.0
+export CUDA_HOME=/usr/local/cuda NCCL_HOME=$P NCCL_NVLS_ENABLE=0
+base=$P/lib:$P/mpi/lib:/usr/local/cuda/extras/CUPTI/lib64:/usr/local/cuda/lib64
+nvidia-smi --query-gpu=name --format=csv,noheader | head -1
+# run NAME nvidia|epflow v1|v2 ARGS...: one ep_bench on one rank.
+run() {
+    local name=$1 lib=$2 ver=$3 pre="" bin=$P/bin/ep_bench home=$P
+    shift 3
+    if [ "$ver" = v2 ]; then bin=$P/v2/bin/ep_bench home=$P/v2 pre=$P/v2/lib:; fi
+    [ "$lib" = epflow ] && pre=/tmp/epflow-abi:
+    local log=$O/$name-$lib-$ver.log
+    NCCL_EP_HOME=$home LD_LIBRARY_PATH=$pre$base timeout "${RUN_TIMEOUT:-150}" \
+        "$P/mpi/bin/mpiexec" -n 1 "$bin" "$@" >"$log" 2>&1
+    echo "$name $lib $ver: rc=$? $(grep -ciE 'passed' "$log") passed, $(grep -ciE 'fail|mismatch' "$log") fail lines"
+}
+for rep in $(seq "${REPS:-2}"); do
+    for lib in nvidia epflow; do
+        run "ll-rm-128-$rep" $lib v1 --algorithm ll --layout rm --tokens 128 --iters 300 --validate
+        run "ll-em-128-$rep" $lib v1 --algorithm ll --layout em --tokens 128 --iters 300 --validate
+    done
+done
+for lib in nvidia epflow; do
+    run ht-4096 $lib v1 --algorithm ht --tokens 4096 --iters 100 --validate
+done
+for lib in nvidia epflow; do
+    run v2-ll-em $lib v2 --algorithm ll --tokens 128 --validate
+    run v2-ll-rm-global $lib v2 --algorithm ll --layout rm --tokens 128 --validate --expert-id-kind global
+    run v2-ll-fp8 $lib v2 --algorithm ll --tokens 128 --validate --dispatch-quantization ds-fp8e3m4
+    run v2-ll-int32 $lib v2 --algorithm ll --tokens 128 --validate --topk-idx-int32
+    run v2-ht $lib v2 --algorithm ht --tokens 4096 --validate
+done
+tar czf "$OUT/ep-bench.tgz" -C "$O" .
