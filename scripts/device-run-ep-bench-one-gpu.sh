@@ -8,8 +8,10 @@
 #     ep_bench and MPICH, built by hand for sm_90 as ../shared/DESIGN.md says (nothing of them
 #     is committed); its README.txt says how.
 # v1: ep_bench low-latency rank-major and expert-major (128 tokens, REPS rounds, libraries
-# alternated) and high-throughput (4096 tokens), each with --validate. v2: ep_bench's expert-
-# major, rank-major with GLOBAL ids, DS_FP8E3M4, int32 topk_idx and high-throughput cases.
+# alternated) and high-throughput flat and expert-major (4096 tokens; zones unaligned and
+# aligned to 64), each with --validate. v2: ep_bench's expert-major, rank-major with GLOBAL ids,
+# DS_FP8E3M4 (dispatch only: the recipe has no combine), int32 topk_idx and high-throughput
+# flat and expert-major cases. ONLY=<regex> runs the matching cases alone.
 # Logs in $OUT/ep-bench.tgz; one line per run here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +31,7 @@ run() {
     shift 3
     if [ "$ver" = v2 ]; then bin=$P/v2/bin/ep_bench home=$P/v2 pre=$P/v2/lib:; fi
     [ "$lib" = epflow ] && pre=/tmp/epflow-abi:
+    if [ -n "${ONLY:-}" ] && ! [[ $name =~ $ONLY ]]; then return 0; fi
     local log=$O/$name-$lib-$ver.log
     NCCL_EP_HOME=$home LD_LIBRARY_PATH=$pre$base timeout "${RUN_TIMEOUT:-150}" \
         "$P/mpi/bin/mpiexec" -n 1 "$bin" "$@" >"$log" 2>&1
@@ -42,12 +45,17 @@ for rep in $(seq "${REPS:-2}"); do
 done
 for lib in nvidia epflow; do
     run ht-4096 $lib v1 --algorithm ht --tokens 4096 --iters 100 --validate
+    run ht-em-4096 $lib v1 --algorithm ht --layout em --tokens 4096 --iters 100 --validate
+    run ht-em-4096-align64 $lib v1 --algorithm ht --layout em --tokens 4096 --iters 100 --validate \
+        --expert-major-alignment 64
 done
 for lib in nvidia epflow; do
     run v2-ll-em $lib v2 --algorithm ll --tokens 128 --validate
     run v2-ll-rm-global $lib v2 --algorithm ll --layout rm --tokens 128 --validate --expert-id-kind global
-    run v2-ll-fp8 $lib v2 --algorithm ll --tokens 128 --validate --dispatch-quantization ds-fp8e3m4
+    run v2-ll-fp8 $lib v2 --algorithm ll --tokens 128 --validate --dispatch-quantization ds-fp8e3m4 \
+        --dispatch-only --iters 300
     run v2-ll-int32 $lib v2 --algorithm ll --tokens 128 --validate --topk-idx-int32
     run v2-ht $lib v2 --algorithm ht --tokens 4096 --validate
+    run v2-ht-em $lib v2 --algorithm ht --layout em --tokens 4096 --validate
 done
 tar czf "$OUT/ep-bench.tgz" -C "$O" .

@@ -16,6 +16,8 @@ Python from fresh random inputs (the seed is printed; ``--seed`` replays one):
   the combine of caller-reduced rows;
 - high-throughput, flat: the receive count from ``recv_total_counter``, rows, weights and ids
   (and the unused rows marked -1/0), the combine;
+- high-throughput expert-major: the padded counts, zone offsets and slot total of the handle,
+  every zone's tokens (in token order) and weights, zero padding, the combine of every slot;
 - low-latency rank-major and high-throughput flat again with API v2's GLOBAL expert ids (on one
   rank the same values as local ones: the call path is checked here, the offsets by the Rust
   GPU test ``global_expert_ids_gain_the_rank_offset_on_live_rows_only``);
@@ -522,6 +524,82 @@ def high_throughput_flat(lib, comm, cuda, stream, p, chk, global_ids=False):
         lib.ncclEpGroupDestroy(group)
 
 
+def high_throughput_expert_major(lib, comm, cuda, stream, p, chk, alignment=4):
+    """NCCL EP's high-throughput EXPERT_MAJOR layout (one rank: every expert local): the handle's
+    padded counts, zone offsets and slot total; each zone holds its expert's tokens in token
+    order with their weights, padding zero; the combine sums every slot of a token."""
+    E, M, H, K = p.E, p.M, p.H, p.K
+    L = E
+    cfg = nccl_ep.ncclEpGroupConfig_t(
+        algorithm=NCCL_EP_ALGO_HIGH_THROUGHPUT,
+        num_experts=E,
+        max_dispatch_tokens_per_rank=M,
+        max_recv_tokens_per_rank=M * K,
+        max_token_bytes=2 * H,
+    )
+    group = lib.ncclEpCreateGroup(comm, cfg)
+    try:
+        x_d = cuda.upload(p.flat("H", p.x))
+        idx_d = cuda.upload(p.flat("q", p.idx))
+        w_d = cuda.upload(p.flat("f", p.w))
+        counts_d, offsets_d, total_d = cuda.alloc(L * 8), cuda.alloc(L * 8), cuda.alloc(8)
+        info = nccl_ep.ncclEpLayoutInfo_t(
+            expert_counters=desc(counts_d, ncclInt64, (L,)),
+            expert_offsets=desc(offsets_d, ncclInt64, (L,)),
+            recv_total_counter=desc(total_d, ncclInt64, (1,)),
+        )
+        hcfg = nccl_ep.ncclEpHandleConfig_t(dispatch_output_per_expert_alignment=alignment)
+        handle = lib.ncclEpCreateHandle(group, NCCL_EP_LAYOUT_EXPERT_MAJOR, desc(idx_d, ncclInt64, (p.B, K)), info, hcfg, stream)
+        try:
+            cuda.sync(stream)
+            counts = list(cuda.download(counts_d, "q", L))
+            offsets = list(cuda.download(offsets_d, "q", L))
+            total = cuda.download(total_d, "q", 1)[0]
+            zones = [p.tokens_of(e) for e in range(L)]
+            pad = [(len(z) + alignment - 1) // alignment * alignment for z in zones]
+            chk.expect(counts == pad, "EM: padded counts %r, expected %r" % (counts, pad))
+            chk.expect(offsets == [sum(pad[:e]) for e in range(L)], "EM: offsets %r" % (offsets,))
+            chk.expect(total == sum(pad), "EM: total %d, expected %d" % (total, sum(pad)))
+            slots = total + 3  # a few slots more than needed
+            recv_d = cuda.alloc(slots * H * 2, fill=0xA5)
+            rw_d = cuda.alloc(slots * 4, fill=0xA5)
+            din = nccl_ep.ncclEpDispatchInputs_t(
+                tokens=desc(x_d, ncclBfloat16, (p.B, H)), topk_weights=desc(w_d, ncclFloat32, (p.B, K))
+            )
+            dout = nccl_ep.ncclEpDispatchOutputs_t(
+                tokens=desc(recv_d, ncclBfloat16, (slots, H)), topk_weights=desc(rw_d, ncclFloat32, (slots,))
+            )
+            lib.ncclEpDispatch(handle, din, dout, None, None, stream)
+            cuda.sync(stream)
+            recv = rows(cuda.download(recv_d, "H", slots * H), slots, H)
+            rw = cuda.download(rw_d, "f", slots)
+            y = array.array("H", bytes(slots * H * 2))
+            for e in range(L):
+                for j, t in enumerate(zones[e]):
+                    s = offsets[e] + j
+                    k = p.idx[t].index(e)
+                    chk.expect(recv[s] == p.x[t], "EM: expert %d slot %d is not token %d" % (e, j, t))
+                    chk.expect(rw[s] == p.w[t][k], "EM: expert %d slot %d weight %r, expected %r" % (e, j, rw[s], p.w[t][k]))
+                    # The caller's expert output for the slot, weighted (the combine only sums).
+                    y[s * H:(s + 1) * H] = array.array("H", [bf16_bits(p.w[t][k] * bf16_val(v)) for v in p.expert(e, recv[s])])
+                for s in range(offsets[e] + len(zones[e]), offsets[e] + pad[e]):
+                    chk.expect(recv[s] == [0] * H and rw[s] == 0.0, "EM: expert %d pad slot %d is not zero" % (e, s))
+            y_d = cuda.upload(y)
+            out_d = cuda.alloc(p.B * H * 2, fill=0xFF)
+            cin = nccl_ep.ncclEpCombineInputs_t(tokens=desc(y_d, ncclBfloat16, (slots, H)))
+            cout = nccl_ep.ncclEpCombineOutputs_t(tokens=desc(out_d, ncclBfloat16, (p.B, H)))
+            lib.ncclEpCombine(handle, cin, cout, None, stream)
+            cuda.sync(stream)
+            out = cuda.download(out_d, "H", p.B * H)
+            for t in range(p.B):
+                if p.routed(t):
+                    chk.close(out[t * H:(t + 1) * H], p.weighted(t), "HT expert-major combine, token %d" % t, rtol=2e-2)
+        finally:
+            lib.ncclEpHandleDestroy(handle)
+    finally:
+        lib.ncclEpGroupDestroy(group)
+
+
 def torch_expert_major(lib, comm, p, chk):
     import torch
     from nccl_ep.torch_ep import EpGroup
@@ -602,6 +680,8 @@ def main():
             lambda p: low_latency_rank_major(lib, comm, cuda, stream, p, chk, global_ids=True),
         ),
         ("HT flat, GLOBAL expert ids (API v2)", lambda p: high_throughput_flat(lib, comm, cuda, stream, p, chk, global_ids=True)),
+        ("HT expert-major, zones aligned to 4", lambda p: high_throughput_expert_major(lib, comm, cuda, stream, p, chk)),
+        ("HT expert-major, no alignment", lambda p: high_throughput_expert_major(lib, comm, cuda, stream, p, chk, alignment=1)),
     ]
     try:
         import torch  # noqa: F401

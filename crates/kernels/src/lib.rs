@@ -83,7 +83,7 @@ pub use device::{DeviceTensor, StreamWork, device_count, sm_count};
 pub use graph::{CapturedSend, GpuCapture, GpuReplay, GpuStep};
 pub use op::{GpuOp, GpuOpOutput};
 pub use outputs::{GpuCombineOutput, GpuDispatchOutput, OutputTargets};
-pub use rank::{BulkStages, CopyRange, GpuRank, LaunchCost};
+pub use rank::{BulkStages, CopyRange, ExpertMajorPlan, GpuRank, LaunchCost};
 pub use state::handle::GpuHandle;
 pub use transport::Transport;
 pub use world::GpuWorld;

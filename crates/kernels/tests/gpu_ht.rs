@@ -977,3 +977,113 @@ fn tma_copy_moves_the_bytes() {
         assert!(matches!(err, Err(Error::Unsupported(m)) if m.contains("stages")), "{chunk} B x {stages}");
     }
 }
+
+/// NCCL EP's high-throughput expert-major layout over flat outputs (`ExpertMajorPlan`, the
+/// `ep_em_*` kernels) against a CPU reference, on one GPU: random flat rows, weights and local
+/// expert ids (some `-1`, experts distinct per row), zones aligned to 1 and to 4 slots. Every
+/// zone holds its expert's rows in flat order with their weights, its padding is zero (the
+/// outputs are poisoned first), and the reduce back gives each row the BF16 of the fp32 sum of
+/// its slots (here copies of the row).
+#[test]
+fn expert_major_layout_matches_the_reference() {
+    use epflow_core::{DType, HostData, TensorDesc, TensorTag};
+    let Some(device) = common::one_gpu("expert_major_layout_matches_the_reference") else { return };
+    let base = seed();
+    eprintln!("seed {base}");
+    let config = GroupConfig::high_throughput(32, 256);
+    let ranks = GpuWorld::create(&[device], config).expect("create GPU group");
+    let rank = &ranks[0];
+    let stream = rank.context().new_stream().expect("stream");
+    let mut rng = base | 1;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    for (n, k, l, h, alignment) in [(300usize, 4usize, 8usize, 256usize, 1usize), (77, 8, 16, 200, 4), (0, 2, 4, 64, 4)]
+    {
+        let tokens: Vec<bf16> = (0..n * h).map(|_| bf16::from_f32((next() % 2001) as f32 / 1000.0 - 1.0)).collect();
+        let weights: Vec<f32> = (0..n * k).map(|_| (next() % 1000) as f32 / 1000.0).collect();
+        let mut idx = vec![-1i64; n * k];
+        for row in idx.chunks_mut(k) {
+            let mut experts: Vec<i64> = (0..l as i64).collect();
+            for slot in row.iter_mut() {
+                if next() % 3 == 0 {
+                    continue;
+                }
+                let e = experts.swap_remove((next() % experts.len() as u64) as usize);
+                *slot = e;
+            }
+        }
+        let mut counts = vec![0i32; l];
+        for &e in idx.iter().filter(|&&e| e >= 0) {
+            counts[e as usize] += 1;
+        }
+        let plan = rank.expert_major_plan(&counts, n, k, alignment).expect("plan");
+        let t = rank.upload(&HostTensor::new(TensorTag::Tokens, &[n, h], HostData::Bf16(tokens.clone()))).unwrap();
+        let w = rank.upload(&HostTensor::new(TensorTag::TopkWeights, &[n, k], HostData::F32(weights.clone()))).unwrap();
+        let i = rank.upload(&HostTensor::topk_idx(n, k, idx.clone())).unwrap();
+        let slots = plan.total + 3;
+        let poison = |dtype, shape: &[usize]| {
+            let d =
+                DeviceTensor::zeros(rank.context(), device, TensorDesc::contiguous(TensorTag::Tokens, dtype, shape))
+                    .expect("alloc");
+            let bytes = d.desc().size_bytes();
+            // SAFETY: `d` holds `bytes` bytes of this device; synchronous memset.
+            unsafe { cudarc::driver::sys::cuMemsetD8_v2(d.ptr(), 0xA5, bytes) }.result().expect("poison");
+            d
+        };
+        let out = poison(DType::Bf16, &[slots, h]);
+        let out_w = poison(DType::F32, &[slots]);
+        rank.expert_major_slots_on(&stream, &plan, &i).expect("slots");
+        rank.expert_major_scatter_on(&stream, &plan, &t, &w, &out, &out_w).expect("scatter");
+        let back = DeviceTensor::zeros(
+            rank.context(),
+            device,
+            TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[n, h]),
+        )
+        .expect("alloc");
+        rank.expert_major_reduce_on(&stream, &plan, &out, &back).expect("reduce");
+        stream.synchronize().expect("sync");
+        let got = out.download(rank.context()).unwrap();
+        let got = got.as_bf16().unwrap();
+        let got_w = out_w.download(rank.context()).unwrap();
+        let got_w = got_w.as_f32().unwrap();
+        let what = format!("N={n} K={k} L={l} H={h} alignment={alignment} seed={base}");
+        let mut off = 0usize;
+        for e in 0..l {
+            let rows: Vec<(usize, usize)> = (0..n * k).filter(|&j| idx[j] == e as i64).map(|j| (j / k, j)).collect();
+            assert_eq!(plan.counts[e], rows.len() as i64, "{what}: expert {e} count");
+            assert_eq!(plan.offsets[e], off as i64, "{what}: expert {e} offset");
+            for (s, &(row, j)) in rows.iter().enumerate() {
+                let slot = off + s;
+                assert_eq!(
+                    &got[slot * h..(slot + 1) * h],
+                    &tokens[row * h..(row + 1) * h],
+                    "{what}: expert {e} slot {s}"
+                );
+                assert_eq!(got_w[slot].to_bits(), weights[j].to_bits(), "{what}: expert {e} slot {s} weight");
+            }
+            let padded = plan.padded[e] as usize;
+            assert_eq!(padded, rows.len().div_ceil(alignment.max(1)) * alignment.max(1), "{what}: expert {e} zone");
+            for slot in off + rows.len()..off + padded {
+                assert!(got[slot * h..(slot + 1) * h].iter().all(|v| v.to_bits() == 0), "{what}: pad slot {slot}");
+                assert_eq!(got_w[slot], 0.0, "{what}: pad slot {slot} weight");
+            }
+            off += padded;
+        }
+        assert_eq!(plan.total, off, "{what}: total");
+        let back = back.download(rank.context()).unwrap();
+        let back = back.as_bf16().unwrap();
+        for row in 0..n {
+            let m = idx[row * k..(row + 1) * k].iter().filter(|&&e| e >= 0).count();
+            for c in 0..h {
+                let x = tokens[row * h + c].to_f32();
+                let want = bf16::from_f32((0..m).fold(0f32, |acc, _| acc + x));
+                assert_eq!(back[row * h + c].to_bits(), want.to_bits(), "{what}: reduced row {row} col {c}");
+            }
+        }
+        eprintln!("ok: expert-major layout, {what}");
+    }
+}

@@ -14,6 +14,7 @@ use epflow_kernels::DeviceTensor;
 use nccl_ep_sys as ep;
 
 use crate::check;
+use crate::expert_major::alignment_of;
 use crate::group::Group;
 use crate::handle::{HANDLE_MEM_BYTES, Handle, layout_of, sync_stream};
 use crate::live::Registry;
@@ -200,7 +201,7 @@ pub unsafe extern "C" fn ncclEpInitHandle(
         out_ptr(handle, "handle")?;
         let g = group(ep_group)?;
         // SAFETY: forwarded contract.
-        unsafe { check::api_struct(config, "config") }?;
+        let cfg = unsafe { check::api_struct(config, "config") }?;
         // SAFETY: forwarded contract.
         if let Some(m) = unsafe { check::tensor(handle_mem, "handle_mem") }? {
             m.expect_type("handle_mem", ep::NCCL_UINT8)?;
@@ -212,8 +213,9 @@ pub unsafe extern "C" fn ncclEpInitHandle(
             }
         }
         let l = layout_of(g.shape.algorithm, layout)?;
+        let em = alignment_of(g.shape.algorithm, layout, cfg.as_ref())?;
         let k = top_k_arg(&g, num_topk)?;
-        let h = new_handle(Handle::new(Arc::clone(&g), l, k))?;
+        let h = new_handle(Handle::new(Arc::clone(&g), l, k, em))?;
         // SAFETY: writable (checked; contract).
         unsafe { *handle = h };
         Ok(())
@@ -259,9 +261,10 @@ pub unsafe extern "C" fn ncclEpCreateHandle(
         out_ptr(handle, "handle")?;
         let g = group(ep_group)?;
         // SAFETY: forwarded contract.
-        unsafe { check::api_struct(config, "config") }?;
+        let cfg = unsafe { check::api_struct(config, "config") }?;
         let l = layout_of(g.shape.algorithm, layout)?;
-        let h = Handle::new(Arc::clone(&g), l, None);
+        let em = alignment_of(g.shape.algorithm, layout, cfg.as_ref())?;
+        let h = Handle::new(Arc::clone(&g), l, None, em);
         // SAFETY: forwarded contract.
         unsafe { h.update(topk_idx, layout_info, stream) }?;
         let h = new_handle(h)?;

@@ -23,6 +23,7 @@ use epflow_kernels::{DeviceTensor, GpuHandle, GpuOp};
 use nccl_ep_sys as ep;
 
 use crate::check::{self, Tensor};
+use crate::expert_major::ExpertMajor;
 use crate::group::Group;
 use crate::ids::Globalize;
 use crate::status::{Fail, Res};
@@ -42,6 +43,11 @@ pub(crate) struct Handle {
     widened: Mutex<Option<DeviceTensor>>,
     /// A `send_only` operation waiting for `ncclEpComplete`.
     pub(crate) staged: Mutex<Option<Staged>>,
+    /// High-throughput `NCCL_EP_LAYOUT_EXPERT_MAJOR`: the zones' alignment (`None`: another
+    /// layout).
+    pub(crate) expert_major_alignment: Option<usize>,
+    /// High-throughput expert-major: the zones of the current routing.
+    expert_major: Mutex<Option<Arc<ExpertMajor>>>,
 }
 
 /// A `send_only` dispatch or combine waiting for `ncclEpComplete`, and what follows its receive.
@@ -64,10 +70,10 @@ pub(crate) fn layout_of(algorithm: Algorithm, layout: ep::NcclEpLayout) -> Res<L
         (_, ep::NCCL_EP_LAYOUT_UNSET) => Err(Fail::arg("layout is NCCL_EP_LAYOUT_UNSET")),
         (Algorithm::LowLatency, ep::NCCL_EP_LAYOUT_EXPERT_MAJOR) => Ok(Layout::ExpertMajor),
         (Algorithm::LowLatency, ep::NCCL_EP_LAYOUT_RANK_MAJOR) => Ok(Layout::RankMajor),
-        (Algorithm::HighThroughput, ep::NCCL_EP_LAYOUT_FLAT) => Ok(Layout::ExpertMajor),
-        (Algorithm::HighThroughput, ep::NCCL_EP_LAYOUT_EXPERT_MAJOR) => Err(Fail::usage(
-            "high-throughput NCCL_EP_LAYOUT_EXPERT_MAJOR is not implemented by epflow's NCCL EP library: use NCCL_EP_LAYOUT_FLAT",
-        )),
+        // Expert-major zones are built from the flat layout (`expert_major.rs`).
+        (Algorithm::HighThroughput, ep::NCCL_EP_LAYOUT_FLAT | ep::NCCL_EP_LAYOUT_EXPERT_MAJOR) => {
+            Ok(Layout::ExpertMajor)
+        }
         (Algorithm::LowLatency, ep::NCCL_EP_LAYOUT_FLAT) => Err(Fail::usage(
             "NCCL_EP_LAYOUT_FLAT is a high-throughput layout; low-latency takes EXPERT_MAJOR or RANK_MAJOR",
         )),
@@ -119,8 +125,14 @@ fn write_counts(t: &Tensor, values: &[i64], what: &str) -> Res<()> {
 }
 
 impl Handle {
-    /// A handle of `layout` with no routing yet (`ncclEpInitHandle`).
-    pub(crate) fn new(group: Arc<Group>, layout: Layout, top_k: Option<usize>) -> Self {
+    /// A handle of `layout` with no routing yet (`ncclEpInitHandle`); `expert_major_alignment`:
+    /// high-throughput expert-major, with its zones' alignment ([`crate::expert_major::alignment_of`]).
+    pub(crate) fn new(
+        group: Arc<Group>,
+        layout: Layout,
+        top_k: Option<usize>,
+        expert_major_alignment: Option<usize>,
+    ) -> Self {
         Handle {
             group,
             layout,
@@ -128,7 +140,19 @@ impl Handle {
             gpu: Mutex::new(None),
             widened: Mutex::new(None),
             staged: Mutex::new(None),
+            expert_major_alignment,
+            expert_major: Mutex::new(None),
         }
+    }
+
+    /// High-throughput expert-major: the current routing's zones (`ncclInvalidUsage` before
+    /// `ncclEpUpdateHandle`); `None` for every other layout.
+    pub(crate) fn expert_major(&self) -> Res<Option<Arc<ExpertMajor>>> {
+        if self.expert_major_alignment.is_none() {
+            return Ok(None);
+        }
+        let em = self.expert_major.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        em.map(Some).ok_or_else(|| Fail::usage("the handle has no routing yet: call ncclEpUpdateHandle first"))
     }
 
     /// The routing, or `ncclInvalidUsage` before `ncclEpUpdateHandle`.
@@ -225,17 +249,40 @@ impl Handle {
             blocking_handle_with(&g.rank, &dev, &opts)?
         };
         if g.shape.algorithm == Algorithm::HighThroughput {
+            let raw = h.recv_expert_counts().unwrap_or_default();
+            let n = h.num_recv_tokens().unwrap_or(0);
+            // Flat: the rows per local expert and `N`; expert-major: the padded zones, their
+            // first slots and the slots in all (NCCL EP's meaning of the same counters).
+            let (counts, offsets, total) = match self.expert_major_alignment {
+                Some(a) => {
+                    if raw.len() != g.shape.local_experts {
+                        return Err(Fail::from(epflow_core::Error::Backend(format!(
+                            "expert-major handle: {} per-expert counts for {} local experts",
+                            raw.len(),
+                            g.shape.local_experts
+                        ))));
+                    }
+                    let em = ExpertMajor::new(&g.rank, raw, n, k, g.shape.hidden, a)?;
+                    let p = (em.plan.padded.clone(), Some(em.plan.offsets.clone()), em.plan.total as i64);
+                    *self.expert_major.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(em));
+                    p
+                }
+                None => (raw.iter().map(|&c| i64::from(c)).collect(), None, n as i64),
+            };
             if let Some(info) = info {
-                let counts: Vec<i64> =
-                    h.recv_expert_counts().unwrap_or_default().iter().map(|&c| i64::from(c)).collect();
                 // SAFETY: forwarded contract (the info's tensors are readable descriptors).
                 if let Some(c) = unsafe { check::tensor(info.expert_counters, "layout_info.expert_counters") }? {
                     write_counts(&c, &counts, "layout_info.expert_counters")?;
                 }
+                if let Some(offsets) = &offsets {
+                    // SAFETY: as above.
+                    if let Some(c) = unsafe { check::tensor(info.expert_offsets, "layout_info.expert_offsets") }? {
+                        write_counts(&c, offsets, "layout_info.expert_offsets")?;
+                    }
+                }
                 // SAFETY: as above.
                 if let Some(c) = unsafe { check::tensor(info.recv_total_counter, "layout_info.recv_total_counter") }? {
-                    let n = h.num_recv_tokens().unwrap_or(0) as i64;
-                    write_counts(&c, &[n], "layout_info.recv_total_counter")?;
+                    write_counts(&c, &[total], "layout_info.recv_total_counter")?;
                 }
             }
         }
@@ -267,11 +314,11 @@ mod tests {
         assert_eq!(layout_of(Ll, ep::NCCL_EP_LAYOUT_EXPERT_MAJOR), Ok(Layout::ExpertMajor));
         assert_eq!(layout_of(Ll, ep::NCCL_EP_LAYOUT_RANK_MAJOR), Ok(Layout::RankMajor));
         assert_eq!(layout_of(Ht, ep::NCCL_EP_LAYOUT_FLAT), Ok(Layout::ExpertMajor));
+        assert_eq!(layout_of(Ht, ep::NCCL_EP_LAYOUT_EXPERT_MAJOR), Ok(Layout::ExpertMajor));
         let code = |a, l| layout_of(a, l).unwrap_err().code;
         assert_eq!(code(Ll, ep::NCCL_EP_LAYOUT_UNSET), ep::NCCL_INVALID_ARGUMENT);
         assert_eq!(code(Ll, 9), ep::NCCL_INVALID_ARGUMENT);
         assert_eq!(code(Ll, ep::NCCL_EP_LAYOUT_FLAT), ep::NCCL_INVALID_USAGE);
-        assert_eq!(code(Ht, ep::NCCL_EP_LAYOUT_EXPERT_MAJOR), ep::NCCL_INVALID_USAGE);
         assert_eq!(code(Ht, ep::NCCL_EP_LAYOUT_RANK_MAJOR), ep::NCCL_INVALID_USAGE);
     }
 }

@@ -38,6 +38,7 @@
 //! - `comm.rs`: the caller's `ncclComm_t` as epflow's bootstrap (through the caller's NCCL).
 //! - `group.rs`: a group: the epflow GPU rank, the config's shape, operations in flight.
 //! - `handle.rs`: handles: layout, top-k, routing.
+//! - `expert_major.rs`: high-throughput `NCCL_EP_LAYOUT_EXPERT_MAJOR` on the flat layout.
 //! - `ids.rs`: API v2's GLOBAL expert ids, rewritten after a dispatch's receive.
 //! - `live.rs`: the registry of live groups and handles (what `ncclEpGroup_t` and
 //!   `ncclEpHandle_t` values name; destroyed ones are refused).
@@ -53,20 +54,22 @@
 //!
 //! Low-latency, expert-major and rank-major layouts, `send_only` + `ncclEpComplete`, the
 //! active mask (`enable_mask`, NVLink peers); high-throughput, flat layout, forward and
-//! backward; an int64 or (API v2) int32 `topk_idx`; API v2's local or GLOBAL received expert ids
-//! (`recv_topk_idx_kind`; `ids.rs` rewrites them after the receive). The caller's `ncclComm_t`
-//! bootstraps the group (one process per GPU; ranks on one host share memory over NVLink, other
-//! hosts go through NCCL). Operations run on the caller's
-//! stream and write the caller's tensors. API v2's DS_FP8E3M4 recipe is epflow's low-latency
-//! FP8 dispatch, per call. Refused with `ncclInvalidUsage` and a log line: high-throughput
-//! expert-major, pre-quantized tokens (`inputs.scales`, recipe FWD), the NVFP4 combine, NCCL
-//! window tensors, CUDA graph capture.
+//! backward, and expert-major (forward; `expert_major.rs`, built on the flat layout, not yet run
+//! on a GPU); an int64 or (API v2) int32 `topk_idx`; API v2's local or GLOBAL received expert
+//! ids (`recv_topk_idx_kind`; `ids.rs` rewrites them after the receive). The caller's
+//! `ncclComm_t` bootstraps the group (one process per GPU; ranks on one host share memory over
+//! NVLink, other hosts go through NCCL). Operations run on the caller's stream and write the
+//! caller's tensors. API v2's DS_FP8E3M4 recipe is epflow's low-latency FP8 dispatch, per call.
+//! Refused with `ncclInvalidUsage` and a log line: pre-quantized tokens (`inputs.scales`, recipe
+//! FWD), the NVFP4 combine, the expert-major backward pass, NCCL window tensors, CUDA graph
+//! capture.
 
 #![warn(missing_docs)]
 
 pub mod api;
 mod check;
 mod comm;
+mod expert_major;
 mod group;
 mod handle;
 pub mod header;

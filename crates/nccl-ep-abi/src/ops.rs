@@ -301,6 +301,47 @@ pub(crate) unsafe fn dispatch(
             *h.staged.lock().unwrap_or_else(|e| e.into_inner()) = staged;
             g.settle(false)?;
         }
+        (Algorithm::HighThroughput, _) if h.expert_major_alignment.is_some() => {
+            // Expert-major: the flat dispatch into the handle's memory, then the caller's zones.
+            let em = h.expert_major()?.ok_or_else(|| Fail::usage("no expert-major zones"))?;
+            if pass == Pass::Backward {
+                return Err(Fail::usage(
+                    "backward dispatch on a high-throughput NCCL_EP_LAYOUT_EXPERT_MAJOR handle is not implemented by epflow's NCCL EP library (use NCCL_EP_LAYOUT_FLAT)",
+                ));
+            }
+            if out_i.is_some() {
+                return Err(Fail::arg("expert-major dispatch writes no outputs.topk_idx (one weight per slot)"));
+            }
+            let total = em.plan.total;
+            rows_of(&out, "outputs.tokens", ep::NCCL_BFLOAT16, total, hd, true)?;
+            let slots = out.numel() / hd.max(1);
+            let w = w_in.ok_or_else(|| Fail::arg("forward dispatch needs inputs.topk_weights"))?;
+            rows_of(&w, "inputs.topk_weights", ep::NCCL_FLOAT32, gh.num_tokens(), k, false)?;
+            let ow = out_w
+                .ok_or_else(|| Fail::arg("expert-major dispatch needs outputs.topk_weights (1D, a weight per slot)"))?;
+            ow.expect_type("outputs.topk_weights", ep::NCCL_FLOAT32)?;
+            if ow.sizes.len() != 1 || ow.sizes[0] < slots {
+                return Err(Fail::arg(format!(
+                    "outputs.topk_weights: sizes are {:?}, expected [{slots}] (1D, a weight per slot of outputs.tokens)",
+                    ow.sizes
+                )));
+            }
+            let targets = OutputTargets {
+                tokens: em.tokens.ptr(),
+                topk_weights: Some(em.weights.ptr()),
+                topk_idx: Some(em.idx.ptr()),
+                ..Default::default()
+            };
+            let weights = f32s(&w, gh.num_tokens());
+            let din = DispatchInputs::new(&tokens).with_weights(&weights);
+            // SAFETY: the targets are the handle's flat buffers of exactly the rows it receives.
+            let op = unsafe { g.rank.start_dispatch_into(&gh, din, &opts, &targets) }?;
+            issue(g, op, Channel::Dispatch, &st, false, None, &mut timer)?;
+            let out = device(g, &out, TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[slots, hd]));
+            let ow = device(g, &ow, TensorDesc::contiguous(TensorTag::TopkWeights, DType::F32, &[slots]));
+            em.scatter(&g.rank, &st, &out, &ow)?;
+            g.settle(true)?;
+        }
         (Algorithm::HighThroughput, _) => {
             let n = gh.num_recv_tokens().unwrap_or(0);
             rows_of(&out, "outputs.tokens", ep::NCCL_BFLOAT16, n, hd, true)?;
@@ -457,8 +498,25 @@ pub(crate) unsafe fn combine(
         }
         Algorithm::HighThroughput => {
             let n = gh.num_recv_tokens().unwrap_or(0);
-            rows_of(&x, "inputs.tokens", ep::NCCL_BFLOAT16, n, hd, true)?;
-            let tokens = device(g, &x, TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[n, hd]));
+            let tokens = match h.expert_major()? {
+                // Expert-major: each received row's slots summed into the handle's flat input.
+                Some(em) => {
+                    if pass == Pass::Backward {
+                        return Err(Fail::usage(
+                            "backward combine on a high-throughput NCCL_EP_LAYOUT_EXPERT_MAJOR handle is not implemented by epflow's NCCL EP library (use NCCL_EP_LAYOUT_FLAT)",
+                        ));
+                    }
+                    rows_of(&x, "inputs.tokens", ep::NCCL_BFLOAT16, em.plan.total, hd, true)?;
+                    let slots = x.numel() / hd.max(1);
+                    let y = device(g, &x, TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[slots, hd]));
+                    em.reduce(&g.rank, &st, &y)?;
+                    em.combine_in.clone()
+                }
+                None => {
+                    rows_of(&x, "inputs.tokens", ep::NCCL_BFLOAT16, n, hd, true)?;
+                    device(g, &x, TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[n, hd]))
+                }
+            };
             let weights = match pass {
                 Pass::Forward => {
                     if w_in.is_some() {

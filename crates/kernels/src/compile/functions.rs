@@ -52,6 +52,12 @@ pub(crate) struct Functions {
     pub widen_i32: CudaFunction,
     /// Local expert ids to global ones in place (`GpuRank::globalize_expert_ids_on`).
     pub globalize_ids: CudaFunction,
+    /// High-throughput expert-major layout (`rank/expert_major.rs`): slot numbering, scatter,
+    /// zone padding, and the flat combine input's reduce.
+    pub em_slots: CudaFunction,
+    pub em_scatter: CudaFunction,
+    pub em_pad: CudaFunction,
+    pub em_reduce: CudaFunction,
     pub spin: CudaFunction,
     /// The SM-store copy probe (`GpuRank::sm_copy`).
     pub sm_copy: CudaFunction,
@@ -122,6 +128,10 @@ impl Functions {
             dequant_fp8: f(&util, "ep_dequant_fp8_rows")?,
             widen_i32: f(&util, "ep_widen_i32")?,
             globalize_ids: f(&util, "ep_globalize_expert_ids")?,
+            em_slots: f(&util, "ep_em_slots")?,
+            em_scatter: f(&util, "ep_em_scatter")?,
+            em_pad: f(&util, "ep_em_pad")?,
+            em_reduce: f(&util, "ep_em_reduce")?,
             spin: f(&util, "ep_spin")?,
             sm_copy: f(&util, "ep_sm_copy")?,
             sm_copy_balanced: f(&util, "ep_sm_copy_balanced")?,

@@ -77,8 +77,9 @@ pub const NCCL: KernelModule = KernelModule {
     kernels: &["ep_nccl_ht_pack", "ep_nccl_arrivals", "ep_nccl_ht_reduce"],
 };
 
-/// Small utilities (FP8 dequantization; int32 to int64 widening; a spin kernel that holds a
-/// stream, for tests; the copy probes).
+/// Small utilities (FP8 dequantization; int32 to int64 widening; global expert ids; the
+/// high-throughput expert-major layout's permutation; a spin kernel that holds a stream, for
+/// tests; the copy probes).
 pub const UTIL: KernelModule = KernelModule {
     name: "util",
     files: &[("util.cu", include_str!("../cuda/util.cu"))],
@@ -86,6 +87,10 @@ pub const UTIL: KernelModule = KernelModule {
         "ep_dequant_fp8_rows",
         "ep_widen_i32",
         "ep_globalize_expert_ids",
+        "ep_em_slots",
+        "ep_em_scatter",
+        "ep_em_pad",
+        "ep_em_reduce",
         "ep_spin",
         "ep_sm_copy",
         "ep_sm_copy_balanced",

@@ -51,6 +51,97 @@ extern "C" __global__ void ep_globalize_expert_ids(u64 idx_ptr, int wide, u64 ro
     }
 }
 
+// High-throughput expert-major layout (NCCL EP's HT EXPERT_MAJOR) from a flat dispatch's
+// outputs: `idx` ([N x K] int64, the receiving rank's local expert per entry or -1). Block `e`
+// (one per local expert) numbers the entries of expert e in entry order, from its zone's first
+// slot `offsets[e]`: pos_of[i] = offsets[e] + (entries of e before i). Entries of no local
+// expert keep the -1 the caller filled `pos_of` with.
+extern "C" __global__ void ep_em_slots(u64 idx_ptr, int N, int K, u64 offsets_ptr, u64 pos_ptr) {
+    __shared__ int warp_hits[32];
+    const long long* idx = reinterpret_cast<const long long*>(idx_ptr);
+    int* pos_of = reinterpret_cast<int*>(pos_ptr);
+    const long long e = blockIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    long long next = reinterpret_cast<const long long*>(offsets_ptr)[e];
+    const long long total = (long long)N * K;
+    for (long long start = 0; start < total; start += blockDim.x) {
+        const long long i = start + threadIdx.x;
+        const bool hit = i < total && idx[i] == e;
+        const unsigned ballot = __ballot_sync(0xffffffffu, hit);
+        if (lane == 0) warp_hits[warp] = __popc(ballot);
+        __syncthreads();
+        int before = 0, chunk = 0;
+        for (int w = 0; w < warps; ++w) {
+            if (w < warp) before += warp_hits[w];
+            chunk += warp_hits[w];
+        }
+        if (hit) pos_of[i] = (int)(next + before + __popc(ballot & ((1u << lane) - 1u)));
+        next += chunk;
+        __syncthreads();
+    }
+}
+
+// Copies each flat row n ([N x H] BF16 `tokens`) to the slot of every entry (n, k) numbered in
+// `pos_of`, with that entry's weight (`w`, [N x K] fp32) into `out_w` (one per slot): one block
+// per row.
+extern "C" __global__ void ep_em_scatter(u64 tokens_ptr, u64 w_ptr, u64 pos_ptr, int N, int K, int H, u64 out_ptr,
+                                         u64 out_w_ptr) {
+    const int* pos_of = reinterpret_cast<const int*>(pos_ptr);
+    const bool vec = (H % 8) == 0;
+    for (int n = blockIdx.x; n < N; n += gridDim.x) {
+        for (int k = 0; k < K; ++k) {
+            const int p = pos_of[(long long)n * K + k];
+            if (p < 0) continue;
+            if (threadIdx.x == 0) {
+                reinterpret_cast<float*>(out_w_ptr)[p] = reinterpret_cast<const float*>(w_ptr)[(long long)n * K + k];
+            }
+            if (vec) {
+                const uint4* src = reinterpret_cast<const uint4*>(tokens_ptr + (u64)n * H * 2);
+                uint4* dst = reinterpret_cast<uint4*>(out_ptr + (u64)p * H * 2);
+                for (int j = threadIdx.x; j < H / 8; j += blockDim.x) dst[j] = src[j];
+            } else {
+                const unsigned short* src = reinterpret_cast<const unsigned short*>(tokens_ptr) + (u64)n * H;
+                unsigned short* dst = reinterpret_cast<unsigned short*>(out_ptr) + (u64)p * H;
+                for (int j = threadIdx.x; j < H; j += blockDim.x) dst[j] = src[j];
+            }
+        }
+    }
+}
+
+// Zeroes the padding of every expert zone: slots [offsets[e] + counts[e], offsets[e] +
+// padded[e]) of `out` ([S x H] BF16) and `out_w` ([S] fp32), one block per local expert.
+extern "C" __global__ void ep_em_pad(u64 out_ptr, u64 out_w_ptr, u64 offsets_ptr, u64 counts_ptr, u64 padded_ptr,
+                                     int H) {
+    const long long e = blockIdx.x;
+    const long long off = reinterpret_cast<const long long*>(offsets_ptr)[e];
+    const long long first = off + reinterpret_cast<const long long*>(counts_ptr)[e];
+    const long long end = off + reinterpret_cast<const long long*>(padded_ptr)[e];
+    for (long long s = first; s < end; ++s) {
+        if (threadIdx.x == 0) reinterpret_cast<float*>(out_w_ptr)[s] = 0.0f;
+        unsigned short* row = reinterpret_cast<unsigned short*>(out_ptr) + (u64)s * H;
+        for (int j = threadIdx.x; j < H; j += blockDim.x) row[j] = 0;
+    }
+}
+
+// The flat combine input back from expert-major slots: out[n] = bf16(sum over k ascending of the
+// fp32 values of slot pos_of[n][k] of `y` ([S x H] BF16)), entries of no local expert skipped;
+// one block per row.
+extern "C" __global__ void ep_em_reduce(u64 y_ptr, u64 pos_ptr, int N, int K, int H, u64 out_ptr) {
+    const int* pos_of = reinterpret_cast<const int*>(pos_ptr);
+    const __nv_bfloat16* y = reinterpret_cast<const __nv_bfloat16*>(y_ptr);
+    __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(out_ptr);
+    for (int n = blockIdx.x; n < N; n += gridDim.x) {
+        for (int j = threadIdx.x; j < H; j += blockDim.x) {
+            float acc = 0.0f;
+            for (int k = 0; k < K; ++k) {
+                const int p = pos_of[(long long)n * K + k];
+                if (p >= 0) acc += __bfloat162float(y[(u64)p * H + j]);
+            }
+            out[(u64)n * H + j] = __float2bfloat16_rn(acc);
+        }
+    }
+}
+
 // Holds its stream for `ns` nanoseconds of the global timer (one thread): a deliberately slow
 // consumer for tests of stream-ordered buffer release.
 extern "C" __global__ void ep_spin(u64 ns) {

@@ -2,9 +2,13 @@
 //! the low-latency ([`crate::ll`]) or high-throughput ([`crate::ht`]) start of each operation.
 //!
 //! - `mask`: rank masking ([`epflow_core::mask`]): the host's view, `mask_ranks`, `unmask_all`.
+//! - `expert_major`: NCCL EP's high-throughput expert-major layout over the flat one
+//!   ([`ExpertMajorPlan`]).
 
 mod copy_probe;
+mod expert_major;
 pub use copy_probe::{BulkStages, CopyRange};
+pub use expert_major::ExpertMajorPlan;
 mod launch_cost;
 pub use launch_cost::LaunchCost;
 mod mask;

@@ -27,6 +27,20 @@ pub(crate) fn gpus(need: usize, test: &str) -> Option<Vec<usize>> {
     Some((0..need).collect())
 }
 
+/// The GPU of a one-rank test: the first device `EPFLOW_TEST_DEVICES` names (so that `0,0` runs
+/// it too), else GPU 0; `None` after printing why `test` is skipped.
+#[allow(dead_code)]
+pub(crate) fn one_gpu(test: &str) -> Option<usize> {
+    if device_count() == 0 {
+        eprintln!("SKIPPED {test}: no GPU");
+        return None;
+    }
+    let first = std::env::var("EPFLOW_TEST_DEVICES")
+        .ok()
+        .and_then(|list| list.split(',').next().and_then(|d| d.trim().parse().ok()));
+    Some(first.unwrap_or(0))
+}
+
 /// [`gpus`] for a test over NCCL, whose communicators take one GPU per rank: `None`, after
 /// printing why, when `EPFLOW_TEST_DEVICES` names one GPU twice (the group would be refused).
 #[allow(dead_code)]

@@ -1,0 +1,109 @@
+//! High-throughput `NCCL_EP_LAYOUT_EXPERT_MAJOR` on epflow's flat layout: the dispatch runs
+//! flat into the handle's memory, then the rows are scattered into the caller's expert zones
+//! (`GpuRank::expert_major_*`, in the caller's stream order); the combine sums each received
+//! row's slots back into a flat input first. The handle's counters report the padded zones, as
+//! NCCL EP's do: `expert_counters` the padded count per local expert, `expert_offsets` each
+//! zone's first slot, `recv_total_counter` the slots in all. Forward pass only.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+use epflow_core::{DType, TensorDesc, TensorTag};
+use epflow_kernels::{DeviceTensor, ExpertMajorPlan, GpuRank};
+use nccl_ep_sys as ep;
+
+use crate::status::{Fail, Res};
+
+/// The alignment of a handle's expert zones when `layout` of an `algorithm` group is
+/// high-throughput expert-major (`None` for every other layout): `config`'s
+/// `dispatch_output_per_expert_alignment` (0 or 1: none; else a power of two).
+pub(crate) fn alignment_of(
+    algorithm: epflow_core::Algorithm,
+    layout: ep::NcclEpLayout,
+    config: Option<&ep::NcclEpHandleConfig>,
+) -> Res<Option<usize>> {
+    if algorithm != epflow_core::Algorithm::HighThroughput || layout != ep::NCCL_EP_LAYOUT_EXPERT_MAJOR {
+        return Ok(None);
+    }
+    let a = config.map_or(0, |c| c.dispatch_output_per_expert_alignment);
+    if a > 1 && !a.is_power_of_two() {
+        return Err(Fail::arg(format!("config.dispatch_output_per_expert_alignment is {a}: 0, 1 or a power of two")));
+    }
+    Ok(Some(a))
+}
+
+/// One high-throughput expert-major handle's zones and the flat outputs they are built from.
+pub(crate) struct ExpertMajor {
+    pub(crate) plan: ExpertMajorPlan,
+    /// The flat dispatch's outputs: tokens `[N x H]` BF16, weights `[N x K]` f32, local expert
+    /// indices `[N x K]` int64.
+    pub(crate) tokens: DeviceTensor,
+    pub(crate) weights: DeviceTensor,
+    pub(crate) idx: DeviceTensor,
+    /// The flat combine's input, `[N x H]` BF16, summed from the caller's slots.
+    pub(crate) combine_in: DeviceTensor,
+}
+
+impl ExpertMajor {
+    /// The zones of a handle receiving `rows` rows of top-k `top_k` and hidden `hidden`,
+    /// `counts[e]` to local expert `e`, aligned to `alignment`; its memory allocated here.
+    pub(crate) fn new(
+        rank: &GpuRank,
+        counts: &[i32],
+        rows: usize,
+        top_k: usize,
+        hidden: usize,
+        alignment: usize,
+    ) -> Res<Self> {
+        let plan = rank.expert_major_plan(counts, rows, top_k, alignment)?;
+        let zeros = |tag, dtype, shape: &[usize]| {
+            DeviceTensor::zeros(rank.context(), rank.device(), TensorDesc::contiguous(tag, dtype, shape))
+        };
+        Ok(ExpertMajor {
+            tokens: zeros(TensorTag::Tokens, DType::Bf16, &[rows, hidden])?,
+            weights: zeros(TensorTag::TopkWeights, DType::F32, &[rows, top_k])?,
+            idx: zeros(TensorTag::TopkIdx, DType::I64, &[rows, top_k])?,
+            combine_in: zeros(TensorTag::Tokens, DType::Bf16, &[rows, hidden])?,
+            plan,
+        })
+    }
+
+    /// After the flat dispatch into [`Self::tokens`], [`Self::weights`] and [`Self::idx`]: the
+    /// caller's `out` (`[S x H]` BF16) and `out_weights` (`[S]` f32) filled, on `stream`.
+    pub(crate) fn scatter(
+        &self,
+        rank: &GpuRank,
+        stream: &Arc<CudaStream>,
+        out: &DeviceTensor,
+        out_weights: &DeviceTensor,
+    ) -> Res<()> {
+        rank.expert_major_slots_on(stream, &self.plan, &self.idx)?;
+        rank.expert_major_scatter_on(stream, &self.plan, &self.tokens, &self.weights, out, out_weights)?;
+        Ok(())
+    }
+
+    /// Before the flat combine: [`Self::combine_in`] summed from the caller's expert outputs `y`
+    /// (`[S x H]` BF16, the dispatch's zones), on `stream`.
+    pub(crate) fn reduce(&self, rank: &GpuRank, stream: &Arc<CudaStream>, y: &DeviceTensor) -> Res<()> {
+        rank.expert_major_reduce_on(stream, &self.plan, y, &self.combine_in)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use epflow_core::Algorithm::{HighThroughput as Ht, LowLatency as Ll};
+
+    #[test]
+    fn only_high_throughput_expert_major_has_zones_and_their_alignment_is_checked() {
+        let cfg = |a| ep::NcclEpHandleConfig { dispatch_output_per_expert_alignment: a, ..Default::default() };
+        assert_eq!(alignment_of(Ht, ep::NCCL_EP_LAYOUT_EXPERT_MAJOR, None), Ok(Some(0)));
+        assert_eq!(alignment_of(Ht, ep::NCCL_EP_LAYOUT_EXPERT_MAJOR, Some(&cfg(64))), Ok(Some(64)));
+        assert_eq!(alignment_of(Ht, ep::NCCL_EP_LAYOUT_FLAT, Some(&cfg(64))), Ok(None));
+        assert_eq!(alignment_of(Ll, ep::NCCL_EP_LAYOUT_EXPERT_MAJOR, Some(&cfg(64))), Ok(None));
+        let e = alignment_of(Ht, ep::NCCL_EP_LAYOUT_EXPERT_MAJOR, Some(&cfg(48))).unwrap_err();
+        assert_eq!(e.code, ep::NCCL_INVALID_ARGUMENT);
+        assert!(e.message.contains("dispatch_output_per_expert_alignment"), "{}", e.message);
+    }
+}
