@@ -1,5 +1,6 @@
 //! Group configuration: what every rank of an EP group agrees on at creation.
 
+pub use crate::dtype::DispatchDtype;
 use std::time::Duration;
 
 use crate::error::ConfigError;
@@ -47,29 +48,6 @@ pub enum MaxTokens {
     /// No bound (high-throughput only): creating a handle exchanges the token counts and the
     /// buffers are sized from them (NCCL EP's `NCCL_EP_AUTO`).
     Auto,
-}
-
-/// The element type tokens travel in during dispatch. Combine always travels in BF16.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DispatchDtype {
-    /// BF16 in, BF16 out.
-    Bf16,
-    /// FP8 e4m3 with one fp32 scale per 128 channels (`scale = amax / 448`).
-    ///
-    /// Low-latency dispatch takes BF16 tokens and quantizes them on the fly; high-throughput
-    /// dispatch takes tokens that are already FP8 together with their scales
-    /// (see [`crate::fp8::quantize_bf16`]).
-    Fp8 {
-        /// Round every scale up to a power of two (exact rescaling, as DeepEP's `round_scale`).
-        round_scales: bool,
-    },
-}
-
-impl DispatchDtype {
-    /// Whether tokens travel as FP8.
-    pub const fn is_fp8(self) -> bool {
-        matches!(self, DispatchDtype::Fp8 { .. })
-    }
 }
 
 /// Channels per FP8 scale: one fp32 scale covers this many consecutive hidden channels.

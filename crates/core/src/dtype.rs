@@ -1,4 +1,5 @@
-//! Element types of the tensors epflow reads and writes.
+//! Element types of the tensors epflow reads and writes, and the type tokens travel in during
+//! dispatch.
 
 use std::fmt;
 
@@ -43,5 +44,28 @@ impl DType {
 impl fmt::Display for DType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+/// The element type tokens travel in during dispatch. Combine always travels in BF16.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DispatchDtype {
+    /// BF16 in, BF16 out.
+    Bf16,
+    /// FP8 e4m3 with one fp32 scale per 128 channels (`scale = amax / 448`).
+    ///
+    /// Low-latency dispatch takes BF16 tokens and quantizes them on the fly; high-throughput
+    /// dispatch takes tokens that are already FP8 together with their scales
+    /// (see [`crate::fp8::quantize_bf16`]).
+    Fp8 {
+        /// Round every scale up to a power of two (exact rescaling, as DeepEP's `round_scale`).
+        round_scales: bool,
+    },
+}
+
+impl DispatchDtype {
+    /// Whether tokens travel as FP8.
+    pub const fn is_fp8(self) -> bool {
+        matches!(self, DispatchDtype::Fp8 { .. })
     }
 }

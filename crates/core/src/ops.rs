@@ -14,7 +14,7 @@
 //!
 //! `topk_idx` is not an argument of dispatch: the handle holds it.
 
-use crate::config::DispatchDtype;
+use crate::dtype::DispatchDtype;
 use crate::tensor::{HostTensor, TensorDesc};
 
 /// Forward or backward pass (high-throughput only; low-latency is forward only).
@@ -199,12 +199,13 @@ pub struct DispatchOptions {
 }
 
 impl DispatchOptions {
-    /// The type this dispatch's tokens travel in, in a group of `config`: [`Self::dtype`], else
-    /// the group's; BF16 for the backward pass.
-    pub fn dtype_in(&self, config: &crate::GroupConfig) -> DispatchDtype {
+    /// The type this dispatch's tokens travel in, in a group whose type is `group`
+    /// ([`crate::GroupConfig::dispatch_dtype`]): [`Self::dtype`], else the group's; BF16 for the
+    /// backward pass.
+    pub fn dtype_in(&self, group: DispatchDtype) -> DispatchDtype {
         match self.pass {
             Pass::Backward => DispatchDtype::Bf16,
-            Pass::Forward => self.dtype.unwrap_or(config.dispatch_dtype),
+            Pass::Forward => self.dtype.unwrap_or(group),
         }
     }
 }

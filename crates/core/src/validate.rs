@@ -448,7 +448,7 @@ pub fn dispatch_output_descs(ctx: &OpContext<'_>, opts: &DispatchOptions) -> Dis
         CountsLocation::Host => TensorTag::RecvExpertCountsHost,
     };
     let counts = Some(TensorDesc::contiguous(counts_tag, DType::I32, &[l]));
-    let fp8 = opts.dtype_in(c).is_fp8();
+    let fp8 = opts.dtype_in(c.dispatch_dtype).is_fp8();
     let token_dtype = if fp8 { DType::Fp8E4m3 } else { DType::Bf16 };
     match (c.algorithm, opts.pass) {
         (Algorithm::LowLatency, _) if ctx.layout == Layout::RankMajor => {

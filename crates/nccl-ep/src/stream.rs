@@ -122,9 +122,9 @@ impl NcclEpStreamHandle {
         let b =
             routing.as_ref().map(|r| r.1).ok_or_else(|| Error::Unsupported("dispatch_on before route_on".into()))?;
         let (h, l, rows) = (s.config.hidden, s.config.local_experts(s.num_ranks), s.num_ranks * s.max_tokens);
-        expect(x, "dispatch_on's x", DType::Bf16, &[b, h])?;
-        expect(out, "dispatch_on's out", DType::Bf16, &[l, rows, h])?;
-        expect(counts, "dispatch_on's counts", DType::I32, &[l])?;
+        x.expect_shape("dispatch_on's x", DType::Bf16, &[b, h])?;
+        out.expect_shape("dispatch_on's out", DType::Bf16, &[l, rows, h])?;
+        counts.expect_shape("dispatch_on's counts", DType::I32, &[l])?;
         let mut xd = Desc::new(ep::NCCL_BFLOAT16, x.ptr(), &[b, h]);
         let mut od = Desc::new(ep::NCCL_BFLOAT16, out.ptr(), &[l, rows, h]);
         let mut cd = Desc::new(ep::NCCL_INT32, counts.ptr(), &[l]);
@@ -157,9 +157,9 @@ impl NcclEpStreamHandle {
         let b = routing.as_ref().map(|r| r.1).ok_or_else(|| Error::Unsupported("combine_on before route_on".into()))?;
         let (h, l, rows, k) =
             (s.config.hidden, s.config.local_experts(s.num_ranks), s.num_ranks * s.max_tokens, self.top_k);
-        expect(y, "combine_on's y", DType::Bf16, &[l, rows, h])?;
-        expect(weights, "combine_on's weights", DType::F32, &[b, k])?;
-        expect(out, "combine_on's out", DType::Bf16, &[b, h])?;
+        y.expect_shape("combine_on's y", DType::Bf16, &[l, rows, h])?;
+        weights.expect_shape("combine_on's weights", DType::F32, &[b, k])?;
+        out.expect_shape("combine_on's out", DType::Bf16, &[b, h])?;
         let mut yd = Desc::new(ep::NCCL_BFLOAT16, y.ptr(), &[l, rows, h]);
         let mut wd = Desc::new(ep::NCCL_FLOAT32, weights.ptr(), &[b, k]);
         let mut od = Desc::new(ep::NCCL_BFLOAT16, out.ptr(), &[b, h]);
@@ -187,16 +187,4 @@ impl Drop for NcclEpStreamHandle {
             }
         }
     }
-}
-
-/// Requires `t` to be `dtype` of exactly `shape` on the rank's device.
-fn expect(t: &DeviceTensor, what: &str, dtype: DType, shape: &[usize]) -> Result<(), Error> {
-    let d = t.desc();
-    if d.dtype != dtype || d.shape != shape {
-        return Err(Error::Unsupported(format!(
-            "{what}: {dtype:?} {shape:?} expected, got {:?} {:?}",
-            d.dtype, d.shape
-        )));
-    }
-    Ok(())
 }

@@ -176,7 +176,7 @@ impl HostOp {
         let payloads = self.staged_payloads();
         // Copies row `t` of source `s` into output row `dst`, quantizing BF16 rows when the
         // output is FP8 (low-latency FP8 dispatch quantizes in flight).
-        let round_scales = matches!(opts.dtype_in(cfg), DispatchDtype::Fp8 { round_scales: true });
+        let round_scales = matches!(opts.dtype_in(cfg.dispatch_dtype), DispatchDtype::Fp8 { round_scales: true });
         let mut put = |dst: usize, s: usize, t: usize| {
             let p = &payloads[s];
             match (&mut tokens, scales.as_mut()) {

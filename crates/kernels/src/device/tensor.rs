@@ -173,6 +173,17 @@ impl DeviceTensor {
         &self.desc
     }
 
+    /// `Error::Unsupported` naming `what` unless the tensor is `dtype` of exactly `shape`.
+    pub fn expect_shape(&self, what: &str, dtype: epflow_core::DType, shape: &[usize]) -> Result<(), Error> {
+        if self.desc.dtype != dtype || self.desc.shape != shape {
+            return Err(Error::Unsupported(format!(
+                "{what}: {dtype:?} {shape:?} expected, got {:?} {:?}",
+                self.desc.dtype, self.desc.shape
+            )));
+        }
+        Ok(())
+    }
+
     /// The device address.
     pub fn ptr(&self) -> u64 {
         self.ptr

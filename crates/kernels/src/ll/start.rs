@@ -169,7 +169,7 @@ pub(crate) fn dispatch_params(
     // bytes and `H / 128` scales after the header) fit the group's BF16 message slots, and the
     // kernels read the message shape from `p.fp8`. The group's buffers hold no scales, so the
     // rows go to the caller's targets.
-    let dtype = opts.dtype_in(&s.config);
+    let dtype = opts.dtype_in(s.config.dispatch_dtype);
     if dtype.is_fp8() && !s.config.dispatch_dtype.is_fp8() && into.and_then(|t| t.scales).is_none() {
         return Err(Error::Unsupported(
             "a per-call FP8 dispatch of a BF16 group writes into the caller's tensors with scales (start_dispatch_into): the group's buffers hold no scales".into(),

@@ -99,7 +99,7 @@ impl GpuRank {
         idx: &DeviceTensor,
     ) -> Result<(), Error> {
         let (n, k) = (plan.rows, plan.top_k);
-        expect(idx, "expert_major_slots_on's idx", DType::I64, &[n, k])?;
+        idx.expect_shape("expert_major_slots_on's idx", DType::I64, &[n, k])?;
         self.read_on(stream, idx, None)?;
         // SAFETY: `pos_of` holds `N x K` int32 of this context (allocated by the plan); ordered
         // on `stream`.
@@ -146,8 +146,8 @@ impl GpuRank {
     ) -> Result<(), Error> {
         let (n, k) = (plan.rows, plan.top_k);
         let h = tokens.desc().shape.get(1).copied().unwrap_or(0);
-        expect(tokens, "expert_major_scatter_on's tokens", DType::Bf16, &[n, h])?;
-        expect(weights, "expert_major_scatter_on's weights", DType::F32, &[n, k])?;
+        tokens.expect_shape("expert_major_scatter_on's tokens", DType::Bf16, &[n, h])?;
+        weights.expect_shape("expert_major_scatter_on's weights", DType::F32, &[n, k])?;
         slots(out, "expert_major_scatter_on's out", DType::Bf16, plan.total, h)?;
         slots(out_weights, "expert_major_scatter_on's out_weights", DType::F32, plan.total, 1)?;
         self.read_on(stream, tokens, Some(weights))?;
@@ -209,7 +209,7 @@ impl GpuRank {
     ) -> Result<(), Error> {
         let n = plan.rows;
         let h = out.desc().shape.get(1).copied().unwrap_or(0);
-        expect(out, "expert_major_reduce_on's out", DType::Bf16, &[n, h])?;
+        out.expect_shape("expert_major_reduce_on's out", DType::Bf16, &[n, h])?;
         slots(y, "expert_major_reduce_on's y", DType::Bf16, plan.total, h)?;
         self.read_on(stream, y, None)?;
         if n == 0 {
@@ -235,18 +235,6 @@ impl GpuRank {
         .map_err(|e| cuda("launch ep_em_reduce", e))?;
         Ok(())
     }
-}
-
-/// Requires `t` to be `dtype` of exactly `shape`.
-fn expect(t: &DeviceTensor, what: &str, dtype: DType, shape: &[usize]) -> Result<(), Error> {
-    let d = t.desc();
-    if d.dtype != dtype || d.shape != shape {
-        return Err(Error::Unsupported(format!(
-            "{what}: {dtype:?} {shape:?} expected, got {:?} {:?}",
-            d.dtype, d.shape
-        )));
-    }
-    Ok(())
 }
 
 /// Requires `t` to be `dtype` with at least `slots` rows of `row` elements (`[S x row]`, or `[S]`
