@@ -8,6 +8,8 @@
 #   scripts/device-run-first.sh            # then: tar xzf .../first.tgz
 #
 # In order of value (a short call still brings the first ones back):
+# 0. what was built but never run on a GPU: the high-throughput expert-major layout's GPU test,
+#    then (with .nccl-pack/ present) NVIDIA's `ep_bench --layout em` on both libraries;
 # 1. the decode sweep at 8, 64 and 512 tokens, stream-ordered and with layers captured whole
 #    (`--layer-graphs`), both checked bit-identical to serial;
 # 2. the MoE layer's GPU tests with two ranks sharing GPU 0, then on one rank;
@@ -51,6 +53,14 @@ layer_tests() {
     grep -E "panicked|called .Result" "$OUT/gpu_layer-$1.log" | head -4
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+
+step "gpu_ht expert-major layout, one GPU"
+EPFLOW_TEST_DEVICES=0 bounded 60 $P/gpu_ht --test-threads=1 --nocapture expert_major >"$OUT/expert-major.log" 2>&1
+echo "rc=$? $(grep -E '^test result|ok: expert|panicked' "$OUT/expert-major.log" | tr '\n' ' ' | cut -c1-400)"
+if [ -e .nccl-pack/nccl-pack.tar.xz ] || [ -x .nccl-pack/bin/ep_bench ]; then
+    step "ep_bench high-throughput expert-major, NVIDIA's library and epflow's"
+    OUT=$OUT/ep-bench ONLY=ht-em REPS=1 RUN_TIMEOUT=90 bounded 300 bash scripts/device-run-ep-bench-one-gpu.sh 2>&1 | tail -8
+fi
 
 step "moe_serving decode sweep"
 bounded 150 $P/moe_serving --model qwen3-30b-a3b --layers 8 --micro-batches 1,2,3 --sweep-batch 8,64,512 \

@@ -1158,6 +1158,23 @@ mod model_tests {
         }
     }
 
+    /// `--backend nccl-ep --check`'s comparison: identical micro-batches are counted, the
+    /// largest difference is relative to the largest epflow value, and a missing micro-batch is
+    /// an error.
+    #[test]
+    fn nccl_ep_outputs_are_compared_micro_batch_by_micro_batch() {
+        let bits = |v: &[f32]| v.iter().map(|x| (x.to_bits() >> 16) as u16).collect::<Vec<u16>>();
+        let ours: BTreeMap<u64, Vec<u16>> = [(0, bits(&[1.0, -2.0])), (1, bits(&[4.0, 0.5]))].into();
+        let same = compare_outputs(8, &ours, &ours.clone()).unwrap();
+        assert_eq!((same.batch, same.micro_batches, same.bit_identical, same.max_rel_diff), (8, 2, 2, 0.0));
+        let theirs: BTreeMap<u64, Vec<u16>> = [(0, bits(&[1.0, -2.0])), (1, bits(&[4.0, 1.5]))].into();
+        let c = compare_outputs(8, &ours, &theirs).unwrap();
+        assert_eq!(c.bit_identical, 1);
+        assert!((c.max_rel_diff - 0.25).abs() < 1e-12, "{}", c.max_rel_diff);
+        let short: BTreeMap<u64, Vec<u16>> = [(0, bits(&[1.0, -2.0]))].into();
+        assert!(compare_outputs(8, &ours, &short).is_err());
+    }
+
     /// The crossover is the smallest batch from which more in flight wins at every larger batch.
     #[test]
     fn crossover_is_where_overlap_wins_for_good() {
