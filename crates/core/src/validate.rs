@@ -4,7 +4,7 @@
 //! dimension, storage size), so one bad argument always yields the same error variant.
 
 use crate::config::{Algorithm, GroupConfig, MaxTokens};
-use crate::dtype::DType;
+use crate::dtype::{DType, DispatchDtype};
 use crate::error::ValidationError;
 use crate::handle::RoutingHandle;
 use crate::ops::{
@@ -420,13 +420,15 @@ pub fn validate_dispatch_inputs<'a, T: TensorView + ?Sized>(
 
 /// Refuses a per-call dispatch type ([`DispatchOptions::dtype`]) the group cannot carry: only a
 /// low-latency BF16 group's forward dispatch may ask for FP8 (with `hidden` a multiple of 128);
-/// asking for the group's own type is always accepted.
+/// asking for the type the group's pass has anyway is always accepted.
 fn check_dispatch_dtype(ctx: &OpContext<'_>, opts: &DispatchOptions) -> Result<(), ValidationError> {
     let c = ctx.config;
     let Some(asked) = opts.dtype else { return Ok(()) };
     let name = if asked.is_fp8() { "fp8" } else { "bf16" };
     let refuse = |why| Err(ValidationError::UnsupportedDispatchDtype { asked: name, why });
-    match (asked.is_fp8(), c.dispatch_dtype.is_fp8()) {
+    // The group's own type for this pass (the backward pass is BF16 in every group).
+    let own = if opts.pass == Pass::Backward { DispatchDtype::Bf16 } else { c.dispatch_dtype };
+    match (asked.is_fp8(), own.is_fp8()) {
         (true, true) | (false, false) => Ok(()),
         (false, true) => refuse("an FP8 group's buffers hold FP8 messages; create a BF16 group to dispatch BF16"),
         (true, false) if c.algorithm != Algorithm::LowLatency || opts.pass != Pass::Forward => refuse(

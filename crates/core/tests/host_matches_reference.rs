@@ -154,6 +154,17 @@ fn low_latency_fp8_per_call_matches_an_fp8_group() {
     assert!(e.contains("dispatch dtype fp8") && e.contains("high-throughput"), "{e}");
     let e = refused(GroupConfig::low_latency(EXPERTS, MAX_TOKENS, 200), fp8, Pass::Forward);
     assert!(e.contains("multiple of 128"), "{e}");
+    // Asking for the type the pass has anyway is accepted: BF16 for a backward dispatch of an FP8
+    // high-throughput group.
+    let ht_fp8 = GroupConfig::high_throughput(EXPERTS, HIDDEN).with_dispatch_dtype(fp8);
+    let ok = HostWorld::run(1, ht_fp8, |rank| {
+        let handle = rank.create_handle(&HostTensor::topk_idx(2, 1, vec![0, 1])).unwrap();
+        let g = HostTensor::tokens(2, HIDDEN, vec![bf16::ZERO; 2 * HIDDEN]);
+        let opts = DispatchOptions { dtype: Some(DispatchDtype::Bf16), pass: Pass::Backward, ..Default::default() };
+        rank.dispatch(&handle, DispatchInputs::new(&g), &opts).map(drop).map_err(|e| e.to_string())
+    })
+    .unwrap();
+    assert_eq!(ok, vec![Ok(())]);
 }
 
 #[test]
