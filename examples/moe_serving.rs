@@ -9,6 +9,8 @@
 //!   counts, so the host only enqueues.
 //! - `--backend host` (the default otherwise): 4 ranks on the host backend; an expert is a timer
 //!   (it sleeps on tokio's blocking pool, so it does not hold the rank's thread), then identity.
+//! - `--backend nccl-ep` (with `--model`, decode): the GPU backend's figures and, beside them,
+//!   the same layer with its dispatch and combine on NVIDIA's NCCL EP (`model.rs`).
 //!
 //! The expert cost is calibrated to the measured communication time per step (`--expert-scale`
 //! multiplies it). The router is simulated: each layer has a pool of top-k routings drawn once,
