@@ -1,5 +1,6 @@
 //! `epflow ep-bench-report`: reads the output of NCCL EP's `ep_bench` (its configuration block,
-//! "Host-observed performance" and "Kernel-only performance"), one file per run, for a baseline
+//! "Host-observed performance" and "Kernel-only performance", or for high-throughput runs "BW
+//! based on total time" and "BW based on kernel time"), one file per run, for a baseline
 //! (NVIDIA's `libnccl_ep.so`) and for epflow's `libnccl_ep.so` under the same program, and prints
 //! one line per (algorithm, layout, dtype, tokens): runs, runs with a whole-run rank offset,
 //! means of both columns, the baseline / epflow ratios, and how many of epflow's runs met
@@ -146,6 +147,18 @@ pub(crate) fn parse(path: &Path, text: &str) -> Result<Run, ParseError> {
         let lineno = i + 1;
         if line.contains(" validation:") {
             checks.push(line.contains("PASSED"));
+        } else if section.contains("BW based on total time") {
+            // High-throughput: `Dispatch:    total=96.60 us (min=..., max=...)`, the host's
+            // time per call (the min / max are over the iterations, not the ranks).
+            host[which] = field(line, "total", lineno, &format!("total-time {op}"))?;
+        } else if section.contains("BW based on kernel time") {
+            // High-throughput: `Dispatch:    kernel=59.25 us`, no per-rank spread printed: the
+            // run counts as without an offset.
+            kernel[which] = field(line, "kernel", lineno, &format!("kernel-time {op}"))?.map(|avg| KernelStat {
+                avg,
+                min: avg,
+                max: avg,
+            });
         } else if section.contains("Host-observed") {
             host[which] = field(line, "avg", lineno, &format!("Host-observed {op}"))?;
         } else if section.contains("Kernel-only") {
@@ -419,6 +432,27 @@ mod tests {
         assert_eq!(run(&text).validated, Some(true));
         let failed = text.replace("Combine validation:  PASSED", "Combine validation:  FAILED");
         assert_eq!(run(&failed).validated, Some(false));
+    }
+
+    /// A high-throughput run prints its times in other sections: the total time per call is the
+    /// host column, the kernel time (no per-rank spread) the kernel column.
+    #[test]
+    fn a_high_throughput_run_gives_both_columns() {
+        let text = "=== NCCL EP Performance Benchmark ===\nConfiguration:\n  Algorithm:       HIGH_THROUGHPUT\n  \
+                    Layout:          flat\n  Tokens:          4096\n  Dispatch dtype:  BF16\n\n\
+                    === Summary (High Throughput BF16, across 1 ranks) ===\n--- BW based on total time ---\n\
+                    Dispatch:    total=96.60 us (min=94.18, max=149.06)\n             recv: total_bw=607.84 GB/s\n\
+                    Combine:     total=88.63 us (min=87.04, max=133.57)\n\
+                    Total (D+C): avg=191.30 us, min=187.42 us, max=242.56 us\n\n--- BW based on kernel time ---\n\
+                    Dispatch:    kernel=59.25 us\nCombine:     kernel=68.91 us\n\
+                    Dispatch validation: PASSED\nCombine validation:  PASSED (calc_diff=0.000000e+00)\n";
+        let r = run(text);
+        assert_eq!(r.case.algorithm, "HIGH_THROUGHPUT");
+        assert_eq!(r.host, Some([96.60, 88.63]));
+        assert_eq!(r.kernel.unwrap()[1], KernelStat { avg: 68.91, min: 68.91, max: 68.91 });
+        assert_eq!(r.validated, Some(true));
+        let bad = text.replace("kernel=68.91", "kernel=nan");
+        assert!(matches!(parse(Path::new("x"), &bad), Err(ParseError::NonFinite { .. })));
     }
 
     #[test]
