@@ -11,7 +11,8 @@
 # alternated) and high-throughput flat and expert-major (4096 tokens; zones unaligned and
 # aligned to 64), each with --validate. v2: ep_bench's expert-major, rank-major with GLOBAL ids,
 # DS_FP8E3M4 (dispatch only: the recipe has no combine), int32 topk_idx and high-throughput
-# flat and expert-major cases. ONLY=<regex> runs the matching cases alone.
+# flat and expert-major cases. Then the `nccl_ep_backend` test of epflow's stream-ordered NCCL EP
+# handles on NVIDIA's v1 library. ONLY=<regex> runs the matching cases alone.
 # Logs in $OUT/ep-bench.tgz; one line per run here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,4 +59,10 @@ for lib in nvidia epflow; do
     run v2-ht $lib v2 --algorithm ht --tokens 4096 --validate
     run v2-ht-em $lib v2 --algorithm ht --layout em --tokens 4096 --validate
 done
+if [ -z "${ONLY:-}" ] || [[ stream-handle =~ $ONLY ]]; then
+    # epflow's NcclEpStreamHandle (moe_serving --backend nccl-ep) on NVIDIA's v1 library.
+    NCCL_EP_LIB=$P/lib/libnccl_ep.so.0.1.0 LD_LIBRARY_PATH=$base timeout "${RUN_TIMEOUT:-150}" \
+        .device-pack/nccl_ep_backend --test-threads=1 --nocapture stream_ordered >"$O/stream-handle.log" 2>&1
+    echo "stream-handle (nccl_ep_backend stream_ordered_handles_match_the_reference): rc=$? $(grep -E '^test result' "$O/stream-handle.log")"
+fi
 tar czf "$OUT/ep-bench.tgz" -C "$O" .

@@ -1,7 +1,7 @@
-//! The NCCL EP backend behind epflow's futures, on 2 GPUs, against the CPU reference. Runs on a
-//! GPU machine with NVIDIA's `libnccl_ep` (NCCL EP 0.1, built from NCCL 2.30.7) and that NCCL
-//! first on the library path; prints SKIPPED (and passes) without 2 GPUs or without the
-//! library.
+//! The NCCL EP backend behind epflow's futures, on 2 GPUs, and its stream-ordered handles, on
+//! one GPU or two, against the CPU reference. Runs on a GPU machine with NVIDIA's `libnccl_ep`
+//! (NCCL EP 0.1, built from NCCL 2.30.7) and that NCCL first on the library path; prints SKIPPED
+//! (and passes) without the GPUs or without the library.
 
 use epflow_async::Group;
 use epflow_core::GroupConfig;
@@ -131,4 +131,83 @@ async fn nccl_ep_rounds(g: &Group<epflow_nccl_ep::NcclEpRank>, config: &GroupCon
         assert!(rep.ok(), "round {round} rank {r}: {rep:?}");
         eprintln!("round {round} rank {r}: dispatch and combine match (max |diff| {:e})", rep.max_abs_diff);
     }
+}
+
+/// `NcclEpStreamHandle` (what `moe_serving --backend nccl-ep` drives): one handle per rank,
+/// its routing replaced in place every round (`ncclEpUpdateHandle`), dispatch and combine in a
+/// stream's order into the test's tensors, nothing awaited until the round's end. Ten rounds of
+/// fresh routings and token counts on every GPU of the machine (one or two): rows matched to the
+/// reference by content, counts equal, the combine of identity experts within one BF16 ulp.
+/// Skipped (loudly) without a GPU or without `libnccl_ep`.
+#[test]
+fn stream_ordered_handles_match_the_reference() {
+    use epflow_core::verify::ll_rows_by_content;
+    use epflow_core::{DType, TensorDesc, TensorTag};
+    use epflow_kernels::DeviceTensor;
+    use epflow_nccl_ep::NcclEpWorld;
+    let test = "stream_ordered_handles_match_the_reference";
+    let n = device_count().min(2);
+    if n == 0 {
+        eprintln!("SKIPPED {test}: no GPU");
+        return;
+    }
+    let devices: Vec<usize> = (0..n).collect();
+    let (experts, m, h, k) = (32usize, 64usize, 2048usize, 8usize);
+    let config = GroupConfig::low_latency(experts, m, h);
+    let ranks = match NcclEpWorld::create(&devices, config.clone()) {
+        Ok(r) => r,
+        Err(epflow_core::Error::Unsupported(why)) if why.starts_with("NCCL EP:") => {
+            eprintln!("SKIPPED {test}: {why}");
+            return;
+        }
+        Err(e) => panic!("NCCL EP group: {e}"),
+    };
+    let (l, rows) = (experts / n, n * m);
+    std::thread::scope(|scope| {
+        for rank in &ranks {
+            let (config, devices) = (&config, &devices);
+            scope.spawn(move || {
+                let r = epflow_core::backend::Backend::rank(rank);
+                let (ctx, dev) = (rank.context(), devices[r]);
+                let stream = ctx.new_stream().expect("stream");
+                let zeros = |tag, dtype, shape: &[usize]| {
+                    DeviceTensor::zeros(ctx, dev, TensorDesc::contiguous(tag, dtype, shape)).expect("alloc")
+                };
+                let handle = rank.stream_handle(k).expect("ncclEpInitHandle");
+                let recv = zeros(TensorTag::Tokens, DType::Bf16, &[l, rows, h]);
+                let counts = zeros(TensorTag::RecvExpertCountsDevice, DType::I32, &[l]);
+                for round in 0..10u64 {
+                    let tokens: Vec<usize> = (0..n).map(|q| if q + 1 == n { 41 + round as usize } else { m }).collect();
+                    let sc = Scenario::generate(config.clone(), n, &tokens, k, RoutingKind::Uniform, 5, 303 + round);
+                    let refs = sc.ll_dispatch_reference().unwrap();
+                    let want = sc.ll_combine_identity_reference(&refs).unwrap();
+                    let idx = rank.upload(&sc.topk_idx(r)).unwrap();
+                    let x = rank.upload(&sc.tokens(r)).unwrap();
+                    let w = rank.upload(&sc.weights(r)).unwrap();
+                    let out = zeros(TensorTag::Tokens, DType::Bf16, &[tokens[r], h]);
+                    handle.route_on(&idx, &stream).expect("ncclEpUpdateHandle");
+                    handle.dispatch_on(&x, &recv, &counts, &stream).expect("ncclEpDispatch");
+                    // Identity experts: the received rows go back as they came.
+                    handle.combine_on(&recv, &w, &out, &stream).expect("ncclEpCombine");
+                    stream.synchronize().expect("sync");
+                    let got_rows = recv.download(ctx).unwrap();
+                    let got_counts = counts.download(ctx).unwrap();
+                    let arranged = ll_rows_by_content(&refs[r], rows, h, got_rows.as_bf16().unwrap());
+                    let rep = check_ll_dispatch(
+                        &refs[r],
+                        h,
+                        rows,
+                        &epflow_core::HostData::Bf16(arranged),
+                        None,
+                        got_counts.as_i32().unwrap(),
+                    );
+                    assert!(rep.ok(), "round {round} rank {r}: {rep:?}");
+                    let got = out.download(ctx).unwrap();
+                    let rep = check_bf16("combine", &want[r], got.as_bf16().unwrap(), Tolerance::OneUlp);
+                    assert!(rep.ok(), "round {round} rank {r}: {rep:?}");
+                }
+                eprintln!("rank {r}: 10 stream-ordered rounds match the reference");
+            });
+        }
+    });
 }
