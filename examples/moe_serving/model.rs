@@ -118,6 +118,19 @@ struct Enqueue {
 }
 
 impl Enqueue {
+    /// The host's time per layer step by part, from the lanes' times `t` and the handle's (or
+    /// the NCCL EP calls') `handle_s` seconds over `steps` layer steps.
+    fn from_lanes(t: &epflow::moe::gpu::LaneTimes, handle_s: f64, steps: f64) -> Self {
+        let us = |d: f64| d / steps * 1e6;
+        Enqueue {
+            before_dispatch_us: us(t.before_dispatch.as_secs_f64()),
+            handle_us: us(handle_s),
+            experts_us: us(t.experts.as_secs_f64()),
+            after_combine_us: us(t.after_combine.as_secs_f64()),
+            ..Enqueue::default()
+        }
+    }
+
     fn total(&self) -> f64 {
         self.before_dispatch_us + self.handle_us + self.experts_us + self.after_combine_us + self.replay_us
     }
@@ -334,14 +347,7 @@ impl RankRun<'_> {
                 layers: a.layers + b.layers,
             }
         });
-        let us = |d: f64| d / steps * 1e6;
-        let enqueue = Enqueue {
-            before_dispatch_us: us(t.before_dispatch.as_secs_f64()),
-            handle_us: us(host.into_inner().unwrap_or_else(|p| p.into_inner())),
-            experts_us: us(t.experts.as_secs_f64()),
-            after_combine_us: us(t.after_combine.as_secs_f64()),
-            ..Enqueue::default()
-        };
+        let enqueue = Enqueue::from_lanes(&t, host.into_inner().unwrap_or_else(|p| p.into_inner()), steps);
         Ok((
             marks.into_inner().unwrap_or_else(|p| p.into_inner()),
             outs.into_inner().unwrap_or_else(|p| p.into_inner()),
@@ -446,16 +452,7 @@ impl RankRun<'_> {
                 outs.insert(mb, bits);
             }
         }
-        let t = l.times();
-        let steps = (rounds * self.layers) as f64;
-        let us = |d: f64| d / steps * 1e6;
-        let enqueue = Enqueue {
-            before_dispatch_us: us(t.before_dispatch.as_secs_f64()),
-            handle_us: us(comm_host),
-            experts_us: us(t.experts.as_secs_f64()),
-            after_combine_us: us(t.after_combine.as_secs_f64()),
-            ..Enqueue::default()
-        };
+        let enqueue = Enqueue::from_lanes(&l.times(), comm_host, (rounds * self.layers) as f64);
         Ok((marks, outs, enqueue))
     }
 

@@ -446,21 +446,25 @@ def low_latency_rank_major(lib, comm, cuda, stream, p, chk, global_ids=False):
         lib.ncclEpGroupDestroy(group)
 
 
-def high_throughput_flat(lib, comm, cuda, stream, p, chk, global_ids=False):
-    E, M, H, K = p.E, p.M, p.H, p.K
-    R = 1
+def high_throughput_group(lib, comm, cuda, p, max_recv):
+    """A one-rank high-throughput group for problem ``p`` receiving at most ``max_recv`` rows,
+    and ``p``'s tokens, routing and weights on the device."""
     cfg = nccl_ep.ncclEpGroupConfig_t(
         algorithm=NCCL_EP_ALGO_HIGH_THROUGHPUT,
-        num_experts=E,
-        max_dispatch_tokens_per_rank=M,
-        max_recv_tokens_per_rank=R * M,
-        max_token_bytes=2 * H,
+        num_experts=p.E,
+        max_dispatch_tokens_per_rank=p.M,
+        max_recv_tokens_per_rank=max_recv,
+        max_token_bytes=2 * p.H,
     )
     group = lib.ncclEpCreateGroup(comm, cfg)
+    return group, cuda.upload(p.flat("H", p.x)), cuda.upload(p.flat("q", p.idx)), cuda.upload(p.flat("f", p.w))
+
+
+def high_throughput_flat(lib, comm, cuda, stream, p, chk, global_ids=False):
+    M, H, K = p.M, p.H, p.K
+    R = 1
+    group, x_d, idx_d, w_d = high_throughput_group(lib, comm, cuda, p, R * M)
     try:
-        x_d = cuda.upload(p.flat("H", p.x))
-        idx_d = cuda.upload(p.flat("q", p.idx))
-        w_d = cuda.upload(p.flat("f", p.w))
         total_d = cuda.alloc(4)
         info = nccl_ep.ncclEpLayoutInfo_t(recv_total_counter=desc(total_d, ncclInt32, (1,)))
         handle = lib.ncclEpCreateHandle(group, NCCL_EP_LAYOUT_FLAT, desc(idx_d, ncclInt64, (p.B, K)), info, None, stream)
@@ -528,20 +532,10 @@ def high_throughput_expert_major(lib, comm, cuda, stream, p, chk, alignment=4):
     """NCCL EP's high-throughput EXPERT_MAJOR layout (one rank: every expert local): the handle's
     padded counts, zone offsets and slot total; each zone holds its expert's tokens in token
     order with their weights, padding zero; the combine sums every slot of a token."""
-    E, M, H, K = p.E, p.M, p.H, p.K
-    L = E
-    cfg = nccl_ep.ncclEpGroupConfig_t(
-        algorithm=NCCL_EP_ALGO_HIGH_THROUGHPUT,
-        num_experts=E,
-        max_dispatch_tokens_per_rank=M,
-        max_recv_tokens_per_rank=M * K,
-        max_token_bytes=2 * H,
-    )
-    group = lib.ncclEpCreateGroup(comm, cfg)
+    M, H, K = p.M, p.H, p.K
+    L = p.E
+    group, x_d, idx_d, w_d = high_throughput_group(lib, comm, cuda, p, M * K)
     try:
-        x_d = cuda.upload(p.flat("H", p.x))
-        idx_d = cuda.upload(p.flat("q", p.idx))
-        w_d = cuda.upload(p.flat("f", p.w))
         counts_d, offsets_d, total_d = cuda.alloc(L * 8), cuda.alloc(L * 8), cuda.alloc(8)
         info = nccl_ep.ncclEpLayoutInfo_t(
             expert_counters=desc(counts_d, ncclInt64, (L,)),
