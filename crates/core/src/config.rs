@@ -117,6 +117,13 @@ pub struct GroupConfig {
     /// zero contribution, counted per token in [`crate::ops::CombineOutputs::masked`]. See
     /// [`crate::mask`] for the rules and the recovery steps.
     pub rank_masking: bool,
+    /// GPU backends, low-latency: every dispatch writes into the caller's tensors
+    /// (`start_dispatch_into`, captured steps), so the group allocates no dispatch output buffer
+    /// sets (`S x [L x R*M x H]` tokens and their FP8 scales: 0.94 GB per rank at E = 256,
+    /// M = 128, H = 7168 on one rank). A dispatch without targets is then refused with
+    /// [`crate::Error::Unsupported`]. Default off. `libnccl_ep.so` turns it on: NCCL EP's
+    /// callers always pass their output tensors.
+    pub caller_outputs: bool,
     /// GPU backends: how the group runs ([`Tuning`]: kernel forms, handle builders, the
     /// high-throughput layout). `None` (the default): the environment's `EPFLOW_*` values,
     /// read once per process ([`crate::tuning::Environment::get`]), taken at group creation.
@@ -137,6 +144,7 @@ impl GroupConfig {
             max_sms: None,
             timeout: DEFAULT_TIMEOUT,
             rank_masking: false,
+            caller_outputs: false,
             tuning: None,
         }
     }
@@ -189,6 +197,12 @@ impl GroupConfig {
     /// Turns rank masking on or off ([`GroupConfig::rank_masking`]; low-latency groups only).
     pub fn with_rank_masking(mut self, on: bool) -> Self {
         self.rank_masking = on;
+        self
+    }
+
+    /// Turns [`GroupConfig::caller_outputs`] on or off.
+    pub fn with_caller_outputs(mut self, on: bool) -> Self {
+        self.caller_outputs = on;
         self
     }
 
@@ -304,7 +318,9 @@ impl GroupConfig {
     /// buffer set's receive regions and outputs filled to their capacity (low-latency: `S`
     /// sets of `[L x R*M x H]` dispatch outputs and scales, `R x M` dispatch messages,
     /// `M x K` combine rows and `[M x H]` combine outputs; high-throughput with a fixed bound:
-    /// one operation's `[R*M x H]` outputs with their weights, indices and scales). The GPU
+    /// one operation's `[R*M x H]` outputs with their weights, indices and scales); with
+    /// [`GroupConfig::caller_outputs`] the low-latency dispatch outputs are the caller's and
+    /// not counted. The GPU
     /// backend's layout is close to it; the host backend allocates lazily, so untouched rows
     /// cost nothing. Computed in 128 bits: no size wraps.
     pub fn buffer_bytes_per_rank(&self, num_ranks: usize) -> u128 {
@@ -316,7 +332,8 @@ impl GroupConfig {
         let token_bytes = if self.dispatch_dtype.is_fp8() { p(&[h]) + p(&[h]) / 32 } else { p(&[2, h]) };
         match (self.algorithm, self.max_tokens_per_rank) {
             (Algorithm::LowLatency, MaxTokens::Fixed(m)) => {
-                let dispatch_out = p(&[l, r, m]).saturating_mul(token_bytes).saturating_add(p(&[4, l]));
+                let dispatch_out = if self.caller_outputs { 0 } else { p(&[l, r, m]).saturating_mul(token_bytes) };
+                let dispatch_out = dispatch_out.saturating_add(p(&[4, l]));
                 let dispatch_recv = p(&[r, m]).saturating_mul(p(&[2, h]).saturating_add(128));
                 let combine = p(&[m, k, 2, h]).saturating_add(p(&[m, 2, h]));
                 p(&[sets]).saturating_mul(dispatch_out.saturating_add(dispatch_recv).saturating_add(combine))
@@ -357,6 +374,12 @@ mod tests {
         // The reference config: about 1 GB per rank.
         let b = GroupConfig::low_latency(256, 128, 7168).buffer_bytes_per_rank(4);
         assert!((900 << 20..1200 << 20).contains(&b), "{b}");
+        // Outputs in caller memory: the dispatch outputs ([L x R*M x H] BF16, two sets) are not
+        // the group's.
+        let c = GroupConfig::low_latency(256, 128, 7168);
+        let own = c.buffer_bytes_per_rank(1);
+        let caller = c.with_caller_outputs(true).buffer_bytes_per_rank(1);
+        assert_eq!(own - caller, 2 * 256 * 128 * 7168 * 2);
     }
 
     #[test]

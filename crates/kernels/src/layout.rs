@@ -416,6 +416,8 @@ pub(crate) struct LlLayout {
     pub max_top_k: usize,
     /// Whether dispatch carries FP8.
     pub fp8: bool,
+    /// Whether the group holds dispatch output buffer sets (`!GroupConfig::caller_outputs`).
+    pub own_outputs: bool,
     /// Bytes of one dispatch message (header + payload), a multiple of 16.
     pub msg_bytes: usize,
 }
@@ -456,6 +458,7 @@ impl LlLayout {
             sets: config.buffer_sets,
             max_top_k: config.max_top_k,
             fp8,
+            own_outputs: !config.caller_outputs,
             msg_bytes: (HDR_BYTES + payload).next_multiple_of(16),
         })
     }
@@ -529,14 +532,22 @@ impl LlLayout {
         k * wrap - sets - 1 < u128::from(to)
     }
 
-    /// Dispatch output tokens, one set: `[L x R*M x H]`.
+    /// Dispatch output tokens, one set: `[L x R*M x H]` (0 when the outputs are the caller's).
     pub(crate) fn dispatch_out_bytes(&self) -> usize {
+        if !self.own_outputs {
+            return 0;
+        }
         self.local_experts * self.rows_per_expert() * self.hidden * if self.fp8 { 1 } else { 2 }
     }
 
-    /// Dispatch output scales, one set (FP8 only): `[L x R*M x H/128]` fp32.
+    /// Dispatch output scales, one set (FP8 only): `[L x R*M x H/128]` fp32 (0 when the outputs
+    /// are the caller's).
     pub(crate) fn dispatch_scales_bytes(&self) -> usize {
-        if self.fp8 { self.local_experts * self.rows_per_expert() * (self.hidden / FP8_BLOCK) * 4 } else { 0 }
+        if self.fp8 && self.own_outputs {
+            self.local_experts * self.rows_per_expert() * (self.hidden / FP8_BLOCK) * 4
+        } else {
+            0
+        }
     }
 
     /// Receive counters per set: `[L]` (expert-major) or `[R]` (rank-major) int32, whichever is

@@ -466,12 +466,8 @@ fn ll_one_process_per_gpu() {
 /// with `EPFLOW_TEST_DEVICES=0,0`).
 #[test]
 fn ll_fp8_per_call_into_caller_memory_matches_an_fp8_group() {
-    use epflow_core::backend::{Backend, OpOutput, complete_blocking, run_blocking, send_blocking};
-    use epflow_core::ops::DispatchOutputs;
-    use epflow_core::protocol::Channel;
+    use epflow_core::backend::Backend;
     use epflow_core::scenario::ll_identity_expert_outputs;
-    use epflow_kernels::device::DeviceBuffer;
-    use epflow_kernels::{GpuHandle, OutputTargets};
     let Some(devices) = gpus(2, "ll_fp8_per_call_into_caller_memory") else { return };
     let (hidden, experts, max_tokens, top_k) = (1024, 16, 64, 4);
     let bf16_group = GroupConfig::low_latency(experts, max_tokens, hidden);
@@ -479,43 +475,6 @@ fn ll_fp8_per_call_into_caller_memory_matches_an_fp8_group() {
     let base = seed();
     eprintln!("seed {base}");
     let rows = devices.len() * max_tokens;
-    // One dispatch into poisoned caller buffers, run to its end (staged: send, then complete).
-    let dispatch = |rank: &GpuRank,
-                    h: &GpuHandle,
-                    x: &epflow_kernels::DeviceTensor,
-                    opts: &DispatchOptions,
-                    staged: bool|
-     -> Result<DispatchOutputs<HostTensor>, Error> {
-        let descs = rank.dispatch_output_descs(h, opts);
-        let alloc = |d: &epflow_core::TensorDesc| -> Result<DeviceBuffer, Error> {
-            let b = DeviceBuffer::zeroed(rank.context(), d.size_bytes().max(1))?;
-            b.write(0, &vec![0xA5u8; d.size_bytes()])?;
-            Ok(b)
-        };
-        let tokens = alloc(&descs.tokens)?;
-        let scales = descs.scales.as_ref().map(alloc).transpose()?;
-        let counts = descs.counts.as_ref().map(alloc).transpose()?;
-        let into = OutputTargets {
-            tokens: tokens.ptr(),
-            scales: scales.as_ref().map(DeviceBuffer::ptr),
-            counts: counts.as_ref().map(DeviceBuffer::ptr),
-            ..OutputTargets::default()
-        };
-        // SAFETY: every address is a buffer of this rank's device holding the tensor its
-        // descriptor describes; the buffers live until this closure returns, after the
-        // operation completed.
-        let op = unsafe { rank.start_dispatch_into(h, DispatchInputs::new(x), opts, &into)? };
-        let out = if staged {
-            let op = send_blocking(op, rank.slot_pool(Channel::Dispatch), rank.poison(), rank.config().timeout)?;
-            complete_blocking(op, rank.poison(), rank.config().timeout)?
-        } else {
-            run_blocking(op, rank.slot_pool(Channel::Dispatch), rank.poison(), rank.config().timeout)?
-        };
-        match out {
-            OpOutput::Dispatch(d) => d.to_host(),
-            _ => Err(Error::Backend("dispatch returned another output".into())),
-        }
-    };
     for (i, dtype) in
         [DispatchDtype::Fp8 { round_scales: false }, DispatchDtype::Fp8 { round_scales: true }].into_iter().enumerate()
     {
@@ -542,7 +501,7 @@ fn ll_fp8_per_call_into_caller_memory_matches_an_fp8_group() {
                 let h = blocking_handle(rank, &idx).unwrap();
                 let x = rank.upload(&sc.tokens(r)).unwrap();
                 let opts = DispatchOptions { dtype: Some(dtype), ..Default::default() };
-                let out = dispatch(rank, &h, &x, &opts, staged).expect("per-call FP8 dispatch");
+                let out = dispatch_into_poisoned(rank, &h, &x, &opts, staged).expect("per-call FP8 dispatch");
                 let counts = out.counts.as_ref().unwrap().as_i32().unwrap().to_vec();
                 let scales = out.scales.as_ref().and_then(HostTensor::as_f32);
                 assert!(scales.is_some(), "rank {r} {what}: no scales");
@@ -599,5 +558,116 @@ fn ll_fp8_per_call_into_caller_memory_matches_an_fp8_group() {
         let opts = DispatchOptions { dtype: Some(DispatchDtype::Fp8 { round_scales: false }), ..Default::default() };
         let e = rank.start_dispatch(&h, DispatchInputs::new(&x), &opts).map(drop).unwrap_err().to_string();
         assert!(e.contains("caller's tensors with scales"), "{e}");
+    });
+}
+
+/// One dispatch of `x` on `h` into caller buffers poisoned with 0xA5 (tokens, and scales and
+/// counts where the descriptors have them), run to its end (`staged`: send, then complete);
+/// the outputs copied to the host.
+fn dispatch_into_poisoned(
+    rank: &GpuRank,
+    h: &epflow_kernels::GpuHandle,
+    x: &epflow_kernels::DeviceTensor,
+    opts: &DispatchOptions,
+    staged: bool,
+) -> Result<epflow_core::ops::DispatchOutputs<HostTensor>, Error> {
+    use epflow_core::backend::{Backend, OpOutput, complete_blocking, run_blocking, send_blocking};
+    use epflow_core::protocol::Channel;
+    use epflow_kernels::OutputTargets;
+    use epflow_kernels::device::DeviceBuffer;
+    let descs = rank.dispatch_output_descs(h, opts);
+    let alloc = |d: &epflow_core::TensorDesc| -> Result<DeviceBuffer, Error> {
+        let b = DeviceBuffer::zeroed(rank.context(), d.size_bytes().max(1))?;
+        b.write(0, &vec![0xA5u8; d.size_bytes()])?;
+        Ok(b)
+    };
+    let tokens = alloc(&descs.tokens)?;
+    let scales = descs.scales.as_ref().map(alloc).transpose()?;
+    let counts = descs.counts.as_ref().map(alloc).transpose()?;
+    let into = OutputTargets {
+        tokens: tokens.ptr(),
+        scales: scales.as_ref().map(DeviceBuffer::ptr),
+        counts: counts.as_ref().map(DeviceBuffer::ptr),
+        ..OutputTargets::default()
+    };
+    // SAFETY: every address is a buffer of this rank's device holding the tensor its descriptor
+    // describes; the buffers live until this function returns, after the operation completed.
+    let op = unsafe { rank.start_dispatch_into(h, DispatchInputs::new(x), opts, &into)? };
+    let out = if staged {
+        let op = send_blocking(op, rank.slot_pool(Channel::Dispatch), rank.poison(), rank.config().timeout)?;
+        complete_blocking(op, rank.poison(), rank.config().timeout)?
+    } else {
+        run_blocking(op, rank.slot_pool(Channel::Dispatch), rank.poison(), rank.config().timeout)?
+    };
+    match out {
+        OpOutput::Dispatch(d) => d.to_host(),
+        _ => Err(Error::Backend("dispatch returned another output".into())),
+    }
+}
+
+/// A group made with `GroupConfig::caller_outputs` (as `libnccl_ep.so` makes them) holds no
+/// dispatch output sets: its memory is smaller by exactly `sets x [L x R*M x H]` BF16 than the
+/// same config's without. Dispatches into poisoned caller memory (staged and not) match the
+/// reference bit for bit, and their combines are exact; a dispatch without targets is refused
+/// with a message naming the setting, and the group goes on. Two ranks (on one GPU with
+/// `EPFLOW_TEST_DEVICES=0,0`) or one.
+#[test]
+fn ll_group_with_caller_outputs_keeps_none_and_stays_exact() {
+    use epflow_core::backend::Backend;
+    use epflow_core::scenario::ll_identity_expert_outputs;
+    let name = "ll_group_with_caller_outputs";
+    let Some(devices) = gpus(2, name).or_else(|| gpus(1, name)) else { return };
+    let (hidden, experts, max_tokens, top_k) = (1024, 16, 64, 4);
+    let own = GroupConfig::low_latency(experts, max_tokens, hidden);
+    let config = own.clone().with_caller_outputs(true);
+    let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+    let n = devices.len();
+    let own_bytes = GpuWorld::create(&devices, own).expect("create GPU group")[0].device_memory_bytes();
+    let saved = config.buffer_sets * (experts / n) * n * max_tokens * hidden * 2;
+    assert_eq!(own_bytes - ranks[0].device_memory_bytes(), saved, "the dispatch output sets are not held");
+    let base = seed();
+    eprintln!("seed {base}");
+    let rows = n * max_tokens;
+    for (i, staged) in [false, true, false].into_iter().enumerate() {
+        let s = base.wrapping_add(i as u64);
+        let tokens: Vec<usize> = (0..n).map(|r| if r == 0 { max_tokens } else { 23 }).collect();
+        let sc = Scenario::generate(config.clone(), n, &tokens, top_k, RoutingKind::Uniform, 5, s);
+        let refs = sc.ll_dispatch_reference().unwrap();
+        let want = sc.ll_combine_identity_reference(&refs).unwrap();
+        on_ranks(&ranks, |rank| {
+            let r = rank.rank();
+            let idx = rank.upload(&sc.topk_idx(r)).unwrap();
+            let h = blocking_handle(rank, &idx).unwrap();
+            let x = rank.upload(&sc.tokens(r)).unwrap();
+            let out = dispatch_into_poisoned(rank, &h, &x, &DispatchOptions::default(), staged).expect("dispatch");
+            let counts = out.counts.as_ref().unwrap().as_i32().unwrap().to_vec();
+            let d = check_ll_dispatch(&refs[r], hidden, rows, out.tokens.data(), None, &counts);
+            assert!(d.ok() && d.checked > 0, "rank {r} staged={staged} seed={s}: dispatch {d:?}");
+            let experts =
+                rank.upload(&ll_identity_expert_outputs(out.tokens.data(), None, &counts, rows, hidden)).unwrap();
+            let w = rank.upload(&sc.weights(r)).unwrap();
+            let y = blocking_combine(
+                rank,
+                &h,
+                CombineInputs::new(&experts).with_weights(&w),
+                &CombineOptions::default(),
+                staged,
+            )
+            .unwrap();
+            let c = check_bf16("combine", &want[r], y.to_host().unwrap().tokens.as_bf16().unwrap(), Tolerance::Exact);
+            assert!(c.ok(), "rank {r} staged={staged} seed={s}: combine {c:?}");
+        });
+        eprintln!("ok: caller outputs, staged={staged} seed={s}");
+    }
+    // Without targets: refused on every rank, naming the setting; then the group goes on.
+    on_ranks(&ranks, |rank| {
+        let idx = rank.upload(&HostTensor::topk_idx(1, 1, vec![0])).unwrap();
+        let h = blocking_handle(rank, &idx).unwrap();
+        let x = rank.upload(&HostTensor::tokens(1, hidden, vec![bf16::ZERO; hidden])).unwrap();
+        let e = rank.start_dispatch(&h, DispatchInputs::new(&x), &DispatchOptions::default()).map(drop).unwrap_err();
+        assert!(e.to_string().contains("caller_outputs"), "{e}");
+        let out = dispatch_into_poisoned(rank, &h, &x, &DispatchOptions::default(), false)
+            .expect("dispatch after the refusal");
+        assert_eq!(out.counts.as_ref().unwrap().as_i32().unwrap()[0], i32::from(rank.rank() == 0) * n as i32);
     });
 }

@@ -148,7 +148,9 @@ fn group_config(read: &v2::GroupConfig, num_ranks: usize) -> Res<(GroupConfig, S
     .with_max_top_k(epflow_core::config::MAX_TOP_K)
     .with_max_sms(max_sms)
     .with_timeout(timeout)
-    .with_rank_masking(c.enable_mask != 0);
+    .with_rank_masking(c.enable_mask != 0)
+    // NCCL EP's callers pass every output tensor: the group keeps no dispatch output sets.
+    .with_caller_outputs(true);
     let max_recv = match (algorithm, c.max_recv_tokens_per_rank) {
         // v2's NCCL_EP_AUTO: the bound no routing can pass, R x max_dispatch_tokens_per_rank
         // (a token reaches a rank at most once). epflow's high-throughput outputs are sized by
@@ -419,6 +421,7 @@ mod tests {
     fn configs_map_to_epflow_groups() {
         let (config, shape) = group_config(&v2::GroupConfig::from_v1(ll()), 2).unwrap();
         assert_eq!((config.hidden, config.num_experts, shape.local_experts, shape.max_recv), (7168, 16, 8, 256));
+        assert!(config.caller_outputs, "NCCL EP's outputs are the caller's: the group keeps none");
         let ht = ep::NcclEpGroupConfig {
             algorithm: ep::NCCL_EP_ALGO_HIGH_THROUGHPUT,
             max_recv_tokens_per_rank: 4096,

@@ -175,6 +175,11 @@ pub(crate) fn dispatch_params(
             "a per-call FP8 dispatch of a BF16 group writes into the caller's tensors with scales (start_dispatch_into): the group's buffers hold no scales".into(),
         ));
     }
+    if into.is_none() && s.config.caller_outputs {
+        return Err(Error::Unsupported(
+            "this group keeps no dispatch outputs (GroupConfig::caller_outputs): dispatch into the caller's tensors (start_dispatch_into)".into(),
+        ));
+    }
     p.fp8 = i32::from(dtype.is_fp8());
     p.round_scales = i32::from(matches!(dtype, DispatchDtype::Fp8 { round_scales: true }));
     p.x = inputs.tokens().ptr();
