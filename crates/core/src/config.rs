@@ -257,6 +257,9 @@ impl GroupConfig {
         if self.hidden % HIDDEN_ALIGN != 0 {
             return Err(ConfigError::HiddenNotAligned { hidden: self.hidden, align: HIDDEN_ALIGN });
         }
+        if self.dispatch_dtype.forwarded().is_some() {
+            return Err(ConfigError::ForwardedGroupDtype);
+        }
         if self.dispatch_dtype.is_fp8() && self.hidden % FP8_BLOCK != 0 {
             return Err(ConfigError::HiddenNotMultipleOfFp8Block { hidden: self.hidden, block: FP8_BLOCK });
         }
@@ -380,6 +383,13 @@ mod tests {
         let own = c.buffer_bytes_per_rank(1);
         let caller = c.with_caller_outputs(true).buffer_bytes_per_rank(1);
         assert_eq!(own - caller, 2 * 256 * 128 * 7168 * 2);
+    }
+
+    #[test]
+    fn forwarded_rows_are_a_per_call_type_not_a_groups() {
+        let c = GroupConfig::low_latency(16, 8, 1024)
+            .with_dispatch_dtype(DispatchDtype::Forwarded { token_bytes: 1024, scale_bytes: 32 });
+        assert_eq!(c.validate(2), Err(ConfigError::ForwardedGroupDtype));
     }
 
     #[test]

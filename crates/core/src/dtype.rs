@@ -16,20 +16,23 @@ pub enum DType {
     I64,
     /// FP8 e4m3 (OCP "E4M3FN": bias 7, no infinities, max 448), one byte per element.
     Fp8E4m3,
+    /// Bytes with no arithmetic meaning to epflow: the rows of a forwarded dispatch
+    /// ([`DispatchDtype::Forwarded`]), whatever their elements are.
+    U8,
 }
 
 impl DType {
     /// Size of one element in bytes.
     pub const fn size_bytes(self) -> usize {
         match self {
-            DType::Fp8E4m3 => 1,
+            DType::Fp8E4m3 | DType::U8 => 1,
             DType::Bf16 => 2,
             DType::F32 | DType::I32 => 4,
             DType::I64 => 8,
         }
     }
 
-    /// Short lower-case name (`bf16`, `f32`, `i32`, `i64`, `fp8_e4m3`).
+    /// Short lower-case name (`bf16`, `f32`, `i32`, `i64`, `fp8_e4m3`, `u8`).
     pub const fn name(self) -> &'static str {
         match self {
             DType::Bf16 => "bf16",
@@ -37,6 +40,7 @@ impl DType {
             DType::I32 => "i32",
             DType::I64 => "i64",
             DType::Fp8E4m3 => "fp8_e4m3",
+            DType::U8 => "u8",
         }
     }
 }
@@ -61,11 +65,34 @@ pub enum DispatchDtype {
         /// Round every scale up to a power of two (exact rescaling, as DeepEP's `round_scale`).
         round_scales: bool,
     },
+    /// Rows the caller already quantized, forwarded as bytes (NCCL EP API v2's
+    /// `NCCL_EP_DISP_QUANT_FWD`): each token is `token_bytes` of payload ([`DType::U8`]
+    /// `[B x token_bytes]`, e.g. FP8 or packed FP4 values) and `scale_bytes` of its scales
+    /// (`[B x scale_bytes]`, in [`crate::ops::DispatchInputs::scales`]); the receiver gets both
+    /// unchanged, in the layout's rows (`[L x R*M x token_bytes]` and `[L x R*M x scale_bytes]`
+    /// expert-major, `[R*M x ..]` rank-major). Nothing is converted. Per call only
+    /// ([`crate::ops::DispatchOptions::dtype`]), low-latency forward dispatch of a BF16 group,
+    /// on GPUs into the caller's tensors: both sizes multiples of 16 and their sum at most the
+    /// group's BF16 row, `2 x hidden` bytes.
+    Forwarded {
+        /// Bytes of a token's payload row.
+        token_bytes: usize,
+        /// Bytes of a token's scale row.
+        scale_bytes: usize,
+    },
 }
 
 impl DispatchDtype {
     /// Whether tokens travel as FP8.
     pub const fn is_fp8(self) -> bool {
         matches!(self, DispatchDtype::Fp8 { .. })
+    }
+
+    /// The row sizes of a forwarded dispatch, `(token_bytes, scale_bytes)`.
+    pub const fn forwarded(self) -> Option<(usize, usize)> {
+        match self {
+            DispatchDtype::Forwarded { token_bytes, scale_bytes } => Some((token_bytes, scale_bytes)),
+            _ => None,
+        }
     }
 }

@@ -75,6 +75,9 @@ pub enum ConfigError {
         /// Channels per scale.
         block: usize,
     },
+    /// The group's `dispatch_dtype` is [`crate::DispatchDtype::Forwarded`], which is per call.
+    #[error("dispatch_dtype Forwarded is a per-call type (DispatchOptions::dtype) of a BF16 group, not a group's type")]
+    ForwardedGroupDtype,
     /// `max_tokens_per_rank` is `Fixed(0)`.
     #[error("max_tokens_per_rank is 0: use a positive bound (or MaxTokens::Auto for high-throughput)")]
     ZeroMaxTokens,

@@ -63,7 +63,7 @@ impl Scenario {
                 DispatchDtype::Fp8 { round_scales } => {
                     Some(fp8::quantize_bf16(&tokens, b, config.hidden, round_scales))
                 }
-                DispatchDtype::Bf16 => None,
+                DispatchDtype::Bf16 | DispatchDtype::Forwarded { .. } => None,
             };
             RankInputs {
                 num_tokens: b,

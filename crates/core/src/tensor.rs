@@ -88,6 +88,8 @@ pub enum HostData {
     I64(Vec<i64>),
     /// FP8 e4m3 bit patterns.
     Fp8(Vec<u8>),
+    /// Opaque bytes ([`DType::U8`]).
+    U8(Vec<u8>),
 }
 
 impl HostData {
@@ -99,6 +101,7 @@ impl HostData {
             HostData::I32(_) => DType::I32,
             HostData::I64(_) => DType::I64,
             HostData::Fp8(_) => DType::Fp8E4m3,
+            HostData::U8(_) => DType::U8,
         }
     }
 
@@ -109,7 +112,7 @@ impl HostData {
             HostData::F32(v) => v.len(),
             HostData::I32(v) => v.len(),
             HostData::I64(v) => v.len(),
-            HostData::Fp8(v) => v.len(),
+            HostData::Fp8(v) | HostData::U8(v) => v.len(),
         }
     }
 
@@ -180,6 +183,7 @@ impl HostTensor {
             HostData::I32(_) => HostData::I32(Vec::new()),
             HostData::I64(_) => HostData::I64(Vec::new()),
             HostData::Fp8(_) => HostData::Fp8(Vec::new()),
+            HostData::U8(_) => HostData::U8(Vec::new()),
         };
         std::mem::replace(&mut self.data, empty)
     }
@@ -240,6 +244,14 @@ impl HostTensor {
     pub fn as_fp8(&self) -> Option<&[u8]> {
         match &self.data {
             HostData::Fp8(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// The bytes, if the tensor holds opaque bytes ([`DType::U8`]).
+    pub fn as_u8(&self) -> Option<&[u8]> {
+        match &self.data {
+            HostData::U8(v) => Some(v),
             _ => None,
         }
     }

@@ -211,13 +211,16 @@ pub fn routing_from_values(
 /// matches on these instead of re-reading the optional fields of [`DispatchInputs`].
 #[derive(Debug)]
 pub enum ValidDispatch<'a, T: ?Sized> {
-    /// Low-latency: BF16 tokens `[B x H]`, and (rank-major) the top-k weights `[B x K]` that
-    /// travel with them.
+    /// Low-latency: BF16 tokens `[B x H]` (a forwarded dispatch: bytes `[B x token_bytes]`
+    /// with their scale rows), and (rank-major) the top-k weights `[B x K]` that travel with
+    /// them.
     LowLatency {
         /// Tokens.
         tokens: &'a T,
         /// Top-k weights (rank-major only).
         weights: Option<&'a T>,
+        /// A forwarded dispatch's scale rows `[B x scale_bytes]` ([`DispatchDtype::Forwarded`]).
+        scales: Option<&'a T>,
     },
     /// High-throughput forward: tokens `[B x H]` (BF16, or FP8 with their `[B x H/128]`
     /// scales) and top-k weights `[B x K]`.
@@ -253,6 +256,15 @@ impl<'a, T: ?Sized> ValidDispatch<'a, T> {
         }
     }
 
+    /// The scales that travel with the tokens (high-throughput FP8 forward, a low-latency
+    /// forwarded dispatch).
+    pub fn scales(&self) -> Option<&'a T> {
+        match *self {
+            ValidDispatch::Forward { scales, .. } | ValidDispatch::LowLatency { scales, .. } => scales,
+            ValidDispatch::Backward { .. } => None,
+        }
+    }
+
     /// The top-k weights that travel with the tokens (high-throughput forward, low-latency
     /// rank-major).
     pub fn weights(&self) -> Option<&'a T> {
@@ -269,7 +281,9 @@ impl<'a, T: ?Sized> ValidDispatch<'a, T> {
             ValidDispatch::Forward { tokens, weights, scales } => {
                 [Some(tokens), Some(weights), scales].into_iter().flatten().collect()
             }
-            ValidDispatch::LowLatency { tokens, weights } => [Some(tokens), weights].into_iter().flatten().collect(),
+            ValidDispatch::LowLatency { tokens, weights, scales } => {
+                [Some(tokens), weights, scales].into_iter().flatten().collect()
+            }
             ValidDispatch::Backward { tokens } => vec![tokens],
         }
     }
@@ -349,13 +363,34 @@ pub fn validate_dispatch_inputs<'a, T: TensorView + ?Sized>(
             Err(ValidationError::UnsupportedForAlgorithm { what: "the backward pass", algorithm: ctx.algorithm_name() })
         }
         (Algorithm::LowLatency, Pass::Forward) => {
-            if inputs.scales.is_some() {
-                return Err(ValidationError::UnexpectedTensor {
-                    tensor: SCALES,
-                    why: "low-latency dispatch takes BF16 tokens and quantizes them itself",
-                });
+            match (opts.dtype.and_then(DispatchDtype::forwarded), inputs.scales) {
+                (Some(_), None) => {
+                    return Err(ValidationError::MissingTensor {
+                        tensor: SCALES,
+                        why: "a forwarded dispatch carries each token's scale row beside its payload",
+                    });
+                }
+                (Some((token_bytes, scale_bytes)), Some(s)) => {
+                    check_rows(
+                        TOKENS,
+                        inputs.tokens,
+                        TensorTag::Tokens,
+                        DType::U8,
+                        (b, "topk_idx"),
+                        (token_bytes, "token_bytes"),
+                    )?;
+                    check_rows(SCALES, s, TensorTag::Scales, DType::U8, (b, "topk_idx"), (scale_bytes, "scale_bytes"))?;
+                }
+                (None, Some(_)) => {
+                    return Err(ValidationError::UnexpectedTensor {
+                        tensor: SCALES,
+                        why: "low-latency dispatch takes BF16 tokens and quantizes them itself (or forwards rows: DispatchDtype::Forwarded)",
+                    });
+                }
+                (None, None) => {
+                    check_rows(TOKENS, inputs.tokens, TensorTag::Tokens, DType::Bf16, (b, "topk_idx"), (h, "hidden"))?
+                }
             }
-            check_rows(TOKENS, inputs.tokens, TensorTag::Tokens, DType::Bf16, (b, "topk_idx"), (h, "hidden"))?;
             let weights = match (ctx.layout, inputs.topk_weights) {
                 (Layout::ExpertMajor, Some(_)) => {
                     return Err(ValidationError::UnexpectedTensor {
@@ -375,7 +410,7 @@ pub fn validate_dispatch_inputs<'a, T: TensorView + ?Sized>(
                     Some(w)
                 }
             };
-            Ok(ValidDispatch::LowLatency { tokens: inputs.tokens, weights })
+            Ok(ValidDispatch::LowLatency { tokens: inputs.tokens, weights, scales: inputs.scales })
         }
         (Algorithm::HighThroughput, Pass::Forward) => {
             let fp8 = ctx.config.dispatch_dtype.is_fp8();
@@ -424,10 +459,27 @@ pub fn validate_dispatch_inputs<'a, T: TensorView + ?Sized>(
 fn check_dispatch_dtype(ctx: &OpContext<'_>, opts: &DispatchOptions) -> Result<(), ValidationError> {
     let c = ctx.config;
     let Some(asked) = opts.dtype else { return Ok(()) };
-    let name = if asked.is_fp8() { "fp8" } else { "bf16" };
+    let name = match asked {
+        DispatchDtype::Bf16 => "bf16",
+        DispatchDtype::Fp8 { .. } => "fp8",
+        DispatchDtype::Forwarded { .. } => "forwarded",
+    };
     let refuse = |why| Err(ValidationError::UnsupportedDispatchDtype { asked: name, why });
     // The group's own type for this pass (the backward pass is BF16 in every group).
     let own = if opts.pass == Pass::Backward { DispatchDtype::Bf16 } else { c.dispatch_dtype };
+    if let Some((token_bytes, scale_bytes)) = asked.forwarded() {
+        return if c.algorithm != Algorithm::LowLatency || opts.pass != Pass::Forward {
+            refuse("only low-latency forward dispatch forwards rows")
+        } else if own.is_fp8() {
+            refuse("an FP8 group's messages hold FP8 rows; forward rows in a BF16 group")
+        } else if token_bytes == 0 || scale_bytes == 0 || token_bytes % 16 != 0 || scale_bytes % 16 != 0 {
+            refuse("token_bytes and scale_bytes must be positive multiples of 16 (rows move in 16-byte vectors)")
+        } else if token_bytes.saturating_add(scale_bytes) > 2 * c.hidden {
+            refuse("token_bytes + scale_bytes must fit the group's BF16 row, 2 x hidden bytes")
+        } else {
+            Ok(())
+        };
+    }
     match (asked.is_fp8(), own.is_fp8()) {
         (true, true) | (false, false) => Ok(()),
         (false, true) => refuse("an FP8 group's buffers hold FP8 messages; create a BF16 group to dispatch BF16"),
@@ -452,7 +504,25 @@ pub fn dispatch_output_descs(ctx: &OpContext<'_>, opts: &DispatchOptions) -> Dis
     let counts = Some(TensorDesc::contiguous(counts_tag, DType::I32, &[l]));
     let fp8 = opts.dtype_in(c.dispatch_dtype).is_fp8();
     let token_dtype = if fp8 { DType::Fp8E4m3 } else { DType::Bf16 };
+    let forwarded = if opts.pass == Pass::Forward { opts.dtype.and_then(DispatchDtype::forwarded) } else { None };
     match (c.algorithm, opts.pass) {
+        (Algorithm::LowLatency, _) if forwarded.is_some() => {
+            let (tb, sb) = forwarded.unwrap_or_default();
+            let rows = ctx.ll_rows();
+            let rm = ctx.layout == Layout::RankMajor;
+            let shape = |w: usize| if rm { vec![rows, w] } else { vec![l, rows, w] };
+            DispatchOutputs {
+                tokens: TensorDesc::contiguous(TensorTag::Tokens, DType::U8, &shape(tb)),
+                scales: Some(TensorDesc::contiguous(TensorTag::Scales, DType::U8, &shape(sb))),
+                topk_weights: rm.then(|| TensorDesc::contiguous(TensorTag::TopkWeights, DType::F32, &[rows, k])),
+                topk_idx: rm.then(|| TensorDesc::contiguous(TensorTag::TopkIdx, DType::I32, &[rows, k])),
+                counts: if rm {
+                    Some(TensorDesc::contiguous(counts_tag, DType::I32, &[ctx.num_ranks]))
+                } else {
+                    counts
+                },
+            }
+        }
         (Algorithm::LowLatency, _) if ctx.layout == Layout::RankMajor => {
             let rows = ctx.ll_rows();
             DispatchOutputs {

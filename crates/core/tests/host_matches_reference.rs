@@ -189,6 +189,7 @@ fn head(d: &HostData, n: usize, cols: usize) -> HostData {
         HostData::I32(v) => HostData::I32(v[..e].to_vec()),
         HostData::I64(v) => HostData::I64(v[..e].to_vec()),
         HostData::Fp8(v) => HostData::Fp8(v[..e].to_vec()),
+        HostData::U8(v) => HostData::U8(v[..e].to_vec()),
     }
 }
 
@@ -439,4 +440,49 @@ fn stream_ordered_training_steps_with_fresh_routing() {
             }
         }
     }
+}
+
+/// Forwarded rows (`DispatchDtype::Forwarded`, NCCL EP API v2's FWD recipe) are validated
+/// alike on every backend: low-latency forward dispatch of a BF16 group only, both row sizes
+/// positive multiples of 16 fitting the group's BF16 row, opaque bytes with their scale rows.
+/// The host backend then refuses them by name (they are a GPU backend's: `gpu_ll`).
+#[test]
+fn forwarded_rows_are_validated_and_the_host_backend_refuses_them() {
+    let fwd = |token_bytes, scale_bytes| DispatchDtype::Forwarded { token_bytes, scale_bytes };
+    let attempt = |config: GroupConfig, dtype: DispatchDtype, tb: usize, sb: usize, with_scales: bool| {
+        let x = HostTensor::new(epflow_core::TensorTag::Tokens, &[2, tb], epflow_core::HostData::U8(vec![7; 2 * tb]));
+        let s = HostTensor::new(epflow_core::TensorTag::Scales, &[2, sb], epflow_core::HostData::U8(vec![9; 2 * sb]));
+        let w = HostTensor::topk_weights(2, 1, vec![1.0; 2]);
+        HostWorld::run(1, config, move |rank| {
+            let handle = rank.create_handle(&HostTensor::topk_idx(2, 1, vec![0, 1])).unwrap();
+            let mut inputs = DispatchInputs::new(&x);
+            if with_scales {
+                inputs = inputs.with_scales(&s);
+            }
+            if rank.config().algorithm == epflow_core::Algorithm::HighThroughput {
+                inputs = inputs.with_weights(&w);
+            }
+            let opts = DispatchOptions { dtype: Some(dtype), ..Default::default() };
+            rank.dispatch(&handle, inputs, &opts).map(drop).unwrap_err().to_string()
+        })
+        .unwrap()
+        .remove(0)
+    };
+    let ll = GroupConfig::low_latency(EXPERTS, MAX_TOKENS, HIDDEN);
+    let (tb, sb) = (HIDDEN, 32);
+    let e = attempt(ll.clone(), fwd(tb, sb), tb, sb, true);
+    assert!(e.contains("GPU backend"), "valid forwarded rows reach the host backend's refusal: {e}");
+    let e = attempt(ll.clone(), fwd(tb, sb), tb, sb, false);
+    assert!(e.contains("scale row"), "{e}");
+    let e = attempt(ll.clone(), fwd(tb, 24), tb, 24, true);
+    assert!(e.contains("multiples of 16"), "{e}");
+    let e = attempt(ll.clone(), fwd(2 * HIDDEN, 16), 2 * HIDDEN, 16, true);
+    assert!(e.contains("2 x hidden"), "{e}");
+    let e = attempt(ll.clone(), fwd(tb, sb), tb + 16, sb, true);
+    assert!(e.contains("token_bytes"), "a token row of another size: {e}");
+    let fp8 = ll.with_dispatch_dtype(DispatchDtype::Fp8 { round_scales: false });
+    let e = attempt(fp8, fwd(tb, sb), tb, sb, true);
+    assert!(e.contains("FP8 group"), "{e}");
+    let e = attempt(GroupConfig::high_throughput(EXPERTS, HIDDEN), fwd(tb, sb), tb, sb, true);
+    assert!(e.contains("only low-latency forward dispatch forwards rows"), "{e}");
 }

@@ -108,6 +108,7 @@ pub(crate) fn zeroed(desc: &TensorDesc) -> Result<HostData> {
         crate::DType::I32 => HostData::I32(vec![0; n]),
         crate::DType::I64 => HostData::I64(vec![0; n]),
         crate::DType::Fp8E4m3 => HostData::Fp8(vec![0; n]),
+        crate::DType::U8 => HostData::U8(vec![0; n]),
     })
 }
 

@@ -423,6 +423,12 @@ impl HostRank {
     ) -> Result<HostOp> {
         self.core.check_handle(handle)?;
         validate_dispatch_inputs(&self.core.op_context(handle), opts, &inputs)?;
+        if opts.dtype.and_then(crate::DispatchDtype::forwarded).is_some() {
+            return Err(Error::Unsupported(
+                "forwarded rows (DispatchDtype::Forwarded) are a GPU backend's: the host backend moves BF16 or FP8 rows"
+                    .into(),
+            ));
+        }
         let stamp = handle.0.core.dispatch_stamp(opts.pass);
         self.core.note_dispatch_epoch(&handle.0.core);
         let (outgoing, staged) = self.dispatch_messages(handle, &inputs, opts.pass, stamp);

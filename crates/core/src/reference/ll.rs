@@ -46,7 +46,8 @@ pub fn ll_dispatch(config: &GroupConfig, routings: &[Routing], tokens: &[&[bf16]
                         data.extend_from_slice(&tokens[src.src_rank as usize][t * h..(t + 1) * h]);
                     }
                     match config.dispatch_dtype {
-                        crate::DispatchDtype::Bf16 => Rows::Bf16(data),
+                        // A group's type is never `Forwarded` (a per-call type of BF16 groups).
+                        crate::DispatchDtype::Bf16 | crate::DispatchDtype::Forwarded { .. } => Rows::Bf16(data),
                         crate::DispatchDtype::Fp8 { round_scales } => {
                             let (q, scales) = fp8::quantize_bf16(&data, rows.len(), h, round_scales);
                             Rows::Fp8 { q, scales }

@@ -77,7 +77,8 @@ pub fn ll_dispatch_rank_major(
                     }
                 }
                 sources.push(match config.dispatch_dtype {
-                    DispatchDtype::Bf16 => Rows::Bf16(data),
+                    // A group's type is never `Forwarded` (a per-call type of BF16 groups).
+                    DispatchDtype::Bf16 | DispatchDtype::Forwarded { .. } => Rows::Bf16(data),
                     DispatchDtype::Fp8 { round_scales } => {
                         let (q, scales) = fp8::quantize_bf16(&data, copies.len(), h, round_scales);
                         Rows::Fp8 { q, scales }

@@ -59,7 +59,7 @@ impl DeviceTensor {
             HostData::F32(v) => buf.write(0, v)?,
             HostData::I32(v) => buf.write(0, v)?,
             HostData::I64(v) => buf.write(0, v)?,
-            HostData::Fp8(v) => buf.write(0, v)?,
+            HostData::Fp8(v) | HostData::U8(v) => buf.write(0, v)?,
         }
         Ok(Self::owning(d, device, buf))
     }
@@ -232,7 +232,7 @@ impl DeviceTensor {
             HostData::F32(v) => copy_from_host(ctx, self.ptr, v),
             HostData::I32(v) => copy_from_host(ctx, self.ptr, v),
             HostData::I64(v) => copy_from_host(ctx, self.ptr, v),
-            HostData::Fp8(v) => copy_from_host(ctx, self.ptr, v),
+            HostData::Fp8(v) | HostData::U8(v) => copy_from_host(ctx, self.ptr, v),
         }
     }
 
@@ -253,6 +253,7 @@ impl DeviceTensor {
             epflow_core::DType::I32 => HostData::I32(read(ctx, self.ptr, n, 0i32)?),
             epflow_core::DType::I64 => HostData::I64(read(ctx, self.ptr, n, 0i64)?),
             epflow_core::DType::Fp8E4m3 => HostData::Fp8(read(ctx, self.ptr, n, 0u8)?),
+            epflow_core::DType::U8 => HostData::U8(read(ctx, self.ptr, n, 0u8)?),
         };
         Ok(HostTensor::new(self.desc.tag, &self.desc.shape, data))
     }
