@@ -198,6 +198,15 @@ pub(crate) struct LlParams {
     /// `send_slot + R * M * 4`, written by the handle's kernel): a handle built in stream order,
     /// whose counts the host never read (`ll/handle.rs`).
     pub send_rows: [i32; MAX_RANKS],
+    /// A forwarded dispatch ([`epflow_core::DispatchDtype::Forwarded`], `fp8` 0): the caller's
+    /// scale rows `[B x fwd_scale_bytes]` (the tokens are `x`, rows of `fwd_token_bytes`); both
+    /// travel unchanged as the first `fwd_token_bytes + fwd_scale_bytes` bytes of the BF16
+    /// message payload and land in `out` and `out_scales`. 0 otherwise.
+    pub x_scales: u64,
+    /// A forwarded dispatch: bytes of a token's payload row (a multiple of 16), else 0.
+    pub fwd_token_bytes: i32,
+    /// A forwarded dispatch: bytes of a token's scale row (a multiple of 16), else 0.
+    pub fwd_scale_bytes: i32,
 }
 
 /// `struct MaskParams` of `ll.cu` (`ep_mask_spread`, `ep_mask_rejoin`).
@@ -528,7 +537,10 @@ mod tests {
 
     #[test]
     fn layout_matches_the_cuda_struct() {
-        assert_eq!(size_of::<LlParams>(), 512);
+        assert_eq!(size_of::<LlParams>(), 528);
+        assert_eq!(offset_of!(LlParams, x_scales), 512);
+        assert_eq!(offset_of!(LlParams, fwd_token_bytes), 520);
+        assert_eq!(offset_of!(LlParams, fwd_scale_bytes), 524);
         assert_eq!(offset_of!(LlParams, send_slot), 472);
         assert_eq!(offset_of!(LlParams, send_rows), 480);
         assert_eq!(offset_of!(LlParams, trace), 456);

@@ -571,6 +571,17 @@ fn dispatch_into_poisoned(
     opts: &DispatchOptions,
     staged: bool,
 ) -> Result<epflow_core::ops::DispatchOutputs<HostTensor>, Error> {
+    dispatch_into_poisoned_inputs(rank, h, DispatchInputs::new(x), opts, staged)
+}
+
+/// [`dispatch_into_poisoned`] of any inputs.
+fn dispatch_into_poisoned_inputs(
+    rank: &GpuRank,
+    h: &epflow_kernels::GpuHandle,
+    inputs: DispatchInputs<'_, epflow_kernels::DeviceTensor>,
+    opts: &DispatchOptions,
+    staged: bool,
+) -> Result<epflow_core::ops::DispatchOutputs<HostTensor>, Error> {
     use epflow_core::backend::{Backend, OpOutput, complete_blocking, run_blocking, send_blocking};
     use epflow_core::protocol::Channel;
     use epflow_kernels::OutputTargets;
@@ -592,7 +603,7 @@ fn dispatch_into_poisoned(
     };
     // SAFETY: every address is a buffer of this rank's device holding the tensor its descriptor
     // describes; the buffers live until this function returns, after the operation completed.
-    let op = unsafe { rank.start_dispatch_into(h, DispatchInputs::new(x), opts, &into)? };
+    let op = unsafe { rank.start_dispatch_into(h, inputs, opts, &into)? };
     let out = if staged {
         let op = send_blocking(op, rank.slot_pool(Channel::Dispatch), rank.poison(), rank.config().timeout)?;
         complete_blocking(op, rank.poison(), rank.config().timeout)?
@@ -669,5 +680,109 @@ fn ll_group_with_caller_outputs_keeps_none_and_stays_exact() {
         let out = dispatch_into_poisoned(rank, &h, &x, &DispatchOptions::default(), false)
             .expect("dispatch after the refusal");
         assert_eq!(out.counts.as_ref().unwrap().as_i32().unwrap()[0], i32::from(rank.rank() == 0) * n as i32);
+    });
+}
+
+/// Forwarded rows (`DispatchDtype::Forwarded`, NCCL EP API v2's FWD recipe): every token's
+/// payload bytes and scale bytes reach every expert's output rows unchanged, into poisoned
+/// caller memory, in the rows a BF16 dispatch of the same routing gives. The oracle is the
+/// reference of a BF16 dispatch whose rows are the payload and scale bytes side by side
+/// (`(token_bytes + scale_bytes) / 2` channels): each output row's bytes, tokens then scales,
+/// must equal that row. Rounds with many tokens (plain messages) and few (tagged), staged and
+/// not; then the dispatch's combine (zero expert outputs: exact zeros). A forwarded dispatch into
+/// epflow's own buffers is refused. Two ranks (on one GPU with `EPFLOW_TEST_DEVICES=0,0`) or one.
+#[test]
+fn ll_forwarded_rows_arrive_unchanged() {
+    use epflow_core::backend::Backend;
+    use epflow_core::{HostData, TensorTag};
+    let name = "ll_forwarded_rows";
+    let Some(devices) = gpus(2, name).or_else(|| gpus(1, name)) else { return };
+    let (hidden, experts, max_tokens, top_k) = (1024, 16, 64, 4);
+    let config = GroupConfig::low_latency(experts, max_tokens, hidden);
+    let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+    let n = devices.len();
+    let rows = n * max_tokens;
+    let base = seed();
+    eprintln!("seed {base}");
+    // FP8-like payloads with fp32 scales per 128 bytes, packed-FP4-like ones with a byte per 16
+    // values, and a payload filling the whole BF16 row.
+    for (i, (tb, sb)) in [(1024usize, 32usize), (512, 64), (2032, 16)].into_iter().enumerate() {
+        let packed = (tb + sb) / 2;
+        let oracle = GroupConfig::low_latency(experts, max_tokens, packed);
+        let dtype = DispatchDtype::Forwarded { token_bytes: tb, scale_bytes: sb };
+        for (j, (tokens, staged)) in
+            [(max_tokens, false), (5, true), (max_tokens, true), (3, false)].into_iter().enumerate()
+        {
+            let s = base.wrapping_add((i * 8 + j) as u64);
+            let per_rank: Vec<usize> = (0..n).map(|r| if r == 0 { tokens } else { tokens.min(7) }).collect();
+            let sc = Scenario::generate(oracle.clone(), n, &per_rank, top_k, RoutingKind::Uniform, 0, s);
+            let refs = sc.ll_dispatch_reference().unwrap();
+            let what = format!("tb={tb} sb={sb} tokens={tokens} staged={staged} seed={s}");
+            on_ranks(&ranks, |rank| {
+                let r = rank.rank();
+                let b = sc.ranks[r].num_tokens;
+                // Each packed BF16 row's bytes: its first tb bytes are the payload, the rest the scales.
+                let bytes: Vec<u8> = sc.ranks[r].tokens.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
+                let (mut pay, mut sca) = (Vec::new(), Vec::new());
+                for row in bytes.chunks(tb + sb) {
+                    pay.extend_from_slice(&row[..tb]);
+                    sca.extend_from_slice(&row[tb..]);
+                }
+                let x = rank.upload(&HostTensor::new(TensorTag::Tokens, &[b, tb], HostData::U8(pay))).unwrap();
+                let xs = rank.upload(&HostTensor::new(TensorTag::Scales, &[b, sb], HostData::U8(sca))).unwrap();
+                let idx = rank.upload(&sc.topk_idx(r)).unwrap();
+                let h = blocking_handle(rank, &idx).unwrap();
+                let opts = DispatchOptions { dtype: Some(dtype), ..Default::default() };
+                let inputs = DispatchInputs::new(&x).with_scales(&xs);
+                let out = dispatch_into_poisoned_inputs(rank, &h, inputs, &opts, staged).expect("forwarded dispatch");
+                let counts = out.counts.as_ref().unwrap().as_i32().unwrap().to_vec();
+                let (got_t, got_s) = (out.tokens.as_u8().unwrap(), out.scales.as_ref().unwrap().as_u8().unwrap());
+                assert_eq!(
+                    (got_t.len(), got_s.len()),
+                    (config.local_experts(n) * rows * tb, config.local_experts(n) * rows * sb)
+                );
+                // Rows side by side again, as the oracle's BF16 rows.
+                let mut joined = Vec::with_capacity(got_t.len() / tb * packed);
+                for (t, sc_row) in got_t.chunks(tb).zip(got_s.chunks(sb)) {
+                    for pair in t.chunks(2).chain(sc_row.chunks(2)) {
+                        joined.push(bf16::from_bits(u16::from_le_bytes([pair[0], pair[1]])));
+                    }
+                }
+                let d = check_ll_dispatch(&refs[r], packed, rows, &HostData::Bf16(joined), None, &counts);
+                assert!(d.ok(), "rank {r} {what}: {d:?}");
+                // The dispatch's combine (zero expert outputs, any weights): zeros.
+                let l = config.local_experts(n);
+                let zeros = HostData::Bf16(vec![bf16::ZERO; l * rows * hidden]);
+                let zeros = rank.upload(&HostTensor::new(TensorTag::Tokens, &[l, rows, hidden], zeros)).unwrap();
+                let w = rank.upload(&sc.weights(r)).unwrap();
+                let y = blocking_combine(
+                    rank,
+                    &h,
+                    CombineInputs::new(&zeros).with_weights(&w),
+                    &CombineOptions::default(),
+                    staged,
+                )
+                .unwrap();
+                let y = y.to_host().unwrap();
+                assert!(
+                    y.tokens.as_bf16().unwrap().iter().all(|v| *v == bf16::ZERO),
+                    "rank {r} {what}: combine not zero"
+                );
+            });
+            eprintln!("ok: forwarded rows, {what}");
+        }
+    }
+    // Into epflow's own buffers (no scale rows there): refused on every rank.
+    on_ranks(&ranks, |rank| {
+        let idx = rank.upload(&HostTensor::topk_idx(1, 1, vec![0])).unwrap();
+        let h = blocking_handle(rank, &idx).unwrap();
+        let x = rank.upload(&HostTensor::new(TensorTag::Tokens, &[1, 1024], HostData::U8(vec![1; 1024]))).unwrap();
+        let xs = rank.upload(&HostTensor::new(TensorTag::Scales, &[1, 32], HostData::U8(vec![2; 32]))).unwrap();
+        let opts = DispatchOptions {
+            dtype: Some(DispatchDtype::Forwarded { token_bytes: 1024, scale_bytes: 32 }),
+            ..Default::default()
+        };
+        let e = rank.start_dispatch(&h, DispatchInputs::new(&x).with_scales(&xs), &opts).map(drop).unwrap_err();
+        assert!(e.to_string().contains("caller's tensors with scales"), "{e}");
     });
 }

@@ -96,9 +96,17 @@ struct LlParams {
     // read them from the handle, after the slots (a handle built in stream order, whose counts
     // the host never saw).
     int send_rows[EP_MAX_RANKS];
+    // A forwarded dispatch (epflow_core::DispatchDtype::Forwarded; fp8 = 0): each token is
+    // `fwd_token_bytes` bytes at x + t * fwd_token_bytes and `fwd_scale_bytes` at
+    // x_scales + t * fwd_scale_bytes, both multiples of 16, carried unchanged as the first
+    // fwd_token_bytes + fwd_scale_bytes bytes of the BF16 message payload (2 H bytes), and
+    // written to out (rows of fwd_token_bytes) and out_scales (rows of fwd_scale_bytes).
+    // 0: a BF16 or FP8 dispatch.
+    u64 x_scales;
+    int fwd_token_bytes, fwd_scale_bytes;
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
-static_assert(sizeof(LlParams) == 512, "LlParams layout");
+static_assert(sizeof(LlParams) == 528, "LlParams layout");
 
 // The messages a compacted dispatch sends to `dest` (see `LlParams::send_rows`).
 __device__ __forceinline__ int announced_rows(const LlParams& p, int dest) {

@@ -286,6 +286,40 @@ __device__ __forceinline__ u32 head_entries(const MsgHead& h, int K, bool rank_m
     return rank_major ? bits & (0u - bits) : bits;
 }
 
+// A forwarded dispatch's received bytes [b0, b0 + bytes) of a plain message's payload into
+// output row `out_row`: the part below fwd_token_bytes into `out` (rows of fwd_token_bytes), the
+// next fwd_scale_bytes into `out_scales` (rows of fwd_scale_bytes); bytes past both were never
+// sent. A warp's call.
+__device__ __forceinline__ void forwarded_out(const LlParams& p, const char* payload, size_t out_row, size_t b0,
+                                              size_t bytes, int lane) {
+    const size_t tb = (size_t)p.fwd_token_bytes, sb = (size_t)p.fwd_scale_bytes, b1 = b0 + bytes;
+    const size_t t1 = b1 < tb ? b1 : tb;
+    if (b0 < t1) warp_copy_n<4>(reinterpret_cast<char*>(p.out) + out_row * tb + b0, payload + b0, t1 - b0, lane);
+    const size_t s0 = b0 > tb ? b0 : tb, s1 = b1 < tb + sb ? b1 : tb + sb;
+    if (s0 < s1) {
+        warp_copy_n<4>(reinterpret_cast<char*>(p.out_scales) + out_row * sb + (s0 - tb), payload + s0, s1 - s0, lane);
+    }
+}
+
+// `forwarded_out` from a tagged message's payload (pairs at twice the offsets), each 16 bytes
+// once its tags match; false when one never came.
+__device__ __forceinline__ bool forwarded_untag(const LlParams& p, const char* payload, size_t out_row, size_t b0,
+                                                size_t bytes, int lane, u32 tag, u64 deadline) {
+    const size_t tb = (size_t)p.fwd_token_bytes, sb = (size_t)p.fwd_scale_bytes, b1 = b0 + bytes;
+    const size_t t1 = b1 < tb ? b1 : tb;
+    bool ok = true;
+    if (b0 < t1) {
+        ok = warp_copy_untag(reinterpret_cast<char*>(p.out) + out_row * tb + b0, payload + 2 * b0, t1 - b0, lane, tag,
+                             deadline);
+    }
+    const size_t s0 = b0 > tb ? b0 : tb, s1 = b1 < tb + sb ? b1 : tb + sb;
+    if (ok && s0 < s1) {
+        ok = warp_copy_untag(reinterpret_cast<char*>(p.out_scales) + out_row * sb + (s0 - tb), payload + 2 * s0,
+                             s1 - s0, lane, tag, deadline);
+    }
+    return ok;
+}
+
 // The tagged counterpart of a received row's copy in `dispatch_recv`: piece `part` (of `piece`
 // plain bytes) of source s = slot / M's tagged message for token t = slot % M into output row
 // `out_row`, and with part 0 the rank-major weights and local experts and the FP8 scales, each
@@ -313,8 +347,10 @@ __device__ __forceinline__ bool copy_tagged_piece(const LlParams& p, const OpNum
     uint2 s0 = make_uint2(0u, 0u), s1 = s0;
     if (scales && lane < cols) s0 = ld_tagged_pair(payload + 2 * (H + 4 * lane));
     if (scales && lane + 32 < cols) s1 = ld_tagged_pair(payload + 2 * (H + 4 * (lane + 32)));
-    bool ok = warp_copy_untag(reinterpret_cast<char*>(p.out) + out_row * payload_bytes + part * piece,
-                              payload + 2 * part * piece, piece, lane, tag, deadline);
+    bool ok = p.fwd_token_bytes
+                  ? forwarded_untag(p, payload, out_row, part * piece, piece, lane, tag, deadline)
+                  : warp_copy_untag(reinterpret_cast<char*>(p.out) + out_row * payload_bytes + part * piece,
+                                    payload + 2 * part * piece, piece, lane, tag, deadline);
     if (head) {
         ok = ok && await_word(w_at, tag, deadline, &w) && await_word(le_at, tag, deadline, &le);
         reinterpret_cast<float*>(p.out_weights)[out_row * K + lane] = __uint_as_float(w.x);
@@ -365,8 +401,12 @@ __device__ __forceinline__ void copy_plain_piece(const LlParams& p, const char* 
         if (lane < cols) s0 = __ldcg(ssrc + lane);
         if (lane + 32 < cols) s1 = __ldcg(ssrc + lane + 32);
     }
-    warp_copy_n<4>(reinterpret_cast<char*>(p.out) + out_row * payload_bytes + part * piece, payload + part * piece, piece,
-                   lane);
+    if (p.fwd_token_bytes) {
+        forwarded_out(p, payload, out_row, part * piece, piece, lane);
+    } else {
+        warp_copy_n<4>(reinterpret_cast<char*>(p.out) + out_row * payload_bytes + part * piece, payload + part * piece,
+                       piece, lane);
+    }
     if (head) {
         reinterpret_cast<float*>(p.out_weights)[out_row * K + lane] = w;
         reinterpret_cast<int*>(p.out_idx)[out_row * K + lane] = le;
@@ -581,7 +621,11 @@ __device__ __forceinline__ void dispatch_recv_tasks(const LlParams& p, const OpN
 __device__ void land_tagged(const LlParams& p, const OpNum& n, u32 skip, const int* tagged_tokens, u64 deadline) {
     const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5, K = p.top_k, M = p.max_tokens;
     const u32 tag = op_tag(n.seq);
-    const size_t vecs = (p.fp8 ? (size_t)p.hidden + 4 * (p.hidden / 128) : (size_t)p.hidden * 2) / 16;
+    // The payload bytes the sender wrote (a forwarded row's: its token and scale bytes only).
+    const size_t vecs = (p.fwd_token_bytes ? (size_t)p.fwd_token_bytes + p.fwd_scale_bytes
+                         : p.fp8          ? (size_t)p.hidden + 4 * (p.hidden / 128)
+                                          : (size_t)p.hidden * 2) /
+                        16;
     const int units = p.rank_major ? 7 : 3;  // 16-byte units of the header the sender wrote
     char* recv = reinterpret_cast<char*>(p.own_recv) + (size_t)n.set * p.recv_set_bytes;
     bool ok = true;

@@ -117,13 +117,46 @@ __device__ __forceinline__ long long routed_entry(const LlParams& p, long long e
 // (1: at 2 the one-launch dispatch kernel spills, 24 B stored / 52 B loaded, sm_90, NVRTC 13.0.88).
 #define EP_FP8_BATCH 1
 
-// Writes piece [c_begin, c_begin + width) of token row `row` into a dispatch message's payload
-// at `payload`: BF16, or FP8 with its scales. TAGGED: as pairs carrying `tag` (`payload` is the
-// tagged payload, twice the plain bytes at twice the offsets).
+// A forwarded dispatch's piece (`LlParams::fwd_token_bytes`): bytes [b0, b1) of token t's
+// payload, taken from its token row (bytes below fwd_token_bytes) and its scale row (the next
+// fwd_scale_bytes); bytes past both are neither written nor read by the receiver. Every bound
+// is a multiple of 16. TAGGED: as pairs carrying `tag`, at twice the offsets.
 template <bool TAGGED>
-__device__ __forceinline__ void dispatch_payload(const LlParams& p, char* payload, const __nv_bfloat16* row,
+__device__ __forceinline__ void forwarded_payload(const LlParams& p, char* payload, int t, size_t b0, size_t b1,
+                                                  int lane, u32 tag) {
+    const size_t tb = (size_t)p.fwd_token_bytes, sb = (size_t)p.fwd_scale_bytes;
+    const char* tok = reinterpret_cast<const char*>(p.x) + (size_t)t * tb;
+    const char* sc = reinterpret_cast<const char*>(p.x_scales) + (size_t)t * sb;
+    const size_t t1 = b1 < tb ? b1 : tb;
+    if (b0 < t1) {
+        if (TAGGED) {
+            warp_copy_tagged(payload + 2 * b0, tok + b0, t1 - b0, lane, tag);
+        } else {
+            warp_copy(payload + b0, tok + b0, t1 - b0, lane);
+        }
+    }
+    const size_t s0 = b0 > tb ? b0 : tb, s1 = b1 < tb + sb ? b1 : tb + sb;
+    if (s0 < s1) {
+        if (TAGGED) {
+            warp_copy_tagged(payload + 2 * s0, sc + (s0 - tb), s1 - s0, lane, tag);
+        } else {
+            warp_copy(payload + s0, sc + (s0 - tb), s1 - s0, lane);
+        }
+    }
+}
+
+// Writes piece [c_begin, c_begin + width) of token t's row `row` into a dispatch message's
+// payload at `payload`: BF16, or FP8 with its scales, or a forwarded row's bytes
+// [2 c_begin, 2 (c_begin + width)). TAGGED: as pairs carrying `tag` (`payload` is the tagged
+// payload, twice the plain bytes at twice the offsets).
+template <bool TAGGED>
+__device__ __forceinline__ void dispatch_payload(const LlParams& p, char* payload, int t, const __nv_bfloat16* row,
                                                  int c_begin, int width, int lane, u32 tag) {
     const int H = p.hidden, c_end = c_begin + width;
+    if (p.fwd_token_bytes) {
+        forwarded_payload<TAGGED>(p, payload, t, 2 * (size_t)c_begin, 2 * (size_t)c_end, lane, tag);
+        return;
+    }
     if (!p.fp8) {
         if (TAGGED) {
             warp_copy_tagged(payload + (size_t)c_begin * 4, reinterpret_cast<const char*>(row + c_begin),
@@ -212,7 +245,7 @@ __device__ __forceinline__ void send_tagged_item(const LlParams& p, const OpNum&
     }
     if (routed) {
         const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(p.x);
-        dispatch_payload<true>(p, msg + 2 * EP_HDR_BYTES, x + (size_t)t * H, chunk * width, width, lane, tag);
+        dispatch_payload<true>(p, msg + 2 * EP_HDR_BYTES, t, x + (size_t)t * H, chunk * width, width, lane, tag);
     }
 }
 
@@ -287,7 +320,7 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
                     *reinterpret_cast<int*>(msg + 12) = wants_tagged(p) ? 1 : 0;
                 }
             }
-            dispatch_payload<false>(p, msg + EP_HDR_BYTES, x + (size_t)t * H, chunk * width, width, lane, 0u);
+            dispatch_payload<false>(p, msg + EP_HDR_BYTES, t, x + (size_t)t * H, chunk * width, width, lane, 0u);
         }
     }
     if (!tagged) signal_sent(p, n, 0, dest, role.reporting, lane, announced);

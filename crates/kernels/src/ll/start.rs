@@ -183,6 +183,25 @@ pub(crate) fn dispatch_params(
     p.fp8 = i32::from(dtype.is_fp8());
     p.round_scales = i32::from(matches!(dtype, DispatchDtype::Fp8 { round_scales: true }));
     p.x = inputs.tokens().ptr();
+    // Forwarded rows (validated: multiples of 16 that fit the BF16 payload) travel as the first
+    // bytes of the BF16 messages, into the caller's tensors only.
+    if let (Some((token_bytes, scale_bytes)), Some(scales)) = (dtype.forwarded(), inputs.scales()) {
+        if into.and_then(|t| t.scales).is_none() {
+            return Err(Error::Unsupported(
+                "a forwarded dispatch writes into the caller's tensors with scales (start_dispatch_into): the group's buffers hold no scale rows".into(),
+            ));
+        }
+        if s.nccl.is_some() {
+            return Err(Error::Unsupported(
+                "a forwarded dispatch needs every peer over NVLink (the NCCL transport packs BF16 or FP8 rows)".into(),
+            ));
+        }
+        p.x_scales = scales.ptr();
+        p.fwd_token_bytes =
+            i32::try_from(token_bytes).map_err(|_| Error::Unsupported("token_bytes above 2^31".into()))?;
+        p.fwd_scale_bytes =
+            i32::try_from(scale_bytes).map_err(|_| Error::Unsupported("scale_bytes above 2^31".into()))?;
+    }
     p.weights = inputs.weights().map_or(0, DeviceTensor::ptr);
     let set = number(s, &mut p, seq);
     p.out = s.mem.disp_out[set].ptr();
