@@ -10,8 +10,8 @@
 # v1: ep_bench low-latency rank-major and expert-major (128 tokens, REPS rounds, libraries
 # alternated) and high-throughput flat and expert-major (4096 tokens; zones unaligned and
 # aligned to 64), each with --validate. v2: ep_bench's expert-major, rank-major with GLOBAL ids,
-# DS_FP8E3M4 (dispatch only: the recipe has no combine), int32 topk_idx and high-throughput
-# flat and expert-major cases. Then the `nccl_ep_backend` test of epflow's stream-ordered NCCL EP
+# DS_FP8E3M4 (dispatch only: the recipe has no combine), FWD (pre-quantized rows, five token and
+# scale types, both layouts), int32 topk_idx and high-throughput flat and expert-major cases. Then the `nccl_ep_backend` test of epflow's stream-ordered NCCL EP
 # handles on NVIDIA's v1 library. ONLY=<regex> runs the matching cases alone.
 # Logs in $OUT/ep-bench.tgz; one line per run here.
 set -uo pipefail
@@ -56,6 +56,17 @@ for lib in nvidia epflow; do
     run v2-ll-fp8 $lib v2 --algorithm ll --tokens 128 --validate --dispatch-quantization ds-fp8e3m4 \
         --dispatch-only --iters 300
     run v2-ll-int32 $lib v2 --algorithm ll --tokens 128 --validate --topk-idx-int32
+    # FWD (rows the caller quantized, forwarded as bytes): e4m3 + fp32, bf16 + fp16, MXFP8
+    # (e4m3 + uint8 per 32), packed FP4 + uint8 per 16; both layouts.
+    run v2-ll-fwd-em $lib v2 --algorithm ll --layout em --tokens 128 --validate --dispatch-only \
+        --dispatch-quantization scales-forward --iters 300
+    run v2-ll-fwd-rm $lib v2 --algorithm ll --layout rm --tokens 128 --validate --dispatch-only \
+        --dispatch-quantization scales-forward --iters 300
+    run v2-ll-fwd-bf16-fp16 $lib v2 --algorithm ll --layout em --tokens 128 --validate --dispatch-only \
+        --dispatch-quantization scales-forward --scales-forward-token-dtype bf16 --scales-forward-scale-dtype fp16
+    run v2-ll-fwd-mxfp8 $lib v2 --algorithm ll --layout em --tokens 128 --validate --dispatch-only --mxfp8
+    run v2-ll-fwd-fp4 $lib v2 --algorithm ll --layout rm --tokens 128 --validate --dispatch-only \
+        --dispatch-quantization scales-forward --scales-forward-token-dtype fp4x2 --scales-forward-scale-dtype uint8
     run v2-ht $lib v2 --algorithm ht --tokens 4096 --validate
     run v2-ht-em $lib v2 --algorithm ht --layout em --tokens 4096 --validate
 done

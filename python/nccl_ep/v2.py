@@ -6,9 +6,11 @@ names, for code written against that header::
     assert cfg.size == 112 and cfg.version == 2
 
 epflow's ``libnccl_ep.so`` reads every struct of API version 1, NCCL 2.31's 104-byte group config
-and API version 2 up to its ``size`` (the fields a size does not cover are zero). The v2 features
-it does not implement (quantized recipes, NVFP4 combine, ``NCCL_EP_OVERFLOW_DROP``, zero copy,
-global expert ids) return ``ncclInvalidUsage`` with a log line naming the field.
+and API version 2 up to its ``size`` (the fields a size does not cover are zero). It implements
+the dispatch recipes ``DS_FP8E3M4`` and ``FWD`` in low-latency groups, GLOBAL expert ids and
+int32 ``topk_idx``; the v2 features it does not implement (the NVFP4 combine,
+``NCCL_EP_OVERFLOW_DROP``, zero copy, ``FWD`` and ``DS_FP8E3M4`` in high-throughput groups) return
+``ncclInvalidUsage`` with a log line naming the field.
 """
 
 from .constants import *  # noqa: F401,F403  (the enums are the same in both versions)

@@ -21,6 +21,9 @@ Python from fresh random inputs (the seed is printed; ``--seed`` replays one):
 - low-latency rank-major and high-throughput flat again with API v2's GLOBAL expert ids (on one
   rank the same values as local ones: the call path is checked here, the offsets by the Rust
   GPU test ``global_expert_ids_gain_the_rank_offset_on_live_rows_only``);
+- low-latency expert-major with API v2's ``FWD`` recipe (rows the caller quantized, forwarded
+  as bytes): e4m3 rows with fp32 scales, and packed FP4 (``ncclFloat4x2``) with ``ncclUint8``
+  scales, directly and staged: every expert's rows and scale rows are its tokens' bytes exactly;
 - with PyTorch importable, the expert-major round trip again through ``nccl_ep.torch_ep``.
 
 Without a GPU (no ``libcuda.so.1`` or no device) it prints ``SKIPPED`` and exits 0 (exit 2
@@ -364,6 +367,75 @@ def low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged, idx32=Fals
         lib.ncclEpGroupDestroy(group)
 
 
+def low_latency_forwarded(lib, comm, cuda, stream, p, chk, staged, fp4=False):
+    """API v2's FWD recipe, expert-major, one rank: random bytes as e4m3 rows ``[B, H]`` with
+    four fp32 scales each, or packed FP4 ``[B, H/2]`` with ``H/16`` uint8 scales; every expert
+    must receive exactly its tokens' token and scale rows (as pairs), then the combine of zero
+    expert outputs returns zeros."""
+    E, M, H, K = p.E, p.M, p.H, p.K
+    L, R = E, 1
+    tok_type, tok_w, sc_type, sc_w, sc_size = (
+        (nccl_ep.ncclFloat4x2, H // 2, nccl_ep.ncclUint8, H // 16, 1) if fp4 else (ncclFloat8e4m3, H, ncclFloat32, 4, 4)
+    )
+    tb, sb = tok_w, sc_w * sc_size
+    rng = random.Random(p.B * 7919 + int(fp4))
+    toks = [bytes(rng.getrandbits(8) for _ in range(tb)) for _ in range(p.B)]
+    scs = [bytes(rng.getrandbits(8) for _ in range(sb)) for _ in range(p.B)]
+    cfg = nccl_ep.ncclEpGroupConfig_t(
+        algorithm=NCCL_EP_ALGO_LOW_LATENCY, num_experts=E, max_dispatch_tokens_per_rank=M, max_token_bytes=2 * H
+    )
+    group = lib.ncclEpCreateGroup(comm, cfg)
+    try:
+        x_d = cuda.upload(array.array("B", b"".join(toks)))
+        xs_d = cuda.upload(array.array("B", b"".join(scs)))
+        idx_d = cuda.upload(p.flat("q", p.idx))
+        w_d = cuda.upload(p.flat("f", p.w))
+        handle = lib.ncclEpCreateHandle(group, NCCL_EP_LAYOUT_EXPERT_MAJOR, desc(idx_d, ncclInt64, (p.B, K)), None, None, stream)
+        try:
+            recv_d = cuda.alloc(L * R * M * tb, fill=0xA5)
+            rs_d = cuda.alloc(L * R * M * sb, fill=0xA5)
+            counts_d = cuda.alloc(L * 4)
+            din = nccl_ep.ncclEpDispatchInputs_t(
+                tokens=desc(x_d, tok_type, (p.B, tok_w)), scales=desc(xs_d, sc_type, (p.B, sc_w))
+            )
+            dout = nccl_ep.ncclEpDispatchOutputs_t(
+                tokens=desc(recv_d, tok_type, (L, R * M, tok_w)), scales=desc(rs_d, sc_type, (L, R * M, sc_w))
+            )
+            dcfg = nccl_ep.ncclEpDispatchConfig_v2_t(send_only=int(staged), quant_recipe=nccl_ep.NCCL_EP_DISP_QUANT_FWD)
+            info = nccl_ep.ncclEpLayoutInfo_t(expert_counters=desc(counts_d, ncclInt32, (L,)))
+            lib.ncclEpDispatch(handle, din, dout, info, dcfg, stream)
+            if staged:
+                lib.ncclEpComplete(handle, nccl_ep.ncclEpCompleteConfig_t(), stream)
+            cuda.sync(stream)
+            counts = cuda.download(counts_d, "i", L)
+            recv = cuda.download(recv_d, "B", L * R * M * tb).tobytes()
+            rs = cuda.download(rs_d, "B", L * R * M * sb).tobytes()
+            for e in range(L):
+                want = sorted((toks[t], scs[t]) for t in p.tokens_of(e))
+                chk.expect(counts[e] == len(want), "FWD: expert %d received %d rows, expected %d" % (e, counts[e], len(want)))
+                got = sorted(
+                    (recv[(e * M + j) * tb:(e * M + j + 1) * tb], rs[(e * M + j) * sb:(e * M + j + 1) * sb])
+                    for j in range(min(counts[e], M))
+                )
+                chk.expect(got == want, "FWD: expert %d: the received rows and scales are not its tokens' bytes" % e)
+            y_in_d = cuda.alloc(L * R * M * H * 2)
+            out_d = cuda.alloc(p.B * H * 2, fill=0xA5)
+            cin = nccl_ep.ncclEpCombineInputs_t(tokens=desc(y_in_d, ncclBfloat16, (L, R * M, H)))
+            cout = nccl_ep.ncclEpCombineOutputs_t(
+                tokens=desc(out_d, ncclBfloat16, (p.B, H)), topk_weights=desc(w_d, ncclFloat32, (p.B, K))
+            )
+            lib.ncclEpCombine(handle, cin, cout, nccl_ep.ncclEpCombineConfig_t(send_only=int(staged)), stream)
+            if staged:
+                lib.ncclEpComplete(handle, None, stream)
+            cuda.sync(stream)
+            out = cuda.download(out_d, "H", p.B * H)
+            chk.expect(all(v == 0 for v in out), "FWD: the combine of zero expert outputs is not zero")
+        finally:
+            lib.ncclEpHandleDestroy(handle)
+    finally:
+        lib.ncclEpGroupDestroy(group)
+
+
 def dispatch_info(global_ids, **counters):
     """The dispatch's layout info: API v1's, or with ``global_ids`` API v2's asking for GLOBAL
     expert ids (``rank * L + local``; one rank here, so the same values as LOCAL: this checks
@@ -666,6 +738,14 @@ def main():
         (
             "LL expert-major, int32 topk_idx (API v2)",
             lambda p: low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged=False, idx32=True),
+        ),
+        (
+            "LL expert-major, FWD e4m3 + fp32 scales (API v2)",
+            lambda p: low_latency_forwarded(lib, comm, cuda, stream, p, chk, staged=False),
+        ),
+        (
+            "LL expert-major, FWD fp4x2 + uint8, send_only (API v2)",
+            lambda p: low_latency_forwarded(lib, comm, cuda, stream, p, chk, staged=True, fp4=True),
         ),
         ("LL rank-major", lambda p: low_latency_rank_major(lib, comm, cuda, stream, p, chk)),
         ("HT flat", lambda p: high_throughput_flat(lib, comm, cuda, stream, p, chk)),

@@ -144,6 +144,14 @@ impl Tensor {
     }
 }
 
+/// Requires a 16-byte aligned device address (rows move in 16-byte vectors).
+pub(crate) fn aligned16(what: &str, ptr: u64) -> Res<()> {
+    if ptr % 16 != 0 {
+        return Err(Fail::arg(format!("{what}: address {ptr:#x} is not 16-byte aligned")));
+    }
+    Ok(())
+}
+
 /// NCCL's name of a data type.
 pub(crate) fn type_name(t: ep::NcclDataType) -> &'static str {
     match t {
@@ -156,6 +164,8 @@ pub(crate) fn type_name(t: ep::NcclDataType) -> &'static str {
         ep::NCCL_FLOAT32 => "ncclFloat32",
         ep::NCCL_BFLOAT16 => "ncclBfloat16",
         ep::NCCL_FLOAT8_E4M3 => "ncclFloat8e4m3",
+        ep::NCCL_FLOAT8_E5M2 => "ncclFloat8e5m2",
+        ep::NCCL_FLOAT4X2 => "ncclFloat4x2",
         _ => "an unknown type",
     }
 }

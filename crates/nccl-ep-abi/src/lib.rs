@@ -59,9 +59,10 @@
 //! ids (`recv_topk_idx_kind`; `ids.rs` rewrites them after the receive). The caller's
 //! `ncclComm_t` bootstraps the group (one process per GPU; ranks on one host share memory over
 //! NVLink, other hosts go through NCCL). Operations run on the caller's stream and write the
-//! caller's tensors. API v2's DS_FP8E3M4 recipe is epflow's low-latency FP8 dispatch, per call.
-//! Refused with `ncclInvalidUsage` and a log line: pre-quantized tokens (`inputs.scales`, recipe
-//! FWD), the NVFP4 combine, the expert-major backward pass, NCCL window tensors, CUDA graph
+//! caller's tensors. API v2's DS_FP8E3M4 recipe is epflow's low-latency FP8 dispatch, per call;
+//! its FWD recipe (rows the caller quantized, `forwarded.rs`) travels as bytes in low-latency
+//! groups. Refused with `ncclInvalidUsage` and a log line: FWD and DS_FP8E3M4 in high-throughput
+//! groups, the NVFP4 combine, the expert-major backward pass, NCCL window tensors, CUDA graph
 //! capture.
 
 #![warn(missing_docs)]
@@ -70,6 +71,7 @@ pub mod api;
 mod check;
 mod comm;
 mod expert_major;
+mod forwarded;
 mod group;
 mod handle;
 pub mod header;

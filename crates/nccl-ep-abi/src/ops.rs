@@ -20,6 +20,7 @@ use epflow_kernels::{DeviceTensor, GpuHandle, GpuOp, OutputTargets};
 use nccl_ep_sys as ep;
 
 use crate::check::{self, Tensor};
+use crate::forwarded::Forwarded;
 use crate::group::Group;
 use crate::handle::{Handle, Staged, refuse_capture};
 use crate::ids::Globalize;
@@ -29,7 +30,7 @@ use crate::v2::{DispatchQuant, ExpertIds};
 
 /// The caller's tensor `t` as a device tensor of `desc` (only `desc`'s bytes are used: the
 /// leading rows of a larger tensor).
-fn device(g: &Group, t: &Tensor, desc: TensorDesc) -> DeviceTensor {
+pub(crate) fn device(g: &Group, t: &Tensor, desc: TensorDesc) -> DeviceTensor {
     // SAFETY: every caller checked that `t` holds at least `desc`'s elements of its type; the
     // memory is the caller's, valid until the operation completes (nccl_ep.h's contract).
     unsafe { DeviceTensor::from_raw(t.ptr, g.rank.device(), desc) }
@@ -195,36 +196,68 @@ pub(crate) unsafe fn dispatch(
             check::tensor(outputs.scales, "outputs.scales")?,
         )
     };
-    if !inputs.scales.is_null() {
-        return Err(Fail::usage(
-            "inputs.scales: pre-quantized tokens (NCCL_EP_DISP_QUANT_FWD) are not implemented by epflow's NCCL EP library",
-        ));
-    }
+    // SAFETY: as above.
+    let x_s = unsafe { check::tensor(inputs.scales, "inputs.scales")? };
     let fp8 = quant == DispatchQuant::DsFp8;
-    match (fp8, &out_s) {
-        (false, Some(_)) => {
+    let fwd = quant == DispatchQuant::Fwd;
+    match (quant, &x_s, &out_s) {
+        (DispatchQuant::Fwd, None, _) => return Err(Fail::arg("NCCL_EP_DISP_QUANT_FWD needs inputs.scales")),
+        (DispatchQuant::Fwd, _, None) => return Err(Fail::arg("NCCL_EP_DISP_QUANT_FWD needs outputs.scales")),
+        (DispatchQuant::Fwd, _, _) => {}
+        (_, Some(_), _) => {
+            return Err(Fail::arg("inputs.scales: only config.quant_recipe NCCL_EP_DISP_QUANT_FWD takes scales"));
+        }
+        (DispatchQuant::None, _, Some(_)) => {
             return Err(Fail::arg(
-                "outputs.scales: only config.quant_recipe NCCL_EP_DISP_QUANT_DS_FP8E3M4 writes scales",
+                "outputs.scales: only config.quant_recipe NCCL_EP_DISP_QUANT_DS_FP8E3M4 or FWD writes scales",
             ));
         }
-        (true, None) => return Err(Fail::arg("NCCL_EP_DISP_QUANT_DS_FP8E3M4 needs outputs.scales")),
+        (DispatchQuant::DsFp8, _, None) => {
+            return Err(Fail::arg("NCCL_EP_DISP_QUANT_DS_FP8E3M4 needs outputs.scales"));
+        }
         _ => {}
     }
     if fp8 && g.shape.algorithm != Algorithm::LowLatency {
         return Err(Fail::usage("NCCL_EP_DISP_QUANT_DS_FP8E3M4 is a low-latency recipe (as in NCCL EP)"));
+    }
+    if fwd && g.shape.algorithm != Algorithm::LowLatency {
+        return Err(Fail::usage(
+            "config.quant_recipe NCCL_EP_DISP_QUANT_FWD in a high-throughput group is not implemented by epflow's NCCL EP library (low-latency groups forward pre-quantized rows)",
+        ));
+    }
+    if fwd && cfg.round_scales != 0 {
+        return Err(Fail::arg("NCCL_EP_DISP_QUANT_FWD takes round_scales 0 (nothing is quantized)"));
     }
     let mut timer = begin(g, h, stream, Channel::Dispatch)?;
     let gh = h.gpu()?;
     let pass = pass_of(cfg.pass_direction)?;
     let s = &g.shape;
     let (k, hd) = (gh.top_k(), s.hidden);
-    let tokens = tokens_in(g, &gh, &x)?;
+    // FWD: the caller's rows as bytes; the output rows take their type and width.
+    let forwarded = match (&x_s, fwd) {
+        (Some(xs), true) => Some(Forwarded::check(g, &gh, &x, xs)?),
+        _ => None,
+    };
+    let tokens = match &forwarded {
+        Some(f) => {
+            device(g, &x, TensorDesc::contiguous(TensorTag::Tokens, DType::U8, &[gh.num_tokens(), f.token_bytes]))
+        }
+        None => tokens_in(g, &gh, &x)?,
+    };
     // DS_FP8E3M4: epflow's FP8 dispatch, per call (`round_scales` rounds the scales up to powers
     // of two, as the v1 field says).
-    let dtype = fp8.then_some(DispatchDtype::Fp8 { round_scales: cfg.round_scales != 0 });
+    let dtype = match &forwarded {
+        Some(f) => Some(DispatchDtype::Forwarded { token_bytes: f.token_bytes, scale_bytes: f.scale_bytes }),
+        None => fp8.then_some(DispatchDtype::Fp8 { round_scales: cfg.round_scales != 0 }),
+    };
     let opts = DispatchOptions { pass, dtype, ..Default::default() };
-    // The output rows: FP8 with one fp32 scale per 128 channels, or BF16.
-    let out_type = if fp8 { ep::NCCL_FLOAT8_E4M3 } else { ep::NCCL_BFLOAT16 };
+    // The output rows: FP8 with one fp32 scale per 128 channels, BF16, or the forwarded rows'
+    // type and width.
+    let (out_type, out_row) = match &forwarded {
+        Some(f) => (x.datatype, f.token_elems),
+        None if fp8 => (ep::NCCL_FLOAT8_E4M3, hd),
+        None => (ep::NCCL_BFLOAT16, hd),
+    };
     let f32s = |t: &Tensor, rows| device(g, t, TensorDesc::contiguous(TensorTag::TopkWeights, DType::F32, &[rows, k]));
     // SAFETY: the caller's live stream (contract).
     let st = unsafe { g.stream(stream) };
@@ -236,14 +269,20 @@ pub(crate) unsafe fn dispatch(
             let rows = s.num_ranks * s.max_tokens;
             let mut targets = OutputTargets { tokens: out.ptr, ..Default::default() };
             if let Some(sc) = &out_s {
-                // `[R, M, H/128]` (rank-major) or `[L, R*M, H/128]` (expert-major) fp32, as NCCL EP.
+                // `[R, M, S]` (rank-major) or `[L, R*M, S]` (expert-major), as NCCL EP: S fp32
+                // scales per 128 channels, or the forwarded scale rows in their own type.
                 let lead = if layout == Layout::RankMajor {
                     vec![s.num_ranks, s.max_tokens]
                 } else {
                     vec![s.local_experts, rows]
                 };
-                sc.expect_type("outputs.scales", ep::NCCL_FLOAT32)?;
-                sc.expect_sizes("outputs.scales", &[lead[0], lead[1], hd / FP8_BLOCK])?;
+                let (scale_type, scale_row) = match (&forwarded, &x_s) {
+                    (Some(f), Some(xs)) => (xs.datatype, f.scale_elems),
+                    _ => (ep::NCCL_FLOAT32, hd / FP8_BLOCK),
+                };
+                sc.expect_type("outputs.scales", scale_type)?;
+                sc.expect_sizes("outputs.scales", &[lead[0], lead[1], scale_row])?;
+                check::aligned16("outputs.scales", sc.ptr)?;
                 targets.scales = Some(sc.ptr);
             }
             // Expert-major outputs carry no top-k ids: the numbering does not apply (NCCL EP).
@@ -251,7 +290,7 @@ pub(crate) unsafe fn dispatch(
             let weights = if layout == Layout::RankMajor {
                 let w = w_in.ok_or_else(|| Fail::arg("rank-major dispatch needs inputs.topk_weights"))?;
                 rows_of(&w, "inputs.topk_weights", ep::NCCL_FLOAT32, gh.num_tokens(), k, false)?;
-                rows_of(&out, "outputs.tokens", out_type, rows, hd, false)?;
+                rows_of(&out, "outputs.tokens", out_type, rows, out_row, false)?;
                 let ow = out_w.ok_or_else(|| Fail::arg("rank-major dispatch needs outputs.topk_weights"))?;
                 let oi = out_i.ok_or_else(|| Fail::arg("rank-major dispatch needs outputs.topk_idx"))?;
                 rows_of(&ow, "outputs.topk_weights", ep::NCCL_FLOAT32, rows, k, false)?;
@@ -280,7 +319,7 @@ pub(crate) unsafe fn dispatch(
                 Some(f32s(&w, gh.num_tokens()))
             } else {
                 out.expect_type("outputs.tokens", out_type)?;
-                out.expect_sizes("outputs.tokens", &[s.local_experts, rows, hd])?;
+                out.expect_sizes("outputs.tokens", &[s.local_experts, rows, out_row])?;
                 let c = counter(info.and_then(|i| (!i.expert_counters.is_null()).then_some(i.expert_counters)))
                     .ok_or_else(|| Fail::arg("expert-major dispatch needs layout_info.expert_counters"))??;
                 c.expect_type("layout_info.expert_counters", ep::NCCL_INT32)?;
@@ -291,6 +330,10 @@ pub(crate) unsafe fn dispatch(
             let mut din = DispatchInputs::new(&tokens);
             if let Some(w) = &weights {
                 din = din.with_weights(w);
+            }
+            if let Some(f) = &forwarded {
+                check::aligned16("outputs.tokens", out.ptr)?;
+                din = din.with_scales(&f.scales);
             }
             g.make_room(Channel::Dispatch)?;
             timer.next();

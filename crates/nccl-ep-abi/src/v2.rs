@@ -188,17 +188,17 @@ pub(crate) enum DispatchQuant {
     None,
     /// DS_FP8E3M4 (low-latency): BF16 in, FP8 e4m3 out with one fp32 scale per 128 channels.
     DsFp8,
+    /// FWD (low-latency): tokens the caller quantized and their scales, carried as bytes.
+    Fwd,
 }
 
 impl DispatchConfig {
-    /// The recipe asked for: NONE or DS_FP8E3M4; FWD (pre-quantized tokens) is refused by name.
+    /// The recipe asked for: NONE, DS_FP8E3M4 or FWD.
     pub(crate) fn check_v2_fields(&self) -> Res<DispatchQuant> {
         match self.quant_recipe {
             QUANT_NONE => Ok(DispatchQuant::None),
             DISP_QUANT_DS_FP8E3M4 => Ok(DispatchQuant::DsFp8),
-            DISP_QUANT_FWD => Err(Fail::usage(
-                "config.quant_recipe is 1 (NCCL_EP_DISP_QUANT_FWD): pre-quantized tokens are not implemented by epflow's NCCL EP library (use NCCL_EP_DISP_QUANT_NONE, or DS_FP8E3M4 to quantize BF16 tokens in a low-latency dispatch)",
-            )),
+            DISP_QUANT_FWD => Ok(DispatchQuant::Fwd),
             q => Err(Fail::arg(format!("config.quant_recipe is {q}, not an ncclEpDispQuant_t"))),
         }
     }
@@ -264,9 +264,8 @@ mod tests {
         assert_eq!(DispatchConfig::default().check_v2_fields(), Ok(DispatchQuant::None));
         let ds = DispatchConfig { quant_recipe: DISP_QUANT_DS_FP8E3M4, ..Default::default() };
         assert_eq!(ds.check_v2_fields(), Ok(DispatchQuant::DsFp8));
-        let m =
-            usage(DispatchConfig { quant_recipe: DISP_QUANT_FWD, ..Default::default() }.check_v2_fields().map(drop));
-        assert!(m.contains("config.quant_recipe") && m.contains("NCCL_EP_DISP_QUANT_FWD"), "{m}");
+        let fwd = DispatchConfig { quant_recipe: DISP_QUANT_FWD, ..Default::default() };
+        assert_eq!(fwd.check_v2_fields(), Ok(DispatchQuant::Fwd));
         assert_eq!(
             DispatchConfig { quant_recipe: 3, ..Default::default() }.check_v2_fields().unwrap_err().code,
             ep::NCCL_INVALID_ARGUMENT

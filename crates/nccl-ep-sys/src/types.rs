@@ -40,6 +40,10 @@ pub const NCCL_FLOAT32: NcclDataType = 7;
 pub const NCCL_BFLOAT16: NcclDataType = 9;
 /// `ncclFloat8e4m3`.
 pub const NCCL_FLOAT8_E4M3: NcclDataType = 10;
+/// `ncclFloat8e5m2`.
+pub const NCCL_FLOAT8_E5M2: NcclDataType = 11;
+/// `ncclFloat4x2` (two FP4 values per byte; NCCL EP API v2 defines it where NCCL does not).
+pub const NCCL_FLOAT4X2: NcclDataType = 12;
 
 /// `ncclComm_t` (opaque).
 pub type NcclComm = *mut c_void;
