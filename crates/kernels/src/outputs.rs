@@ -118,6 +118,7 @@ fn rows_to_host(ctx: &CudaContext, t: &DeviceTensor, counts: &[i32]) -> Result<H
     }
     let data = match d.dtype {
         epflow_core::DType::Fp8E4m3 => HostData::Fp8(bytes),
+        epflow_core::DType::U8 => HostData::U8(bytes),
         epflow_core::DType::Bf16 => HostData::Bf16(
             bytes.chunks_exact(2).map(|c| epflow_core::bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect(),
         ),

@@ -173,7 +173,8 @@ pub(crate) fn type_name(t: ep::NcclDataType) -> &'static str {
 /// Bytes of one element of an NCCL data type (`None`: not one this library knows).
 pub(crate) fn element_bytes(t: ep::NcclDataType) -> Option<usize> {
     match t {
-        ep::NCCL_INT8 | ep::NCCL_UINT8 | ep::NCCL_FLOAT8_E4M3 => Some(1),
+        // `ncclFloat4x2` (API v2): a byte holds two FP4 values; sizes count bytes.
+        ep::NCCL_INT8 | ep::NCCL_UINT8 | ep::NCCL_FLOAT8_E4M3 | ep::NCCL_FLOAT8_E5M2 | ep::NCCL_FLOAT4X2 => Some(1),
         ep::NCCL_FLOAT16 | ep::NCCL_BFLOAT16 => Some(2),
         ep::NCCL_INT32 | ep::NCCL_UINT32 | ep::NCCL_FLOAT32 => Some(4),
         ep::NCCL_INT64 => Some(8),
@@ -244,6 +245,15 @@ pub(crate) unsafe fn required_tensor(p: *const ep::NcclEpTensor, what: &str) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn api_v2_types_are_known_bytes() {
+        // ncclFloat8e5m2 and API v2's ncclFloat4x2 (two FP4 values a byte) describe bytes.
+        assert_eq!(element_bytes(ep::NCCL_FLOAT8_E5M2), Some(1));
+        assert_eq!(element_bytes(ep::NCCL_FLOAT4X2), Some(1));
+        assert_eq!(type_name(ep::NCCL_FLOAT4X2), "ncclFloat4x2");
+        assert_eq!(element_bytes(13), None);
+    }
 
     #[test]
     fn structs_need_size_and_magic() {
