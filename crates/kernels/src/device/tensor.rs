@@ -52,8 +52,19 @@ impl TensorView for DeviceTensor {
 impl DeviceTensor {
     /// Copies a host tensor to device `device` (synchronous), in memory this tensor owns.
     pub fn upload(ctx: &Arc<cudarc::driver::CudaContext>, device: usize, host: &HostTensor) -> Result<Self, Error> {
+        Self::upload_with(ctx, device, host, None)
+    }
+
+    /// [`DeviceTensor::upload`] into memory of `allocator` (`None`: `cuMemAlloc`;
+    /// [`DeviceBuffer::zeroed_with`]).
+    pub fn upload_with(
+        ctx: &Arc<cudarc::driver::CudaContext>,
+        device: usize,
+        host: &HostTensor,
+        allocator: Option<&Arc<dyn super::LocalAllocator>>,
+    ) -> Result<Self, Error> {
         let d = host.desc().clone();
-        let buf = DeviceBuffer::zeroed(ctx, d.size_bytes())?;
+        let buf = DeviceBuffer::zeroed_with(ctx, d.size_bytes(), allocator)?;
         match host.data() {
             HostData::Bf16(v) => buf.write(0, v)?,
             HostData::F32(v) => buf.write(0, v)?,
