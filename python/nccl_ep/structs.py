@@ -215,8 +215,9 @@ class ncclEpTensorAllocConfig_t(_ApiStruct):
 
 class ncclEpAllocConfig_t(_Fields):
     """``ncclEpAllocConfig_t`` (24 bytes, inside the group config): an optional device memory
-    allocator. Keep the ``ncclEpAllocFn_t``/``ncclEpFreeFn_t`` objects alive as long as the
-    group."""
+    allocator for the group's local scratch (both functions or neither). Keep the
+    ``ncclEpAllocFn_t``/``ncclEpFreeFn_t`` objects alive until the group and its handles are
+    destroyed: epflow's library calls ``free_fn`` up to then, possibly from a thread of its own."""
 
     _fields_ = [("alloc_fn", ncclEpAllocFn_t), ("free_fn", ncclEpFreeFn_t), ("context", ctypes.c_void_p)]
 

@@ -12,6 +12,10 @@ Python from fresh random inputs (the seed is printed; ``--seed`` replays one):
   directly, once staged (``send_only`` + ``ncclEpComplete``), once with an int32 ``topk_idx``
   (API v2), and with API v2's ``DS_FP8E3M4`` recipe directly and staged (e4m3 rows: every scale
   exact, every value within e4m3's rounding; the combine of the dequantized rows);
+- low-latency, expert-major again on a group whose config gives ``alloc_fn`` / ``free_fn``
+  (``cuMemAlloc`` / ``cuMemFree``, counted): the same results, ``alloc_fn`` called for the
+  group's scratch and the handle's memory with the config's context, and every allocation given
+  back through ``free_fn`` once the handle and the group are destroyed;
 - low-latency, rank-major: received rows, top-k weights and local expert ids, source-rank count,
   the combine of caller-reduced rows;
 - high-throughput, flat: the receive count from ``recv_total_counter``, rows, weights and ids
@@ -165,6 +169,72 @@ class Cuda:
         self.allocs = []
 
 
+class CountingAllocator:
+    """A group config's ``alloc_fn`` / ``free_fn`` over ``cuMemAlloc`` / ``cuMemFree`` that
+    count the calls and bytes, check the context they are given, and keep every live allocation
+    (a free of an address it did not hand out, or handed out twice, is recorded and refused).
+    The driver's codes are returned as ``cudaError_t``: 0 is success in both."""
+
+    def __init__(self, cuda):
+        self.cuda = cuda
+        self.marker = ctypes.c_int(66)  # its address is the config's context
+        self.context = ctypes.addressof(self.marker)
+        self.live = {}
+        self.allocs = self.frees = 0
+        self.bytes_allocated = self.bytes_freed = 0
+        self.problems = []
+        # Kept here: ctypes callbacks must outlive the group (and its handles).
+        self.alloc_fn = nccl_ep.ncclEpAllocFn_t(self._alloc)
+        self.free_fn = nccl_ep.ncclEpFreeFn_t(self._free)
+
+    def install(self, cfg):
+        """Sets ``cfg.alloc`` to this allocator."""
+        cfg.alloc.alloc_fn = self.alloc_fn
+        cfg.alloc.free_fn = self.free_fn
+        cfg.alloc.context = self.context
+
+    def _alloc(self, ptr, size, context):
+        try:
+            if context != self.context:
+                self.problems.append("alloc_fn got context %r, expected %#x" % (context, self.context))
+            p = ctypes.c_uint64()
+            rc = self.cuda.lib.cuMemAlloc_v2(ctypes.byref(p), size)
+            if rc != 0:
+                self.problems.append("cuMemAlloc of %d B returned %d" % (size, rc))
+                return rc
+            ptr[0] = p.value
+            self.live[p.value] = size
+            self.allocs += 1
+            self.bytes_allocated += size
+            return 0
+        except Exception as e:  # an exception must not cross into C (ctypes would return 0)
+            self.problems.append("alloc_fn raised %r" % (e,))
+            return 2  # cudaErrorMemoryAllocation
+
+    def _free(self, ptr, context):
+        try:
+            if context != self.context:
+                self.problems.append("free_fn got context %r, expected %#x" % (context, self.context))
+            size = self.live.pop(ptr or 0, None)
+            if size is None:
+                self.problems.append("free_fn got %r, which alloc_fn did not hand out (or was freed already)" % (ptr,))
+                return 1  # cudaErrorInvalidValue
+            self.frees += 1
+            self.bytes_freed += size
+            return self.cuda.lib.cuMemFree_v2(ptr)
+        except Exception as e:
+            self.problems.append("free_fn raised %r" % (e,))
+            return 1
+
+    def wait_all_freed(self, seconds=2.0):
+        """Whether every allocation was freed, waiting up to ``seconds`` (a handle's memory may
+        be given back by one of the library's threads)."""
+        deadline = time.time() + seconds
+        while self.live and time.time() < deadline:
+            time.sleep(0.01)
+        return not self.live
+
+
 def gpu_count():
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
@@ -291,13 +361,20 @@ def check_fp8_rows(p, chk, e, counts, recv, scales, combine_in, deq_of):
         combine_in[base:base + H] = array.array("H", p.expert(e, deq_bits))
 
 
-def low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged, idx32=False, fp8=False):
+def low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged, idx32=False, fp8=False, allocator=None):
+    """``allocator``: a :class:`CountingAllocator` the group's config gives as ``alloc_fn`` /
+    ``free_fn``; checked to serve the group's scratch and the handle's memory."""
     E, M, H, K = p.E, p.M, p.H, p.K
     L, R = E, 1
     cfg = nccl_ep.ncclEpGroupConfig_t(
         algorithm=NCCL_EP_ALGO_LOW_LATENCY, num_experts=E, max_dispatch_tokens_per_rank=M, max_token_bytes=2 * H
     )
+    if allocator is not None:
+        allocator.install(cfg)
     group = lib.ncclEpCreateGroup(comm, cfg)
+    group_allocs = allocator.allocs if allocator is not None else 0
+    if allocator is not None:
+        chk.expect(group_allocs > 0, "alloc_fn: not called for the group's local scratch")
     try:
         x_d = cuda.upload(p.flat("H", p.x))
         # API v2 lets low-latency callers pass an int32 topk_idx (epflow widens it on the stream).
@@ -305,6 +382,8 @@ def low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged, idx32=Fals
         w_d = cuda.upload(p.flat("f", p.w))
         topk = desc(idx_d, ncclInt32 if idx32 else ncclInt64, (p.B, K))
         handle = lib.ncclEpCreateHandle(group, NCCL_EP_LAYOUT_EXPERT_MAJOR, topk, None, None, stream)
+        if allocator is not None:
+            chk.expect(allocator.allocs > group_allocs, "alloc_fn: not called for the handle's memory (%d calls)" % allocator.allocs)
         try:
             recv_d = cuda.alloc(L * R * M * H * (1 if fp8 else 2), fill=0xA5)
             scales_d = cuda.alloc(L * R * M * (H // 128) * 4, fill=0xA5) if fp8 else None
@@ -434,6 +513,22 @@ def low_latency_forwarded(lib, comm, cuda, stream, p, chk, staged, fp4=False):
             lib.ncclEpHandleDestroy(handle)
     finally:
         lib.ncclEpGroupDestroy(group)
+
+
+def low_latency_with_allocator(lib, comm, cuda, stream, p, chk):
+    """The low-latency expert-major round trip (checked as without an allocator) on a group
+    whose config gives ``alloc_fn`` / ``free_fn``: called at least once, and once the handle and
+    the group are destroyed, ``free_fn`` was called as often as ``alloc_fn``, for every address
+    and byte it handed out, each with the config's context."""
+    a = CountingAllocator(cuda)
+    low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged=False, allocator=a)
+    freed = a.wait_all_freed()
+    print("  alloc_fn: %d calls, %d B; free_fn: %d calls, %d B" % (a.allocs, a.bytes_allocated, a.frees, a.bytes_freed))
+    chk.expect(a.allocs >= 2, "alloc_fn: %d calls, expected the group's and the handle's" % a.allocs)
+    chk.expect(freed, "%d allocations never came back through free_fn: %r" % (len(a.live), sorted(a.live.items())[:4]))
+    chk.expect(a.frees == a.allocs, "free_fn: %d calls, alloc_fn: %d" % (a.frees, a.allocs))
+    chk.expect(a.bytes_freed == a.bytes_allocated, "free_fn: %d B, alloc_fn: %d B" % (a.bytes_freed, a.bytes_allocated))
+    chk.expect(not a.problems, "the allocator saw: %s" % "; ".join(a.problems[:4]))
 
 
 def dispatch_info(global_ids, **counters):
@@ -747,6 +842,7 @@ def main():
             "LL expert-major, FWD fp4x2 + uint8, send_only (API v2)",
             lambda p: low_latency_forwarded(lib, comm, cuda, stream, p, chk, staged=True, fp4=True),
         ),
+        ("LL expert-major, alloc_fn / free_fn", lambda p: low_latency_with_allocator(lib, comm, cuda, stream, p, chk)),
         ("LL rank-major", lambda p: low_latency_rank_major(lib, comm, cuda, stream, p, chk)),
         ("HT flat", lambda p: high_throughput_flat(lib, comm, cuda, stream, p, chk)),
         (

@@ -2,7 +2,10 @@
 magics, bad configs and tensors, through both NCCLLibrary's raising methods and the raw
 functions. No call here reaches a communicator or a device."""
 
+import contextlib
 import ctypes
+import os
+import tempfile
 import unittest
 
 import nccl_ep
@@ -12,6 +15,23 @@ from _common import gpu_present, library, skip_loudly
 
 #: Stands for an ncclComm_t: only calls that fail before touching the communicator get it.
 FAKE_COMM = 0x1000
+
+
+@contextlib.contextmanager
+def stderr_lines():
+    """Collects what is written to file descriptor 2 (the library's log lines) meanwhile, into
+    the list it yields."""
+    lines = []
+    with tempfile.TemporaryFile() as f:
+        saved = os.dup(2)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            lines.extend(f.read().decode(errors="replace").splitlines())
 
 
 def ll_config(**overrides):
@@ -129,6 +149,29 @@ class ErrorCodes(unittest.TestCase):
         cfg = ll_config()
         cfg.alloc.alloc_fn = alloc
         self.assertRaisesCode(ncclInvalidUsage, self.lib.ncclEpCreateGroup, FAKE_COMM, cfg)
+
+    def test_create_group_free_fn_without_alloc_fn(self):
+        free = nccl_ep.ncclEpFreeFn_t(lambda ptr, ctx: 0)
+        cfg = ll_config()
+        cfg.alloc.free_fn = free
+        with stderr_lines() as log:
+            self.assertRaisesCode(ncclInvalidUsage, self.lib.ncclEpCreateGroup, FAKE_COMM, cfg)
+        self.assertTrue(any("give both alloc_fn and free_fn" in line for line in log), log)
+
+    def test_create_group_with_alloc_fn_and_free_fn_calls_neither_before_the_gpu(self):
+        if gpu_present():
+            skip_loudly("a GPU is present: a valid config would reach the (fake) communicator")
+        calls = []
+        alloc = nccl_ep.ncclEpAllocFn_t(lambda ptr, size, ctx: calls.append(("alloc", size)) or 2)
+        free = nccl_ep.ncclEpFreeFn_t(lambda ptr, ctx: calls.append(("free", ptr)) or 0)
+        cfg = ll_config()
+        cfg.alloc.alloc_fn, cfg.alloc.free_fn, cfg.alloc.context = alloc, free, 0x66
+        # Both given: the config passes its checks, and the call is refused for the missing GPU.
+        with stderr_lines() as log:
+            self.assertRaisesCode(ncclInvalidUsage, self.lib.ncclEpCreateGroup, FAKE_COMM, cfg)
+        self.assertTrue(any("no CUDA GPU" in line for line in log), log)
+        self.assertFalse(any("config.alloc" in line for line in log), log)
+        self.assertEqual(calls, [], "checking the config calls neither function")
 
     def test_create_group_without_a_gpu(self):
         if gpu_present():

@@ -10,7 +10,9 @@ use epflow_core::{Error, GroupConfig};
 use crate::compile::Functions;
 use crate::compute::{comm_sms, ranks_on_busiest_gpu};
 use crate::device::cache::OutputCache;
-use crate::device::{DeviceBuffer, EventPool, SharedContext, bind, context, cuda, pci_key, sm_count_of};
+use crate::device::{
+    DeviceBuffer, EventPool, LocalAllocator, SharedContext, bind, context, cuda, pci_key, sm_count_of,
+};
 use crate::layout::BufferLayout;
 use crate::op::ll_geometry::one_launch_threads;
 use crate::rank::GpuRank;
@@ -81,8 +83,10 @@ impl GpuWorld {
         };
         comms.resize_with(num_ranks, || None);
         let group_id = NEXT_GROUP_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mems =
-            ctxs.iter().map(|ctx| RankMemory::allocate(ctx, &layout).map(Arc::new)).collect::<Result<Vec<_>, _>>()?;
+        let mems = ctxs
+            .iter()
+            .map(|ctx| RankMemory::allocate(ctx, &layout, None).map(Arc::new))
+            .collect::<Result<Vec<_>, _>>()?;
         let peers = || Peers {
             disp_recv: mems.iter().map(|m| m.disp_recv.ptr()).collect(),
             comb_recv: mems.iter().map(|m| m.comb_recv.ptr()).collect(),
@@ -97,8 +101,8 @@ impl GpuWorld {
             .enumerate()
             .map(|(rank, ((ctx, &device), comms))| {
                 let shares_gpu = devices.iter().filter(|&&d| d == device).count() > 1;
-                let place = Placement { rank, num_ranks, device, group_id, shares_gpu };
-                let nccl = comms.map(|c| NcclShared::new(ctx, &layout, c, masks[rank], num_ranks)).transpose()?;
+                let place = Placement { rank, num_ranks, device, group_id, shares_gpu, local_allocator: None };
+                let nccl = comms.map(|c| NcclShared::new(ctx, &layout, c, masks[rank], num_ranks, None)).transpose()?;
                 build_rank(place, &config, layout, ctx, Arc::clone(&mems[rank]), peers(), nccl)
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -133,11 +137,26 @@ impl GpuWorld {
     }
 
     /// [`GpuWorld::join_with`] over any [`Bootstrap`]: an NCCL communicator the application
-    /// made, say (the NCCL EP C API joins over the caller's `ncclComm_t`). Collective.
+    /// made, say. Collective.
     pub fn join_over(
         comm: &(impl Bootstrap + ?Sized),
         config: GroupConfig,
         transport: Transport,
+    ) -> Result<GpuRank, Error> {
+        Self::join_over_with_allocator(comm, config, transport, None)
+    }
+
+    /// [`GpuWorld::join_over`] with the rank's local scratch from `allocator` (the NCCL EP C
+    /// API's `alloc_fn` / `free_fn`, say): every device buffer only this rank's kernels touch
+    /// (handle memory, the low-latency output buffer sets, NCCL staging, counter words;
+    /// [`GpuRank::local_allocator`]). The memory peers map (receive regions, the exchange region,
+    /// the signal page) stays `cuMemAlloc`: CUDA IPC exports whole `cuMemAlloc` allocations.
+    /// `None`: everything from `cuMemAlloc`, as [`GpuWorld::join_over`]. Collective.
+    pub fn join_over_with_allocator(
+        comm: &(impl Bootstrap + ?Sized),
+        config: GroupConfig,
+        transport: Transport,
+        allocator: Option<Arc<dyn LocalAllocator>>,
     ) -> Result<GpuRank, Error> {
         let (rank, num_ranks) = (comm.rank(), comm.world_size());
         config.validate(num_ranks)?;
@@ -164,11 +183,11 @@ impl GpuWorld {
             let ids = if rank == 0 { new_ids()? } else { [0u64; 48] };
             let all = bootstrap::all_gather_u64(comm, &ids)?;
             let comms = NcclComms::init_rank(&decode_ids(&all[..48]), rank, num_ranks)?;
-            Some(NcclShared::new(&ctx, &layout, comms, mask, num_ranks)?)
+            Some(NcclShared::new(&ctx, &layout, comms, mask, num_ranks, allocator.as_ref())?)
         } else {
             None
         };
-        let mem = Arc::new(RankMemory::allocate(&ctx, &layout)?);
+        let mem = Arc::new(RankMemory::allocate(&ctx, &layout, allocator.as_ref())?);
         let own = [mem.disp_recv.ptr(), mem.comb_recv.ptr(), mem.exchange.ptr(), mem.signals.ptr()];
         let mut mine = Vec::with_capacity(own.len() * 64);
         for ptr in own {
@@ -208,6 +227,7 @@ impl GpuWorld {
             device: ctx.ordinal(),
             group_id: NEXT_GROUP_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             shares_gpu,
+            local_allocator: allocator,
         };
         let rank = build_rank(place, &config, layout, &ctx, mem, peers, nccl)?;
         rank.connect_nccl()?;
@@ -223,6 +243,8 @@ struct Placement {
     group_id: u64,
     /// Another rank of the group runs on the same GPU.
     shares_gpu: bool,
+    /// Where its local scratch comes from (`None`: `cuMemAlloc`; [`RankShared::local_allocator`]).
+    local_allocator: Option<Arc<dyn LocalAllocator>>,
 }
 
 /// Rank masking needs every peer over NVLink: a rank masks a peer by storing into its signal
@@ -297,8 +319,9 @@ fn build_rank(
     bind(ctx)?;
     let functions = Functions::load(ctx)?;
     let streams = comm_streams(ctx)?;
+    let local = place.local_allocator.as_ref();
     let null_handle = match &layout {
-        BufferLayout::Ll(l) => Some(DeviceBuffer::zeroed(ctx, l.handle_bytes())?),
+        BufferLayout::Ll(l) => Some(DeviceBuffer::zeroed_with(ctx, l.handle_bytes(), local)?),
         BufferLayout::Ht(_) => None,
     };
     let num_sms = sm_count_of(ctx)? as u32;
@@ -343,6 +366,7 @@ fn build_rank(
         plan_marks_launched: Default::default(),
         meetings: Default::default(),
         nccl,
+        local_allocator: place.local_allocator,
         shared_gpu: place.shares_gpu.then(|| SharedContext::join(ctx)),
     });
     Ok(GpuRank { shared, core })

@@ -5,9 +5,10 @@
 //! NCCL EP's do: `expert_counters` the padded count per local expert, `expert_offsets` each
 //! zone's first slot, `recv_total_counter` the slots in all. Forward pass only.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use cudarc::driver::CudaStream;
+use cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+use cudarc::driver::{CudaEvent, CudaStream};
 use epflow_core::{DType, TensorDesc, TensorTag};
 use epflow_kernels::{DeviceTensor, ExpertMajorPlan, GpuRank};
 use nccl_ep_sys as ep;
@@ -42,11 +43,15 @@ pub(crate) struct ExpertMajor {
     pub(crate) idx: DeviceTensor,
     /// The flat combine's input, `[N x H]` BF16, summed from the caller's slots.
     pub(crate) combine_in: DeviceTensor,
+    /// An event after the last scatter or reduce enqueued on a caller's stream: the buffers
+    /// are freed only after it ([`Drop`]).
+    last_use: Mutex<Option<CudaEvent>>,
 }
 
 impl ExpertMajor {
     /// The zones of a handle receiving `rows` rows of top-k `top_k` and hidden `hidden`,
-    /// `counts[e]` to local expert `e`, aligned to `alignment`; its memory allocated here.
+    /// `counts[e]` to local expert `e`, aligned to `alignment`; its memory allocated here (the
+    /// handle's memory: from the group's `alloc_fn` when it has one).
     pub(crate) fn new(
         rank: &GpuRank,
         counts: &[i32],
@@ -57,7 +62,8 @@ impl ExpertMajor {
     ) -> Res<Self> {
         let plan = rank.expert_major_plan(counts, rows, top_k, alignment)?;
         let zeros = |tag, dtype, shape: &[usize]| {
-            DeviceTensor::zeros(rank.context(), rank.device(), TensorDesc::contiguous(tag, dtype, shape))
+            let desc = TensorDesc::contiguous(tag, dtype, shape);
+            DeviceTensor::zeros_with(rank.context(), rank.device(), desc, rank.local_allocator())
         };
         Ok(ExpertMajor {
             tokens: zeros(TensorTag::Tokens, DType::Bf16, &[rows, hidden])?,
@@ -65,6 +71,7 @@ impl ExpertMajor {
             idx: zeros(TensorTag::TopkIdx, DType::I64, &[rows, top_k])?,
             combine_in: zeros(TensorTag::Tokens, DType::Bf16, &[rows, hidden])?,
             plan,
+            last_use: Mutex::new(None),
         })
     }
 
@@ -79,14 +86,38 @@ impl ExpertMajor {
     ) -> Res<()> {
         rank.expert_major_slots_on(stream, &self.plan, &self.idx)?;
         rank.expert_major_scatter_on(stream, &self.plan, &self.tokens, &self.weights, out, out_weights)?;
-        Ok(())
+        self.used_on(stream)
     }
 
     /// Before the flat combine: [`Self::combine_in`] summed from the caller's expert outputs `y`
     /// (`[S x H]` BF16, the dispatch's zones), on `stream`.
     pub(crate) fn reduce(&self, rank: &GpuRank, stream: &Arc<CudaStream>, y: &DeviceTensor) -> Res<()> {
         rank.expert_major_reduce_on(stream, &self.plan, y, &self.combine_in)?;
+        self.used_on(stream)
+    }
+
+    /// Records [`Self::last_use`] on `stream`, after the kernels just enqueued there.
+    fn used_on(&self, stream: &Arc<CudaStream>) -> Res<()> {
+        let e = stream.record_event(Some(CU_EVENT_DISABLE_TIMING)).map_err(|e| {
+            Fail::from(epflow_core::Error::Backend(format!("CUDA: record an expert-major buffer's event: {e:?}")))
+        })?;
+        *self.last_use.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
         Ok(())
+    }
+}
+
+impl Drop for ExpertMajor {
+    /// Waits for the last scatter or reduce on a caller's stream before the buffers go: the
+    /// handle may be destroyed (or its routing replaced) before the caller's stream passed them,
+    /// and a caller's `free_fn` need not wait for the device as `cuMemFree` does.
+    fn drop(&mut self) {
+        if let Some(e) = self.last_use.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            if let Err(err) = e.synchronize() {
+                crate::status::warn(&format!(
+                    "an expert-major handle's buffers: waiting for their last use failed: {err:?}"
+                ));
+            }
+        }
     }
 }
 

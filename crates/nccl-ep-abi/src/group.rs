@@ -124,9 +124,8 @@ fn group_config(read: &v2::GroupConfig, num_ranks: usize) -> Res<(GroupConfig, S
             c.max_token_bytes
         )));
     }
-    if c.alloc.alloc_fn.is_some() != c.alloc.free_fn.is_some() {
-        return Err(Fail::usage("config.alloc: give both alloc_fn and free_fn, or neither"));
-    }
+    // Both or neither (the allocator itself is built by `Group::create`).
+    crate::alloc::caller_allocator(&c.alloc)?;
     if c.enable_mask != 0 && algorithm != Algorithm::LowLatency {
         return Err(Fail::usage("config.enable_mask: rank masking is for low-latency groups (as in NCCL EP)"));
     }
@@ -197,7 +196,9 @@ impl Group {
         let comm = CallerComm::new(comm)?;
         let (config, mut shape) = group_config(c, comm.world_size())?;
         shape.rank = comm.rank();
-        let rank = GpuWorld::join_over(&comm, config, Transport::Auto)?;
+        // The config's alloc_fn / free_fn serve the rank's local scratch (`alloc.rs`).
+        let allocator = crate::alloc::caller_allocator(&c.v1.alloc)?;
+        let rank = GpuWorld::join_over_with_allocator(&comm, config, Transport::Auto, allocator)?;
         Ok(Arc::new(Group {
             rank,
             shape,

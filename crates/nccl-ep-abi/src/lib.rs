@@ -36,6 +36,8 @@
 //! - `tensor.rs`: `ncclEpTensorAlloc` / `ncclEpTensorDestroy`; `owned.rs`: the layout of the
 //!   descriptors they make (which `check.rs` recognises).
 //! - `comm.rs`: the caller's `ncclComm_t` as epflow's bootstrap (through the caller's NCCL).
+//! - `alloc.rs`: the group config's `alloc_fn` / `free_fn` as the rank's allocator of local
+//!   scratch (peer-mapped memory stays `cuMemAlloc`).
 //! - `group.rs`: a group: the epflow GPU rank, the config's shape, operations in flight.
 //! - `handle.rs`: handles: layout, top-k, routing.
 //! - `expert_major.rs`: high-throughput `NCCL_EP_LAYOUT_EXPERT_MAJOR` on the flat layout.
@@ -67,6 +69,7 @@
 
 #![warn(missing_docs)]
 
+mod alloc;
 pub mod api;
 mod check;
 mod comm;

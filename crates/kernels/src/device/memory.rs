@@ -1,5 +1,6 @@
 //! Device and pinned host memory with RAII. Device buffers come from `cuMemAlloc` (not the
-//! stream-ordered pool) so that peers (peer access, CUDA IPC) can map them.
+//! stream-ordered pool) so that peers (peer access, CUDA IPC) can map them; a rank's local
+//! scratch may come from a caller's [`LocalAllocator`] instead.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -8,7 +9,8 @@ use cudarc::driver::{CudaContext, sys};
 use epflow_core::Error;
 
 use super::context::{bind, cuda};
-use super::parked::{self, Parked, free_parked};
+use super::local::{self, LocalAllocator};
+use super::parked::{self, Parked, Want, free_parked};
 
 /// Waits for the context's legacy (NULL) stream: `cuMemsetD8` and pageable `cuMemcpyHtoD` may
 /// return before the device has finished them, and epflow's own streams are non-blocking (they do
@@ -19,22 +21,39 @@ pub(crate) fn finish_legacy_stream(ctx: &CudaContext) -> Result<(), Error> {
     unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }.result().map_err(|e| cuda("synchronize", e))
 }
 
-/// Zero-filled device memory of one context, freed on drop.
+/// Zero-filled device memory of one context, freed on drop: `cuMemFree`, or the free of the
+/// [`LocalAllocator`] it came from ([`DeviceBuffer::zeroed_with`]).
 #[derive(Debug)]
 pub struct DeviceBuffer {
     ptr: u64,
     bytes: usize,
     ctx: Arc<CudaContext>,
+    /// The allocator the memory came from; `None`: `cuMemAlloc`.
+    allocator: Option<Arc<dyn LocalAllocator>>,
 }
 
 impl DeviceBuffer {
     /// Allocates `bytes` (at least 1) with `cuMemAlloc` and zeroes them.
     pub fn zeroed(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self, Error> {
+        Self::zeroed_with(ctx, bytes, None)
+    }
+
+    /// Allocates `bytes` (at least 1) from `allocator` (`None`: `cuMemAlloc`, as
+    /// [`DeviceBuffer::zeroed`]) and zeroes them (`cuMemsetD8`). For local scratch only: memory
+    /// of an allocator cannot be shared with peers in other processes (CUDA IPC exports whole
+    /// `cuMemAlloc` allocations).
+    pub fn zeroed_with(
+        ctx: &Arc<CudaContext>,
+        bytes: usize,
+        allocator: Option<&Arc<dyn LocalAllocator>>,
+    ) -> Result<Self, Error> {
         bind(ctx)?;
         let bytes = bytes.max(1);
-        let ptr = match parked::reuse(ctx, bytes, false) {
-            Some(Parked::Device { ptr, .. }) => ptr,
-            _ => {
+        let want = allocator.map_or(Want::Device, Want::Local);
+        let ptr = match (parked::reuse(ctx, bytes, want), allocator) {
+            (Some(p), _) => p.device_ptr(),
+            (None, Some(a)) => local::allocate(a, bytes)?,
+            (None, None) => {
                 let mut ptr: sys::CUdeviceptr = 0;
                 // SAFETY: `ptr` is a valid out pointer; the context is bound to this thread.
                 unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }
@@ -43,12 +62,19 @@ impl DeviceBuffer {
                 ptr
             }
         };
-        let buf = DeviceBuffer { ptr, bytes, ctx: Arc::clone(ctx) };
-        // SAFETY: `ptr` points to `bytes` bytes of this context, just allocated or parked
-        // unused.
+        // From here the buffer owns the memory: an error below frees it.
+        let buf = DeviceBuffer { ptr, bytes, ctx: Arc::clone(ctx), allocator: allocator.map(Arc::clone) };
+        // SAFETY: `ptr` points to `bytes` bytes of device memory this context's work may write:
+        // just allocated (`cuMemAlloc`, or an allocator, whose contract says so:
+        // `LocalAllocator`'s Safety) or parked unused.
         unsafe { sys::cuMemsetD8_v2(ptr, 0, bytes) }.result().map_err(|e| cuda("zero memory", e))?;
         finish_legacy_stream(ctx)?;
         Ok(buf)
+    }
+
+    /// The allocator the memory came from (`None`: `cuMemAlloc`).
+    pub fn allocator(&self) -> Option<&Arc<dyn LocalAllocator>> {
+        self.allocator.as_ref()
     }
 
     /// The device address.
@@ -89,10 +115,20 @@ impl DeviceBuffer {
 }
 
 impl Drop for DeviceBuffer {
+    /// Frees the memory, or parks it while another rank shares the context (`parked.rs`). Its
+    /// owner drops it only once no kernel uses it any more: `cuMemFree` waits for the kernels
+    /// running at the time, not for those still queued, and parked memory is reused with no
+    /// wait at all, so every owner already ensures that (after its operations' events, or a
+    /// synchronize). Memory of a [`LocalAllocator`] is given back to it under the same rule
+    /// (whose free, a caching allocator's, may hand it to the next user at once), and parked
+    /// alike (its free may be `cudaFree`, which waits as `cuMemFree` does).
     fn drop(&mut self) {
-        let a = Parked::Device { ptr: self.ptr, bytes: self.bytes };
-        if !parked::park(&self.ctx, a) {
-            free_parked(&self.ctx, &[a]);
+        let a = match self.allocator.take() {
+            Some(allocator) => Parked::Local { ptr: self.ptr, bytes: self.bytes, allocator },
+            None => Parked::Device { ptr: self.ptr, bytes: self.bytes },
+        };
+        if let Err(a) = parked::park(&self.ctx, a) {
+            free_parked(&self.ctx, std::slice::from_ref(&a));
         }
     }
 }
@@ -139,7 +175,7 @@ impl PinnedBuffer {
     pub(crate) fn zeroed(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self, Error> {
         bind(ctx)?;
         let bytes = bytes.max(8).next_multiple_of(8);
-        if let Some(Parked::Host { host, device, .. }) = parked::reuse(ctx, bytes, true) {
+        if let Some(Parked::Host { host, device, .. }) = parked::reuse(ctx, bytes, Want::Host) {
             let host = host as *mut c_void;
             // SAFETY: a parked allocation of `bytes` writable bytes, no longer used by anyone.
             unsafe { std::ptr::write_bytes(host as *mut u8, 0, bytes) };
@@ -213,8 +249,8 @@ impl PinnedBuffer {
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
         let a = Parked::Host { host: self.host as usize, device: self.device, bytes: self.bytes };
-        if !parked::park(&self.ctx, a) {
-            free_parked(&self.ctx, &[a]);
+        if let Err(a) = parked::park(&self.ctx, a) {
+            free_parked(&self.ctx, std::slice::from_ref(&a));
         }
     }
 }

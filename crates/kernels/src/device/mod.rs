@@ -1,12 +1,14 @@
-//! The CUDA edge: the driver and its contexts, device and pinned memory, device tensors, the
-//! cache of output buffers, recycled events, what every stream-ordered operation does around its
-//! launches, and the host-step diagnostic (`EPFLOW_HOST_STEPS`).
+//! The CUDA edge: the driver and its contexts, device and pinned memory (and a caller's
+//! allocator for a rank's local scratch, [`LocalAllocator`]), device tensors, the cache of output
+//! buffers, recycled events, what every stream-ordered operation does around its launches, and
+//! the host-step diagnostic (`EPFLOW_HOST_STEPS`).
 
 pub(crate) mod cache;
 pub(crate) mod consumers;
 mod context;
 mod events;
 pub mod host_steps;
+mod local;
 mod memory;
 mod parked;
 mod stream_work;
@@ -17,6 +19,7 @@ pub(crate) use context::{bind, cuda, pci_key, sm_count_of};
 pub use context::{context, device_count, driver_present, sm_count};
 pub use events::EventPool;
 pub(crate) use events::event_done;
+pub use local::{LOCAL_ALIGN, LocalAllocator};
 pub use memory::DeviceBuffer;
 pub(crate) use memory::{PinnedBuffer, copy_to_host};
 pub(crate) use parked::SharedContext;

@@ -52,8 +52,19 @@ impl TensorView for DeviceTensor {
 impl DeviceTensor {
     /// Copies a host tensor to device `device` (synchronous), in memory this tensor owns.
     pub fn upload(ctx: &Arc<cudarc::driver::CudaContext>, device: usize, host: &HostTensor) -> Result<Self, Error> {
+        Self::upload_with(ctx, device, host, None)
+    }
+
+    /// [`DeviceTensor::upload`] into memory of `allocator` (`None`: `cuMemAlloc`;
+    /// [`DeviceBuffer::zeroed_with`]).
+    pub fn upload_with(
+        ctx: &Arc<cudarc::driver::CudaContext>,
+        device: usize,
+        host: &HostTensor,
+        allocator: Option<&Arc<dyn super::LocalAllocator>>,
+    ) -> Result<Self, Error> {
         let d = host.desc().clone();
-        let buf = DeviceBuffer::zeroed(ctx, d.size_bytes())?;
+        let buf = DeviceBuffer::zeroed_with(ctx, d.size_bytes(), allocator)?;
         match host.data() {
             HostData::Bf16(v) => buf.write(0, v)?,
             HostData::F32(v) => buf.write(0, v)?,
@@ -66,14 +77,28 @@ impl DeviceTensor {
 
     /// A zero-filled tensor of `desc` on `device`.
     pub fn zeros(ctx: &Arc<cudarc::driver::CudaContext>, device: usize, desc: TensorDesc) -> Result<Self, Error> {
-        let buf = DeviceBuffer::zeroed(ctx, desc.size_bytes())?;
+        Self::zeros_with(ctx, device, desc, None)
+    }
+
+    /// [`DeviceTensor::zeros`] in memory of `allocator` (`None`: `cuMemAlloc`;
+    /// [`DeviceBuffer::zeroed_with`]): a rank's local scratch, such as
+    /// [`crate::GpuRank::local_allocator`]'s.
+    pub fn zeros_with(
+        ctx: &Arc<cudarc::driver::CudaContext>,
+        device: usize,
+        desc: TensorDesc,
+        allocator: Option<&Arc<dyn super::LocalAllocator>>,
+    ) -> Result<Self, Error> {
+        let buf = DeviceBuffer::zeroed_with(ctx, desc.size_bytes(), allocator)?;
         Ok(Self::owning(desc, device, buf))
     }
 
-    /// A tensor of `desc` in `buf`, which epflow allocated and this tensor keeps.
+    /// A tensor of `desc` in `buf`, which epflow allocated and this tensor keeps. Memory of a
+    /// caller's allocator is not `epflow_memory` (peer access may not cover it).
     fn owning(desc: TensorDesc, device: usize, buf: DeviceBuffer) -> Self {
         let ptr = buf.ptr();
-        DeviceTensor { desc, ptr, device, keep: Some(Arc::new(buf)), lease: None, ready: None, epflow_memory: true }
+        let epflow_memory = buf.allocator().is_none();
+        DeviceTensor { desc, ptr, device, keep: Some(Arc::new(buf)), lease: None, ready: None, epflow_memory }
     }
 
     /// A view of memory someone else owns (a framework's tensor, say). Peers' kernels do not
@@ -130,9 +155,10 @@ impl DeviceTensor {
         }
     }
 
-    /// Whether epflow allocated this tensor's memory ([`DeviceTensor::upload`],
+    /// Whether epflow allocated this tensor's memory with `cuMemAlloc` ([`DeviceTensor::upload`],
     /// [`DeviceTensor::zeros`], an epflow output): in a one-process group, peers' kernels may
-    /// read it in place (the pull combine of high-throughput). `from_raw` memory is not.
+    /// read it in place (the pull combine of high-throughput). `from_raw` memory is not, nor
+    /// memory of a caller's allocator ([`DeviceTensor::zeros_with`]).
     pub(crate) fn epflow_memory(&self) -> bool {
         self.epflow_memory
     }

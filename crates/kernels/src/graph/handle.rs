@@ -56,11 +56,11 @@ impl GpuRank {
         self.check_topk_tensor(topk_idx)?;
         let (b, k) = (topk_idx.desc().shape[0], topk_idx.desc().shape[1]);
         let l = s.layout.ll("a handle of captured steps")?;
-        let mem = take_pooled(&s.ctx, &s.handle_pool, l.handle_bytes())?;
+        let mem = take_pooled(s, l.handle_bytes())?;
         let core = HandleCore::on_device(s.group_id, b, k, Algorithm::LowLatency, None).with_layout(opts.layout);
         let mut handle = GpuHandle::new(core, mem, &s.handle_pool, None, None, None);
         let ctx = self.core.op_context(&handle);
-        let alloc = |d| DeviceTensor::zeros(&s.ctx, s.device, d);
+        let alloc = |d| DeviceTensor::zeros_with(&s.ctx, s.device, d, s.local_allocator.as_ref());
         let d = dispatch_output_descs(&ctx, &DispatchOptions::default());
         let dispatched = DispatchOutputs {
             tokens: alloc(d.tokens)?,

@@ -56,10 +56,7 @@ pub(crate) struct StepMemory {
 
 impl StepMemory {
     fn new(s: &RankShared) -> Result<Self> {
-        Ok(StepMemory {
-            bases: DeviceBuffer::zeroed(&s.ctx, BASES_WORDS * 8)?,
-            failure: PinnedBuffer::zeroed(&s.ctx, 8)?,
-        })
+        Ok(StepMemory { bases: s.local_zeroed(BASES_WORDS * 8)?, failure: PinnedBuffer::zeroed(&s.ctx, 8)? })
     }
 
     /// Tells the step's last operation to advance the bases after each replay: the step's

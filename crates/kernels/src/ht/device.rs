@@ -81,7 +81,7 @@ pub(crate) fn start(
     let tokens_per_channel = b.div_ceil(c.max(1)).max(1);
     let marks = mark_blocks(b, s.config.num_experts);
     let (off, scratch, hits) = device_offsets(b, k, r, c, local, marks);
-    let mem = take_pooled(&s.ctx, &s.handle_pool, off.end.max(1))?;
+    let mem = take_pooled(s, off.end.max(1))?;
     let result_bytes = (RESULT_HEAD + local) * 8;
     let result = match s.plan_results.lock().unwrap_or_else(|e| e.into_inner()).pop() {
         Some(p) if p.bytes() >= result_bytes => p,

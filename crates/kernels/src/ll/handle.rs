@@ -252,7 +252,7 @@ pub(crate) fn stream_routing(s: &Arc<RankShared>, h: &GpuHandle) -> Result<Optio
 fn take_memory(s: &RankShared, layout: Layout) -> Result<(DeviceBuffer, PinnedBuffer, bool), Error> {
     let l = s.layout.ll("a low-latency handle")?;
     let compact = layout == Layout::RankMajor && l.max_tokens <= LL_COMPACT_MAX_ROWS;
-    let mem = take_pooled(&s.ctx, &s.handle_pool, l.handle_bytes())?;
+    let mem = take_pooled(s, l.handle_bytes())?;
     let report = take_report(s, report_bytes(s, l.max_tokens))?;
     Ok((mem, report, compact))
 }

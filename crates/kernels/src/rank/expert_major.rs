@@ -73,7 +73,8 @@ impl GpuRank {
         let host: Vec<i64> = counts.iter().chain(&padded).chain(&offsets).copied().collect();
         let ctx = &self.shared.ctx;
         let dev = self.shared.device;
-        let zones = DeviceTensor::upload(
+        let local = self.local_allocator();
+        let zones = DeviceTensor::upload_with(
             ctx,
             dev,
             &epflow_core::HostTensor::new(
@@ -81,11 +82,13 @@ impl GpuRank {
                 &[3, l.max(1)],
                 epflow_core::HostData::I64(if l == 0 { vec![0; 3] } else { host }),
             ),
+            local,
         )?;
-        let pos_of = DeviceTensor::zeros(
+        let pos_of = DeviceTensor::zeros_with(
             ctx,
             dev,
             TensorDesc::contiguous(TensorTag::TopkIdx, DType::I32, &[rows.max(1), top_k.max(1)]),
+            local,
         )?;
         Ok(ExpertMajorPlan { counts, padded, offsets, total, rows, top_k, zones, pos_of })
     }

@@ -76,6 +76,13 @@ impl GpuRank {
         &self.shared.ctx
     }
 
+    /// Where this rank's local scratch comes from ([`crate::GpuWorld::join_over_with_allocator`]);
+    /// `None`: `cuMemAlloc`. Give it to [`DeviceTensor::zeros_with`] for scratch of your own
+    /// that belongs with the rank's (the NCCL EP C API's expert-major buffers do).
+    pub fn local_allocator(&self) -> Option<&Arc<dyn crate::device::LocalAllocator>> {
+        self.shared.local_allocator.as_ref()
+    }
+
     /// The stream operations of `channel` run on: order your producers and consumers against it
     /// (or pass inputs with [`DeviceTensor::ready_after`]).
     pub fn stream(&self, channel: Channel) -> &Arc<CudaStream> {
@@ -197,7 +204,7 @@ impl GpuRank {
         let mut desc = src.desc().clone();
         desc.dtype = epflow_core::DType::I64;
         let n = desc.numel();
-        let out = DeviceTensor::zeros(&self.shared.ctx, self.shared.device, desc)?;
+        let out = DeviceTensor::zeros_with(&self.shared.ctx, self.shared.device, desc, self.local_allocator())?;
         let s = &self.shared;
         self.read_on(stream, src, None)?;
         if n > 0 {
@@ -489,7 +496,7 @@ impl GpuRank {
     fn ll_handle(&self, routing: Routing, layout: Layout, steps: &mut Steps) -> Result<GpuHandle, Error> {
         let s = &self.shared;
         let l = s.layout.ll("a low-latency handle")?;
-        let mem = take_pooled(&s.ctx, &s.handle_pool, l.handle_bytes())?;
+        let mem = take_pooled(s, l.handle_bytes())?;
         steps.step("handle: take the handle's memory");
         let placement = ExpertPlacement::new(s.config.num_experts, s.num_ranks);
         let mut send_rows = None;

@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::{CudaContext, CudaEvent};
+use cudarc::driver::CudaEvent;
 use epflow_core::Error;
 use epflow_core::handle::{HandleCore, RoutingHandle};
 use epflow_core::ops::DispatchOutputs;
@@ -11,6 +11,7 @@ use epflow_core::ops::DispatchOutputs;
 use crate::device::cache::take_smallest;
 use crate::device::{DeviceBuffer, DeviceTensor, OpTiming, PinnedBuffer};
 use crate::params::MAX_RANKS;
+use crate::state::shared::RankShared;
 
 /// A routing handle on the GPU backend: the validated routing and its device memory (a copy
 /// of `topk_idx`; low-latency: the row map dispatch writes for combine; high-throughput: the send
@@ -481,14 +482,11 @@ impl RoutingHandle for GpuHandle {
     }
 }
 
-/// Takes the smallest pooled buffer of at least `bytes`, or allocates one.
-pub(crate) fn take_pooled(
-    ctx: &Arc<CudaContext>,
-    pool: &Mutex<Vec<DeviceBuffer>>,
-    bytes: usize,
-) -> Result<DeviceBuffer, Error> {
-    match take_smallest(pool, bytes, DeviceBuffer::bytes) {
+/// Takes the smallest buffer of at least `bytes` from the rank's handle pool, or allocates one
+/// ([`RankShared::local_zeroed`]: from the rank's local allocator if it has one).
+pub(crate) fn take_pooled(s: &RankShared, bytes: usize) -> Result<DeviceBuffer, Error> {
+    match take_smallest(&s.handle_pool, bytes, DeviceBuffer::bytes) {
         Some(b) => Ok(b),
-        None => DeviceBuffer::zeroed(ctx, bytes),
+        None => s.local_zeroed(bytes),
     }
 }

@@ -74,7 +74,7 @@ pub(crate) fn finish_handle(
         counts: push_i32s(&mut bytes, &recv.expert_counts),
         end: bytes.len(),
     };
-    let mem = take_pooled(&shared.ctx, &shared.handle_pool, off.end.max(1))?;
+    let mem = take_pooled(shared, off.end.max(1))?;
     mem.write(0, &bytes)?;
     let info = HtHandleInfo {
         tokens_per_channel: plan.tokens_per_channel,

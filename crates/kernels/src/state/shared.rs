@@ -1,5 +1,5 @@
 //! What every operation of a rank shares: [`RankShared`] (streams, kernels, memory, the peers'
-//! addresses, pools) and the rank's own device memory, [`RankMemory`].
+//! addresses, pools, the local allocator) and the rank's own device memory, [`RankMemory`].
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
 use std::sync::{Arc, Mutex};
@@ -10,12 +10,15 @@ use epflow_core::{Algorithm, Error, GroupConfig};
 
 use crate::compile::Functions;
 use crate::device::cache::OutputCache;
-use crate::device::{DeviceBuffer, EventPool, PinnedBuffer, SharedContext, StreamFence, bind, cuda};
+use crate::device::{DeviceBuffer, EventPool, LocalAllocator, PinnedBuffer, SharedContext, StreamFence, bind, cuda};
 use crate::layout::BufferLayout;
 use crate::params::{MAX_RANKS, SIGNAL_PAGE_BYTES, arrival_offset, status};
 use crate::transport::nccl::{NcclShared, Xfer};
 
-/// The memory of one rank; peers map it. Dropped only after every kernel of the device is done.
+/// The memory of one rank. Peers map its receive regions, exchange region and signal page
+/// (`cuMemAlloc`: CUDA IPC exports whole `cuMemAlloc` allocations); the rest is local scratch,
+/// from the rank's [`LocalAllocator`] when it has one. Dropped only after every kernel of the
+/// device is done.
 #[derive(Debug)]
 pub(crate) struct RankMemory {
     pub(crate) ctx: Arc<CudaContext>,
@@ -24,7 +27,7 @@ pub(crate) struct RankMemory {
     /// High-throughput: the count-exchange region of handle creation (1 byte otherwise).
     pub(crate) exchange: DeviceBuffer,
     /// High-throughput: the mark counter of handles built on the device (one u64, zeroed: the
-    /// mark blocks done over every creation, `ep_ht_plan`).
+    /// mark blocks done over every creation, `ep_ht_plan`). Local.
     pub(crate) plan_marks: DeviceBuffer,
     pub(crate) signals: DeviceBuffer,
     pub(crate) status: PinnedBuffer,
@@ -43,16 +46,21 @@ pub(crate) struct RankMemory {
 impl RankMemory {
     /// A rank's memory: receive regions and signal pages (peers map them); low-latency groups
     /// also get their output buffer sets (high-throughput outputs are allocated per operation).
-    pub(crate) fn allocate(ctx: &Arc<CudaContext>, layout: &BufferLayout) -> Result<Self, Error> {
+    /// The local parts (the mark counter, the output sets) come from `local` when given.
+    pub(crate) fn allocate(
+        ctx: &Arc<CudaContext>,
+        layout: &BufferLayout,
+        local: Option<&Arc<dyn LocalAllocator>>,
+    ) -> Result<Self, Error> {
         let per_set = |sets: usize, bytes: usize| {
-            (0..sets).map(|_| DeviceBuffer::zeroed(ctx, bytes)).collect::<Result<Vec<_>, _>>()
+            (0..sets).map(|_| DeviceBuffer::zeroed_with(ctx, bytes, local)).collect::<Result<Vec<_>, _>>()
         };
         let mut mem = RankMemory {
             ctx: Arc::clone(ctx),
             disp_recv: DeviceBuffer::zeroed(ctx, layout.dispatch_recv_bytes())?,
             comb_recv: DeviceBuffer::zeroed(ctx, layout.combine_recv_bytes())?,
             exchange: DeviceBuffer::zeroed(ctx, layout.exchange_bytes())?,
-            plan_marks: DeviceBuffer::zeroed(ctx, 8)?,
+            plan_marks: DeviceBuffer::zeroed_with(ctx, 8, local)?,
             signals: DeviceBuffer::zeroed(ctx, SIGNAL_PAGE_BYTES)?,
             status: PinnedBuffer::zeroed(ctx, status::WORDS * 8)?,
             disp_out: Vec::new(),
@@ -134,6 +142,7 @@ pub(crate) struct RankShared {
     /// Every rank's buffers as this process addresses them (index = rank), this one included.
     pub(crate) peers: Peers,
     pub(crate) num_sms: u32,
+    /// Handles' memory, recycled (local: from `local_allocator` when set).
     pub(crate) handle_pool: Arc<Mutex<Vec<DeviceBuffer>>>,
     /// Low-latency: a handle's worth of zeroed memory for cancellations that have no usable
     /// handle of their own (a foreign handle failed validation).
@@ -178,6 +187,12 @@ pub(crate) struct RankShared {
     pub(crate) meetings: AtomicU64,
     /// The NCCL transport, when some peer uses it.
     pub(crate) nccl: Option<NcclShared>,
+    /// Where the rank's local scratch comes from ([`RankShared::local_zeroed`]; `None`:
+    /// `cuMemAlloc`): handle memory (the pool), the null handle, the mark counter and output
+    /// sets of `mem`, NCCL staging, captured steps' bases and their handles' outputs,
+    /// expert-major plans, int64 copies of int32 routings. Never memory peers map, nor the
+    /// high-throughput output cache (in one-process groups peers read those outputs in place).
+    pub(crate) local_allocator: Option<Arc<dyn LocalAllocator>>,
     /// Whether another rank of the group shares this GPU: then frees in its context are
     /// parked until the last such rank goes ([`crate::device::SharedContext`]). Last, so
     /// dropped after the rank's own memory.
@@ -239,6 +254,12 @@ impl RankShared {
             send: (page + arrival_offset(chan, set, self.rank), 16),
             recv: (page + arrival_offset(chan, set, peer), 16),
         }
+    }
+
+    /// `bytes` of zeroed local scratch: from the rank's local allocator if it has one, else
+    /// `cuMemAlloc`. Never for memory peers map.
+    pub(crate) fn local_zeroed(&self, bytes: usize) -> Result<DeviceBuffer, Error> {
+        DeviceBuffer::zeroed_with(&self.ctx, bytes, self.local_allocator.as_ref())
     }
 
     /// The stream of [`RankShared::later_builds`], created on the first call.

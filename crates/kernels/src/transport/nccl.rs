@@ -40,7 +40,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 use epflow_core::Error;
 
-use crate::device::{DeviceBuffer, PinnedBuffer, bind};
+use crate::device::{DeviceBuffer, LocalAllocator, PinnedBuffer, bind};
 use crate::layout::BufferLayout;
 
 /// A [`Error::Backend`] for a failed NCCL call.
@@ -235,17 +235,19 @@ pub(crate) struct NcclShared {
 }
 
 impl NcclShared {
-    /// Allocates what `layout` needs for the peers in `mask`.
+    /// Allocates what `layout` needs for the peers in `mask` (staging NCCL moves, never mapped
+    /// by peers: from `local` when given).
     pub(crate) fn new(
         ctx: &Arc<CudaContext>,
         layout: &BufferLayout,
         comms: NcclComms,
         mask: u32,
         num_ranks: usize,
+        local: Option<&Arc<dyn LocalAllocator>>,
     ) -> Result<Self, Error> {
-        let per_set = |sets: usize, bytes: usize| {
-            (0..sets).map(|_| DeviceBuffer::zeroed(ctx, bytes.max(1))).collect::<Result<Vec<_>, _>>()
-        };
+        let zeroed = |bytes: usize| DeviceBuffer::zeroed_with(ctx, bytes, local);
+        let per_set =
+            |sets: usize, bytes: usize| (0..sets).map(|_| zeroed(bytes.max(1))).collect::<Result<Vec<_>, _>>();
         let mut s = NcclShared {
             comms,
             mask,
@@ -253,8 +255,8 @@ impl NcclShared {
             comb_out: Vec::new(),
             comb_in: Vec::new(),
             counts: Vec::new(),
-            handle_msgs: DeviceBuffer::zeroed(ctx, 8)?,
-            handle_out: DeviceBuffer::zeroed(ctx, 8)?,
+            handle_msgs: zeroed(8)?,
+            handle_out: zeroed(8)?,
         };
         match layout {
             BufferLayout::Ll(l) => {
@@ -265,8 +267,8 @@ impl NcclShared {
             }
             BufferLayout::Ht(h) => {
                 let bytes = num_ranks * exchange_row_words(h.exchange_words()) * 4;
-                s.handle_msgs = DeviceBuffer::zeroed(ctx, bytes)?;
-                s.handle_out = DeviceBuffer::zeroed(ctx, bytes)?;
+                s.handle_msgs = zeroed(bytes)?;
+                s.handle_out = zeroed(bytes)?;
             }
         }
         Ok(s)
