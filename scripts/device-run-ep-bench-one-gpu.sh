@@ -12,7 +12,9 @@
 # aligned to 64), each with --validate. v2: ep_bench's expert-major, rank-major with GLOBAL ids,
 # DS_FP8E3M4 (dispatch only: the recipe has no combine), FWD (pre-quantized rows, five token and
 # scale types, both layouts), int32 topk_idx and high-throughput flat and expert-major cases. Then the `nccl_ep_backend` test of epflow's stream-ordered NCCL EP
-# handles on NVIDIA's v1 library. ONLY=<regex> runs the matching cases alone.
+# handles on NVIDIA's v1 library. ONLY=<regex> runs the matching cases alone. With
+# .device-pack/base/libnccl_ep.so (a build of an earlier commit) the low-latency rounds also run
+# it, as "base", between the two.
 # Logs in $OUT/ep-bench.tgz; one line per run here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +25,14 @@ mkdir -p "$OUT" "$O" /tmp/epflow-abi
 [ -x "$P/bin/ep_bench" ] || tar -xJf "$P/nccl-pack.tar.xz" -C "$P" ||
     python3 -c "import tarfile; tarfile.open('$P/nccl-pack.tar.xz').extractall('$P')"
 ln -sf "$PWD/.device-pack/nccl-ep/libnccl_ep.so" /tmp/epflow-abi/libnccl_ep.so.0
+# A baseline build of epflow's library (.device-pack/base/libnccl_ep.so, from an earlier commit:
+# a performance change's before and after in one call) joins the low-latency rounds as "base".
+libs="nvidia epflow"
+if [ -e .device-pack/base/libnccl_ep.so ]; then
+    mkdir -p /tmp/epflow-base
+    ln -sf "$PWD/.device-pack/base/libnccl_ep.so" /tmp/epflow-base/libnccl_ep.so.0
+    libs="nvidia base epflow"
+fi
 export CUDA_HOME=/usr/local/cuda NCCL_HOME=$P NCCL_NVLS_ENABLE=0
 base=$P/lib:$P/mpi/lib:/usr/local/cuda/extras/CUPTI/lib64:/usr/local/cuda/lib64
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1
@@ -32,6 +42,7 @@ run() {
     shift 3
     if [ "$ver" = v2 ]; then bin=$P/v2/bin/ep_bench home=$P/v2 pre=$P/v2/lib:; fi
     [ "$lib" = epflow ] && pre=/tmp/epflow-abi:
+    [ "$lib" = base ] && pre=/tmp/epflow-base:
     if [ -n "${ONLY:-}" ] && ! [[ $name =~ $ONLY ]]; then return 0; fi
     local log=$O/$name-$lib-$ver.log
     NCCL_EP_HOME=$home LD_LIBRARY_PATH=$pre$base timeout "${RUN_TIMEOUT:-150}" \
@@ -39,7 +50,7 @@ run() {
     echo "$name $lib $ver: rc=$? $(grep -ciE 'passed' "$log") passed, $(grep -ciE 'fail|mismatch' "$log") fail lines"
 }
 for rep in $(seq "${REPS:-2}"); do
-    for lib in nvidia epflow; do
+    for lib in $libs; do
         run "ll-rm-128-$rep" $lib v1 --algorithm ll --layout rm --tokens 128 --iters 300 --validate
         run "ll-em-128-$rep" $lib v1 --algorithm ll --layout em --tokens 128 --iters 300 --validate
     done
