@@ -164,6 +164,10 @@ pub(crate) struct CompileArgs {
     /// Target architecture [default: the first GPU's, else sm_90].
     #[arg(long)]
     pub arch: Option<String>,
+    /// Also write each module's CUBIN to this folder, as `<module>-<arch>.cubin` (for
+    /// `cuobjdump --dump-resource-usage`: registers, spills and shared memory per kernel).
+    #[arg(long, value_name = "DIR")]
+    pub cubin_dir: Option<std::path::PathBuf>,
 }
 
 /// Which algorithm to benchmark.

@@ -48,12 +48,21 @@ pub(crate) fn main(args: &CompileArgs) -> ExitCode {
             .source_from(overrides.as_deref())
             .and_then(|src| nvrtc::compile_uncached(m.name, &src, &nvrtc::options(&arch, &include)));
         match compiled {
-            Ok(cubin) => println!(
-                "compiled {files} for {arch}: {} B CUBIN, kernels {:?} ({} ms)",
-                cubin.len(),
-                m.kernels,
-                t.elapsed().as_millis()
-            ),
+            Ok(cubin) => {
+                println!(
+                    "compiled {files} for {arch}: {} B CUBIN, kernels {:?} ({} ms)",
+                    cubin.len(),
+                    m.kernels,
+                    t.elapsed().as_millis()
+                );
+                if let Some(dir) = &args.cubin_dir {
+                    let path = dir.join(format!("{}-{arch}.cubin", m.name));
+                    if let Err(e) = std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&path, &cubin)) {
+                        eprintln!("FAILED to write {}: {e}", path.display());
+                        failed = true;
+                    }
+                }
+            }
             Err(e) => {
                 eprintln!("FAILED {files} for {arch}: {e}");
                 failed = true;
