@@ -25,6 +25,9 @@ pub(crate) struct Functions {
     pub dispatch_one: CudaFunction,
     /// Low-latency dispatch in one launch, sent as tagged messages (`LlParams::sends_tagged`).
     pub dispatch_one_tagged: CudaFunction,
+    /// A forwarded dispatch's kernels (`LlParams::fwd_token_bytes`): send half, complete half,
+    /// one launch, one launch sent as tagged messages.
+    pub dispatch_fwd: ForwardedDispatch,
     /// Low-latency combine in one launch.
     pub combine_one: CudaFunction,
     /// Low-latency combine in one launch, for tagged rows.
@@ -70,6 +73,15 @@ pub(crate) struct Functions {
     pub nccl_ht_reduce: CudaFunction,
 }
 
+/// The kernels of a forwarded low-latency dispatch (`ll.cu`'s `_fwd` kernels).
+#[derive(Debug, Clone)]
+pub(crate) struct ForwardedDispatch {
+    pub send: CudaFunction,
+    pub recv: CudaFunction,
+    pub one: CudaFunction,
+    pub one_tagged: CudaFunction,
+}
+
 /// `"sm_90"` for a 9.0 device.
 pub fn device_arch(ctx: &CudaContext) -> Result<String, Error> {
     let (major, minor) = ctx.compute_capability().map_err(|e| cuda("query compute capability", e))?;
@@ -110,6 +122,15 @@ impl Functions {
             combine_recv_tagged: f(&ll, LlKernel::CombineRecv.tagged_function_name().unwrap_or_default())?,
             dispatch_one: f(&ll, LlKernel::DispatchOne.function_name())?,
             dispatch_one_tagged: f(&ll, LlKernel::DispatchOne.tagged_function_name().unwrap_or_default())?,
+            dispatch_fwd: {
+                let fwd = |k: LlKernel, form| f(&ll, k.forwarded_function_name(form).unwrap_or_default());
+                ForwardedDispatch {
+                    send: fwd(LlKernel::DispatchSend, Form::Plain)?,
+                    recv: fwd(LlKernel::DispatchRecv, Form::Plain)?,
+                    one: fwd(LlKernel::DispatchOne, Form::Plain)?,
+                    one_tagged: fwd(LlKernel::DispatchOne, Form::Tagged)?,
+                }
+            },
             combine_one: f(&ll, LlKernel::CombineOne.function_name())?,
             combine_one_tagged: f(&ll, LlKernel::CombineOne.tagged_function_name().unwrap_or_default())?,
             graph_rebase: f(&ll, "ep_graph_rebase")?,
@@ -146,10 +167,12 @@ impl Functions {
 impl Functions {
     /// Every one-launch low-latency kernel with its form (which sets its block size:
     /// `ll::geometry::one_launch_threads`).
-    pub(crate) fn one_launch(&self) -> [(&CudaFunction, Form); 4] {
+    pub(crate) fn one_launch(&self) -> [(&CudaFunction, Form); 6] {
         [
             (&self.dispatch_one, Form::Plain),
             (&self.dispatch_one_tagged, Form::Tagged),
+            (&self.dispatch_fwd.one, Form::Plain),
+            (&self.dispatch_fwd.one_tagged, Form::Tagged),
             (&self.combine_one, Form::Plain),
             (&self.combine_one_tagged, Form::Tagged),
         ]

@@ -61,6 +61,19 @@ impl LlKernel {
         }
     }
 
+    /// The `extern "C"` name of its variant for forwarded dispatches
+    /// ([`LlParams::fwd_token_bytes`] set), in form `form`: the dispatch kernels only (a
+    /// forwarded row travels in the BF16 message; the combine is the same).
+    pub(crate) fn forwarded_function_name(self, form: Form) -> Option<&'static str> {
+        match (self, form) {
+            (LlKernel::DispatchSend, _) => Some("ep_ll_dispatch_send_fwd"),
+            (LlKernel::DispatchRecv, _) => Some("ep_ll_dispatch_recv_fwd"),
+            (LlKernel::DispatchOne, Form::Plain) => Some("ep_ll_dispatch_kernel_fwd"),
+            (LlKernel::DispatchOne, Form::Tagged) => Some("ep_ll_dispatch_kernel_tagged_fwd"),
+            _ => None,
+        }
+    }
+
     /// Which of its compiled forms runs `p`'s operation.
     pub(crate) fn form(self, p: &LlParams) -> Form {
         match self {

@@ -13,29 +13,46 @@
 // have 128 registers: at 512 threads and 64 they spilled (the dispatch ~200 bytes on the
 // receive's path, the combine 20). The plain ones keep 512 threads (in 256 their receives take
 // twice the rounds).
-extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(LlParams p) {
+// FWD: the kernels of a forwarded dispatch (`LlParams::fwd_token_bytes`; the `_fwd` names),
+// compiled apart so that the BF16 and FP8 kernels carry none of its branches (inlined in them,
+// the one-launch dispatch's stack grew from 112 to 128 bytes and its time by 1-2 us).
+template <bool FWD>
+__device__ __forceinline__ void dispatch_send_half(const LlParams& p) {
     trace_at(p, 0, 0);
     const OpNum n = op_num(p, 0);
-    if (!n.dead) dispatch_send<SEND_ANY>(p, n);
+    if (!n.dead) dispatch_send<SEND_ANY, FWD>(p, n);
     trace_at(p, 0, 1);
 }
-extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p) {
+template <bool FWD>
+__device__ __forceinline__ void dispatch_recv_half(const LlParams& p) {
     const OpNum n = op_num(p, 0);
-    if (!n.dead) dispatch_recv<false>(p, n);
+    if (!n.dead) dispatch_recv<FWD, false>(p, n);
 }
+extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(LlParams p) { dispatch_send_half<false>(p); }
+extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv(LlParams p) { dispatch_recv_half<false>(p); }
+extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send_fwd(LlParams p) { dispatch_send_half<true>(p); }
+extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_recv_fwd(LlParams p) { dispatch_recv_half<true>(p); }
 // TAGGED: this rank sends tagged messages (`LlParams::sends_tagged`, the host's mirror of
 // `sends_tagged`): `ep_ll_dispatch_kernel_tagged`.
-template <bool TAGGED>
+template <bool TAGGED, bool FWD>
 __device__ __forceinline__ void dispatch_one(const LlParams& p) {
     const OpNum n = op_num(p, 0);
     if (n.dead) return;
     trace_at(p, 0, 0);
-    dispatch_send<TAGGED ? SEND_TAGGED : SEND_PLAIN>(p, n);
+    dispatch_send<TAGGED ? SEND_TAGGED : SEND_PLAIN, FWD>(p, n);
     trace_at(p, 0, 1);
-    dispatch_recv<!TAGGED, TAGGED>(p, n);
+    dispatch_recv<FWD, !TAGGED, TAGGED>(p, n);
 }
-extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_dispatch_kernel(LlParams p) { dispatch_one<false>(p); }
-extern "C" __global__ void __launch_bounds__(256, 2) ep_ll_dispatch_kernel_tagged(LlParams p) { dispatch_one<true>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_dispatch_kernel(LlParams p) { dispatch_one<false, false>(p); }
+extern "C" __global__ void __launch_bounds__(256, 2) ep_ll_dispatch_kernel_tagged(LlParams p) {
+    dispatch_one<true, false>(p);
+}
+extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_dispatch_kernel_fwd(LlParams p) {
+    dispatch_one<false, true>(p);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) ep_ll_dispatch_kernel_tagged_fwd(LlParams p) {
+    dispatch_one<true, true>(p);
+}
 // The combine send is held to two blocks per SM (64 registers for sm_90 with NVRTC 13.0.88, 12 B
 // of spill stores and 24 of loads; with `__launch_bounds__(512)` alone ptxas also takes 64, with
 // more spills), so a send block leaves room on its SM for another operation's receive.

@@ -324,6 +324,8 @@ __device__ __forceinline__ bool forwarded_untag(const LlParams& p, const char* p
 // plain bytes) of source s = slot / M's tagged message for token t = slot % M into output row
 // `out_row`, and with part 0 the rank-major weights and local experts and the FP8 scales, each
 // word once its tags match. False when one never came (reported: its source stopped mid-send).
+// FWD: a forwarded dispatch's (`forwarded_untag`).
+template <bool FWD>
 __device__ __forceinline__ bool copy_tagged_piece(const LlParams& p, const OpNum& n, int slot, size_t out_row, int part,
                                                   size_t piece, int lane, u64 deadline) {
     const u32 tag = op_tag(n.seq);
@@ -347,8 +349,7 @@ __device__ __forceinline__ bool copy_tagged_piece(const LlParams& p, const OpNum
     uint2 s0 = make_uint2(0u, 0u), s1 = s0;
     if (scales && lane < cols) s0 = ld_tagged_pair(payload + 2 * (H + 4 * lane));
     if (scales && lane + 32 < cols) s1 = ld_tagged_pair(payload + 2 * (H + 4 * (lane + 32)));
-    bool ok = p.fwd_token_bytes
-                  ? forwarded_untag(p, payload, out_row, part * piece, piece, lane, tag, deadline)
+    bool ok = FWD ? forwarded_untag(p, payload, out_row, part * piece, piece, lane, tag, deadline)
                   : warp_copy_untag(reinterpret_cast<char*>(p.out) + out_row * payload_bytes + part * piece,
                                     payload + 2 * part * piece, piece, lane, tag, deadline);
     if (head) {
@@ -380,7 +381,8 @@ __device__ __forceinline__ bool copy_tagged_piece(const LlParams& p, const OpNum
 // Piece `part` (of `piece` bytes) of the plain message `msg`'s payload into output row `out_row`;
 // with part 0 also the rank-major weights and local experts and the FP8 scales, loaded before
 // the payload's copy and stored after it, so their latency overlaps the copy's instead of
-// adding to it. A warp's call (all lanes).
+// adding to it. A warp's call (all lanes). FWD: a forwarded dispatch's (`forwarded_out`).
+template <bool FWD>
 __device__ __forceinline__ void copy_plain_piece(const LlParams& p, const char* msg, size_t out_row, int part,
                                                  size_t piece, int lane) {
     const int K = p.top_k, H = p.hidden;
@@ -401,7 +403,7 @@ __device__ __forceinline__ void copy_plain_piece(const LlParams& p, const char* 
         if (lane < cols) s0 = __ldcg(ssrc + lane);
         if (lane + 32 < cols) s1 = __ldcg(ssrc + lane + 32);
     }
-    if (p.fwd_token_bytes) {
+    if (FWD) {
         forwarded_out(p, payload, out_row, part * piece, piece, lane);
     } else {
         warp_copy_n<4>(reinterpret_cast<char*>(p.out) + out_row * payload_bytes + part * piece, payload + part * piece,
@@ -423,8 +425,8 @@ __device__ __forceinline__ void copy_plain_piece(const LlParams& p, const char* 
 // tagged messages (`tagged_tokens[s]` >= 0): their headers and payloads are read from the tagged
 // area as their tags say they came; `skip`: the sources whose data is not taken; `compact`: per
 // source, its compacted rank-major messages (slot i is output row i: no header is read before
-// the copies), or -1.
-template <bool TAGGED>
+// the copies), or -1. FWD: a forwarded dispatch's.
+template <bool TAGGED, bool FWD>
 __device__ __forceinline__ void dispatch_recv_tasks(const LlParams& p, const OpNum& n, u32 skip,
                                                     const int* tagged_tokens, const int* compact, u64 tag_deadline,
                                                     int* warp_sums, int* entry_slot) {
@@ -490,10 +492,10 @@ __device__ __forceinline__ void dispatch_recv_tasks(const LlParams& p, const OpN
             const int slot = packed ? first_slot + row : entry_slot[e];
             const size_t out_row = group_base + row;
             if (TAGGED && tagged_tokens[slot / M] >= 0) {
-                copy_tagged_piece(p, n, slot, out_row, part, piece, lane, tag_deadline);
+                copy_tagged_piece<FWD>(p, n, slot, out_row, part, piece, lane, tag_deadline);
                 continue;
             }
-            copy_plain_piece(p, recv + (size_t)slot * p.msg_bytes, out_row, part, piece, lane);
+            copy_plain_piece<FWD>(p, recv + (size_t)slot * p.msg_bytes, out_row, part, piece, lane);
         }
         base += chunk_total;
         __syncthreads();
@@ -684,8 +686,9 @@ __device__ void land_tagged(const LlParams& p, const OpNum& n, u32 skip, const i
 // then `<false>` runs, so that kernel carries no tagged task loop (with it, inlined or called,
 // expert-major 128-token dispatches took 2-4 us longer; with `land_tagged` 1-2 us, benches/NOTES.md
 // item 75). TAGGED_ONLY (the tagged one-launch kernel, whose rank sends at a few tokens): only
-// `<true>`, which takes plain sources too, so that kernel carries one task loop, not two.
-template <bool LAND, bool TAGGED_ONLY = false>
+// `<true>`, which takes plain sources too, so that kernel carries one task loop, not two. FWD: a
+// forwarded dispatch's kernels (`LlParams::fwd_token_bytes`).
+template <bool FWD, bool LAND, bool TAGGED_ONLY = false>
 __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n) {
     __shared__ u32 cancelled, mismatched, absent;
     __shared__ int timed_out;
@@ -712,9 +715,9 @@ __device__ __forceinline__ void dispatch_recv(const LlParams& p, const OpNum& n)
     for (int s = 0; s < p.num_ranks; s++) any_tagged |= tagged_tokens[s] >= 0 && !((skip >> s) & 1u);
     if (any_tagged && LAND) land_tagged(p, n, skip, tagged_tokens, tag_deadline);
     if (TAGGED_ONLY || (any_tagged && !LAND)) {
-        dispatch_recv_tasks<true>(p, n, skip, tagged_tokens, compact, tag_deadline, warp_sums, entry_slot);
+        dispatch_recv_tasks<true, FWD>(p, n, skip, tagged_tokens, compact, tag_deadline, warp_sums, entry_slot);
     } else {
-        dispatch_recv_tasks<false>(p, n, skip, tagged_tokens, compact, tag_deadline, warp_sums, entry_slot);
+        dispatch_recv_tasks<false, FWD>(p, n, skip, tagged_tokens, compact, tag_deadline, warp_sums, entry_slot);
     }
     trace_at(p, 0, 3);
     finish_receive(p, n, 0, cancelled, mismatched, absent, gridDim.x);

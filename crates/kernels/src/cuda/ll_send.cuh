@@ -147,13 +147,14 @@ __device__ __forceinline__ void forwarded_payload(const LlParams& p, char* paylo
 
 // Writes piece [c_begin, c_begin + width) of token t's row `row` into a dispatch message's
 // payload at `payload`: BF16, or FP8 with its scales, or a forwarded row's bytes
-// [2 c_begin, 2 (c_begin + width)). TAGGED: as pairs carrying `tag` (`payload` is the tagged
-// payload, twice the plain bytes at twice the offsets).
-template <bool TAGGED>
+// [2 c_begin, 2 (c_begin + width)) (FWD: the kernels of forwarded dispatches, compiled apart so
+// that the others' registers are the same as without them). TAGGED: as pairs carrying `tag`
+// (`payload` is the tagged payload, twice the plain bytes at twice the offsets).
+template <bool TAGGED, bool FWD>
 __device__ __forceinline__ void dispatch_payload(const LlParams& p, char* payload, int t, const __nv_bfloat16* row,
                                                  int c_begin, int width, int lane, u32 tag) {
     const int H = p.hidden, c_end = c_begin + width;
-    if (p.fwd_token_bytes) {
+    if (FWD) {
         forwarded_payload<TAGGED>(p, payload, t, 2 * (size_t)c_begin, 2 * (size_t)c_end, lane, tag);
         return;
     }
@@ -233,6 +234,7 @@ __device__ __forceinline__ void dispatch_payload(const LlParams& p, char* payloa
 // of its tagged area (`t`, or compacted its place among the tokens routed there): the header
 // with piece 0, the payload piece if the token is `routed` there (lane k < K holds entry k's
 // local expert there, `le`).
+template <bool FWD>
 __device__ __forceinline__ void send_tagged_item(const LlParams& p, const OpNum& n, int dest, int t, int slot,
                                                  int chunk, int le, bool routed, int lane) {
     const int K = p.top_k, H = p.hidden, width = H / p.chunks;
@@ -245,7 +247,7 @@ __device__ __forceinline__ void send_tagged_item(const LlParams& p, const OpNum&
     }
     if (routed) {
         const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(p.x);
-        dispatch_payload<true>(p, msg + 2 * EP_HDR_BYTES, t, x + (size_t)t * H, chunk * width, width, lane, tag);
+        dispatch_payload<true, FWD>(p, msg + 2 * EP_HDR_BYTES, t, x + (size_t)t * H, chunk * width, width, lane, tag);
     }
 }
 
@@ -260,11 +262,12 @@ __device__ __forceinline__ void send_tagged_item(const LlParams& p, const OpNum&
 // header), and the arrival word carries their number.
 // SEND: which form the kernel sends in (`SEND_ANY`: as `sends_tagged` says; the one-launch
 // kernels are compiled for one form each, picked by the host's mirror `LlParams::sends_tagged`:
-// with both sends inlined, the plain one-launch kernel spilled 170 B instead of 20).
+// with both sends inlined, the plain one-launch kernel spilled 170 B instead of 20). FWD: a
+// forwarded dispatch's kernels (`LlParams::fwd_token_bytes`).
 #define SEND_ANY 0
 #define SEND_PLAIN 1
 #define SEND_TAGGED 2
-template <int SEND>
+template <int SEND, bool FWD>
 __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n) {
     SendRole role;
     if (!send_role(p, n, 0, (long long)p.num_tokens * p.chunks, &role)) return;
@@ -303,7 +306,7 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
             const int le = (lane < K && e >= 0 && (int)e / L == dest) ? (int)e % L : -1;
             const bool routed = __ballot_sync(EP_FULL_MASK, le >= 0) != 0u;
             if (tagged) {
-                if (routed || !compact) send_tagged_item(p, n, dest, t, slot, chunk, le, routed, lane);
+                if (routed || !compact) send_tagged_item<FWD>(p, n, dest, t, slot, chunk, le, routed, lane);
                 continue;
             }
             if (!routed) continue;
@@ -320,7 +323,7 @@ __device__ __forceinline__ void dispatch_send(const LlParams& p, const OpNum& n)
                     *reinterpret_cast<int*>(msg + 12) = wants_tagged(p) ? 1 : 0;
                 }
             }
-            dispatch_payload<false>(p, msg + EP_HDR_BYTES, t, x + (size_t)t * H, chunk * width, width, lane, 0u);
+            dispatch_payload<false, FWD>(p, msg + EP_HDR_BYTES, t, x + (size_t)t * H, chunk * width, width, lane, 0u);
         }
     }
     if (!tagged) signal_sent(p, n, 0, dest, role.reporting, lane, announced);

@@ -78,7 +78,12 @@ pub(crate) fn launch_ll_kernel_as(
     let sms = s.config.max_sms.map_or(s.num_sms, |m| (m as u32).min(s.num_sms)).max(1);
     let geometry = ll_launch(which, &mut p, sms);
     let f = &s.functions;
+    let fwd = p.fwd_token_bytes != 0;
     let k = match (which, which.form(&p)) {
+        (LlKernel::DispatchSend, _) if fwd => &f.dispatch_fwd.send,
+        (LlKernel::DispatchRecv, _) if fwd => &f.dispatch_fwd.recv,
+        (LlKernel::DispatchOne, Form::Tagged) if fwd => &f.dispatch_fwd.one_tagged,
+        (LlKernel::DispatchOne, Form::Plain) if fwd => &f.dispatch_fwd.one,
         (LlKernel::DispatchSend, _) => &f.dispatch_send,
         (LlKernel::DispatchRecv, _) => &f.dispatch_recv,
         (LlKernel::CombineSend, _) => &f.combine_send,

@@ -264,6 +264,15 @@ mod tests {
         for k in [LlKernel::DispatchOne, LlKernel::CombineRecv, LlKernel::CombineOne] {
             assert!(crate::compile::sources::LL.kernels.contains(&k.tagged_function_name().unwrap()), "{k:?}");
         }
+        // The dispatch kernels have forwarded forms in the module, in both forms; the combine none.
+        for k in LlKernel::ALL {
+            for form in [Form::Plain, Form::Tagged] {
+                match k.forwarded_function_name(form) {
+                    Some(name) => assert!(crate::compile::sources::LL.kernels.contains(&name), "{k:?} {form:?}"),
+                    None => assert!(k.is_combine(), "{k:?} has no forwarded form"),
+                }
+            }
+        }
     }
 
     #[test]
