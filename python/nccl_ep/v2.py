@@ -7,10 +7,11 @@ names, for code written against that header::
 
 epflow's ``libnccl_ep.so`` reads every struct of API version 1, NCCL 2.31's 104-byte group config
 and API version 2 up to its ``size`` (the fields a size does not cover are zero). It implements
-the dispatch recipes ``DS_FP8E3M4`` and ``FWD`` in low-latency groups, GLOBAL expert ids and
-int32 ``topk_idx``; the v2 features it does not implement (the NVFP4 combine,
-``NCCL_EP_OVERFLOW_DROP``, zero copy, ``FWD`` and ``DS_FP8E3M4`` in high-throughput groups) return
-``ncclInvalidUsage`` with a log line naming the field.
+the dispatch recipes ``DS_FP8E3M4`` and ``FWD`` and the ``NVFP4`` combine in low-latency groups
+(on Hopper too: epflow's NVFP4 conversions are its own), GLOBAL expert ids and int32
+``topk_idx``; the v2 features it does not implement (``NCCL_EP_OVERFLOW_DROP``, zero copy, the
+quantized recipes in high-throughput groups) return ``ncclInvalidUsage`` with a log line naming
+the field.
 """
 
 from .constants import *  # noqa: F401,F403  (the enums are the same in both versions)

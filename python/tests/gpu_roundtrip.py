@@ -103,6 +103,42 @@ def ds_fp8_scale(block_bits):
     return f32(amax / 448.0)
 
 
+# NVFP4 on the host (epflow_core::nvfp4, every step an fp32 operation)
+
+E4M3_CODES = [(c, e4m3_val(c)) for c in range(0x7F)]
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def e4m3_rn(x):
+    """A non-negative fp32 -> the nearest e4m3 value (ties to the even code), saturating at 448."""
+    return min(E4M3_CODES, key=lambda cv: (abs(cv[1] - x), cv[0] & 1))[1]
+
+
+def e2m1_rn(y):
+    """fp32 -> the nearest E2M1 value (ties to the even code), saturating at 6, the sign kept."""
+    a = abs(y)
+    m = 0 if a <= 0.25 else 1 if a < 0.75 else 2 if a <= 1.25 else 3 if a < 1.75 else 4 if a <= 2.5 else 5 if a < 3.5 else 6 if a <= 5.0 else 7
+    return -E2M1[m] if y < 0 else E2M1[m]
+
+
+def nvfp4_global_scale(row_bits):
+    amax = max(abs(bf16_val(b)) for b in row_bits)
+    return 0.0 if amax == 0 else f32(2688.0 / amax)
+
+
+def nvfp4_round_trip(row_bits, g):
+    """What an NVFP4 combine's receiver sums for a row of BF16 bits under global scale ``g``."""
+    out = []
+    for c0 in range(0, len(row_bits), 16):
+        x = [bf16_val(b) for b in row_bits[c0:c0 + 16]]
+        amax = max(abs(v) for v in x)
+        s = e4m3_rn(f32(f32(amax / 6.0) * g))
+        enc = 0.0 if s == 0 else f32(g / s)
+        dec = 0.0 if s == 0 or g == 0 else f32(s / g)
+        out.extend(f32(e2m1_rn(f32(v * enc)) * dec) for v in x)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # The CUDA driver API through ctypes
 
@@ -361,9 +397,11 @@ def check_fp8_rows(p, chk, e, counts, recv, scales, combine_in, deq_of):
         combine_in[base:base + H] = array.array("H", p.expert(e, deq_bits))
 
 
-def low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged, idx32=False, fp8=False, allocator=None):
+def low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged, idx32=False, fp8=False, allocator=None, nvfp4=False):
     """``allocator``: a :class:`CountingAllocator` the group's config gives as ``alloc_fn`` /
-    ``free_fn``; checked to serve the group's scratch and the handle's memory."""
+    ``free_fn``; checked to serve the group's scratch and the handle's memory. ``nvfp4``: the
+    combine travels as NVFP4 (API v2's ``NCCL_EP_COMB_QUANT_NVFP4``, ``inputs.scales`` each
+    row's ``2688 / amax``), checked against the same quantization on the host."""
     E, M, H, K = p.E, p.M, p.H, p.K
     L, R = E, 1
     cfg = nccl_ep.ncclEpGroupConfig_t(
@@ -426,20 +464,42 @@ def low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged, idx32=Fals
                         combine_in[base + j * H: base + (j + 1) * H] = array.array("H", p.expert(e, r))
             y_in_d = cuda.upload(combine_in)
             out_d = cuda.alloc(p.B * H * 2)
-            cin = nccl_ep.ncclEpCombineInputs_t(tokens=desc(y_in_d, ncclBfloat16, (L, R * M, H)))
+            if nvfp4:
+                rows_in = [combine_in[r * H:(r + 1) * H] for r in range(L * R * M)]
+                g = array.array("f", [nvfp4_global_scale(r) for r in rows_in])
+                # Each token's rows as the receiver sums them, by (expert, input row bits).
+                seen = {(r // (R * M), tuple(rows_in[r])): nvfp4_round_trip(rows_in[r], g[r]) for r in range(L * R * M) if any(rows_in[r])}
+                g_d = cuda.upload(g)
+                cin = nccl_ep.ncclEpCombineInputs_v2_t(
+                    tokens=desc(y_in_d, ncclBfloat16, (L, R * M, H)), scales=desc(g_d, ncclFloat32, (L, R * M, 1))
+                )
+                ccfg = nccl_ep.ncclEpCombineConfig_v2_t(send_only=int(staged), quant_recipe=nccl_ep.NCCL_EP_COMB_QUANT_NVFP4)
+            else:
+                cin = nccl_ep.ncclEpCombineInputs_t(tokens=desc(y_in_d, ncclBfloat16, (L, R * M, H)))
+                ccfg = nccl_ep.ncclEpCombineConfig_t(send_only=int(staged))
             cout = nccl_ep.ncclEpCombineOutputs_t(
                 tokens=desc(out_d, ncclBfloat16, (p.B, H)), topk_weights=desc(w_d, ncclFloat32, (p.B, K))
             )
-            ccfg = nccl_ep.ncclEpCombineConfig_t(send_only=int(staged))
             lib.ncclEpCombine(handle, cin, cout, ccfg, stream)
             if staged:
                 lib.ncclEpComplete(handle, None, stream)
             cuda.sync(stream)
             out = cuda.download(out_d, "H", p.B * H)
+            changed = 0
             for t in range(p.B):
                 # FP8: the experts saw the dequantized rows, so the reference combines those.
                 want = p.weighted(t, deq_of.get(t)) if fp8 else p.weighted(t)
+                if nvfp4:
+                    exact = want
+                    want = [0.0] * H
+                    for k, e in enumerate(p.idx[t]):
+                        if e >= 0:
+                            y = seen[(e, tuple(p.expert(e, p.x[t])))]
+                            want = [f32(a + p.w[t][k] * v) for a, v in zip(want, y)]
+                    changed += sum(1 for a, b in zip(want, exact) if abs(a - b) > 1e-2 + 1e-2 * abs(b))
                 chk.close(out[t * H:(t + 1) * H], want, "LL expert-major combine, token %d" % t)
+            if nvfp4:
+                chk.expect(changed > 0, "NVFP4: no value differs from the BF16 combine's (was it quantized?)")
         finally:
             lib.ncclEpHandleDestroy(handle)
     finally:
@@ -841,6 +901,14 @@ def main():
         (
             "LL expert-major, FWD fp4x2 + uint8, send_only (API v2)",
             lambda p: low_latency_forwarded(lib, comm, cuda, stream, p, chk, staged=True, fp4=True),
+        ),
+        (
+            "LL expert-major, NVFP4 combine (API v2)",
+            lambda p: low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged=False, nvfp4=True),
+        ),
+        (
+            "LL expert-major, NVFP4 combine, send_only (API v2)",
+            lambda p: low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged=True, nvfp4=True),
         ),
         ("LL expert-major, alloc_fn / free_fn", lambda p: low_latency_with_allocator(lib, comm, cuda, stream, p, chk)),
         ("LL rank-major", lambda p: low_latency_rank_major(lib, comm, cuda, stream, p, chk)),

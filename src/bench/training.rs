@@ -72,7 +72,7 @@ where
     let grads = r.upload(&sc.tokens(rank))?;
     let (fwd_d, fwd_c) = (DispatchOptions::default(), CombineOptions::default());
     let bwd_d = DispatchOptions { pass: Pass::Backward, ..DispatchOptions::default() };
-    let bwd_c = CombineOptions { pass: Pass::Backward };
+    let bwd_c = CombineOptions { pass: Pass::Backward, ..Default::default() };
     let (mut handle_times, mut times) = ([RankTimes::default(), RankTimes::default()], <[RankTimes; 3]>::default());
     for i in 0..plan.warmup + plan.iters {
         r.barrier();
@@ -144,7 +144,7 @@ where
     };
     let hopts = HandleOptions::default().with_recv_rows(RecvRows::Bound);
     let bwd_d = DispatchOptions { pass: Pass::Backward, ..DispatchOptions::default() };
-    let bwd_c = CombineOptions { pass: Pass::Backward };
+    let bwd_c = CombineOptions { pass: Pass::Backward, ..Default::default() };
     let (mut times, mut device, mut handle_device) = (RankTimes::default(), RankTimes::default(), RankTimes::default());
     for i in 0..plan.warmup + plan.iters {
         r.barrier();

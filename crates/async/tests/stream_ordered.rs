@@ -355,7 +355,7 @@ fn high_throughput_training_step_in_stream_order() {
             let bwd = DispatchOptions { pass: Pass::Backward, ..DispatchOptions::default() };
             let (gd, gdd) = g.dispatch_with(&h, DispatchInputs::new(&x), &bwd).complete_on(&HostStream).await.unwrap();
             let wg = HostTensor::topk_weights(rows, 4, vec![0.25; rows * 4]);
-            let copts = CombineOptions { pass: Pass::Backward };
+            let copts = CombineOptions { pass: Pass::Backward, ..Default::default() };
             let (_gy, gyd) = g
                 .combine_with(&h, CombineInputs::new(gd.tokens()).with_weights(&wg), &copts)
                 .complete_on(&HostStream)

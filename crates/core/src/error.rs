@@ -293,6 +293,15 @@ pub enum ValidationError {
         /// Why the group cannot carry it.
         why: &'static str,
     },
+    /// A combine quantization ([`crate::ops::CombineOptions::quant`]) the group or the
+    /// operation cannot carry.
+    #[error("combine quant {asked}: {why}")]
+    UnsupportedCombineQuant {
+        /// The quantization asked for (`nvfp4`).
+        asked: &'static str,
+        /// Why it cannot be carried.
+        why: &'static str,
+    },
     /// An operation or option the group's algorithm does not support.
     #[error("{what} is not supported by the {algorithm} algorithm")]
     UnsupportedForAlgorithm {

@@ -16,6 +16,8 @@
 //! - [`validate`]: checks of every operation's inputs and outputs against the operation tables.
 //! - [`routing`]: validated `topk_idx`, expert placement, send plans and receive layouts.
 //! - [`fp8`]: FP8 e4m3 conversion and per-128-channel quantization.
+//! - [`nvfp4`]: NVFP4 (FP4 E2M1 with E4M3 block scales and a global scale), the low-latency
+//!   combine's quantized transport.
 //! - [`reference`](mod@reference): the CPU reference semantics of every operation, for a whole world at once.
 //! - [`protocol`]: the buffer-set / signal / credit protocol every backend follows, and slots.
 //! - [`stamp`]: what the ranks of a collective must agree on (top-k, pass, handle or dispatch).
@@ -44,6 +46,7 @@ pub mod graph;
 pub mod handle;
 pub mod host;
 pub mod mask;
+pub mod nvfp4;
 pub mod ops;
 pub mod protocol;
 pub mod reference;
@@ -57,7 +60,7 @@ pub mod verify;
 pub mod workload;
 
 pub use config::{Algorithm, DispatchDtype, GroupConfig, MaxTokens};
-pub use dtype::DType;
+pub use dtype::{CombineQuant, DType};
 pub use error::{ConfigError, Error, RejoinRefusal, Result, ValidationError};
 pub use half::bf16;
 pub use tensor::{HostData, HostTensor, TensorDesc, TensorTag};

@@ -14,7 +14,7 @@
 //!
 //! `topk_idx` is not an argument of dispatch: the handle holds it.
 
-use crate::dtype::DispatchDtype;
+use crate::dtype::{CombineQuant, DispatchDtype};
 use crate::tensor::{HostTensor, TensorDesc};
 
 /// Forward or backward pass (high-throughput only; low-latency is forward only).
@@ -218,6 +218,11 @@ pub struct CombineInputs<'a, T: ?Sized = HostTensor> {
     /// LL expert-major: the top-k weights `[B x K]` to apply; HT backward: weight gradients
     /// `[N x K]`; none otherwise.
     pub topk_weights: Option<&'a T>,
+    /// With [`CombineQuant::Nvfp4`]: each expert output row's fp32 global scale, the tokens'
+    /// shape with a last dimension of 1 (`[L x R*M x 1]` LL expert-major, `[R*M x 1]` LL
+    /// rank-major); `2688 / amax(|row|)`, 0 for an all-zero row ([`crate::nvfp4::global_scale`]).
+    /// None otherwise.
+    pub global_scales: Option<&'a T>,
 }
 
 impl<T: ?Sized> Clone for CombineInputs<'_, T> {
@@ -230,12 +235,18 @@ impl<T: ?Sized> Copy for CombineInputs<'_, T> {}
 impl<'a, T: ?Sized> CombineInputs<'a, T> {
     /// Expert outputs only (high-throughput forward).
     pub fn new(tokens: &'a T) -> Self {
-        CombineInputs { tokens, topk_weights: None }
+        CombineInputs { tokens, topk_weights: None, global_scales: None }
     }
 
     /// Adds top-k weights.
     pub fn with_weights(mut self, topk_weights: &'a T) -> Self {
         self.topk_weights = Some(topk_weights);
+        self
+    }
+
+    /// Adds the rows' NVFP4 global scales ([`CombineInputs::global_scales`]).
+    pub fn with_global_scales(mut self, global_scales: &'a T) -> Self {
+        self.global_scales = Some(global_scales);
         self
     }
 }
@@ -245,6 +256,8 @@ impl<'a, T: ?Sized> CombineInputs<'a, T> {
 pub struct CombineOptions {
     /// Forward or backward.
     pub pass: Pass,
+    /// How the expert outputs travel: BF16 (the default) or NVFP4 (low-latency forward only).
+    pub quant: CombineQuant,
 }
 
 /// The outputs of dispatch, as descriptors or tensors.

@@ -180,6 +180,56 @@ impl Scenario {
         })
     }
 
+    /// Reference low-latency combine of the combine inputs `expert_out` (each rank's, in
+    /// `layout`'s shape: `[L x R*M x H]` expert-major, `[R*M x H]` rank-major) travelling as
+    /// `quant` says: BF16 rows as they are, or NVFP4 rows under the global scales
+    /// [`nvfp4_global_scales`] gives ([`crate::nvfp4::round_trip`]), weighted with each rank's
+    /// weights (expert-major) or summed (rank-major). `bound`: instead, each token's bound on
+    /// the NVFP4 error, `sum |w_k| x` [`crate::nvfp4::element_error_bound`] (rank-major: the
+    /// rows' bounds summed), before the output's BF16 rounding.
+    pub fn ll_combine_reference_of(
+        &self,
+        layout: Layout,
+        expert_out: &[HostTensor],
+        quant: crate::dtype::CombineQuant,
+        bound: bool,
+    ) -> Result<Vec<Vec<bf16>>, ValidationError> {
+        let routings = self.routings()?;
+        let (h, m) = (self.config.hidden, self.config.fixed_max_tokens().unwrap_or(0));
+        let nvfp4 = quant == crate::dtype::CombineQuant::Nvfp4;
+        // Row `r` of rank d's combine input as the receiver sums it.
+        let row = |d: usize, r: usize, out: &mut [f32]| {
+            let x = &expert_out[d].as_bf16().unwrap_or_default()[r * h..(r + 1) * h];
+            let g = crate::nvfp4::global_scale(x);
+            match (nvfp4, bound) {
+                (_, true) => crate::nvfp4::element_error_bound(x, g, out),
+                (true, false) => crate::nvfp4::round_trip(x, g, out),
+                (false, false) => out.iter_mut().zip(x).for_each(|(o, v)| *o = v.to_f32()),
+            }
+        };
+        Ok(match layout {
+            Layout::ExpertMajor => {
+                let dispatch = self.ll_dispatch_reference()?;
+                let layouts: Vec<_> = dispatch.into_iter().map(|d| d.layout).collect();
+                let rows_per_expert = self.num_ranks * m;
+                let abs: Vec<Vec<f32>> = self
+                    .ranks
+                    .iter()
+                    .map(|r| r.weights.iter().map(|w| if bound { w.abs() } else { *w }).collect())
+                    .collect();
+                let weights: Vec<&[f32]> = abs.iter().map(Vec::as_slice).collect();
+                let expert_row = |d: usize, le: usize, i: usize, out: &mut [f32]| row(d, le * rows_per_expert + i, out);
+                reference::ll_combine(&self.config, &routings, &layouts, &expert_row, &weights)
+            }
+            Layout::RankMajor => {
+                let dispatch = self.ll_rank_major_reference()?;
+                let layouts: Vec<_> = dispatch.into_iter().map(|d| d.layout).collect();
+                let rank_row = |d: usize, s: usize, i: usize, out: &mut [f32]| row(d, s * m + i, out);
+                reference::ll_combine_rank_major(&self.config, &routings, &layouts, &rank_row)
+            }
+        })
+    }
+
     /// The scenario a group with `masked` ranks serves ([`crate::mask`]): the masked ranks
     /// send nothing (every entry of theirs is `-1`), and every entry naming an expert on a
     /// masked rank is `-1`. Its references are what the survivors must produce.
@@ -253,6 +303,20 @@ pub fn identity_rows(rows: &reference::Rows, hidden: usize) -> Vec<bf16> {
         out.extend(buf.iter().map(|&v| bf16::from_f32(v)));
     }
     out
+}
+
+/// The NVFP4 global scales of a combine input `expert_out` (`[.. x H]` BF16): one fp32 per row,
+/// [`crate::nvfp4::global_scale`], in the input's shape with a last dimension of 1.
+pub fn nvfp4_global_scales(expert_out: &HostTensor) -> HostTensor {
+    let shape = &expert_out.desc().shape;
+    let h = shape.last().copied().unwrap_or(1).max(1);
+    let x = expert_out.as_bf16().unwrap_or_default();
+    let g: Vec<f32> = x.chunks_exact(h).map(crate::nvfp4::global_scale).collect();
+    let mut gshape = shape.clone();
+    if let Some(last) = gshape.last_mut() {
+        *last = 1;
+    }
+    HostTensor::new(crate::TensorTag::Scales, &gshape, crate::tensor::HostData::F32(g))
 }
 
 /// Identity experts for low-latency combine: a dense `[L x rows_per_expert x H]` BF16 tensor

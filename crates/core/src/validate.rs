@@ -4,7 +4,7 @@
 //! dimension, storage size), so one bad argument always yields the same error variant.
 
 use crate::config::{Algorithm, GroupConfig, MaxTokens};
-use crate::dtype::{DType, DispatchDtype};
+use crate::dtype::{CombineQuant, DType, DispatchDtype};
 use crate::error::ValidationError;
 use crate::handle::RoutingHandle;
 use crate::ops::{
@@ -299,6 +299,9 @@ pub enum ValidCombine<'a, T: ?Sized> {
         expert_out: &'a T,
         /// Top-k weights (expert-major only).
         weights: Option<&'a T>,
+        /// NVFP4 combine ([`CombineQuant::Nvfp4`]): the rows' global scales, the tokens'
+        /// shape with a last dimension of 1.
+        global_scales: Option<&'a T>,
     },
     /// High-throughput forward: pre-weighted expert outputs `[N x H]`.
     Forward {
@@ -340,9 +343,17 @@ impl<'a, T: ?Sized> ValidCombine<'a, T> {
         }
     }
 
+    /// The NVFP4 global scales of a low-latency combine that travels as NVFP4.
+    pub fn global_scales(&self) -> Option<&'a T> {
+        match *self {
+            ValidCombine::LowLatency { global_scales, .. } => global_scales,
+            _ => None,
+        }
+    }
+
     /// Every input tensor (what the operation reads).
     pub fn tensors(&self) -> Vec<&'a T> {
-        [Some(self.tokens()), self.weights()].into_iter().flatten().collect()
+        [Some(self.tokens()), self.weights(), self.global_scales()].into_iter().flatten().collect()
     }
 }
 
@@ -619,6 +630,58 @@ pub fn validate_dispatch_outputs<T: TensorView>(
     )
 }
 
+/// The global scales of an NVFP4 combine, checked: given exactly when
+/// [`CombineQuant::Nvfp4`] is asked, fp32 in the tokens' shape with a last dimension of 1;
+/// NVFP4 only for a low-latency forward combine with `hidden` a multiple of 16.
+fn check_combine_quant<'a, T: TensorView + ?Sized>(
+    ctx: &OpContext<'_>,
+    opts: &CombineOptions,
+    inputs: &CombineInputs<'a, T>,
+) -> Result<Option<&'a T>, ValidationError> {
+    const SCALES: &str = "combine input global_scales";
+    match opts.quant {
+        CombineQuant::None => match inputs.global_scales {
+            Some(_) => Err(ValidationError::UnexpectedTensor {
+                tensor: SCALES,
+                why: "global scales go with an NVFP4 combine (CombineOptions::quant = Nvfp4) only",
+            }),
+            None => Ok(None),
+        },
+        CombineQuant::Nvfp4 => {
+            let why = match (ctx.config.algorithm, opts.pass) {
+                (Algorithm::HighThroughput, _) => {
+                    Some("a low-latency combine's transport (high-throughput combines are BF16)")
+                }
+                (_, Pass::Backward) => Some("the forward combine's transport only"),
+                _ if ctx.config.hidden % crate::nvfp4::BLOCK != 0 => {
+                    Some("hidden must be a multiple of 16 (one E4M3 block scale per 16 channels)")
+                }
+                _ => None,
+            };
+            if let Some(why) = why {
+                return Err(ValidationError::UnsupportedCombineQuant { asked: "nvfp4", why });
+            }
+            let g = inputs.global_scales.ok_or(ValidationError::MissingTensor {
+                tensor: SCALES,
+                why: "an NVFP4 combine needs each expert output row's fp32 global scale (2688 / amax, 0 for a zero row)",
+            })?;
+            let rows = (ctx.ll_rows(), "ranks * max_tokens");
+            if ctx.layout == Layout::RankMajor {
+                check_tensor(SCALES, g, TensorTag::Scales, DType::F32, &[rows, (1, "1")])?;
+            } else {
+                check_tensor(
+                    SCALES,
+                    g,
+                    TensorTag::Scales,
+                    DType::F32,
+                    &[(ctx.local_experts(), "local experts"), rows, (1, "1")],
+                )?;
+            }
+            Ok(Some(g))
+        }
+    }
+}
+
 /// Checks the inputs of combine; returns them as a [`ValidCombine`].
 pub fn validate_combine_inputs<'a, T: TensorView + ?Sized>(
     ctx: &OpContext<'_>,
@@ -628,6 +691,7 @@ pub fn validate_combine_inputs<'a, T: TensorView + ?Sized>(
     let h = ctx.config.hidden;
     const TOKENS: &str = "combine input tokens";
     const WEIGHTS: &str = "combine input topk_weights";
+    let global_scales = check_combine_quant(ctx, opts, inputs)?;
     match (ctx.config.algorithm, opts.pass) {
         (Algorithm::LowLatency, Pass::Backward) => {
             Err(ValidationError::UnsupportedForAlgorithm { what: "the backward pass", algorithm: ctx.algorithm_name() })
@@ -641,7 +705,7 @@ pub fn validate_combine_inputs<'a, T: TensorView + ?Sized>(
                     why: "rank-major combine sums rows the expert side already weighted (dispatch sent it the weights)",
                 });
             }
-            Ok(ValidCombine::LowLatency { expert_out: inputs.tokens, weights: None })
+            Ok(ValidCombine::LowLatency { expert_out: inputs.tokens, weights: None, global_scales })
         }
         (Algorithm::LowLatency, Pass::Forward) => {
             let (l, rows) = (ctx.local_experts(), ctx.ll_rows());
@@ -664,7 +728,7 @@ pub fn validate_combine_inputs<'a, T: TensorView + ?Sized>(
                 (ctx.num_tokens, "topk_idx"),
                 (ctx.top_k, "top_k"),
             )?;
-            Ok(ValidCombine::LowLatency { expert_out: inputs.tokens, weights: Some(w) })
+            Ok(ValidCombine::LowLatency { expert_out: inputs.tokens, weights: Some(w), global_scales })
         }
         (Algorithm::HighThroughput, pass) => {
             let n = ctx.num_recv;

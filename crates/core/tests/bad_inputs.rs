@@ -478,7 +478,8 @@ fn cases() -> Vec<Case> {
             Box::new(|| {
                 let (rank, h) = ht_handle(ht(DispatchDtype::Bf16));
                 let x = tokens(h.num_recv_tokens().unwrap(), H);
-                rank.combine(&h, CombineInputs::new(&x), &CombineOptions { pass: Pass::Backward }).unwrap_err()
+                rank.combine(&h, CombineInputs::new(&x), &CombineOptions { pass: Pass::Backward, ..Default::default() })
+                    .unwrap_err()
             }),
             |e| matches!(e, V(VE::MissingTensor { tensor: "combine input topk_weights", .. })),
             "weight gradients",

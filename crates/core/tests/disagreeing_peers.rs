@@ -182,7 +182,7 @@ fn high_throughput_combine_needs_a_dispatch() {
         let err = rank.combine(&h, CombineInputs::new(&y), &CombineOptions::default()).unwrap_err();
         assert_eq!(err, Error::Validation(ValidationError::CombineBeforeDispatch));
         // The peer's combine saw this rank's cancellation at once; so for a backward one.
-        let bwd = CombineOptions { pass: Pass::Backward };
+        let bwd = CombineOptions { pass: Pass::Backward, ..Default::default() };
         let gw = HostTensor::topk_weights(n, 2, vec![0.0; n * 2]);
         let err = rank.combine(&h, CombineInputs::new(&y).with_weights(&gw), &bwd).unwrap_err();
         assert_eq!(err, Error::Validation(ValidationError::CombineBeforeDispatch));

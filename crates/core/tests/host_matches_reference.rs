@@ -252,7 +252,7 @@ fn ht_round(rank: &HostRank, sc: &Scenario, recv_rows: RecvRows) -> Vec<(String,
     let wg: Vec<Vec<f32>> = refs.iter().map(|d| d.topk_weights.iter().map(|v| v * 2.0 + 0.25).collect()).collect();
     let wg_t = HostTensor::topk_weights(rows, TOP_K, padded(wg[r].clone(), rows, TOP_K));
     let wrefs: Vec<&[f32]> = wg.iter().map(Vec::as_slice).collect();
-    let copts = CombineOptions { pass: Pass::Backward };
+    let copts = CombineOptions { pass: Pass::Backward, ..Default::default() };
 
     // NCCL EP's cached mode: a backward combine right after the forward pair, with no backward
     // dispatch (a high-throughput combine pairs with the handle's rows, of either pass).
@@ -407,7 +407,7 @@ fn stream_ordered_training_steps_with_fresh_routing() {
                 let bopts = DispatchOptions { pass: Pass::Backward, ..Default::default() };
                 let (gd, gds) = blocking_dispatch_on(rank, &handle, DispatchInputs::new(&x), &bopts, &s).unwrap();
                 let wg_t = HostTensor::topk_weights(rows, TOP_K, padded(wg[r].clone(), rows, TOP_K));
-                let copts = CombineOptions { pass: Pass::Backward };
+                let copts = CombineOptions { pass: Pass::Backward, ..Default::default() };
                 let (gy, gys) =
                     blocking_combine_on(rank, &handle, CombineInputs::new(gd.tokens()).with_weights(&wg_t), &copts, &s)
                         .unwrap();

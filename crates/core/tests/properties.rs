@@ -97,7 +97,7 @@ proptest! {
             let back = rank.combine(
                 &handle,
                 CombineInputs::new(bwd.tokens()).with_weights(fwd.topk_weights().unwrap()),
-                &CombineOptions { pass: Pass::Backward },
+                &CombineOptions { pass: Pass::Backward, ..Default::default() },
             ).unwrap();
             (same_rows, back.tokens().as_bf16().unwrap().to_vec(), back.topk_weights().unwrap().as_f32().unwrap().to_vec())
         }).unwrap();

@@ -201,12 +201,18 @@ pub(crate) struct LlParams {
     /// A forwarded dispatch ([`epflow_core::DispatchDtype::Forwarded`], `fp8` 0): the caller's
     /// scale rows `[B x fwd_scale_bytes]` (the tokens are `x`, rows of `fwd_token_bytes`); both
     /// travel unchanged as the first `fwd_token_bytes + fwd_scale_bytes` bytes of the BF16
-    /// message payload and land in `out` and `out_scales`. 0 otherwise.
+    /// message payload and land in `out` and `out_scales`. An NVFP4 combine (`nvfp4` 1): each
+    /// expert output row's fp32 global scale. 0 otherwise.
     pub x_scales: u64,
     /// A forwarded dispatch: bytes of a token's payload row (a multiple of 16), else 0.
     pub fwd_token_bytes: i32,
     /// A forwarded dispatch: bytes of a token's scale row (a multiple of 16), else 0.
     pub fwd_scale_bytes: i32,
+    /// 1: a combine that travels as NVFP4 ([`epflow_core::dtype::CombineQuant::Nvfp4`]; the
+    /// `_nvfp4` kernels; its rows are never tagged), else 0.
+    pub nvfp4: i32,
+    /// Padding (the struct is 8-byte aligned).
+    pub pad_nvfp4: i32,
 }
 
 /// `struct MaskParams` of `ll.cu` (`ep_mask_spread`, `ep_mask_rejoin`).
@@ -241,7 +247,7 @@ impl LlParams {
     /// `tag_tokens` tokens; expert-major: at most `tag_tokens * R` rows of `K` per token (the
     /// tagged area's rows). Mirrors `wants_tagged` in `ll_tagged.cuh` field for field: the two must agree.
     pub(crate) fn tagged_rows(&self) -> bool {
-        if self.nccl_mask != 0 || self.tag_tokens <= 0 {
+        if self.nccl_mask != 0 || self.tag_tokens <= 0 || self.nvfp4 != 0 {
             return false;
         }
         if self.rank_major != 0 {
@@ -537,10 +543,11 @@ mod tests {
 
     #[test]
     fn layout_matches_the_cuda_struct() {
-        assert_eq!(size_of::<LlParams>(), 528);
+        assert_eq!(size_of::<LlParams>(), 536);
         assert_eq!(offset_of!(LlParams, x_scales), 512);
         assert_eq!(offset_of!(LlParams, fwd_token_bytes), 520);
         assert_eq!(offset_of!(LlParams, fwd_scale_bytes), 524);
+        assert_eq!(offset_of!(LlParams, nvfp4), 528);
         assert_eq!(offset_of!(LlParams, send_slot), 472);
         assert_eq!(offset_of!(LlParams, send_rows), 480);
         assert_eq!(offset_of!(LlParams, trace), 456);

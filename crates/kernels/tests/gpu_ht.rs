@@ -168,7 +168,7 @@ fn round(
 
     // NCCL EP's cached mode: a backward combine of the same rows right after the forward pair,
     // with no backward dispatch in between.
-    let copts = CombineOptions { pass: Pass::Backward };
+    let copts = CombineOptions { pass: Pass::Backward, ..Default::default() };
     let cy = blocking_combine(rank, &h, CombineInputs::new(&experts).with_weights(&wg), &copts, false)?.to_host()?;
     let (want_x, want_w) = &refs.cached_combine[r];
     reports.push(check_bf16(
@@ -474,7 +474,7 @@ fn ht_pull_and_ring_combine_in_one_group() {
                 let n = refs.fwd[r].layout.num_rows();
                 let wg = rank.upload(&HostTensor::topk_weights(n, sc.top_k, refs.weight_grads[r].clone()))?;
                 let wg = if caller_mem { as_caller_memory(&wg) } else { wg.clone() };
-                let copts = CombineOptions { pass: Pass::Backward };
+                let copts = CombineOptions { pass: Pass::Backward, ..Default::default() };
                 let cy = blocking_combine(rank, &h, CombineInputs::new(&experts).with_weights(&wg), &copts, false)?;
                 check_backward_combine(&mut reports, &refs.cached_combine[r], &cy.to_host()?);
                 Ok(reports.into_iter().map(|rep| rep.context(&format!("rank {r}"))).collect())
@@ -688,7 +688,7 @@ fn stream_step(rank: &GpuRank, sc: &Scenario, refs: &Refs, stream: &Arc<CudaStre
     };
     let bwd = DispatchOptions { pass: Pass::Backward, ..DispatchOptions::default() };
     let (gd, gds) = blocking_dispatch_on(rank, &h, DispatchInputs::new(&g), &bwd, stream)?;
-    let copts = CombineOptions { pass: Pass::Backward };
+    let copts = CombineOptions { pass: Pass::Backward, ..Default::default() };
     let (gy, gys) = blocking_combine_on(rank, &h, CombineInputs::new(gd.tokens()).with_weights(&wg), &copts, stream)?;
     if let Some(c) = created {
         c.settle()?;

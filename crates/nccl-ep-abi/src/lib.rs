@@ -56,16 +56,16 @@
 //!
 //! Low-latency, expert-major and rank-major layouts, `send_only` + `ncclEpComplete`, the
 //! active mask (`enable_mask`, NVLink peers); high-throughput, flat layout, forward and
-//! backward, and expert-major (forward; `expert_major.rs`, built on the flat layout, not yet run
-//! on a GPU); an int64 or (API v2) int32 `topk_idx`; API v2's local or GLOBAL received expert
+//! backward, and expert-major (forward; `expert_major.rs`, built on the flat layout); an int64 or (API v2) int32 `topk_idx`; API v2's local or GLOBAL received expert
 //! ids (`recv_topk_idx_kind`; `ids.rs` rewrites them after the receive). The caller's
 //! `ncclComm_t` bootstraps the group (one process per GPU; ranks on one host share memory over
 //! NVLink, other hosts go through NCCL). Operations run on the caller's stream and write the
 //! caller's tensors. API v2's DS_FP8E3M4 recipe is epflow's low-latency FP8 dispatch, per call;
 //! its FWD recipe (rows the caller quantized, `forwarded.rs`) travels as bytes in low-latency
-//! groups. Refused with `ncclInvalidUsage` and a log line: FWD and DS_FP8E3M4 in high-throughput
-//! groups, the NVFP4 combine, the expert-major backward pass, NCCL window tensors, CUDA graph
-//! capture.
+//! groups; its NVFP4 combine (`inputs.scales` each row's global scale) is epflow's
+//! (`epflow_core::nvfp4`, conversions of its own, so Hopper runs it too). Refused with
+//! `ncclInvalidUsage` and a log line: FWD, DS_FP8E3M4 and NVFP4 in high-throughput groups, the
+//! expert-major backward pass, NCCL window tensors, CUDA graph capture.
 
 #![warn(missing_docs)]
 

@@ -14,7 +14,7 @@ use epflow_core::config::FP8_BLOCK;
 use epflow_core::handle::RoutingHandle;
 use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, Layout, Pass};
 use epflow_core::protocol::Channel;
-use epflow_core::{Algorithm, DType, DispatchDtype, Error, TensorDesc, TensorTag};
+use epflow_core::{Algorithm, CombineQuant, DType, DispatchDtype, Error, TensorDesc, TensorTag};
 use epflow_kernels::device::host_steps::Steps;
 use epflow_kernels::{DeviceTensor, GpuHandle, GpuOp, OutputTargets};
 use nccl_ep_sys as ep;
@@ -476,18 +476,34 @@ pub(crate) unsafe fn combine(
             check::api_struct(config, "config")?.unwrap_or_default(),
         )
     };
-    inputs.check_v2_fields()?;
-    cfg.check_v2_fields()?;
-    let (inputs, cfg) = (inputs.v1, cfg.v1);
+    let quant = cfg.check_v2_fields()?;
+    let (scales, inputs, cfg) = (inputs.scales, inputs.v1, cfg.v1);
     // SAFETY: as above, for the tensor descriptors the structs point to.
-    let (x, w_in, out, out_w) = unsafe {
+    let (x, w_in, out, out_w, scales) = unsafe {
         (
             check::required_tensor(inputs.tokens, "inputs.tokens")?,
             check::tensor(inputs.topk_weights, "inputs.topk_weights")?,
             check::required_tensor(outputs.tokens, "outputs.tokens")?,
             check::tensor(outputs.topk_weights, "outputs.topk_weights")?,
+            check::tensor(scales, "inputs.scales")?,
         )
     };
+    match (quant, &scales) {
+        (CombineQuant::Nvfp4, None) => {
+            return Err(Fail::arg(
+                "NCCL_EP_COMB_QUANT_NVFP4 needs inputs.scales: each expert output row's FP32 global scale (2688 / amax, 0 for a zero row)",
+            ));
+        }
+        (CombineQuant::None, Some(_)) => {
+            return Err(Fail::arg("inputs.scales: only config.quant_recipe NCCL_EP_COMB_QUANT_NVFP4 takes scales"));
+        }
+        (CombineQuant::Nvfp4, Some(_)) if g.shape.algorithm != Algorithm::LowLatency => {
+            return Err(Fail::usage(
+                "config.quant_recipe NCCL_EP_COMB_QUANT_NVFP4 is a low-latency combine's (high-throughput combines travel in BF16)",
+            ));
+        }
+        _ => {}
+    }
     let mut timer = begin(g, h, stream, Channel::Combine)?;
     let gh = h.gpu()?;
     let pass = pass_of(cfg.pass_direction)?;
@@ -495,7 +511,7 @@ pub(crate) unsafe fn combine(
     let (b, k, hd) = (gh.num_tokens(), gh.top_k(), s.hidden);
     rows_of(&out, "outputs.tokens", ep::NCCL_BFLOAT16, b, hd, false)?;
     let mut targets = OutputTargets { tokens: out.ptr, ..Default::default() };
-    let opts = CombineOptions { pass };
+    let opts = CombineOptions { pass, quant };
     let f32s = |t: &Tensor, rows| device(g, t, TensorDesc::contiguous(TensorTag::TopkWeights, DType::F32, &[rows, k]));
     // SAFETY: the caller's live stream (contract).
     let st = unsafe { g.stream(stream) };
@@ -526,9 +542,25 @@ pub(crate) unsafe fn combine(
                 };
                 (device(g, &x, desc), w)
             };
+            // NVFP4: one FP32 global scale per expert output row, the tokens' shape with a last
+            // dimension of 1 (NCCL EP's contract).
+            let global = match &scales {
+                Some(sc) => {
+                    sc.expect_type("inputs.scales", ep::NCCL_FLOAT32)?;
+                    let mut sizes =
+                        if h.layout == Layout::RankMajor { vec![rows] } else { vec![s.local_experts, rows] };
+                    sizes.push(1);
+                    sc.expect_sizes("inputs.scales", &sizes)?;
+                    Some(device(g, sc, TensorDesc::contiguous(TensorTag::Scales, DType::F32, &sizes)))
+                }
+                None => None,
+            };
             let mut cin = CombineInputs::new(&tokens);
             if let Some(w) = &weights {
                 cin = cin.with_weights(w);
+            }
+            if let Some(gs) = &global {
+                cin = cin.with_global_scales(gs);
             }
             g.make_room(Channel::Combine)?;
             timer.next();

@@ -12,6 +12,8 @@ use std::ffi::{c_int, c_uint};
 
 use nccl_ep_sys as ep;
 
+use epflow_core::CombineQuant;
+
 use crate::status::{Fail, Res};
 
 /// `ncclEpZeroCopyMode_t`: the library decides.
@@ -170,17 +172,6 @@ impl LayoutInfo {
     }
 }
 
-impl CombineInputs {
-    /// Refuses `scales` (quantized combine inputs are not implemented).
-    pub(crate) fn check_v2_fields(&self) -> Res<()> {
-        if self.scales.is_null() {
-            Ok(())
-        } else {
-            Err(Fail::usage("inputs.scales: quantized combine inputs are not implemented by epflow's NCCL EP library"))
-        }
-    }
-}
-
 /// What a dispatch's `quant_recipe` asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum DispatchQuant {
@@ -205,13 +196,11 @@ impl DispatchConfig {
 }
 
 impl CombineConfig {
-    /// Refuses every `quant_recipe` but NONE.
-    pub(crate) fn check_v2_fields(&self) -> Res<()> {
+    /// The recipe asked for: NONE, or NVFP4 (epflow's NVFP4 combine, `epflow_core::nvfp4`).
+    pub(crate) fn check_v2_fields(&self) -> Res<CombineQuant> {
         match self.quant_recipe {
-            QUANT_NONE => Ok(()),
-            COMB_QUANT_NVFP4 => Err(Fail::usage(
-                "config.quant_recipe is NCCL_EP_COMB_QUANT_NVFP4: not implemented by epflow's NCCL EP library (use NCCL_EP_COMB_QUANT_NONE)",
-            )),
+            QUANT_NONE => Ok(CombineQuant::None),
+            COMB_QUANT_NVFP4 => Ok(CombineQuant::Nvfp4),
             q => Err(Fail::arg(format!("config.quant_recipe is {q}, not an ncclEpCombQuant_t"))),
         }
     }
@@ -256,11 +245,6 @@ mod tests {
         assert_eq!(bad.code, ep::NCCL_INVALID_ARGUMENT);
         assert!(bad.message.contains("layout_info.recv_topk_idx_kind"), "{}", bad.message);
 
-        let cin = CombineInputs { v1: ep::NcclEpCombineInputs::default(), scales: std::ptr::null_mut() };
-        assert_eq!(cin.check_v2_fields(), Ok(()));
-        let scaled = CombineInputs { scales: 0x1000 as *mut ep::NcclEpTensor, ..cin };
-        assert!(usage(scaled.check_v2_fields()).contains("inputs.scales"));
-
         assert_eq!(DispatchConfig::default().check_v2_fields(), Ok(DispatchQuant::None));
         let ds = DispatchConfig { quant_recipe: DISP_QUANT_DS_FP8E3M4, ..Default::default() };
         assert_eq!(ds.check_v2_fields(), Ok(DispatchQuant::DsFp8));
@@ -270,8 +254,10 @@ mod tests {
             DispatchConfig { quant_recipe: 3, ..Default::default() }.check_v2_fields().unwrap_err().code,
             ep::NCCL_INVALID_ARGUMENT
         );
-        assert_eq!(CombineConfig::default().check_v2_fields(), Ok(()));
-        let m = usage(CombineConfig { quant_recipe: 1, ..Default::default() }.check_v2_fields());
-        assert!(m.contains("NCCL_EP_COMB_QUANT_NVFP4"), "{m}");
+        assert_eq!(CombineConfig::default().check_v2_fields(), Ok(CombineQuant::None));
+        let nvfp4 = CombineConfig { quant_recipe: COMB_QUANT_NVFP4, ..Default::default() };
+        assert_eq!(nvfp4.check_v2_fields(), Ok(CombineQuant::Nvfp4));
+        let bad = CombineConfig { quant_recipe: 2, ..Default::default() }.check_v2_fields().unwrap_err();
+        assert_eq!(bad.code, ep::NCCL_INVALID_ARGUMENT);
     }
 }

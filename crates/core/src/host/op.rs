@@ -12,6 +12,7 @@ use super::outputs::{Buffers, HostCombineOutput, HostDispatchOutput, Recycle};
 use super::{HostStream, HostWorldShared};
 use crate::backend::{OpId, OpOutput, OpState, PendingOp, StreamOrder};
 use crate::config::{Algorithm, DispatchDtype};
+use crate::dtype::CombineQuant;
 use crate::error::{Error, Result};
 use crate::fp8;
 use crate::handle::HandleCore;
@@ -336,7 +337,7 @@ impl HostOp {
                         *slot = Some((src, row as usize));
                     }
                 }
-                let mut acc = vec![0f32; h];
+                let (mut acc, mut x) = (vec![0f32; h], vec![0f32; h]);
                 let local = self.world.config.local_experts(self.world.num_ranks);
                 for t in 0..b {
                     acc.iter_mut().for_each(|a| *a = 0.0);
@@ -359,11 +360,23 @@ impl HostOp {
                             return Err(self.internal(format!("no expert output for token {t}, slot {k}")));
                         };
                         let w = if rank_major { 1.0 } else { weights[t * k_n + k] };
-                        let Some(x) = payloads[s].bf16.get(row * h..(row + 1) * h) else {
-                            return Err(self.internal(format!("rank {s} staged no row {row}")));
-                        };
-                        for (a, x) in acc.iter_mut().zip(x) {
-                            *a = w.mul_add(x.to_f32(), *a);
+                        if opts.quant == CombineQuant::Nvfp4 {
+                            let n = super::rank::nvfp4_bytes(h);
+                            let (Some(bytes), Some(&g)) =
+                                (payloads[s].fp8.get(row * n..(row + 1) * n), payloads[s].scales.get(row))
+                            else {
+                                return Err(self.internal(format!("rank {s} staged no NVFP4 row {row}")));
+                            };
+                            let (codes, scales) = bytes.split_at(h / 2);
+                            crate::nvfp4::dequantize_row(codes, scales, g, &mut x);
+                        } else {
+                            let Some(row) = payloads[s].bf16.get(row * h..(row + 1) * h) else {
+                                return Err(self.internal(format!("rank {s} staged no row {row}")));
+                            };
+                            x.iter_mut().zip(row).for_each(|(x, v)| *x = v.to_f32());
+                        }
+                        for (a, x) in acc.iter_mut().zip(&x) {
+                            *a = w.mul_add(*x, *a);
                         }
                     }
                     for (o, a) in out[t * h..(t + 1) * h].iter_mut().zip(&acc) {

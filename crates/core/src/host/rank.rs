@@ -19,6 +19,7 @@ use crate::backend::{
     send_blocking,
 };
 use crate::config::{Algorithm, GroupConfig};
+use crate::dtype::CombineQuant;
 use crate::error::{ConfigError, Error, Result, ValidationError};
 use crate::handle::{HandleCore, RoutingHandle};
 use crate::mask::{MaskedRanks, RankSet};
@@ -348,11 +349,33 @@ impl HostRank {
         &self,
         handle: &HostHandle,
         inputs: &CombineInputs<'_>,
-        pass: Pass,
+        opts: &CombineOptions,
     ) -> Result<(Vec<Option<Message>>, Staging, Stamp)> {
+        let pass = opts.pass;
         let cfg = &self.world.config;
         let (h, r) = (cfg.hidden, self.world.num_ranks);
         let x: &[bf16] = inputs.tokens.as_bf16().unwrap_or_default();
+        // NVFP4: each staged row travels as its codes and block scales (`staged.fp8`, rows of
+        // `nvfp4_bytes`) with its global scale (`staged.scales`), as on the GPU's wire.
+        let nvfp4 = (opts.quant == CombineQuant::Nvfp4).then(|| inputs.global_scales.and_then(HostTensor::as_f32));
+        let stage_row = |staged: &mut Staging, off: usize| -> u32 {
+            let row = &x[off..off + h];
+            match nvfp4 {
+                Some(g) => {
+                    let g = g.and_then(|g| g.get(off / h.max(1))).copied().unwrap_or(0.0);
+                    let at = staged.fp8.len();
+                    staged.fp8.resize(at + nvfp4_bytes(h), 0);
+                    let (codes, scales) = staged.fp8[at..].split_at_mut(h / 2);
+                    crate::nvfp4::quantize_row(row, g, codes, scales);
+                    staged.scales.push(g);
+                    (staged.scales.len() - 1) as u32
+                }
+                None => {
+                    staged.bf16.extend_from_slice(row);
+                    (staged.bf16.len() / h.max(1) - 1) as u32
+                }
+            }
+        };
         let core = &handle.0.core;
         match cfg.algorithm {
             Algorithm::LowLatency if handle.layout() == Layout::RankMajor => {
@@ -363,10 +386,8 @@ impl HostRank {
                 let mut entries: Vec<Vec<(u32, u16, u32)>> = vec![Vec::new(); r];
                 for (s, entries) in entries.iter_mut().enumerate() {
                     for (i, src) in layout.rows(s).iter().enumerate() {
-                        let row = (staged.bf16.len() / h.max(1)) as u32;
+                        let row = stage_row(&mut staged, (s * m + i) * h);
                         entries.push((src.token, src.k, row));
-                        let off = (s * m + i) * h;
-                        staged.bf16.extend_from_slice(&x[off..off + h]);
                     }
                 }
                 let msgs =
@@ -381,10 +402,8 @@ impl HostRank {
                 let mut entries: Vec<Vec<(u32, u16, u32)>> = vec![Vec::new(); r];
                 for le in 0..layout.local_experts() {
                     for (i, src) in layout.rows(le).iter().enumerate() {
-                        let row = (staged.bf16.len() / h.max(1)) as u32;
+                        let row = stage_row(&mut staged, (le * rows_per_expert + i) * h);
                         entries[src.src_rank as usize].push((src.token, src.k, row));
-                        let off = (le * rows_per_expert + i) * h;
-                        staged.bf16.extend_from_slice(&x[off..off + h]);
                     }
                 }
                 let msgs =
@@ -442,7 +461,7 @@ impl HostRank {
         self.core.check_mask_epoch(&handle.0.core, || {
             crate::protocol::op_label(Channel::Combine, self.core.peek_seq(Channel::Combine))
         })?;
-        let (outgoing, staged, stamp) = self.combine_messages(handle, &inputs, opts.pass)?;
+        let (outgoing, staged, stamp) = self.combine_messages(handle, &inputs, opts)?;
         // Expert-major low-latency combine applies the weights on arrival; rank-major and
         // high-throughput combines sum pre-weighted rows (no weights).
         let weights = match self.world.config.algorithm {
@@ -542,4 +561,10 @@ impl Backend for HostRank {
     fn start_combine(&self, handle: &HostHandle, inputs: CombineInputs<'_>, opts: &CombineOptions) -> Result<HostOp> {
         self.collective(Channel::Combine, || self.prepare_combine(handle, inputs, opts))
     }
+}
+
+/// Bytes of a staged NVFP4 row of `hidden` channels: its codes, then its block scales (the
+/// global scale is staged apart).
+pub(super) const fn nvfp4_bytes(hidden: usize) -> usize {
+    hidden / 2 + hidden / crate::nvfp4::BLOCK
 }

@@ -28,6 +28,8 @@ pub(crate) struct Functions {
     /// A forwarded dispatch's kernels (`LlParams::fwd_token_bytes`): send half, complete half,
     /// one launch, one launch sent as tagged messages.
     pub dispatch_fwd: ForwardedDispatch,
+    /// An NVFP4 combine's kernels (`LlParams::nvfp4`).
+    pub combine_nvfp4: Nvfp4Combine,
     /// Low-latency combine in one launch.
     pub combine_one: CudaFunction,
     /// Low-latency combine in one launch, for tagged rows.
@@ -82,6 +84,14 @@ pub(crate) struct ForwardedDispatch {
     pub one_tagged: CudaFunction,
 }
 
+/// The kernels of an NVFP4 low-latency combine (`ll.cu`'s `_nvfp4` kernels).
+#[derive(Debug, Clone)]
+pub(crate) struct Nvfp4Combine {
+    pub send: CudaFunction,
+    pub recv: CudaFunction,
+    pub one: CudaFunction,
+}
+
 /// `"sm_90"` for a 9.0 device.
 pub fn device_arch(ctx: &CudaContext) -> Result<String, Error> {
     let (major, minor) = ctx.compute_capability().map_err(|e| cuda("query compute capability", e))?;
@@ -131,6 +141,14 @@ impl Functions {
                     one_tagged: fwd(LlKernel::DispatchOne, Form::Tagged)?,
                 }
             },
+            combine_nvfp4: {
+                let nv = |k: LlKernel| f(&ll, k.nvfp4_function_name().unwrap_or_default());
+                Nvfp4Combine {
+                    send: nv(LlKernel::CombineSend)?,
+                    recv: nv(LlKernel::CombineRecv)?,
+                    one: nv(LlKernel::CombineOne)?,
+                }
+            },
             combine_one: f(&ll, LlKernel::CombineOne.function_name())?,
             combine_one_tagged: f(&ll, LlKernel::CombineOne.tagged_function_name().unwrap_or_default())?,
             graph_rebase: f(&ll, "ep_graph_rebase")?,
@@ -167,7 +185,7 @@ impl Functions {
 impl Functions {
     /// Every one-launch low-latency kernel with its form (which sets its block size:
     /// `ll::geometry::one_launch_threads`).
-    pub(crate) fn one_launch(&self) -> [(&CudaFunction, Form); 6] {
+    pub(crate) fn one_launch(&self) -> [(&CudaFunction, Form); 7] {
         [
             (&self.dispatch_one, Form::Plain),
             (&self.dispatch_one_tagged, Form::Tagged),
@@ -175,6 +193,7 @@ impl Functions {
             (&self.dispatch_fwd.one_tagged, Form::Tagged),
             (&self.combine_one, Form::Plain),
             (&self.combine_one_tagged, Form::Tagged),
+            (&self.combine_nvfp4.one, Form::Plain),
         ]
     }
 

@@ -74,6 +74,17 @@ impl LlKernel {
         }
     }
 
+    /// The `extern "C"` name of its variant for NVFP4 combines ([`LlParams::nvfp4`] set): the
+    /// combine kernels only, plain (an NVFP4 combine's rows are never tagged).
+    pub(crate) fn nvfp4_function_name(self) -> Option<&'static str> {
+        match self {
+            LlKernel::CombineSend => Some("ep_ll_combine_send_nvfp4"),
+            LlKernel::CombineRecv => Some("ep_ll_combine_recv_nvfp4"),
+            LlKernel::CombineOne => Some("ep_ll_combine_kernel_nvfp4"),
+            _ => None,
+        }
+    }
+
     /// Which of its compiled forms runs `p`'s operation.
     pub(crate) fn form(self, p: &LlParams) -> Form {
         match self {

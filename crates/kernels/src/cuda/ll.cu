@@ -56,11 +56,22 @@ extern "C" __global__ void __launch_bounds__(256, 2) ep_ll_dispatch_kernel_tagge
 // The combine send is held to two blocks per SM (64 registers for sm_90 with NVRTC 13.0.88, 12 B
 // of spill stores and 24 of loads; with `__launch_bounds__(512)` alone ptxas also takes 64, with
 // more spills), so a send block leaves room on its SM for another operation's receive.
-extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_send(LlParams p) {
+template <bool NVFP4>
+__device__ __forceinline__ void combine_send_half(const LlParams& p) {
     trace_at(p, 1, 0);
     const OpNum n = op_num(p, 1);
-    if (!n.dead) combine_send(p, n);
+    if (!n.dead) combine_send<NVFP4>(p, n);
     trace_at(p, 1, 1);
+}
+extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_send(LlParams p) { combine_send_half<false>(p); }
+// NVFP4 (`LlParams::nvfp4`; the `_nvfp4` names): the combine that travels as NVFP4, compiled
+// apart as the forwarded dispatch is.
+extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_send_nvfp4(LlParams p) {
+    combine_send_half<true>(p);
+}
+extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv_nvfp4(LlParams p) {
+    const OpNum n = op_num(p, 1);
+    if (!n.dead) combine_recv<false, true>(p, n);
 }
 extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv(LlParams p) {
     const OpNum n = op_num(p, 1);
@@ -70,17 +81,20 @@ extern "C" __global__ void __launch_bounds__(256) ep_ll_combine_recv_tagged(LlPa
     const OpNum n = op_num(p, 1);
     if (!n.dead) combine_recv<true>(p, n);
 }
-template <bool TAGGED>
+template <bool TAGGED, bool NVFP4 = false>
 __device__ __forceinline__ void combine_one(const LlParams& p) {
     const OpNum n = op_num(p, 1);
     if (n.dead) return;
     trace_at(p, 1, 0);
-    combine_send(p, n);
+    combine_send<NVFP4>(p, n);
     trace_at(p, 1, 1);
-    combine_recv<TAGGED>(p, n);
+    combine_recv<TAGGED, NVFP4>(p, n);
 }
 extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_kernel(LlParams p) { combine_one<false>(p); }
 extern "C" __global__ void __launch_bounds__(256, 2) ep_ll_combine_kernel_tagged(LlParams p) { combine_one<true>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) ep_ll_combine_kernel_nvfp4(LlParams p) {
+    combine_one<false, true>(p);
+}
 
 // Captured steps (graph/ in epflow-kernels).
 //

@@ -102,11 +102,16 @@ struct LlParams {
     // fwd_token_bytes + fwd_scale_bytes bytes of the BF16 message payload (2 H bytes), and
     // written to out (rows of fwd_token_bytes) and out_scales (rows of fwd_scale_bytes).
     // 0: a BF16 or FP8 dispatch.
+    // A combine that travels as NVFP4 (epflow_core::nvfp4; `nvfp4` 1, its `_nvfp4` kernels):
+    // `x_scales` holds each expert output row's fp32 global scale, and each row goes back as
+    // [g: fp32, padded to 16 B][H / 2 bytes of E2M1 codes][H / 16 E4M3 block scales] at the
+    // start of its BF16 slot.
     u64 x_scales;
     int fwd_token_bytes, fwd_scale_bytes;
+    int nvfp4, pad_nvfp4;
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
-static_assert(sizeof(LlParams) == 528, "LlParams layout");
+static_assert(sizeof(LlParams) == 536, "LlParams layout");
 
 // The messages a compacted dispatch sends to `dest` (see `LlParams::send_rows`).
 __device__ __forceinline__ int announced_rows(const LlParams& p, int dest) {

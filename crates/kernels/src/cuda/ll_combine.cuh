@@ -1,4 +1,69 @@
-// epflow low-latency kernels, part 5 of 7 (after ll_receive.cuh): combine, send and receive.
+// epflow low-latency kernels, part 5 of 7 (after ll_receive.cuh): combine, send and receive, BF16
+// and NVFP4.
+
+// E2M1 code of `x` (epflow_core::nvfp4::f32_to_e2m1): nearest, ties to the even code,
+// saturating at 6 (NaN too), the sign kept.
+__device__ __forceinline__ u32 f32_to_e2m1(float x) {
+    const float a = fabsf(x);
+    const u32 m = a <= 0.25f ? 0u
+                  : a < 0.75f ? 1u
+                  : a <= 1.25f ? 2u
+                  : a < 1.75f ? 3u
+                  : a <= 2.5f ? 4u
+                  : a < 3.5f ? 5u
+                  : a <= 5.0f ? 6u
+                              : 7u;
+    return m | (signbit(x) ? 8u : 0u);
+}
+
+// The value of E2M1 code `c` (its low 4 bits), built from its bits: 0, 0.5, then
+// 2^(e - 1) (1 + m / 2) for codes 2..7 (e = code >> 1, m = code & 1).
+__device__ __forceinline__ float e2m1_to_f32(u32 c) {
+    const u32 m = c & 7u;
+    const u32 exp = m == 0u ? 0u : m == 1u ? 126u : 126u + (m >> 1);
+    const u32 mant = m >= 2u ? (m & 1u) << 22 : 0u;
+    return __uint_as_float(((c & 8u) << 28) | (exp << 23) | mant);
+}
+
+__device__ __forceinline__ float e4m3_to_f32(u32 byte) {
+    __nv_fp8_e4m3 v;
+    v.__x = (__nv_fp8_storage_t)byte;
+    return float(v);
+}
+
+// An NVFP4 combine's piece [c, c + width) of expert output row `row` (`src` its channel c) into
+// the row's slot `dst` (epflow_core::nvfp4 has the arithmetic, step by step): a lane per block of
+// 16 channels, its 8 bytes of codes and its block scale; piece 0's lane 0 also the row's global
+// scale. A warp's call.
+__device__ __forceinline__ void nvfp4_piece(const LlParams& p, char* dst, const __nv_bfloat16* src, int row, int c,
+                                            int width, int lane) {
+    const int H = p.hidden;
+    const float g = __ldg(reinterpret_cast<const float*>(p.x_scales) + row);
+    if (c == 0 && lane == 0) *reinterpret_cast<float4*>(dst) = make_float4(g, 0.f, 0.f, 0.f);
+    for (int b = lane; b < width / 16; b += 32) {
+        const int cb = c + 16 * b;
+        const int4 lo = ld_cg_int4(src + 16 * b), hi = ld_cg_int4(src + 16 * b + 8);
+        const __nv_bfloat16* v0 = reinterpret_cast<const __nv_bfloat16*>(&lo);
+        const __nv_bfloat16* v1 = reinterpret_cast<const __nv_bfloat16*>(&hi);
+        float x[16];
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            x[i] = __bfloat162float(v0[i]);
+            x[i + 8] = __bfloat162float(v1[i]);
+        }
+        float amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < 16; i++) amax = fmaxf(amax, fabsf(x[i]));
+        const u32 sf = (u32)__nv_cvt_float_to_fp8(__fmul_rn(__fdiv_rn(amax, 6.0f), g), __NV_SATFINITE, __NV_E4M3);
+        const float s = e4m3_to_f32(sf);
+        const float enc = s == 0.f ? 0.f : __fdiv_rn(g, s);
+        u32 w[2] = {0u, 0u};
+#pragma unroll
+        for (int i = 0; i < 16; i++) w[i / 8] |= f32_to_e2m1(__fmul_rn(x[i], enc)) << (4 * (i % 8));
+        *reinterpret_cast<uint2*>(dst + 16 + cb / 2) = make_uint2(w[0], w[1]);
+        dst[16 + H / 2 + cb / 16] = (char)sf;
+    }
+}
 
 // Combine send, on the expert side: every received (source s, token t, k) row of the expert
 // output goes back to s, at [t][k] of its receive region, split in `chunks` pieces. Warps are
@@ -14,6 +79,10 @@
 // d * M + j, and has its entry unless its header names no token below M, which only a broken
 // sender writes, or it is tagged and never came, which fails the operation), so no row map is
 // read (one dependent load less before each piece).
+// NVFP4 (the `_nvfp4` kernels, `LlParams::nvfp4`): rows go back quantized (`nvfp4_piece`),
+// always plain (a source that asked for tagged rows gets plain ones: the host launches its plain
+// NVFP4 receive); no NCCL peers (the host refuses them).
+template <bool NVFP4>
 __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) {
     const int C = p.chunks;
     const int d = send_dest(p);
@@ -26,7 +95,7 @@ __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) 
     const int j0 = send_j(p);
     const int raw_count = serves ? __ldcg(reinterpret_cast<const int*>(p.ret_count) + d) : 0;
     const int count = raw_count & ~EP_RET_TAGGED;
-    const bool tagged = (raw_count & EP_RET_TAGGED) != 0;
+    const bool tagged = !NVFP4 && (raw_count & EP_RET_TAGGED) != 0;
     const int i_first = serves && j0 / C < M * K ? __ldcg(list + j0 / C) : 0;
     // So does the credit's first look (lane 0 of every warp that serves a destination: the count
     // decides only after it whether the warp sends).
@@ -52,6 +121,10 @@ __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) 
             const int row = item == j ? row_first : rm ? dest * M + item / C : __ldcg(row_of + i);
             const int c = chunk * width;
             const __nv_bfloat16* src = ex + (size_t)row * H + c;
+            if constexpr (NVFP4) {
+                nvfp4_piece(p, region + (size_t)i * H * 2, src, row, c, width, lane);
+                continue;
+            }
             if (tagged) {
                 const int slot = p.rank_major ? i / K * p.num_ranks + p.rank : i;
                 char* dst = tagged_row(p, p.peer_recv[dest], n.set, slot) + (size_t)c * 4;
@@ -64,6 +137,61 @@ __device__ __forceinline__ void combine_send(const LlParams& p, const OpNum& n) 
         }
     }
     if (!early) signal_sent(p, n, 1, dest, role.reporting, lane);
+}
+
+// An NVFP4 combine's sum (see `combine_rows`, of which it is the counterpart): for each block of
+// 16 channels c = c0, c0 + step, ... < end of token t, the rows of `used` in ascending k, B rows'
+// loads in flight, each dequantized (`f32(q) * (s / g)`) and summed with fma(w[k], x, acc).
+template <int B>
+__device__ __forceinline__ void combine_rows_nvfp4(const LlParams& p, int t, int c0, int step, int end, unsigned used,
+                                                   const char* recv, __nv_bfloat16* out) {
+    const int K = p.top_k, H = p.hidden;
+    const float* w = reinterpret_cast<const float*>(p.weights);
+    for (int c = c0; c < end; c += step) {
+        float acc[16];
+#pragma unroll
+        for (int i = 0; i < 16; i++) acc[i] = 0.f;
+        unsigned left = used;
+        while (true) {
+            uint2 q[B];
+            float g[B], wk[B];
+            u32 sf[B];
+            unsigned slots = 0u;
+#pragma unroll
+            for (int j = 0; j < B; j++) {
+                const int k = left ? __ffs(left) - 1 : -1;
+                if (left) left &= left - 1u;
+                q[j] = make_uint2(0u, 0u);
+                g[j] = 0.f;
+                sf[j] = 0u;
+                wk[j] = 0.f;
+                if (k < 0) continue;
+                slots |= 1u << j;
+                wk[j] = p.rank_major ? 1.f : w[(size_t)t * K + k];
+                const char* row = recv + ((size_t)t * K + k) * H * 2;
+                g[j] = __ldcg(reinterpret_cast<const float*>(row));
+                q[j] = __ldcg(reinterpret_cast<const uint2*>(row + 16 + c / 2));
+                sf[j] = (u32)__ldcg(reinterpret_cast<const unsigned char*>(row + 16 + H / 2 + c / 16));
+            }
+#pragma unroll
+            for (int j = 0; j < B; j++) {
+                if (!((slots >> j) & 1u)) continue;
+                const float s = e4m3_to_f32(sf[j]);
+                const float dec = (s == 0.f || g[j] == 0.f) ? 0.f : __fdiv_rn(s, g[j]);
+#pragma unroll
+                for (int i = 0; i < 16; i++) {
+                    const u32 code = ((i < 8 ? q[j].x : q[j].y) >> (4 * (i % 8))) & 15u;
+                    acc[i] = fmaf(wk[j], __fmul_rn(e2m1_to_f32(code), dec), acc[i]);
+                }
+            }
+            if (!left) break;
+        }
+        __nv_bfloat16 o[16];
+#pragma unroll
+        for (int i = 0; i < 16; i++) o[i] = __float2bfloat16_rn(acc[i]);
+        *reinterpret_cast<int4*>(out + (size_t)t * H + c) = *reinterpret_cast<int4*>(o);
+        *reinterpret_cast<int4*>(out + (size_t)t * H + c + 8) = *reinterpret_cast<int4*>(o + 8);
+    }
 }
 
 // Combine complete, on the source side: out[t] = bf16(sum over valid k, ascending, of
@@ -206,8 +334,10 @@ __device__ bool combine_rows_tagged(const LlParams& p, const OpNum& n, int t, in
 // TAGGED: the receive of a combine that takes tagged rows (`wants_tagged`; the host launches the
 // `_tagged` kernels exactly then, epflow-kernels params.rs `LlParams::tagged_rows`). Its own
 // instantiation, so the plain kernels keep their registers (the tagged loop in the same kernel
-// made the one-launch combine spill 352 B and cost expert-major 128 tokens 7 us).
-template <bool TAGGED>
+// made the one-launch combine spill 352 B and cost expert-major 128 tokens 7 us). NVFP4: the
+// receive of an NVFP4 combine (`combine_rows_nvfp4`; its rows are never tagged), in 16-channel
+// blocks.
+template <bool TAGGED, bool NVFP4 = false>
 __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) {
     __shared__ u32 cancelled, mismatched, absent;
     __shared__ int timed_out;
@@ -221,7 +351,8 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
     constexpr bool tagged = TAGGED;
     const bool pairs = p.rank_major && p.num_ranks <= 2 && !tagged;  // combine_rows<2, 2>
     const int G = pairs ? 2 : 1;
-    const int tpi = min((int)blockDim.x, ((width / 8 + G - 1) / G + 31) / 32 * 32);
+    const int per_thread = NVFP4 ? 16 : 8;  // channels a thread sums per group
+    const int tpi = min((int)blockDim.x, ((width / per_thread + G - 1) / G + 31) / 32 * 32);
     const int ipb = (int)blockDim.x / tpi;
     const int items = p.num_tokens * C;
     const int blocks = max(1, min((int)gridDim.x, (items + ipb - 1) / ipb));
@@ -276,6 +407,10 @@ __device__ __forceinline__ void combine_recv(const LlParams& p, const OpNum& n) 
             }
             const int lost = __popc(__ballot_sync(EP_FULL_MASK, gone));
             if (p.masked_out && part == 0 && tid == 0) reinterpret_cast<int*>(p.masked_out)[t] = lost;
+            if constexpr (NVFP4) {
+                combine_rows_nvfp4<4>(p, t, part * width + tid * 16, tpi * 16, (part + 1) * width, used, recv, out);
+                continue;
+            }
             const int c0 = part * width + tid * 8, end = (part + 1) * width;
             if (pairs) {
                 combine_rows<2, 2>(p, t, c0, tpi * 8, end, used, recv, out);

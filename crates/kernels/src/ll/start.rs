@@ -285,12 +285,23 @@ pub(crate) fn combine_params(
     inputs: &ValidCombine<'_, DeviceTensor>,
     into: Option<&OutputTargets>,
 ) -> Result<(LlParams, usize), Error> {
-    let ValidCombine::LowLatency { expert_out, weights } = inputs else {
+    let ValidCombine::LowLatency { expert_out, weights, global_scales } = inputs else {
         return Err(Error::Backend("a high-throughput combine in a low-latency group".into()));
     };
     let mut p = base_params(s, 1, h.ptr(), h.num_tokens(), h.top_k(), h.layout())?;
     p.expert_out = expert_out.ptr();
     p.weights = weights.map_or(0, DeviceTensor::ptr);
+    // NVFP4 (validated: hidden a multiple of 16, the scales given): its own kernels, rows in
+    // the BF16 slots' first bytes, over NVLink only.
+    if let Some(g) = global_scales {
+        if s.nccl.is_some() {
+            return Err(Error::Unsupported(
+                "an NVFP4 combine needs every peer over NVLink (the NCCL transport carries BF16 rows)".into(),
+            ));
+        }
+        p.nvfp4 = 1;
+        p.x_scales = g.ptr();
+    }
     let set = number(s, &mut p, seq);
     p.out = into.map_or(s.mem.comb_out[set].ptr(), |t| t.tokens);
     if s.config.rank_masking {

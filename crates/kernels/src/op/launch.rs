@@ -78,8 +78,11 @@ pub(crate) fn launch_ll_kernel_as(
     let sms = s.config.max_sms.map_or(s.num_sms, |m| (m as u32).min(s.num_sms)).max(1);
     let geometry = ll_launch(which, &mut p, sms);
     let f = &s.functions;
-    let fwd = p.fwd_token_bytes != 0;
+    let (fwd, nvfp4) = (p.fwd_token_bytes != 0, p.nvfp4 != 0);
     let k = match (which, which.form(&p)) {
+        (LlKernel::CombineSend, _) if nvfp4 => &f.combine_nvfp4.send,
+        (LlKernel::CombineRecv, _) if nvfp4 => &f.combine_nvfp4.recv,
+        (LlKernel::CombineOne, _) if nvfp4 => &f.combine_nvfp4.one,
         (LlKernel::DispatchSend, _) if fwd => &f.dispatch_fwd.send,
         (LlKernel::DispatchRecv, _) if fwd => &f.dispatch_fwd.recv,
         (LlKernel::DispatchOne, Form::Tagged) if fwd => &f.dispatch_fwd.one_tagged,

@@ -104,7 +104,9 @@ fn ll_grid(which: LlKernel, p: &mut LlParams, sms: u32, warps: u32) -> u32 {
             items.div_ceil(warps).clamp(1, sms)
         }
         LlKernel::CombineRecv => {
-            p.recv_chunks = if h % 32 == 0 { 4 } else { 1 };
+            // Pieces of whole 8-channel groups (NVFP4: 16-channel blocks).
+            let group = if p.nvfp4 != 0 { 16 } else { 8 };
+            p.recv_chunks = if h % (4 * group) == 0 { 4 } else { 1 };
             let c = p.recv_chunks as u32;
             (b.min((2 * sms / c).max(1)) * c).min((sms / c).max(1) * c)
         }
@@ -263,6 +265,13 @@ mod tests {
         // Every tagged form names a function of the module.
         for k in [LlKernel::DispatchOne, LlKernel::CombineRecv, LlKernel::CombineOne] {
             assert!(crate::compile::sources::LL.kernels.contains(&k.tagged_function_name().unwrap()), "{k:?}");
+        }
+        // The combine kernels have NVFP4 forms in the module; the dispatch kernels none.
+        for k in LlKernel::ALL {
+            match k.nvfp4_function_name() {
+                Some(name) => assert!(crate::compile::sources::LL.kernels.contains(&name), "{k:?}"),
+                None => assert!(!k.is_combine(), "{k:?} has no NVFP4 form"),
+            }
         }
         // The dispatch kernels have forwarded forms in the module, in both forms; the combine none.
         for k in LlKernel::ALL {

@@ -428,7 +428,7 @@ impl GpuRank {
                 ht::start::dispatch(s, seq, handle?, None, &DispatchOptions { pass, ..Default::default() }, None).ok()
             }
             (Algorithm::HighThroughput, Channel::Combine) => {
-                ht::start::combine(s, seq, handle?, None, &CombineOptions { pass }, None).ok()
+                ht::start::combine(s, seq, handle?, None, &CombineOptions { pass, ..Default::default() }, None).ok()
             }
         }
     }
