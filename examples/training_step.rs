@@ -140,7 +140,7 @@ async fn layer<B: Side>(
     let (y, yd) = g.combine(&h, CombineInputs::new(B::tokens_of(&d))).after(stream).complete_on(stream).await?;
     let bwd = DispatchOptions { pass: Pass::Backward, ..DispatchOptions::default() };
     let (gd, gdd) = g.dispatch_with(&h, DispatchInputs::new(&inp.x), &bwd).after(stream).complete_on(stream).await?;
-    let copts = CombineOptions { pass: Pass::Backward };
+    let copts = CombineOptions { pass: Pass::Backward, ..Default::default() };
     let grads = CombineInputs::new(B::tokens_of(&gd)).with_weights(&inp.wg);
     let (gy, gyd) = g.combine_with(&h, grads, &copts).after(stream).complete_on(stream).await?;
     for done in [built, dd, yd, gdd, gyd] {

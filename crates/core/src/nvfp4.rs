@@ -1,4 +1,4 @@
-//! NVFP4: the low-latency combine's quantized transport ([`crate::ops::CombineQuant::Nvfp4`],
+//! NVFP4: the low-latency combine's quantized transport ([`crate::dtype::CombineQuant::Nvfp4`],
 //! NCCL EP API v2's `NCCL_EP_COMB_QUANT_NVFP4`).
 //!
 //! An expert-output row of `H` BF16 channels travels as FP4 E2M1 codes (1 sign, 2 exponent, 1
