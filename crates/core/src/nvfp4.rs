@@ -82,10 +82,15 @@ pub fn global_scale(row: &[bf16]) -> f32 {
     if amax == 0.0 { 0.0 } else { GLOBAL_SCALE_NUMERATOR / amax }
 }
 
-/// Bytes of one row of `hidden` channels on the wire: the header, `hidden / 2` bytes of codes,
-/// `hidden / 16` block scales.
+/// Bytes of one row's codes and block scales: `hidden / 2` bytes of codes, then `hidden / 16`
+/// block scales (what [`quantize_row`] writes, without the global scale).
+pub const fn payload_bytes(hidden: usize) -> usize {
+    hidden / 2 + hidden / BLOCK
+}
+
+/// Bytes of one row of `hidden` channels on the wire: the header, then [`payload_bytes`].
 pub const fn row_bytes(hidden: usize) -> usize {
-    HEADER_BYTES + hidden / 2 + hidden / BLOCK
+    HEADER_BYTES + payload_bytes(hidden)
 }
 
 /// The E4M3 block scale of a block whose largest magnitude is `amax`, under global scale `g`.

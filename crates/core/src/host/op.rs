@@ -361,7 +361,7 @@ impl HostOp {
                         };
                         let w = if rank_major { 1.0 } else { weights[t * k_n + k] };
                         if opts.quant == CombineQuant::Nvfp4 {
-                            let n = super::rank::nvfp4_bytes(h);
+                            let n = crate::nvfp4::payload_bytes(h);
                             let (Some(bytes), Some(&g)) =
                                 (payloads[s].fp8.get(row * n..(row + 1) * n), payloads[s].scales.get(row))
                             else {

@@ -356,7 +356,7 @@ impl HostRank {
         let (h, r) = (cfg.hidden, self.world.num_ranks);
         let x: &[bf16] = inputs.tokens.as_bf16().unwrap_or_default();
         // NVFP4: each staged row travels as its codes and block scales (`staged.fp8`, rows of
-        // `nvfp4_bytes`) with its global scale (`staged.scales`), as on the GPU's wire.
+        // `nvfp4::payload_bytes`) with its global scale (`staged.scales`), as on the GPU's wire.
         let nvfp4 = (opts.quant == CombineQuant::Nvfp4).then(|| inputs.global_scales.and_then(HostTensor::as_f32));
         let stage_row = |staged: &mut Staging, off: usize| -> u32 {
             let row = &x[off..off + h];
@@ -364,7 +364,7 @@ impl HostRank {
                 Some(g) => {
                     let g = g.and_then(|g| g.get(off / h.max(1))).copied().unwrap_or(0.0);
                     let at = staged.fp8.len();
-                    staged.fp8.resize(at + nvfp4_bytes(h), 0);
+                    staged.fp8.resize(at + crate::nvfp4::payload_bytes(h), 0);
                     let (codes, scales) = staged.fp8[at..].split_at_mut(h / 2);
                     crate::nvfp4::quantize_row(row, g, codes, scales);
                     staged.scales.push(g);
@@ -561,10 +561,4 @@ impl Backend for HostRank {
     fn start_combine(&self, handle: &HostHandle, inputs: CombineInputs<'_>, opts: &CombineOptions) -> Result<HostOp> {
         self.collective(Channel::Combine, || self.prepare_combine(handle, inputs, opts))
     }
-}
-
-/// Bytes of a staged NVFP4 row of `hidden` channels: its codes, then its block scales (the
-/// global scale is staged apart).
-pub(super) const fn nvfp4_bytes(hidden: usize) -> usize {
-    hidden / 2 + hidden / crate::nvfp4::BLOCK
 }
