@@ -16,7 +16,7 @@ rounds=${1:-3}
 shift || true
 suites=("$@")
 if [ ${#suites[@]} -eq 0 ]; then
-  suites=(epflow_kernels gpu_ll gpu_rank_major gpu_graph gpu_disagreement gpu_ht gpu_stream_order gpu_masking gpu_async gpu_layer)
+  suites=(epflow_kernels gpu_ll gpu_rank_major gpu_graph gpu_numbered gpu_disagreement gpu_ht gpu_stream_order gpu_masking gpu_async gpu_layer)
 fi
 export EPFLOW_TEST_DEVICES=0,0 EPFLOW_GPU_ITERS=${EPFLOW_GPU_ITERS:-300}
 echo "== $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), ranks on devices $EPFLOW_TEST_DEVICES," \

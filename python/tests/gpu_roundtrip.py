@@ -184,6 +184,34 @@ class Cuda:
             self.check("cuMemcpyHtoD", self.lib.cuMemcpyHtoD_v2(p, addr, nbytes))
         return p
 
+    def write(self, ptr, arr):
+        """Copies ``arr`` (an ``array.array``) into the device buffer at ``ptr``."""
+        nbytes = len(arr) * arr.itemsize
+        if nbytes:
+            addr, _ = arr.buffer_info()
+            self.check("cuMemcpyHtoD", self.lib.cuMemcpyHtoD_v2(ptr, addr, nbytes))
+
+    def capture(self, stream, enqueue):
+        """A CUDA graph of what ``enqueue()`` puts on ``stream`` (captured in the global mode,
+        the strictest), instantiated; returns ``(graph, exec)``. An abandoned capture is ended."""
+        self.check("cuStreamBeginCapture", self.lib.cuStreamBeginCapture_v2(ctypes.c_void_p(stream), 0))
+        graph = ctypes.c_void_p()
+        try:
+            enqueue()
+        finally:
+            rc = self.lib.cuStreamEndCapture(ctypes.c_void_p(stream), ctypes.byref(graph))
+        self.check("cuStreamEndCapture", rc)
+        exe = ctypes.c_void_p()
+        self.check("cuGraphInstantiateWithFlags", self.lib.cuGraphInstantiateWithFlags(ctypes.byref(exe), graph, ctypes.c_ulonglong(0)))
+        return graph, exe
+
+    def launch_graph(self, exe, stream):
+        self.check("cuGraphLaunch", self.lib.cuGraphLaunch(exe, ctypes.c_void_p(stream)))
+
+    def destroy_graph(self, graph, exe):
+        self.lib.cuGraphExecDestroy(exe)
+        self.lib.cuGraphDestroy(graph)
+
     def download(self, ptr, typecode, count):
         arr = array.array(typecode, bytes(count * array.array(typecode).itemsize))
         if count:
@@ -290,9 +318,9 @@ class Problem:
     """B tokens of H BF16 values, top-K routing over E experts (distinct per token, some -1),
     float32 weights, and the "expert": expert e multiplies by (e + 1) / 8."""
 
-    def __init__(self, rng, num_experts, max_tokens, hidden, top_k):
+    def __init__(self, rng, num_experts, max_tokens, hidden, top_k, tokens=None):
         self.E, self.M, self.H, self.K = num_experts, max_tokens, hidden, top_k
-        self.B = rng.randint(max_tokens // 2, max_tokens)
+        self.B = tokens if tokens is not None else rng.randint(max_tokens // 2, max_tokens)
         self.x = [[bf16_bits(rng.uniform(-2.0, 2.0)) for _ in range(hidden)] for _ in range(self.B)]
         self.idx = []
         for t in range(self.B):
@@ -503,6 +531,94 @@ def low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged, idx32=Fals
         finally:
             lib.ncclEpHandleDestroy(handle)
     finally:
+        lib.ncclEpGroupDestroy(group)
+
+
+def low_latency_captured(lib, comm, cuda, stream, p, chk, rng, staged=False, idx32=False, replays=3):
+    """NCCL EP 0.1's decode pattern: an eager expert-major round trip; then dispatch and combine
+    captured into a CUDA graph and the graph launched ``replays`` times, each with fresh tokens,
+    routing and weights refilled in place (the combine's input: the experts' outputs for that
+    routing, computed here: one rank receives an expert's tokens in token order); then an eager
+    round trip (the group now numbers its operations on the device) and one replay more. Every
+    round's outputs are poisoned first and checked against the reference."""
+    E, M, H, K, B = p.E, p.M, p.H, p.K, p.B
+    L, R = E, 1
+    cfg = nccl_ep.ncclEpGroupConfig_t(
+        algorithm=NCCL_EP_ALGO_LOW_LATENCY, num_experts=E, max_dispatch_tokens_per_rank=M, max_token_bytes=2 * H
+    )
+    group = lib.ncclEpCreateGroup(comm, cfg)
+    graph = None
+    try:
+        x_d = cuda.alloc(B * H * 2)
+        idx_d = cuda.alloc(B * K * (4 if idx32 else 8))
+        w_d = cuda.alloc(B * K * 4)
+        recv_d = cuda.alloc(L * R * M * H * 2)
+        counts_d = cuda.alloc(L * 4)
+        y_in_d = cuda.alloc(L * R * M * H * 2)
+        out_d = cuda.alloc(B * H * 2)
+
+        def prepare(q):
+            cuda.write(x_d, q.flat("H", q.x))
+            cuda.write(idx_d, q.flat("i" if idx32 else "q", q.idx))
+            cuda.write(w_d, q.flat("f", q.w))
+            y_in = array.array("H", bytes(L * R * M * H * 2))
+            for e in range(L):
+                for j, t in enumerate(q.tokens_of(e)):
+                    y_in[(e * R * M + j) * H:(e * R * M + j + 1) * H] = array.array("H", q.expert(e, q.x[t]))
+            cuda.write(y_in_d, y_in)
+            for ptr, n in ((recv_d, L * R * M * H * 2), (counts_d, L * 4), (out_d, B * H * 2)):
+                cuda.check("cuMemsetD8", cuda.lib.cuMemsetD8_v2(ptr, 0xA5, n))
+
+        topk = desc(idx_d, ncclInt32 if idx32 else ncclInt64, (B, K))
+        prepare(p)
+        handle = lib.ncclEpCreateHandle(group, NCCL_EP_LAYOUT_EXPERT_MAJOR, topk, None, None, stream)
+        try:
+
+            def enqueue():
+                din = nccl_ep.ncclEpDispatchInputs_t(tokens=desc(x_d, ncclBfloat16, (B, H)))
+                dout = nccl_ep.ncclEpDispatchOutputs_t(tokens=desc(recv_d, ncclBfloat16, (L, R * M, H)))
+                info = nccl_ep.ncclEpLayoutInfo_t(expert_counters=desc(counts_d, ncclInt32, (L,)))
+                lib.ncclEpDispatch(handle, din, dout, info, nccl_ep.ncclEpDispatchConfig_t(send_only=int(staged)), stream)
+                if staged:
+                    lib.ncclEpComplete(handle, None, stream)
+                cin = nccl_ep.ncclEpCombineInputs_t(tokens=desc(y_in_d, ncclBfloat16, (L, R * M, H)))
+                cout = nccl_ep.ncclEpCombineOutputs_t(
+                    tokens=desc(out_d, ncclBfloat16, (B, H)), topk_weights=desc(w_d, ncclFloat32, (B, K))
+                )
+                lib.ncclEpCombine(handle, cin, cout, nccl_ep.ncclEpCombineConfig_t(send_only=int(staged)), stream)
+                if staged:
+                    lib.ncclEpComplete(handle, None, stream)
+
+            def check(q, what):
+                cuda.sync(stream)
+                counts = cuda.download(counts_d, "i", L)
+                recv = cuda.download(recv_d, "H", L * R * M * H)
+                for e in range(L):
+                    toks = q.tokens_of(e)
+                    chk.expect(counts[e] == len(toks), "%s: expert %d received %d rows, expected %d" % (what, e, counts[e], len(toks)))
+                    got = [list(recv[(e * R * M + j) * H:(e * R * M + j + 1) * H]) for j in range(len(toks))]
+                    chk.expect(got == [q.x[t] for t in toks], "%s: expert %d: the received rows are not its tokens in token order" % (what, e))
+                out = cuda.download(out_d, "H", B * H)
+                for t in range(B):
+                    chk.close(out[t * H:(t + 1) * H], q.weighted(t), "%s: combine, token %d" % (what, t))
+
+            enqueue()
+            check(p, "eager, before the capture")
+            graph = cuda.capture(stream, enqueue)
+            for i in range(replays + 2):
+                q = Problem(rng, E, M, H, K, tokens=B)
+                prepare(q)
+                if i == replays:
+                    enqueue()  # eager, numbered on the device now
+                    check(q, "eager, after %d replays" % replays)
+                    continue
+                cuda.launch_graph(graph[1], stream)
+                check(q, "replay %d" % i)
+        finally:
+            lib.ncclEpHandleDestroy(handle)
+    finally:
+        if graph is not None:
+            cuda.destroy_graph(*graph)
         lib.ncclEpGroupDestroy(group)
 
 
@@ -909,6 +1025,18 @@ def main():
         (
             "LL expert-major, NVFP4 combine, send_only (API v2)",
             lambda p: low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged=True, nvfp4=True),
+        ),
+        (
+            "LL expert-major, CUDA graph: 4 replays + eager",
+            lambda p: low_latency_captured(lib, comm, cuda, stream, p, chk, rng),
+        ),
+        (
+            "LL expert-major, CUDA graph, send_only",
+            lambda p: low_latency_captured(lib, comm, cuda, stream, p, chk, rng, staged=True),
+        ),
+        (
+            "LL expert-major, CUDA graph, int32 topk_idx",
+            lambda p: low_latency_captured(lib, comm, cuda, stream, p, chk, rng, idx32=True),
         ),
         ("LL expert-major, alloc_fn / free_fn", lambda p: low_latency_with_allocator(lib, comm, cuda, stream, p, chk)),
         ("LL rank-major", lambda p: low_latency_rank_major(lib, comm, cuda, stream, p, chk)),

@@ -80,7 +80,7 @@ pub use compile::device_arch;
 /// fixed arrays of this size): also the most processes `epflow launch -n` starts on one host.
 pub const MAX_GPU_RANKS: usize = params::MAX_RANKS;
 pub use device::{DeviceTensor, StreamWork, device_count, sm_count};
-pub use graph::{CapturedSend, GpuCapture, GpuReplay, GpuStep};
+pub use graph::{CapturedSend, DeviceNumbering, GpuCapture, GpuReplay, GpuStep, NumberedSend};
 pub use op::{GpuOp, GpuOpOutput};
 pub use outputs::{GpuCombineOutput, GpuDispatchOutput, OutputTargets};
 pub use rank::{BulkStages, CopyRange, ExpertMajorPlan, GpuRank, LaunchCost};

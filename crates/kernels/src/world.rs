@@ -363,6 +363,7 @@ fn build_rank(
         one_launch,
         turns: Default::default(),
         last_launch: Default::default(),
+        numbered: Default::default(),
         plan_marks_launched: Default::default(),
         meetings: Default::default(),
         nccl,

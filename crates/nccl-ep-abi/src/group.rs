@@ -3,7 +3,7 @@
 //! is done with them, which also frees their buffer sets).
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -12,7 +12,7 @@ use epflow_core::backend::{Backend, PendingOp};
 use epflow_core::protocol::Channel;
 use epflow_core::{Algorithm, DispatchDtype, Error, GroupConfig, MaxTokens};
 use epflow_kernels::setup::bootstrap::Bootstrap;
-use epflow_kernels::{GpuOp, GpuRank, GpuWorld, Transport};
+use epflow_kernels::{DeviceNumbering, GpuOp, GpuRank, GpuWorld, Transport};
 use nccl_ep_sys as ep;
 
 use crate::comm::CallerComm;
@@ -73,6 +73,11 @@ pub(crate) struct Group {
     mask_flag: Mutex<MaskFlag>,
     /// Host time per phase of low-latency calls (`EPFLOW_ABI_PROFILE=1`).
     pub(crate) profile: Profile,
+    /// Low-latency: the device numbering its calls switch to once one is captured into a CUDA
+    /// graph (`capture.rs`), or why the group cannot (high-throughput, NCCL peers, masking).
+    pub(crate) numbering: Result<Arc<DeviceNumbering>, String>,
+    /// Eager send-only operations waiting for `ncclEpComplete` (a capture cannot start then).
+    pub(crate) eager_staged: AtomicUsize,
 }
 
 impl std::fmt::Debug for Group {
@@ -199,6 +204,7 @@ impl Group {
         // The config's alloc_fn / free_fn serve the rank's local scratch (`alloc.rs`).
         let allocator = crate::alloc::caller_allocator(&c.v1.alloc)?;
         let rank = GpuWorld::join_over_with_allocator(&comm, config, Transport::Auto, allocator)?;
+        let numbering = rank.device_numbering().map_err(|e| e.to_string());
         Ok(Arc::new(Group {
             rank,
             shape,
@@ -209,6 +215,8 @@ impl Group {
             destroyed: AtomicBool::new(false),
             mask_flag: Mutex::new(MaskFlag::default()),
             profile: Profile::from_env(),
+            numbering,
+            eager_staged: AtomicUsize::new(0),
         }))
     }
 

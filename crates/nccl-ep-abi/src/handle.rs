@@ -19,7 +19,7 @@ use epflow_core::backend::{PendingOp, blocking_handle_on, blocking_handle_with};
 use epflow_core::handle::RoutingHandle;
 use epflow_core::ops::{HandleOptions, Layout};
 use epflow_core::{Algorithm, DType, TensorDesc, TensorTag};
-use epflow_kernels::{DeviceTensor, GpuHandle, GpuOp};
+use epflow_kernels::{DeviceTensor, GpuHandle, GpuOp, NumberedSend};
 use nccl_ep_sys as ep;
 
 use crate::check::{self, Tensor};
@@ -38,9 +38,10 @@ pub(crate) struct Handle {
     /// `num_topk` of `ncclEpInitHandle`, or of the routing.
     top_k: Mutex<Option<usize>>,
     gpu: Mutex<Option<GpuHandle>>,
-    /// An int32 `topk_idx`'s int64 copy (API v2): epflow's memory, which the routing reads
-    /// until the next `ncclEpUpdateHandle` or the handle's end.
-    widened: Mutex<Option<DeviceTensor>>,
+    /// An int32 `topk_idx` (API v2) and its int64 copy in epflow's memory, which the routing
+    /// reads until the next `ncclEpUpdateHandle` or the handle's end (calls numbered on the
+    /// device re-widen it before each dispatch: [`Handle::rewiden`]).
+    widened: Mutex<Option<(DeviceTensor, DeviceTensor)>>,
     /// A `send_only` operation waiting for `ncclEpComplete`.
     pub(crate) staged: Mutex<Option<Staged>>,
     /// High-throughput `NCCL_EP_LAYOUT_EXPERT_MAJOR`: the zones' alignment (`None`: another
@@ -53,9 +54,17 @@ pub(crate) struct Handle {
 /// A `send_only` dispatch or combine waiting for `ncclEpComplete`, and what follows its receive.
 pub(crate) struct Staged {
     /// The operation.
-    pub(crate) op: GpuOp,
+    pub(crate) op: StagedOp,
     /// API v2's GLOBAL ids: rewritten after the receive.
     pub(crate) then: Option<Globalize>,
+}
+
+/// A staged operation, numbered on the host or on the device (`capture.rs`).
+pub(crate) enum StagedOp {
+    /// Numbered on the host: the group counts it in `eager_staged` until it completes.
+    Eager(Box<GpuOp>),
+    /// Numbered on the device.
+    Numbered(Box<NumberedSend>),
 }
 
 impl std::fmt::Debug for Handle {
@@ -93,15 +102,15 @@ pub(crate) fn sync_stream(stream: ep::CudaStream, what: &str) -> Res<()> {
     rc.result().map_err(|e| Fail::from(epflow_core::Error::Backend(format!("CUDA: synchronize the stream: {e:?}"))))
 }
 
-/// `ncclInvalidUsage` while `stream` is being captured into a CUDA graph: epflow's operations
-/// are not capturable yet.
+/// `ncclInvalidUsage` while `stream` is being captured into a CUDA graph: handles are made
+/// outside captures (dispatches and combines may be captured: `capture.rs`).
 pub(crate) fn refuse_capture(stream: ep::CudaStream, what: &str) -> Res<()> {
     let mut status = cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     // SAFETY: the caller's live stream; a valid out pointer.
     let rc = unsafe { cudarc::driver::sys::cuStreamIsCapturing(stream as cudarc::driver::sys::CUstream, &mut status) };
     if rc.result().is_ok() && status != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
         return Err(Fail::usage(format!(
-            "{what} on a stream under CUDA graph capture: epflow's NCCL EP library cannot be captured yet"
+            "{what} on a stream under CUDA graph capture: create and update handles outside the capture (a captured dispatch reads the handle's topk_idx at every replay: refill it in place)"
         )));
     }
     Ok(())
@@ -228,7 +237,7 @@ impl Handle {
             // SAFETY: the caller's live stream of this rank's device (the C API's contract).
             let on = unsafe { g.stream(stream) };
             let wide = g.rank.widen_i32_on(&on, &dev)?;
-            *self.widened.lock().unwrap_or_else(|e| e.into_inner()) = Some(wide.clone());
+            *self.widened.lock().unwrap_or_else(|e| e.into_inner()) = Some((dev, wide.clone()));
             wide
         } else {
             *self.widened.lock().unwrap_or_else(|e| e.into_inner()) = None;
@@ -291,16 +300,44 @@ impl Handle {
         Ok(())
     }
 
-    /// `ncclEpHandleDestroy`: completes a staged operation left behind (on the rank's stream),
-    /// and lets the group read the verdicts.
+    /// Calls numbered on the device: the int32 `topk_idx`'s int64 copy widened again on
+    /// `stream` (captured, it runs at every replay, before the dispatch that reads it).
+    pub(crate) fn rewiden(&self, stream: &cudarc::driver::CudaStream) -> Res<()> {
+        if let Some((src, wide)) = &*self.widened.lock().unwrap_or_else(|e| e.into_inner()) {
+            self.group.rank.widen_i32_into_on(stream, src, wide)?;
+        }
+        Ok(())
+    }
+
+    /// `ncclEpHandleDestroy`: completes a staged operation left behind (on the rank's stream, or
+    /// for one numbered on the device on the legacy default stream), and lets the group read
+    /// the verdicts.
     pub(crate) fn destroy(&self) -> Res<()> {
         let staged = self.staged.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(Staged { mut op, .. }) = staged {
-            crate::status::warn("ncclEpHandleDestroy: a send-only operation was never completed; completing it now");
-            op.start_complete()?;
-            self.group.track(op);
+        let g = &self.group;
+        match staged.map(|s| s.op) {
+            Some(StagedOp::Eager(op)) => {
+                let mut op = *op;
+                crate::status::warn(
+                    "ncclEpHandleDestroy: a send-only operation was never completed; completing it now",
+                );
+                g.eager_staged.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+                op.start_complete()?;
+                g.track(op);
+            }
+            Some(StagedOp::Numbered(send)) => {
+                crate::status::warn(
+                    "ncclEpHandleDestroy: a send-only operation was never completed; completing it now on the legacy default stream",
+                );
+                if let Ok(dn) = &g.numbering {
+                    // SAFETY: null is the legacy default stream, always valid.
+                    let st = unsafe { g.stream(std::ptr::null_mut()) };
+                    g.rank.numbered_complete(dn, &send, &st)?;
+                }
+            }
+            None => {}
         }
-        self.group.settle(true)
+        g.settle(true)
     }
 }
 

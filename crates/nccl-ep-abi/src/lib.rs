@@ -38,6 +38,8 @@
 //! - `comm.rs`: the caller's `ncclComm_t` as epflow's bootstrap (through the caller's NCCL).
 //! - `alloc.rs`: the group config's `alloc_fn` / `free_fn` as the rank's allocator of local
 //!   scratch (peer-mapped memory stays `cuMemAlloc`).
+//! - `capture.rs`: CUDA graph capture of low-latency calls (the group then numbers its
+//!   operations on the device).
 //! - `group.rs`: a group: the epflow GPU rank, the config's shape, operations in flight.
 //! - `handle.rs`: handles: layout, top-k, routing.
 //! - `expert_major.rs`: high-throughput `NCCL_EP_LAYOUT_EXPERT_MAJOR` on the flat layout.
@@ -65,12 +67,14 @@
 //! groups; its NVFP4 combine (`inputs.scales` each row's global scale) is epflow's
 //! (`epflow_core::nvfp4`, conversions of its own, so Hopper runs it too). Refused with
 //! `ncclInvalidUsage` and a log line: FWD, DS_FP8E3M4 and NVFP4 in high-throughput groups, the
-//! expert-major backward pass, NCCL window tensors, CUDA graph capture.
+//! expert-major backward pass, NCCL window tensors, CUDA graph capture of high-throughput calls
+//! (low-latency calls are capturable: `capture.rs`).
 
 #![warn(missing_docs)]
 
 mod alloc;
 pub mod api;
+mod capture;
 mod check;
 mod comm;
 mod expert_major;

@@ -19,10 +19,11 @@ use epflow_kernels::device::host_steps::Steps;
 use epflow_kernels::{DeviceTensor, GpuHandle, GpuOp, OutputTargets};
 use nccl_ep_sys as ep;
 
+use crate::capture::{self as graph, Mode};
 use crate::check::{self, Tensor};
 use crate::forwarded::Forwarded;
 use crate::group::Group;
-use crate::handle::{Handle, Staged, refuse_capture};
+use crate::handle::{Handle, Staged, StagedOp};
 use crate::ids::Globalize;
 use crate::profile::Timer;
 use crate::status::{Fail, Res};
@@ -85,7 +86,8 @@ fn issue(
     timer.next();
     if staged {
         timer.next();
-        return Ok(Some(Staged { op, then }));
+        g.eager_staged.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        return Ok(Some(Staged { op: StagedOp::Eager(Box::new(op)), then }));
     }
     complete(g, op, stream)?;
     if let Some(t) = then {
@@ -125,22 +127,46 @@ pub(crate) fn complete(g: &Group, mut op: GpuOp, stream: &Arc<CudaStream>) -> Re
     }
 }
 
-/// The checks every dispatch and combine on `channel` starts with: not inside a graph capture,
-/// the group not failed, nothing staged on the handle. Low-latency calls read earlier
-/// operations' verdicts after their launch (the stream is idle until it) and are timed from
-/// here (`EPFLOW_ABI_PROFILE`); the timer is returned.
-fn begin<'g>(g: &'g Group, h: &Handle, stream: ep::CudaStream, channel: Channel) -> Res<Timer<'g>> {
+/// The checks every dispatch and combine on `channel` starts with: the group not failed,
+/// nothing staged on the handle; and how the call numbers its operation (on the device once a
+/// low-latency call was captured into a CUDA graph: `capture.rs`). Low-latency calls read
+/// earlier operations' verdicts after their launch (the stream is idle until it) and are timed
+/// from here (`EPFLOW_ABI_PROFILE`); the timer is returned.
+fn begin<'g>(g: &'g Group, h: &Handle, stream: ep::CudaStream, channel: Channel) -> Res<(Timer<'g>, Mode)> {
     let ll = g.shape.algorithm == Algorithm::LowLatency;
     let timer = if ll { g.profile.timer(channel.index()) } else { g.profile.untimed() };
     let what = if channel == Channel::Dispatch { "ncclEpDispatch" } else { "ncclEpCombine" };
-    refuse_capture(stream, what)?;
     if ll {
         g.check_poisoned()?;
     } else {
         g.check()?;
     }
     no_staged(h)?;
-    Ok(timer)
+    let mode = graph::mode(g, stream, what)?;
+    Ok((timer, mode))
+}
+
+/// A low-latency operation numbered on the device has been launched: a send-only one waits on
+/// the handle for `ncclEpComplete`; the receive of any other is enqueued, so `then` follows.
+fn numbered_issued(
+    g: &Group,
+    h: &Handle,
+    sent: Option<epflow_kernels::NumberedSend>,
+    then: Option<Globalize>,
+    stream: &Arc<CudaStream>,
+) -> Res<()> {
+    match sent {
+        Some(send) => {
+            *h.staged.lock().unwrap_or_else(|e| e.into_inner()) =
+                Some(Staged { op: StagedOp::Numbered(Box::new(send)), then })
+        }
+        None => {
+            if let Some(t) = then {
+                t.enqueue(&g.rank, stream)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 fn no_staged(h: &Handle) -> Res<()> {
@@ -228,7 +254,7 @@ pub(crate) unsafe fn dispatch(
     if fwd && cfg.round_scales != 0 {
         return Err(Fail::arg("NCCL_EP_DISP_QUANT_FWD takes round_scales 0 (nothing is quantized)"));
     }
-    let mut timer = begin(g, h, stream, Channel::Dispatch)?;
+    let (mut timer, mode) = begin(g, h, stream, Channel::Dispatch)?;
     let gh = h.gpu()?;
     let pass = pass_of(cfg.pass_direction)?;
     let s = &g.shape;
@@ -334,6 +360,13 @@ pub(crate) unsafe fn dispatch(
             if let Some(f) = &forwarded {
                 check::aligned16("outputs.tokens", out.ptr)?;
                 din = din.with_scales(&f.scales);
+            }
+            if let Mode::Numbered(dn) = &mode {
+                h.rewiden(&st)?;
+                // SAFETY: the targets were checked against the shapes of this layout above.
+                let sent =
+                    unsafe { g.rank.numbered_dispatch_into(dn, &gh, din, &opts, &targets, &st, cfg.send_only != 0) }?;
+                return numbered_issued(g, h, sent, then, &st);
             }
             g.make_room(Channel::Dispatch)?;
             timer.next();
@@ -504,7 +537,7 @@ pub(crate) unsafe fn combine(
         }
         _ => {}
     }
-    let mut timer = begin(g, h, stream, Channel::Combine)?;
+    let (mut timer, mode) = begin(g, h, stream, Channel::Combine)?;
     let gh = h.gpu()?;
     let pass = pass_of(cfg.pass_direction)?;
     let s = &g.shape;
@@ -561,6 +594,12 @@ pub(crate) unsafe fn combine(
             }
             if let Some(gs) = &global {
                 cin = cin.with_global_scales(gs);
+            }
+            if let Mode::Numbered(dn) = &mode {
+                // SAFETY: the output was checked as [B x H] BF16 above.
+                let sent =
+                    unsafe { g.rank.numbered_combine_into(dn, &gh, cin, &opts, &targets, &st, cfg.send_only != 0) }?;
+                return numbered_issued(g, h, sent, None, &st);
             }
             g.make_room(Channel::Combine)?;
             timer.next();
@@ -634,13 +673,27 @@ pub(crate) unsafe fn complete_staged(
 ) -> Res<()> {
     // SAFETY: forwarded contract.
     unsafe { check::api_struct(config, "config") }?;
-    let staged = h.staged.lock().unwrap_or_else(|e| e.into_inner()).take();
-    let Some(Staged { op, then }) = staged else { return Ok(()) };
-    refuse_capture(stream, "ncclEpComplete")?;
+    let mut slot = h.staged.lock().unwrap_or_else(|e| e.into_inner());
     let g = &*h.group;
+    let Some(staged) = slot.as_ref() else { return Ok(()) };
+    let captured = graph::capturing(stream, "ncclEpComplete")?;
     // SAFETY: the caller's live stream (contract).
     let st = unsafe { g.stream(stream) };
-    complete(g, op, &st)?;
+    if let StagedOp::Numbered(send) = &staged.op {
+        let dn = g.numbering.as_ref().map_err(|why| Fail::usage(why.clone()))?;
+        // Refused (kept staged) unless it is its channel's oldest open send.
+        g.rank.numbered_complete(dn, send, &st)?;
+    } else if captured {
+        return Err(Fail::usage(
+            "ncclEpComplete on a stream under CUDA graph capture for a send-only operation issued before the capture: complete it before capturing",
+        ));
+    }
+    let Some(Staged { op, then }) = slot.take() else { return Ok(()) };
+    drop(slot);
+    if let StagedOp::Eager(op) = op {
+        g.eager_staged.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        complete(g, *op, &st)?;
+    }
     match then {
         Some(t) => t.enqueue(&g.rank, &st),
         None => Ok(()),

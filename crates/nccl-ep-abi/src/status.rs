@@ -83,6 +83,11 @@ pub(crate) fn warn(text: &str) {
     eprintln!("NCCL EP (epflow) WARN {text}");
 }
 
+/// Logs a one-time notice (a change of how the group works, not a problem).
+pub(crate) fn info(text: &str) {
+    eprintln!("NCCL EP (epflow) INFO {text}");
+}
+
 /// Runs the body of entry point `name`: `Ok` is `ncclSuccess`; a [`Fail`] is logged and its
 /// code returned; a panic (a bug) is caught at the C boundary, logged and returned as
 /// `ncclInternalError`, never unwound into the caller.

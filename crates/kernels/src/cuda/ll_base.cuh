@@ -131,7 +131,9 @@ struct OpNum {
 };
 
 // The step's bases are [dispatch, combine, replay, failed, dispatches, combines, last] (see
-// `advance_step`); `seq_base` points at the channel's.
+// `advance_step`); `seq_base` points at the channel's. `last` is EP_NUMBERED_PER_OP for the
+// bases of operations numbered on the device one by one (`graph/numbered.rs`).
+#define EP_NUMBERED_PER_OP 0xffffffffffffffffull
 __device__ __forceinline__ u64* step_failed_flag(const LlParams& p, int chan) {
     return reinterpret_cast<u64*>(p.seq_base) - chan + 3;
 }

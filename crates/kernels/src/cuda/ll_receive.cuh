@@ -92,8 +92,15 @@ __device__ __forceinline__ void report_failure(const LlParams& p, const OpNum& n
 // and this block is the last of the last one), so they move past the replay here, with no node
 // of their own. The step's bases are [dispatch, combine, replay, failed, dispatches, combines,
 // last]: `last` = (chan << 32 | place) + 1 of the step's last operation, written at capture.
+// Operations numbered on the device one by one (`graph/numbered.rs`: `last` is
+// EP_NUMBERED_PER_OP) move their own channel's base on by one instead: every operation's receive
+// (or one-launch kernel) ends with it, in the stream's order.
 __device__ __forceinline__ void advance_step(const LlParams& p, int chan) {
     u64* b = reinterpret_cast<u64*>(p.seq_base) - chan;
+    if (b[6] == EP_NUMBERED_PER_OP) {
+        b[chan] += 1;
+        return;
+    }
     if (b[6] != ((((u64)chan) << 32) | p.seq) + 1) return;
     b[0] += b[4];
     b[1] += b[5];

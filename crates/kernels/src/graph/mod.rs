@@ -6,6 +6,8 @@
 //!   buffer the caller refills (each captured dispatch sanitizes it), fixed outputs, the report
 //!   of invalid rows.
 //! - `capture.rs`: [`GpuRank::capture`] and the [`GpuCapture`] its closure records through.
+//! - `numbered.rs`: operations numbered on the device one by one ([`DeviceNumbering`]), which a
+//!   caller may capture into graphs of its own (NCCL EP's C API).
 //! - here: the [`GpuStep`], its launch ([`StepBackend::launch_step`]) and the [`GpuReplay`]
 //!   in flight.
 //!
@@ -21,6 +23,7 @@
 
 mod capture;
 mod handle;
+mod numbered;
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -34,6 +37,7 @@ use epflow_core::{Error, Result};
 
 pub use self::capture::{CapturedSend, GpuCapture};
 pub(crate) use self::handle::GraphHandle;
+pub use self::numbered::{DeviceNumbering, NumberedSend};
 use crate::device::{DeviceBuffer, DeviceTensor, PinnedBuffer, bind, cuda, event_done};
 use crate::op::in_channels_order;
 use crate::params::status;
@@ -266,6 +270,7 @@ impl StepBackend for GpuRank {
 
     fn launch_step(&self, step: &GpuStep) -> Result<GpuReplay> {
         self.core.poison().check()?;
+        self.refuse_if_numbered()?;
         let s = &self.shared;
         if !Arc::ptr_eq(&step.shared, s) {
             return Err(Error::Unsupported(format!("step {} was captured by another rank or group", step.id)));

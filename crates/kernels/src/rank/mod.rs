@@ -203,10 +203,33 @@ impl GpuRank {
         }
         let mut desc = src.desc().clone();
         desc.dtype = epflow_core::DType::I64;
-        let n = desc.numel();
         let out = DeviceTensor::zeros_with(&self.shared.ctx, self.shared.device, desc, self.local_allocator())?;
-        let s = &self.shared;
         self.read_on(stream, src, None)?;
+        self.launch_widen(stream, src, &out)?;
+        Ok(out.ready_after(self.event_on(stream)?))
+    }
+
+    /// [`GpuRank::widen_i32_on`] into `dst` (int64, as many elements as `src`), with no
+    /// allocation, event or wait: one kernel on `stream`, which may be capturing (operations
+    /// numbered on the device re-widen a handle's int32 routing at every run).
+    pub fn widen_i32_into_on(&self, stream: &CudaStream, src: &DeviceTensor, dst: &DeviceTensor) -> Result<(), Error> {
+        self.check_device(src, "widen_i32_into_on's input")?;
+        self.check_device(dst, "widen_i32_into_on's output")?;
+        let (s, d) = (src.desc(), dst.desc());
+        if s.dtype != epflow_core::DType::I32 || d.dtype != epflow_core::DType::I64 || s.numel() != d.numel() {
+            return Err(Error::Unsupported(format!(
+                "widen_i32_into_on takes int32 into int64 of as many elements, got {:?} {:?} into {:?} {:?}",
+                s.dtype, s.shape, d.dtype, d.shape
+            )));
+        }
+        bind(&self.shared.ctx)?;
+        self.launch_widen(stream, src, dst)
+    }
+
+    /// `ep_widen_i32` from `src` (int32) into `out` (int64 of as many elements) on `stream`.
+    fn launch_widen(&self, stream: &CudaStream, src: &DeviceTensor, out: &DeviceTensor) -> Result<(), Error> {
+        let s = &self.shared;
+        let n = src.desc().numel();
         if n > 0 {
             let blocks = n.div_ceil(256).clamp(1, s.num_sms as usize * 4) as u32;
             let cfg =
@@ -214,13 +237,13 @@ impl GpuRank {
             let (ip, op, nn) = (src.ptr(), out.ptr(), n as u64);
             use cudarc::driver::PushKernelArg;
             // SAFETY: the arguments match `ep_widen_i32(u64, u64, u64)`; `src` holds `n` int32
-            // values (its descriptor) and `out`, just allocated in this context, `n` int64s; the
-            // kernel is ordered on `stream` after `src`'s producers, which keeps `src` from reuse
-            // until it passed.
+            // values and `out` `n` int64s (both checked by the callers, on this rank's device);
+            // the kernel is ordered on `stream` after `src`'s producers, which keeps `src` from
+            // reuse until it passed.
             unsafe { stream.launch_builder(&s.functions.widen_i32).arg(&ip).arg(&op).arg(&nn).launch(cfg) }
                 .map_err(|e| cuda("launch widen", e))?;
         }
-        Ok(out.ready_after(self.event_on(stream)?))
+        Ok(())
     }
 
     /// Turns received local expert ids into global ones in place, on `stream` (of this rank's
@@ -372,7 +395,18 @@ impl GpuRank {
         stream.synchronize().map_err(|e| cuda("dequantize", e))
     }
 
-    fn check_device(&self, t: &DeviceTensor, what: &str) -> Result<(), Error> {
+    /// Refuses a host-numbered low-latency operation (or step replay) once the rank numbers on
+    /// the device ([`GpuRank::start_device_numbering`]).
+    pub(crate) fn refuse_if_numbered(&self) -> Result<(), Error> {
+        if self.shared.numbered.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(Error::Unsupported(
+                "this rank numbers its low-latency operations on the device (GpuRank::start_device_numbering): use the numbered_* operations".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn check_device(&self, t: &DeviceTensor, what: &str) -> Result<(), Error> {
         if t.device() != self.shared.device {
             return Err(Error::Unsupported(format!(
                 "{what} is on device {}, this rank runs on device {}",
@@ -396,6 +430,7 @@ impl GpuRank {
         start: impl FnOnce(u64) -> Result<GpuOp, Error>,
     ) -> Result<GpuOp, Error> {
         self.core.poison().check()?;
+        self.refuse_if_numbered()?;
         self.check_not_masked(channel)?;
         let seq = self.core.next_seq(channel);
         let result = start(seq);

@@ -178,6 +178,9 @@ pub(crate) struct RankShared {
     /// captured step's replay (`graph/`) that holds a one-launch kernel, as a whole, for each
     /// channel it uses, and becomes it (a replay of send and receive halves only does not).
     pub(crate) last_launch: [Mutex<Option<StreamFence>>; 3],
+    /// The rank numbers its low-latency operations on the device (`graph/numbered.rs`): its
+    /// host-numbered ones are refused.
+    pub(crate) numbered: std::sync::atomic::AtomicBool,
     /// Mark blocks of device-built high-throughput handles launched so far (the value the mark
     /// counter `mem.plan_marks` reaches once they ran); changed under the handle channel's
     /// `last_launch` lock, so in the order the kernels run.
