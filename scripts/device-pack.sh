@@ -40,6 +40,7 @@ for line in sys.stdin:
     list test --release -p epflow-kernels --test gpu_rank_major
     list test --release -p epflow-kernels --test gpu_graph
     list test --release -p epflow-kernels --test gpu_numbered
+    list test --release -p epflow-kernels --test gpu_processes
     list test --release -p epflow-kernels --test gpu_masking
     list test --release -p epflow --test gpu_async
     list test --release -p epflow --test gpu_stream_order

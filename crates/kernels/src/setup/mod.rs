@@ -1,6 +1,7 @@
 //! Process setup for one process per GPU: the environment `epflow launch` (or torchrun) gives
 //! each process, the NCCL communicator it joins, and the TCP rendezvous of the NCCL id across
-//! hosts.
+//! hosts; or, for ranks all on this host, a bootstrap over TCP without NCCL (`tcp_bootstrap`).
 
 pub mod bootstrap;
 pub(crate) mod rendezvous;
+pub mod tcp_bootstrap;
