@@ -23,7 +23,9 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use cudarc::driver::sys::{CUstream, CUstreamCaptureStatus, cuStreamIsCapturing};
+use cudarc::driver::sys::{
+    CUstream, CUstreamCaptureMode, CUstreamCaptureStatus, cuStreamIsCapturing, cuThreadExchangeStreamCaptureMode,
+};
 use epflow_core::Algorithm;
 use epflow_kernels::DeviceNumbering;
 use nccl_ep_sys as ep;
@@ -37,6 +39,28 @@ pub(crate) enum Mode {
     Eager,
     /// On the device.
     Numbered(Arc<DeviceNumbering>),
+}
+
+/// This thread's stream-capture mode set to relaxed while it lives, then restored: CUDA calls
+/// that a capture in the global mode forbids (an event query) are allowed on this thread.
+struct RelaxedCalls(Option<CUstreamCaptureMode>);
+
+impl RelaxedCalls {
+    fn new() -> Self {
+        let mut mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: a valid in/out pointer to a mode; the call only swaps this thread's mode.
+        let rc = unsafe { cuThreadExchangeStreamCaptureMode(&mut mode) };
+        RelaxedCalls(rc.result().ok().map(|()| mode))
+    }
+}
+
+impl Drop for RelaxedCalls {
+    fn drop(&mut self) {
+        if let Some(mut mode) = self.0.take() {
+            // SAFETY: as in `new`: puts back the mode this thread had.
+            let _ = unsafe { cuThreadExchangeStreamCaptureMode(&mut mode) };
+        }
+    }
 }
 
 /// Whether `stream` is capturing into a CUDA graph now; `ncclInvalidUsage` for a capture that
@@ -85,7 +109,14 @@ pub(crate) fn mode(g: &Group, stream: ep::CudaStream, what: &str) -> Res<Mode> {
             "{what} on a stream under CUDA graph capture: a send-only operation issued before the capture waits for ncclEpComplete; complete it before capturing"
         )));
     }
-    g.settle(true)?;
+    {
+        // The verdicts of the operations before the capture are read first (so no operation
+        // numbered on the device reuses their buffer sets' words before): waiting for them
+        // queries their events, which a global-mode capture forbids this thread unless it
+        // relaxes its own mode for the while.
+        let _relaxed = RelaxedCalls::new();
+        g.settle(true)?;
+    }
     g.rank.start_device_numbering(dn)?;
     crate::status::info(&format!(
         "rank {}: a low-latency call was captured into a CUDA graph: the group numbers its operations on the device from now on",
