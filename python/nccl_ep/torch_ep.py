@@ -16,6 +16,20 @@ tensors' device. Example, one process per GPU::
         y = experts(d.tokens, d.expert_counts)         # [L, R*M, H]
         out = h.combine(y, topk_weights)               # [B, H]
 
+Low-latency steps can be captured in CUDA graphs (``torch.cuda.graph``) and replayed with the
+inputs refilled in place: create the handle outside the capture, then ``copy_`` the new routing
+into its ``topk_idx`` (and the new tokens and weights into theirs) before each replay; the
+outputs of the captured step are rewritten by every replay. Keep the group's calls and replays
+in one stream order::
+
+    with group.create_handle(topk_idx) as h:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            d = h.dispatch(x)
+            out = h.combine(experts(d.tokens, d.expert_counts), topk_weights)
+        topk_idx.copy_(new_routing); x.copy_(new_tokens); topk_weights.copy_(new_weights)
+        g.replay()                                     # out holds this step's result
+
 Only what epflow's library implements is offered: low-latency expert-major and rank-major,
 high-throughput flat (forward pass), BF16 tokens.
 """

@@ -961,6 +961,59 @@ def torch_expert_major(lib, comm, p, chk):
         chk.close(bits[t], p.weighted(t), "torch EpHandle combine, token %d" % t)
 
 
+def torch_captured(lib, comm, p, chk, rng, replays=3):
+    """The decode pattern of PyTorch servers: one MoE step (dispatch, the experts in PyTorch,
+    combine) captured with ``torch.cuda.graph`` and replayed with the routing, tokens and weights
+    refilled in place (``copy_``), each replay against the reference, after an eager step."""
+    import torch
+    from nccl_ep.torch_ep import EpGroup
+
+    dev = torch.device("cuda", lib.ncclCommCuDevice(comm))
+
+    def tensors(q):
+        signed = [[b - 0x10000 if b >= 0x8000 else b for b in row] for row in q.x]
+        return (
+            torch.tensor(signed, dtype=torch.int16).view(torch.bfloat16).to(dev),
+            torch.tensor(q.idx, dtype=torch.int64, device=dev),
+            torch.tensor(q.w, dtype=torch.float32, device=dev),
+        )
+
+    x, idx, w = tensors(p)
+    scales = torch.tensor([p.scale(e) for e in range(p.E)], device=dev).view(-1, 1, 1)
+
+    def check(q, d, out, what):
+        counts = d.expert_counts.cpu().tolist()
+        for e in range(q.E):
+            chk.expect(counts[e] == len(q.tokens_of(e)), "%s: expert %d count %d, expected %d" % (what, e, counts[e], len(q.tokens_of(e))))
+        bits = out.view(torch.int16).to(torch.int32).bitwise_and(0xFFFF).cpu().tolist()
+        for t in range(q.B):
+            chk.close(bits[t], q.weighted(t), "%s: combine, token %d" % (what, t))
+
+    with EpGroup(lib, comm, num_experts=p.E, max_tokens_per_rank=p.M, hidden=p.H) as g:
+        with g.create_handle(idx) as h:
+
+            def step():
+                d = h.dispatch(x)
+                y = (d.tokens.float() * scales).to(torch.bfloat16)
+                return d, h.combine(y, topk_weights=w)
+
+            d, out = step()
+            torch.cuda.synchronize(dev)
+            check(p, d, out, "torch eager step")
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                d, out = step()
+            for i in range(replays):
+                q = Problem(rng, p.E, p.M, p.H, p.K, tokens=p.B)
+                for dst, src in zip((x, idx, w), tensors(q)):
+                    dst.copy_(src)
+                out.fill_(0)
+                graph.replay()
+                torch.cuda.synchronize(dev)
+                check(q, d, out, "torch.cuda.graph replay %d" % i)
+            del graph
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -1053,6 +1106,7 @@ def main():
         import torch  # noqa: F401
 
         cases.append(("torch_ep LL expert-major", lambda p: torch_expert_major(lib, comm, p, chk)))
+        cases.append(("torch_ep LL expert-major, torch.cuda.graph", lambda p: torch_captured(lib, comm, p, chk, rng)))
     except ImportError:
         print("SKIPPED: torch_ep case (PyTorch is not importable)")
     errors = 0
