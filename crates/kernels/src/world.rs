@@ -349,7 +349,7 @@ fn build_rank(
         later_builds: Mutex::default(),
         functions,
         mem,
-        peers,
+        peers: RankShared::peers_cell(peers),
         num_sms,
         handle_pool: Arc::new(Mutex::new(Vec::new())),
         null_handle,

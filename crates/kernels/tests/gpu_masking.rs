@@ -253,3 +253,104 @@ fn masking_one_process_per_gpu() {
     assert!(first < timeout() + Duration::from_millis(500), "rank {me}: {first:?}");
     eprintln!("ok: rank {me} of {n}: {iters} masked iterations after rank {dead}'s process exited, 0 mismatches");
 }
+
+/// Wall times of `rounds` rounds of `rank` from scenario `from` on (masking `masked`), checked.
+fn timed_rounds(
+    rank: &GpuRank,
+    b: &Bufs,
+    config: &GroupConfig,
+    from: u64,
+    rounds: u64,
+    masked: &RankSet,
+) -> Vec<Duration> {
+    let n = rank.num_ranks();
+    let layout_of = |i: u64| if i % 2 == 0 { Layout::ExpertMajor } else { Layout::RankMajor };
+    (from..from + rounds)
+        .map(|i| {
+            let t = Instant::now();
+            round(rank, b, &scenario(config, n, i), masked, layout_of(i), staged(i));
+            t.elapsed()
+        })
+        .collect()
+}
+
+fn median_us(mut v: Vec<Duration>) -> f64 {
+    v.sort();
+    v.get(v.len() / 2).map_or(0.0, |d| d.as_secs_f64() * 1e6)
+}
+
+/// A replacement process takes a dead rank's place (`GpuWorld::rejoin` in it, `GpuRank::admit`
+/// in the survivors), the processes joined over the TCP bootstrap (so two may share one GPU).
+/// Started by hand, one process per role, two ranks (`scripts/device-run-rejoin.sh`):
+/// `EPFLOW_TEST_REJOIN=survivor` (`RANK=0`), `victim` (`RANK=1`: four full rounds, then its
+/// process exits on the spot), then, once it is gone, `newcomer` (`RANK=1`). `MASTER_ADDR` and
+/// `MASTER_PORT` are the group's rendezvous, `EPFLOW_TEST_REJOIN_PORT` the meeting's,
+/// `LOCAL_RANK` the device, `EPFLOW_TEST_SEED` the same in every process, `EPFLOW_GPU_ITERS`
+/// the rounds per phase (default 50). The survivor times its first operation without rank 1
+/// (the stall), runs the masked rounds against the reference without rank 1, admits the
+/// newcomer (timed), then both run full rounds bit-exact; the survivor prints each phase's
+/// median round. Without `EPFLOW_TEST_REJOIN` it prints SKIPPED and passes.
+#[test]
+fn rejoin_over_tcp() {
+    use epflow_kernels::setup::tcp_bootstrap::{TcpBootstrap, TcpLinks};
+    let Ok(role) = std::env::var("EPFLOW_TEST_REJOIN") else {
+        eprintln!("SKIPPED rejoin_over_tcp: EPFLOW_TEST_REJOIN is not set (scripts/device-run-rejoin.sh starts it)");
+        return;
+    };
+    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} is not set"));
+    let num = |k: &str| var(k).parse::<usize>().unwrap_or_else(|_| panic!("{k} is not a number"));
+    let (me, n, device) = (num("RANK"), num("WORLD_SIZE"), num("LOCAL_RANK"));
+    let (addr, port, meet_port) =
+        (var("MASTER_ADDR"), num("MASTER_PORT") as u16, num("EPFLOW_TEST_REJOIN_PORT") as u16);
+    let base: u64 = var("EPFLOW_TEST_SEED").parse().expect("EPFLOW_TEST_SEED");
+    let iters: u64 = std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(50);
+    assert_eq!(n, 2, "rejoin_over_tcp runs two ranks");
+    let config = GroupConfig::low_latency(8 * n, M, H).with_rank_masking(true).with_timeout(timeout());
+    let (none, gone) = (RankSet::new(), RankSet::from_ranks([1], n).unwrap());
+    let wait = Duration::from_secs(120);
+    let meeting =
+        || TcpBootstrap::new(TcpLinks::connect(me, n, &addr, meet_port, wait).expect("meeting"), device).unwrap();
+    let after = base + 1000;
+    match role.as_str() {
+        "survivor" | "victim" => {
+            let boot =
+                TcpBootstrap::new(TcpLinks::connect(me, n, &addr, port, wait).expect("connect"), device).unwrap();
+            let rank = GpuWorld::join_over(&boot, config.clone(), epflow_kernels::Transport::Auto).expect("join");
+            let b = Bufs::new(&rank, &scenario(&config, n, base));
+            let before = timed_rounds(&rank, &b, &config, base, 4, &none);
+            epflow_kernels::setup::bootstrap::Bootstrap::all_gather_bytes(&boot, &[1]).expect("barrier");
+            if role == "victim" {
+                eprintln!("rank {me}: process exits now");
+                std::process::exit(0);
+            }
+            let stall = timed_rounds(&rank, &b, &config, base + 4, 1, &gone)[0];
+            eprintln!("rank {me}: first operation without rank 1 took {stall:?} (timeout {:?})", timeout());
+            let during = timed_rounds(&rank, &b, &config, base + 5, iters, &gone);
+            let t = Instant::now();
+            let admitted = rank.admit(&meeting()).expect("admit");
+            let admit = t.elapsed();
+            assert_eq!(admitted, gone);
+            assert!(rank.masked_ranks().ranks.is_empty());
+            let full = timed_rounds(&rank, &b, &config, after, iters, &none);
+            eprintln!(
+                "ok: rank {me}: rounds before {:.0} us, masked {:.0} us, after the rejoin {:.0} us (medians; {iters} masked and {iters} full rounds bit-exact); first masked operation {stall:?}, admit {admit:?} (from its call, the newcomer's start included)",
+                median_us(before),
+                median_us(during),
+                median_us(full.clone())
+            );
+            assert!(!rank.poison().is_poisoned());
+        }
+        "newcomer" => {
+            let t = Instant::now();
+            let rank = GpuWorld::rejoin(&meeting(), config.clone()).expect("rejoin");
+            let joined = t.elapsed();
+            let b = Bufs::new(&rank, &scenario(&config, n, after));
+            let full = timed_rounds(&rank, &b, &config, after, iters, &none);
+            eprintln!(
+                "ok: rank {me} (newcomer): rejoined in {joined:?}, {iters} full rounds bit-exact, median {:.0} us",
+                median_us(full)
+            );
+        }
+        other => panic!("EPFLOW_TEST_REJOIN={other}: survivor, victim or newcomer"),
+    }
+}

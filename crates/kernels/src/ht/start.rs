@@ -77,8 +77,8 @@ fn ht_params(s: &RankShared, chan: Channel, h: &GpuHandle, seq: u64, stamp: Stam
         recv_cnt: base + info.off.recv_cnt as u64,
         copy_ord: base + info.off.copy_ord as u64,
         own_ring,
-        peer_ring: peer_array(peer_rings),
-        peer_signals: peer_array(&s.peers.signals),
+        peer_ring: peer_rings,
+        peer_signals: peer_array(&s.peers().signals),
         signals: s.mem.signals.ptr(),
         status: s.mem.status.device_ptr(),
         seq,
@@ -143,8 +143,8 @@ pub(crate) fn handle(
             rank: s.rank as i32,
             num_ranks: s.num_ranks as i32,
             words: words as i32,
-            peer_region: peer_array(&s.peers.exchange),
-            peer_signals: peer_array(&s.peers.signals),
+            peer_region: peer_array(&s.peers().exchange),
+            peer_signals: peer_array(&s.peers().signals),
             stamp: stamp.encode(),
             ..ExchangeParams::default()
         })

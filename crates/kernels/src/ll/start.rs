@@ -62,8 +62,8 @@ fn base_params(
     };
     let (own, peers) = s.recv_regions(channel == 0);
     p.own_recv = own;
-    p.peer_recv = peer_array(peers);
-    p.peer_signals = peer_array(&s.peers.signals);
+    p.peer_recv = peers;
+    p.peer_signals = peer_array(&s.peers().signals);
     p.recv_set_bytes = if channel == 0 { l.dispatch_recv_set_bytes() } else { l.combine_recv_set_bytes() } as u64;
     p.msg_bytes = l.msg_bytes as u64;
     if let Some(n) = &s.nccl {

@@ -48,7 +48,7 @@ impl GpuRank {
         MaskParams {
             signals: s.mem.signals.ptr(),
             status: s.mem.status.device_ptr(),
-            peer_signals: peer_array(&s.peers.signals),
+            peer_signals: peer_array(&s.peers().signals),
             timeout_ns: s.device_timeout_ns(),
             rank: s.rank as i32,
             num_ranks: s.num_ranks as i32,

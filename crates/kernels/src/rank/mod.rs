@@ -2,6 +2,7 @@
 //! the low-latency ([`crate::ll`]) or high-throughput ([`crate::ht`]) start of each operation.
 //!
 //! - `mask`: rank masking ([`epflow_core::mask`]): the host's view, `mask_ranks`, `unmask_all`.
+//! - `rejoin`: a new process in place of a masked rank ([`GpuRank::admit`], [`GpuWorld::rejoin`]).
 //! - `expert_major`: NCCL EP's high-throughput expert-major layout over the flat one
 //!   ([`ExpertMajorPlan`]).
 
@@ -13,6 +14,7 @@ mod launch_cost;
 pub use launch_cost::LaunchCost;
 mod mask;
 mod meet;
+mod rejoin;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

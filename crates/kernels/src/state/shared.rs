@@ -95,6 +95,7 @@ impl Drop for RankMemory {
 
 /// The device addresses of every rank's receive regions and signal page, and what keeps them
 /// mapped (the peers' memory in one process; CUDA IPC mappings across processes).
+#[derive(Clone)]
 pub(crate) struct Peers {
     pub(crate) disp_recv: Vec<u64>,
     pub(crate) comb_recv: Vec<u64>,
@@ -140,7 +141,9 @@ pub(crate) struct RankShared {
     pub(crate) functions: Functions,
     pub(crate) mem: Arc<RankMemory>,
     /// Every rank's buffers as this process addresses them (index = rank), this one included.
-    pub(crate) peers: Peers,
+    /// Every rank's mapped memory; replaced as a whole when a process takes a masked rank's
+    /// place (`rank/rejoin.rs`), so read it once per launch ([`RankShared::peers`]).
+    pub(crate) peers: std::sync::RwLock<Arc<Peers>>,
     pub(crate) num_sms: u32,
     /// Handles' memory, recycled (local: from `local_allocator` when set).
     pub(crate) handle_pool: Arc<Mutex<Vec<DeviceBuffer>>>,
@@ -278,12 +281,28 @@ impl RankShared {
 
     /// This rank's receive region of the dispatch (`dispatch`) or combine channel, and every
     /// rank's, in rank order.
-    pub(crate) fn recv_regions(&self, dispatch: bool) -> (u64, &[u64]) {
+    pub(crate) fn recv_regions(&self, dispatch: bool) -> (u64, [u64; MAX_RANKS]) {
+        let peers = self.peers();
         if dispatch {
-            (self.mem.disp_recv.ptr(), &self.peers.disp_recv)
+            (self.mem.disp_recv.ptr(), peer_array(&peers.disp_recv))
         } else {
-            (self.mem.comb_recv.ptr(), &self.peers.comb_recv)
+            (self.mem.comb_recv.ptr(), peer_array(&peers.comb_recv))
         }
+    }
+
+    /// Every rank's mapped memory now.
+    pub(crate) fn peers(&self) -> Arc<Peers> {
+        Arc::clone(&self.peers.read().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Replaces the view of the peers' memory (a process took a masked rank's place).
+    pub(crate) fn replace_peers(&self, peers: Peers) {
+        *self.peers.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(peers);
+    }
+
+    /// The view of the peers' memory at creation.
+    pub(crate) fn peers_cell(peers: Peers) -> std::sync::RwLock<Arc<Peers>> {
+        std::sync::RwLock::new(Arc::new(peers))
     }
 }
 

@@ -1,0 +1,318 @@
+//! A new process takes the place of a masked rank in a running low-latency group
+//! ([`GpuWorld::rejoin`] in the newcomer, [`GpuRank::admit`] in every survivor), and the
+//! survivors never rebuild their group.
+//!
+//! The meeting runs over a bootstrap of its own that every rank of the group joins, the
+//! newcomers at their ranks (e.g. a [`crate::setup::tcp_bootstrap::TcpBootstrap`] on a port the
+//! server chose): the group's own bootstrap may be an NCCL communicator, which cannot take a new
+//! process. Its rounds, in order:
+//! 1. a record of each rank: survivor or newcomer, its host, the group's config (a fingerprint),
+//!    a survivor's mask epoch and mask word. Every rank checks alike: every newcomer's rank is
+//!    masked in every survivor's view and every masked rank has a newcomer; one host; one
+//!    config; the survivors agree on the epoch. A failure is [`Error::RejoinRefused`] (no rank
+//!    masking, a rank not masked, another config) or [`Error::Unsupported`] (another host,
+//!    survivors that disagree) on every rank, before anything changed;
+//! 2. the rounds of [`GpuWorld::join_over`]: the newcomer joins as at creation (its memory, the
+//!    survivors' mapped with CUDA IPC); the survivors send what they sent then (their place, no
+//!    NCCL, handles of the same memory) and map the newcomers' memory;
+//! 3. a fingerprint of every rank's buffer layout (the newcomer's GPU may not change it);
+//! 4. the survivors put the newcomers' memory in place of the dead ranks' (no kernel addresses a
+//!    masked rank), the newcomer takes the survivors' mask epoch, and every rank runs
+//!    `unmask_all`: on the device, the ranks agree on the next operation numbers (the survivors'),
+//!    reset every credit and the mask, and the newcomer numbers from there.
+//!
+//! A rank that dies or never comes makes the meeting's bootstrap time out on the others (naming
+//! it); before step 4 the survivors go on as they were (still masked), during `unmask_all` the
+//! group fails as `unmask_all` does.
+
+use std::sync::Arc;
+
+use epflow_core::mask::RankSet;
+use epflow_core::protocol::Channel;
+use epflow_core::{Algorithm, Error, GroupConfig, RejoinRefusal};
+
+use super::GpuRank;
+use crate::device::{pci_key, sm_count_of};
+use crate::setup::bootstrap::{Bootstrap, all_gather_u64};
+use crate::transport::host_id;
+use crate::transport::nvlink::{IpcMapping, ipc_export};
+use crate::world::GpuWorld;
+
+/// A survivor's record.
+const SURVIVOR: u64 = 1;
+/// A newcomer's record.
+const NEWCOMER: u64 = 2;
+/// u64 words of a record: role, host, config fingerprint, mask epoch, mask word.
+const RECORD_WORDS: usize = 5;
+
+/// What the meeting's first round tells every rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Record {
+    role: u64,
+    host: u64,
+    config: u64,
+    epoch: u64,
+    masked: u64,
+}
+
+impl Record {
+    fn words(self) -> [u64; RECORD_WORDS] {
+        [self.role, self.host, self.config, self.epoch, self.masked]
+    }
+
+    fn from_words(w: &[u64]) -> Self {
+        Record { role: w[0], host: w[1], config: w[2], epoch: w[3], masked: w[4] }
+    }
+}
+
+/// FNV-1a of `text`: fingerprints that every process of one build computes alike.
+fn fingerprint(text: &str) -> u64 {
+    text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// The fingerprint of what every rank of a group must share.
+fn config_fingerprint(c: &GroupConfig, ranks: usize) -> u64 {
+    fingerprint(&format!(
+        "{ranks} {:?} {} {} {:?} {:?} {} {} {}",
+        c.algorithm,
+        c.num_experts,
+        c.hidden,
+        c.max_tokens_per_rank,
+        c.dispatch_dtype,
+        c.buffer_sets,
+        c.rank_masking,
+        c.max_top_k
+    ))
+}
+
+/// The meeting's first round: every rank's record, checked alike on every rank. Returns the
+/// newcomers' ranks and the survivors' mask epoch.
+fn meet_records(meeting: &(impl Bootstrap + ?Sized), mine: Record) -> Result<(RankSet, u64), Error> {
+    let all = all_gather_u64(meeting, &mine.words())?;
+    let records: Vec<Record> = all.chunks_exact(RECORD_WORDS).map(Record::from_words).collect();
+    check_records(&records)
+}
+
+/// The checks of the records (every rank runs them on the same records, so every rank decides
+/// alike).
+fn check_records(records: &[Record]) -> Result<(RankSet, u64), Error> {
+    let refuse = |m: String| Err(Error::Unsupported(format!("rejoin: {m}")));
+    let mut newcomers = RankSet::default();
+    for (r, rec) in records.iter().enumerate() {
+        match rec.role {
+            NEWCOMER => newcomers.insert(r)?,
+            SURVIVOR => {}
+            other => return refuse(format!("rank {r} sent role {other}: not an epflow rejoin meeting")),
+        }
+    }
+    let survivors: Vec<(usize, &Record)> = records.iter().enumerate().filter(|(_, r)| r.role == SURVIVOR).collect();
+    let Some(&(first, lead)) = survivors.first() else {
+        return refuse("no survivor came: every rank is a newcomer (create a new group instead)".into());
+    };
+    if newcomers.is_empty() {
+        return refuse("no newcomer came: every rank is a survivor".into());
+    }
+    let newcomer = newcomers.iter().next().unwrap_or(0);
+    for (r, rec) in records.iter().enumerate() {
+        if rec.config != lead.config {
+            let why = RejoinRefusal::ConfigMismatch(format!("rank {r}'s differs from rank {first}'s"));
+            return Err(Error::RejoinRefused { rank: newcomer, why });
+        }
+        if rec.host != lead.host {
+            return refuse(format!(
+                "rank {r} is on another host than rank {first}: a rejoin maps memory with CUDA IPC (one host)"
+            ));
+        }
+    }
+    for &(r, rec) in &survivors {
+        if rec.epoch != lead.epoch {
+            return refuse(format!(
+                "survivors {first} and {r} are at different unmask epochs ({} and {})",
+                lead.epoch, rec.epoch
+            ));
+        }
+        if let Some(n) = newcomers.iter().find(|&n| rec.masked >> n & 1 == 0) {
+            tracing::warn!(survivor = r, rank = n, "rejoin refused: the survivor has not masked the rank");
+            return Err(Error::RejoinRefused { rank: n, why: RejoinRefusal::NotMasked });
+        }
+        if rec.masked != newcomers.low_bits() {
+            let masked = RankSet::from_low_bits(rec.masked);
+            return refuse(format!(
+                "survivor {r} masks ranks {:?}, the newcomers are ranks {:?}: only a masked rank can be replaced, and every masked rank must be",
+                masked.to_vec(),
+                newcomers.to_vec()
+            ));
+        }
+    }
+    Ok((newcomers, lead.epoch))
+}
+
+/// The meeting's layout round: every rank's buffer layout must be the survivors'.
+fn meet_layouts(meeting: &(impl Bootstrap + ?Sized), rank: &GpuRank) -> Result<(), Error> {
+    let mine = fingerprint(&format!("{:?}", rank.shared.layout));
+    let all = all_gather_u64(meeting, &[mine])?;
+    if let Some(r) = all.iter().position(|&f| f != all[0]) {
+        return Err(Error::Unsupported(format!(
+            "rejoin: rank {r}'s buffer layout differs from rank 0's (another GPU model, or another build)"
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses a meeting bootstrap that is not this group's shape.
+fn check_meeting(meeting: &(impl Bootstrap + ?Sized), rank: usize, ranks: usize) -> Result<(), Error> {
+    if meeting.rank() != rank || meeting.world_size() != ranks {
+        return Err(Error::Unsupported(format!(
+            "rejoin: the meeting is rank {} of {}, the group's rank is {rank} of {ranks}",
+            meeting.rank(),
+            meeting.world_size()
+        )));
+    }
+    Ok(())
+}
+
+impl GpuWorld {
+    /// Takes the place of masked rank `meeting.rank()` in a running low-latency group whose
+    /// survivors call [`GpuRank::admit`] on the same meeting (collective with them; see the
+    /// module's rounds). `config` must be the group's (rank masking on). Returns this process's
+    /// rank, numbering its operations from the survivors' next ones. Errors, on every rank
+    /// alike: the rank is not masked, another config ([`Error::RejoinRefused`]); another host,
+    /// another buffer layout ([`Error::Unsupported`]); a rank that does not come
+    /// ([`Error::Timeout`] of the bootstrap, or of `unmask_all`).
+    pub fn rejoin(meeting: &(impl Bootstrap + ?Sized), config: GroupConfig) -> Result<GpuRank, Error> {
+        let ranks = meeting.world_size();
+        refuse_config(&config, meeting.rank())?;
+        let mine =
+            Record { role: NEWCOMER, host: host_id(), config: config_fingerprint(&config, ranks), epoch: 0, masked: 0 };
+        let (_, epoch) = meet_records(meeting, mine)?;
+        let joined = GpuWorld::join_over(meeting, config, crate::Transport::Auto)?;
+        meet_layouts(meeting, &joined)?;
+        joined.core.set_mask_epoch(epoch);
+        joined.unmask_all_now()?;
+        Ok(joined)
+    }
+}
+
+/// Rejoins take low-latency groups with rank masking.
+fn refuse_config(config: &GroupConfig, rank: usize) -> Result<(), Error> {
+    if !config.rank_masking {
+        return Err(Error::RejoinRefused { rank, why: RejoinRefusal::MaskingOff });
+    }
+    if config.algorithm != Algorithm::LowLatency {
+        return Err(Error::Unsupported(
+            "rejoin: low-latency groups only (high-throughput rings cannot skip a rank)".into(),
+        ));
+    }
+    Ok(())
+}
+
+impl GpuRank {
+    /// Admits the newcomers of `meeting` in place of this group's masked ranks (every survivor
+    /// calls it, collective with the newcomers' [`GpuWorld::rejoin`]; see the module's rounds),
+    /// with no operation of this rank in flight. Returns the admitted ranks. Until the meeting's
+    /// last step nothing changes here: on an error before it this rank goes on as it was.
+    pub fn admit(&self, meeting: &(impl Bootstrap + ?Sized)) -> Result<RankSet, Error> {
+        self.core.poison().check()?;
+        let s = &self.shared;
+        refuse_config(&s.config, s.rank)?;
+        check_meeting(meeting, s.rank, s.num_ranks)?;
+        let mine = Record {
+            role: SURVIVOR,
+            host: host_id(),
+            config: config_fingerprint(&s.config, s.num_ranks),
+            epoch: self.core.mask_epoch(),
+            masked: self.mask_view().ranks.low_bits(),
+        };
+        let (newcomers, _) = meet_records(meeting, mine)?;
+        // `GpuWorld::join_over`'s rounds, as this rank took part in them at creation.
+        let ctx = &s.ctx;
+        all_gather_u64(meeting, &[host_id(), pci_key(ctx)?, sm_count_of(ctx)? as u64])?;
+        let masks = all_gather_u64(meeting, &[0])?;
+        if let Some(r) = masks.iter().position(|&m| m != 0) {
+            return Err(Error::Unsupported(format!("rejoin: rank {r} reaches peers through NCCL")));
+        }
+        let own = [s.mem.disp_recv.ptr(), s.mem.comb_recv.ptr(), s.mem.exchange.ptr(), s.mem.signals.ptr()];
+        let mut mine = Vec::with_capacity(own.len() * 64);
+        for ptr in own {
+            mine.extend_from_slice(&ipc_export(ptr)?);
+        }
+        let all = meeting.all_gather_bytes(&mine)?;
+        let mut peers = (*s.peers()).clone();
+        for r in newcomers.iter() {
+            let mut ptrs = [0u64; 4];
+            for (i, p) in ptrs.iter_mut().enumerate() {
+                let off = (r * 4 + i) * 64;
+                let mapping = IpcMapping::open(ctx, &all[off..off + 64])?;
+                *p = mapping.ptr;
+                peers.keep.push(Arc::new(mapping));
+            }
+            peers.disp_recv[r] = ptrs[0];
+            peers.comb_recv[r] = ptrs[1];
+            peers.exchange[r] = ptrs[2];
+            peers.signals[r] = ptrs[3];
+        }
+        meet_layouts(meeting, self)?;
+        // No kernel of this rank addresses a masked rank: the new addresses take effect with the
+        // operations after `unmask_all`.
+        s.replace_peers(peers);
+        self.unmask_all_now()?;
+        tracing::info!(
+            rank = s.rank,
+            admitted = ?newcomers.to_vec(),
+            next_dispatch = self.core.peek_seq(Channel::Dispatch),
+            "rejoin: newcomers admitted"
+        );
+        Ok(newcomers)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(role: u64, masked: u64) -> Record {
+        Record { role, host: 7, config: 9, epoch: 2, masked }
+    }
+
+    #[test]
+    fn a_newcomer_at_the_masked_rank_is_admitted() {
+        let (newcomers, epoch) = check_records(&[rec(SURVIVOR, 0b10), rec(NEWCOMER, 0), rec(SURVIVOR, 0b10)]).unwrap();
+        assert_eq!((newcomers.low_bits(), epoch), (0b10, 2));
+    }
+
+    #[test]
+    fn bad_meetings_are_refused_by_name() {
+        let refused = |records: &[Record], needle: &str| match check_records(records) {
+            Err(Error::Unsupported(m)) => assert!(m.contains(needle), "{m}"),
+            other => panic!("expected a refusal naming {needle:?}, got {other:?}"),
+        };
+        // A rejoin while the rank is not masked.
+        assert_eq!(
+            check_records(&[rec(SURVIVOR, 0), rec(NEWCOMER, 0)]).unwrap_err(),
+            Error::RejoinRefused { rank: 1, why: RejoinRefusal::NotMasked }
+        );
+        // A masked rank without a newcomer beside one with.
+        refused(&[rec(SURVIVOR, 0b110), rec(NEWCOMER, 0), rec(SURVIVOR, 0b110)], "every masked rank");
+        // A replacement with another config.
+        let other = Record { config: 10, ..rec(NEWCOMER, 0) };
+        assert!(matches!(
+            check_records(&[rec(SURVIVOR, 0b10), other]),
+            Err(Error::RejoinRefused { rank: 1, why: RejoinRefusal::ConfigMismatch(_) })
+        ));
+        let far = Record { host: 8, ..rec(NEWCOMER, 0) };
+        refused(&[rec(SURVIVOR, 0b10), far], "another host");
+        let late = Record { epoch: 3, ..rec(SURVIVOR, 0b10) };
+        refused(&[rec(SURVIVOR, 0b10), rec(NEWCOMER, 0), late], "unmask epochs");
+        refused(&[rec(SURVIVOR, 0), rec(SURVIVOR, 0)], "no newcomer");
+        refused(&[rec(NEWCOMER, 0), rec(NEWCOMER, 0)], "no survivor");
+        refused(&[rec(SURVIVOR, 0b10), rec(5, 0)], "role 5");
+    }
+
+    #[test]
+    fn config_fingerprints_tell_groups_apart() {
+        let a = GroupConfig::low_latency(16, 32, 2048).with_rank_masking(true);
+        assert_eq!(config_fingerprint(&a, 2), config_fingerprint(&a.clone(), 2));
+        assert_ne!(config_fingerprint(&a, 2), config_fingerprint(&a, 4));
+        assert_ne!(config_fingerprint(&a, 2), config_fingerprint(&GroupConfig::low_latency(16, 32, 4096), 2));
+    }
+}
