@@ -330,6 +330,20 @@ mod tests {
     }
 
     #[test]
+    fn a_second_process_for_one_rank_is_refused() {
+        // Two replacements for rank 1 (a rejoin meeting of two ranks): rank 0 refuses by name.
+        let port = free_port();
+        let got: Vec<Result<TcpLinks, Error>> = std::thread::scope(|s| {
+            let root = s.spawn(move || TcpLinks::connect(0, 3, "127.0.0.1", port, Duration::from_secs(20)));
+            let twins: Vec<_> = (0..2)
+                .map(|_| s.spawn(move || TcpLinks::connect(1, 3, "127.0.0.1", port, Duration::from_secs(20))))
+                .collect();
+            std::iter::once(root).chain(twins).map(|h| h.join().expect("no panic")).collect()
+        });
+        assert!(matches!(&got[0], Err(Error::Unsupported(m)) if m.contains("rank 1 connected twice")), "{:?}", got[0]);
+    }
+
+    #[test]
     fn a_missing_rank_times_out_by_name() {
         let port = free_port();
         let root = TcpLinks::connect(0, 3, "127.0.0.1", port, Duration::from_millis(300));
