@@ -8,17 +8,17 @@
 
 use std::time::{Duration, Instant};
 
-use epflow_core::backend::{Backend, blocking_combine, blocking_dispatch, blocking_handle, blocking_handle_with};
+use epflow_core::backend::{Backend, blocking_dispatch, blocking_handle_with};
 use epflow_core::graph::{PendingReplay, StepBackend};
 use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions, Layout};
 use epflow_core::scenario::Scenario;
-use epflow_core::verify::{Report, Tolerance, check_bf16, check_ll_dispatch, check_rank_major_dispatch};
+use epflow_core::verify::Report;
 use epflow_core::workload::RoutingKind;
 use epflow_core::{DispatchDtype, Error, GroupConfig, HostTensor, ValidationError};
 use epflow_kernels::{DeviceTensor, GpuHandle, GpuRank, GpuReplay, GpuStep, GpuWorld};
 
 mod common;
-use common::{gpus, on_ranks, seed, shared_gpu_sms};
+use common::{LlRound, check_ll_round, eager_ll_round, gpus, on_ranks, seed, shared_gpu_sms};
 
 /// Most tokens per rank of the groups here (a power of two: the expert-major outputs
 /// `[L x R*M x H]` are downloaded after every replay).
@@ -141,48 +141,22 @@ fn refill(rank: &GpuRank, c: &Side, sc: &Scenario, layout: Layout) -> Result<(),
 /// Checks the step's outputs on rank `r` against `sc`'s reference.
 fn check(rank: &GpuRank, c: &Side, sc: &Scenario, layout: Layout) -> Result<(Report, Report), Error> {
     let (r, ctx) = (rank.rank(), rank.context());
-    let (h, k, m) = (sc.config.hidden, sc.top_k, max_tokens(sc));
     let d = c.handle.graph_dispatch_outputs().expect("graph handle");
-    let tokens = d.tokens.download(ctx)?;
-    let scales = d.scales.as_ref().map(|s| s.download(ctx)).transpose()?;
-    let scales = scales.as_ref().and_then(HostTensor::as_f32);
-    let counts = d.counts.as_ref().expect("counts").download(ctx)?;
-    let counts = counts.as_i32().unwrap_or_default();
-    let y = c.handle.graph_combine_output().expect("graph handle").download(ctx)?;
-    let (dr, want) = match layout {
-        Layout::ExpertMajor => {
-            let refs = sc.ll_dispatch_reference().unwrap();
-            let want = sc.ll_combine_identity_reference(&refs).unwrap();
-            (check_ll_dispatch(&refs[r], h, sc.num_ranks * m, tokens.data(), scales, counts), want)
-        }
+    let get = |t: Option<&DeviceTensor>| t.map(|t| t.download(ctx)).transpose();
+    let rank_major = match layout {
         Layout::RankMajor => {
-            let refs = sc.ll_rank_major_reference().unwrap();
-            let want = sc.ll_rank_major_combine_identity_reference(&refs).unwrap();
-            let gw = d.topk_weights.as_ref().expect("weights").download(ctx)?;
-            let gi = d.topk_idx.as_ref().expect("idx").download(ctx)?;
-            let (gw, gi) = (gw.as_f32().unwrap_or_default(), gi.as_i32().unwrap_or_default());
-            (check_rank_major_dispatch(&refs[r], h, m, k, tokens.data(), scales, gw, gi, counts), want)
+            Some((get(d.topk_weights.as_ref())?.expect("weights"), get(d.topk_idx.as_ref())?.expect("idx")))
         }
+        Layout::ExpertMajor => None,
     };
-    let cr = check_bf16("combine", &want[r], y.as_bf16().unwrap_or_default(), Tolerance::Exact);
-    Ok((dr.context(&format!("rank {r} dispatch")), cr.context(&format!("rank {r} combine"))))
-}
-
-/// An eager dispatch + combine round on `rank` (checked), between replays.
-fn eager_round(rank: &GpuRank, sc: &Scenario) -> Result<Report, Error> {
-    let r = rank.rank();
-    let idx = rank.upload(&sc.topk_idx(r))?;
-    let handle = blocking_handle(rank, &idx)?;
-    let x = rank.upload(&sc.tokens(r))?;
-    let w = rank.upload(&sc.weights(r))?;
-    let refs = sc.ll_dispatch_reference().unwrap();
-    let want = sc.ll_combine_identity_reference(&refs).unwrap();
-    let y = rank.upload(&expert_outputs(sc, r, Layout::ExpertMajor))?;
-    drop(blocking_dispatch(rank, &handle, DispatchInputs::new(&x), &DispatchOptions::default(), false)?);
-    let out =
-        blocking_combine(rank, &handle, CombineInputs::new(&y).with_weights(&w), &CombineOptions::default(), true)?;
-    let got = out.to_host()?.tokens;
-    Ok(check_bf16("eager combine", &want[r], got.as_bf16().unwrap_or_default(), Tolerance::Exact))
+    let got = LlRound {
+        tokens: d.tokens.download(ctx)?,
+        scales: get(d.scales.as_ref())?,
+        counts: get(d.counts.as_ref())?.expect("counts"),
+        rank_major,
+        combined: c.handle.graph_combine_output().expect("graph handle").download(ctx)?,
+    };
+    Ok(check_ll_round(sc, r, layout, max_tokens(sc), &got))
 }
 
 /// `replays` replays on `devices` for each of `shapes` (tokens per rank, top-k) and both
@@ -210,7 +184,7 @@ fn replay_world(devices: &[usize], cfg: &GroupConfig, base: u64, replays: u64, s
                 for i in 0..replays {
                     let sc = scenario(i);
                     if i % 7 == 6 && layout == Layout::ExpertMajor {
-                        let e = eager_round(rank, &sc).expect("eager round");
+                        let e = eager_ll_round(rank, &sc).expect("eager round");
                         assert!(e.ok(), "{what} replay {i}: {e:?}");
                     }
                     refill(rank, &c.side, &sc, layout).expect("refill");
@@ -354,7 +328,7 @@ fn graph_replay_against_an_eager_peer_is_a_mismatch() {
             refill(rank, &c.side, &sc, Layout::ExpertMajor).expect("refill");
             return settle(rank.launch_step(&c.step).expect("launch"));
         }
-        eager_round(rank, &sc).map(drop)
+        eager_ll_round(rank, &sc).map(drop)
     });
     assert!(matches!(results[0], Err(Error::PeerMismatch { peer: 1, .. })), "rank 0: {:?}", results[0]);
     assert!(matches!(results[1], Err(Error::PeerMismatch { peer: 0, .. })), "rank 1: {:?}", results[1]);

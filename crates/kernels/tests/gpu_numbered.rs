@@ -11,17 +11,17 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, sys};
-use epflow_core::backend::{Backend, blocking_combine, blocking_dispatch, blocking_handle, blocking_handle_on};
+use epflow_core::backend::{Backend, blocking_dispatch, blocking_handle_on};
 use epflow_core::handle::RoutingHandle;
 use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, HandleOptions, Layout};
 use epflow_core::scenario::Scenario;
-use epflow_core::verify::{Report, Tolerance, check_bf16, check_ll_dispatch, check_rank_major_dispatch};
+use epflow_core::verify::Report;
 use epflow_core::workload::RoutingKind;
-use epflow_core::{DType, DispatchDtype, Error, GroupConfig, HostTensor, TensorDesc, TensorTag, ValidationError};
+use epflow_core::{DType, DispatchDtype, Error, GroupConfig, TensorDesc, TensorTag, ValidationError};
 use epflow_kernels::{DeviceNumbering, DeviceTensor, GpuHandle, GpuRank, GpuWorld, NumberedSend, OutputTargets};
 
 mod common;
-use common::{gpus, on_ranks, seed, shared_gpu_sms};
+use common::{LlRound, check_ll_round, eager_ll_round, gpus, on_ranks, seed, shared_gpu_sms};
 
 const M: usize = 64;
 
@@ -125,30 +125,19 @@ impl Buffers {
     /// Checks the outputs on this rank against `sc`'s reference.
     fn check(&self, rank: &GpuRank, sc: &Scenario, layout: Layout) -> Result<(Report, Report), Error> {
         let (r, ctx) = (rank.rank(), rank.context());
-        let (h, k) = (sc.config.hidden, sc.top_k);
         let get = |i: usize| self.out[i].as_ref().map(|t| t.download(ctx)).transpose();
-        let tokens = get(0)?.expect("tokens");
-        let scales = get(1)?;
-        let scales = scales.as_ref().and_then(HostTensor::as_f32);
-        let counts = get(4)?.expect("counts");
-        let counts = counts.as_i32().unwrap_or_default();
-        let y = self.combined.download(ctx)?;
-        let (dr, want) = match layout {
-            Layout::ExpertMajor => {
-                let refs = sc.ll_dispatch_reference().unwrap();
-                let want = sc.ll_combine_identity_reference(&refs).unwrap();
-                (check_ll_dispatch(&refs[r], h, sc.num_ranks * M, tokens.data(), scales, counts), want)
-            }
-            Layout::RankMajor => {
-                let refs = sc.ll_rank_major_reference().unwrap();
-                let want = sc.ll_rank_major_combine_identity_reference(&refs).unwrap();
-                let (gw, gi) = (get(2)?.expect("weights"), get(3)?.expect("ids"));
-                let (gw, gi) = (gw.as_f32().unwrap_or_default(), gi.as_i32().unwrap_or_default());
-                (check_rank_major_dispatch(&refs[r], h, M, k, tokens.data(), scales, gw, gi, counts), want)
-            }
+        let rank_major = match layout {
+            Layout::RankMajor => Some((get(2)?.expect("weights"), get(3)?.expect("ids"))),
+            Layout::ExpertMajor => None,
         };
-        let cr = check_bf16("combine", &want[r], y.as_bf16().unwrap_or_default(), Tolerance::Exact);
-        Ok((dr.context(&format!("rank {r} dispatch")), cr.context(&format!("rank {r} combine"))))
+        let got = LlRound {
+            tokens: get(0)?.expect("tokens"),
+            scales: get(1)?,
+            counts: get(4)?.expect("counts"),
+            rank_major,
+            combined: self.combined.download(ctx)?,
+        };
+        Ok(check_ll_round(sc, r, layout, M, &got))
     }
 }
 
@@ -162,23 +151,6 @@ fn complete(
         Some(s) => rank.numbered_complete(dn, &s, stream),
         None => Ok(()),
     }
-}
-
-/// An eager host-numbered round (dispatch + combine, checked) on a handle of its own.
-fn eager_round(rank: &GpuRank, sc: &Scenario) -> Result<Report, Error> {
-    let r = rank.rank();
-    let idx = rank.upload(&sc.topk_idx(r))?;
-    let handle = blocking_handle(rank, &idx)?;
-    let x = rank.upload(&sc.tokens(r))?;
-    let w = rank.upload(&sc.weights(r))?;
-    let refs = sc.ll_dispatch_reference().unwrap();
-    let want = sc.ll_combine_identity_reference(&refs).unwrap();
-    let y = rank.upload(&sc.ll_reference_expert_outputs(r, Layout::ExpertMajor).expect("valid"))?;
-    drop(blocking_dispatch(rank, &handle, DispatchInputs::new(&x), &DispatchOptions::default(), false)?);
-    let out =
-        blocking_combine(rank, &handle, CombineInputs::new(&y).with_weights(&w), &CombineOptions::default(), true)?;
-    let got = out.to_host()?.tokens;
-    Ok(check_bf16("eager combine", &want[r], got.as_bf16().unwrap_or_default(), Tolerance::Exact))
 }
 
 fn sync(stream: &CudaStream) -> Result<(), Error> {
@@ -207,7 +179,7 @@ fn run_world(devices: &[usize], cfg: &GroupConfig, base: u64, tokens: usize, top
             let stream = rank.context().new_stream().expect("stream");
             // Host-numbered rounds first: the device numbers continue from theirs.
             for i in 0..3 {
-                let e = eager_round(rank, &scenario(1000 + i)).expect("eager round");
+                let e = eager_ll_round(rank, &scenario(1000 + i)).expect("eager round");
                 assert!(e.ok(), "{what}: eager round {i}: {e:?}");
             }
             let first = scenario(0);

@@ -176,3 +176,73 @@ impl TimedBarrier {
         !waited.timed_out()
     }
 }
+
+/// What one low-latency round wrote on a rank, downloaded: the dispatch's tokens, FP8 scales,
+/// counts and (rank-major) received weights and ids, and the combine's `[B x H]` tokens.
+#[allow(dead_code)]
+pub(crate) struct LlRound {
+    pub(crate) tokens: epflow_core::HostTensor,
+    pub(crate) scales: Option<epflow_core::HostTensor>,
+    pub(crate) counts: epflow_core::HostTensor,
+    pub(crate) rank_major: Option<(epflow_core::HostTensor, epflow_core::HostTensor)>,
+    pub(crate) combined: epflow_core::HostTensor,
+}
+
+/// Checks rank `r`'s round against `sc`'s reference with identity experts (`m` tokens per rank
+/// in the group's layout): the dispatch's outputs, then the combine's, bit for bit.
+#[allow(dead_code)]
+pub(crate) fn check_ll_round(
+    sc: &epflow_core::scenario::Scenario,
+    r: usize,
+    layout: epflow_core::ops::Layout,
+    m: usize,
+    got: &LlRound,
+) -> (epflow_core::verify::Report, epflow_core::verify::Report) {
+    use epflow_core::HostTensor;
+    use epflow_core::ops::Layout;
+    use epflow_core::verify::{Tolerance, check_bf16, check_ll_dispatch, check_rank_major_dispatch};
+    let (h, k) = (sc.config.hidden, sc.top_k);
+    let scales = got.scales.as_ref().and_then(HostTensor::as_f32);
+    let counts = got.counts.as_i32().unwrap_or_default();
+    let (dr, want) = match (layout, &got.rank_major) {
+        (Layout::RankMajor, Some((w, i))) => {
+            let refs = sc.ll_rank_major_reference().unwrap();
+            let want = sc.ll_rank_major_combine_identity_reference(&refs).unwrap();
+            let (gw, gi) = (w.as_f32().unwrap_or_default(), i.as_i32().unwrap_or_default());
+            (check_rank_major_dispatch(&refs[r], h, m, k, got.tokens.data(), scales, gw, gi, counts), want)
+        }
+        (Layout::RankMajor, None) => panic!("a rank-major round without its received weights and ids"),
+        (Layout::ExpertMajor, _) => {
+            let refs = sc.ll_dispatch_reference().unwrap();
+            let want = sc.ll_combine_identity_reference(&refs).unwrap();
+            (check_ll_dispatch(&refs[r], h, sc.num_ranks * m, got.tokens.data(), scales, counts), want)
+        }
+    };
+    let cr = check_bf16("combine", &want[r], got.combined.as_bf16().unwrap_or_default(), Tolerance::Exact);
+    (dr.context(&format!("rank {r} dispatch")), cr.context(&format!("rank {r} combine")))
+}
+
+/// An eager expert-major dispatch + combine of rank `rank` on a handle of its own, with the
+/// reference's identity-expert outputs, checked against `sc`'s combine reference.
+#[allow(dead_code)]
+pub(crate) fn eager_ll_round(
+    rank: &GpuRank,
+    sc: &epflow_core::scenario::Scenario,
+) -> Result<epflow_core::verify::Report, epflow_core::Error> {
+    use epflow_core::backend::{Backend, blocking_combine, blocking_dispatch, blocking_handle};
+    use epflow_core::ops::{CombineInputs, CombineOptions, DispatchInputs, DispatchOptions, Layout};
+    use epflow_core::verify::{Tolerance, check_bf16};
+    let r = rank.rank();
+    let idx = rank.upload(&sc.topk_idx(r))?;
+    let handle = blocking_handle(rank, &idx)?;
+    let x = rank.upload(&sc.tokens(r))?;
+    let w = rank.upload(&sc.weights(r))?;
+    let refs = sc.ll_dispatch_reference().unwrap();
+    let want = sc.ll_combine_identity_reference(&refs).unwrap();
+    let y = rank.upload(&sc.ll_reference_expert_outputs(r, Layout::ExpertMajor).expect("a valid scenario"))?;
+    drop(blocking_dispatch(rank, &handle, DispatchInputs::new(&x), &DispatchOptions::default(), false)?);
+    let out =
+        blocking_combine(rank, &handle, CombineInputs::new(&y).with_weights(&w), &CombineOptions::default(), true)?;
+    let got = out.to_host()?.tokens;
+    Ok(check_bf16("eager combine", &want[r], got.as_bf16().unwrap_or_default(), Tolerance::Exact))
+}
