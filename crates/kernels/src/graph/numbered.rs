@@ -25,9 +25,9 @@
 //! status page, an invalid top-k entry to the handle's report; [`DeviceNumbering::check`]
 //! reads them (the ABI calls it at every call).
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use cudarc::driver::CudaStream;
 use epflow_core::handle::RoutingHandle;
@@ -46,7 +46,7 @@ use crate::op::launch_ll_kernel;
 use crate::outputs::OutputTargets;
 use crate::params::LlParams;
 use crate::rank::GpuRank;
-use crate::state::handle::GpuHandle;
+use crate::state::handle::{GpuHandle, GpuHandleState};
 use crate::state::shared::RankShared;
 
 /// `last` of bases numbered one by one (`EP_NUMBERED_PER_OP` in `ll_base.cuh`).
@@ -76,8 +76,9 @@ struct State {
     open: [VecDeque<u64>; 2],
     /// The next send half's id.
     next_id: u64,
-    /// Handles (their memory's address) dispatched since the switch: a combine needs one.
-    dispatched: HashSet<u64>,
+    /// Handles dispatched since the switch (a combine needs one): weak references, so that a
+    /// handle dropped since is never taken for a new one at the same address.
+    dispatched: Vec<Weak<GpuHandleState>>,
 }
 
 /// The send half of an operation numbered on the device ([`GpuRank::numbered_dispatch_into`]
@@ -193,7 +194,10 @@ impl GpuRank {
         let (mut p, _, _) = dispatch_params(s, 0, h, &valid, &opts, Some(into), Some(&routing))?;
         dn.number(&st, &mut p, Channel::Dispatch, offset)?;
         let sent = dn.launch(self, &mut st, Channel::Dispatch, p, stream, staged)?;
-        st.dispatched.insert(h.ptr());
+        st.dispatched.retain(|w| w.strong_count() > 0);
+        if !st.dispatched.iter().any(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(&h.0))) {
+            st.dispatched.push(Arc::downgrade(&h.0));
+        }
         Ok(sent)
     }
 
@@ -223,7 +227,7 @@ impl GpuRank {
             self.check_device(t, "a combine input")?;
         }
         let mut st = dn.state.lock().unwrap_or_else(|e| e.into_inner());
-        if !st.dispatched.contains(&h.ptr()) {
+        if !st.dispatched.iter().any(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(&h.0))) {
             return Err(ValidationError::CombineBeforeDispatch.into());
         }
         let offset = open_place(&st, Channel::Combine, staged, s.config.buffer_sets)?;
