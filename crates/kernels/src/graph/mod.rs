@@ -212,23 +212,35 @@ impl std::fmt::Debug for GpuReplay {
 impl GpuReplay {
     /// The error of a failure word of the step's operations (a peer cancelled or mismatched).
     fn failure(&self, word: u64) -> Error {
-        let (seq, chan) = ((word >> 20).wrapping_sub(1), ((word >> 16) & 0xf) as usize);
-        let (mismatched, cancelled) = ((word >> 8) & 0xff, word & 0xff);
-        let channel = if chan == 0 { Channel::Dispatch } else { Channel::Combine };
-        let base = if chan == 0 { self.bases.0 } else { self.bases.1 };
-        let op = format!("{channel} #{seq} ({} of step {})", self.label(), self.step);
-        if cancelled != 0 {
-            return Error::PeerCancelled { op, peer: cancelled.trailing_zeros() as usize };
-        }
-        let ours = self
-            .ops
-            .iter()
-            .find(|o| o.channel == channel && base + o.offset == seq)
-            .map_or_else(|| Stamp::decode(0), |o| o.stamp);
-        let set = (seq % self.shared.config.buffer_sets as u64) as usize;
-        let theirs = Stamp::decode(self.shared.mem.status.read_u64(status::stamp(chan, set)));
-        Error::PeerMismatch { op, peer: mismatched.trailing_zeros() as usize, ours, theirs }
+        let label = format!("{} of step {}", self.label(), self.step);
+        failure_error(&self.shared, word, &label, |channel, seq| {
+            let base = if channel == Channel::Dispatch { self.bases.0 } else { self.bases.1 };
+            self.ops.iter().find(|o| o.channel == channel && base + o.offset == seq).map(|o| o.stamp)
+        })
     }
+}
+
+/// The error of a failure word of operations numbered on the device, captured in a step or
+/// numbered one by one (`report_failure` in `ll_receive.cuh`: the first operation a peer
+/// cancelled or mismatched). `label` says where the operation ran; `ours` gives this rank's
+/// stamp of the operation (channel, number), when known.
+pub(super) fn failure_error(
+    s: &RankShared,
+    word: u64,
+    label: &str,
+    ours: impl FnOnce(Channel, u64) -> Option<Stamp>,
+) -> Error {
+    let (seq, chan) = ((word >> 20).wrapping_sub(1), ((word >> 16) & 0xf) as usize);
+    let (mismatched, cancelled) = ((word >> 8) & 0xff, word & 0xff);
+    let channel = if chan == 0 { Channel::Dispatch } else { Channel::Combine };
+    let op = format!("{channel} #{seq} ({label})");
+    if cancelled != 0 {
+        return Error::PeerCancelled { op, peer: cancelled.trailing_zeros() as usize };
+    }
+    let ours = ours(channel, seq).unwrap_or_else(|| Stamp::decode(0));
+    let set = (seq % s.config.buffer_sets as u64) as usize;
+    let theirs = Stamp::decode(s.mem.status.read_u64(status::stamp(chan, set)));
+    Error::PeerMismatch { op, peer: mismatched.trailing_zeros() as usize, ours, theirs }
 }
 
 impl PendingReplay for GpuReplay {

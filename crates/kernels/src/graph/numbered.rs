@@ -321,18 +321,7 @@ impl DeviceNumbering {
         }
         let word = self.mem.failure.read_u64(0);
         if word != 0 {
-            let (seq, chan) = ((word >> 20).wrapping_sub(1), (word >> 16) & 0xf);
-            let (mismatched, cancelled) = ((word >> 8) & 0xff, word & 0xff);
-            let channel = if chan == 0 { Channel::Dispatch } else { Channel::Combine };
-            let op = format!("{channel} #{seq} (numbered on the device)");
-            let e = if cancelled != 0 {
-                Error::PeerCancelled { op, peer: cancelled.trailing_zeros() as usize }
-            } else {
-                let set = (seq % s.config.buffer_sets as u64) as usize;
-                let theirs = Stamp::decode(s.mem.status.read_u64(crate::params::status::stamp(chan as usize, set)));
-                Error::PeerMismatch { op, peer: mismatched.trailing_zeros() as usize, ours: Stamp::decode(0), theirs }
-            };
-            return fail(e);
+            return fail(super::failure_error(s, word, "numbered on the device", |_, _| None));
         }
         if let Some(v) = h.and_then(|h| h.ll_invalid_routing(s.config.num_experts)) {
             return fail(v.into());
