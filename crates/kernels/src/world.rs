@@ -17,7 +17,7 @@ use crate::layout::BufferLayout;
 use crate::op::ll_geometry::one_launch_threads;
 use crate::rank::GpuRank;
 use crate::setup::bootstrap::{self, Bootstrap};
-use crate::state::shared::{Peers, RankMemory, RankShared};
+use crate::state::shared::{Kept, Peers, RankMemory, RankShared};
 use crate::transport::nccl::{NcclComms, NcclShared, decode_ids, new_ids};
 use crate::transport::nvlink::{IpcMapping, enable_peer_access, ipc_export};
 use crate::transport::{Transport, host_id};
@@ -165,7 +165,7 @@ impl GpuWorld {
         bind(&ctx)?;
         // Every rank's (host, GPU, SMs): ranks on one host with the same PCI location share a
         // GPU; the layout fits the GPU with the fewest SMs, so every rank builds the same one.
-        let places = bootstrap::all_gather_u64(comm, &[host_id(), pci_key(&ctx)?, sm_count_of(&ctx)? as u64])?;
+        let places = bootstrap::all_gather_u64(comm, &place_words(&ctx)?)?;
         let hosts: Vec<u64> = places.iter().step_by(3).copied().collect();
         let shares_gpu =
             (0..num_ranks).any(|r| r != rank && places[3 * r..3 * r + 2] == places[3 * rank..3 * rank + 2]);
@@ -188,11 +188,7 @@ impl GpuWorld {
             None
         };
         let mem = Arc::new(RankMemory::allocate(&ctx, &layout, allocator.as_ref())?);
-        let own = [mem.disp_recv.ptr(), mem.comb_recv.ptr(), mem.exchange.ptr(), mem.signals.ptr()];
-        let mut mine = Vec::with_capacity(own.len() * 64);
-        for ptr in own {
-            mine.extend_from_slice(&ipc_export(ptr)?);
-        }
+        let (own, mine) = exported(&mem)?;
         let all = comm.all_gather_bytes(&mine)?;
         let mut peers = Peers {
             disp_recv: Vec::new(),
@@ -206,14 +202,9 @@ impl GpuWorld {
             let ptrs: [u64; 4] = if r == rank || mask >> r & 1 == 1 {
                 own
             } else {
-                let mut out = [0u64; 4];
-                for (i, o) in out.iter_mut().enumerate() {
-                    let off = (r * 4 + i) * 64;
-                    let mapping = IpcMapping::open(&ctx, &all[off..off + 64])?;
-                    *o = mapping.ptr;
-                    peers.keep.push(Arc::new(mapping));
-                }
-                out
+                let (ptrs, keep) = open_exported(&ctx, &all, r)?;
+                peers.keep.extend(keep);
+                ptrs
             };
             peers.disp_recv.push(ptrs[0]);
             peers.comb_recv.push(ptrs[1]);
@@ -296,6 +287,42 @@ fn refuse_nccl_on_a_shared_gpu(shared: Option<(usize, usize)>, any_nccl: bool) -
         ))),
         _ => Ok(()),
     }
+}
+
+/// This rank's words of the group's first all-gather: its host, its GPU's PCI location and the
+/// GPU's SMs (ranks on one host with the same PCI location share a GPU).
+pub(crate) fn place_words(ctx: &cudarc::driver::CudaContext) -> Result<[u64; 3], Error> {
+    Ok([host_id(), pci_key(ctx)?, sm_count_of(ctx)? as u64])
+}
+
+/// The memory of `mem` that peers map, in the order of the group's IPC all-gather (dispatch and
+/// combine receive regions, the exchange region, the signal page): the addresses, and their
+/// CUDA IPC handles (64 bytes each).
+pub(crate) fn exported(mem: &RankMemory) -> Result<([u64; 4], Vec<u8>), Error> {
+    let own = [mem.disp_recv.ptr(), mem.comb_recv.ptr(), mem.exchange.ptr(), mem.signals.ptr()];
+    let mut handles = Vec::with_capacity(own.len() * 64);
+    for ptr in own {
+        handles.extend_from_slice(&ipc_export(ptr)?);
+    }
+    Ok((own, handles))
+}
+
+/// Rank `r`'s memory from the all-gather of every rank's [`exported`] handles, mapped into
+/// `ctx`: the four addresses, and the mappings that keep them.
+pub(crate) fn open_exported(
+    ctx: &Arc<cudarc::driver::CudaContext>,
+    all: &[u8],
+    r: usize,
+) -> Result<([u64; 4], Vec<Kept>), Error> {
+    let mut ptrs = [0u64; 4];
+    let mut keep: Vec<Kept> = Vec::with_capacity(4);
+    for (i, p) in ptrs.iter_mut().enumerate() {
+        let off = (r * 4 + i) * 64;
+        let mapping = IpcMapping::open(ctx, &all[off..off + 64])?;
+        *p = mapping.ptr;
+        keep.push(Arc::new(mapping));
+    }
+    Ok((ptrs, keep))
 }
 
 /// Loads the kernels, creates the streams and assembles a rank around its memory and its view

@@ -25,18 +25,14 @@
 //! it); before step 4 the survivors go on as they were (still masked), during `unmask_all` the
 //! group fails as `unmask_all` does.
 
-use std::sync::Arc;
-
 use epflow_core::mask::RankSet;
 use epflow_core::protocol::Channel;
 use epflow_core::{Algorithm, Error, GroupConfig, RejoinRefusal};
 
 use super::GpuRank;
-use crate::device::{pci_key, sm_count_of};
 use crate::setup::bootstrap::{Bootstrap, all_gather_u64};
 use crate::transport::host_id;
-use crate::transport::nvlink::{IpcMapping, ipc_export};
-use crate::world::GpuWorld;
+use crate::world::{GpuWorld, exported, open_exported, place_words};
 
 /// A survivor's record.
 const SURVIVOR: u64 = 1;
@@ -226,26 +222,17 @@ impl GpuRank {
         let (newcomers, _) = meet_records(meeting, mine)?;
         // `GpuWorld::join_over`'s rounds, as this rank took part in them at creation.
         let ctx = &s.ctx;
-        all_gather_u64(meeting, &[host_id(), pci_key(ctx)?, sm_count_of(ctx)? as u64])?;
+        all_gather_u64(meeting, &place_words(ctx)?)?;
         let masks = all_gather_u64(meeting, &[0])?;
         if let Some(r) = masks.iter().position(|&m| m != 0) {
             return Err(Error::Unsupported(format!("rejoin: rank {r} reaches peers through NCCL")));
         }
-        let own = [s.mem.disp_recv.ptr(), s.mem.comb_recv.ptr(), s.mem.exchange.ptr(), s.mem.signals.ptr()];
-        let mut mine = Vec::with_capacity(own.len() * 64);
-        for ptr in own {
-            mine.extend_from_slice(&ipc_export(ptr)?);
-        }
+        let (_, mine) = exported(&s.mem)?;
         let all = meeting.all_gather_bytes(&mine)?;
         let mut peers = (*s.peers()).clone();
         for r in newcomers.iter() {
-            let mut ptrs = [0u64; 4];
-            for (i, p) in ptrs.iter_mut().enumerate() {
-                let off = (r * 4 + i) * 64;
-                let mapping = IpcMapping::open(ctx, &all[off..off + 64])?;
-                *p = mapping.ptr;
-                peers.keep.push(Arc::new(mapping));
-            }
+            let (ptrs, keep) = open_exported(ctx, &all, r)?;
+            peers.keep.extend(keep);
             peers.disp_recv[r] = ptrs[0];
             peers.comb_recv[r] = ptrs[1];
             peers.exchange[r] = ptrs[2];

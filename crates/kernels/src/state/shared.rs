@@ -101,8 +101,11 @@ pub(crate) struct Peers {
     pub(crate) comb_recv: Vec<u64>,
     pub(crate) exchange: Vec<u64>,
     pub(crate) signals: Vec<u64>,
-    pub(crate) keep: Vec<Arc<dyn std::any::Any + Send + Sync>>,
+    pub(crate) keep: Vec<Kept>,
 }
+
+/// Something kept alive while addresses into it are in use (a rank's memory, an IPC mapping).
+pub(crate) type Kept = Arc<dyn std::any::Any + Send + Sync>;
 
 impl std::fmt::Debug for Peers {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
