@@ -63,13 +63,29 @@ impl Drop for RelaxedCalls {
     }
 }
 
-/// Whether `stream` is capturing into a CUDA graph now; `ncclInvalidUsage` for a capture that
-/// was invalidated.
-pub(crate) fn capturing(stream: ep::CudaStream, what: &str) -> Res<bool> {
+/// The capture status of the caller's `stream`.
+fn capture_status(stream: ep::CudaStream) -> Result<CUstreamCaptureStatus, cudarc::driver::DriverError> {
     let mut status = CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     // SAFETY: the caller's live stream (or null, the legacy default stream); a valid out pointer.
     let rc = unsafe { cuStreamIsCapturing(stream as CUstream, &mut status) };
-    rc.result().map_err(|e| {
+    rc.result().map(|()| status)
+}
+
+/// `ncclInvalidUsage` while `stream` is being captured into a CUDA graph: handles are made
+/// outside captures (dispatches and combines may be captured).
+pub(crate) fn refuse_capture(stream: ep::CudaStream, what: &str) -> Res<()> {
+    if matches!(capture_status(stream), Ok(s) if s != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE) {
+        return Err(Fail::usage(format!(
+            "{what} on a stream under CUDA graph capture: create and update handles outside the capture (a captured dispatch reads the handle's topk_idx at every replay: refill it in place)"
+        )));
+    }
+    Ok(())
+}
+
+/// Whether `stream` is capturing into a CUDA graph now; `ncclInvalidUsage` for a capture that
+/// was invalidated.
+pub(crate) fn capturing(stream: ep::CudaStream, what: &str) -> Res<bool> {
+    let status = capture_status(stream).map_err(|e| {
         Fail::from(epflow_core::Error::Backend(format!("CUDA: {what}: is the stream capturing? {e:?}")))
     })?;
     match status {

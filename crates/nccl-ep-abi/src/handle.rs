@@ -22,6 +22,7 @@ use epflow_core::{Algorithm, DType, TensorDesc, TensorTag};
 use epflow_kernels::{DeviceTensor, GpuHandle, GpuOp, NumberedSend};
 use nccl_ep_sys as ep;
 
+use crate::capture::refuse_capture;
 use crate::check::{self, Tensor};
 use crate::expert_major::ExpertMajor;
 use crate::group::Group;
@@ -100,20 +101,6 @@ pub(crate) fn sync_stream(stream: ep::CudaStream, what: &str) -> Res<()> {
     // SAFETY: the caller's live stream (or null, the legacy default stream).
     let rc = unsafe { cudarc::driver::sys::cuStreamSynchronize(stream as cudarc::driver::sys::CUstream) };
     rc.result().map_err(|e| Fail::from(epflow_core::Error::Backend(format!("CUDA: synchronize the stream: {e:?}"))))
-}
-
-/// `ncclInvalidUsage` while `stream` is being captured into a CUDA graph: handles are made
-/// outside captures (dispatches and combines may be captured: `capture.rs`).
-pub(crate) fn refuse_capture(stream: ep::CudaStream, what: &str) -> Res<()> {
-    let mut status = cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    // SAFETY: the caller's live stream; a valid out pointer.
-    let rc = unsafe { cudarc::driver::sys::cuStreamIsCapturing(stream as cudarc::driver::sys::CUstream, &mut status) };
-    if rc.result().is_ok() && status != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
-        return Err(Fail::usage(format!(
-            "{what} on a stream under CUDA graph capture: create and update handles outside the capture (a captured dispatch reads the handle's topk_idx at every replay: refill it in place)"
-        )));
-    }
-    Ok(())
 }
 
 /// Writes `values` into the caller's counter tensor `t` (int32 or int64, at least as many
