@@ -8,10 +8,11 @@ names, for code written against that header::
 epflow's ``libnccl_ep.so`` reads every struct of API version 1, NCCL 2.31's 104-byte group config
 and API version 2 up to its ``size`` (the fields a size does not cover are zero). It implements
 the dispatch recipes ``DS_FP8E3M4`` and ``FWD`` and the ``NVFP4`` combine in low-latency groups
-(on Hopper too: epflow's NVFP4 conversions are its own), GLOBAL expert ids and int32
-``topk_idx``; the v2 features it does not implement (``NCCL_EP_OVERFLOW_DROP``, zero copy, the
-quantized recipes in high-throughput groups) return ``ncclInvalidUsage`` with a log line naming
-the field.
+(on Hopper too: epflow's NVFP4 conversions are its own), GLOBAL expert ids, int32
+``topk_idx`` and ``NCCL_EP_OVERFLOW_DROP`` on high-throughput flat handles; the v2 features it
+does not implement (zero copy, the quantized recipes in high-throughput groups, DROP with
+high-throughput expert-major handles) return ``ncclInvalidUsage`` with a log line naming the
+field.
 """
 
 from .constants import *  # noqa: F401,F403  (the enums are the same in both versions)

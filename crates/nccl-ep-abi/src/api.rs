@@ -30,12 +30,12 @@ static GROUPS: Registry<Group> = Registry::new("group");
 static HANDLES: Registry<Handle> = Registry::new("handle");
 
 /// The live group `g` (`ncclInvalidArgument` for NULL, a destroyed or a foreign value).
-fn group(g: ep::NcclEpGroup) -> Res<Arc<Group>> {
+pub(crate) fn group(g: ep::NcclEpGroup) -> Res<Arc<Group>> {
     GROUPS.get(g.addr(), "ep_group")
 }
 
 /// The live handle `h`, whose group is live too.
-fn handle(h: ep::NcclEpHandle) -> Res<Arc<Handle>> {
+pub(crate) fn handle(h: ep::NcclEpHandle) -> Res<Arc<Handle>> {
     let h = HANDLES.get(h.addr(), "handle")?;
     h.group.check_not_destroyed()?;
     Ok(h)
@@ -215,7 +215,7 @@ pub unsafe extern "C" fn ncclEpInitHandle(
         let l = layout_of(g.shape.algorithm, layout)?;
         let em = alignment_of(g.shape.algorithm, layout, cfg.as_ref())?;
         let k = top_k_arg(&g, num_topk)?;
-        let h = new_handle(Handle::new(Arc::clone(&g), l, k, em))?;
+        let h = new_handle(Handle::new(Arc::clone(&g), l, k, em)?)?;
         // SAFETY: writable (checked; contract).
         unsafe { *handle = h };
         Ok(())
@@ -264,7 +264,7 @@ pub unsafe extern "C" fn ncclEpCreateHandle(
         let cfg = unsafe { check::api_struct(config, "config") }?;
         let l = layout_of(g.shape.algorithm, layout)?;
         let em = alignment_of(g.shape.algorithm, layout, cfg.as_ref())?;
-        let h = Handle::new(Arc::clone(&g), l, None, em);
+        let h = Handle::new(Arc::clone(&g), l, None, em)?;
         // SAFETY: forwarded contract.
         unsafe { h.update(topk_idx, layout_info, stream) }?;
         let h = new_handle(h)?;

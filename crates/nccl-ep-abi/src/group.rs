@@ -42,6 +42,10 @@ pub(crate) struct Shape {
     pub(crate) hidden: usize,
     /// API v2's `num_topk`: the most top-k any handle of the group may have (`None`: unset).
     pub(crate) num_topk: Option<usize>,
+    /// API v2's `overflow_policy` DROP: a high-throughput flat handle keeps the first
+    /// `max_recv` rows of a routing that sends it more (`overflow.rs`); low-latency buffers hold
+    /// every row a routing can send, so nothing is ever dropped there.
+    pub(crate) drop_overflow: bool,
 }
 
 impl Shape {
@@ -108,7 +112,7 @@ fn check_version(version: std::ffi::c_uint) -> Res<()> {
 fn group_config(read: &v2::GroupConfig, num_ranks: usize) -> Res<(GroupConfig, Shape)> {
     let c = &read.v1;
     check_version(c.version)?;
-    let num_topk = read.check_v2_fields(epflow_core::config::MAX_TOP_K)?;
+    let fields = read.check_v2_fields(epflow_core::config::MAX_TOP_K)?;
     let v2_size = c.size as usize >= std::mem::size_of::<v2::GroupConfig>();
     let algorithm = match c.algorithm {
         ep::NCCL_EP_ALGO_LOW_LATENCY => Algorithm::LowLatency,
@@ -182,7 +186,8 @@ fn group_config(read: &v2::GroupConfig, num_ranks: usize) -> Res<(GroupConfig, S
         max_tokens,
         max_recv,
         hidden,
-        num_topk,
+        num_topk: fields.num_topk,
+        drop_overflow: fields.drop_overflow,
     };
     Ok((config, shape))
 }
@@ -481,10 +486,9 @@ mod tests {
         assert_eq!(shape.check_top_k(9).unwrap_err().code, ep::NCCL_INVALID_USAGE);
         let (_, shape) = group_config(&v2c(ll()), 2).unwrap();
         assert_eq!((shape.num_topk, shape.check_top_k(16)), (None, Ok(())));
+        assert!(!shape.drop_overflow);
         let drop = v2::GroupConfig { overflow_policy: v2::OVERFLOW_DROP, ..v2c(ll()) };
-        let e = group_config(&drop, 2).unwrap_err();
-        assert_eq!(e.code, ep::NCCL_INVALID_USAGE);
-        assert!(e.message.contains("config.overflow_policy"), "{}", e.message);
+        assert!(group_config(&drop, 2).unwrap().1.drop_overflow);
         // High-throughput NCCL_EP_AUTO receive bound (v2): R x max_dispatch_tokens_per_rank.
         let ht_auto = v2c(ep::NcclEpGroupConfig { algorithm: ep::NCCL_EP_ALGO_HIGH_THROUGHPUT, ..ll() });
         let (config, shape) = group_config(&ht_auto, 4).unwrap();

@@ -27,7 +27,8 @@ use crate::check::{self, Tensor};
 use crate::expert_major::ExpertMajor;
 use crate::group::Group;
 use crate::ids::Globalize;
-use crate::status::{Fail, Res};
+use crate::overflow::{Overflow, kept_rows};
+use crate::status::{Fail, Res, warn};
 
 /// What `ncclEpHandleMemSize` reports: epflow does not place routing state in caller memory.
 pub(crate) const HANDLE_MEM_BYTES: usize = 256;
@@ -50,6 +51,9 @@ pub(crate) struct Handle {
     pub(crate) expert_major_alignment: Option<usize>,
     /// High-throughput expert-major: the zones of the current routing.
     expert_major: Mutex<Option<Arc<ExpertMajor>>>,
+    /// High-throughput flat on a DROP group: the buffers of the current routing when it sends
+    /// this rank more rows than `max_recv_tokens_per_rank` (`overflow.rs`; `None` otherwise).
+    overflow: Mutex<Option<Arc<Overflow>>>,
 }
 
 /// A `send_only` dispatch or combine waiting for `ncclEpComplete`, and what follows its receive.
@@ -123,13 +127,20 @@ fn write_counts(t: &Tensor, values: &[i64], what: &str) -> Res<()> {
 impl Handle {
     /// A handle of `layout` with no routing yet (`ncclEpInitHandle`); `expert_major_alignment`:
     /// high-throughput expert-major, with its zones' alignment ([`crate::expert_major::alignment_of`]).
+    /// Refuses high-throughput expert-major handles on a group whose `overflow_policy` is DROP
+    /// (`overflow.rs` drops flat rows only).
     pub(crate) fn new(
         group: Arc<Group>,
         layout: Layout,
         top_k: Option<usize>,
         expert_major_alignment: Option<usize>,
-    ) -> Self {
-        Handle {
+    ) -> Res<Self> {
+        if expert_major_alignment.is_some() && group.shape.drop_overflow {
+            return Err(Fail::usage(
+                "a high-throughput NCCL_EP_LAYOUT_EXPERT_MAJOR handle on a group with overflow_policy NCCL_EP_OVERFLOW_DROP is not implemented by epflow's NCCL EP library (use NCCL_EP_LAYOUT_FLAT, or overflow_policy AUTO or TRAP)",
+            ));
+        }
+        Ok(Handle {
             group,
             layout,
             top_k: Mutex::new(top_k),
@@ -138,7 +149,37 @@ impl Handle {
             staged: Mutex::new(None),
             expert_major_alignment,
             expert_major: Mutex::new(None),
+            overflow: Mutex::new(None),
+        })
+    }
+
+    /// The handle's top-k: `ncclEpInitHandle`'s `num_topk`, or its routing's (`None` before
+    /// either).
+    pub(crate) fn top_k(&self) -> Option<usize> {
+        *self.top_k.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// High-throughput flat on a DROP group: the current routing's overflow buffers, when it
+    /// sends this rank more rows than the group's receive budget.
+    pub(crate) fn overflow(&self) -> Option<Arc<Overflow>> {
+        self.overflow.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The rows this rank's outputs hold for the current routing: high-throughput, the rows
+    /// received (expert-major: the zones' slots), after a drop the rows kept; low-latency, the
+    /// rows of its receive buffers (`R x max_dispatch_tokens_per_rank`).
+    pub(crate) fn output_rows(&self) -> Res<usize> {
+        let s = &self.group.shape;
+        if s.algorithm == Algorithm::LowLatency {
+            return Ok(s.num_ranks * s.max_tokens);
         }
+        if let Some(em) = self.expert_major()? {
+            return Ok(em.plan.total);
+        }
+        if let Some(o) = self.overflow() {
+            return Ok(o.kept);
+        }
+        Ok(self.gpu()?.num_recv_tokens().unwrap_or(0))
     }
 
     /// High-throughput expert-major: the current routing's zones (`ncclInvalidUsage` before
@@ -247,6 +288,17 @@ impl Handle {
         if g.shape.algorithm == Algorithm::HighThroughput {
             let raw = h.recv_expert_counts().unwrap_or_default();
             let n = h.num_recv_tokens().unwrap_or(0);
+            let overflow = match kept_rows(n, g.shape.max_recv, g.shape.drop_overflow) {
+                Some(kept) => {
+                    warn(&format!(
+                        "rank {}: this routing sends it {n} rows, more than max_recv_tokens_per_rank ({kept}): rows {kept}..{n} are dropped (overflow_policy NCCL_EP_OVERFLOW_DROP)",
+                        g.shape.rank
+                    ));
+                    Some(Arc::new(Overflow::new(&g.rank, n, kept, k, g.shape.hidden)?))
+                }
+                None => None,
+            };
+            *self.overflow.lock().unwrap_or_else(|e| e.into_inner()) = overflow;
             // Flat: the rows per local expert and `N`; expert-major: the padded zones, their
             // first slots and the slots in all (NCCL EP's meaning of the same counters).
             let (counts, offsets, total) = match self.expert_major_alignment {

@@ -43,6 +43,7 @@
 //! - `group.rs`: a group: the epflow GPU rank, the config's shape, operations in flight.
 //! - `handle.rs`: handles: layout, top-k, routing.
 //! - `expert_major.rs`: high-throughput `NCCL_EP_LAYOUT_EXPERT_MAJOR` on the flat layout.
+//! - `overflow.rs`: API v2's `overflow_policy` DROP on high-throughput flat handles.
 //! - `ids.rs`: API v2's GLOBAL expert ids, rewritten after a dispatch's receive.
 //! - `live.rs`: the registry of live groups and handles (what `ncclEpGroup_t` and
 //!   `ncclEpHandle_t` values name; destroyed ones are refused).
@@ -50,6 +51,7 @@
 //! - `ops.rs`: dispatch, combine and complete on the caller's stream and tensors.
 //! - `profile.rs`: `EPFLOW_ABI_PROFILE=1`, host time per phase of low-latency calls (and, with
 //!   `EPFLOW_ABI_STAMPS`, every call's entry and launch by the wall clock, per rank).
+//! - [`test_hooks`]: NVIDIA's test-only entry points, so that NVIDIA's unit tests run here.
 //! - `v2.rs`: the structs NCCL EP's API v2 grew (and NCCL 2.31's 104-byte group config), read
 //!   from any accepted `size`; their unimplemented features refused by name.
 //! - [`header`]: the C headers (API v1 and v2), generated.
@@ -59,7 +61,8 @@
 //! Low-latency, expert-major and rank-major layouts, `send_only` + `ncclEpComplete`, the
 //! active mask (`enable_mask`, NVLink peers); high-throughput, flat layout, forward and
 //! backward, and expert-major (forward; `expert_major.rs`, built on the flat layout); an int64 or (API v2) int32 `topk_idx`; API v2's local or GLOBAL received expert
-//! ids (`recv_topk_idx_kind`; `ids.rs` rewrites them after the receive). The caller's
+//! ids (`recv_topk_idx_kind`; `ids.rs` rewrites them after the receive); API v2's
+//! `overflow_policy` DROP on high-throughput flat handles (`overflow.rs`). The caller's
 //! `ncclComm_t` bootstraps the group (one process per GPU; ranks on one host share memory over
 //! NVLink, other hosts go through NCCL). Operations run on the caller's stream and write the
 //! caller's tensors. API v2's DS_FP8E3M4 recipe is epflow's low-latency FP8 dispatch, per call;
@@ -67,7 +70,8 @@
 //! groups; its NVFP4 combine (`inputs.scales` each row's global scale) is epflow's
 //! (`epflow_core::nvfp4`, conversions of its own, so Hopper runs it too). Refused with
 //! `ncclInvalidUsage` and a log line: FWD, DS_FP8E3M4 and NVFP4 in high-throughput groups, the
-//! expert-major backward pass, NCCL window tensors, CUDA graph capture of high-throughput calls
+//! expert-major backward pass, expert-major handles on a DROP group, NCCL window tensors
+//! (`zero_copy` ON), CUDA graph capture of high-throughput calls
 //! (low-latency calls are capturable: `capture.rs`).
 
 #![warn(missing_docs)]
@@ -86,8 +90,10 @@ mod ids;
 mod live;
 mod mask;
 mod ops;
+mod overflow;
 mod owned;
 mod profile;
 mod status;
 mod tensor;
+pub mod test_hooks;
 mod v2;

@@ -419,11 +419,15 @@ pub(crate) unsafe fn dispatch(
             g.settle(true)?;
         }
         (Algorithm::HighThroughput, _) => {
-            let n = gh.num_recv_tokens().unwrap_or(0);
-            rows_of(&out, "outputs.tokens", ep::NCCL_BFLOAT16, n, hd, true)?;
+            // After a DROP (`overflow.rs`): the dispatch runs into the handle's buffers of every
+            // row, and the caller's outputs get the rows kept.
+            let overflow = h.overflow();
+            let rows = h.output_rows()?;
+            rows_of(&out, "outputs.tokens", ep::NCCL_BFLOAT16, rows, hd, true)?;
             let slots = out.numel() / hd.max(1);
             let mut targets = OutputTargets { tokens: out.ptr, ..Default::default() };
             let mut then = None;
+            let mut weights_idx = None;
             let weights = match pass {
                 Pass::Forward => {
                     let w = w_in.ok_or_else(|| Fail::arg("forward dispatch needs inputs.topk_weights"))?;
@@ -432,12 +436,13 @@ pub(crate) unsafe fn dispatch(
                     let oi = out_i.ok_or_else(|| Fail::arg("flat dispatch needs outputs.topk_idx"))?;
                     rows_of(&ow, "outputs.topk_weights", ep::NCCL_FLOAT32, slots, k, false)?;
                     rows_of(&oi, "outputs.topk_idx", ep::NCCL_INT64, slots, k, false)?;
-                    fill_unused(&st, &ow, &oi, n, slots, k)?;
+                    fill_unused(&st, &ow, &oi, rows, slots, k)?;
                     targets.topk_weights = Some(ow.ptr);
                     targets.topk_idx = Some(oi.ptr);
+                    weights_idx = Some((ow.ptr, oi.ptr));
                     if ids == ExpertIds::Global {
                         then = Some(Globalize {
-                            ids: device(g, &oi, TensorDesc::contiguous(TensorTag::TopkIdx, DType::I64, &[n, k])),
+                            ids: device(g, &oi, TensorDesc::contiguous(TensorTag::TopkIdx, DType::I64, &[rows, k])),
                             counts: None,
                             offset: global_offset(s),
                         });
@@ -451,13 +456,33 @@ pub(crate) unsafe fn dispatch(
                     None
                 }
             };
+            if let Some(o) = &overflow {
+                targets = OutputTargets {
+                    tokens: o.tokens.ptr(),
+                    topk_weights: weights_idx.map(|_| o.weights.ptr()),
+                    topk_idx: weights_idx.map(|_| o.idx.ptr()),
+                    ..Default::default()
+                };
+            }
             let mut din = DispatchInputs::new(&tokens);
             if let Some(w) = &weights {
                 din = din.with_weights(w);
             }
-            // SAFETY: the targets hold at least the rows epflow writes (checked above).
+            // SAFETY: the targets hold at least the rows epflow writes (checked above, or the
+            // overflow buffers of every received row).
             let op = unsafe { g.rank.start_dispatch_into(&gh, din, &opts, &targets) }?;
-            issue(g, op, Channel::Dispatch, &st, false, then, &mut timer)?;
+            match &overflow {
+                None => {
+                    issue(g, op, Channel::Dispatch, &st, false, then, &mut timer)?;
+                }
+                Some(o) => {
+                    issue(g, op, Channel::Dispatch, &st, false, None, &mut timer)?;
+                    o.keep_dispatched(&g.rank, &st, out.ptr, weights_idx)?;
+                    if let Some(t) = then {
+                        t.enqueue(&g.rank, &st)?;
+                    }
+                }
+            }
             g.settle(true)?;
         }
     }
@@ -612,6 +637,10 @@ pub(crate) unsafe fn combine(
         }
         Algorithm::HighThroughput => {
             let n = gh.num_recv_tokens().unwrap_or(0);
+            // After a DROP (`overflow.rs`): the caller's rows kept, zeros for the dropped ones.
+            let overflow = h.overflow();
+            let rows = h.output_rows()?;
+            let mut backward_weights = None;
             let tokens = match h.expert_major()? {
                 // Expert-major: each received row's slots summed into the handle's flat input.
                 Some(em) => {
@@ -627,8 +656,11 @@ pub(crate) unsafe fn combine(
                     em.combine_in.clone()
                 }
                 None => {
-                    rows_of(&x, "inputs.tokens", ep::NCCL_BFLOAT16, n, hd, true)?;
-                    device(g, &x, TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[n, hd]))
+                    rows_of(&x, "inputs.tokens", ep::NCCL_BFLOAT16, rows, hd, true)?;
+                    match &overflow {
+                        Some(o) => o.combine_in.clone(),
+                        None => device(g, &x, TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[n, hd])),
+                    }
                 }
             };
             let weights = match pass {
@@ -640,13 +672,20 @@ pub(crate) unsafe fn combine(
                 }
                 Pass::Backward => {
                     let w = w_in.ok_or_else(|| Fail::arg("backward combine needs inputs.topk_weights"))?;
-                    rows_of(&w, "inputs.topk_weights", ep::NCCL_FLOAT32, n, k, true)?;
+                    rows_of(&w, "inputs.topk_weights", ep::NCCL_FLOAT32, rows, k, true)?;
+                    backward_weights = Some(w.ptr);
                     let ow = out_w.ok_or_else(|| Fail::arg("backward combine needs outputs.topk_weights"))?;
                     rows_of(&ow, "outputs.topk_weights", ep::NCCL_FLOAT32, b, k, false)?;
                     targets.topk_weights = Some(ow.ptr);
-                    Some(f32s(&w, n))
+                    Some(match &overflow {
+                        Some(o) => o.combine_weights.clone(),
+                        None => f32s(&w, n),
+                    })
                 }
             };
+            if let Some(o) = &overflow {
+                o.take_combine_inputs(&g.rank, &st, x.ptr, backward_weights)?;
+            }
             let mut cin = CombineInputs::new(&tokens);
             if let Some(w) = &weights {
                 cin = cin.with_weights(w);

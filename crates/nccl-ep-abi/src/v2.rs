@@ -123,9 +123,9 @@ impl GroupConfig {
         GroupConfig { v1, zero_copy: 0, overflow_policy: 0, num_topk: 0, padding_v2: [0; 4] }
     }
 
-    /// Refuses the v2 fields whose features epflow does not implement; returns `num_topk`
-    /// (`None`: unset).
-    pub(crate) fn check_v2_fields(&self, max_top_k: usize) -> Res<Option<usize>> {
+    /// Refuses the v2 fields whose features epflow does not implement; returns the ones it
+    /// acts on.
+    pub(crate) fn check_v2_fields(&self, max_top_k: usize) -> Res<GroupFields> {
         match self.zero_copy {
             ZERO_COPY_AUTO | ZERO_COPY_OFF => {}
             ZERO_COPY_ON => {
@@ -135,21 +135,28 @@ impl GroupConfig {
             }
             z => return Err(Fail::arg(format!("config.zero_copy is {z}, not an ncclEpZeroCopyMode_t"))),
         }
-        match self.overflow_policy {
-            OVERFLOW_AUTO | OVERFLOW_TRAP => {}
-            OVERFLOW_DROP => {
-                return Err(Fail::usage(
-                    "config.overflow_policy is NCCL_EP_OVERFLOW_DROP: not implemented by epflow's NCCL EP library (use AUTO or TRAP)",
-                ));
-            }
+        let drop_overflow = match self.overflow_policy {
+            OVERFLOW_AUTO | OVERFLOW_TRAP => false,
+            OVERFLOW_DROP => true,
             o => return Err(Fail::arg(format!("config.overflow_policy is {o}, not an ncclEpOverflowPolicy_t"))),
-        }
-        match self.num_topk as usize {
-            0 => Ok(None),
-            k if k <= max_top_k => Ok(Some(k)),
-            k => Err(Fail::arg(format!("config.num_topk is {k}: must be 0 (unset) or 1 to {max_top_k}"))),
-        }
+        };
+        let num_topk = match self.num_topk as usize {
+            0 => None,
+            k if k <= max_top_k => Some(k),
+            k => return Err(Fail::arg(format!("config.num_topk is {k}: must be 0 (unset) or 1 to {max_top_k}"))),
+        };
+        Ok(GroupFields { num_topk, drop_overflow })
     }
+}
+
+/// The v2 fields of a group config that epflow acts on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct GroupFields {
+    /// `num_topk`: the most top-k of any handle (`None`: unset).
+    pub(crate) num_topk: Option<usize>,
+    /// `overflow_policy` is `NCCL_EP_OVERFLOW_DROP` (high-throughput: `overflow.rs`; AUTO and
+    /// TRAP refuse a dispatch whose rows do not fit).
+    pub(crate) drop_overflow: bool,
 }
 
 /// The numbering of the top-k ids a dispatch writes (`recv_topk_idx_kind`).
@@ -218,19 +225,23 @@ mod tests {
             e.message
         };
         let g = GroupConfig::default();
-        assert_eq!(g.check_v2_fields(16), Ok(None));
+        assert_eq!(g.check_v2_fields(16), Ok(GroupFields::default()));
         assert_eq!(
             GroupConfig { zero_copy: ZERO_COPY_OFF, overflow_policy: OVERFLOW_TRAP, num_topk: 8, ..g }
                 .check_v2_fields(16),
-            Ok(Some(8))
+            Ok(GroupFields { num_topk: Some(8), drop_overflow: false })
         );
         assert!(
             usage(GroupConfig { zero_copy: ZERO_COPY_ON, ..g }.check_v2_fields(16).map(drop))
                 .contains("config.zero_copy")
         );
-        assert!(
-            usage(GroupConfig { overflow_policy: OVERFLOW_DROP, ..g }.check_v2_fields(16).map(drop))
-                .contains("config.overflow_policy")
+        assert_eq!(
+            GroupConfig { overflow_policy: OVERFLOW_DROP, ..g }.check_v2_fields(16),
+            Ok(GroupFields { num_topk: None, drop_overflow: true })
+        );
+        assert_eq!(
+            GroupConfig { overflow_policy: 3, ..g }.check_v2_fields(16).unwrap_err().code,
+            ep::NCCL_INVALID_ARGUMENT
         );
         assert_eq!(GroupConfig { zero_copy: 9, ..g }.check_v2_fields(16).unwrap_err().code, ep::NCCL_INVALID_ARGUMENT);
         assert_eq!(GroupConfig { num_topk: 17, ..g }.check_v2_fields(16).unwrap_err().code, ep::NCCL_INVALID_ARGUMENT);

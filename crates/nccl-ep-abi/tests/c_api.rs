@@ -47,8 +47,13 @@ fn exports_the_18_functions_and_the_marker() {
         assert!(exported.contains(name), "{name} is not exported:\n{text}");
     }
     assert!(exported.contains(&nccl_ep_sys::EPFLOW_MARKER), "the marker is not exported");
-    let ours: Vec<&&str> = exported.iter().filter(|n| n.starts_with("ncclEp")).collect();
+    for name in nccl_ep::test_hooks::NAMES {
+        assert!(exported.contains(&name), "NVIDIA's test hook {name} is not exported:\n{text}");
+    }
+    let ours: Vec<&&str> = exported.iter().filter(|n| n.starts_with("ncclEp") && !n.contains("_test_")).collect();
     assert_eq!(ours.len(), 18, "exactly NCCL EP's 18 functions: {ours:?}");
+    let hooks = exported.iter().filter(|n| n.starts_with("ncclEp") && n.contains("_test_")).count();
+    assert_eq!(hooks, nccl_ep::test_hooks::NAMES.len(), "NVIDIA's test hooks and nothing else");
     let soname = Command::new("objdump").args(["-p"]).arg(library()).output();
     if let Ok(o) = soname {
         let text = String::from_utf8_lossy(&o.stdout);
@@ -119,7 +124,7 @@ fn a_c_program_checks_the_api() {
         "{stderr}"
     );
     assert!(stderr.contains("NCCL EP (epflow) WARN ncclEpCreateGroup: config.version is 99"), "{stderr}");
-    assert!(stderr.contains("WARN ncclEpCreateGroup: config.overflow_policy is NCCL_EP_OVERFLOW_DROP"), "{stderr}");
+    assert!(stderr.contains("WARN ncclEpCreateGroup: config.zero_copy is NCCL_EP_ZERO_COPY_ON"), "{stderr}");
     assert!(stderr.contains("ncclEpGroupConfig_t.size is 100; this library reads sizes 96 (API v1), 104"), "{stderr}");
     assert!(
         stderr.contains("WARN ncclEpHandleDestroy: handle (0x") && stderr.contains("is not a live handle"),
@@ -149,7 +154,7 @@ fn a_c_program_checks_api_v2_through_either_header() {
         assert!(stdout.contains("api_check_v2: all checks passed"), "{define}: {stdout}");
         for line in [
             "WARN ncclEpCreateGroup: config.version is 3",
-            "WARN ncclEpCreateGroup: config.overflow_policy is NCCL_EP_OVERFLOW_DROP",
+            "WARN ncclEpCreateGroup: config.overflow_policy is 5, not an ncclEpOverflowPolicy_t",
             "WARN ncclEpCreateGroup: config.zero_copy is NCCL_EP_ZERO_COPY_ON",
             "WARN ncclEpCreateGroup: config.zero_copy is 7, not an ncclEpZeroCopyMode_t",
             "WARN ncclEpCreateGroup: config.num_topk is 1000",

@@ -119,9 +119,9 @@ int main(int argc, char** argv) {
     v2.v1.size = 112;
     v2.v1.version = 2;
     CHECK(sizeof v2 == 112);
-    v2.overflow_policy = 2; /* NCCL_EP_OVERFLOW_DROP */
+    v2.zero_copy = 2; /* NCCL_EP_ZERO_COPY_ON */
     CHECK(ncclEpCreateGroup(&group, not_a_comm, &v2.v1) == ncclInvalidUsage);
-    v2.overflow_policy = 0;
+    v2.zero_copy = 0;
     v2.v1.size = 100;
     CHECK(ncclEpCreateGroup(&group, not_a_comm, &v2.v1) == ncclInvalidArgument);
     v2.v1.size = 112;

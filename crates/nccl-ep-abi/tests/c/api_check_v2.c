@@ -59,15 +59,21 @@ int main(int argc, char** argv) {
     CHECK(ncclEpCreateGroup(&group, not_a_comm, &bad) == ncclInvalidArgument);
     /* v2 features epflow does not build: refused by name. */
     bad = cfg;
-    bad.overflow_policy = NCCL_EP_OVERFLOW_DROP;
-    CHECK(ncclEpCreateGroup(&group, not_a_comm, &bad) == ncclInvalidUsage);
-    bad = cfg;
     bad.zero_copy = NCCL_EP_ZERO_COPY_ON;
     CHECK(ncclEpCreateGroup(&group, not_a_comm, &bad) == ncclInvalidUsage);
     /* Values that are no enumerator, a top-k out of range, a size of no known layout. */
     bad = cfg;
     bad.zero_copy = (ncclEpZeroCopyMode_t)7;
     CHECK(ncclEpCreateGroup(&group, not_a_comm, &bad) == ncclInvalidArgument);
+    bad = cfg;
+    bad.overflow_policy = (ncclEpOverflowPolicy_t)5;
+    CHECK(ncclEpCreateGroup(&group, not_a_comm, &bad) == ncclInvalidArgument);
+    /* NCCL_EP_OVERFLOW_DROP is accepted: without a GPU the group stops only there. */
+    if (no_gpu) {
+        bad = cfg;
+        bad.overflow_policy = NCCL_EP_OVERFLOW_DROP;
+        CHECK(ncclEpCreateGroup(&group, not_a_comm, &bad) == ncclInvalidUsage);
+    }
     bad = cfg;
     bad.num_topk = 1000;
     CHECK(ncclEpCreateGroup(&group, not_a_comm, &bad) == ncclInvalidArgument);

@@ -1,0 +1,167 @@
+//! API v2's `overflow_policy` `NCCL_EP_OVERFLOW_DROP` on high-throughput flat handles.
+//!
+//! A high-throughput group's `max_recv_tokens_per_rank` (`B`) is the number of rows a flat
+//! dispatch output must hold. When a routing sends a rank `N > B` rows:
+//!
+//! - AUTO / TRAP: the dispatch is refused (`ncclInvalidArgument`, the output is smaller than `N`
+//!   rows) where NVIDIA's library traps the device.
+//! - DROP: the rank keeps its first `B` rows in the flat order (source rank, then the source's
+//!   token order: the rows NVIDIA's scan keeps too) and drops the rest. The dispatch runs into
+//!   the handle's own `N`-row buffers ([`Overflow`]) and its first `B` rows are copied into the
+//!   caller's outputs; the combine reads the caller's `B` rows of expert outputs and zeros for
+//!   the dropped rows, so a dropped row adds nothing to its source token's sum.
+//!
+//! What the handle reports for such a routing: `recv_total_counter` the true `N` (NVIDIA's
+//! meaning: callers compare it with `B` to see the drop), `expert_counters` the rows per local
+//! expert of all `N` rows (NVIDIA's count only the kept rows: epflow's receiver learns which
+//! experts a row carries only from the rows themselves). Expert-major handles on a DROP group
+//! are refused when they are made.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::CudaStream;
+use cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+use epflow_core::{DType, TensorDesc, TensorTag};
+use epflow_kernels::{DeviceTensor, GpuRank};
+
+use crate::status::{Fail, Res};
+
+/// The rows a flat handle keeps of the `received` rows a routing sends it, with a receive
+/// budget of `budget` rows: `Some(budget)` when `drop` is on and the routing overflows it,
+/// `None` when every row is kept (or, without `drop`, when the dispatch will be refused).
+pub(crate) fn kept_rows(received: usize, budget: usize, drop: bool) -> Option<usize> {
+    (drop && received > budget).then_some(budget)
+}
+
+/// One overflowing routing's buffers: the flat dispatch's `N` rows land here, and the combine
+/// reads its `N` rows from here (the caller's `B` first, zeros after).
+pub(crate) struct Overflow {
+    /// `B`: the rows kept.
+    pub(crate) kept: usize,
+    /// The dispatch's rows, `[N x H]` BF16.
+    pub(crate) tokens: DeviceTensor,
+    /// The dispatch's weights, `[N x K]` f32.
+    pub(crate) weights: DeviceTensor,
+    /// The dispatch's local expert ids, `[N x K]` int64.
+    pub(crate) idx: DeviceTensor,
+    /// The combine's input, `[N x H]` BF16: rows `B..N` stay zero.
+    pub(crate) combine_in: DeviceTensor,
+    /// The backward combine's weights, `[N x K]` f32: rows `B..N` stay zero.
+    pub(crate) combine_weights: DeviceTensor,
+    /// An event after the last copy enqueued on a caller's stream ([`Drop`] waits for it).
+    last_use: Mutex<Option<cudarc::driver::CudaEvent>>,
+}
+
+impl Overflow {
+    /// The buffers of a routing sending `received` rows of top-k `top_k` and hidden `hidden`,
+    /// `kept` of which stay (the handle's memory: from the group's `alloc_fn` when it has one).
+    pub(crate) fn new(rank: &GpuRank, received: usize, kept: usize, top_k: usize, hidden: usize) -> Res<Self> {
+        let zeros = |tag, dtype, shape: &[usize]| {
+            let desc = TensorDesc::contiguous(tag, dtype, shape);
+            DeviceTensor::zeros_with(rank.context(), rank.device(), desc, rank.local_allocator())
+        };
+        Ok(Overflow {
+            kept,
+            tokens: zeros(TensorTag::Tokens, DType::Bf16, &[received, hidden])?,
+            weights: zeros(TensorTag::TopkWeights, DType::F32, &[received, top_k])?,
+            idx: zeros(TensorTag::TopkIdx, DType::I64, &[received, top_k])?,
+            combine_in: zeros(TensorTag::Tokens, DType::Bf16, &[received, hidden])?,
+            combine_weights: zeros(TensorTag::TopkWeights, DType::F32, &[received, top_k])?,
+            last_use: Mutex::new(None),
+        })
+    }
+
+    /// After the dispatch into [`Self::tokens`] (and, forward, [`Self::weights`] and
+    /// [`Self::idx`]), on `stream`: their first `B` rows copied into the caller's `tokens`
+    /// (and `weights`, `idx`, each at least `B` rows).
+    pub(crate) fn keep_dispatched(
+        &self,
+        rank: &GpuRank,
+        stream: &Arc<CudaStream>,
+        tokens: u64,
+        weights_idx: Option<(u64, u64)>,
+    ) -> Res<()> {
+        copy_rows(rank, stream, &self.tokens, tokens, self.kept)?;
+        if let Some((w, i)) = weights_idx {
+            copy_rows(rank, stream, &self.weights, w, self.kept)?;
+            copy_rows(rank, stream, &self.idx, i, self.kept)?;
+        }
+        self.used_on(stream)
+    }
+
+    /// Before the combine, on `stream`: the caller's `B` rows of expert outputs `tokens` (and,
+    /// backward, of `weights`) copied into [`Self::combine_in`] (and
+    /// [`Self::combine_weights`]), whose dropped rows stay zero.
+    pub(crate) fn take_combine_inputs(
+        &self,
+        rank: &GpuRank,
+        stream: &Arc<CudaStream>,
+        tokens: u64,
+        weights: Option<u64>,
+    ) -> Res<()> {
+        copy_rows_in(rank, stream, tokens, &self.combine_in, self.kept)?;
+        if let Some(w) = weights {
+            copy_rows_in(rank, stream, w, &self.combine_weights, self.kept)?;
+        }
+        self.used_on(stream)
+    }
+
+    /// Records [`Self::last_use`] on `stream`, after the copies just enqueued there.
+    fn used_on(&self, stream: &Arc<CudaStream>) -> Res<()> {
+        let e = stream.record_event(Some(CU_EVENT_DISABLE_TIMING)).map_err(|e| {
+            Fail::from(epflow_core::Error::Backend(format!("CUDA: record an overflow buffer's event: {e:?}")))
+        })?;
+        *self.last_use.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+        Ok(())
+    }
+}
+
+/// A view of the first `rows` rows of the caller's memory at `ptr`, shaped as `like`'s rows.
+fn caller_rows(like: &DeviceTensor, ptr: u64, rows: usize) -> DeviceTensor {
+    let d = like.desc();
+    let mut shape = d.shape.clone();
+    shape[0] = rows;
+    // SAFETY: every caller checked that the caller's tensor at `ptr` holds at least `rows` rows
+    // of `like`'s row (nccl_ep.h's contract keeps it valid while the operation runs).
+    unsafe { DeviceTensor::from_raw(ptr, like.device(), TensorDesc::contiguous(d.tag, d.dtype, &shape)) }
+}
+
+/// `own`'s first `rows` rows copied to the caller's memory at `dst`, on `stream`.
+fn copy_rows(rank: &GpuRank, stream: &Arc<CudaStream>, own: &DeviceTensor, dst: u64, rows: usize) -> Res<()> {
+    let src = caller_rows(own, own.ptr(), rows);
+    rank.copy_on(stream, &src, &caller_rows(own, dst, rows))?;
+    Ok(())
+}
+
+/// The caller's first `rows` rows at `src` copied into `own`'s first rows, on `stream`.
+fn copy_rows_in(rank: &GpuRank, stream: &Arc<CudaStream>, src: u64, own: &DeviceTensor, rows: usize) -> Res<()> {
+    let dst = caller_rows(own, own.ptr(), rows);
+    rank.copy_on(stream, &caller_rows(own, src, rows), &dst)?;
+    Ok(())
+}
+
+impl Drop for Overflow {
+    /// Waits for the last copy on a caller's stream before the buffers go (the handle may be
+    /// destroyed, or its routing replaced, before the caller's stream passed them).
+    fn drop(&mut self) {
+        if let Some(e) = self.last_use.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            if let Err(err) = e.synchronize() {
+                crate::status::warn(&format!("an overflow buffer: waiting for its last use failed: {err:?}"));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_drop_keeps_a_prefix_and_only_of_an_overflowing_routing() {
+        assert_eq!(kept_rows(12, 8, true), Some(8));
+        assert_eq!(kept_rows(8, 8, true), None, "exactly the budget: nothing dropped");
+        assert_eq!(kept_rows(3, 8, true), None);
+        assert_eq!(kept_rows(12, 8, false), None, "TRAP: the dispatch is refused instead");
+        assert_eq!(kept_rows(0, 0, true), None);
+    }
+}
