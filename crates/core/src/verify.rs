@@ -149,9 +149,10 @@ pub fn check_ll_dispatch(
     r
 }
 
-/// Compares one rank's rank-major dispatch outputs with the reference: the `[R]` counters, and
-/// bit for bit every valid row of each source's block (`tokens` `[R*M x H]`, FP8 `scales`,
-/// `weights` and local expert `idx` `[R*M x K]`).
+/// Compares one rank's rank-major dispatch outputs with the reference: the `[R]` counters, bit
+/// for bit every valid row of each source's block (`tokens` `[R*M x H]`, FP8 `scales`,
+/// `weights` and local expert `idx` `[R*M x K]`), and `-1` in every `idx` entry of the rows
+/// after each source's last (NCCL EP's sentinel).
 #[allow(clippy::too_many_arguments)]
 pub fn check_rank_major_dispatch(
     expected: &RankMajorDispatchResult,
@@ -174,6 +175,8 @@ pub fn check_rank_major_dispatch(
         let span = base * top_k..(base + n) * top_k;
         r.merge(check_exact(&format!("source {s} weights"), &expected.weights[s], &weights[span.clone()], f32_bits_eq));
         r.merge(check_exact(&format!("source {s} idx"), &expected.idx[s], &idx[span], |a, b| a == b));
+        let tail = &idx[(base + n) * top_k..(base + max_tokens) * top_k];
+        r.merge(check_exact(&format!("source {s} idx after its rows"), &vec![-1; tail.len()], tail, |a, b| a == b));
     }
     r
 }

@@ -321,24 +321,25 @@ pub(crate) unsafe fn dispatch(
                 let oi = out_i.ok_or_else(|| Fail::arg("rank-major dispatch needs outputs.topk_idx"))?;
                 rows_of(&ow, "outputs.topk_weights", ep::NCCL_FLOAT32, rows, k, false)?;
                 rows_of(&oi, "outputs.topk_idx", ep::NCCL_INT32, rows, k, false)?;
+                // Optional (as in NCCL EP): without it the counts go to the group's own buffer;
+                // the ids of each source's rows after its last are -1 either way.
                 let c = counter(info.and_then(|i| (!i.src_rank_counters.is_null()).then_some(i.src_rank_counters)))
-                    .ok_or_else(|| Fail::arg("rank-major dispatch needs layout_info.src_rank_counters"))??;
-                c.expect_type("layout_info.src_rank_counters", ep::NCCL_INT32)?;
-                c.expect_sizes("layout_info.src_rank_counters", &[s.num_ranks])?;
+                    .transpose()?;
+                if let Some(c) = &c {
+                    c.expect_type("layout_info.src_rank_counters", ep::NCCL_INT32)?;
+                    c.expect_sizes("layout_info.src_rank_counters", &[s.num_ranks])?;
+                }
                 targets.topk_weights = Some(ow.ptr);
                 targets.topk_idx = Some(oi.ptr);
-                targets.counts = Some(c.ptr);
+                targets.counts = c.as_ref().map(|c| c.ptr);
                 if ids == ExpertIds::Global {
                     then = Some(Globalize {
                         ids: device(g, &oi, TensorDesc::contiguous(TensorTag::TopkIdx, DType::I32, &[rows, k])),
-                        counts: Some((
-                            device(
-                                g,
-                                &c,
-                                TensorDesc::contiguous(TensorTag::RecvExpertCountsDevice, DType::I32, &[s.num_ranks]),
-                            ),
-                            s.max_tokens,
-                        )),
+                        counts: c.as_ref().map(|c| {
+                            let desc =
+                                TensorDesc::contiguous(TensorTag::RecvExpertCountsDevice, DType::I32, &[s.num_ranks]);
+                            (device(g, c, desc), s.max_tokens)
+                        }),
                         offset: global_offset(s),
                     });
                 }

@@ -507,6 +507,13 @@ __device__ __forceinline__ void dispatch_recv_tasks(const LlParams& p, const OpN
         base += chunk_total;
         __syncthreads();
     }
+    // Rank-major: source q's rows after its last received one carry no expert (-1 in every
+    // top-k entry), so a caller reading past a source's count sees sentinels, not a stale
+    // dispatch's ids (NCCL EP's contract since nccl-extensions' recv_topk_idx_flags test).
+    if (rm && g == 0) {
+        int* idx = reinterpret_cast<int*>(p.out_idx) + (size_t)q * M * K;
+        for (int e = base * K + (int)threadIdx.x; e < M * K; e += blockDim.x) idx[e] = -1;
+    }
     if (g == 0 && threadIdx.x == 0) {
         reinterpret_cast<int*>(p.out_counts)[q] = base;
         if (p.host_counts) reinterpret_cast<volatile int*>(p.host_counts)[q] = base;
