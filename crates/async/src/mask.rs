@@ -63,8 +63,9 @@ impl<B: Backend> Group<B> {
     /// so. Resolves once the replacements are full members, or fails with [`Error::Timeout`]
     /// naming who did not come within `timeout` (the group is not poisoned: a replacement that
     /// did not come stays masked and the survivors serve on). Refusals are
-    /// [`Error::RejoinRefused`]. Backends without it answer [`Error::Unsupported`] (the GPU
-    /// backend today: its groups are rebuilt, `docs/surviving-a-dead-rank.md`).
+    /// [`Error::RejoinRefused`]. Backends without it answer [`Error::Unsupported`]. GPU ranks
+    /// need a meeting source first (`GpuRank::set_meeting_source`), and admit every masked rank
+    /// at once (`docs/surviving-a-dead-rank.md`).
     ///
     /// It runs on a thread of its own, so awaiting it never blocks the executor.
     pub fn admit(&self, ranks: &[usize], timeout: Duration) -> UnmaskFuture {

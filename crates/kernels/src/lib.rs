@@ -83,7 +83,7 @@ pub use device::{DeviceTensor, StreamWork, device_count, sm_count};
 pub use graph::{CapturedSend, DeviceNumbering, GpuCapture, GpuReplay, GpuStep, NumberedSend};
 pub use op::{GpuOp, GpuOpOutput};
 pub use outputs::{GpuCombineOutput, GpuDispatchOutput, OutputTargets};
-pub use rank::{BulkStages, CopyRange, ExpertMajorPlan, GpuRank, LaunchCost};
+pub use rank::{BulkStages, CopyRange, ExpertMajorPlan, GpuRank, LaunchCost, MeetingSource};
 pub use state::handle::GpuHandle;
 pub use transport::Transport;
 pub use world::GpuWorld;

@@ -393,6 +393,7 @@ fn build_rank(
         numbered: Default::default(),
         plan_marks_launched: Default::default(),
         meetings: Default::default(),
+        meeting_source: Default::default(),
         nccl,
         local_allocator: place.local_allocator,
         shared_gpu: place.shares_gpu.then(|| SharedContext::join(ctx)),

@@ -210,6 +210,33 @@ fn masking_is_refused_over_nccl() {
     assert!(matches!(err, Error::Unsupported(_)), "{err}");
 }
 
+/// The async `Group::admit` of GPU ranks (`Backend::admit`) refuses before any meeting: without
+/// a meeting source; a rank that is not masked ([`Error::RejoinRefused`]); a set that leaves a
+/// masked rank out (a GPU meeting admits every masked rank at once). The source given here
+/// fails the test if a meeting is asked for.
+#[test]
+fn admit_refuses_before_any_meeting() {
+    use epflow_core::RejoinRefusal;
+    let Some(devices) = gpus(2, "admit_refuses_before_any_meeting") else { return };
+    let ranks = GpuWorld::create(&devices, config(&devices)).expect("world");
+    let r0 = &ranks[0];
+    let wait = Duration::from_secs(1);
+    let set = |v: &[usize]| RankSet::from_ranks(v.iter().copied(), devices.len()).unwrap();
+    let err = Backend::admit(r0, &set(&[1]), wait).unwrap_err();
+    assert!(matches!(&err, Error::Unsupported(m) if m.contains("set_meeting_source")), "{err}");
+    r0.set_meeting_source(std::sync::Arc::new(|_| panic!("no meeting may be asked for")));
+    let err = Backend::admit(r0, &set(&[1]), wait).unwrap_err();
+    assert!(matches!(err, Error::RejoinRefused { rank: 1, why: RejoinRefusal::NotMasked }), "{err}");
+    Backend::mask_ranks(r0, &set(&[1])).expect("mask rank 1");
+    let err = Backend::admit(r0, &RankSet::new(), wait).unwrap_err();
+    assert!(matches!(&err, Error::Unsupported(m) if m.contains("every masked rank")), "{err}");
+    let err = Backend::rejoin(r0, wait).unwrap_err();
+    assert!(matches!(&err, Error::Unsupported(m) if m.contains("GpuWorld::rejoin")), "{err}");
+    eprintln!(
+        "ok: admit refused without a source, for an unmasked rank and for a partial set; rejoin points to GpuWorld::rejoin"
+    );
+}
+
 /// One process per GPU, a process that dies: run under `epflow launch -n N -- gpu_masking
 /// masking_one_process_per_gpu` with the same `EPFLOW_TEST_SEED` in every process. After four
 /// full rounds and a barrier, the last rank's process exits on the spot (`std::process::exit`,
@@ -279,8 +306,9 @@ fn median_us(mut v: Vec<Duration>) -> f64 {
     v.get(v.len() / 2).map_or(0.0, |d| d.as_secs_f64() * 1e6)
 }
 
-/// A replacement process takes a dead rank's place (`GpuWorld::rejoin` in it, `GpuRank::admit`
-/// in the survivors), the processes joined over the TCP bootstrap (so two may share one GPU).
+/// A replacement process takes a dead rank's place (`GpuWorld::rejoin` in it, the async
+/// `Group::admit` in the survivor, its meetings from `GpuRank::set_meeting_source`), the
+/// processes joined over the TCP bootstrap (so two may share one GPU).
 /// Started by hand, one process per role, two ranks (`scripts/device-run-rejoin.sh`):
 /// `EPFLOW_TEST_REJOIN=survivor` (`RANK=0`), `victim` (`RANK=1`: four full rounds, then its
 /// process exits on the spot), then, once it is gone, `newcomer` (`RANK=1`). `MASTER_ADDR` and
@@ -292,6 +320,9 @@ fn median_us(mut v: Vec<Duration>) -> f64 {
 /// median round. Without `EPFLOW_TEST_REJOIN` it prints SKIPPED and passes.
 #[test]
 fn rejoin_over_tcp() {
+    use std::sync::Arc;
+
+    use epflow_kernels::setup::bootstrap::Bootstrap;
     use epflow_kernels::setup::tcp_bootstrap::{TcpBootstrap, TcpLinks};
     let Ok(role) = std::env::var("EPFLOW_TEST_REJOIN") else {
         eprintln!("SKIPPED rejoin_over_tcp: EPFLOW_TEST_REJOIN is not set (scripts/device-run-rejoin.sh starts it)");
@@ -326,10 +357,18 @@ fn rejoin_over_tcp() {
             let stall = timed_rounds(&rank, &b, &config, base + 4, 1, &gone)[0];
             eprintln!("rank {me}: first operation without rank 1 took {stall:?} (timeout {:?})", timeout());
             let during = timed_rounds(&rank, &b, &config, base + 5, iters, &gone);
+            // The server's form: the async `Group::admit`, whose meetings come from the rank's
+            // meeting source (a TCP bootstrap on the meeting port).
+            let addr_s = addr.clone();
+            rank.set_meeting_source(Arc::new(move |wait| {
+                let links = TcpLinks::connect(me, n, &addr_s, meet_port, wait)?;
+                Ok(Box::new(TcpBootstrap::new(links, device)?) as Box<dyn Bootstrap + Send>)
+            }));
+            let group = epflow_async::Group::new(rank);
+            let rank = group.backend();
             let t = Instant::now();
-            let admitted = rank.admit(&meeting()).expect("admit");
+            futures::executor::block_on(group.admit(&[1], wait)).expect("admit");
             let admit = t.elapsed();
-            assert_eq!(admitted, gone);
             assert!(rank.masked_ranks().ranks.is_empty());
             let full = timed_rounds(&rank, &b, &config, after, iters, &none);
             eprintln!(

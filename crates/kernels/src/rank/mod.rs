@@ -15,6 +15,8 @@ pub use launch_cost::LaunchCost;
 mod mask;
 mod meet;
 mod rejoin;
+pub use rejoin::MeetingSource;
+pub(crate) use rejoin::MeetingSourceSlot;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -591,6 +593,19 @@ impl Backend for GpuRank {
 
     fn unmask_all(&self) -> Result<(), Error> {
         self.unmask_all_now()
+    }
+
+    /// Over a meeting from the rank's [`rejoin::MeetingSource`] ([`GpuRank::set_meeting_source`]).
+    fn admit(&self, ranks: &RankSet, timeout: std::time::Duration) -> Result<(), Error> {
+        self.admit_from_source(ranks, timeout)
+    }
+
+    /// A GPU replacement is a new rank: it joins with [`GpuWorld::rejoin`], which returns it.
+    fn rejoin(&self, timeout: std::time::Duration) -> Result<(), Error> {
+        let _ = timeout;
+        Err(Error::Unsupported(
+            "rejoin: a GPU replacement joins with GpuWorld::rejoin(meeting, config), which returns its rank".into(),
+        ))
     }
 
     /// Low-latency over NVLink: the handle at once, its dispatches ordered after `stream`'s work

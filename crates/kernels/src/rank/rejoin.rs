@@ -25,6 +25,9 @@
 //! it); before step 4 the survivors go on as they were (still masked), during `unmask_all` the
 //! group fails as `unmask_all` does.
 
+use std::sync::Arc;
+use std::time::Duration;
+
 use epflow_core::mask::RankSet;
 use epflow_core::protocol::Channel;
 use epflow_core::{Algorithm, Error, GroupConfig, RejoinRefusal};
@@ -186,6 +189,64 @@ impl GpuWorld {
         joined.core.set_mask_epoch(epoch);
         joined.unmask_all_now()?;
         Ok(joined)
+    }
+}
+
+/// Where a survivor's rejoin meetings come from, for the async `Group::admit` (the
+/// [`epflow_core::backend::Backend::admit`] of a [`GpuRank`]): called once per meeting with the
+/// caller's timeout, it returns this rank's end of a fresh bootstrap that every rank of the
+/// group joins, the newcomers at their ranks (e.g. a
+/// [`crate::setup::tcp_bootstrap::TcpBootstrap`] on a port the server chose). Set it with
+/// [`GpuRank::set_meeting_source`].
+pub type MeetingSource = Arc<dyn Fn(Duration) -> Result<Box<dyn Bootstrap + Send>, Error> + Send + Sync>;
+
+/// A rank's [`MeetingSource`], once set.
+#[derive(Default)]
+pub(crate) struct MeetingSourceSlot(std::sync::Mutex<Option<MeetingSource>>);
+
+impl MeetingSourceSlot {
+    fn get(&self) -> Option<MeetingSource> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+impl std::fmt::Debug for MeetingSourceSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.get().is_some() { "MeetingSource(set)" } else { "MeetingSource(none)" })
+    }
+}
+
+impl GpuRank {
+    /// Gives this rank the source of its rejoin meetings, so that `Group::admit` (which takes
+    /// no bootstrap) can run [`GpuRank::admit`] on a new one.
+    pub fn set_meeting_source(&self, source: MeetingSource) {
+        *self.shared.meeting_source.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(source);
+    }
+
+    /// `Backend::admit`: [`GpuRank::admit`] over a meeting from the rank's
+    /// [`MeetingSource`]. A GPU meeting admits every masked rank at once (each needs its
+    /// newcomer), so `ranks` must be this rank's masked set: refused before any meeting
+    /// otherwise ([`Error::RejoinRefused`] for a rank not masked, [`Error::Unsupported`] for a
+    /// masked rank left out, or without a meeting source).
+    pub(super) fn admit_from_source(&self, ranks: &RankSet, timeout: Duration) -> Result<(), Error> {
+        let source = self.shared.meeting_source.get().ok_or_else(|| {
+            Error::Unsupported(
+                "admit: this GPU rank has no meeting source: call GpuRank::set_meeting_source (or GpuRank::admit with a meeting bootstrap)".into(),
+            )
+        })?;
+        let masked = self.mask_view().ranks;
+        if let Some(rank) = ranks.iter().find(|&r| !masked.contains(r)) {
+            return Err(Error::RejoinRefused { rank, why: RejoinRefusal::NotMasked });
+        }
+        if masked != *ranks {
+            return Err(Error::Unsupported(format!(
+                "admit: a GPU meeting admits every masked rank at once ({:?}), not {:?}",
+                masked.to_vec(),
+                ranks.to_vec()
+            )));
+        }
+        let meeting = source(timeout)?;
+        self.admit(&*meeting).map(drop)
     }
 }
 

@@ -194,6 +194,8 @@ pub(crate) struct RankShared {
     /// The meetings this rank has called ([`crate::GpuRank::meet_on`]): the next one's number
     /// is one more.
     pub(crate) meetings: AtomicU64,
+    /// Where `Backend::admit` gets its rejoin meetings ([`crate::GpuRank::set_meeting_source`]).
+    pub(crate) meeting_source: crate::rank::MeetingSourceSlot,
     /// The NCCL transport, when some peer uses it.
     pub(crate) nccl: Option<NcclShared>,
     /// Where the rank's local scratch comes from ([`RankShared::local_zeroed`]; `None`:
