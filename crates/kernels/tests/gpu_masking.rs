@@ -370,7 +370,7 @@ fn rejoin_over_tcp() {
             futures::executor::block_on(group.admit(&[1], wait)).expect("admit");
             let admit = t.elapsed();
             assert!(rank.masked_ranks().ranks.is_empty());
-            let full = timed_rounds(&rank, &b, &config, after, iters, &none);
+            let full = timed_rounds(rank, &b, &config, after, iters, &none);
             eprintln!(
                 "ok: rank {me}: rounds before {:.0} us, masked {:.0} us, after the rejoin {:.0} us (medians; {iters} masked and {iters} full rounds bit-exact); first masked operation {stall:?}, admit {admit:?} (from its call, the newcomer's start included)",
                 median_us(before),
