@@ -2,8 +2,8 @@
 # On a GPU machine, from the repository root: issue 68's rejoin with processes. Rank 0
 # (`survivor`) and rank 1 (`victim`) join a low-latency group with rank masking over the TCP
 # bootstrap; after four full rounds the victim's process exits; the survivor masks it and goes
-# on; then a new process (`newcomer`) takes rank 1's place (`GpuWorld::rejoin` / `GpuRank::admit`)
-# and both run full rounds against the reference (`gpu_masking rejoin_over_tcp`). DEVICES="0 0"
+# on; then a new process (`newcomer`) takes rank 1's place (`GpuWorld::rejoin`; the survivor's
+# async `Group::admit` over its meeting source) and both run full rounds against the reference (`gpu_masking rejoin_over_tcp`). DEVICES="0 0"
 # (default) puts both ranks on GPU 0 (the processes time-slice it: a functional check); "0 1" on
 # two GPUs. ITERS rounds per phase (default 50). Logs in $OUT/rejoin-*.log; one line per process.
 set -uo pipefail

@@ -600,7 +600,7 @@ impl Backend for GpuRank {
         self.admit_from_source(ranks, timeout)
     }
 
-    /// A GPU replacement is a new rank: it joins with [`GpuWorld::rejoin`], which returns it.
+    /// A GPU replacement is a new rank: it joins with [`crate::GpuWorld::rejoin`], which returns it.
     fn rejoin(&self, timeout: std::time::Duration) -> Result<(), Error> {
         let _ = timeout;
         Err(Error::Unsupported(
