@@ -277,7 +277,9 @@ fn bounded_for_shared_gpus(config: GroupConfig, ranks_per_gpu: usize, sms: usize
 }
 
 /// NCCL communicators take one GPU per rank (`ncclCommInitAll` and `ncclCommInitRank` fail with
-/// `ncclInvalidUsage` otherwise), so a group that reaches any peer over NCCL cannot place two
+/// `ncclInvalidUsage` otherwise; NCCL 2.30 takes several with `NCCL_MULTI_RANK_GPU_ENABLE=1`,
+/// which the NCCL EP C API's groups over the caller's communicator use, but epflow's NCCL
+/// transport is not built for), so a group that reaches any peer over NCCL cannot place two
 /// ranks on one GPU. Every rank finds the same pair (from gathered places), so all refuse.
 fn refuse_nccl_on_a_shared_gpu(shared: Option<(usize, usize)>, any_nccl: bool) -> Result<(), Error> {
     match shared {
