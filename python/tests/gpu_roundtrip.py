@@ -11,7 +11,8 @@ Python from fresh random inputs (the seed is printed; ``--seed`` replays one):
 - low-latency, expert-major: per-expert counts, the received rows, the weighted combine; once
   directly, once staged (``send_only`` + ``ncclEpComplete``), once with an int32 ``topk_idx``
   (API v2), and with API v2's ``DS_FP8E3M4`` recipe directly and staged (e4m3 rows: every scale
-  exact, every value within e4m3's rounding; the combine of the dequantized rows);
+  exact, every value within e4m3's rounding; the combine of the dequantized rows), once with the
+  scales 4 bytes into their allocation (fp32 alignment, as NVIDIA's own test places them);
 - low-latency, expert-major again on a group whose config gives ``alloc_fn`` / ``free_fn``
   (``cuMemAlloc`` / ``cuMemFree``, counted): the same results, ``alloc_fn`` called for the
   group's scratch and the handle's memory with the config's context, and every allocation given
@@ -425,9 +426,12 @@ def check_fp8_rows(p, chk, e, counts, recv, scales, combine_in, deq_of):
         combine_in[base:base + H] = array.array("H", p.expert(e, deq_bits))
 
 
-def low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged, idx32=False, fp8=False, allocator=None, nvfp4=False):
+def low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged, idx32=False, fp8=False, allocator=None, nvfp4=False,
+                             scales_offset=0):
     """``allocator``: a :class:`CountingAllocator` the group's config gives as ``alloc_fn`` /
-    ``free_fn``; checked to serve the group's scratch and the handle's memory. ``nvfp4``: the
+    ``free_fn``; checked to serve the group's scratch and the handle's memory. ``scales_offset``:
+    FP8's ``outputs.scales`` start that many bytes into their allocation (NVIDIA's own test puts
+    them 4 bytes in: fp32 alignment is all DS_FP8E3M4 asks). ``nvfp4``: the
     combine travels as NVFP4 (API v2's ``NCCL_EP_COMB_QUANT_NVFP4``, ``inputs.scales`` each
     row's ``2688 / amax``), checked against the same quantization on the host."""
     E, M, H, K = p.E, p.M, p.H, p.K
@@ -452,7 +456,7 @@ def low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged, idx32=Fals
             chk.expect(allocator.allocs > group_allocs, "alloc_fn: not called for the handle's memory (%d calls)" % allocator.allocs)
         try:
             recv_d = cuda.alloc(L * R * M * H * (1 if fp8 else 2), fill=0xA5)
-            scales_d = cuda.alloc(L * R * M * (H // 128) * 4, fill=0xA5) if fp8 else None
+            scales_d = cuda.alloc(L * R * M * (H // 128) * 4 + scales_offset, fill=0xA5) + scales_offset if fp8 else None
             counts_d = cuda.alloc(L * 4)
             din = nccl_ep.ncclEpDispatchInputs_t(tokens=desc(x_d, ncclBfloat16, (p.B, H)))
             if fp8:
@@ -1058,6 +1062,10 @@ def main():
         (
             "LL expert-major, DS_FP8E3M4, send_only (API v2)",
             lambda p: low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged=True, fp8=True),
+        ),
+        (
+            "LL expert-major, DS_FP8E3M4, scales 4 B into their allocation",
+            lambda p: low_latency_expert_major(lib, comm, cuda, stream, p, chk, staged=False, fp8=True, scales_offset=4),
         ),
         (
             "LL expert-major, int32 topk_idx (API v2)",

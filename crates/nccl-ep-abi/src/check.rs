@@ -146,8 +146,13 @@ impl Tensor {
 
 /// Requires a 16-byte aligned device address (rows move in 16-byte vectors).
 pub(crate) fn aligned16(what: &str, ptr: u64) -> Res<()> {
-    if ptr % 16 != 0 {
-        return Err(Fail::arg(format!("{what}: address {ptr:#x} is not 16-byte aligned")));
+    aligned(what, ptr, 16)
+}
+
+/// Requires a device address aligned to `bytes` (a power of two).
+pub(crate) fn aligned(what: &str, ptr: u64, bytes: u64) -> Res<()> {
+    if ptr % bytes != 0 {
+        return Err(Fail::arg(format!("{what}: address {ptr:#x} is not {bytes}-byte aligned")));
     }
     Ok(())
 }
@@ -245,6 +250,15 @@ pub(crate) unsafe fn required_tensor(p: *const ep::NcclEpTensor, what: &str) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn alignment_is_checked_to_the_asked_bytes() {
+        assert!(aligned("s", 0x1004, 4).is_ok());
+        assert_eq!(aligned("s", 0x1006, 4).unwrap_err().code, ep::NCCL_INVALID_ARGUMENT);
+        let e = aligned16("outputs.scales", 0x1004).unwrap_err();
+        assert!(e.message.contains("outputs.scales: address 0x1004 is not 16-byte aligned"), "{}", e.message);
+        assert!(aligned16("t", 0x1010).is_ok());
+    }
 
     #[test]
     fn api_v2_types_are_known_bytes() {
