@@ -464,6 +464,7 @@ pub(crate) unsafe fn dispatch(
                 }
             };
             if let Some(o) = &overflow {
+                o.wait_on(&st)?;
                 targets = OutputTargets {
                     tokens: o.tokens.ptr(),
                     topk_weights: weights_idx.map(|_| o.weights.ptr()),
@@ -691,6 +692,7 @@ pub(crate) unsafe fn combine(
                 }
             };
             if let Some(o) = &overflow {
+                o.wait_on(&st)?;
                 o.take_combine_inputs(&g.rank, &st, x.ptr, backward_weights)?;
             }
             let mut cin = CombineInputs::new(&tokens);
@@ -700,6 +702,9 @@ pub(crate) unsafe fn combine(
             // SAFETY: the outputs were checked above ([B x H] tokens, [B x K] weights).
             let op = unsafe { g.rank.start_combine_into(&gh, cin, &opts, &targets) }?;
             issue(g, op, Channel::Combine, &st, false, None, &mut timer)?;
+            if let Some(o) = &overflow {
+                o.used_on(&st)?;
+            }
             g.settle(true)?;
         }
     }

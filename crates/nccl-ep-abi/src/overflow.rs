@@ -71,6 +71,17 @@ impl Overflow {
         })
     }
 
+    /// Before a dispatch or combine of the handle on `stream` uses these buffers: `stream` waits
+    /// for the last use enqueued on another stream (a no-op on the same one).
+    pub(crate) fn wait_on(&self, stream: &Arc<CudaStream>) -> Res<()> {
+        if let Some(e) = &*self.last_use.lock().unwrap_or_else(|e| e.into_inner()) {
+            stream.wait(e).map_err(|e| {
+                Fail::from(epflow_core::Error::Backend(format!("CUDA: wait for an overflow buffer's last use: {e:?}")))
+            })?;
+        }
+        Ok(())
+    }
+
     /// After the dispatch into [`Self::tokens`] (and, forward, [`Self::weights`] and
     /// [`Self::idx`]), on `stream`: their first `B` rows copied into the caller's `tokens`
     /// (and `weights`, `idx`, each at least `B` rows).
@@ -91,7 +102,8 @@ impl Overflow {
 
     /// Before the combine, on `stream`: the caller's `B` rows of expert outputs `tokens` (and,
     /// backward, of `weights`) copied into [`Self::combine_in`] (and
-    /// [`Self::combine_weights`]), whose dropped rows stay zero.
+    /// [`Self::combine_weights`]), whose dropped rows stay zero. The caller records
+    /// [`Self::used_on`] once the combine that reads them is enqueued.
     pub(crate) fn take_combine_inputs(
         &self,
         rank: &GpuRank,
@@ -103,11 +115,12 @@ impl Overflow {
         if let Some(w) = weights {
             copy_rows_in(rank, stream, w, &self.combine_weights, self.kept)?;
         }
-        self.used_on(stream)
+        Ok(())
     }
 
-    /// Records [`Self::last_use`] on `stream`, after the copies just enqueued there.
-    fn used_on(&self, stream: &Arc<CudaStream>) -> Res<()> {
+    /// Records [`Self::last_use`] on `stream`, after the work just enqueued there (the copies,
+    /// and a combine's send that reads [`Self::combine_in`]).
+    pub(crate) fn used_on(&self, stream: &Arc<CudaStream>) -> Res<()> {
         let e = stream.record_event(Some(CU_EVENT_DISABLE_TIMING)).map_err(|e| {
             Fail::from(epflow_core::Error::Backend(format!("CUDA: record an overflow buffer's event: {e:?}")))
         })?;

@@ -1,5 +1,6 @@
 //! The built `libnccl_ep.so` from outside, on any machine: `nm -D` lists the 18 functions of
-//! `nccl_ep.h` and the epflow marker; a C program (`gcc -std=c11`) and a C++ program
+//! `nccl_ep.h`, the epflow marker and NVIDIA's nine test hooks (C++ names; a C++ program
+//! declaring them as NVIDIA's test header does links and calls them); a C program (`gcc -std=c11`) and a C++ program
 //! (`g++ -std=c++17`) compiled against the generated header link it and check the version, the
 //! size, magic and version checks, `ncclInvalidArgument` on bad arguments and on values that
 //! name no live group or handle, and a clean error without a GPU; a C program compiled against
