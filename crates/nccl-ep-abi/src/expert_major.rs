@@ -5,14 +5,14 @@
 //! NCCL EP's do: `expert_counters` the padded count per local expert, `expert_offsets` each
 //! zone's first slot, `recv_total_counter` the slots in all. Forward pass only.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
-use cudarc::driver::{CudaEvent, CudaStream};
+use cudarc::driver::CudaStream;
 use epflow_core::{DType, TensorDesc, TensorTag};
 use epflow_kernels::{DeviceTensor, ExpertMajorPlan, GpuRank};
 use nccl_ep_sys as ep;
 
+use crate::last_use::LastUse;
 use crate::status::{Fail, Res};
 
 /// The alignment of a handle's expert zones when `layout` of an `algorithm` group is
@@ -35,6 +35,9 @@ pub(crate) fn alignment_of(
 
 /// One high-throughput expert-major handle's zones and the flat outputs they are built from.
 pub(crate) struct ExpertMajor {
+    /// The last scatter or reduce enqueued on a caller's stream (dropped first: the buffers
+    /// are freed only after it).
+    last_use: LastUse,
     pub(crate) plan: ExpertMajorPlan,
     /// The flat dispatch's outputs: tokens `[N x H]` BF16, weights `[N x K]` f32, local expert
     /// indices `[N x K]` int64.
@@ -43,9 +46,6 @@ pub(crate) struct ExpertMajor {
     pub(crate) idx: DeviceTensor,
     /// The flat combine's input, `[N x H]` BF16, summed from the caller's slots.
     pub(crate) combine_in: DeviceTensor,
-    /// An event after the last scatter or reduce enqueued on a caller's stream: the buffers
-    /// are freed only after it ([`Drop`]).
-    last_use: Mutex<Option<CudaEvent>>,
 }
 
 impl ExpertMajor {
@@ -71,7 +71,7 @@ impl ExpertMajor {
             idx: zeros(TensorTag::TopkIdx, DType::I64, &[rows, top_k])?,
             combine_in: zeros(TensorTag::Tokens, DType::Bf16, &[rows, hidden])?,
             plan,
-            last_use: Mutex::new(None),
+            last_use: LastUse::new("an expert-major buffer"),
         })
     }
 
@@ -96,28 +96,9 @@ impl ExpertMajor {
         self.used_on(stream)
     }
 
-    /// Records [`Self::last_use`] on `stream`, after the kernels just enqueued there.
+    /// Records the buffers' last use on `stream`, after the kernels just enqueued there.
     fn used_on(&self, stream: &Arc<CudaStream>) -> Res<()> {
-        let e = stream.record_event(Some(CU_EVENT_DISABLE_TIMING)).map_err(|e| {
-            Fail::from(epflow_core::Error::Backend(format!("CUDA: record an expert-major buffer's event: {e:?}")))
-        })?;
-        *self.last_use.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
-        Ok(())
-    }
-}
-
-impl Drop for ExpertMajor {
-    /// Waits for the last scatter or reduce on a caller's stream before the buffers go: the
-    /// handle may be destroyed (or its routing replaced) before the caller's stream passed them,
-    /// and a caller's `free_fn` need not wait for the device as `cuMemFree` does.
-    fn drop(&mut self) {
-        if let Some(e) = self.last_use.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
-            if let Err(err) = e.synchronize() {
-                crate::status::warn(&format!(
-                    "an expert-major handle's buffers: waiting for their last use failed: {err:?}"
-                ));
-            }
-        }
+        self.last_use.record(stream)
     }
 }
 

@@ -43,6 +43,8 @@
 //! - `group.rs`: a group: the epflow GPU rank, the config's shape, operations in flight.
 //! - `handle.rs`: handles: layout, top-k, routing.
 //! - `expert_major.rs`: high-throughput `NCCL_EP_LAYOUT_EXPERT_MAJOR` on the flat layout.
+//! - `last_use.rs`: the last use of a handle's own buffers on a caller's stream (waited for
+//!   before they are freed).
 //! - `overflow.rs`: API v2's `overflow_policy` DROP on high-throughput flat handles.
 //! - `ids.rs`: API v2's GLOBAL expert ids, rewritten after a dispatch's receive.
 //! - `live.rs`: the registry of live groups and handles (what `ncclEpGroup_t` and
@@ -87,6 +89,7 @@ mod group;
 mod handle;
 pub mod header;
 mod ids;
+mod last_use;
 mod live;
 mod mask;
 mod ops;

@@ -17,14 +17,14 @@
 //! experts a row carries only from the rows themselves). Expert-major handles on a DROP group
 //! are refused when they are made.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
-use cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
 use epflow_core::{DType, TensorDesc, TensorTag};
 use epflow_kernels::{DeviceTensor, GpuRank};
 
-use crate::status::{Fail, Res};
+use crate::last_use::LastUse;
+use crate::status::Res;
 
 /// The rows a flat handle keeps of the `received` rows a routing sends it, with a receive
 /// budget of `budget` rows: `Some(budget)` when `drop` is on and the routing overflows it,
@@ -36,6 +36,9 @@ pub(crate) fn kept_rows(received: usize, budget: usize, drop: bool) -> Option<us
 /// One overflowing routing's buffers: the flat dispatch's `N` rows land here, and the combine
 /// reads its `N` rows from here (the caller's `B` first, zeros after).
 pub(crate) struct Overflow {
+    /// The last copy or combine on a caller's stream that used these buffers (dropped first:
+    /// waits for it).
+    last_use: LastUse,
     /// `B`: the rows kept.
     pub(crate) kept: usize,
     /// The dispatch's rows, `[N x H]` BF16.
@@ -48,8 +51,6 @@ pub(crate) struct Overflow {
     pub(crate) combine_in: DeviceTensor,
     /// The backward combine's weights, `[N x K]` f32: rows `B..N` stay zero.
     pub(crate) combine_weights: DeviceTensor,
-    /// An event after the last copy enqueued on a caller's stream ([`Drop`] waits for it).
-    last_use: Mutex<Option<cudarc::driver::CudaEvent>>,
 }
 
 impl Overflow {
@@ -61,25 +62,20 @@ impl Overflow {
             DeviceTensor::zeros_with(rank.context(), rank.device(), desc, rank.local_allocator())
         };
         Ok(Overflow {
+            last_use: LastUse::new("an overflow buffer"),
             kept,
             tokens: zeros(TensorTag::Tokens, DType::Bf16, &[received, hidden])?,
             weights: zeros(TensorTag::TopkWeights, DType::F32, &[received, top_k])?,
             idx: zeros(TensorTag::TopkIdx, DType::I64, &[received, top_k])?,
             combine_in: zeros(TensorTag::Tokens, DType::Bf16, &[received, hidden])?,
             combine_weights: zeros(TensorTag::TopkWeights, DType::F32, &[received, top_k])?,
-            last_use: Mutex::new(None),
         })
     }
 
     /// Before a dispatch or combine of the handle on `stream` uses these buffers: `stream` waits
     /// for the last use enqueued on another stream (a no-op on the same one).
     pub(crate) fn wait_on(&self, stream: &Arc<CudaStream>) -> Res<()> {
-        if let Some(e) = &*self.last_use.lock().unwrap_or_else(|e| e.into_inner()) {
-            stream.wait(e).map_err(|e| {
-                Fail::from(epflow_core::Error::Backend(format!("CUDA: wait for an overflow buffer's last use: {e:?}")))
-            })?;
-        }
-        Ok(())
+        self.last_use.wait_on(stream)
     }
 
     /// After the dispatch into [`Self::tokens`] (and, forward, [`Self::weights`] and
@@ -118,14 +114,10 @@ impl Overflow {
         Ok(())
     }
 
-    /// Records [`Self::last_use`] on `stream`, after the work just enqueued there (the copies,
-    /// and a combine's send that reads [`Self::combine_in`]).
+    /// Records the buffers' last use on `stream`, after the work just enqueued there (the
+    /// copies, and a combine's send that reads [`Self::combine_in`]).
     pub(crate) fn used_on(&self, stream: &Arc<CudaStream>) -> Res<()> {
-        let e = stream.record_event(Some(CU_EVENT_DISABLE_TIMING)).map_err(|e| {
-            Fail::from(epflow_core::Error::Backend(format!("CUDA: record an overflow buffer's event: {e:?}")))
-        })?;
-        *self.last_use.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
-        Ok(())
+        self.last_use.record(stream)
     }
 }
 
@@ -151,18 +143,6 @@ fn copy_rows_in(rank: &GpuRank, stream: &Arc<CudaStream>, src: u64, own: &Device
     let dst = caller_rows(own, own.ptr(), rows);
     rank.copy_on(stream, &caller_rows(own, src, rows), &dst)?;
     Ok(())
-}
-
-impl Drop for Overflow {
-    /// Waits for the last copy on a caller's stream before the buffers go (the handle may be
-    /// destroyed, or its routing replaced, before the caller's stream passed them).
-    fn drop(&mut self) {
-        if let Some(e) = self.last_use.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
-            if let Err(err) = e.synchronize() {
-                crate::status::warn(&format!("an overflow buffer: waiting for its last use failed: {err:?}"));
-            }
-        }
-    }
 }
 
 #[cfg(test)]
