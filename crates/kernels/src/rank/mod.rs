@@ -15,8 +15,6 @@ pub use launch_cost::LaunchCost;
 mod mask;
 mod meet;
 mod rejoin;
-pub use rejoin::MeetingSource;
-pub(crate) use rejoin::MeetingSourceSlot;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -595,7 +593,8 @@ impl Backend for GpuRank {
         self.unmask_all_now()
     }
 
-    /// Over a meeting from the rank's [`rejoin::MeetingSource`] ([`GpuRank::set_meeting_source`]).
+    /// Over a meeting from the rank's [`crate::setup::meeting::MeetingSource`]
+    /// ([`GpuRank::set_meeting_source`]).
     fn admit(&self, ranks: &RankSet, timeout: std::time::Duration) -> Result<(), Error> {
         self.admit_from_source(ranks, timeout)
     }

@@ -25,7 +25,6 @@
 //! it); before step 4 the survivors go on as they were (still masked), during `unmask_all` the
 //! group fails as `unmask_all` does.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use epflow_core::mask::RankSet;
@@ -34,6 +33,7 @@ use epflow_core::{Algorithm, Error, GroupConfig, RejoinRefusal};
 
 use super::GpuRank;
 use crate::setup::bootstrap::{Bootstrap, all_gather_u64};
+use crate::setup::meeting::MeetingSource;
 use crate::transport::host_id;
 use crate::world::{GpuWorld, exported, open_exported, place_words};
 
@@ -192,35 +192,11 @@ impl GpuWorld {
     }
 }
 
-/// Where a survivor's rejoin meetings come from, for the async `Group::admit` (the
-/// [`epflow_core::backend::Backend::admit`] of a [`GpuRank`]): called once per meeting with the
-/// caller's timeout, it returns this rank's end of a fresh bootstrap that every rank of the
-/// group joins, the newcomers at their ranks (e.g. a
-/// [`crate::setup::tcp_bootstrap::TcpBootstrap`] on a port the server chose). Set it with
-/// [`GpuRank::set_meeting_source`].
-pub type MeetingSource = Arc<dyn Fn(Duration) -> Result<Box<dyn Bootstrap + Send>, Error> + Send + Sync>;
-
-/// A rank's [`MeetingSource`], once set.
-#[derive(Default)]
-pub(crate) struct MeetingSourceSlot(std::sync::Mutex<Option<MeetingSource>>);
-
-impl MeetingSourceSlot {
-    fn get(&self) -> Option<MeetingSource> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-}
-
-impl std::fmt::Debug for MeetingSourceSlot {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(if self.get().is_some() { "MeetingSource(set)" } else { "MeetingSource(none)" })
-    }
-}
-
 impl GpuRank {
     /// Gives this rank the source of its rejoin meetings, so that `Group::admit` (which takes
     /// no bootstrap) can run [`GpuRank::admit`] on a new one.
     pub fn set_meeting_source(&self, source: MeetingSource) {
-        *self.shared.meeting_source.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(source);
+        self.shared.meeting_source.set(source);
     }
 
     /// `Backend::admit`: [`GpuRank::admit`] over a meeting from the rank's

@@ -195,7 +195,7 @@ pub(crate) struct RankShared {
     /// is one more.
     pub(crate) meetings: AtomicU64,
     /// Where `Backend::admit` gets its rejoin meetings ([`crate::GpuRank::set_meeting_source`]).
-    pub(crate) meeting_source: crate::rank::MeetingSourceSlot,
+    pub(crate) meeting_source: crate::setup::meeting::MeetingSourceSlot,
     /// The NCCL transport, when some peer uses it.
     pub(crate) nccl: Option<NcclShared>,
     /// Where the rank's local scratch comes from ([`RankShared::local_zeroed`]; `None`:
