@@ -7,8 +7,7 @@ use epflow_kernels::{DeviceTensor, GpuHandle};
 use nccl_ep_sys as ep;
 
 use crate::check::{self, Tensor};
-use crate::group::Group;
-use crate::ops::device;
+use crate::group::{Group, device};
 use crate::status::{Fail, Res};
 
 /// A dispatch's pre-quantized rows (`NCCL_EP_DISP_QUANT_FWD`), checked as NCCL EP checks them:

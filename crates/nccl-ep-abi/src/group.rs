@@ -60,6 +60,18 @@ impl Shape {
     }
 }
 
+/// The caller's tensor `t` as a device tensor of `desc` on `g`'s device (only `desc`'s bytes
+/// are used: the leading rows of a larger tensor).
+pub(crate) fn device(
+    g: &Group,
+    t: &crate::check::Tensor,
+    desc: epflow_core::TensorDesc,
+) -> epflow_kernels::DeviceTensor {
+    // SAFETY: every caller checked that `t` holds at least `desc`'s elements of its type; the
+    // memory is the caller's, valid until the operation completes (nccl_ep.h's contract).
+    unsafe { epflow_kernels::DeviceTensor::from_raw(t.ptr, g.rank.device(), desc) }
+}
+
 /// One rank's group.
 pub(crate) struct Group {
     pub(crate) rank: GpuRank,

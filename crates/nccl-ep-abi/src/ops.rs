@@ -22,20 +22,12 @@ use nccl_ep_sys as ep;
 use crate::capture::{self as graph, Mode};
 use crate::check::{self, Tensor};
 use crate::forwarded::Forwarded;
-use crate::group::Group;
+use crate::group::{Group, device};
 use crate::handle::{Handle, Staged, StagedOp};
 use crate::ids::Globalize;
 use crate::profile::Timer;
 use crate::status::{Fail, Res};
 use crate::v2::{DispatchQuant, ExpertIds};
-
-/// The caller's tensor `t` as a device tensor of `desc` (only `desc`'s bytes are used: the
-/// leading rows of a larger tensor).
-pub(crate) fn device(g: &Group, t: &Tensor, desc: TensorDesc) -> DeviceTensor {
-    // SAFETY: every caller checked that `t` holds at least `desc`'s elements of its type; the
-    // memory is the caller's, valid until the operation completes (nccl_ep.h's contract).
-    unsafe { DeviceTensor::from_raw(t.ptr, g.rank.device(), desc) }
-}
 
 fn pass_of(p: ep::NcclEpPassDir) -> Res<Pass> {
     match p {
