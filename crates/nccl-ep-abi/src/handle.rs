@@ -285,6 +285,10 @@ impl Handle {
         } else {
             blocking_handle_with(&g.rank, &dev, &opts)?
         };
+        // High-throughput: the routing's own buffers (overflow rows, expert-major zones), kept
+        // beside it only once every counter was written: a failure leaves the old routing and
+        // its buffers together.
+        let mut buffers = None;
         if g.shape.algorithm == Algorithm::HighThroughput {
             let raw = h.recv_expert_counts().unwrap_or_default();
             let n = h.num_recv_tokens().unwrap_or(0);
@@ -298,7 +302,7 @@ impl Handle {
                 }
                 None => None,
             };
-            *self.overflow.lock().unwrap_or_else(|e| e.into_inner()) = overflow;
+            let mut zones = None;
             // Flat: the rows per local expert and `N`; expert-major: the padded zones, their
             // first slots and the slots in all (NCCL EP's meaning of the same counters).
             let (counts, offsets, total) = match self.expert_major_alignment {
@@ -312,7 +316,7 @@ impl Handle {
                     }
                     let em = ExpertMajor::new(&g.rank, raw, n, k, g.shape.hidden, a)?;
                     let p = (em.plan.padded.clone(), Some(em.plan.offsets.clone()), em.plan.total as i64);
-                    *self.expert_major.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(em));
+                    zones = Some(Arc::new(em));
                     p
                 }
                 None => (raw.iter().map(|&c| i64::from(c)).collect(), None, n as i64),
@@ -333,6 +337,11 @@ impl Handle {
                     write_counts(&c, &[total], "layout_info.recv_total_counter")?;
                 }
             }
+            buffers = Some((overflow, zones));
+        }
+        if let Some((overflow, zones)) = buffers {
+            *self.overflow.lock().unwrap_or_else(|e| e.into_inner()) = overflow;
+            *self.expert_major.lock().unwrap_or_else(|e| e.into_inner()) = zones;
         }
         *self.top_k.lock().unwrap_or_else(|e| e.into_inner()) = Some(k);
         *self.gpu.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
