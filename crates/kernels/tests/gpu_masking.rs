@@ -210,10 +210,10 @@ fn masking_is_refused_over_nccl() {
     assert!(matches!(err, Error::Unsupported(_)), "{err}");
 }
 
-/// The async `Group::admit` of GPU ranks (`Backend::admit`) refuses before any meeting: without
-/// a meeting source; a rank that is not masked ([`Error::RejoinRefused`]); a set that leaves a
-/// masked rank out (a GPU meeting admits every masked rank at once). The source given here
-/// fails the test if a meeting is asked for.
+/// The async `Group::admit` of GPU ranks (`Backend::admit`) refuses before any meeting: a rank
+/// that is not masked ([`Error::RejoinRefused`]); no rank asked; without a meeting source; a set
+/// that leaves a masked rank out (a GPU meeting admits every masked rank at once). The source
+/// given at the end fails the test if a meeting is asked for.
 #[test]
 fn admit_refuses_before_any_meeting() {
     use epflow_core::RejoinRefusal;
@@ -223,17 +223,21 @@ fn admit_refuses_before_any_meeting() {
     let wait = Duration::from_secs(1);
     let set = |v: &[usize]| RankSet::from_ranks(v.iter().copied(), devices.len()).unwrap();
     let err = Backend::admit(r0, &set(&[1]), wait).unwrap_err();
-    assert!(matches!(&err, Error::Unsupported(m) if m.contains("set_meeting_source")), "{err}");
-    r0.set_meeting_source(std::sync::Arc::new(|_| panic!("no meeting may be asked for")));
-    let err = Backend::admit(r0, &set(&[1]), wait).unwrap_err();
     assert!(matches!(err, Error::RejoinRefused { rank: 1, why: RejoinRefusal::NotMasked }), "{err}");
     Backend::mask_ranks(r0, &set(&[1])).expect("mask rank 1");
     let err = Backend::admit(r0, &RankSet::new(), wait).unwrap_err();
-    assert!(matches!(&err, Error::Unsupported(m) if m.contains("every masked rank")), "{err}");
+    assert!(matches!(&err, Error::Unsupported(m) if m.contains("no rank to admit")), "{err}");
+    let err = Backend::admit(r0, &set(&[1]), wait).unwrap_err();
+    assert!(matches!(&err, Error::Unsupported(m) if m.contains("set_meeting_source")), "{err}");
+    r0.set_meeting_source(std::sync::Arc::new(|_| panic!("no meeting may be asked for")));
+    if devices.len() > 2 {
+        let err = Backend::admit(r0, &set(&[2]), wait).unwrap_err();
+        assert!(matches!(err, Error::RejoinRefused { rank: 2, why: RejoinRefusal::NotMasked }), "{err}");
+    }
     let err = Backend::rejoin(r0, wait).unwrap_err();
     assert!(matches!(&err, Error::Unsupported(m) if m.contains("GpuWorld::rejoin")), "{err}");
     eprintln!(
-        "ok: admit refused without a source, for an unmasked rank and for a partial set; rejoin points to GpuWorld::rejoin"
+        "ok: admit refused for an unmasked rank, an empty set and without a source; rejoin points to GpuWorld::rejoin"
     );
 }
 

@@ -201,16 +201,23 @@ impl GpuRank {
 
     /// `Backend::admit`: [`GpuRank::admit`] over a meeting from the rank's
     /// [`MeetingSource`]. A GPU meeting admits every masked rank at once (each needs its
-    /// newcomer), so `ranks` must be this rank's masked set: refused before any meeting
-    /// otherwise ([`Error::RejoinRefused`] for a rank not masked, [`Error::Unsupported`] for a
-    /// masked rank left out, or without a meeting source).
+    /// newcomer), so `ranks` must be this rank's masked set. Refused before any meeting: a
+    /// poisoned group (its error), no rank masking or a rank not masked
+    /// ([`Error::RejoinRefused`]), no meeting source, this rank masked itself, no rank asked, a
+    /// masked rank left out ([`Error::Unsupported`]).
     pub(super) fn admit_from_source(&self, ranks: &RankSet, timeout: Duration) -> Result<(), Error> {
-        let source = self.shared.meeting_source.get().ok_or_else(|| {
-            Error::Unsupported(
-                "admit: this GPU rank has no meeting source: call GpuRank::set_meeting_source (or GpuRank::admit with a meeting bootstrap)".into(),
-            )
-        })?;
+        self.core.poison().check()?;
+        refuse_config(&self.shared.config, self.shared.rank)?;
         let masked = self.mask_view().ranks;
+        if masked.contains(self.shared.rank) {
+            return Err(Error::Unsupported(format!(
+                "admit: rank {} is masked itself: survivors admit, a replacement joins with GpuWorld::rejoin",
+                self.shared.rank
+            )));
+        }
+        if ranks.is_empty() {
+            return Err(Error::Unsupported("admit: no rank to admit".into()));
+        }
         if let Some(rank) = ranks.iter().find(|&r| !masked.contains(r)) {
             return Err(Error::RejoinRefused { rank, why: RejoinRefusal::NotMasked });
         }
@@ -221,6 +228,11 @@ impl GpuRank {
                 ranks.to_vec()
             )));
         }
+        let source = self.shared.meeting_source.get().ok_or_else(|| {
+            Error::Unsupported(
+                "admit: this GPU rank has no meeting source: call GpuRank::set_meeting_source (or GpuRank::admit with a meeting bootstrap)".into(),
+            )
+        })?;
         let meeting = source(timeout)?;
         self.admit(&*meeting).map(drop)
     }
