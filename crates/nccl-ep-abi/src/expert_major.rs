@@ -96,9 +96,16 @@ impl ExpertMajor {
         self.used_on(stream)
     }
 
-    /// Records the buffers' last use on `stream`, after the kernels just enqueued there.
-    fn used_on(&self, stream: &Arc<CudaStream>) -> Res<()> {
+    /// Records the buffers' last use on `stream`, after the work just enqueued there (the
+    /// scatter or reduce kernels, and a combine's send that reads [`Self::combine_in`]).
+    pub(crate) fn used_on(&self, stream: &Arc<CudaStream>) -> Res<()> {
         self.last_use.record(stream)
+    }
+
+    /// Before a dispatch or combine of the handle on `stream` uses these buffers: `stream` waits
+    /// for the last use enqueued on another stream (a no-op on the same one).
+    pub(crate) fn wait_on(&self, stream: &Arc<CudaStream>) -> Res<()> {
+        self.last_use.wait_on(stream)
     }
 }
 

@@ -409,6 +409,7 @@ pub(crate) unsafe fn dispatch(
             };
             let weights = f32s(&w, gh.num_tokens());
             let din = DispatchInputs::new(&tokens).with_weights(&weights);
+            em.wait_on(&st)?;
             // SAFETY: the targets are the handle's flat buffers of exactly the rows it receives.
             let op = unsafe { g.rank.start_dispatch_into(&gh, din, &opts, &targets) }?;
             issue(g, op, Channel::Dispatch, &st, false, None, &mut timer)?;
@@ -652,6 +653,7 @@ pub(crate) unsafe fn combine(
                     rows_of(&x, "inputs.tokens", ep::NCCL_BFLOAT16, em.plan.total, hd, true)?;
                     let slots = x.numel() / hd.max(1);
                     let y = device(g, &x, TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[slots, hd]));
+                    em.wait_on(&st)?;
                     em.reduce(&g.rank, &st, &y)?;
                     em.combine_in.clone()
                 }
@@ -694,8 +696,13 @@ pub(crate) unsafe fn combine(
             // SAFETY: the outputs were checked above ([B x H] tokens, [B x K] weights).
             let op = unsafe { g.rank.start_combine_into(&gh, cin, &opts, &targets) }?;
             issue(g, op, Channel::Combine, &st, false, None, &mut timer)?;
+            // The combine's send read the handle's input buffer: the next use on another stream
+            // waits for it.
             if let Some(o) = &overflow {
                 o.used_on(&st)?;
+            }
+            if let Some(em) = h.expert_major()? {
+                em.used_on(&st)?;
             }
             g.settle(true)?;
         }
