@@ -81,6 +81,13 @@ struct State {
     dispatched: Vec<Weak<GpuHandleState>>,
 }
 
+impl State {
+    /// Whether handle `h` was dispatched since the switch.
+    fn has_dispatched(&self, h: &GpuHandle) -> bool {
+        self.dispatched.iter().any(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(&h.0)))
+    }
+}
+
 /// The send half of an operation numbered on the device ([`GpuRank::numbered_dispatch_into`]
 /// with `staged`): complete it with [`GpuRank::numbered_complete`], the channel's oldest first.
 #[derive(Debug)]
@@ -195,7 +202,7 @@ impl GpuRank {
         dn.number(&st, &mut p, Channel::Dispatch, offset)?;
         let sent = dn.launch(self, &mut st, Channel::Dispatch, p, stream, staged)?;
         st.dispatched.retain(|w| w.strong_count() > 0);
-        if !st.dispatched.iter().any(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(&h.0))) {
+        if !st.has_dispatched(h) {
             st.dispatched.push(Arc::downgrade(&h.0));
         }
         Ok(sent)
@@ -227,7 +234,7 @@ impl GpuRank {
             self.check_device(t, "a combine input")?;
         }
         let mut st = dn.state.lock().unwrap_or_else(|e| e.into_inner());
-        if !st.dispatched.iter().any(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(&h.0))) {
+        if !st.has_dispatched(h) {
             return Err(ValidationError::CombineBeforeDispatch.into());
         }
         let offset = open_place(&st, Channel::Combine, staged, s.config.buffer_sets)?;
