@@ -642,7 +642,8 @@ pub(crate) unsafe fn combine(
             let overflow = h.overflow();
             let rows = h.output_rows()?;
             let mut backward_weights = None;
-            let tokens = match h.expert_major()? {
+            let zones = h.expert_major()?;
+            let tokens = match &zones {
                 // Expert-major: each received row's slots summed into the handle's flat input.
                 Some(em) => {
                     if pass == Pass::Backward {
@@ -701,7 +702,7 @@ pub(crate) unsafe fn combine(
             if let Some(o) = &overflow {
                 o.used_on(&st)?;
             }
-            if let Some(em) = h.expert_major()? {
+            if let Some(em) = &zones {
                 em.used_on(&st)?;
             }
             g.settle(true)?;

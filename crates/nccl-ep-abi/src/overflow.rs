@@ -88,10 +88,10 @@ impl Overflow {
         tokens: u64,
         weights_idx: Option<(u64, u64)>,
     ) -> Res<()> {
-        copy_rows(rank, stream, &self.tokens, tokens, self.kept)?;
+        copy_rows(rank, stream, &self.tokens, self.tokens.ptr(), tokens, self.kept)?;
         if let Some((w, i)) = weights_idx {
-            copy_rows(rank, stream, &self.weights, w, self.kept)?;
-            copy_rows(rank, stream, &self.idx, i, self.kept)?;
+            copy_rows(rank, stream, &self.weights, self.weights.ptr(), w, self.kept)?;
+            copy_rows(rank, stream, &self.idx, self.idx.ptr(), i, self.kept)?;
         }
         self.used_on(stream)
     }
@@ -107,9 +107,9 @@ impl Overflow {
         tokens: u64,
         weights: Option<u64>,
     ) -> Res<()> {
-        copy_rows_in(rank, stream, tokens, &self.combine_in, self.kept)?;
+        copy_rows(rank, stream, &self.combine_in, tokens, self.combine_in.ptr(), self.kept)?;
         if let Some(w) = weights {
-            copy_rows_in(rank, stream, w, &self.combine_weights, self.kept)?;
+            copy_rows(rank, stream, &self.combine_weights, w, self.combine_weights.ptr(), self.kept)?;
         }
         Ok(())
     }
@@ -121,27 +121,19 @@ impl Overflow {
     }
 }
 
-/// A view of the first `rows` rows of the caller's memory at `ptr`, shaped as `like`'s rows.
-fn caller_rows(like: &DeviceTensor, ptr: u64, rows: usize) -> DeviceTensor {
-    let d = like.desc();
+/// The first `rows` rows at `src` copied to `dst`, on `stream`: one of them is `own`'s memory,
+/// the other the caller's, both of `own`'s row.
+fn copy_rows(rank: &GpuRank, stream: &Arc<CudaStream>, own: &DeviceTensor, src: u64, dst: u64, rows: usize) -> Res<()> {
+    let d = own.desc();
     let mut shape = d.shape.clone();
     shape[0] = rows;
-    // SAFETY: every caller checked that the caller's tensor at `ptr` holds at least `rows` rows
-    // of `like`'s row (nccl_ep.h's contract keeps it valid while the operation runs).
-    unsafe { DeviceTensor::from_raw(ptr, like.device(), TensorDesc::contiguous(d.tag, d.dtype, &shape)) }
-}
-
-/// `own`'s first `rows` rows copied to the caller's memory at `dst`, on `stream`.
-fn copy_rows(rank: &GpuRank, stream: &Arc<CudaStream>, own: &DeviceTensor, dst: u64, rows: usize) -> Res<()> {
-    let src = caller_rows(own, own.ptr(), rows);
-    rank.copy_on(stream, &src, &caller_rows(own, dst, rows))?;
-    Ok(())
-}
-
-/// The caller's first `rows` rows at `src` copied into `own`'s first rows, on `stream`.
-fn copy_rows_in(rank: &GpuRank, stream: &Arc<CudaStream>, src: u64, own: &DeviceTensor, rows: usize) -> Res<()> {
-    let dst = caller_rows(own, own.ptr(), rows);
-    rank.copy_on(stream, &caller_rows(own, src, rows), &dst)?;
+    let view = |ptr| {
+        // SAFETY: `ptr` is `own`'s memory or a caller tensor that every caller checked holds at
+        // least `rows` rows of `own`'s row (nccl_ep.h's contract keeps it valid while the
+        // operation runs).
+        unsafe { DeviceTensor::from_raw(ptr, own.device(), TensorDesc::contiguous(d.tag, d.dtype, &shape)) }
+    };
+    rank.copy_on(stream, &view(src), &view(dst))?;
     Ok(())
 }
 
