@@ -14,7 +14,9 @@ reference computed here from fresh random inputs (the seed is printed; ``--seed`
 - rank 0's M output rows: the first M rows in the flat order (source rank, then its tokens), so
   its own M/2 tokens and rank 1's first M/2, with their local expert ids and weights;
 - the combine, on every rank: each kept token's weighted sum of its experts' outputs, zeros for
-  every dropped token (all its experts are on rank 0, which dropped its row).
+  every dropped token (all its experts are on rank 0, which dropped its row);
+- a second dispatch on the handle with API v2's FWD recipe (random bytes as e4m3 rows with 16
+  uint8 scales each): rank 0's M rows are the kept rows' token and scale bytes, with their ids.
 
 Without a GPU it prints ``SKIPPED`` and exits 0 (exit 2 with ``--require-gpu``). Any mismatch,
 error or rank that does not finish within ``--timeout`` seconds exits 1.
@@ -35,7 +37,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # the source tree's nccl_ep when not 
 sys.path.insert(0, HERE)
 
 import nccl_ep  # noqa: E402
-from nccl_ep import NCCL_EP_ALGO_HIGH_THROUGHPUT, NCCL_EP_LAYOUT_FLAT, ncclBfloat16, ncclFloat32, ncclInt32, ncclInt64  # noqa: E402
+from nccl_ep import NCCL_EP_ALGO_HIGH_THROUGHPUT, NCCL_EP_LAYOUT_FLAT, ncclBfloat16, ncclFloat8e4m3, ncclFloat32, ncclInt32, ncclInt64, ncclUint8  # noqa: E402
 from nccl_ep.structs import ncclUniqueId  # noqa: E402
 
 from gpu_roundtrip import Checker, Cuda, bf16_bits, bf16_val, desc, gpu_count, rows  # noqa: E402
@@ -51,6 +53,9 @@ class RankInputs:
         self.x = [[bf16_bits(rng.uniform(-2.0, 2.0)) for _ in range(hidden)] for _ in range(tokens)]
         self.idx = [rng.sample(range(local_experts), top_k) for _ in range(tokens)]
         self.w = [[struct.unpack("<f", struct.pack("<f", rng.uniform(0.05, 1.0)))[0] for _ in range(top_k)] for _ in range(tokens)]
+        # API v2's FWD recipe: e4m3 rows [B, H] and 16 uint8 scales per row, random bytes.
+        self.q = [bytes(rng.getrandbits(8) for _ in range(hidden)) for _ in range(tokens)]
+        self.s = [bytes(rng.getrandbits(8) for _ in range(16)) for _ in range(tokens)]
 
 
 def expert(e, row_bits):
@@ -166,6 +171,33 @@ def rank_main(args):
                     chk.expect(all(bf16_val(b) == 0.0 for b in got), "rank %d combine, dropped token %d: not zero" % (rank, t))
             print("rank %d: %d tokens, %d kept by rank 0, %d dropped; rank 0 received %d rows, budget %d"
                   % (rank, mine.B, len(kept_here), dropped, len(order) if rank == 0 else -1, M))
+            # The FWD recipe on the same handle: the kept rows' bytes, token and scale rows.
+            q_d = cuda.upload(array.array("B", b"".join(mine.q)))
+            s_d = cuda.upload(array.array("B", b"".join(mine.s)))
+            rq_d = cuda.alloc(M * H, fill=0xAB)
+            rs_d = cuda.alloc(M * 16, fill=0xAB)
+            din = nccl_ep.ncclEpDispatchInputs_t(
+                tokens=desc(q_d, ncclFloat8e4m3, (mine.B, H)),
+                scales=desc(s_d, ncclUint8, (mine.B, 16)),
+                topk_weights=desc(w_d, ncclFloat32, (mine.B, K)),
+            )
+            dout = nccl_ep.ncclEpDispatchOutputs_t(
+                tokens=desc(rq_d, ncclFloat8e4m3, (M, H)),
+                scales=desc(rs_d, ncclUint8, (M, 16)),
+                topk_weights=desc(rw_d, ncclFloat32, (M, K)),
+                topk_idx=desc(ri_d, ncclInt64, (M, K)),
+            )
+            dcfg = nccl_ep.ncclEpDispatchConfig_v2_t(quant_recipe=nccl_ep.NCCL_EP_DISP_QUANT_FWD)
+            lib.ncclEpDispatch(handle, din, dout, None, dcfg, stream)
+            cuda.sync(stream)
+            rq = cuda.download(rq_d, "B", M * H).tobytes()
+            rs = cuda.download(rs_d, "B", M * 16).tobytes()
+            ri = rows(cuda.download(ri_d, "q", M * K), M, K)
+            for j, (r, t) in enumerate(kept):
+                src = inputs[r]
+                chk.expect(rq[j * H:(j + 1) * H] == src.q[t], "FWD: rank 0 row %d is not rank %d's token %d's bytes" % (j, r, t))
+                chk.expect(rs[j * 16:(j + 1) * 16] == src.s[t], "FWD: rank 0 row %d's scales are not rank %d's token %d's" % (j, r, t))
+                chk.expect(ri[j] == src.idx[t], "FWD: rank 0 row %d: ids %r, expected %r" % (j, ri[j], src.idx[t]))
         finally:
             lib.ncclEpHandleDestroy(handle)
     finally:

@@ -29,6 +29,9 @@ Python from fresh random inputs (the seed is printed; ``--seed`` replays one):
 - low-latency expert-major with API v2's ``FWD`` recipe (rows the caller quantized, forwarded
   as bytes): e4m3 rows with fp32 scales, and packed FP4 (``ncclFloat4x2``) with ``ncclUint8``
   scales, directly and staged: every expert's rows and scale rows are its tokens' bytes exactly;
+- the ``FWD`` recipe in high-throughput groups: flat (e4m3 + fp32 scales: every routed token's
+  bytes once, with its ids) and expert-major (fp4x2 + uint8, zones aligned to 4: each zone's
+  rows are its tokens' bytes in token order with their weights, the padding zero);
 - with PyTorch importable, the expert-major round trip again through ``nccl_ep.torch_ep``.
 
 Without a GPU (no ``libcuda.so.1`` or no device) it prints ``SKIPPED`` and exits 0 (exit 2
@@ -941,6 +944,94 @@ def high_throughput_expert_major(lib, comm, cuda, stream, p, chk, alignment=4):
         lib.ncclEpGroupDestroy(group)
 
 
+def high_throughput_forwarded(lib, comm, cuda, stream, p, chk, expert_major=False, fp4=False):
+    """API v2's FWD recipe in a high-throughput group, one rank: random bytes as e4m3 rows
+    ``[B, H]`` with four fp32 scales each, or packed FP4 ``[B, H/2]`` with ``H/16`` uint8 scales.
+    Flat: every routed token's token and scale rows once (as pairs), with its ids and weights,
+    in outputs of a few rows more than received. Expert-major (zones aligned to 4): each zone
+    holds its expert's tokens' rows in token order with their weights, the padding zero. Then
+    the combine of zero expert outputs returns zeros."""
+    M, H, K, L = p.M, p.H, p.K, p.E
+    tok_type, tok_w, sc_type, sc_w, sc_size = (
+        (nccl_ep.ncclFloat4x2, H // 2, nccl_ep.ncclUint8, H // 16, 1) if fp4 else (ncclFloat8e4m3, H, ncclFloat32, 4, 4)
+    )
+    tb, sb = tok_w, sc_w * sc_size
+    rng = random.Random(p.B * 7919 + 2 * int(fp4) + int(expert_major))
+    toks = [bytes(rng.getrandbits(8) for _ in range(tb)) for _ in range(p.B)]
+    scs = [bytes(rng.getrandbits(8) for _ in range(sb)) for _ in range(p.B)]
+    group, _, idx_d, w_d = high_throughput_group(lib, comm, cuda, p, M * K)
+    try:
+        x_d = cuda.upload(array.array("B", b"".join(toks)))
+        xs_d = cuda.upload(array.array("B", b"".join(scs)))
+        total_d = cuda.alloc(8)
+        info = nccl_ep.ncclEpLayoutInfo_t(recv_total_counter=desc(total_d, ncclInt64, (1,)))
+        layout, hcfg = NCCL_EP_LAYOUT_FLAT, None
+        if expert_major:
+            layout, hcfg = NCCL_EP_LAYOUT_EXPERT_MAJOR, nccl_ep.ncclEpHandleConfig_t(dispatch_output_per_expert_alignment=4)
+        handle = lib.ncclEpCreateHandle(group, layout, desc(idx_d, ncclInt64, (p.B, K)), info, hcfg, stream)
+        try:
+            cuda.sync(stream)
+            n = cuda.download(total_d, "q", 1)[0]
+            slots = n + 3  # a few rows more than needed
+            recv_d = cuda.alloc(slots * tb, fill=0xA5)
+            rs_d = cuda.alloc(slots * sb, fill=0xA5)
+            rw_d = cuda.alloc(slots * (1 if expert_major else K) * 4, fill=0xA5)
+            ri_d = cuda.alloc(slots * K * 8)
+            din = nccl_ep.ncclEpDispatchInputs_t(
+                tokens=desc(x_d, tok_type, (p.B, tok_w)),
+                scales=desc(xs_d, sc_type, (p.B, sc_w)),
+                topk_weights=desc(w_d, ncclFloat32, (p.B, K)),
+            )
+            dout = nccl_ep.ncclEpDispatchOutputs_t(
+                tokens=desc(recv_d, tok_type, (slots, tok_w)),
+                scales=desc(rs_d, sc_type, (slots, sc_w)),
+                topk_weights=desc(rw_d, ncclFloat32, (slots,) if expert_major else (slots, K)),
+                topk_idx=None if expert_major else desc(ri_d, ncclInt64, (slots, K)),
+            )
+            dcfg = nccl_ep.ncclEpDispatchConfig_v2_t(quant_recipe=nccl_ep.NCCL_EP_DISP_QUANT_FWD)
+            lib.ncclEpDispatch(handle, din, dout, None, dcfg, stream)
+            cuda.sync(stream)
+            recv = cuda.download(recv_d, "B", slots * tb).tobytes()
+            rs = cuda.download(rs_d, "B", slots * sb).tobytes()
+            pair = lambda j: (recv[j * tb:(j + 1) * tb], rs[j * sb:(j + 1) * sb])  # noqa: E731
+            if expert_major:
+                rw = cuda.download(rw_d, "f", slots)
+                off = 0
+                for e in range(L):
+                    zone = p.tokens_of(e)
+                    for j, t in enumerate(zone):
+                        chk.expect(pair(off + j) == (toks[t], scs[t]), "HT EM FWD: expert %d slot %d is not token %d's bytes" % (e, j, t))
+                        chk.expect(rw[off + j] == p.w[t][p.idx[t].index(e)], "HT EM FWD: expert %d slot %d weight" % (e, j))
+                    padded = (len(zone) + 3) // 4 * 4
+                    for j in range(len(zone), padded):
+                        chk.expect(pair(off + j) == (bytes(tb), bytes(sb)) and rw[off + j] == 0.0, "HT EM FWD: expert %d pad slot %d is not zero" % (e, j))
+                    off += padded
+                chk.expect(off == n, "HT EM FWD: %d slots, recv_total_counter %d" % (off, n))
+            else:
+                ri = rows(cuda.download(ri_d, "q", slots * K), slots, K)
+                sent = [t for t in range(p.B) if p.routed(t)]
+                chk.expect(n == len(sent), "HT flat FWD: recv_total_counter %d, expected %d" % (n, len(sent)))
+                by_pair = {(toks[t], scs[t]): t for t in sent}
+                seen = set()
+                for j in range(n):
+                    t = by_pair.get(pair(j))
+                    if chk.expect(t is not None and t not in seen, "HT flat FWD: row %d is not one token's bytes (once)" % j):
+                        seen.add(t)
+                        chk.expect(ri[j] == p.idx[t], "HT flat FWD: row %d ids %r, expected %r" % (j, ri[j], p.idx[t]))
+            y_d = cuda.alloc(slots * H * 2)
+            out_d = cuda.alloc(p.B * H * 2, fill=0xA5)
+            cin = nccl_ep.ncclEpCombineInputs_t(tokens=desc(y_d, ncclBfloat16, (slots, H)))
+            cout = nccl_ep.ncclEpCombineOutputs_t(tokens=desc(out_d, ncclBfloat16, (p.B, H)))
+            lib.ncclEpCombine(handle, cin, cout, None, stream)
+            cuda.sync(stream)
+            out = cuda.download(out_d, "H", p.B * H)
+            chk.expect(all(v == 0 for v in out), "HT FWD: the combine of zero expert outputs is not zero")
+        finally:
+            lib.ncclEpHandleDestroy(handle)
+    finally:
+        lib.ncclEpGroupDestroy(group)
+
+
 def torch_expert_major(lib, comm, p, chk):
     import torch
     from nccl_ep.torch_ep import EpGroup
@@ -1109,6 +1200,14 @@ def main():
         ("HT flat, GLOBAL expert ids (API v2)", lambda p: high_throughput_flat(lib, comm, cuda, stream, p, chk, global_ids=True)),
         ("HT expert-major, zones aligned to 4", lambda p: high_throughput_expert_major(lib, comm, cuda, stream, p, chk)),
         ("HT expert-major, no alignment", lambda p: high_throughput_expert_major(lib, comm, cuda, stream, p, chk, alignment=1)),
+        (
+            "HT flat, FWD e4m3 + fp32 scales (API v2)",
+            lambda p: high_throughput_forwarded(lib, comm, cuda, stream, p, chk),
+        ),
+        (
+            "HT expert-major, FWD fp4x2 + uint8 (API v2)",
+            lambda p: high_throughput_forwarded(lib, comm, cuda, stream, p, chk, expert_major=True, fp4=True),
+        ),
     ]
     try:
         import torch  # noqa: F401

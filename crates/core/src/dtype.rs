@@ -70,11 +70,13 @@ pub enum DispatchDtype {
     /// `NCCL_EP_DISP_QUANT_FWD`): each token is `token_bytes` of payload ([`DType::U8`]
     /// `[B x token_bytes]`, e.g. FP8 or packed FP4 values) and `scale_bytes` of its scales
     /// (`[B x scale_bytes]`, in [`crate::ops::DispatchInputs::scales`]); the receiver gets both
-    /// unchanged, in the layout's rows (`[L x R*M x token_bytes]` and `[L x R*M x scale_bytes]`
-    /// expert-major, `[R*M x ..]` rank-major). Nothing is converted. Per call only
-    /// ([`crate::ops::DispatchOptions::dtype`]), low-latency forward dispatch of a BF16 group,
-    /// on GPUs into the caller's tensors: both sizes multiples of 16 and their sum at most the
-    /// group's BF16 row, `2 x hidden` bytes.
+    /// unchanged, in the layout's rows (low-latency: `[L x R*M x token_bytes]` and
+    /// `[L x R*M x scale_bytes]` expert-major, `[R*M x ..]` rank-major; high-throughput:
+    /// `[N x token_bytes]` and `[N x scale_bytes]`, with the top-k weights and indices as a BF16
+    /// dispatch's). Nothing is converted. Per call only
+    /// ([`crate::ops::DispatchOptions::dtype`]), forward dispatch of a BF16 group, on GPUs with
+    /// every peer over NVLink (low-latency: into the caller's tensors): both sizes multiples of
+    /// 16 and their sum at most the group's BF16 row, `2 x hidden` bytes.
     Forwarded {
         /// Bytes of a token's payload row.
         token_bytes: usize,

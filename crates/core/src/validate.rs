@@ -223,13 +223,14 @@ pub enum ValidDispatch<'a, T: ?Sized> {
         scales: Option<&'a T>,
     },
     /// High-throughput forward: tokens `[B x H]` (BF16, or FP8 with their `[B x H/128]`
-    /// scales) and top-k weights `[B x K]`.
+    /// scales; a forwarded dispatch: bytes `[B x token_bytes]` with their `[B x scale_bytes]`
+    /// scale rows) and top-k weights `[B x K]`.
     Forward {
         /// Tokens.
         tokens: &'a T,
         /// Top-k weights.
         weights: &'a T,
-        /// FP8 scales (FP8 groups only).
+        /// FP8 scales (FP8 groups), or a forwarded dispatch's scale rows.
         scales: Option<&'a T>,
     },
     /// High-throughput backward: gradients `[B x H]` BF16.
@@ -424,13 +425,37 @@ pub fn validate_dispatch_inputs<'a, T: TensorView + ?Sized>(
             Ok(ValidDispatch::LowLatency { tokens: inputs.tokens, weights, scales: inputs.scales })
         }
         (Algorithm::HighThroughput, Pass::Forward) => {
-            let fp8 = ctx.config.dispatch_dtype.is_fp8();
-            let dtype = if fp8 { DType::Fp8E4m3 } else { DType::Bf16 };
-            check_rows(TOKENS, inputs.tokens, TensorTag::Tokens, dtype, (b, "topk_idx"), (h, "hidden"))?;
             let weights = inputs.topk_weights.ok_or(ValidationError::MissingTensor {
                 tensor: WEIGHTS,
                 why: "high-throughput forward dispatch sends each token's weights with it",
             })?;
+            if let Some((token_bytes, scale_bytes)) = opts.dtype.and_then(DispatchDtype::forwarded) {
+                let s = inputs.scales.ok_or(ValidationError::MissingTensor {
+                    tensor: SCALES,
+                    why: "a forwarded dispatch carries each token's scale row beside its payload",
+                })?;
+                check_rows(
+                    TOKENS,
+                    inputs.tokens,
+                    TensorTag::Tokens,
+                    DType::U8,
+                    (b, "topk_idx"),
+                    (token_bytes, "token_bytes"),
+                )?;
+                check_rows(SCALES, s, TensorTag::Scales, DType::U8, (b, "topk_idx"), (scale_bytes, "scale_bytes"))?;
+                check_rows(
+                    WEIGHTS,
+                    weights,
+                    TensorTag::TopkWeights,
+                    DType::F32,
+                    (b, "topk_idx"),
+                    (ctx.top_k, "top_k"),
+                )?;
+                return Ok(ValidDispatch::Forward { tokens: inputs.tokens, weights, scales: Some(s) });
+            }
+            let fp8 = ctx.config.dispatch_dtype.is_fp8();
+            let dtype = if fp8 { DType::Fp8E4m3 } else { DType::Bf16 };
+            check_rows(TOKENS, inputs.tokens, TensorTag::Tokens, dtype, (b, "topk_idx"), (h, "hidden"))?;
             check_rows(WEIGHTS, weights, TensorTag::TopkWeights, DType::F32, (b, "topk_idx"), (ctx.top_k, "top_k"))?;
             match (fp8, inputs.scales) {
                 (true, None) => Err(ValidationError::MissingTensor {
@@ -479,8 +504,8 @@ fn check_dispatch_dtype(ctx: &OpContext<'_>, opts: &DispatchOptions) -> Result<(
     // The group's own type for this pass (the backward pass is BF16 in every group).
     let own = if opts.pass == Pass::Backward { DispatchDtype::Bf16 } else { c.dispatch_dtype };
     if let Some((token_bytes, scale_bytes)) = asked.forwarded() {
-        return if c.algorithm != Algorithm::LowLatency || opts.pass != Pass::Forward {
-            refuse("only low-latency forward dispatch forwards rows")
+        return if opts.pass != Pass::Forward {
+            refuse("only forward dispatch forwards rows (the backward pass moves BF16 gradients)")
         } else if own.is_fp8() {
             refuse("an FP8 group's messages hold FP8 rows; forward rows in a BF16 group")
         } else if token_bytes == 0 || scale_bytes == 0 || token_bytes % 16 != 0 || scale_bytes % 16 != 0 {
@@ -556,9 +581,19 @@ pub fn dispatch_output_descs(ctx: &OpContext<'_>, opts: &DispatchOptions) -> Dis
         }
         (Algorithm::HighThroughput, Pass::Forward) => {
             let n = ctx.num_recv;
+            let (tokens, scales) = match forwarded {
+                Some((tb, sb)) => (
+                    TensorDesc::contiguous(TensorTag::Tokens, DType::U8, &[n, tb]),
+                    Some(TensorDesc::contiguous(TensorTag::Scales, DType::U8, &[n, sb])),
+                ),
+                None => (
+                    TensorDesc::contiguous(TensorTag::Tokens, token_dtype, &[n, h]),
+                    fp8.then(|| TensorDesc::contiguous(TensorTag::Scales, DType::F32, &[n, h / 128])),
+                ),
+            };
             DispatchOutputs {
-                tokens: TensorDesc::contiguous(TensorTag::Tokens, token_dtype, &[n, h]),
-                scales: fp8.then(|| TensorDesc::contiguous(TensorTag::Scales, DType::F32, &[n, h / 128])),
+                tokens,
+                scales,
                 topk_weights: Some(TensorDesc::contiguous(TensorTag::TopkWeights, DType::F32, &[n, k])),
                 topk_idx: Some(TensorDesc::contiguous(TensorTag::TopkIdx, DType::I64, &[n, k])),
                 counts,

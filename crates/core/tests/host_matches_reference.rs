@@ -443,7 +443,7 @@ fn stream_ordered_training_steps_with_fresh_routing() {
 }
 
 /// Forwarded rows (`DispatchDtype::Forwarded`, NCCL EP API v2's FWD recipe) are validated
-/// alike on every backend: low-latency forward dispatch of a BF16 group only, both row sizes
+/// alike on every backend: forward dispatch of a BF16 group only, both row sizes
 /// positive multiples of 16 fitting the group's BF16 row, opaque bytes with their scale rows.
 /// The host backend then refuses them by name (they are a GPU backend's: `gpu_ll`).
 #[test]
@@ -483,6 +483,14 @@ fn forwarded_rows_are_validated_and_the_host_backend_refuses_them() {
     let fp8 = ll.with_dispatch_dtype(DispatchDtype::Fp8 { round_scales: false });
     let e = attempt(fp8, fwd(tb, sb), tb, sb, true);
     assert!(e.contains("FP8 group"), "{e}");
-    let e = attempt(GroupConfig::high_throughput(EXPERTS, HIDDEN), fwd(tb, sb), tb, sb, true);
-    assert!(e.contains("only low-latency forward dispatch forwards rows"), "{e}");
+    // High-throughput forward dispatch forwards rows too (`[N x token_bytes]` received).
+    let ht = GroupConfig::high_throughput(EXPERTS, HIDDEN);
+    let e = attempt(ht.clone(), fwd(tb, sb), tb, sb, true);
+    assert!(e.contains("GPU backend"), "valid high-throughput forwarded rows reach the host backend's refusal: {e}");
+    let e = attempt(ht.clone(), fwd(tb, sb), tb, sb, false);
+    assert!(e.contains("scale row"), "{e}");
+    let e = attempt(ht.clone(), fwd(tb, sb), tb, sb + 16, true);
+    assert!(e.contains("scale_bytes"), "a scale row of another size: {e}");
+    let e = attempt(ht, fwd(2 * HIDDEN, 16), 2 * HIDDEN, 16, true);
+    assert!(e.contains("2 x hidden"), "{e}");
 }

@@ -334,6 +334,11 @@ pub(crate) struct HtParams {
     /// of every channel as they go (`ht_pooled`; `HtLayout::balanced`), 0 for a fixed share per
     /// channel. The same on every rank.
     pub balanced: i32,
+    /// A dispatch with scales (`fp8` 1): fp32 words of a token's scale row, `H / 128` for FP8
+    /// rows, `scale_bytes / 4` for forwarded rows (`DispatchDtype::Forwarded`, which travel as
+    /// `row_bytes` of payload and then the scale row at `off_scales`).
+    pub scale_cols: i32,
+    pub pad: i32,
 }
 
 // SAFETY: `HtParams` is `repr(C)`, plain old data, and matches the CUDA struct's layout
@@ -496,8 +501,9 @@ mod tests {
 
     #[test]
     fn ht_layouts_match_the_cuda_structs() {
-        assert_eq!(size_of::<HtParams>(), 392);
+        assert_eq!(size_of::<HtParams>(), 400);
         assert_eq!(offset_of!(HtParams, helpers), 384);
+        assert_eq!(offset_of!(HtParams, scale_cols), 392);
         assert_eq!(offset_of!(HtParams, stamp), 368);
         assert_eq!(offset_of!(HtParams, direct), 376);
         assert_eq!(offset_of!(HtParams, direct_mem), 380);

@@ -345,8 +345,17 @@ fn dispatch_into_caller_memory(
     h: &GpuHandle,
     inputs: DispatchInputs<'_, DeviceTensor>,
 ) -> Result<DispatchOutputs<HostTensor>, Error> {
-    let opts = DispatchOptions::default();
-    let descs = rank.dispatch_output_descs(h, &opts);
+    dispatch_into_caller_memory_with(rank, h, inputs, &DispatchOptions::default())
+}
+
+/// [`dispatch_into_caller_memory`] with `opts`.
+fn dispatch_into_caller_memory_with(
+    rank: &GpuRank,
+    h: &GpuHandle,
+    inputs: DispatchInputs<'_, DeviceTensor>,
+    opts: &DispatchOptions,
+) -> Result<DispatchOutputs<HostTensor>, Error> {
+    let descs = rank.dispatch_output_descs(h, opts);
     let alloc = |d: &TensorDesc| -> Result<DeviceBuffer, Error> {
         let b = DeviceBuffer::zeroed(rank.context(), d.size_bytes().max(1))?;
         b.write(0, &vec![0xA5u8; d.size_bytes()])?;
@@ -365,7 +374,7 @@ fn dispatch_into_caller_memory(
     };
     // SAFETY: every address is a buffer of this rank's device holding the tensor its descriptor
     // describes; the buffers live until this function returns, after the operation completed.
-    let op = unsafe { rank.start_dispatch_into(h, inputs, &opts, &into)? };
+    let op = unsafe { rank.start_dispatch_into(h, inputs, opts, &into)? };
     match run_blocking(op, rank.slot_pool(Channel::Dispatch), rank.poison(), rank.config().timeout)? {
         OpOutput::Dispatch(d) => d.to_host(),
         _ => Err(Error::Backend("dispatch returned another output".into())),
@@ -424,6 +433,107 @@ fn ht_direct_and_ring_receivers_in_one_group() {
                 }
             }
             eprintln!("ok: {dtype:?} tokens={tokens} {kind:?}");
+        }
+    }
+}
+
+/// Byte `j` of row `t` of rank `src`'s forwarded tokens (`salt` 0) or scales (`salt` 1): a
+/// pattern every rank can compute for any source, fresh per `seed`.
+fn forwarded_byte(seed: u64, salt: u64, src: usize, t: usize, j: usize) -> u8 {
+    let mut x = seed ^ (salt << 60) ^ ((src as u64) << 48) ^ ((t as u64) << 20) ^ j as u64;
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    (x >> 29) as u8
+}
+
+/// Forwarded rows (`DispatchDtype::Forwarded`, NCCL EP API v2's FWD recipe) in a
+/// high-throughput BF16 group: every received row's `token_bytes` and `scale_bytes` are the
+/// source's bytes (opaque: FP8, packed FP4, anything), bit for bit, in the reference's flat
+/// order, with the weights, local indices and counts of the reference; outputs in epflow's
+/// buffers and in caller memory (poisoned first), several row sizes and routings.
+#[test]
+fn ht_forwarded_rows_arrive_bit_exact() {
+    use epflow_core::{HostData, TensorTag};
+    let Some(devices) = gpus(2, "ht_forwarded_rows_arrive_bit_exact") else { return };
+    let base = seed();
+    eprintln!("seed {base}");
+    let hidden = 512;
+    let config = GroupConfig::high_throughput(64, hidden).with_max_sms(shared_gpu_sms(&devices));
+    let ranks = GpuWorld::create(&devices, config.clone()).expect("create GPU group");
+    // (token_bytes, scale_bytes): FP8 rows with fp32 scales per 128, packed FP4 with a byte per
+    // 16 values, the whole BF16 row.
+    let sizes = [(hidden, 16), (hidden / 2, hidden / 16), (2 * hidden - 16, 16)];
+    let cases = [(300usize, RoutingKind::Uniform), (64, RoutingKind::Skewed), (1, RoutingKind::Uniform)];
+    for (i, &(tb, sb)) in sizes.iter().enumerate() {
+        for (j, &(tokens, kind)) in cases.iter().enumerate() {
+            for caller in [false, true] {
+                let s = base.wrapping_add((i * 16 + j * 2 + usize::from(caller)) as u64 * 7919);
+                let counts = [tokens, tokens / 3 + 1];
+                let sc = Scenario::generate(config.clone(), 2, &counts, 4, kind, tokens.min(8), s);
+                let want = sc.ht_dispatch_reference().unwrap();
+                let dtype = DispatchDtype::Forwarded { token_bytes: tb, scale_bytes: sb };
+                let reports = on_ranks(&ranks, |rank| {
+                    let r = rank.rank();
+                    let b = counts[r];
+                    rank.fill_output_buffers(0xA5).expect("poison");
+                    let idx = rank.upload(&sc.topk_idx(r)).expect("upload");
+                    let h = blocking_handle(rank, &idx).expect("handle");
+                    let bytes = |salt, w: usize| (0..b * w).map(|q| forwarded_byte(s, salt, r, q / w, q % w)).collect();
+                    let x = rank.upload(&HostTensor::new(TensorTag::Tokens, &[b, tb], HostData::U8(bytes(0, tb))));
+                    let xs = rank.upload(&HostTensor::new(TensorTag::Scales, &[b, sb], HostData::U8(bytes(1, sb))));
+                    let (x, xs) = (x.expect("upload"), xs.expect("upload"));
+                    let w = rank.upload(&sc.weights(r)).expect("upload");
+                    let inputs = DispatchInputs::new(&x).with_weights(&w).with_scales(&xs);
+                    let opts = DispatchOptions { dtype: Some(dtype), ..DispatchOptions::default() };
+                    let host = if caller {
+                        dispatch_into_caller_memory_with(rank, &h, inputs, &opts)
+                    } else {
+                        blocking_dispatch(rank, &h, inputs, &opts, false).and_then(|o| o.to_host())
+                    }
+                    .expect("dispatch");
+                    let rows = want[r].layout.rows();
+                    let expect = |salt, w: usize| -> Vec<u8> {
+                        rows.iter()
+                            .flat_map(|row| {
+                                (0..w)
+                                    .map(move |q| forwarded_byte(s, salt, row.src_rank as usize, row.token as usize, q))
+                            })
+                            .collect()
+                    };
+                    let got_tokens = host.tokens.as_u8().unwrap_or_default().to_vec();
+                    let got_scales = host.scales.as_ref().and_then(HostTensor::as_u8).unwrap_or_default().to_vec();
+                    let reports = [
+                        check_exact("forwarded token rows", &expect(0, tb), &got_tokens, |a, b| a == b),
+                        check_exact("forwarded scale rows", &expect(1, sb), &got_scales, |a, b| a == b),
+                        check_exact(
+                            "topk_weights",
+                            &want[r].topk_weights,
+                            host.topk_weights.as_ref().and_then(HostTensor::as_f32).unwrap_or_default(),
+                            |a, b| a.to_bits() == b.to_bits(),
+                        ),
+                        check_exact(
+                            "topk_idx",
+                            &want[r].topk_idx,
+                            host.topk_idx.as_ref().and_then(HostTensor::as_i64).unwrap_or_default(),
+                            |a, b| a == b,
+                        ),
+                        check_exact(
+                            "counts",
+                            want[r].layout.expert_counts(),
+                            host.counts.as_ref().and_then(HostTensor::as_i32).unwrap_or_default(),
+                            |a, b| a == b,
+                        ),
+                    ];
+                    reports.into_iter().map(|rep| rep.context(&format!("rank {r}"))).collect::<Vec<_>>()
+                });
+                for rep in reports.into_iter().flatten() {
+                    assert!(
+                        rep.ok(),
+                        "forwarded {tb}+{sb} bytes tokens={tokens} {kind:?} caller memory {caller} seed={s}: {rep:?}"
+                    );
+                }
+            }
+            eprintln!("ok: forwarded {tb}+{sb} bytes, tokens={tokens} {kind:?}");
         }
     }
 }

@@ -3,7 +3,8 @@
 //! (`GpuRank::expert_major_*`, in the caller's stream order); the combine sums each received
 //! row's slots back into a flat input first. The handle's counters report the padded zones, as
 //! NCCL EP's do: `expert_counters` the padded count per local expert, `expert_offsets` each
-//! zone's first slot, `recv_total_counter` the slots in all. Forward pass only.
+//! zone's first slot, `recv_total_counter` the slots in all. Forward pass only; BF16 rows or
+//! forwarded ones (`NCCL_EP_DISP_QUANT_FWD`: the token and scale rows scattered alike).
 
 use std::sync::Arc;
 
@@ -76,16 +77,22 @@ impl ExpertMajor {
     }
 
     /// After the flat dispatch into [`Self::tokens`], [`Self::weights`] and [`Self::idx`]: the
-    /// caller's `out` (`[S x H]` BF16) and `out_weights` (`[S]` f32) filled, on `stream`.
+    /// caller's `out_weights` (`[S]` f32) filled, and each pair's caller rows from the flat
+    /// rows, on `stream`. `rows`: (flat `[N x W]`, caller's `[S x W]`) BF16, `(Self::tokens,
+    /// out)` for a BF16 dispatch; a forwarded one's token and scale rows as BF16 pairs of bytes
+    /// (`Forwarded::split`).
     pub(crate) fn scatter(
         &self,
         rank: &GpuRank,
         stream: &Arc<CudaStream>,
-        out: &DeviceTensor,
+        rows: &[(&DeviceTensor, &DeviceTensor)],
         out_weights: &DeviceTensor,
     ) -> Res<()> {
         rank.expert_major_slots_on(stream, &self.plan, &self.idx)?;
-        rank.expert_major_scatter_on(stream, &self.plan, &self.tokens, &self.weights, out, out_weights)?;
+        for (flat, out) in rows {
+            // Each pass writes the same weights (and zeroes the zones' padding of its rows).
+            rank.expert_major_scatter_on(stream, &self.plan, flat, &self.weights, out, out_weights)?;
+        }
         self.used_on(stream)
     }
 

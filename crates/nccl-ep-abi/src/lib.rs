@@ -69,9 +69,10 @@
 //! NVLink, other hosts go through NCCL). Operations run on the caller's stream and write the
 //! caller's tensors. API v2's DS_FP8E3M4 recipe is epflow's low-latency FP8 dispatch, per call;
 //! its FWD recipe (rows the caller quantized, `forwarded.rs`) travels as bytes in low-latency
-//! groups; its NVFP4 combine (`inputs.scales` each row's global scale) is epflow's
-//! (`epflow_core::nvfp4`, conversions of its own, so Hopper runs it too). Refused with
-//! `ncclInvalidUsage` and a log line: FWD, DS_FP8E3M4 and NVFP4 in high-throughput groups, the
+//! and high-throughput groups (flat, expert-major, after a DROP); its NVFP4 combine
+//! (`inputs.scales` each row's global scale) is epflow's (`epflow_core::nvfp4`, conversions of
+//! its own, so Hopper runs it too). Refused with
+//! `ncclInvalidUsage` and a log line: DS_FP8E3M4 and NVFP4 in high-throughput groups, the
 //! expert-major backward pass, expert-major handles on a DROP group, NCCL window tensors
 //! (`zero_copy` ON), CUDA graph capture of high-throughput calls
 //! (low-latency calls are capturable: `capture.rs`).

@@ -238,11 +238,6 @@ pub(crate) unsafe fn dispatch(
     if fp8 && g.shape.algorithm != Algorithm::LowLatency {
         return Err(Fail::usage("NCCL_EP_DISP_QUANT_DS_FP8E3M4 is a low-latency recipe (as in NCCL EP)"));
     }
-    if fwd && g.shape.algorithm != Algorithm::LowLatency {
-        return Err(Fail::usage(
-            "config.quant_recipe NCCL_EP_DISP_QUANT_FWD in a high-throughput group is not implemented by epflow's NCCL EP library (low-latency groups forward pre-quantized rows)",
-        ));
-    }
     if fwd && cfg.round_scales != 0 {
         return Err(Fail::arg("NCCL_EP_DISP_QUANT_FWD takes round_scales 0 (nothing is quantized)"));
     }
@@ -388,8 +383,13 @@ pub(crate) unsafe fn dispatch(
                 return Err(Fail::arg("expert-major dispatch writes no outputs.topk_idx (one weight per slot)"));
             }
             let total = em.plan.total;
-            rows_of(&out, "outputs.tokens", ep::NCCL_BFLOAT16, total, hd, true)?;
-            let slots = out.numel() / hd.max(1);
+            let slots = match (&forwarded, &out_s) {
+                (Some(f), Some(os)) => f.check_ht_outputs(&out, os, total)?,
+                _ => {
+                    rows_of(&out, "outputs.tokens", ep::NCCL_BFLOAT16, total, hd, true)?;
+                    out.numel() / hd.max(1)
+                }
+            };
             let w = w_in.ok_or_else(|| Fail::arg("forward dispatch needs inputs.topk_weights"))?;
             rows_of(&w, "inputs.topk_weights", ep::NCCL_FLOAT32, gh.num_tokens(), k, false)?;
             let ow = out_w
@@ -401,21 +401,35 @@ pub(crate) unsafe fn dispatch(
                     ow.sizes
                 )));
             }
+            // A forwarded dispatch's flat token and scale rows share the handle's BF16 buffer.
+            let split = forwarded.as_ref().map(|f| f.split(&em.tokens));
             let targets = OutputTargets {
-                tokens: em.tokens.ptr(),
+                tokens: split.as_ref().map_or(em.tokens.ptr(), |(t, _)| t.ptr()),
+                scales: split.as_ref().map(|(_, sc)| sc.ptr()),
                 topk_weights: Some(em.weights.ptr()),
                 topk_idx: Some(em.idx.ptr()),
                 ..Default::default()
             };
             let weights = f32s(&w, gh.num_tokens());
-            let din = DispatchInputs::new(&tokens).with_weights(&weights);
+            let mut din = DispatchInputs::new(&tokens).with_weights(&weights);
+            if let Some(f) = &forwarded {
+                din = din.with_scales(&f.scales);
+            }
             em.wait_on(&st)?;
             // SAFETY: the targets are the handle's flat buffers of exactly the rows it receives.
             let op = unsafe { g.rank.start_dispatch_into(&gh, din, &opts, &targets) }?;
             issue(g, op, Channel::Dispatch, &st, false, None, &mut timer)?;
-            let out = device(g, &out, TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[slots, hd]));
             let ow = device(g, &ow, TensorDesc::contiguous(TensorTag::TopkWeights, DType::F32, &[slots]));
-            em.scatter(&g.rank, &st, &out, &ow)?;
+            match (&forwarded, &split, &out_s) {
+                (Some(f), Some((ft, fs)), Some(os)) => {
+                    let [ct, cs] = f.caller_views(g, &out, os, slots);
+                    em.scatter(&g.rank, &st, &[(ft, &ct), (fs, &cs)], &ow)?;
+                }
+                _ => {
+                    let out = device(g, &out, TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[slots, hd]));
+                    em.scatter(&g.rank, &st, &[(&em.tokens, &out)], &ow)?;
+                }
+            }
             g.settle(true)?;
         }
         (Algorithm::HighThroughput, _) => {
@@ -423,9 +437,15 @@ pub(crate) unsafe fn dispatch(
             // row, and the caller's outputs get the rows kept.
             let overflow = h.overflow();
             let rows = h.output_rows()?;
-            rows_of(&out, "outputs.tokens", ep::NCCL_BFLOAT16, rows, hd, true)?;
-            let slots = out.numel() / hd.max(1);
-            let mut targets = OutputTargets { tokens: out.ptr, ..Default::default() };
+            let slots = match (&forwarded, &out_s) {
+                (Some(f), Some(os)) => f.check_ht_outputs(&out, os, rows)?,
+                _ => {
+                    rows_of(&out, "outputs.tokens", ep::NCCL_BFLOAT16, rows, hd, true)?;
+                    out.numel() / hd.max(1)
+                }
+            };
+            let out_scales = out_s.as_ref().filter(|_| fwd).map(|os| os.ptr);
+            let mut targets = OutputTargets { tokens: out.ptr, scales: out_scales, ..Default::default() };
             let mut then = None;
             let mut weights_idx = None;
             let weights = match pass {
@@ -456,10 +476,13 @@ pub(crate) unsafe fn dispatch(
                     None
                 }
             };
+            // After a DROP, a forwarded dispatch's token and scale rows share the handle's buffer.
+            let split = forwarded.as_ref().zip(overflow.as_ref()).map(|(f, o)| f.split(&o.tokens));
             if let Some(o) = &overflow {
                 o.wait_on(&st)?;
                 targets = OutputTargets {
-                    tokens: o.tokens.ptr(),
+                    tokens: split.as_ref().map_or(o.tokens.ptr(), |(t, _)| t.ptr()),
+                    scales: split.as_ref().map(|(_, sc)| sc.ptr()),
                     topk_weights: weights_idx.map(|_| o.weights.ptr()),
                     topk_idx: weights_idx.map(|_| o.idx.ptr()),
                     ..Default::default()
@@ -468,6 +491,9 @@ pub(crate) unsafe fn dispatch(
             let mut din = DispatchInputs::new(&tokens);
             if let Some(w) = &weights {
                 din = din.with_weights(w);
+            }
+            if let Some(f) = &forwarded {
+                din = din.with_scales(&f.scales);
             }
             // SAFETY: the targets hold at least the rows epflow writes (checked above, or the
             // overflow buffers of every received row).
@@ -478,7 +504,14 @@ pub(crate) unsafe fn dispatch(
                 }
                 Some(o) => {
                     issue(g, op, Channel::Dispatch, &st, false, None, &mut timer)?;
-                    o.keep_dispatched(&g.rank, &st, out.ptr, weights_idx)?;
+                    let mut keep = match (&split, out_scales) {
+                        (Some((t, sc)), Some(os)) => vec![(t, out.ptr), (sc, os)],
+                        _ => vec![(&o.tokens, out.ptr)],
+                    };
+                    if let Some((w, i)) = weights_idx {
+                        keep.extend([(&o.weights, w), (&o.idx, i)]);
+                    }
+                    o.keep_dispatched(&g.rank, &st, &keep)?;
                     if let Some(t) = then {
                         t.enqueue(&g.rank, &st)?;
                     }

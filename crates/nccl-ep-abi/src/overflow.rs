@@ -78,20 +78,18 @@ impl Overflow {
         self.last_use.wait_on(stream)
     }
 
-    /// After the dispatch into [`Self::tokens`] (and, forward, [`Self::weights`] and
-    /// [`Self::idx`]), on `stream`: their first `B` rows copied into the caller's `tokens`
-    /// (and `weights`, `idx`, each at least `B` rows).
+    /// After the dispatch into these buffers, on `stream`: the first `B` rows of each `(own,
+    /// caller)` pair copied to the caller's address (each holding at least `B` rows of `own`'s
+    /// row): [`Self::tokens`] (a forwarded dispatch: its token and scale rows,
+    /// `Forwarded::split`) and, forward, [`Self::weights`] and [`Self::idx`].
     pub(crate) fn keep_dispatched(
         &self,
         rank: &GpuRank,
         stream: &Arc<CudaStream>,
-        tokens: u64,
-        weights_idx: Option<(u64, u64)>,
+        outputs: &[(&DeviceTensor, u64)],
     ) -> Res<()> {
-        copy_rows(rank, stream, &self.tokens, self.tokens.ptr(), tokens, self.kept)?;
-        if let Some((w, i)) = weights_idx {
-            copy_rows(rank, stream, &self.weights, self.weights.ptr(), w, self.kept)?;
-            copy_rows(rank, stream, &self.idx, self.idx.ptr(), i, self.kept)?;
+        for &(own, caller) in outputs {
+            copy_rows(rank, stream, own, own.ptr(), caller, self.kept)?;
         }
         self.used_on(stream)
     }

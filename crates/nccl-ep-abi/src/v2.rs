@@ -186,7 +186,8 @@ pub(crate) enum DispatchQuant {
     None,
     /// DS_FP8E3M4 (low-latency): BF16 in, FP8 e4m3 out with one fp32 scale per 128 channels.
     DsFp8,
-    /// FWD (low-latency): tokens the caller quantized and their scales, carried as bytes.
+    /// FWD (low-latency and high-throughput): tokens the caller quantized and their scales,
+    /// carried as bytes.
     Fwd,
 }
 

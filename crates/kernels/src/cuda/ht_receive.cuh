@@ -13,7 +13,7 @@ __device__ __forceinline__ void ht_offer_outputs(const HtParams& p, int c) {
     const int cnt = s == p.rank ? 0 : reinterpret_cast<const int*>(p.recv_cnt)[s * C + c];
     if (cnt < p.direct) return;
     const bool direct_out = p.direct_mem != 0;
-    const int cols = p.hidden / 128;
+    const int cols = p.scale_cols;
     u64* slot = ht_direct(reinterpret_cast<u64*>(p.peer_signals[s]), p.chan, c, p.rank);
     const u64 row0 = (u64)reinterpret_cast<const int*>(p.recv_base)[s * C + c];
     const u32 tag = ht_slot_tag(p.seq);
@@ -37,7 +37,7 @@ __device__ void ht_dispatch_recv(const HtParams& p, int c) {
     const int R = p.num_ranks, C = p.channels, K = p.top_k;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u64* sig = reinterpret_cast<u64*>(p.signals);
-    const int cols = p.hidden / 128;
+    const int cols = p.scale_cols;
     const bool direct_out = p.direct_mem != 0;
     if (!ht_wait_starts(p, &cancelled, &mismatched, &failed)) return;
     if (threadIdx.x == 0) direct = 0u;

@@ -65,8 +65,8 @@
 #define HT_WARPS (HT_BLOCK / 32)
 
 struct HtParams {
-    u64 x;            // dispatch: tokens [B x H] (BF16, or FP8 bytes); combine: expert outputs [N x H] BF16
-    u64 x_scales;     // dispatch FP8: [B x H/128] fp32
+    u64 x;            // dispatch: tokens [B x row_bytes] (BF16, FP8 or forwarded bytes); combine: expert outputs [N x H] BF16
+    u64 x_scales;     // dispatch with scales (`fp8`): [B x scale_cols] fp32 words
     u64 weights;      // dispatch forward: [B x K] fp32; combine backward: weight gradients [N x K] fp32
     u64 topk_idx;     // [B x K] int64 (the handle's copy)
     u64 send_list;    // int32 tokens per destination, ascending (the handle's send plan)
@@ -75,7 +75,7 @@ struct HtParams {
     u64 recv_cnt;     // int32 [R][C]: rows received from (source, channel)
     u64 copy_ord;     // int32 [B][R]: index of token t among its channel's copies to rank d, or -1
     u64 out;          // dispatch: [N x H]; combine: [B x H] BF16
-    u64 out_scales;   // dispatch FP8: [N x H/128] fp32
+    u64 out_scales;   // dispatch with scales (`fp8`): [N x scale_cols] fp32 words
     u64 out_weights;  // dispatch forward: [N x K] fp32; combine backward: [B x K] fp32
     u64 out_idx;      // dispatch forward: [N x K] int64
     u64 own_ring;     // this rank's receive rings of this channel
@@ -100,9 +100,13 @@ struct HtParams {
                       // destination (`ht_help_direct`), 0 for none (the same on every rank)
     int balanced;     // direct dispatch: 1, the rows of a destination are shared out between the warps of
                       // every channel as they go (`ht_pooled`), 0 for a fixed share per channel
+    int scale_cols;   // dispatch with scales (`fp8` 1): fp32 words of a token's scale row, H/128 for FP8 rows,
+                      // scale_bytes / 4 for forwarded rows (which travel as bytes: row_bytes of payload,
+                      // then the scale row at off_scales)
+    int pad;
 };
 // The Rust mirror (epflow-kernels params.rs) must agree byte for byte.
-static_assert(sizeof(HtParams) == 392, "HtParams layout");
+static_assert(sizeof(HtParams) == 400, "HtParams layout");
 
 // Ring counters, after the arrays of the signal page: subtail [chan][c][peer][residue] (written by
 // the peer), head [chan][c][peer] (written by the peer), and this rank's own positions,

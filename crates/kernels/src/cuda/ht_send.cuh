@@ -98,7 +98,7 @@ __device__ __forceinline__ int ht_pool_take(unsigned* take, int lane) {
 __device__ __forceinline__ void ht_direct_rows(const HtParams& p, int dest, const u64 addr[4], const int* list, int i0,
                                                int step, int n, unsigned* take) {
     const int lane = threadIdx.x & 31;
-    const int cols = p.hidden / 128, K = p.top_k;
+    const int cols = p.scale_cols, K = p.top_k;
     for (int i = take ? ht_pool_take(take, lane) : i0; i < n;) {
         unsigned next = 0;
         if (take && lane == 0) next = atomicAdd(take, 1u);
@@ -122,7 +122,7 @@ __device__ __forceinline__ void ht_direct_rows(const HtParams& p, int dest, cons
 // rank's outputs from row `row0` as the addresses.
 __device__ __forceinline__ void ht_own_rows(const HtParams& p, const int* list, size_t row0, int i0, int step, int n,
                                             unsigned* take) {
-    const size_t cols = (size_t)(p.hidden / 128), K = (size_t)p.top_k;
+    const size_t cols = (size_t)p.scale_cols, K = (size_t)p.top_k;
     const u64 addr[4] = {p.out + row0 * p.row_bytes, p.out_scales + row0 * cols * sizeof(float),
                          p.out_weights + row0 * K * sizeof(float), p.out_idx + row0 * K * sizeof(long long)};
     ht_direct_rows(p, p.rank, addr, list, i0, step, n, take);
@@ -367,7 +367,7 @@ __device__ void ht_send(const HtParams& p, int c) {
                               : reinterpret_cast<const int*>(p.recv_cnt)[dest * C + c];
     if (j == 0 && lane == 0) *ht_prod(sig, p.chan, c, dest, p.seq + 1) = pos0 + (u64)n;
     const int* list = reinterpret_cast<const int*>(p.send_list) + (DISPATCH ? send_off[dest * (C + 1) + c] : 0);
-    const int cols = p.hidden / 128;
+    const int cols = p.scale_cols;
 
     if (dest == p.rank) {
         // Dispatch to this rank: straight into the output rows. Combine: the receiver reads them.

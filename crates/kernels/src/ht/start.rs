@@ -3,13 +3,14 @@
 
 use std::sync::Arc;
 
+use epflow_core::config::FP8_BLOCK;
 use epflow_core::handle::RoutingHandle;
 use epflow_core::ops::{CombineOptions, CountsLocation, DispatchOptions, Pass};
 use epflow_core::protocol::Channel;
 use epflow_core::routing::{ChannelPlan, ExpertPlacement, Routing};
 use epflow_core::stamp::{Pairing, Stamp};
 use epflow_core::validate::{OpContext, ValidCombine, ValidDispatch, combine_output_descs, dispatch_output_descs};
-use epflow_core::{DType, Error, TensorDesc, TensorTag};
+use epflow_core::{DType, DispatchDtype, Error, TensorDesc, TensorTag};
 
 use super::nccl::{nccl_combine, nccl_dispatch};
 use cudarc::driver::CudaEvent;
@@ -177,11 +178,31 @@ pub(crate) fn dispatch(
     let descs = dispatch_output_descs(&ctx, opts);
     let stamp = h.core().dispatch_stamp(opts.pass);
     let mut p = ht_params(s, Channel::Dispatch, h, seq, stamp)?;
-    let fp8 = descs.scales.is_some();
-    p.fp8 = i32::from(fp8);
     p.backward = i32::from(opts.pass == Pass::Backward);
-    if fp8 {
-        p.row_bytes = s.config.hidden as i32;
+    // Rows with scales: FP8 (H bytes and H/128 fp32 scales, the scales at the group's offset),
+    // or forwarded (token_bytes of payload, then the scale row right behind it in the slot's
+    // BF16 row, which holds both: validated).
+    let forwarded = if opts.pass == Pass::Forward { opts.dtype.and_then(DispatchDtype::forwarded) } else { None };
+    match forwarded {
+        Some((token_bytes, scale_bytes)) => {
+            if s.nccl_all().is_some() {
+                return Err(Error::Unsupported(
+                    "a forwarded high-throughput dispatch needs every peer over NVLink (the NCCL transport packs BF16 or FP8 rows)".into(),
+                ));
+            }
+            let int =
+                |v: usize| i32::try_from(v).map_err(|_| Error::Unsupported("forwarded rows above 2^31 bytes".into()));
+            p.fp8 = 1;
+            p.row_bytes = int(token_bytes)?;
+            p.off_scales = int(token_bytes)?;
+            p.scale_cols = int(scale_bytes / 4)?;
+        }
+        None if descs.scales.is_some() => {
+            p.fp8 = 1;
+            p.row_bytes = s.config.hidden as i32;
+            p.scale_cols = (s.config.hidden / FP8_BLOCK) as i32;
+        }
+        None => {}
     }
     if let Some(inputs) = inputs {
         p.x = inputs.tokens().ptr();
