@@ -23,6 +23,8 @@ Python from fresh random inputs (the seed is printed; ``--seed`` replays one):
   (and the unused rows marked -1/0), the combine;
 - high-throughput expert-major: the padded counts, zone offsets and slot total of the handle,
   every zone's tokens (in token order) and weights, zero padding, the combine of every slot;
+  then the backward pass on the handle (gradients into the same slots, and the backward combine
+  of slots with a weight gradient each);
 - low-latency rank-major and high-throughput flat again with API v2's GLOBAL expert ids (on one
   rank the same values as local ones: the call path is checked here, the offsets by the Rust
   GPU test ``global_expert_ids_gain_the_rank_offset_on_live_rows_only``);
@@ -878,10 +880,14 @@ def high_throughput_flat(lib, comm, cuda, stream, p, chk, global_ids=False):
         lib.ncclEpGroupDestroy(group)
 
 
-def high_throughput_expert_major(lib, comm, cuda, stream, p, chk, alignment=4):
+def high_throughput_expert_major(lib, comm, cuda, stream, p, chk, alignment=4, backward=False):
     """NCCL EP's high-throughput EXPERT_MAJOR layout (one rank: every expert local): the handle's
     padded counts, zone offsets and slot total; each zone holds its expert's tokens in token
-    order with their weights, padding zero; the combine sums every slot of a token."""
+    order with their weights, padding zero; the combine sums every slot of a token. With
+    ``backward``, then the backward pass on the handle: a backward dispatch of fresh gradients
+    lands in the same slots (padding zero), and a backward combine of those slots with a
+    weight gradient per slot returns each token's slots summed and, per entry, its slot's
+    weight gradient."""
     M, H, K = p.M, p.H, p.K
     L = p.E
     group, x_d, idx_d, w_d = high_throughput_group(lib, comm, cuda, p, M * K)
@@ -938,6 +944,8 @@ def high_throughput_expert_major(lib, comm, cuda, stream, p, chk, alignment=4):
             for t in range(p.B):
                 if p.routed(t):
                     chk.close(out[t * H:(t + 1) * H], p.weighted(t), "HT expert-major combine, token %d" % t, rtol=2e-2)
+            if backward:
+                expert_major_backward(lib, cuda, stream, p, chk, handle, zones, offsets, pad, slots)
         finally:
             lib.ncclEpHandleDestroy(handle)
     finally:
@@ -1030,6 +1038,41 @@ def high_throughput_forwarded(lib, comm, cuda, stream, p, chk, expert_major=Fals
             lib.ncclEpHandleDestroy(handle)
     finally:
         lib.ncclEpGroupDestroy(group)
+
+
+def expert_major_backward(lib, cuda, stream, p, chk, handle, zones, offsets, pad, slots):
+    """The backward pass on a high-throughput expert-major handle a forward dispatch numbered:
+    see ``high_throughput_expert_major``."""
+    H, K, L = p.H, p.K, p.E
+    rng = random.Random(p.B * 31 + slots)
+    grads = [[bf16_bits(rng.uniform(-1.0, 1.0)) for _ in range(H)] for _ in range(p.B)]
+    g_d = cuda.upload(p.flat("H", grads))
+    recv_d = cuda.alloc(slots * H * 2, fill=0xA5)
+    din = nccl_ep.ncclEpDispatchInputs_t(tokens=desc(g_d, ncclBfloat16, (p.B, H)))
+    dout = nccl_ep.ncclEpDispatchOutputs_t(tokens=desc(recv_d, ncclBfloat16, (slots, H)))
+    lib.ncclEpDispatch(handle, din, dout, None, nccl_ep.ncclEpDispatchConfig_t(pass_direction=nccl_ep.NCCL_EP_BWD_PASS), stream)
+    cuda.sync(stream)
+    recv = rows(cuda.download(recv_d, "H", slots * H), slots, H)
+    slot_w = [struct.unpack("<f", struct.pack("<f", rng.uniform(-1.0, 1.0)))[0] for _ in range(slots)]
+    for e in range(L):
+        for j, t in enumerate(zones[e]):
+            chk.expect(recv[offsets[e] + j] == grads[t], "EM backward dispatch: expert %d slot %d is not token %d's gradient" % (e, j, t))
+        for s in range(offsets[e] + len(zones[e]), offsets[e] + pad[e]):
+            chk.expect(recv[s] == [0] * H, "EM backward dispatch: expert %d pad slot %d is not zero" % (e, s))
+    sw_d = cuda.upload(array.array("f", slot_w))
+    out_d = cuda.alloc(p.B * H * 2, fill=0xA5)
+    ow_d = cuda.alloc(p.B * K * 4, fill=0xA5)
+    cin = nccl_ep.ncclEpCombineInputs_t(tokens=desc(recv_d, ncclBfloat16, (slots, H)), topk_weights=desc(sw_d, ncclFloat32, (slots,)))
+    cout = nccl_ep.ncclEpCombineOutputs_t(tokens=desc(out_d, ncclBfloat16, (p.B, H)), topk_weights=desc(ow_d, ncclFloat32, (p.B, K)))
+    lib.ncclEpCombine(handle, cin, cout, nccl_ep.ncclEpCombineConfig_t(pass_direction=nccl_ep.NCCL_EP_BWD_PASS), stream)
+    cuda.sync(stream)
+    out = cuda.download(out_d, "H", p.B * H)
+    ow = rows(cuda.download(ow_d, "f", p.B * K), p.B, K)
+    for t in range(p.B):
+        want_w = [slot_w[offsets[e] + zones[e].index(t)] if e >= 0 else 0.0 for e in p.idx[t]]
+        chk.expect(ow[t] == want_w, "EM backward combine: token %d weight gradients %r, expected %r" % (t, ow[t], want_w))
+        want = [len(p.routed(t)) * bf16_val(v) for v in grads[t]]
+        chk.close(out[t * H:(t + 1) * H], want, "EM backward combine: token %d" % t, rtol=2e-2)
 
 
 def torch_expert_major(lib, comm, p, chk):
@@ -1200,6 +1243,10 @@ def main():
         ("HT flat, GLOBAL expert ids (API v2)", lambda p: high_throughput_flat(lib, comm, cuda, stream, p, chk, global_ids=True)),
         ("HT expert-major, zones aligned to 4", lambda p: high_throughput_expert_major(lib, comm, cuda, stream, p, chk)),
         ("HT expert-major, no alignment", lambda p: high_throughput_expert_major(lib, comm, cuda, stream, p, chk, alignment=1)),
+        (
+            "HT expert-major, forward then backward",
+            lambda p: high_throughput_expert_major(lib, comm, cuda, stream, p, chk, backward=True),
+        ),
         (
             "HT flat, FWD e4m3 + fp32 scales (API v2)",
             lambda p: high_throughput_forwarded(lib, comm, cuda, stream, p, chk),

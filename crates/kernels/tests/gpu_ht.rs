@@ -1093,7 +1093,9 @@ fn tma_copy_moves_the_bytes() {
 /// expert ids (some `-1`, experts distinct per row), zones aligned to 1 and to 4 slots. Every
 /// zone holds its expert's rows in flat order with their weights, its padding is zero (the
 /// outputs are poisoned first), and the reduce back gives each row the BF16 of the fp32 sum of
-/// its slots (here copies of the row).
+/// its slots (here copies of the row). The backward pass's pieces: the scatter without weights
+/// moves the same rows, and the slots' weights gathered back give every entry its weight (0
+/// where no local expert).
 #[test]
 fn expert_major_layout_matches_the_reference() {
     use epflow_core::{DType, HostData, TensorDesc, TensorTag};
@@ -1147,7 +1149,22 @@ fn expert_major_layout_matches_the_reference() {
         let out = poison(DType::Bf16, &[slots, h]);
         let out_w = poison(DType::F32, &[slots]);
         rank.expert_major_slots_on(&stream, &plan, &i).expect("slots");
-        rank.expert_major_scatter_on(&stream, &plan, &t, &w, &out, &out_w).expect("scatter");
+        rank.expert_major_scatter_on(&stream, &plan, &t, &out, Some((&w, &out_w))).expect("scatter");
+        // The backward pass: gradients scattered without weights (the poison stays), and the
+        // weight gradients of the slots gathered back per entry.
+        let out2 = poison(DType::Bf16, &[slots, h]);
+        rank.expert_major_scatter_on(&stream, &plan, &t, &out2, None).expect("scatter without weights");
+        let w_back = poison(DType::F32, &[n.max(1), k]);
+        let w_back = if n == 0 {
+            w_back
+        } else {
+            let d = TensorDesc::contiguous(TensorTag::TopkWeights, DType::F32, &[n, k]);
+            // SAFETY: a view of `w_back`'s first n x k floats, which it holds; `w_back` lives
+            // until the end of the loop body, after the stream synchronized.
+            let v = unsafe { DeviceTensor::from_raw(w_back.ptr(), device, d) };
+            rank.expert_major_weights_on(&stream, &plan, &out_w, &v).expect("gather weights");
+            w_back
+        };
         let back = DeviceTensor::zeros(
             rank.context(),
             device,
@@ -1160,6 +1177,14 @@ fn expert_major_layout_matches_the_reference() {
         let got = got.as_bf16().unwrap();
         let got_w = out_w.download(rank.context()).unwrap();
         let got_w = got_w.as_f32().unwrap();
+        let got2 = out2.download(rank.context()).unwrap();
+        assert_eq!(got2.as_bf16().unwrap(), got, "the scatter without weights moves the same rows");
+        let back_w = w_back.download(rank.context()).unwrap();
+        let back_w = back_w.as_f32().unwrap();
+        for (j, &e) in idx.iter().enumerate() {
+            let want = if e >= 0 { weights[j] } else { 0.0 };
+            assert_eq!(back_w[j].to_bits(), want.to_bits(), "entry {j}: the gathered weight gradient");
+        }
         let what = format!("N={n} K={k} L={l} H={h} alignment={alignment} seed={base}");
         let mut off = 0usize;
         for e in 0..l {

@@ -3,10 +3,16 @@
 //! (`GpuRank::expert_major_*`, in the caller's stream order); the combine sums each received
 //! row's slots back into a flat input first. The handle's counters report the padded zones, as
 //! NCCL EP's do: `expert_counters` the padded count per local expert, `expert_offsets` each
-//! zone's first slot, `recv_total_counter` the slots in all. Forward pass only; BF16 rows or
-//! forwarded ones (`NCCL_EP_DISP_QUANT_FWD`: the token and scale rows scattered alike).
+//! zone's first slot, `recv_total_counter` the slots in all. BF16 rows or forwarded ones
+//! (`NCCL_EP_DISP_QUANT_FWD`: the token and scale rows scattered alike). The backward pass
+//! (NCCL EP's): a backward dispatch scatters gradients into the slots the forward dispatch
+//! numbered, and a backward combine takes the zones' gradients with one weight gradient per
+//! slot (`[S]`), summed and gathered back per entry before the flat backward combine. A combine
+//! or backward dispatch before any forward dispatch on the handle is refused: the slots are
+//! numbered from the forward dispatch's rows.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::driver::CudaStream;
 use epflow_core::{DType, TensorDesc, TensorTag};
@@ -47,6 +53,10 @@ pub(crate) struct ExpertMajor {
     pub(crate) idx: DeviceTensor,
     /// The flat combine's input, `[N x H]` BF16, summed from the caller's slots.
     pub(crate) combine_in: DeviceTensor,
+    /// The flat backward combine's weight gradients, `[N x K]` f32, gathered from the slots'.
+    pub(crate) combine_weights: DeviceTensor,
+    /// Whether a forward dispatch numbered the slots (enqueued: the stream order does the rest).
+    numbered: AtomicBool,
 }
 
 impl ExpertMajor {
@@ -71,6 +81,8 @@ impl ExpertMajor {
             weights: zeros(TensorTag::TopkWeights, DType::F32, &[rows, top_k])?,
             idx: zeros(TensorTag::TopkIdx, DType::I64, &[rows, top_k])?,
             combine_in: zeros(TensorTag::Tokens, DType::Bf16, &[rows, hidden])?,
+            combine_weights: zeros(TensorTag::TopkWeights, DType::F32, &[rows, top_k])?,
+            numbered: AtomicBool::new(false),
             plan,
             last_use: LastUse::new("an expert-major buffer"),
         })
@@ -89,18 +101,50 @@ impl ExpertMajor {
         out_weights: &DeviceTensor,
     ) -> Res<()> {
         rank.expert_major_slots_on(stream, &self.plan, &self.idx)?;
+        self.numbered.store(true, Ordering::Release);
         for (flat, out) in rows {
             // Each pass writes the same weights (and zeroes the zones' padding of its rows).
-            rank.expert_major_scatter_on(stream, &self.plan, flat, &self.weights, out, out_weights)?;
+            rank.expert_major_scatter_on(stream, &self.plan, flat, out, Some((&self.weights, out_weights)))?;
         }
         self.used_on(stream)
     }
 
-    /// Before the flat combine: [`Self::combine_in`] summed from the caller's expert outputs `y`
-    /// (`[S x H]` BF16, the dispatch's zones), on `stream`.
-    pub(crate) fn reduce(&self, rank: &GpuRank, stream: &Arc<CudaStream>, y: &DeviceTensor) -> Res<()> {
-        rank.expert_major_reduce_on(stream, &self.plan, y, &self.combine_in)?;
+    /// After a backward dispatch into [`Self::tokens`]: the gradients scattered into the
+    /// caller's `out` (`[S x H]` BF16) at the slots the forward dispatch numbered, padding
+    /// zeroed, on `stream`.
+    pub(crate) fn scatter_gradients(&self, rank: &GpuRank, stream: &Arc<CudaStream>, out: &DeviceTensor) -> Res<()> {
+        self.require_numbered()?;
+        rank.expert_major_scatter_on(stream, &self.plan, &self.tokens, out, None)?;
         self.used_on(stream)
+    }
+
+    /// Before the flat combine: [`Self::combine_in`] summed from the caller's expert outputs `y`
+    /// (`[S x H]` BF16, the dispatch's zones) and, backward, [`Self::combine_weights`]
+    /// gathered from the slots' weight gradients `slot_weights` (`[S]` f32), on `stream`.
+    pub(crate) fn reduce(
+        &self,
+        rank: &GpuRank,
+        stream: &Arc<CudaStream>,
+        y: &DeviceTensor,
+        slot_weights: Option<&DeviceTensor>,
+    ) -> Res<()> {
+        self.require_numbered()?;
+        rank.expert_major_reduce_on(stream, &self.plan, y, &self.combine_in)?;
+        if let Some(w) = slot_weights {
+            rank.expert_major_weights_on(stream, &self.plan, w, &self.combine_weights)?;
+        }
+        self.used_on(stream)
+    }
+
+    /// `ncclInvalidUsage` until a forward dispatch on the handle numbered the slots (a combine
+    /// or backward dispatch reads the zones through them).
+    pub(crate) fn require_numbered(&self) -> Res<()> {
+        if self.numbered.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        Err(Fail::usage(
+            "no forward dispatch on this high-throughput expert-major handle yet: its slots are numbered from the forward dispatch's rows (dispatch forward first, after each ncclEpUpdateHandle)",
+        ))
     }
 
     /// Records the buffers' last use on `stream`, after the work just enqueued there (the

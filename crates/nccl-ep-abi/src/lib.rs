@@ -61,9 +61,9 @@
 //! ## What is implemented
 //!
 //! Low-latency, expert-major and rank-major layouts, `send_only` + `ncclEpComplete`, the
-//! active mask (`enable_mask`, NVLink peers); high-throughput, flat layout, forward and
-//! backward, and expert-major (forward; `expert_major.rs`, built on the flat layout); an int64 or (API v2) int32 `topk_idx`; API v2's local or GLOBAL received expert
-//! ids (`recv_topk_idx_kind`; `ids.rs` rewrites them after the receive); API v2's
+//! active mask (`enable_mask`, NVLink peers); high-throughput, flat and expert-major layouts
+//! (`expert_major.rs`, built on the flat one), forward and backward; an int64 or (API v2)
+//! int32 `topk_idx`; API v2's local or GLOBAL received expert ids (`recv_topk_idx_kind`; `ids.rs` rewrites them after the receive); API v2's
 //! `overflow_policy` DROP on high-throughput flat handles (`overflow.rs`). The caller's
 //! `ncclComm_t` bootstraps the group (one process per GPU; ranks on one host share memory over
 //! NVLink, other hosts go through NCCL). Operations run on the caller's stream and write the
@@ -71,11 +71,10 @@
 //! its FWD recipe (rows the caller quantized, `forwarded.rs`) travels as bytes in low-latency
 //! and high-throughput groups (flat, expert-major, after a DROP); its NVFP4 combine
 //! (`inputs.scales` each row's global scale) is epflow's (`epflow_core::nvfp4`, conversions of
-//! its own, so Hopper runs it too). Refused with
-//! `ncclInvalidUsage` and a log line: DS_FP8E3M4 and NVFP4 in high-throughput groups, the
-//! expert-major backward pass, expert-major handles on a DROP group, NCCL window tensors
-//! (`zero_copy` ON), CUDA graph capture of high-throughput calls
-//! (low-latency calls are capturable: `capture.rs`).
+//! its own, so Hopper runs it too). Refused with `ncclInvalidUsage` and a log line:
+//! DS_FP8E3M4 and NVFP4 in high-throughput groups, expert-major handles on a DROP group, NCCL
+//! window tensors (`zero_copy` ON), CUDA graph capture of high-throughput calls (low-latency
+//! calls are capturable: `capture.rs`).
 
 #![warn(missing_docs)]
 

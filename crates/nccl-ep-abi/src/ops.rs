@@ -375,9 +375,23 @@ pub(crate) unsafe fn dispatch(
             // Expert-major: the flat dispatch into the handle's memory, then the caller's zones.
             let em = h.expert_major()?.ok_or_else(|| Fail::usage("no expert-major zones"))?;
             if pass == Pass::Backward {
-                return Err(Fail::usage(
-                    "backward dispatch on a high-throughput NCCL_EP_LAYOUT_EXPERT_MAJOR handle is not implemented by epflow's NCCL EP library (use NCCL_EP_LAYOUT_FLAT)",
-                ));
+                // Gradients into the slots the forward dispatch numbered (NCCL EP's backward
+                // dispatch: no weights, no ids).
+                if w_in.is_some() || out_w.is_some() || out_i.is_some() {
+                    return Err(Fail::arg("backward dispatch takes no top-k weights or indices"));
+                }
+                rows_of(&out, "outputs.tokens", ep::NCCL_BFLOAT16, em.plan.total, hd, true)?;
+                let slots = out.numel() / hd.max(1);
+                em.require_numbered()?;
+                let targets = OutputTargets { tokens: em.tokens.ptr(), ..Default::default() };
+                em.wait_on(&st)?;
+                // SAFETY: the target is the handle's flat buffer of exactly the rows it receives.
+                let op = unsafe { g.rank.start_dispatch_into(&gh, DispatchInputs::new(&tokens), &opts, &targets) }?;
+                issue(g, op, Channel::Dispatch, &st, false, None, &mut timer)?;
+                let out = device(g, &out, TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[slots, hd]));
+                em.scatter_gradients(&g.rank, &st, &out)?;
+                g.settle(true)?;
+                return Ok(());
             }
             if out_i.is_some() {
                 return Err(Fail::arg("expert-major dispatch writes no outputs.topk_idx (one weight per slot)"));
@@ -674,32 +688,13 @@ pub(crate) unsafe fn combine(
             // After a DROP (`overflow.rs`): the caller's rows kept, zeros for the dropped ones.
             let overflow = h.overflow();
             let rows = h.output_rows()?;
-            let mut backward_weights = None;
             let zones = h.expert_major()?;
-            let tokens = match &zones {
-                // Expert-major: each received row's slots summed into the handle's flat input.
-                Some(em) => {
-                    if pass == Pass::Backward {
-                        return Err(Fail::usage(
-                            "backward combine on a high-throughput NCCL_EP_LAYOUT_EXPERT_MAJOR handle is not implemented by epflow's NCCL EP library (use NCCL_EP_LAYOUT_FLAT)",
-                        ));
-                    }
-                    rows_of(&x, "inputs.tokens", ep::NCCL_BFLOAT16, em.plan.total, hd, true)?;
-                    let slots = x.numel() / hd.max(1);
-                    let y = device(g, &x, TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[slots, hd]));
-                    em.wait_on(&st)?;
-                    em.reduce(&g.rank, &st, &y)?;
-                    em.combine_in.clone()
-                }
-                None => {
-                    rows_of(&x, "inputs.tokens", ep::NCCL_BFLOAT16, rows, hd, true)?;
-                    match &overflow {
-                        Some(o) => o.combine_in.clone(),
-                        None => device(g, &x, TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[n, hd])),
-                    }
-                }
-            };
-            let weights = match pass {
+            // Every check first, then the work in the caller's stream order.
+            rows_of(&x, "inputs.tokens", ep::NCCL_BFLOAT16, rows, hd, true)?;
+            let in_slots = x.numel() / hd.max(1);
+            // Backward: the caller's weight gradients, `[rows, K]` flat, `[S]` (a gradient per
+            // slot) expert-major, as NCCL EP takes them.
+            let w_grads = match pass {
                 Pass::Forward => {
                     if w_in.is_some() {
                         return Err(Fail::arg("forward combine takes no inputs.topk_weights"));
@@ -708,21 +703,51 @@ pub(crate) unsafe fn combine(
                 }
                 Pass::Backward => {
                     let w = w_in.ok_or_else(|| Fail::arg("backward combine needs inputs.topk_weights"))?;
-                    rows_of(&w, "inputs.topk_weights", ep::NCCL_FLOAT32, rows, k, true)?;
-                    backward_weights = Some(w.ptr);
+                    match &zones {
+                        Some(_) => {
+                            w.expect_type("inputs.topk_weights", ep::NCCL_FLOAT32)?;
+                            if w.sizes.len() != 1 || w.sizes[0] < rows {
+                                return Err(Fail::arg(format!(
+                                    "inputs.topk_weights: sizes are {:?}, expected [at least {rows}] (expert-major: 1D, a weight gradient per slot of inputs.tokens)",
+                                    w.sizes
+                                )));
+                            }
+                        }
+                        None => rows_of(&w, "inputs.topk_weights", ep::NCCL_FLOAT32, rows, k, true)?,
+                    }
                     let ow = out_w.ok_or_else(|| Fail::arg("backward combine needs outputs.topk_weights"))?;
                     rows_of(&ow, "outputs.topk_weights", ep::NCCL_FLOAT32, b, k, false)?;
                     targets.topk_weights = Some(ow.ptr);
-                    Some(match &overflow {
-                        Some(o) => o.combine_weights.clone(),
-                        None => f32s(&w, n),
-                    })
+                    Some(w)
                 }
             };
-            if let Some(o) = &overflow {
-                o.wait_on(&st)?;
-                o.take_combine_inputs(&g.rank, &st, x.ptr, backward_weights)?;
+            if let Some(em) = &zones {
+                em.require_numbered()?;
             }
+            let (tokens, weights) = match &zones {
+                // Expert-major: each received row's slots summed into the handle's flat input
+                // (backward, the slots' weight gradients gathered per entry beside it).
+                Some(em) => {
+                    let y = device(g, &x, TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[in_slots, hd]));
+                    let slot_w = w_grads.as_ref().map(|w| {
+                        device(g, w, TensorDesc::contiguous(TensorTag::TopkWeights, DType::F32, &[w.sizes[0]]))
+                    });
+                    em.wait_on(&st)?;
+                    em.reduce(&g.rank, &st, &y, slot_w.as_ref())?;
+                    (em.combine_in.clone(), slot_w.map(|_| em.combine_weights.clone()))
+                }
+                None => match &overflow {
+                    Some(o) => {
+                        o.wait_on(&st)?;
+                        o.take_combine_inputs(&g.rank, &st, x.ptr, w_grads.as_ref().map(|w| w.ptr))?;
+                        (o.combine_in.clone(), w_grads.as_ref().map(|_| o.combine_weights.clone()))
+                    }
+                    None => (
+                        device(g, &x, TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[n, hd])),
+                        w_grads.as_ref().map(|w| f32s(w, n)),
+                    ),
+                },
+            };
             let mut cin = CombineInputs::new(&tokens);
             if let Some(w) = &weights {
                 cin = cin.with_weights(w);

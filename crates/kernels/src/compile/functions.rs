@@ -58,11 +58,12 @@ pub(crate) struct Functions {
     /// Local expert ids to global ones in place (`GpuRank::globalize_expert_ids_on`).
     pub globalize_ids: CudaFunction,
     /// High-throughput expert-major layout (`rank/expert_major.rs`): slot numbering, scatter,
-    /// zone padding, and the flat combine input's reduce.
+    /// zone padding, the flat combine input's reduce, and a backward combine's weight gradients.
     pub em_slots: CudaFunction,
     pub em_scatter: CudaFunction,
     pub em_pad: CudaFunction,
     pub em_reduce: CudaFunction,
+    pub em_gather_weights: CudaFunction,
     pub spin: CudaFunction,
     /// The SM-store copy probe (`GpuRank::sm_copy`).
     pub sm_copy: CudaFunction,
@@ -171,6 +172,7 @@ impl Functions {
             em_scatter: f(&util, "ep_em_scatter")?,
             em_pad: f(&util, "ep_em_pad")?,
             em_reduce: f(&util, "ep_em_reduce")?,
+            em_gather_weights: f(&util, "ep_em_gather_weights")?,
             spin: f(&util, "ep_spin")?,
             sm_copy: f(&util, "ep_sm_copy")?,
             sm_copy_balanced: f(&util, "ep_sm_copy_balanced")?,

@@ -98,6 +98,7 @@ pub const UTIL: KernelModule = KernelModule {
         "ep_em_scatter",
         "ep_em_pad",
         "ep_em_reduce",
+        "ep_em_gather_weights",
         "ep_spin",
         "ep_sm_copy",
         "ep_sm_copy_balanced",

@@ -82,8 +82,8 @@ extern "C" __global__ void ep_em_slots(u64 idx_ptr, int N, int K, u64 offsets_pt
 }
 
 // Copies each flat row n ([N x H] BF16 `tokens`) to the slot of every entry (n, k) numbered in
-// `pos_of`, with that entry's weight (`w`, [N x K] fp32) into `out_w` (one per slot): one block
-// per row.
+// `pos_of`, with that entry's weight (`w`, [N x K] fp32) into `out_w` (one per slot; none when
+// `out_w_ptr` is 0, a backward dispatch's gradients): one block per row.
 extern "C" __global__ void ep_em_scatter(u64 tokens_ptr, u64 w_ptr, u64 pos_ptr, int N, int K, int H, u64 out_ptr,
                                          u64 out_w_ptr) {
     const int* pos_of = reinterpret_cast<const int*>(pos_ptr);
@@ -92,7 +92,7 @@ extern "C" __global__ void ep_em_scatter(u64 tokens_ptr, u64 w_ptr, u64 pos_ptr,
         for (int k = 0; k < K; ++k) {
             const int p = pos_of[(long long)n * K + k];
             if (p < 0) continue;
-            if (threadIdx.x == 0) {
+            if (threadIdx.x == 0 && out_w_ptr) {
                 reinterpret_cast<float*>(out_w_ptr)[p] = reinterpret_cast<const float*>(w_ptr)[(long long)n * K + k];
             }
             if (vec) {
@@ -109,7 +109,7 @@ extern "C" __global__ void ep_em_scatter(u64 tokens_ptr, u64 w_ptr, u64 pos_ptr,
 }
 
 // Zeroes the padding of every expert zone: slots [offsets[e] + counts[e], offsets[e] +
-// padded[e]) of `out` ([S x H] BF16) and `out_w` ([S] fp32), one block per local expert.
+// padded[e]) of `out` ([S x H] BF16) and `out_w` ([S] fp32, unless 0), one block per local expert.
 extern "C" __global__ void ep_em_pad(u64 out_ptr, u64 out_w_ptr, u64 offsets_ptr, u64 counts_ptr, u64 padded_ptr,
                                      int H) {
     const long long e = blockIdx.x;
@@ -117,9 +117,21 @@ extern "C" __global__ void ep_em_pad(u64 out_ptr, u64 out_w_ptr, u64 offsets_ptr
     const long long first = off + reinterpret_cast<const long long*>(counts_ptr)[e];
     const long long end = off + reinterpret_cast<const long long*>(padded_ptr)[e];
     for (long long s = first; s < end; ++s) {
-        if (threadIdx.x == 0) reinterpret_cast<float*>(out_w_ptr)[s] = 0.0f;
+        if (threadIdx.x == 0 && out_w_ptr) reinterpret_cast<float*>(out_w_ptr)[s] = 0.0f;
         unsigned short* row = reinterpret_cast<unsigned short*>(out_ptr) + (u64)s * H;
         for (int j = threadIdx.x; j < H; j += blockDim.x) row[j] = 0;
+    }
+}
+
+// A backward combine's flat weight gradients from expert-major slots: out[n][k] = the gradient
+// of slot pos_of[n][k] of `slot_w` ([S] fp32), 0 for an entry of no local expert.
+extern "C" __global__ void ep_em_gather_weights(u64 slot_w_ptr, u64 pos_ptr, long long entries, u64 out_ptr) {
+    const int* pos_of = reinterpret_cast<const int*>(pos_ptr);
+    const float* slot_w = reinterpret_cast<const float*>(slot_w_ptr);
+    float* out = reinterpret_cast<float*>(out_ptr);
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < entries; i += (long long)gridDim.x * blockDim.x) {
+        const int p = pos_of[i];
+        out[i] = p >= 0 ? slot_w[p] : 0.0f;
     }
 }
 

@@ -3,7 +3,8 @@
 //! each), zones padded to an alignment and zero-filled, one weight per slot; and the way back,
 //! each received row's slots summed into the flat combine's input. Built on the device from a
 //! flat dispatch's outputs, in a stream's order (`util.cu`: `ep_em_*`). Within a zone the rows
-//! keep the flat order (source rank, then source token).
+//! keep the flat order (source rank, then source token). The backward pass reuses the slots a
+//! forward dispatch numbered: gradients scattered alike, weight gradients gathered back per entry.
 
 use std::sync::Arc;
 
@@ -135,34 +136,38 @@ impl GpuRank {
 
     /// The expert-major outputs from the flat ones, on `stream` after
     /// [`GpuRank::expert_major_slots_on`]: every received row of `tokens` (`[N x H]` BF16) into
-    /// the slots of its entries, their weights (`weights`, `[N x K]` fp32) into `out_weights`,
-    /// and the zones' padding zeroed. `out` (`[S x H]` BF16) and `out_weights` (`[S]` fp32) hold
-    /// at least `plan.total` slots.
+    /// the slots of its entries, their weights (`weights`: the flat `[N x K]` fp32 weights and
+    /// the `[S]` fp32 `out_weights`; `None` for a backward dispatch's gradients) one per slot,
+    /// and the zones' padding zeroed. `out` (`[S x H]` BF16) and `out_weights` hold at least
+    /// `plan.total` slots.
     pub fn expert_major_scatter_on(
         &self,
         stream: &Arc<CudaStream>,
         plan: &ExpertMajorPlan,
         tokens: &DeviceTensor,
-        weights: &DeviceTensor,
         out: &DeviceTensor,
-        out_weights: &DeviceTensor,
+        weights: Option<(&DeviceTensor, &DeviceTensor)>,
     ) -> Result<(), Error> {
         let (n, k) = (plan.rows, plan.top_k);
         let h = tokens.desc().shape.get(1).copied().unwrap_or(0);
         tokens.expect_shape("expert_major_scatter_on's tokens", DType::Bf16, &[n, h])?;
-        weights.expect_shape("expert_major_scatter_on's weights", DType::F32, &[n, k])?;
         slots(out, "expert_major_scatter_on's out", DType::Bf16, plan.total, h)?;
-        slots(out_weights, "expert_major_scatter_on's out_weights", DType::F32, plan.total, 1)?;
-        self.read_on(stream, tokens, Some(weights))?;
+        if let Some((w, ow)) = weights {
+            w.expect_shape("expert_major_scatter_on's weights", DType::F32, &[n, k])?;
+            slots(ow, "expert_major_scatter_on's out_weights", DType::F32, plan.total, 1)?;
+        }
+        self.read_on(stream, tokens, weights.map(|(w, _)| w))?;
         let (hh, kk, nn) = (h as i32, k as i32, n as i32);
         if n > 0 {
             let blocks = n.min(self.shared.num_sms as usize * 8) as u32;
             let cfg =
                 cudarc::driver::LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-            let (tp, wp, pp, op, ow) = (tokens.ptr(), weights.ptr(), plan.pos_of.ptr(), out.ptr(), out_weights.ptr());
+            let (wp, ow) = weights.map_or((0, 0), |(w, ow)| (w.ptr(), ow.ptr()));
+            let (tp, pp, op) = (tokens.ptr(), plan.pos_of.ptr(), out.ptr());
             // SAFETY: the arguments match `ep_em_scatter(u64, u64, u64, int, int, int, u64, u64)`;
-            // the tensors' shapes were checked above and every slot numbered is below
-            // `plan.total`, which `out` and `out_weights` hold; ordered on `stream`.
+            // the tensors' shapes were checked above (weights 0: none, the kernel skips them) and
+            // every slot numbered is below `plan.total`, which `out` and `out_weights` hold;
+            // ordered on `stream`.
             unsafe {
                 stream
                     .launch_builder(&self.shared.functions.em_scatter)
@@ -181,9 +186,10 @@ impl GpuRank {
         if plan.padded != plan.counts {
             let l = plan.counts.len() as u32;
             let cfg = cudarc::driver::LaunchConfig { grid_dim: (l, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-            let (op, ow, off, cnt, pad) = (out.ptr(), out_weights.ptr(), plan.zone(2), plan.zone(0), plan.zone(1));
+            let ow = weights.map_or(0, |(_, ow)| ow.ptr());
+            let (op, off, cnt, pad) = (out.ptr(), plan.zone(2), plan.zone(0), plan.zone(1));
             // SAFETY: the arguments match `ep_em_pad(u64, u64, u64, u64, u64, int)`; the padding
-            // slots lie below `plan.total` (checked above); ordered on `stream`.
+            // slots lie below `plan.total` (checked above; weights 0: none); ordered on `stream`.
             unsafe {
                 stream
                     .launch_builder(&self.shared.functions.em_pad)
@@ -236,6 +242,45 @@ impl GpuRank {
                 .launch(cfg)
         }
         .map_err(|e| cuda("launch ep_em_reduce", e))?;
+        Ok(())
+    }
+
+    /// A backward combine's flat weight gradients from expert-major ones, on `stream`: entry
+    /// `(n, k)` of `out` (`[N x K]` fp32) is the gradient of its slot in `slot_weights` (`[S]`
+    /// fp32, at least `plan.total`), 0 for an entry of no local expert. The slots are those a
+    /// forward dispatch numbered ([`GpuRank::expert_major_slots_on`]).
+    pub fn expert_major_weights_on(
+        &self,
+        stream: &Arc<CudaStream>,
+        plan: &ExpertMajorPlan,
+        slot_weights: &DeviceTensor,
+        out: &DeviceTensor,
+    ) -> Result<(), Error> {
+        let (n, k) = (plan.rows, plan.top_k);
+        out.expect_shape("expert_major_weights_on's out", DType::F32, &[n, k])?;
+        slots(slot_weights, "expert_major_weights_on's slot_weights", DType::F32, plan.total, 1)?;
+        self.read_on(stream, slot_weights, None)?;
+        let entries = (n * k) as i64;
+        if entries == 0 {
+            return Ok(());
+        }
+        let blocks = (n * k).div_ceil(256).min(self.shared.num_sms as usize * 8) as u32;
+        let cfg =
+            cudarc::driver::LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let (wp, pp, op) = (slot_weights.ptr(), plan.pos_of.ptr(), out.ptr());
+        // SAFETY: the arguments match `ep_em_gather_weights(u64, u64, long long, u64)`;
+        // `pos_of` and `out` hold N x K entries, every slot numbered is below `plan.total`, which
+        // `slot_weights` holds (checked); ordered on `stream`.
+        unsafe {
+            stream
+                .launch_builder(&self.shared.functions.em_gather_weights)
+                .arg(&wp)
+                .arg(&pp)
+                .arg(&entries)
+                .arg(&op)
+                .launch(cfg)
+        }
+        .map_err(|e| cuda("launch ep_em_gather_weights", e))?;
         Ok(())
     }
 }
