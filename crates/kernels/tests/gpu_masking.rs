@@ -346,6 +346,15 @@ fn rejoin_over_tcp() {
     let meeting =
         || TcpBootstrap::new(TcpLinks::connect(me, n, &addr, meet_port, wait).expect("meeting"), device).unwrap();
     let after = base + 1000;
+    // Device meetings (`meet_on`, collective): three before the kill, two after the rejoin; a
+    // newcomer that did not take the survivors' count over would leave the survivor waiting.
+    let meet = |rank: &GpuRank, times: usize| {
+        let stream = rank.context().new_stream().expect("stream");
+        for _ in 0..times {
+            rank.meet_on(&stream).expect("meet_on");
+        }
+        stream.synchronize().expect("meetings");
+    };
     match role.as_str() {
         "survivor" | "victim" => {
             let boot =
@@ -353,6 +362,7 @@ fn rejoin_over_tcp() {
             let rank = GpuWorld::join_over(&boot, config.clone(), epflow_kernels::Transport::Auto).expect("join");
             let b = Bufs::new(&rank, &scenario(&config, n, base));
             let before = timed_rounds(&rank, &b, &config, base, 4, &none);
+            meet(&rank, 3);
             epflow_kernels::setup::bootstrap::Bootstrap::all_gather_bytes(&boot, &[1]).expect("barrier");
             if role == "victim" {
                 eprintln!("rank {me}: process exits now");
@@ -374,6 +384,7 @@ fn rejoin_over_tcp() {
             futures::executor::block_on(group.admit(&[1], wait)).expect("admit");
             let admit = t.elapsed();
             assert!(rank.masked_ranks().ranks.is_empty());
+            meet(rank, 2);
             let full = timed_rounds(rank, &b, &config, after, iters, &none);
             eprintln!(
                 "ok: rank {me}: rounds before {:.0} us, masked {:.0} us, after the rejoin {:.0} us (medians; {iters} masked and {iters} full rounds bit-exact); first masked operation {stall:?}, admit {admit:?} (from its call, the newcomer's start included)",
@@ -388,9 +399,10 @@ fn rejoin_over_tcp() {
             let rank = GpuWorld::rejoin(&meeting(), config.clone()).expect("rejoin");
             let joined = t.elapsed();
             let b = Bufs::new(&rank, &scenario(&config, n, after));
+            meet(&rank, 2);
             let full = timed_rounds(&rank, &b, &config, after, iters, &none);
             eprintln!(
-                "ok: rank {me} (newcomer): rejoined in {joined:?}, {iters} full rounds bit-exact, median {:.0} us",
+                "ok: rank {me} (newcomer): rejoined in {joined:?}, two device meetings with the survivor, {iters} full rounds bit-exact, median {:.0} us",
                 median_us(full)
             );
         }

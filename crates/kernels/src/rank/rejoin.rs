@@ -7,9 +7,10 @@
 //! server chose): the group's own bootstrap may be an NCCL communicator, which cannot take a new
 //! process. Its rounds, in order:
 //! 1. a record of each rank: survivor or newcomer, its host, the group's config (a fingerprint),
-//!    a survivor's mask epoch and mask word. Every rank checks alike: every newcomer's rank is
-//!    masked in every survivor's view and every masked rank has a newcomer; one host; one
-//!    config; the survivors agree on the epoch. A failure is [`Error::RejoinRefused`] (no rank
+//!    a survivor's mask epoch, mask word and count of device meetings ([`GpuRank::meet_on`]).
+//!    Every rank checks alike: every newcomer's rank is masked in every survivor's view and every
+//!    masked rank has a newcomer; one host; one config; the survivors agree on the epoch and the
+//!    meeting count (which the newcomer takes over, so that its next `meet_on` is theirs). A failure is [`Error::RejoinRefused`] (no rank
 //!    masking, a rank not masked, another config) or [`Error::Unsupported`] (another host,
 //!    survivors that disagree) on every rank, before anything changed;
 //! 2. the rounds of [`GpuWorld::join_over`]: the newcomer joins as at creation (its memory, the
@@ -41,8 +42,8 @@ use crate::world::{GpuWorld, exported, open_exported, place_words};
 const SURVIVOR: u64 = 1;
 /// A newcomer's record.
 const NEWCOMER: u64 = 2;
-/// u64 words of a record: role, host, config fingerprint, mask epoch, mask word.
-const RECORD_WORDS: usize = 5;
+/// u64 words of a record: role, host, config fingerprint, mask epoch, mask word, meetings.
+const RECORD_WORDS: usize = 6;
 
 /// What the meeting's first round tells every rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,16 +53,27 @@ struct Record {
     config: u64,
     epoch: u64,
     masked: u64,
+    /// The device meetings the rank has called ([`GpuRank::meet_on`]).
+    meetings: u64,
 }
 
 impl Record {
     fn words(self) -> [u64; RECORD_WORDS] {
-        [self.role, self.host, self.config, self.epoch, self.masked]
+        [self.role, self.host, self.config, self.epoch, self.masked, self.meetings]
     }
 
     fn from_words(w: &[u64]) -> Self {
-        Record { role: w[0], host: w[1], config: w[2], epoch: w[3], masked: w[4] }
+        Record { role: w[0], host: w[1], config: w[2], epoch: w[3], masked: w[4], meetings: w[5] }
     }
+}
+
+/// What the meeting's first round settles: the newcomers, and the survivors' mask epoch and
+/// meeting count (which the newcomers take over).
+#[derive(Debug, PartialEq, Eq)]
+struct Settled {
+    newcomers: RankSet,
+    epoch: u64,
+    meetings: u64,
 }
 
 /// FNV-1a of `text`: fingerprints that every process of one build computes alike.
@@ -84,9 +96,8 @@ fn config_fingerprint(c: &GroupConfig, ranks: usize) -> u64 {
     ))
 }
 
-/// The meeting's first round: every rank's record, checked alike on every rank. Returns the
-/// newcomers' ranks and the survivors' mask epoch.
-fn meet_records(meeting: &(impl Bootstrap + ?Sized), mine: Record) -> Result<(RankSet, u64), Error> {
+/// The meeting's first round: every rank's record, checked alike on every rank.
+fn meet_records(meeting: &(impl Bootstrap + ?Sized), mine: Record) -> Result<Settled, Error> {
     let all = all_gather_u64(meeting, &mine.words())?;
     let records: Vec<Record> = all.chunks_exact(RECORD_WORDS).map(Record::from_words).collect();
     check_records(&records)
@@ -94,7 +105,7 @@ fn meet_records(meeting: &(impl Bootstrap + ?Sized), mine: Record) -> Result<(Ra
 
 /// The checks of the records (every rank runs them on the same records, so every rank decides
 /// alike).
-fn check_records(records: &[Record]) -> Result<(RankSet, u64), Error> {
+fn check_records(records: &[Record]) -> Result<Settled, Error> {
     let refuse = |m: String| Err(Error::Unsupported(format!("rejoin: {m}")));
     let mut newcomers = RankSet::default();
     for (r, rec) in records.iter().enumerate() {
@@ -130,6 +141,12 @@ fn check_records(records: &[Record]) -> Result<(RankSet, u64), Error> {
                 lead.epoch, rec.epoch
             ));
         }
+        if rec.meetings != lead.meetings {
+            return refuse(format!(
+                "survivors {first} and {r} have called meet_on {} and {} times (a collective: the same number on every rank)",
+                lead.meetings, rec.meetings
+            ));
+        }
         if let Some(n) = newcomers.iter().find(|&n| rec.masked >> n & 1 == 0) {
             tracing::warn!(survivor = r, rank = n, "rejoin refused: the survivor has not masked the rank");
             return Err(Error::RejoinRefused { rank: n, why: RejoinRefusal::NotMasked });
@@ -143,7 +160,7 @@ fn check_records(records: &[Record]) -> Result<(RankSet, u64), Error> {
             ));
         }
     }
-    Ok((newcomers, lead.epoch))
+    Ok(Settled { newcomers, epoch: lead.epoch, meetings: lead.meetings })
 }
 
 /// The meeting's layout round: every rank's buffer layout must be the survivors'.
@@ -181,12 +198,13 @@ impl GpuWorld {
     pub fn rejoin(meeting: &(impl Bootstrap + ?Sized), config: GroupConfig) -> Result<GpuRank, Error> {
         let ranks = meeting.world_size();
         refuse_config(&config, meeting.rank())?;
-        let mine =
-            Record { role: NEWCOMER, host: host_id(), config: config_fingerprint(&config, ranks), epoch: 0, masked: 0 };
-        let (_, epoch) = meet_records(meeting, mine)?;
+        let config_print = config_fingerprint(&config, ranks);
+        let mine = Record { role: NEWCOMER, host: host_id(), config: config_print, epoch: 0, masked: 0, meetings: 0 };
+        let settled = meet_records(meeting, mine)?;
         let joined = GpuWorld::join_over(meeting, config, crate::Transport::Auto)?;
         meet_layouts(meeting, &joined)?;
-        joined.core.set_mask_epoch(epoch);
+        joined.core.set_mask_epoch(settled.epoch);
+        joined.shared.meetings.store(settled.meetings, std::sync::atomic::Ordering::Relaxed);
         joined.unmask_all_now()?;
         Ok(joined)
     }
@@ -267,8 +285,9 @@ impl GpuRank {
             config: config_fingerprint(&s.config, s.num_ranks),
             epoch: self.core.mask_epoch(),
             masked: self.mask_view().ranks.low_bits(),
+            meetings: s.meetings.load(std::sync::atomic::Ordering::Relaxed),
         };
-        let (newcomers, _) = meet_records(meeting, mine)?;
+        let newcomers = meet_records(meeting, mine)?.newcomers;
         // `GpuWorld::join_over`'s rounds, as this rank took part in them at creation.
         let ctx = &s.ctx;
         all_gather_u64(meeting, &place_words(ctx)?)?;
@@ -307,13 +326,14 @@ mod tests {
     use super::*;
 
     fn rec(role: u64, masked: u64) -> Record {
-        Record { role, host: 7, config: 9, epoch: 2, masked }
+        let meetings = if role == SURVIVOR { 5 } else { 0 };
+        Record { role, host: 7, config: 9, epoch: 2, masked, meetings }
     }
 
     #[test]
-    fn a_newcomer_at_the_masked_rank_is_admitted() {
-        let (newcomers, epoch) = check_records(&[rec(SURVIVOR, 0b10), rec(NEWCOMER, 0), rec(SURVIVOR, 0b10)]).unwrap();
-        assert_eq!((newcomers.low_bits(), epoch), (0b10, 2));
+    fn a_newcomer_at_the_masked_rank_is_admitted_and_takes_the_survivors_counts() {
+        let settled = check_records(&[rec(SURVIVOR, 0b10), rec(NEWCOMER, 0), rec(SURVIVOR, 0b10)]).unwrap();
+        assert_eq!((settled.newcomers.low_bits(), settled.epoch, settled.meetings), (0b10, 2, 5));
     }
 
     #[test]
@@ -339,6 +359,8 @@ mod tests {
         refused(&[rec(SURVIVOR, 0b10), far], "another host");
         let late = Record { epoch: 3, ..rec(SURVIVOR, 0b10) };
         refused(&[rec(SURVIVOR, 0b10), rec(NEWCOMER, 0), late], "unmask epochs");
+        let met = Record { meetings: 6, ..rec(SURVIVOR, 0b10) };
+        refused(&[rec(SURVIVOR, 0b10), rec(NEWCOMER, 0), met], "meet_on");
         refused(&[rec(SURVIVOR, 0), rec(SURVIVOR, 0)], "no newcomer");
         refused(&[rec(NEWCOMER, 0), rec(NEWCOMER, 0)], "no survivor");
         refused(&[rec(SURVIVOR, 0b10), rec(5, 0)], "role 5");
