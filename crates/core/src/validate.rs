@@ -376,22 +376,8 @@ pub fn validate_dispatch_inputs<'a, T: TensorView + ?Sized>(
         }
         (Algorithm::LowLatency, Pass::Forward) => {
             match (opts.dtype.and_then(DispatchDtype::forwarded), inputs.scales) {
-                (Some(_), None) => {
-                    return Err(ValidationError::MissingTensor {
-                        tensor: SCALES,
-                        why: "a forwarded dispatch carries each token's scale row beside its payload",
-                    });
-                }
-                (Some((token_bytes, scale_bytes)), Some(s)) => {
-                    check_rows(
-                        TOKENS,
-                        inputs.tokens,
-                        TensorTag::Tokens,
-                        DType::U8,
-                        (b, "topk_idx"),
-                        (token_bytes, "token_bytes"),
-                    )?;
-                    check_rows(SCALES, s, TensorTag::Scales, DType::U8, (b, "topk_idx"), (scale_bytes, "scale_bytes"))?;
+                (Some(rows), _) => {
+                    forwarded_rows(inputs, b, rows)?;
                 }
                 (None, Some(_)) => {
                     return Err(ValidationError::UnexpectedTensor {
@@ -429,20 +415,8 @@ pub fn validate_dispatch_inputs<'a, T: TensorView + ?Sized>(
                 tensor: WEIGHTS,
                 why: "high-throughput forward dispatch sends each token's weights with it",
             })?;
-            if let Some((token_bytes, scale_bytes)) = opts.dtype.and_then(DispatchDtype::forwarded) {
-                let s = inputs.scales.ok_or(ValidationError::MissingTensor {
-                    tensor: SCALES,
-                    why: "a forwarded dispatch carries each token's scale row beside its payload",
-                })?;
-                check_rows(
-                    TOKENS,
-                    inputs.tokens,
-                    TensorTag::Tokens,
-                    DType::U8,
-                    (b, "topk_idx"),
-                    (token_bytes, "token_bytes"),
-                )?;
-                check_rows(SCALES, s, TensorTag::Scales, DType::U8, (b, "topk_idx"), (scale_bytes, "scale_bytes"))?;
+            if let Some(rows) = opts.dtype.and_then(DispatchDtype::forwarded) {
+                let s = forwarded_rows(inputs, b, rows)?;
                 check_rows(
                     WEIGHTS,
                     weights,
@@ -487,6 +461,24 @@ pub fn validate_dispatch_inputs<'a, T: TensorView + ?Sized>(
             Ok(ValidDispatch::Backward { tokens: inputs.tokens })
         }
     }
+}
+
+/// A forwarded dispatch's `b` token rows (`[b x token_bytes]` bytes) and scale rows (`[b x
+/// scale_bytes]`, required), checked; returns the scales.
+fn forwarded_rows<'a, T: TensorView + ?Sized>(
+    inputs: &DispatchInputs<'a, T>,
+    b: usize,
+    (token_bytes, scale_bytes): (usize, usize),
+) -> Result<&'a T, ValidationError> {
+    const TOKENS: &str = "dispatch input tokens";
+    const SCALES: &str = "dispatch input scales";
+    let s = inputs.scales.ok_or(ValidationError::MissingTensor {
+        tensor: SCALES,
+        why: "a forwarded dispatch carries each token's scale row beside its payload",
+    })?;
+    check_rows(TOKENS, inputs.tokens, TensorTag::Tokens, DType::U8, (b, "topk_idx"), (token_bytes, "token_bytes"))?;
+    check_rows(SCALES, s, TensorTag::Scales, DType::U8, (b, "topk_idx"), (scale_bytes, "scale_bytes"))?;
+    Ok(s)
 }
 
 /// Refuses a per-call dispatch type ([`DispatchOptions::dtype`]) the group cannot carry: only a
