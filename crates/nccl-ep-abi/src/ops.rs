@@ -409,9 +409,11 @@ pub(crate) unsafe fn dispatch(
             let ow = out_w
                 .ok_or_else(|| Fail::arg("expert-major dispatch needs outputs.topk_weights (1D, a weight per slot)"))?;
             ow.expect_type("outputs.topk_weights", ep::NCCL_FLOAT32)?;
-            if ow.sizes.len() != 1 || ow.sizes[0] < slots {
+            // Empty outputs (a rank receiving nothing) go together: NCCL EP refuses an empty
+            // tokens tensor beside non-empty weights, and the other way round.
+            if ow.sizes.len() != 1 || ow.sizes[0] < slots || (ow.sizes[0] == 0) != (slots == 0) {
                 return Err(Fail::arg(format!(
-                    "outputs.topk_weights: sizes are {:?}, expected [{slots}] (1D, a weight per slot of outputs.tokens)",
+                    "outputs.topk_weights: sizes are {:?}, expected [{slots}] (1D, a weight per slot of outputs.tokens; both empty or neither)",
                     ow.sizes
                 )));
             }
