@@ -708,9 +708,10 @@ pub(crate) unsafe fn combine(
                     match &zones {
                         Some(_) => {
                             w.expect_type("inputs.topk_weights", ep::NCCL_FLOAT32)?;
-                            if w.sizes.len() != 1 || w.sizes[0] < rows {
+                            // Empty inputs (a rank receiving nothing) go together, as in NCCL EP.
+                            if w.sizes.len() != 1 || w.sizes[0] < rows || (w.sizes[0] == 0) != (in_slots == 0) {
                                 return Err(Fail::arg(format!(
-                                    "inputs.topk_weights: sizes are {:?}, expected [at least {rows}] (expert-major: 1D, a weight gradient per slot of inputs.tokens)",
+                                    "inputs.topk_weights: sizes are {:?}, expected [at least {rows}] (expert-major: 1D, a weight gradient per slot of inputs.tokens; both empty or neither)",
                                     w.sizes
                                 )));
                             }
