@@ -176,6 +176,8 @@ def rank_main(args):
             s_d = cuda.upload(array.array("B", b"".join(mine.s)))
             rq_d = cuda.alloc(M * H, fill=0xAB)
             rs_d = cuda.alloc(M * 16, fill=0xAB)
+            rw_d = cuda.alloc(M * K * 4, fill=0xAB)
+            ri_d = cuda.alloc(M * K * 8, fill=0xAB)
             din = nccl_ep.ncclEpDispatchInputs_t(
                 tokens=desc(q_d, ncclFloat8e4m3, (mine.B, H)),
                 scales=desc(s_d, ncclUint8, (mine.B, 16)),
@@ -193,9 +195,11 @@ def rank_main(args):
             rq = cuda.download(rq_d, "B", M * H).tobytes()
             rs = cuda.download(rs_d, "B", M * 16).tobytes()
             ri = rows(cuda.download(ri_d, "q", M * K), M, K)
+            rw = rows(cuda.download(rw_d, "f", M * K), M, K)
             for j, (r, t) in enumerate(kept):
                 src = inputs[r]
                 chk.expect(rq[j * H:(j + 1) * H] == src.q[t], "FWD: rank 0 row %d is not rank %d's token %d's bytes" % (j, r, t))
+                chk.expect(rw[j] == src.w[t], "FWD: rank 0 row %d: weights %r, expected %r" % (j, rw[j], src.w[t]))
                 chk.expect(rs[j * 16:(j + 1) * 16] == src.s[t], "FWD: rank 0 row %d's scales are not rank %d's token %d's" % (j, r, t))
                 chk.expect(ri[j] == src.idx[t], "FWD: rank 0 row %d: ids %r, expected %r" % (j, ri[j], src.idx[t]))
         finally:

@@ -955,8 +955,8 @@ def high_throughput_expert_major(lib, comm, cuda, stream, p, chk, alignment=4, b
 def high_throughput_forwarded(lib, comm, cuda, stream, p, chk, expert_major=False, fp4=False):
     """API v2's FWD recipe in a high-throughput group, one rank: random bytes as e4m3 rows
     ``[B, H]`` with four fp32 scales each, or packed FP4 ``[B, H/2]`` with ``H/16`` uint8 scales.
-    Flat: every routed token's token and scale rows once (as pairs), with its ids and weights,
-    in outputs of a few rows more than received. Expert-major (zones aligned to 4): each zone
+    Flat: every routed token's token and scale rows once (as pairs), with its ids, in outputs of
+    a few rows more than the group's receive budget. Expert-major (zones aligned to 4): each zone
     holds its expert's tokens' rows in token order with their weights, the padding zero. Then
     the combine of zero expert outputs returns zeros."""
     M, H, K, L = p.M, p.H, p.K, p.E
@@ -980,7 +980,9 @@ def high_throughput_forwarded(lib, comm, cuda, stream, p, chk, expert_major=Fals
         try:
             cuda.sync(stream)
             n = cuda.download(total_d, "q", 1)[0]
-            slots = n + 3  # a few rows more than needed
+            # A few rows more than needed: the zones' slots (expert-major), the group's receive
+            # budget (flat: NCCL EP's FWD outputs hold it).
+            slots = (n if expert_major else max(n, M * K)) + 3
             recv_d = cuda.alloc(slots * tb, fill=0xA5)
             rs_d = cuda.alloc(slots * sb, fill=0xA5)
             rw_d = cuda.alloc(slots * (1 if expert_major else K) * 4, fill=0xA5)

@@ -38,6 +38,9 @@ pub(crate) struct Shape {
     pub(crate) max_tokens: usize,
     /// High-throughput: the receive rows a flat dispatch output must have room for.
     pub(crate) max_recv: usize,
+    /// High-throughput: `max_recv_tokens_per_rank` was API v2's `NCCL_EP_AUTO` (eager: NCCL EP's
+    /// callers size their outputs by each routing's receive count).
+    pub(crate) max_recv_auto: bool,
     /// `H`: `max_token_bytes / 2` (BF16 tokens).
     pub(crate) hidden: usize,
     /// API v2's `num_topk`: the most top-k any handle of the group may have (`None`: unset).
@@ -197,6 +200,7 @@ fn group_config(read: &v2::GroupConfig, num_ranks: usize) -> Res<(GroupConfig, S
         rank: 0,
         max_tokens,
         max_recv,
+        max_recv_auto: algorithm == Algorithm::HighThroughput && c.max_recv_tokens_per_rank == 0,
         hidden,
         num_topk: fields.num_topk,
         drop_overflow: fields.drop_overflow,

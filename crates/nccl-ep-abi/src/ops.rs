@@ -381,6 +381,8 @@ pub(crate) unsafe fn dispatch(
                     return Err(Fail::arg("backward dispatch takes no top-k weights or indices"));
                 }
                 rows_of(&out, "outputs.tokens", ep::NCCL_BFLOAT16, em.plan.total, hd, true)?;
+                // The scatter stores 16-byte vectors.
+                check::aligned16("outputs.tokens", out.ptr)?;
                 let slots = out.numel() / hd.max(1);
                 em.require_numbered()?;
                 let targets = OutputTargets { tokens: em.tokens.ptr(), ..Default::default() };
@@ -401,6 +403,8 @@ pub(crate) unsafe fn dispatch(
                 (Some(f), Some(os)) => f.check_ht_outputs(&out, os, total)?,
                 _ => {
                     rows_of(&out, "outputs.tokens", ep::NCCL_BFLOAT16, total, hd, true)?;
+                    // The scatter stores 16-byte vectors.
+                    check::aligned16("outputs.tokens", out.ptr)?;
                     out.numel() / hd.max(1)
                 }
             };
@@ -454,7 +458,12 @@ pub(crate) unsafe fn dispatch(
             let overflow = h.overflow();
             let rows = h.output_rows()?;
             let slots = match (&forwarded, &out_s) {
-                (Some(f), Some(os)) => f.check_ht_outputs(&out, os, rows)?,
+                // NCCL EP's FWD outputs hold the group's receive budget unless it is AUTO (BF16
+                // outputs need only the rows received).
+                (Some(f), Some(os)) => {
+                    let need = if s.max_recv_auto { rows } else { rows.max(s.max_recv) };
+                    f.check_ht_outputs(&out, os, need)?
+                }
                 _ => {
                     rows_of(&out, "outputs.tokens", ep::NCCL_BFLOAT16, rows, hd, true)?;
                     out.numel() / hd.max(1)

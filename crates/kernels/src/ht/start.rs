@@ -196,6 +196,7 @@ pub(crate) fn dispatch(
             p.row_bytes = int(token_bytes)?;
             p.off_scales = int(token_bytes)?;
             p.scale_cols = int(scale_bytes / 4)?;
+            p.stamp ^= forwarded_stamp_bits(token_bytes, scale_bytes);
         }
         None if descs.scales.is_some() => {
             p.fp8 = 1;
@@ -256,6 +257,17 @@ pub(crate) fn dispatch(
     let tensors = inputs.map(|i| i.tensors()).unwrap_or_default();
     let op = GpuOp::new(Arc::clone(s), Channel::Dispatch, seq, stamp, launch, kind, &tensors);
     Ok(assemble(op, over_nccl, fill, with_built(fences, h), inputs.is_none()))
+}
+
+/// What a forwarded dispatch adds to its device stamp (bits 48-63, which a dispatch's pairing
+/// number never reaches): the row shape is per call, and a direct dispatch writes its rows into
+/// the receiver's outputs only when their full stamps agree, so a sender whose rows are wider
+/// than the receiver's (or that carries scales the receiver has no room for) never writes
+/// there. Bit 63 set for every forwarded shape (a BF16 dispatch adds nothing); distinct shapes
+/// differ in all but rare collisions of the low 15 bits.
+fn forwarded_stamp_bits(token_bytes: usize, scale_bytes: usize) -> u64 {
+    let shape = ((token_bytes / 16) as u64).wrapping_mul(131).wrapping_add((scale_bytes / 16) as u64);
+    (0x8000 | (shape & 0x7fff)) << 48
 }
 
 /// Combine `seq` on handle `h`; `inputs` validated, or `None` for a cancellation.
@@ -375,4 +387,19 @@ fn assemble(
         epflow_core::backend::PendingOp::cancel(&mut op);
     }
     op
+}
+
+#[cfg(test)]
+mod tests {
+    use super::forwarded_stamp_bits;
+
+    #[test]
+    fn forwarded_shapes_mark_the_stamp_above_any_pairing_number() {
+        let (a, b) = (forwarded_stamp_bits(7168, 224), forwarded_stamp_bits(3584, 448));
+        assert_ne!(a, b);
+        for bits in [a, b, forwarded_stamp_bits(16, 16)] {
+            assert_eq!(bits & ((1 << 48) - 1), 0, "the low 48 bits (the tag, small pairing numbers) stay");
+            assert_ne!(bits >> 63, 0, "every forwarded shape differs from a BF16 dispatch's stamp");
+        }
+    }
 }
