@@ -41,6 +41,12 @@ pub(crate) fn handle(h: ep::NcclEpHandle) -> Res<Arc<Handle>> {
     Ok(h)
 }
 
+/// Runs `f`, an API call on handle `h`, with `h`'s group resolving the NCCL window tensors it
+/// reads (`window.rs`).
+fn within<R>(h: &Handle, f: impl FnOnce() -> R) -> R {
+    crate::window::within(Arc::clone(&h.group) as Arc<dyn crate::window::WindowBase>, f)
+}
+
 /// Registers a new group and returns the `ncclEpGroup_t` the caller gets.
 fn new_group(g: Arc<Group>) -> Res<ep::NcclEpGroup> {
     GROUPS.insert(g).map(std::ptr::without_provenance_mut)
@@ -238,7 +244,7 @@ pub unsafe extern "C" fn ncclEpUpdateHandle(
     entry("ncclEpUpdateHandle", || {
         let h = self::handle(handle)?;
         // SAFETY: forwarded contract.
-        unsafe { h.update(topk_idx, layout_info, stream) }
+        within(&h, || unsafe { h.update(topk_idx, layout_info, stream) })
     })
 }
 
@@ -266,7 +272,7 @@ pub unsafe extern "C" fn ncclEpCreateHandle(
         let em = alignment_of(g.shape.algorithm, layout, cfg.as_ref())?;
         let h = Handle::new(Arc::clone(&g), l, None, em)?;
         // SAFETY: forwarded contract.
-        unsafe { h.update(topk_idx, layout_info, stream) }?;
+        within(&h, || unsafe { h.update(topk_idx, layout_info, stream) })?;
         let h = new_handle(h)?;
         // SAFETY: writable (checked; contract).
         unsafe { *handle = h };
@@ -309,7 +315,7 @@ pub unsafe extern "C" fn ncclEpDispatch(
     entry("ncclEpDispatch", || {
         let h = self::handle(handle)?;
         // SAFETY: forwarded contract.
-        unsafe { crate::ops::dispatch(&h, inputs, outputs, layout_info, config, stream) }
+        within(&h, || unsafe { crate::ops::dispatch(&h, inputs, outputs, layout_info, config, stream) })
     })
 }
 
@@ -329,7 +335,7 @@ pub unsafe extern "C" fn ncclEpCombine(
     entry("ncclEpCombine", || {
         let h = self::handle(handle)?;
         // SAFETY: forwarded contract.
-        unsafe { crate::ops::combine(&h, inputs, outputs, config, stream) }
+        within(&h, || unsafe { crate::ops::combine(&h, inputs, outputs, config, stream) })
     })
 }
 

@@ -112,6 +112,8 @@ pub(crate) struct Tensor {
     pub(crate) datatype: ep::NcclDataType,
     /// Per-dimension sizes.
     pub(crate) sizes: Vec<usize>,
+    /// Whether the storage is an NCCL window (`win_hdl`, `window.rs`), not `data`.
+    pub(crate) windowed: bool,
 }
 
 /// The most dimensions a descriptor may have.
@@ -217,9 +219,6 @@ pub(crate) unsafe fn tensor(p: *const ep::NcclEpTensor, what: &str) -> Res<Optio
     if t.sizes.is_null() {
         return Err(Fail::arg(format!("{what}: sizes is NULL")));
     }
-    if !t.win_hdl.is_null() {
-        return Err(Fail::usage(format!("{what}: NCCL window tensors are not supported; pass a device pointer")));
-    }
     if magic == crate::owned::DYNAMIC_MAGIC && !crate::owned::sizes_intact(t) {
         return Err(Fail::arg(format!(
             "{what}: the sizes pointer of a tensor from ncclEpTensorAlloc was overwritten (write into its sizes array instead)"
@@ -230,11 +229,16 @@ pub(crate) unsafe fn tensor(p: *const ep::NcclEpTensor, what: &str) -> Res<Optio
     }
     // SAFETY: non-null with `ndim` entries (the caller's contract).
     let sizes = unsafe { std::slice::from_raw_parts(t.sizes, ndim) }.to_vec();
-    // An empty tensor (a zero extent) needs no storage: frameworks hand out null for it.
-    if t.data.is_null() && !sizes.contains(&0) {
-        return Err(Fail::arg(format!("{what}: data is NULL")));
-    }
-    Ok(Some(Tensor { ptr: t.data as u64, datatype: t.datatype, sizes }))
+    // An empty tensor (a zero extent) needs no storage: frameworks hand out null for it. A
+    // window tensor (no `data`, a `win_hdl`) addresses its window at `win_offset` (`window.rs`).
+    let empty = sizes.contains(&0);
+    let (ptr, windowed) = match (t.data.is_null(), t.win_hdl.is_null()) {
+        (false, _) => (t.data as u64, false),
+        (true, false) if !empty => (crate::window::address(t.win_hdl, t.win_offset, what)?, true),
+        (true, _) if empty => (0, !t.win_hdl.is_null()),
+        _ => return Err(Fail::arg(format!("{what}: data is NULL (and no win_hdl)"))),
+    };
+    Ok(Some(Tensor { ptr, datatype: t.datatype, sizes, windowed }))
 }
 
 /// [`tensor`] for a required argument.

@@ -24,12 +24,16 @@ type AllGatherFn = unsafe extern "C" fn(
     ep::CudaStream,
 ) -> ep::NcclResult;
 
-/// The NCCL functions a group's bootstrap calls.
+type WinUserPtrFn = unsafe extern "C" fn(ep::NcclComm, ep::NcclWindow, *mut *mut c_void) -> ep::NcclResult;
+
+/// The NCCL functions a group's bootstrap calls, and `ncclWinGetUserPtr` (NCCL 2.28 and later)
+/// for window tensors.
 struct Nccl {
     count: CountFn,
     user_rank: CountFn,
     cu_device: CountFn,
     all_gather: AllGatherFn,
+    win_user_ptr: Option<WinUserPtrFn>,
     _lib: libloading::Library,
 }
 
@@ -42,6 +46,8 @@ fn resolve(lib: libloading::Library) -> Option<Nccl> {
             user_rank: *lib.get::<CountFn>(b"ncclCommUserRank\0").ok()?,
             cu_device: *lib.get::<CountFn>(b"ncclCommCuDevice\0").ok()?,
             all_gather: *lib.get::<AllGatherFn>(b"ncclAllGather\0").ok()?,
+            // `ncclResult_t ncclWinGetUserPtr(ncclComm_t, ncclWindow_t, void**)`.
+            win_user_ptr: lib.get::<WinUserPtrFn>(b"ncclWinGetUserPtr\0").ok().map(|f| *f),
             _lib: lib,
         })
     }
@@ -110,6 +116,27 @@ impl CallerComm {
         }
         let ctx = epflow_kernels::device::context(dev.max(0) as usize)?;
         Ok(CallerComm { nccl, comm, rank: rank.max(0) as usize, size: size.max(0) as usize, ctx })
+    }
+
+    /// The device address of window `win`'s local buffer (`ncclWinGetUserPtr`).
+    pub(crate) fn window_base(&self, win: ep::NcclWindow) -> crate::status::Res<u64> {
+        use crate::status::Fail;
+        let f = self.nccl.win_user_ptr.ok_or_else(|| {
+            Fail::usage(
+                "an NCCL window tensor needs ncclWinGetUserPtr (NCCL 2.28 or later); this process's NCCL has none",
+            )
+        })?;
+        let mut base = std::ptr::null_mut();
+        // SAFETY: `comm` is the caller's live communicator and `win` the caller's window handle
+        // (nccl_ep.h's contract for `win_hdl`); `base` is writable.
+        let rc = unsafe { f(self.comm, win, &mut base) };
+        if rc != ep::NCCL_SUCCESS {
+            return Err(Fail {
+                code: rc,
+                message: format!("ncclWinGetUserPtr returned {rc} for the tensor's win_hdl"),
+            });
+        }
+        Ok(base as u64)
     }
 }
 

@@ -90,7 +90,7 @@ impl Forwarded {
     /// A high-throughput dispatch's outputs, checked as NCCL EP checks them
     /// (`ncclInvalidArgument`): `outputs.tokens` `[S, H_phys]` of the tokens' type and
     /// `outputs.scales` `[S, S_elems]` of the scales' type, the same `S`, at least `rows`, both
-    /// 16-byte aligned. Returns `S`.
+    /// 16-byte aligned, both NCCL windows or neither. Returns `S`.
     pub(crate) fn check_ht_outputs(&self, out: &Tensor, out_s: &Tensor, rows: usize) -> Res<usize> {
         let check = |t: &Tensor, what: &str, dtype, elems| -> Res<usize> {
             if t.datatype != dtype {
@@ -111,6 +111,11 @@ impl Forwarded {
             return Err(Fail::arg(format!(
                 "outputs.tokens holds {s} rows and outputs.scales {s_scales}: NCCL_EP_DISP_QUANT_FWD takes the same capacity for both"
             )));
+        }
+        if out.windowed != out_s.windowed {
+            return Err(Fail::arg(
+                "outputs.tokens and outputs.scales: both NCCL windows (win_hdl) or neither (NCCL EP's high-throughput NCCL_EP_DISP_QUANT_FWD)",
+            ));
         }
         check::aligned16("outputs.tokens", out.ptr)?;
         check::aligned16("outputs.scales", out_s.ptr)?;
@@ -164,7 +169,7 @@ mod tests {
     }
 
     fn t(datatype: ep::NcclDataType, sizes: &[usize]) -> Tensor {
-        Tensor { ptr: 0x2000, datatype, sizes: sizes.to_vec() }
+        Tensor { ptr: 0x2000, datatype, sizes: sizes.to_vec(), windowed: false }
     }
 
     /// High-throughput outputs as NCCL EP checks them: the five `HtScalesForwardRejects*` cases
@@ -185,6 +190,7 @@ mod tests {
             ("scale type", t(e4m3, &[64, 16]), t(ep::NCCL_FLOAT32, &[64, 16])),
             ("misaligned tokens", Tensor { ptr: 0x2001, ..t(e4m3, &[64, 16]) }, t(u8s, &[64, 16])),
             ("misaligned scales", t(e4m3, &[64, 16]), Tensor { ptr: 0x2004, ..t(u8s, &[64, 16]) }),
+            ("half windows", Tensor { windowed: true, ..t(e4m3, &[64, 16]) }, t(u8s, &[64, 16])),
         ];
         for (what, out, out_s) in refused {
             let e = f.check_ht_outputs(&out, &out_s, 64).unwrap_err();

@@ -434,6 +434,12 @@ fn op_done(op: &mut GpuOp, wait: Option<Duration>) -> Res<bool> {
     }
 }
 
+impl crate::window::WindowBase for Group {
+    fn window_base(&self, win: ep::NcclWindow) -> Res<u64> {
+        self.comm.window_base(win)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -54,6 +54,8 @@
 //! - `profile.rs`: `EPFLOW_ABI_PROFILE=1`, host time per phase of low-latency calls (and, with
 //!   `EPFLOW_ABI_STAMPS`, every call's entry and launch by the wall clock, per rank).
 //! - [`test_hooks`]: NVIDIA's test-only entry points, so that NVIDIA's unit tests run here.
+//! - `window.rs`: NCCL window tensors (`win_hdl`), resolved through the group's communicator
+//!   within each call.
 //! - `v2.rs`: the structs NCCL EP's API v2 grew (and NCCL 2.31's 104-byte group config), read
 //!   from any accepted `size`; their unimplemented features refused by name.
 //! - [`header`]: the C headers (API v1 and v2), generated.
@@ -71,10 +73,11 @@
 //! its FWD recipe (rows the caller quantized, `forwarded.rs`) travels as bytes in low-latency
 //! and high-throughput groups (flat, expert-major, after a DROP); its NVFP4 combine
 //! (`inputs.scales` each row's global scale) is epflow's (`epflow_core::nvfp4`, conversions of
-//! its own, so Hopper runs it too). Refused with `ncclInvalidUsage` and a log line:
-//! DS_FP8E3M4 and NVFP4 in high-throughput groups, expert-major handles on a DROP group, NCCL
-//! window tensors (`zero_copy` ON), CUDA graph capture of high-throughput calls (low-latency
-//! calls are capturable: `capture.rs`).
+//! its own, so Hopper runs it too). NCCL window tensors (`win_hdl`, API v2's `zero_copy`) are
+//! resolved to their addresses through the caller's NCCL (`window.rs`). Refused with
+//! `ncclInvalidUsage` and a log line: DS_FP8E3M4 and NVFP4 in high-throughput groups,
+//! expert-major handles on a DROP group, CUDA graph capture of high-throughput calls
+//! (low-latency calls are capturable: `capture.rs`).
 
 #![warn(missing_docs)]
 
@@ -100,3 +103,4 @@ mod status;
 mod tensor;
 pub mod test_hooks;
 mod v2;
+mod window;

@@ -832,7 +832,8 @@ mod tests {
 
     #[test]
     fn rows_are_all_but_the_last_dimension() {
-        let t = |sizes: &[usize]| Tensor { ptr: 1, datatype: ep::NCCL_BFLOAT16, sizes: sizes.to_vec() };
+        let t =
+            |sizes: &[usize]| Tensor { ptr: 1, datatype: ep::NCCL_BFLOAT16, sizes: sizes.to_vec(), windowed: false };
         assert!(rows_of(&t(&[2, 128, 64]), "x", ep::NCCL_BFLOAT16, 256, 64, false).is_ok());
         assert!(rows_of(&t(&[256, 64]), "x", ep::NCCL_BFLOAT16, 256, 64, false).is_ok());
         assert!(rows_of(&t(&[300, 64]), "x", ep::NCCL_BFLOAT16, 256, 64, true).is_ok());
