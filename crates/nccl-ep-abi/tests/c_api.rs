@@ -125,7 +125,7 @@ fn a_c_program_checks_the_api() {
         "{stderr}"
     );
     assert!(stderr.contains("NCCL EP (epflow) WARN ncclEpCreateGroup: config.version is 99"), "{stderr}");
-    assert!(stderr.contains("WARN ncclEpCreateGroup: config.zero_copy is NCCL_EP_ZERO_COPY_ON"), "{stderr}");
+    assert!(stderr.contains("INFO config.zero_copy is NCCL_EP_ZERO_COPY_ON: window tensors"), "{stderr}");
     assert!(stderr.contains("ncclEpGroupConfig_t.size is 100; this library reads sizes 96 (API v1), 104"), "{stderr}");
     assert!(
         stderr.contains("WARN ncclEpHandleDestroy: handle (0x") && stderr.contains("is not a live handle"),
@@ -165,7 +165,7 @@ fn a_c_program_checks_api_v2_through_either_header() {
         for line in [
             "WARN ncclEpCreateGroup: config.version is 3",
             "WARN ncclEpCreateGroup: config.overflow_policy is 5, not an ncclEpOverflowPolicy_t",
-            "WARN ncclEpCreateGroup: config.zero_copy is NCCL_EP_ZERO_COPY_ON",
+            "INFO config.zero_copy is NCCL_EP_ZERO_COPY_ON: window tensors",
             "WARN ncclEpCreateGroup: config.zero_copy is 7, not an ncclEpZeroCopyMode_t",
             "WARN ncclEpCreateGroup: config.num_topk is 1000",
             "ncclEpGroupConfig_t.size is 100",
