@@ -72,10 +72,7 @@ impl ExpertMajor {
         alignment: usize,
     ) -> Res<Self> {
         let plan = rank.expert_major_plan(counts, rows, top_k, alignment)?;
-        let zeros = |tag, dtype, shape: &[usize]| {
-            let desc = TensorDesc::contiguous(tag, dtype, shape);
-            DeviceTensor::zeros_with(rank.context(), rank.device(), desc, rank.local_allocator())
-        };
+        let zeros = |tag, dtype, shape: &[usize]| rank.local_zeros(TensorDesc::contiguous(tag, dtype, shape));
         Ok(ExpertMajor {
             tokens: zeros(TensorTag::Tokens, DType::Bf16, &[rows, hidden])?,
             weights: zeros(TensorTag::TopkWeights, DType::F32, &[rows, top_k])?,

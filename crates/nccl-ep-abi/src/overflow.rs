@@ -57,10 +57,7 @@ impl Overflow {
     /// The buffers of a routing sending `received` rows of top-k `top_k` and hidden `hidden`,
     /// `kept` of which stay (the handle's memory: from the group's `alloc_fn` when it has one).
     pub(crate) fn new(rank: &GpuRank, received: usize, kept: usize, top_k: usize, hidden: usize) -> Res<Self> {
-        let zeros = |tag, dtype, shape: &[usize]| {
-            let desc = TensorDesc::contiguous(tag, dtype, shape);
-            DeviceTensor::zeros_with(rank.context(), rank.device(), desc, rank.local_allocator())
-        };
+        let zeros = |tag, dtype, shape: &[usize]| rank.local_zeros(TensorDesc::contiguous(tag, dtype, shape));
         Ok(Overflow {
             last_use: LastUse::new("an overflow buffer"),
             kept,

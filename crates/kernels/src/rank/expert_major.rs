@@ -72,25 +72,18 @@ impl GpuRank {
         let total = padded.iter().sum::<i64>() as usize;
         let l = counts.len();
         let host: Vec<i64> = counts.iter().chain(&padded).chain(&offsets).copied().collect();
-        let ctx = &self.shared.ctx;
-        let dev = self.shared.device;
-        let local = self.local_allocator();
         let zones = DeviceTensor::upload_with(
-            ctx,
-            dev,
+            &self.shared.ctx,
+            self.shared.device,
             &epflow_core::HostTensor::new(
                 TensorTag::TopkIdx,
                 &[3, l.max(1)],
                 epflow_core::HostData::I64(if l == 0 { vec![0; 3] } else { host }),
             ),
-            local,
+            self.local_allocator(),
         )?;
-        let pos_of = DeviceTensor::zeros_with(
-            ctx,
-            dev,
-            TensorDesc::contiguous(TensorTag::TopkIdx, DType::I32, &[rows.max(1), top_k.max(1)]),
-            local,
-        )?;
+        let pos_of =
+            self.local_zeros(TensorDesc::contiguous(TensorTag::TopkIdx, DType::I32, &[rows.max(1), top_k.max(1)]))?;
         Ok(ExpertMajorPlan { counts, padded, offsets, total, rows, top_k, zones, pos_of })
     }
 

@@ -79,10 +79,16 @@ impl GpuRank {
     }
 
     /// Where this rank's local scratch comes from ([`crate::GpuWorld::join_over_with_allocator`]);
-    /// `None`: `cuMemAlloc`. Give it to [`DeviceTensor::zeros_with`] for scratch of your own
-    /// that belongs with the rank's (the NCCL EP C API's expert-major buffers do).
+    /// `None`: `cuMemAlloc`. [`GpuRank::local_zeros`] allocates from it.
     pub fn local_allocator(&self) -> Option<&Arc<dyn crate::device::LocalAllocator>> {
         self.shared.local_allocator.as_ref()
+    }
+
+    /// A zero-filled tensor of `desc` on this rank's device, in its local scratch memory
+    /// ([`GpuRank::local_allocator`]): scratch of your own that belongs with the rank's (the
+    /// NCCL EP C API's expert-major and overflow buffers).
+    pub fn local_zeros(&self, desc: TensorDesc) -> Result<DeviceTensor, Error> {
+        DeviceTensor::zeros_with(&self.shared.ctx, self.shared.device, desc, self.local_allocator())
     }
 
     /// The stream operations of `channel` run on: order your producers and consumers against it
@@ -205,7 +211,7 @@ impl GpuRank {
         }
         let mut desc = src.desc().clone();
         desc.dtype = epflow_core::DType::I64;
-        let out = DeviceTensor::zeros_with(&self.shared.ctx, self.shared.device, desc, self.local_allocator())?;
+        let out = self.local_zeros(desc)?;
         self.read_on(stream, src, None)?;
         self.launch_widen(stream, src, &out)?;
         Ok(out.ready_after(self.event_on(stream)?))
