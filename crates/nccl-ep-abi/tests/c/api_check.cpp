@@ -14,15 +14,7 @@ static_assert(std::is_trivially_copyable<ncclEpTensor_t>::value, "C layout");
 static_assert(ncclTimeout == 8 && ncclNumResults == 9, "NCCL 2.30's ncclResult_t");
 #endif
 
-static int failures = 0;
-
-static void check(bool ok, int line, const char* what) {
-    if (!ok) {
-        std::fprintf(stderr, "FAILED %s:%d: %s\n", __FILE__, line, what);
-        failures++;
-    }
-}
-#define CHECK(cond) check((cond), __LINE__, #cond)
+#include "check.h"
 
 int main(int argc, char** argv) {
     bool no_gpu = argc > 1 && std::strcmp(argv[1], "--no-gpu") == 0;

@@ -17,15 +17,7 @@
 #error "expected API version 2"
 #endif
 
-static int failures = 0;
-
-#define CHECK(cond)                                                          \
-    do {                                                                     \
-        if (!(cond)) {                                                       \
-            fprintf(stderr, "FAILED %s:%d: %s\n", __FILE__, __LINE__, #cond); \
-            failures++;                                                      \
-        }                                                                    \
-    } while (0)
+#include "check.h"
 
 int main(int argc, char** argv) {
     int no_gpu = argc > 1 && strcmp(argv[1], "--no-gpu") == 0;

@@ -17,15 +17,7 @@ void ncclEpHandle_test_clearTopkIdx(ncclEpHandle_t handle);
 ncclResult_t ncclEpGroup_test_setMaxDynamicSmem(ncclEpGroup_t group, int max_dynamic_smem);
 int ncclEpGroup_test_getLastLlCombineWarpsPerGroup(ncclEpGroup_t group);
 
-static int failures = 0;
-
-static void check(bool ok, int line, const char* what) {
-    if (!ok) {
-        std::fprintf(stderr, "FAILED %s:%d: %s\n", __FILE__, line, what);
-        failures++;
-    }
-}
-#define CHECK(cond) check((cond), __LINE__, #cond)
+#include "check.h"
 
 int main() {
     int token = 0;
