@@ -143,9 +143,9 @@ pub(crate) struct RankShared {
     pub(crate) later_builds: Mutex<Option<Arc<CudaStream>>>,
     pub(crate) functions: Functions,
     pub(crate) mem: Arc<RankMemory>,
-    /// Every rank's buffers as this process addresses them (index = rank), this one included.
-    /// Every rank's mapped memory; replaced as a whole when a process takes a masked rank's
-    /// place (`rank/rejoin.rs`), so read it once per launch ([`RankShared::peers`]).
+    /// Every rank's buffers as this process addresses them (index = rank), this one included;
+    /// replaced as a whole when a process takes a masked rank's place (`rank/rejoin.rs`), so
+    /// read it once per launch ([`RankShared::peers`]).
     pub(crate) peers: std::sync::RwLock<Arc<Peers>>,
     pub(crate) num_sms: u32,
     /// Handles' memory, recycled (local: from `local_allocator` when set).
