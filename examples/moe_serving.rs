@@ -41,10 +41,11 @@
 //! cargo run --release --example moe_serving -- --kill-rank 3 --at 2 --seconds 5
 //! ```
 //!
-//! `--rejoin-at T` (host backend) goes on: the killed rank's process is gone (its group is
-//! dropped), and at `T` seconds a replacement made through the group's rendezvous rejoins
-//! (`Group::rejoin`) while the survivors admit it at their next scheduling vote
-//! (`Group::admit`). The run reports the survivors' throughput before the kill, while masked and
+//! `--rejoin-at T` goes on: the killed rank's process is gone (its group is dropped), and at `T`
+//! seconds a replacement rejoins while the survivors admit it at their next scheduling vote
+//! (`Group::admit`). On the host backend the replacement is made through the group's rendezvous
+//! (`Group::rejoin`); on GPUs it is a new rank of the example's process (`GpuWorld::rejoin`,
+//! meeting the survivors over TCP on localhost), which makes its routing pool again. The run reports the survivors' throughput before the kill, while masked and
 //! after the rejoin, their longest stall, and how long the admission took; with `--check`, every
 //! micro-batch served after the rejoin is checked bit-exact against a serial rerun of the full
 //! group:
@@ -223,8 +224,8 @@ struct Flags {
     /// When `--kill-rank` stops, in seconds from the start, within `--seconds` (default 1).
     #[arg(long, requires = "kill_rank", value_parser = flags::finite_in(0.0, MAX_SECONDS))]
     at: Option<f64>,
-    /// With `--kill-rank` (host backend): the killed rank's process is replaced at this many
-    /// seconds from the start (after `--at`, within `--seconds`), and rejoins the running group.
+    /// With `--kill-rank`: the killed rank's process is replaced at this many seconds from the
+    /// start (after `--at`, within `--seconds`), and rejoins the running group.
     #[arg(long, requires = "kill_rank", value_parser = flags::finite_in(0.0, MAX_SECONDS))]
     rejoin_at: Option<f64>,
     /// The group timeout with `--kill-rank`, in ms (after it a rank that stopped calling is
@@ -271,7 +272,7 @@ struct Args {
     graph: bool,
     /// `--kill-rank R --at SECONDS`: rank `R` stops calling at `SECONDS` (rank masking on).
     kill: Option<(usize, f64)>,
-    /// `--rejoin-at SECONDS`: the killed rank's replacement rejoins then (host backend).
+    /// `--rejoin-at SECONDS`: the killed rank's replacement rejoins then.
     rejoin_at: Option<f64>,
     /// `--kill-timeout` ms: the group timeout with `--kill-rank` (after it the dead rank is masked).
     kill_timeout: Duration,
@@ -399,12 +400,6 @@ impl Args {
                     ));
                 }
                 if let Some(t) = f.rejoin_at {
-                    if gpu {
-                        return Err(invalid(
-                            "--rejoin-at: on GPUs a dead process cannot rejoin its group yet (--backend host serves it)"
-                                .into(),
-                        ));
-                    }
                     if t <= at || t >= f.seconds {
                         return Err(invalid(format!(
                             "--rejoin-at {t}: after --at ({at}) and within --seconds ({})",
@@ -485,9 +480,9 @@ trait Engine {
     fn lanes(&self) -> &[<Self::B as Backend>::Stream];
     /// `--rejoin-at`: the rank's process dies: its group is dropped.
     fn die(&self) -> Result<()>;
-    /// `--rejoin-at`: a replacement for the dead rank is made through the group's rendezvous
-    /// (retried until the survivors have masked the rank, within `timeout`) and rejoins the
-    /// group while the survivors admit it.
+    /// `--rejoin-at`: a replacement for the dead rank is made (host: through the group's
+    /// rendezvous, retried until the survivors have masked the rank; GPU: a new rank meeting the
+    /// survivors over TCP), within `timeout`, and rejoins the group while the survivors admit it.
     fn replace(&self, timeout: Duration) -> impl Future<Output = Result<()>>;
     /// Step inputs of micro-batch `mb` at `layer`; `prev` is its previous layer's output.
     fn input(
@@ -1453,7 +1448,7 @@ mod host {
 
 /// The GPU backend: padded GEMM experts on one stream per micro-batch.
 mod gpu {
-    use std::sync::{Arc, Mutex};
+    use std::sync::{Arc, Mutex, RwLock};
     use std::time::Duration;
 
     use cudarc::driver::{CudaContext, CudaStream, sys};
@@ -1461,6 +1456,7 @@ mod gpu {
     use epflow::core::workload::{RoutingKind, RoutingSpec, random_tokens, random_topk_idx, random_weights};
     use epflow::core::{DType, Error, GroupConfig, HostTensor, Result, TensorDesc, TensorTag, bf16};
     use epflow::kernels::compute::ExpertGemm;
+    use epflow::kernels::setup::tcp_bootstrap::{TcpBootstrap, TcpLinks};
     use epflow::kernels::{DeviceTensor, GpuCombineOutput, GpuDispatchOutput, GpuHandle, GpuRank, GpuWorld};
     use epflow::runtime::pipeline::StepInput;
     use epflow::runtime::reactor::{WaitOutcome, wait_for};
@@ -1475,16 +1471,71 @@ mod gpu {
     const COMM_SMS: usize = 48;
 
     pub(crate) struct GpuEngine {
-        g: Arc<Group<GpuRank>>,
+        /// The rank's group and its routings (`None` while its process is dead, `--rejoin-at`).
+        live: RwLock<Option<Arc<Live>>>,
+        /// How a replacement for this rank is made (`--rejoin-at`).
+        seat: Seat,
         ctx: Arc<CudaContext>,
         lanes: Vec<Arc<CudaStream>>,
         gemms: Vec<ExpertGemm>,
         w: DeviceTensor,
         /// One expert output buffer per lane.
         out: Vec<DeviceTensor>,
-        routes: Vec<Vec<(GpuHandle, DeviceTensor)>>,
         tokens: Vec<DeviceTensor>,
         reps: Mutex<usize>,
+    }
+
+    /// What a rank's process holds of its group: the group, and per layer the handles and
+    /// weights of its routing pool (made by the group's rank).
+    struct Live {
+        g: Arc<Group<GpuRank>>,
+        routes: Vec<Vec<(GpuHandle, DeviceTensor)>>,
+    }
+
+    /// A rank's place in the group, for its replacement: the group's config, the rank's device,
+    /// the routings' spec and batch, and the port of the rejoin meetings on this host.
+    #[derive(Clone)]
+    struct Seat {
+        config: GroupConfig,
+        rank: usize,
+        device: usize,
+        spec: RoutingSpec,
+        layers: usize,
+        port: u16,
+    }
+
+    impl Seat {
+        /// Rank `self.rank`'s end of a rejoin meeting: a TCP bootstrap of every rank of the group
+        /// on localhost (`port`), whoever reaches it first waiting for the others up to `wait`.
+        fn meeting(&self, wait: Duration) -> Result<TcpBootstrap> {
+            let links = TcpLinks::connect(self.rank, self.spec.num_ranks, "127.0.0.1", self.port, wait)?;
+            TcpBootstrap::new(links, self.device)
+        }
+
+        /// The group of `rank` (this seat's), its meetings from this seat, and its routing pool.
+        fn live(&self, rank: GpuRank) -> Result<Live> {
+            let seat = self.clone();
+            rank.set_meeting_source(Arc::new(move |wait| {
+                Ok(Box::new(seat.meeting(wait)?) as Box<dyn epflow::kernels::setup::bootstrap::Bootstrap + Send>)
+            }));
+            let g = Group::new(rank);
+            let (rk, r, batch) = (g.backend(), self.rank, self.spec.num_tokens);
+            let routes = (0..self.layers)
+                .map(|layer| {
+                    (0..POOL)
+                        .map(|p| {
+                            let seed = (layer * POOL + p) as u64;
+                            let idx = HostTensor::topk_idx(batch, TOP_K, random_topk_idx(&self.spec, 500 + seed, r));
+                            let h = futures::executor::block_on(g.create_handle(&rk.upload(&idx)?))?;
+                            let wk: Vec<f32> =
+                                random_weights(batch, TOP_K, 900 + seed, r).iter().map(|v| v / TOP_K as f32).collect();
+                            Ok((h, rk.upload(&HostTensor::topk_weights(batch, TOP_K, wk))?))
+                        })
+                        .collect::<Result<Vec<_>>>()
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok(Live { g: Arc::new(g), routes })
+        }
     }
 
     /// Rank `r`'s expert weights `[H x H]` BF16, scaled so activations keep their size.
@@ -1500,6 +1551,12 @@ mod gpu {
     }
 
     impl GpuEngine {
+        /// The rank's group and routings, while its process lives.
+        fn live(&self) -> Result<Arc<Live>> {
+            let live = self.live.read().unwrap_or_else(|e| e.into_inner());
+            live.clone().ok_or_else(|| Error::Backend(format!("rank {}: its process is dead", self.seat.rank)))
+        }
+
         fn enqueue(&self, lane: usize, d: &GpuDispatchOutput, reps: usize) -> Result<DeviceTensor> {
             let y = &self.out[lane];
             let mut last = None;
@@ -1514,15 +1571,37 @@ mod gpu {
         type B = GpuRank;
 
         fn group(&self) -> Result<Arc<Group<GpuRank>>> {
-            Ok(Arc::clone(&self.g))
+            Ok(Arc::clone(&self.live()?.g))
         }
 
         fn die(&self) -> Result<()> {
-            Err(Error::Unsupported("--rejoin-at: a GPU rank's process cannot be replaced yet".into()))
+            let live = self.live.write().unwrap_or_else(|e| e.into_inner()).take();
+            let rank = self.seat.rank;
+            let Some(live) = live else { return Err(Error::Backend(format!("rank {rank}: already dead"))) };
+            let Live { g, routes } =
+                Arc::try_unwrap(live).map_err(|_| Error::Backend(format!("rank {rank}: its group is still in use")))?;
+            // The last references: the routings' handles, then the group and its rank go, as a
+            // dead process's would (its memory stays mapped in the survivors' view until the
+            // rejoin meeting lets it go).
+            drop(routes);
+            drop(Arc::try_unwrap(g).map_err(|_| Error::Backend(format!("rank {rank}: its group is still in use")))?);
+            Ok(())
         }
 
-        async fn replace(&self, _timeout: Duration) -> Result<()> {
-            Err(Error::Unsupported("--rejoin-at: a GPU rank's process cannot be replaced yet".into()))
+        async fn replace(&self, timeout: Duration) -> Result<()> {
+            // A new rank of this process takes the dead one's place: it meets the survivors
+            // (admitting it at their vote) over the seat's meeting port, then makes its routing
+            // pool before it votes (the survivors wait at the vote, with no kernel running that
+            // an allocation here would wait for).
+            let seat = self.seat.clone();
+            let rank = tokio::task::spawn_blocking(move || -> Result<Live> {
+                let meeting = seat.meeting(timeout)?;
+                seat.live(GpuWorld::rejoin(&meeting, seat.config.clone())?)
+            })
+            .await
+            .map_err(err)??;
+            *self.live.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(rank));
+            Ok(())
         }
 
         fn lanes(&self) -> &[Arc<CudaStream>] {
@@ -1530,7 +1609,7 @@ mod gpu {
         }
 
         fn input(&self, mb: u64, layer: usize, prev: Option<GpuCombineOutput>) -> Result<StepInput<GpuRank>> {
-            let (handle, weights) = self.routes[layer][(mb as usize * 7 + layer) % POOL].clone();
+            let (handle, weights) = self.live()?.routes[layer][(mb as usize * 7 + layer) % POOL].clone();
             let tokens = match prev {
                 Some(out) if layer > 0 => out.tokens().clone(),
                 _ => self.tokens[mb as usize % POOL].clone(),
@@ -1607,9 +1686,7 @@ mod gpu {
 
         fn masked(&self, out: &GpuCombineOutput) -> Result<Vec<i32>> {
             match out.masked() {
-                Some(m) => {
-                    Ok(m.download(self.g.backend().context())?.as_i32().map(<[i32]>::to_vec).unwrap_or_default())
-                }
+                Some(m) => Ok(m.download(&self.ctx)?.as_i32().map(<[i32]>::to_vec).unwrap_or_default()),
                 None => Ok(Vec::new()),
             }
         }
@@ -1825,58 +1902,53 @@ mod gpu {
             masked: 0,
             kind: RoutingKind::Uniform,
         };
-        let engines = GpuWorld::create(&devices, config)?
+        // `--rejoin-at`: the rejoin meetings' port on this host (any free one).
+        let port = match a.rejoin_at {
+            Some(_) => std::net::TcpListener::bind(("127.0.0.1", 0)).and_then(|l| l.local_addr()).map_err(err)?.port(),
+            None => 0,
+        };
+        let engines = GpuWorld::create(&devices, config.clone())?
             .into_iter()
             .map(|rank| {
-                let g = Group::new(rank);
-                let r = g.rank();
-                let rk = g.backend();
-                let ctx = Arc::clone(rk.context());
+                let r = epflow::core::backend::Backend::rank(&rank);
+                let ctx = Arc::clone(rank.context());
                 let l = EXPERTS / gpus;
                 let desc = TensorDesc::contiguous(TensorTag::Tokens, DType::Bf16, &[l, gpus * a.batch, HIDDEN]);
-                let need = a.pool_bytes(1, HIDDEN, TOP_K, rk.handle_memory_bytes())
+                let need = a.pool_bytes(1, HIDDEN, TOP_K, rank.handle_memory_bytes())
                     + (sets * desc.size_bytes() + HIDDEN * HIDDEN * 2) as u128;
                 super::flags::check_device_memory(
                     &ctx,
                     || format!("rank {r}: {} layers x {POOL} routings, token sets and {sets} expert outputs", a.layers),
                     need,
                 )?;
-                let w = expert_weights(rk, r)?;
+                let w = expert_weights(&rank, r)?;
                 let out =
-                    (0..sets).map(|_| DeviceTensor::zeros(&ctx, rk.device(), desc.clone())).collect::<Result<_>>()?;
+                    (0..sets).map(|_| DeviceTensor::zeros(&ctx, rank.device(), desc.clone())).collect::<Result<_>>()?;
                 let lanes: Vec<Arc<CudaStream>> =
                     (0..sets).map(|_| ctx.new_stream().map_err(err)).collect::<Result<_>>()?;
                 let gemms = lanes.iter().map(|s| ExpertGemm::new(Arc::clone(s))).collect::<Result<_>>()?;
-                let routes = (0..a.layers)
-                    .map(|layer| {
-                        (0..POOL)
-                            .map(|p| {
-                                let seed = (layer * POOL + p) as u64;
-                                let idx = rk.upload(&HostTensor::topk_idx(
-                                    a.batch,
-                                    TOP_K,
-                                    random_topk_idx(&spec, 500 + seed, r),
-                                ))?;
-                                let h = futures::executor::block_on(g.create_handle(&idx))?;
-                                let wk: Vec<f32> = random_weights(a.batch, TOP_K, 900 + seed, r)
-                                    .iter()
-                                    .map(|v| v / TOP_K as f32)
-                                    .collect();
-                                Ok((h, rk.upload(&HostTensor::topk_weights(a.batch, TOP_K, wk))?))
-                            })
-                            .collect::<Result<Vec<_>>>()
-                    })
-                    .collect::<Result<Vec<_>>>()?;
                 let tokens = (0..POOL)
                     .map(|p| {
-                        rk.upload(&HostTensor::tokens(
+                        rank.upload(&HostTensor::tokens(
                             a.batch,
                             HIDDEN,
                             random_tokens(a.batch, HIDDEN, 70 + p as u64, r),
                         ))
                     })
                     .collect::<Result<_>>()?;
-                Ok(GpuEngine { g: Arc::new(g), ctx, lanes, gemms, w, out, routes, tokens, reps: Mutex::new(0) })
+                let seat = Seat { config: config.clone(), rank: r, device: devices[r], spec, layers: a.layers, port };
+                let live = seat.live(rank)?;
+                Ok(GpuEngine {
+                    live: RwLock::new(Some(Arc::new(live))),
+                    seat,
+                    ctx,
+                    lanes,
+                    gemms,
+                    w,
+                    out,
+                    tokens,
+                    reps: Mutex::new(0),
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         super::run(&engines, a)
@@ -2056,6 +2128,30 @@ mod tests {
                 parse(&[&["--backend", "host"][..], bad].concat()).err().unwrap_or_else(|| panic!("{bad:?} accepted"));
             assert_eq!(e.exit_code(), 2, "{bad:?}: {e}");
         }
+    }
+
+    /// `--rejoin-at` on GPUs: a new rank of the process takes the killed one's place
+    /// (`GpuWorld::rejoin`) and, with `--check`, every micro-batch served after the rejoin is
+    /// bit-exact on every rank. Two ranks: on two GPUs, or on GPU 0 twice (a functional check);
+    /// `EPFLOW_TEST_DEVICES` names them. Without a GPU it prints SKIPPED and passes.
+    #[test]
+    fn a_killed_gpu_rank_rejoins_and_the_group_is_bit_exact_after() {
+        let gpus = epflow::kernels::device_count();
+        if gpus == 0 {
+            eprintln!("SKIPPED a_killed_gpu_rank_rejoins_and_the_group_is_bit_exact_after: no GPU");
+            return;
+        }
+        let devices =
+            std::env::var("EPFLOW_TEST_DEVICES").unwrap_or_else(|_| (if gpus > 1 { "0,1" } else { "0,0" }).into());
+        let run = "--backend gpu --kill-rank 1 --at 1 --rejoin-at 2 --seconds 3 --rate 4000 --layers 2 --rounds 2 --vote-timeout 60 --check";
+        let a =
+            parse(&[&run.split(' ').collect::<Vec<_>>()[..], &["--devices", &devices]].concat()).expect("arguments");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(gpu::main(&a).map(|r| r.len()).map_err(|e| e.to_string()));
+        });
+        let result = rx.recv_timeout(Duration::from_secs(180)).unwrap_or_else(|_| Err("the run hung".into()));
+        assert_eq!(result, Ok(1), "devices {devices}");
     }
 
     fn block_on<T>(f: impl Future<Output = T>) -> T {

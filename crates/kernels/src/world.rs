@@ -19,7 +19,8 @@ use crate::rank::GpuRank;
 use crate::setup::bootstrap::{self, Bootstrap};
 use crate::state::shared::{Kept, Peers, RankMemory, RankShared};
 use crate::transport::nccl::{NcclComms, NcclShared, decode_ids, new_ids};
-use crate::transport::nvlink::{IpcMapping, enable_peer_access, ipc_export};
+use crate::transport::nvlink::enable_peer_access;
+use crate::transport::peer_memory::{exported, open_exported};
 use crate::transport::{Transport, host_id};
 
 static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1 << 32);
@@ -92,7 +93,7 @@ impl GpuWorld {
             comb_recv: mems.iter().map(|m| m.comb_recv.ptr()).collect(),
             exchange: mems.iter().map(|m| m.exchange.ptr()).collect(),
             signals: mems.iter().map(|m| m.signals.ptr()).collect(),
-            keep: mems.iter().map(|m| Arc::clone(m) as Arc<dyn std::any::Any + Send + Sync>).collect(),
+            keep: mems.iter().map(|m| vec![Arc::clone(m) as Kept]).collect(),
         };
         let ranks = ctxs
             .iter()
@@ -199,19 +200,19 @@ impl GpuWorld {
         };
         for r in 0..num_ranks {
             // NCCL peers are never addressed (their slots point at this rank's own memory).
-            let ptrs: [u64; 4] = if r == rank || mask >> r & 1 == 1 {
-                own
+            let (ptrs, keep) = if r == rank {
+                (own, vec![Arc::clone(&mem) as Kept])
+            } else if mask >> r & 1 == 1 {
+                (own, Vec::new())
             } else {
-                let (ptrs, keep) = open_exported(&ctx, &all, r)?;
-                peers.keep.extend(keep);
-                ptrs
+                open_exported(&ctx, &all, r)?
             };
+            peers.keep.push(keep);
             peers.disp_recv.push(ptrs[0]);
             peers.comb_recv.push(ptrs[1]);
             peers.exchange.push(ptrs[2]);
             peers.signals.push(ptrs[3]);
         }
-        peers.keep.push(Arc::clone(&mem) as Arc<dyn std::any::Any + Send + Sync>);
         let place = Placement {
             rank,
             num_ranks,
@@ -295,36 +296,6 @@ fn refuse_nccl_on_a_shared_gpu(shared: Option<(usize, usize)>, any_nccl: bool) -
 /// GPU's SMs (ranks on one host with the same PCI location share a GPU).
 pub(crate) fn place_words(ctx: &cudarc::driver::CudaContext) -> Result<[u64; 3], Error> {
     Ok([host_id(), pci_key(ctx)?, sm_count_of(ctx)? as u64])
-}
-
-/// The memory of `mem` that peers map, in the order of the group's IPC all-gather (dispatch and
-/// combine receive regions, the exchange region, the signal page): the addresses, and their
-/// CUDA IPC handles (64 bytes each).
-pub(crate) fn exported(mem: &RankMemory) -> Result<([u64; 4], Vec<u8>), Error> {
-    let own = [mem.disp_recv.ptr(), mem.comb_recv.ptr(), mem.exchange.ptr(), mem.signals.ptr()];
-    let mut handles = Vec::with_capacity(own.len() * 64);
-    for ptr in own {
-        handles.extend_from_slice(&ipc_export(ptr)?);
-    }
-    Ok((own, handles))
-}
-
-/// Rank `r`'s memory from the all-gather of every rank's [`exported`] handles, mapped into
-/// `ctx`: the four addresses, and the mappings that keep them.
-pub(crate) fn open_exported(
-    ctx: &Arc<cudarc::driver::CudaContext>,
-    all: &[u8],
-    r: usize,
-) -> Result<([u64; 4], Vec<Kept>), Error> {
-    let mut ptrs = [0u64; 4];
-    let mut keep: Vec<Kept> = Vec::with_capacity(4);
-    for (i, p) in ptrs.iter_mut().enumerate() {
-        let off = (r * 4 + i) * 64;
-        let mapping = IpcMapping::open(ctx, &all[off..off + 64])?;
-        *p = mapping.ptr;
-        keep.push(Arc::new(mapping));
-    }
-    Ok((ptrs, keep))
 }
 
 /// Loads the kernels, creates the streams and assembles a rank around its memory and its view

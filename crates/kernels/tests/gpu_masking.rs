@@ -409,3 +409,99 @@ fn rejoin_over_tcp() {
         other => panic!("EPFLOW_TEST_REJOIN={other}: survivor, victim or newcomer"),
     }
 }
+
+/// The replacement is a new rank of the same process (a thread of a server that drives every
+/// rank): `GpuWorld::create` makes the group; each cycle the last rank's thread drops its rank
+/// (its memory stays with the survivors' view until the meeting lets it go), the survivors time
+/// their first operation without it and run masked rounds against the reference, then a new
+/// rank of this process takes its place (`GpuWorld::rejoin` over a TCP meeting on localhost,
+/// the survivors' `GpuRank::admit`) and every rank runs full rounds bit-exact. The newcomer
+/// reaches the survivors' memory by address, not CUDA IPC (a process cannot open its own
+/// handles). `EPFLOW_TEST_REJOIN_CYCLES` kill-and-rejoin cycles (default 3); `EPFLOW_GPU_ITERS`
+/// rounds per phase (default 20). Prints per cycle the stall, the admission time and the
+/// device's free memory.
+#[test]
+fn rejoin_in_one_process() {
+    use epflow_kernels::setup::tcp_bootstrap::{TcpBootstrap, TcpLinks};
+    let test = "rejoin_in_one_process";
+    let Some(devices) = gpus(2, test) else { return };
+    let n = devices.len();
+    let cycles: u64 = std::env::var("EPFLOW_TEST_REJOIN_CYCLES").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
+    let iters: u64 = std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
+    let base = seed();
+    eprintln!("{test}: seed {base} (EPFLOW_TEST_SEED replays it), {cycles} cycles, {iters} rounds per phase");
+    let config = config(&devices);
+    let port = std::net::TcpListener::bind(("127.0.0.1", 0)).and_then(|l| l.local_addr()).expect("a free port").port();
+    let wait = Duration::from_secs(60);
+    let meeting = |me: usize| {
+        TcpBootstrap::new(TcpLinks::connect(me, n, "127.0.0.1", port, wait).expect("meeting"), devices[me]).unwrap()
+    };
+    let dead = n - 1;
+    let (none, gone) = (RankSet::new(), RankSet::from_ranks([dead], n).unwrap());
+    let step = common::TimedBarrier::new(n);
+    let barrier = || assert!(step.wait(wait), "a rank did not reach the barrier within {wait:?}");
+    let ranks = GpuWorld::create(&devices, config.clone()).expect("world");
+    let ctx = std::sync::Arc::clone(ranks[0].context());
+    std::thread::scope(|s| {
+        let threads: Vec<_> = ranks
+            .into_iter()
+            .map(|rank| {
+                let (config, meeting, barrier) = (&config, &meeting, &barrier);
+                let (none, gone, ctx) = (&none, &gone, &ctx);
+                s.spawn(move || {
+                    let me = rank.rank();
+                    let mut rank = Some(rank);
+                    for cycle in 0..cycles {
+                        let from = base + cycle * 10_000;
+                        let r = rank.take().expect("a live rank");
+                        let b = Bufs::new(&r, &scenario(config, n, from));
+                        barrier();
+                        timed_rounds(&r, &b, config, from, iters, none);
+                        barrier();
+                        let used = if me == dead {
+                            // This rank's "process" dies: its rank and buffers go.
+                            drop((b, r));
+                            let t = Instant::now();
+                            let fresh = GpuWorld::rejoin(&meeting(me), config.clone()).expect("rejoin");
+                            eprintln!("{test}: cycle {cycle}: rank {me}'s replacement rejoined in {:?}", t.elapsed());
+                            // Its buffers before any rank runs on (a peer's kernel spinning for
+                            // this rank would hold up an allocation in a shared context).
+                            let b = Bufs::new(&fresh, &scenario(config, n, from + 5000));
+                            barrier();
+                            timed_rounds(&fresh, &b, config, from + 5000, iters, none);
+                            rank = Some(fresh);
+                            b
+                        } else {
+                            let stall = timed_rounds(&r, &b, config, from + 100, 1, gone)[0];
+                            timed_rounds(&r, &b, config, from + 101, iters, gone);
+                            assert_eq!(r.masked_ranks().ranks, *gone, "rank {me}");
+                            let t = Instant::now();
+                            assert_eq!(r.admit(&meeting(me)).expect("admit"), *gone);
+                            let admit = t.elapsed();
+                            assert!(r.masked_ranks().ranks.is_empty());
+                            barrier();
+                            timed_rounds(&r, &b, config, from + 5000, iters, none);
+                            let (free, _) = ctx.mem_get_info().expect("cuMemGetInfo");
+                            eprintln!(
+                                "{test}: cycle {cycle}: rank {me}: first operation without rank {dead} took {stall:?} (timeout {:?}), admit {admit:?}, {iters} masked and {iters} full rounds bit-exact; device free memory {} MiB",
+                                timeout(),
+                                free >> 20
+                            );
+                            assert!(stall < timeout() + Duration::from_millis(500), "rank {me}: {stall:?}");
+                            assert!(!r.poison().is_poisoned());
+                            rank = Some(r);
+                            b
+                        };
+                        // Buffers go once every rank is done with the cycle's rounds.
+                        barrier();
+                        drop(used);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+        }
+    });
+    eprintln!("ok: {test}: {cycles} cycles of kill and rejoin in one process, every round bit-exact");
+}

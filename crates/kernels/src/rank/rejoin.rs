@@ -1,6 +1,7 @@
 //! A new process takes the place of a masked rank in a running low-latency group
 //! ([`GpuWorld::rejoin`] in the newcomer, [`GpuRank::admit`] in every survivor), and the
-//! survivors never rebuild their group.
+//! survivors never rebuild their group. In a process that drives several ranks, the newcomer may
+//! be a new rank of that process (a thread).
 //!
 //! The meeting runs over a bootstrap of its own that every rank of the group joins, the
 //! newcomers at their ranks (e.g. a [`crate::setup::tcp_bootstrap::TcpBootstrap`] on a port the
@@ -10,17 +11,21 @@
 //!    a survivor's mask epoch, mask word and count of device meetings ([`GpuRank::meet_on`]).
 //!    Every rank checks alike: every newcomer's rank is masked in every survivor's view and every
 //!    masked rank has a newcomer; one host; one config; the survivors agree on the epoch and the
-//!    meeting count (which the newcomer takes over, so that its next `meet_on` is theirs). A failure is [`Error::RejoinRefused`] (no rank
-//!    masking, a rank not masked, another config) or [`Error::Unsupported`] (another host,
-//!    survivors that disagree) on every rank, before anything changed;
+//!    meeting count (which the newcomer takes over, so that its next `meet_on` is theirs). A
+//!    failure is [`Error::RejoinRefused`] (no rank masking, a rank not masked, another config)
+//!    or [`Error::Unsupported`] (another host, survivors that disagree) on every rank, before
+//!    anything changed;
 //! 2. the rounds of [`GpuWorld::join_over`]: the newcomer joins as at creation (its memory, the
-//!    survivors' mapped with CUDA IPC); the survivors send what they sent then (their place, no
-//!    NCCL, handles of the same memory) and map the newcomers' memory;
+//!    survivors' mapped with CUDA IPC, or reached by address in one process); the survivors send
+//!    what they sent then (their place, no NCCL, their memory's record) and reach the newcomers'
+//!    memory;
 //! 3. a fingerprint of every rank's buffer layout (the newcomer's GPU may not change it);
 //! 4. the survivors put the newcomers' memory in place of the dead ranks' (no kernel addresses a
-//!    masked rank), the newcomer takes the survivors' mask epoch, and every rank runs
-//!    `unmask_all`: on the device, the ranks agree on the next operation numbers (the survivors'),
-//!    reset every credit and the mask, and the newcomer numbers from there.
+//!    masked rank) and let the dead ranks' memory go (their IPC mappings, or in one process the
+//!    memory itself); a round makes sure every rank has before any kernel runs again;
+//! 5. the newcomer takes the survivors' mask epoch, and every rank runs `unmask_all`: on the
+//!    device, the ranks agree on the next operation numbers (the survivors'), reset every credit
+//!    and the mask, and the newcomer numbers from there.
 //!
 //! A rank that dies or never comes makes the meeting's bootstrap time out on the others (naming
 //! it); before step 4 the survivors go on as they were (still masked), during `unmask_all` the
@@ -36,7 +41,8 @@ use super::GpuRank;
 use crate::setup::bootstrap::{Bootstrap, all_gather_u64};
 use crate::setup::meeting::MeetingSource;
 use crate::transport::host_id;
-use crate::world::{GpuWorld, exported, open_exported, place_words};
+use crate::transport::peer_memory::{exported, open_exported};
+use crate::world::{GpuWorld, place_words};
 
 /// A survivor's record.
 const SURVIVOR: u64 = 1;
@@ -175,6 +181,14 @@ fn meet_layouts(meeting: &(impl Bootstrap + ?Sized), rank: &GpuRank) -> Result<(
     Ok(())
 }
 
+/// The meeting's retire round: every survivor has dropped the dead ranks' memory (or its
+/// mappings) before any rank's `unmask_all` kernel runs. With ranks of one process on one GPU,
+/// freeing memory waits for every kernel of the context, a peer's `unmask_all` spinning for this
+/// rank among them.
+fn meet_retired(meeting: &(impl Bootstrap + ?Sized)) -> Result<(), Error> {
+    all_gather_u64(meeting, &[0]).map(drop)
+}
+
 /// Refuses a meeting bootstrap that is not this group's shape.
 fn check_meeting(meeting: &(impl Bootstrap + ?Sized), rank: usize, ranks: usize) -> Result<(), Error> {
     if meeting.rank() != rank || meeting.world_size() != ranks {
@@ -203,6 +217,7 @@ impl GpuWorld {
         let settled = meet_records(meeting, mine)?;
         let joined = GpuWorld::join_over(meeting, config, crate::Transport::Auto)?;
         meet_layouts(meeting, &joined)?;
+        meet_retired(meeting)?;
         joined.core.set_mask_epoch(settled.epoch);
         joined.shared.meetings.store(settled.meetings, std::sync::atomic::Ordering::Relaxed);
         joined.unmask_all_now()?;
@@ -300,7 +315,9 @@ impl GpuRank {
         let mut peers = (*s.peers()).clone();
         for r in newcomers.iter() {
             let (ptrs, keep) = open_exported(ctx, &all, r)?;
-            peers.keep.extend(keep);
+            // The dead rank's memory (its mappings, or in one process the memory itself) goes
+            // with the view it is replaced in.
+            peers.keep[r] = keep;
             peers.disp_recv[r] = ptrs[0];
             peers.comb_recv[r] = ptrs[1];
             peers.exchange[r] = ptrs[2];
@@ -309,7 +326,8 @@ impl GpuRank {
         meet_layouts(meeting, self)?;
         // No kernel of this rank addresses a masked rank: the new addresses take effect with the
         // operations after `unmask_all`.
-        s.replace_peers(peers);
+        drop(s.replace_peers(peers));
+        meet_retired(meeting)?;
         self.unmask_all_now()?;
         tracing::info!(
             rank = s.rank,

@@ -93,15 +93,16 @@ impl Drop for RankMemory {
     }
 }
 
-/// The device addresses of every rank's receive regions and signal page, and what keeps them
-/// mapped (the peers' memory in one process; CUDA IPC mappings across processes).
+/// The device addresses of every rank's receive regions and signal page, and per rank what
+/// keeps them mapped (the peers' memory in one process; CUDA IPC mappings across processes):
+/// `keep[r]` goes when rank `r`'s place is taken by another process.
 #[derive(Clone)]
 pub(crate) struct Peers {
     pub(crate) disp_recv: Vec<u64>,
     pub(crate) comb_recv: Vec<u64>,
     pub(crate) exchange: Vec<u64>,
     pub(crate) signals: Vec<u64>,
-    pub(crate) keep: Vec<Kept>,
+    pub(crate) keep: Vec<Vec<Kept>>,
 }
 
 /// Something kept alive while addresses into it are in use (a rank's memory, an IPC mapping).
@@ -300,9 +301,10 @@ impl RankShared {
         Arc::clone(&self.peers.read().unwrap_or_else(|e| e.into_inner()))
     }
 
-    /// Replaces the view of the peers' memory (a process took a masked rank's place).
-    pub(crate) fn replace_peers(&self, peers: Peers) {
-        *self.peers.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(peers);
+    /// Replaces the view of the peers' memory (a process took a masked rank's place); returns
+    /// the view it replaced, for the caller to drop when no peer's kernel can be waiting.
+    pub(crate) fn replace_peers(&self, peers: Peers) -> Arc<Peers> {
+        std::mem::replace(&mut *self.peers.write().unwrap_or_else(|e| e.into_inner()), Arc::new(peers))
     }
 
     /// The view of the peers' memory at creation.

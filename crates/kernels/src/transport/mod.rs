@@ -1,9 +1,11 @@
 //! How the ranks of a GPU group reach each other: [`Transport`] chooses, per pair of ranks,
-//! NVLink (peer memory, the `nvlink` module: peer access in one process, CUDA IPC across processes) or
-//! NCCL's grouped send/recv ([`nccl`]: across hosts, or every pair when asked).
+//! NVLink (peer memory, the `nvlink` module: peer access in one process, CUDA IPC across processes;
+//! `peer_memory`: how ranks joined over a bootstrap trade that memory) or NCCL's grouped
+//! send/recv ([`nccl`]: across hosts, or every pair when asked).
 
 pub mod nccl;
 pub(crate) mod nvlink;
+pub(crate) mod peer_memory;
 
 use epflow_core::Error;
 
