@@ -17,7 +17,9 @@
 # handles on NVIDIA's v1 library. ONLY=<regex> runs the matching cases alone. With
 # .device-pack/base/libnccl_ep.so (a build of an earlier commit) the low-latency rounds also run
 # it, as "base", between the two.
-# Logs in $OUT/ep-bench.tgz; one line per run here and in $OUT/ep-bench-summary.txt (with each
+# Each run's ep_bench must load libnccl_ep.so.0 from the library path (see `bench` below: the
+# ep_bench of the pack rebuilt in the fifth session of 2026-12-06 holds NVIDIA's library
+# statically, so the "epflow" runs made with it ran NVIDIA's code). Logs in $OUT/ep-bench.tgz; one line per run here and in $OUT/ep-bench-summary.txt (with each
 # run's log in $OUT) as the runs finish.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,11 +43,29 @@ fi
 export CUDA_HOME=/usr/local/cuda NCCL_HOME=$P NCCL_NVLS_ENABLE=0
 base=$P/lib:$P/mpi/lib:/usr/local/cuda/extras/CUPTI/lib64:/usr/local/cuda/lib64
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1
+# The ep_bench that the library path chooses a library for: one linked against libnccl_ep.so.0
+# (bin/ep_bench_so, v2/bin/ep_bench_so, relinked on the device). An ep_bench that holds NCCL EP
+# statically (as NVIDIA's Makefile may build it) would run NVIDIA's library in the "epflow" runs
+# too: such a binary is refused for them.
+bench() {
+    local b=$P/bin/ep_bench_so
+    [ "$1" = v2 ] && b=$P/v2/bin/ep_bench_so
+    [ -x "$b" ] || b=${b%_so}
+    echo "$b"
+}
+dynamic() { readelf -d "$1" 2>/dev/null | grep -q 'NEEDED.*libnccl_ep\.so'; }
+for v in v1 v2; do
+    b=$(bench $v)
+    dynamic "$b" || echo "$b holds NCCL EP statically: its epflow runs are refused (relink it against libnccl_ep.so.0)" |
+        tee -a "$OUT/ep-bench-summary.txt"
+done
 # run NAME nvidia|epflow v1|v2 ARGS...: one ep_bench on one rank.
 run() {
-    local name=$1 lib=$2 ver=$3 pre="" bin=$P/bin/ep_bench home=$P
+    local name=$1 lib=$2 ver=$3 pre="" bin home=$P
     shift 3
-    if [ "$ver" = v2 ]; then bin=$P/v2/bin/ep_bench home=$P/v2 pre=$P/v2/lib:; fi
+    bin=$(bench "$ver")
+    if [ "$ver" = v2 ]; then home=$P/v2 pre=$P/v2/lib:; fi
+    if [ "$lib" != nvidia ] && ! dynamic "$bin"; then return 0; fi
     [ "$lib" = epflow ] && pre=/tmp/epflow-abi:
     [ "$lib" = base ] && pre=/tmp/epflow-base:
     if [ -n "${ONLY:-}" ] && ! [[ $name =~ $ONLY ]]; then return 0; fi
