@@ -70,10 +70,17 @@ if [ "$gpus" -lt 2 ]; then
     echo "ep_test: skipped on $gpus GPU (it runs rank r on GPU r)"
 elif [ -z "${SUITES:-}" ] || [[ ep_test =~ $SUITES ]]; then
     for ver in v1 v2; do
-        bin=$P/bin/ep_test home=$P
-        [ "$ver" = v2 ] && bin=$P/v2/bin/ep_test home=$P/v2
+        # An ep_test linked against libnccl_ep.so.0 (ep_test_so, relinked on the device): the
+        # pack's own holds NCCL EP statically, and would run NVIDIA's library for "epflow" too.
+        bin=$P/bin/ep_test_so home=$P
+        [ "$ver" = v2 ] && bin=$P/v2/bin/ep_test_so home=$P/v2
+        [ -x "$bin" ] || bin=${bin%_so}
         [ -x "$bin" ] || continue
         for lib in ${LIBS:-nvidia epflow}; do
+            if [ "$lib" != nvidia ] && ! readelf -d "$bin" 2>/dev/null | grep -q 'NEEDED.*libnccl_ep\.so'; then
+                echo "ep_test $ver $lib: skipped ($bin holds NCCL EP statically: relink it against libnccl_ep.so.0)"
+                continue
+            fi
             for algo in ll ht; do
                 log=$O/ep_test-$ver-$algo-$lib.log
                 NCCL_EP_HOME=$home LD_LIBRARY_PATH=$(libpath "$lib" "$ver") timeout "${SUITE_TIMEOUT:-150}" \
