@@ -505,3 +505,96 @@ fn rejoin_in_one_process() {
     });
     eprintln!("ok: {test}: {cycles} cycles of kill and rejoin in one process, every round bit-exact");
 }
+
+/// Bad rejoins on GPUs, with the newcomer a new rank of the same process (cheap to set up):
+/// after rank 1's thread drops its rank, (1) a replacement with another config is refused on
+/// both sides (`Error::RejoinRefused` with `ConfigMismatch`), (2) a replacement that dies after
+/// it reached the meeting (it drops its end at once) makes the survivor's `admit` fail, not
+/// hang. After each, the survivor still has rank 1 masked, is not poisoned, and its masked
+/// rounds match the reference; (3) then a good replacement rejoins and every rank runs full
+/// rounds bit-exact.
+#[test]
+fn bad_rejoins_in_one_process_change_nothing() {
+    use epflow_core::RejoinRefusal;
+    use epflow_kernels::setup::tcp_bootstrap::{TcpBootstrap, TcpLinks};
+    let test = "bad_rejoins_in_one_process_change_nothing";
+    let Some(devices) = gpus(2, test) else { return };
+    let n = devices.len();
+    let iters: u64 = std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(10);
+    let base = seed();
+    eprintln!("{test}: seed {base} (EPFLOW_TEST_SEED replays it)");
+    let config = config(&devices);
+    let other = config.clone().with_buffer_sets(config.buffer_sets + 1);
+    let port = std::net::TcpListener::bind(("127.0.0.1", 0)).and_then(|l| l.local_addr()).expect("a free port").port();
+    let wait = Duration::from_secs(60);
+    let meeting = |me: usize| {
+        TcpBootstrap::new(TcpLinks::connect(me, n, "127.0.0.1", port, wait).expect("meeting"), devices[me]).unwrap()
+    };
+    let dead = n - 1;
+    let (none, gone) = (RankSet::new(), RankSet::from_ranks([dead], n).unwrap());
+    let step = common::TimedBarrier::new(n);
+    let barrier = || assert!(step.wait(wait), "a rank did not reach the barrier within {wait:?}");
+    let ranks = GpuWorld::create(&devices, config.clone()).expect("world");
+    std::thread::scope(|s| {
+        let threads: Vec<_> = ranks
+            .into_iter()
+            .map(|rank| {
+                let (config, other, meeting, barrier, none, gone) = (&config, &other, &meeting, &barrier, &none, &gone);
+                s.spawn(move || {
+                    let me = rank.rank();
+                    let b = Bufs::new(&rank, &scenario(config, n, base));
+                    barrier();
+                    timed_rounds(&rank, &b, config, base, iters, none);
+                    barrier();
+                    if me == dead {
+                        drop((b, rank));
+                        let err = GpuWorld::rejoin(&meeting(me), other.clone()).map(drop).unwrap_err();
+                        assert!(
+                            matches!(err, Error::RejoinRefused { rank: 1, why: RejoinRefusal::ConfigMismatch(_) }),
+                            "{err}"
+                        );
+                        barrier();
+                        // A replacement that dies on reaching the meeting.
+                        drop(meeting(me));
+                        barrier();
+                        let fresh = GpuWorld::rejoin(&meeting(me), config.clone()).expect("rejoin");
+                        let b = Bufs::new(&fresh, &scenario(config, n, base + 500));
+                        barrier();
+                        timed_rounds(&fresh, &b, config, base + 500, iters, none);
+                        barrier();
+                    } else {
+                        timed_rounds(&rank, &b, config, base + 100, iters, gone);
+                        let err = rank.admit(&meeting(me)).unwrap_err();
+                        assert!(
+                            matches!(err, Error::RejoinRefused { rank: 1, why: RejoinRefusal::ConfigMismatch(_) }),
+                            "{err}"
+                        );
+                        let still = |what: &str, from: u64| {
+                            assert_eq!(rank.masked_ranks().ranks, *gone, "{what}");
+                            assert!(!rank.poison().is_poisoned(), "{what}");
+                            timed_rounds(&rank, &b, config, from, 2, gone);
+                        };
+                        still("after the refused config", base + 200);
+                        barrier();
+                        let err = rank.admit(&meeting(me)).unwrap_err();
+                        eprintln!(
+                            "{test}: a replacement that died at the meeting: the survivor's admit failed with: {err}"
+                        );
+                        still("after the dead replacement", base + 300);
+                        barrier();
+                        assert_eq!(rank.admit(&meeting(me)).expect("admit"), *gone);
+                        barrier();
+                        timed_rounds(&rank, &b, config, base + 500, iters, none);
+                        barrier();
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+        }
+    });
+    eprintln!(
+        "ok: {test}: another config refused on both sides, a dead replacement failed the admit, nothing changed; then a good one rejoined bit-exact"
+    );
+}
