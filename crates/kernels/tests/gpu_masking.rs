@@ -410,6 +410,34 @@ fn rejoin_over_tcp() {
     }
 }
 
+/// What the in-process rejoin tests share: rejoin meetings of the group's ranks over TCP on a
+/// free localhost port, and a barrier of the ranks' threads, each wait bounded by a minute.
+struct LocalMeetings {
+    devices: Vec<usize>,
+    port: u16,
+    step: common::TimedBarrier,
+}
+
+impl LocalMeetings {
+    const WAIT: Duration = Duration::from_secs(60);
+
+    fn new(devices: &[usize]) -> Self {
+        let port = std::net::TcpListener::bind(("127.0.0.1", 0)).and_then(|l| l.local_addr()).expect("a port").port();
+        LocalMeetings { devices: devices.to_vec(), port, step: common::TimedBarrier::new(devices.len()) }
+    }
+
+    /// Rank `me`'s end of the next meeting.
+    fn meeting(&self, me: usize) -> epflow_kernels::setup::tcp_bootstrap::TcpBootstrap {
+        use epflow_kernels::setup::tcp_bootstrap::{TcpBootstrap, TcpLinks};
+        let links = TcpLinks::connect(me, self.devices.len(), "127.0.0.1", self.port, Self::WAIT).expect("meeting");
+        TcpBootstrap::new(links, self.devices[me]).expect("meeting bootstrap")
+    }
+
+    fn barrier(&self) {
+        assert!(self.step.wait(Self::WAIT), "a rank did not reach the barrier within {:?}", Self::WAIT);
+    }
+}
+
 /// The replacement is a new rank of the same process (a thread of a server that drives every
 /// rank): `GpuWorld::create` makes the group; each cycle the last rank's thread drops its rank
 /// (its memory stays with the survivors' view until the meeting lets it go), the survivors time
@@ -422,7 +450,6 @@ fn rejoin_over_tcp() {
 /// device's free memory.
 #[test]
 fn rejoin_in_one_process() {
-    use epflow_kernels::setup::tcp_bootstrap::{TcpBootstrap, TcpLinks};
     let test = "rejoin_in_one_process";
     let Some(devices) = gpus(2, test) else { return };
     let n = devices.len();
@@ -431,15 +458,10 @@ fn rejoin_in_one_process() {
     let base = seed();
     eprintln!("{test}: seed {base} (EPFLOW_TEST_SEED replays it), {cycles} cycles, {iters} rounds per phase");
     let config = config(&devices);
-    let port = std::net::TcpListener::bind(("127.0.0.1", 0)).and_then(|l| l.local_addr()).expect("a free port").port();
-    let wait = Duration::from_secs(60);
-    let meeting = |me: usize| {
-        TcpBootstrap::new(TcpLinks::connect(me, n, "127.0.0.1", port, wait).expect("meeting"), devices[me]).unwrap()
-    };
+    let local = LocalMeetings::new(&devices);
+    let (meeting, barrier) = (|me| local.meeting(me), || local.barrier());
     let dead = n - 1;
     let (none, gone) = (RankSet::new(), RankSet::from_ranks([dead], n).unwrap());
-    let step = common::TimedBarrier::new(n);
-    let barrier = || assert!(step.wait(wait), "a rank did not reach the barrier within {wait:?}");
     let ranks = GpuWorld::create(&devices, config.clone()).expect("world");
     let ctx = std::sync::Arc::clone(ranks[0].context());
     std::thread::scope(|s| {
@@ -516,7 +538,6 @@ fn rejoin_in_one_process() {
 #[test]
 fn bad_rejoins_in_one_process_change_nothing() {
     use epflow_core::RejoinRefusal;
-    use epflow_kernels::setup::tcp_bootstrap::{TcpBootstrap, TcpLinks};
     let test = "bad_rejoins_in_one_process_change_nothing";
     let Some(devices) = gpus(2, test) else { return };
     let n = devices.len();
@@ -525,15 +546,10 @@ fn bad_rejoins_in_one_process_change_nothing() {
     eprintln!("{test}: seed {base} (EPFLOW_TEST_SEED replays it)");
     let config = config(&devices);
     let other = config.clone().with_buffer_sets(config.buffer_sets + 1);
-    let port = std::net::TcpListener::bind(("127.0.0.1", 0)).and_then(|l| l.local_addr()).expect("a free port").port();
-    let wait = Duration::from_secs(60);
-    let meeting = |me: usize| {
-        TcpBootstrap::new(TcpLinks::connect(me, n, "127.0.0.1", port, wait).expect("meeting"), devices[me]).unwrap()
-    };
+    let local = LocalMeetings::new(&devices);
+    let (meeting, barrier) = (|me| local.meeting(me), || local.barrier());
     let dead = n - 1;
     let (none, gone) = (RankSet::new(), RankSet::from_ranks([dead], n).unwrap());
-    let step = common::TimedBarrier::new(n);
-    let barrier = || assert!(step.wait(wait), "a rank did not reach the barrier within {wait:?}");
     let ranks = GpuWorld::create(&devices, config.clone()).expect("world");
     std::thread::scope(|s| {
         let threads: Vec<_> = ranks
