@@ -45,10 +45,10 @@
 //! seconds a replacement rejoins while the survivors admit it at their next scheduling vote
 //! (`Group::admit`). On the host backend the replacement is made through the group's rendezvous
 //! (`Group::rejoin`); on GPUs it is a new rank of the example's process (`GpuWorld::rejoin`,
-//! meeting the survivors over TCP on localhost), which makes its routing pool again. The run reports the survivors' throughput before the kill, while masked and
-//! after the rejoin, their longest stall, and how long the admission took; with `--check`, every
-//! micro-batch served after the rejoin is checked bit-exact against a serial rerun of the full
-//! group:
+//! meeting the survivors over TCP on localhost), which makes its routing pool again. The run
+//! reports the survivors' throughput before the kill, while masked and after the rejoin, their
+//! longest stall, and how long the admission took; with `--check`, every micro-batch served
+//! after the rejoin is checked bit-exact against a serial rerun of the full group:
 //!
 //! ```text
 //! cargo run --release --example moe_serving -- --kill-rank 3 --at 1 --rejoin-at 2 --seconds 4 --check

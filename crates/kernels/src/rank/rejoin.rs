@@ -182,9 +182,10 @@ fn meet_layouts(meeting: &(impl Bootstrap + ?Sized), rank: &GpuRank) -> Result<(
 }
 
 /// The meeting's retire round: every survivor has dropped the dead ranks' memory (or its
-/// mappings) before any rank's `unmask_all` kernel runs. With ranks of one process on one GPU,
-/// freeing memory waits for every kernel of the context, a peer's `unmask_all` spinning for this
-/// rank among them.
+/// mappings) before any rank's `unmask_all` kernel runs. Freeing memory (`cuMemFree`) waits for
+/// the running kernels of its context, and a peer's `unmask_all` spinning for this rank could be
+/// one of them (ranks of one process sharing a GPU park such frees instead,
+/// `device::parked`).
 fn meet_retired(meeting: &(impl Bootstrap + ?Sized)) -> Result<(), Error> {
     all_gather_u64(meeting, &[0]).map(drop)
 }
