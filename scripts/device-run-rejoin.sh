@@ -5,7 +5,11 @@
 # on; then a new process (`newcomer`) takes rank 1's place (`GpuWorld::rejoin`; the survivor's
 # async `Group::admit` over its meeting source) and both run full rounds against the reference (`gpu_masking rejoin_over_tcp`). DEVICES="0 0"
 # (default) puts both ranks on GPU 0 (the processes time-slice it: a functional check); "0 1" on
-# two GPUs. ITERS rounds per phase (default 50). Logs in $OUT/rejoin-*.log; one line per process.
+# two GPUs. ITERS rounds per phase (default 50). Then the same ranks in one process, the
+# replacement a new rank of it: `gpu_masking rejoin_in_one_process` (3 kill-and-rejoin cycles),
+# `bad_rejoins_in_one_process_change_nothing`, and `moe_serving --kill-rank 1 --at 2 --rejoin-at
+# 4 --check` on the GPU backend (needs .device-pack/moe_serving). Logs in $OUT/rejoin-*.log; one
+# line per run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device-env.sh
@@ -23,3 +27,12 @@ env "${common[@]}" RANK=1 LOCAL_RANK=$d1 EPFLOW_TEST_REJOIN=newcomer timeout 240
 echo "newcomer rc=$? $(grep -E '^ok:|panicked|test result' "$OUT/rejoin-newcomer.log" | head -3 | tr '\n' ' ')"
 wait $survivor
 echo "survivor rc=$? $(grep -E 'first operation|^ok:|panicked|test result' "$OUT/rejoin-survivor.log" | head -4 | tr '\n' ' ')"
+devices=$d0,$d1
+EPFLOW_TEST_DEVICES=$devices EPFLOW_GPU_ITERS=${ITERS:-50} timeout 300 $P/gpu_masking rejoin_in_one_process \
+    bad_rejoins_in_one_process_change_nothing --nocapture --test-threads=1 >"$OUT/rejoin-one-process.log" 2>&1
+echo "one process rc=$? $(grep -E 'cycle .*rank 0|died at|^ok:|panicked|test result' "$OUT/rejoin-one-process.log" | tr '\n' ' ')"
+if [ -x $P/moe_serving ]; then
+    timeout 150 $P/moe_serving --backend gpu --devices "$devices" --kill-rank 1 --at 2 --rejoin-at 4 --seconds 7 \
+        --check >"$OUT/rejoin-serving.log" 2>&1
+    echo "moe_serving rc=$? $(grep -E 'stopped at|bit-identical|micro-batches [0-9]+:|error' "$OUT/rejoin-serving.log" | tr '\n' ' ')"
+fi
