@@ -2,6 +2,12 @@
 //! made here and passed in `EPFLOW_NCCL_ID`; across hosts (`--nnodes`, `--master-addr`) each
 //! host runs `epflow launch`, and the processes get torchrun's variables (`RANK`, `WORLD_SIZE`,
 //! `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`) and meet over TCP.
+//!
+//! With `--restarts K`, a rank's process that fails is started again (at most K times in the
+//! job) with `EPFLOW_REJOIN=1` and `EPFLOW_RESTART` (its count), while the others keep running:
+//! the new process takes the dead one's place in the running group (`GpuWorld::rejoin`), its
+//! meetings with the survivors on `EPFLOW_MEETING_PORT` (`MASTER_PORT` + 1), which every process
+//! gets (`epflow_kernels::setup::meeting::launch_meetings`).
 
 use std::process::{Child, Command, ExitCode};
 use std::time::Duration;
@@ -79,8 +85,17 @@ pub(crate) fn main(args: &LaunchArgs) -> ExitCode {
             }
         },
     };
-    let mut children: Vec<(usize, Child)> = Vec::new();
-    for local in 0..args.nprocs {
+    // `--restarts`: the rejoin meetings' port, beside the rendezvous's.
+    let meeting_port = match (args.restarts, master_port.checked_add(1)) {
+        (0, _) => None,
+        (_, Some(p)) => Some(p),
+        (_, None) => {
+            eprintln!("error: --restarts needs the port after --master-port ({master_port}) for the rejoin meetings");
+            return ExitCode::from(2);
+        }
+    };
+    // Starts local process `local`; `restart` counts this rank's restarts (0: the first start).
+    let start = |local: usize, restart: usize| -> std::io::Result<Child> {
         // Below `world` (node_rank < nnodes), so no overflow.
         let rank = args.node_rank * args.nprocs + local;
         let mut cmd = Command::new(program);
@@ -98,15 +113,28 @@ pub(crate) fn main(args: &LaunchArgs) -> ExitCode {
             }
             (None, None) => {}
         }
+        if let Some(port) = meeting_port {
+            cmd.env("EPFLOW_MEETING_PORT", port.to_string());
+        }
+        if restart > 0 {
+            cmd.env("EPFLOW_REJOIN", "1").env("EPFLOW_RESTART", restart.to_string());
+        } else {
+            cmd.env_remove("EPFLOW_REJOIN").env_remove("EPFLOW_RESTART");
+        }
         // NVLink multicast stays off unless the caller decided otherwise.
         if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
             cmd.env("NCCL_NVLS_ENABLE", "0");
         }
-        match cmd.spawn() {
-            Ok(c) => children.push((rank, c)),
+        cmd.spawn()
+    };
+    // (local process, its restarts so far, the child).
+    let mut children: Vec<(usize, usize, Child)> = Vec::new();
+    for local in 0..args.nprocs {
+        match start(local, 0) {
+            Ok(c) => children.push((local, 0, c)),
             Err(e) => {
-                eprintln!("error: cannot start {program:?} for rank {rank}: {e}");
-                for (_, c) in &mut children {
+                eprintln!("error: cannot start {program:?} for rank {}: {e}", args.node_rank * args.nprocs + local);
+                for (_, _, c) in &mut children {
                     let _ = c.kill();
                 }
                 return ExitCode::from(2);
@@ -114,23 +142,40 @@ pub(crate) fn main(args: &LaunchArgs) -> ExitCode {
         }
     }
     let mut code = 0u8;
+    let mut restarts_left = args.restarts;
     while !children.is_empty() {
         let mut i = 0;
         while i < children.len() {
-            match children[i].1.try_wait() {
+            let rank = args.node_rank * args.nprocs + children[i].0;
+            match children[i].2.try_wait() {
                 Ok(Some(status)) => {
-                    let (rank, _) = children.remove(i);
-                    if !status.success() && code == 0 {
-                        code = status.code().map_or(1, |c| c.clamp(1, 255) as u8);
-                        eprintln!("[launch] rank {rank} failed ({status}); stopping the others");
-                        for (_, c) in &mut children {
-                            let _ = c.kill();
-                        }
+                    let (local, restarts, _) = children.remove(i);
+                    if status.success() || code != 0 {
+                        continue;
                     }
+                    if restarts_left > 0 {
+                        restarts_left -= 1;
+                        eprintln!(
+                            "[launch] rank {rank} failed ({status}); starting it again with EPFLOW_REJOIN=1 ({} restart(s) left)",
+                            restarts_left
+                        );
+                        match start(local, restarts + 1) {
+                            Ok(c) => children.push((local, restarts + 1, c)),
+                            Err(e) => {
+                                eprintln!("[launch] cannot start rank {rank} again: {e}; stopping the others");
+                                code = 1;
+                                children.iter_mut().for_each(|(_, _, c)| drop(c.kill()));
+                            }
+                        }
+                        continue;
+                    }
+                    code = status.code().map_or(1, |c| c.clamp(1, 255) as u8);
+                    eprintln!("[launch] rank {rank} failed ({status}); stopping the others");
+                    children.iter_mut().for_each(|(_, _, c)| drop(c.kill()));
                 }
                 Ok(None) => i += 1,
                 Err(e) => {
-                    eprintln!("[launch] cannot wait for rank {}: {e}", children[i].0);
+                    eprintln!("[launch] cannot wait for rank {rank}: {e}");
                     children.remove(i);
                     code = code.max(1);
                 }

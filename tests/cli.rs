@@ -424,3 +424,51 @@ fn diag_env_lists_every_knob_and_the_tuning_it_gives() {
     assert!(tuned.contains("128"), "the group's tuning: {tuned}");
     assert!(text.contains("one_launch: false"), "{text}");
 }
+
+/// `epflow launch --restarts K`: a rank's process that fails is started again with
+/// `EPFLOW_REJOIN=1` and its restart count while the others run on, every process has the
+/// meetings' port (`--master-port` + 1), and the job succeeds if every rank's last process did;
+/// past the K-th restart a failure stops the others as without the flag.
+#[test]
+fn launch_restarts_a_failed_rank_with_epflow_rejoin() {
+    let script = r#"if [ "$RANK" = 1 ] && [ -z "$EPFLOW_REJOIN" ]; then echo "1 died"; exit 3; fi; sleep 0.3; echo "$RANK ${EPFLOW_REJOIN:-0} ${EPFLOW_RESTART:-0} $EPFLOW_MEETING_PORT""#;
+    let launch = |restarts: &str, script: &str| {
+        epflow(&[
+            "launch",
+            "-n",
+            "2",
+            "--restarts",
+            restarts,
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            "29611",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ])
+    };
+    let (code, out, err) = launch("1", script);
+    assert_eq!(code, 0, "{err}");
+    let mut lines: Vec<&str> = out.lines().collect();
+    lines.sort();
+    assert_eq!(lines, ["0 0 0 29612", "1 1 1 29612", "1 died"], "{err}");
+    assert!(
+        err.contains(
+            "[launch] rank 1 failed (exit status: 3); starting it again with EPFLOW_REJOIN=1 (0 restart(s) left)"
+        ),
+        "{err}"
+    );
+    // Rank 1 fails every time: one restart, then its second failure stops rank 0.
+    let t = std::time::Instant::now();
+    let (code, out, err) = launch("1", r#"if [ "$RANK" = 1 ]; then exit 4; fi; exec sleep 30"#);
+    assert_eq!(code, 4, "{err}");
+    assert!(t.elapsed() < std::time::Duration::from_secs(20), "rank 0 was not stopped: {:?}", t.elapsed());
+    assert_eq!(out, "");
+    assert!(err.contains("[launch] rank 1 failed (exit status: 4); stopping the others"), "{err}");
+    // Without --restarts: no meeting port, and a failure stops the others.
+    let (code, out, err) = launch("0", r#"echo "port=${EPFLOW_MEETING_PORT:-none}"; exit $RANK"#);
+    assert_eq!(code, 1, "{err}");
+    assert!(out.lines().all(|l| l == "port=none"), "{out}");
+}

@@ -136,6 +136,12 @@ pub struct Environment {
     /// `EPFLOW_NCCL_ID`: the NCCL unique id `epflow launch` hands its processes (256 hex
     /// digits); checked where it is used.
     pub nccl_id: Option<String>,
+    /// `EPFLOW_REJOIN=1`: `epflow launch --restarts` started this process again in place of its
+    /// rank's failed one; it takes the rank's place in the running group (`GpuWorld::rejoin`).
+    pub rejoin: bool,
+    /// `EPFLOW_MEETING_PORT`: the TCP port of the rejoin meetings `epflow launch --restarts`
+    /// gives every process (ignored unless a port number, 1-65535).
+    pub meeting_port: Option<u16>,
     /// `NCCL_EP_TIMEOUT_MS`: the C API's operation timeout, over `config.timeout_ns` (NCCL EP's
     /// name; ignored unless a positive integer).
     pub abi_timeout_ms: Option<u64>,
@@ -188,6 +194,8 @@ pub const KNOBS: &[Knob] = &[
     knob("EPFLOW_KERNEL_CACHE", "~/.cache/epflow/kernels", "where compiled kernels are cached"),
     knob("EPFLOW_CUDA_INCLUDE", "$CUDA_HOME/include, ...", "where NVRTC finds the CUDA headers"),
     knob("EPFLOW_NCCL_ID", "unset; epflow launch sets it", "the NCCL unique id for one process per GPU"),
+    knob("EPFLOW_REJOIN", "unset; epflow launch --restarts sets 1", "this process replaces its rank's failed one"),
+    knob("EPFLOW_MEETING_PORT", "unset; epflow launch --restarts sets it", "the TCP port of the rejoin meetings"),
     knob("NCCL_EP_TIMEOUT_MS", "unset", "the C API's operation timeout, over config.timeout_ns"),
 ];
 
@@ -246,6 +254,8 @@ impl Environment {
                 cuda_include: path("EPFLOW_CUDA_INCLUDE"),
             },
             nccl_id: var("EPFLOW_NCCL_ID"),
+            rejoin: is("EPFLOW_REJOIN", "1"),
+            meeting_port: var("EPFLOW_MEETING_PORT").and_then(|v| v.parse::<u16>().ok()).filter(|&p| p > 0),
             set: KNOBS.iter().filter_map(|k| get(k.name).map(|v| (k.name, v))).collect(),
             abi_timeout_ms: var("NCCL_EP_TIMEOUT_MS").and_then(|v| v.parse::<u64>().ok()).filter(|&ms| ms > 0),
         }
@@ -299,6 +309,8 @@ mod tests {
             ("EPFLOW_KERNEL_CACHE", "/cache"),
             ("EPFLOW_CUDA_INCLUDE", "/inc"),
             ("EPFLOW_NCCL_ID", "ab12"),
+            ("EPFLOW_REJOIN", "1"),
+            ("EPFLOW_MEETING_PORT", "29501"),
             ("NCCL_EP_TIMEOUT_MS", "250"),
         ]);
         let t = e.tuning;
@@ -325,6 +337,8 @@ mod tests {
         assert_eq!(e.paths.kernel_cache, Some(PathBuf::from("/cache")));
         assert_eq!(e.paths.cuda_include, Some(PathBuf::from("/inc")));
         assert_eq!(e.nccl_id.as_deref(), Some("ab12"));
+        assert!(e.rejoin);
+        assert_eq!(e.meeting_port, Some(29501));
         assert_eq!(e.abi_timeout_ms, Some(250));
         assert_eq!(e.set.len(), KNOBS.len(), "every knob was set");
         assert!(e.set.contains(&("EPFLOW_HT_DEPTH", "128".to_string())));

@@ -315,36 +315,66 @@ fn median_us(mut v: Vec<Duration>) -> f64 {
 /// processes joined over the TCP bootstrap (so two may share one GPU).
 /// Started by hand, one process per role, two ranks (`scripts/device-run-rejoin.sh`):
 /// `EPFLOW_TEST_REJOIN=survivor` (`RANK=0`), `victim` (`RANK=1`: four full rounds, then its
-/// process exits on the spot), then, once it is gone, `newcomer` (`RANK=1`). `MASTER_ADDR` and
-/// `MASTER_PORT` are the group's rendezvous, `EPFLOW_TEST_REJOIN_PORT` the meeting's,
-/// `LOCAL_RANK` the device, `EPFLOW_TEST_SEED` the same in every process, `EPFLOW_GPU_ITERS`
+/// process exits on the spot with status 3), then, once it is gone, `newcomer` (`RANK=1`). Or by
+/// `epflow launch -n 2 --restarts 1 --master-addr 127.0.0.1`, which starts rank 1 again when
+/// its victim fails (`EPFLOW_REJOIN=1`: the newcomer). `MASTER_ADDR` and `MASTER_PORT` are the
+/// group's rendezvous, `EPFLOW_TEST_REJOIN_PORT` (or the launch's `EPFLOW_MEETING_PORT`) the
+/// meeting's, `EPFLOW_TEST_DEVICES`' entry (or `LOCAL_RANK`) the device, `EPFLOW_TEST_SEED` the same in every process, `EPFLOW_GPU_ITERS`
 /// the rounds per phase (default 50). The survivor times its first operation without rank 1
 /// (the stall), runs the masked rounds against the reference without rank 1, admits the
 /// newcomer (timed), then both run full rounds bit-exact; the survivor prints each phase's
-/// median round. Without `EPFLOW_TEST_REJOIN` it prints SKIPPED and passes.
+/// median round. Without either it prints SKIPPED and passes.
 #[test]
 fn rejoin_over_tcp() {
     use std::sync::Arc;
 
     use epflow_kernels::setup::bootstrap::Bootstrap;
     use epflow_kernels::setup::tcp_bootstrap::{TcpBootstrap, TcpLinks};
-    let Ok(role) = std::env::var("EPFLOW_TEST_REJOIN") else {
-        eprintln!("SKIPPED rejoin_over_tcp: EPFLOW_TEST_REJOIN is not set (scripts/device-run-rejoin.sh starts it)");
-        return;
-    };
     let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} is not set"));
     let num = |k: &str| var(k).parse::<usize>().unwrap_or_else(|_| panic!("{k} is not a number"));
-    let (me, n, device) = (num("RANK"), num("WORLD_SIZE"), num("LOCAL_RANK"));
-    let (addr, port, meet_port) =
-        (var("MASTER_ADDR"), num("MASTER_PORT") as u16, num("EPFLOW_TEST_REJOIN_PORT") as u16);
+    let launched = epflow_core::tuning::Environment::get().meeting_port;
+    let role = match (std::env::var("EPFLOW_TEST_REJOIN"), launched) {
+        (Ok(role), _) => role,
+        // Under `epflow launch --restarts 1`: rank 1's first process is the victim (it fails, so
+        // the launcher starts it again), its second the newcomer.
+        (Err(_), Some(_)) if epflow_kernels::setup::meeting::rejoining() => "newcomer".into(),
+        (Err(_), Some(_)) => (if num("RANK") == 1 { "victim" } else { "survivor" }).into(),
+        (Err(_), None) => {
+            eprintln!(
+                "SKIPPED rejoin_over_tcp: neither EPFLOW_TEST_REJOIN nor `epflow launch --restarts` (scripts/device-run-rejoin.sh starts it)"
+            );
+            return;
+        }
+    };
+    let (me, n) = (num("RANK"), num("WORLD_SIZE"));
+    // The device: `EPFLOW_TEST_DEVICES`' entry for this rank (`0,0` shares GPU 0), else LOCAL_RANK.
+    let device = std::env::var("EPFLOW_TEST_DEVICES")
+        .ok()
+        .and_then(|l| l.split(',').nth(me).and_then(|d| d.trim().parse().ok()))
+        .unwrap_or_else(|| num("LOCAL_RANK"));
+    let meet_port = launched.unwrap_or_else(|| num("EPFLOW_TEST_REJOIN_PORT") as u16);
+    let (addr, port) = (var("MASTER_ADDR"), num("MASTER_PORT") as u16);
     let base: u64 = var("EPFLOW_TEST_SEED").parse().expect("EPFLOW_TEST_SEED");
     let iters: u64 = std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(50);
     assert_eq!(n, 2, "rejoin_over_tcp runs two ranks");
     let config = GroupConfig::low_latency(8 * n, M, H).with_rank_masking(true).with_timeout(timeout());
     let (none, gone) = (RankSet::new(), RankSet::from_ranks([1], n).unwrap());
     let wait = Duration::from_secs(120);
-    let meeting =
-        || TcpBootstrap::new(TcpLinks::connect(me, n, &addr, meet_port, wait).expect("meeting"), device).unwrap();
+    // The rejoin meetings: the launch's (`launch_meetings`), or a TCP bootstrap on the port given.
+    let meetings: epflow_kernels::setup::meeting::MeetingSource = match launched {
+        Some(_) => {
+            let launch =
+                epflow_kernels::setup::bootstrap::LaunchEnv::from_env().expect("launch env").expect("launched");
+            epflow_kernels::setup::meeting::launch_meetings(&launch, device).expect("a meeting port")
+        }
+        None => {
+            let addr = addr.clone();
+            Arc::new(move |wait| {
+                let links = TcpLinks::connect(me, n, &addr, meet_port, wait)?;
+                Ok(Box::new(TcpBootstrap::new(links, device)?) as Box<dyn Bootstrap + Send>)
+            })
+        }
+    };
     let after = base + 1000;
     // Device meetings (`meet_on`, collective): three before the kill, two after the rejoin; a
     // newcomer that did not take the survivors' count over would leave the survivor waiting.
@@ -365,19 +395,17 @@ fn rejoin_over_tcp() {
             meet(&rank, 3);
             epflow_kernels::setup::bootstrap::Bootstrap::all_gather_bytes(&boot, &[1]).expect("barrier");
             if role == "victim" {
+                // A crash: no destructors, a failure status (`epflow launch --restarts` starts
+                // the rank again on it).
                 eprintln!("rank {me}: process exits now");
-                std::process::exit(0);
+                std::process::exit(3);
             }
             let stall = timed_rounds(&rank, &b, &config, base + 4, 1, &gone)[0];
             eprintln!("rank {me}: first operation without rank 1 took {stall:?} (timeout {:?})", timeout());
             let during = timed_rounds(&rank, &b, &config, base + 5, iters, &gone);
             // The server's form: the async `Group::admit`, whose meetings come from the rank's
             // meeting source (a TCP bootstrap on the meeting port).
-            let addr_s = addr.clone();
-            rank.set_meeting_source(Arc::new(move |wait| {
-                let links = TcpLinks::connect(me, n, &addr_s, meet_port, wait)?;
-                Ok(Box::new(TcpBootstrap::new(links, device)?) as Box<dyn Bootstrap + Send>)
-            }));
+            rank.set_meeting_source(Arc::clone(&meetings));
             let group = epflow_async::Group::new(rank);
             let rank = group.backend();
             let t = Instant::now();
@@ -396,7 +424,7 @@ fn rejoin_over_tcp() {
         }
         "newcomer" => {
             let t = Instant::now();
-            let rank = GpuWorld::rejoin(&meeting(), config.clone()).expect("rejoin");
+            let rank = GpuWorld::rejoin(&*meetings(wait).expect("meeting"), config.clone()).expect("rejoin");
             let joined = t.elapsed();
             let b = Bufs::new(&rank, &scenario(&config, n, after));
             meet(&rank, 2);
