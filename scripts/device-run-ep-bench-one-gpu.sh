@@ -53,7 +53,9 @@ bench() {
     [ -x "$b" ] || b=${b%_so}
     echo "$b"
 }
-dynamic() { readelf -d "$1" 2>/dev/null | grep -q 'NEEDED.*libnccl_ep\.so'; }
+command -v readelf >/dev/null || echo "readelf is missing: every ep_bench counts as static, and the epflow runs are skipped" |
+    tee -a "$OUT/ep-bench-summary.txt"
+dynamic() { readelf -d "$1" 2>/dev/null | grep 'NEEDED.*libnccl_ep\.so' >/dev/null; }
 for v in v1 v2; do
     b=$(bench $v)
     dynamic "$b" || echo "$b holds NCCL EP statically: its epflow runs are refused (relink it against libnccl_ep.so.0)" |

@@ -77,7 +77,7 @@ elif [ -z "${SUITES:-}" ] || [[ ep_test =~ $SUITES ]]; then
         [ -x "$bin" ] || bin=${bin%_so}
         [ -x "$bin" ] || continue
         for lib in ${LIBS:-nvidia epflow}; do
-            if [ "$lib" != nvidia ] && ! readelf -d "$bin" 2>/dev/null | grep -q 'NEEDED.*libnccl_ep\.so'; then
+            if [ "$lib" != nvidia ] && ! readelf -d "$bin" 2>/dev/null | grep 'NEEDED.*libnccl_ep\.so' >/dev/null; then
                 echo "ep_test $ver $lib: skipped ($bin holds NCCL EP statically: relink it against libnccl_ep.so.0)"
                 continue
             fi

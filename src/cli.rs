@@ -153,11 +153,11 @@ pub(crate) struct LaunchArgs {
     /// Rank 0's TCP port for the rendezvous [default: $MASTER_PORT, else 29500].
     #[arg(long)]
     pub master_port: Option<u16>,
-    /// Restarts in the whole job: a rank's process that fails (a non-zero exit status or a
-    /// signal) is started again, with EPFLOW_REJOIN=1 and EPFLOW_RESTART=<its count>, while the
-    /// others keep running, so that it rejoins the running group (GpuWorld::rejoin); every
-    /// process gets EPFLOW_MEETING_PORT (--master-port + 1) for the rejoin meetings. 0: a failed
-    /// rank stops the others.
+    /// Restarts (one host, --nnodes 1): a rank's process that fails (a non-zero exit status or
+    /// a signal) while others still run is started again, at most this many times, with
+    /// EPFLOW_REJOIN=1 and EPFLOW_RESTART=<its count>, while the others keep running, so that it
+    /// rejoins the running group (GpuWorld::rejoin); every process gets EPFLOW_MEETING_PORT
+    /// (--master-port + 1) for the rejoin meetings. 0: a failed rank stops the others.
     #[arg(long, default_value_t = 0)]
     pub restarts: usize,
     /// The command each process runs, after `--`.

@@ -3,8 +3,8 @@
 //! host runs `epflow launch`, and the processes get torchrun's variables (`RANK`, `WORLD_SIZE`,
 //! `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`) and meet over TCP.
 //!
-//! With `--restarts K`, a rank's process that fails is started again (at most K times in the
-//! job) with `EPFLOW_REJOIN=1` and `EPFLOW_RESTART` (its count), while the others keep running:
+//! With `--restarts K` (one host), a rank's process that fails while others still run is started
+//! again (at most K times) with `EPFLOW_REJOIN=1` and `EPFLOW_RESTART` (its count), while the others keep running:
 //! the new process takes the dead one's place in the running group (`GpuWorld::rejoin`), its
 //! meetings with the survivors on `EPFLOW_MEETING_PORT` (`MASTER_PORT` + 1), which every process
 //! gets (`epflow_kernels::setup::meeting::launch_meetings`).
@@ -85,6 +85,13 @@ pub(crate) fn main(args: &LaunchArgs) -> ExitCode {
             }
         },
     };
+    // A rejoin maps the newcomer's memory with CUDA IPC: every rank on one host.
+    if args.restarts > 0 && args.nnodes > 1 {
+        eprintln!(
+            "error: --restarts takes one host (--nnodes 1): a replacement rejoins over CUDA IPC, and NCCL peers cannot be masked"
+        );
+        return ExitCode::from(2);
+    }
     // `--restarts`: the rejoin meetings' port, beside the rendezvous's.
     let meeting_port = match (args.restarts, master_port.checked_add(1)) {
         (0, _) => None,
@@ -153,7 +160,9 @@ pub(crate) fn main(args: &LaunchArgs) -> ExitCode {
                     if status.success() || code != 0 {
                         continue;
                     }
-                    if restarts_left > 0 {
+                    // A replacement needs survivors to meet: none are left once the others
+                    // have exited.
+                    if restarts_left > 0 && !children.is_empty() {
                         restarts_left -= 1;
                         eprintln!(
                             "[launch] rank {rank} failed ({status}); starting it again with EPFLOW_REJOIN=1 ({} restart(s) left)",

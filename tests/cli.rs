@@ -43,6 +43,14 @@ fn bad_flags_exit_2_with_a_clear_error() {
         (&["launch", "-n", "2", "--nnodes", "2", "--", "true"], "needs --master-addr"),
         (&["launch", "-n", "2", "--nnodes", "2", "--node-rank", "2", "--", "true"], "--node-rank (2) must be below"),
         (&["launch", "-n", "1", "--master-addr", "h", "--master-port", "0", "--", "true"], "not a port number"),
+        (
+            &["launch", "-n", "2", "--nnodes", "2", "--master-addr", "h", "--restarts", "1", "--", "true"],
+            "--restarts takes one host",
+        ),
+        (
+            &["launch", "-n", "1", "--master-addr", "h", "--master-port", "65535", "--restarts", "1", "--", "true"],
+            "--restarts needs the port after --master-port (65535)",
+        ),
     ];
     for (args, want) in cases {
         let (code, _, err) = epflow(args);

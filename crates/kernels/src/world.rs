@@ -350,6 +350,7 @@ fn build_rank(
         functions,
         mem,
         peers: RankShared::peers_cell(peers),
+        peers_generation: AtomicU64::new(0),
         num_sms,
         handle_pool: Arc::new(Mutex::new(Vec::new())),
         null_handle,

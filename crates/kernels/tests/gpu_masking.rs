@@ -501,6 +501,7 @@ fn rejoin_in_one_process() {
                 s.spawn(move || {
                     let me = rank.rank();
                     let mut rank = Some(rank);
+                    let mut first_free = None;
                     for cycle in 0..cycles {
                         let from = base + cycle * 10_000;
                         let r = rank.take().expect("a live rank");
@@ -539,6 +540,18 @@ fn rejoin_in_one_process() {
                             );
                             assert!(stall < timeout() + Duration::from_millis(500), "rank {me}: {stall:?}");
                             assert!(!r.poison().is_poisoned());
+                            // No cycle may keep a replaced rank's memory: the device's free memory
+                            // stays within half a rank's group memory of the first cycle's.
+                            match first_free {
+                                None => first_free = Some(free),
+                                Some(first) => assert!(
+                                    free + r.device_memory_bytes() / 2 >= first,
+                                    "cycle {cycle}: free memory {} MiB, {} MiB after cycle 0 (a rank's group memory: {} MiB)",
+                                    free >> 20,
+                                    first >> 20,
+                                    r.device_memory_bytes() >> 20
+                                ),
+                            }
                             rank = Some(r);
                             b
                         };
@@ -562,7 +575,8 @@ fn rejoin_in_one_process() {
 /// it reached the meeting (it drops its end at once) makes the survivor's `admit` fail, not
 /// hang. After each, the survivor still has rank 1 masked, is not poisoned, and its masked
 /// rounds match the reference; (3) then a good replacement rejoins and every rank runs full
-/// rounds bit-exact.
+/// rounds bit-exact, and a step the survivor captured before the rejoin is refused (its kernels
+/// hold the replaced rank's addresses).
 #[test]
 fn bad_rejoins_in_one_process_change_nothing() {
     use epflow_core::RejoinRefusal;
@@ -587,6 +601,17 @@ fn bad_rejoins_in_one_process_change_nothing() {
                 s.spawn(move || {
                     let me = rank.rank();
                     let b = Bufs::new(&rank, &scenario(config, n, base));
+                    // The survivor captures a step now (the other rank idle at the barrier): after
+                    // the rejoin its kernels would address the replaced rank's memory.
+                    barrier();
+                    let captured = (me != dead).then(|| {
+                        let stream = rank.context().new_stream().expect("stream");
+                        let h = rank.graph_handle(&b.topk, &HandleOptions::default()).expect("graph handle");
+                        rank.capture(&stream, |cap| {
+                            cap.dispatch(&h, DispatchInputs::new(&b.x), &DispatchOptions::default()).map(drop)
+                        })
+                        .expect("capture")
+                    });
                     barrier();
                     timed_rounds(&rank, &b, config, base, iters, none);
                     barrier();
@@ -627,6 +652,14 @@ fn bad_rejoins_in_one_process_change_nothing() {
                         still("after the dead replacement", base + 300);
                         barrier();
                         assert_eq!(rank.admit(&meeting(me)).expect("admit"), *gone);
+                        let step = captured.expect("the survivor's captured step");
+                        match epflow_core::graph::StepBackend::launch_step(&rank, &step) {
+                            Err(Error::Unsupported(m))
+                                if m.contains("captured before a rank of the group was replaced") => {}
+                            other => {
+                                panic!("a step captured before the rejoin must be refused, got {:?}", other.map(drop))
+                            }
+                        }
                         barrier();
                         timed_rounds(&rank, &b, config, base + 500, iters, none);
                         barrier();

@@ -131,6 +131,9 @@ pub struct GpuStep {
     /// Whether the step holds a one-launch (cooperative) kernel: its replays then keep to their
     /// channels' one-launch order.
     one_launched: bool,
+    /// The rank's peers generation at capture (`RankShared::peers_generation`): the step's
+    /// kernels hold the peers' addresses of that time.
+    peers_generation: u64,
 }
 
 impl std::fmt::Debug for GpuStep {
@@ -159,6 +162,7 @@ impl GpuStep {
             _keep: cap.keep,
             launches: Mutex::default(),
             one_launched: cap.one_launched,
+            peers_generation: cap.rank.shared.peers_generation.load(Ordering::Acquire),
         }
     }
 
@@ -286,6 +290,12 @@ impl StepBackend for GpuRank {
         let s = &self.shared;
         if !Arc::ptr_eq(&step.shared, s) {
             return Err(Error::Unsupported(format!("step {} was captured by another rank or group", step.id)));
+        }
+        if step.peers_generation != s.peers_generation.load(Ordering::Acquire) {
+            return Err(Error::Unsupported(format!(
+                "step {} was captured before a rank of the group was replaced (a rejoin): its kernels hold the replaced rank's addresses; capture it again",
+                step.id
+            )));
         }
         let n = [step.counts.dispatches, step.counts.combines];
         let channels = [Channel::Dispatch, Channel::Combine];

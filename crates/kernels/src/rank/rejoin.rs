@@ -182,10 +182,10 @@ fn meet_layouts(meeting: &(impl Bootstrap + ?Sized), rank: &GpuRank) -> Result<(
 }
 
 /// The meeting's retire round: every survivor has dropped the dead ranks' memory (or its
-/// mappings) before any rank's `unmask_all` kernel runs. Freeing memory (`cuMemFree`) waits for
-/// the running kernels of its context, and a peer's `unmask_all` spinning for this rank could be
-/// one of them (ranks of one process sharing a GPU park such frees instead,
-/// `device::parked`).
+/// mappings) before any rank's `unmask_all` kernel runs. Dropping a rank's memory synchronizes
+/// its context (`RankMemory`'s drop, even where ranks sharing a GPU park the frees themselves)
+/// and `cuMemFree` waits for the context's running kernels: a peer's `unmask_all` spinning for
+/// this rank would be one of them.
 fn meet_retired(meeting: &(impl Bootstrap + ?Sized)) -> Result<(), Error> {
     all_gather_u64(meeting, &[0]).map(drop)
 }
@@ -289,7 +289,10 @@ impl GpuRank {
     /// Admits the newcomers of `meeting` in place of this group's masked ranks (every survivor
     /// calls it, collective with the newcomers' [`GpuWorld::rejoin`]; see the module's rounds),
     /// with no operation of this rank in flight. Returns the admitted ranks. Until the meeting's
-    /// last step nothing changes here: on an error before it this rank goes on as it was.
+    /// last step nothing changes here that this rank's operations see: on an error before it
+    /// this rank goes on as it was (if the retire round fails, the newcomers' addresses are
+    /// already in place, but their ranks stay masked, so no kernel addresses them).
+    /// Steps captured before it are refused afterwards (they hold the old addresses).
     pub fn admit(&self, meeting: &(impl Bootstrap + ?Sized)) -> Result<RankSet, Error> {
         self.core.poison().check()?;
         let s = &self.shared;

@@ -148,6 +148,9 @@ pub(crate) struct RankShared {
     /// replaced as a whole when a process takes a masked rank's place (`rank/rejoin.rs`), so
     /// read it once per launch ([`RankShared::peers`]).
     pub(crate) peers: std::sync::RwLock<Arc<Peers>>,
+    /// How many times [`RankShared::replace_peers`] ran: steps captured under another
+    /// generation hold addresses of replaced ranks and are refused.
+    pub(crate) peers_generation: AtomicU64,
     pub(crate) num_sms: u32,
     /// Handles' memory, recycled (local: from `local_allocator` when set).
     pub(crate) handle_pool: Arc<Mutex<Vec<DeviceBuffer>>>,
@@ -304,7 +307,9 @@ impl RankShared {
     /// Replaces the view of the peers' memory (a process took a masked rank's place); returns
     /// the view it replaced, for the caller to drop when no peer's kernel can be waiting.
     pub(crate) fn replace_peers(&self, peers: Peers) -> Arc<Peers> {
-        std::mem::replace(&mut *self.peers.write().unwrap_or_else(|e| e.into_inner()), Arc::new(peers))
+        let mut view = self.peers.write().unwrap_or_else(|e| e.into_inner());
+        self.peers_generation.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        std::mem::replace(&mut *view, Arc::new(peers))
     }
 
     /// The view of the peers' memory at creation.

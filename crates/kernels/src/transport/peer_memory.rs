@@ -4,8 +4,10 @@
 //! process cannot open its own IPC handles; peer access between its contexts reaches them).
 //!
 //! Each rank's record in the all-gather is [`RECORD_BYTES`] long: a header of eight u64 words
-//! (host, process id, device, the four addresses, a reserved zero), then the four 64-byte IPC
-//! handles. A rank of this process keeps the exporting rank's [`RankMemory`] alive (found by
+//! (host, process id, device, the four addresses, a random number drawn once per process), then
+//! the four 64-byte IPC handles. A record is this process's when host, process id and the random
+//! number are all this process's: processes of containers on one host may share the host's boot
+//! id and a process id. A rank of this process keeps the exporting rank's [`RankMemory`] alive (found by
 //! address in a registry of this process's exported memory), as ranks made together by
 //! [`crate::GpuWorld::create`] keep each other's.
 
@@ -16,10 +18,9 @@ use epflow_core::Error;
 
 use super::host_id;
 use super::nvlink::{IpcMapping, enable_peer_access, ipc_export};
-use crate::device::context;
 use crate::state::shared::{Kept, RankMemory};
 
-/// Header words of a record: host, process id, device, four addresses, reserved.
+/// Header words of a record: host, process id, device, four addresses, this process's nonce.
 const HEADER_WORDS: usize = 8;
 /// The regions a rank exports.
 const REGIONS: usize = 4;
@@ -32,6 +33,25 @@ pub(crate) const RECORD_BYTES: usize = HEADER_WORDS * 8 + REGIONS * HANDLE_BYTES
 /// dropped as new ones come).
 static EXPORTED: Mutex<Vec<(u64, Weak<RankMemory>)>> = Mutex::new(Vec::new());
 
+/// A random number drawn once per process, which tells this process's records from those of a
+/// process with the same host and process id (another container).
+fn nonce() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static NONCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *NONCE.get_or_init(|| {
+        // `RandomState`'s keys come from the operating system's randomness.
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+        h.finish()
+    })
+}
+
+/// Whether a record with these header words comes from this process.
+fn from_this_process(rec: &Record<'_>) -> bool {
+    rec.host == host_id() && rec.pid == u64::from(std::process::id()) && rec.nonce == nonce()
+}
+
 /// The four exported addresses of `mem`, in the record's order.
 fn addresses(mem: &RankMemory) -> [u64; REGIONS] {
     [mem.disp_recv.ptr(), mem.comb_recv.ptr(), mem.exchange.ptr(), mem.signals.ptr()]
@@ -42,14 +62,17 @@ fn addresses(mem: &RankMemory) -> [u64; REGIONS] {
 pub(crate) fn exported(mem: &Arc<RankMemory>) -> Result<([u64; REGIONS], Vec<u8>), Error> {
     let own = addresses(mem);
     let header =
-        [host_id(), u64::from(std::process::id()), mem.ctx.ordinal() as u64, own[0], own[1], own[2], own[3], 0];
+        [host_id(), u64::from(std::process::id()), mem.ctx.ordinal() as u64, own[0], own[1], own[2], own[3], nonce()];
     let mut record: Vec<u8> = header.iter().flat_map(|w| w.to_le_bytes()).collect();
     for ptr in own {
         record.extend_from_slice(&ipc_export(ptr)?);
     }
     let mut live = EXPORTED.lock().unwrap_or_else(|e| e.into_inner());
     live.retain(|(_, w)| w.strong_count() > 0);
-    live.push((own[0], Arc::downgrade(mem)));
+    let mine = Arc::downgrade(mem);
+    if !live.iter().any(|(_, w)| w.ptr_eq(&mine)) {
+        live.push((own[0], mine));
+    }
     Ok((own, record))
 }
 
@@ -60,6 +83,7 @@ struct Record<'a> {
     pid: u64,
     device: usize,
     ptrs: [u64; REGIONS],
+    nonce: u64,
     /// The four IPC handles.
     handles: &'a [u8],
 }
@@ -75,6 +99,7 @@ fn record(all: &[u8], r: usize) -> Result<Record<'_>, Error> {
         pid: word(1),
         device: word(2) as usize,
         ptrs: [word(3), word(4), word(5), word(6)],
+        nonce: word(7),
         handles: &bytes[HEADER_WORDS * 8..],
     })
 }
@@ -88,8 +113,8 @@ pub(crate) fn open_exported(
     r: usize,
 ) -> Result<([u64; REGIONS], Vec<Kept>), Error> {
     let rec = record(all, r)?;
-    if rec.host == host_id() && rec.pid == u64::from(std::process::id()) {
-        return in_this_process(ctx, r, rec.device, rec.ptrs);
+    if from_this_process(&rec) {
+        return in_this_process(ctx, r, rec.ptrs);
     }
     let mut mapped = [0u64; REGIONS];
     let mut keep: Vec<Kept> = Vec::with_capacity(REGIONS);
@@ -101,12 +126,11 @@ pub(crate) fn open_exported(
     Ok((mapped, keep))
 }
 
-/// Rank `r`'s memory at `ptrs` on `device`, allocated by this process: kept alive from the
-/// registry, reached through peer access when the device is another.
+/// Rank `r`'s memory at `ptrs`, allocated by this process: kept alive from the registry,
+/// reached through peer access when it is on another device.
 fn in_this_process(
     ctx: &Arc<CudaContext>,
     r: usize,
-    device: usize,
     ptrs: [u64; REGIONS],
 ) -> Result<([u64; REGIONS], Vec<Kept>), Error> {
     let mem = EXPORTED
@@ -119,9 +143,9 @@ fn in_this_process(
         .ok_or_else(|| {
             Error::Backend(format!("rank {r}'s memory (this process's) was freed before its peers reached it"))
         })?;
+    let device = mem.ctx.ordinal();
     if device != ctx.ordinal() {
-        let peer = context(device)?;
-        enable_peer_access(&[ctx.ordinal(), device], &[Arc::clone(ctx), peer], &[(0, 1)])?;
+        enable_peer_access(&[ctx.ordinal(), device], &[Arc::clone(ctx), Arc::clone(&mem.ctx)], &[(0, 1)])?;
     }
     Ok((ptrs, vec![mem as Kept]))
 }
@@ -134,15 +158,28 @@ mod tests {
     fn records_read_back_in_rank_order() {
         let mut all = Vec::new();
         for r in 0..2u64 {
-            let header = [7, 100 + r, r, 10 * r + 1, 10 * r + 2, 10 * r + 3, 10 * r + 4, 0];
+            let header = [7, 100 + r, r, 10 * r + 1, 10 * r + 2, 10 * r + 3, 10 * r + 4, 55 + r];
             all.extend(header.iter().flat_map(|w: &u64| w.to_le_bytes()));
             all.extend(std::iter::repeat_n(r as u8 + 1, REGIONS * HANDLE_BYTES));
         }
         let rec = record(&all, 1).unwrap();
-        assert_eq!((rec.host, rec.pid, rec.device, rec.ptrs), (7, 101, 1, [11, 12, 13, 14]));
+        assert_eq!((rec.host, rec.pid, rec.device, rec.ptrs, rec.nonce), (7, 101, 1, [11, 12, 13, 14], 56));
         assert_eq!(rec.handles.len(), 256);
         assert!(rec.handles.iter().all(|&b| b == 2));
         let err = record(&all, 2).unwrap_err();
         assert!(err.to_string().contains("rank 2's memory record is missing (640 bytes gathered)"), "{err}");
+    }
+
+    /// Another process on this host with this process's id (a container's) is not this one.
+    #[test]
+    fn this_process_is_known_by_host_pid_and_nonce() {
+        let mut bytes: Vec<u8> = [host_id(), u64::from(std::process::id()), 0, 1, 2, 3, 4, nonce()]
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
+            .collect();
+        bytes.resize(RECORD_BYTES, 0);
+        assert!(from_this_process(&record(&bytes, 0).unwrap()));
+        bytes[7 * 8..8 * 8].copy_from_slice(&nonce().wrapping_add(1).to_le_bytes());
+        assert!(!from_this_process(&record(&bytes, 0).unwrap()), "same host and pid, another nonce");
     }
 }
