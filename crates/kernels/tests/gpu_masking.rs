@@ -466,6 +466,21 @@ impl LocalMeetings {
     }
 }
 
+/// Joins the ranks' threads and re-raises the first panic that is not a barrier timeout: a rank
+/// that fails leaves the others waiting at the next barrier, and their timeouts are not the
+/// cause.
+fn join_ranks(threads: Vec<std::thread::ScopedJoinHandle<'_, ()>>) {
+    let panics: Vec<Box<dyn std::any::Any + Send>> = threads.into_iter().filter_map(|t| t.join().err()).collect();
+    let text = |p: &Box<dyn std::any::Any + Send>| {
+        p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+    };
+    let barrier = |p: &Box<dyn std::any::Any + Send>| text(p).is_some_and(|t| t.contains("did not reach the barrier"));
+    let first = panics.iter().position(|p| !barrier(p)).unwrap_or(0);
+    if let Some(p) = panics.into_iter().nth(first) {
+        std::panic::resume_unwind(p);
+    }
+}
+
 /// The replacement is a new rank of the same process (a thread of a server that drives every
 /// rank): `GpuWorld::create` makes the group; each cycle the last rank's thread drops its rank
 /// (its memory stays with the survivors' view until the meeting lets it go), the survivors time
@@ -562,9 +577,7 @@ fn rejoin_in_one_process() {
                 })
             })
             .collect();
-        for t in threads {
-            t.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-        }
+        join_ranks(threads);
     });
     eprintln!("ok: {test}: {cycles} cycles of kill and rejoin in one process, every round bit-exact");
 }
@@ -667,9 +680,7 @@ fn bad_rejoins_in_one_process_change_nothing() {
                 })
             })
             .collect();
-        for t in threads {
-            t.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-        }
+        join_ranks(threads);
     });
     eprintln!(
         "ok: {test}: another config refused on both sides, a dead replacement failed the admit, nothing changed; then a good one rejoined bit-exact"
