@@ -1089,11 +1089,14 @@ fn run<E: Engine + Sync>(engines: &[E], a: &Args) -> Result<Vec<(usize, Report)>
         // replacement rejoined, the admission window (seconds on the survivors' clock), and the
         // replacement's tokens after it.
         let (mut masked_tokens, mut admission, mut replacement_tokens) = (0usize, (f64::MAX, 0.0f64), 0usize);
-        for (r, (res, e)) in results.into_iter().zip(engines).enumerate() {
-            let (served, drop_count, serial) = res?;
+        // Every rank's reasons first: a rank its peers masked explains another's outputs.
+        for (served, _, _) in results.iter().flatten() {
             for why in served.masked_out.iter().chain(&served.admission_failed) {
                 println!("  {why}");
             }
+        }
+        for (r, (res, e)) in results.into_iter().zip(engines).enumerate() {
+            let (served, drop_count, serial) = res?;
             if let Some((dead, at)) = a.kill {
                 let (start, start_host) =
                     served.start.as_ref().ok_or_else(|| Error::Backend("no start mark".into()))?;
