@@ -11,7 +11,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaStream, PushKernelArg};
 use epflow_core::{DType, Error, TensorDesc, TensorTag};
 
-use super::GpuRank;
+use super::{GpuRank, util_launch};
 use crate::device::{DeviceTensor, cuda};
 
 /// The zones of one high-throughput handle's expert-major outputs: from the rows each local
@@ -153,8 +153,7 @@ impl GpuRank {
         let (hh, kk, nn) = (h as i32, k as i32, n as i32);
         if n > 0 {
             let blocks = n.min(self.shared.num_sms as usize * 8) as u32;
-            let cfg =
-                cudarc::driver::LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            let cfg = util_launch(blocks);
             let (wp, ow) = weights.map_or((0, 0), |(w, ow)| (w.ptr(), ow.ptr()));
             let (tp, pp, op) = (tokens.ptr(), plan.pos_of.ptr(), out.ptr());
             // SAFETY: the arguments match `ep_em_scatter(u64, u64, u64, int, int, int, u64, u64)`;
@@ -178,7 +177,7 @@ impl GpuRank {
         }
         if plan.padded != plan.counts {
             let l = plan.counts.len() as u32;
-            let cfg = cudarc::driver::LaunchConfig { grid_dim: (l, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            let cfg = util_launch(l);
             let ow = weights.map_or(0, |(_, ow)| ow.ptr());
             let (op, off, cnt, pad) = (out.ptr(), plan.zone(2), plan.zone(0), plan.zone(1));
             // SAFETY: the arguments match `ep_em_pad(u64, u64, u64, u64, u64, int)`; the padding
@@ -218,8 +217,7 @@ impl GpuRank {
             return Ok(());
         }
         let blocks = n.min(self.shared.num_sms as usize * 8) as u32;
-        let cfg =
-            cudarc::driver::LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg = util_launch(blocks);
         let (yp, pp, nn, kk, hh, op) = (y.ptr(), plan.pos_of.ptr(), n as i32, plan.top_k as i32, h as i32, out.ptr());
         // SAFETY: the arguments match `ep_em_reduce(u64, u64, int, int, int, u64)`; `y` holds
         // every slot numbered (below `plan.total`, checked), `out` N x H; ordered on `stream`.
@@ -258,8 +256,7 @@ impl GpuRank {
             return Ok(());
         }
         let blocks = (n * k).div_ceil(256).min(self.shared.num_sms as usize * 8) as u32;
-        let cfg =
-            cudarc::driver::LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg = util_launch(blocks);
         let (wp, pp, op) = (slot_weights.ptr(), plan.pos_of.ptr(), out.ptr());
         // SAFETY: the arguments match `ep_em_gather_weights(u64, u64, long long, u64)`;
         // `pos_of` and `out` hold N x K entries, every slot numbered is below `plan.total`, which

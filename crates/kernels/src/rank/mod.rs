@@ -53,6 +53,11 @@ pub struct GpuRank {
     pub(crate) core: RankCore,
 }
 
+/// The launch of a `util.cu` kernel: `blocks` blocks of 256 threads, the block those kernels
+/// are written for (each caller sizes the grid for its work).
+fn util_launch(blocks: u32) -> cudarc::driver::LaunchConfig {
+    cudarc::driver::LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+}
 impl GpuRank {
     /// Connects this rank's NCCL communicators to every peer (collective; nothing without NCCL).
     pub(crate) fn connect_nccl(&self) -> Result<(), Error> {
@@ -240,8 +245,7 @@ impl GpuRank {
         let n = src.desc().numel();
         if n > 0 {
             let blocks = n.div_ceil(256).clamp(1, s.num_sms as usize * 4) as u32;
-            let cfg =
-                cudarc::driver::LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            let cfg = util_launch(blocks);
             let (ip, op, nn) = (src.ptr(), out.ptr(), n as u64);
             use cudarc::driver::PushKernelArg;
             // SAFETY: the arguments match `ep_widen_i32(u64, u64, u64)`; `src` holds `n` int32
@@ -306,8 +310,7 @@ impl GpuRank {
             return Ok(());
         }
         let blocks = n.div_ceil(256).clamp(1, self.shared.num_sms as usize * 4) as u32;
-        let cfg =
-            cudarc::driver::LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg = util_launch(blocks);
         let (ip, r, kk) = (idx.ptr(), rows as u64, k as i32);
         use cudarc::driver::PushKernelArg;
         // SAFETY: the arguments match `ep_globalize_expert_ids(u64, int, u64, int, u64, u64, long
@@ -383,8 +386,7 @@ impl GpuRank {
         let stream = &self.shared.streams[0];
         let (qp, sp, op, r, hh) = (q.ptr(), scales.ptr(), out.ptr(), rows as u64, h as i32);
         let blocks = (self.shared.num_sms * 4).max(1);
-        let cfg =
-            cudarc::driver::LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg = util_launch(blocks);
         use cudarc::driver::PushKernelArg;
         // SAFETY: the arguments match `ep_dequant_fp8_rows(u64, u64, u64, u64, int)`; the three
         // buffers hold rows x H bytes, rows x H/128 floats and rows x H BF16 values (`out` was
