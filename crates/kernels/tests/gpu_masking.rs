@@ -466,11 +466,14 @@ impl LocalMeetings {
     }
 }
 
-/// Joins the ranks' threads and re-raises the first panic that is not a barrier timeout: a rank
-/// that fails leaves the others waiting at the next barrier, and their timeouts are not the
-/// cause.
-fn join_ranks(threads: Vec<std::thread::ScopedJoinHandle<'_, ()>>) {
-    let panics: Vec<Box<dyn std::any::Any + Send>> = threads.into_iter().filter_map(|t| t.join().err()).collect();
+/// Runs `f` on every rank, each on a thread of its own that owns the rank (it may drop it and
+/// take a new one), and re-raises the first panic that is not a barrier timeout: a rank that
+/// fails leaves the others waiting at the next barrier, and their timeouts are not the cause.
+fn on_owned_ranks(ranks: Vec<GpuRank>, f: impl Fn(GpuRank) + Sync) {
+    let panics: Vec<Box<dyn std::any::Any + Send>> = std::thread::scope(|s| {
+        let threads: Vec<_> = ranks.into_iter().map(|rank| s.spawn(|| f(rank))).collect();
+        threads.into_iter().filter_map(|t| t.join().err()).collect()
+    });
     let text = |p: &Box<dyn std::any::Any + Send>| {
         p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
     };
@@ -507,77 +510,68 @@ fn rejoin_in_one_process() {
     let (none, gone) = (RankSet::new(), RankSet::from_ranks([dead], n).unwrap());
     let ranks = GpuWorld::create(&devices, config.clone()).expect("world");
     let ctx = std::sync::Arc::clone(ranks[0].context());
-    std::thread::scope(|s| {
-        let threads: Vec<_> = ranks
-            .into_iter()
-            .map(|rank| {
-                let (config, meeting, barrier) = (&config, &meeting, &barrier);
-                let (none, gone, ctx) = (&none, &gone, &ctx);
-                s.spawn(move || {
-                    let me = rank.rank();
-                    let mut rank = Some(rank);
-                    let mut first_free = None;
-                    for cycle in 0..cycles {
-                        let from = base + cycle * 10_000;
-                        let r = rank.take().expect("a live rank");
-                        let b = Bufs::new(&r, &scenario(config, n, from));
-                        barrier();
-                        timed_rounds(&r, &b, config, from, iters, none);
-                        barrier();
-                        let used = if me == dead {
-                            // This rank's "process" dies: its rank and buffers go.
-                            drop((b, r));
-                            let t = Instant::now();
-                            let fresh = GpuWorld::rejoin(&meeting(me), config.clone()).expect("rejoin");
-                            eprintln!("{test}: cycle {cycle}: rank {me}'s replacement rejoined in {:?}", t.elapsed());
-                            // Its buffers before any rank runs on (a peer's kernel spinning for
-                            // this rank would hold up an allocation in a shared context).
-                            let b = Bufs::new(&fresh, &scenario(config, n, from + 5000));
-                            barrier();
-                            timed_rounds(&fresh, &b, config, from + 5000, iters, none);
-                            rank = Some(fresh);
-                            b
-                        } else {
-                            let stall = timed_rounds(&r, &b, config, from + 100, 1, gone)[0];
-                            timed_rounds(&r, &b, config, from + 101, iters, gone);
-                            assert_eq!(r.masked_ranks().ranks, *gone, "rank {me}");
-                            let t = Instant::now();
-                            assert_eq!(r.admit(&meeting(me)).expect("admit"), *gone);
-                            let admit = t.elapsed();
-                            assert!(r.masked_ranks().ranks.is_empty());
-                            barrier();
-                            timed_rounds(&r, &b, config, from + 5000, iters, none);
-                            let (free, _) = ctx.mem_get_info().expect("cuMemGetInfo");
-                            eprintln!(
-                                "{test}: cycle {cycle}: rank {me}: first operation without rank {dead} took {stall:?} (timeout {:?}), admit {admit:?}, {iters} masked and {iters} full rounds bit-exact; device free memory {} MiB",
-                                timeout(),
-                                free >> 20
-                            );
-                            assert!(stall < timeout() + Duration::from_millis(500), "rank {me}: {stall:?}");
-                            assert!(!r.poison().is_poisoned());
-                            // No cycle may keep a replaced rank's memory: the device's free memory
-                            // stays within half a rank's group memory of the first cycle's.
-                            match first_free {
-                                None => first_free = Some(free),
-                                Some(first) => assert!(
-                                    free + r.device_memory_bytes() / 2 >= first,
-                                    "cycle {cycle}: free memory {} MiB, {} MiB after cycle 0 (a rank's group memory: {} MiB)",
-                                    free >> 20,
-                                    first >> 20,
-                                    r.device_memory_bytes() >> 20
-                                ),
-                            }
-                            rank = Some(r);
-                            b
-                        };
-                        // Buffers go once every rank is done with the cycle's rounds.
-                        barrier();
-                        drop(used);
-                    }
-                })
-            })
-            .collect();
-        join_ranks(threads);
+    let (config, none, gone, ctx) = (&config, &none, &gone, &ctx);
+    on_owned_ranks(ranks, |rank| {
+        let me = rank.rank();
+        let mut rank = Some(rank);
+        let mut first_free = None;
+        for cycle in 0..cycles {
+            let from = base + cycle * 10_000;
+            let r = rank.take().expect("a live rank");
+            let b = Bufs::new(&r, &scenario(config, n, from));
+            barrier();
+            timed_rounds(&r, &b, config, from, iters, none);
+            barrier();
+            let used = if me == dead {
+                // This rank's "process" dies: its rank and buffers go.
+                drop((b, r));
+                let t = Instant::now();
+                let fresh = GpuWorld::rejoin(&meeting(me), config.clone()).expect("rejoin");
+                eprintln!("{test}: cycle {cycle}: rank {me}'s replacement rejoined in {:?}", t.elapsed());
+                // Its buffers before any rank runs on (a peer's kernel spinning for
+                // this rank would hold up an allocation in a shared context).
+                let b = Bufs::new(&fresh, &scenario(config, n, from + 5000));
+                barrier();
+                timed_rounds(&fresh, &b, config, from + 5000, iters, none);
+                rank = Some(fresh);
+                b
+            } else {
+                let stall = timed_rounds(&r, &b, config, from + 100, 1, gone)[0];
+                timed_rounds(&r, &b, config, from + 101, iters, gone);
+                assert_eq!(r.masked_ranks().ranks, *gone, "rank {me}");
+                let t = Instant::now();
+                assert_eq!(r.admit(&meeting(me)).expect("admit"), *gone);
+                let admit = t.elapsed();
+                assert!(r.masked_ranks().ranks.is_empty());
+                barrier();
+                timed_rounds(&r, &b, config, from + 5000, iters, none);
+                let (free, _) = ctx.mem_get_info().expect("cuMemGetInfo");
+                eprintln!(
+                    "{test}: cycle {cycle}: rank {me}: first operation without rank {dead} took {stall:?} (timeout {:?}), admit {admit:?}, {iters} masked and {iters} full rounds bit-exact; device free memory {} MiB",
+                    timeout(),
+                    free >> 20
+                );
+                assert!(stall < timeout() + Duration::from_millis(500), "rank {me}: {stall:?}");
+                assert!(!r.poison().is_poisoned());
+                // No cycle may keep a replaced rank's memory: the device's free memory
+                // stays within half a rank's group memory of the first cycle's.
+                match first_free {
+                    None => first_free = Some(free),
+                    Some(first) => assert!(
+                        free + r.device_memory_bytes() / 2 >= first,
+                        "cycle {cycle}: free memory {} MiB, {} MiB after cycle 0 (a rank's group memory: {} MiB)",
+                        free >> 20,
+                        first >> 20,
+                        r.device_memory_bytes() >> 20
+                    ),
+                }
+                rank = Some(r);
+                b
+            };
+            // Buffers go once every rank is done with the cycle's rounds.
+            barrier();
+            drop(used);
+        }
     });
     eprintln!("ok: {test}: {cycles} cycles of kill and rejoin in one process, every round bit-exact");
 }
@@ -606,81 +600,64 @@ fn bad_rejoins_in_one_process_change_nothing() {
     let dead = n - 1;
     let (none, gone) = (RankSet::new(), RankSet::from_ranks([dead], n).unwrap());
     let ranks = GpuWorld::create(&devices, config.clone()).expect("world");
-    std::thread::scope(|s| {
-        let threads: Vec<_> = ranks
-            .into_iter()
-            .map(|rank| {
-                let (config, other, meeting, barrier, none, gone) = (&config, &other, &meeting, &barrier, &none, &gone);
-                s.spawn(move || {
-                    let me = rank.rank();
-                    let b = Bufs::new(&rank, &scenario(config, n, base));
-                    // The survivor captures a step now (the other rank idle at the barrier): after
-                    // the rejoin its kernels would address the replaced rank's memory.
-                    barrier();
-                    let captured = (me != dead).then(|| {
-                        let stream = rank.context().new_stream().expect("stream");
-                        let h = rank.graph_handle(&b.topk, &HandleOptions::default()).expect("graph handle");
-                        rank.capture(&stream, |cap| {
-                            cap.dispatch(&h, DispatchInputs::new(&b.x), &DispatchOptions::default()).map(drop)
-                        })
-                        .expect("capture")
-                    });
-                    barrier();
-                    timed_rounds(&rank, &b, config, base, iters, none);
-                    barrier();
-                    if me == dead {
-                        drop((b, rank));
-                        let err = GpuWorld::rejoin(&meeting(me), other.clone()).map(drop).unwrap_err();
-                        assert!(
-                            matches!(err, Error::RejoinRefused { rank: 1, why: RejoinRefusal::ConfigMismatch(_) }),
-                            "{err}"
-                        );
-                        barrier();
-                        // A replacement that dies on reaching the meeting.
-                        drop(meeting(me));
-                        barrier();
-                        let fresh = GpuWorld::rejoin(&meeting(me), config.clone()).expect("rejoin");
-                        let b = Bufs::new(&fresh, &scenario(config, n, base + 500));
-                        barrier();
-                        timed_rounds(&fresh, &b, config, base + 500, iters, none);
-                        barrier();
-                    } else {
-                        timed_rounds(&rank, &b, config, base + 100, iters, gone);
-                        let err = rank.admit(&meeting(me)).unwrap_err();
-                        assert!(
-                            matches!(err, Error::RejoinRefused { rank: 1, why: RejoinRefusal::ConfigMismatch(_) }),
-                            "{err}"
-                        );
-                        let still = |what: &str, from: u64| {
-                            assert_eq!(rank.masked_ranks().ranks, *gone, "{what}");
-                            assert!(!rank.poison().is_poisoned(), "{what}");
-                            timed_rounds(&rank, &b, config, from, 2, gone);
-                        };
-                        still("after the refused config", base + 200);
-                        barrier();
-                        let err = rank.admit(&meeting(me)).unwrap_err();
-                        eprintln!(
-                            "{test}: a replacement that died at the meeting: the survivor's admit failed with: {err}"
-                        );
-                        still("after the dead replacement", base + 300);
-                        barrier();
-                        assert_eq!(rank.admit(&meeting(me)).expect("admit"), *gone);
-                        let step = captured.expect("the survivor's captured step");
-                        match epflow_core::graph::StepBackend::launch_step(&rank, &step) {
-                            Err(Error::Unsupported(m))
-                                if m.contains("captured before a rank of the group was replaced") => {}
-                            other => {
-                                panic!("a step captured before the rejoin must be refused, got {:?}", other.map(drop))
-                            }
-                        }
-                        barrier();
-                        timed_rounds(&rank, &b, config, base + 500, iters, none);
-                        barrier();
-                    }
-                })
+    let (config, other, none, gone) = (&config, &other, &none, &gone);
+    on_owned_ranks(ranks, |rank| {
+        let me = rank.rank();
+        let b = Bufs::new(&rank, &scenario(config, n, base));
+        // The survivor captures a step now (the other rank idle at the barrier): after
+        // the rejoin its kernels would address the replaced rank's memory.
+        barrier();
+        let captured = (me != dead).then(|| {
+            let stream = rank.context().new_stream().expect("stream");
+            let h = rank.graph_handle(&b.topk, &HandleOptions::default()).expect("graph handle");
+            rank.capture(&stream, |cap| {
+                cap.dispatch(&h, DispatchInputs::new(&b.x), &DispatchOptions::default()).map(drop)
             })
-            .collect();
-        join_ranks(threads);
+            .expect("capture")
+        });
+        barrier();
+        timed_rounds(&rank, &b, config, base, iters, none);
+        barrier();
+        if me == dead {
+            drop((b, rank));
+            let err = GpuWorld::rejoin(&meeting(me), other.clone()).map(drop).unwrap_err();
+            assert!(matches!(err, Error::RejoinRefused { rank: 1, why: RejoinRefusal::ConfigMismatch(_) }), "{err}");
+            barrier();
+            // A replacement that dies on reaching the meeting.
+            drop(meeting(me));
+            barrier();
+            let fresh = GpuWorld::rejoin(&meeting(me), config.clone()).expect("rejoin");
+            let b = Bufs::new(&fresh, &scenario(config, n, base + 500));
+            barrier();
+            timed_rounds(&fresh, &b, config, base + 500, iters, none);
+            barrier();
+        } else {
+            timed_rounds(&rank, &b, config, base + 100, iters, gone);
+            let err = rank.admit(&meeting(me)).unwrap_err();
+            assert!(matches!(err, Error::RejoinRefused { rank: 1, why: RejoinRefusal::ConfigMismatch(_) }), "{err}");
+            let still = |what: &str, from: u64| {
+                assert_eq!(rank.masked_ranks().ranks, *gone, "{what}");
+                assert!(!rank.poison().is_poisoned(), "{what}");
+                timed_rounds(&rank, &b, config, from, 2, gone);
+            };
+            still("after the refused config", base + 200);
+            barrier();
+            let err = rank.admit(&meeting(me)).unwrap_err();
+            eprintln!("{test}: a replacement that died at the meeting: the survivor's admit failed with: {err}");
+            still("after the dead replacement", base + 300);
+            barrier();
+            assert_eq!(rank.admit(&meeting(me)).expect("admit"), *gone);
+            let step = captured.expect("the survivor's captured step");
+            match epflow_core::graph::StepBackend::launch_step(&rank, &step) {
+                Err(Error::Unsupported(m)) if m.contains("captured before a rank of the group was replaced") => {}
+                other => {
+                    panic!("a step captured before the rejoin must be refused, got {:?}", other.map(drop))
+                }
+            }
+            barrier();
+            timed_rounds(&rank, &b, config, base + 500, iters, none);
+            barrier();
+        }
     });
     eprintln!(
         "ok: {test}: another config refused on both sides, a dead replacement failed the admit, nothing changed; then a good one rejoined bit-exact"
