@@ -124,7 +124,8 @@ pub struct Paths {
     pub cuda_include: Option<PathBuf>,
 }
 
-/// Every `EPFLOW_*` value of the process's environment (and the C API's `NCCL_EP_TIMEOUT_MS`).
+/// Every `EPFLOW_*` value of the process's environment (and the C API's `NCCL_EP_TIMEOUT_MS`, and
+/// NCCL's `NCCL_MULTI_RANK_GPU_ENABLE`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Environment {
     /// The default [`Tuning`] of new groups.
@@ -142,6 +143,9 @@ pub struct Environment {
     /// `EPFLOW_MEETING_PORT`: the TCP port of the rejoin meetings `epflow launch --restarts`
     /// gives every process (ignored unless a port number, 1-65535).
     pub meeting_port: Option<u16>,
+    /// `NCCL_MULTI_RANK_GPU_ENABLE=1` (NCCL's own switch, 2.30 on): NCCL communicators may hold
+    /// several ranks of one GPU, so groups over NCCL may place ranks on a shared GPU.
+    pub nccl_multi_rank_gpu: bool,
     /// `NCCL_EP_TIMEOUT_MS`: the C API's operation timeout, over `config.timeout_ns` (NCCL EP's
     /// name; ignored unless a positive integer).
     pub abi_timeout_ms: Option<u64>,
@@ -197,6 +201,7 @@ pub const KNOBS: &[Knob] = &[
     knob("EPFLOW_REJOIN", "unset; epflow launch --restarts sets 1", "this process replaces its rank's failed one"),
     knob("EPFLOW_MEETING_PORT", "unset; epflow launch --restarts sets it", "the TCP port of the rejoin meetings"),
     knob("NCCL_EP_TIMEOUT_MS", "unset", "the C API's operation timeout, over config.timeout_ns"),
+    knob("NCCL_MULTI_RANK_GPU_ENABLE", "unset; 1 (NCCL 2.30 on)", "groups over NCCL may put ranks on one GPU"),
 ];
 
 impl Environment {
@@ -257,6 +262,7 @@ impl Environment {
             rejoin: is("EPFLOW_REJOIN", "1"),
             meeting_port: var("EPFLOW_MEETING_PORT").and_then(|v| v.parse::<u16>().ok()).filter(|&p| p > 0),
             set: KNOBS.iter().filter_map(|k| get(k.name).map(|v| (k.name, v))).collect(),
+            nccl_multi_rank_gpu: is("NCCL_MULTI_RANK_GPU_ENABLE", "1"),
             abi_timeout_ms: var("NCCL_EP_TIMEOUT_MS").and_then(|v| v.parse::<u64>().ok()).filter(|&ms| ms > 0),
         }
     }
@@ -312,6 +318,7 @@ mod tests {
             ("EPFLOW_REJOIN", "1"),
             ("EPFLOW_MEETING_PORT", "29501"),
             ("NCCL_EP_TIMEOUT_MS", "250"),
+            ("NCCL_MULTI_RANK_GPU_ENABLE", "1"),
         ]);
         let t = e.tuning;
         assert!(!t.one_launch && !t.graph_one_launch && !t.ht_direct && !t.ht_pull && t.ll_stream_handle_kernel);
@@ -340,6 +347,7 @@ mod tests {
         assert!(e.rejoin);
         assert_eq!(e.meeting_port, Some(29501));
         assert_eq!(e.abi_timeout_ms, Some(250));
+        assert!(e.nccl_multi_rank_gpu);
         assert_eq!(e.set.len(), KNOBS.len(), "every knob was set");
         assert!(e.set.contains(&("EPFLOW_HT_DEPTH", "128".to_string())));
         // Every name of the table changes something (the table and the reader agree).

@@ -78,7 +78,12 @@ impl GpuWorld {
             .collect();
         enable_peer_access(devices, &ctxs, &nvlink_pairs)?;
         let mut comms = if masks.iter().any(|&m| m != 0) {
-            NcclComms::init_all(devices)?.into_iter().map(Some).collect()
+            let comms = if sharing_pair(devices).is_some() {
+                NcclComms::init_threads(&ctxs)?
+            } else {
+                NcclComms::init_all(devices)?
+            };
+            comms.into_iter().map(Some).collect()
         } else {
             Vec::new()
         };
@@ -177,8 +182,7 @@ impl GpuWorld {
         let mask = transport.nccl_mask(rank, num_ranks, Some(&hosts))?;
         // Every rank learns every mask (rank 0's ids serve the NCCL communicators).
         let masks = bootstrap::all_gather_u64(comm, &[u64::from(mask)])?;
-        refuse_masking_over_nccl(&config, &masks)?;
-        refuse_nccl_on_a_shared_gpu(sharing_pair(&gpus), masks.iter().any(|&m| m != 0))?;
+        check_transport(&config, &masks, &places)?;
         let layout = layout.for_transport(masks.iter().any(|&m| m != 0));
         let nccl = if masks.iter().any(|&m| m != 0) {
             let ids = if rank == 0 { new_ids()? } else { [0u64; 48] };
@@ -239,15 +243,31 @@ struct Placement {
     local_allocator: Option<Arc<dyn LocalAllocator>>,
 }
 
-/// Rank masking needs every peer over NVLink: a rank masks a peer by storing into its signal
-/// page, and NCCL peers' pages are not mapped (every rank refuses alike, so no one waits).
+/// Rank masking needs every peer over NVLink, or every peer over NCCL (low-latency): a rank
+/// masks an NVLink peer by storing into its signal page, while a group all over NCCL masks
+/// locally and shrinks its communicators to the survivors ([`crate::transport::nccl_comm`]); a
+/// group with both cannot agree on a mask (every rank refuses alike, so no one waits).
 fn refuse_masking_over_nccl<M: Copy + Into<u64>>(config: &GroupConfig, masks: &[M]) -> Result<(), Error> {
-    if config.rank_masking && masks.iter().any(|&m| m.into() != 0) {
+    let n = masks.len();
+    let all_nccl = (0..n).all(|r| masks[r].into() == ((1u64 << n) - 1) & !(1 << r));
+    if config.rank_masking && masks.iter().any(|&m| m.into() != 0) && !(all_nccl && n > 1) {
         return Err(Error::Unsupported(
-            "rank_masking needs every peer over NVLink (the mask is stored into peers' signal pages); this group reaches some over NCCL".into(),
+            "rank_masking needs every peer over NVLink (the mask is stored into peers' signal pages) or every peer over NCCL (Transport::Nccl); this group reaches some over each".into(),
         ));
     }
+    if config.rank_masking && all_nccl && n > 1 && config.algorithm != epflow_core::Algorithm::LowLatency {
+        return Err(Error::Unsupported("rank_masking over NCCL takes low-latency groups".into()));
+    }
     Ok(())
+}
+
+/// What a group joined over a bootstrap checks of its gathered NCCL masks and places (three
+/// words per rank: host, PCI location, SMs), alike on every rank (a rejoin meeting checks the
+/// same): masking over NCCL, and NCCL on a shared GPU.
+pub(crate) fn check_transport(config: &GroupConfig, masks: &[u64], places: &[u64]) -> Result<(), Error> {
+    refuse_masking_over_nccl(config, masks)?;
+    let gpus: Vec<&[u64]> = places.chunks(3).map(|p| &p[..2]).collect();
+    refuse_nccl_on_a_shared_gpu(sharing_pair(&gpus), masks.iter().any(|&m| m != 0))
 }
 
 /// The first two ranks (lower first) whose entries of `places` (a device, or a (host, PCI
@@ -278,18 +298,26 @@ fn bounded_for_shared_gpus(config: GroupConfig, ranks_per_gpu: usize, sms: usize
 }
 
 /// NCCL communicators take one GPU per rank (`ncclCommInitAll` and `ncclCommInitRank` fail with
-/// `ncclInvalidUsage` otherwise; NCCL 2.30 takes several with `NCCL_MULTI_RANK_GPU_ENABLE=1`,
-/// which the NCCL EP C API's groups over the caller's communicator use, but epflow's NCCL
-/// transport is not built for), so a group that reaches any peer over NCCL cannot place two
-/// ranks on one GPU. Every rank finds the same pair (from gathered places), so all refuse.
+/// `ncclInvalidUsage` otherwise), unless NCCL is 2.30 or later and `NCCL_MULTI_RANK_GPU_ENABLE=1`
+/// is set (then one process makes the communicators with a thread per rank,
+/// [`NcclComms::init_threads`]). Otherwise a group that reaches any peer over NCCL cannot place
+/// two ranks on one GPU. Every rank finds the same pair (from gathered places), so all refuse.
 fn refuse_nccl_on_a_shared_gpu(shared: Option<(usize, usize)>, any_nccl: bool) -> Result<(), Error> {
     match shared {
-        Some((a, b)) if any_nccl => Err(Error::Unsupported(format!(
+        Some((a, b)) if any_nccl && !nccl_takes_ranks_sharing_a_gpu() => Err(Error::Unsupported(format!(
             "ranks {a} and {b} share a GPU, and this group reaches peers over NCCL, whose communicators take one \
-             GPU per rank: give each rank its own GPU, or keep ranks sharing a GPU on NVLink only (Transport::Auto)"
+             GPU per rank (NCCL 2.30 takes several with NCCL_MULTI_RANK_GPU_ENABLE=1): give each rank its own GPU, \
+             or keep ranks sharing a GPU on NVLink only (Transport::Auto)"
         ))),
         _ => Ok(()),
     }
+}
+
+/// NCCL 2.30 or later, with `NCCL_MULTI_RANK_GPU_ENABLE=1`: a communicator may hold several
+/// ranks of one GPU.
+fn nccl_takes_ranks_sharing_a_gpu() -> bool {
+    epflow_core::tuning::Environment::get().nccl_multi_rank_gpu
+        && cudarc::nccl::result::get_nccl_version().is_ok_and(|v| v >= 23000)
 }
 
 /// This rank's words of the group's first all-gather: its host, its GPU's PCI location and the

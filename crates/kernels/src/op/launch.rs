@@ -17,7 +17,7 @@ use crate::device::{StreamFence, StreamWork, cuda, stream_id};
 use crate::params::{ExchangeParams, HtParams, HtPlanParams, LlParams, NcclHtParams};
 use crate::state::handle::GpuHandle;
 use crate::state::shared::RankShared;
-use crate::transport::nccl::{Xfer, issue};
+use crate::transport::nccl::Xfer;
 
 /// The kernel parameters of an operation.
 #[derive(Clone, Copy, Debug)]
@@ -101,11 +101,17 @@ pub(crate) fn launch_ll_kernel_as(
 }
 
 impl GpuOp {
-    /// Enqueues this operation's NCCL group on its stream.
-    pub(super) fn issue_xfers(&self) -> Result<(), Error> {
+    /// Enqueues this operation's NCCL group on its stream; returns the generation of the
+    /// channel's communicator it went to. Under rank masking (low-latency) the transfers with
+    /// masked peers are left out, and the communicator first shrinks to the unmasked ranks if
+    /// it holds a masked one ([`crate::transport::nccl_comm`]).
+    pub(super) fn issue_xfers(&self) -> Result<u64, Error> {
         let s = &self.shared;
         let n = s.nccl.as_ref().ok_or_else(|| Error::Backend("an NCCL exchange without NCCL".into()))?;
-        issue(n.comms.comm(self.chan())?, self.work.stream(), &self.xfers)
+        let all = (1u32 << s.num_ranks) - 1;
+        let live = (s.config.rank_masking && matches!(self.launch, Launch::Ll(_)))
+            .then(|| (all & !(s.mask_mirror() as u32), &s.ctx, s.config.timeout));
+        n.comms.issue_on(self.chan(), self.work.stream(), &self.xfers, live)
     }
 
     fn launch_one<P: cudarc::driver::DeviceRepr>(
@@ -228,7 +234,7 @@ impl GpuOp {
                 }
             })
             .collect();
-        issue(n.comms.comm(self.chan())?, stream, &xfers)?;
+        n.comms.issue_on(self.chan(), stream, &xfers, None)?;
         // SAFETY: as above, into the mapped pinned buffer of what arrived.
         unsafe { sys::cuMemcpyAsync(bufs.out.device_ptr(), n.handle_out.ptr(), bytes, stream.cu_stream()) }
             .result()

@@ -93,6 +93,12 @@ pub struct GpuOp {
     /// NCCL exchange issued after the send kernel (low-latency with NCCL peers) or as the
     /// operation (high-throughput over NCCL).
     xfers: Vec<Xfer>,
+    /// Under rank masking, a low-latency operation's NCCL exchange: the generation of the
+    /// channel's communicator it went to, and an event after it (still pending at the host
+    /// deadline: NCCL waits for a peer, see [`GpuOp::revoke_stalled_exchange`]).
+    nccl_issued: Option<(u64, Arc<cudarc::driver::CudaEvent>)>,
+    /// `mask_missing` revoked the exchange (it is not revoked twice).
+    revoked: bool,
     /// Staging the NCCL exchange reads or writes, kept until the operation is dropped (even when
     /// cancelled: the peers still exchange with it).
     scratch: Vec<CachedBuffer>,
@@ -156,6 +162,8 @@ impl GpuOp {
             refused: None,
             lease: None,
             sent: None,
+            nccl_issued: None,
+            revoked: false,
             reader: None,
             xfers: Vec::new(),
             scratch: Vec::new(),
@@ -377,7 +385,8 @@ impl Drop for GpuOp {
         if self.uses_nccl() || matches!(self.launch, Launch::NcclExchange { .. }) {
             // An NCCL kernel waits for its peers without a deadline of its own. Dropping an
             // unfinished operation is an error path (a timeout, a failed launch): grant a tenth
-            // of the group's timeout, then abort the communicators so the stream can drain.
+            // of the group's timeout, then abort the communicators so the stream can drain
+            // (under rank masking, revoke the channel's: the group goes on without the peer).
             let grace = (self.shared.config.timeout / 10).max(Duration::from_millis(100));
             let deadline = std::time::Instant::now() + grace;
             // The completion event, or (complete half never started) one recorded now.
@@ -386,7 +395,10 @@ impl Drop for GpuOp {
             while !idle() && std::time::Instant::now() < deadline {
                 std::thread::sleep(Duration::from_micros(200));
             }
-            if !idle() {
+            // Under rank masking the receive ends by its device deadline once the exchange
+            // ended or was revoked.
+            let revoked = self.nccl_issued.is_some() && self.revoke_stalled_exchange().is_ok();
+            if !idle() && !revoked {
                 if let Some(n) = &self.shared.nccl {
                     n.comms.abort();
                 }
@@ -397,6 +409,24 @@ impl Drop for GpuOp {
 }
 
 impl GpuOp {
+    /// Under rank masking, a low-latency operation whose NCCL exchange has not ended (a peer
+    /// died: NCCL waits for it before the receive kernel can mask it): revokes the channel's
+    /// communicator, if it is still the one the exchange went to, so the receive kernel runs
+    /// and masks the peers whose arrivals did not come by its device deadline; the channel's
+    /// next operation shrinks the communicator to the unmasked ranks
+    /// ([`crate::transport::nccl_comm`]). `Ok(true)`: the exchange was revoked (now or by a
+    /// shrink since); `Ok(false)`: nothing to revoke (no masking, no NCCL, or it ended).
+    fn revoke_stalled_exchange(&self) -> Result<bool, Error> {
+        let (Some((generation, after)), Some(n)) = (&self.nccl_issued, &self.shared.nccl) else {
+            return Ok(false);
+        };
+        if after.try_is_complete().unwrap_or(true) {
+            return Ok(false);
+        }
+        n.comms.revoke(self.chan(), *generation)?;
+        Ok(true)
+    }
+
     /// The outputs of a stream-ordered completion, ready after `done`, `stream` a consumer.
     fn stream_outputs_after(
         &mut self,
@@ -486,6 +516,18 @@ impl PendingOp for GpuOp {
         matches!(self.launch, Launch::Ll(_)) && !matches!(self.kind, Some(GpuOpKind::Cancellation))
     }
 
+    /// At the host deadline, under rank masking over NCCL: revokes an exchange NCCL still waits
+    /// in ([`GpuOp::revoke_stalled_exchange`]), so the receive kernel masks the missing peers
+    /// within its device deadline; the caller then waits again. Revoked once per operation.
+    fn mask_missing(&mut self) -> Result<bool, Error> {
+        if self.revoked {
+            return Ok(false);
+        }
+        let revoked = self.revoke_stalled_exchange()?;
+        self.revoked = revoked;
+        Ok(revoked)
+    }
+
     fn poll_send_ready(&mut self) -> Result<bool, Error> {
         Ok(self.state.is_sent() || self.shared.turns[self.chan()].load(Ordering::Acquire) == self.seq)
     }
@@ -540,7 +582,10 @@ impl PendingOp for GpuOp {
                         self.reader = Some(self.record_reader(&h, None)?);
                     }
                     if self.uses_nccl() {
-                        self.issue_xfers()?;
+                        let generation = self.issue_xfers()?;
+                        if s.config.rank_masking {
+                            self.nccl_issued = Some((generation, self.work.record_now()?));
+                        }
                     }
                     // A receive completed on a caller's stream waits for this event: the end of
                     // this operation's send half, not of whatever is enqueued later.

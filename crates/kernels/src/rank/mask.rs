@@ -15,6 +15,7 @@ use super::GpuRank;
 use crate::device::{bind, cuda};
 use crate::layout::BufferLayout;
 use crate::params::{MaskParams, status};
+use crate::setup::bootstrap::{Bootstrap, all_gather_u64};
 use crate::state::shared::peer_array;
 
 impl GpuRank {
@@ -97,8 +98,27 @@ impl GpuRank {
     /// numbers and resets the credits and the mask; the host then numbers from there.
     pub(super) fn unmask_all_now(&self) -> Result<(), Error> {
         self.check_masking("unmask_all")?;
+        if self.shared.nccl.is_some() {
+            return Err(Error::Unsupported(
+                "unmask_all: a group over NCCL takes masked ranks back only through a rejoin (GpuRank::admit with \
+                 GpuWorld::rejoin_with): its communicators were shrunk to the survivors"
+                    .into(),
+            ));
+        }
         let next = Channel::ALL.map(|c| self.core.peek_seq(c));
-        self.meet_and_renumber(next, "unmask_all")
+        self.meet_and_renumber(next, "unmask_all", false)
+    }
+
+    /// `unmask_all` at the end of a rejoin meeting of a group over NCCL, where no peer's signal
+    /// page is mapped: the ranks agree over `meeting` on the next operation numbers (each
+    /// channel's largest), then `ep_mask_rejoin` runs for this rank alone (it resets this rank's
+    /// credits and mask) and the host numbers from there. Collective over the meeting.
+    pub(super) fn unmask_all_over(&self, meeting: &(impl Bootstrap + ?Sized)) -> Result<(), Error> {
+        self.check_masking("unmask_all")?;
+        let mine = Channel::ALL.map(|c| self.core.peek_seq(c));
+        let all = all_gather_u64(meeting, &mine)?;
+        let next = [0, 1, 2].map(|c| all.chunks_exact(3).map(|w| w[c]).max().unwrap_or(0));
+        self.meet_and_renumber(next, "unmask_all", true)
     }
 
     /// Test support for the low-latency tagged areas, whose 32-bit tags wrap every 2^32 operations
@@ -110,7 +130,7 @@ impl GpuRank {
     #[doc(hidden)]
     pub fn renumber_operations(&self, next: u64) -> Result<(), Error> {
         self.clear_skipped_tag_wraps(next)?;
-        self.meet_and_renumber([next; 3], "renumber_operations")
+        self.meet_and_renumber([next; 3], "renumber_operations", false)
     }
 
     /// Before `renumber_operations` moves the low-latency channels to `next`: zeroes this rank's
@@ -151,8 +171,10 @@ impl GpuRank {
     }
 
     /// `ep_mask_rejoin` with this rank's proposed next numbers `next` (every rank takes the
-    /// largest), then the host numbers from there.
-    fn meet_and_renumber(&self, next: [u64; 3], what: &str) -> Result<(), Error> {
+    /// largest), then the host numbers from there. `alone`: the kernel meets no peer (it runs as
+    /// rank 0 of one, on this rank's own page), for groups whose ranks agreed on `next` over a
+    /// bootstrap instead.
+    fn meet_and_renumber(&self, next: [u64; 3], what: &str, alone: bool) -> Result<(), Error> {
         self.core.poison().check()?;
         let s = &self.shared;
         bind(&s.ctx)?;
@@ -160,7 +182,11 @@ impl GpuRank {
             st.synchronize().map_err(|e| cuda(&format!("wait for operations before {what}"), e))?;
         }
         let epoch = self.core.mask_epoch() + 1;
-        let m = MaskParams { epoch, next, ..self.mask_params() };
+        let mut m = MaskParams { epoch, next, ..self.mask_params() };
+        if alone {
+            m.peer_signals = peer_array(&[s.mem.signals.ptr()]);
+            (m.rank, m.num_ranks) = (0, 1);
+        }
         self.run_mask_kernel(&s.functions.mask_rejoin, m, what)?;
         let err = s.mem.status.read_u64(status::ERROR);
         if err & 0xff == status::REJOIN_TIMEOUT {

@@ -68,6 +68,14 @@ impl GpuRank {
         }
     }
 
+    /// Which ranks each channel's NCCL communicator holds now (dispatch, combine, handle; bit
+    /// `r` = rank `r`): the whole group at creation and after a rejoin; under rank masking, the
+    /// survivors once the channel's first operation after a mask shrank it
+    /// ([`crate::transport::nccl_comm`]). `None` without NCCL peers.
+    pub fn nccl_members(&self) -> Option<[u32; 3]> {
+        self.shared.nccl.as_ref().map(|n| [0, 1, 2].map(|c| n.comms.members(c)))
+    }
+
     /// Which peers this rank reaches through NCCL (bit `r` = rank `r`; 0 = NVLink only).
     pub fn nccl_peers(&self) -> u32 {
         self.shared.nccl.as_ref().map_or(0, |n| n.mask)

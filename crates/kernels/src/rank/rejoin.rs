@@ -48,8 +48,9 @@ use crate::world::{GpuWorld, place_words};
 const SURVIVOR: u64 = 1;
 /// A newcomer's record.
 const NEWCOMER: u64 = 2;
-/// u64 words of a record: role, host, config fingerprint, mask epoch, mask word, meetings.
-const RECORD_WORDS: usize = 6;
+/// u64 words of a record: role, host, config fingerprint, mask epoch, mask word, meetings,
+/// over NCCL.
+const RECORD_WORDS: usize = 7;
 
 /// What the meeting's first round tells every rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,15 +62,17 @@ struct Record {
     masked: u64,
     /// The device meetings the rank has called ([`GpuRank::meet_on`]).
     meetings: u64,
+    /// 1: the group reaches every peer over NCCL (no memory is mapped, so hosts may differ).
+    nccl: u64,
 }
 
 impl Record {
     fn words(self) -> [u64; RECORD_WORDS] {
-        [self.role, self.host, self.config, self.epoch, self.masked, self.meetings]
+        [self.role, self.host, self.config, self.epoch, self.masked, self.meetings, self.nccl]
     }
 
     fn from_words(w: &[u64]) -> Self {
-        Record { role: w[0], host: w[1], config: w[2], epoch: w[3], masked: w[4], meetings: w[5] }
+        Record { role: w[0], host: w[1], config: w[2], epoch: w[3], masked: w[4], meetings: w[5], nccl: w[6] }
     }
 }
 
@@ -134,7 +137,14 @@ fn check_records(records: &[Record]) -> Result<Settled, Error> {
             let why = RejoinRefusal::ConfigMismatch(format!("rank {r}'s differs from rank {first}'s"));
             return Err(Error::RejoinRefused { rank: newcomer, why });
         }
-        if rec.host != lead.host {
+        if rec.nccl != lead.nccl {
+            return refuse(format!(
+                "rank {r} {} over NCCL, rank {first} {}: the newcomer must join with the group's transport (GpuWorld::rejoin_with)",
+                if rec.nccl == 1 { "joins" } else { "does not join" },
+                if lead.nccl == 1 { "does" } else { "does not" }
+            ));
+        }
+        if rec.host != lead.host && lead.nccl == 0 {
             return refuse(format!(
                 "rank {r} is on another host than rank {first}: a rejoin maps memory with CUDA IPC (one host)"
             ));
@@ -190,6 +200,19 @@ fn meet_retired(meeting: &(impl Bootstrap + ?Sized)) -> Result<(), Error> {
     all_gather_u64(meeting, &[0]).map(drop)
 }
 
+/// A survivor's side of the NCCL communicators the newcomer's join makes: rank 0's ids, then
+/// `ncclCommInitRank` of the whole group (collective over the meeting's ranks).
+fn nccl_of_the_whole_group(
+    rank: &GpuRank,
+    meeting: &(impl Bootstrap + ?Sized),
+) -> Result<crate::transport::nccl::NcclComms, Error> {
+    let s = &rank.shared;
+    let ids = if s.rank == 0 { crate::transport::nccl::new_ids()? } else { [0u64; 48] };
+    let all = all_gather_u64(meeting, &ids)?;
+    crate::device::bind(&s.ctx)?;
+    crate::transport::nccl::NcclComms::init_rank(&crate::transport::nccl::decode_ids(&all[..48]), s.rank, s.num_ranks)
+}
+
 /// Refuses a meeting bootstrap that is not this group's shape.
 fn check_meeting(meeting: &(impl Bootstrap + ?Sized), rank: usize, ranks: usize) -> Result<(), Error> {
     if meeting.rank() != rank || meeting.world_size() != ranks {
@@ -211,17 +234,34 @@ impl GpuWorld {
     /// another buffer layout ([`Error::Unsupported`]); a rank that does not come
     /// ([`Error::Timeout`] of the bootstrap, or of `unmask_all`).
     pub fn rejoin(meeting: &(impl Bootstrap + ?Sized), config: GroupConfig) -> Result<GpuRank, Error> {
+        Self::rejoin_with(meeting, config, crate::Transport::Auto)
+    }
+
+    /// [`GpuWorld::rejoin`] into a group made with `transport` (the group's own: a group all
+    /// over NCCL, `Transport::Nccl`, gets a new communicator of every rank from the meeting,
+    /// which replaces the survivors' shrunk ones; see [`crate::transport::nccl_comm`]).
+    pub fn rejoin_with(
+        meeting: &(impl Bootstrap + ?Sized),
+        config: GroupConfig,
+        transport: crate::Transport,
+    ) -> Result<GpuRank, Error> {
         let ranks = meeting.world_size();
         refuse_config(&config, meeting.rank())?;
         let config_print = config_fingerprint(&config, ranks);
-        let mine = Record { role: NEWCOMER, host: host_id(), config: config_print, epoch: 0, masked: 0, meetings: 0 };
+        let nccl = u64::from(transport == crate::Transport::Nccl);
+        let mine =
+            Record { role: NEWCOMER, host: host_id(), config: config_print, epoch: 0, masked: 0, meetings: 0, nccl };
         let settled = meet_records(meeting, mine)?;
-        let joined = GpuWorld::join_over(meeting, config, crate::Transport::Auto)?;
+        let joined = GpuWorld::join_over(meeting, config, transport)?;
         meet_layouts(meeting, &joined)?;
         meet_retired(meeting)?;
         joined.core.set_mask_epoch(settled.epoch);
         joined.shared.meetings.store(settled.meetings, std::sync::atomic::Ordering::Relaxed);
-        joined.unmask_all_now()?;
+        if joined.shared.nccl.is_some() {
+            joined.unmask_all_over(meeting)?;
+        } else {
+            joined.unmask_all_now()?;
+        }
         Ok(joined)
     }
 }
@@ -305,19 +345,28 @@ impl GpuRank {
             epoch: self.core.mask_epoch(),
             masked: self.mask_view().ranks.low_bits(),
             meetings: s.meetings.load(std::sync::atomic::Ordering::Relaxed),
+            nccl: u64::from(s.nccl.is_some()),
         };
         let newcomers = meet_records(meeting, mine)?.newcomers;
         // `GpuWorld::join_over`'s rounds, as this rank took part in them at creation.
         let ctx = &s.ctx;
-        all_gather_u64(meeting, &place_words(ctx)?)?;
-        let masks = all_gather_u64(meeting, &[0])?;
-        if let Some(r) = masks.iter().position(|&m| m != 0) {
-            return Err(Error::Unsupported(format!("rejoin: rank {r} reaches peers through NCCL")));
-        }
+        let places = all_gather_u64(meeting, &place_words(ctx)?)?;
+        let masks = all_gather_u64(meeting, &[u64::from(s.nccl.as_ref().map_or(0, |n| n.mask))])?;
+        // Checked as the newcomer's join checks it: one transport for every rank (all NVLink, or
+        // with rank masking all NCCL), ranks sharing a GPU only where NCCL takes them.
+        crate::world::check_transport(&s.config, &masks, &places)?;
+        // A group over NCCL: a communicator of the whole group, made as at creation, replaces
+        // the survivors' shrunk ones (put in place after the layout round, so a refused
+        // newcomer changes nothing here).
+        let fresh = match &s.nccl {
+            Some(_) => Some(nccl_of_the_whole_group(self, meeting)?),
+            None => None,
+        };
         let (_, mine) = exported(&s.mem)?;
         let all = meeting.all_gather_bytes(&mine)?;
         let mut peers = (*s.peers()).clone();
-        for r in newcomers.iter() {
+        // NCCL peers are never addressed (their slots stay this rank's own memory).
+        for r in newcomers.iter().filter(|_| s.nccl.is_none()) {
             let (ptrs, keep) = open_exported(ctx, &all, r)?;
             // The dead rank's memory (its mappings, or in one process the memory itself) goes
             // with the view it is replaced in.
@@ -327,12 +376,23 @@ impl GpuRank {
             peers.exchange[r] = ptrs[2];
             peers.signals[r] = ptrs[3];
         }
+        if let Some(c) = &fresh {
+            // Collective with the newcomer's connection at the end of its join.
+            c.connect(ctx, &s.streams[0], s.rank, s.num_ranks)?;
+        }
         meet_layouts(meeting, self)?;
         // No kernel of this rank addresses a masked rank: the new addresses take effect with the
         // operations after `unmask_all`.
         drop(s.replace_peers(peers));
+        if let (Some(c), Some(n)) = (fresh, &s.nccl) {
+            n.comms.adopt(c);
+        }
         meet_retired(meeting)?;
-        self.unmask_all_now()?;
+        if s.nccl.is_some() {
+            self.unmask_all_over(meeting)?;
+        } else {
+            self.unmask_all_now()?;
+        }
         tracing::info!(
             rank = s.rank,
             admitted = ?newcomers.to_vec(),
@@ -349,7 +409,7 @@ mod tests {
 
     fn rec(role: u64, masked: u64) -> Record {
         let meetings = if role == SURVIVOR { 5 } else { 0 };
-        Record { role, host: 7, config: 9, epoch: 2, masked, meetings }
+        Record { role, host: 7, config: 9, epoch: 2, masked, meetings, nccl: 0 }
     }
 
     #[test]
@@ -379,6 +439,10 @@ mod tests {
         ));
         let far = Record { host: 8, ..rec(NEWCOMER, 0) };
         refused(&[rec(SURVIVOR, 0b10), far], "another host");
+        // Over NCCL no memory is mapped: another host is fine, another transport is not.
+        let over_nccl = |r: Record| Record { nccl: 1, ..r };
+        assert!(check_records(&[over_nccl(rec(SURVIVOR, 0b10)), over_nccl(far)]).is_ok());
+        refused(&[over_nccl(rec(SURVIVOR, 0b10)), rec(NEWCOMER, 0)], "the group's transport");
         let late = Record { epoch: 3, ..rec(SURVIVOR, 0b10) };
         refused(&[rec(SURVIVOR, 0b10), rec(NEWCOMER, 0), late], "unmask epochs");
         let met = Record { meetings: 6, ..rec(SURVIVOR, 0b10) };

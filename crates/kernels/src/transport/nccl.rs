@@ -33,13 +33,15 @@
 //! operation still fires (`Error::Timeout`), and dropping the unfinished operation aborts the
 //! rank's communicators (`ncclCommAbort`), which ends the kernel. The group is unusable after.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 use epflow_core::Error;
 
+use super::nccl_comm::ChannelComm;
 use crate::device::{DeviceBuffer, LocalAllocator, PinnedBuffer, bind};
 use crate::layout::BufferLayout;
 
@@ -50,20 +52,33 @@ pub(crate) fn nccl_err(what: &str, e: nccl::NcclError) -> Error {
 
 /// The three NCCL communicators of a rank (dispatch, combine, handle channels), aborted when
 /// dropped. Other backends built on NCCL (the NCCL EP backend, `epflow-nccl-ep`) use them too.
+/// Under rank masking a channel's communicator shrinks to the survivors and a rejoin replaces
+/// it (see [`super::nccl_comm`]).
 #[derive(Debug)]
 pub struct NcclComms {
-    comms: [nccl_sys::ncclComm_t; 3],
+    chans: [Mutex<ChannelComm>; 3],
     aborted: AtomicBool,
 }
 
 // SAFETY: NCCL communicators may be used from any thread; epflow issues the operations of one
-// communicator (one channel) from one thread at a time (the channel's turn), and `abort` is
+// communicator (one channel) from one thread at a time (the channel's lock), and `abort` is
 // guarded by `aborted`.
 unsafe impl Send for NcclComms {}
 // SAFETY: as above.
 unsafe impl Sync for NcclComms {}
 
 impl NcclComms {
+    fn of(comms: [nccl_sys::ncclComm_t; 3], num_ranks: usize) -> Self {
+        NcclComms {
+            chans: comms.map(|c| Mutex::new(ChannelComm::whole(c, num_ranks))),
+            aborted: AtomicBool::new(false),
+        }
+    }
+
+    fn chan(&self, chan: usize) -> std::sync::MutexGuard<'_, ChannelComm> {
+        self.chans[chan].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// One process, every device of `devices` (rank `r` on `devices[r]`): three
     /// `ncclCommInitAll`s. Returns one set of communicators per rank.
     pub fn init_all(devices: &[usize]) -> Result<Vec<NcclComms>, Error> {
@@ -78,12 +93,26 @@ impl NcclComms {
                 .map_err(|e| nccl_err("ncclCommInitAll", e))?;
             per_chan.push(comms);
         }
-        Ok((0..n)
-            .map(|r| NcclComms {
-                comms: [per_chan[0][r], per_chan[1][r], per_chan[2][r]],
-                aborted: AtomicBool::new(false),
-            })
-            .collect())
+        Ok((0..n).map(|r| NcclComms::of([per_chan[0][r], per_chan[1][r], per_chan[2][r]], n)).collect())
+    }
+
+    /// One process, rank `r` on context `ctxs[r]`, with one thread per rank: three
+    /// `ncclCommInitRank`s each over fresh ids. Unlike [`NcclComms::init_all`] it takes several
+    /// ranks on one GPU, which NCCL allows from 2.30 with `NCCL_MULTI_RANK_GPU_ENABLE=1`.
+    pub fn init_threads(ctxs: &[Arc<CudaContext>]) -> Result<Vec<NcclComms>, Error> {
+        let ids = decode_ids(&new_ids()?);
+        let n = ctxs.len();
+        std::thread::scope(|sc| {
+            let joins: Vec<_> = ctxs
+                .iter()
+                .enumerate()
+                .map(|(r, ctx)| sc.spawn(move || bind(ctx).and_then(|()| NcclComms::init_rank(&ids, r, n))))
+                .collect();
+            joins
+                .into_iter()
+                .map(|j| j.join().unwrap_or_else(|_| Err(Error::Backend("ncclCommInitRank panicked".into()))))
+                .collect()
+        })
     }
 
     /// One rank of a multi-process group: three `ncclCommInitRank`s over `ids` (the same on every
@@ -95,7 +124,7 @@ impl NcclComms {
             unsafe { nccl::comm_init_rank(c, world as i32, *id, rank as i32) }
                 .map_err(|e| nccl_err("ncclCommInitRank", e))?;
         }
-        Ok(NcclComms { comms, aborted: AtomicBool::new(false) })
+        Ok(NcclComms::of(comms, world))
     }
 
     /// The communicator of channel `chan` (0 dispatch, 1 combine, 2 handle).
@@ -103,17 +132,67 @@ impl NcclComms {
         if self.aborted.load(Ordering::Acquire) {
             return Err(Error::Backend("the NCCL communicators were aborted after a timeout".into()));
         }
-        Ok(self.comms[chan])
+        self.chan(chan).comm()
     }
 
     /// Aborts every communicator (ends NCCL kernels waiting for a peer). Idempotent.
     pub fn abort(&self) {
         if !self.aborted.swap(true, Ordering::AcqRel) {
-            for c in self.comms {
-                // SAFETY: a communicator created in `init_*`, aborted once (guarded above).
-                let _ = unsafe { nccl::comm_abort(c) };
+            for chan in 0..3 {
+                self.chan(chan).abort();
             }
         }
+    }
+
+    /// Enqueues `xfers` on channel `chan`'s communicator as one NCCL group on `stream`, and
+    /// returns the communicator's generation (for [`NcclComms::revoke`]). `live`: under rank
+    /// masking, the group's unmasked ranks: the communicator first shrinks to them if it holds
+    /// a masked rank or was revoked (collective over the survivors, bounded by `timeout`; the
+    /// context `ctx` is made current on the shrinking thread), and transfers with masked peers
+    /// are left out. `None`: every transfer goes, to the communicator the group was made with.
+    pub(crate) fn issue_on(
+        &self,
+        chan: usize,
+        stream: &CudaStream,
+        xfers: &[Xfer],
+        live: Option<(u32, &Arc<CudaContext>, Duration)>,
+    ) -> Result<u64, Error> {
+        if self.aborted.load(Ordering::Acquire) {
+            return Err(Error::Backend("the NCCL communicators were aborted after a timeout".into()));
+        }
+        let mut c = self.chan(chan);
+        let Some((live, ctx, timeout)) = live else {
+            issue(c.comm()?, stream, xfers)?;
+            return Ok(c.generation());
+        };
+        c.fit(ctx, live, timeout)?;
+        let kept = xfers
+            .iter()
+            .filter(|x| live >> x.peer & 1 == 1)
+            .map(|x| c.peer(x.peer).map(|p| Xfer { peer: p as usize, ..*x }))
+            .collect::<Result<Vec<_>, _>>()?;
+        issue(c.comm()?, stream, &kept)?;
+        Ok(c.generation())
+    }
+
+    /// Revokes channel `chan`'s operations if its communicator is still of `generation` (see
+    /// [`ChannelComm::revoke`]): the NCCL kernel of an operation past its deadline ends.
+    pub(crate) fn revoke(&self, chan: usize, generation: u64) -> Result<(), Error> {
+        self.chan(chan).revoke(generation)
+    }
+
+    /// Puts `other`'s communicators (of the whole group, made over a rejoin meeting) in place of
+    /// this rank's; the old ones are aborted.
+    pub(crate) fn adopt(&self, other: NcclComms) {
+        for chan in 0..3 {
+            let theirs = std::mem::replace(&mut *other.chan(chan), ChannelComm::closed());
+            drop(self.chan(chan).replace(theirs));
+        }
+    }
+
+    /// The group ranks channel `chan`'s communicator holds (bit `r` = rank `r`).
+    pub(crate) fn members(&self, chan: usize) -> u32 {
+        self.chan(chan).members()
     }
 
     /// Connects every pair of ranks on every communicator with one tiny exchange, so the first

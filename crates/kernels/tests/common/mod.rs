@@ -41,13 +41,18 @@ pub(crate) fn one_gpu(test: &str) -> Option<usize> {
     Some(first.unwrap_or(0))
 }
 
-/// [`gpus`] for a test over NCCL, whose communicators take one GPU per rank: `None`, after
-/// printing why, when `EPFLOW_TEST_DEVICES` names one GPU twice (the group would be refused).
+/// [`gpus`] for a test over NCCL, whose communicators take one GPU per rank unless NCCL is 2.30
+/// or later and `NCCL_MULTI_RANK_GPU_ENABLE=1` is set: `None`, after printing why, when
+/// `EPFLOW_TEST_DEVICES` names one GPU twice without that (the group would be refused).
 #[allow(dead_code)]
 pub(crate) fn nccl_gpus(need: usize, test: &str) -> Option<Vec<usize>> {
     let devices = gpus(need, test)?;
-    if shared_gpu_sms(&devices).is_some() {
-        eprintln!("SKIPPED {test}: NCCL needs a GPU per rank, and {devices:?} names one twice");
+    let multi_rank = std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").is_ok_and(|v| v.trim() == "1")
+        && cudarc::nccl::result::get_nccl_version().is_ok_and(|v| v >= 23000);
+    if shared_gpu_sms(&devices).is_some() && !multi_rank {
+        eprintln!(
+            "SKIPPED {test}: NCCL needs a GPU per rank (NCCL 2.30 takes several with NCCL_MULTI_RANK_GPU_ENABLE=1), and {devices:?} names one twice"
+        );
         return None;
     }
     Some(devices)
