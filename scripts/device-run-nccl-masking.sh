@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # On a GPU machine, from the repository root: rank masking and rejoin over NCCL (issue 68), in
-# one process: `gpu_masking masking_over_nccl_shrinks_and_a_newcomer_rejoins` (two ranks over
-# `Transport::Nccl`; each cycle rank 1 dies, rank 0's communicators are revoked and shrunk, a
-# new rank rejoins with a communicator of the whole group) and
-# `masking_is_refused_over_nvlink_and_nccl_at_once`. DEVICES="0 0" (default) puts both ranks on
-# GPU 0, which needs NCCL 2.30: the pack's (.nccl-pack/, git-ignored; carry it) goes first on
-# the library path when present, with NCCL_MULTI_RANK_GPU_ENABLE=1. "0 1" runs on two GPUs.
-# ITERS rounds per phase (default 20), CYCLES kill-and-rejoin cycles (default 2). Log in
-# $OUT/nccl-masking.log; one line per run.
+# one process (`gpu_masking`): `masking_over_nccl_shrinks_and_a_newcomer_rejoins` (two ranks
+# over `Transport::Nccl`; each cycle rank 1 dies, rank 0's communicators are revoked and shrunk,
+# a new rank rejoins with a communicator of the whole group) and
+# `masking_over_nvlink_and_nccl_shrinks_and_a_newcomer_rejoins` (three ranks, 0 and 1 on NVLink,
+# rank 2 across NCCL). DEVICES="0 0 0" (default) puts every rank on GPU 0, which needs NCCL
+# 2.30: the pack's (.nccl-pack/, git-ignored; carry it) goes first on the library path when
+# present, with NCCL_MULTI_RANK_GPU_ENABLE=1. "0 1 2" runs on three GPUs (the two-rank test on
+# the first two). ITERS rounds per phase (default 20), CYCLES kill-and-rejoin cycles (default
+# 2). Logs in $OUT/<test>.log; one line per test.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device-env.sh
@@ -18,8 +19,12 @@ if [ -d "$N" ] && [ ! -e "$N/lib/libnccl.so" ]; then
         python3 -c "import tarfile; tarfile.open('$N/nccl-pack.tar.xz').extractall('$N')"
 fi
 [ -e "$N/lib/libnccl.so" ] && export LD_LIBRARY_PATH=$N/lib:$LD_LIBRARY_PATH
-read -r d0 d1 <<<"${DEVICES:-0 0}"
-NCCL_MULTI_RANK_GPU_ENABLE=1 EPFLOW_TEST_DEVICES=$d0,$d1 EPFLOW_GPU_ITERS=${ITERS:-20} \
-    EPFLOW_TEST_REJOIN_CYCLES=${CYCLES:-2} timeout 400 $P/gpu_masking masking_over_nccl masking_is_refused \
-    --nocapture --test-threads=1 >"$OUT/nccl-masking.log" 2>&1
-echo "masking over NCCL rc=$? $(grep -E 'cycle .*rank 0|rejoined|^ok:|SKIPPED|panicked|test result' "$OUT/nccl-masking.log" | tr '\n' ' ')"
+read -r d0 d1 d2 <<<"${DEVICES:-0 0 0}"
+run() { # test, devices
+    NCCL_MULTI_RANK_GPU_ENABLE=1 EPFLOW_TEST_DEVICES=$2 EPFLOW_GPU_ITERS=${ITERS:-20} \
+        EPFLOW_TEST_REJOIN_CYCLES=${CYCLES:-2} timeout 400 $P/gpu_masking "$1" --exact \
+        --nocapture --test-threads=1 >"$OUT/$1.log" 2>&1
+    echo "$1 rc=$? $(grep -E 'cycle .*rank [02]:|rejoined|^ok:|SKIPPED|panicked|test result' "$OUT/$1.log" | tr '\n' ' ')"
+}
+run masking_over_nccl_shrinks_and_a_newcomer_rejoins $d0,$d1
+run masking_over_nvlink_and_nccl_shrinks_and_a_newcomer_rejoins $d0,$d1,$d2

@@ -59,7 +59,7 @@ impl GpuWorld {
         let config = config.clone().with_tuning(*config.tuning());
         // What the transport allows is decided before any device is touched.
         let masks = (0..num_ranks).map(|r| transport.nccl_mask(r, num_ranks, None)).collect::<Result<Vec<_>, _>>()?;
-        refuse_masking_over_nccl(&config, &masks)?;
+        refuse_unpaired_masks(&masks)?;
         let any_nccl = masks.iter().any(|&m| m != 0);
         refuse_nccl_on_a_shared_gpu(sharing_pair(devices), any_nccl)?;
         let ctxs = devices.iter().map(|&d| context(d)).collect::<Result<Vec<_>, _>>()?;
@@ -182,7 +182,7 @@ impl GpuWorld {
         let mask = transport.nccl_mask(rank, num_ranks, Some(&hosts))?;
         // Every rank learns every mask (rank 0's ids serve the NCCL communicators).
         let masks = bootstrap::all_gather_u64(comm, &[u64::from(mask)])?;
-        check_transport(&config, &masks, &places)?;
+        check_transport(&masks, &places)?;
         let layout = layout.for_transport(masks.iter().any(|&m| m != 0));
         let nccl = if masks.iter().any(|&m| m != 0) {
             let ids = if rank == 0 { new_ids()? } else { [0u64; 48] };
@@ -243,29 +243,29 @@ struct Placement {
     local_allocator: Option<Arc<dyn LocalAllocator>>,
 }
 
-/// Rank masking needs every peer over NVLink, or every peer over NCCL (low-latency): a rank
-/// masks an NVLink peer by storing into its signal page, while a group all over NCCL masks
-/// locally and shrinks its communicators to the survivors ([`crate::transport::nccl_comm`]); a
-/// group with both cannot agree on a mask (every rank refuses alike, so no one waits).
-fn refuse_masking_over_nccl<M: Copy + Into<u64>>(config: &GroupConfig, masks: &[M]) -> Result<(), Error> {
+/// The gathered NCCL masks must pair up (rank `a` reaches `b` over NCCL exactly when `b`
+/// reaches `a` so: a rejoin's newcomer may have picked another transport than the group).
+/// Under rank masking, NVLink peers are masked through their signal pages and NCCL peers
+/// locally, each survivor by itself; the communicators then shrink to the survivors
+/// ([`crate::transport::nccl_comm`]). Every rank decides alike, so no one waits.
+fn refuse_unpaired_masks<M: Copy + Into<u64>>(masks: &[M]) -> Result<(), Error> {
     let n = masks.len();
-    let all_nccl = (0..n).all(|r| masks[r].into() == ((1u64 << n) - 1) & !(1 << r));
-    if config.rank_masking && masks.iter().any(|&m| m.into() != 0) && !(all_nccl && n > 1) {
-        return Err(Error::Unsupported(
-            "rank_masking needs every peer over NVLink (the mask is stored into peers' signal pages) or every peer over NCCL (Transport::Nccl); this group reaches some over each".into(),
-        ));
-    }
-    if config.rank_masking && all_nccl && n > 1 && config.algorithm != epflow_core::Algorithm::LowLatency {
-        return Err(Error::Unsupported("rank_masking over NCCL takes low-latency groups".into()));
+    let bit = |a: usize, b: usize| masks[a].into() >> b & 1;
+    if let Some((a, b)) = (0..n).flat_map(|a| (0..n).map(move |b| (a, b))).find(|&(a, b)| bit(a, b) != bit(b, a)) {
+        return Err(Error::Unsupported(format!(
+            "rank {a} {} rank {b} over NCCL, rank {b} {} rank {a} so: every rank must join with the group's transport",
+            if bit(a, b) == 1 { "reaches" } else { "does not reach" },
+            if bit(b, a) == 1 { "reaches" } else { "does not reach" },
+        )));
     }
     Ok(())
 }
 
 /// What a group joined over a bootstrap checks of its gathered NCCL masks and places (three
 /// words per rank: host, PCI location, SMs), alike on every rank (a rejoin meeting checks the
-/// same): masking over NCCL, and NCCL on a shared GPU.
-pub(crate) fn check_transport(config: &GroupConfig, masks: &[u64], places: &[u64]) -> Result<(), Error> {
-    refuse_masking_over_nccl(config, masks)?;
+/// same): masks that pair up, and NCCL on a shared GPU.
+pub(crate) fn check_transport(masks: &[u64], places: &[u64]) -> Result<(), Error> {
+    refuse_unpaired_masks(masks)?;
     let gpus: Vec<&[u64]> = places.chunks(3).map(|p| &p[..2]).collect();
     refuse_nccl_on_a_shared_gpu(sharing_pair(&gpus), masks.iter().any(|&m| m != 0))
 }
@@ -416,6 +416,16 @@ fn comm_streams(ctx: &Arc<cudarc::driver::CudaContext>) -> Result<[Arc<cudarc::d
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn masks_that_do_not_pair_up_are_refused() {
+        // Every pair over NCCL, or ranks 0 and 1 on NVLink and rank 2 across: both pair up.
+        assert!(refuse_unpaired_masks(&[0b110u64, 0b101, 0b011]).is_ok());
+        assert!(refuse_unpaired_masks(&[0b100u64, 0b100, 0b011]).is_ok());
+        // A newcomer (rank 1) that joins on NVLink a group whose rank 0 reaches it over NCCL.
+        let err = refuse_unpaired_masks(&[0b10u64, 0b00]).unwrap_err();
+        assert!(matches!(&err, Error::Unsupported(m) if m.contains("rank 0 reaches rank 1 over NCCL")), "{err}");
+    }
 
     #[test]
     fn sharing_pair_finds_the_first_two_ranks_on_one_gpu() {

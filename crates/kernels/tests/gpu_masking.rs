@@ -203,47 +203,56 @@ fn survivors_of_three_go_on() {
     survivors_go_on(3);
 }
 
-/// A group with some peers over NVLink and some over NCCL cannot agree on a mask: refused.
-#[test]
-fn masking_is_refused_over_nvlink_and_nccl_at_once() {
-    let Some(devices) = gpus(2, "masking_is_refused_over_nvlink_and_nccl_at_once") else { return };
-    // Ranks 0 and 1 on NVLink, rank 2 over NCCL: refused before any device is touched.
-    let mixed = epflow_kernels::Transport::Hierarchical { hosts: vec![0, 0, 1] };
-    let three = [devices[0]; 3];
-    let err = GpuWorld::create_with(&three, config(&three), mixed).unwrap_err();
-    assert!(matches!(&err, Error::Unsupported(m) if m.contains("every peer over NCCL")), "{err}");
-}
-
 /// Rank masking over NCCL (`Transport::Nccl`), in one process, two ranks (on one GPU with NCCL
-/// 2.30 and `NCCL_MULTI_RANK_GPU_ENABLE=1`). Each cycle: full rounds bit-exact; rank 1's thread
-/// stops calling (and drops its rank after rank 0's next operation); that operation waits in
-/// NCCL until the host deadline, the channel's communicator is revoked and the receive kernel
-/// masks rank 1 (timed: under two timeouts, no error, no poison); masked rounds match the
-/// reference without rank 1, and the dispatch and combine communicators were shrunk to rank 0
-/// (`nccl_members`); `unmask_all` is refused (over NCCL a masked rank comes back through a
-/// rejoin); a new rank takes rank 1's place (`GpuWorld::rejoin_with` over a TCP meeting, the
-/// survivor's `admit`), every communicator holds both ranks again, and full rounds are
-/// bit-exact. `EPFLOW_TEST_REJOIN_CYCLES` cycles (default 2), `EPFLOW_GPU_ITERS` rounds per
-/// phase (default 20).
+/// 2.30 and `NCCL_MULTI_RANK_GPU_ENABLE=1`): see [`nccl_cycles`].
 #[test]
 fn masking_over_nccl_shrinks_and_a_newcomer_rejoins() {
-    use epflow_kernels::Transport;
     let test = "masking_over_nccl_shrinks_and_a_newcomer_rejoins";
     let Some(devices) = common::nccl_gpus(2, test) else { return };
+    nccl_cycles(test, &devices, epflow_kernels::Transport::Nccl);
+}
+
+/// The same with NVLink inside a "host" and NCCL across (`Transport::Hierarchical`, ranks 0 and
+/// 1 on one, rank 2 on the other), three ranks: rank 1 dies; rank 0 masks it over NVLink (at
+/// the device deadline), rank 2 over NCCL (revoke at the host deadline, then the receive's
+/// device deadline); both shrink their communicators; the newcomer maps rank 0's memory (by
+/// address, one process) and reaches rank 2 over a new communicator.
+#[test]
+fn masking_over_nvlink_and_nccl_shrinks_and_a_newcomer_rejoins() {
+    let test = "masking_over_nvlink_and_nccl_shrinks_and_a_newcomer_rejoins";
+    let Some(devices) = common::nccl_gpus(3, test) else { return };
+    nccl_cycles(test, &devices, epflow_kernels::Transport::Hierarchical { hosts: vec![0, 0, 1] });
+}
+
+/// Kill-and-rejoin cycles of rank 1 in a group of `devices.len()` ranks with NCCL peers, in one
+/// process. Each cycle: full rounds bit-exact; rank 1's thread stops calling (and drops its
+/// rank after the survivors' next operation); a survivor that reaches it over NCCL waits in
+/// NCCL until the host deadline, its channel's communicator is revoked and the receive kernel
+/// masks rank 1 (one over NVLink masks it at the device deadline); the first operation without
+/// it is timed (under two timeouts, no error, no poison); masked rounds match the reference
+/// without rank 1, and the dispatch and combine communicators were shrunk to the survivors
+/// (`nccl_members`); `unmask_all` is refused (a masked NCCL peer comes back through a
+/// rejoin). In the first cycle a newcomer that joins with another transport (NVLink only) is
+/// refused on every rank and changes nothing. Then a new rank takes rank 1's place
+/// (`GpuWorld::rejoin_with` over a TCP meeting, the survivors' `admit`), every communicator
+/// holds the whole group again, and full rounds are bit-exact. `EPFLOW_TEST_REJOIN_CYCLES`
+/// cycles (default 2), `EPFLOW_GPU_ITERS` rounds per phase (default 20).
+fn nccl_cycles(test: &str, devices: &[usize], transport: epflow_kernels::Transport) {
     let n = devices.len();
     let cycles: u64 = std::env::var("EPFLOW_TEST_REJOIN_CYCLES").ok().and_then(|s| s.parse().ok()).unwrap_or(2);
     let iters: u64 = std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
     let base = seed();
     eprintln!("{test}: seed {base} (EPFLOW_TEST_SEED replays it), {cycles} cycles, {iters} rounds per phase");
-    let config = config(&devices);
-    let local = LocalMeetings::new(&devices);
+    let config = config(devices);
+    let local = LocalMeetings::new(devices);
     let (meeting, barrier) = (|me| local.meeting(me), || local.barrier());
-    let dead = n - 1;
+    let dead = 1;
     let (none, gone) = (RankSet::new(), RankSet::from_ranks([dead], n).unwrap());
     let everyone = [(1u32 << n) - 1; 3];
-    let ranks = GpuWorld::create_with(&devices, config.clone(), Transport::Nccl).expect("world over NCCL");
-    assert_eq!(ranks[0].nccl_members(), Some(everyone));
-    let (config, none, gone) = (&config, &none, &gone);
+    let survivors = everyone[0] & !(1 << dead);
+    let ranks = GpuWorld::create_with(devices, config.clone(), transport.clone()).expect("world with NCCL peers");
+    assert!(ranks.iter().all(|r| r.nccl_members() == Some(everyone)));
+    let (config, none, gone, transport) = (&config, &none, &gone, &transport);
     on_owned_ranks(ranks, |rank| {
         let me = rank.rank();
         let mut rank = Some(rank);
@@ -255,13 +264,22 @@ fn masking_over_nccl_shrinks_and_a_newcomer_rejoins() {
             timed_rounds(&r, &b, config, from, iters, none);
             barrier();
             let used = if me == dead {
-                // This rank stops calling. Its memory goes once the survivor's first operation
+                // This rank stops calling. Its memory goes once the survivors' first operation
                 // without it is over (in one process a free waits for every kernel of the GPU,
-                // among them the survivor's waiting for this rank).
+                // among them the survivors' waiting for this rank).
                 barrier();
                 drop((b, r));
+                if cycle == 0 {
+                    let nvlink = epflow_kernels::Transport::NvLink;
+                    match GpuWorld::rejoin_with(&meeting(me), config.clone(), nvlink) {
+                        Err(Error::Unsupported(m)) => assert!(m.contains("transport"), "{m}"),
+                        other => {
+                            panic!("a newcomer with another transport must be refused, got {:?}", other.map(|_| ()))
+                        }
+                    }
+                }
                 let t = Instant::now();
-                let fresh = GpuWorld::rejoin_with(&meeting(me), config.clone(), Transport::Nccl).expect("rejoin");
+                let fresh = GpuWorld::rejoin_with(&meeting(me), config.clone(), transport.clone()).expect("rejoin");
                 eprintln!("{test}: cycle {cycle}: rank {me}'s replacement rejoined in {:?}", t.elapsed());
                 assert_eq!(fresh.nccl_members(), Some(everyone));
                 let b = Bufs::new(&fresh, &scenario(config, n, from + 5000));
@@ -276,11 +294,19 @@ fn masking_over_nccl_shrinks_and_a_newcomer_rejoins() {
                 assert_eq!(r.masked_ranks().ranks, *gone, "rank {me}");
                 assert!(!r.poison().is_poisoned());
                 let members = r.nccl_members().expect("NCCL peers");
-                let survivors = everyone[0] & !(1 << dead);
-                assert_eq!(members[..2], [survivors; 2], "dispatch and combine communicators shrunk");
+                assert_eq!(members[..2], [survivors; 2], "rank {me}: dispatch and combine communicators shrunk");
                 match r.unmask_all() {
                     Err(Error::Unsupported(m)) => assert!(m.contains("rejoin"), "{m}"),
-                    other => panic!("unmask_all over NCCL must be refused, got {other:?}"),
+                    other => panic!("unmask_all with NCCL peers must be refused, got {other:?}"),
+                }
+                if cycle == 0 {
+                    match r.admit(&meeting(me)) {
+                        Err(Error::Unsupported(m)) => assert!(m.contains("transport"), "{m}"),
+                        other => panic!("a newcomer with another transport must be refused, got {other:?}"),
+                    }
+                    assert_eq!(r.masked_ranks().ranks, *gone, "rank {me}");
+                    assert!(!r.poison().is_poisoned());
+                    timed_rounds(&r, &b, config, from + 200, 2, gone);
                 }
                 let t = Instant::now();
                 assert_eq!(r.admit(&meeting(me)).expect("admit"), *gone);
@@ -290,7 +316,7 @@ fn masking_over_nccl_shrinks_and_a_newcomer_rejoins() {
                 barrier();
                 timed_rounds(&r, &b, config, from + 5000, iters, none);
                 eprintln!(
-                    "{test}: cycle {cycle}: rank {me}: first operation without rank {dead} took {stall:?} (timeout {:?}: NCCL revoked at the host deadline, then the receive's device deadline), admit {admit:?}, {iters} masked and {iters} full rounds bit-exact",
+                    "{test}: cycle {cycle}: rank {me}: first operation without rank {dead} took {stall:?} (timeout {:?}), admit {admit:?}, {iters} masked and {iters} full rounds bit-exact",
                     timeout()
                 );
                 assert!(stall < 2 * timeout() + Duration::from_millis(500), "rank {me}: {stall:?}");
@@ -301,7 +327,7 @@ fn masking_over_nccl_shrinks_and_a_newcomer_rejoins() {
             drop(used);
         }
     });
-    eprintln!("ok: {test}: {cycles} cycles of kill, shrink and rejoin over NCCL, every round bit-exact");
+    eprintln!("ok: {test}: {cycles} cycles of kill, shrink and rejoin with NCCL peers, every round bit-exact");
 }
 
 /// The async `Group::admit` of GPU ranks (`Backend::admit`) refuses before any meeting: a rank

@@ -109,16 +109,20 @@ impl GpuRank {
         self.meet_and_renumber(next, "unmask_all", false)
     }
 
-    /// `unmask_all` at the end of a rejoin meeting of a group over NCCL, where no peer's signal
-    /// page is mapped: the ranks agree over `meeting` on the next operation numbers (each
-    /// channel's largest), then `ep_mask_rejoin` runs for this rank alone (it resets this rank's
-    /// credits and mask) and the host numbers from there. Collective over the meeting.
+    /// `unmask_all` at the end of a rejoin meeting of a group with NCCL peers, whose signal
+    /// pages are not mapped (so the device meeting cannot hold it): the ranks agree over
+    /// `meeting` on the next operation numbers (each channel's largest), then `ep_mask_rejoin`
+    /// runs for this rank alone (it resets this rank's credits and mask) and the host numbers
+    /// from there; a last round makes sure every rank has reset before any sends again (an
+    /// NVLink peer's credits and arrivals land in this rank's page). Collective over the
+    /// meeting.
     pub(super) fn unmask_all_over(&self, meeting: &(impl Bootstrap + ?Sized)) -> Result<(), Error> {
         self.check_masking("unmask_all")?;
         let mine = Channel::ALL.map(|c| self.core.peek_seq(c));
         let all = all_gather_u64(meeting, &mine)?;
         let next = [0, 1, 2].map(|c| all.chunks_exact(3).map(|w| w[c]).max().unwrap_or(0));
-        self.meet_and_renumber(next, "unmask_all", true)
+        self.meet_and_renumber(next, "unmask_all", true)?;
+        all_gather_u64(meeting, &[0]).map(drop)
     }
 
     /// Test support for the low-latency tagged areas, whose 32-bit tags wrap every 2^32 operations

@@ -62,7 +62,9 @@ struct Record {
     masked: u64,
     /// The device meetings the rank has called ([`GpuRank::meet_on`]).
     meetings: u64,
-    /// 1: the group reaches every peer over NCCL (no memory is mapped, so hosts may differ).
+    /// 1: the rank reaches peers over NCCL (a survivor's says whether the group spans hosts:
+    /// then a newcomer may come on another host than the survivors, its transport checked by
+    /// the masks it joins with).
     nccl: u64,
 }
 
@@ -136,13 +138,6 @@ fn check_records(records: &[Record]) -> Result<Settled, Error> {
         if rec.config != lead.config {
             let why = RejoinRefusal::ConfigMismatch(format!("rank {r}'s differs from rank {first}'s"));
             return Err(Error::RejoinRefused { rank: newcomer, why });
-        }
-        if rec.nccl != lead.nccl {
-            return refuse(format!(
-                "rank {r} {} over NCCL, rank {first} {}: the newcomer must join with the group's transport (GpuWorld::rejoin_with)",
-                if rec.nccl == 1 { "joins" } else { "does not join" },
-                if lead.nccl == 1 { "does" } else { "does not" }
-            ));
         }
         if rec.host != lead.host && lead.nccl == 0 {
             return refuse(format!(
@@ -248,7 +243,7 @@ impl GpuWorld {
         let ranks = meeting.world_size();
         refuse_config(&config, meeting.rank())?;
         let config_print = config_fingerprint(&config, ranks);
-        let nccl = u64::from(transport == crate::Transport::Nccl);
+        let nccl = u64::from(transport.nccl_mask(meeting.rank(), ranks, None)? != 0);
         let mine =
             Record { role: NEWCOMER, host: host_id(), config: config_print, epoch: 0, masked: 0, meetings: 0, nccl };
         let settled = meet_records(meeting, mine)?;
@@ -352,9 +347,9 @@ impl GpuRank {
         let ctx = &s.ctx;
         let places = all_gather_u64(meeting, &place_words(ctx)?)?;
         let masks = all_gather_u64(meeting, &[u64::from(s.nccl.as_ref().map_or(0, |n| n.mask))])?;
-        // Checked as the newcomer's join checks it: one transport for every rank (all NVLink, or
-        // with rank masking all NCCL), ranks sharing a GPU only where NCCL takes them.
-        crate::world::check_transport(&s.config, &masks, &places)?;
+        // Checked as the newcomer's join checks it: the masks pair up (the newcomer chose the
+        // group's transport), ranks share a GPU only where NCCL takes them.
+        crate::world::check_transport(&masks, &places)?;
         // A group over NCCL: a communicator of the whole group, made as at creation, replaces
         // the survivors' shrunk ones (put in place after the layout round, so a refused
         // newcomer changes nothing here).
@@ -366,7 +361,8 @@ impl GpuRank {
         let all = meeting.all_gather_bytes(&mine)?;
         let mut peers = (*s.peers()).clone();
         // NCCL peers are never addressed (their slots stay this rank's own memory).
-        for r in newcomers.iter().filter(|_| s.nccl.is_none()) {
+        let nvlink = |r: usize| s.nccl.as_ref().is_none_or(|n| !n.via_nccl(r));
+        for r in newcomers.iter().filter(|&r| nvlink(r)) {
             let (ptrs, keep) = open_exported(ctx, &all, r)?;
             // The dead rank's memory (its mappings, or in one process the memory itself) goes
             // with the view it is replaced in.
@@ -439,10 +435,9 @@ mod tests {
         ));
         let far = Record { host: 8, ..rec(NEWCOMER, 0) };
         refused(&[rec(SURVIVOR, 0b10), far], "another host");
-        // Over NCCL no memory is mapped: another host is fine, another transport is not.
-        let over_nccl = |r: Record| Record { nccl: 1, ..r };
-        assert!(check_records(&[over_nccl(rec(SURVIVOR, 0b10)), over_nccl(far)]).is_ok());
-        refused(&[over_nccl(rec(SURVIVOR, 0b10)), rec(NEWCOMER, 0)], "the group's transport");
+        // A group with NCCL peers spans hosts: the newcomer may come on another one (the masks
+        // it joins with are checked later).
+        assert!(check_records(&[Record { nccl: 1, ..rec(SURVIVOR, 0b10) }, far]).is_ok());
         let late = Record { epoch: 3, ..rec(SURVIVOR, 0b10) };
         refused(&[rec(SURVIVOR, 0b10), rec(NEWCOMER, 0), late], "unmask epochs");
         let met = Record { meetings: 6, ..rec(SURVIVOR, 0b10) };

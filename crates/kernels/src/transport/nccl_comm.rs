@@ -1,8 +1,9 @@
 //! One channel's NCCL communicator and which ranks of the group are in it ([`ChannelComm`]).
 //!
 //! Without rank masking a channel keeps the communicator the group was made with. With rank
-//! masking (groups that reach every peer over NCCL, see [`crate::GpuWorld::create_with`]) its
-//! members change:
+//! masking (low-latency groups with NCCL peers: every peer, or those on other hosts) its
+//! members change. NVLink peers are masked through their signal pages as ever; NCCL peers
+//! each survivor masks by itself:
 //!
 //! - **A peer dies.** NCCL's kernel waits for it without a deadline, before the receive kernel
 //!   that would mask it. At the operation's host deadline the communicator is revoked
@@ -11,7 +12,7 @@
 //! - **The channel's next operation** shrinks the communicator to the ranks the group has not
 //!   masked ([`ChannelComm::fit`], `ncclCommShrink` with `NCCL_SHRINK_ABORT`, collective over
 //!   them: every survivor shrinks at its next operation of the channel, so all must have masked
-//!   the same ranks). A shrink that does not end by the group's timeout is an
+//!   the same ranks). A shrink that does not end within three group timeouts is an
 //!   [`Error::Timeout`], never a hang. In the shrunk communicator the survivors are numbered in
 //!   order; [`ChannelComm::peer`] translates.
 //! - **A rejoin** ([`crate::GpuRank::admit`]) puts a communicator of the whole group, made over
@@ -36,6 +37,11 @@ use crate::device::bind;
 const NCCL_SHRINK_ABORT: i32 = 0x01;
 /// `NCCL_REVOKE_DEFAULT` of `nccl.h`.
 const NCCL_REVOKE_DEFAULT: i32 = 0x00;
+/// A shrink waits this many group timeouts for the other survivors: they come to it at their
+/// next operation of the channel, and a rank that masked the dead one over NVLink (at the
+/// device deadline) gets there up to one timeout before one that waited for NCCL's host
+/// deadline first.
+const SHRINK_TIMEOUTS: u32 = 3;
 
 /// A channel's communicator: the NCCL handle, each group rank's rank in it, and its state.
 #[derive(Debug)]
@@ -139,7 +145,7 @@ impl ChannelComm {
 
     /// Makes the communicator hold exactly the members of `live` it holds (the group's
     /// unmasked ranks): if a member is masked, or it was revoked, shrinks it (collective over
-    /// the ranks it keeps: see the module), waiting at most `timeout`. `ctx`: the rank's
+    /// the ranks it keeps: see the module), waiting at most three `timeout`s. `ctx`: the rank's
     /// context, current on the shrinking thread.
     pub(crate) fn fit(&mut self, ctx: &Arc<CudaContext>, live: u32, timeout: Duration) -> Result<(), Error> {
         let members = self.members();
@@ -183,7 +189,7 @@ impl ChannelComm {
                 let _ = tx.send(made);
             })
             .map_err(|e| Error::Backend(format!("NCCL: no thread for ncclCommShrink: {e}")))?;
-        match rx.recv_timeout(timeout) {
+        match rx.recv_timeout(SHRINK_TIMEOUTS * timeout) {
             Ok(Ok(child)) => {
                 // SAFETY: the parent is no longer used (its operations were aborted by the
                 // shrink); aborting is local.
@@ -216,7 +222,7 @@ impl ChannelComm {
                         "the survivors {:#b} to shrink the channel's NCCL communicator (every survivor must have masked the same ranks)",
                         members & live
                     ),
-                    after: timeout,
+                    after: SHRINK_TIMEOUTS * timeout,
                 })
             }
         }
