@@ -61,6 +61,7 @@ impl GpuWorld {
         let masks = (0..num_ranks).map(|r| transport.nccl_mask(r, num_ranks, None)).collect::<Result<Vec<_>, _>>()?;
         refuse_unpaired_masks(&masks)?;
         let any_nccl = masks.iter().any(|&m| m != 0);
+        refuse_masking_on_old_nccl(&config, any_nccl)?;
         refuse_nccl_on_a_shared_gpu(sharing_pair(devices), any_nccl)?;
         let ctxs = devices.iter().map(|&d| context(d)).collect::<Result<Vec<_>, _>>()?;
         let device_sms = ctxs.iter().map(|c| sm_count_of(c)).collect::<Result<Vec<_>, _>>()?;
@@ -183,6 +184,7 @@ impl GpuWorld {
         // Every rank learns every mask (rank 0's ids serve the NCCL communicators).
         let masks = bootstrap::all_gather_u64(comm, &[u64::from(mask)])?;
         check_transport(&masks, &places)?;
+        refuse_masking_on_old_nccl(&config, masks.iter().any(|&m| m != 0))?;
         let layout = layout.for_transport(masks.iter().any(|&m| m != 0));
         let nccl = if masks.iter().any(|&m| m != 0) {
             let ids = if rank == 0 { new_ids()? } else { [0u64; 48] };
@@ -261,6 +263,26 @@ fn refuse_unpaired_masks<M: Copy + Into<u64>>(masks: &[M]) -> Result<(), Error> 
     Ok(())
 }
 
+/// Rank masking with NCCL peers revokes and shrinks communicators (`ncclCommRevoke`,
+/// `ncclCommShrink`): NCCL 2.28 or later. Every rank loads its own NCCL; a rank that refuses
+/// makes the others fail at their next collective step.
+fn refuse_masking_on_old_nccl(config: &GroupConfig, any_nccl: bool) -> Result<(), Error> {
+    if !config.rank_masking || !any_nccl {
+        return Ok(());
+    }
+    crate::setup::bootstrap::nccl_present()?;
+    match cudarc::nccl::result::get_nccl_version() {
+        Ok(v) if v >= 22800 => Ok(()),
+        Ok(v) => Err(Error::Unsupported(format!(
+            "rank_masking with NCCL peers needs NCCL 2.28 or later (ncclCommRevoke, ncclCommShrink); this process loaded {}.{}.{}",
+            v / 10000,
+            v / 100 % 100,
+            v % 100
+        ))),
+        Err(e) => Err(Error::Backend(format!("NCCL: ncclGetVersion: {:?}", e.0))),
+    }
+}
+
 /// What a group joined over a bootstrap checks of its gathered NCCL masks and places (three
 /// words per rank: host, PCI location, SMs), alike on every rank (a rejoin meeting checks the
 /// same): masks that pair up, and NCCL on a shared GPU.
@@ -317,6 +339,7 @@ fn refuse_nccl_on_a_shared_gpu(shared: Option<(usize, usize)>, any_nccl: bool) -
 /// ranks of one GPU.
 fn nccl_takes_ranks_sharing_a_gpu() -> bool {
     epflow_core::tuning::Environment::get().nccl_multi_rank_gpu
+        && crate::setup::bootstrap::nccl_present().is_ok()
         && cudarc::nccl::result::get_nccl_version().is_ok_and(|v| v >= 23000)
 }
 

@@ -109,9 +109,13 @@ impl GpuOp {
         let s = &self.shared;
         let n = s.nccl.as_ref().ok_or_else(|| Error::Backend("an NCCL exchange without NCCL".into()))?;
         let all = (1u32 << s.num_ranks) - 1;
-        let live = (s.config.rank_masking && matches!(self.launch, Launch::Ll(_)))
-            .then(|| (all & !(s.mask_mirror() as u32), &s.ctx, s.config.timeout));
-        n.comms.issue_on(self.chan(), self.work.stream(), &self.xfers, live)
+        let live = || all & !(s.mask_mirror() as u32);
+        let masking = (s.config.rank_masking && matches!(self.launch, Launch::Ll(_))).then_some((
+            &live as &dyn Fn() -> u32,
+            &s.ctx,
+            s.config.timeout,
+        ));
+        n.comms.issue_on(self.chan(), self.work.stream(), &self.xfers, masking)
     }
 
     fn launch_one<P: cudarc::driver::DeviceRepr>(

@@ -31,6 +31,7 @@
 //! it); before step 4 the survivors go on as they were (still masked), during `unmask_all` the
 //! group fails as `unmask_all` does.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use epflow_core::mask::RankSet;
@@ -41,6 +42,7 @@ use super::GpuRank;
 use crate::setup::bootstrap::{Bootstrap, all_gather_u64};
 use crate::setup::meeting::MeetingSource;
 use crate::transport::host_id;
+use crate::transport::nccl::{NcclComms, decode_ids, new_ids};
 use crate::transport::peer_memory::{exported, open_exported};
 use crate::world::{GpuWorld, place_words};
 
@@ -196,16 +198,45 @@ fn meet_retired(meeting: &(impl Bootstrap + ?Sized)) -> Result<(), Error> {
 }
 
 /// A survivor's side of the NCCL communicators the newcomer's join makes: rank 0's ids, then
-/// `ncclCommInitRank` of the whole group (collective over the meeting's ranks).
-fn nccl_of_the_whole_group(
-    rank: &GpuRank,
-    meeting: &(impl Bootstrap + ?Sized),
-) -> Result<crate::transport::nccl::NcclComms, Error> {
+/// `ncclCommInitRank` of the whole group (collective over the meeting's ranks), bounded by
+/// [`nccl_setup_limit`].
+fn nccl_of_the_whole_group(rank: &GpuRank, meeting: &(impl Bootstrap + ?Sized)) -> Result<NcclComms, Error> {
     let s = &rank.shared;
-    let ids = if s.rank == 0 { crate::transport::nccl::new_ids()? } else { [0u64; 48] };
+    let ids = if s.rank == 0 { new_ids()? } else { [0u64; 48] };
     let all = all_gather_u64(meeting, &ids)?;
-    crate::device::bind(&s.ctx)?;
-    crate::transport::nccl::NcclComms::init_rank(&crate::transport::nccl::decode_ids(&all[..48]), s.rank, s.num_ranks)
+    let (ids, ctx, me, world) = (decode_ids(&all[..48]), Arc::clone(&s.ctx), s.rank, s.num_ranks);
+    within("make the whole group's NCCL communicators", nccl_setup_limit(&s.config), move || {
+        crate::device::bind(&ctx)?;
+        NcclComms::init_rank(&ids, me, world)
+    })
+}
+
+/// How long a survivor gives the NCCL set-up of a rejoin (communicator creation, then its
+/// pairs' connection) before it gives up: three group timeouts, at least 30 s (NCCL's own
+/// bootstrap takes seconds).
+fn nccl_setup_limit(config: &GroupConfig) -> Duration {
+    (3 * config.timeout).max(Duration::from_secs(30))
+}
+
+/// Runs `f` on a thread of its own and waits for it at most `limit`: a blocking NCCL call
+/// that waits for a rank that never comes (it died, or failed a round earlier) fails the
+/// survivor with [`Error::Timeout`] instead of hanging it. The thread is then left behind,
+/// with what it holds.
+fn within<T: Send + 'static>(
+    what: &str,
+    limit: Duration,
+    f: impl FnOnce() -> Result<T, Error> + Send + 'static,
+) -> Result<T, Error> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("epflow-rejoin-nccl".into())
+        .spawn(move || {
+            let _ = tx.send(f());
+        })
+        .map_err(|e| Error::Backend(format!("rejoin: no thread to {what}: {e}")))?;
+    rx.recv_timeout(limit).unwrap_or_else(|_| {
+        Err(Error::Timeout { op: "rejoin".into(), rank: 0, waiting_for: format!("every rank to {what}"), after: limit })
+    })
 }
 
 /// Refuses a meeting bootstrap that is not this group's shape.
@@ -372,10 +403,16 @@ impl GpuRank {
             peers.exchange[r] = ptrs[2];
             peers.signals[r] = ptrs[3];
         }
-        if let Some(c) = &fresh {
+        let fresh = match fresh {
             // Collective with the newcomer's connection at the end of its join.
-            c.connect(ctx, &s.streams[0], s.rank, s.num_ranks)?;
-        }
+            Some(c) => {
+                let (ctx, stream, rank, world) = (Arc::clone(ctx), Arc::clone(&s.streams[0]), s.rank, s.num_ranks);
+                Some(within("connect the new NCCL communicators", nccl_setup_limit(&s.config), move || {
+                    c.connect(&ctx, &stream, rank, world).map(|()| c)
+                })?)
+            }
+            None => None,
+        };
         meet_layouts(meeting, self)?;
         // No kernel of this rank addresses a masked rank: the new addresses take effect with the
         // operations after `unmask_all`.

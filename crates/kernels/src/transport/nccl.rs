@@ -50,6 +50,11 @@ pub(crate) fn nccl_err(what: &str, e: nccl::NcclError) -> Error {
     Error::Backend(format!("NCCL: {what}: {:?}", e.0))
 }
 
+/// What [`NcclComms::issue_on`] needs under rank masking: the group's unmasked ranks as they
+/// stand (bit `r` = rank `r`; read again while it waits), the rank's context and the group's
+/// timeout.
+pub(crate) type Masking<'a> = (&'a dyn Fn() -> u32, &'a Arc<CudaContext>, Duration);
+
 /// The three NCCL communicators of a rank (dispatch, combine, handle channels), aborted when
 /// dropped. Other backends built on NCCL (the NCCL EP backend, `epflow-nccl-ep`) use them too.
 /// Under rank masking a channel's communicator shrinks to the survivors and a rejoin replaces
@@ -145,25 +150,46 @@ impl NcclComms {
     }
 
     /// Enqueues `xfers` on channel `chan`'s communicator as one NCCL group on `stream`, and
-    /// returns the communicator's generation (for [`NcclComms::revoke`]). `live`: under rank
-    /// masking, the group's unmasked ranks: the communicator first shrinks to them if it holds
-    /// a masked rank or was revoked (collective over the survivors, bounded by `timeout`; the
-    /// context `ctx` is made current on the shrinking thread), and transfers with masked peers
-    /// are left out. `None`: every transfer goes, to the communicator the group was made with.
+    /// returns the communicator's generation (for [`NcclComms::revoke`]). `masking`: under rank
+    /// masking, the group's unmasked ranks as they stand (read again while waiting), the
+    /// context to make current on a shrinking thread and the group's timeout. The communicator
+    /// first shrinks to the unmasked ranks if it holds a masked rank or was revoked (collective
+    /// over the survivors; see [`super::nccl_comm`]); transfers with masked peers are left out.
+    /// A revoked communicator shrinks only once the revoked operation's receive masked a peer
+    /// (its device deadline, at most a timeout away): waited for, bounded by the timeout.
+    /// `None`: every transfer goes, to the communicator the group was made with.
     pub(crate) fn issue_on(
         &self,
         chan: usize,
         stream: &CudaStream,
         xfers: &[Xfer],
-        live: Option<(u32, &Arc<CudaContext>, Duration)>,
+        masking: Option<Masking<'_>>,
     ) -> Result<u64, Error> {
         if self.aborted.load(Ordering::Acquire) {
             return Err(Error::Backend("the NCCL communicators were aborted after a timeout".into()));
         }
-        let mut c = self.chan(chan);
-        let Some((live, ctx, timeout)) = live else {
+        let Some((live_now, ctx, timeout)) = masking else {
+            let c = self.chan(chan);
             issue(c.comm()?, stream, xfers)?;
             return Ok(c.generation());
+        };
+        let deadline = std::time::Instant::now() + timeout;
+        let (mut c, live) = loop {
+            let live = live_now();
+            let c = self.chan(chan);
+            if !c.revoked_before_a_mask(live) {
+                break (c, live);
+            }
+            drop(c);
+            if std::time::Instant::now() > deadline {
+                return Err(Error::Timeout {
+                    op: "an NCCL exchange".into(),
+                    rank: 0,
+                    waiting_for: "the receive of the revoked exchange before it to mask the missing peers".into(),
+                    after: timeout,
+                });
+            }
+            std::thread::sleep(Duration::from_micros(200));
         };
         c.fit(ctx, live, timeout)?;
         let kept = xfers
@@ -188,6 +214,7 @@ impl NcclComms {
             let theirs = std::mem::replace(&mut *other.chan(chan), ChannelComm::closed());
             drop(self.chan(chan).replace(theirs));
         }
+        self.aborted.store(false, Ordering::Release);
     }
 
     /// The group ranks channel `chan`'s communicator holds (bit `r` = rank `r`).
@@ -205,20 +232,8 @@ impl NcclComms {
         rank: usize,
         world: usize,
     ) -> Result<(), Error> {
-        bind(ctx)?;
-        let buf = DeviceBuffer::zeroed(ctx, 2 * 8 * world)?;
-        for chan in 0..3 {
-            let xfers: Vec<Xfer> = (0..world)
-                .filter(|&p| p != rank)
-                .map(|p| Xfer {
-                    peer: p,
-                    send: (buf.ptr() + 8 * p as u64, 8),
-                    recv: (buf.ptr() + 8 * (world + p) as u64, 8),
-                })
-                .collect();
-            issue(self.comm(chan)?, stream, &xfers)?;
-        }
-        stream.synchronize().map_err(|e| crate::device::cuda("connect NCCL peers", e))
+        let comms = [0, 1, 2].map(|chan| self.comm(chan));
+        warm_up(&comms.into_iter().collect::<Result<Vec<_>, _>>()?, ctx, stream, rank, world)
     }
 }
 
@@ -227,6 +242,28 @@ impl Drop for NcclComms {
         // Local and never waits for peers (unlike ncclCommDestroy after a failure).
         self.abort();
     }
+}
+
+/// Connects every pair of ranks of each communicator of `comms` (this rank `rank` of `world`
+/// in each) with one tiny exchange on `stream`, and waits for it: NCCL connects pairs lazily,
+/// blocking the host in `ncclGroupEnd` until the peer does too. Collective.
+pub(crate) fn warm_up(
+    comms: &[nccl_sys::ncclComm_t],
+    ctx: &Arc<CudaContext>,
+    stream: &CudaStream,
+    rank: usize,
+    world: usize,
+) -> Result<(), Error> {
+    bind(ctx)?;
+    let buf = DeviceBuffer::zeroed(ctx, 2 * 8 * world)?;
+    let xfers: Vec<Xfer> = (0..world)
+        .filter(|&p| p != rank)
+        .map(|p| Xfer { peer: p, send: (buf.ptr() + 8 * p as u64, 8), recv: (buf.ptr() + 8 * (world + p) as u64, 8) })
+        .collect();
+    for &comm in comms {
+        issue(comm, stream, &xfers)?;
+    }
+    stream.synchronize().map_err(|e| crate::device::cuda("connect NCCL peers", e))
 }
 
 /// One peer's share of a grouped exchange: `(device address, bytes)` to send and to receive.

@@ -30,7 +30,9 @@ use cudarc::driver::CudaContext;
 use cudarc::nccl::sys as nccl_sys;
 use epflow_core::Error;
 
-use super::nccl::nccl_err;
+use cudarc::nccl::result::{comm_count, comm_user_rank};
+
+use super::nccl::{nccl_err, warm_up};
 use crate::device::bind;
 
 /// `NCCL_SHRINK_ABORT` of `nccl.h`: abort the parent's outstanding operations, then shrink.
@@ -143,6 +145,13 @@ impl ChannelComm {
         Ok(())
     }
 
+    /// Revoked, and no member masked in `live` yet: the revoked operation's receive has not
+    /// masked the missing peers (it does at its device deadline). A shrink now would wait for
+    /// them.
+    pub(crate) fn revoked_before_a_mask(&self, live: u32) -> bool {
+        self.revoked && !self.closed && !self.lost && self.members() & !live == 0
+    }
+
     /// Makes the communicator hold exactly the members of `live` it holds (the group's
     /// unmasked ranks): if a member is masked, or it was revoked, shrinks it (collective over
     /// the ranks it keeps: see the module), waiting at most three `timeout`s. `ctx`: the rank's
@@ -184,6 +193,18 @@ impl ChannelComm {
                     }
                     .result()
                     .map_err(|e| nccl_err("ncclCommShrink", e))?;
+                    // Its pairs connect now, under this deadline: lazily, the first operation's
+                    // `ncclGroupEnd` would block the host until every survivor issued one.
+                    // SAFETY: `child` is the live communicator just made.
+                    let (me, size) = unsafe { (comm_user_rank(child), comm_count(child)) };
+                    let (me, size) = (
+                        me.map_err(|e| nccl_err("ncclCommUserRank", e))?,
+                        size.map_err(|e| nccl_err("ncclCommCount", e))?,
+                    );
+                    let stream = ctx
+                        .new_stream()
+                        .map_err(|e| crate::device::cuda("a stream to connect a shrunk communicator", e))?;
+                    warm_up(&[child], &ctx, &stream, me as usize, size as usize)?;
                     Ok(CommPtr(child))
                 });
                 let _ = tx.send(made);
