@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On a GPU machine, from the repository root: rank masking and rejoin over NCCL (issue 68), in
-# one process (`gpu_masking`): `masking_over_nccl_shrinks_and_a_newcomer_rejoins` (two ranks
+# one process (`gpu_masking`): `masking_over_nccl_revokes_and_a_newcomer_rejoins` (two ranks
 # over `Transport::Nccl`; each cycle rank 1 dies, rank 0's communicators are revoked and shrunk,
 # a new rank rejoins with a communicator of the whole group) and
-# `masking_over_nvlink_and_nccl_shrinks_and_a_newcomer_rejoins` (three ranks, 0 and 1 on NVLink,
+# `masking_over_nvlink_and_nccl_revokes_and_a_newcomer_rejoins` (three ranks, 0 and 1 on NVLink,
 # rank 2 across NCCL). DEVICES="0 0 0" (default) puts every rank on GPU 0, which needs NCCL
 # 2.30: the pack's (.nccl-pack/, git-ignored; carry it) goes first on the library path when
 # present, with NCCL_MULTI_RANK_GPU_ENABLE=1. "0 1 2" runs on three GPUs (the two-rank test on
@@ -26,5 +26,5 @@ run() { # test, devices
         --nocapture --test-threads=1 >"$OUT/$1.log" 2>&1
     echo "$1 rc=$? $(grep -E 'cycle .*rank [02]:|rejoined|^ok:|SKIPPED|panicked|test result' "$OUT/$1.log" | tr '\n' ' ')"
 }
-run masking_over_nccl_shrinks_and_a_newcomer_rejoins $d0,$d1
-run masking_over_nvlink_and_nccl_shrinks_and_a_newcomer_rejoins $d0,$d1,$d2
+run masking_over_nccl_revokes_and_a_newcomer_rejoins $d0,$d1
+run masking_over_nvlink_and_nccl_revokes_and_a_newcomer_rejoins $d0,$d1,$d2

@@ -19,6 +19,7 @@ use crate::rank::GpuRank;
 use crate::setup::bootstrap::{self, Bootstrap};
 use crate::state::shared::{Kept, Peers, RankMemory, RankShared};
 use crate::transport::nccl::{NcclComms, NcclShared, decode_ids, new_ids};
+use crate::transport::nccl_pairs::{NcclPairs, pair_ids, pair_ids_of_all};
 use crate::transport::nvlink::enable_peer_access;
 use crate::transport::peer_memory::{exported, open_exported};
 use crate::transport::{Transport, host_id};
@@ -78,15 +79,34 @@ impl GpuWorld {
             .filter(|&(a, b)| a != b && masks[a] >> b & 1 == 0)
             .collect();
         enable_peer_access(devices, &ctxs, &nvlink_pairs)?;
-        let mut comms = if masks.iter().any(|&m| m != 0) {
+        let mut comms: Vec<Option<(NcclComms, Option<NcclPairs>)>> = if !any_nccl {
+            Vec::new()
+        } else if config.rank_masking {
+            // A communicator per pair of ranks (`transport/nccl_pairs.rs`), each rank's made
+            // on a thread of its own (every pair's two ranks at once).
+            let ids = pair_ids_of_all(&masks)?;
+            std::thread::scope(|sc| {
+                let joins: Vec<_> = (0..num_ranks)
+                    .map(|r| {
+                        let (ctx, ids) = (&ctxs[r], &ids[r]);
+                        sc.spawn(move || NcclPairs::init(ctx, r, num_ranks, ids))
+                    })
+                    .collect();
+                joins
+                    .into_iter()
+                    .map(|j| {
+                        let pairs = j.join().unwrap_or_else(|_| Err(Error::Backend("NCCL pairs panicked".into())))?;
+                        Ok(Some((NcclComms::none(), Some(pairs))))
+                    })
+                    .collect::<Result<Vec<_>, Error>>()
+            })?
+        } else {
             let comms = if sharing_pair(devices).is_some() {
                 NcclComms::init_threads(&ctxs)?
             } else {
                 NcclComms::init_all(devices)?
             };
-            comms.into_iter().map(Some).collect()
-        } else {
-            Vec::new()
+            comms.into_iter().map(|c| Some((c, None))).collect()
         };
         comms.resize_with(num_ranks, || None);
         let group_id = NEXT_GROUP_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -187,10 +207,16 @@ impl GpuWorld {
         refuse_masking_on_old_nccl(&config, masks.iter().any(|&m| m != 0))?;
         let layout = layout.for_transport(masks.iter().any(|&m| m != 0));
         let nccl = if masks.iter().any(|&m| m != 0) {
-            let ids = if rank == 0 { new_ids()? } else { [0u64; 48] };
-            let all = bootstrap::all_gather_u64(comm, &ids)?;
-            let comms = NcclComms::init_rank(&decode_ids(&all[..48]), rank, num_ranks)?;
-            Some(NcclShared::new(&ctx, &layout, comms, mask, num_ranks, allocator.as_ref())?)
+            let parts = if config.rank_masking {
+                // A communicator per pair of ranks (`transport/nccl_pairs.rs`): with every NCCL
+                // peer (at a rejoin, the survivors make theirs with this newcomer alone).
+                (NcclComms::none(), Some(NcclPairs::init(&ctx, rank, num_ranks, &pair_ids(comm, mask)?)?))
+            } else {
+                let ids = if rank == 0 { new_ids()? } else { [0u64; 48] };
+                let all = bootstrap::all_gather_u64(comm, &ids)?;
+                (NcclComms::init_rank(&decode_ids(&all[..48]), rank, num_ranks)?, None)
+            };
+            Some(NcclShared::new(&ctx, &layout, parts, mask, num_ranks, allocator.as_ref())?)
         } else {
             None
         };
@@ -248,8 +274,8 @@ struct Placement {
 /// The gathered NCCL masks must pair up (rank `a` reaches `b` over NCCL exactly when `b`
 /// reaches `a` so: a rejoin's newcomer may have picked another transport than the group).
 /// Under rank masking, NVLink peers are masked through their signal pages and NCCL peers
-/// locally, each survivor by itself; the communicators then shrink to the survivors
-/// ([`crate::transport::nccl_comm`]). Every rank decides alike, so no one waits.
+/// locally, each survivor by itself, when their pair's exchange stalls
+/// (`transport/nccl_pairs.rs`). Every rank decides alike, so no one waits.
 fn refuse_unpaired_masks<M: Copy + Into<u64>>(masks: &[M]) -> Result<(), Error> {
     let n = masks.len();
     let bit = |a: usize, b: usize| masks[a].into() >> b & 1;

@@ -17,7 +17,8 @@ use crate::device::{StreamFence, StreamWork, cuda, stream_id};
 use crate::params::{ExchangeParams, HtParams, HtPlanParams, LlParams, NcclHtParams};
 use crate::state::handle::GpuHandle;
 use crate::state::shared::RankShared;
-use crate::transport::nccl::Xfer;
+use crate::transport::nccl::{Xfer, issue};
+use crate::transport::nccl_pairs::PairExchange;
 
 /// The kernel parameters of an operation.
 #[derive(Clone, Copy, Debug)]
@@ -101,21 +102,20 @@ pub(crate) fn launch_ll_kernel_as(
 }
 
 impl GpuOp {
-    /// Enqueues this operation's NCCL group on its stream; returns the generation of the
-    /// channel's communicator it went to. Under rank masking (low-latency) the transfers with
-    /// masked peers are left out, and the communicator first shrinks to the unmasked ranks if
-    /// it holds a masked one ([`crate::transport::nccl_comm`]).
-    pub(super) fn issue_xfers(&self) -> Result<u64, Error> {
+    /// Enqueues this operation's NCCL exchange on its stream. Under rank masking (low-latency
+    /// groups with NCCL peers) each unmasked peer's transfers go through that pair's own
+    /// communicator and stream, masked peers' are left out; returns the pairs' exchanges
+    /// (`transport/nccl_pairs.rs`). Otherwise one NCCL group on the group's communicator.
+    pub(super) fn issue_xfers(&self) -> Result<Vec<PairExchange>, Error> {
         let s = &self.shared;
         let n = s.nccl.as_ref().ok_or_else(|| Error::Backend("an NCCL exchange without NCCL".into()))?;
-        let all = (1u32 << s.num_ranks) - 1;
-        let live = || all & !(s.mask_mirror() as u32);
-        let masking = (s.config.rank_masking && matches!(self.launch, Launch::Ll(_))).then_some((
-            &live as &dyn Fn() -> u32,
-            &s.ctx,
-            s.config.timeout,
-        ));
-        n.comms.issue_on(self.chan(), self.work.stream(), &self.xfers, masking)
+        match &n.pairs {
+            Some(pairs) => {
+                let live = ((1u32 << s.num_ranks) - 1) & !(s.mask_mirror() as u32);
+                pairs.issue(self.chan(), self.work.stream(), &self.xfers, live)
+            }
+            None => issue(n.comms.comm(self.chan())?, self.work.stream(), &self.xfers).map(|()| Vec::new()),
+        }
     }
 
     fn launch_one<P: cudarc::driver::DeviceRepr>(
@@ -238,7 +238,7 @@ impl GpuOp {
                 }
             })
             .collect();
-        n.comms.issue_on(self.chan(), stream, &xfers, None)?;
+        issue(n.comms.comm(self.chan())?, stream, &xfers)?;
         // SAFETY: as above, into the mapped pinned buffer of what arrived.
         unsafe { sys::cuMemcpyAsync(bufs.out.device_ptr(), n.handle_out.ptr(), bytes, stream.cu_stream()) }
             .result()

@@ -38,6 +38,7 @@ use crate::outputs::{GpuCombineOutput, GpuDispatchOutput, OutputTargets, SetLeas
 use crate::state::handle::GpuHandle;
 use crate::state::shared::{ExchangeBuffers, RankShared};
 use crate::transport::nccl::Xfer;
+use crate::transport::nccl_pairs::PairExchange;
 
 /// A high-throughput dispatch's output tensors and, when asked for, its counters on the host.
 pub(crate) type HtDispatchOutputs = (DispatchOutputs<DeviceTensor>, Option<Vec<i32>>);
@@ -93,12 +94,10 @@ pub struct GpuOp {
     /// NCCL exchange issued after the send kernel (low-latency with NCCL peers) or as the
     /// operation (high-throughput over NCCL).
     xfers: Vec<Xfer>,
-    /// Under rank masking, a low-latency operation's NCCL exchange: the generation of the
-    /// channel's communicator it went to, and an event after it (still pending at the host
-    /// deadline: NCCL waits for a peer, see [`GpuOp::revoke_stalled_exchange`]).
-    nccl_issued: Option<(u64, Arc<cudarc::driver::CudaEvent>)>,
-    /// `mask_missing` revoked the exchange (it is not revoked twice).
-    revoked: bool,
+    /// Under rank masking, a low-latency operation's exchanges with its NCCL peers, one per
+    /// pair (still pending at the host deadline: the peer died, see
+    /// `GpuOp::revoke_stalled_exchanges`).
+    pair_exchanges: Vec<PairExchange>,
     /// Staging the NCCL exchange reads or writes, kept until the operation is dropped (even when
     /// cancelled: the peers still exchange with it).
     scratch: Vec<CachedBuffer>,
@@ -162,8 +161,7 @@ impl GpuOp {
             refused: None,
             lease: None,
             sent: None,
-            nccl_issued: None,
-            revoked: false,
+            pair_exchanges: Vec::new(),
             reader: None,
             xfers: Vec::new(),
             scratch: Vec::new(),
@@ -395,9 +393,9 @@ impl Drop for GpuOp {
             while !idle() && std::time::Instant::now() < deadline {
                 std::thread::sleep(Duration::from_micros(200));
             }
-            // Under rank masking the receive ends by its device deadline once the exchange
-            // ended or was revoked.
-            let revoked = self.nccl_issued.is_some() && self.revoke_stalled_exchange().is_ok();
+            // Under rank masking the receive ends by its device deadline once every pair's
+            // exchange ended or was revoked.
+            let revoked = !self.pair_exchanges.is_empty() && self.revoke_stalled_exchanges().is_ok();
             if !idle() && !revoked {
                 if let Some(n) = &self.shared.nccl {
                     n.comms.abort();
@@ -409,21 +407,23 @@ impl Drop for GpuOp {
 }
 
 impl GpuOp {
-    /// Under rank masking, a low-latency operation whose NCCL exchange has not ended (a peer
-    /// died: NCCL waits for it before the receive kernel can mask it): revokes the channel's
-    /// communicator, if it is still the one the exchange went to, so the receive kernel runs
-    /// and masks the peers whose arrivals did not come by its device deadline; the channel's
-    /// next operation shrinks the communicator to the unmasked ranks
-    /// ([`crate::transport::nccl_comm`]). `Ok(true)`: the exchange was revoked (now or by a
-    /// shrink since); `Ok(false)`: nothing to revoke (no masking, no NCCL, or it ended).
-    fn revoke_stalled_exchange(&self) -> Result<bool, Error> {
-        let (Some((generation, after)), Some(n)) = (&self.nccl_issued, &self.shared.nccl) else {
-            return Ok(false);
-        };
-        if after.try_is_complete().unwrap_or(true) {
+    /// Under rank masking, the exchanges with NCCL peers that have not ended (the peer died:
+    /// NCCL waits for it without a deadline): revokes those pairs and masks their peers at
+    /// once, so the receive kernel, which runs once every pair's exchange ended, skips them
+    /// (`transport/nccl_pairs.rs`). `Ok(true)`: a pair was revoked now; `Ok(false)`: nothing
+    /// was pending (no masking, no NCCL peer, or every exchange ended).
+    fn revoke_stalled_exchanges(&self) -> Result<bool, Error> {
+        let Some(pairs) = self.shared.nccl.as_ref().and_then(|n| n.pairs.as_ref()) else { return Ok(false) };
+        let mut dead = 0u64;
+        for x in self.pair_exchanges.iter().filter(|x| !x.done.try_is_complete().unwrap_or(true)) {
+            if let Some(peer) = pairs.revoke(self.chan(), x)? {
+                dead |= 1 << peer;
+            }
+        }
+        if dead == 0 {
             return Ok(false);
         }
-        n.comms.revoke(self.chan(), *generation)?;
+        crate::rank::spread_mask(&self.shared, dead)?;
         Ok(true)
     }
 
@@ -516,16 +516,11 @@ impl PendingOp for GpuOp {
         matches!(self.launch, Launch::Ll(_)) && !matches!(self.kind, Some(GpuOpKind::Cancellation))
     }
 
-    /// At the host deadline, under rank masking over NCCL: revokes an exchange NCCL still waits
-    /// in ([`GpuOp::revoke_stalled_exchange`]), so the receive kernel masks the missing peers
-    /// within its device deadline; the caller then waits again. Revoked once per operation.
+    /// At the host deadline, under rank masking with NCCL peers: revokes the pairs whose
+    /// exchange has not ended and masks their peers (`GpuOp::revoke_stalled_exchanges`); the
+    /// caller then waits again (a pair is revoked once).
     fn mask_missing(&mut self) -> Result<bool, Error> {
-        if self.revoked {
-            return Ok(false);
-        }
-        let revoked = self.revoke_stalled_exchange()?;
-        self.revoked = revoked;
-        Ok(revoked)
+        self.revoke_stalled_exchanges()
     }
 
     fn poll_send_ready(&mut self) -> Result<bool, Error> {
@@ -582,10 +577,7 @@ impl PendingOp for GpuOp {
                         self.reader = Some(self.record_reader(&h, None)?);
                     }
                     if self.uses_nccl() {
-                        let generation = self.issue_xfers()?;
-                        if s.config.rank_masking {
-                            self.nccl_issued = Some((generation, self.work.record_now()?));
-                        }
+                        self.pair_exchanges = self.issue_xfers()?;
                     }
                     // A receive completed on a caller's stream waits for this event: the end of
                     // this operation's send half, not of whatever is enqueued later.

@@ -13,6 +13,7 @@ pub use expert_major::ExpertMajorPlan;
 mod launch_cost;
 pub use launch_cost::LaunchCost;
 mod mask;
+pub(crate) use mask::spread_mask;
 mod meet;
 mod rejoin;
 
@@ -63,17 +64,19 @@ impl GpuRank {
     pub(crate) fn connect_nccl(&self) -> Result<(), Error> {
         let s = &self.shared;
         match &s.nccl {
-            Some(n) => n.comms.connect(&s.ctx, &s.streams[0], s.rank, s.num_ranks),
-            None => Ok(()),
+            // Pairs connect as they are made.
+            Some(n) if n.pairs.is_none() => n.comms.connect(&s.ctx, &s.streams[0], s.rank, s.num_ranks),
+            _ => Ok(()),
         }
     }
 
-    /// Which ranks each channel's NCCL communicator holds now (dispatch, combine, handle; bit
-    /// `r` = rank `r`): the whole group at creation and after a rejoin; under rank masking, the
-    /// survivors once the channel's first operation after a mask shrank it
-    /// ([`crate::transport::nccl_comm`]). `None` without NCCL peers.
-    pub fn nccl_members(&self) -> Option<[u32; 3]> {
-        self.shared.nccl.as_ref().map(|n| [0, 1, 2].map(|c| n.comms.members(c)))
+    /// Under rank masking, the NCCL peers each channel reaches now (dispatch, combine, handle;
+    /// bit `r` = rank `r`): every NCCL peer at creation and after a rejoin, less those whose
+    /// pair an operation revoked when they died (`transport/nccl_pairs.rs`). `None` without
+    /// NCCL peers or without rank masking.
+    pub fn nccl_reachable(&self) -> Option<[u32; 3]> {
+        let pairs = self.shared.nccl.as_ref()?.pairs.as_ref()?;
+        Some([0, 1, 2].map(|c| pairs.reachable(c)))
     }
 
     /// Which peers this rank reaches through NCCL (bit `r` = rank `r`; 0 = NVLink only).

@@ -10,22 +10,27 @@
 //! 1. a record of each rank: survivor or newcomer, its host, the group's config (a fingerprint),
 //!    a survivor's mask epoch, mask word and count of device meetings ([`GpuRank::meet_on`]).
 //!    Every rank checks alike: every newcomer's rank is masked in every survivor's view and every
-//!    masked rank has a newcomer; one host; one config; the survivors agree on the epoch and the
+//!    masked rank has a newcomer; one host (unless the group has NCCL peers); one config; the
+//!    survivors agree on the epoch and the
 //!    meeting count (which the newcomer takes over, so that its next `meet_on` is theirs). A
 //!    failure is [`Error::RejoinRefused`] (no rank masking, a rank not masked, another config)
 //!    or [`Error::Unsupported`] (another host, survivors that disagree) on every rank, before
 //!    anything changed;
 //! 2. the rounds of [`GpuWorld::join_over`]: the newcomer joins as at creation (its memory, the
 //!    survivors' mapped with CUDA IPC, or reached by address in one process); the survivors send
-//!    what they sent then (their place, no NCCL, their memory's record) and reach the newcomers'
-//!    memory;
+//!    what they sent then (their place, their NCCL peers, their memory's record), check that the
+//!    NCCL peers pair up (the newcomer joined with the group's transport), make a pair
+//!    communicator with each newcomer they reach over NCCL (`transport/nccl_pairs.rs`) and
+//!    reach the newcomers' memory over NVLink;
 //! 3. a fingerprint of every rank's buffer layout (the newcomer's GPU may not change it);
-//! 4. the survivors put the newcomers' memory in place of the dead ranks' (no kernel addresses a
-//!    masked rank) and let the dead ranks' memory go (their IPC mappings, or in one process the
-//!    memory itself); a round makes sure every rank has before any kernel runs again;
-//! 5. the newcomer takes the survivors' mask epoch, and every rank runs `unmask_all`: on the
-//!    device, the ranks agree on the next operation numbers (the survivors'), reset every credit
-//!    and the mask, and the newcomer numbers from there.
+//! 4. the survivors put the newcomers' memory and NCCL pairs in place of the dead ranks' (no
+//!    kernel addresses a masked rank) and let the dead ranks' memory go (their IPC mappings, or
+//!    in one process the memory itself); a round makes sure every rank has before any kernel
+//!    runs again;
+//! 5. the newcomer takes the survivors' mask epoch, and every rank runs `unmask_all`: the ranks
+//!    agree on the next operation numbers (the survivors'), reset every credit and the mask, and
+//!    the newcomer numbers from there. On the device; with NCCL peers, whose pages are not
+//!    mapped, over the meeting, each rank resetting its own page.
 //!
 //! A rank that dies or never comes makes the meeting's bootstrap time out on the others (naming
 //! it); before step 4 the survivors go on as they were (still masked), during `unmask_all` the
@@ -42,7 +47,7 @@ use super::GpuRank;
 use crate::setup::bootstrap::{Bootstrap, all_gather_u64};
 use crate::setup::meeting::MeetingSource;
 use crate::transport::host_id;
-use crate::transport::nccl::{NcclComms, decode_ids, new_ids};
+use crate::transport::nccl_pairs::{NcclPairs, pair_ids};
 use crate::transport::peer_memory::{exported, open_exported};
 use crate::world::{GpuWorld, place_words};
 
@@ -197,22 +202,19 @@ fn meet_retired(meeting: &(impl Bootstrap + ?Sized)) -> Result<(), Error> {
     all_gather_u64(meeting, &[0]).map(drop)
 }
 
-/// A survivor's side of the NCCL communicators the newcomer's join makes: rank 0's ids, then
-/// `ncclCommInitRank` of the whole group (collective over the meeting's ranks), bounded by
-/// [`nccl_setup_limit`].
-fn nccl_of_the_whole_group(rank: &GpuRank, meeting: &(impl Bootstrap + ?Sized)) -> Result<NcclComms, Error> {
+/// A survivor's side of the pair communicators the newcomer's join makes: the ids round, then
+/// a pair with each newcomer of `make` (collective with it; bounded by [`nccl_setup_limit`]).
+fn pairs_with_newcomers(rank: &GpuRank, meeting: &(impl Bootstrap + ?Sized), make: u32) -> Result<NcclPairs, Error> {
     let s = &rank.shared;
-    let ids = if s.rank == 0 { new_ids()? } else { [0u64; 48] };
-    let all = all_gather_u64(meeting, &ids)?;
-    let (ids, ctx, me, world) = (decode_ids(&all[..48]), Arc::clone(&s.ctx), s.rank, s.num_ranks);
-    within("make the whole group's NCCL communicators", nccl_setup_limit(&s.config), move || {
-        crate::device::bind(&ctx)?;
-        NcclComms::init_rank(&ids, me, world)
+    let ids = pair_ids(meeting, make)?;
+    let (ctx, me, world) = (Arc::clone(&s.ctx), s.rank, s.num_ranks);
+    within("make the NCCL pairs with the newcomers", nccl_setup_limit(&s.config), move || {
+        NcclPairs::init(&ctx, me, world, &ids)
     })
 }
 
-/// How long a survivor gives the NCCL set-up of a rejoin (communicator creation, then its
-/// pairs' connection) before it gives up: three group timeouts, at least 30 s (NCCL's own
+/// How long a survivor gives the NCCL set-up of a rejoin (the pairs' communicators, then their
+/// connection) before it gives up: three group timeouts, at least 30 s (NCCL's own
 /// bootstrap takes seconds).
 fn nccl_setup_limit(config: &GroupConfig) -> Duration {
     (3 * config.timeout).max(Duration::from_secs(30))
@@ -263,9 +265,11 @@ impl GpuWorld {
         Self::rejoin_with(meeting, config, crate::Transport::Auto)
     }
 
-    /// [`GpuWorld::rejoin`] into a group made with `transport` (the group's own: a group all
-    /// over NCCL, `Transport::Nccl`, gets a new communicator of every rank from the meeting,
-    /// which replaces the survivors' shrunk ones; see [`crate::transport::nccl_comm`]).
+    /// [`GpuWorld::rejoin`] into a group made with `transport` (the group's own): with NCCL
+    /// peers (`Transport::Nccl`, or across hosts) the newcomer makes a pair communicator with
+    /// each of them, which replaces the dead rank's (`transport/nccl_pairs.rs`). Its NCCL
+    /// set-up has no deadline of its own: a survivor that fails between those rounds leaves it
+    /// waiting (the survivors' side is bounded).
     pub fn rejoin_with(
         meeting: &(impl Bootstrap + ?Sized),
         config: GroupConfig,
@@ -381,11 +385,11 @@ impl GpuRank {
         // Checked as the newcomer's join checks it: the masks pair up (the newcomer chose the
         // group's transport), ranks share a GPU only where NCCL takes them.
         crate::world::check_transport(&masks, &places)?;
-        // A group over NCCL: a communicator of the whole group, made as at creation, replaces
-        // the survivors' shrunk ones (put in place after the layout round, so a refused
-        // newcomer changes nothing here).
+        // NCCL peers: a pair communicator with each newcomer among them, made as the newcomer
+        // makes its pairs in its join, replaces the dead rank's (put in place after the layout
+        // round, so a refused newcomer changes nothing here).
         let fresh = match &s.nccl {
-            Some(_) => Some(nccl_of_the_whole_group(self, meeting)?),
+            Some(n) => Some(pairs_with_newcomers(self, meeting, newcomers.low_bits() as u32 & n.mask)?),
             None => None,
         };
         let (_, mine) = exported(&s.mem)?;
@@ -403,22 +407,12 @@ impl GpuRank {
             peers.exchange[r] = ptrs[2];
             peers.signals[r] = ptrs[3];
         }
-        let fresh = match fresh {
-            // Collective with the newcomer's connection at the end of its join.
-            Some(c) => {
-                let (ctx, stream, rank, world) = (Arc::clone(ctx), Arc::clone(&s.streams[0]), s.rank, s.num_ranks);
-                Some(within("connect the new NCCL communicators", nccl_setup_limit(&s.config), move || {
-                    c.connect(&ctx, &stream, rank, world).map(|()| c)
-                })?)
-            }
-            None => None,
-        };
         meet_layouts(meeting, self)?;
         // No kernel of this rank addresses a masked rank: the new addresses take effect with the
         // operations after `unmask_all`.
         drop(s.replace_peers(peers));
-        if let (Some(c), Some(n)) = (fresh, &s.nccl) {
-            n.comms.adopt(c);
+        if let (Some(fresh), Some(pairs)) = (fresh, s.nccl.as_ref().and_then(|n| n.pairs.as_ref())) {
+            pairs.adopt(fresh);
         }
         meet_retired(meeting)?;
         if s.nccl.is_some() {

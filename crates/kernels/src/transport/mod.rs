@@ -4,7 +4,7 @@
 //! send/recv ([`nccl`]: across hosts, or every pair when asked).
 
 pub mod nccl;
-pub(crate) mod nccl_comm;
+pub(crate) mod nccl_pairs;
 pub(crate) mod nvlink;
 pub(crate) mod peer_memory;
 

@@ -32,16 +32,17 @@
 //! A peer that never posts its side leaves NCCL's kernel waiting; the host deadline of the
 //! operation still fires (`Error::Timeout`), and dropping the unfinished operation aborts the
 //! rank's communicators (`ncclCommAbort`), which ends the kernel. The group is unusable after.
+//! Under rank masking, low-latency groups reach each NCCL peer through a communicator of that
+//! pair alone instead, so the group survives it (`transport/nccl_pairs.rs`).
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 use epflow_core::Error;
 
-use super::nccl_comm::ChannelComm;
+use super::nccl_pairs::NcclPairs;
 use crate::device::{DeviceBuffer, LocalAllocator, PinnedBuffer, bind};
 use crate::layout::BufferLayout;
 
@@ -50,55 +51,27 @@ pub(crate) fn nccl_err(what: &str, e: nccl::NcclError) -> Error {
     Error::Backend(format!("NCCL: {what}: {:?}", e.0))
 }
 
-/// What [`NcclComms::issue_on`] needs under rank masking: the group's unmasked ranks as they
-/// stand (bit `r` = rank `r`; read again while it waits), the rank's context and the group's
-/// timeout.
-pub(crate) type Masking<'a> = (&'a dyn Fn() -> u32, &'a Arc<CudaContext>, Duration);
-
 /// The three NCCL communicators of a rank (dispatch, combine, handle channels), aborted when
 /// dropped. Other backends built on NCCL (the NCCL EP backend, `epflow-nccl-ep`) use them too.
-/// Under rank masking a channel's communicator shrinks to the survivors and a rejoin replaces
-/// it (see [`super::nccl_comm`]).
 #[derive(Debug)]
 pub struct NcclComms {
-    chans: [Mutex<ChannelComm>; 3],
+    comms: [nccl_sys::ncclComm_t; 3],
     aborted: AtomicBool,
 }
 
 // SAFETY: NCCL communicators may be used from any thread; epflow issues the operations of one
-// communicator (one channel) from one thread at a time (the channel's lock), and `abort` is
+// communicator (one channel) from one thread at a time (the channel's turn), and `abort` is
 // guarded by `aborted`.
 unsafe impl Send for NcclComms {}
 // SAFETY: as above.
 unsafe impl Sync for NcclComms {}
 
 impl NcclComms {
-    fn of(comms: [nccl_sys::ncclComm_t; 3], num_ranks: usize) -> Self {
-        NcclComms {
-            chans: comms.map(|c| Mutex::new(ChannelComm::whole(c, num_ranks))),
-            aborted: AtomicBool::new(false),
-        }
-    }
-
-    fn chan(&self, chan: usize) -> std::sync::MutexGuard<'_, ChannelComm> {
-        self.chans[chan].lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// One process, every device of `devices` (rank `r` on `devices[r]`): three
-    /// `ncclCommInitAll`s. Returns one set of communicators per rank.
-    pub fn init_all(devices: &[usize]) -> Result<Vec<NcclComms>, Error> {
-        crate::setup::bootstrap::nccl_present()?;
-        let n = devices.len();
-        let list: Vec<i32> = devices.iter().map(|&d| d as i32).collect();
-        let mut per_chan = Vec::with_capacity(3);
-        for _ in 0..3 {
-            let mut comms = vec![std::ptr::null_mut(); n];
-            // SAFETY: `comms` has room for `n` communicators and `list` names `n` devices.
-            unsafe { nccl::comm_init_all(comms.as_mut_ptr(), n as i32, list.as_ptr()) }
-                .map_err(|e| nccl_err("ncclCommInitAll", e))?;
-            per_chan.push(comms);
-        }
-        Ok((0..n).map(|r| NcclComms::of([per_chan[0][r], per_chan[1][r], per_chan[2][r]], n)).collect())
+    /// No communicators: a group whose NCCL peers are reached through pair communicators
+    /// (rank masking, `transport/nccl_pairs.rs`) makes no communicator of the whole group.
+    /// Every use is refused.
+    pub(crate) fn none() -> Self {
+        NcclComms { comms: [std::ptr::null_mut(); 3], aborted: AtomicBool::new(true) }
     }
 
     /// One process, rank `r` on context `ctxs[r]`, with one thread per rank: three
@@ -120,6 +93,28 @@ impl NcclComms {
         })
     }
 
+    /// One process, every device of `devices` (rank `r` on `devices[r]`): three
+    /// `ncclCommInitAll`s. Returns one set of communicators per rank.
+    pub fn init_all(devices: &[usize]) -> Result<Vec<NcclComms>, Error> {
+        crate::setup::bootstrap::nccl_present()?;
+        let n = devices.len();
+        let list: Vec<i32> = devices.iter().map(|&d| d as i32).collect();
+        let mut per_chan = Vec::with_capacity(3);
+        for _ in 0..3 {
+            let mut comms = vec![std::ptr::null_mut(); n];
+            // SAFETY: `comms` has room for `n` communicators and `list` names `n` devices.
+            unsafe { nccl::comm_init_all(comms.as_mut_ptr(), n as i32, list.as_ptr()) }
+                .map_err(|e| nccl_err("ncclCommInitAll", e))?;
+            per_chan.push(comms);
+        }
+        Ok((0..n)
+            .map(|r| NcclComms {
+                comms: [per_chan[0][r], per_chan[1][r], per_chan[2][r]],
+                aborted: AtomicBool::new(false),
+            })
+            .collect())
+    }
+
     /// One rank of a multi-process group: three `ncclCommInitRank`s over `ids` (the same on every
     /// rank). Collective; the caller's context must be current.
     pub fn init_rank(ids: &[nccl_sys::ncclUniqueId; 3], rank: usize, world: usize) -> Result<NcclComms, Error> {
@@ -129,7 +124,7 @@ impl NcclComms {
             unsafe { nccl::comm_init_rank(c, world as i32, *id, rank as i32) }
                 .map_err(|e| nccl_err("ncclCommInitRank", e))?;
         }
-        Ok(NcclComms::of(comms, world))
+        Ok(NcclComms { comms, aborted: AtomicBool::new(false) })
     }
 
     /// The communicator of channel `chan` (0 dispatch, 1 combine, 2 handle).
@@ -137,89 +132,18 @@ impl NcclComms {
         if self.aborted.load(Ordering::Acquire) {
             return Err(Error::Backend("the NCCL communicators were aborted after a timeout".into()));
         }
-        self.chan(chan).comm()
+        Ok(self.comms[chan])
     }
 
     /// Aborts every communicator (ends NCCL kernels waiting for a peer). Idempotent.
     pub fn abort(&self) {
         if !self.aborted.swap(true, Ordering::AcqRel) {
-            for chan in 0..3 {
-                self.chan(chan).abort();
+            for c in self.comms {
+                // SAFETY: a communicator created in `init_*`, aborted once (guarded above;
+                // `none` starts aborted).
+                let _ = unsafe { nccl::comm_abort(c) };
             }
         }
-    }
-
-    /// Enqueues `xfers` on channel `chan`'s communicator as one NCCL group on `stream`, and
-    /// returns the communicator's generation (for [`NcclComms::revoke`]). `masking`: under rank
-    /// masking, the group's unmasked ranks as they stand (read again while waiting), the
-    /// context to make current on a shrinking thread and the group's timeout. The communicator
-    /// first shrinks to the unmasked ranks if it holds a masked rank or was revoked (collective
-    /// over the survivors; see [`super::nccl_comm`]); transfers with masked peers are left out.
-    /// A revoked communicator shrinks only once the revoked operation's receive masked a peer
-    /// (its device deadline, at most a timeout away): waited for, bounded by the timeout.
-    /// `None`: every transfer goes, to the communicator the group was made with.
-    pub(crate) fn issue_on(
-        &self,
-        chan: usize,
-        stream: &CudaStream,
-        xfers: &[Xfer],
-        masking: Option<Masking<'_>>,
-    ) -> Result<u64, Error> {
-        if self.aborted.load(Ordering::Acquire) {
-            return Err(Error::Backend("the NCCL communicators were aborted after a timeout".into()));
-        }
-        let Some((live_now, ctx, timeout)) = masking else {
-            let c = self.chan(chan);
-            issue(c.comm()?, stream, xfers)?;
-            return Ok(c.generation());
-        };
-        let deadline = std::time::Instant::now() + timeout;
-        let (mut c, live) = loop {
-            let live = live_now();
-            let c = self.chan(chan);
-            if !c.revoked_before_a_mask(live) {
-                break (c, live);
-            }
-            drop(c);
-            if std::time::Instant::now() > deadline {
-                return Err(Error::Timeout {
-                    op: "an NCCL exchange".into(),
-                    rank: 0,
-                    waiting_for: "the receive of the revoked exchange before it to mask the missing peers".into(),
-                    after: timeout,
-                });
-            }
-            std::thread::sleep(Duration::from_micros(200));
-        };
-        c.fit(ctx, live, timeout)?;
-        let kept = xfers
-            .iter()
-            .filter(|x| live >> x.peer & 1 == 1)
-            .map(|x| c.peer(x.peer).map(|p| Xfer { peer: p as usize, ..*x }))
-            .collect::<Result<Vec<_>, _>>()?;
-        issue(c.comm()?, stream, &kept)?;
-        Ok(c.generation())
-    }
-
-    /// Revokes channel `chan`'s operations if its communicator is still of `generation` (see
-    /// [`ChannelComm::revoke`]): the NCCL kernel of an operation past its deadline ends.
-    pub(crate) fn revoke(&self, chan: usize, generation: u64) -> Result<(), Error> {
-        self.chan(chan).revoke(generation)
-    }
-
-    /// Puts `other`'s communicators (of the whole group, made over a rejoin meeting) in place of
-    /// this rank's; the old ones are aborted.
-    pub(crate) fn adopt(&self, other: NcclComms) {
-        for chan in 0..3 {
-            let theirs = std::mem::replace(&mut *other.chan(chan), ChannelComm::closed());
-            drop(self.chan(chan).replace(theirs));
-        }
-        self.aborted.store(false, Ordering::Release);
-    }
-
-    /// The group ranks channel `chan`'s communicator holds (bit `r` = rank `r`).
-    pub(crate) fn members(&self, chan: usize) -> u32 {
-        self.chan(chan).members()
     }
 
     /// Connects every pair of ranks on every communicator with one tiny exchange, so the first
@@ -334,7 +258,11 @@ pub(crate) fn decode_ids(words: &[u64]) -> [cudarc::nccl::sys::ncclUniqueId; 3] 
 /// A rank's NCCL transport: its communicators, which peers use them, and its staging memory.
 #[derive(Debug)]
 pub(crate) struct NcclShared {
+    /// The communicators of the whole group ([`NcclComms::none`] under rank masking).
     pub comms: NcclComms,
+    /// Under rank masking: a communicator per pair of ranks, so a dead peer stalls only its
+    /// own exchanges (`transport/nccl_pairs.rs`).
+    pub pairs: Option<NcclPairs>,
     /// Bit `r`: rank `r` is reached through NCCL.
     pub mask: u32,
     /// Low-latency: per buffer set, the dispatch staging (`[R x M]` messages).
@@ -356,7 +284,7 @@ impl NcclShared {
     pub(crate) fn new(
         ctx: &Arc<CudaContext>,
         layout: &BufferLayout,
-        comms: NcclComms,
+        (comms, pairs): (NcclComms, Option<NcclPairs>),
         mask: u32,
         num_ranks: usize,
         local: Option<&Arc<dyn LocalAllocator>>,
@@ -366,6 +294,7 @@ impl NcclShared {
             |sets: usize, bytes: usize| (0..sets).map(|_| zeroed(bytes.max(1))).collect::<Result<Vec<_>, _>>();
         let mut s = NcclShared {
             comms,
+            pairs,
             mask,
             disp_out: Vec::new(),
             comb_out: Vec::new(),

@@ -1,0 +1,328 @@
+//! A communicator per pair of ranks ([`NcclPairs`]): how a low-latency group with rank masking
+//! reaches its NCCL peers.
+//!
+//! With one communicator of the whole group, a dead peer stalls every transfer of the grouped
+//! exchanges it is part of, and NCCL runs a group's peers in rounds: a live peer's transfers
+//! wait behind the dead one's, on its side and on the survivors' (seen with three ranks, one
+//! dead: the survivor that reached the dead rank over NVLink still stalled in NCCL, and its
+//! exchange with the live NCCL peer came out partial when it was cut). So each pair of ranks
+//! gets its own communicator for each channel, and each its own stream:
+//!
+//! - **An operation** orders each live NCCL peer's stream after its send kernel, enqueues that
+//!   pair's transfers there, and orders its own stream after each pair's end
+//!   ([`NcclPairs::issue`]). A dead peer stalls only its pair's stream.
+//! - **At the host deadline** ([`crate::op`]'s `mask_missing`) the pairs whose exchange has
+//!   not ended are revoked (`ncclCommRevoke`: their kernels end, the operation's stream goes
+//!   on) and their peers masked at once, so the receive kernel does not wait for them. Every
+//!   other pair's transfers ended whole before the receive kernel runs.
+//! - **A masked peer's pair** takes no more transfers; a rejoin makes new pairs with the
+//!   newcomer over its meeting ([`pair_ids`], [`NcclPairs::init`]) and puts them in place of
+//!   the old ([`NcclPairs::adopt`]). Nothing is shrunk: the survivors' other pairs never change.
+//!
+//! In a pair's communicator the lower group rank is rank 0.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+use cudarc::nccl::{result as nccl, sys as nccl_sys};
+use epflow_core::Error;
+
+use super::nccl::{Xfer, decode_ids, issue, nccl_err, new_ids};
+use crate::device::{DeviceBuffer, bind, cuda};
+use crate::setup::bootstrap::{Bootstrap, all_gather_u64};
+
+/// `NCCL_REVOKE_DEFAULT` of `nccl.h`.
+const NCCL_REVOKE_DEFAULT: i32 = 0x00;
+
+/// One pair's communicator on one channel, and the stream its transfers run on.
+#[derive(Debug)]
+struct Pair {
+    comm: nccl_sys::ncclComm_t,
+    stream: Arc<CudaStream>,
+    /// Counts the pairs this slot has had (a revoke names the one it means).
+    generation: u64,
+    /// Its operations were revoked: it takes no more.
+    revoked: bool,
+}
+
+impl Drop for Pair {
+    fn drop(&mut self) {
+        // SAFETY: a communicator this pair owns, aborted once (here); local, never waits for
+        // the peer.
+        let _ = unsafe { nccl::comm_abort(self.comm) };
+    }
+}
+
+/// An exchange of one operation with one peer: the peer, its pair's generation, and an event
+/// after the pair's transfers.
+#[derive(Clone, Debug)]
+pub(crate) struct PairExchange {
+    pub peer: usize,
+    pub generation: u64,
+    pub done: Arc<CudaEvent>,
+}
+
+/// The pair communicators of one rank: `chans[c][p]`, channel `c` with peer `p`.
+#[derive(Debug)]
+pub(crate) struct NcclPairs {
+    rank: usize,
+    chans: [Mutex<Vec<Option<Pair>>>; 3],
+}
+
+// SAFETY: NCCL communicators may be used from any thread; a channel's pairs are used under its
+// lock, one operation at a time.
+unsafe impl Send for NcclPairs {}
+// SAFETY: as above.
+unsafe impl Sync for NcclPairs {}
+
+/// What the ids round of [`pair_ids`] gives a rank: for each peer it makes a pair with, the
+/// three ids (dispatch, combine, handle).
+pub(crate) type PairIds = Vec<Option<[nccl_sys::ncclUniqueId; 3]>>;
+
+/// The ids round over `boot` (collective): rank `a` draws the ids of every pair `(a, b)`,
+/// `b > a`, in `make` (the peers this rank makes a pair with, bit `b` = rank `b`) and every
+/// rank reads its pairs' ids from the lower rank of each. Both ranks of a pair must make it (at
+/// a group's creation every rank makes all its NCCL pairs; at a rejoin, the pairs with a
+/// newcomer); a pair one side does not make is an error on the other.
+pub(crate) fn pair_ids(boot: &(impl Bootstrap + ?Sized), make: u32) -> Result<PairIds, Error> {
+    let (rank, world) = (boot.rank(), boot.world_size());
+    let mut mine = vec![0u64; world * 48];
+    for b in (rank + 1..world).filter(|&b| make >> b & 1 == 1) {
+        mine[b * 48..(b + 1) * 48].copy_from_slice(&new_ids()?);
+    }
+    let all = all_gather_u64(boot, &mine)?;
+    (0..world)
+        .map(|p| {
+            if make >> p & 1 == 0 || p == rank {
+                return Ok(None);
+            }
+            match pair_words(&all, rank, world, p) {
+                Some(words) => Ok(Some(decode_ids(words))),
+                None => Err(Error::Unsupported(format!(
+                    "NCCL pairs: rank {} does not make a pair with rank {}: every rank must join with the group's transport",
+                    rank.min(p),
+                    rank.max(p)
+                ))),
+            }
+        })
+        .collect()
+}
+
+/// The 48 words of pair `(rank, p)` in the ids round's gathered words (`world` x `world` x 48:
+/// rank `a`'s words for pair `(a, b)` at `a`'s row, column `b`), or `None` if its lower rank
+/// drew none.
+fn pair_words(all: &[u64], rank: usize, world: usize, p: usize) -> Option<&[u64]> {
+    let (lo, hi) = (rank.min(p), rank.max(p));
+    let words = &all[(lo * world + hi) * 48..(lo * world + hi + 1) * 48];
+    words.iter().any(|&w| w != 0).then_some(words)
+}
+
+/// Ids for every pair of a group in one process: `masks[r]` the NCCL peers of rank `r`.
+pub(crate) fn pair_ids_of_all(masks: &[u32]) -> Result<Vec<PairIds>, Error> {
+    let n = masks.len();
+    let mut out: Vec<PairIds> = (0..n).map(|_| vec![None; n]).collect();
+    for a in 0..n {
+        for b in (a + 1..n).filter(|&b| masks[a] >> b & 1 == 1) {
+            let ids = decode_ids(&new_ids()?);
+            out[a][b] = Some(ids);
+            out[b][a] = Some(ids);
+        }
+    }
+    Ok(out)
+}
+
+impl NcclPairs {
+    /// No pairs yet (rank `rank` of `world`).
+    fn empty(rank: usize, world: usize) -> Self {
+        NcclPairs { rank, chans: std::array::from_fn(|_| Mutex::new((0..world).map(|_| None).collect())) }
+    }
+
+    /// Makes this rank's pair communicators with every peer `ids` names (collective with each
+    /// peer: one NCCL group of every `ncclCommInitRank`, so no pair waits for another), each
+    /// with a stream of `ctx`, then connects them ([`NcclPairs::connect`]). `rank` of `world`.
+    pub(crate) fn init(ctx: &Arc<CudaContext>, rank: usize, world: usize, ids: &PairIds) -> Result<Self, Error> {
+        bind(ctx)?;
+        let pairs = NcclPairs::empty(rank, world);
+        let wanted: Vec<(usize, [nccl_sys::ncclUniqueId; 3])> =
+            ids.iter().enumerate().filter_map(|(p, i)| i.map(|i| (p, i))).collect();
+        let mut comms = vec![[std::ptr::null_mut(); 3]; wanted.len()];
+        nccl::group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
+        let mut made = Ok(());
+        for ((p, id), out) in wanted.iter().zip(comms.iter_mut()) {
+            let me = i32::from(rank > *p);
+            for c in 0..3 {
+                // SAFETY: `out[c]` is a valid out pointer; both ranks of the pair pass the same
+                // id, size 2 and distinct ranks.
+                let r = unsafe { nccl::comm_init_rank(&mut out[c], 2, id[c], me) };
+                made = made.and(r.map(drop).map_err(|e| nccl_err("ncclCommInitRank (pair)", e)));
+            }
+        }
+        let end = nccl::group_end().map(drop).map_err(|e| nccl_err("ncclGroupEnd", e));
+        made.and(end)?;
+        for ((p, _), comm) in wanted.iter().zip(comms) {
+            for (c, comm) in comm.into_iter().enumerate() {
+                let stream = ctx.new_stream().map_err(|e| cuda("a stream for an NCCL pair", e))?;
+                pairs.chan(c)[*p] = Some(Pair { comm, stream, generation: 0, revoked: false });
+            }
+        }
+        pairs.connect(ctx)?;
+        Ok(pairs)
+    }
+
+    fn chan(&self, chan: usize) -> std::sync::MutexGuard<'_, Vec<Option<Pair>>> {
+        self.chans[chan].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Connects every pair with one tiny exchange (NCCL connects lazily, blocking the host in
+    /// `ncclGroupEnd` until the peer does too), all in one NCCL group on one stream, and waits.
+    /// Collective with every peer.
+    fn connect(&self, ctx: &Arc<CudaContext>) -> Result<(), Error> {
+        let stream = ctx.new_stream().map_err(|e| cuda("a stream to connect NCCL pairs", e))?;
+        let links: Vec<(usize, usize, nccl_sys::ncclComm_t)> = (0..3)
+            .flat_map(|c| {
+                let chan = self.chan(c);
+                chan.iter()
+                    .enumerate()
+                    .filter_map(|(p, pair)| pair.as_ref().map(|x| (c, p, x.comm)))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let buf = DeviceBuffer::zeroed(ctx, 16 * links.len().max(1))?;
+        nccl::group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
+        let mut sent = Ok(());
+        for (i, &(_, p, comm)) in links.iter().enumerate() {
+            let peer = i32::from(p > self.rank);
+            let x = Xfer {
+                peer: peer as usize,
+                send: (buf.ptr() + 16 * i as u64, 8),
+                recv: (buf.ptr() + 16 * i as u64 + 8, 8),
+            };
+            sent = sent.and(issue_in_group(comm, &stream, &x));
+        }
+        let end = nccl::group_end().map(drop).map_err(|e| nccl_err("ncclGroupEnd", e));
+        sent.and(end)?;
+        stream.synchronize().map_err(|e| cuda("connect NCCL pairs", e))
+    }
+
+    /// Enqueues `xfers` (group ranks as peers) of channel `chan`: for each peer in `live`,
+    /// after the work on `stream` so far, on its pair's stream, and orders `stream` after each
+    /// pair's transfers. Transfers with a peer not in `live` (masked) are left out. Returns the
+    /// exchanges, for [`NcclPairs::revoke`].
+    pub(crate) fn issue(
+        &self,
+        chan: usize,
+        stream: &CudaStream,
+        xfers: &[Xfer],
+        live: u32,
+    ) -> Result<Vec<PairExchange>, Error> {
+        let pairs = self.chan(chan);
+        let mut peers: Vec<usize> = xfers.iter().map(|x| x.peer).filter(|&p| live >> p & 1 == 1).collect();
+        peers.dedup();
+        if peers.is_empty() {
+            return Ok(Vec::new());
+        }
+        let start = stream.record_event(None).map_err(|e| cuda("record an NCCL exchange's start", e))?;
+        let mut out = Vec::with_capacity(peers.len());
+        for p in peers {
+            let pair = match pairs.get(p) {
+                Some(Some(pair)) if !pair.revoked => pair,
+                _ => {
+                    return Err(Error::Backend(format!(
+                        "rank {}: no live NCCL pair with rank {p}, which is not masked",
+                        self.rank
+                    )));
+                }
+            };
+            let them = usize::from(p > self.rank);
+            let mine: Vec<Xfer> = xfers.iter().filter(|x| x.peer == p).map(|x| Xfer { peer: them, ..*x }).collect();
+            pair.stream.wait(&start).map_err(|e| cuda("order an NCCL pair after the send", e))?;
+            issue(pair.comm, &pair.stream, &mine)?;
+            let done = pair.stream.record_event(None).map_err(|e| cuda("record an NCCL pair's end", e))?;
+            stream.wait(&done).map_err(|e| cuda("order the operation after an NCCL pair", e))?;
+            out.push(PairExchange { peer: p, generation: pair.generation, done: Arc::new(done) });
+        }
+        Ok(out)
+    }
+
+    /// Revokes the pair of `exchange` (`ncclCommRevoke`: its kernels end), unless it was
+    /// replaced since or is revoked already. Returns its peer when this call revoked it.
+    pub(crate) fn revoke(&self, chan: usize, exchange: &PairExchange) -> Result<Option<usize>, Error> {
+        let mut pairs = self.chan(chan);
+        let Some(Some(pair)) = pairs.get_mut(exchange.peer) else { return Ok(None) };
+        if pair.generation != exchange.generation || pair.revoked {
+            return Ok(None);
+        }
+        // SAFETY: a live communicator of this pair; revoking is local and leaves it valid for
+        // an abort (its drop).
+        unsafe { nccl_sys::ncclCommRevoke(pair.comm, NCCL_REVOKE_DEFAULT) }
+            .result()
+            .map_err(|e| nccl_err("ncclCommRevoke", e))?;
+        pair.revoked = true;
+        tracing::warn!(rank = self.rank, peer = exchange.peer, chan, "NCCL: a pair's exchange revoked at its deadline");
+        Ok(Some(exchange.peer))
+    }
+
+    /// Puts `other`'s pairs (made at a rejoin, with the newcomers) in place of this rank's with
+    /// the same peers; the old ones are aborted. Generations go on counting.
+    pub(crate) fn adopt(&self, other: NcclPairs) {
+        for c in 0..3 {
+            let mut mine = self.chan(c);
+            let mut theirs = other.chan(c);
+            for (p, slot) in theirs.iter_mut().enumerate() {
+                if let Some(mut pair) = slot.take() {
+                    pair.generation = mine[p].as_ref().map_or(0, |old| old.generation + 1);
+                    mine[p] = Some(pair);
+                }
+            }
+        }
+    }
+
+    /// The peers channel `chan` reaches now (a pair not revoked), bit `r` = rank `r`.
+    pub(crate) fn reachable(&self, chan: usize) -> u32 {
+        self.chan(chan)
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.as_ref().is_some_and(|p| !p.revoked))
+            .fold(0, |m, (r, _)| m | 1 << r)
+    }
+}
+
+/// One transfer of a pair's tiny connecting exchange, inside an open NCCL group.
+fn issue_in_group(comm: nccl_sys::ncclComm_t, stream: &CudaStream, x: &Xfer) -> Result<(), Error> {
+    let st = stream.cu_stream() as nccl_sys::cudaStream_t;
+    let peer = x.peer as i32;
+    // SAFETY: `send.0` / `recv.0` address 8 device bytes each of the connect buffer, alive until
+    // the stream is synchronized; the stream belongs to the communicator's device.
+    unsafe {
+        nccl::send(x.send.0 as *const _, x.send.1, nccl_sys::ncclDataType_t::ncclUint8, peer, comm, st)
+            .map_err(|e| nccl_err("ncclSend", e))?;
+        nccl::recv(x.recv.0 as *mut _, x.recv.1, nccl_sys::ncclDataType_t::ncclUint8, peer, comm, st)
+            .map_err(|e| nccl_err("ncclRecv", e))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_set_reaches_nobody() {
+        let pairs = NcclPairs::empty(1, 4);
+        assert_eq!((0..3).map(|c| pairs.reachable(c)).collect::<Vec<_>>(), vec![0, 0, 0]);
+    }
+
+    #[test]
+    fn each_pair_reads_its_lower_ranks_words() {
+        // Three ranks; rank 0 drew ids for (0, 2), rank 1 for (1, 2): words 10 + pair.
+        let world = 3;
+        let mut all = vec![0u64; world * world * 48];
+        all[2 * 48..3 * 48].fill(12);
+        all[world * 48 + 2 * 48..world * 48 + 3 * 48].fill(13);
+        assert_eq!(pair_words(&all, 2, world, 0), Some(&[12u64; 48][..]));
+        assert_eq!(pair_words(&all, 0, world, 2), Some(&[12u64; 48][..]));
+        assert_eq!(pair_words(&all, 2, world, 1), Some(&[13u64; 48][..]));
+        // Rank 0 drew nothing for (0, 1).
+        assert_eq!(pair_words(&all, 1, world, 0), None);
+    }
+}
