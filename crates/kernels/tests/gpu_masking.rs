@@ -291,10 +291,9 @@ fn nccl_cycles(test: &str, devices: &[usize], transport: epflow_kernels::Transpo
                 timed_rounds(&r, &b, config, from + 101, iters, gone);
                 assert_eq!(r.masked_ranks().ranks, *gone, "rank {me}");
                 assert!(!r.poison().is_poisoned());
-                // A survivor that reached rank 1 over NCCL revoked that pair on both channels.
-                let reachable = r.nccl_reachable().expect("NCCL peers");
+                // A survivor that reached rank 1 over NCCL revoked its pairs with it.
                 let left = r.nccl_peers() & !(1 << dead);
-                assert_eq!(reachable[..2], [left; 2], "rank {me}: dispatch and combine pairs");
+                assert_eq!(r.nccl_reachable(), Some([left; 3]), "rank {me}: pairs with the dead rank");
                 match r.unmask_all() {
                     Err(Error::Unsupported(m)) => assert!(m.contains("rejoin"), "{m}"),
                     other => panic!("unmask_all with NCCL peers must be refused, got {other:?}"),

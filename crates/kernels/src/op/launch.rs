@@ -105,16 +105,17 @@ impl GpuOp {
     /// Enqueues this operation's NCCL exchange on its stream. Under rank masking (low-latency
     /// groups with NCCL peers) each unmasked peer's transfers go through that pair's own
     /// communicator and stream, masked peers' are left out; returns the pairs' exchanges
-    /// (`transport/nccl_pairs.rs`). Otherwise one NCCL group on the group's communicator.
-    pub(super) fn issue_xfers(&self) -> Result<Vec<PairExchange>, Error> {
+    /// (`transport/nccl_pairs.rs`), pushed onto `out` as they go out. Otherwise one NCCL
+    /// group on the group's communicator.
+    pub(super) fn issue_xfers(&self, out: &mut Vec<PairExchange>) -> Result<(), Error> {
         let s = &self.shared;
         let n = s.nccl.as_ref().ok_or_else(|| Error::Backend("an NCCL exchange without NCCL".into()))?;
         match &n.pairs {
             Some(pairs) => {
                 let live = ((1u32 << s.num_ranks) - 1) & !(s.mask_mirror() as u32);
-                pairs.issue(self.chan(), self.work.stream(), &self.xfers, live)
+                pairs.issue(self.chan(), self.work.stream(), &self.xfers, live, out)
             }
-            None => issue(n.comms.comm(self.chan())?, self.work.stream(), &self.xfers).map(|()| Vec::new()),
+            None => issue(n.comms.comm(self.chan())?, self.work.stream(), &self.xfers),
         }
     }
 
@@ -193,7 +194,7 @@ impl GpuOp {
                 p.cancelled = cancelled;
                 let rows = (p.total_send.max(0) as u32).div_ceil(16);
                 self.launch_one(on, &f.nccl_ht_pack, &p, (rows.clamp(1, 2 * s.num_sms), 512), "launch NCCL pack")?;
-                self.issue_xfers()?;
+                self.issue_xfers(&mut Vec::new())?;
                 self.launch_one(on, &f.nccl_arrivals, &p, (1, 32), "launch NCCL arrival check")?;
                 if reduce && !self.state.is_cancelled() {
                     let grid = (p.num_tokens.max(1) as u32).min(4 * s.num_sms);

@@ -98,6 +98,9 @@ pub struct GpuOp {
     /// pair (still pending at the host deadline: the peer died, see
     /// `GpuOp::revoke_stalled_exchanges`).
     pair_exchanges: Vec<PairExchange>,
+    /// `mask_missing` revoked pairs of this operation (it does once: a second deadline is a
+    /// timeout).
+    revoked: bool,
     /// Staging the NCCL exchange reads or writes, kept until the operation is dropped (even when
     /// cancelled: the peers still exchange with it).
     scratch: Vec<CachedBuffer>,
@@ -162,6 +165,7 @@ impl GpuOp {
             lease: None,
             sent: None,
             pair_exchanges: Vec::new(),
+            revoked: false,
             reader: None,
             xfers: Vec::new(),
             scratch: Vec::new(),
@@ -410,20 +414,24 @@ impl GpuOp {
     /// Under rank masking, the exchanges with NCCL peers that have not ended (the peer died:
     /// NCCL waits for it without a deadline): revokes those pairs and masks their peers at
     /// once, so the receive kernel, which runs once every pair's exchange ended, skips them
-    /// (`transport/nccl_pairs.rs`). `Ok(true)`: a pair was revoked now; `Ok(false)`: nothing
-    /// was pending (no masking, no NCCL peer, or every exchange ended).
+    /// (`transport/nccl_pairs.rs`): every channel's pair with such a peer goes. `Ok(true)`:
+    /// an exchange was pending (its pair revoked, now or by another operation); `Ok(false)`:
+    /// nothing was (no masking, no NCCL peer, or every exchange ended).
     fn revoke_stalled_exchanges(&self) -> Result<bool, Error> {
         let Some(pairs) = self.shared.nccl.as_ref().and_then(|n| n.pairs.as_ref()) else { return Ok(false) };
-        let mut dead = 0u64;
-        for x in self.pair_exchanges.iter().filter(|x| !x.done.try_is_complete().unwrap_or(true)) {
-            if let Some(peer) = pairs.revoke(self.chan(), x)? {
-                dead |= 1 << peer;
-            }
-        }
+        let pending = |x: &&PairExchange| x.stalled() && pairs.current(self.chan(), x);
+        let dead = self.pair_exchanges.iter().filter(pending).fold(0u64, |m, x| m | 1 << x.peer);
         if dead == 0 {
             return Ok(false);
         }
-        crate::rank::spread_mask(&self.shared, dead)?;
+        for peer in (0..self.shared.num_ranks).filter(|&p| dead >> p & 1 == 1) {
+            pairs.revoke_peer(peer);
+        }
+        // A rank its peers masked does not spread masks of its own (its exchanges stall because
+        // the others skip it), as the kernels' spread does not.
+        if (self.shared.mask_mirror() >> self.shared.rank) & 1 == 0 {
+            crate::rank::spread_mask(&self.shared, dead)?;
+        }
         Ok(true)
     }
 
@@ -518,9 +526,13 @@ impl PendingOp for GpuOp {
 
     /// At the host deadline, under rank masking with NCCL peers: revokes the pairs whose
     /// exchange has not ended and masks their peers (`GpuOp::revoke_stalled_exchanges`); the
-    /// caller then waits again (a pair is revoked once).
+    /// caller then waits again (once per operation).
     fn mask_missing(&mut self) -> Result<bool, Error> {
-        self.revoke_stalled_exchanges()
+        if self.revoked {
+            return Ok(false);
+        }
+        self.revoked = self.revoke_stalled_exchanges()?;
+        Ok(self.revoked)
     }
 
     fn poll_send_ready(&mut self) -> Result<bool, Error> {
@@ -577,7 +589,11 @@ impl PendingOp for GpuOp {
                         self.reader = Some(self.record_reader(&h, None)?);
                     }
                     if self.uses_nccl() {
-                        self.pair_exchanges = self.issue_xfers()?;
+                        // Kept even when a later pair fails: the stream waits for the earlier.
+                        let mut out = Vec::new();
+                        let issued = self.issue_xfers(&mut out);
+                        self.pair_exchanges = out;
+                        issued?;
                     }
                     // A receive completed on a caller's stream waits for this event: the end of
                     // this operation's send half, not of whatever is enqueued later.

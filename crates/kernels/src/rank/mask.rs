@@ -80,8 +80,8 @@ impl GpuRank {
         self.check_masking("unmask_all")?;
         if self.shared.nccl.is_some() {
             return Err(Error::Unsupported(
-                "unmask_all: a group over NCCL takes masked ranks back only through a rejoin (GpuRank::admit with \
-                 GpuWorld::rejoin_with): its communicators were shrunk to the survivors"
+                "unmask_all: a group with NCCL peers takes masked ranks back only through a rejoin (GpuRank::admit \
+                 with GpuWorld::rejoin_with): the pairs with a masked peer were revoked"
                     .into(),
             ));
         }
@@ -235,8 +235,13 @@ fn run_mask_kernel(s: &RankShared, f: &cudarc::driver::CudaFunction, m: MaskPara
 
 /// Masks the ranks of `bits` on the rank of `s` (`ep_mask_spread`: its own word, and its NVLink
 /// peers'), waited for: how an operation masks the NCCL peers whose pair it revoked at its
-/// deadline (`transport/nccl_pairs.rs`).
+/// deadline (`transport/nccl_pairs.rs`). On a stream of its own, so no handle build queued on
+/// the handle stream holds it up.
 pub(crate) fn spread_mask(s: &RankShared, bits: u64) -> Result<(), Error> {
+    let what = "mask the peers of revoked NCCL pairs";
+    bind(&s.ctx)?;
+    let stream = s.ctx.new_stream().map_err(|e| cuda(what, e))?;
     let m = MaskParams { bits, ..mask_params(s) };
-    run_mask_kernel(s, &s.functions.mask_spread, m, "mask the peers of revoked NCCL pairs")
+    launch_mask_kernel(s, &s.functions.mask_spread, m, &stream, what)?;
+    stream.synchronize().map_err(|e| cuda(what, e))
 }

@@ -43,23 +43,36 @@ struct Pair {
     generation: u64,
     /// Its operations were revoked: it takes no more.
     revoked: bool,
+    /// Aborted already (a revoke that failed): not aborted again when dropped.
+    aborted: bool,
 }
 
 impl Drop for Pair {
     fn drop(&mut self) {
-        // SAFETY: a communicator this pair owns, aborted once (here); local, never waits for
-        // the peer.
-        let _ = unsafe { nccl::comm_abort(self.comm) };
+        if !self.aborted {
+            // SAFETY: a communicator this pair owns, aborted once (`aborted` guards); local,
+            // never waits for the peer.
+            let _ = unsafe { nccl::comm_abort(self.comm) };
+        }
     }
 }
 
-/// An exchange of one operation with one peer: the peer, its pair's generation, and an event
-/// after the pair's transfers.
+/// An exchange of one operation with one peer: the peer, its pair's generation, and events
+/// before (the operation's send kernel) and after the pair's transfers.
 #[derive(Clone, Debug)]
 pub(crate) struct PairExchange {
     pub peer: usize,
     pub generation: u64,
+    pub start: Arc<CudaEvent>,
     pub done: Arc<CudaEvent>,
+}
+
+impl PairExchange {
+    /// Its transfers began (the send kernel before them ended) and have not ended: the peer
+    /// has not posted its side.
+    pub(crate) fn stalled(&self) -> bool {
+        self.start.try_is_complete().unwrap_or(false) && !self.done.try_is_complete().unwrap_or(true)
+    }
 }
 
 /// The pair communicators of one rank: `chans[c][p]`, channel `c` with peer `p`.
@@ -162,7 +175,7 @@ impl NcclPairs {
         for ((p, _), comm) in wanted.iter().zip(comms) {
             for (c, comm) in comm.into_iter().enumerate() {
                 let stream = ctx.new_stream().map_err(|e| cuda("a stream for an NCCL pair", e))?;
-                pairs.chan(c)[*p] = Some(Pair { comm, stream, generation: 0, revoked: false });
+                pairs.chan(c)[*p] = Some(Pair { comm, stream, generation: 0, revoked: false, aborted: false });
             }
         }
         pairs.connect(ctx)?;
@@ -206,23 +219,24 @@ impl NcclPairs {
 
     /// Enqueues `xfers` (group ranks as peers) of channel `chan`: for each peer in `live`,
     /// after the work on `stream` so far, on its pair's stream, and orders `stream` after each
-    /// pair's transfers. Transfers with a peer not in `live` (masked) are left out. Returns the
-    /// exchanges, for [`NcclPairs::revoke`].
+    /// pair's transfers. Transfers with a peer not in `live` (masked) are left out. Pushes each
+    /// exchange onto `out` as soon as `stream` waits for it (also when a later one fails), for
+    /// [`NcclPairs::revoke_peer`].
     pub(crate) fn issue(
         &self,
         chan: usize,
         stream: &CudaStream,
         xfers: &[Xfer],
         live: u32,
-    ) -> Result<Vec<PairExchange>, Error> {
+        out: &mut Vec<PairExchange>,
+    ) -> Result<(), Error> {
         let pairs = self.chan(chan);
         let mut peers: Vec<usize> = xfers.iter().map(|x| x.peer).filter(|&p| live >> p & 1 == 1).collect();
         peers.dedup();
         if peers.is_empty() {
-            return Ok(Vec::new());
+            return Ok(());
         }
-        let start = stream.record_event(None).map_err(|e| cuda("record an NCCL exchange's start", e))?;
-        let mut out = Vec::with_capacity(peers.len());
+        let start = Arc::new(stream.record_event(None).map_err(|e| cuda("record an NCCL exchange's start", e))?);
         for p in peers {
             let pair = match pairs.get(p) {
                 Some(Some(pair)) if !pair.revoked => pair,
@@ -237,29 +251,42 @@ impl NcclPairs {
             let mine: Vec<Xfer> = xfers.iter().filter(|x| x.peer == p).map(|x| Xfer { peer: them, ..*x }).collect();
             pair.stream.wait(&start).map_err(|e| cuda("order an NCCL pair after the send", e))?;
             issue(pair.comm, &pair.stream, &mine)?;
-            let done = pair.stream.record_event(None).map_err(|e| cuda("record an NCCL pair's end", e))?;
+            let done = Arc::new(pair.stream.record_event(None).map_err(|e| cuda("record an NCCL pair's end", e))?);
             stream.wait(&done).map_err(|e| cuda("order the operation after an NCCL pair", e))?;
-            out.push(PairExchange { peer: p, generation: pair.generation, done: Arc::new(done) });
+            out.push(PairExchange { peer: p, generation: pair.generation, start: Arc::clone(&start), done });
         }
-        Ok(out)
+        Ok(())
     }
 
-    /// Revokes the pair of `exchange` (`ncclCommRevoke`: its kernels end), unless it was
-    /// replaced since or is revoked already. Returns its peer when this call revoked it.
-    pub(crate) fn revoke(&self, chan: usize, exchange: &PairExchange) -> Result<Option<usize>, Error> {
-        let mut pairs = self.chan(chan);
-        let Some(Some(pair)) = pairs.get_mut(exchange.peer) else { return Ok(None) };
-        if pair.generation != exchange.generation || pair.revoked {
-            return Ok(None);
+    /// Whether the pair of `exchange` is still the one it went to (not replaced by a rejoin
+    /// since).
+    pub(crate) fn current(&self, chan: usize, exchange: &PairExchange) -> bool {
+        matches!(self.chan(chan).get(exchange.peer), Some(Some(p)) if p.generation == exchange.generation)
+    }
+
+    /// Revokes every channel's pair with `peer` (`ncclCommRevoke`: their kernels end; a pair
+    /// revoked already is left as it is; one whose revoke fails is aborted): the peer died, and
+    /// no channel reaches it again before a rejoin makes new pairs.
+    pub(crate) fn revoke_peer(&self, peer: usize) {
+        for chan in 0..3 {
+            let mut pairs = self.chan(chan);
+            let Some(Some(pair)) = pairs.get_mut(peer) else { continue };
+            if pair.revoked {
+                continue;
+            }
+            // SAFETY: a live communicator of this pair; revoking is local and leaves it valid
+            // for an abort (its drop).
+            let revoked = unsafe { nccl_sys::ncclCommRevoke(pair.comm, NCCL_REVOKE_DEFAULT) }.result();
+            if let Err(e) = revoked {
+                // Its kernels must end all the same: abort it (local too).
+                tracing::warn!(rank = self.rank, peer, "NCCL: ncclCommRevoke failed ({:?}); aborting the pair", e.0);
+                // SAFETY: as above; `aborted` keeps the drop from aborting it again.
+                let _ = unsafe { nccl::comm_abort(pair.comm) };
+                pair.aborted = true;
+            }
+            pair.revoked = true;
         }
-        // SAFETY: a live communicator of this pair; revoking is local and leaves it valid for
-        // an abort (its drop).
-        unsafe { nccl_sys::ncclCommRevoke(pair.comm, NCCL_REVOKE_DEFAULT) }
-            .result()
-            .map_err(|e| nccl_err("ncclCommRevoke", e))?;
-        pair.revoked = true;
-        tracing::warn!(rank = self.rank, peer = exchange.peer, chan, "NCCL: a pair's exchange revoked at its deadline");
-        Ok(Some(exchange.peer))
+        tracing::warn!(rank = self.rank, peer, "NCCL: the pairs with a peer revoked at an operation's deadline");
     }
 
     /// Puts `other`'s pairs (made at a rejoin, with the newcomers) in place of this rank's with
