@@ -257,10 +257,7 @@ fn nccl_cycles(test: &str, devices: &[usize], transport: epflow_kernels::Transpo
         for cycle in 0..cycles {
             let from = base + cycle * 10_000;
             let r = rank.take().expect("a live rank");
-            let b = Bufs::new(&r, &scenario(config, n, from));
-            barrier();
-            timed_rounds(&r, &b, config, from, iters, none);
-            barrier();
+            let b = full_rounds_first(&r, config, from, iters, &barrier);
             let used = if me == dead {
                 // This rank stops calling. Its memory goes once the survivors' first operation
                 // without it is over (in one process a free waits for every kernel of the GPU,
@@ -585,6 +582,17 @@ impl LocalMeetings {
     }
 }
 
+/// A kill-and-rejoin cycle's start in the in-process tests: `r`'s buffers, then `iters` full
+/// rounds from scenario `from` checked against the reference, every rank's thread past them
+/// (`barrier` before and after).
+fn full_rounds_first(r: &GpuRank, config: &GroupConfig, from: u64, iters: u64, barrier: &dyn Fn()) -> Bufs {
+    let b = Bufs::new(r, &scenario(config, r.num_ranks(), from));
+    barrier();
+    timed_rounds(r, &b, config, from, iters, &RankSet::new());
+    barrier();
+    b
+}
+
 /// Runs `f` on every rank, each on a thread of its own that owns the rank (it may drop it and
 /// take a new one), and re-raises the first panic that is not a barrier timeout: a rank that
 /// fails leaves the others waiting at the next barrier, and their timeouts are not the cause.
@@ -637,10 +645,7 @@ fn rejoin_in_one_process() {
         for cycle in 0..cycles {
             let from = base + cycle * 10_000;
             let r = rank.take().expect("a live rank");
-            let b = Bufs::new(&r, &scenario(config, n, from));
-            barrier();
-            timed_rounds(&r, &b, config, from, iters, none);
-            barrier();
+            let b = full_rounds_first(&r, config, from, iters, &barrier);
             let used = if me == dead {
                 // This rank's "process" dies: its rank and buffers go.
                 drop((b, r));

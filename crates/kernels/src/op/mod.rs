@@ -6,12 +6,14 @@
 //! whose end is the completion. A CUDA event after the last launch is the completion signal.
 //!
 //! The lifecycle lives here; [`launch`] holds the launches (with their geometry,
-//! [`ll_geometry`] and [`ht_geometry`]), [`finish`] the output assembly.
+//! [`ll_geometry`] and [`ht_geometry`]), [`finish`] the output assembly, [`mask_kernels`] the
+//! one-thread mask kernels (ranks' masking, and an operation's after it revoked NCCL pairs).
 
 mod finish;
 pub(crate) mod ht_geometry;
 mod launch;
 pub(crate) mod ll_geometry;
+pub(crate) mod mask_kernels;
 
 pub(crate) use launch::{launch_ll_kernel, launch_ll_kernel_as};
 
@@ -430,7 +432,7 @@ impl GpuOp {
         // A rank its peers masked does not spread masks of its own (its exchanges stall because
         // the others skip it), as the kernels' spread does not.
         if (self.shared.mask_mirror() >> self.shared.rank) & 1 == 0 {
-            crate::rank::spread_mask(&self.shared, dead)?;
+            mask_kernels::spread_mask(&self.shared, dead)?;
         }
         Ok(true)
     }

@@ -6,7 +6,7 @@
 
 use std::sync::atomic::Ordering;
 
-use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::CudaStream;
 use epflow_core::Error;
 use epflow_core::mask::{MaskedRanks, RankSet};
 use epflow_core::protocol::{Channel, op_label};
@@ -14,9 +14,10 @@ use epflow_core::protocol::{Channel, op_label};
 use super::GpuRank;
 use crate::device::{bind, cuda};
 use crate::layout::BufferLayout;
+use crate::op::mask_kernels;
 use crate::params::{MaskParams, status};
 use crate::setup::bootstrap::{Bootstrap, all_gather_u64};
-use crate::state::shared::{RankShared, peer_array};
+use crate::state::shared::peer_array;
 
 impl GpuRank {
     /// The rank's view: the mirror its kernels last wrote, and the epoch.
@@ -45,7 +46,7 @@ impl GpuRank {
     }
 
     pub(super) fn mask_params(&self) -> MaskParams {
-        mask_params(&self.shared)
+        mask_kernels::mask_params(&self.shared)
     }
 
     /// Enqueues one thread of `f` (a kernel of `ll.cu` taking a `MaskParams`) with `m` on
@@ -57,12 +58,12 @@ impl GpuRank {
         stream: &CudaStream,
         what: &str,
     ) -> Result<(), Error> {
-        launch_mask_kernel(&self.shared, f, m, stream, what)
+        mask_kernels::launch(&self.shared, f, m, stream, what)
     }
 
     /// Runs one thread of `f` with `m` on the handle stream and waits for it.
     fn run_mask_kernel(&self, f: &cudarc::driver::CudaFunction, m: MaskParams, what: &str) -> Result<(), Error> {
-        run_mask_kernel(&self.shared, f, m, what)
+        mask_kernels::run(&self.shared, f, m, what)
     }
 
     pub(super) fn mask_ranks_now(&self, ranks: &RankSet) -> Result<(), Error> {
@@ -190,58 +191,4 @@ impl GpuRank {
         self.core.rejoin_at(next);
         Ok(())
     }
-}
-
-/// The mask kernels' parameters of the rank of `s` (its pages, its peers' signal pages).
-fn mask_params(s: &RankShared) -> MaskParams {
-    MaskParams {
-        signals: s.mem.signals.ptr(),
-        status: s.mem.status.device_ptr(),
-        peer_signals: peer_array(&s.peers().signals),
-        timeout_ns: s.device_timeout_ns(),
-        rank: s.rank as i32,
-        num_ranks: s.num_ranks as i32,
-        ..MaskParams::default()
-    }
-}
-
-/// Enqueues one thread of `f` (a kernel of `ll.cu` taking a `MaskParams`) with `m` on
-/// `stream`, of the context of `s`.
-fn launch_mask_kernel(
-    s: &RankShared,
-    f: &cudarc::driver::CudaFunction,
-    m: MaskParams,
-    stream: &CudaStream,
-    what: &str,
-) -> Result<(), Error> {
-    bind(&s.ctx)?;
-    let mut b = stream.launch_builder(f);
-    b.arg(&m);
-    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
-    // SAFETY: `m` matches `struct MaskParams` of ll.cu byte for byte (params.rs tests); every
-    // address in it is this rank's signal page, its mapped status page or a peer's mapped
-    // signal page, all alive as long as the rank, which frees its memory only after
-    // synchronizing its context (`RankMemory`'s drop; the kernels end by their deadline).
-    unsafe { b.launch(cfg) }.map_err(|e| cuda(what, e))?;
-    Ok(())
-}
-
-/// Runs one thread of `f` with `m` on the handle stream of `s` and waits for it.
-fn run_mask_kernel(s: &RankShared, f: &cudarc::driver::CudaFunction, m: MaskParams, what: &str) -> Result<(), Error> {
-    let stream = &s.streams[Channel::Handle.index()];
-    launch_mask_kernel(s, f, m, stream, what)?;
-    stream.synchronize().map_err(|e| cuda(what, e))
-}
-
-/// Masks the ranks of `bits` on the rank of `s` (`ep_mask_spread`: its own word, and its NVLink
-/// peers'), waited for: how an operation masks the NCCL peers whose pair it revoked at its
-/// deadline (`transport/nccl_pairs.rs`). On a stream of its own, so no handle build queued on
-/// the handle stream holds it up.
-pub(crate) fn spread_mask(s: &RankShared, bits: u64) -> Result<(), Error> {
-    let what = "mask the peers of revoked NCCL pairs";
-    bind(&s.ctx)?;
-    let stream = s.ctx.new_stream().map_err(|e| cuda(what, e))?;
-    let m = MaskParams { bits, ..mask_params(s) };
-    launch_mask_kernel(s, &s.functions.mask_spread, m, &stream, what)?;
-    stream.synchronize().map_err(|e| cuda(what, e))
 }

@@ -13,7 +13,6 @@ pub use expert_major::ExpertMajorPlan;
 mod launch_cost;
 pub use launch_cost::LaunchCost;
 mod mask;
-pub(crate) use mask::spread_mask;
 mod meet;
 mod rejoin;
 

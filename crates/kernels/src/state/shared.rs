@@ -13,7 +13,8 @@ use crate::device::cache::OutputCache;
 use crate::device::{DeviceBuffer, EventPool, LocalAllocator, PinnedBuffer, SharedContext, StreamFence, bind, cuda};
 use crate::layout::BufferLayout;
 use crate::params::{MAX_RANKS, SIGNAL_PAGE_BYTES, arrival_offset, status};
-use crate::transport::nccl::{NcclShared, Xfer};
+use crate::transport::nccl::Xfer;
+use crate::transport::nccl_shared::NcclShared;
 
 /// The memory of one rank. Peers map its receive regions, exchange region and signal page
 /// (`cuMemAlloc`: CUDA IPC exports whole `cuMemAlloc` allocations); the rest is local scratch,

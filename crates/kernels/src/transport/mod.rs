@@ -5,6 +5,7 @@
 
 pub mod nccl;
 pub(crate) mod nccl_pairs;
+pub(crate) mod nccl_shared;
 pub(crate) mod nvlink;
 pub(crate) mod peer_memory;
 
