@@ -399,10 +399,25 @@ impl Drop for GpuOp {
             while !idle() && std::time::Instant::now() < deadline {
                 std::thread::sleep(Duration::from_micros(200));
             }
-            // Under rank masking the receive ends by its device deadline once every pair's
-            // exchange ended or was revoked.
-            let revoked = !self.pair_exchanges.is_empty() && self.revoke_stalled_exchanges().is_ok();
-            if !idle() && !revoked {
+            if !self.pair_exchanges.is_empty() {
+                // Under rank masking: a group timeout more for the peers (a live one posts its
+                // side within it), then revoke the pairs that stalled (their transfers began
+                // and did not end); a timeout more (a send kernel before them ends by its
+                // device deadline), then every pair still pending. The receive ends by its
+                // device deadline once every pair's exchange ended or was revoked.
+                let wait = |limit: Duration| {
+                    let until = std::time::Instant::now() + limit;
+                    while !idle() && std::time::Instant::now() < until {
+                        std::thread::sleep(Duration::from_micros(200));
+                    }
+                };
+                for even_unstarted in [false, true] {
+                    wait(self.shared.config.timeout);
+                    if !idle() {
+                        let _ = self.revoke_stalled_exchanges(even_unstarted);
+                    }
+                }
+            } else if !idle() {
                 if let Some(n) = &self.shared.nccl {
                     n.comms.abort();
                 }
@@ -416,12 +431,15 @@ impl GpuOp {
     /// Under rank masking, the exchanges with NCCL peers that have not ended (the peer died:
     /// NCCL waits for it without a deadline): revokes those pairs and masks their peers at
     /// once, so the receive kernel, which runs once every pair's exchange ended, skips them
-    /// (`transport/nccl_pairs.rs`): every channel's pair with such a peer goes. `Ok(true)`:
+    /// (`transport/nccl_pairs.rs`): every channel's pair with such a peer goes.
+    /// `even_unstarted`: also the exchanges whose send kernel has not ended (a dropped
+    /// operation's last resort). `Ok(true)`:
     /// an exchange was pending (its pair revoked, now or by another operation); `Ok(false)`:
     /// nothing was (no masking, no NCCL peer, or every exchange ended).
-    fn revoke_stalled_exchanges(&self) -> Result<bool, Error> {
+    fn revoke_stalled_exchanges(&self, even_unstarted: bool) -> Result<bool, Error> {
         let Some(pairs) = self.shared.nccl.as_ref().and_then(|n| n.pairs.as_ref()) else { return Ok(false) };
-        let pending = |x: &&PairExchange| x.stalled() && pairs.current(self.chan(), x);
+        let stalled = |x: &PairExchange| if even_unstarted { x.pending() } else { x.stalled() };
+        let pending = |x: &&PairExchange| stalled(x) && pairs.current(self.chan(), x);
         let dead = self.pair_exchanges.iter().filter(pending).fold(0u64, |m, x| m | 1 << x.peer);
         if dead == 0 {
             return Ok(false);
@@ -533,7 +551,7 @@ impl PendingOp for GpuOp {
         if self.revoked {
             return Ok(false);
         }
-        self.revoked = self.revoke_stalled_exchanges()?;
+        self.revoked = self.revoke_stalled_exchanges(false)?;
         Ok(self.revoked)
     }
 

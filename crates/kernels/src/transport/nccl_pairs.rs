@@ -71,7 +71,12 @@ impl PairExchange {
     /// Its transfers began (the send kernel before them ended) and have not ended: the peer
     /// has not posted its side.
     pub(crate) fn stalled(&self) -> bool {
-        self.start.try_is_complete().unwrap_or(false) && !self.done.try_is_complete().unwrap_or(true)
+        self.start.try_is_complete().unwrap_or(false) && self.pending()
+    }
+
+    /// Its transfers have not ended (begun or not).
+    pub(crate) fn pending(&self) -> bool {
+        !self.done.try_is_complete().unwrap_or(true)
     }
 }
 
