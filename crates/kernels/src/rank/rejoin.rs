@@ -204,13 +204,33 @@ fn meet_retired(meeting: &(impl Bootstrap + ?Sized)) -> Result<(), Error> {
 
 /// A survivor's side of the pair communicators the newcomer's join makes: the ids round, then
 /// a pair with each newcomer of `make` (collective with it; bounded by [`nccl_setup_limit`]).
+/// Given up at the deadline, pairs already made are aborted, so their connecting kernels end
+/// (one left spinning would hold up every later synchronization of the context).
 fn pairs_with_newcomers(rank: &GpuRank, meeting: &(impl Bootstrap + ?Sized), make: u32) -> Result<NcclPairs, Error> {
     let s = &rank.shared;
     let ids = pair_ids(meeting, make)?;
     let (ctx, me, world) = (Arc::clone(&s.ctx), s.rank, s.num_ranks);
-    within("make the NCCL pairs with the newcomers", nccl_setup_limit(&s.config), move || {
-        NcclPairs::init(&ctx, me, world, &ids)
-    })
+    let made: Arc<std::sync::Mutex<Option<Arc<NcclPairs>>>> = Arc::default();
+    let slot = Arc::clone(&made);
+    let done = within("make the NCCL pairs with the newcomers", nccl_setup_limit(&s.config), move || {
+        let pairs = Arc::new(NcclPairs::make(&ctx, me, world, &ids)?);
+        *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(&pairs));
+        pairs.connect(&ctx)?;
+        Ok(pairs)
+    });
+    let kept = made.lock().unwrap_or_else(|e| e.into_inner()).take();
+    match done {
+        Ok(pairs) => {
+            drop(kept);
+            Arc::try_unwrap(pairs).map_err(|_| Error::Backend("rejoin: NCCL pairs still shared".into()))
+        }
+        Err(e) => {
+            if let Some(pairs) = kept {
+                pairs.abort_all();
+            }
+            Err(e)
+        }
+    }
 }
 
 /// How long a survivor gives the NCCL set-up of a rejoin (the pairs' communicators, then their

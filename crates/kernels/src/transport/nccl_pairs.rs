@@ -33,6 +33,8 @@ use crate::setup::bootstrap::{Bootstrap, all_gather_u64};
 
 /// `NCCL_REVOKE_DEFAULT` of `nccl.h`.
 const NCCL_REVOKE_DEFAULT: i32 = 0x00;
+/// An arrival pair's bytes (word and stamp): the last transfer of each peer's exchange.
+const ARRIVAL_BYTES: usize = 16;
 
 /// One pair's communicator on one channel, and the stream its transfers run on.
 #[derive(Debug)]
@@ -159,6 +161,13 @@ impl NcclPairs {
     /// peer: one NCCL group of every `ncclCommInitRank`, so no pair waits for another), each
     /// with a stream of `ctx`, then connects them ([`NcclPairs::connect`]). `rank` of `world`.
     pub(crate) fn init(ctx: &Arc<CudaContext>, rank: usize, world: usize, ids: &PairIds) -> Result<Self, Error> {
+        let pairs = NcclPairs::make(ctx, rank, world, ids)?;
+        pairs.connect(ctx)?;
+        Ok(pairs)
+    }
+
+    /// [`NcclPairs::init`] without the connection.
+    pub(crate) fn make(ctx: &Arc<CudaContext>, rank: usize, world: usize, ids: &PairIds) -> Result<Self, Error> {
         bind(ctx)?;
         let pairs = NcclPairs::empty(rank, world);
         let wanted: Vec<(usize, [nccl_sys::ncclUniqueId; 3])> =
@@ -183,7 +192,6 @@ impl NcclPairs {
                 pairs.chan(c)[*p] = Some(Pair { comm, stream, generation: 0, revoked: false, aborted: false });
             }
         }
-        pairs.connect(ctx)?;
         Ok(pairs)
     }
 
@@ -194,7 +202,7 @@ impl NcclPairs {
     /// Connects every pair with one tiny exchange (NCCL connects lazily, blocking the host in
     /// `ncclGroupEnd` until the peer does too), all in one NCCL group on one stream, and waits.
     /// Collective with every peer.
-    fn connect(&self, ctx: &Arc<CudaContext>) -> Result<(), Error> {
+    pub(crate) fn connect(&self, ctx: &Arc<CudaContext>) -> Result<(), Error> {
         let stream = ctx.new_stream().map_err(|e| cuda("a stream to connect NCCL pairs", e))?;
         let links: Vec<(usize, usize, nccl_sys::ncclComm_t)> = (0..3)
             .flat_map(|c| {
@@ -224,9 +232,13 @@ impl NcclPairs {
 
     /// Enqueues `xfers` (group ranks as peers) of channel `chan`: for each peer in `live`,
     /// after the work on `stream` so far, on its pair's stream, and orders `stream` after each
-    /// pair's transfers. Transfers with a peer not in `live` (masked) are left out. Pushes each
-    /// exchange onto `out` as soon as `stream` waits for it (also when a later one fails), for
-    /// [`NcclPairs::revoke_peer`].
+    /// pair's transfers. Transfers with a peer not in `live` (masked), or whose pair was revoked
+    /// (its peer is being masked: the receive kernel sees the bit), are left out. Each peer's
+    /// transfers end with its arrival word (`RankShared::arrival_xfer`, 16 bytes), which goes
+    /// in an NCCL group of its own after the data's: a pair's groups run in order on both
+    /// sides, so an arrival that landed means the data did, even in an exchange cut by a
+    /// revoke. Pushes each exchange onto `out` as soon as `stream` waits for it (also when a
+    /// later one fails), for [`NcclPairs::revoke_peer`].
     pub(crate) fn issue(
         &self,
         chan: usize,
@@ -244,18 +256,20 @@ impl NcclPairs {
         let start = Arc::new(stream.record_event(None).map_err(|e| cuda("record an NCCL exchange's start", e))?);
         for p in peers {
             let pair = match pairs.get(p) {
-                Some(Some(pair)) if !pair.revoked => pair,
-                _ => {
-                    return Err(Error::Backend(format!(
-                        "rank {}: no live NCCL pair with rank {p}, which is not masked",
-                        self.rank
-                    )));
-                }
+                Some(Some(pair)) if pair.revoked => continue,
+                Some(Some(pair)) => pair,
+                _ => return Err(Error::Backend(format!("rank {}: no NCCL pair with rank {p}", self.rank))),
             };
             let them = usize::from(p > self.rank);
             let mine: Vec<Xfer> = xfers.iter().filter(|x| x.peer == p).map(|x| Xfer { peer: them, ..*x }).collect();
             pair.stream.wait(&start).map_err(|e| cuda("order an NCCL pair after the send", e))?;
-            issue(pair.comm, &pair.stream, &mine)?;
+            match mine.split_last() {
+                Some((arrival, data)) if arrival.send.1 == ARRIVAL_BYTES && arrival.recv.1 == ARRIVAL_BYTES => {
+                    issue(pair.comm, &pair.stream, data)?;
+                    issue(pair.comm, &pair.stream, std::slice::from_ref(arrival))?;
+                }
+                _ => issue(pair.comm, &pair.stream, &mine)?,
+            }
             let done = Arc::new(pair.stream.record_event(None).map_err(|e| cuda("record an NCCL pair's end", e))?);
             stream.wait(&done).map_err(|e| cuda("order the operation after an NCCL pair", e))?;
             out.push(PairExchange { peer: p, generation: pair.generation, start: Arc::clone(&start), done });
@@ -292,6 +306,21 @@ impl NcclPairs {
             pair.revoked = true;
         }
         tracing::warn!(rank = self.rank, peer, "NCCL: the pairs with a peer revoked at an operation's deadline");
+    }
+
+    /// Aborts every pair (local; their kernels end), for a rejoin's set-up given up at its
+    /// deadline while its pairs still connect. They take nothing after.
+    pub(crate) fn abort_all(&self) {
+        for c in 0..3 {
+            for pair in self.chan(c).iter_mut().flatten() {
+                if !pair.aborted {
+                    // SAFETY: a communicator this pair owns, aborted once (`aborted` guards).
+                    let _ = unsafe { nccl::comm_abort(pair.comm) };
+                    pair.aborted = true;
+                }
+                pair.revoked = true;
+            }
+        }
     }
 
     /// Puts `other`'s pairs (made at a rejoin, with the newcomers) in place of this rank's with
