@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine, from the repository root: rank masking and rejoin over NCCL (issue 68), in
 # one process (`gpu_masking`): `masking_over_nccl_revokes_and_a_newcomer_rejoins` (two ranks
-# over `Transport::Nccl`; each cycle rank 1 dies, rank 0's communicators are revoked and shrunk,
-# a new rank rejoins with a communicator of the whole group) and
+# over `Transport::Nccl`; each cycle rank 1 dies, rank 0 revokes its pair communicators with it,
+# a new rank rejoins and makes new pairs) and
 # `masking_over_nvlink_and_nccl_revokes_and_a_newcomer_rejoins` (three ranks, 0 and 1 on NVLink,
 # rank 2 across NCCL). DEVICES="0 0 0" (default) puts every rank on GPU 0, which needs NCCL
 # 2.30: the pack's (.nccl-pack/, git-ignored; carry it) goes first on the library path when

@@ -290,8 +290,8 @@ fn refuse_unpaired_masks<M: Copy + Into<u64>>(masks: &[M]) -> Result<(), Error> 
     Ok(())
 }
 
-/// Rank masking with NCCL peers revokes and shrinks communicators (`ncclCommRevoke`,
-/// `ncclCommShrink`): NCCL 2.28 or later. Every rank loads its own NCCL; a rank that refuses
+/// Rank masking with NCCL peers revokes pair communicators (`ncclCommRevoke`): NCCL 2.28 or
+/// later. Every rank loads its own NCCL; a rank that refuses
 /// makes the others fail at their next collective step.
 fn refuse_masking_on_old_nccl(config: &GroupConfig, any_nccl: bool) -> Result<(), Error> {
     if !config.rank_masking || !any_nccl {
@@ -301,7 +301,7 @@ fn refuse_masking_on_old_nccl(config: &GroupConfig, any_nccl: bool) -> Result<()
     match cudarc::nccl::result::get_nccl_version() {
         Ok(v) if v >= 22800 => Ok(()),
         Ok(v) => Err(Error::Unsupported(format!(
-            "rank_masking with NCCL peers needs NCCL 2.28 or later (ncclCommRevoke, ncclCommShrink); this process loaded {}.{}.{}",
+            "rank_masking with NCCL peers needs NCCL 2.28 or later (ncclCommRevoke); this process loaded {}.{}.{}",
             v / 10000,
             v / 100 % 100,
             v % 100
