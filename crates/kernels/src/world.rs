@@ -291,8 +291,8 @@ fn refuse_unpaired_masks<M: Copy + Into<u64>>(masks: &[M]) -> Result<(), Error> 
 }
 
 /// Rank masking with NCCL peers revokes pair communicators (`ncclCommRevoke`): NCCL 2.28 or
-/// later. Every rank loads its own NCCL; a rank that refuses
-/// makes the others fail at their next collective step.
+/// later. Every rank loads its own NCCL; a rank that refuses makes the others fail at their next
+/// collective step.
 fn refuse_masking_on_old_nccl(config: &GroupConfig, any_nccl: bool) -> Result<(), Error> {
     if !config.rank_masking || !any_nccl {
         return Ok(());
