@@ -277,9 +277,7 @@ fn nccl_cycles(test: &str, devices: &[usize], transport: epflow_kernels::Transpo
                 let fresh = GpuWorld::rejoin_with(&meeting(me), config.clone(), transport.clone()).expect("rejoin");
                 eprintln!("{test}: cycle {cycle}: rank {me}'s replacement rejoined in {:?}", t.elapsed());
                 assert_eq!(fresh.nccl_reachable(), Some([fresh.nccl_peers(); 3]));
-                let b = Bufs::new(&fresh, &scenario(config, n, from + 5000));
-                barrier();
-                timed_rounds(&fresh, &b, config, from + 5000, iters, none);
+                let b = full_rounds_first(&fresh, config, from + 5000, iters, &barrier);
                 rank = Some(fresh);
                 b
             } else {
@@ -311,6 +309,7 @@ fn nccl_cycles(test: &str, devices: &[usize], transport: epflow_kernels::Transpo
                 assert_eq!(r.nccl_reachable(), Some([r.nccl_peers(); 3]));
                 barrier();
                 timed_rounds(&r, &b, config, from + 5000, iters, none);
+                barrier();
                 eprintln!(
                     "{test}: cycle {cycle}: rank {me}: first operation without rank {dead} took {stall:?} (timeout {:?}), admit {admit:?}, {iters} masked and {iters} full rounds bit-exact",
                     timeout()
@@ -654,9 +653,7 @@ fn rejoin_in_one_process() {
                 eprintln!("{test}: cycle {cycle}: rank {me}'s replacement rejoined in {:?}", t.elapsed());
                 // Its buffers before any rank runs on (a peer's kernel spinning for
                 // this rank would hold up an allocation in a shared context).
-                let b = Bufs::new(&fresh, &scenario(config, n, from + 5000));
-                barrier();
-                timed_rounds(&fresh, &b, config, from + 5000, iters, none);
+                let b = full_rounds_first(&fresh, config, from + 5000, iters, &barrier);
                 rank = Some(fresh);
                 b
             } else {
@@ -669,6 +666,7 @@ fn rejoin_in_one_process() {
                 assert!(r.masked_ranks().ranks.is_empty());
                 barrier();
                 timed_rounds(&r, &b, config, from + 5000, iters, none);
+                barrier();
                 let (free, _) = ctx.mem_get_info().expect("cuMemGetInfo");
                 eprintln!(
                     "{test}: cycle {cycle}: rank {me}: first operation without rank {dead} took {stall:?} (timeout {:?}), admit {admit:?}, {iters} masked and {iters} full rounds bit-exact; device free memory {} MiB",

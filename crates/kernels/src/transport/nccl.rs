@@ -154,8 +154,20 @@ impl NcclComms {
         rank: usize,
         world: usize,
     ) -> Result<(), Error> {
-        let comms = [0, 1, 2].map(|chan| self.comm(chan));
-        warm_up(&comms.into_iter().collect::<Result<Vec<_>, _>>()?, ctx, stream, rank, world)
+        bind(ctx)?;
+        let buf = DeviceBuffer::zeroed(ctx, 2 * 8 * world)?;
+        for chan in 0..3 {
+            let xfers: Vec<Xfer> = (0..world)
+                .filter(|&p| p != rank)
+                .map(|p| Xfer {
+                    peer: p,
+                    send: (buf.ptr() + 8 * p as u64, 8),
+                    recv: (buf.ptr() + 8 * (world + p) as u64, 8),
+                })
+                .collect();
+            issue(self.comm(chan)?, stream, &xfers)?;
+        }
+        stream.synchronize().map_err(|e| crate::device::cuda("connect NCCL peers", e))
     }
 }
 
@@ -164,28 +176,6 @@ impl Drop for NcclComms {
         // Local and never waits for peers (unlike ncclCommDestroy after a failure).
         self.abort();
     }
-}
-
-/// Connects every pair of ranks of each communicator of `comms` (this rank `rank` of `world`
-/// in each) with one tiny exchange on `stream`, and waits for it: NCCL connects pairs lazily,
-/// blocking the host in `ncclGroupEnd` until the peer does too. Collective.
-pub(crate) fn warm_up(
-    comms: &[nccl_sys::ncclComm_t],
-    ctx: &Arc<CudaContext>,
-    stream: &CudaStream,
-    rank: usize,
-    world: usize,
-) -> Result<(), Error> {
-    bind(ctx)?;
-    let buf = DeviceBuffer::zeroed(ctx, 2 * 8 * world)?;
-    let xfers: Vec<Xfer> = (0..world)
-        .filter(|&p| p != rank)
-        .map(|p| Xfer { peer: p, send: (buf.ptr() + 8 * p as u64, 8), recv: (buf.ptr() + 8 * (world + p) as u64, 8) })
-        .collect();
-    for &comm in comms {
-        issue(comm, stream, &xfers)?;
-    }
-    stream.synchronize().map_err(|e| crate::device::cuda("connect NCCL peers", e))
 }
 
 /// One peer's share of a grouped exchange: `(device address, bytes)` to send and to receive.
@@ -199,29 +189,35 @@ pub(crate) struct Xfer {
 /// Enqueues `xfers` as one NCCL group on `stream`. Both sides of a pair agree on every size, so
 /// empty sends and receives are skipped on both.
 pub(crate) fn issue(comm: nccl_sys::ncclComm_t, stream: &CudaStream, xfers: &[Xfer]) -> Result<(), Error> {
-    let st = stream.cu_stream() as nccl_sys::cudaStream_t;
     nccl::group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
     let mut result = Ok(());
     for x in xfers {
-        let peer = x.peer as i32;
-        if x.send.1 > 0 {
-            // SAFETY: `send.0` addresses `send.1` readable device bytes kept alive by the operation
-            // until its completion event; the stream belongs to the communicator's device.
-            let r = unsafe {
-                nccl::send(x.send.0 as *const _, x.send.1, nccl_sys::ncclDataType_t::ncclUint8, peer, comm, st)
-            };
-            result = result.and(r.map(|_| ()).map_err(|e| nccl_err("ncclSend", e)));
-        }
-        if x.recv.1 > 0 {
-            // SAFETY: as above, for `recv.1` writable device bytes.
-            let r = unsafe {
-                nccl::recv(x.recv.0 as *mut _, x.recv.1, nccl_sys::ncclDataType_t::ncclUint8, peer, comm, st)
-            };
-            result = result.and(r.map(|_| ()).map_err(|e| nccl_err("ncclRecv", e)));
-        }
+        result = result.and(post(comm, stream, x));
     }
     let end = nccl::group_end().map(|_| ()).map_err(|e| nccl_err("ncclGroupEnd", e));
     result.and(end)
+}
+
+/// Posts `x`'s send and receive on `comm` (empty ones skipped), inside an NCCL group the
+/// caller opened. The addresses must stay valid until `stream` passes the group's end.
+pub(crate) fn post(comm: nccl_sys::ncclComm_t, stream: &CudaStream, x: &Xfer) -> Result<(), Error> {
+    let st = stream.cu_stream() as nccl_sys::cudaStream_t;
+    let peer = x.peer as i32;
+    let mut result = Ok(());
+    if x.send.1 > 0 {
+        // SAFETY: `send.0` addresses `send.1` readable device bytes kept alive by the operation
+        // until its completion event; the stream belongs to the communicator's device.
+        let r =
+            unsafe { nccl::send(x.send.0 as *const _, x.send.1, nccl_sys::ncclDataType_t::ncclUint8, peer, comm, st) };
+        result = result.and(r.map(|_| ()).map_err(|e| nccl_err("ncclSend", e)));
+    }
+    if x.recv.1 > 0 {
+        // SAFETY: as above, for `recv.1` writable device bytes.
+        let r =
+            unsafe { nccl::recv(x.recv.0 as *mut _, x.recv.1, nccl_sys::ncclDataType_t::ncclUint8, peer, comm, st) };
+        result = result.and(r.map(|_| ()).map_err(|e| nccl_err("ncclRecv", e)));
+    }
+    result
 }
 
 /// Three fresh NCCL unique ids (dispatch, combine, handle communicators) as 48 words.

@@ -27,7 +27,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 use epflow_core::Error;
 
-use super::nccl::{Xfer, decode_ids, issue, nccl_err, new_ids};
+use super::nccl::{Xfer, decode_ids, issue, nccl_err, new_ids, post};
 use crate::device::{DeviceBuffer, bind, cuda};
 use crate::setup::bootstrap::{Bootstrap, all_gather_u64};
 
@@ -223,7 +223,7 @@ impl NcclPairs {
                 send: (buf.ptr() + 16 * i as u64, 8),
                 recv: (buf.ptr() + 16 * i as u64 + 8, 8),
             };
-            sent = sent.and(issue_in_group(comm, &stream, &x));
+            sent = sent.and(post(comm, &stream, &x));
         }
         let end = nccl::group_end().map(drop).map_err(|e| nccl_err("ncclGroupEnd", e));
         sent.and(end)?;
@@ -346,21 +346,6 @@ impl NcclPairs {
             .filter(|(_, p)| p.as_ref().is_some_and(|p| !p.revoked))
             .fold(0, |m, (r, _)| m | 1 << r)
     }
-}
-
-/// One transfer of a pair's tiny connecting exchange, inside an open NCCL group.
-fn issue_in_group(comm: nccl_sys::ncclComm_t, stream: &CudaStream, x: &Xfer) -> Result<(), Error> {
-    let st = stream.cu_stream() as nccl_sys::cudaStream_t;
-    let peer = x.peer as i32;
-    // SAFETY: `send.0` / `recv.0` address 8 device bytes each of the connect buffer, alive until
-    // the stream is synchronized; the stream belongs to the communicator's device.
-    unsafe {
-        nccl::send(x.send.0 as *const _, x.send.1, nccl_sys::ncclDataType_t::ncclUint8, peer, comm, st)
-            .map_err(|e| nccl_err("ncclSend", e))?;
-        nccl::recv(x.recv.0 as *mut _, x.recv.1, nccl_sys::ncclDataType_t::ncclUint8, peer, comm, st)
-            .map_err(|e| nccl_err("ncclRecv", e))?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]
