@@ -210,8 +210,10 @@ impl GpuWorld {
         let nccl = if masks.iter().any(|&m| m != 0) {
             let parts = if config.rank_masking {
                 // A communicator per pair of ranks (`transport/nccl_pairs.rs`): with every NCCL
-                // peer (at a rejoin, the survivors make theirs with this newcomer alone).
-                (NcclComms::none(), Some(NcclPairs::init(&ctx, rank, num_ranks, &pair_ids(comm, mask)?)?))
+                // peer (at a rejoin, the survivors make theirs with this newcomer alone), bounded
+                // so a peer that never comes fails this rank instead of hanging it.
+                let (ids, limit) = (pair_ids(comm, mask)?, NcclPairs::setup_limit(&config));
+                (NcclComms::none(), Some(NcclPairs::init_within(&ctx, rank, num_ranks, ids, limit)?))
             } else {
                 let ids = if rank == 0 { new_ids()? } else { [0u64; 48] };
                 let all = bootstrap::all_gather_u64(comm, &ids)?;

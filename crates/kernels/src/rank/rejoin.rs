@@ -36,7 +36,6 @@
 //! it); before step 4 the survivors go on as they were (still masked), during `unmask_all` the
 //! group fails as `unmask_all` does.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use epflow_core::mask::RankSet;
@@ -203,62 +202,12 @@ fn meet_retired(meeting: &(impl Bootstrap + ?Sized)) -> Result<(), Error> {
 }
 
 /// A survivor's side of the pair communicators the newcomer's join makes: the ids round, then
-/// a pair with each newcomer of `make` (collective with it; bounded by [`nccl_setup_limit`]).
-/// Given up at the deadline, pairs already made are aborted, so their connecting kernels end
-/// (one left spinning would hold up every later synchronization of the context).
+/// a pair with each newcomer of `make` (collective with it; bounded by
+/// [`NcclPairs::setup_limit`], as the newcomer's side is).
 fn pairs_with_newcomers(rank: &GpuRank, meeting: &(impl Bootstrap + ?Sized), make: u32) -> Result<NcclPairs, Error> {
     let s = &rank.shared;
     let ids = pair_ids(meeting, make)?;
-    let (ctx, me, world) = (Arc::clone(&s.ctx), s.rank, s.num_ranks);
-    let made: Arc<std::sync::Mutex<Option<Arc<NcclPairs>>>> = Arc::default();
-    let slot = Arc::clone(&made);
-    let done = within("make the NCCL pairs with the newcomers", nccl_setup_limit(&s.config), move || {
-        let pairs = Arc::new(NcclPairs::make(&ctx, me, world, &ids)?);
-        *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(&pairs));
-        pairs.connect(&ctx)?;
-        Ok(pairs)
-    });
-    let kept = made.lock().unwrap_or_else(|e| e.into_inner()).take();
-    match done {
-        Ok(pairs) => {
-            drop(kept);
-            Arc::try_unwrap(pairs).map_err(|_| Error::Backend("rejoin: NCCL pairs still shared".into()))
-        }
-        Err(e) => {
-            if let Some(pairs) = kept {
-                pairs.abort_all();
-            }
-            Err(e)
-        }
-    }
-}
-
-/// How long a survivor gives the NCCL set-up of a rejoin (the pairs' communicators, then their
-/// connection) before it gives up: three group timeouts, at least 30 s (NCCL's own
-/// bootstrap takes seconds).
-fn nccl_setup_limit(config: &GroupConfig) -> Duration {
-    (3 * config.timeout).max(Duration::from_secs(30))
-}
-
-/// Runs `f` on a thread of its own and waits for it at most `limit`: a blocking NCCL call
-/// that waits for a rank that never comes (it died, or failed a round earlier) fails the
-/// survivor with [`Error::Timeout`] instead of hanging it. The thread is then left behind,
-/// with what it holds.
-fn within<T: Send + 'static>(
-    what: &str,
-    limit: Duration,
-    f: impl FnOnce() -> Result<T, Error> + Send + 'static,
-) -> Result<T, Error> {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::Builder::new()
-        .name("epflow-rejoin-nccl".into())
-        .spawn(move || {
-            let _ = tx.send(f());
-        })
-        .map_err(|e| Error::Backend(format!("rejoin: no thread to {what}: {e}")))?;
-    rx.recv_timeout(limit).unwrap_or_else(|_| {
-        Err(Error::Timeout { op: "rejoin".into(), rank: 0, waiting_for: format!("every rank to {what}"), after: limit })
-    })
+    NcclPairs::init_within(&s.ctx, s.rank, s.num_ranks, ids, NcclPairs::setup_limit(&s.config))
 }
 
 /// Refuses a meeting bootstrap that is not this group's shape.
@@ -287,9 +236,9 @@ impl GpuWorld {
 
     /// [`GpuWorld::rejoin`] into a group made with `transport` (the group's own): with NCCL
     /// peers (`Transport::Nccl`, or across hosts) the newcomer makes a pair communicator with
-    /// each of them, which replaces the dead rank's (`transport/nccl_pairs.rs`). Its NCCL
-    /// set-up has no deadline of its own: a survivor that fails between those rounds leaves it
-    /// waiting (the survivors' side is bounded).
+    /// each of them, which replaces the dead rank's (`transport/nccl_pairs.rs`); that set-up
+    /// is bounded as the survivors' is ([`Error::Timeout`] after three group timeouts, at
+    /// least 30 s, if a survivor fails between its rounds).
     pub fn rejoin_with(
         meeting: &(impl Bootstrap + ?Sized),
         config: GroupConfig,

@@ -22,10 +22,11 @@
 //! In a pair's communicator the lower group rank is rank 0.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
-use epflow_core::Error;
+use epflow_core::{Error, GroupConfig};
 
 use super::nccl::{Xfer, decode_ids, issue, nccl_err, new_ids, post};
 use crate::device::{DeviceBuffer, bind, cuda};
@@ -164,6 +165,60 @@ impl NcclPairs {
         let pairs = NcclPairs::make(ctx, rank, world, ids)?;
         pairs.connect(ctx)?;
         Ok(pairs)
+    }
+
+    /// [`NcclPairs::init`] on a thread of its own, waited for at most `limit`: a blocking NCCL
+    /// call that waits for a peer that never comes (it died, or failed a round earlier) fails
+    /// this rank with [`Error::Timeout`] instead of hanging it. Pairs made by then are aborted,
+    /// so their connecting kernels end (one left spinning would hold up every later
+    /// synchronization of the context); a thread still in NCCL's set-up is left behind.
+    pub(crate) fn init_within(
+        ctx: &Arc<CudaContext>,
+        rank: usize,
+        world: usize,
+        ids: PairIds,
+        limit: Duration,
+    ) -> Result<Self, Error> {
+        let made: Arc<Mutex<Option<Arc<NcclPairs>>>> = Arc::default();
+        let (slot, ctx) = (Arc::clone(&made), Arc::clone(ctx));
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("epflow-nccl-pairs".into())
+            .spawn(move || {
+                let done = NcclPairs::make(&ctx, rank, world, &ids).map(Arc::new).and_then(|pairs| {
+                    *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(&pairs));
+                    pairs.connect(&ctx).map(|()| pairs)
+                });
+                let _ = tx.send(done);
+            })
+            .map_err(|e| Error::Backend(format!("no thread to make the NCCL pairs: {e}")))?;
+        let done = rx.recv_timeout(limit).unwrap_or_else(|_| {
+            Err(Error::Timeout {
+                op: "NCCL pair set-up".into(),
+                rank,
+                waiting_for: "every NCCL peer to make and connect its pair communicators".into(),
+                after: limit,
+            })
+        });
+        let kept = made.lock().unwrap_or_else(|e| e.into_inner()).take();
+        match done {
+            Ok(pairs) => {
+                drop(kept);
+                Arc::try_unwrap(pairs).map_err(|_| Error::Backend("NCCL pairs still shared after their set-up".into()))
+            }
+            Err(e) => {
+                if let Some(pairs) = kept {
+                    pairs.abort_all();
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// How long a rank gives the set-up of its pairs ([`NcclPairs::init_within`]) before it
+    /// gives up: three group timeouts, at least 30 s (NCCL's own bootstrap takes seconds).
+    pub(crate) fn setup_limit(config: &GroupConfig) -> Duration {
+        (3 * config.timeout).max(Duration::from_secs(30))
     }
 
     /// [`NcclPairs::init`] without the connection.
