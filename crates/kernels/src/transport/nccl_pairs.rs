@@ -60,6 +60,16 @@ impl Drop for Pair {
     }
 }
 
+/// How far [`NcclPairs::init_within`]'s set-up thread got, as the waiting rank sees it.
+enum Setup {
+    /// Making the communicators (NCCL's bootstrap with each peer).
+    Making,
+    /// Made, connecting: the pairs to abort if the rank gives up now.
+    Made(Arc<NcclPairs>),
+    /// The rank gave up (or took the result): pairs made after are aborted by the thread.
+    GivenUp,
+}
+
 /// An exchange of one operation with one peer: the peer, its pair's generation, and events
 /// before (the operation's send kernel) and after the pair's transfers.
 #[derive(Clone, Debug)]
@@ -179,14 +189,22 @@ impl NcclPairs {
         ids: PairIds,
         limit: Duration,
     ) -> Result<Self, Error> {
-        let made: Arc<Mutex<Option<Arc<NcclPairs>>>> = Arc::default();
+        // What the set-up thread made, for an abort if this rank gives up; once it has, the
+        // thread aborts what it makes after.
+        let made: Arc<Mutex<Setup>> = Arc::new(Mutex::new(Setup::Making));
         let (slot, ctx) = (Arc::clone(&made), Arc::clone(ctx));
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::Builder::new()
             .name("epflow-nccl-pairs".into())
             .spawn(move || {
                 let done = NcclPairs::make(&ctx, rank, world, &ids).map(Arc::new).and_then(|pairs| {
-                    *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(&pairs));
+                    let mut state = slot.lock().unwrap_or_else(|e| e.into_inner());
+                    if matches!(*state, Setup::GivenUp) {
+                        pairs.abort_all();
+                        return Err(Error::Backend("NCCL pairs made after their deadline".into()));
+                    }
+                    *state = Setup::Made(Arc::clone(&pairs));
+                    drop(state);
                     pairs.connect(&ctx).map(|()| pairs)
                 });
                 let _ = tx.send(done);
@@ -200,14 +218,14 @@ impl NcclPairs {
                 after: limit,
             })
         });
-        let kept = made.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let kept = std::mem::replace(&mut *made.lock().unwrap_or_else(|e| e.into_inner()), Setup::GivenUp);
         match done {
             Ok(pairs) => {
                 drop(kept);
                 Arc::try_unwrap(pairs).map_err(|_| Error::Backend("NCCL pairs still shared after their set-up".into()))
             }
             Err(e) => {
-                if let Some(pairs) = kept {
+                if let Setup::Made(pairs) = kept {
                     pairs.abort_all();
                 }
                 Err(e)
