@@ -31,6 +31,7 @@ use epflow_core::{Error, GroupConfig};
 use super::nccl::{Xfer, decode_ids, issue, nccl_err, new_ids, post};
 use crate::device::{DeviceBuffer, bind, cuda};
 use crate::setup::bootstrap::{Bootstrap, all_gather_u64};
+use crate::setup::within::within;
 
 /// `NCCL_REVOKE_DEFAULT` of `nccl.h`.
 const NCCL_REVOKE_DEFAULT: i32 = 0x00;
@@ -58,16 +59,6 @@ impl Drop for Pair {
             let _ = unsafe { nccl::comm_abort(self.comm) };
         }
     }
-}
-
-/// How far [`NcclPairs::init_within`]'s set-up thread got, as the waiting rank sees it.
-enum Setup {
-    /// Making the communicators (NCCL's bootstrap with each peer).
-    Making,
-    /// Made, connecting: the pairs to abort if the rank gives up now.
-    Made(Arc<NcclPairs>),
-    /// The rank gave up (or took the result): pairs made after are aborted by the thread.
-    GivenUp,
 }
 
 /// An exchange of one operation with one peer: the peer, its pair's generation, and events
@@ -177,11 +168,12 @@ impl NcclPairs {
         Ok(pairs)
     }
 
-    /// [`NcclPairs::init`] on a thread of its own, waited for at most `limit`: a blocking NCCL
-    /// call that waits for a peer that never comes (it died, or failed a round earlier) fails
-    /// this rank with [`Error::Timeout`] instead of hanging it. Pairs made by then are aborted,
-    /// so their connecting kernels end (one left spinning would hold up every later
-    /// synchronization of the context); a thread still in NCCL's set-up is left behind.
+    /// [`NcclPairs::init`] on a thread of its own, waited for at most `limit` ([`within`]): a
+    /// blocking NCCL call that waits for a peer that never comes (it died, or failed a round
+    /// earlier) fails this rank with [`Error::Timeout`] instead of hanging it. Pairs made by
+    /// then, or after, are aborted, so their connecting kernels end (one left spinning would
+    /// hold up every later synchronization of the context); a thread still in NCCL's set-up is
+    /// left behind.
     pub(crate) fn init_within(
         ctx: &Arc<CudaContext>,
         rank: usize,
@@ -189,48 +181,18 @@ impl NcclPairs {
         ids: PairIds,
         limit: Duration,
     ) -> Result<Self, Error> {
-        // What the set-up thread made, for an abort if this rank gives up; once it has, the
-        // thread aborts what it makes after.
-        let made: Arc<Mutex<Setup>> = Arc::new(Mutex::new(Setup::Making));
-        let (slot, ctx) = (Arc::clone(&made), Arc::clone(ctx));
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::Builder::new()
-            .name("epflow-nccl-pairs".into())
-            .spawn(move || {
-                let done = NcclPairs::make(&ctx, rank, world, &ids).map(Arc::new).and_then(|pairs| {
-                    let mut state = slot.lock().unwrap_or_else(|e| e.into_inner());
-                    if matches!(*state, Setup::GivenUp) {
-                        pairs.abort_all();
-                        return Err(Error::Backend("NCCL pairs made after their deadline".into()));
-                    }
-                    *state = Setup::Made(Arc::clone(&pairs));
-                    drop(state);
-                    pairs.connect(&ctx).map(|()| pairs)
-                });
-                let _ = tx.send(done);
-            })
-            .map_err(|e| Error::Backend(format!("no thread to make the NCCL pairs: {e}")))?;
-        let done = rx.recv_timeout(limit).unwrap_or_else(|_| {
-            Err(Error::Timeout {
-                op: "NCCL pair set-up".into(),
-                rank,
-                waiting_for: "every NCCL peer to make and connect its pair communicators".into(),
-                after: limit,
-            })
-        });
-        let kept = std::mem::replace(&mut *made.lock().unwrap_or_else(|e| e.into_inner()), Setup::GivenUp);
-        match done {
-            Ok(pairs) => {
-                drop(kept);
-                Arc::try_unwrap(pairs).map_err(|_| Error::Backend("NCCL pairs still shared after their set-up".into()))
-            }
-            Err(e) => {
-                if let Setup::Made(pairs) = kept {
-                    pairs.abort_all();
-                }
-                Err(e)
-            }
-        }
+        let ctx = Arc::clone(ctx);
+        let timeout = || Error::Timeout {
+            op: "NCCL pair set-up".into(),
+            rank,
+            waiting_for: "every NCCL peer to make and connect its pair communicators".into(),
+            after: limit,
+        };
+        let make = {
+            let ctx = Arc::clone(&ctx);
+            move || NcclPairs::make(&ctx, rank, world, &ids)
+        };
+        within("epflow-nccl-pairs", limit, timeout, make, move |pairs| pairs.connect(&ctx), NcclPairs::abort_all)
     }
 
     /// How long a rank gives the set-up of its pairs ([`NcclPairs::init_within`]) before it
