@@ -22,6 +22,7 @@
 //! In a pair's communicator the lower group rank is rank 0.
 
 use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
@@ -49,15 +50,84 @@ struct Pair {
     revoked: bool,
     /// Aborted already (a revoke that failed): not aborted again when dropped.
     aborted: bool,
+    /// The revoke's quiescence, running on a thread of its own ([`Pair::revoke`]); whether it
+    /// had to abort the communicator.
+    revoking: Option<JoinHandle<bool>>,
+}
+
+/// A communicator handed to the thread that revokes it.
+struct RevokedComm(nccl_sys::ncclComm_t);
+
+// SAFETY: NCCL communicators may be used from any thread; the pair that owns it touches it
+// again only after joining that thread (`Pair::settle`).
+unsafe impl Send for RevokedComm {}
+
+impl RevokedComm {
+    /// The communicator (a method, so a closure takes the whole `Send` wrapper).
+    fn get(&self) -> nccl_sys::ncclComm_t {
+        self.0
+    }
+}
+
+impl Pair {
+    /// Revokes the pair (`ncclCommRevoke`) on a thread of its own, or aborts it if that fails:
+    /// either sets the communicator's abort flags first, so its kernels end at once, then waits
+    /// for NCCL's proxy thread to stop, which notices at its next poll, up to 500 ms later
+    /// (three channels' revokes in a row took 1.5 s on an H100). The operation waiting for the
+    /// kernels need not wait for that.
+    fn revoke(&mut self, rank: usize, peer: usize) {
+        if self.revoked {
+            return;
+        }
+        self.revoked = true;
+        let comm = RevokedComm(self.comm);
+        let spawned = std::thread::Builder::new().name("epflow-nccl-revoke".into()).spawn(move || {
+            // SAFETY: a live communicator of this pair, which touches it again only after
+            // joining this thread; revoking is local and leaves it valid for an abort.
+            let revoked = unsafe { nccl_sys::ncclCommRevoke(comm.get(), NCCL_REVOKE_DEFAULT) }.result();
+            if let Err(e) = revoked {
+                // Its kernels must end all the same: abort it (local too).
+                tracing::warn!(rank, peer, "NCCL: ncclCommRevoke failed ({:?}); aborting the pair", e.0);
+                // SAFETY: as above; the pair marks it aborted when it joins this thread.
+                let _ = unsafe { nccl::comm_abort(comm.get()) };
+                return true;
+            }
+            false
+        });
+        match spawned {
+            Ok(handle) => self.revoking = Some(handle),
+            Err(e) => {
+                tracing::warn!(rank, peer, "NCCL: no thread to revoke a pair ({e}); aborting it");
+                // SAFETY: a communicator this pair owns, aborted once (`aborted` guards).
+                let _ = unsafe { nccl::comm_abort(self.comm) };
+                self.aborted = true;
+            }
+        }
+    }
+
+    /// Waits for a revoke in progress to end, so the communicator can be aborted.
+    fn settle(&mut self) {
+        if let Some(handle) = self.revoking.take() {
+            // A revoke thread that panicked left the communicator as it was: aborted below.
+            self.aborted |= handle.join().unwrap_or(false);
+        }
+    }
+
+    /// Aborts the communicator (local; its kernels end) unless it was already.
+    fn abort(&mut self) {
+        self.settle();
+        if !self.aborted {
+            // SAFETY: a communicator this pair owns, aborted once (`aborted` guards), no revoke
+            // of it running (`settle`).
+            let _ = unsafe { nccl::comm_abort(self.comm) };
+            self.aborted = true;
+        }
+    }
 }
 
 impl Drop for Pair {
     fn drop(&mut self) {
-        if !self.aborted {
-            // SAFETY: a communicator this pair owns, aborted once (`aborted` guards); local,
-            // never waits for the peer.
-            let _ = unsafe { nccl::comm_abort(self.comm) };
-        }
+        self.abort();
     }
 }
 
@@ -224,7 +294,8 @@ impl NcclPairs {
         for ((p, _), comm) in wanted.iter().zip(comms) {
             for (c, comm) in comm.into_iter().enumerate() {
                 let stream = ctx.new_stream().map_err(|e| cuda("a stream for an NCCL pair", e))?;
-                pairs.chan(c)[*p] = Some(Pair { comm, stream, generation: 0, revoked: false, aborted: false });
+                pairs.chan(c)[*p] =
+                    Some(Pair { comm, stream, generation: 0, revoked: false, aborted: false, revoking: None });
             }
         }
         Ok(pairs)
@@ -318,27 +389,15 @@ impl NcclPairs {
         matches!(self.chan(chan).get(exchange.peer), Some(Some(p)) if p.generation == exchange.generation)
     }
 
-    /// Revokes every channel's pair with `peer` (`ncclCommRevoke`: their kernels end; a pair
-    /// revoked already is left as it is; one whose revoke fails is aborted): the peer died, and
-    /// no channel reaches it again before a rejoin makes new pairs.
+    /// Revokes every channel's pair with `peer` ([`Pair::revoke`]: their kernels end at once,
+    /// NCCL's quiescence runs on a thread of its own; a pair revoked already is left as it is;
+    /// one whose revoke fails is aborted): the peer died, and no channel reaches it again before
+    /// a rejoin makes new pairs.
     pub(crate) fn revoke_peer(&self, peer: usize) {
         for chan in 0..3 {
-            let mut pairs = self.chan(chan);
-            let Some(Some(pair)) = pairs.get_mut(peer) else { continue };
-            if pair.revoked {
-                continue;
+            if let Some(Some(pair)) = self.chan(chan).get_mut(peer) {
+                pair.revoke(self.rank, peer);
             }
-            // SAFETY: a live communicator of this pair; revoking is local and leaves it valid
-            // for an abort (its drop).
-            let revoked = unsafe { nccl_sys::ncclCommRevoke(pair.comm, NCCL_REVOKE_DEFAULT) }.result();
-            if let Err(e) = revoked {
-                // Its kernels must end all the same: abort it (local too).
-                tracing::warn!(rank = self.rank, peer, "NCCL: ncclCommRevoke failed ({:?}); aborting the pair", e.0);
-                // SAFETY: as above; `aborted` keeps the drop from aborting it again.
-                let _ = unsafe { nccl::comm_abort(pair.comm) };
-                pair.aborted = true;
-            }
-            pair.revoked = true;
         }
         tracing::warn!(rank = self.rank, peer, "NCCL: the pairs with a peer revoked at an operation's deadline");
     }
@@ -348,11 +407,7 @@ impl NcclPairs {
     pub(crate) fn abort_all(&self) {
         for c in 0..3 {
             for pair in self.chan(c).iter_mut().flatten() {
-                if !pair.aborted {
-                    // SAFETY: a communicator this pair owns, aborted once (`aborted` guards).
-                    let _ = unsafe { nccl::comm_abort(pair.comm) };
-                    pair.aborted = true;
-                }
+                pair.abort();
                 pair.revoked = true;
             }
         }
