@@ -438,7 +438,11 @@ fn median_us(mut v: Vec<Duration>) -> f64 {
 /// the rounds per phase (default 50). The survivor times its first operation without rank 1
 /// (the stall), runs the masked rounds against the reference without rank 1, admits the
 /// newcomer (timed), then both run full rounds bit-exact; the survivor prints each phase's
-/// median round. Without either it prints SKIPPED and passes.
+/// median round. `EPFLOW_TEST_TRANSPORT=nccl` joins every process over `Transport::Nccl` (its
+/// pairs' communicators over the TCP bootstrap; two processes on one GPU need NCCL 2.30 and
+/// `NCCL_MULTI_RANK_GPU_ENABLE=1`): no device meetings then (they are written over NVLink), and
+/// the survivor also checks that its pairs with rank 1 were revoked and remade. Without either
+/// role source it prints SKIPPED and passes.
 #[test]
 fn rejoin_over_tcp() {
     use std::sync::Arc;
@@ -472,6 +476,12 @@ fn rejoin_over_tcp() {
     let base: u64 = var("EPFLOW_TEST_SEED").parse().expect("EPFLOW_TEST_SEED");
     let iters: u64 = std::env::var("EPFLOW_GPU_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(50);
     assert_eq!(n, 2, "rejoin_over_tcp runs two ranks");
+    let over_nccl = match std::env::var("EPFLOW_TEST_TRANSPORT").as_deref() {
+        Ok("nccl") => true,
+        Ok("nvlink") | Err(_) => false,
+        Ok(other) => panic!("EPFLOW_TEST_TRANSPORT={other}: nccl or nvlink"),
+    };
+    let transport = if over_nccl { epflow_kernels::Transport::Nccl } else { epflow_kernels::Transport::Auto };
     let config = GroupConfig::low_latency(8 * n, M, H).with_rank_masking(true).with_timeout(timeout());
     let (none, gone) = (RankSet::new(), RankSet::from_ranks([1], n).unwrap());
     let wait = Duration::from_secs(120);
@@ -494,6 +504,9 @@ fn rejoin_over_tcp() {
     // Device meetings (`meet_on`, collective): three before the kill, two after the rejoin; a
     // newcomer that did not take the survivors' count over would leave the survivor waiting.
     let meet = |rank: &GpuRank, times: usize| {
+        if over_nccl {
+            return;
+        }
         let stream = rank.context().new_stream().expect("stream");
         for _ in 0..times {
             rank.meet_on(&stream).expect("meet_on");
@@ -504,7 +517,7 @@ fn rejoin_over_tcp() {
         "survivor" | "victim" => {
             let boot =
                 TcpBootstrap::new(TcpLinks::connect(me, n, &addr, port, wait).expect("connect"), device).unwrap();
-            let rank = GpuWorld::join_over(&boot, config.clone(), epflow_kernels::Transport::Auto).expect("join");
+            let rank = GpuWorld::join_over(&boot, config.clone(), transport.clone()).expect("join");
             let b = Bufs::new(&rank, &scenario(&config, n, base));
             let before = timed_rounds(&rank, &b, &config, base, 4, &none);
             meet(&rank, 3);
@@ -518,6 +531,10 @@ fn rejoin_over_tcp() {
             let stall = timed_rounds(&rank, &b, &config, base + 4, 1, &gone)[0];
             eprintln!("rank {me}: first operation without rank 1 took {stall:?} (timeout {:?})", timeout());
             let during = timed_rounds(&rank, &b, &config, base + 5, iters, &gone);
+            if over_nccl {
+                // Every channel's pair with the dead rank was revoked at the first deadline.
+                assert_eq!(rank.nccl_reachable(), Some([0; 3]), "rank {me}: pairs with the dead rank");
+            }
             // The server's form: the async `Group::admit`, whose meetings come from the rank's
             // meeting source (a TCP bootstrap on the meeting port).
             rank.set_meeting_source(Arc::clone(&meetings));
@@ -527,6 +544,9 @@ fn rejoin_over_tcp() {
             futures::executor::block_on(group.admit(&[1], wait)).expect("admit");
             let admit = t.elapsed();
             assert!(rank.masked_ranks().ranks.is_empty());
+            if over_nccl {
+                assert_eq!(rank.nccl_reachable(), Some([rank.nccl_peers(); 3]), "rank {me}: new pairs with the newcomer");
+            }
             meet(rank, 2);
             let full = timed_rounds(rank, &b, &config, after, iters, &none);
             eprintln!(
@@ -539,13 +559,15 @@ fn rejoin_over_tcp() {
         }
         "newcomer" => {
             let t = Instant::now();
-            let rank = GpuWorld::rejoin(&*meetings(wait).expect("meeting"), config.clone()).expect("rejoin");
+            let rank =
+                GpuWorld::rejoin_with(&*meetings(wait).expect("meeting"), config.clone(), transport).expect("rejoin");
             let joined = t.elapsed();
             let b = Bufs::new(&rank, &scenario(&config, n, after));
             meet(&rank, 2);
             let full = timed_rounds(&rank, &b, &config, after, iters, &none);
             eprintln!(
-                "ok: rank {me} (newcomer): rejoined in {joined:?}, two device meetings with the survivor, {iters} full rounds bit-exact, median {:.0} us",
+                "ok: rank {me} (newcomer{}): rejoined in {joined:?}, {iters} full rounds bit-exact, median {:.0} us",
+                if over_nccl { ", over NCCL" } else { ", two device meetings with the survivor" },
                 median_us(full)
             );
         }

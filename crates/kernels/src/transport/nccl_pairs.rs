@@ -21,8 +21,8 @@
 //!
 //! In a pair's communicator the lower group rank is rank 0.
 
+use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
@@ -38,6 +38,9 @@ use crate::setup::within::within;
 const NCCL_REVOKE_DEFAULT: i32 = 0x00;
 /// An arrival pair's bytes (word and stamp): the last transfer of each peer's exchange.
 const ARRIVAL_BYTES: usize = 16;
+/// How long a revoked pair waits for its revoke to end before it is aborted or dropped
+/// ([`Pair::settle`]); a revoke takes up to 500 ms (NCCL's proxy thread stops at its next poll).
+const REVOKE_SETTLE: Duration = Duration::from_secs(10);
 
 /// One pair's communicator on one channel, and the stream its transfers run on.
 #[derive(Debug)]
@@ -48,18 +51,19 @@ struct Pair {
     generation: u64,
     /// Its operations were revoked: it takes no more.
     revoked: bool,
-    /// Aborted already (a revoke that failed): not aborted again when dropped.
+    /// Aborted already (a revoke that failed), or left to a revoke that did not end: not
+    /// aborted (again) when dropped.
     aborted: bool,
-    /// The revoke's quiescence, running on a thread of its own ([`Pair::revoke`]); whether it
-    /// had to abort the communicator.
-    revoking: Option<JoinHandle<bool>>,
+    /// The revoke's quiescence, running on a thread of its own ([`Pair::revoke`]): tells
+    /// whether it had to abort the communicator when it ends.
+    revoking: Option<mpsc::Receiver<bool>>,
 }
 
 /// A communicator handed to the thread that revokes it.
 struct RevokedComm(nccl_sys::ncclComm_t);
 
 // SAFETY: NCCL communicators may be used from any thread; the pair that owns it touches it
-// again only after joining that thread (`Pair::settle`).
+// again only after that thread said it is done (`Pair::settle`), or never.
 unsafe impl Send for RevokedComm {}
 
 impl RevokedComm {
@@ -81,21 +85,24 @@ impl Pair {
         }
         self.revoked = true;
         let comm = RevokedComm(self.comm);
+        let (tx, rx) = mpsc::channel();
         let spawned = std::thread::Builder::new().name("epflow-nccl-revoke".into()).spawn(move || {
-            // SAFETY: a live communicator of this pair, which touches it again only after
-            // joining this thread; revoking is local and leaves it valid for an abort.
+            // SAFETY: a live communicator of this pair, which touches it again only after this
+            // thread says it is done; revoking is local and leaves it valid for an abort.
             let revoked = unsafe { nccl_sys::ncclCommRevoke(comm.get(), NCCL_REVOKE_DEFAULT) }.result();
-            if let Err(e) = revoked {
+            let aborted = if let Err(e) = revoked {
                 // Its kernels must end all the same: abort it (local too).
                 tracing::warn!(rank, peer, "NCCL: ncclCommRevoke failed ({:?}); aborting the pair", e.0);
-                // SAFETY: as above; the pair marks it aborted when it joins this thread.
+                // SAFETY: as above; the pair marks it aborted when it reads this thread's word.
                 let _ = unsafe { nccl::comm_abort(comm.get()) };
-                return true;
-            }
-            false
+                true
+            } else {
+                false
+            };
+            let _ = tx.send(aborted);
         });
         match spawned {
-            Ok(handle) => self.revoking = Some(handle),
+            Ok(_) => self.revoking = Some(rx),
             Err(e) => {
                 tracing::warn!(rank, peer, "NCCL: no thread to revoke a pair ({e}); aborting it");
                 // SAFETY: a communicator this pair owns, aborted once (`aborted` guards).
@@ -105,11 +112,22 @@ impl Pair {
         }
     }
 
-    /// Waits for a revoke in progress to end, so the communicator can be aborted.
+    /// Waits for a revoke in progress to end, so the communicator can be aborted, at most
+    /// [`REVOKE_SETTLE`]: a revoke still waiting for NCCL after that (its proxy thread kept by a
+    /// peer's connections) is left to itself, its communicator never aborted nor freed (a
+    /// leak, with a warning, rather than a rejoin that hangs).
     fn settle(&mut self) {
-        if let Some(handle) = self.revoking.take() {
-            // A revoke thread that panicked left the communicator as it was: aborted below.
-            self.aborted |= handle.join().unwrap_or(false);
+        let Some(done) = self.revoking.take() else { return };
+        match done.recv_timeout(REVOKE_SETTLE) {
+            Ok(aborted) => self.aborted |= aborted,
+            // The revoke thread panicked: the communicator is as it left it, aborted below.
+            Err(mpsc::RecvTimeoutError::Disconnected) => {}
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                tracing::warn!(
+                    "NCCL: a pair's revoke did not end within {REVOKE_SETTLE:?}; its communicator is left as it is"
+                );
+                self.aborted = true;
+            }
         }
     }
 
