@@ -545,7 +545,11 @@ fn rejoin_over_tcp() {
             let admit = t.elapsed();
             assert!(rank.masked_ranks().ranks.is_empty());
             if over_nccl {
-                assert_eq!(rank.nccl_reachable(), Some([rank.nccl_peers(); 3]), "rank {me}: new pairs with the newcomer");
+                assert_eq!(
+                    rank.nccl_reachable(),
+                    Some([rank.nccl_peers(); 3]),
+                    "rank {me}: new pairs with the newcomer"
+                );
             }
             meet(rank, 2);
             let full = timed_rounds(rank, &b, &config, after, iters, &none);
