@@ -105,9 +105,7 @@ impl Pair {
             Ok(_) => self.revoking = Some(rx),
             Err(e) => {
                 tracing::warn!(rank, peer, "NCCL: no thread to revoke a pair ({e}); aborting it");
-                // SAFETY: a communicator this pair owns, aborted once (`aborted` guards).
-                let _ = unsafe { nccl::comm_abort(self.comm) };
-                self.aborted = true;
+                self.abort();
             }
         }
     }
