@@ -310,6 +310,18 @@ pub(crate) struct BenchArgs {
     /// GPU backend: the most SMs a communication kernel may use [default: all that help].
     #[arg(long)]
     pub max_sms: Option<usize>,
+    /// GPU backend, one process: the GPU of each rank, comma-separated. A GPU named twice
+    /// holds two ranks, which time-slice it (a functional check, and a way to measure set-up
+    /// costs on one GPU); over NCCL that needs NCCL 2.30 or later with
+    /// NCCL_MULTI_RANK_GPU_ENABLE=1 [default: 0, 1, ..., a rank per GPU].
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    pub devices: Option<Vec<usize>>,
+    /// Low-latency: make the group with rank masking (`GroupConfig::with_rank_masking`), so
+    /// that a dead rank would be masked instead of poisoning the group. No rank is masked: the
+    /// figures are what being able to costs (the fenced rows masking uses, and with NCCL peers
+    /// a communicator per pair of ranks, whose set-up time and memory the report shows).
+    #[arg(long)]
+    pub rank_masking: bool,
     /// Operation timeout in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     pub timeout_ms: u64,

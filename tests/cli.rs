@@ -37,6 +37,9 @@ fn bad_flags_exit_2_with_a_clear_error() {
         (&["bench", "--max-sms", "0"], "max_sms is 0"),
         (&["bench", "--backend", "host", "--hosts", "2"], "--hosts needs the GPU backend"),
         (&["bench", "--backend", "nccl-epp"], "invalid value 'nccl-epp'"),
+        (&["bench", "--backend", "host", "--devices", "0,0"], "--devices places GPU ranks: it needs a GPU backend"),
+        (&["bench", "--devices", "0,x"], "invalid value 'x'"),
+        (&["bench", "--algorithm", "ht", "--rank-masking"], "rank_masking is a low-latency option"),
         (&["launch", "-n", "0", "--", "true"], "-n must be at least 1"),
         (&["diag", "launch", "--iters", "0"], "--tokens and --iters must be at least 1"),
         (&["diag", "launch", "--tokens", "0"], "--tokens and --iters must be at least 1"),
@@ -58,6 +61,18 @@ fn bad_flags_exit_2_with_a_clear_error() {
         assert!(err.contains(want), "{args:?}: stderr {err:?} should contain {want:?}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
+}
+
+/// `--rank-masking` makes the group able to mask a dead rank; none is masked, so the outputs
+/// are the full group's, checked against the reference.
+#[test]
+fn rank_masking_bench_validates() {
+    let args = ["bench", "--backend", "host", "--ranks", "3", "--tokens", "8", "--hidden", "128", "--experts", "12"];
+    let (code, out, err) =
+        epflow(&[&args[..], &["--warmup", "1", "--iters", "2", "--validate", "--rank-masking"]].concat());
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("rank_masking=true"), "{out}");
+    assert!(out.contains("Validation: PASSED"), "{out}");
 }
 
 #[test]

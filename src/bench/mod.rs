@@ -8,6 +8,7 @@ mod nccl_ep;
 mod queued;
 pub(crate) mod rank;
 pub(crate) mod runner;
+mod setup_cost;
 pub(crate) mod stats;
 mod training;
 
@@ -159,6 +160,11 @@ pub(crate) fn config_from_args(args: &BenchArgs, ranks: usize) -> Result<(GroupC
                 .into(),
         ));
     }
+    if args.rank_masking && args.backend == BackendArg::NcclEp {
+        return Err(BenchError::Usage(
+            "--rank-masking is epflow's: the nccl-ep backend runs NVIDIA's library without it".into(),
+        ));
+    }
     if args.layout == LayoutArg::RankMajor && args.backend == BackendArg::NcclEp {
         return Err(BenchError::Usage(
             "--layout rank-major runs on epflow's backends; the nccl-ep backend is expert-major".into(),
@@ -190,7 +196,8 @@ pub(crate) fn config_from_args(args: &BenchArgs, ranks: usize) -> Result<(GroupC
     .with_max_sms(args.max_sms)
     // The group's top-k bound sizes the low-latency combine buffers: the default 8, or --top-k.
     .with_max_top_k(args.top_k.max(8))
-    .with_timeout(Duration::from_millis(args.timeout_ms));
+    .with_timeout(Duration::from_millis(args.timeout_ms))
+    .with_rank_masking(args.rank_masking);
     config.validate(ranks).map_err(|e| BenchError::Usage(format!("invalid configuration: {e}")))?;
     if args.top_k > args.experts {
         return Err(top_k_error());
@@ -268,10 +275,7 @@ fn run_single_process(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     if args.hosts.is_some() && !use_gpu {
         return Err(BenchError::Usage("--hosts needs the GPU backend".into()));
     }
-    let ranks = args.ranks.unwrap_or(if use_gpu { gpus } else { 4 });
-    if use_gpu && ranks > gpus {
-        return Err(BenchError::Usage(format!("--ranks {ranks}: this machine has {gpus} GPUs")));
-    }
+    let (ranks, devices) = ranks_and_devices(args, use_gpu, gpus)?;
     let (mut config, tokens) = config_from_args(args, ranks)?;
     check_host_memory(args, &config, ranks, tokens, !use_gpu)?;
     if args.backend == BackendArg::NcclEp {
@@ -283,11 +287,11 @@ fn run_single_process(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     let refs = if args.validate { Some(references(&sc, args.layout.layout())?) } else { None };
     let plan = LoopPlan::from_args(args);
     let barrier = Arc::new(SpinBarrier::new(ranks));
+    let mut setup = None;
     let (backend, device, memory, results) = if args.backend == BackendArg::NcclEp {
         if args.hosts.is_some() {
             return Err(BenchError::Usage("--hosts splits the gpu backend; drop --backend nccl-ep".into()));
         }
-        let devices: Vec<usize> = (0..ranks).collect();
         let world = epflow_nccl_ep::NcclEpWorld::create(&devices, config.clone())
             .map_err(|e| BenchError::Run(e.to_string()))?;
         let (path, version) = world.first().map(|r| r.library()).unwrap_or_default();
@@ -305,15 +309,21 @@ fn run_single_process(args: &BenchArgs) -> Result<BenchReport, BenchError> {
             .collect();
         ("nccl-ep", device, None, run_ranks(benches, &sc, refs.as_ref(), &plan)?)
     } else if use_gpu {
-        let devices: Vec<usize> = (0..ranks).collect();
         let transport = transport_from_args(args, ranks)?;
         let label = match &transport {
             Transport::Nccl => "nccl",
             Transport::Hierarchical { .. } => "gpu+nccl",
             _ => "gpu",
         };
-        let world = epflow_kernels::GpuWorld::create_with(&devices, config.clone(), transport)
-            .map_err(|e| BenchError::Run(e.to_string()))?;
+        let (world, cost) = setup_cost::measure(
+            &devices,
+            || {
+                epflow_kernels::GpuWorld::create_with(&devices, config.clone(), transport)
+                    .map_err(|e| BenchError::Run(e.to_string()))
+            },
+            |world| world.iter().map(|r| r.device_memory_bytes() as u64).sum(),
+        )?;
+        setup = Some(cost);
         let memory = world.first().map(|r| r.device_memory_bytes() as u64);
         let name = world.first().and_then(|r| r.context().name().ok()).unwrap_or_default();
         let benches: Vec<_> = world
@@ -333,7 +343,39 @@ fn run_single_process(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     };
     let mut report = summarise(args, &config, backend, &device, ranks, tokens, results);
     report.device_memory_bytes_per_rank = memory;
+    report.setup = setup;
     Ok(report)
+}
+
+/// The rank count and each rank's GPU in one process, from `--ranks` and `--devices`: `--ranks`
+/// defaults to the GPUs named, else to every GPU (the host backend: 4); without `--devices`
+/// rank `r` runs on GPU `r`.
+fn ranks_and_devices(args: &BenchArgs, use_gpu: bool, gpus: usize) -> Result<(usize, Vec<usize>), BenchError> {
+    let Some(devices) = &args.devices else {
+        let ranks = args.ranks.unwrap_or(if use_gpu { gpus } else { 4 });
+        if use_gpu && ranks > gpus {
+            return Err(BenchError::Usage(format!(
+                "--ranks {ranks}: this machine has {gpus} GPUs (--devices puts several ranks on one)"
+            )));
+        }
+        return Ok((ranks, (0..ranks).collect()));
+    };
+    if !use_gpu {
+        return Err(BenchError::Usage("--devices places GPU ranks: it needs a GPU backend".into()));
+    }
+    if let Some(r) = args.ranks.filter(|&r| r != devices.len()) {
+        return Err(BenchError::Usage(format!(
+            "--ranks {r} but --devices names {} GPUs (one per rank)",
+            devices.len()
+        )));
+    }
+    if let Some(d) = devices.iter().find(|&&d| d >= gpus) {
+        return Err(BenchError::Usage(format!(
+            "--devices names GPU {d}: this machine has {gpus} GPUs (0 to {})",
+            gpus.saturating_sub(1)
+        )));
+    }
+    Ok((devices.len(), devices.clone()))
 }
 
 /// The transport `--backend` and `--hosts` ask for.
@@ -444,6 +486,8 @@ pub(crate) fn summarise(
         total: OpSummary::from_ranks(&collect(|r| &r.total)),
         validation,
         device_memory_bytes_per_rank: None,
+        setup: None,
+        rank_masking: args.rank_masking,
         halves_us: (halves.iter().any(|&h| h > 0.0)).then(|| [halves[0], halves[1], halves[2], halves[3]]),
         fresh_routing: args.fresh_routing && args.algorithm == AlgorithmArg::Ht,
         queued_fresh_routing: args.fresh_routing && args.algorithm != AlgorithmArg::Ht,

@@ -125,7 +125,17 @@ pub(super) fn run(args: &BenchArgs, env: &LaunchEnv) -> Result<Option<BenchRepor
     let plan = LoopPlan::from_args(args);
     let comm = env.communicator().map_err(run_err)?;
     let transport = super::transport_from_args(args, ranks)?;
-    let rank = GpuWorld::join_with(&comm, config.clone(), transport).map_err(run_err)?;
+    if args.devices.is_some() {
+        return Err(BenchError::Usage(
+            "--devices places the ranks of one process; under `epflow launch` each process takes LOCAL_RANK's GPU"
+                .into(),
+        ));
+    }
+    let (rank, setup) = super::setup_cost::measure(
+        &[comm.context().ordinal()],
+        || GpuWorld::join_with(&comm, config.clone(), transport).map_err(run_err),
+        |rank| rank.device_memory_bytes() as u64,
+    )?;
     rank.set_timing(true);
     let label = match rank.nccl_peers() {
         0 => "gpu",
@@ -149,6 +159,9 @@ pub(super) fn run(args: &BenchArgs, env: &LaunchEnv) -> Result<Option<BenchRepor
     let mut report =
         summarise(args, &config, label, &format!("{ranks} x {name}, one process per GPU"), ranks, tokens, results);
     report.device_memory_bytes_per_rank = Some(memory);
+    // Rank 0's own: the other processes' set-ups took about as long (they meet in it), and as
+    // much memory each on their GPUs.
+    report.setup = Some(setup);
     if env.rank != 0 {
         return match &report.validation {
             Some(v) if !v.passed => Err(BenchError::Run(format!("rank {}: validation failed", env.rank))),

@@ -92,6 +92,10 @@ pub(crate) struct BenchReport {
     pub total: OpSummary,
     pub validation: Option<Validation>,
     pub device_memory_bytes_per_rank: Option<u64>,
+    /// What making the GPU group cost (time, and the device memory it took, NCCL's included).
+    pub setup: Option<super::setup_cost::SetupCost>,
+    /// `--rank-masking`: the group was made able to mask a dead rank (none was).
+    pub rank_masking: bool,
     /// Average device time (us) of dispatch send, dispatch complete, combine send, combine
     /// complete halves, when measured.
     pub halves_us: Option<[f64; 4]>,
@@ -131,7 +135,7 @@ impl BenchReport {
         let algo = if self.algorithm == "ll" { "Low Latency" } else { "High Throughput" };
         let dt = self.dtype.to_uppercase();
         println!(
-            "epflow bench: algorithm={} backend={} device={} ranks={} tokens={} hidden={} top_k={} experts={} dtype={} staged={} layout={} warmup={} iters={} seed={}",
+            "epflow bench: algorithm={} backend={} device={} ranks={} tokens={} hidden={} top_k={} experts={} dtype={} staged={} layout={} rank_masking={} warmup={} iters={} seed={}",
             self.algorithm,
             self.backend,
             self.device,
@@ -143,6 +147,7 @@ impl BenchReport {
             self.dtype,
             self.staged,
             self.layout,
+            self.rank_masking,
             self.warmup,
             self.iters,
             self.seed
@@ -236,6 +241,9 @@ impl BenchReport {
         }
         if let Some(m) = self.device_memory_bytes_per_rank {
             println!("\nDevice memory of the group: {:.3} GB per rank", m as f64 / 1e9);
+        }
+        if let Some(c) = &self.setup {
+            println!("{}", c.describe());
         }
         match &self.validation {
             None => println!("\nValidation: skipped (pass --validate)"),
