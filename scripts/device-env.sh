@@ -28,3 +28,42 @@ sanitize() {
   done
   unset EPFLOW_GPU_ITERS EPFLOW_MASK_TIMEOUT_MS EPFLOW_MASK_REJOIN
 }
+
+# NCCL 2.30 (several ranks per GPU with NCCL_MULTI_RANK_GPU_ENABLE=1, ncclCommRevoke) from the
+# NCCL pack (.nccl-pack/, git-ignored; carry it) first on the library path, when present:
+# unpacked from nccl-pack.tar.xz(.*) if need be, or built there by its build.sh beforehand.
+nccl_pack_on_path() {
+  local n=$PWD/.nccl-pack
+  if [ -d "$n" ] && [ ! -e "$n/lib/libnccl.so" ]; then
+    [ -e "$n/nccl-pack.tar.xz" ] || cat "$n"/nccl-pack.tar.xz.* >"$n/nccl-pack.tar.xz" 2>/dev/null || true
+    tar -xJf "$n/nccl-pack.tar.xz" -C "$n" 2>/dev/null ||
+      python3 -c "import tarfile; tarfile.open('$n/nccl-pack.tar.xz').extractall('$n')" 2>/dev/null || true
+  fi
+  if [ -e "$n/lib/libnccl.so" ]; then export LD_LIBRARY_PATH=$n/lib:$LD_LIBRARY_PATH; fi
+}
+
+# Issue 68's rejoin between processes (`gpu_masking rejoin_over_tcp`): a survivor (rank 0, on
+# GPU $2) and a victim (rank 1, on GPU $3) join a group over the TCP bootstrap on ports $4 and
+# $4+1; the victim's process exits after its full rounds; a newcomer process takes rank 1's
+# place while the survivor goes on. $1 names the logs ($OUT/$1-<role>.log) and the lines; $5 the
+# survivor's and newcomer's timeout in seconds; extra `VAR=value` words after it go into every
+# process's environment (EPFLOW_TEST_TRANSPORT=nccl, say). ITERS rounds per phase (default 50).
+# One line per process.
+rejoin_processes() {
+  local name=$1 d0=$2 d1=$3 port=$4 limit=$5
+  shift 5
+  local common=(MASTER_ADDR=127.0.0.1 MASTER_PORT=$port EPFLOW_TEST_REJOIN_PORT=$((port + 1)) WORLD_SIZE=2
+    EPFLOW_TEST_SEED=${EPFLOW_TEST_SEED:-$RANDOM} EPFLOW_GPU_ITERS=${ITERS:-50} "$@")
+  proc() { # role, rank, device, timeout
+    env "${common[@]}" RANK=$2 LOCAL_RANK=$3 EPFLOW_TEST_REJOIN=$1 timeout $4 $P/gpu_masking rejoin_over_tcp \
+      --nocapture --test-threads=1 >"$OUT/$name-$1.log" 2>&1
+  }
+  proc survivor 0 $d0 $limit &
+  local survivor=$!
+  proc victim 1 $d1 120
+  echo "$name: victim rc=$? $(grep -E 'exits now|panicked' "$OUT/$name-victim.log" | head -2 | tr '\n' ' ')"
+  proc newcomer 1 $d1 $limit
+  echo "$name: newcomer rc=$? $(grep -E '^ok:|panicked|test result' "$OUT/$name-newcomer.log" | head -3 | tr '\n' ' ')"
+  wait $survivor
+  echo "$name: survivor rc=$? $(grep -E 'first operation|^ok:|panicked|test result' "$OUT/$name-survivor.log" | head -4 | tr '\n' ' ')"
+}

@@ -224,6 +224,18 @@ fn masking_over_nvlink_and_nccl_revokes_and_a_newcomer_rejoins() {
     nccl_cycles(test, &devices, epflow_kernels::Transport::Hierarchical { hosts: vec![0, 0, 1] });
 }
 
+/// Eight ranks over NCCL (`Transport::Nccl`), the most a GPU group of one host may have: each
+/// rank holds 3 x 7 pair communicators. On one GPU (`EPFLOW_TEST_DEVICES=0,0,0,0,0,0,0,0`,
+/// NCCL 2.30, `NCCL_MULTI_RANK_GPU_ENABLE=1`) it is a functional check, and it prints what the
+/// pairs cost: the group's set-up time and device memory, the seven survivors' first operation
+/// without rank 1 (each revokes its own pairs with it) and their `admit`: see [`nccl_cycles`].
+#[test]
+fn masking_over_nccl_at_eight_ranks() {
+    let test = "masking_over_nccl_at_eight_ranks";
+    let Some(devices) = common::nccl_gpus(8, test) else { return };
+    nccl_cycles(test, &devices, epflow_kernels::Transport::Nccl);
+}
+
 /// Kill-and-rejoin cycles of rank 1 in a group of `devices.len()` ranks with NCCL peers, in one
 /// process. Each cycle: full rounds bit-exact; rank 1's thread stops calling (and drops its
 /// rank after the survivors' next operation); a survivor that reaches it over NCCL waits in
@@ -247,7 +259,16 @@ fn nccl_cycles(test: &str, devices: &[usize], transport: epflow_kernels::Transpo
     let (meeting, barrier) = (|me| local.meeting(me), || local.barrier());
     let dead = 1;
     let (none, gone) = (RankSet::new(), RankSet::from_ranks([dead], n).unwrap());
-    let ranks = GpuWorld::create_with(devices, config.clone(), transport.clone()).expect("world with NCCL peers");
+    let (ranks, made, taken) = device_memory_taken(devices, || {
+        GpuWorld::create_with(devices, config.clone(), transport.clone()).expect("world with NCCL peers")
+    });
+    let buffers: usize = ranks.iter().map(GpuRank::device_memory_bytes).sum();
+    let pairs: u32 = ranks.iter().map(|r| 3 * r.nccl_peers().count_ones()).sum::<u32>() / 2;
+    eprintln!(
+        "{test}: {n} ranks made in {made:?} with {pairs} pair communicators; device memory taken {} MiB ({} MiB epflow's buffers, the rest NCCL's)",
+        taken >> 20,
+        buffers >> 20
+    );
     // Each rank reaches its NCCL peers, on every channel, through a pair communicator each.
     assert!(ranks.iter().all(|r| r.nccl_reachable() == Some([r.nccl_peers(); 3])));
     let (config, none, gone, transport) = (&config, &none, &gone, &transport);
@@ -323,6 +344,29 @@ fn nccl_cycles(test: &str, devices: &[usize], transport: epflow_kernels::Transpo
         }
     });
     eprintln!("ok: {test}: {cycles} cycles of kill, revoke and rejoin with NCCL peers, every round bit-exact");
+}
+
+/// Runs `make` and measures it: its wall time, and the free memory it took from the distinct
+/// GPUs of `devices` (their contexts opened first, so theirs is not counted), in bytes.
+fn device_memory_taken<T>(devices: &[usize], make: impl FnOnce() -> T) -> (T, Duration, usize) {
+    let mut distinct = devices.to_vec();
+    distinct.sort_unstable();
+    distinct.dedup();
+    let contexts: Vec<_> = distinct.iter().map(|&d| cudarc::driver::CudaContext::new(d).expect("a context")).collect();
+    let free = || -> usize {
+        contexts
+            .iter()
+            .map(|c| {
+                c.bind_to_thread().expect("bind");
+                c.mem_get_info().expect("cuMemGetInfo").0
+            })
+            .sum()
+    };
+    let before = free();
+    let t = Instant::now();
+    let made = make();
+    let took = t.elapsed();
+    (made, took, before.saturating_sub(free()))
 }
 
 /// The async `Group::admit` of GPU ranks (`Backend::admit`) refuses before any meeting: a rank
