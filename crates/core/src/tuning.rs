@@ -80,6 +80,10 @@ pub struct Tuning {
     pub ht_pull: bool,
     /// The high-throughput layout's overrides.
     pub ht: HtTuning,
+    /// `EPFLOW_NCCL_PAIR_CTAS`: the most CTAs (NCCL channels, `ncclConfig_t::maxCTAs`) of each
+    /// communicator a rank-masking group makes per pair of NCCL peers (`None`: the backend's
+    /// default; 0: NCCL's own choice).
+    pub nccl_pair_ctas: Option<usize>,
 }
 
 impl Default for Tuning {
@@ -96,6 +100,7 @@ impl Default for Tuning {
             ht_direct: true,
             ht_pull: true,
             ht: HtTuning::default(),
+            nccl_pair_ctas: None,
         }
     }
 }
@@ -190,6 +195,7 @@ pub const KNOBS: &[Knob] = &[
     knob("EPFLOW_HT_DIRECT_HELPERS", "0", "receiving blocks' warps per peer that help a direct dispatch"),
     knob("EPFLOW_HT_BALANCED", "on up to 64 SMs; 0 / 1", "a direct dispatch's rows from a shared counter"),
     knob("EPFLOW_HT_COMBINE_RANKS", "1; 1-8", "the smallest rank bound of the combine kernel"),
+    knob("EPFLOW_NCCL_PAIR_CTAS", "2; 0 NCCL's own", "the most CTAs of each NCCL pair communicator (rank masking)"),
     knob("EPFLOW_LL_TRACE", "off; 1", "low-latency phase times printed from the GPU"),
     knob("EPFLOW_HOST_STEPS", "off; 1", "host time of each step of sends, creations and completions"),
     knob("EPFLOW_ABI_PROFILE", "off; 1", "libnccl_ep.so's host time per dispatch and combine"),
@@ -246,6 +252,7 @@ impl Environment {
                 ht_direct: on_unless_zero("EPFLOW_HT_DIRECT"),
                 ht_pull: on_unless_zero("EPFLOW_HT_PULL"),
                 ht,
+                nccl_pair_ctas: num("EPFLOW_NCCL_PAIR_CTAS"),
             },
             diagnostics: Diagnostics {
                 ll_trace: is("EPFLOW_LL_TRACE", "1"),
@@ -307,6 +314,7 @@ mod tests {
             ("EPFLOW_HT_DIRECT_HELPERS", "4"),
             ("EPFLOW_HT_BALANCED", "1"),
             ("EPFLOW_HT_COMBINE_RANKS", "8"),
+            ("EPFLOW_NCCL_PAIR_CTAS", "4"),
             ("EPFLOW_LL_TRACE", "1"),
             ("EPFLOW_HOST_STEPS", "1"),
             ("EPFLOW_ABI_PROFILE", "1"),
@@ -337,6 +345,7 @@ mod tests {
             combine_ranks: Some(8),
         };
         assert_eq!(t.ht, want);
+        assert_eq!(t.nccl_pair_ctas, Some(4));
         let d = &e.diagnostics;
         assert!(d.ll_trace && d.host_steps && d.abi_profile);
         assert_eq!(d.abi_stamps, Some(PathBuf::from("/tmp/stamps")));

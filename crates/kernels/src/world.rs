@@ -19,7 +19,7 @@ use crate::rank::GpuRank;
 use crate::setup::bootstrap::{self, Bootstrap};
 use crate::state::shared::{Kept, Peers, RankMemory, RankShared};
 use crate::transport::nccl::{NcclComms, decode_ids, new_ids};
-use crate::transport::nccl_pairs::{NcclPairs, pair_ids, pair_ids_of_all};
+use crate::transport::nccl_pairs::{NcclPairs, pair_ctas, pair_ids, pair_ids_of_all};
 use crate::transport::nccl_shared::NcclShared;
 use crate::transport::nvlink::enable_peer_access;
 use crate::transport::peer_memory::{exported, open_exported};
@@ -85,12 +85,12 @@ impl GpuWorld {
         } else if config.rank_masking {
             // A communicator per pair of ranks (`transport/nccl_pairs.rs`), each rank's made
             // on a thread of its own (every pair's two ranks at once).
-            let ids = pair_ids_of_all(&masks)?;
+            let (ids, ctas) = (pair_ids_of_all(&masks)?, pair_ctas(&config));
             std::thread::scope(|sc| {
                 let joins: Vec<_> = (0..num_ranks)
                     .map(|r| {
                         let (ctx, ids) = (&ctxs[r], &ids[r]);
-                        sc.spawn(move || NcclPairs::init(ctx, r, num_ranks, ids))
+                        sc.spawn(move || NcclPairs::init(ctx, r, num_ranks, ids, ctas))
                     })
                     .collect();
                 joins
@@ -213,7 +213,8 @@ impl GpuWorld {
                 // peer (at a rejoin, the survivors make theirs with this newcomer alone), bounded
                 // so a peer that never comes fails this rank instead of hanging it.
                 let (ids, limit) = (pair_ids(comm, mask)?, NcclPairs::setup_limit(&config));
-                (NcclComms::none(), Some(NcclPairs::init_within(&ctx, rank, num_ranks, ids, limit)?))
+                let pairs = NcclPairs::init_within(&ctx, rank, num_ranks, ids, pair_ctas(&config), limit)?;
+                (NcclComms::none(), Some(pairs))
             } else {
                 let ids = if rank == 0 { new_ids()? } else { [0u64; 48] };
                 let all = bootstrap::all_gather_u64(comm, &ids)?;

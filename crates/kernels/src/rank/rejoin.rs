@@ -46,7 +46,7 @@ use super::GpuRank;
 use crate::setup::bootstrap::{Bootstrap, all_gather_u64};
 use crate::setup::meeting::MeetingSource;
 use crate::transport::host_id;
-use crate::transport::nccl_pairs::{NcclPairs, pair_ids};
+use crate::transport::nccl_pairs::{NcclPairs, pair_ctas, pair_ids};
 use crate::transport::peer_memory::{exported, open_exported};
 use crate::world::{GpuWorld, place_words};
 
@@ -207,7 +207,7 @@ fn meet_retired(meeting: &(impl Bootstrap + ?Sized)) -> Result<(), Error> {
 fn pairs_with_newcomers(rank: &GpuRank, meeting: &(impl Bootstrap + ?Sized), make: u32) -> Result<NcclPairs, Error> {
     let s = &rank.shared;
     let ids = pair_ids(meeting, make)?;
-    NcclPairs::init_within(&s.ctx, s.rank, s.num_ranks, ids, NcclPairs::setup_limit(&s.config))
+    NcclPairs::init_within(&s.ctx, s.rank, s.num_ranks, ids, pair_ctas(&s.config), NcclPairs::setup_limit(&s.config))
 }
 
 /// Refuses a meeting bootstrap that is not this group's shape.

@@ -38,6 +38,18 @@ use crate::setup::within::within;
 const NCCL_REVOKE_DEFAULT: i32 = 0x00;
 /// An arrival pair's bytes (word and stamp): the last transfer of each peer's exchange.
 const ARRIVAL_BYTES: usize = 16;
+/// The most CTAs (NCCL channels) of a pair communicator by default
+/// ([`epflow_core::tuning::Tuning::nccl_pair_ctas`], `EPFLOW_NCCL_PAIR_CTAS`). Each channel a
+/// pair connects holds NCCL's buffers: with NCCL's own choice a pair of ranks on one H100 took
+/// about 850 MiB, so the 84 pairs of eight ranks took 68 GiB of it (2026-12-07).
+pub(crate) const PAIR_CTAS: usize = 2;
+/// `NCCL_CONFIG_UNDEF_INT` of `nccl.h`: a config field NCCL fills with its default.
+const NCCL_CONFIG_UNDEF_INT: i32 = i32::MIN;
+/// `NCCL_API_MAGIC` of `nccl.h`.
+const NCCL_API_MAGIC: u32 = 0xcafe_beef;
+/// The `ncclConfig_t` layout cudarc's binding declares: NCCL 2.28's (`NCCL_VERSION(2, 28, 0)`);
+/// a later NCCL reads it by this version and its size, filling later fields with defaults.
+const NCCL_CONFIG_VERSION: u32 = 22800;
 /// How long a revoked pair waits for its revoke to end before it is aborted or dropped
 /// ([`Pair::settle`]); a revoke takes up to 500 ms (NCCL's proxy thread stops at its next poll).
 const REVOKE_SETTLE: Duration = Duration::from_secs(10);
@@ -239,6 +251,40 @@ pub(crate) fn pair_ids_of_all(masks: &[u32]) -> Result<Vec<PairIds>, Error> {
     Ok(out)
 }
 
+/// The most CTAs of each pair communicator `config` asks for: `None` for NCCL's own choice
+/// (`EPFLOW_NCCL_PAIR_CTAS=0`), else at least 1 ([`PAIR_CTAS`] by default).
+pub(crate) fn pair_ctas(config: &GroupConfig) -> Option<i32> {
+    match config.tuning().nccl_pair_ctas.unwrap_or(PAIR_CTAS) {
+        0 => None,
+        n => Some(n.min(64) as i32),
+    }
+}
+
+/// The config of a pair communicator with at most `max_ctas` CTAs (channels), every other field
+/// NCCL's default, as `NCCL_CONFIG_INITIALIZER` leaves it.
+fn pair_config(max_ctas: i32) -> nccl_sys::ncclConfig_t {
+    let undef = NCCL_CONFIG_UNDEF_INT;
+    nccl_sys::ncclConfig_t {
+        size: std::mem::size_of::<nccl_sys::ncclConfig_t>(),
+        magic: NCCL_API_MAGIC,
+        version: NCCL_CONFIG_VERSION,
+        blocking: undef,
+        cgaClusterSize: undef,
+        minCTAs: 1,
+        maxCTAs: max_ctas.max(1),
+        netName: std::ptr::null(),
+        splitShare: undef,
+        trafficClass: undef,
+        commName: std::ptr::null(),
+        collnetEnable: undef,
+        CTAPolicy: undef,
+        shrinkShare: undef,
+        nvlsCTAs: undef,
+        nChannelsPerNetPeer: undef,
+        nvlinkCentricSched: undef,
+    }
+}
+
 impl NcclPairs {
     /// No pairs yet (rank `rank` of `world`).
     fn empty(rank: usize, world: usize) -> Self {
@@ -247,9 +293,16 @@ impl NcclPairs {
 
     /// Makes this rank's pair communicators with every peer `ids` names (collective with each
     /// peer: one NCCL group of every `ncclCommInitRank`, so no pair waits for another), each
-    /// with a stream of `ctx`, then connects them ([`NcclPairs::connect`]). `rank` of `world`.
-    pub(crate) fn init(ctx: &Arc<CudaContext>, rank: usize, world: usize, ids: &PairIds) -> Result<Self, Error> {
-        let pairs = NcclPairs::make(ctx, rank, world, ids)?;
+    /// with a stream of `ctx` and at most `max_ctas` CTAs ([`pair_ctas`]; `None`: NCCL's
+    /// choice), then connects them ([`NcclPairs::connect`]). `rank` of `world`.
+    pub(crate) fn init(
+        ctx: &Arc<CudaContext>,
+        rank: usize,
+        world: usize,
+        ids: &PairIds,
+        max_ctas: Option<i32>,
+    ) -> Result<Self, Error> {
+        let pairs = NcclPairs::make(ctx, rank, world, ids, max_ctas)?;
         pairs.connect(ctx)?;
         Ok(pairs)
     }
@@ -265,6 +318,7 @@ impl NcclPairs {
         rank: usize,
         world: usize,
         ids: PairIds,
+        max_ctas: Option<i32>,
         limit: Duration,
     ) -> Result<Self, Error> {
         let ctx = Arc::clone(ctx);
@@ -276,7 +330,7 @@ impl NcclPairs {
         };
         let make = {
             let ctx = Arc::clone(&ctx);
-            move || NcclPairs::make(&ctx, rank, world, &ids)
+            move || NcclPairs::make(&ctx, rank, world, &ids, max_ctas)
         };
         within("epflow-nccl-pairs", limit, timeout, make, move |pairs| pairs.connect(&ctx), NcclPairs::abort_all)
     }
@@ -288,7 +342,13 @@ impl NcclPairs {
     }
 
     /// [`NcclPairs::init`] without the connection.
-    pub(crate) fn make(ctx: &Arc<CudaContext>, rank: usize, world: usize, ids: &PairIds) -> Result<Self, Error> {
+    pub(crate) fn make(
+        ctx: &Arc<CudaContext>,
+        rank: usize,
+        world: usize,
+        ids: &PairIds,
+        max_ctas: Option<i32>,
+    ) -> Result<Self, Error> {
         bind(ctx)?;
         let pairs = NcclPairs::empty(rank, world);
         let wanted: Vec<(usize, [nccl_sys::ncclUniqueId; 3])> =
@@ -299,9 +359,18 @@ impl NcclPairs {
         for ((p, id), out) in wanted.iter().zip(comms.iter_mut()) {
             let me = i32::from(rank > *p);
             for c in 0..3 {
-                // SAFETY: `out[c]` is a valid out pointer; both ranks of the pair pass the same
-                // id, size 2 and distinct ranks.
-                let r = unsafe { nccl::comm_init_rank(&mut out[c], 2, id[c], me) };
+                let r = match max_ctas {
+                    Some(n) => {
+                        // NCCL copies the config during the call.
+                        let mut config = pair_config(n);
+                        // SAFETY: `out[c]` is a valid out pointer; both ranks of the pair pass
+                        // the same id, size 2 and distinct ranks; `config` is a complete
+                        // `ncclConfig_t` of the version it names, alive through the call.
+                        unsafe { nccl::comm_init_rank_config(&mut out[c], 2, id[c], me, &mut config) }
+                    }
+                    // SAFETY: as above, without a config.
+                    None => unsafe { nccl::comm_init_rank(&mut out[c], 2, id[c], me) },
+                };
                 made = made.and(r.map(drop).map_err(|e| nccl_err("ncclCommInitRank (pair)", e)));
             }
         }
@@ -457,6 +526,26 @@ impl NcclPairs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pair_config_caps_the_ctas_and_leaves_the_rest_to_nccl() {
+        let c = pair_config(2);
+        assert_eq!((c.magic, c.version, c.size), (0xcafe_beef, 22800, std::mem::size_of::<nccl_sys::ncclConfig_t>()));
+        assert_eq!((c.minCTAs, c.maxCTAs), (1, 2));
+        assert_eq!((c.blocking, c.splitShare, c.nChannelsPerNetPeer), (i32::MIN, i32::MIN, i32::MIN));
+        assert!(c.netName.is_null() && c.commName.is_null());
+        // Never below one CTA.
+        assert_eq!(pair_config(0).maxCTAs, 1);
+        let config = |v: Option<usize>| {
+            let mut t = *GroupConfig::low_latency(8, 8, 128).tuning();
+            t.nccl_pair_ctas = v;
+            GroupConfig::low_latency(8, 8, 128).with_tuning(t)
+        };
+        assert_eq!(pair_ctas(&config(None)), Some(PAIR_CTAS as i32));
+        assert_eq!(pair_ctas(&config(Some(0))), None, "0: NCCL's own choice");
+        assert_eq!(pair_ctas(&config(Some(4))), Some(4));
+        assert_eq!(pair_ctas(&config(Some(1000))), Some(64));
+    }
 
     #[test]
     fn an_empty_set_reaches_nobody() {
