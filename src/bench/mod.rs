@@ -400,10 +400,23 @@ fn run_ranks<R: rank::BenchRank + Send + Sync>(
 where
     <R::B as epflow_core::backend::Backend>::Tensor: Clone,
 {
+    use epflow_core::backend::Backend;
     let results: Vec<Result<RankResult, epflow_core::Error>> = std::thread::scope(|s| {
         let handles: Vec<_> = benches.iter().map(|b| s.spawn(move || run_rank(b, sc, refs, plan))).collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
     });
+    // With --rank-masking an operation that waited past --timeout-ms masked its peer: say so, or
+    // a failed validation (the masked ranks' share is missing) would look like a wrong kernel.
+    for (r, b) in benches.iter().enumerate() {
+        let masked = b.backend().masked_ranks();
+        if !masked.ranks.is_empty() {
+            eprintln!(
+                "note: rank {r} masked ranks {:?} during the run (an operation waited for them past --timeout-ms); \
+                 the outputs lack their share",
+                masked.ranks.iter().collect::<Vec<_>>()
+            );
+        }
+    }
     results.into_iter().collect::<Result<_, _>>().map_err(|e| BenchError::Run(e.to_string()))
 }
 
