@@ -359,17 +359,26 @@ impl NcclPairs {
         for ((p, id), out) in wanted.iter().zip(comms.iter_mut()) {
             let me = i32::from(rank > *p);
             for c in 0..3 {
-                let r = match max_ctas {
-                    Some(n) => {
-                        // NCCL copies the config during the call.
-                        let mut config = pair_config(n);
-                        // SAFETY: `out[c]` is a valid out pointer; both ranks of the pair pass
-                        // the same id, size 2 and distinct ranks; `config` is a complete
-                        // `ncclConfig_t` of the version it names, alive through the call.
-                        unsafe { nccl::comm_init_rank_config(&mut out[c], 2, id[c], me, &mut config) }
+                let configured = max_ctas.map(|n| {
+                    // NCCL checks and copies the config during the call.
+                    let mut config = pair_config(n);
+                    // SAFETY: `out[c]` is a valid out pointer; both ranks of the pair pass the
+                    // same id, size 2 and distinct ranks; `config` is a complete `ncclConfig_t`
+                    // of the version it names, alive through the call.
+                    unsafe { nccl::comm_init_rank_config(&mut out[c], 2, id[c], me, &mut config) }
+                });
+                let r = match configured {
+                    Some(Ok(status)) => Ok(status),
+                    refused => {
+                        if let Some(Err(e)) = refused {
+                            // An NCCL that refuses the config (checked in the call, before any
+                            // peer is met; the pair's other rank is refused alike): NCCL's own
+                            // channel count instead.
+                            tracing::warn!(rank, peer = p, "NCCL refused a pair's config ({:?}); made without it", e.0);
+                        }
+                        // SAFETY: as above, without a config.
+                        unsafe { nccl::comm_init_rank(&mut out[c], 2, id[c], me) }
                     }
-                    // SAFETY: as above, without a config.
-                    None => unsafe { nccl::comm_init_rank(&mut out[c], 2, id[c], me) },
                 };
                 made = made.and(r.map(drop).map_err(|e| nccl_err("ncclCommInitRank (pair)", e)));
             }
