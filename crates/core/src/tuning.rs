@@ -81,8 +81,8 @@ pub struct Tuning {
     /// The high-throughput layout's overrides.
     pub ht: HtTuning,
     /// `EPFLOW_NCCL_PAIR_CTAS`: the most CTAs (NCCL channels, `ncclConfig_t::maxCTAs`) of each
-    /// communicator a rank-masking group makes per pair of NCCL peers (`None`: the backend's
-    /// default; 0: NCCL's own choice).
+    /// communicator a rank-masking group makes per pair of NCCL peers (`None` or 0: NCCL's own
+    /// choice).
     pub nccl_pair_ctas: Option<usize>,
 }
 
@@ -195,7 +195,11 @@ pub const KNOBS: &[Knob] = &[
     knob("EPFLOW_HT_DIRECT_HELPERS", "0", "receiving blocks' warps per peer that help a direct dispatch"),
     knob("EPFLOW_HT_BALANCED", "on up to 64 SMs; 0 / 1", "a direct dispatch's rows from a shared counter"),
     knob("EPFLOW_HT_COMBINE_RANKS", "1; 1-8", "the smallest rank bound of the combine kernel"),
-    knob("EPFLOW_NCCL_PAIR_CTAS", "2; 0 NCCL's own", "the most CTAs of each NCCL pair communicator (rank masking)"),
+    knob(
+        "EPFLOW_NCCL_PAIR_CTAS",
+        "NCCL's own; a number caps it",
+        "the most CTAs of each NCCL pair communicator (rank masking)",
+    ),
     knob("EPFLOW_LL_TRACE", "off; 1", "low-latency phase times printed from the GPU"),
     knob("EPFLOW_HOST_STEPS", "off; 1", "host time of each step of sends, creations and completions"),
     knob("EPFLOW_ABI_PROFILE", "off; 1", "libnccl_ep.so's host time per dispatch and combine"),

@@ -38,11 +38,6 @@ use crate::setup::within::within;
 const NCCL_REVOKE_DEFAULT: i32 = 0x00;
 /// An arrival pair's bytes (word and stamp): the last transfer of each peer's exchange.
 const ARRIVAL_BYTES: usize = 16;
-/// The most CTAs (NCCL channels) of a pair communicator by default
-/// ([`epflow_core::tuning::Tuning::nccl_pair_ctas`], `EPFLOW_NCCL_PAIR_CTAS`). Each channel a
-/// pair connects holds NCCL's buffers: with NCCL's own choice a pair of ranks on one H100 took
-/// about 850 MiB, so the 84 pairs of eight ranks took 68 GiB of it (2026-12-07).
-pub(crate) const PAIR_CTAS: usize = 2;
 /// `NCCL_CONFIG_UNDEF_INT` of `nccl.h`: a config field NCCL fills with its default.
 const NCCL_CONFIG_UNDEF_INT: i32 = i32::MIN;
 /// `NCCL_API_MAGIC` of `nccl.h`.
@@ -251,13 +246,14 @@ pub(crate) fn pair_ids_of_all(masks: &[u32]) -> Result<Vec<PairIds>, Error> {
     Ok(out)
 }
 
-/// The most CTAs of each pair communicator `config` asks for: `None` for NCCL's own choice
-/// (`EPFLOW_NCCL_PAIR_CTAS=0`), else at least 1 ([`PAIR_CTAS`] by default).
+/// The most CTAs (NCCL channels) of each pair communicator `config` asks for
+/// ([`epflow_core::tuning::Tuning::nccl_pair_ctas`], `EPFLOW_NCCL_PAIR_CTAS`, at most 64):
+/// `None`, NCCL's own choice, unless set. Each channel a pair connects holds NCCL's buffers:
+/// with NCCL's choice a pair of ranks on one H100 took about 850 MiB, the 84 pairs of eight
+/// ranks 68 GiB (2026-12-07). The pairs' messages need a channel or two; a cap is not yet
+/// measured on a GPU, so it is not the default.
 pub(crate) fn pair_ctas(config: &GroupConfig) -> Option<i32> {
-    match config.tuning().nccl_pair_ctas.unwrap_or(PAIR_CTAS) {
-        0 => None,
-        n => Some(n.min(64) as i32),
-    }
+    config.tuning().nccl_pair_ctas.filter(|&n| n > 0).map(|n| n.min(64) as i32)
 }
 
 /// The config of a pair communicator with at most `max_ctas` CTAs (channels), every other field
@@ -550,8 +546,9 @@ mod tests {
             t.nccl_pair_ctas = v;
             GroupConfig::low_latency(8, 8, 128).with_tuning(t)
         };
-        assert_eq!(pair_ctas(&config(None)), Some(PAIR_CTAS as i32));
+        assert_eq!(pair_ctas(&config(None)), None, "unset: NCCL's own choice");
         assert_eq!(pair_ctas(&config(Some(0))), None, "0: NCCL's own choice");
+        assert_eq!(pair_ctas(&config(Some(1))), Some(1));
         assert_eq!(pair_ctas(&config(Some(4))), Some(4));
         assert_eq!(pair_ctas(&config(Some(1000))), Some(64));
     }
