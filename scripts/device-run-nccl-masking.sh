@@ -7,8 +7,8 @@
 # rank 2 across NCCL), and `masking_over_nccl_at_eight_ranks` (EIGHT, the GPU of each of its
 # eight ranks: default all on GPU 0; "" skips it). DEVICES="0 0 0" (default) puts every rank on
 # GPU 0, which needs NCCL 2.30: the pack's (.nccl-pack/, git-ignored; carry it) goes first on
-# the library path when present, with NCCL_MULTI_RANK_GPU_ENABLE=1. "0 1 2" runs on three GPUs (the two-rank test on
-# the first two). Then the same between processes: `gpu_masking rejoin_over_tcp` with
+# the library path when present, with NCCL_MULTI_RANK_GPU_ENABLE=1. "0 1 2" runs on three GPUs
+# (the two-rank test on the first two). Then the same between processes: `gpu_masking rejoin_over_tcp` with
 # EPFLOW_TEST_TRANSPORT=nccl (survivor, victim that exits, newcomer; the first two ranks'
 # devices). ITERS rounds per phase (default 20), CYCLES kill-and-rejoin cycles (default 2),
 # TEST_TIMEOUT seconds per test (default 400). Logs in $OUT/<test>.log; one line per test.
@@ -16,9 +16,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device-env.sh
 nccl_pack_on_path
+ITERS=${ITERS:-20}
 read -r d0 d1 d2 <<<"${DEVICES:-0 0 0}"
 run() { # test, devices
-    NCCL_MULTI_RANK_GPU_ENABLE=1 EPFLOW_TEST_DEVICES=$2 EPFLOW_GPU_ITERS=${ITERS:-20} \
+    NCCL_MULTI_RANK_GPU_ENABLE=1 EPFLOW_TEST_DEVICES=$2 EPFLOW_GPU_ITERS=$ITERS \
         EPFLOW_TEST_REJOIN_CYCLES=${CYCLES:-2} timeout ${TEST_TIMEOUT:-400} $P/gpu_masking "$1" --exact \
         --nocapture --test-threads=1 >"$OUT/$1.log" 2>&1
     echo "$1 rc=$? $(grep -E 'ranks made in|cycle .*rank [02]:|rejoined|^ok:|SKIPPED|panicked|test result' "$OUT/$1.log" | tr '\n' ' ')"

@@ -256,8 +256,8 @@ pub(crate) fn pair_ctas(config: &GroupConfig) -> Option<i32> {
     config.tuning().nccl_pair_ctas.filter(|&n| n > 0).map(|n| n.min(64) as i32)
 }
 
-/// The config of a pair communicator with at most `max_ctas` CTAs (channels), every other field
-/// NCCL's default, as `NCCL_CONFIG_INITIALIZER` leaves it.
+/// The config of a pair communicator with 1 to `max_ctas` CTAs (channels); every other field
+/// is left for NCCL to fill, as `NCCL_CONFIG_INITIALIZER` leaves it.
 fn pair_config(max_ctas: i32) -> nccl_sys::ncclConfig_t {
     let undef = NCCL_CONFIG_UNDEF_INT;
     nccl_sys::ncclConfig_t {
