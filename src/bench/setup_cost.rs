@@ -2,11 +2,9 @@
 //! devices' free memory across the making, so NCCL's communicators count as well as epflow's own
 //! buffers).
 
-use std::collections::BTreeSet;
-use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::CudaContext;
+use epflow_kernels::FreeMemory;
 use serde::Serialize;
 
 use super::BenchError;
@@ -50,35 +48,25 @@ impl SetupCost {
 }
 
 /// Runs `make` (which creates the group on `devices`, a GPU per rank, repeats allowed) and
-/// measures it: the devices' contexts are opened first, so a context's own memory is not
-/// counted; `buffers` gives the epflow buffer bytes of what `make` returned.
+/// measures it ([`epflow_kernels::FreeMemory`], opened first, so a context's own memory is not
+/// counted); `buffers` gives the epflow buffer bytes of what `make` returned.
 pub(crate) fn measure<T>(
     devices: &[usize],
     make: impl FnOnce() -> Result<T, BenchError>,
     buffers: impl FnOnce(&T) -> u64,
 ) -> Result<(T, SetupCost), BenchError> {
-    let distinct: BTreeSet<usize> = devices.iter().copied().collect();
-    let contexts = distinct
-        .iter()
-        .map(|&d| CudaContext::new(d).map_err(|e| BenchError::Run(format!("open GPU {d}: {e:?}"))))
-        .collect::<Result<Vec<Arc<CudaContext>>, _>>()?;
-    let free = |what: &str| -> Result<u64, BenchError> {
-        contexts.iter().try_fold(0u64, |sum, ctx| {
-            ctx.bind_to_thread().map_err(|e| BenchError::Run(format!("bind a context to {what}: {e:?}")))?;
-            let (free, _) = ctx.mem_get_info().map_err(|e| BenchError::Run(format!("cuMemGetInfo {what}: {e:?}")))?;
-            Ok(sum + free as u64)
-        })
-    };
-    let before = free("before the set-up")?;
+    let run = |what: &str, e: epflow_core::Error| BenchError::Run(format!("{what}: {e}"));
+    let memory = FreeMemory::of(devices).map_err(|e| run("open the GPUs to measure the set-up", e))?;
+    let before = memory.bytes().map_err(|e| run("free memory before the set-up", e))?;
     let start = Instant::now();
     let made = make()?;
     let seconds = start.elapsed().as_secs_f64();
-    let after = free("after the set-up")?;
+    let after = memory.bytes().map_err(|e| run("free memory after the set-up", e))?;
     let cost = SetupCost {
         seconds,
         device_memory_bytes: before.saturating_sub(after),
         buffer_bytes: buffers(&made),
-        gpus: contexts.len(),
+        gpus: memory.gpus(),
         ranks: devices.len(),
     };
     Ok((made, cost))

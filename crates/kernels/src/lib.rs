@@ -79,7 +79,7 @@ pub use compile::device_arch;
 /// The most ranks a GPU group may have (the NVLink kernels carry one peer address per rank in
 /// fixed arrays of this size): also the most processes `epflow launch -n` starts on one host.
 pub const MAX_GPU_RANKS: usize = params::MAX_RANKS;
-pub use device::{DeviceTensor, StreamWork, device_count, sm_count};
+pub use device::{DeviceTensor, FreeMemory, StreamWork, device_count, sm_count};
 pub use graph::{CapturedSend, DeviceNumbering, GpuCapture, GpuReplay, GpuStep, NumberedSend};
 pub use op::{GpuOp, GpuOpOutput};
 pub use outputs::{GpuCombineOutput, GpuDispatchOutput, OutputTargets};

@@ -262,7 +262,7 @@ fn nccl_cycles(test: &str, devices: &[usize], transport: epflow_kernels::Transpo
     let (ranks, made, taken) = device_memory_taken(devices, || {
         GpuWorld::create_with(devices, config.clone(), transport.clone()).expect("world with NCCL peers")
     });
-    let buffers: usize = ranks.iter().map(GpuRank::device_memory_bytes).sum();
+    let buffers: u64 = ranks.iter().map(|r| r.device_memory_bytes() as u64).sum();
     let pairs: u32 = ranks.iter().map(|r| 3 * r.nccl_peers().count_ones()).sum::<u32>() / 2;
     eprintln!(
         "{test}: {n} ranks made in {made:?} with {pairs} pair communicators; device memory taken {} MiB ({} MiB epflow's buffers, the rest NCCL's)",
@@ -346,27 +346,15 @@ fn nccl_cycles(test: &str, devices: &[usize], transport: epflow_kernels::Transpo
     eprintln!("ok: {test}: {cycles} cycles of kill, revoke and rejoin with NCCL peers, every round bit-exact");
 }
 
-/// Runs `make` and measures it: its wall time, and the free memory it took from the distinct
-/// GPUs of `devices` (their contexts opened first, so theirs is not counted), in bytes.
-fn device_memory_taken<T>(devices: &[usize], make: impl FnOnce() -> T) -> (T, Duration, usize) {
-    let mut distinct = devices.to_vec();
-    distinct.sort_unstable();
-    distinct.dedup();
-    let contexts: Vec<_> = distinct.iter().map(|&d| cudarc::driver::CudaContext::new(d).expect("a context")).collect();
-    let free = || -> usize {
-        contexts
-            .iter()
-            .map(|c| {
-                c.bind_to_thread().expect("bind");
-                c.mem_get_info().expect("cuMemGetInfo").0
-            })
-            .sum()
-    };
-    let before = free();
+/// Runs `make` and measures it: its wall time, and the free memory it took from the GPUs of
+/// `devices` ([`epflow_kernels::FreeMemory`]), in bytes.
+fn device_memory_taken<T>(devices: &[usize], make: impl FnOnce() -> T) -> (T, Duration, u64) {
+    let memory = epflow_kernels::FreeMemory::of(devices).expect("the GPUs' contexts");
+    let before = memory.bytes().expect("free memory");
     let t = Instant::now();
     let made = make();
     let took = t.elapsed();
-    (made, took, before.saturating_sub(free()))
+    (made, took, before.saturating_sub(memory.bytes().expect("free memory")))
 }
 
 /// The async `Group::admit` of GPU ranks (`Backend::admit`) refuses before any meeting: a rank

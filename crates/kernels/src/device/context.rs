@@ -55,6 +55,40 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, Error> {
     CudaContext::new(ordinal).map_err(|e| cuda(&format!("open device {ordinal}"), e))
 }
 
+/// The free memory of a set of GPUs, summed: what measures the device memory a step takes
+/// (free memory before it minus after). It holds each GPU's primary context from
+/// [`FreeMemory::of`] on, so a context made for the first reading is not counted as taken.
+#[derive(Debug)]
+pub struct FreeMemory {
+    contexts: Vec<Arc<CudaContext>>,
+}
+
+impl FreeMemory {
+    /// The distinct GPUs of `devices` (ordinals; repeats allowed, none needs no driver).
+    pub fn of(devices: &[usize]) -> Result<FreeMemory, Error> {
+        let mut distinct = devices.to_vec();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let contexts = distinct.into_iter().map(context).collect::<Result<_, _>>()?;
+        Ok(FreeMemory { contexts })
+    }
+
+    /// How many distinct GPUs it reads.
+    pub fn gpus(&self) -> usize {
+        self.contexts.len()
+    }
+
+    /// Their free memory now (`cuMemGetInfo`), bytes, summed; binds each context to the calling
+    /// thread in turn.
+    pub fn bytes(&self) -> Result<u64, Error> {
+        self.contexts.iter().try_fold(0u64, |sum, ctx| {
+            bind(ctx)?;
+            let (free, _) = ctx.mem_get_info().map_err(|e| cuda("cuMemGetInfo", e))?;
+            Ok(sum + free as u64)
+        })
+    }
+}
+
 /// Binds `ctx` to the calling thread.
 pub(crate) fn bind(ctx: &CudaContext) -> Result<(), Error> {
     ctx.bind_to_thread().map_err(|e| cuda("bind context", e))

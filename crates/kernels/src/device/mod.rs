@@ -15,8 +15,8 @@ mod stream_work;
 mod tensor;
 
 pub(crate) use consumers::{Lease, StreamFence, stream_id};
+pub use context::{FreeMemory, context, device_count, driver_present, sm_count};
 pub(crate) use context::{bind, cuda, pci_key, sm_count_of};
-pub use context::{context, device_count, driver_present, sm_count};
 pub use events::EventPool;
 pub(crate) use events::event_done;
 pub use local::{LOCAL_ALIGN, LocalAllocator};

@@ -363,18 +363,15 @@ impl NcclPairs {
                     // of the version it names, alive through the call.
                     unsafe { nccl::comm_init_rank_config(&mut out[c], 2, id[c], me, &mut config) }
                 });
+                if let Some(Err(e)) = &configured {
+                    // An NCCL that refuses the config (checked in the call, before any peer is
+                    // met; the pair's other rank is refused alike): NCCL's own channel count.
+                    tracing::warn!(rank, peer = p, "NCCL refused a pair's config ({:?}); made without it", e.0);
+                }
                 let r = match configured {
                     Some(Ok(status)) => Ok(status),
-                    refused => {
-                        if let Some(Err(e)) = refused {
-                            // An NCCL that refuses the config (checked in the call, before any
-                            // peer is met; the pair's other rank is refused alike): NCCL's own
-                            // channel count instead.
-                            tracing::warn!(rank, peer = p, "NCCL refused a pair's config ({:?}); made without it", e.0);
-                        }
-                        // SAFETY: as above, without a config.
-                        unsafe { nccl::comm_init_rank(&mut out[c], 2, id[c], me) }
-                    }
+                    // SAFETY: as above, without a config.
+                    _ => unsafe { nccl::comm_init_rank(&mut out[c], 2, id[c], me) },
                 };
                 made = made.and(r.map(drop).map_err(|e| nccl_err("ncclCommInitRank (pair)", e)));
             }
